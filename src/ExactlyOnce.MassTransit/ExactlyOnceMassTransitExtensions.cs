@@ -1,0 +1,32 @@
+using ExactlyOnce;
+using ExactlyOnce.MassTransit;
+using Microsoft.Extensions.DependencyInjection;
+using Microsoft.Extensions.Logging;
+using Microsoft.Extensions.Logging.Abstractions;
+
+namespace MassTransit;
+
+/// <summary>Adds the ExactlyOnce inbox to MassTransit consumers.</summary>
+public static class ExactlyOnceMassTransitExtensions
+{
+    /// <summary>
+    /// Runs every consumer configured after this call under the inbox: on the bus configurator, all endpoints;
+    /// on one receive endpoint, that endpoint. Call it before <c>ConfigureEndpoints</c> / <c>ConfigureConsumer</c>.
+    /// Requires <c>services.AddExactlyOnce&lt;TDbContext&gt;()</c>. A retry policy configured on the endpoint
+    /// (<c>UseMessageRetry</c>) wraps the inbox: each attempt is a fresh scope, transaction and change tracker.
+    /// </summary>
+    /// <param name="configurator">The bus factory configurator (all endpoints) or a receive endpoint configurator.</param>
+    /// <param name="context">The registration context (the <c>context</c> of <c>UsingRabbitMq((context, cfg) =&gt; …)</c>).</param>
+    public static void UseExactlyOnceInbox(this IConsumerConfigurationObserverConnector configurator, IServiceProvider context)
+    {
+        ArgumentNullException.ThrowIfNull(configurator);
+        ArgumentNullException.ThrowIfNull(context);
+
+        InboxProtocol protocol = context.GetService<InboxProtocol>()
+            ?? throw new InvalidOperationException(
+                "ExactlyOnce: UseExactlyOnceInbox needs services.AddExactlyOnce<TDbContext>() to be called when the services are registered.");
+        ConsumerIdentities identities = context.GetRequiredService<ConsumerIdentities>();
+        ILogger logger = context.GetService<ILoggerFactory>()?.CreateLogger("ExactlyOnce.MassTransit") ?? NullLogger.Instance;
+        configurator.ConnectConsumerConfigurationObserver(new InboxConsumerConfigurationObserver(identities, protocol, logger));
+    }
+}

@@ -1,0 +1,68 @@
+using ExactlyOnce.Telemetry;
+using MassTransit;
+using Microsoft.Extensions.DependencyInjection;
+using Microsoft.Extensions.Logging;
+
+namespace ExactlyOnce.MassTransit;
+
+/// <summary>
+/// Runs one consumer of one message type under the inbox. It sits on the consumer's own pipe, after MassTransit
+/// created the consume scope and resolved the consumer, so the <see cref="IInboxStore"/> it resolves from that scope
+/// wraps the very <c>DbContext</c> instance the consumer was given. It returns only after the commit (or a duplicate
+/// verdict); MassTransit acknowledges after it returns, never before.
+/// </summary>
+internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<ConsumerConsumeContext<TConsumer, TMessage>>
+    where TConsumer : class
+    where TMessage : class
+{
+    private readonly string _consumerName;
+    private readonly InboxProtocol _protocol;
+    private readonly ILogger _logger;
+
+    public InboxConsumerFilter(string consumerName, InboxProtocol protocol, ILogger logger)
+    {
+        _consumerName = consumerName;
+        _protocol = protocol;
+        _logger = logger;
+    }
+
+    public async Task Send(ConsumerConsumeContext<TConsumer, TMessage> context, IPipe<ConsumerConsumeContext<TConsumer, TMessage>> next)
+    {
+        if (context.MessageId is not { } messageId || messageId == Guid.Empty)
+        {
+            Log.MessageIdMissing(_logger, typeof(TMessage).Name, _consumerName);
+            throw new MessageIdMissingException(
+                $"ExactlyOnce: a {typeof(TMessage).FullName} message for consumer '{_consumerName}' has no message id, so it cannot be " +
+                "deduplicated. It was not processed. Publish it with a message id (MassTransit sets one unless the sender cleared it; " +
+                "raw AMQP publishers must set the message_id property or the envelope's messageId).");
+        }
+
+        if (!context.TryGetPayload(out IServiceProvider? provider))
+        {
+            throw new InvalidOperationException(
+                "ExactlyOnce: the consume context has no scoped service provider. Register consumers through AddMassTransit " +
+                "(x.AddConsumer<T>()) and configure them with ConfigureConsumer/ConfigureEndpoints, so each message gets a DI scope.");
+        }
+
+        IInboxStore store = provider.GetService<IInboxStore>()
+            ?? throw new InvalidOperationException(
+                "ExactlyOnce: no inbox store is registered. Call services.AddExactlyOnce<TDbContext>() with the DbContext your consumers use.");
+
+        var key = new InboxKey(messageId, _consumerName);
+        try
+        {
+            await _protocol.ProcessAsync(store, key, _ => next.Send(context), context.CancellationToken).ConfigureAwait(false);
+        }
+        catch (InboxClaimTimeoutException)
+        {
+            // Retry later, never discard: a copy with the same message id and headers goes back to the input queue
+            // (the broker confirms it before this delivery is acknowledged); this delivery then completes. No retry
+            // policy is needed for this to hold.
+            Uri inputAddress = context.ReceiveContext.InputAddress;
+            await context.Forward(inputAddress).ConfigureAwait(false);
+            Log.DeliveryDeferred(_logger, messageId, _consumerName, inputAddress);
+        }
+    }
+
+    public void Probe(ProbeContext context) => context.CreateFilterScope("exactlyOnceInbox").Add("consumer", _consumerName);
+}

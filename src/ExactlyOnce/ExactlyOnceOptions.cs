@@ -1,0 +1,40 @@
+namespace ExactlyOnce;
+
+/// <summary>Options of the ExactlyOnce inbox. Validated at startup.</summary>
+public sealed class ExactlyOnceOptions
+{
+    /// <summary>The longest a consumer identity may be; the <c>consumer_type</c> column is <c>varchar(500)</c>.</summary>
+    public const int MaxConsumerNameLength = 500;
+
+    private readonly Dictionary<Type, string> _consumerNames = [];
+
+    /// <summary>
+    /// How long a delivery waits for another, still uncommitted delivery of the same (message id, consumer)
+    /// before it gives up for now and is retried later (never discarded). Default: 30 seconds.
+    /// </summary>
+    public TimeSpan ClaimTimeout { get; set; } = TimeSpan.FromSeconds(30);
+
+    /// <summary>
+    /// How long processed inbox rows are kept before the retention cleanup removes them. A redelivery older
+    /// than this is no longer recognised as a duplicate. Default: 7 days.
+    /// </summary>
+    public TimeSpan InboxRetention { get; set; } = TimeSpan.FromDays(7);
+
+    /// <summary>Explicit consumer identities, keyed by consumer type; they override <see cref="ConsumerIdentityAttribute"/>.</summary>
+    public IReadOnlyDictionary<Type, string> ConsumerNames => _consumerNames;
+
+    /// <summary>
+    /// Gives <typeparamref name="TConsumer"/> an explicit, stable identity (the deduplication scope), so that
+    /// renaming the class or its queue does not reset deduplication.
+    /// </summary>
+    public ExactlyOnceOptions MapConsumer<TConsumer>(string name) => MapConsumer(typeof(TConsumer), name);
+
+    /// <summary>Gives <paramref name="consumerType"/> an explicit, stable identity.</summary>
+    public ExactlyOnceOptions MapConsumer(Type consumerType, string name)
+    {
+        ArgumentNullException.ThrowIfNull(consumerType);
+        ArgumentNullException.ThrowIfNull(name);
+        _consumerNames[consumerType] = name;
+        return this;
+    }
+}

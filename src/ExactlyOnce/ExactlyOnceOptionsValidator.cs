@@ -1,0 +1,50 @@
+using Microsoft.Extensions.Options;
+
+namespace ExactlyOnce;
+
+/// <summary>Validates <see cref="ExactlyOnceOptions"/> at startup, so bad configuration fails before the first message.</summary>
+internal sealed class ExactlyOnceOptionsValidator : IValidateOptions<ExactlyOnceOptions>
+{
+    public ValidateOptionsResult Validate(string? name, ExactlyOnceOptions options)
+    {
+        var failures = new List<string>();
+        if (options.ClaimTimeout <= TimeSpan.Zero || options.ClaimTimeout > TimeSpan.FromHours(1))
+        {
+            failures.Add($"ClaimTimeout must be greater than zero and at most one hour (was {options.ClaimTimeout}).");
+        }
+        else if (options.ClaimTimeout < TimeSpan.FromMilliseconds(1))
+        {
+            failures.Add("ClaimTimeout must be at least one millisecond.");
+        }
+
+        if (options.InboxRetention <= TimeSpan.Zero)
+        {
+            failures.Add($"InboxRetention must be greater than zero (was {options.InboxRetention}).");
+        }
+
+        var owners = new Dictionary<string, Type>(StringComparer.Ordinal);
+        foreach (var (type, consumerName) in options.ConsumerNames)
+        {
+            try
+            {
+                ConsumerIdentities.Validate(type, consumerName);
+            }
+            catch (InvalidOperationException exception)
+            {
+                failures.Add(exception.Message);
+                continue;
+            }
+
+            if (owners.TryGetValue(consumerName, out Type? other))
+            {
+                failures.Add($"Consumers '{other.FullName}' and '{type.FullName}' are both mapped to the inbox identity '{consumerName}'.");
+            }
+            else
+            {
+                owners.Add(consumerName, type);
+            }
+        }
+
+        return failures.Count == 0 ? ValidateOptionsResult.Success : ValidateOptionsResult.Fail(failures);
+    }
+}

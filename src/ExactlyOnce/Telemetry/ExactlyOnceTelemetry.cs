@@ -1,0 +1,83 @@
+using System.Diagnostics;
+using System.Diagnostics.Metrics;
+
+namespace ExactlyOnce.Telemetry;
+
+/// <summary>
+/// The one <see cref="Meter"/> and one <see cref="ActivitySource"/> of ExactlyOnce, both named <c>ExactlyOnce</c>.
+/// Tags are low-cardinality: the consumer name and the outcome, never a message id (that is on spans only).
+/// </summary>
+internal sealed class ExactlyOnceTelemetry : IDisposable
+{
+    public const string Name = "ExactlyOnce";
+    public const string ConsumerTag = "exactlyonce.consumer.name";
+    public const string OutcomeTag = "exactlyonce.inbox.outcome";
+
+    internal static readonly ActivitySource ActivitySource = new(Name);
+
+    private readonly Meter _meter;
+    private readonly Counter<long> _processed;
+    private readonly Counter<long> _duplicates;
+    private readonly Counter<long> _failed;
+    private readonly Counter<long> _deferred;
+    private readonly Histogram<double> _duration;
+    private readonly Histogram<double> _claimWait;
+
+    public ExactlyOnceTelemetry(IMeterFactory meterFactory)
+    {
+        _meter = meterFactory.Create(Name);
+        _processed = _meter.CreateCounter<long>("exactlyonce.inbox.messages.processed", "{message}",
+            "Messages whose consumer ran and whose effects committed with the inbox claim.");
+        _duplicates = _meter.CreateCounter<long>("exactlyonce.inbox.messages.duplicates", "{message}",
+            "Deliveries discarded because a committed claim of the same message id and consumer existed.");
+        _failed = _meter.CreateCounter<long>("exactlyonce.inbox.messages.failed", "{message}",
+            "Deliveries whose consumer or commit failed; rolled back and left to be retried.");
+        _deferred = _meter.CreateCounter<long>("exactlyonce.inbox.messages.deferred", "{message}",
+            "Deliveries that waited longer than the claim timeout on another delivery of the same key and were retried later.");
+        _duration = _meter.CreateHistogram<double>("exactlyonce.inbox.process.duration", "s",
+            "Time from the start of the inbox transaction to its commit or rollback.");
+        _claimWait = _meter.CreateHistogram<double>("exactlyonce.inbox.claim.duration", "s",
+            "Time the claim statement took, including any wait on a concurrent delivery of the same key.");
+    }
+
+    public Activity? StartProcessActivity(InboxKey key)
+    {
+        var activity = ActivitySource.StartActivity("inbox process " + key.ConsumerName, ActivityKind.Internal);
+        if (activity is { IsAllDataRequested: true })
+        {
+            activity.SetTag("messaging.message.id", key.MessageId.ToString());
+            activity.SetTag(ConsumerTag, key.ConsumerName);
+        }
+
+        return activity;
+    }
+
+    public void RecordClaimWait(string consumerName, TimeSpan elapsed) =>
+        _claimWait.Record(elapsed.TotalSeconds, new KeyValuePair<string, object?>(ConsumerTag, consumerName));
+
+    public void RecordOutcome(string consumerName, InboxOutcome outcome, TimeSpan elapsed, Activity? activity)
+    {
+        var consumer = new KeyValuePair<string, object?>(ConsumerTag, consumerName);
+        string outcomeName = OutcomeName(outcome);
+        switch (outcome)
+        {
+            case InboxOutcome.Processed: _processed.Add(1, consumer); break;
+            case InboxOutcome.Duplicate: _duplicates.Add(1, consumer); break;
+            case InboxOutcome.Deferred: _deferred.Add(1, consumer); break;
+            default: _failed.Add(1, consumer); break;
+        }
+
+        _duration.Record(elapsed.TotalSeconds, consumer, new KeyValuePair<string, object?>(OutcomeTag, outcomeName));
+        activity?.SetTag(OutcomeTag, outcomeName);
+    }
+
+    public static string OutcomeName(InboxOutcome outcome) => outcome switch
+    {
+        InboxOutcome.Processed => "processed",
+        InboxOutcome.Duplicate => "duplicate",
+        InboxOutcome.Deferred => "deferred",
+        _ => "failed",
+    };
+
+    public void Dispose() => _meter.Dispose();
+}

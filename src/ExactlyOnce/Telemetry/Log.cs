@@ -1,0 +1,42 @@
+using Microsoft.Extensions.Logging;
+
+namespace ExactlyOnce.Telemetry;
+
+/// <summary>
+/// Every log message of ExactlyOnce, source-generated. Event ids: 1000–1099 inbox protocol, 1100–1199 MassTransit
+/// integration, 1200–1299 store. docs/telemetry.md lists them.
+/// </summary>
+internal static partial class Log
+{
+    [LoggerMessage(EventId = 1001, EventName = "InboxDuplicateDiscarded", Level = LogLevel.Warning,
+        Message = "Duplicate message {MessageId} discarded for consumer {ConsumerName}: it was already processed")]
+    public static partial void DuplicateDiscarded(ILogger logger, Guid messageId, string consumerName);
+
+    [LoggerMessage(EventId = 1002, EventName = "InboxProcessed", Level = LogLevel.Debug,
+        Message = "Message {MessageId} processed by consumer {ConsumerName}; claim committed")]
+    public static partial void Processed(ILogger logger, Guid messageId, string consumerName);
+
+    [LoggerMessage(EventId = 1003, EventName = "InboxProcessingFailed", Level = LogLevel.Information,
+        Message = "Message {MessageId} failed in consumer {ConsumerName}; the transaction was rolled back and the message stays to be retried")]
+    public static partial void ProcessingFailed(ILogger logger, Exception exception, Guid messageId, string consumerName);
+
+    [LoggerMessage(EventId = 1004, EventName = "InboxClaimTimedOut", Level = LogLevel.Warning,
+        Message = "Message {MessageId} for consumer {ConsumerName} is still being processed by another delivery after {ClaimTimeout}; it will be retried later")]
+    public static partial void ClaimTimedOut(ILogger logger, Guid messageId, string consumerName, TimeSpan claimTimeout);
+
+    [LoggerMessage(EventId = 1101, EventName = "MessageIdMissing", Level = LogLevel.Error,
+        Message = "A {MessageType} message for consumer {ConsumerName} has no message id; it cannot be deduplicated and is faulted to the error queue")]
+    public static partial void MessageIdMissing(ILogger logger, string messageType, string consumerName);
+
+    [LoggerMessage(EventId = 1102, EventName = "InboxDeliveryDeferred", Level = LogLevel.Warning,
+        Message = "Message {MessageId} for consumer {ConsumerName} re-queued to {InputAddress} with the same message id, to be retried later")]
+    public static partial void DeliveryDeferred(ILogger logger, Guid messageId, string consumerName, Uri inputAddress);
+
+    [LoggerMessage(EventId = 1103, EventName = "InboxFilterAttached", Level = LogLevel.Debug,
+        Message = "Inbox attached to consumer {ConsumerType} for {MessageType} as {ConsumerName}")]
+    public static partial void FilterAttached(ILogger logger, string consumerType, string messageType, string consumerName);
+
+    [LoggerMessage(EventId = 1201, EventName = "InboxSchemaMissing", Level = LogLevel.Error,
+        Message = "The inbox table {Table} does not exist. Add modelBuilder.AddExactlyOnceInbox() to your DbContext, then create and apply a migration: dotnet ef migrations add AddExactlyOnceInbox && dotnet ef database update")]
+    public static partial void SchemaMissing(ILogger logger, string table);
+}

@@ -81,10 +81,12 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
         catch (DbException exception) when (IsMissingTable(sql, exception))
         {
             Log.SchemaMissing(_logger, sql.TableDisplayName);
+            // Not wrapped: transports report the innermost exception's message (MassTransit's MT-Fault-Message), and the
+            // operator must read this one, not the provider's "relation does not exist".
             throw new InboxSchemaMissingException(
                 $"ExactlyOnce: the inbox table '{sql.TableDisplayName}' does not exist. Call modelBuilder.AddExactlyOnceInbox() in " +
                 $"{typeof(TDbContext).Name}.OnModelCreating, then create and apply the migration: " +
-                "dotnet ef migrations add AddExactlyOnceInbox && dotnet ef database update.", exception);
+                $"dotnet ef migrations add AddExactlyOnceInbox && dotnet ef database update. (Database error: {exception.Message})");
         }
     }
 

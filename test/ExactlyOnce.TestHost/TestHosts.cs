@@ -33,6 +33,10 @@ public static class TestHosts
         var builder = Host.CreateApplicationBuilder(new HostApplicationBuilderSettings { DisableDefaults = true });
         builder.Logging.SetMinimumLevel(options.MinimumLogLevel);
         builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
+        // Keep test output readable: the console shows errors only; tests that assert logs add a FakeLogger.
+        builder.Logging.AddFilter<Microsoft.Extensions.Logging.Console.ConsoleLoggerProvider>(level => level >= LogLevel.Error);
+        // StartAsync returns only once every receive endpoint (and its queue) is ready.
+        builder.Services.AddOptions<MassTransitHostOptions>().Configure(o => o.WaitUntilStarted = true);
         builder.Services.AddDbContext<TestDbContext>(options.Database);
         options.Services?.Invoke(builder.Services);
         builder.Services.AddExactlyOnce<TestDbContext>(options.ExactlyOnce);

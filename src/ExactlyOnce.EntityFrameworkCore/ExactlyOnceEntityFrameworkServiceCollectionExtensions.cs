@@ -1,5 +1,6 @@
 using ExactlyOnce;
 using ExactlyOnce.EntityFrameworkCore;
+using ExactlyOnce.Outbox;
 using Microsoft.EntityFrameworkCore;
 using Microsoft.Extensions.DependencyInjection.Extensions;
 
@@ -9,8 +10,10 @@ namespace Microsoft.Extensions.DependencyInjection;
 public static class ExactlyOnceEntityFrameworkServiceCollectionExtensions
 {
     /// <summary>
-    /// Adds ExactlyOnce with its inbox in <typeparamref name="TDbContext"/> (which must be registered as scoped, the
-    /// default of <c>AddDbContext</c>, and whose model calls <c>AddExactlyOnceInbox()</c>). Safe to call twice.
+    /// Adds ExactlyOnce with its inbox and outbox in <typeparamref name="TDbContext"/> (which must be registered as
+    /// scoped, the default of <c>AddDbContext</c>, and whose model calls <c>AddExactlyOnceInbox()</c> and, to use the
+    /// outbox, <c>AddExactlyOnceOutbox()</c>). Adds interceptors to the DbContext that wake the outbox dispatchers
+    /// after a commit. Safe to call twice.
     /// </summary>
     public static IServiceCollection AddExactlyOnce<TDbContext>(this IServiceCollection services, Action<ExactlyOnceOptions>? configure = null)
         where TDbContext : DbContext
@@ -18,6 +21,18 @@ public static class ExactlyOnceEntityFrameworkServiceCollectionExtensions
         ArgumentNullException.ThrowIfNull(services);
         services.AddExactlyOnceCore(configure);
         services.TryAddScoped<IInboxStore, EntityFrameworkInboxStore<TDbContext>>();
+        services.TryAddScoped<IOutboxWriter, EntityFrameworkOutboxWriter<TDbContext>>();
+        services.TryAddSingleton<IOutboxStore, EntityFrameworkOutboxStore<TDbContext>>();
+        if (!services.Any(d => d.ServiceType == typeof(OutboxCommitNotifier)))
+        {
+            services.AddSingleton<OutboxCommitNotifier>();
+            services.AddSingleton<OutboxSaveChangesInterceptor>();
+            services.AddSingleton<OutboxTransactionInterceptor>();
+            services.ConfigureDbContext<TDbContext>((sp, options) => options.AddInterceptors(
+                sp.GetRequiredService<OutboxSaveChangesInterceptor>(),
+                sp.GetRequiredService<OutboxTransactionInterceptor>()));
+        }
+
         return services;
     }
 }

@@ -9,6 +9,46 @@ public static class ExactlyOnceModelBuilderExtensions
     /// <summary>The inbox table's name.</summary>
     public const string InboxTableName = "inbox_messages";
 
+    /// <summary>The outbox table's name.</summary>
+    public const string OutboxTableName = "outbox_messages";
+
+    /// <summary>Adds both the inbox and the outbox tables.</summary>
+    public static ModelBuilder AddExactlyOnce(this ModelBuilder modelBuilder, string? schema = null) =>
+        modelBuilder.AddExactlyOnceInbox(schema).AddExactlyOnceOutbox(schema);
+
+    /// <summary>
+    /// Maps <c>outbox_messages</c>: <c>sequence</c> (identity, primary key, the order of creation), <c>message_id uuid</c>
+    /// (unique; becomes the broker message id), <c>message_type</c>, <c>body</c>, <c>headers</c>, <c>destination</c>,
+    /// <c>created_at</c>, <c>dispatched_at</c>, <c>attempts</c>, <c>last_error</c>, <c>next_attempt_at</c>; partial index
+    /// <c>ix_outbox_messages_pending</c> on <c>sequence</c> where <c>dispatched_at is null</c>, so the dispatcher finds
+    /// pending rows without scanning dispatched ones. Then add a migration (<c>dotnet ef migrations add AddExactlyOnceOutbox</c>).
+    /// </summary>
+    public static ModelBuilder AddExactlyOnceOutbox(this ModelBuilder modelBuilder, string? schema = null)
+    {
+        ArgumentNullException.ThrowIfNull(modelBuilder);
+        modelBuilder.Entity<OutboxMessage>(entity =>
+        {
+            entity.ToTable(OutboxTableName, schema);
+            entity.HasKey(e => e.Sequence).HasName("pk_outbox_messages");
+            entity.Property(e => e.Sequence).HasColumnName("sequence").ValueGeneratedOnAdd();
+            entity.Property(e => e.MessageId).HasColumnName("message_id").IsRequired();
+            entity.Property(e => e.MessageType).HasColumnName("message_type").HasMaxLength(1000).IsRequired();
+            entity.Property(e => e.Body).HasColumnName("body").IsRequired();
+            entity.Property(e => e.Headers).HasColumnName("headers");
+            entity.Property(e => e.Destination).HasColumnName("destination").HasMaxLength(1000);
+            entity.Property(e => e.CreatedAt).HasColumnName("created_at").IsRequired();
+            entity.Property(e => e.DispatchedAt).HasColumnName("dispatched_at");
+            entity.Property(e => e.Attempts).HasColumnName("attempts").IsRequired();
+            entity.Property(e => e.LastError).HasColumnName("last_error");
+            entity.Property(e => e.NextAttemptAt).HasColumnName("next_attempt_at");
+            entity.HasIndex(e => e.MessageId).IsUnique().HasDatabaseName("ux_outbox_messages_message_id");
+            entity.HasIndex(e => e.Sequence)
+                .HasDatabaseName("ix_outbox_messages_pending")
+                .HasFilter("dispatched_at IS NULL");
+        });
+        return modelBuilder;
+    }
+
     /// <summary>
     /// Maps <c>inbox_messages</c>: <c>id uuid</c>, <c>consumer_type varchar(500)</c>, <c>received_at timestamptz</c>,
     /// <c>processed_at timestamptz null</c>; primary key <c>pk_inbox_messages (id, consumer_type)</c>; partial index

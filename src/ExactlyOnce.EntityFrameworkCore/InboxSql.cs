@@ -30,14 +30,7 @@ internal sealed class InboxSql
 
     private InboxSql(DbContext context)
     {
-        string? provider = context.Database.ProviderName;
-        Dialect = provider switch
-        {
-            PostgresProvider => SqlDialect.PostgreSql,
-            SqliteProvider => SqlDialect.Sqlite,
-            _ => throw new NotSupportedException(
-                $"ExactlyOnce: the EF Core provider '{provider}' is not supported; use PostgreSQL (Npgsql) or SQLite."),
-        };
+        Dialect = DialectOf(context);
 
         IEntityType entity = context.Model.FindEntityType(typeof(InboxMessage))
             ?? throw new InvalidOperationException(
@@ -72,6 +65,18 @@ internal sealed class InboxSql
     }
 
     public SqlDialect Dialect { get; }
+
+    public static SqlDialect DialectOf(DbContext context)
+    {
+        string? provider = context.Database.ProviderName;
+        return provider switch
+        {
+            PostgresProvider => SqlDialect.PostgreSql,
+            SqliteProvider => SqlDialect.Sqlite,
+            _ => throw new NotSupportedException(
+                $"ExactlyOnce: the EF Core provider '{provider}' is not supported; use PostgreSQL (Npgsql) or SQLite."),
+        };
+    }
 
     public string Table { get; }
 

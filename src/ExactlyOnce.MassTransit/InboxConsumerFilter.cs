@@ -59,7 +59,11 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
             // (the broker confirms it before this delivery is acknowledged); this delivery then completes. No retry
             // policy is needed for this to hold.
             Uri inputAddress = context.ReceiveContext.InputAddress;
-            await context.Forward(inputAddress).ConfigureAwait(false);
+            using (OutboxBypass.Begin())
+            {
+                await context.Forward(inputAddress).ConfigureAwait(false);
+            }
+
             Log.DeliveryDeferred(_logger, messageId, _consumerName, inputAddress);
         }
     }

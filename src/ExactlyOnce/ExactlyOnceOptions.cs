@@ -20,6 +20,9 @@ public sealed class ExactlyOnceOptions
     /// </summary>
     public TimeSpan InboxRetention { get; set; } = TimeSpan.FromDays(7);
 
+    /// <summary>Options of the transactional outbox and its dispatcher.</summary>
+    public Outbox.OutboxOptions Outbox { get; } = new();
+
     /// <summary>Explicit consumer identities, keyed by consumer type; they override <see cref="ConsumerIdentityAttribute"/>.</summary>
     public IReadOnlyDictionary<Type, string> ConsumerNames => _consumerNames;
 

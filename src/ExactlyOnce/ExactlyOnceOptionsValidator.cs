@@ -22,6 +22,18 @@ internal sealed class ExactlyOnceOptionsValidator : IValidateOptions<ExactlyOnce
             failures.Add($"InboxRetention must be greater than zero (was {options.InboxRetention}).");
         }
 
+        var outbox = options.Outbox;
+        if (outbox.BatchSize is < 1 or > 10_000)
+        {
+            failures.Add($"Outbox.BatchSize must be between 1 and 10000 (was {outbox.BatchSize}).");
+        }
+
+        if (outbox.PollingInterval <= TimeSpan.Zero || outbox.PublishTimeout <= TimeSpan.Zero || outbox.InitialBackoff <= TimeSpan.Zero
+            || outbox.MaxBackoff < outbox.InitialBackoff || outbox.DispatchedRetention <= TimeSpan.Zero)
+        {
+            failures.Add("Outbox intervals must be positive, and Outbox.MaxBackoff at least Outbox.InitialBackoff.");
+        }
+
         var owners = new Dictionary<string, Type>(StringComparer.Ordinal);
         foreach (var (type, consumerName) in options.ConsumerNames)
         {

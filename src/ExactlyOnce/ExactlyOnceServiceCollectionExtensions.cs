@@ -29,11 +29,32 @@ public static class ExactlyOnceServiceCollectionExtensions
         services.TryAddSingleton(TimeProvider.System);
         services.TryAddSingleton<ExactlyOnceTelemetry>();
         services.TryAddSingleton<ConsumerIdentities>();
+        services.TryAddSingleton<ExactlyOnce.Outbox.OutboxSignal>();
         services.TryAddSingleton(sp => new InboxProtocol(
             sp.GetRequiredService<IOptions<ExactlyOnceOptions>>(),
             sp.GetRequiredService<TimeProvider>(),
             sp.GetRequiredService<ExactlyOnceTelemetry>(),
             sp.GetRequiredService<ILogger<InboxProtocol>>()));
+        return services;
+    }
+
+    /// <summary>
+    /// Adds the hosted outbox dispatcher. Needs a store (<c>AddExactlyOnce&lt;TDbContext&gt;()</c>) and a transport
+    /// (<c>AddExactlyOnceMassTransitOutbox()</c>). Run it in the processes that should publish; several may run.
+    /// </summary>
+    public static IServiceCollection AddExactlyOnceOutboxDispatcher(this IServiceCollection services)
+    {
+        ArgumentNullException.ThrowIfNull(services);
+        services.AddExactlyOnceCore();
+        services.TryAddSingleton(sp => new ExactlyOnce.Outbox.OutboxDispatcher(
+            sp.GetRequiredService<ExactlyOnce.Outbox.IOutboxStore>(),
+            sp.GetRequiredService<ExactlyOnce.Outbox.IOutboxTransport>(),
+            sp.GetRequiredService<ExactlyOnce.Outbox.OutboxSignal>(),
+            sp.GetRequiredService<IOptions<ExactlyOnceOptions>>(),
+            sp.GetRequiredService<TimeProvider>(),
+            sp.GetRequiredService<ExactlyOnceTelemetry>(),
+            sp.GetRequiredService<ILogger<ExactlyOnce.Outbox.OutboxDispatcher>>()));
+        services.AddHostedService(sp => sp.GetRequiredService<ExactlyOnce.Outbox.OutboxDispatcher>());
         return services;
     }
 }

@@ -22,6 +22,9 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
     private readonly Counter<long> _deferred;
     private readonly Histogram<double> _duration;
     private readonly Histogram<double> _claimWait;
+    private readonly Counter<long> _dispatched;
+    private readonly Counter<long> _dispatchFailed;
+    private readonly Histogram<double> _publishLatency;
 
     public ExactlyOnceTelemetry(IMeterFactory meterFactory)
     {
@@ -38,7 +41,21 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
             "Time from the start of the inbox transaction to its commit or rollback.");
         _claimWait = _meter.CreateHistogram<double>("exactlyonce.inbox.claim.duration", "s",
             "Time the claim statement took, including any wait on a concurrent delivery of the same key.");
+        _dispatched = _meter.CreateCounter<long>("exactlyonce.outbox.messages.dispatched", "{message}",
+            "Outbox rows published with broker confirmation and marked dispatched.");
+        _dispatchFailed = _meter.CreateCounter<long>("exactlyonce.outbox.messages.failed", "{message}",
+            "Outbox publish attempts that failed; the row is retried after a backoff.");
+        _publishLatency = _meter.CreateHistogram<double>("exactlyonce.outbox.publish.latency", "s",
+            "Time from an outbox row's commit to its confirmed publish.");
     }
+
+    public void RecordDispatched(TimeSpan sinceCreated)
+    {
+        _dispatched.Add(1);
+        _publishLatency.Record(Math.Max(0, sinceCreated.TotalSeconds));
+    }
+
+    public void RecordDispatchFailed() => _dispatchFailed.Add(1);
 
     public Activity? StartProcessActivity(InboxKey key)
     {

@@ -39,4 +39,16 @@ internal static partial class Log
     [LoggerMessage(EventId = 1201, EventName = "InboxSchemaMissing", Level = LogLevel.Error,
         Message = "The inbox table {Table} does not exist. Add modelBuilder.AddExactlyOnceInbox() to your DbContext, then create and apply a migration: dotnet ef migrations add AddExactlyOnceInbox && dotnet ef database update")]
     public static partial void SchemaMissing(ILogger logger, string table);
+
+    [LoggerMessage(EventId = 1301, EventName = "OutboxPublishFailed", Level = LogLevel.Warning,
+        Message = "Outbox message {MessageId} (row {Sequence}) failed to publish, attempt {Attempts}; next attempt at {NextAttemptAt:o}")]
+    public static partial void PublishFailed(ILogger logger, Exception? exception, Guid messageId, long sequence, int attempts, DateTime nextAttemptAt);
+
+    [LoggerMessage(EventId = 1302, EventName = "OutboxDispatcherFailed", Level = LogLevel.Error,
+        Message = "The outbox dispatcher failed (database or broker unavailable?); nothing was marked dispatched, retrying in {Delay}")]
+    public static partial void DispatcherFailed(ILogger logger, Exception exception, TimeSpan delay);
+
+    [LoggerMessage(EventId = 1303, EventName = "OutboxListenerFailed", Level = LogLevel.Warning,
+        Message = "The outbox commit listener (LISTEN) failed; reconnecting. The dispatcher keeps polling meanwhile")]
+    public static partial void ListenerFailed(ILogger logger, Exception exception);
 }

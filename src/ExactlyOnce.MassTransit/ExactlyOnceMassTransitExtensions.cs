@@ -1,6 +1,5 @@
 using ExactlyOnce;
 using ExactlyOnce.MassTransit;
-using ExactlyOnce.Outbox;
 using Microsoft.Extensions.DependencyInjection;
 using Microsoft.Extensions.Logging;
 using Microsoft.Extensions.Logging.Abstractions;
@@ -29,24 +28,5 @@ public static class ExactlyOnceMassTransitExtensions
         ConsumerIdentities identities = context.GetRequiredService<ConsumerIdentities>();
         ILogger logger = context.GetService<ILoggerFactory>()?.CreateLogger("ExactlyOnce.MassTransit") ?? NullLogger.Instance;
         configurator.ConnectConsumerConfigurationObserver(new InboxConsumerConfigurationObserver(identities, protocol, logger));
-    }
-
-    /// <summary>
-    /// Sends publishes made through scoped publish endpoints (an API request's <c>IPublishEndpoint</c>, a consumer's
-    /// <c>ConsumeContext</c>) into the outbox of the scope's DbContext instead of to the broker, so they commit with
-    /// the business data; the dispatcher publishes them afterwards with the same message ids. Publishes through the
-    /// root <c>IBus</c> are not captured. Call it on the bus factory configurator.
-    /// </summary>
-    public static void UseExactlyOnceOutbox(this IBusFactoryConfigurator configurator, IServiceProvider context)
-    {
-        ArgumentNullException.ThrowIfNull(configurator);
-        ArgumentNullException.ThrowIfNull(context);
-        if (context.GetService<IOutboxWriter>() is null)
-        {
-            throw new InvalidOperationException(
-                "ExactlyOnce: UseExactlyOnceOutbox needs services.AddExactlyOnce<TDbContext>() to be called when the services are registered.");
-        }
-
-        configurator.ConfigurePublish(p => p.ConnectPublishPipeSpecificationObserver(new OutboxPublishPipeSpecificationObserver()));
     }
 }

@@ -1,3 +1,4 @@
+using ExactlyOnce.Outbox;
 using ExactlyOnce.Telemetry;
 using MassTransit;
 using Microsoft.Extensions.DependencyInjection;
@@ -48,10 +49,16 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
             ?? throw new InvalidOperationException(
                 "ExactlyOnce: no inbox store is registered. Call services.AddExactlyOnce<TDbContext>() with the DbContext your consumers use.");
 
+        // With the outbox enabled, the consumer's publishes go into its own unit of work: claim, business writes and
+        // outgoing events commit together.
+        ConsumerConsumeContext<TConsumer, TMessage> consumeContext = provider.GetService<OutboxCapture>() is not null
+            && provider.GetService<IOutboxWriter>() is { } writer
+            ? new OutboxConsumeContext<TConsumer, TMessage>(context, writer)
+            : context;
         var key = new InboxKey(messageId, _consumerName);
         try
         {
-            await _protocol.ProcessAsync(store, key, _ => next.Send(context), context.CancellationToken).ConfigureAwait(false);
+            await _protocol.ProcessAsync(store, key, _ => next.Send(consumeContext), context.CancellationToken).ConfigureAwait(false);
         }
         catch (InboxClaimTimeoutException)
         {
@@ -59,11 +66,7 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
             // (the broker confirms it before this delivery is acknowledged); this delivery then completes. No retry
             // policy is needed for this to hold.
             Uri inputAddress = context.ReceiveContext.InputAddress;
-            using (OutboxBypass.Begin())
-            {
-                await context.Forward(inputAddress).ConfigureAwait(false);
-            }
-
+            await context.Forward(inputAddress).ConfigureAwait(false);
             Log.DeliveryDeferred(_logger, messageId, _consumerName, inputAddress);
         }
     }

@@ -1,0 +1,170 @@
+using MassTransit;
+using Microsoft.EntityFrameworkCore;
+using Microsoft.EntityFrameworkCore.Infrastructure;
+using Microsoft.EntityFrameworkCore.Storage;
+using ParcelTracker.Api;
+using ParcelTracker.Consumers;
+using ParcelTracker.Data;
+using ParcelTracker.OutsideWorld;
+
+namespace ParcelTracker.Hosting;
+
+/// <summary>Builds the application for a set of roles, the way a user of ExactlyOnce wires it.</summary>
+public static class ParcelTrackerApp
+{
+    public static WebApplication Build(Roles roles, string[] args, Action<WebApplicationBuilder>? configure = null)
+    {
+        var builder = WebApplication.CreateBuilder(new WebApplicationOptions { Args = args, ContentRootPath = AppContext.BaseDirectory });
+        builder.Configuration.AddCommandLine(args, new Dictionary<string, string>
+        {
+            ["--postgres"] = "Postgres",
+            ["--rabbitmq"] = "RabbitMq",
+            ["--sqlite"] = "Sqlite",
+            ["--urls"] = "Urls",
+        });
+        builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
+        configure?.Invoke(builder);
+        var settings = AppSettings.From(builder.Configuration);
+        if (!roles.HasFlag(Roles.Api))
+        {
+            builder.WebHost.UseSetting("urls", "http://127.0.0.1:0");
+        }
+
+        AddServices(builder.Services, settings, roles);
+        var app = builder.Build();
+        if (roles.HasFlag(Roles.Api))
+        {
+            app.UseExceptionHandler();
+            app.UseStatusCodePages();
+            app.MapParcelEndpoints();
+        }
+
+        return app;
+    }
+
+    public static void AddServices(IServiceCollection services, AppSettings settings, Roles roles)
+    {
+        services.AddSingleton(settings);
+        services.AddSingleton(TimeProvider.System);
+        services.AddProblemDetails();
+        services.AddDbContext<ParcelDbContext>(o => UseStore(o, settings, settings.SqliteFile));
+        services.AddDbContextFactory<OutsideWorldDbContext>(o => UseStore(o, settings, settings.SqliteOutsideWorldFile), ServiceLifetime.Singleton);
+        services.AddSingleton<ICarrierApiClient, RecordingCarrierApiClient>();
+        services.AddSingleton<INotificationService, RecordingNotificationService>();
+        services.AddHostedService<SchemaInitializer>(); // before the bus: the schema exists before the first message
+
+        services.AddExactlyOnce<ParcelDbContext>();
+        if (roles.HasFlag(Roles.Worker))
+        {
+            services.AddExactlyOnceMassTransitOutboxDispatcher();
+        }
+
+        services.AddOptions<MassTransitHostOptions>().Configure(o => o.WaitUntilStarted = true);
+        services.AddMassTransit(x =>
+        {
+            if (roles.HasFlag(Roles.Consumer))
+            {
+                x.AddConsumer<NotificationConsumer>().Endpoint(e => e.Name = NotificationConsumer.Queue);
+                x.AddConsumer<CarrierAssignmentConsumer>().Endpoint(e => e.Name = CarrierAssignmentConsumer.Queue);
+            }
+
+            void Configure<TEndpoint>(IBusRegistrationContext context, IBusFactoryConfigurator<TEndpoint> cfg)
+                where TEndpoint : IReceiveEndpointConfigurator
+            {
+                cfg.UseMessageRetry(r => r.Intervals(100, 500, 1000, 2000));
+                cfg.UseExactlyOnceInbox(context);  // every consumer runs under the inbox
+                cfg.ConfigureEndpoints(context);
+            }
+
+            if (settings.UsesRabbitMq)
+            {
+                x.UsingRabbitMq((context, cfg) =>
+                {
+                    cfg.Host(new Uri(settings.RabbitMq!));
+                    Configure(context, cfg);
+                });
+            }
+            else
+            {
+                x.UsingInMemory((context, cfg) => Configure(context, cfg));
+            }
+        });
+        services.AddExactlyOnceMassTransitOutbox(); // scoped publishes go into the outbox, with the unit of work
+    }
+
+    private static void UseStore(DbContextOptionsBuilder options, AppSettings settings, string sqliteFile)
+    {
+        if (settings.UsesPostgres)
+        {
+            options.UseNpgsql(settings.Postgres);
+        }
+        else
+        {
+            options.UseSqlite($"Data Source={sqliteFile};Default Timeout=30;Pooling=True");
+        }
+    }
+}
+
+/// <summary>Creates the schema on start (retrying while the database is unreachable) and says so in the log.</summary>
+internal sealed class SchemaInitializer(IServiceProvider services, AppSettings settings, ILogger<SchemaInitializer> logger) : IHostedService
+{
+    public async Task StartAsync(CancellationToken cancellationToken)
+    {
+        for (int attempt = 1; ; attempt++)
+        {
+            try
+            {
+                await using var scope = services.CreateAsyncScope();
+                var db = scope.ServiceProvider.GetRequiredService<ParcelDbContext>();
+                bool created = await db.Database.EnsureCreatedAsync(cancellationToken);
+                var outside = await scope.ServiceProvider.GetRequiredService<IDbContextFactory<OutsideWorldDbContext>>().CreateDbContextAsync(cancellationToken);
+                await using (outside)
+                {
+                    if (settings.UsesPostgres)
+                    {
+                        // Same database as the application: add the stand-ins' tables if they are missing.
+                        if (!await TableExistsAsync(outside, "carrier_reservations", cancellationToken))
+                        {
+                            await outside.GetService<IRelationalDatabaseCreator>().CreateTablesAsync(cancellationToken);
+                        }
+                    }
+                    else
+                    {
+                        await outside.Database.EnsureCreatedAsync(cancellationToken);
+                    }
+                }
+
+                logger.LogInformation("Schema {State} on {Store}: parcels, inbox_messages, outbox_messages, carrier_reservations, notifications_sent",
+                    created ? "created" : "already present", settings.Describe());
+                return;
+            }
+            catch (Exception exception) when (attempt < 30 && exception is System.Data.Common.DbException or InvalidOperationException or TimeoutException)
+            {
+                logger.LogWarning("Database not reachable or not ready ({Error}); attempt {Attempt}, retrying in 2 s", exception.Message, attempt);
+                await Task.Delay(TimeSpan.FromSeconds(2), cancellationToken);
+            }
+        }
+    }
+
+    public Task StopAsync(CancellationToken cancellationToken) => Task.CompletedTask;
+
+    private static async Task<bool> TableExistsAsync(DbContext db, string table, CancellationToken cancellationToken)
+    {
+        var connection = db.Database.GetDbConnection();
+        await db.Database.OpenConnectionAsync(cancellationToken);
+        try
+        {
+            await using var command = connection.CreateCommand();
+            command.CommandText = "SELECT to_regclass(@name) IS NOT NULL";
+            var parameter = command.CreateParameter();
+            parameter.ParameterName = "name";
+            parameter.Value = table;
+            command.Parameters.Add(parameter);
+            return (bool)(await command.ExecuteScalarAsync(cancellationToken))!;
+        }
+        finally
+        {
+            await db.Database.CloseConnectionAsync();
+        }
+    }
+}

@@ -9,7 +9,7 @@ using Microsoft.Extensions.Hosting;
 // blocks forever, so the test can kill this process with SIGKILL exactly between commit and acknowledgement.
 if (args.Length < 3)
 {
-    Console.Error.WriteLine("usage: ExactlyOnce.TestHost <block-after-commit|consume> <database-name> <queue>");
+    Console.Error.WriteLine("usage: ExactlyOnce.TestHost <block-after-commit|consume|stalling-dispatcher> <database-name> <queue>");
     return 2;
 }
 
@@ -21,6 +21,15 @@ using var host = TestHosts.Build(new TestHosts.Options
 {
     Database = o => o.UseNpgsql(TestHosts.PostgresServer + ";Database=" + database),
     Services = s => s.AddSingleton(probe),
+    Dispatcher = mode == "stalling-dispatcher",
+    ExactlyOnce = o => o.Outbox.BatchSize = 50,
+    AfterServices = s =>
+    {
+        if (mode == "stalling-dispatcher")
+        {
+            StallingTransport.Decorate(s, publishesBeforeStall: 20);
+        }
+    },
     Consumers = x => x.AddConsumer<EffectConsumer>(),
     Endpoints = (context, cfg) => cfg.ReceiveEndpoint(queue, e =>
     {

@@ -16,7 +16,7 @@ public static class TestHosts
     public static Uri RabbitMq =>
         new(Environment.GetEnvironmentVariable("EXACTLYONCE_TEST_RABBITMQ") ?? "amqp://guest:guest@127.0.0.1:5672/");
 
-    public sealed class Options
+    public sealed record Options
     {
         public required Action<DbContextOptionsBuilder> Database { get; init; }
         public bool InMemoryTransport { get; init; }
@@ -26,6 +26,9 @@ public static class TestHosts
         public required Action<IBusRegistrationContext, IBusFactoryConfigurator> Endpoints { get; init; }
         public bool InboxOnAllEndpoints { get; init; } = true;
         public LogLevel MinimumLogLevel { get; init; } = LogLevel.Warning;
+        public bool Outbox { get; init; }
+        public Action<IServiceCollection>? AfterServices { get; init; }
+        public bool Dispatcher { get; init; }
     }
 
     public static IHost Build(Options options)
@@ -69,6 +72,17 @@ public static class TestHosts
                 });
             }
         });
+        if (options.Outbox)
+        {
+            builder.Services.AddExactlyOnceMassTransitOutbox();
+        }
+
+        if (options.Dispatcher)
+        {
+            builder.Services.AddExactlyOnceMassTransitOutboxDispatcher();
+        }
+
+        options.AfterServices?.Invoke(builder.Services);
         return builder.Build();
     }
 }

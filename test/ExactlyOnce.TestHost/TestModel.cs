@@ -26,11 +26,51 @@ public sealed class TestDbContext(DbContextOptions<TestDbContext> options) : DbC
             e.Property(x => x.MessageId).HasColumnName("message_id");
             e.Property(x => x.Consumer).HasColumnName("consumer");
         });
-        modelBuilder.AddExactlyOnceInbox();
+        modelBuilder.AddExactlyOnce(); // inbox + outbox
     }
 }
 
 public sealed record TestMessage(int Value);
+
+/// <summary>An event published through the outbox in the outbox tests (its own type: its own exchange).</summary>
+public sealed record OutboxTestEvent(Guid Key, int Index);
+
+/// <summary>Every delivery a plain (non-inbox) consumer received, by message id: what the broker actually delivered.</summary>
+public sealed class DeliveryLog
+{
+    private readonly ConcurrentDictionary<Guid, int> _byMessageId = new();
+
+    public IReadOnlyDictionary<Guid, int> ByMessageId => _byMessageId;
+
+    public int Total => _byMessageId.Values.Sum();
+
+    public void Record(Guid messageId) => _byMessageId.AddOrUpdate(messageId, 1, (_, n) => n + 1);
+}
+
+public sealed class CountingConsumer(DeliveryLog log) : IConsumer<OutboxTestEvent>
+{
+    public Task Consume(ConsumeContext<OutboxTestEvent> context)
+    {
+        log.Record(context.MessageId!.Value);
+        return Task.CompletedTask;
+    }
+}
+
+/// <summary>Consumes the outbox's events under the inbox, writing one effect per message.</summary>
+public sealed class OutboxEffectConsumer(TestDbContext db, ConsumerProbe probe) : IConsumer<OutboxTestEvent>
+{
+    public Task Consume(ConsumeContext<OutboxTestEvent> context) => probe.RunAsync(nameof(OutboxEffectConsumer), context, db);
+}
+
+/// <summary>A consumer that publishes an event: under the inbox with the outbox on, the event commits with the claim.</summary>
+public sealed class RepublishingConsumer(TestDbContext db, ConsumerProbe probe) : IConsumer<TestMessage>
+{
+    public async Task Consume(ConsumeContext<TestMessage> context)
+    {
+        await context.Publish(new OutboxTestEvent(context.MessageId!.Value, context.Message.Value));
+        await probe.RunAsync(nameof(RepublishingConsumer), context, db);
+    }
+}
 
 /// <summary>
 /// What the tests observe and inject: every entry into a consumer body (counted before anything else happens),

@@ -43,7 +43,11 @@ internal static class Demo
         }
 
         appArgs.AddRange(["--urls", "http://127.0.0.1:0"]);
-        var app = ParcelTrackerApp.Build(Roles.All, [.. appArgs], b => b.Logging.SetMinimumLevel(LogLevel.Error)); // the report is the output; duplicates are expected here
+        var app = ParcelTrackerApp.Build(Roles.All, [.. appArgs], b =>
+        {
+            // The report is the output (duplicates are expected here): the console shows errors only, whatever the configuration says.
+            b.Logging.AddFilter<Microsoft.Extensions.Logging.Console.ConsoleLoggerProvider>(level => level >= LogLevel.Error);
+        });
         long duplicatesDiscarded = 0;
         using var listener = new MeterListener();
         listener.InstrumentPublished = (instrument, l) =>

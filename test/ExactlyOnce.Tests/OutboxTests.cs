@@ -103,6 +103,29 @@ public sealed class OutboxTests : PostgresRabbitTest
         Assert.Equal(1, await CountEffectsAsync(id));
     }
 
+    /// <summary>
+    /// With polling effectively off (one hour), only a commit signal can wake the dispatcher: in the same process the
+    /// in-process signal, from another process (here: another host with its own container) PostgreSQL NOTIFY.
+    /// </summary>
+    [Theory]
+    [InlineData(true)]
+    [InlineData(false)]
+    public async Task Dispatcher_WokenByTheCommit_PublishesWithinMillisecondsNotAPollingInterval(bool sameProcess)
+    {
+        var (dispatcherHost, _) = await StartOutboxHostAsync(dispatcher: true, configure: o => o with
+        {
+            ExactlyOnce = x => x.Outbox.PollingInterval = TimeSpan.FromHours(1),
+        });
+        IHost writerHost = sameProcess ? dispatcherHost : (await StartOutboxHostAsync(dispatcher: false)).Host;
+        await Task.Delay(200); // let the dispatcher finish its first (empty) pass and go to sleep on the signal
+
+        var clock = System.Diagnostics.Stopwatch.StartNew();
+        Guid messageId = await PublishThroughOutboxAsync(writerHost, Guid.NewGuid());
+        await Eventually.AssertAsync(() => Task.FromResult(_deliveries.ByMessageId.ContainsKey(messageId)), "woken and published", TimeSpan.FromSeconds(10));
+
+        Assert.True(clock.Elapsed < TimeSpan.FromSeconds(5), $"commit to delivery took {clock.Elapsed}");
+    }
+
     [Fact]
     public async Task Dispatcher_TwoInstancesOver5000PendingRows_PublishEachRowExactlyOnce()
     {

@@ -23,6 +23,7 @@ public static class ExactlyOnceEntityFrameworkServiceCollectionExtensions
         services.TryAddScoped<IInboxStore, EntityFrameworkInboxStore<TDbContext>>();
         services.TryAddScoped<IOutboxWriter, EntityFrameworkOutboxWriter<TDbContext>>();
         services.TryAddSingleton<IOutboxStore, EntityFrameworkOutboxStore<TDbContext>>();
+        services.TryAddSingleton<ExactlyOnce.Maintenance.IMaintenanceStore, EntityFrameworkMaintenanceStore<TDbContext>>();
         if (!services.Any(d => d.ServiceType == typeof(OutboxCommitNotifier)))
         {
             services.AddSingleton<OutboxCommitNotifier>();

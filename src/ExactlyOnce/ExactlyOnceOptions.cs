@@ -23,6 +23,9 @@ public sealed class ExactlyOnceOptions
     /// <summary>Options of the transactional outbox and its dispatcher.</summary>
     public Outbox.OutboxOptions Outbox { get; } = new();
 
+    /// <summary>Options of the retention cleanup, the statistics and the health checks.</summary>
+    public Maintenance.MaintenanceOptions Maintenance { get; } = new();
+
     /// <summary>Explicit consumer identities, keyed by consumer type; they override <see cref="ConsumerIdentityAttribute"/>.</summary>
     public IReadOnlyDictionary<Type, string> ConsumerNames => _consumerNames;
 

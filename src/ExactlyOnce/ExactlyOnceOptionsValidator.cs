@@ -34,6 +34,14 @@ internal sealed class ExactlyOnceOptionsValidator : IValidateOptions<ExactlyOnce
             failures.Add("Outbox intervals must be positive, and Outbox.MaxBackoff at least Outbox.InitialBackoff.");
         }
 
+        var maintenance = options.Maintenance;
+        if (maintenance.CleanupBatchSize is < 1 or > 100_000 || maintenance.CleanupInterval <= TimeSpan.Zero
+            || maintenance.StatisticsInterval <= TimeSpan.Zero || maintenance.OutboxBacklogThreshold <= TimeSpan.Zero
+            || maintenance.CleanupStaleThreshold <= TimeSpan.Zero)
+        {
+            failures.Add("Maintenance: CleanupBatchSize must be 1 to 100000 and every interval and threshold positive.");
+        }
+
         var owners = new Dictionary<string, Type>(StringComparer.Ordinal);
         foreach (var (type, consumerName) in options.ConsumerNames)
         {

@@ -30,6 +30,9 @@ public static class ExactlyOnceServiceCollectionExtensions
         services.TryAddSingleton<ExactlyOnceTelemetry>();
         services.TryAddSingleton<ConsumerIdentities>();
         services.TryAddSingleton<ExactlyOnce.Outbox.OutboxSignal>();
+        services.TryAddSingleton<ExactlyOnce.Maintenance.StatisticsState>();
+        services.TryAddSingleton<ExactlyOnce.Maintenance.CleanupState>();
+        services.TryAddSingleton<ExactlyOnce.Maintenance.ProcessStart>();
         services.TryAddSingleton(sp => new InboxProtocol(
             sp.GetRequiredService<IOptions<ExactlyOnceOptions>>(),
             sp.GetRequiredService<TimeProvider>(),
@@ -56,5 +59,45 @@ public static class ExactlyOnceServiceCollectionExtensions
             sp.GetRequiredService<ILogger<ExactlyOnce.Outbox.OutboxDispatcher>>()));
         services.AddHostedService(sp => sp.GetRequiredService<ExactlyOnce.Outbox.OutboxDispatcher>());
         return services;
+    }
+
+    /// <summary>
+    /// Adds the retention cleanup (processed inbox rows after <c>InboxRetention</c>, dispatched outbox rows after
+    /// <c>Outbox.DispatchedRetention</c>) and the statistics sampler behind the gauges. Several processes may run it.
+    /// </summary>
+    public static IServiceCollection AddExactlyOnceMaintenance(this IServiceCollection services)
+    {
+        ArgumentNullException.ThrowIfNull(services);
+        services.AddExactlyOnceCore();
+        services.TryAddSingleton(sp => new ExactlyOnce.Maintenance.RetentionCleanupService(
+            sp.GetRequiredService<ExactlyOnce.Maintenance.IMaintenanceStore>(),
+            sp.GetRequiredService<IOptions<ExactlyOnceOptions>>(),
+            sp.GetRequiredService<TimeProvider>(),
+            sp.GetRequiredService<ExactlyOnceTelemetry>(),
+            sp.GetRequiredService<ExactlyOnce.Maintenance.CleanupState>(),
+            sp.GetRequiredService<ILogger<ExactlyOnce.Maintenance.RetentionCleanupService>>()));
+        services.AddHostedService(sp => sp.GetRequiredService<ExactlyOnce.Maintenance.RetentionCleanupService>());
+        services.AddHostedService<ExactlyOnce.Maintenance.StatisticsSampler>();
+        return services;
+    }
+
+    /// <summary>
+    /// Adds the ExactlyOnce health checks: <c>exactlyonce-database</c> (the database answers),
+    /// <c>exactlyonce-outbox-backlog</c> (the oldest pending outbox message is younger than
+    /// <c>Maintenance.OutboxBacklogThreshold</c>) and <c>exactlyonce-cleanup</c> (the retention cleanup succeeded within
+    /// <c>Maintenance.CleanupStaleThreshold</c>; add it where <see cref="AddExactlyOnceMaintenance"/> runs).
+    /// </summary>
+    public static IHealthChecksBuilder AddExactlyOnceHealthChecks(this IHealthChecksBuilder builder, bool includeCleanup = true, params string[] tags)
+    {
+        ArgumentNullException.ThrowIfNull(builder);
+        builder.Services.AddExactlyOnceCore();
+        builder.AddCheck<ExactlyOnce.Maintenance.DatabaseHealthCheck>("exactlyonce-database", tags: tags);
+        builder.AddCheck<ExactlyOnce.Maintenance.OutboxBacklogHealthCheck>("exactlyonce-outbox-backlog", tags: tags);
+        if (includeCleanup)
+        {
+            builder.AddCheck<ExactlyOnce.Maintenance.CleanupHealthCheck>("exactlyonce-cleanup", tags: tags);
+        }
+
+        return builder;
     }
 }

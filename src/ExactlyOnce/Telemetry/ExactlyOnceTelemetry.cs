@@ -26,9 +26,27 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
     private readonly Counter<long> _dispatchFailed;
     private readonly Histogram<double> _publishLatency;
 
-    public ExactlyOnceTelemetry(IMeterFactory meterFactory)
+    public const string TableTag = "exactlyonce.table";
+
+    private readonly Counter<long> _cleanupDeleted;
+
+    public ExactlyOnceTelemetry(IMeterFactory meterFactory, Maintenance.StatisticsState statistics, Maintenance.CleanupState cleanup, TimeProvider timeProvider)
     {
         _meter = meterFactory.Create(Name);
+        _cleanupDeleted = _meter.CreateCounter<long>("exactlyonce.cleanup.rows.deleted", "{row}",
+            "Rows removed by the retention cleanup, per table.");
+        _meter.CreateObservableGauge("exactlyonce.inbox.rows", () => statistics.Latest is { } s ? [new Measurement<long>(s.InboxRows)] : Array.Empty<Measurement<long>>(),
+            "{row}", "Rows in the inbox table (an estimate on PostgreSQL); growing without bound means the cleanup is not running.");
+        _meter.CreateObservableGauge("exactlyonce.outbox.pending", () => statistics.Latest is { } s ? [new Measurement<long>(s.OutboxPending)] : Array.Empty<Measurement<long>>(),
+            "{message}", "Outbox messages not yet dispatched.");
+        _meter.CreateObservableGauge("exactlyonce.outbox.oldest_pending.age", () => statistics.Latest is { } s
+                ? [new Measurement<double>(s.OldestPendingCreatedAtUtc is { } oldest ? Math.Max(0, (timeProvider.GetUtcNow().UtcDateTime - oldest).TotalSeconds) : 0)]
+                : Array.Empty<Measurement<double>>(),
+            "s", "Age of the oldest outbox message not yet dispatched (0 when none is pending).");
+        _meter.CreateObservableGauge("exactlyonce.cleanup.since_last_success", () => cleanup.LastSuccess is { } last
+                ? [new Measurement<double>((timeProvider.GetUtcNow() - last).TotalSeconds)]
+                : Array.Empty<Measurement<double>>(),
+            "s", "Time since the retention cleanup last succeeded in this process.");
         _processed = _meter.CreateCounter<long>("exactlyonce.inbox.messages.processed", "{message}",
             "Messages whose consumer ran and whose effects committed with the inbox claim.");
         _duplicates = _meter.CreateCounter<long>("exactlyonce.inbox.messages.duplicates", "{message}",
@@ -56,6 +74,14 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
     }
 
     public void RecordDispatchFailed() => _dispatchFailed.Add(1);
+
+    public void RecordCleanupDeleted(string table, int rows)
+    {
+        if (rows > 0)
+        {
+            _cleanupDeleted.Add(rows, new KeyValuePair<string, object?>(TableTag, table));
+        }
+    }
 
     public Activity? StartProcessActivity(InboxKey key)
     {

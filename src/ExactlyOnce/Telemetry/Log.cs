@@ -51,4 +51,16 @@ internal static partial class Log
     [LoggerMessage(EventId = 1303, EventName = "OutboxListenerFailed", Level = LogLevel.Warning,
         Message = "The outbox commit listener (LISTEN) failed; reconnecting. The dispatcher keeps polling meanwhile")]
     public static partial void ListenerFailed(ILogger logger, Exception exception);
+
+    [LoggerMessage(EventId = 1401, EventName = "CleanupCompleted", Level = LogLevel.Debug,
+        Message = "Retention cleanup deleted {InboxRows} processed inbox rows and {OutboxRows} dispatched outbox rows")]
+    public static partial void CleanupCompleted(ILogger logger, long inboxRows, long outboxRows);
+
+    [LoggerMessage(EventId = 1402, EventName = "CleanupFailed", Level = LogLevel.Error,
+        Message = "Retention cleanup failed (database unavailable?); it runs again in {Interval}")]
+    public static partial void CleanupFailed(ILogger logger, Exception exception, TimeSpan interval);
+
+    [LoggerMessage(EventId = 1403, EventName = "StatisticsFailed", Level = LogLevel.Warning,
+        Message = "Reading the inbox and outbox statistics failed; the gauges keep their last values")]
+    public static partial void StatisticsFailed(ILogger logger, Exception exception);
 }

@@ -94,6 +94,50 @@ public sealed class ApiTests : IAsyncLifetime
     }
 
     [Fact]
+    public async Task Health_ReportsTheThreeExactlyOnceChecks()
+    {
+        var response = await Http.GetAsync("/health");
+
+        Assert.Equal(HttpStatusCode.OK, response.StatusCode);
+        var health = await response.Content.ReadFromJsonAsync<JsonElement>();
+        Assert.Equal("Healthy", health.GetProperty("status").GetString());
+        var checks = health.GetProperty("checks").EnumerateObject().Select(c => c.Name).Order().ToArray();
+        Assert.Subset(checks.ToHashSet(), new HashSet<string> { "exactlyonce-cleanup", "exactlyonce-database", "exactlyonce-outbox-backlog" });
+        Assert.Contains("masstransit-bus", checks); // MassTransit's own check comes along
+    }
+
+    [Fact]
+    public async Task Metrics_PrometheusEndpointExposesTheExactlyOnceInstruments()
+    {
+        var created = await Http.PostAsJsonAsync("/parcels", new { destination = "Depot 3" });
+        Guid id = (await created.Content.ReadFromJsonAsync<JsonElement>()).GetProperty("id").GetGuid();
+        for (var clock = System.Diagnostics.Stopwatch.StartNew(); clock.Elapsed < TimeSpan.FromSeconds(30); await Task.Delay(50))
+        {
+            var parcel = await Http.GetFromJsonAsync<JsonElement>($"/parcels/{id}");
+            if (parcel.GetProperty("notified").GetBoolean() && parcel.GetProperty("pickupSlot").ValueKind == JsonValueKind.String)
+            {
+                break;
+            }
+        }
+
+        string metrics = "";
+        for (var clock = System.Diagnostics.Stopwatch.StartNew(); clock.Elapsed < TimeSpan.FromSeconds(30); await Task.Delay(200))
+        {
+            metrics = await Http.GetStringAsync("/metrics");
+            if (metrics.Contains("exactlyonce_inbox_messages_processed", StringComparison.Ordinal)
+                && metrics.Contains("exactlyonce_outbox_messages_dispatched", StringComparison.Ordinal))
+            {
+                break;
+            }
+        }
+
+        Assert.Contains("exactlyonce_inbox_messages_processed", metrics, StringComparison.Ordinal);
+        Assert.Contains("exactlyonce_consumer_name=\"parcel-tracker.carrier-assignment\"", metrics, StringComparison.Ordinal);
+        Assert.Contains("exactlyonce_outbox_messages_dispatched", metrics, StringComparison.Ordinal);
+        Assert.Contains("exactlyonce_inbox_process_duration_seconds", metrics, StringComparison.Ordinal);
+    }
+
+    [Fact]
     public async Task GetParcel_Unknown_Returns404ProblemDetails()
     {
         var response = await Http.GetAsync($"/parcels/{Guid.NewGuid()}");

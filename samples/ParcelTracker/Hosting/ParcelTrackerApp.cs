@@ -1,5 +1,8 @@
 using MassTransit;
+using Microsoft.AspNetCore.Diagnostics.HealthChecks;
 using Microsoft.EntityFrameworkCore;
+using Microsoft.Extensions.Diagnostics.HealthChecks;
+using OpenTelemetry.Metrics;
 using Microsoft.EntityFrameworkCore.Infrastructure;
 using Microsoft.EntityFrameworkCore.Storage;
 using ParcelTracker.Api;
@@ -32,13 +35,16 @@ public static class ParcelTrackerApp
 
         AddServices(builder.Services, settings, roles);
         var app = builder.Build();
+        app.UseExceptionHandler();
+        app.UseStatusCodePages();
         if (roles.HasFlag(Roles.Api))
         {
-            app.UseExceptionHandler();
-            app.UseStatusCodePages();
             app.MapParcelEndpoints();
         }
 
+        // Every role answers /health and /metrics (pass --urls to a consumer or worker to reach them).
+        app.MapHealthChecks("/health", new HealthCheckOptions { ResponseWriter = WriteHealthAsync });
+        app.MapPrometheusScrapingEndpoint();
         return app;
     }
 
@@ -57,7 +63,13 @@ public static class ParcelTrackerApp
         if (roles.HasFlag(Roles.Worker))
         {
             services.AddExactlyOnceMassTransitOutboxDispatcher();
+            services.AddExactlyOnceMaintenance(); // retention cleanup + the gauges' statistics
         }
+
+        services.AddHealthChecks().AddExactlyOnceHealthChecks(includeCleanup: roles.HasFlag(Roles.Worker));
+        services.AddOpenTelemetry().WithMetrics(metrics => metrics
+            .AddMeter("ExactlyOnce")
+            .AddPrometheusExporter());
 
         services.AddOptions<MassTransitHostOptions>().Configure(o => o.WaitUntilStarted = true);
         services.AddMassTransit(x =>
@@ -90,6 +102,21 @@ public static class ParcelTrackerApp
             }
         });
         services.AddExactlyOnceMassTransitOutbox(); // scoped publishes go into the outbox, with the unit of work
+    }
+
+    private static Task WriteHealthAsync(HttpContext context, HealthReport report)
+    {
+        context.Response.ContentType = "application/json";
+        return context.Response.WriteAsJsonAsync(new
+        {
+            status = report.Status.ToString(),
+            checks = report.Entries.ToDictionary(e => e.Key, e => new
+            {
+                status = e.Value.Status.ToString(),
+                description = e.Value.Description,
+                data = e.Value.Data,
+            }),
+        });
     }
 
     private static void UseStore(DbContextOptionsBuilder options, AppSettings settings, string sqliteFile)

@@ -41,12 +41,20 @@ internal static class Services
         }
     }
 
+    /// <summary>Ready messages in <paramref name="queue"/>; 0 when it does not exist (yet).</summary>
     public static async Task<uint> ReadyMessagesAsync(string queue)
     {
         var factory = new ConnectionFactory { Uri = TestHosts.RabbitMq };
         await using var connection = await factory.CreateConnectionAsync();
         await using var channel = await connection.CreateChannelAsync();
-        return (await channel.QueueDeclarePassiveAsync(queue)).MessageCount;
+        try
+        {
+            return (await channel.QueueDeclarePassiveAsync(queue)).MessageCount;
+        }
+        catch (RabbitMQ.Client.Exceptions.OperationInterruptedException)
+        {
+            return 0;
+        }
     }
 
     public static async Task<long> ScalarAsync(string connectionString, string sql)

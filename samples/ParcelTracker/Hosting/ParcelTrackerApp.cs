@@ -83,7 +83,9 @@ public static class ParcelTrackerApp
             void Configure<TEndpoint>(IBusRegistrationContext context, IBusFactoryConfigurator<TEndpoint> cfg)
                 where TEndpoint : IReceiveEndpointConfigurator
             {
-                cfg.UseMessageRetry(r => r.Intervals(100, 500, 1000, 2000));
+                // Long enough to ride out a database or broker restart (about a minute in all) before a message goes to
+                // the error queue; each attempt is a fresh scope and inbox transaction.
+                cfg.UseMessageRetry(r => r.Exponential(12, TimeSpan.FromMilliseconds(100), TimeSpan.FromSeconds(10), TimeSpan.FromMilliseconds(300)));
                 cfg.UseExactlyOnceInbox(context);  // every consumer runs under the inbox
                 cfg.ConfigureEndpoints(context);
             }
@@ -167,7 +169,9 @@ internal sealed class SchemaInitializer(IServiceProvider services, AppSettings s
             }
             catch (Exception exception) when (attempt < 30 && exception is System.Data.Common.DbException or InvalidOperationException or TimeoutException)
             {
-                logger.LogWarning("Database not reachable or not ready ({Error}); attempt {Attempt}, retrying in 2 s", exception.Message, attempt);
+                // The innermost error says what failed ("Failed to connect to 127.0.0.1:5432"); EF's wrapper only says "transient".
+                logger.LogWarning("Database not reachable or not ready ({Error}); attempt {Attempt}, retrying in 2 s",
+                    exception.GetBaseException() is var cause && cause != exception ? exception.InnerException?.Message + " → " + cause.Message : exception.Message, attempt);
                 await Task.Delay(TimeSpan.FromSeconds(2), cancellationToken);
             }
         }

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Measures what the retention index (ix_inbox_messages_processed_at) costs on the inbox hot path: one claim
+# (INSERT ... ON CONFLICT DO NOTHING) and one processed mark (UPDATE) per transaction, 8 clients, with and without
+# the index, alternating runs on an emptied table. Prints each run's tps, then median and spread per variant.
+# Needs eng/services.sh to have run (PostgreSQL on 127.0.0.1:5432, postgres/postgres).
+set -euo pipefail
+RUNS="${RUNS:-5}" SECONDS_PER_RUN="${SECONDS_PER_RUN:-15}" CLIENTS="${CLIENTS:-8}"
+export PGPASSWORD="${PGPASSWORD:-postgres}"
+PGBENCH=$(ls /usr/lib/postgresql/*/bin/pgbench | tail -1)
+psql() { command psql -h 127.0.0.1 -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
+psql -c "DROP DATABASE IF EXISTS eo_index_cost" -c "CREATE DATABASE eo_index_cost" >/dev/null
+psql -d eo_index_cost <<'SQL'
+CREATE TABLE inbox_messages (id uuid NOT NULL, consumer_type varchar(500) NOT NULL, received_at timestamptz NOT NULL,
+  processed_at timestamptz NULL, CONSTRAINT pk_inbox_messages PRIMARY KEY (id, consumer_type));
+CREATE INDEX ix_inbox_messages_unprocessed ON inbox_messages (received_at) WHERE processed_at IS NULL;
+SQL
+script=$(mktemp)
+cat > "$script" <<'SQL'
+SELECT quote_literal(gen_random_uuid()) AS u \gset
+BEGIN;
+INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES (:u::uuid, 'bench', now()) ON CONFLICT (id, consumer_type) DO NOTHING;
+UPDATE inbox_messages SET processed_at = now() WHERE id = :u::uuid AND consumer_type = 'bench';
+COMMIT;
+SQL
+declare -A results=()
+for run in $(seq 1 "$RUNS"); do
+  for variant in without with; do
+    psql -d eo_index_cost -c "TRUNCATE inbox_messages" -c "DROP INDEX IF EXISTS ix_inbox_messages_processed_at" >/dev/null
+    if [ "$variant" = with ]; then
+      psql -d eo_index_cost -c "CREATE INDEX ix_inbox_messages_processed_at ON inbox_messages (processed_at) WHERE processed_at IS NOT NULL" >/dev/null
+    fi
+    tps=$("$PGBENCH" -h 127.0.0.1 -U postgres -n -f "$script" -c "$CLIENTS" -j 2 -T "$SECONDS_PER_RUN" eo_index_cost 2>/dev/null \
+      | awk '/^tps/ {printf "%.0f", $3}')
+    echo "run $run  $variant index: $tps tps"
+    results[$variant]+="$tps "
+  done
+done
+for variant in without with; do
+  echo "$variant index: $(printf '%s\n' ${results[$variant]} | sort -n | awk '{a[NR]=$1} END {printf "median %d tps, min %d, max %d (n=%d)", a[int((NR+1)/2)], a[1], a[NR], NR}')"
+done
+psql -c "DROP DATABASE eo_index_cost" >/dev/null
+rm -f "$script"

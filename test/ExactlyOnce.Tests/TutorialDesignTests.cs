@@ -1,4 +1,3 @@
-using ExactlyOnce.EntityFrameworkCore;
 using ExactlyOnce.Tests.Infrastructure;
 using ExactlyOnce.TestHost;
 using MassTransit;
@@ -73,47 +72,20 @@ public sealed class TutorialDesignTests : PostgresRabbitTest
                 e.PrefetchCount = 32;
                 e.ConcurrentMessageLimit = 16;
                 e.ConfigureConsumer<EffectConsumer>(context, c =>
-                    c.ConsumerMessage<TestMessage>(m => m.UseFilter(new TutorialInboxFilter(tutorial, context.GetRequiredService<IServiceScopeFactory>()))));
+                    c.ConsumerMessage<TestMessage>(m => m.UseFilter(new TutorialInboxFilter<TestDbContext, EffectConsumer, TestMessage>(
+                        context.GetRequiredService<IServiceScopeFactory>(), tutorial.TakeFailure))));
             }),
         }, counter);
 
     public sealed class TutorialInbox
     {
         public bool FailInboxInsertOnce { get; set; }
-    }
 
-    /// <summary>The tutorial inbox, written from its description: its own scope, check, run, then insert.</summary>
-    private sealed class TutorialInboxFilter(TutorialInbox settings, IServiceScopeFactory scopes) : IFilter<ConsumerConsumeContext<EffectConsumer, TestMessage>>
-    {
-        public async Task Send(ConsumerConsumeContext<EffectConsumer, TestMessage> context, IPipe<ConsumerConsumeContext<EffectConsumer, TestMessage>> next)
+        public bool TakeFailure()
         {
-            using var scope = scopes.CreateScope();
-            var db = scope.ServiceProvider.GetRequiredService<TestDbContext>();
-            Guid id = context.MessageId!.Value;
-            string consumer = typeof(EffectConsumer).FullName!;
-            if (await db.Set<InboxMessage>().AnyAsync(m => m.Id == id && m.ConsumerType == consumer))
-            {
-                return;
-            }
-
-            await next.Send(context);
-            if (settings.FailInboxInsertOnce)
-            {
-                settings.FailInboxInsertOnce = false;
-                throw new InvalidOperationException("injected failure between the consumer's commit and the inbox insert");
-            }
-
-            db.Set<InboxMessage>().Add(new InboxMessage { Id = id, ConsumerType = consumer, ReceivedAt = DateTime.UtcNow, ProcessedAt = DateTime.UtcNow });
-            try
-            {
-                await db.SaveChangesAsync();
-            }
-            catch (DbUpdateException)
-            {
-                // The primary key stops the second commit — after its side effect already happened.
-            }
+            bool fail = FailInboxInsertOnce;
+            FailInboxInsertOnce = false;
+            return fail;
         }
-
-        public void Probe(ProbeContext context) => context.CreateFilterScope("tutorialInbox");
     }
 }

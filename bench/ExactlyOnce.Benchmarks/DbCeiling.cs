@@ -73,10 +73,10 @@ internal static class DbCeiling
         Guid id = Guid.NewGuid();
         await using var transaction = await connection.BeginTransactionAsync();
         await using (var claim = new NpgsqlCommand(
-            "SELECT set_config('lock_timeout', '30000ms', true); INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, 'bench', now()) " +
+            "SELECT set_config('lock_timeout', '30000ms', true); INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES (@id, 'bench', now()) " +
             "ON CONFLICT (id, consumer_type) DO NOTHING RETURNING 1; SET LOCAL lock_timeout TO DEFAULT", connection, transaction))
         {
-            claim.Parameters.Add(new NpgsqlParameter { Value = id });
+            claim.Parameters.AddWithValue("id", id);
             await using var reader = await claim.ExecuteReaderAsync();
             while (await reader.NextResultAsync())
             {

@@ -41,6 +41,7 @@ public sealed class InboxProtocol
         ArgumentNullException.ThrowIfNull(store);
         ArgumentNullException.ThrowIfNull(consume);
 
+        Activity? consumeActivity = Activity.Current; // the transport's consume span, if any: it gets the outcome too
         using var activity = _telemetry.StartProcessActivity(key);
         long started = _timeProvider.GetTimestamp();
         InboxOutcome outcome = InboxOutcome.Failed;
@@ -63,7 +64,7 @@ public sealed class InboxProtocol
         }
         finally
         {
-            _telemetry.RecordOutcome(key.ConsumerName, outcome, _timeProvider.GetElapsedTime(started), activity);
+            _telemetry.RecordOutcome(key.ConsumerName, outcome, _timeProvider.GetElapsedTime(started), activity, consumeActivity);
         }
     }
 

@@ -98,7 +98,7 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
     public void RecordClaimWait(string consumerName, TimeSpan elapsed) =>
         _claimWait.Record(elapsed.TotalSeconds, new KeyValuePair<string, object?>(ConsumerTag, consumerName));
 
-    public void RecordOutcome(string consumerName, InboxOutcome outcome, TimeSpan elapsed, Activity? activity)
+    public void RecordOutcome(string consumerName, InboxOutcome outcome, TimeSpan elapsed, Activity? activity, Activity? consumeActivity = null)
     {
         var consumer = new KeyValuePair<string, object?>(ConsumerTag, consumerName);
         string outcomeName = OutcomeName(outcome);
@@ -112,6 +112,7 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
 
         _duration.Record(elapsed.TotalSeconds, consumer, new KeyValuePair<string, object?>(OutcomeTag, outcomeName));
         activity?.SetTag(OutcomeTag, outcomeName);
+        consumeActivity?.SetTag(OutcomeTag, outcomeName);
     }
 
     public static string OutcomeName(InboxOutcome outcome) => outcome switch

@@ -37,7 +37,9 @@ public sealed class TelemetryTests : PostgresRabbitTest
         ActivitySource.AddActivityListener(listener);
         var failing = NewId.NextGuid();
         Probe.AfterSave = (context, _) => context.MessageId == failing ? throw new InvalidOperationException("fails") : Task.CompletedTask;
-        var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, services: s => s.AddFakeLogging());
+        var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, services: s => s
+            .AddFakeLogging()
+            .Configure<LoggerFilterOptions>(o => o.MinLevel = LogLevel.Information)); // event 1003 is Information
         var meters = host.Services.GetRequiredService<IMeterFactory>();
         using var processed = new MetricCollector<long>(meters, "ExactlyOnce", "exactlyonce.inbox.messages.processed");
         using var duplicates = new MetricCollector<long>(meters, "ExactlyOnce", "exactlyonce.inbox.messages.duplicates");

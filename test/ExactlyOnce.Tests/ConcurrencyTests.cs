@@ -62,17 +62,7 @@ public sealed class ConcurrencyTests : PostgresRabbitTest
     {
         string queue = Queue("inflight");
         var counter = new DeliveryCounter();
-        var firstEntered = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
-        var releaseFirst = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
-        Probe.BeforeSave = async (context, _) =>
-        {
-            if (Probe.Entries(context.MessageId!.Value, nameof(EffectConsumer)) == 1)
-            {
-                firstEntered.SetResult();
-                await releaseFirst.Task;
-                throw new InvalidOperationException("the first attempt fails after the second arrived");
-            }
-        };
+        var (firstEntered, releaseFirst) = HoldThenFailFirstDelivery();
         var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter);
         var id = NewId.NextGuid();
 
@@ -97,17 +87,7 @@ public sealed class ConcurrencyTests : PostgresRabbitTest
     {
         string queue = Queue("timeout");
         var counter = new DeliveryCounter();
-        var firstEntered = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
-        var releaseFirst = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
-        Probe.BeforeSave = async (context, _) =>
-        {
-            if (Probe.Entries(context.MessageId!.Value, nameof(EffectConsumer)) == 1)
-            {
-                firstEntered.SetResult();
-                await releaseFirst.Task;
-                throw new InvalidOperationException("the claim holder fails after the others timed out");
-            }
-        };
+        var (firstEntered, releaseFirst) = HoldThenFailFirstDelivery();
         var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, options: o => o.ClaimTimeout = TimeSpan.FromMilliseconds(300));
         using var deferred = new MetricCollector<long>(host.Services.GetRequiredService<System.Diagnostics.Metrics.IMeterFactory>(),
             "ExactlyOnce", "exactlyonce.inbox.messages.deferred");
@@ -126,6 +106,26 @@ public sealed class ConcurrencyTests : PostgresRabbitTest
         Assert.NotNull(Assert.Single(await InboxRowsAsync(id)).ProcessedAt);
         await Eventually.AssertAsync(async () => await RabbitAdmin.CountAsync(queue) == 0, "queue drained");
         Assert.Equal(1u, await RabbitAdmin.CountAsync(queue + "_error")); // only the failed claim holder
+    }
+
+    /// <summary>
+    /// The first delivery of a message enters the consumer, signals, holds its uncommitted claim until released, then
+    /// fails and rolls back.
+    /// </summary>
+    private (TaskCompletionSource Entered, TaskCompletionSource Release) HoldThenFailFirstDelivery()
+    {
+        var entered = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
+        var release = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
+        Probe.BeforeSave = async (context, _) =>
+        {
+            if (Probe.Entries(context.MessageId!.Value, nameof(EffectConsumer)) == 1)
+            {
+                entered.SetResult();
+                await release.Task;
+                throw new InvalidOperationException("the first delivery fails after holding its claim");
+            }
+        };
+        return (entered, release);
     }
 
     private async Task<long> BackendsWaitingOnLocksAsync()

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Packs the three library packages (with README, licence, symbols and SourceLink) into artifacts/.
-# SourceLink needs the repository's GitHub remote: run this from a clone that has one.
+# Packs the three library packages (README, licence expression, XML docs, symbols, SourceLink) into artifacts/.
+# SourceLink maps the sources to the repository's GitHub remote: run this from a clone that has one (in a clone without
+# a remote, SourceLink warns that it has no source control information, and the packages carry no source link).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dotnet pack ExactlyOnce.slnx -c Release -p:SourceLink=true -o artifacts -nologo
+for project in src/*/*.csproj; do
+  dotnet pack "$project" -c Release -p:ExactlyOnceSourceLink=true -o artifacts -nologo
+done

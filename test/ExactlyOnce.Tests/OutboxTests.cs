@@ -46,6 +46,8 @@ public sealed class OutboxTests : PostgresRabbitTest
     public async Task Outbox_UnitOfWorkCommits_LeavesBoth_AndTheEventIsPublishedExactlyOnceWithItsMessageId()
     {
         var (host, _) = await StartOutboxHostAsync(dispatcher: true);
+        using var latency = new MetricCollector<double>(host.Services.GetRequiredService<System.Diagnostics.Metrics.IMeterFactory>(),
+            "ExactlyOnce", "exactlyonce.outbox.publish.latency");
         var key = Guid.NewGuid();
 
         Guid messageId = await PublishThroughOutboxAsync(host, key);
@@ -62,6 +64,9 @@ public sealed class OutboxTests : PostgresRabbitTest
         Assert.NotNull(row.DispatchedAt);
         Assert.Equal(1, row.Attempts);
         Assert.Contains(nameof(OutboxTestEvent), row.MessageType, StringComparison.Ordinal);
+        Assert.Equal("s", latency.Instrument!.Unit); // commit-to-publish latency, one measurement per dispatched row
+        Assert.All(latency.GetMeasurementSnapshot(), m => Assert.InRange(m.Value, 0, 10));
+        Assert.Equal(2, latency.GetMeasurementSnapshot().Count); // the event and the sentinel
     }
 
     [Fact]

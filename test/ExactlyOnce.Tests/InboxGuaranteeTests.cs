@@ -100,6 +100,48 @@ public sealed class InboxGuaranteeTests : PostgresRabbitTest
     }
 
     [Fact]
+    public async Task UseExactlyOnceInbox_OnOneEndpoint_AppliesToThatEndpointOnly()
+    {
+        string guarded = Queue("guarded");
+        string unguarded = Queue("unguarded");
+        var counter = new DeliveryCounter();
+        var host = await StartHostAsync(new TestHosts.Options
+        {
+            Database = o => o.UseNpgsql(ConnectionString),
+            Services = s => s.AddSingleton(Probe),
+            InboxOnAllEndpoints = false,
+            Consumers = x =>
+            {
+                x.AddConsumer<EffectConsumer>();
+                x.AddConsumer<SecondEffectConsumer>();
+            },
+            Endpoints = (context, cfg) =>
+            {
+                cfg.ReceiveEndpoint(guarded, e =>
+                {
+                    e.ConfigureConsumeTopology = false;
+                    e.UseExactlyOnceInbox(context); // this endpoint only
+                    e.ConfigureConsumer<EffectConsumer>(context);
+                });
+                cfg.ReceiveEndpoint(unguarded, e =>
+                {
+                    e.ConfigureConsumeTopology = false;
+                    e.ConfigureConsumer<SecondEffectConsumer>(context);
+                });
+            },
+        }, counter);
+        var id = NewId.NextGuid();
+
+        await SendAsync(host, guarded, id, copies: 2);
+        await SendAsync(host, unguarded, id, copies: 2);
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= 4), "all four deliveries handled");
+
+        Assert.Equal(1, await CountEffectsAsync(id, nameof(EffectConsumer)));
+        Assert.Equal(2, await CountEffectsAsync(id, nameof(SecondEffectConsumer))); // no inbox there: both copies applied
+        Assert.Equal(typeof(EffectConsumer).FullName, Assert.Single(await InboxRowsAsync(id)).Consumer);
+    }
+
+    [Fact]
     public async Task Consume_ConsumerThrows_NoInboxRowRemainsAndTheRetryProcessesItOnce()
     {
         string queue = Queue("retry");

@@ -16,12 +16,16 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
     private readonly TDbContext _context;
     private readonly ILogger _logger;
     private IDbContextTransaction? _transaction;
+    private InboxSql? _sql;
 
     public EntityFrameworkInboxStore(TDbContext context, ILogger<EntityFrameworkInboxStore<TDbContext>> logger)
     {
         _context = context;
         _logger = logger;
     }
+
+    // Built once per model and cached there; kept here too so the per-message path does not look it up three times.
+    private InboxSql Sql => _sql ??= InboxSql.For(_context);
 
     public Task<TResult> ExecuteAsync<TResult>(Func<CancellationToken, Task<TResult>> attempt, CancellationToken cancellationToken = default) =>
         _context.Database.CreateExecutionStrategy().ExecuteAsync(attempt, static (a, ct) => a(ct), cancellationToken);
@@ -37,7 +41,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
 
         // Each attempt starts from a clean change tracker: nothing a failed attempt tracked may leak into this one.
         _context.ChangeTracker.Clear();
-        InboxSql sql = InboxSql.For(_context);
+        InboxSql sql = Sql;
         try
         {
             _transaction = await _context.Database.BeginTransactionAsync(cancellationToken).ConfigureAwait(false);
@@ -50,7 +54,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
 
     public async Task<bool> TryClaimAsync(InboxKey key, DateTime receivedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default)
     {
-        InboxSql sql = InboxSql.For(_context);
+        InboxSql sql = Sql;
         DbCommand command = CreateCommand(sql.Claim);
         await using var commandScope = command.ConfigureAwait(false);
         sql.AddKeyParameters(command, key, receivedAtUtc);
@@ -97,7 +101,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
         // Whatever the consumer left pending is part of its unit of work.
         await _context.SaveChangesAsync(cancellationToken).ConfigureAwait(false);
 
-        InboxSql sql = InboxSql.For(_context);
+        InboxSql sql = Sql;
         DbCommand command = CreateCommand(sql.MarkProcessed);
         await using (command.ConfigureAwait(false))
         {

@@ -118,8 +118,10 @@ internal sealed class MaintenanceSql
         string skipLocked = dialect == SqlDialect.PostgreSql ? " FOR UPDATE SKIP LOCKED" : "";
         string Subset(string inner) => dialect == SqlDialect.PostgreSql ? $"= ANY (ARRAY({inner}))" : $"IN ({inner})";
 
-        TimeMapping = (inbox ?? outbox)?.FindProperty(inbox is not null ? nameof(InboxMessage.ReceivedAt) : nameof(OutboxMessage.CreatedAt))!.GetRelationalTypeMapping()
+        IProperty timeProperty = inbox?.FindProperty(nameof(InboxMessage.ReceivedAt))
+            ?? outbox?.FindProperty(nameof(OutboxMessage.CreatedAt))
             ?? throw new InvalidOperationException("ExactlyOnce: the model has neither the inbox nor the outbox table.");
+        TimeMapping = timeProperty.GetRelationalTypeMapping();
         if (inbox is not null)
         {
             string table = Table(inbox);

@@ -24,6 +24,7 @@ internal sealed class EntityFrameworkOutboxWriter<TDbContext>(TDbContext context
             Destination = entry.Destination,
             CreatedAt = timeProvider.GetUtcNow().UtcDateTime,
         });
+        OutboxCommitNotifier.MarkWritingOutbox(context);
     }
 }
 

@@ -16,13 +16,8 @@ internal sealed class OutboxCommitNotifier(OutboxSignal signal)
 {
     private static readonly ConditionalWeakTable<DbContext, object> Pending = [];
 
-    public static void MarkIfWritingOutbox(DbContext? context)
-    {
-        if (context is not null && context.ChangeTracker.Entries<OutboxMessage>().Any(e => e.State == EntityState.Added))
-        {
-            Pending.AddOrUpdate(context, Pending);
-        }
-    }
+    /// <summary>Called by the outbox writer: this context's next commit carries outbox rows.</summary>
+    public static void MarkWritingOutbox(DbContext context) => Pending.AddOrUpdate(context, Pending);
 
     public static void Clear(DbContext? context)
     {
@@ -80,18 +75,6 @@ internal sealed class OutboxCommitNotifier(OutboxSignal signal)
 
 internal sealed class OutboxSaveChangesInterceptor(OutboxCommitNotifier notifier) : SaveChangesInterceptor
 {
-    public override InterceptionResult<int> SavingChanges(DbContextEventData eventData, InterceptionResult<int> result)
-    {
-        OutboxCommitNotifier.MarkIfWritingOutbox(eventData.Context);
-        return result;
-    }
-
-    public override ValueTask<InterceptionResult<int>> SavingChangesAsync(DbContextEventData eventData, InterceptionResult<int> result, CancellationToken cancellationToken = default)
-    {
-        OutboxCommitNotifier.MarkIfWritingOutbox(eventData.Context);
-        return ValueTask.FromResult(result);
-    }
-
     public override int SavedChanges(SaveChangesCompletedEventData eventData, int result)
     {
         if (eventData.Context?.Database.CurrentTransaction is null)
@@ -113,13 +96,7 @@ internal sealed class OutboxSaveChangesInterceptor(OutboxCommitNotifier notifier
         return result;
     }
 
-    public override void SaveChangesFailed(DbContextErrorEventData eventData) => OutboxCommitNotifier.Clear(eventData.Context);
-
-    public override Task SaveChangesFailedAsync(DbContextErrorEventData eventData, CancellationToken cancellationToken = default)
-    {
-        OutboxCommitNotifier.Clear(eventData.Context);
-        return Task.CompletedTask;
-    }
+    // A failed SaveChanges leaves the rows tracked as Added: a retried SaveChanges still wakes the dispatcher.
 }
 
 internal sealed class OutboxTransactionInterceptor(OutboxCommitNotifier notifier) : DbTransactionInterceptor

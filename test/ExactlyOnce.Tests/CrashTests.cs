@@ -1,4 +1,3 @@
-using System.Diagnostics;
 using ExactlyOnce.Tests.Infrastructure;
 using ExactlyOnce.TestHost;
 using MassTransit;
@@ -54,98 +53,8 @@ public sealed class CrashTests : PostgresRabbitTest
     }
 }
 
-/// <summary>Runs ExactlyOnce.TestHost as a separate process and reads its stdout line by line.</summary>
-internal sealed class ChildProcess : IDisposable
+/// <summary>ExactlyOnce.TestHost as a separate process (see its Program.cs for the modes).</summary>
+internal sealed class ChildProcess(params string[] args) : TestProcess("ExactlyOnce.TestHost.dll", args)
 {
-    private readonly Process _process;
-    private readonly List<string> _lines = [];
-    private readonly SemaphoreSlim _lineAdded = new(0);
-
-    public ChildProcess(params string[] args)
-    {
-        string dll = Path.Combine(AppContext.BaseDirectory, "ExactlyOnce.TestHost.dll");
-        var start = new ProcessStartInfo("dotnet") { RedirectStandardOutput = true, RedirectStandardError = true, UseShellExecute = false };
-        start.ArgumentList.Add(dll);
-        foreach (string arg in args)
-        {
-            start.ArgumentList.Add(arg);
-        }
-
-        _process = new Process { StartInfo = start };
-        _process.OutputDataReceived += (_, e) =>
-        {
-            if (e.Data is null)
-            {
-                return;
-            }
-
-            lock (_lines)
-            {
-                _lines.Add(e.Data);
-            }
-
-            _lineAdded.Release();
-        };
-        _process.ErrorDataReceived += (_, e) =>
-        {
-            if (e.Data is not null)
-            {
-                lock (_lines)
-                {
-                    _lines.Add("stderr: " + e.Data);
-                }
-            }
-        };
-        _process.Start();
-        _process.BeginOutputReadLine();
-        _process.BeginErrorReadLine();
-    }
-
-    public int ExitCode => _process.ExitCode;
-
-    public async Task WaitForLineAsync(string line, TimeSpan timeout)
-    {
-        var deadline = Stopwatch.StartNew();
-        while (true)
-        {
-            lock (_lines)
-            {
-                if (_lines.Contains(line))
-                {
-                    return;
-                }
-            }
-
-            if (_process.HasExited || deadline.Elapsed > timeout)
-            {
-                string output;
-                lock (_lines)
-                {
-                    output = string.Join(Environment.NewLine, _lines);
-                }
-
-                throw new TimeoutException($"'{line}' not printed (exited: {_process.HasExited}). Output:{Environment.NewLine}{output}");
-            }
-
-            await _lineAdded.WaitAsync(TimeSpan.FromMilliseconds(200));
-        }
-    }
-
-    /// <summary>SIGKILL: no shutdown hooks, no acknowledgement, no cleanup.</summary>
-    public void Kill()
-    {
-        _process.Kill(entireProcessTree: false);
-        _process.WaitForExit();
-    }
-
-    public void Dispose()
-    {
-        if (!_process.HasExited)
-        {
-            Kill();
-        }
-
-        _process.Dispose();
-        _lineAdded.Dispose();
-    }
+    public Task WaitForLineAsync(string line, TimeSpan timeout) => WaitForOutputAsync(line, timeout);
 }

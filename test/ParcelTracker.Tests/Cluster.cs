@@ -28,7 +28,7 @@ internal sealed class Cluster : IAsyncDisposable
 
     public static async Task<Cluster> StartApiAndWorkerAsync(string database)
     {
-        var cluster = new Cluster(database, AppProcess.FreePort());
+        var cluster = new Cluster(database, TestProcess.FreePort());
         var api = cluster.Start(["api", .. cluster.StoreArgs, "--urls", $"http://127.0.0.1:{cluster.Port}"]);
         await api.WaitForOutputAsync("Now listening on", TimeSpan.FromSeconds(90)); // the schema exists from here on
         var worker = cluster.Start(["worker", .. cluster.StoreArgs]);

@@ -33,7 +33,7 @@ public sealed class EndToEndTests(ITestOutputHelper output) : IAsyncLifetime
     public async Task SeparateProcesses_ConsumerKilledMidStream_EveryParcelHasOneSlotAndOneInboxRowPerConsumer()
     {
         string rabbit = TestHosts.RabbitMq.ToString();
-        int port = AppProcess.FreePort();
+        int port = TestProcess.FreePort();
         string[] store = ["--postgres", _database, "--rabbitmq", rabbit];
         using var api = new AppProcess(["api", .. store, "--urls", $"http://127.0.0.1:{port}"]);
         await api.WaitForOutputAsync("Now listening on", TimeSpan.FromSeconds(90)); // the schema exists from here on
@@ -61,7 +61,7 @@ public sealed class EndToEndTests(ITestOutputHelper output) : IAsyncLifetime
 
                 if (Interlocked.Increment(ref posted) == Parcels / 3)
                 {
-                    await Eventually(async () => await Services.ScalarAsync(_database, "SELECT count(*) FROM inbox_messages") > 0, TimeSpan.FromSeconds(60));
+                    await Eventually.AssertAsync(async () => await Services.ScalarAsync(_database, "SELECT count(*) FROM inbox_messages") > 0, "the consumer has committed work", TimeSpan.FromSeconds(60));
                     long processed = await Services.ScalarAsync(_database, "SELECT count(*) FROM inbox_messages");
                     int postedAtKill = Volatile.Read(ref posted);
                     consumer.Kill();
@@ -73,14 +73,15 @@ public sealed class EndToEndTests(ITestOutputHelper output) : IAsyncLifetime
             await restarted!.WaitForOutputAsync("Bus started", TimeSpan.FromSeconds(90));
 
             // 2. Redeliveries: a sample of the events again, with their original message ids.
-            await Eventually(async () => await Services.ScalarAsync(_database, "SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL") >= Parcels, TimeSpan.FromMinutes(2));
+            await Eventually.AssertAsync(async () => await Services.ScalarAsync(_database, "SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NOT NULL") >= Parcels, "every event dispatched", TimeSpan.FromMinutes(2));
             await RedeliverAsync(Redelivered);
 
             // 3. Everything settles.
-            await Eventually(async () =>
+            await Eventually.AssertAsync(async () =>
                     await Services.ScalarAsync(_database, "SELECT count(*) FROM parcels WHERE pickup_slot IS NOT NULL AND notified_at IS NOT NULL") == Parcels
                     && await Services.ReadyMessagesAsync("parcel-created-carrier") == 0
                     && await Services.ReadyMessagesAsync("parcel-created-notification") == 0,
+                "every parcel settled and both queues drained",
                 TimeSpan.FromMinutes(4));
 
             long slots = await Services.ScalarAsync(_database, "SELECT count(*) FROM parcels WHERE pickup_slot IS NOT NULL");
@@ -137,17 +138,4 @@ public sealed class EndToEndTests(ITestOutputHelper output) : IAsyncLifetime
         await host.StopAsync();
     }
 
-    private static async Task Eventually(Func<Task<bool>> condition, TimeSpan timeout)
-    {
-        var clock = System.Diagnostics.Stopwatch.StartNew();
-        while (!await condition())
-        {
-            if (clock.Elapsed > timeout)
-            {
-                throw new TimeoutException($"condition not reached within {timeout}");
-            }
-
-            await Task.Delay(100);
-        }
-    }
 }

@@ -33,7 +33,7 @@ public sealed class FaultTests(ITestOutputHelper output) : IAsyncLifetime
         await using var cluster = await Cluster.StartApiAndWorkerAsync(_database);
         var ids = await QueueParcelsWithoutConsumerAsync(cluster, Parcels);
         var consumer = await cluster.StartConsumerAsync();
-        await WaitUntilAsync(async () => await cluster.ScalarAsync("SELECT count(*) FROM inbox_messages") >= Parcels / 5, TimeSpan.FromSeconds(60));
+        await Eventually.AssertAsync(async () => await cluster.ScalarAsync("SELECT count(*) FROM inbox_messages") >= Parcels / 5, "a fifth of the messages processed", TimeSpan.FromSeconds(60));
 
         long processedBefore = await cluster.ScalarAsync("SELECT count(*) FROM inbox_messages");
         await RunAsync("pg_ctlcluster", "--skip-systemctl-redirect", "15", "main", "stop", "-m", "fast");
@@ -55,7 +55,7 @@ public sealed class FaultTests(ITestOutputHelper output) : IAsyncLifetime
         await using var cluster = await Cluster.StartApiAndWorkerAsync(_database);
         var ids = await QueueParcelsWithoutConsumerAsync(cluster, Parcels);
         var consumer = await cluster.StartConsumerAsync();
-        await WaitUntilAsync(async () => await cluster.ScalarAsync("SELECT count(*) FROM inbox_messages") >= Parcels / 5, TimeSpan.FromSeconds(60));
+        await Eventually.AssertAsync(async () => await cluster.ScalarAsync("SELECT count(*) FROM inbox_messages") >= Parcels / 5, "a fifth of the messages processed", TimeSpan.FromSeconds(60));
 
         long processedBefore = await cluster.ScalarAsync("SELECT count(*) FROM inbox_messages");
         await RunAsync("rabbitmqctl", "stop_app");
@@ -77,9 +77,9 @@ public sealed class FaultTests(ITestOutputHelper output) : IAsyncLifetime
     public async Task DatabaseUnreachableAtStartup_ClearErrorAndRetries_NotACrashLoop_NoCredentialsLogged()
     {
         using var api = new AppProcess("api", "--postgres", "Host=127.0.0.1;Port=1;Username=postgres;Password=s3cret-not-logged;Database=none;Timeout=1",
-            "--rabbitmq", TestHosts.RabbitMq.ToString(), "--urls", $"http://127.0.0.1:{AppProcess.FreePort()}");
+            "--rabbitmq", TestHosts.RabbitMq.ToString(), "--urls", $"http://127.0.0.1:{TestProcess.FreePort()}");
 
-        await WaitUntilAsync(() => Task.FromResult(api.Lines.Count(l => l.Contains("Database not reachable", StringComparison.Ordinal)) >= 3), TimeSpan.FromSeconds(30));
+        await Eventually.AssertAsync(() => Task.FromResult(api.Lines.Count(l => l.Contains("Database not reachable", StringComparison.Ordinal)) >= 3), "three retry warnings", TimeSpan.FromSeconds(30));
 
         Assert.False(api.HasExited, "it keeps retrying instead of exiting");
         string warning = api.Lines.First(l => l.Contains("Database not reachable", StringComparison.Ordinal));
@@ -104,7 +104,7 @@ public sealed class FaultTests(ITestOutputHelper output) : IAsyncLifetime
             await channel.BasicPublishAsync("", "parcel-created-carrier", false, props, "{ this is not json"u8.ToArray());
         }
 
-        await WaitUntilAsync(async () => await Services.ReadyMessagesAsync("parcel-created-carrier_error") == 1, TimeSpan.FromSeconds(60));
+        await Eventually.AssertAsync(async () => await Services.ReadyMessagesAsync("parcel-created-carrier_error") == 1, "moved to the error queue", TimeSpan.FromSeconds(60));
         await cluster.WaitUntilSettledAsync(20, TimeSpan.FromMinutes(1));
         await using (var connection = await factory.CreateConnectionAsync())
         await using (var channel = await connection.CreateChannelAsync())
@@ -133,8 +133,8 @@ public sealed class FaultTests(ITestOutputHelper output) : IAsyncLifetime
         var first = await cluster.StartConsumerAsync();
         first.Kill();
         var ids = await cluster.PostParcelsAsync(count);
-        await WaitUntilAsync(async () => await cluster.ScalarAsync("SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NULL") == 0
-            && await Services.ReadyMessagesAsync("parcel-created-carrier") == count, TimeSpan.FromSeconds(60));
+        await Eventually.AssertAsync(async () => await cluster.ScalarAsync("SELECT count(*) FROM outbox_messages WHERE dispatched_at IS NULL") == 0
+            && await Services.ReadyMessagesAsync("parcel-created-carrier") == count, "every event dispatched and waiting in its queue", TimeSpan.FromSeconds(60));
         return ids;
     }
 
@@ -177,17 +177,4 @@ public sealed class FaultTests(ITestOutputHelper output) : IAsyncLifetime
         }
     }
 
-    private static async Task WaitUntilAsync(Func<Task<bool>> condition, TimeSpan timeout)
-    {
-        var clock = Stopwatch.StartNew();
-        while (!await condition())
-        {
-            if (clock.Elapsed > timeout)
-            {
-                throw new TimeoutException($"condition not reached within {timeout}");
-            }
-
-            await Task.Delay(100);
-        }
-    }
 }

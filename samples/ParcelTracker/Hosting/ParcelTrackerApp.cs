@@ -170,14 +170,25 @@ internal sealed class SchemaInitializer(IServiceProvider services, AppSettings s
             catch (Exception exception) when (attempt < 30 && exception is System.Data.Common.DbException or InvalidOperationException or TimeoutException)
             {
                 // The innermost error says what failed ("Failed to connect to 127.0.0.1:5432"); EF's wrapper only says "transient".
-                logger.LogWarning("Database not reachable or not ready ({Error}); attempt {Attempt}, retrying in 2 s",
-                    exception.GetBaseException() is var cause && cause != exception ? exception.InnerException?.Message + " → " + cause.Message : exception.Message, attempt);
+                logger.LogWarning("Database not reachable or not ready ({Error}); attempt {Attempt}, retrying in 2 s", Causes(exception), attempt);
                 await Task.Delay(TimeSpan.FromSeconds(2), cancellationToken);
             }
         }
     }
 
     public Task StopAsync(CancellationToken cancellationToken) => Task.CompletedTask;
+
+    /// <summary>The inner causes joined ("Failed to connect to 127.0.0.1:5432 → Connection refused"), skipping EF's generic wrapper.</summary>
+    private static string Causes(Exception exception)
+    {
+        var messages = new List<string>();
+        for (Exception? e = exception.InnerException ?? exception; e is not null; e = e.InnerException)
+        {
+            messages.Add(e.Message);
+        }
+
+        return string.Join(" → ", messages.Distinct());
+    }
 
     private static async Task<bool> TableExistsAsync(DbContext db, string table, CancellationToken cancellationToken)
     {

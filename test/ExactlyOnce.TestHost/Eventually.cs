@@ -1,6 +1,6 @@
 using System.Diagnostics;
 
-namespace ExactlyOnce.Tests.Infrastructure;
+namespace ExactlyOnce.TestHost;
 
 /// <summary>Polls a condition with a bounded deadline instead of sleeping a fixed time.</summary>
 public static class Eventually

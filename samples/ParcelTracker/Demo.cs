@@ -10,31 +10,43 @@ using ParcelTracker.Data;
 using ParcelTracker.Domain.Events;
 using ParcelTracker.Hosting;
 using ParcelTracker.OutsideWorld;
+using ExactlyOnce.Steps;
 
 namespace ParcelTracker;
 
 /// <summary>
-/// <c>demo [--parcels N] [--duplicates FRACTION] [--postgres … --rabbitmq …]</c>: registers N parcels through the
-/// HTTP API, republishes a fraction of their events with the original message ids (simulated redeliveries), waits
-/// until everything has settled and reports. The last line is one JSON object whose counts are read from the tables.
+/// <c>demo [--parcels N] [--duplicates FRACTION] [--crash-rate FRACTION] [--postgres … --rabbitmq …]</c>: registers N
+/// parcels through the HTTP API, republishes a fraction of their events with the original message ids (simulated
+/// redeliveries), waits until everything has settled and reports. With <c>--crash-rate</c> the consumers run as a
+/// child process that kills itself with SIGKILL at random crash points and are restarted. The
+/// last line is one JSON object whose counts are read from the tables.
 /// </summary>
 internal static class Demo
 {
     public static async Task<int> RunAsync(string[] args)
     {
         var options = new ConfigurationBuilder()
-            .AddCommandLine(args, new Dictionary<string, string> { ["--parcels"] = "Parcels", ["--duplicates"] = "Duplicates" })
+            .AddCommandLine(args, new Dictionary<string, string> { ["--parcels"] = "Parcels", ["--duplicates"] = "Duplicates", ["--crash-rate"] = "CrashRate" })
             .Build();
         int parcels = int.Parse(options["Parcels"] ?? "100", CultureInfo.InvariantCulture);
         double duplicates = double.Parse(options["Duplicates"] ?? "0.1", CultureInfo.InvariantCulture);
-        if (parcels < 1 || duplicates is < 0 or > 1)
+        double crashRate = double.Parse(options["CrashRate"] ?? "0", CultureInfo.InvariantCulture);
+        if (parcels < 1 || duplicates is < 0 or > 1 || crashRate is < 0 or >= 1)
         {
-            Console.Error.WriteLine("demo: --parcels must be at least 1 and --duplicates between 0 and 1");
+            Console.Error.WriteLine("demo: --parcels must be at least 1, --duplicates between 0 and 1, --crash-rate at least 0 and below 1");
+            return 2;
+        }
+
+        if (crashRate > 0 && !(args.Contains("--postgres") && args.Contains("--rabbitmq")))
+        {
+            Console.Error.WriteLine("demo: --crash-rate runs the consumers as separate processes, which need a shared database and broker: " +
+                                    "add --postgres \"<connection string>\" --rabbitmq amqp://… (the embedded SQLite + in-memory transport live in one process)");
             return 2;
         }
 
         string? tempSqlite = null;
-        var appArgs = args.ToList();
+        var appArgs = WithoutOption(args, "--crash-rate").ToList();
+        await using var children = crashRate > 0 ? new CrashingChildren([.. appArgs, "--crash-rate", crashRate.ToString(CultureInfo.InvariantCulture)]) : null;
         if (!appArgs.Contains("--postgres") && !appArgs.Contains("--sqlite"))
         {
             // A fresh embedded database per demo run.
@@ -43,7 +55,7 @@ internal static class Demo
         }
 
         appArgs.AddRange(["--urls", "http://127.0.0.1:0"]);
-        var app = ParcelTrackerApp.Build(Roles.All, [.. appArgs], b =>
+        var app = ParcelTrackerApp.Build(children is null ? Roles.All : Roles.Api | Roles.Worker, [.. appArgs], b =>
         {
             // The report is the output (duplicates are expected here): the console shows errors only, whatever the configuration says.
             b.Logging.AddFilter<Microsoft.Extensions.Logging.Console.ConsoleLoggerProvider>(level => level >= LogLevel.Error);
@@ -67,6 +79,15 @@ internal static class Demo
             var settings = app.Services.GetRequiredService<AppSettings>();
             Console.WriteLine($"ExactlyOnce Parcel Tracker demo: {parcels} parcels, {duplicates:P0} of their events redelivered");
             Console.WriteLine($"  store and transport: {settings.Describe()}");
+            var outsideWorld = app.Services.GetRequiredService<OutsideWorldSettings>();
+            Console.WriteLine($"  carrier {(outsideWorld.CarrierHonoursKeys ? "honours" : "ignores")} idempotency keys, unknown booking outcome → " +
+                              $"{app.Services.GetRequiredService<ParcelTracker.Consumers.CarrierStepPolicy>().Mode}; SMS gateway {(outsideWorld.SmsHonoursKeys ? "honours" : "ignores")} keys");
+            if (children is not null)
+            {
+                Console.WriteLine($"  consumers run as a child process killed with SIGKILL at {crashRate:P1} of crash-point visits, and restarted");
+                await children.StartAsync();
+            }
+
             string address = app.Services.GetRequiredService<IServer>().Features.Get<IServerAddressesFeature>()!.Addresses.First();
             using var http = new HttpClient { BaseAddress = new Uri(address) };
 
@@ -108,10 +129,12 @@ internal static class Demo
             while (true)
             {
                 int settled = await CountSettledAsync(app.Services, ids);
-                bool done = settled == parcels && Interlocked.Read(ref duplicatesDiscarded) >= 2L * redelivered;
+                long discarded = children?.DuplicatesDiscarded ?? Interlocked.Read(ref duplicatesDiscarded);
+                bool done = settled == parcels && discarded >= 2L * redelivered;
                 if (settled != lastReported || done)
                 {
-                    Console.WriteLine($"  settled {settled}/{parcels} parcels; {Interlocked.Read(ref duplicatesDiscarded)} duplicate deliveries discarded");
+                    Console.WriteLine($"  settled {settled}/{parcels} parcels; {discarded} duplicate deliveries discarded" +
+                                      (children is null ? "" : $"; {children.Kills} crashes so far"));
                     lastReported = settled;
                 }
 
@@ -133,18 +156,26 @@ internal static class Demo
             await using var outside = await scope.ServiceProvider.GetRequiredService<IDbContextFactory<OutsideWorldDbContext>>().CreateDbContextAsync();
             int reservations = await outside.CarrierReservations.CountAsync(r => ids.Contains(r.ParcelId));
             int notifications = await outside.NotificationsSent.CountAsync(n => ids.Contains(n.ParcelId));
+            int reservationCalls = await outside.CarrierReservations.Where(r => ids.Contains(r.ParcelId)).SumAsync(r => r.Calls);
+            int smsCalls = await outside.NotificationsSent.Where(n => ids.Contains(n.ParcelId)).SumAsync(n => n.Calls);
+            int parked = (await app.Services.GetRequiredService<IRecordedStepAdministration>().ListParkedAsync(int.MaxValue)).Count;
             double seconds = Math.Round(clock.Elapsed.TotalSeconds, 2);
-            Console.WriteLine($"  outside world saw {reservations} carrier reservations and {notifications} SMS for {parcels} parcels " +
-                              (reservations == parcels && notifications == parcels ? "(each exactly once)" : "(NOT exactly once)"));
+            bool exact = reservations == parcels && notifications == parcels && parked == 0;
+            bool parkedSafely = parked > 0 && reservations <= parcels && notifications == parcels;
+            Console.WriteLine($"  outside world saw {reservations} carrier reservations ({reservationCalls} calls) and {notifications} SMS ({smsCalls} calls) " +
+                              $"for {parcels} parcels; {parked} bookings parked with an unknown outcome " +
+                              (exact ? "(each exactly once)" : parkedSafely ? "(at most once; parked ones wait for an operator)" : "(NOT exactly once)"));
             Console.WriteLine(JsonSerializer.Serialize(new Dictionary<string, object>
             {
                 ["parcels"] = parcels,
                 ["carrier_reservations"] = reservations,
                 ["notifications_sent"] = notifications,
-                ["duplicates_discarded"] = Interlocked.Read(ref duplicatesDiscarded),
+                ["parked"] = parked,
+                ["duplicates_discarded"] = children?.DuplicatesDiscarded ?? Interlocked.Read(ref duplicatesDiscarded),
+                ["crashes"] = children?.Kills ?? 0,
                 ["seconds"] = seconds,
             }));
-            return reservations == parcels && notifications == parcels ? 0 : 1;
+            return exact || parkedSafely ? 0 : 1;
         }
         finally
         {
@@ -185,10 +216,29 @@ internal static class Demo
         }
     }
 
+    /// <summary>Parcels whose booking is recorded (or parked) and whose SMS reached the gateway.</summary>
     private static async Task<int> CountSettledAsync(IServiceProvider services, List<Guid> ids)
     {
         await using var scope = services.CreateAsyncScope();
         var db = scope.ServiceProvider.GetRequiredService<ParcelDbContext>();
-        return await db.Parcels.CountAsync(p => ids.Contains(p.Id) && p.PickupSlot != null && p.NotifiedAt != null);
+        int booked = await db.Parcels.CountAsync(p => ids.Contains(p.Id) && p.PickupSlot != null && p.NotifiedAt != null);
+        int parked = (await services.GetRequiredService<IRecordedStepAdministration>().ListParkedAsync(int.MaxValue)).Count;
+        await using var outside = await scope.ServiceProvider.GetRequiredService<IDbContextFactory<OutsideWorldDbContext>>().CreateDbContextAsync();
+        int notified = await outside.NotificationsSent.Where(n => ids.Contains(n.ParcelId)).Select(n => n.ParcelId).Distinct().CountAsync();
+        return Math.Min(booked + parked, notified);
+    }
+
+    private static IEnumerable<string> WithoutOption(string[] args, string option)
+    {
+        for (int i = 0; i < args.Length; i++)
+        {
+            if (args[i] == option)
+            {
+                i++; // and its value
+                continue;
+            }
+
+            yield return args[i];
+        }
     }
 }

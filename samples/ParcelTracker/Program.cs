@@ -9,18 +9,25 @@ if (role == "demo")
     return await Demo.RunAsync(rest);
 }
 
-Roles roles = role switch
+// Roles combine with commas: "consumer,worker" runs the consumers and the dispatcher in one process.
+Roles roles = Roles.None;
+foreach (string name in role.Split(','))
 {
-    "all" => Roles.All,
-    "api" => Roles.Api,
-    "consumer" => Roles.Consumer,
-    "worker" => Roles.Worker,
-    _ => Roles.None,
-};
-if (roles == Roles.None)
-{
-    Console.Error.WriteLine($"Unknown role '{role}'. Use one of: all (default), api, consumer, worker, demo.");
-    return 2;
+    Roles one = name switch
+    {
+        "all" => Roles.All,
+        "api" => Roles.Api,
+        "consumer" => Roles.Consumer,
+        "worker" => Roles.Worker,
+        _ => Roles.None,
+    };
+    if (one == Roles.None)
+    {
+        Console.Error.WriteLine($"Unknown role '{name}'. Use one of: all (default), api, consumer, worker (or a comma-separated combination), demo.");
+        return 2;
+    }
+
+    roles |= one;
 }
 
 var app = ParcelTrackerApp.Build(roles, rest);

@@ -1,6 +1,7 @@
 using ExactlyOnce;
 using ExactlyOnce.EntityFrameworkCore;
 using ExactlyOnce.Outbox;
+using ExactlyOnce.Steps;
 using Microsoft.EntityFrameworkCore;
 using Microsoft.Extensions.DependencyInjection.Extensions;
 
@@ -24,6 +25,12 @@ public static class ExactlyOnceEntityFrameworkServiceCollectionExtensions
         services.TryAddScoped<IOutboxWriter, EntityFrameworkOutboxWriter<TDbContext>>();
         services.TryAddSingleton<IOutboxStore, EntityFrameworkOutboxStore<TDbContext>>();
         services.TryAddSingleton<ExactlyOnce.Maintenance.IMaintenanceStore, EntityFrameworkMaintenanceStore<TDbContext>>();
+        if (!services.Any(d => d.ServiceType == typeof(IStepStore)))
+        {
+            services.AddSingleton<IStepStore>(sp => new EntityFrameworkStepStore<TDbContext>(
+                sp.GetRequiredService<IServiceScopeFactory>(), new StepStoreOptions(SharesInboxDatabase: true)));
+        }
+
         if (!services.Any(d => d.ServiceType == typeof(OutboxCommitNotifier)))
         {
             services.AddSingleton<OutboxCommitNotifier>();
@@ -34,6 +41,23 @@ public static class ExactlyOnceEntityFrameworkServiceCollectionExtensions
                 sp.GetRequiredService<OutboxTransactionInterceptor>()));
         }
 
+        return services;
+    }
+
+    /// <summary>
+    /// Keeps the recorded steps' journal in <typeparamref name="TStepsDbContext"/> (whose model calls
+    /// <c>AddExactlyOnceRecordedSteps()</c>) instead of the inbox's own DbContext. Needed on SQLite, where the journal's
+    /// writes on their own connection cannot share a database file with the consumer's open transaction; optional elsewhere.
+    /// </summary>
+    public static IServiceCollection AddExactlyOnceRecordedSteps<TStepsDbContext>(this IServiceCollection services)
+        where TStepsDbContext : DbContext
+    {
+        ArgumentNullException.ThrowIfNull(services);
+        services.AddExactlyOnceCore();
+        services.RemoveAll<IStepStore>();
+        bool shares = services.Any(d => d.ServiceType == typeof(IInboxStore) && d.ImplementationType == typeof(EntityFrameworkInboxStore<TStepsDbContext>));
+        services.AddSingleton<IStepStore>(sp => new EntityFrameworkStepStore<TStepsDbContext>(
+            sp.GetRequiredService<IServiceScopeFactory>(), new StepStoreOptions(shares)));
         return services;
     }
 }

@@ -12,9 +12,41 @@ public static class ExactlyOnceModelBuilderExtensions
     /// <summary>The outbox table's name.</summary>
     public const string OutboxTableName = "outbox_messages";
 
-    /// <summary>Adds both the inbox and the outbox tables.</summary>
+    /// <summary>The recorded steps table's name.</summary>
+    public const string RecordedStepsTableName = "recorded_steps";
+
+    /// <summary>Adds the inbox, the outbox (which also holds after-commit actions) and the recorded steps tables.</summary>
     public static ModelBuilder AddExactlyOnce(this ModelBuilder modelBuilder, string? schema = null) =>
-        modelBuilder.AddExactlyOnceInbox(schema).AddExactlyOnceOutbox(schema);
+        modelBuilder.AddExactlyOnceInbox(schema).AddExactlyOnceOutbox(schema).AddExactlyOnceRecordedSteps(schema);
+
+    /// <summary>
+    /// Maps <c>recorded_steps</c>: primary key <c>pk_recorded_steps (message_id, consumer_type, step_name)</c>,
+    /// <c>idempotency_key uuid</c>, <c>status</c> (Started, Completed, NotDone, Parked), <c>result</c> (JSON),
+    /// <c>attempts</c>, <c>started_at</c>, <c>completed_at</c>, <c>reason</c>; index <c>ix_recorded_steps_started_at</c>
+    /// for the retention cleanup. Its rows are written outside the consumer's transaction, on their own connection.
+    /// Then add a migration (<c>dotnet ef migrations add AddExactlyOnceRecordedSteps</c>).
+    /// </summary>
+    public static ModelBuilder AddExactlyOnceRecordedSteps(this ModelBuilder modelBuilder, string? schema = null)
+    {
+        ArgumentNullException.ThrowIfNull(modelBuilder);
+        modelBuilder.Entity<RecordedStep>(entity =>
+        {
+            entity.ToTable(RecordedStepsTableName, schema);
+            entity.HasKey(e => new { e.MessageId, e.ConsumerType, e.StepName }).HasName("pk_recorded_steps");
+            entity.Property(e => e.MessageId).HasColumnName("message_id").ValueGeneratedNever();
+            entity.Property(e => e.ConsumerType).HasColumnName("consumer_type").HasMaxLength(ExactlyOnceOptions.MaxConsumerNameLength).IsRequired();
+            entity.Property(e => e.StepName).HasColumnName("step_name").HasMaxLength(200).IsRequired();
+            entity.Property(e => e.IdempotencyKey).HasColumnName("idempotency_key").IsRequired();
+            entity.Property(e => e.Status).HasColumnName("status").HasConversion<string>().HasMaxLength(16).IsRequired();
+            entity.Property(e => e.Result).HasColumnName("result");
+            entity.Property(e => e.Attempts).HasColumnName("attempts").IsRequired();
+            entity.Property(e => e.StartedAt).HasColumnName("started_at").IsRequired();
+            entity.Property(e => e.CompletedAt).HasColumnName("completed_at");
+            entity.Property(e => e.Reason).HasColumnName("reason");
+            entity.HasIndex(e => e.StartedAt).HasDatabaseName("ix_recorded_steps_started_at");
+        });
+        return modelBuilder;
+    }
 
     /// <summary>
     /// Maps <c>outbox_messages</c>: <c>sequence</c> (identity, primary key, the order of creation), <c>message_id uuid</c>

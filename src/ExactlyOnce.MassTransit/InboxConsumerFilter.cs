@@ -1,4 +1,5 @@
 using ExactlyOnce.Outbox;
+using ExactlyOnce.Steps;
 using ExactlyOnce.Telemetry;
 using MassTransit;
 using Microsoft.Extensions.DependencyInjection;
@@ -56,6 +57,7 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
             ? new OutboxConsumeContext<TConsumer, TMessage>(context, writer)
             : context;
         var key = new InboxKey(messageId, _consumerName);
+        provider.GetService<InboxContext>()?.Enter(key); // recorded steps and after-commit actions derive their keys from it
         try
         {
             await _protocol.ProcessAsync(store, key, _ => next.Send(consumeContext), context.CancellationToken).ConfigureAwait(false);
@@ -69,6 +71,33 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
             await context.Forward(inputAddress).ConfigureAwait(false);
             Log.DeliveryDeferred(_logger, messageId, _consumerName, inputAddress);
         }
+        catch (StepOutcomeUnknownException exception)
+        {
+            // Set aside, never lost: a copy with the same message id and headers (plus the reason) goes to the parked
+            // queue, confirmed by the broker before this delivery is acknowledged. Retrying here would only park again.
+            Uri parked = ParkedAddress(context.ReceiveContext.InputAddress);
+            string reason = exception.Message.Length <= 4000 ? exception.Message : exception.Message[..4000];
+            await context.Forward(parked, Pipe.Execute<SendContext<TMessage>>(send =>
+            {
+                send.Headers.Set(ParkedReasonHeader, reason);
+                send.Headers.Set(ParkedConsumerHeader, _consumerName);
+            })).ConfigureAwait(false);
+            Log.MessageParked(_logger, messageId, _consumerName, parked, reason);
+        }
+    }
+
+    /// <summary>The header that carries why a message was parked.</summary>
+    public const string ParkedReasonHeader = "ExactlyOnce-Parked-Reason";
+
+    /// <summary>The header that names the consumer whose step parked the message.</summary>
+    public const string ParkedConsumerHeader = "ExactlyOnce-Parked-Consumer";
+
+    /// <summary>The endpoint's parked queue: its input queue's name with <c>_parked</c> appended (next to MassTransit's <c>_error</c>).</summary>
+    internal static Uri ParkedAddress(Uri inputAddress)
+    {
+        // The short "queue:" form makes every transport declare the queue (and, on RabbitMQ, its exchange and binding).
+        string queue = inputAddress.AbsolutePath.TrimEnd('/').Split('/')[^1];
+        return new Uri("queue:" + queue + "_parked");
     }
 
     public void Probe(ProbeContext context) => context.CreateFilterScope("exactlyOnceInbox").Add("consumer", _consumerName);

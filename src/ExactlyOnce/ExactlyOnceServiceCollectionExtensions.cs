@@ -33,6 +33,10 @@ public static class ExactlyOnceServiceCollectionExtensions
         services.TryAddSingleton<ExactlyOnce.Maintenance.StatisticsState>();
         services.TryAddSingleton<ExactlyOnce.Maintenance.CleanupState>();
         services.TryAddSingleton<ExactlyOnce.Maintenance.ProcessStart>();
+        services.TryAddScoped<InboxContext>();
+        services.TryAddScoped<ExactlyOnce.Steps.IRecordedSteps, ExactlyOnce.Steps.RecordedSteps>();
+        services.TryAddSingleton<ExactlyOnce.Steps.IRecordedStepAdministration, ExactlyOnce.Steps.RecordedStepAdministration>();
+        services.TryAddScoped<ExactlyOnce.Actions.IAfterCommitActions, ExactlyOnce.Actions.AfterCommitActions>();
         services.TryAddSingleton(sp => new InboxProtocol(
             sp.GetRequiredService<IOptions<ExactlyOnceOptions>>(),
             sp.GetRequiredService<TimeProvider>(),
@@ -51,13 +55,33 @@ public static class ExactlyOnceServiceCollectionExtensions
         services.AddExactlyOnceCore();
         services.TryAddSingleton(sp => new ExactlyOnce.Outbox.OutboxDispatcher(
             sp.GetRequiredService<ExactlyOnce.Outbox.IOutboxStore>(),
-            sp.GetRequiredService<ExactlyOnce.Outbox.IOutboxTransport>(),
+            new ExactlyOnce.Actions.AfterCommitActionRoute(
+                sp.GetService<ExactlyOnce.Outbox.IOutboxTransport>(),
+                sp.GetServices<ExactlyOnce.Actions.AfterCommitActionRegistration>(),
+                sp.GetRequiredService<IServiceScopeFactory>(),
+                sp.GetRequiredService<ExactlyOnceTelemetry>()),
             sp.GetRequiredService<ExactlyOnce.Outbox.OutboxSignal>(),
             sp.GetRequiredService<IOptions<ExactlyOnceOptions>>(),
             sp.GetRequiredService<TimeProvider>(),
             sp.GetRequiredService<ExactlyOnceTelemetry>(),
             sp.GetRequiredService<ILogger<ExactlyOnce.Outbox.OutboxDispatcher>>()));
         services.AddHostedService(sp => sp.GetRequiredService<ExactlyOnce.Outbox.OutboxDispatcher>());
+        return services;
+    }
+
+    /// <summary>
+    /// Registers the handler of after-commit action <paramref name="name"/> (scheduled with
+    /// <see cref="ExactlyOnce.Actions.IAfterCommitActions"/>). Register it in every process that runs the outbox
+    /// dispatcher: the dispatcher executes the action after the scheduling transaction committed.
+    /// </summary>
+    public static IServiceCollection AddExactlyOnceAfterCommitAction<TPayload, THandler>(this IServiceCollection services, string name)
+        where THandler : class, ExactlyOnce.Actions.IAfterCommitAction<TPayload>
+    {
+        ArgumentNullException.ThrowIfNull(services);
+        ExactlyOnce.Actions.AfterCommitActionRoute.ValidateName(name);
+        services.AddExactlyOnceCore();
+        services.TryAddScoped<THandler>();
+        services.AddSingleton(ExactlyOnce.Actions.AfterCommitActionRegistration.For<TPayload, THandler>(name));
         return services;
     }
 
@@ -75,7 +99,8 @@ public static class ExactlyOnceServiceCollectionExtensions
             sp.GetRequiredService<TimeProvider>(),
             sp.GetRequiredService<ExactlyOnceTelemetry>(),
             sp.GetRequiredService<ExactlyOnce.Maintenance.CleanupState>(),
-            sp.GetRequiredService<ILogger<ExactlyOnce.Maintenance.RetentionCleanupService>>()));
+            sp.GetRequiredService<ILogger<ExactlyOnce.Maintenance.RetentionCleanupService>>(),
+            sp.GetService<ExactlyOnce.Steps.IStepStore>()));
         services.AddHostedService(sp => sp.GetRequiredService<ExactlyOnce.Maintenance.RetentionCleanupService>());
         services.AddHostedService<ExactlyOnce.Maintenance.StatisticsSampler>();
         return services;

@@ -14,4 +14,7 @@ public enum InboxOutcome
 
     /// <summary>Another delivery of the same key held the claim longer than the claim timeout: retried later.</summary>
     Deferred,
+
+    /// <summary>A recorded step's outcome was unknown and its policy parked the message: rolled back and set aside for an operator.</summary>
+    Parked,
 }

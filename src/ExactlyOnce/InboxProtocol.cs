@@ -56,6 +56,12 @@ public sealed class InboxProtocol
             Log.ClaimTimedOut(_logger, key.MessageId, key.ConsumerName, _options.ClaimTimeout);
             throw;
         }
+        catch (Steps.StepOutcomeUnknownException exception)
+        {
+            outcome = InboxOutcome.Parked;
+            activity?.SetStatus(ActivityStatusCode.Error, exception.GetType().FullName);
+            throw;
+        }
         catch (Exception exception) when (exception is not OperationCanceledException || !cancellationToken.IsCancellationRequested)
         {
             Log.ProcessingFailed(_logger, exception, key.MessageId, key.ConsumerName);

@@ -35,7 +35,7 @@ internal static class Services
         var factory = new ConnectionFactory { Uri = TestHosts.RabbitMq };
         await using var connection = await factory.CreateConnectionAsync();
         await using var channel = await connection.CreateChannelAsync();
-        foreach (string queue in Queues.SelectMany(q => new[] { q, q + "_error", q + "_skipped" }))
+        foreach (string queue in Queues.SelectMany(q => new[] { q, q + "_error", q + "_skipped", q + "_parked" }))
         {
             await channel.QueueDeleteAsync(queue);
         }

@@ -22,6 +22,6 @@ public sealed class ParcelDbContext(DbContextOptions<ParcelDbContext> options) :
             e.Property(p => p.NotifiedAt).HasColumnName("notified_at");
             e.HasIndex(p => p.TrackingNumber).IsUnique();
         });
-        modelBuilder.AddExactlyOnce(); // inbox_messages + outbox_messages, committed with the parcels
+        modelBuilder.AddExactlyOnce(); // inbox_messages + outbox_messages (+ after-commit actions) + recorded_steps, beside the parcels
     }
 }

@@ -11,6 +11,6 @@ public sealed class Parcel
     /// <summary>The carrier pickup slot reserved by <c>CarrierAssignmentConsumer</c>; null until then.</summary>
     public string? PickupSlot { get; set; }
 
-    /// <summary>When <c>NotificationConsumer</c> sent the SMS; null until then.</summary>
+    /// <summary>When <c>NotificationConsumer</c> scheduled the SMS (sent after that commit); null until then.</summary>
     public DateTime? NotifiedAt { get; set; }
 }

@@ -9,6 +9,8 @@ public sealed record AppSettings(string? Postgres, string? RabbitMq, string Sqli
 
     public string SqliteOutsideWorldFile => Path.ChangeExtension(SqliteFile, null) + "-outside-world.db";
 
+    public string SqliteStepJournalFile => Path.ChangeExtension(SqliteFile, null) + "-steps.db";
+
     /// <summary>Reads <c>Postgres</c>, <c>RabbitMq</c> and <c>Sqlite</c> from configuration (command line, environment, appsettings).</summary>
     public static AppSettings From(IConfiguration configuration) => new(
         configuration["Postgres"],

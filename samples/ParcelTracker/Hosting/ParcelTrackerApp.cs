@@ -5,6 +5,7 @@ using Microsoft.Extensions.Diagnostics.HealthChecks;
 using OpenTelemetry.Metrics;
 using Microsoft.EntityFrameworkCore.Infrastructure;
 using Microsoft.EntityFrameworkCore.Storage;
+using Microsoft.Extensions.DependencyInjection.Extensions;
 using ParcelTracker.Api;
 using ParcelTracker.Consumers;
 using ParcelTracker.Data;
@@ -24,6 +25,13 @@ public static class ParcelTrackerApp
             ["--rabbitmq"] = "RabbitMq",
             ["--sqlite"] = "Sqlite",
             ["--urls"] = "Urls",
+            ["--carrier-honours-keys"] = "CarrierHonoursKeys",
+            ["--sms-honours-keys"] = "SmsHonoursKeys",
+            ["--carrier-when-unknown"] = "CarrierWhenUnknown",
+            ["--crash-rate"] = "CrashRate",
+            ["--crash-at"] = "CrashAt",
+            ["--crash-times"] = "CrashTimes",
+            ["--crash-log"] = "CrashLog",
         });
         builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
         configure?.Invoke(builder);
@@ -33,6 +41,10 @@ public static class ParcelTrackerApp
             builder.WebHost.UseSetting("urls", "http://127.0.0.1:0");
         }
 
+        var outsideWorld = OutsideWorldSettings.From(builder.Configuration);
+        builder.Services.AddSingleton(outsideWorld);
+        builder.Services.AddSingleton(CarrierStepPolicy.From(builder.Configuration, outsideWorld));
+        builder.Services.AddSingleton(new Chaos(builder.Configuration));
         AddServices(builder.Services, settings, roles);
         var app = builder.Build();
         app.UseExceptionHandler();
@@ -51,6 +63,9 @@ public static class ParcelTrackerApp
     public static void AddServices(IServiceCollection services, AppSettings settings, Roles roles)
     {
         services.AddSingleton(settings);
+        services.TryAddSingleton(new OutsideWorldSettings(CarrierHonoursKeys: true, SmsHonoursKeys: true));
+        services.TryAddSingleton(new CarrierStepPolicy("retry"));
+        services.TryAddSingleton(new Chaos(new ConfigurationBuilder().Build()));
         services.AddSingleton(TimeProvider.System);
         services.AddProblemDetails();
         services.AddDbContext<ParcelDbContext>(o => UseStore(o, settings, settings.SqliteFile));
@@ -60,6 +75,15 @@ public static class ParcelTrackerApp
         services.AddHostedService<SchemaInitializer>(); // before the bus: the schema exists before the first message
 
         services.AddExactlyOnce<ParcelDbContext>();
+        if (!settings.UsesPostgres)
+        {
+            // SQLite has one writer per file and the consumer's transaction holds it: the step journal needs its own file.
+            services.AddDbContext<StepJournalDbContext>(o => UseStore(o, settings, settings.SqliteStepJournalFile));
+            services.AddExactlyOnceRecordedSteps<StepJournalDbContext>();
+        }
+
+        // Executed by the outbox dispatcher (worker role) after the scheduling transaction committed.
+        services.AddExactlyOnceAfterCommitAction<ParcelSms, SendParcelSms>(SendParcelSms.Name);
         if (roles.HasFlag(Roles.Worker))
         {
             services.AddExactlyOnceMassTransitOutboxDispatcher();
@@ -85,6 +109,11 @@ public static class ParcelTrackerApp
             {
                 // Long enough to ride out a database or broker restart (about a minute in all) before a message goes to
                 // the error queue; each attempt is a fresh scope and inbox transaction.
+                if (context.GetRequiredService<Chaos>() is { Enabled: true } chaos)
+                {
+                    cfg.UseFilter(new ChaosAfterCommitFilter(chaos)); // outermost: runs after the commit, before the ack
+                }
+
                 cfg.UseMessageRetry(r => r.Exponential(12, TimeSpan.FromMilliseconds(100), TimeSpan.FromSeconds(10), TimeSpan.FromMilliseconds(300)));
                 cfg.UseExactlyOnceInbox(context);  // every consumer runs under the inbox
                 cfg.ConfigureEndpoints(context);
@@ -160,10 +189,11 @@ internal sealed class SchemaInitializer(IServiceProvider services, AppSettings s
                     else
                     {
                         await outside.Database.EnsureCreatedAsync(cancellationToken);
+                        await scope.ServiceProvider.GetRequiredService<StepJournalDbContext>().Database.EnsureCreatedAsync(cancellationToken);
                     }
                 }
 
-                logger.LogInformation("Schema {State} on {Store}: parcels, inbox_messages, outbox_messages, carrier_reservations, notifications_sent",
+                logger.LogInformation("Schema {State} on {Store}: parcels, inbox_messages, outbox_messages, recorded_steps, carrier_reservations, notifications_sent",
                     created ? "created" : "already present", settings.Describe());
                 return;
             }

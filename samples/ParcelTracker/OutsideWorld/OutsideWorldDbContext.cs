@@ -2,21 +2,35 @@ using Microsoft.EntityFrameworkCore;
 
 namespace ParcelTracker.OutsideWorld;
 
-/// <summary>One call received by the carrier stand-in.</summary>
+/// <summary>One pickup slot booked (and charged) by the carrier stand-in.</summary>
 public sealed class CarrierReservation
 {
     public long Id { get; set; }
     public Guid ParcelId { get; set; }
     public string Slot { get; set; } = "";
+
+    /// <summary>The idempotency key of the call that booked it (a key-honouring carrier books once per key).</summary>
+    public Guid IdempotencyKey { get; set; }
+
+    /// <summary>Calls that reached the carrier for this booking: more than 1 means a repeated call the carrier deduplicated.</summary>
+    public int Calls { get; set; }
+
     public DateTime ReceivedAt { get; set; }
 }
 
-/// <summary>One SMS received by the notification stand-in.</summary>
+/// <summary>One SMS sent by the notification stand-in.</summary>
 public sealed class NotificationSent
 {
     public long Id { get; set; }
     public Guid ParcelId { get; set; }
     public string Text { get; set; } = "";
+
+    /// <summary>The idempotency key of the call that sent it (a key-honouring gateway sends once per key).</summary>
+    public Guid IdempotencyKey { get; set; }
+
+    /// <summary>Calls that reached the gateway for this SMS: more than 1 means a repeated call the gateway deduplicated.</summary>
+    public int Calls { get; set; }
+
     public DateTime ReceivedAt { get; set; }
 }
 
@@ -38,8 +52,11 @@ public sealed class OutsideWorldDbContext(DbContextOptions<OutsideWorldDbContext
             e.Property(x => x.Id).HasColumnName("id");
             e.Property(x => x.ParcelId).HasColumnName("parcel_id");
             e.Property(x => x.Slot).HasColumnName("slot").HasMaxLength(64);
+            e.Property(x => x.IdempotencyKey).HasColumnName("idempotency_key");
+            e.Property(x => x.Calls).HasColumnName("calls");
             e.Property(x => x.ReceivedAt).HasColumnName("received_at");
             e.HasIndex(x => x.ParcelId);
+            e.HasIndex(x => x.IdempotencyKey);
         });
         modelBuilder.Entity<NotificationSent>(e =>
         {
@@ -47,8 +64,11 @@ public sealed class OutsideWorldDbContext(DbContextOptions<OutsideWorldDbContext
             e.Property(x => x.Id).HasColumnName("id");
             e.Property(x => x.ParcelId).HasColumnName("parcel_id");
             e.Property(x => x.Text).HasColumnName("text").HasMaxLength(500);
+            e.Property(x => x.IdempotencyKey).HasColumnName("idempotency_key");
+            e.Property(x => x.Calls).HasColumnName("calls");
             e.Property(x => x.ReceivedAt).HasColumnName("received_at");
             e.HasIndex(x => x.ParcelId);
+            e.HasIndex(x => x.IdempotencyKey);
         });
     }
 }

@@ -7,7 +7,8 @@ namespace ExactlyOnce.Maintenance;
 
 /// <summary>
 /// Removes processed inbox rows older than <see cref="ExactlyOnceOptions.InboxRetention"/> and dispatched outbox rows
-/// older than <see cref="Outbox.OutboxOptions.DispatchedRetention"/>, in bounded batches, repeating while batches come
+/// older than <see cref="Outbox.OutboxOptions.DispatchedRetention"/> (after-commit actions included), and completed
+/// recorded steps older than the inbox retention, in bounded batches, repeating while batches come
 /// back full, then waiting its interval.
 /// </summary>
 /// <remarks>
@@ -24,10 +25,12 @@ public sealed class RetentionCleanupService : BackgroundService
     private readonly ExactlyOnceTelemetry _telemetry;
     private readonly CleanupState _state;
     private readonly ILogger<RetentionCleanupService> _logger;
+    private readonly Steps.IStepStore? _steps;
 
     internal RetentionCleanupService(IMaintenanceStore store, IOptions<ExactlyOnceOptions> options, TimeProvider timeProvider,
-        ExactlyOnceTelemetry telemetry, CleanupState state, ILogger<RetentionCleanupService> logger)
+        ExactlyOnceTelemetry telemetry, CleanupState state, ILogger<RetentionCleanupService> logger, Steps.IStepStore? steps = null)
     {
+        _steps = steps;
         _store = store;
         _options = options.Value;
         _timeProvider = timeProvider;
@@ -72,6 +75,13 @@ public sealed class RetentionCleanupService : BackgroundService
         int batch = _options.Maintenance.CleanupBatchSize;
         long inbox = await DrainAsync((c, ct) => _store.DeleteProcessedInboxAsync(c, batch, ct), now - _options.InboxRetention, "inbox_messages", cancellationToken).ConfigureAwait(false);
         long outbox = await DrainAsync((c, ct) => _store.DeleteDispatchedOutboxAsync(c, batch, ct), now - _options.Outbox.DispatchedRetention, "outbox_messages", cancellationToken).ConfigureAwait(false);
+        if (_steps is not null)
+        {
+            // Step records follow the inbox's retention: once a message's inbox row may be gone, its steps may go too.
+            // Started and parked steps stay until resolved: they are the only trace of an unknown outcome.
+            await DrainAsync((c, ct) => _steps.DeleteSettledAsync(c, batch, ct), now - _options.InboxRetention, "recorded_steps", cancellationToken).ConfigureAwait(false);
+        }
+
         _state.Succeeded(_timeProvider.GetUtcNow());
         Log.CleanupCompleted(_logger, inbox, outbox);
         return (inbox, outbox);

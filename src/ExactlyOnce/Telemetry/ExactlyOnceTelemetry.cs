@@ -30,9 +30,27 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
 
     private readonly Counter<long> _cleanupDeleted;
 
+    public const string StepTag = "exactlyonce.step.name";
+    public const string StepOutcomeTag = "exactlyonce.step.outcome";
+    public const string ActionTag = "exactlyonce.action.name";
+
+    private readonly Counter<long> _steps;
+    private readonly Counter<long> _parked;
+    private readonly Counter<long> _actionsExecuted;
+    private readonly Counter<long> _actionsFailed;
+
     public ExactlyOnceTelemetry(IMeterFactory meterFactory, Maintenance.StatisticsState statistics, Maintenance.CleanupState cleanup, TimeProvider timeProvider)
     {
         _meter = meterFactory.Create(Name);
+        _steps = _meter.CreateCounter<long>("exactlyonce.steps", "{step}",
+            "Recorded steps reached, by outcome: executed, replayed (completed earlier: not called again), retried-with-same-key, " +
+            "reconciled-done, reconciled-not-done, parked, not-performed, failed (outcome unknown).");
+        _parked = _meter.CreateCounter<long>("exactlyonce.inbox.messages.parked", "{message}",
+            "Messages set aside because a recorded step's outcome was unknown and its policy is Park; they wait for an operator.");
+        _actionsExecuted = _meter.CreateCounter<long>("exactlyonce.actions.executed", "{action}",
+            "After-commit actions executed successfully by the dispatcher.");
+        _actionsFailed = _meter.CreateCounter<long>("exactlyonce.actions.failed", "{action}",
+            "After-commit action executions that failed; retried after a backoff with the same idempotency key.");
         _cleanupDeleted = _meter.CreateCounter<long>("exactlyonce.cleanup.rows.deleted", "{row}",
             "Rows removed by the retention cleanup, per table.");
         _meter.CreateObservableGauge("exactlyonce.inbox.rows", () => statistics.Latest is { } s ? [new Measurement<long>(s.InboxRows)] : Array.Empty<Measurement<long>>(),
@@ -83,6 +101,13 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
         }
     }
 
+    public void RecordStep(Steps.StepKey step, string outcome) =>
+        _steps.Add(1, new KeyValuePair<string, object?>(ConsumerTag, step.Message.ConsumerName),
+            new KeyValuePair<string, object?>(StepTag, step.Name), new KeyValuePair<string, object?>(StepOutcomeTag, outcome));
+
+    public void RecordAction(string name, bool succeeded) =>
+        (succeeded ? _actionsExecuted : _actionsFailed).Add(1, new KeyValuePair<string, object?>(ActionTag, name));
+
     public Activity? StartProcessActivity(InboxKey key)
     {
         var activity = ActivitySource.StartActivity("inbox process " + key.ConsumerName, ActivityKind.Internal);
@@ -107,6 +132,7 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
             case InboxOutcome.Processed: _processed.Add(1, consumer); break;
             case InboxOutcome.Duplicate: _duplicates.Add(1, consumer); break;
             case InboxOutcome.Deferred: _deferred.Add(1, consumer); break;
+            case InboxOutcome.Parked: _parked.Add(1, consumer); break;
             default: _failed.Add(1, consumer); break;
         }
 
@@ -120,6 +146,7 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
         InboxOutcome.Processed => "processed",
         InboxOutcome.Duplicate => "duplicate",
         InboxOutcome.Deferred => "deferred",
+        InboxOutcome.Parked => "parked",
         _ => "failed",
     };
 

@@ -4,7 +4,7 @@ namespace ExactlyOnce.Telemetry;
 
 /// <summary>
 /// Every log message of ExactlyOnce, source-generated. Event ids: 1000–1099 inbox protocol, 1100–1199 MassTransit
-/// integration, 1200–1299 store. docs/telemetry.md lists them.
+/// integration, 1200–1299 store, 1300–1399 outbox, 1400–1499 maintenance, 1500–1599 recorded steps. docs/telemetry.md lists them.
 /// </summary>
 internal static partial class Log
 {
@@ -63,4 +63,24 @@ internal static partial class Log
     [LoggerMessage(EventId = 1403, EventName = "StatisticsFailed", Level = LogLevel.Warning,
         Message = "Reading the inbox and outbox statistics failed; the gauges keep their last values")]
     public static partial void StatisticsFailed(ILogger logger, Exception exception);
+
+    [LoggerMessage(EventId = 1501, EventName = "StepReplayed", Level = LogLevel.Debug,
+        Message = "Step {StepName} of message {MessageId} for consumer {ConsumerName} completed earlier; its recorded result is returned without calling again")]
+    public static partial void StepReplayed(ILogger logger, string stepName, Guid messageId, string consumerName);
+
+    [LoggerMessage(EventId = 1502, EventName = "StepOutcomeUnknown", Level = LogLevel.Warning,
+        Message = "Step {StepName} of message {MessageId} for consumer {ConsumerName} was started (attempt {Attempts}, {StartedAt:o}) and never recorded as completed; outcome unknown, policy {Policy}")]
+    public static partial void StepOutcomeUnknown(ILogger logger, string stepName, Guid messageId, string consumerName, int attempts, DateTime startedAt, string policy);
+
+    [LoggerMessage(EventId = 1503, EventName = "StepParked", Level = LogLevel.Error,
+        Message = "Step {StepName} of message {MessageId} for consumer {ConsumerName} parked: {Reason}")]
+    public static partial void StepParked(ILogger logger, string stepName, Guid messageId, string consumerName, string reason);
+
+    [LoggerMessage(EventId = 1504, EventName = "StepCallFailed", Level = LogLevel.Warning,
+        Message = "Step {StepName} of message {MessageId} for consumer {ConsumerName} failed; whether the remote service acted is unknown, so the next attempt goes to the step's policy")]
+    public static partial void StepCallFailed(ILogger logger, Exception exception, string stepName, Guid messageId, string consumerName);
+
+    [LoggerMessage(EventId = 1505, EventName = "MessageParked", Level = LogLevel.Error,
+        Message = "Message {MessageId} for consumer {ConsumerName} moved to {ParkedAddress}: {Reason}")]
+    public static partial void MessageParked(ILogger logger, Guid messageId, string consumerName, Uri parkedAddress, string reason);
 }

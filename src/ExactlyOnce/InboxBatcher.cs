@@ -8,8 +8,9 @@ namespace ExactlyOnce;
 
 /// <summary>
 /// The batched inbox: deliveries of one consumer that arrive together share one transaction. A batch collects up to
-/// <see cref="InboxBatchingOptions.MaxBatchSize"/> deliveries for at most <see cref="InboxBatchingOptions.MaxWait"/>
-/// (no wait at all when nothing else of the consumer is in flight), then its leader task opens a connection of its own,
+/// <see cref="InboxBatchingOptions.MaxBatchSize"/> deliveries while another batch of the consumer runs, for at most
+/// <see cref="InboxBatchingOptions.MaxWait"/>; with none running it starts at once, and a finishing batch starts the next
+/// one without waiting for the timer. Its leader task opens a connection of its own,
 /// begins, claims every key in one statement, and hands the transaction to each delivery in turn: the delivery's own
 /// scope context joins it, the consumer runs on the delivery's own async flow inside a savepoint, and saves. The
 /// leader marks the survivors processed and commits once; only then are they told "processed" and acknowledged.
@@ -53,7 +54,6 @@ internal sealed class InboxBatcher
         Batch? arm = null;
         lock (lane)
         {
-            lane.InFlight++;
             Batch open = lane.Open ??= new Batch();
             if (!open.Keys.Add(key))
             {
@@ -62,11 +62,11 @@ internal sealed class InboxBatcher
             else
             {
                 open.Members.Add(member);
-                // Nothing else of this consumer in flight: nobody to wait for, start at once.
-                if (open.Members.Count >= _options.Batching.MaxBatchSize || lane.InFlight == 1 || _options.Batching.MaxWait == TimeSpan.Zero)
+                // No batch of this consumer running: nothing to wait for, start at once (a lone delivery never waits).
+                // Otherwise collect while the running ones work; a finishing batch starts the next, the timer caps the wait.
+                if (open.Members.Count >= _options.Batching.MaxBatchSize || lane.Running == 0 || _options.Batching.MaxWait == TimeSpan.Zero)
                 {
-                    lane.Open = null;
-                    start = open;
+                    start = TakeOpen(lane);
                 }
                 else if (open.Members.Count == 1)
                 {
@@ -75,32 +75,31 @@ internal sealed class InboxBatcher
             }
         }
 
-        try
+        if (follow is not null)
         {
-            if (follow is not null)
-            {
-                await WaitForOutcomeAsync(follow, key).ConfigureAwait(false);
-                return await alone().ConfigureAwait(false);
-            }
-
-            if (start is not null)
-            {
-                Start(start);
-            }
-            else if (arm is not null)
-            {
-                _ = CloseAfterWaitAsync(lane, arm);
-            }
-
-            return await member.RunAsync(consume, alone, cancellationToken).ConfigureAwait(false);
+            await WaitForOutcomeAsync(follow, key).ConfigureAwait(false);
+            return await alone().ConfigureAwait(false);
         }
-        finally
+
+        if (start is not null)
         {
-            lock (lane)
-            {
-                lane.InFlight--;
-            }
+            Start(lane, start);
         }
+        else if (arm is not null)
+        {
+            _ = CloseAfterWaitAsync(lane, arm);
+        }
+
+        return await member.RunAsync(consume, alone, cancellationToken).ConfigureAwait(false);
+    }
+
+    // Under the lane's lock.
+    private static Batch TakeOpen(Lane lane)
+    {
+        Batch batch = lane.Open!;
+        lane.Open = null;
+        lane.Running++;
+        return batch;
     }
 
     private async Task WaitForOutcomeAsync(Batch batch, InboxKey key)
@@ -123,21 +122,44 @@ internal sealed class InboxBatcher
         {
             if (!ReferenceEquals(lane.Open, batch))
             {
-                return; // filled up and started already
+                return; // filled up, or started by a finishing batch, already
             }
 
-            lane.Open = null;
+            TakeOpen(lane);
         }
 
-        Start(batch);
+        Start(lane, batch);
     }
 
-    private void Start(Batch batch)
+    private void Start(Lane lane, Batch batch)
     {
         // The leader must not inherit the first member's async locals (its activity, EF Core's execution strategy state).
         using (ExecutionContext.SuppressFlow())
         {
-            _ = Task.Run(() => RunAsync(batch));
+            _ = Task.Run(async () =>
+            {
+                Batch? next = null;
+                try
+                {
+                    await RunAsync(batch).ConfigureAwait(false);
+                }
+                finally
+                {
+                    lock (lane)
+                    {
+                        lane.Running--;
+                        if (lane.Open is { Members.Count: > 0 })
+                        {
+                            next = TakeOpen(lane);
+                        }
+                    }
+                }
+
+                if (next is not null)
+                {
+                    Start(lane, next);
+                }
+            });
         }
     }
 
@@ -259,7 +281,7 @@ internal sealed class InboxBatcher
     private sealed class Lane
     {
         public Batch? Open;
-        public int InFlight;
+        public int Running;
     }
 
     private sealed class Batch

@@ -20,8 +20,9 @@ public sealed class InboxBatchingOptions
     public int MaxBatchSize { get; set; } = 10;
 
     /// <summary>
-    /// The longest a batch waits for more deliveries after its first one arrived. A delivery that arrives while no other
-    /// delivery of its consumer is in flight does not wait at all. Default: 5 milliseconds.
+    /// The longest a batch waits for more deliveries after its first one arrived. A batch only waits while another batch
+    /// of the same consumer is running (and starts as soon as that one ends); with none running a delivery does not wait
+    /// at all. Default: 5 milliseconds.
     /// </summary>
     public TimeSpan MaxWait { get; set; } = TimeSpan.FromMilliseconds(5);
 }

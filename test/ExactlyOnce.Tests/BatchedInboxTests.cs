@@ -63,6 +63,50 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     }
 
     /// <summary>
+    /// A transient commit failure under a retrying execution strategy re-runs the whole batch as one fresh transaction:
+    /// every member's consumer runs again (with a cleared change tracker) and nothing is faulted or applied twice.
+    /// </summary>
+    [Fact]
+    public async Task Batch_TransientCommitFailureWithRetryingStrategy_ReRunsTheWholeBatchAsOneFreshTransaction()
+    {
+        string queue = Queue("batch-strategy");
+        var counter = new DeliveryCounter();
+        var (holder, releaseHolder) = HoldWhileOthersArrive();
+        var failCommit = new FailingCommitInterceptor
+        {
+            Remaining = 1,
+            Exception = () => new Npgsql.NpgsqlException("injected transient failure", new TimeoutException()),
+        };
+        var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, options: Window, database: o => o
+            .UseNpgsql(ConnectionString, n => n.EnableRetryOnFailure(3, TimeSpan.FromMilliseconds(50), null))
+            .AddInterceptors(failCommit));
+        var ids = Enumerable.Range(0, 6).Select(_ => NewId.NextGuid()).ToList();
+
+        await SendAsync(host, queue, holder.Id);
+        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
+        await Task.WhenAll(ids.Select(id => SendAsync(host, queue, id)));
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count), "the six messages handled");
+        releaseHolder();
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count + 1), "the holder handled");
+
+        Assert.Equal(1, failCommit.Failed);
+        Assert.Equal(0, counter.Faulted);
+        Assert.All(ids, id => Assert.True(Probe.Entries(id, nameof(EffectConsumer)) is 1 or 2));
+        var rerun = ids.Where(id => Probe.Entries(id, nameof(EffectConsumer)) == 2).ToList();
+        // The failed commit was one batch of several messages, and exactly that batch ran again, in a new transaction.
+        Assert.True(rerun.Count >= 2, $"{rerun.Count} messages were in the batch whose commit failed");
+        Assert.Single(rerun.Select(id => _transactions[id].First()).Distinct());
+        Assert.Single(rerun.Select(id => _transactions[id].Last()).Distinct());
+        Assert.NotEqual(_transactions[rerun[0]].First(), _transactions[rerun[0]].Last());
+        foreach (Guid id in ids)
+        {
+            Assert.Equal(1, await CountEffectsAsync(id));
+        }
+
+        Assert.Equal(0u, await RabbitAdmin.CountAsync(queue + "_error"));
+    }
+
+    /// <summary>
     /// Trap 5 inside one batch: one statement cannot claim a key twice, so the second copy must wait for the batch's
     /// outcome — a duplicate if the first copy committed, processed if it failed. Dropping it early would lose the message.
     /// </summary>

@@ -17,7 +17,9 @@ namespace ExactlyOnce;
 /// (it then sees a duplicate) or rolls back (it then owns the claim). (2) A claim becomes visible to others only
 /// together with the consumer's effects: the inbox row and the business rows commit or vanish as one. (3) Nothing
 /// here depends on a retry policy: a failure leaves nothing behind, and a wait that outlasts the claim timeout
-/// surfaces as <see cref="InboxClaimTimeoutException"/> for the transport to retry later.
+/// surfaces as <see cref="InboxClaimTimeoutException"/> for the transport to retry later. In batched mode
+/// (<see cref="InboxBatchingOptions"/>) the same invariants hold per message, several messages to a transaction: see
+/// <see cref="InboxBatcher"/>.
 /// </remarks>
 public sealed class InboxProtocol
 {

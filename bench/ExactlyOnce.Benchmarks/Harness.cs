@@ -24,7 +24,7 @@ internal sealed class Harness(Settings settings)
     private const int LatencyPhase = 2;
     private const int DuplicatePhase = 3;
 
-    public static readonly string[] AllModes = ["baseline", "tutorial", "exactlyonce"];
+    public static readonly string[] AllModes = ["baseline", "tutorial", "exactlyonce", "exactlyonce-batched"];
 
     public async Task<ModeRun> RunAsync(string mode)
     {
@@ -105,7 +105,7 @@ internal sealed class Harness(Settings settings)
         builder.Logging.AddFilter("Microsoft.EntityFrameworkCore", LogLevel.None); // the tutorial mode's duplicate-key failures are expected
         builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
         builder.Services.AddDbContext<BenchDbContext>(o => o.UseNpgsql(connectionString));
-        if (mode == "exactlyonce")
+        if (mode is "exactlyonce" or "exactlyonce-batched")
         {
             builder.Services.AddExactlyOnce<BenchDbContext>();
         }
@@ -121,9 +121,9 @@ internal sealed class Harness(Settings settings)
             x.UsingRabbitMq((context, cfg) =>
             {
                 cfg.Host(TestHosts.RabbitMq);
-                if (mode == "exactlyonce")
+                if (mode is "exactlyonce" or "exactlyonce-batched")
                 {
-                    cfg.UseExactlyOnceInbox(context);
+                    cfg.UseExactlyOnceInbox(context, batched: mode == "exactlyonce-batched");
                 }
 
                 if (mode is not null)

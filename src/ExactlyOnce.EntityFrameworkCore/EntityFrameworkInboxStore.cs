@@ -1,7 +1,8 @@
 using System.Data.Common;
-using ExactlyOnce.Telemetry;
 using Microsoft.EntityFrameworkCore;
+using Microsoft.EntityFrameworkCore.Infrastructure;
 using Microsoft.EntityFrameworkCore.Storage;
+using Microsoft.Extensions.DependencyInjection;
 using Microsoft.Extensions.Logging;
 
 namespace ExactlyOnce.EntityFrameworkCore;
@@ -10,17 +11,27 @@ namespace ExactlyOnce.EntityFrameworkCore;
 /// The inbox on the consume scope's own <typeparamref name="TDbContext"/> — the very instance the consumer gets
 /// from DI — so the claim, the consumer's writes and the processed mark share one connection and one transaction.
 /// </summary>
-internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
+/// <remarks>
+/// In batched mode the same context joins a batch instead: it is pointed at the batch's connection (never owning it)
+/// and uses the batch's transaction, and is pointed back at its own configuration when it leaves, so a pooled context
+/// goes back to the pool as it came.
+/// </remarks>
+internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
     where TDbContext : DbContext
 {
     private readonly TDbContext _context;
+    private readonly IServiceScopeFactory _scopes;
+    private readonly OutboxCommitNotifier _notifier;
     private readonly ILogger _logger;
     private IDbContextTransaction? _transaction;
     private InboxSql? _sql;
+    private EntityFrameworkInboxBatch? _joined;
 
-    public EntityFrameworkInboxStore(TDbContext context, ILogger<EntityFrameworkInboxStore<TDbContext>> logger)
+    public EntityFrameworkInboxStore(TDbContext context, IServiceScopeFactory scopes, OutboxCommitNotifier notifier, ILogger<EntityFrameworkInboxStore<TDbContext>> logger)
     {
         _context = context;
+        _scopes = scopes;
+        _notifier = notifier;
         _logger = logger;
     }
 
@@ -46,7 +57,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
         {
             _transaction = await _context.Database.BeginTransactionAsync(cancellationToken).ConfigureAwait(false);
         }
-        catch (DbException exception) when (sql.Dialect == SqlDialect.Sqlite && IsSqliteBusy(exception))
+        catch (DbException exception) when (sql.Dialect == SqlDialect.Sqlite && InboxStoreErrors.IsSqliteBusy(exception))
         {
             throw new InboxClaimTimeoutException("The SQLite database stayed locked by another transaction beyond the busy timeout.", exception);
         }
@@ -77,20 +88,14 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
             command.CommandTimeout = Math.Max(1, (int)Math.Ceiling(timeout.TotalSeconds));
             return await command.ExecuteNonQueryAsync(cancellationToken).ConfigureAwait(false) == 1;
         }
-        catch (DbException exception) when (IsLockTimeout(sql, exception))
+        catch (DbException exception) when (InboxStoreErrors.IsLockTimeout(sql, exception))
         {
             throw new InboxClaimTimeoutException(
                 $"Another delivery of message {key.MessageId} for consumer '{key.ConsumerName}' held its claim longer than {timeout}.", exception);
         }
-        catch (DbException exception) when (IsMissingTable(sql, exception))
+        catch (DbException exception) when (InboxStoreErrors.IsMissingTable(sql, exception))
         {
-            Log.SchemaMissing(_logger, sql.TableDisplayName);
-            // Not wrapped: transports report the innermost exception's message (MassTransit's MT-Fault-Message), and the
-            // operator must read this one, not the provider's "relation does not exist".
-            throw new InboxSchemaMissingException(
-                $"ExactlyOnce: the inbox table '{sql.TableDisplayName}' does not exist. Call modelBuilder.AddExactlyOnceInbox() in " +
-                $"{typeof(TDbContext).Name}.OnModelCreating, then create and apply the migration: " +
-                $"dotnet ef migrations add AddExactlyOnceInbox && dotnet ef database update. (Database error: {exception.Message})");
+            throw InboxStoreErrors.SchemaMissing(sql, _context, exception, _logger);
         }
     }
 
@@ -148,6 +153,73 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
         }
     }
 
+    public Task<IInboxBatch> CreateBatchAsync(CancellationToken cancellationToken = default)
+    {
+        // The batch's connection belongs to a scope of its own, not to any member: a member that fails returns early and
+        // its scope is disposed while the batch goes on.
+        AsyncServiceScope scope = _scopes.CreateAsyncScope();
+        try
+        {
+            TDbContext leader = scope.ServiceProvider.GetRequiredService<TDbContext>();
+            return Task.FromResult<IInboxBatch>(new EntityFrameworkInboxBatch(scope, leader, Sql, _notifier, _logger));
+        }
+        catch
+        {
+            scope.Dispose();
+            throw;
+        }
+    }
+
+    public async Task JoinBatchAsync(IInboxBatch batch, CancellationToken cancellationToken = default)
+    {
+        var unit = (EntityFrameworkInboxBatch)batch;
+        if (_transaction is not null || (_joined is null && _context.Database.CurrentTransaction is not null))
+        {
+            throw new InvalidOperationException(
+                $"ExactlyOnce: {typeof(TDbContext).Name} already has an open transaction when the inbox batch begins. The inbox owns the " +
+                "consume transaction; consumers must not begin or commit their own.");
+        }
+
+        _context.ChangeTracker.Clear();
+        if (!ReferenceEquals(_joined, unit))
+        {
+            _context.Database.SetDbConnection(unit.Connection, contextOwnsConnection: false);
+            _joined = unit;
+        }
+
+        await _context.Database.UseTransactionAsync(unit.Transaction, cancellationToken).ConfigureAwait(false);
+        unit.Enlist(_context);
+    }
+
+    public Task SaveBatchMemberAsync(CancellationToken cancellationToken = default) => _context.SaveChangesAsync(cancellationToken);
+
+    public async Task LeaveBatchAsync()
+    {
+        if (_joined is null)
+        {
+            return;
+        }
+
+        _joined = null;
+        _context.ChangeTracker.Clear();
+        await _context.Database.UseTransactionAsync(null).ConfigureAwait(false);
+        // Back to the context's own configuration: its configured connection, or a connection string / data source from
+        // which it creates (and owns) a connection on its next use.
+        var relational = RelationalOptionsExtension.Extract(_context.GetService<IDbContextOptions>());
+        if (relational.Connection is { } configured)
+        {
+            _context.Database.SetDbConnection(configured, relational.IsConnectionOwned);
+        }
+        else
+        {
+            _context.Database.SetDbConnection(null, contextOwnsConnection: true);
+            if (relational.ConnectionString is { } connectionString)
+            {
+                _context.Database.SetConnectionString(connectionString);
+            }
+        }
+    }
+
     private DbCommand CreateCommand(string text)
     {
         DbCommand command = _context.Database.GetDbConnection().CreateCommand();
@@ -156,19 +228,4 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxStore
             ?? throw new InvalidOperationException("ExactlyOnce: the inbox transaction has not begun.");
         return command;
     }
-
-    private static bool IsLockTimeout(InboxSql sql, DbException exception) => sql.Dialect switch
-    {
-        SqlDialect.PostgreSql => exception.SqlState == "55P03", // lock_not_available
-        _ => IsSqliteBusy(exception),
-    };
-
-    private static bool IsMissingTable(InboxSql sql, DbException exception) => sql.Dialect switch
-    {
-        SqlDialect.PostgreSql => exception.SqlState == "42P01", // undefined_table
-        _ => exception.Message.Contains("no such table", StringComparison.OrdinalIgnoreCase),
-    };
-
-    // SQLITE_BUSY (5) and SQLITE_LOCKED (6); Microsoft.Data.Sqlite reports the primary code as ErrorCode.
-    private static bool IsSqliteBusy(DbException exception) => exception.ErrorCode is 5 or 6;
 }

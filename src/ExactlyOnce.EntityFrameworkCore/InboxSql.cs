@@ -62,6 +62,18 @@ internal sealed class InboxSql
             ? $"SELECT set_config('lock_timeout', @eo_timeout, true); {insert} RETURNING 1; SET LOCAL lock_timeout TO DEFAULT"
             : insert;
         MarkProcessed = $"UPDATE {Table} SET {processedColumn} = @eo_time WHERE {idColumn} = @eo_id AND {consumerColumn} = @eo_consumer";
+        DeleteClaim = $"DELETE FROM {Table} WHERE {idColumn} = @eo_id AND {consumerColumn} = @eo_consumer";
+        if (Dialect == SqlDialect.PostgreSql)
+        {
+            // Batched mode: every key in one statement, inserted in key order so that two batches with overlapping keys
+            // take their row locks in the same order and cannot deadlock on each other's claims.
+            BatchClaim = "SELECT set_config('lock_timeout', @eo_timeout, true); " +
+                         $"INSERT INTO {Table} ({idColumn}, {consumerColumn}, {receivedColumn}) " +
+                         "SELECT k.id, k.consumer, @eo_time FROM unnest(@eo_ids, @eo_consumers) AS k(id, consumer) ORDER BY k.id, k.consumer " +
+                         $"ON CONFLICT ({idColumn}, {consumerColumn}) DO NOTHING RETURNING {idColumn}, {consumerColumn}; SET LOCAL lock_timeout TO DEFAULT";
+            BatchMarkProcessed = $"UPDATE {Table} AS t SET {processedColumn} = @eo_time FROM unnest(@eo_ids, @eo_consumers) AS k(id, consumer) " +
+                                 $"WHERE t.{idColumn} = k.id AND t.{consumerColumn} = k.consumer";
+        }
     }
 
     public SqlDialect Dialect { get; }
@@ -86,12 +98,39 @@ internal sealed class InboxSql
 
     public string MarkProcessed { get; }
 
+    public string DeleteClaim { get; }
+
+    /// <summary>PostgreSQL only (SQLite claims key by key inside the batch's transaction).</summary>
+    public string? BatchClaim { get; }
+
+    /// <summary>PostgreSQL only.</summary>
+    public string? BatchMarkProcessed { get; }
+
     public static InboxSql For(DbContext context) => Cache.GetValue(context.Model, _ => new InboxSql(context));
 
     public void AddKeyParameters(DbCommand command, InboxKey key, DateTime timeUtc)
     {
+        AddKeyParameters(command, key);
+        command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_time", DateTime.SpecifyKind(timeUtc, DateTimeKind.Utc), nullable: false));
+    }
+
+    public void AddKeyParameters(DbCommand command, InboxKey key)
+    {
         command.Parameters.Add(_idMapping.CreateParameter(command, "eo_id", key.MessageId, nullable: false));
         command.Parameters.Add(_consumerMapping.CreateParameter(command, "eo_consumer", key.ConsumerName, nullable: false));
+    }
+
+    /// <summary>The keys as two parallel arrays (uuid[] and text[]) for unnest, and the time.</summary>
+    public void AddBatchParameters(DbCommand command, IReadOnlyList<InboxKey> keys, DateTime timeUtc)
+    {
+        DbParameter ids = command.CreateParameter();
+        ids.ParameterName = "eo_ids";
+        ids.Value = keys.Select(k => k.MessageId).ToArray();
+        command.Parameters.Add(ids);
+        DbParameter consumers = command.CreateParameter();
+        consumers.ParameterName = "eo_consumers";
+        consumers.Value = keys.Select(k => k.ConsumerName).ToArray();
+        command.Parameters.Add(consumers);
         command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_time", DateTime.SpecifyKind(timeUtc, DateTimeKind.Utc), nullable: false));
     }
 

@@ -27,13 +27,15 @@ internal sealed class OutboxCommitNotifier(OutboxSignal signal)
         }
     }
 
-    public async Task CommittedAsync(DbContext? context, CancellationToken cancellationToken)
-    {
-        if (context is null || !Pending.Remove(context))
-        {
-            return;
-        }
+    /// <summary>Forgets and reports whether <paramref name="context"/> wrote outbox rows since its last commit.</summary>
+    public static bool TakePending(DbContext context) => Pending.Remove(context);
 
+    public Task CommittedAsync(DbContext? context, CancellationToken cancellationToken) =>
+        context is not null && Pending.Remove(context) ? WakeAsync(context, cancellationToken) : Task.CompletedTask;
+
+    /// <summary>Wakes the dispatchers: the in-process signal, and a NOTIFY on <paramref name="context"/>'s connection (PostgreSQL).</summary>
+    public async Task WakeAsync(DbContext context, CancellationToken cancellationToken)
+    {
         signal.Notify();
         if (InboxSql.DialectOf(context) != SqlDialect.PostgreSql)
         {

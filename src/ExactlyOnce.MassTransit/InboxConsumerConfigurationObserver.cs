@@ -10,12 +10,14 @@ internal sealed class InboxConsumerConfigurationObserver : IConsumerConfiguratio
     private readonly ConsumerIdentities _identities;
     private readonly InboxProtocol _protocol;
     private readonly ILogger _logger;
+    private readonly bool? _batched;
 
-    public InboxConsumerConfigurationObserver(ConsumerIdentities identities, InboxProtocol protocol, ILogger logger)
+    public InboxConsumerConfigurationObserver(ConsumerIdentities identities, InboxProtocol protocol, ILogger logger, bool? batched = null)
     {
         _identities = identities;
         _protocol = protocol;
         _logger = logger;
+        _batched = batched;
     }
 
     public void ConsumerConfigured<TConsumer>(IConsumerConfigurator<TConsumer> configurator)
@@ -27,7 +29,7 @@ internal sealed class InboxConsumerConfigurationObserver : IConsumerConfiguratio
         where TMessage : class
     {
         string name = _identities.Register(typeof(TConsumer));
-        configurator.UseFilter(new InboxConsumerFilter<TConsumer, TMessage>(name, _protocol, _logger));
+        configurator.UseFilter(new InboxConsumerFilter<TConsumer, TMessage>(name, _protocol, _logger, _batched));
         Log.FilterAttached(_logger, typeof(TConsumer).FullName ?? typeof(TConsumer).Name, typeof(TMessage).Name, name);
     }
 }

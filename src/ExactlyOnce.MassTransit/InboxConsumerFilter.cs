@@ -20,12 +20,15 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
     private readonly string _consumerName;
     private readonly InboxProtocol _protocol;
     private readonly ILogger _logger;
+    private readonly bool? _batched;
 
-    public InboxConsumerFilter(string consumerName, InboxProtocol protocol, ILogger logger)
+    // batched: the endpoint's choice of mode; null follows ExactlyOnceOptions.Batching.Enabled.
+    public InboxConsumerFilter(string consumerName, InboxProtocol protocol, ILogger logger, bool? batched = null)
     {
         _consumerName = consumerName;
         _protocol = protocol;
         _logger = logger;
+        _batched = batched;
     }
 
     public async Task Send(ConsumerConsumeContext<TConsumer, TMessage> context, IPipe<ConsumerConsumeContext<TConsumer, TMessage>> next)
@@ -60,7 +63,10 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
         provider.GetService<InboxContext>()?.Enter(key); // recorded steps and after-commit actions derive their keys from it
         try
         {
-            await _protocol.ProcessAsync(store, key, _ => next.Send(consumeContext), context.CancellationToken).ConfigureAwait(false);
+            Func<CancellationToken, Task> consume = _ => next.Send(consumeContext);
+            await (_batched is { } batched
+                ? _protocol.ProcessAsync(store, key, consume, batched, context.CancellationToken)
+                : _protocol.ProcessAsync(store, key, consume, context.CancellationToken)).ConfigureAwait(false);
         }
         catch (InboxClaimTimeoutException)
         {
@@ -100,5 +106,13 @@ internal sealed class InboxConsumerFilter<TConsumer, TMessage> : IFilter<Consume
         return new Uri("queue:" + queue + "_parked");
     }
 
-    public void Probe(ProbeContext context) => context.CreateFilterScope("exactlyOnceInbox").Add("consumer", _consumerName);
+    public void Probe(ProbeContext context)
+    {
+        var scope = context.CreateFilterScope("exactlyOnceInbox");
+        scope.Add("consumer", _consumerName);
+        if (_batched is { } batched)
+        {
+            scope.Add("batched", batched);
+        }
+    }
 }

@@ -20,6 +20,9 @@ public sealed class ExactlyOnceOptions
     /// </summary>
     public TimeSpan InboxRetention { get; set; } = TimeSpan.FromDays(7);
 
+    /// <summary>Options of the batched inbox mode (off by default: one transaction per message).</summary>
+    public InboxBatchingOptions Batching { get; } = new();
+
     /// <summary>Options of the transactional outbox and its dispatcher.</summary>
     public Outbox.OutboxOptions Outbox { get; } = new();
 

@@ -22,6 +22,17 @@ internal sealed class ExactlyOnceOptionsValidator : IValidateOptions<ExactlyOnce
             failures.Add($"InboxRetention must be greater than zero (was {options.InboxRetention}).");
         }
 
+        var batching = options.Batching;
+        if (batching.MaxBatchSize is < 1 or > 64)
+        {
+            failures.Add($"Batching.MaxBatchSize must be between 1 and 64 (was {batching.MaxBatchSize}).");
+        }
+
+        if (batching.MaxWait < TimeSpan.Zero || batching.MaxWait > TimeSpan.FromSeconds(1))
+        {
+            failures.Add($"Batching.MaxWait must be between zero and one second (was {batching.MaxWait}).");
+        }
+
         var outbox = options.Outbox;
         if (outbox.BatchSize is < 1 or > 10_000)
         {

@@ -17,7 +17,9 @@ namespace ExactlyOnce;
 /// (it then sees a duplicate) or rolls back (it then owns the claim). (2) A claim becomes visible to others only
 /// together with the consumer's effects: the inbox row and the business rows commit or vanish as one. (3) Nothing
 /// here depends on a retry policy: a failure leaves nothing behind, and a wait that outlasts the claim timeout
-/// surfaces as <see cref="InboxClaimTimeoutException"/> for the transport to retry later.
+/// surfaces as <see cref="InboxClaimTimeoutException"/> for the transport to retry later. In batched mode
+/// (<see cref="InboxBatchingOptions"/>) the same invariants hold per message, several messages to a transaction: see
+/// <see cref="InboxBatcher"/>.
 /// </remarks>
 public sealed class InboxProtocol
 {
@@ -25,6 +27,7 @@ public sealed class InboxProtocol
     private readonly TimeProvider _timeProvider;
     private readonly ExactlyOnceTelemetry _telemetry;
     private readonly ILogger<InboxProtocol> _logger;
+    private readonly InboxBatcher _batcher;
 
     internal InboxProtocol(IOptions<ExactlyOnceOptions> options, TimeProvider timeProvider, ExactlyOnceTelemetry telemetry, ILogger<InboxProtocol> logger)
     {
@@ -32,11 +35,19 @@ public sealed class InboxProtocol
         _timeProvider = timeProvider;
         _telemetry = telemetry;
         _logger = logger;
+        _batcher = new InboxBatcher(_options, timeProvider, telemetry, logger);
     }
 
-    /// <summary>Processes one delivery of <paramref name="key"/> through <paramref name="store"/>, running <paramref name="consume"/> at most once per committed claim.</summary>
+    /// <summary>
+    /// Processes one delivery of <paramref name="key"/> through <paramref name="store"/>, running <paramref name="consume"/> at
+    /// most once per committed claim; batched when <see cref="InboxBatchingOptions.Enabled"/> is set.
+    /// </summary>
     /// <returns><see cref="InboxOutcome.Processed"/> or <see cref="InboxOutcome.Duplicate"/>; failures are thrown.</returns>
-    public async Task<InboxOutcome> ProcessAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, CancellationToken cancellationToken = default)
+    public Task<InboxOutcome> ProcessAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, CancellationToken cancellationToken = default) =>
+        ProcessAsync(store, key, consume, _options.Batching.Enabled, cancellationToken);
+
+    /// <summary>As <see cref="ProcessAsync(IInboxStore, InboxKey, Func{CancellationToken, Task}, CancellationToken)"/>, choosing the mode explicitly.</summary>
+    internal async Task<InboxOutcome> ProcessAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, bool batched, CancellationToken cancellationToken = default)
     {
         ArgumentNullException.ThrowIfNull(store);
         ArgumentNullException.ThrowIfNull(consume);
@@ -47,7 +58,10 @@ public sealed class InboxProtocol
         InboxOutcome outcome = InboxOutcome.Failed;
         try
         {
-            outcome = await store.ExecuteAsync(ct => AttemptAsync(store, key, consume, ct), cancellationToken).ConfigureAwait(false);
+            // A store without batch support (not ours) keeps the one-transaction path.
+            outcome = batched && store is IInboxBatchStore batchStore
+                ? await _batcher.ProcessAsync(batchStore, key, consume, () => ProcessAloneAsync(store, key, consume, cancellationToken), cancellationToken).ConfigureAwait(false)
+                : await ProcessAloneAsync(store, key, consume, cancellationToken).ConfigureAwait(false);
             return outcome;
         }
         catch (InboxClaimTimeoutException)
@@ -73,6 +87,9 @@ public sealed class InboxProtocol
             _telemetry.RecordOutcome(key.ConsumerName, outcome, _timeProvider.GetElapsedTime(started), activity, consumeActivity);
         }
     }
+
+    private Task<InboxOutcome> ProcessAloneAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, CancellationToken cancellationToken) =>
+        store.ExecuteAsync(ct => AttemptAsync(store, key, consume, ct), cancellationToken);
 
     private async Task<InboxOutcome> AttemptAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, CancellationToken cancellationToken)
     {

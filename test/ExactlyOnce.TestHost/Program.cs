@@ -9,20 +9,25 @@ using Microsoft.Extensions.Hosting;
 // blocks forever, so the test can kill this process with SIGKILL exactly between commit and acknowledgement.
 if (args.Length < 3)
 {
-    Console.Error.WriteLine("usage: ExactlyOnce.TestHost <block-after-commit|consume|stalling-dispatcher> <database-name> <queue>");
+    Console.Error.WriteLine("usage: ExactlyOnce.TestHost <block-after-commit|consume|stalling-dispatcher> <database-name> <queue> [single|batched]");
     return 2;
 }
 
 string mode = args[0];
 string database = args[1];
 string queue = args[2];
+bool batched = args.Length > 3 && args[3] == "batched";
 var probe = new ConsumerProbe();
 using var host = TestHosts.Build(new TestHosts.Options
 {
     Database = o => o.UseNpgsql(TestHosts.PostgresServer + ";Database=" + database),
     Services = s => s.AddSingleton(probe),
     Dispatcher = mode == "stalling-dispatcher",
-    ExactlyOnce = o => o.Outbox.BatchSize = 50,
+    ExactlyOnce = o =>
+    {
+        o.Outbox.BatchSize = 50;
+        o.Batching.Enabled = batched;
+    },
     AfterServices = s =>
     {
         if (mode == "stalling-dispatcher")

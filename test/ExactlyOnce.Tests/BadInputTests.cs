@@ -6,7 +6,7 @@ using Xunit;
 namespace ExactlyOnce.Tests;
 
 /// <summary>Bad input gets a clear error and loses nothing: never acknowledged unprocessed.</summary>
-public sealed class BadInputTests : PostgresRabbitTest
+public class BadInputTests : PostgresRabbitTest
 {
     [Fact]
     public async Task Consume_MessageWithoutMessageId_IsFaultedToTheErrorQueueWithTheReason()
@@ -29,7 +29,7 @@ public sealed class BadInputTests : PostgresRabbitTest
 }
 
 /// <summary>A database where the inbox migration was never applied.</summary>
-public sealed class MissingInboxTableTests : PostgresRabbitTest
+public class MissingInboxTableTests : PostgresRabbitTest
 {
     protected override bool CreateInboxTable => false;
 

@@ -11,7 +11,7 @@ using Xunit;
 namespace ExactlyOnce.Tests;
 
 /// <summary>Concurrent deliveries of one message id, for real: two bus instances, one queue, real PostgreSQL locks.</summary>
-public sealed class ConcurrencyTests : PostgresRabbitTest
+public class ConcurrencyTests : PostgresRabbitTest
 {
     /// <summary>
     /// Trap 2 (check-then-insert race). A design that checks for the row and inserts it after running the consumer

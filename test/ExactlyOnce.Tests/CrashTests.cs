@@ -9,7 +9,7 @@ using Xunit;
 namespace ExactlyOnce.Tests;
 
 /// <summary>A consumer process killed with SIGKILL between commit and acknowledgement.</summary>
-public sealed class CrashTests : PostgresRabbitTest
+public class CrashTests : PostgresRabbitTest
 {
     [Fact]
     public async Task Consume_ProcessKilledAfterCommitBeforeAck_RabbitRedelivers_CopyDiscardedAsDuplicate()
@@ -24,7 +24,7 @@ public sealed class CrashTests : PostgresRabbitTest
             InboxOnAllEndpoints = false,
         });
 
-        using (var child = new ChildProcess("block-after-commit", DatabaseName, queue))
+        using (var child = new ChildProcess("block-after-commit", DatabaseName, queue, Batched ? "batched" : "single"))
         {
             await child.WaitForLineAsync("READY", TimeSpan.FromSeconds(60));
             await SendAsync(sender, queue, id);

@@ -14,7 +14,7 @@ using Xunit;
 namespace ExactlyOnce.Tests;
 
 /// <summary>The core guarantees, through MassTransit, against real PostgreSQL and RabbitMQ.</summary>
-public sealed class InboxGuaranteeTests : PostgresRabbitTest
+public class InboxGuaranteeTests : PostgresRabbitTest
 {
     private static readonly string EffectConsumerName = typeof(EffectConsumer).FullName!;
 

@@ -15,7 +15,7 @@ namespace ExactlyOnce.Tests;
 /// message that had at least one successful delivery has exactly one effect and one processed claim, and every message
 /// whose deliveries all failed has none.
 /// </summary>
-public sealed class InboxPropertyTests : PostgresRabbitTest
+public class InboxPropertyTests : PostgresRabbitTest
 {
     private sealed record Delivery(int Message, bool Fails);
 
@@ -24,7 +24,7 @@ public sealed class InboxPropertyTests : PostgresRabbitTest
     {
         var builder = Host.CreateApplicationBuilder(new HostApplicationBuilderSettings { DisableDefaults = true });
         builder.Services.AddDbContext<TestDbContext>(o => o.UseNpgsql(ConnectionString));
-        builder.Services.AddExactlyOnce<TestDbContext>();
+        builder.Services.AddExactlyOnce<TestDbContext>(o => o.Batching.Enabled = Batched);
         using var host = builder.Build();
         var protocol = host.Services.GetRequiredService<InboxProtocol>();
         int round = 0;

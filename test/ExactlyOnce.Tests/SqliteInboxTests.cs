@@ -13,7 +13,7 @@ namespace ExactlyOnce.Tests;
 /// The embedded default: SQLite and MassTransit's in-memory transport, with the same semantics. SQLite serializes
 /// writers (BEGIN IMMEDIATE), so a concurrent delivery waits for the first transaction and then sees its claim.
 /// </summary>
-public sealed class SqliteInboxTests : IAsyncLifetime
+public class SqliteInboxTests : IAsyncLifetime
 {
     private readonly string _path = Path.Combine(Path.GetTempPath(), $"eo-test-{Guid.NewGuid():N}.db");
     private readonly ConsumerProbe _probe = new();
@@ -21,6 +21,9 @@ public sealed class SqliteInboxTests : IAsyncLifetime
     private IHost? _host;
 
     private string ConnectionString => $"Data Source={_path};Default Timeout=30";
+
+    /// <summary>Runs the host with the inbox in batched mode (see <see cref="BatchedSqliteInboxTests"/>).</summary>
+    protected virtual bool Batched => false;
 
     public async Task InitializeAsync()
     {
@@ -117,6 +120,7 @@ public sealed class SqliteInboxTests : IAsyncLifetime
             Database = o => o.UseSqlite(ConnectionString),
             InMemoryTransport = true,
             Services = s => s.AddSingleton(_probe),
+            ExactlyOnce = o => o.Batching.Enabled = Batched,
             Consumers = x => x.AddConsumer<EffectConsumer>(),
             Endpoints = (context, cfg) => cfg.ReceiveEndpoint("sqlite-effects", e =>
             {

@@ -12,7 +12,7 @@ using Xunit;
 namespace ExactlyOnce.Tests;
 
 /// <summary>The inbox's instruments, spans and logs, by exact name, unit and tags, on a real pipeline.</summary>
-public sealed class TelemetryTests : PostgresRabbitTest
+public class TelemetryTests : PostgresRabbitTest
 {
     private const string Consumer = "ExactlyOnce.TestHost.EffectConsumer";
 

@@ -14,7 +14,7 @@ namespace ExactlyOnce.Tests;
 /// One test per known trap of PRODUCT.md that is not a concurrency test (traps 2 and 5 are in
 /// <see cref="ConcurrencyTests"/>). Each names the naive design it would catch.
 /// </summary>
-public sealed class TrapTests : PostgresRabbitTest
+public class TrapTests : PostgresRabbitTest
 {
     /// <summary>
     /// Trap 1 (separate scope). A filter with its own DI scope claims on another DbContext and connection: the

@@ -22,6 +22,7 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
     private readonly Counter<long> _deferred;
     private readonly Histogram<double> _duration;
     private readonly Histogram<double> _claimWait;
+    private readonly Histogram<long> _batchSize;
     private readonly Counter<long> _dispatched;
     private readonly Counter<long> _dispatchFailed;
     private readonly Histogram<double> _publishLatency;
@@ -77,6 +78,8 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
             "Time from the start of the inbox transaction to its commit or rollback.");
         _claimWait = _meter.CreateHistogram<double>("exactlyonce.inbox.claim.duration", "s",
             "Time the claim statement took, including any wait on a concurrent delivery of the same key.");
+        _batchSize = _meter.CreateHistogram<long>("exactlyonce.inbox.batch.size", "{message}",
+            "Deliveries that shared one inbox transaction (batched mode only).");
         _dispatched = _meter.CreateCounter<long>("exactlyonce.outbox.messages.dispatched", "{message}",
             "Outbox rows published with broker confirmation and marked dispatched.");
         _dispatchFailed = _meter.CreateCounter<long>("exactlyonce.outbox.messages.failed", "{message}",
@@ -122,6 +125,9 @@ internal sealed class ExactlyOnceTelemetry : IDisposable
 
     public void RecordClaimWait(string consumerName, TimeSpan elapsed) =>
         _claimWait.Record(elapsed.TotalSeconds, new KeyValuePair<string, object?>(ConsumerTag, consumerName));
+
+    public void RecordBatchSize(string consumerName, int size) =>
+        _batchSize.Record(size, new KeyValuePair<string, object?>(ConsumerTag, consumerName));
 
     public void RecordOutcome(string consumerName, InboxOutcome outcome, TimeSpan elapsed, Activity? activity, Activity? consumeActivity = null)
     {

@@ -24,6 +24,10 @@ internal static partial class Log
         Message = "Message {MessageId} for consumer {ConsumerName} is still being processed by another delivery after {ClaimTimeout}; it will be retried later")]
     public static partial void ClaimTimedOut(ILogger logger, Guid messageId, string consumerName, TimeSpan claimTimeout);
 
+    [LoggerMessage(EventId = 1005, EventName = "InboxBatchFallback", Level = LogLevel.Warning,
+        Message = "A batch of {Count} deliveries for consumer {ConsumerName} could not claim its keys in time (a concurrent delivery held one, or a deadlock); each delivery is processed on its own instead")]
+    public static partial void BatchFallback(ILogger logger, Exception exception, int count, string consumerName);
+
     [LoggerMessage(EventId = 1101, EventName = "MessageIdMissing", Level = LogLevel.Error,
         Message = "A {MessageType} message for consumer {ConsumerName} has no message id; it cannot be deduplicated and is faulted to the error queue")]
     public static partial void MessageIdMissing(ILogger logger, string messageType, string consumerName);

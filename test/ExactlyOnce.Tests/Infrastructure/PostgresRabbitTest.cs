@@ -25,6 +25,12 @@ public abstract class PostgresRabbitTest : IAsyncLifetime
 
     protected virtual bool CreateInboxTable => true;
 
+    /// <summary>
+    /// Runs every host of the test with the inbox in batched mode (<c>ExactlyOnceOptions.Batching.Enabled</c>): the
+    /// guarantee test classes are subclassed with this set, so each guarantee is proven in both modes.
+    /// </summary>
+    protected virtual bool Batched => false;
+
     public async Task InitializeAsync()
     {
         await using (var admin = new NpgsqlConnection(TestHosts.PostgresServer + ";Database=postgres"))
@@ -116,6 +122,19 @@ public abstract class PostgresRabbitTest : IAsyncLifetime
 
     protected async Task<IHost> StartHostAsync(TestHosts.Options options, DeliveryCounter? counter = null)
     {
+        if (Batched)
+        {
+            var configure = options.ExactlyOnce;
+            options = options with
+            {
+                ExactlyOnce = o =>
+                {
+                    o.Batching.Enabled = true;
+                    configure?.Invoke(o);
+                },
+            };
+        }
+
         IHost host = TestHosts.Build(options);
         _hosts.Add(host);
         if (counter is not null)

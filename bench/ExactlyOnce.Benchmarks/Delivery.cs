@@ -30,8 +30,18 @@ internal sealed class DeliveryCounter(int drainCount)
 {
     private readonly Stopwatch _clock = Stopwatch.StartNew();
     private int _completed;
+    private int _discarded;
 
     public int Completed => Volatile.Read(ref _completed);
+
+    /// <summary>Of <see cref="Completed"/>, the deliveries known to have been discarded as duplicates (where the mode reports them).</summary>
+    public int Discarded => Volatile.Read(ref _discarded);
+
+    public void RecordDiscarded()
+    {
+        Interlocked.Increment(ref _discarded);
+        Record();
+    }
 
     public TimeSpan FirstAt { get; private set; }
 

@@ -80,6 +80,13 @@ internal sealed class Harness(Settings settings)
             await WaitAsync(() => counter.Completed >= expected, TimeSpan.FromMinutes(5), () => $"{counter.Completed} of {expected} deliveries finished");
             long duplicateEffects = await ScalarAsync(connectionString,
                 $"SELECT count(*) FROM (SELECT key FROM bench_rows WHERE phase = {DuplicatePhase} GROUP BY key HAVING count(*) > 1) d");
+            if (mode == WolverineMode.Name)
+            {
+                // Its deliveries are counted from two signals (handler commits, logged discards): show that they add up.
+                long rows = await ScalarAsync(connectionString, "SELECT count(*) FROM bench_rows");
+                Console.WriteLine($"  {mode}: {counter.Completed} deliveries counted = {rows} rows committed + {counter.Discarded} duplicates discarded (expected {expected})");
+            }
+
             await consumer.StopAsync();
             return new ModeRun(mode, rate, p50, p99, duplicateEffects, copies.Count);
         }
@@ -223,7 +230,7 @@ internal sealed class Harness(Settings settings)
         await command.ExecuteNonQueryAsync();
     }
 
-    private static async Task DeleteQueueAsync(string queue)
+    internal static async Task DeleteQueueAsync(string queue)
     {
         var factory = new ConnectionFactory { Uri = TestHosts.RabbitMq };
         await using var connection = await factory.CreateConnectionAsync();

@@ -116,7 +116,7 @@ internal static class WolverineMode
                     && values.Any(v => v.Key == "{OriginalFormat}" && v.Value is string format && format.StartsWith(DiscardTemplate, StringComparison.Ordinal)));
             if (discarded)
             {
-                counter.Record();
+                counter.RecordDiscarded();
             }
         }
     }

@@ -24,7 +24,7 @@ internal sealed class Harness(Settings settings)
     private const int LatencyPhase = 2;
     private const int DuplicatePhase = 3;
 
-    public static readonly string[] AllModes = ["baseline", "tutorial", "exactlyonce", "exactlyonce-batched"];
+    public static readonly string[] AllModes = ["baseline", "tutorial", "exactlyonce", "exactlyonce-batched", WolverineMode.Name];
 
     public async Task<ModeRun> RunAsync(string mode)
     {
@@ -39,13 +39,14 @@ internal sealed class Harness(Settings settings)
                 await db.Database.EnsureCreatedAsync();
             }
 
-            using var sender = await StartBusAsync(null, null, connectionString, null);
-            var endpoint = await sender.Services.GetRequiredService<IBus>().GetSendEndpoint(new Uri("queue:" + queue));
+            await using var sender = await StartSenderAsync(mode, queue, connectionString);
 
             // 1. Throughput: pre-load the queue, then start the consumer and time the drain.
-            await SendAsync(endpoint, Enumerable.Range(0, settings.Messages).Select(_ => (NewId.NextGuid(), Guid.NewGuid())), DrainPhase);
-            var counter = new CompletedCounter(settings.Messages);
-            using var consumer = await StartBusAsync(mode, queue, connectionString, counter);
+            await SendAsync(sender, Enumerable.Range(0, settings.Messages).Select(_ => (NewId.NextGuid(), Guid.NewGuid())), DrainPhase);
+            var counter = new DeliveryCounter(settings.Messages);
+            using var consumer = mode == WolverineMode.Name
+                ? await WolverineMode.StartConsumerAsync(settings, queue, connectionString, counter)
+                : await StartBusAsync(mode, queue, connectionString, counter);
             await WaitAsync(() => counter.Completed >= settings.Messages, TimeSpan.FromMinutes(10));
             // From the first message done to the last: the consumer's start-up is not part of the rate.
             double rate = (settings.Messages - 1) / (counter.DrainedAt - counter.FirstAt).TotalSeconds;
@@ -61,7 +62,7 @@ internal sealed class Harness(Settings settings)
                     await Task.Delay(due - pace.Elapsed);
                 }
 
-                await endpoint.Send(new BenchMessage(Guid.NewGuid(), DateTime.UtcNow, LatencyPhase), c => c.MessageId = NewId.NextGuid());
+                await sender.SendAsync(NewId.NextGuid(), new BenchMessage(Guid.NewGuid(), DateTime.UtcNow, LatencyPhase));
             }
 
             await WaitAsync(() => counter.Completed >= settings.Messages + steady, TimeSpan.FromMinutes(5));
@@ -72,13 +73,20 @@ internal sealed class Harness(Settings settings)
             var copies = keys.Take(settings.DuplicateRunMessages / 10).ToList();
             var concurrentCopies = copies.Take(copies.Count / 2).ToList();
             var lateCopies = copies.Skip(copies.Count / 2).ToList();
-            await SendAsync(endpoint, keys.Zip(Enumerable.Range(0, keys.Count)).SelectMany(pair =>
+            await SendAsync(sender, keys.Zip(Enumerable.Range(0, keys.Count)).SelectMany(pair =>
                 pair.Second < concurrentCopies.Count ? [pair.First, pair.First] : new[] { pair.First }), DuplicatePhase);
-            await SendAsync(endpoint, lateCopies, DuplicatePhase);
+            await SendAsync(sender, lateCopies, DuplicatePhase);
             int expected = settings.Messages + steady + keys.Count + copies.Count;
-            await WaitAsync(() => counter.Completed >= expected, TimeSpan.FromMinutes(5));
+            await WaitAsync(() => counter.Completed >= expected, TimeSpan.FromMinutes(5), () => $"{counter.Completed} of {expected} deliveries finished");
             long duplicateEffects = await ScalarAsync(connectionString,
                 $"SELECT count(*) FROM (SELECT key FROM bench_rows WHERE phase = {DuplicatePhase} GROUP BY key HAVING count(*) > 1) d");
+            if (mode == WolverineMode.Name)
+            {
+                // Its deliveries are counted from two signals (handler commits, logged discards): show that they add up.
+                long rows = await ScalarAsync(connectionString, "SELECT count(*) FROM bench_rows");
+                Console.WriteLine($"  {mode}: {counter.Completed} deliveries counted = {rows} rows committed + {counter.Discarded} duplicates discarded (expected {expected})");
+            }
+
             await consumer.StopAsync();
             return new ModeRun(mode, rate, p50, p99, duplicateEffects, copies.Count);
         }
@@ -90,15 +98,28 @@ internal sealed class Harness(Settings settings)
         }
     }
 
-    private static async Task SendAsync(ISendEndpoint endpoint, IEnumerable<(Guid MessageId, Guid Key)> messages, int phase)
+    private static async Task SendAsync(IBenchSender sender, IEnumerable<(Guid MessageId, Guid Key)> messages, int phase)
     {
         foreach (var chunk in messages.Chunk(500))
         {
-            await Task.WhenAll(chunk.Select(m => endpoint.Send(new BenchMessage(m.Key, DateTime.UtcNow, phase), c => c.MessageId = m.MessageId)));
+            await Task.WhenAll(chunk.Select(m => sender.SendAsync(m.MessageId, new BenchMessage(m.Key, DateTime.UtcNow, phase))));
         }
     }
 
-    private async Task<IHost> StartBusAsync(string? mode, string? queue, string connectionString, CompletedCounter? counter)
+    /// <summary>MassTransit modes get a MassTransit sender; Wolverine gets its own wire format, on the queue its listener declares.</summary>
+    private async Task<IBenchSender> StartSenderAsync(string mode, string queue, string connectionString)
+    {
+        if (mode == WolverineMode.Name)
+        {
+            await WolverineMode.ProvisionAsync(settings, queue, connectionString);
+            return await WolverineAmqpSender.ConnectAsync(queue);
+        }
+
+        var host = await StartBusAsync(null, null, connectionString, null);
+        return new MassTransitSender(host, await host.Services.GetRequiredService<IBus>().GetSendEndpoint(new Uri("queue:" + queue)));
+    }
+
+    private async Task<IHost> StartBusAsync(string? mode, string? queue, string connectionString, DeliveryCounter? counter)
     {
         var builder = Host.CreateApplicationBuilder(new HostApplicationBuilderSettings { DisableDefaults = true });
         builder.Logging.SetMinimumLevel(LogLevel.Error);
@@ -149,7 +170,7 @@ internal sealed class Harness(Settings settings)
         var host = builder.Build();
         if (counter is not null)
         {
-            host.Services.GetRequiredService<IBus>().ConnectReceiveObserver(counter);
+            host.Services.GetRequiredService<IBus>().ConnectReceiveObserver(new CompletedCounter(counter));
         }
 
         await host.StartAsync();
@@ -171,14 +192,14 @@ internal sealed class Harness(Settings settings)
     private static BenchDbContext NewContext(string connectionString) =>
         new(new DbContextOptionsBuilder<BenchDbContext>().UseNpgsql(connectionString).Options);
 
-    private static async Task WaitAsync(Func<bool> condition, TimeSpan timeout)
+    private static async Task WaitAsync(Func<bool> condition, TimeSpan timeout, Func<string>? progress = null)
     {
         var clock = Stopwatch.StartNew();
         while (!condition())
         {
             if (clock.Elapsed > timeout)
             {
-                throw new TimeoutException($"not done within {timeout}");
+                throw new TimeoutException($"not done within {timeout}: {progress?.Invoke() ?? "condition false"}");
             }
 
             await Task.Delay(10);
@@ -209,7 +230,7 @@ internal sealed class Harness(Settings settings)
         await command.ExecuteNonQueryAsync();
     }
 
-    private static async Task DeleteQueueAsync(string queue)
+    internal static async Task DeleteQueueAsync(string queue)
     {
         var factory = new ConnectionFactory { Uri = TestHosts.RabbitMq };
         await using var connection = await factory.CreateConnectionAsync();
@@ -218,35 +239,14 @@ internal sealed class Harness(Settings settings)
         await channel.ExchangeDeleteAsync(queue);
     }
 
-    private sealed class CompletedCounter(int drainCount) : IReceiveObserver
+    private sealed class CompletedCounter(DeliveryCounter counter) : IReceiveObserver
     {
-        private readonly Stopwatch _clock = Stopwatch.StartNew();
-        private int _completed;
-
-        public int Completed => Volatile.Read(ref _completed);
-
-        public TimeSpan FirstAt { get; private set; }
-
-        public TimeSpan DrainedAt { get; private set; }
-
         public Task PreReceive(ReceiveContext context) => Task.CompletedTask;
 
         public Task PostReceive(ReceiveContext context)
         {
-            Record(Interlocked.Increment(ref _completed));
+            counter.Record();
             return Task.CompletedTask;
-        }
-
-        private void Record(int completed)
-        {
-            if (completed == 1)
-            {
-                FirstAt = _clock.Elapsed;
-            }
-            else if (completed == drainCount)
-            {
-                DrainedAt = _clock.Elapsed;
-            }
         }
 
         public Task PostConsume<T>(ConsumeContext<T> context, TimeSpan duration, string consumerType) where T : class => Task.CompletedTask;
@@ -255,7 +255,7 @@ internal sealed class Harness(Settings settings)
 
         public Task ReceiveFault(ReceiveContext context, Exception exception)
         {
-            Record(Interlocked.Increment(ref _completed));
+            counter.Record();
             return Task.CompletedTask;
         }
     }

@@ -4,15 +4,37 @@ using System.Text.Json;
 using ExactlyOnce.Benchmarks;
 
 // dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- throughput --messages 20000 --json results.json
-//   [--repeats 3] [--modes baseline,tutorial,exactlyonce] [--rate 200] [--latency-seconds 10] [--duplicate-messages 5000] [--concurrency 16]
-if (args.Length == 0 || args[0] != "throughput")
+//   [--repeats 3] [--modes baseline,tutorial,exactlyonce,wolverine] [--rate 200] [--latency-seconds 10] [--duplicate-messages 5000] [--concurrency 16]
+// dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- profile [--messages 500] [--modes baseline,exactlyonce,wolverine] [--no-benchmark]
+//   round trips and SQL per message off the wire, then the BenchmarkDotNet hot-path benchmark (allocations, time)
+if (args.Length == 0 || args[0] is not ("throughput" or "profile"))
 {
     Console.Error.WriteLine("usage: throughput --messages N [--json FILE] [--repeats R] [--modes a,b,c] [--rate MSG_PER_S] [--latency-seconds S] [--duplicate-messages N] [--concurrency C]");
+    Console.Error.WriteLine("       profile [--messages N] [--modes a,b,c] [--concurrency C] [--no-benchmark]");
     return 2;
 }
 
 string? Option(string name) => Array.IndexOf(args, name) is var i and >= 0 && i + 1 < args.Length ? args[i + 1] : null;
 int IntOption(string name, int fallback) => Option(name) is { } v ? int.Parse(v, CultureInfo.InvariantCulture) : fallback;
+if (args[0] == "profile")
+{
+    var profileModes = Option("--modes")?.Split(',', StringSplitOptions.RemoveEmptyEntries | StringSplitOptions.TrimEntries) ?? HotPathProfile.Modes;
+    if (profileModes.FirstOrDefault(m => !HotPathProfile.Modes.Contains(m)) is { } unknown)
+    {
+        Console.Error.WriteLine($"unknown profile mode '{unknown}'; available: {string.Join(", ", HotPathProfile.Modes)}");
+        return 2;
+    }
+
+    var profileSettings = new Settings(IntOption("--messages", 500), 1, profileModes, 0, 0, 0, IntOption("--concurrency", 16), null);
+    await HotPathProfile.RunAsync(profileSettings, profileModes);
+    if (!args.Contains("--no-benchmark"))
+    {
+        BenchmarkDotNet.Running.BenchmarkRunner.Run<InboxHotPathBenchmarks>();
+    }
+
+    return 0;
+}
+
 var settings = new Settings(
     Messages: IntOption("--messages", 20000),
     Repeats: IntOption("--repeats", 3),
@@ -26,8 +48,7 @@ foreach (string mode in settings.Modes)
 {
     if (!Harness.AllModes.Contains(mode))
     {
-        Console.Error.WriteLine($"unknown mode '{mode}'; available: {string.Join(", ", Harness.AllModes)} " +
-                                "(wolverine is not implemented yet)");
+        Console.Error.WriteLine($"unknown mode '{mode}'; available: {string.Join(", ", Harness.AllModes)}");
         return 2;
     }
 }
@@ -112,7 +133,6 @@ if (settings.JsonPath is not null)
             inbox_transaction_tx_per_second = Math.Round(inboxCeiling, 1),
             runs = ceilings.Select(c => new { insert_only = Math.Round(c.Insert, 1), inbox_transaction = Math.Round(c.Inbox, 1) }).ToArray(),
         },
-        not_measured = new[] { "wolverine (not integrated yet)" },
     };
     await File.WriteAllTextAsync(settings.JsonPath, JsonSerializer.Serialize(report, new JsonSerializerOptions { WriteIndented = true }));
     Console.WriteLine($"wrote {settings.JsonPath}");

@@ -1,0 +1,174 @@
+using System.Diagnostics;
+using System.Text.RegularExpressions;
+using ExactlyOnce.TestHost;
+using MassTransit;
+using Microsoft.EntityFrameworkCore;
+using Microsoft.Extensions.DependencyInjection;
+using Microsoft.Extensions.Hosting;
+using Microsoft.Extensions.Logging;
+using Npgsql;
+
+namespace ExactlyOnce.Benchmarks;
+
+/// <summary>
+/// What each message costs the database: N messages through the real consume pipeline of a mode, with every byte the
+/// process sends to PostgreSQL read off the wire by <see cref="PgWireRecorder"/>; round trips per message and the
+/// statements sent, per message.
+/// </summary>
+/// <remarks>
+/// The MassTransit modes use MassTransit's in-memory transport (the consume pipeline, the inbox filter, the store and the
+/// consumer are the real ones; the broker adds no database traffic); <c>wolverine</c> needs its RabbitMQ listener, since its
+/// inbox is the listener's.
+/// </remarks>
+internal static partial class HotPathProfile
+{
+    public static readonly string[] Modes = ["baseline", "exactlyonce", WolverineMode.Name];
+
+    public static async Task RunAsync(Settings settings, IReadOnlyList<string> modes)
+    {
+        foreach (string mode in modes)
+        {
+            await ProfileAsync(settings, mode);
+        }
+    }
+
+    private static async Task ProfileAsync(Settings settings, string mode)
+    {
+        string database = "eo_profile_" + Guid.NewGuid().ToString("N")[..10];
+        var server = new NpgsqlConnectionStringBuilder(TestHosts.PostgresServer);
+        await using var recorder = new PgWireRecorder(server.Host ?? "127.0.0.1", server.Port);
+        // Through the recorder, unencrypted so that it can read; otherwise the harness's own settings.
+        string recorded = new NpgsqlConnectionStringBuilder(TestHosts.PostgresServer)
+        {
+            Host = "127.0.0.1", Port = recorder.Port, Database = database, SslMode = SslMode.Disable, MaxPoolSize = 64, NoResetOnClose = true,
+        }.ConnectionString;
+        string direct = TestHosts.PostgresServer + ";Database=" + database;
+        string queue = $"profile-{mode}-{Guid.NewGuid():N}";
+        await Harness.ExecuteAdminAsync($"CREATE DATABASE \"{database}\"");
+        try
+        {
+            await using (var db = new BenchDbContext(new DbContextOptionsBuilder<BenchDbContext>().UseNpgsql(direct).Options))
+            {
+                await db.Database.EnsureCreatedAsync();
+            }
+
+            IBenchSender sender;
+            IHost consumer;
+            var counter = new DeliveryCounter(int.MaxValue);
+            if (mode == WolverineMode.Name)
+            {
+                await WolverineMode.ProvisionAsync(settings, queue, recorded);
+                sender = await WolverineAmqpSender.ConnectAsync(queue);
+                consumer = await WolverineMode.StartConsumerAsync(settings, queue, recorded, counter);
+            }
+            else
+            {
+                consumer = await StartInMemoryBusAsync(mode, queue, recorded, settings.Concurrency);
+                sender = new MassTransitSender(consumer, await consumer.Services.GetRequiredService<IBus>().GetSendEndpoint(new Uri("queue:" + queue)));
+            }
+
+            await using (sender)
+            {
+                // Warm up: connections opened, types loaded, handler code compiled; none of it is per message.
+                await SendAndWaitAsync(sender, direct, 50, 0);
+                recorder.Reset();
+                var clock = Stopwatch.StartNew();
+                await SendAndWaitAsync(sender, direct, settings.Messages, 50);
+                await Task.Delay(200); // let the last commits' trailing traffic (if any) arrive
+                clock.Stop();
+                Report(mode, settings.Messages, recorder, clock.Elapsed);
+                await consumer.StopAsync();
+                consumer.Dispose();
+            }
+        }
+        finally
+        {
+            NpgsqlConnection.ClearAllPools();
+            await Harness.ExecuteAdminAsync($"DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)");
+            await Harness.DeleteQueueAsync(queue);
+        }
+    }
+
+    private static async Task SendAndWaitAsync(IBenchSender sender, string direct, int count, int before)
+    {
+        for (int i = 0; i < count; i++)
+        {
+            await sender.SendAsync(NewId.NextGuid(), new BenchMessage(Guid.NewGuid(), DateTime.UtcNow, 1));
+        }
+
+        // Polled on a connection that bypasses the recorder; a row is visible only once its transaction committed.
+        var clock = Stopwatch.StartNew();
+        while (await Harness.ScalarAsync(direct, "SELECT count(*) FROM bench_rows") < before + count)
+        {
+            if (clock.Elapsed > TimeSpan.FromMinutes(5))
+            {
+                throw new TimeoutException("profile: messages not processed within 5 minutes");
+            }
+
+            await Task.Delay(20);
+        }
+    }
+
+    private static async Task<IHost> StartInMemoryBusAsync(string mode, string queue, string connectionString, int concurrency)
+    {
+        var builder = Host.CreateApplicationBuilder(new HostApplicationBuilderSettings { DisableDefaults = true });
+        builder.Logging.SetMinimumLevel(LogLevel.Error);
+        builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
+        builder.Services.AddDbContext<BenchDbContext>(o => o.UseNpgsql(connectionString));
+        if (mode == "exactlyonce")
+        {
+            builder.Services.AddExactlyOnce<BenchDbContext>();
+        }
+
+        builder.Services.AddOptions<MassTransitHostOptions>().Configure(o => o.WaitUntilStarted = true);
+        builder.Services.AddMassTransit(x =>
+        {
+            x.AddConsumer<BenchConsumer>();
+            x.UsingInMemory((context, cfg) =>
+            {
+                if (mode == "exactlyonce")
+                {
+                    cfg.UseExactlyOnceInbox(context);
+                }
+
+                cfg.ReceiveEndpoint(queue, e =>
+                {
+                    e.ConcurrentMessageLimit = concurrency;
+                    e.UseMessageRetry(r => r.Immediate(5));
+                    e.ConfigureConsumer<BenchConsumer>(context);
+                });
+            });
+        });
+        var host = builder.Build();
+        await host.StartAsync();
+        return host;
+    }
+
+    private static void Report(string mode, int messages, PgWireRecorder recorder, TimeSpan elapsed)
+    {
+        Console.WriteLine();
+        Console.WriteLine($"== {mode}: {messages} messages in {elapsed.TotalSeconds:F1} s; " +
+                          $"{(double)recorder.RoundTrips / messages:F2} round trips per message ({recorder.RoundTrips} in all)");
+        Console.WriteLine("   round trips, per message (each: the statements sent together before waiting for the server):");
+        foreach (var (statements, count) in recorder.RoundTripShapes.OrderByDescending(s => s.Value).ThenBy(s => string.Join(';', s.Key), StringComparer.Ordinal))
+        {
+            string shape = statements.Count == 0 ? "(no statement: Sync alone)" : string.Join(" | ", statements.Select(Short));
+            Console.WriteLine($"   {(double)count / messages,6:F2} × {shape}");
+        }
+
+        Console.WriteLine("   statements (full text), per message:");
+        foreach (var (text, count) in recorder.Statements.OrderByDescending(s => s.Value).ThenBy(s => s.Key, StringComparer.Ordinal))
+        {
+            Console.WriteLine($"   {(double)count / messages,6:F2} × {Whitespace().Replace(text, " ").Trim()}");
+        }
+    }
+
+    private static string Short(string statement)
+    {
+        string text = Whitespace().Replace(statement, " ").Trim();
+        return text.Length <= 60 ? text : text[..57] + "...";
+    }
+
+    [GeneratedRegex(@"\s+")]
+    private static partial Regex Whitespace();
+}

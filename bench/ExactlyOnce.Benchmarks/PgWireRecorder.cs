@@ -1,0 +1,169 @@
+using System.Buffers.Binary;
+using System.Collections.Concurrent;
+using System.Net;
+using System.Net.Sockets;
+using System.Text;
+
+namespace ExactlyOnce.Benchmarks;
+
+/// <summary>
+/// A loopback TCP relay in front of PostgreSQL that reads the frontend side of the wire protocol: what the client actually
+/// sent, whichever layer sent it (EF Core, the inbox store's own commands, Npgsql's BEGIN/COMMIT/SAVEPOINT). A round trip is
+/// a message after which the client must wait for the server's ReadyForQuery: <c>Sync</c> (extended protocol) or
+/// <c>Query</c> (simple protocol). Statements are the texts of <c>Parse</c> and <c>Query</c> messages.
+/// </summary>
+/// <remarks>Needs an unencrypted connection (<c>SSL Mode=Disable</c>): it cannot read TLS.</remarks>
+internal sealed class PgWireRecorder : IAsyncDisposable
+{
+    private const int SslRequestCode = 80877103;
+    private const int GssRequestCode = 80877104;
+    private readonly TcpListener _listener = new(IPAddress.Loopback, 0);
+    private readonly CancellationTokenSource _stop = new();
+    private readonly ConcurrentDictionary<string, int> _statements = new();
+    private readonly ConcurrentDictionary<string, int> _roundTrips = new();
+    private readonly string _serverHost;
+    private readonly int _serverPort;
+    private readonly Task _accepting;
+    private int _roundTripCount;
+
+    public PgWireRecorder(string serverHost, int serverPort)
+    {
+        _serverHost = serverHost;
+        _serverPort = serverPort;
+        _listener.Start();
+        _accepting = AcceptAsync();
+    }
+
+    public int Port => ((IPEndPoint)_listener.LocalEndpoint).Port;
+
+    /// <summary>Stops counting what came before: a measurement starts here.</summary>
+    public void Reset()
+    {
+        Volatile.Write(ref _roundTripCount, 0);
+        _statements.Clear();
+        _roundTrips.Clear();
+    }
+
+    public int RoundTrips => Volatile.Read(ref _roundTripCount);
+
+    /// <summary>Each distinct statement text sent since <see cref="Reset"/>, with how many times it was sent.</summary>
+    public IReadOnlyDictionary<string, int> Statements => new Dictionary<string, int>(_statements);
+
+    /// <summary>Each distinct round trip since <see cref="Reset"/> (its statements in order), with how many times it was made.</summary>
+    public IReadOnlyDictionary<IReadOnlyList<string>, int> RoundTripShapes =>
+        _roundTrips.ToDictionary(pair => (IReadOnlyList<string>)pair.Key.Split('\u0001'), pair => pair.Value);
+
+    public async ValueTask DisposeAsync()
+    {
+        await _stop.CancelAsync();
+        _listener.Stop();
+        try
+        {
+            await _accepting;
+        }
+        catch (Exception exception) when (exception is OperationCanceledException or SocketException or ObjectDisposedException)
+        {
+        }
+
+        _stop.Dispose();
+    }
+
+    private async Task AcceptAsync()
+    {
+        while (!_stop.IsCancellationRequested)
+        {
+            var client = await _listener.AcceptTcpClientAsync(_stop.Token);
+            _ = RelayAsync(client);
+        }
+    }
+
+    private async Task RelayAsync(TcpClient client)
+    {
+        using (client)
+        using (var server = new TcpClient())
+        {
+            try
+            {
+                await server.ConnectAsync(_serverHost, _serverPort, _stop.Token);
+                client.NoDelay = true;
+                server.NoDelay = true;
+                var fromServer = client.GetStream();
+                var toServer = server.GetStream();
+                var backwards = toServer.CopyToAsync(fromServer, _stop.Token);
+                await ReadFrontendAsync(fromServer, toServer);
+                await backwards;
+            }
+            catch (Exception exception) when (exception is IOException or SocketException or OperationCanceledException or ObjectDisposedException)
+            {
+                // A connection closed by either side, or the recorder stopping: nothing to count.
+            }
+        }
+    }
+
+    /// <summary>Forwards the client's bytes unchanged, message by message, recording round trips and statement texts.</summary>
+    private async Task ReadFrontendAsync(Stream client, Stream server)
+    {
+        // Start-up: untyped messages (length, code) until the StartupMessage itself; an SSL or GSS request is refused by a
+        // server without TLS here only if the client asked: with SSL Mode=Disable none is sent.
+        while (true)
+        {
+            byte[] header = await ReadExactlyAsync(client, 8);
+            int length = BinaryPrimitives.ReadInt32BigEndian(header);
+            int code = BinaryPrimitives.ReadInt32BigEndian(header.AsSpan(4));
+            byte[] rest = await ReadExactlyAsync(client, length - 8);
+            await server.WriteAsync(header, _stop.Token);
+            await server.WriteAsync(rest, _stop.Token);
+            if (code is not SslRequestCode and not GssRequestCode)
+            {
+                break;
+            }
+        }
+
+        var pending = new List<string>(); // statements of the round trip being assembled on this connection
+        while (true)
+        {
+            byte[] header = await ReadExactlyAsync(client, 5);
+            int length = BinaryPrimitives.ReadInt32BigEndian(header.AsSpan(1));
+            byte[] body = await ReadExactlyAsync(client, length - 4);
+            switch ((char)header[0])
+            {
+                case 'S': // Sync
+                    RecordRoundTrip(pending);
+                    break;
+                case 'Q': // Query (simple protocol): a round trip of its own
+                    string query = CString(body, 0);
+                    Record(query);
+                    pending.Add(query);
+                    RecordRoundTrip(pending);
+                    break;
+                case 'P': // Parse: statement name, then the text
+                    string text = CString(body, Array.IndexOf(body, (byte)0) + 1);
+                    Record(text);
+                    pending.Add(text);
+                    break;
+            }
+
+            await server.WriteAsync(header, _stop.Token);
+            await server.WriteAsync(body, _stop.Token);
+        }
+    }
+
+    private void Record(string statement) => _statements.AddOrUpdate(statement, 1, static (_, n) => n + 1);
+
+    private void RecordRoundTrip(List<string> statements)
+    {
+        Interlocked.Increment(ref _roundTripCount);
+        _roundTrips.AddOrUpdate(string.Join('\u0001', statements), 1, static (_, n) => n + 1);
+        statements.Clear();
+    }
+
+    private static string CString(byte[] buffer, int start) =>
+        Encoding.UTF8.GetString(buffer, start, Array.IndexOf(buffer, (byte)0, start) - start);
+
+    private async Task<byte[]> ReadExactlyAsync(Stream stream, int count)
+    {
+        byte[] buffer = new byte[count];
+        await stream.ReadExactlyAsync(buffer, _stop.Token);
+        return buffer;
+    }
+}

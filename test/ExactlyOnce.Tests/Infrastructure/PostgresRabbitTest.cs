@@ -69,7 +69,7 @@ public abstract class PostgresRabbitTest : IAsyncLifetime
             host.Dispose();
         }
 
-        await RabbitAdmin.DeleteAsync(_queues.SelectMany(q => new[] { q, q + "_error", q + "_skipped" }));
+        await RabbitAdmin.DeleteAsync(_queues.SelectMany(q => new[] { q, q + "_error", q + "_skipped", q + "_parked" }));
         NpgsqlConnection.ClearAllPools();
         await using var admin = new NpgsqlConnection(TestHosts.PostgresServer + ";Database=postgres");
         await admin.OpenAsync();

@@ -52,6 +52,21 @@ public static class RabbitAdmin
             return (result.BasicProperties.MessageId, headers);
         });
 
+    /// <summary>What an operator's re-drive does: moves one message, body and properties untouched, from one queue to another.</summary>
+    public static Task<bool> MoveAsync(string from, string to) =>
+        WithChannelAsync(async ch =>
+        {
+            BasicGetResult? result = await ch.BasicGetAsync(from, autoAck: false);
+            if (result is null)
+            {
+                return false;
+            }
+
+            await ch.BasicPublishAsync("", to, mandatory: false, new BasicProperties(result.BasicProperties), result.Body);
+            await ch.BasicAckAsync(result.DeliveryTag, multiple: false);
+            return true;
+        });
+
     /// <summary>Publishes a raw body straight to a queue (default exchange), bypassing MassTransit.</summary>
     public static Task<bool> PublishRawAsync(string queue, string body, string? messageId, string contentType = "application/vnd.masstransit+json") =>
         WithChannelAsync(async ch =>

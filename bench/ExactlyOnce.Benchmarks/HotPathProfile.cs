@@ -22,17 +22,19 @@ namespace ExactlyOnce.Benchmarks;
 /// </remarks>
 internal static partial class HotPathProfile
 {
-    public static readonly string[] Modes = ["baseline", "exactlyonce", WolverineMode.Name];
+    public static readonly string[] Modes = ["baseline", "exactlyonce", "exactlyonce-batched", WolverineMode.Name];
 
-    public static async Task RunAsync(Settings settings, IReadOnlyList<string> modes)
+    /// <summary>Profiles each of <paramref name="modes"/> in turn; <paramref name="keepSavepoints"/> runs the ExactlyOnce modes with
+    /// <c>ExactlyOnceOptions.KeepSaveChangesSavepoints</c> (what they cost before it existed).</summary>
+    public static async Task RunAsync(Settings settings, IReadOnlyList<string> modes, bool keepSavepoints = false)
     {
         foreach (string mode in modes)
         {
-            await ProfileAsync(settings, mode);
+            await ProfileAsync(settings, mode, keepSavepoints);
         }
     }
 
-    private static async Task ProfileAsync(Settings settings, string mode)
+    private static async Task ProfileAsync(Settings settings, string mode, bool keepSavepoints)
     {
         string database = "eo_profile_" + Guid.NewGuid().ToString("N")[..10];
         var server = new NpgsqlConnectionStringBuilder(TestHosts.PostgresServer);
@@ -63,7 +65,7 @@ internal static partial class HotPathProfile
             }
             else
             {
-                consumer = await StartInMemoryBusAsync(mode, queue, recorded, settings.Concurrency);
+                consumer = await StartInMemoryBusAsync(mode, queue, recorded, settings.Concurrency, keepSavepoints);
                 sender = new MassTransitSender(consumer, await consumer.Services.GetRequiredService<IBus>().GetSendEndpoint(new Uri("queue:" + queue)));
             }
 
@@ -109,15 +111,15 @@ internal static partial class HotPathProfile
         }
     }
 
-    private static async Task<IHost> StartInMemoryBusAsync(string mode, string queue, string connectionString, int concurrency)
+    private static async Task<IHost> StartInMemoryBusAsync(string mode, string queue, string connectionString, int concurrency, bool keepSavepoints)
     {
         var builder = Host.CreateApplicationBuilder(new HostApplicationBuilderSettings { DisableDefaults = true });
         builder.Logging.SetMinimumLevel(LogLevel.Error);
         builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
         builder.Services.AddDbContext<BenchDbContext>(o => o.UseNpgsql(connectionString));
-        if (mode == "exactlyonce")
+        if (mode is "exactlyonce" or "exactlyonce-batched")
         {
-            builder.Services.AddExactlyOnce<BenchDbContext>();
+            builder.Services.AddExactlyOnce<BenchDbContext>(o => o.KeepSaveChangesSavepoints = keepSavepoints);
         }
 
         builder.Services.AddOptions<MassTransitHostOptions>().Configure(o => o.WaitUntilStarted = true);
@@ -126,9 +128,9 @@ internal static partial class HotPathProfile
             x.AddConsumer<BenchConsumer>();
             x.UsingInMemory((context, cfg) =>
             {
-                if (mode == "exactlyonce")
+                if (mode is "exactlyonce" or "exactlyonce-batched")
                 {
-                    cfg.UseExactlyOnceInbox(context);
+                    cfg.UseExactlyOnceInbox(context, batched: mode == "exactlyonce-batched");
                 }
 
                 cfg.ReceiveEndpoint(queue, e =>
@@ -147,9 +149,14 @@ internal static partial class HotPathProfile
     private static void Report(string mode, int messages, PgWireRecorder recorder, TimeSpan elapsed)
     {
         Console.WriteLine();
+        // One COMMIT per transaction: in batched mode, what a batch costs is what a message costs times the batch size.
+        int commits = recorder.Statements.Where(s => s.Key.StartsWith("COMMIT", StringComparison.OrdinalIgnoreCase)).Sum(s => s.Value);
         Console.WriteLine($"== {mode}: {messages} messages in {elapsed.TotalSeconds:F1} s; " +
-                          $"{(double)recorder.RoundTrips / messages:F2} round trips per message ({recorder.RoundTrips} in all)");
-        Console.WriteLine("   round trips, per message (each: the statements sent together before waiting for the server):");
+                          $"{(double)recorder.RoundTrips / messages:F2} round trips per message ({recorder.RoundTrips} in all); " +
+                          $"{(double)recorder.SyncOrQueryMessages / messages:F2} Sync/Query messages per message ({recorder.SyncOrQueryMessages}, " +
+                          "those sent ahead of a command included); " +
+                          $"{commits} transactions ({(commits == 0 ? 0 : (double)messages / commits):F2} messages per transaction)");
+        Console.WriteLine("   round trips, per message (each: the statements sent in one go before waiting for the server):");
         foreach (var (statements, count) in recorder.RoundTripShapes.OrderByDescending(s => s.Value).ThenBy(s => string.Join(';', s.Key), StringComparer.Ordinal))
         {
             string shape = statements.Count == 0 ? "(no statement: Sync alone)" : string.Join(" | ", statements.Select(Short));

@@ -5,12 +5,13 @@ using ExactlyOnce.Benchmarks;
 
 // dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- throughput --messages 20000 --json results.json
 //   [--repeats 3] [--modes baseline,tutorial,exactlyonce,wolverine] [--rate 200] [--latency-seconds 10] [--duplicate-messages 5000] [--concurrency 16]
-// dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- profile [--messages 500] [--modes baseline,exactlyonce,wolverine] [--no-benchmark]
+// dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- profile [--messages 500] [--modes baseline,exactlyonce,exactlyonce-batched,wolverine]
+//   [--keep-savepoints] [--no-benchmark]
 //   round trips and SQL per message off the wire, then the BenchmarkDotNet hot-path benchmark (allocations, time)
 if (args.Length == 0 || args[0] is not ("throughput" or "profile"))
 {
     Console.Error.WriteLine("usage: throughput --messages N [--json FILE] [--repeats R] [--modes a,b,c] [--rate MSG_PER_S] [--latency-seconds S] [--duplicate-messages N] [--concurrency C]");
-    Console.Error.WriteLine("       profile [--messages N] [--modes a,b,c] [--concurrency C] [--no-benchmark]");
+    Console.Error.WriteLine("       profile [--messages N] [--modes a,b,c] [--concurrency C] [--keep-savepoints] [--no-benchmark]");
     return 2;
 }
 
@@ -26,7 +27,7 @@ if (args[0] == "profile")
     }
 
     var profileSettings = new Settings(IntOption("--messages", 500), 1, profileModes, 0, 0, 0, IntOption("--concurrency", 16), null);
-    await HotPathProfile.RunAsync(profileSettings, profileModes);
+    await HotPathProfile.RunAsync(profileSettings, profileModes, keepSavepoints: args.Contains("--keep-savepoints"));
     if (!args.Contains("--no-benchmark"))
     {
         BenchmarkDotNet.Running.BenchmarkRunner.Run<InboxHotPathBenchmarks>();

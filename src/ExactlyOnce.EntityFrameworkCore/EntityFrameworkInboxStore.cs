@@ -4,6 +4,7 @@ using Microsoft.EntityFrameworkCore.Infrastructure;
 using Microsoft.EntityFrameworkCore.Storage;
 using Microsoft.Extensions.DependencyInjection;
 using Microsoft.Extensions.Logging;
+using Microsoft.Extensions.Options;
 
 namespace ExactlyOnce.EntityFrameworkCore;
 
@@ -15,6 +16,14 @@ namespace ExactlyOnce.EntityFrameworkCore;
 /// In batched mode the same context joins a batch instead: it is pointed at the batch's connection (never owning it)
 /// and uses the batch's transaction, and is pointed back at its own configuration when it leaves, so a pooled context
 /// goes back to the pool as it came.
+/// <para>
+/// Inside the inbox's transaction EF Core's automatic savepoints are off (unless
+/// <see cref="ExactlyOnceOptions.KeepSaveChangesSavepoints"/>): the attempt is all or nothing anyway, so a savepoint per
+/// <c>SaveChanges</c> only costs a <c>SAVEPOINT</c>/<c>RELEASE SAVEPOINT</c> pair. The price is that a failed
+/// <c>SaveChanges</c> can no longer be undone on its own, so one the consumer caught and went on from fails the attempt
+/// here, before anything is committed; batched mode then rolls the member back to the batch's own savepoint. The context's
+/// own setting is restored when the attempt (or the member's turn) ends.
+/// </para>
 /// </remarks>
 internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
     where TDbContext : DbContext
@@ -23,15 +32,24 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
     private readonly IServiceScopeFactory _scopes;
     private readonly OutboxCommitNotifier _notifier;
     private readonly ILogger _logger;
+    private readonly bool _keepSavepoints;
     private IDbContextTransaction? _transaction;
+    private bool? _autoSavepointsBefore; // the context's own setting, while the inbox has turned savepoints off
+    private Exception? _failedSave;
     private InboxSql? _sql;
     private EntityFrameworkInboxBatch? _joined;
 
-    public EntityFrameworkInboxStore(TDbContext context, IServiceScopeFactory scopes, OutboxCommitNotifier notifier, ILogger<EntityFrameworkInboxStore<TDbContext>> logger)
+    public EntityFrameworkInboxStore(
+        TDbContext context,
+        IServiceScopeFactory scopes,
+        OutboxCommitNotifier notifier,
+        IOptions<ExactlyOnceOptions> options,
+        ILogger<EntityFrameworkInboxStore<TDbContext>> logger)
     {
         _context = context;
         _scopes = scopes;
         _notifier = notifier;
+        _keepSavepoints = options.Value.KeepSaveChangesSavepoints;
         _logger = logger;
     }
 
@@ -61,6 +79,8 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         {
             throw new InboxClaimTimeoutException("The SQLite database stayed locked by another transaction beyond the busy timeout.", exception);
         }
+
+        SuspendAutoSavepoints();
     }
 
     public async Task<bool> TryClaimAsync(InboxKey key, DateTime receivedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default)
@@ -103,6 +123,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
     {
         IDbContextTransaction transaction = _transaction ?? throw new InvalidOperationException("ExactlyOnce: no inbox transaction to complete.");
 
+        ThrowIfASaveFailed();
         // Whatever the consumer left pending is part of its unit of work.
         await _context.SaveChangesAsync(cancellationToken).ConfigureAwait(false);
 
@@ -121,6 +142,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         }
 
         await transaction.CommitAsync(cancellationToken).ConfigureAwait(false);
+        RestoreAutoSavepoints();
         await transaction.DisposeAsync().ConfigureAwait(false);
         _transaction = null;
     }
@@ -130,6 +152,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         IDbContextTransaction? transaction = _transaction;
         _transaction = null;
         _context.ChangeTracker.Clear();
+        RestoreAutoSavepoints();
         if (transaction is null)
         {
             return;
@@ -189,12 +212,19 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
 
         await _context.Database.UseTransactionAsync(unit.Transaction, cancellationToken).ConfigureAwait(false);
         unit.Enlist(_context);
+        SuspendAutoSavepoints();
     }
 
-    public Task SaveBatchMemberAsync(CancellationToken cancellationToken = default) => _context.SaveChangesAsync(cancellationToken);
+    public Task SaveBatchMemberAsync(CancellationToken cancellationToken = default)
+    {
+        // Thrown, the member's turn fails and the batch rolls it back to its own savepoint: its batch-mates go on.
+        ThrowIfASaveFailed();
+        return _context.SaveChangesAsync(cancellationToken);
+    }
 
     public async Task LeaveBatchAsync()
     {
+        RestoreAutoSavepoints();
         if (_joined is null)
         {
             return;
@@ -217,6 +247,48 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
             {
                 _context.Database.SetConnectionString(connectionString);
             }
+        }
+    }
+
+    private void SuspendAutoSavepoints()
+    {
+        _failedSave = null;
+        if (_keepSavepoints || _autoSavepointsBefore is not null)
+        {
+            return;
+        }
+
+        _autoSavepointsBefore = _context.Database.AutoSavepointsEnabled;
+        _context.Database.AutoSavepointsEnabled = false;
+        _context.SaveChangesFailed += OnSaveChangesFailed;
+    }
+
+    private void RestoreAutoSavepoints()
+    {
+        if (_autoSavepointsBefore is not { } before)
+        {
+            return;
+        }
+
+        _context.SaveChangesFailed -= OnSaveChangesFailed;
+        _context.Database.AutoSavepointsEnabled = before;
+        _autoSavepointsBefore = null;
+    }
+
+    private void OnSaveChangesFailed(object? sender, SaveChangesFailedEventArgs e) => _failedSave ??= e.Exception;
+
+    // A failed save without its savepoint may have left some of its statements applied (SQLite, or a concurrency
+    // conflict detected after the fact) or the whole transaction aborted (PostgreSQL): never commit on top of it.
+    private void ThrowIfASaveFailed()
+    {
+        if (_failedSave is { } failure)
+        {
+            throw new InvalidOperationException(
+                "ExactlyOnce: a SaveChanges failed during this delivery and the consumer carried on. Inside the inbox's transaction " +
+                "EF Core's per-SaveChanges savepoints are off, so the failed save cannot be undone on its own: the whole attempt is " +
+                "rolled back and the delivery retried. Rethrow the exception, or set ExactlyOnceOptions.KeepSaveChangesSavepoints = " +
+                "true to recover from a failed save and go on.",
+                failure);
         }
     }
 

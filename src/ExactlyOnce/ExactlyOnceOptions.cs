@@ -20,6 +20,24 @@ public sealed class ExactlyOnceOptions
     /// </summary>
     public TimeSpan InboxRetention { get; set; } = TimeSpan.FromDays(7);
 
+    /// <summary>
+    /// Whether EF Core keeps wrapping each <c>SaveChanges</c> inside the inbox's transaction in a savepoint
+    /// (<c>Database.AutoSavepointsEnabled</c>). Default: <see langword="false"/>: the inbox turns them off for the duration of
+    /// its transaction (and restores the context's own setting afterwards), which saves a <c>SAVEPOINT</c> and a
+    /// <c>RELEASE SAVEPOINT</c> (one network round trip) per <c>SaveChanges</c>.
+    /// </summary>
+    /// <remarks>
+    /// The savepoint only matters to a consumer that catches a failed <c>SaveChanges</c> (a <c>DbUpdateException</c>) and
+    /// carries on in the same transaction. Without it the failed save's statements are not undone — on PostgreSQL the whole
+    /// transaction is aborted — so the inbox treats any failed <c>SaveChanges</c> during the attempt as a failure of the
+    /// attempt: it rolls everything back and the delivery is retried in a fresh transaction, exactly as if the consumer had
+    /// rethrown. Nothing half-saved is ever committed. Set this to <see langword="true"/> if a consumer must recover from a
+    /// failed save and go on (e.g. treat a unique-key violation as "already there"): EF Core then rolls the failed save back
+    /// to its savepoint, and the attempt may still commit. Batched mode isolates its members with savepoints of its own
+    /// either way.
+    /// </remarks>
+    public bool KeepSaveChangesSavepoints { get; set; }
+
     /// <summary>Options of the batched inbox mode (off by default: one transaction per message).</summary>
     public InboxBatchingOptions Batching { get; } = new();
 

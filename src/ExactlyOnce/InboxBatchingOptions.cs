@@ -14,8 +14,9 @@ public sealed class InboxBatchingOptions
 
     /// <summary>
     /// The most deliveries one batch holds. Keep it below the endpoint's <c>ConcurrentMessageLimit</c> so the next batch
-    /// can fill while one commits, and well below 64: each message takes one or two PostgreSQL subtransactions
-    /// (savepoints), and more than 64 in one transaction slow down every snapshot on the server. Default: 10.
+    /// can fill while one commits, and well below 64: each message takes a PostgreSQL subtransaction (the batch's savepoint
+    /// for it; one more per <c>SaveChanges</c> with <see cref="ExactlyOnceOptions.KeepSaveChangesSavepoints"/>), and more
+    /// than 64 in one transaction slow down every snapshot on the server. Default: 10.
     /// </summary>
     public int MaxBatchSize { get; set; } = 10;
 

@@ -4,16 +4,22 @@ using System.Net;
 using System.Net.Sockets;
 using System.Text;
 
-namespace ExactlyOnce.Benchmarks;
+namespace ExactlyOnce.TestHost;
 
 /// <summary>
 /// A loopback TCP relay in front of PostgreSQL that reads the frontend side of the wire protocol: what the client actually
-/// sent, whichever layer sent it (EF Core, the inbox store's own commands, Npgsql's BEGIN/COMMIT/SAVEPOINT). A round trip is
-/// a message after which the client must wait for the server's ReadyForQuery: <c>Sync</c> (extended protocol) or
-/// <c>Query</c> (simple protocol). Statements are the texts of <c>Parse</c> and <c>Query</c> messages.
+/// sent, whichever layer sent it (EF Core, the inbox store's own commands, Npgsql's BEGIN/COMMIT/SAVEPOINT). Each
+/// <c>Sync</c> (extended protocol) or <c>Query</c> (simple protocol) asks the server for a ReadyForQuery; a round trip is one
+/// of them after which the client waits: nothing more of its bytes has arrived when the message is read, which is before
+/// the relay forwards it, so before the server could have answered it. Npgsql sends <c>BEGIN</c> and <c>SAVEPOINT</c> as a
+/// <c>Query</c> written in front of the next command, in the same write: those ask for a ReadyForQuery but cost no wait.
+/// Statements are the texts of <c>Parse</c> and <c>Query</c> messages.
 /// </summary>
-/// <remarks>Needs an unencrypted connection (<c>SSL Mode=Disable</c>): it cannot read TLS.</remarks>
-internal sealed class PgWireRecorder : IAsyncDisposable
+/// <remarks>
+/// Needs an unencrypted connection (<c>SSL Mode=Disable</c>): it cannot read TLS. Relies on one client write arriving
+/// whole on loopback, true of the small messages measured here.
+/// </remarks>
+public sealed class PgWireRecorder : IAsyncDisposable
 {
     private const int SslRequestCode = 80877103;
     private const int GssRequestCode = 80877104;
@@ -25,6 +31,7 @@ internal sealed class PgWireRecorder : IAsyncDisposable
     private readonly int _serverPort;
     private readonly Task _accepting;
     private int _roundTripCount;
+    private int _syncOrQueryCount;
 
     public PgWireRecorder(string serverHost, int serverPort)
     {
@@ -40,16 +47,21 @@ internal sealed class PgWireRecorder : IAsyncDisposable
     public void Reset()
     {
         Volatile.Write(ref _roundTripCount, 0);
+        Volatile.Write(ref _syncOrQueryCount, 0);
         _statements.Clear();
         _roundTrips.Clear();
     }
 
+    /// <summary>Times a client waited for the server since <see cref="Reset"/>.</summary>
     public int RoundTrips => Volatile.Read(ref _roundTripCount);
+
+    /// <summary><c>Sync</c> and <c>Query</c> messages since <see cref="Reset"/>: round trips plus the ones sent ahead of a command.</summary>
+    public int SyncOrQueryMessages => Volatile.Read(ref _syncOrQueryCount);
 
     /// <summary>Each distinct statement text sent since <see cref="Reset"/>, with how many times it was sent.</summary>
     public IReadOnlyDictionary<string, int> Statements => new Dictionary<string, int>(_statements);
 
-    /// <summary>Each distinct round trip since <see cref="Reset"/> (its statements in order), with how many times it was made.</summary>
+    /// <summary>Each distinct round trip since <see cref="Reset"/> (its statements in order, those sent ahead of it included), with how many times it was made.</summary>
     public IReadOnlyDictionary<IReadOnlyList<string>, int> RoundTripShapes =>
         _roundTrips.ToDictionary(pair => (IReadOnlyList<string>)pair.Key.Split('\u0001'), pair => pair.Value);
 
@@ -87,7 +99,7 @@ internal sealed class PgWireRecorder : IAsyncDisposable
                 await server.ConnectAsync(_serverHost, _serverPort, _stop.Token);
                 client.NoDelay = true;
                 server.NoDelay = true;
-                var fromServer = client.GetStream();
+                NetworkStream fromServer = client.GetStream();
                 var toServer = server.GetStream();
                 var backwards = toServer.CopyToAsync(fromServer, _stop.Token);
                 await ReadFrontendAsync(fromServer, toServer);
@@ -101,7 +113,7 @@ internal sealed class PgWireRecorder : IAsyncDisposable
     }
 
     /// <summary>Forwards the client's bytes unchanged, message by message, recording round trips and statement texts.</summary>
-    private async Task ReadFrontendAsync(Stream client, Stream server)
+    private async Task ReadFrontendAsync(NetworkStream client, Stream server)
     {
         // Start-up: untyped messages (length, code) until the StartupMessage itself; an SSL or GSS request is refused by a
         // server without TLS here only if the client asked: with SSL Mode=Disable none is sent.
@@ -128,13 +140,13 @@ internal sealed class PgWireRecorder : IAsyncDisposable
             switch ((char)header[0])
             {
                 case 'S': // Sync
-                    RecordRoundTrip(pending);
+                    EndOfRequest(client, pending);
                     break;
-                case 'Q': // Query (simple protocol): a round trip of its own
+                case 'Q': // Query (simple protocol)
                     string query = CString(body, 0);
                     Record(query);
                     pending.Add(query);
-                    RecordRoundTrip(pending);
+                    EndOfRequest(client, pending);
                     break;
                 case 'P': // Parse: statement name, then the text
                     string text = CString(body, Array.IndexOf(body, (byte)0) + 1);
@@ -149,6 +161,16 @@ internal sealed class PgWireRecorder : IAsyncDisposable
     }
 
     private void Record(string statement) => _statements.AddOrUpdate(statement, 1, static (_, n) => n + 1);
+
+    // Not yet forwarded, so not yet answered: whatever of the client's bytes is already here was sent without waiting.
+    private void EndOfRequest(NetworkStream client, List<string> statements)
+    {
+        Interlocked.Increment(ref _syncOrQueryCount);
+        if (!client.DataAvailable)
+        {
+            RecordRoundTrip(statements);
+        }
+    }
 
     private void RecordRoundTrip(List<string> statements)
     {

@@ -38,14 +38,17 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
     private Exception? _failedSave;
     private InboxSql? _sql;
     private EntityFrameworkInboxBatch? _joined;
+    private readonly InboxContext? _inboxContext;
 
     public EntityFrameworkInboxStore(
         TDbContext context,
         IServiceScopeFactory scopes,
         OutboxCommitNotifier notifier,
         IOptions<ExactlyOnceOptions> options,
-        ILogger<EntityFrameworkInboxStore<TDbContext>> logger)
+        ILogger<EntityFrameworkInboxStore<TDbContext>> logger,
+        InboxContext? inboxContext = null)
     {
+        _inboxContext = inboxContext;
         _context = context;
         _scopes = scopes;
         _notifier = notifier;
@@ -70,6 +73,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
 
         // Each attempt starts from a clean change tracker: nothing a failed attempt tracked may leak into this one.
         _context.ChangeTracker.Clear();
+        _inboxContext?.BeginAttempt();
         InboxSql sql = Sql;
         try
         {
@@ -204,6 +208,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         }
 
         _context.ChangeTracker.Clear();
+        _inboxContext?.BeginAttempt();
         if (!ReferenceEquals(_joined, unit))
         {
             _context.Database.SetDbConnection(unit.Connection, contextOwnsConnection: false);

@@ -19,10 +19,16 @@ public sealed class InboxContext
 
     private Dictionary<string, int>? _occurrences;
 
-    /// <summary>Enters <paramref name="key"/> for this scope; called once per attempt, before the consumer runs.</summary>
+    /// <summary>Enters <paramref name="key"/> for this scope; called once per delivery, before the consumer runs.</summary>
     internal void Enter(InboxKey key)
     {
         Current = key;
-        _occurrences = null; // a retried attempt derives the same keys again, in the same order
+        _occurrences = null;
     }
+
+    /// <summary>
+    /// Called by the store when an attempt's transaction begins (an execution strategy may run several attempts in one
+    /// scope): a retried attempt derives the same action keys again, in the same order.
+    /// </summary>
+    internal void BeginAttempt() => _occurrences = null;
 }

@@ -371,6 +371,27 @@ public sealed class RecordedStepTests : PostgresRabbitTest
     }
 
     [Fact]
+    public async Task AfterCommitAction_AttemptRetriedByTheExecutionStrategyInTheSameScope_KeepsItsDerivedKey()
+    {
+        ActionProbe.Executions.Clear();
+        ActionProbe.FailFirst = 0;
+        var failCommit = new FailingCommitInterceptor { Remaining = 1, Exception = () => new Npgsql.NpgsqlException("injected transient failure", new TimeoutException()) };
+        var (host, queue) = await StartActionHostAsync<SchedulingConsumer>(database: o => o
+            .UseNpgsql(ConnectionString, n => n.EnableRetryOnFailure(3, TimeSpan.FromMilliseconds(50), null))
+            .AddInterceptors(failCommit));
+        var id = NewId.NextGuid();
+
+        await SendAsync(host, queue, id);
+        await Eventually.AssertAsync(() => Task.FromResult(!ActionProbe.Executions.IsEmpty), "the action ran");
+        await Task.Delay(300);
+
+        Assert.Equal(1, failCommit.Failed);
+        Assert.Equal(2, _script.Attempts); // both attempts ran in one consume scope
+        var (_, context) = Assert.Single(ActionProbe.Executions);
+        Assert.Equal(IdempotencyKeys.ForAction(new InboxKey(id, typeof(SchedulingConsumer).FullName!), ActionProbe.Name, 1), context.IdempotencyKey);
+    }
+
+    [Fact]
     public async Task AfterCommitAction_FromAnApiScope_RunsOnlyAfterSaveChangesCommits()
     {
         ActionProbe.Executions.Clear();
@@ -409,13 +430,13 @@ public sealed class RecordedStepTests : PostgresRabbitTest
         return (host, queue);
     }
 
-    private async Task<(IHost Host, string Queue)> StartActionHostAsync<TConsumer>(TimeSpan? backoff = null)
+    private async Task<(IHost Host, string Queue)> StartActionHostAsync<TConsumer>(TimeSpan? backoff = null, Action<DbContextOptionsBuilder>? database = null)
         where TConsumer : class, IConsumer
     {
         string queue = Queue("actions");
         var host = await StartHostAsync(new TestHosts.Options
         {
-            Database = o => o.UseNpgsql(ConnectionString),
+            Database = database ?? (o => o.UseNpgsql(ConnectionString)),
             Services = s => s.AddSingleton(_script).AddSingleton(Probe)
                 .AddExactlyOnceAfterCommitAction<ActionPayload, ActionProbe>(ActionProbe.Name),
             Dispatcher = true,

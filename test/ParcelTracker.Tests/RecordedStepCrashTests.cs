@@ -131,6 +131,29 @@ public sealed class RecordedStepCrashTests(ITestOutputHelper output) : IAsyncLif
         }
     }
 
+    /// <summary>
+    /// The hardest point with one process per crash: 20 separate SIGKILLs, one delivery at a time, each the moment its
+    /// booking reached the key-ignoring carrier and before the step was recorded.
+    /// </summary>
+    [Fact]
+    public async Task CarrierBooking_TwentySeparateKillsAfterTheCarrierBooked_ReconcileBooksOncePerParcel()
+    {
+        await using var rig = await CrashRig.StartAsync(_database,
+            ["consumer", "--carrier-honours-keys", "false", "--carrier-when-unknown", "reconcile", "--crash-at", "after-call", "--crash-times", "20", "--crash-gather-ms", "0", "--consumer-concurrency", "1"],
+            output);
+        await rig.SendParcelsAsync(Parcels, CarrierAssignmentConsumer.Queue);
+        await rig.RunUntilAsync(async () => rig.CrashesAt("after-call", CarrierAssignmentConsumer.Queue) == Parcels && await ProcessedAsync(rig) == Parcels,
+            "every parcel booked after 20 kills", TimeSpan.FromMinutes(4));
+
+        long bookings = await rig.ScalarAsync("SELECT count(*) FROM carrier_reservations");
+        output.WriteLine($"{rig.ExitCodes.Count} kills (exit codes {string.Join(",", rig.ExitCodes.Distinct())}); carrier bookings {bookings}, " +
+                         $"calls {await rig.ScalarAsync("SELECT sum(calls) FROM carrier_reservations")}");
+        Assert.Equal(Parcels, rig.ExitCodes.Count); // one kill per delivery
+        Assert.All(rig.ExitCodes, code => Assert.Equal(137, code));
+        Assert.Equal(Parcels, bookings);
+        Assert.Equal(Parcels, await rig.ScalarAsync("SELECT count(DISTINCT parcel_id) FROM carrier_reservations"));
+    }
+
     /// <summary>The teeth of the tests above: a carrier that ignores keys, told to retry with the same key, books twice.</summary>
     [Fact]
     public async Task CarrierBooking_KeyIgnoringCarrierWithRetryPolicy_KilledAfterTheCall_BooksTwice_AsTheTestsWouldSee()

@@ -3,6 +3,9 @@ namespace ParcelTracker.Hosting;
 /// <summary>Where the application keeps its data and which transport it uses.</summary>
 public sealed record AppSettings(string? Postgres, string? RabbitMq, string SqliteFile)
 {
+    /// <summary>Messages each consumer endpoint processes at once; null for MassTransit's default.</summary>
+    public int? ConsumerConcurrency { get; init; }
+
     public bool UsesPostgres => !string.IsNullOrWhiteSpace(Postgres);
 
     public bool UsesRabbitMq => !string.IsNullOrWhiteSpace(RabbitMq);
@@ -15,7 +18,10 @@ public sealed record AppSettings(string? Postgres, string? RabbitMq, string Sqli
     public static AppSettings From(IConfiguration configuration) => new(
         configuration["Postgres"],
         configuration["RabbitMq"],
-        configuration["Sqlite"] ?? Path.Combine(Environment.CurrentDirectory, "parceltracker.db"));
+        configuration["Sqlite"] ?? Path.Combine(Environment.CurrentDirectory, "parceltracker.db"))
+    {
+        ConsumerConcurrency = configuration.GetValue<int?>("ConsumerConcurrency"),
+    };
 
     /// <summary>A description for logs and reports, without credentials.</summary>
     public string Describe()

@@ -11,8 +11,8 @@ namespace ParcelTracker.Hosting;
 /// the crash points on its path: every visit kills with probability F divided by the number of points on that path.</item>
 /// <item><c>--crash-at POINT[,POINT] --crash-times N --crash-log FILE</c>: the first N deliveries (per point and
 /// consumer) that reach POINT each crash there once. The log (appended and flushed before the kill) survives restarts,
-/// so a redelivered message passes the point the second time. Deliveries that reach the point within a short window
-/// share one kill, each stopped exactly at the point.</item>
+/// so a redelivered message passes the point the second time. Deliveries that reach the point within
+/// <c>--crash-gather-ms</c> (default 300; 0 = kill at the first) share one kill, each stopped exactly at the point.</item>
 /// </list>
 /// Points: <c>before-call</c> (step started, carrier not called), <c>after-call</c> (carrier booked, step not yet
 /// recorded), <c>after-record</c> (step recorded, transaction not committed), <c>after-schedule</c> (SMS scheduled,
@@ -27,6 +27,7 @@ public sealed class Chaos
     private readonly HashSet<string> _points;
     private readonly int _times;
     private readonly string? _log;
+    private readonly int _gatherMilliseconds;
     private readonly HashSet<string> _crashed = new(StringComparer.Ordinal);
     private readonly Dictionary<string, int> _counts = new(StringComparer.Ordinal);
     private readonly Lock _gate = new();
@@ -46,6 +47,7 @@ public sealed class Chaos
 
         _times = int.Parse(configuration["CrashTimes"] ?? "20", CultureInfo.InvariantCulture);
         _log = configuration["CrashLog"];
+        _gatherMilliseconds = int.Parse(configuration["CrashGatherMs"] ?? "300", CultureInfo.InvariantCulture);
         if (_points.Count > 0 && _log is null)
         {
             throw new ArgumentException("--crash-at needs --crash-log FILE (it remembers which deliveries already crashed, across restarts).");
@@ -110,7 +112,7 @@ public sealed class Chaos
                 // Let other deliveries in flight reach their point too, then kill them all where they stand.
                 _ = Task.Run(async () =>
                 {
-                    await Task.Delay(300);
+                    await Task.Delay(_gatherMilliseconds);
                     Console.WriteLine($"CHAOS: killing at {point}");
                     Console.Out.Flush();
                     Process.GetCurrentProcess().Kill();

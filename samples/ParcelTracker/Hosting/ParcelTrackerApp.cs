@@ -32,6 +32,8 @@ public static class ParcelTrackerApp
             ["--crash-at"] = "CrashAt",
             ["--crash-times"] = "CrashTimes",
             ["--crash-log"] = "CrashLog",
+            ["--crash-gather-ms"] = "CrashGatherMs",
+            ["--consumer-concurrency"] = "ConsumerConcurrency",
         });
         builder.Logging.AddSimpleConsole(o => o.SingleLine = true);
         configure?.Invoke(builder);
@@ -100,8 +102,18 @@ public static class ParcelTrackerApp
         {
             if (roles.HasFlag(Roles.Consumer))
             {
-                x.AddConsumer<NotificationConsumer>().Endpoint(e => e.Name = NotificationConsumer.Queue);
-                x.AddConsumer<CarrierAssignmentConsumer>().Endpoint(e => e.Name = CarrierAssignmentConsumer.Queue);
+                // --consumer-concurrency N: messages each endpoint processes at once (MassTransit's default otherwise).
+                int? concurrency = settings.ConsumerConcurrency;
+                x.AddConsumer<NotificationConsumer>().Endpoint(e =>
+                {
+                    e.Name = NotificationConsumer.Queue;
+                    e.ConcurrentMessageLimit = concurrency;
+                });
+                x.AddConsumer<CarrierAssignmentConsumer>().Endpoint(e =>
+                {
+                    e.Name = CarrierAssignmentConsumer.Queue;
+                    e.ConcurrentMessageLimit = concurrency;
+                });
             }
 
             void Configure<TEndpoint>(IBusRegistrationContext context, IBusFactoryConfigurator<TEndpoint> cfg)

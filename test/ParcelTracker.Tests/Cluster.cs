@@ -102,7 +102,9 @@ internal sealed class Cluster : IAsyncDisposable
     {
         try
         {
-            return await ScalarAsync("SELECT count(*) FROM parcels WHERE pickup_slot IS NOT NULL AND notified_at IS NOT NULL");
+            // Notified = the consumer scheduled the SMS (committed) and the worker sent it afterwards (an after-commit action).
+            return await ScalarAsync("SELECT count(*) FROM parcels p WHERE pickup_slot IS NOT NULL AND notified_at IS NOT NULL " +
+                                     "AND EXISTS (SELECT 1 FROM notifications_sent n WHERE n.parcel_id = p.id)");
         }
         catch (Npgsql.NpgsqlException)
         {

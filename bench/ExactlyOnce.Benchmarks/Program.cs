@@ -5,12 +5,13 @@ using ExactlyOnce.Benchmarks;
 
 // dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- throughput --messages 20000 --json results.json
 //   [--repeats 3] [--modes baseline,tutorial,exactlyonce,wolverine] [--rate 200] [--latency-seconds 10] [--duplicate-messages 5000] [--concurrency 16]
+//   [--warmup-messages 2000]  (every mode once, not recorded, before the first measured run; 0 to skip)
 // dotnet run -c Release --project bench/ExactlyOnce.Benchmarks -- profile [--messages 500] [--modes baseline,exactlyonce,exactlyonce-batched,wolverine]
 //   [--keep-savepoints] [--no-benchmark]
 //   round trips and SQL per message off the wire, then the BenchmarkDotNet hot-path benchmark (allocations, time)
 if (args.Length == 0 || args[0] is not ("throughput" or "profile"))
 {
-    Console.Error.WriteLine("usage: throughput --messages N [--json FILE] [--repeats R] [--modes a,b,c] [--rate MSG_PER_S] [--latency-seconds S] [--duplicate-messages N] [--concurrency C]");
+    Console.Error.WriteLine("usage: throughput --messages N [--json FILE] [--repeats R] [--modes a,b,c] [--rate MSG_PER_S] [--latency-seconds S] [--duplicate-messages N] [--concurrency C] [--warmup-messages N]");
     Console.Error.WriteLine("       profile [--messages N] [--modes a,b,c] [--concurrency C] [--keep-savepoints] [--no-benchmark]");
     return 2;
 }
@@ -51,6 +52,19 @@ foreach (string mode in settings.Modes)
     {
         Console.Error.WriteLine($"unknown mode '{mode}'; available: {string.Join(", ", Harness.AllModes)}");
         return 2;
+    }
+}
+
+// Warm-up, not recorded: every mode once on a small load, so JIT, connection pools and broker channels are warm
+// before the first measured run (otherwise the first mode of the process pays for them).
+int warmup = IntOption("--warmup-messages", 2000);
+if (warmup > 0)
+{
+    var warm = new Harness(settings with { Messages = warmup, LatencySeconds = 1, DuplicateRunMessages = Math.Max(10, warmup / 10) });
+    foreach (string mode in settings.Modes)
+    {
+        var run = await warm.RunAsync(mode);
+        Console.WriteLine($"warm-up  {mode,-12} {run.MessagesPerSecond,8:F0} msg/s (not recorded)");
     }
 }
 

@@ -36,14 +36,7 @@ internal sealed class EntityFrameworkStepStore<TDbContext>(IServiceScopeFactory 
             }
 
             // INSERT … ON CONFLICT DO NOTHING (PostgreSQL and SQLite alike): a row that exists is reported, not an error.
-            IEntityType entity = db.Model.FindEntityType(typeof(RecordedStep))!;
-            var table = StoreObjectIdentifier.Table(entity.GetTableName()!, entity.GetSchema());
-            string Column(string property) => Quote(db, entity.FindProperty(property)!.GetColumnName(table)!);
-            string tableName = entity.GetSchema() is { } schema ? Quote(db, schema) + "." + Quote(db, entity.GetTableName()!) : Quote(db, entity.GetTableName()!);
-            string sql =
-                $"INSERT INTO {tableName} ({Column(nameof(RecordedStep.MessageId))}, {Column(nameof(RecordedStep.ConsumerType))}, {Column(nameof(RecordedStep.StepName))}, " +
-                $"{Column(nameof(RecordedStep.IdempotencyKey))}, {Column(nameof(RecordedStep.Status))}, {Column(nameof(RecordedStep.Attempts))}, {Column(nameof(RecordedStep.StartedAt))}) " +
-                "VALUES ({0}, {1}, {2}, {3}, {4}, 1, {5}) ON CONFLICT DO NOTHING";
+            string sql = _insert ??= InsertStatement(db);
             int inserted = await db.Database.ExecuteSqlRawAsync(sql,
                 [key.Message.MessageId, key.Message.ConsumerName, key.Name, idempotencyKey, nameof(StepStatus.Started), nowUtc], cancellationToken).ConfigureAwait(false);
             return inserted == 1;
@@ -94,6 +87,20 @@ internal sealed class EntityFrameworkStepStore<TDbContext>(IServiceScopeFactory 
             .Where(s => (s.Status == StepStatus.Completed || s.Status == StepStatus.NotDone) && s.StartedAt < cutoffUtc)
             .OrderBy(s => s.StartedAt).Take(batchSize)
             .ExecuteDeleteAsync(cancellationToken));
+
+    // Built once from the model's own mapping (this store serves one DbContext type, hence one model).
+    private string? _insert;
+
+    private static string InsertStatement(TDbContext db)
+    {
+        IEntityType entity = db.Model.FindEntityType(typeof(RecordedStep))!;
+        var table = StoreObjectIdentifier.Table(entity.GetTableName()!, entity.GetSchema());
+        string Column(string property) => Quote(db, entity.FindProperty(property)!.GetColumnName(table)!);
+        string tableName = entity.GetSchema() is { } schema ? Quote(db, schema) + "." + Quote(db, entity.GetTableName()!) : Quote(db, entity.GetTableName()!);
+        return $"INSERT INTO {tableName} ({Column(nameof(RecordedStep.MessageId))}, {Column(nameof(RecordedStep.ConsumerType))}, {Column(nameof(RecordedStep.StepName))}, " +
+               $"{Column(nameof(RecordedStep.IdempotencyKey))}, {Column(nameof(RecordedStep.Status))}, {Column(nameof(RecordedStep.Attempts))}, {Column(nameof(RecordedStep.StartedAt))}) " +
+               "VALUES ({0}, {1}, {2}, {3}, {4}, 1, {5}) ON CONFLICT DO NOTHING";
+    }
 
     private static IQueryable<RecordedStep> Rows(TDbContext db, StepKey key) =>
         db.Set<RecordedStep>().Where(s => s.MessageId == key.Message.MessageId && s.ConsumerType == key.Message.ConsumerName && s.StepName == key.Name);

@@ -26,26 +26,25 @@ internal sealed class RecordedSteps(IStepStore store, InboxContext inbox, TimePr
     {
         ArgumentNullException.ThrowIfNull(call);
         ArgumentNullException.ThrowIfNull(whenOutcomeUnknown);
-        if (whenOutcomeUnknown is not ReconcilePolicy<TResult> && whenOutcomeUnknown.Name == "reconcile")
+        if (whenOutcomeUnknown is IReconcilePolicy && whenOutcomeUnknown is not ReconcilePolicy<TResult>)
         {
             throw new ArgumentException($"ExactlyOnce: step '{name}' returns {typeof(TResult).Name}, but its Reconcile policy was built for another result type.", nameof(whenOutcomeUnknown));
         }
 
         var key = new StepKey(CurrentMessage(name), name);
         Guid idempotencyKey = IdempotencyKeys.ForStep(key.Message, name);
-        StepRecord? record = await store.FindAsync(key, cancellationToken).ConfigureAwait(false);
-        switch (record?.Status)
+
+        // The common case first: a step never seen. Recording "started" is then the only statement before the call.
+        if (await store.StartAsync(key, idempotencyKey, expected: null, Now, cancellationToken).ConfigureAwait(false))
         {
-            case null:
-                if (!await store.StartAsync(key, idempotencyKey, expected: null, Now, cancellationToken).ConfigureAwait(false))
-                {
-                    throw new InvalidOperationException(
-                        $"ExactlyOnce: step '{name}' of message {key.Message.MessageId} was recorded by another attempt at the same time. " +
-                        "Steps must run inside a consumer under the inbox, whose claim keeps attempts of one message apart.");
-                }
+            return await CallAsync(key, idempotencyKey, call, cancellationToken).ConfigureAwait(false);
+        }
 
-                return await CallAsync(key, idempotencyKey, call, cancellationToken).ConfigureAwait(false);
-
+        StepRecord record = await store.FindAsync(key, cancellationToken).ConfigureAwait(false)
+            ?? throw new InvalidOperationException(
+                $"ExactlyOnce: step '{name}' of message {key.Message.MessageId} was recorded and then removed while this attempt ran.");
+        switch (record.Status)
+        {
             case StepStatus.Completed:
                 telemetry.RecordStep(key, "replayed");
                 Log.StepReplayed(logger, name, key.Message.MessageId, key.Message.ConsumerName);

@@ -40,7 +40,10 @@ public abstract class StepPolicy
     private sealed class Simple(string name) : StepPolicy(name);
 }
 
-internal sealed class ReconcilePolicy<TResult>(Func<Guid, CancellationToken, Task<Reconciliation<TResult>>> reconcile) : StepPolicy("reconcile")
+/// <summary>Any reconcile policy, whatever its result type.</summary>
+internal interface IReconcilePolicy;
+
+internal sealed class ReconcilePolicy<TResult>(Func<Guid, CancellationToken, Task<Reconciliation<TResult>>> reconcile) : StepPolicy("reconcile"), IReconcilePolicy
 {
     public Func<Guid, CancellationToken, Task<Reconciliation<TResult>>> Callback { get; } = reconcile;
 }

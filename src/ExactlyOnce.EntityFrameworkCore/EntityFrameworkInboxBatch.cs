@@ -55,7 +55,8 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
         }
     }
 
-    public async Task<IReadOnlySet<InboxKey>> ClaimAsync(IReadOnlyList<InboxKey> keys, DateTime receivedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default)
+    public async Task<IReadOnlySet<InboxKey>> ClaimAsync(
+        IReadOnlyList<InboxKey> keys, IReadOnlyList<DateTime> receivedAtUtc, DateTime processedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default)
     {
         var claimed = new HashSet<InboxKey>();
         try
@@ -64,7 +65,7 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
             {
                 DbCommand command = CreateCommand(_sql.BatchClaim!);
                 await using var commandScope = command.ConfigureAwait(false);
-                _sql.AddBatchParameters(command, keys, receivedAtUtc);
+                _sql.AddBatchClaimParameters(command, keys, receivedAtUtc, processedAtUtc);
                 InboxSql.AddTimeoutParameter(command, timeout);
                 DbDataReader reader = await command.ExecuteReaderAsync(cancellationToken).ConfigureAwait(false);
                 await using var readerScope = reader.ConfigureAwait(false);
@@ -83,11 +84,12 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
 
             // SQLite: the transaction already holds the database's write lock (BEGIN IMMEDIATE), so key by key is one
             // uncontended pass; there is nothing to wait for and nothing to order.
-            foreach (InboxKey key in keys)
+            for (int i = 0; i < keys.Count; i++)
             {
+                InboxKey key = keys[i];
                 DbCommand command = CreateCommand(_sql.Claim);
                 await using var commandScope = command.ConfigureAwait(false);
-                _sql.AddKeyParameters(command, key, receivedAtUtc);
+                _sql.AddClaimParameters(command, key, receivedAtUtc[i], processedAtUtc);
                 command.CommandTimeout = Math.Max(1, (int)Math.Ceiling(timeout.TotalSeconds));
                 if (await command.ExecuteNonQueryAsync(cancellationToken).ConfigureAwait(false) == 1)
                 {
@@ -124,39 +126,9 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
         }
     }
 
-    public async Task CompleteAsync(IReadOnlyList<InboxKey> processed, DateTime processedAtUtc, CancellationToken cancellationToken = default)
+    public async Task CompleteAsync(CancellationToken cancellationToken = default)
     {
         IDbContextTransaction transaction = _transaction ?? throw new InvalidOperationException("ExactlyOnce: no inbox batch transaction to complete.");
-        int updated = 0;
-        if (_sql.Dialect == SqlDialect.PostgreSql)
-        {
-            DbCommand command = CreateCommand(_sql.BatchMarkProcessed!);
-            await using (command.ConfigureAwait(false))
-            {
-                _sql.AddBatchParameters(command, processed, processedAtUtc);
-                updated = await command.ExecuteNonQueryAsync(cancellationToken).ConfigureAwait(false);
-            }
-        }
-        else
-        {
-            foreach (InboxKey key in processed)
-            {
-                DbCommand command = CreateCommand(_sql.MarkProcessed);
-                await using (command.ConfigureAwait(false))
-                {
-                    _sql.AddKeyParameters(command, key, processedAtUtc);
-                    updated += await command.ExecuteNonQueryAsync(cancellationToken).ConfigureAwait(false);
-                }
-            }
-        }
-
-        if (updated != processed.Count)
-        {
-            throw new InvalidOperationException(
-                $"ExactlyOnce: {processed.Count - updated} claim(s) of an inbox batch vanished inside its own transaction " +
-                "(did a consumer delete inbox rows?); rolling the batch back.");
-        }
-
         await transaction.CommitAsync(cancellationToken).ConfigureAwait(false);
         await transaction.DisposeAsync().ConfigureAwait(false);
         _transaction = null;

@@ -10,7 +10,8 @@ namespace ExactlyOnce.EntityFrameworkCore;
 
 /// <summary>
 /// The inbox on the consume scope's own <typeparamref name="TDbContext"/> — the very instance the consumer gets
-/// from DI — so the claim, the consumer's writes and the processed mark share one connection and one transaction.
+/// from DI — so the claim (written already marked processed) and the consumer's writes share one connection and one
+/// transaction.
 /// </summary>
 /// <remarks>
 /// In batched mode the same context joins a batch instead: it is pointed at the batch's connection (never owning it)
@@ -87,12 +88,12 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         SuspendAutoSavepoints();
     }
 
-    public async Task<bool> TryClaimAsync(InboxKey key, DateTime receivedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default)
+    public async Task<bool> TryClaimAsync(InboxKey key, DateTime receivedAtUtc, DateTime processedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default)
     {
         InboxSql sql = Sql;
         DbCommand command = CreateCommand(sql.Claim);
         await using var commandScope = command.ConfigureAwait(false);
-        sql.AddKeyParameters(command, key, receivedAtUtc);
+        sql.AddClaimParameters(command, key, receivedAtUtc, processedAtUtc);
         try
         {
             if (sql.Dialect == SqlDialect.PostgreSql)
@@ -123,27 +124,13 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         }
     }
 
-    public async Task CompleteAsync(InboxKey key, DateTime processedAtUtc, CancellationToken cancellationToken = default)
+    public async Task CompleteAsync(CancellationToken cancellationToken = default)
     {
         IDbContextTransaction transaction = _transaction ?? throw new InvalidOperationException("ExactlyOnce: no inbox transaction to complete.");
 
         ThrowIfASaveFailed();
         // Whatever the consumer left pending is part of its unit of work.
         await _context.SaveChangesAsync(cancellationToken).ConfigureAwait(false);
-
-        InboxSql sql = Sql;
-        DbCommand command = CreateCommand(sql.MarkProcessed);
-        await using (command.ConfigureAwait(false))
-        {
-            sql.AddKeyParameters(command, key, processedAtUtc);
-            int updated = await command.ExecuteNonQueryAsync(cancellationToken).ConfigureAwait(false);
-            if (updated != 1)
-            {
-                throw new InvalidOperationException(
-                    $"ExactlyOnce: the claim of message {key.MessageId} for consumer '{key.ConsumerName}' vanished inside its own transaction " +
-                    "(did the consumer delete inbox rows?); rolling back.");
-            }
-        }
 
         await transaction.CommitAsync(cancellationToken).ConfigureAwait(false);
         RestoreAutoSavepoints();

@@ -54,25 +54,26 @@ internal sealed class InboxSql
         _consumerMapping = consumer.GetRelationalTypeMapping();
         _timeMapping = received.GetRelationalTypeMapping();
 
-        string insert = $"INSERT INTO {Table} ({idColumn}, {consumerColumn}, {receivedColumn}) VALUES (@eo_id, @eo_consumer, @eo_time) " +
+        // The row is written already processed (see IInboxStore.TryClaimAsync): it is invisible to everyone else until
+        // it commits with the consumer's effects, so nothing has to come back and mark it.
+        string insert = $"INSERT INTO {Table} ({idColumn}, {consumerColumn}, {receivedColumn}, {processedColumn}) " +
+                        "VALUES (@eo_id, @eo_consumer, @eo_received, @eo_processed) " +
                         $"ON CONFLICT ({idColumn}, {consumerColumn}) DO NOTHING";
         Claim = Dialect == SqlDialect.PostgreSql
             // One round trip: bound the lock wait for the claim alone, claim, then restore the session's lock timeout
             // so the consumer's own statements are not affected. RETURNING tells whether a row was inserted.
             ? $"SELECT set_config('lock_timeout', @eo_timeout, true); {insert} RETURNING 1; SET LOCAL lock_timeout TO DEFAULT"
             : insert;
-        MarkProcessed = $"UPDATE {Table} SET {processedColumn} = @eo_time WHERE {idColumn} = @eo_id AND {consumerColumn} = @eo_consumer";
         DeleteClaim = $"DELETE FROM {Table} WHERE {idColumn} = @eo_id AND {consumerColumn} = @eo_consumer";
         if (Dialect == SqlDialect.PostgreSql)
         {
             // Batched mode: every key in one statement, inserted in key order so that two batches with overlapping keys
             // take their row locks in the same order and cannot deadlock on each other's claims.
             BatchClaim = "SELECT set_config('lock_timeout', @eo_timeout, true); " +
-                         $"INSERT INTO {Table} ({idColumn}, {consumerColumn}, {receivedColumn}) " +
-                         "SELECT k.id, k.consumer, @eo_time FROM unnest(@eo_ids, @eo_consumers) AS k(id, consumer) ORDER BY k.id, k.consumer " +
+                         $"INSERT INTO {Table} ({idColumn}, {consumerColumn}, {receivedColumn}, {processedColumn}) " +
+                         "SELECT k.id, k.consumer, k.received, @eo_processed FROM unnest(@eo_ids, @eo_consumers, @eo_received) AS k(id, consumer, received) " +
+                         "ORDER BY k.id, k.consumer " +
                          $"ON CONFLICT ({idColumn}, {consumerColumn}) DO NOTHING RETURNING {idColumn}, {consumerColumn}; SET LOCAL lock_timeout TO DEFAULT";
-            BatchMarkProcessed = $"UPDATE {Table} AS t SET {processedColumn} = @eo_time FROM unnest(@eo_ids, @eo_consumers) AS k(id, consumer) " +
-                                 $"WHERE t.{idColumn} = k.id AND t.{consumerColumn} = k.consumer";
         }
     }
 
@@ -96,22 +97,18 @@ internal sealed class InboxSql
 
     public string Claim { get; }
 
-    public string MarkProcessed { get; }
-
     public string DeleteClaim { get; }
 
     /// <summary>PostgreSQL only (SQLite claims key by key inside the batch's transaction).</summary>
     public string? BatchClaim { get; }
 
-    /// <summary>PostgreSQL only.</summary>
-    public string? BatchMarkProcessed { get; }
-
     public static InboxSql For(DbContext context) => Cache.GetValue(context.Model, _ => new InboxSql(context));
 
-    public void AddKeyParameters(DbCommand command, InboxKey key, DateTime timeUtc)
+    public void AddClaimParameters(DbCommand command, InboxKey key, DateTime receivedAtUtc, DateTime processedAtUtc)
     {
         AddKeyParameters(command, key);
-        command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_time", DateTime.SpecifyKind(timeUtc, DateTimeKind.Utc), nullable: false));
+        command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_received", DateTime.SpecifyKind(receivedAtUtc, DateTimeKind.Utc), nullable: false));
+        command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_processed", DateTime.SpecifyKind(processedAtUtc, DateTimeKind.Utc), nullable: false));
     }
 
     public void AddKeyParameters(DbCommand command, InboxKey key)
@@ -120,8 +117,8 @@ internal sealed class InboxSql
         command.Parameters.Add(_consumerMapping.CreateParameter(command, "eo_consumer", key.ConsumerName, nullable: false));
     }
 
-    /// <summary>The keys as two parallel arrays (uuid[] and text[]) for unnest, and the time.</summary>
-    public void AddBatchParameters(DbCommand command, IReadOnlyList<InboxKey> keys, DateTime timeUtc)
+    /// <summary>The keys and their receive times as three parallel arrays (uuid[], text[], timestamptz[]) for unnest, and the processed time.</summary>
+    public void AddBatchClaimParameters(DbCommand command, IReadOnlyList<InboxKey> keys, IReadOnlyList<DateTime> receivedAtUtc, DateTime processedAtUtc)
     {
         DbParameter ids = command.CreateParameter();
         ids.ParameterName = "eo_ids";
@@ -131,7 +128,11 @@ internal sealed class InboxSql
         consumers.ParameterName = "eo_consumers";
         consumers.Value = keys.Select(k => k.ConsumerName).ToArray();
         command.Parameters.Add(consumers);
-        command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_time", DateTime.SpecifyKind(timeUtc, DateTimeKind.Utc), nullable: false));
+        DbParameter received = command.CreateParameter();
+        received.ParameterName = "eo_received";
+        received.Value = receivedAtUtc.Select(static t => DateTime.SpecifyKind(t, DateTimeKind.Utc)).ToArray();
+        command.Parameters.Add(received);
+        command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_processed", DateTime.SpecifyKind(processedAtUtc, DateTimeKind.Utc), nullable: false));
     }
 
     public static void AddTimeoutParameter(DbCommand command, TimeSpan timeout)

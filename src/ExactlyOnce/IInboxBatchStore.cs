@@ -34,9 +34,10 @@ internal interface IInboxBatch : IAsyncDisposable
     /// batches cannot deadlock on each other's claims. Blocks on uncommitted claims of other transactions, at most
     /// <paramref name="timeout"/>. The keys must be distinct.
     /// </summary>
+    /// <remarks>Each row is inserted already marked processed (see <see cref="IInboxStore.TryClaimAsync"/>); a member that fails has its row deleted.</remarks>
     /// <returns>The keys this transaction now owns; the others have committed claims (duplicates).</returns>
     /// <exception cref="InboxClaimTimeoutException">A wait outlasted <paramref name="timeout"/>, or the claim deadlocked.</exception>
-    Task<IReadOnlySet<InboxKey>> ClaimAsync(IReadOnlyList<InboxKey> keys, DateTime receivedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default);
+    Task<IReadOnlySet<InboxKey>> ClaimAsync(IReadOnlyList<InboxKey> keys, IReadOnlyList<DateTime> receivedAtUtc, DateTime processedAtUtc, TimeSpan timeout, CancellationToken cancellationToken = default);
 
     /// <summary>Sets the savepoint that separates member <paramref name="member"/>'s effects from the others'.</summary>
     Task SavepointAsync(int member, CancellationToken cancellationToken = default);
@@ -44,8 +45,8 @@ internal interface IInboxBatch : IAsyncDisposable
     /// <summary>Rolls member <paramref name="member"/>'s effects back to its savepoint and drops its claim, so a retry can claim again.</summary>
     Task RollbackMemberAsync(int member, InboxKey key, CancellationToken cancellationToken = default);
 
-    /// <summary>Marks <paramref name="processed"/> processed and commits; then wakes the outbox dispatchers if a member wrote outbox rows.</summary>
-    Task CompleteAsync(IReadOnlyList<InboxKey> processed, DateTime processedAtUtc, CancellationToken cancellationToken = default);
+    /// <summary>Commits the surviving members' claims and effects; then wakes the outbox dispatchers if a member wrote outbox rows.</summary>
+    Task CompleteAsync(CancellationToken cancellationToken = default);
 
     /// <summary>Rolls the whole transaction back, if one is open. Never throws for a connection that is already gone.</summary>
     Task RollbackAsync();

@@ -13,7 +13,8 @@ namespace ExactlyOnce;
 /// one without waiting for the timer. Its leader task opens a connection of its own,
 /// begins, claims every key in one statement, and hands the transaction to each delivery in turn: the delivery's own
 /// scope context joins it, the consumer runs on the delivery's own async flow inside a savepoint, and saves. The
-/// leader marks the survivors processed and commits once; only then are they told "processed" and acknowledged.
+/// leader commits once (the claims carry their processed mark from the start); only then are the survivors told
+/// "processed" and acknowledged.
 /// </summary>
 /// <remarks>
 /// Invariants. (1) The same as the one-transaction protocol, per message: a consumer runs only while the batch owns an
@@ -45,10 +46,10 @@ internal sealed class InboxBatcher
 
     /// <summary>Processes one delivery in a batch; <paramref name="alone"/> is the one-transaction path, for the fallbacks.</summary>
     public async Task<InboxOutcome> ProcessAsync(
-        IInboxBatchStore store, InboxKey key, Func<CancellationToken, Task> consume, Func<Task<InboxOutcome>> alone, CancellationToken cancellationToken)
+        IInboxBatchStore store, InboxKey key, DateTime receivedAt, Func<CancellationToken, Task> consume, Func<Task<InboxOutcome>> alone, CancellationToken cancellationToken)
     {
         Lane lane = _lanes.GetOrAdd(key.ConsumerName, static _ => new Lane());
-        var member = new Member(store, key);
+        var member = new Member(store, key, receivedAt);
         Batch? follow = null;
         Batch? start = null;
         Batch? arm = null;
@@ -215,7 +216,8 @@ internal sealed class InboxBatcher
         {
             long claimStarted = _timeProvider.GetTimestamp();
             IReadOnlySet<InboxKey> claimed = await unit.ClaimAsync(
-                pending.Select(m => m.Key).ToList(), _timeProvider.GetUtcNow().UtcDateTime, _options.ClaimTimeout, cancellationToken).ConfigureAwait(false);
+                pending.Select(m => m.Key).ToList(), pending.Select(m => m.ReceivedAt).ToList(), _timeProvider.GetUtcNow().UtcDateTime,
+                _options.ClaimTimeout, cancellationToken).ConfigureAwait(false);
             TimeSpan claimWait = _timeProvider.GetElapsedTime(claimStarted);
             var turns = new List<Member>(pending.Count);
             foreach (Member member in pending.ToList())
@@ -258,7 +260,7 @@ internal sealed class InboxBatcher
                 return true;
             }
 
-            await unit.CompleteAsync(succeeded.Select(m => m.Key).ToList(), _timeProvider.GetUtcNow().UtcDateTime, cancellationToken).ConfigureAwait(false);
+            await unit.CompleteAsync(cancellationToken).ConfigureAwait(false);
             committed = true;
             foreach (Member member in succeeded)
             {
@@ -301,13 +303,15 @@ internal sealed class InboxBatcher
     }
 
     /// <summary>One delivery in a batch. Its consumer runs on the delivery's own async flow, when the leader gives it the turn.</summary>
-    private sealed class Member(IInboxBatchStore store, InboxKey key)
+    private sealed class Member(IInboxBatchStore store, InboxKey key, DateTime receivedAt)
     {
         private readonly Channel<Command> _commands = Channel.CreateUnbounded<Command>(new UnboundedChannelOptions { SingleReader = true, SingleWriter = true });
 
         public IInboxBatchStore Store { get; } = store;
 
         public InboxKey Key { get; } = key;
+
+        public DateTime ReceivedAt { get; } = receivedAt;
 
         public void Post(Command command) => _commands.Writer.TryWrite(command);
 

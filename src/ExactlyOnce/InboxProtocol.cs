@@ -7,15 +7,17 @@ namespace ExactlyOnce;
 
 /// <summary>
 /// The claim protocol: one transaction per delivery. Begin; claim (message id, consumer) with an insert that
-/// does nothing on conflict; if nothing was inserted, a committed claim exists and the delivery is a duplicate:
-/// roll back and report it. Otherwise run the consumer in the same transaction, mark the claim processed, save and
-/// commit — and only after that may the caller acknowledge.
+/// does nothing on conflict and writes the row already marked processed; if nothing was inserted, a committed claim
+/// exists and the delivery is a duplicate: roll back and report it. Otherwise run the consumer in the same transaction,
+/// save and commit — and only after that may the caller acknowledge.
 /// </summary>
 /// <remarks>
 /// Invariants. (1) The consumer runs only while its transaction owns an uncommitted claim; a concurrent delivery of
 /// the same key blocks on that claim inside the database, so it cannot enter the consumer until the first commits
 /// (it then sees a duplicate) or rolls back (it then owns the claim). (2) A claim becomes visible to others only
-/// together with the consumer's effects: the inbox row and the business rows commit or vanish as one. (3) Nothing
+/// together with the consumer's effects: the inbox row and the business rows commit or vanish as one. That is why the
+/// claim can carry <c>processed_at</c> from the start: no one sees the row before the consumer's effects commit with it,
+/// so the row is never written twice. (3) Nothing
 /// here depends on a retry policy: a failure leaves nothing behind, and a wait that outlasts the claim timeout
 /// surfaces as <see cref="InboxClaimTimeoutException"/> for the transport to retry later. In batched mode
 /// (<see cref="InboxBatchingOptions"/>) the same invariants hold per message, several messages to a transaction: see
@@ -52,6 +54,7 @@ public sealed class InboxProtocol
         ArgumentNullException.ThrowIfNull(store);
         ArgumentNullException.ThrowIfNull(consume);
 
+        DateTime receivedAt = _timeProvider.GetUtcNow().UtcDateTime;
         Activity? consumeActivity = Activity.Current; // the transport's consume span, if any: it gets the outcome too
         using var activity = _telemetry.StartProcessActivity(key);
         long started = _timeProvider.GetTimestamp();
@@ -60,8 +63,8 @@ public sealed class InboxProtocol
         {
             // A store without batch support (not ours) keeps the one-transaction path.
             outcome = batched && store is IInboxBatchStore batchStore
-                ? await _batcher.ProcessAsync(batchStore, key, consume, () => ProcessAloneAsync(store, key, consume, cancellationToken), cancellationToken).ConfigureAwait(false)
-                : await ProcessAloneAsync(store, key, consume, cancellationToken).ConfigureAwait(false);
+                ? await _batcher.ProcessAsync(batchStore, key, receivedAt, consume, () => ProcessAloneAsync(store, key, receivedAt, consume, cancellationToken), cancellationToken).ConfigureAwait(false)
+                : await ProcessAloneAsync(store, key, receivedAt, consume, cancellationToken).ConfigureAwait(false);
             return outcome;
         }
         catch (InboxClaimTimeoutException)
@@ -88,17 +91,17 @@ public sealed class InboxProtocol
         }
     }
 
-    private Task<InboxOutcome> ProcessAloneAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, CancellationToken cancellationToken) =>
-        store.ExecuteAsync(ct => AttemptAsync(store, key, consume, ct), cancellationToken);
+    private Task<InboxOutcome> ProcessAloneAsync(IInboxStore store, InboxKey key, DateTime receivedAt, Func<CancellationToken, Task> consume, CancellationToken cancellationToken) =>
+        store.ExecuteAsync(ct => AttemptAsync(store, key, receivedAt, consume, ct), cancellationToken);
 
-    private async Task<InboxOutcome> AttemptAsync(IInboxStore store, InboxKey key, Func<CancellationToken, Task> consume, CancellationToken cancellationToken)
+    private async Task<InboxOutcome> AttemptAsync(IInboxStore store, InboxKey key, DateTime receivedAt, Func<CancellationToken, Task> consume, CancellationToken cancellationToken)
     {
         await store.BeginAsync(cancellationToken).ConfigureAwait(false);
         bool committed = false;
         try
         {
             long claimStarted = _timeProvider.GetTimestamp();
-            bool claimed = await store.TryClaimAsync(key, _timeProvider.GetUtcNow().UtcDateTime, _options.ClaimTimeout, cancellationToken).ConfigureAwait(false);
+            bool claimed = await store.TryClaimAsync(key, receivedAt, _timeProvider.GetUtcNow().UtcDateTime, _options.ClaimTimeout, cancellationToken).ConfigureAwait(false);
             _telemetry.RecordClaimWait(key.ConsumerName, _timeProvider.GetElapsedTime(claimStarted));
             if (!claimed)
             {
@@ -107,7 +110,7 @@ public sealed class InboxProtocol
             }
 
             await consume(cancellationToken).ConfigureAwait(false);
-            await store.CompleteAsync(key, _timeProvider.GetUtcNow().UtcDateTime, cancellationToken).ConfigureAwait(false);
+            await store.CompleteAsync(cancellationToken).ConfigureAwait(false);
             committed = true;
             Log.Processed(_logger, key.MessageId, key.ConsumerName);
             return InboxOutcome.Processed;

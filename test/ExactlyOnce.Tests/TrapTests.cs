@@ -50,7 +50,9 @@ public class TrapTests : PostgresRabbitTest
 
     /// <summary>
     /// Trap 3 (processed_at never set). If nothing sets it, a retention job that deletes processed rows deletes
-    /// nothing. Here it is set, in the same transaction, from the injected TimeProvider.
+    /// nothing. Here it is set from the injected TimeProvider, by the claim itself (the time the committing attempt
+    /// claimed the message, not the time the consumer finished): the row is invisible until it commits with the
+    /// consumer's effects, so it never exists unprocessed for anyone else.
     /// </summary>
     [Fact]
     public async Task Trap3_ProcessedMessage_HasProcessedAtSetFromTimeProvider_AndNoUnprocessedRowRemains()
@@ -72,7 +74,7 @@ public class TrapTests : PostgresRabbitTest
 
         var row = Assert.Single(await InboxRowsAsync(id));
         Assert.Equal(start.UtcDateTime, row.ReceivedAt);
-        Assert.Equal(start.UtcDateTime.AddSeconds(5), row.ProcessedAt);
+        Assert.Equal(start.UtcDateTime, row.ProcessedAt);
         await using var db = NewContext();
         Assert.Equal(0, await db.Set<InboxMessage>().CountAsync(m => m.ProcessedAt == null));
     }

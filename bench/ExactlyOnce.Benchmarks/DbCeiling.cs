@@ -67,14 +67,14 @@ internal static class DbCeiling
         await insert.ExecuteNonQueryAsync();
     }
 
-    /// <summary>The inbox's transaction: claim, business insert, processed mark, commit — the statements ExactlyOnce sends.</summary>
+    /// <summary>The inbox's transaction: claim (written already processed), business insert, commit — the statements ExactlyOnce sends.</summary>
     private static async Task InboxTransactionAsync(NpgsqlConnection connection)
     {
         Guid id = Guid.NewGuid();
         await using var transaction = await connection.BeginTransactionAsync();
         await using (var claim = new NpgsqlCommand(
-            "SELECT set_config('lock_timeout', '30000ms', true); INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES (@id, 'bench', now()) " +
-            "ON CONFLICT (id, consumer_type) DO NOTHING RETURNING 1; SET LOCAL lock_timeout TO DEFAULT", connection, transaction))
+            "SELECT set_config('lock_timeout', '30000ms', true); INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) " +
+            "VALUES (@id, 'bench', now(), now()) ON CONFLICT (id, consumer_type) DO NOTHING RETURNING 1; SET LOCAL lock_timeout TO DEFAULT", connection, transaction))
         {
             claim.Parameters.AddWithValue("id", id);
             await using var reader = await claim.ExecuteReaderAsync();
@@ -87,12 +87,6 @@ internal static class DbCeiling
         {
             insert.Parameters.Add(new NpgsqlParameter { Value = id });
             await insert.ExecuteNonQueryAsync();
-        }
-
-        await using (var mark = new NpgsqlCommand("UPDATE inbox_messages SET processed_at = now() WHERE id = $1 AND consumer_type = 'bench'", connection, transaction))
-        {
-            mark.Parameters.Add(new NpgsqlParameter { Value = id });
-            await mark.ExecuteNonQueryAsync();
         }
 
         await transaction.CommitAsync();

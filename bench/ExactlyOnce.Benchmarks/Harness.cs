@@ -12,7 +12,7 @@ namespace ExactlyOnce.Benchmarks;
 
 internal sealed record Settings(int Messages, int Repeats, string[] Modes, int Rate, int LatencySeconds, int DuplicateRunMessages, int Concurrency, string? JsonPath);
 
-internal sealed record ModeRun(string Mode, double MessagesPerSecond, double P50Ms, double P99Ms, long DuplicateEffects, int DuplicatesSent);
+internal sealed record ModeRun(string Mode, double MessagesPerSecond, double P50Ms, double P99Ms, long DuplicateEffects, int DuplicatesSent, double MessagesPerTransaction);
 
 /// <summary>
 /// Runs one mode end to end on a fresh database and queue: drain a pre-loaded queue (throughput), a steady publisher
@@ -50,6 +50,10 @@ internal sealed class Harness(Settings settings)
             await WaitAsync(() => counter.Completed >= settings.Messages, TimeSpan.FromMinutes(10));
             // From the first message done to the last: the consumer's start-up is not part of the rate.
             double rate = (settings.Messages - 1) / (counter.DrainedAt - counter.FirstAt).TotalSeconds;
+            // Our modes: how many messages shared a transaction during the drain (rows committed together share an xmin).
+            double perTransaction = mode is "exactlyonce" or "exactlyonce-batched"
+                ? await ScalarDoubleAsync(connectionString, "SELECT count(*)::float8 / count(DISTINCT xmin::text) FROM inbox_messages")
+                : double.NaN;
 
             // 2. Latency at a steady, moderate rate: publish time to the business row's write time.
             int steady = settings.Rate * settings.LatencySeconds;
@@ -88,7 +92,7 @@ internal sealed class Harness(Settings settings)
             }
 
             await consumer.StopAsync();
-            return new ModeRun(mode, rate, p50, p99, duplicateEffects, copies.Count);
+            return new ModeRun(mode, rate, p50, p99, duplicateEffects, copies.Count, perTransaction);
         }
         finally
         {
@@ -212,6 +216,14 @@ internal sealed class Harness(Settings settings)
         await connection.OpenAsync();
         await using var command = new NpgsqlCommand(sql, connection);
         return Convert.ToInt64(await command.ExecuteScalarAsync());
+    }
+
+    private static async Task<double> ScalarDoubleAsync(string connectionString, string sql)
+    {
+        await using var connection = new NpgsqlConnection(connectionString);
+        await connection.OpenAsync();
+        await using var command = new NpgsqlCommand(sql, connection);
+        return Convert.ToDouble(await command.ExecuteScalarAsync(), System.Globalization.CultureInfo.InvariantCulture);
     }
 
     internal static async Task<string?> ScalarTextAsync(string sql)

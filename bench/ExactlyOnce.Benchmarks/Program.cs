@@ -68,6 +68,8 @@ if (warmup > 0)
     }
 }
 
+// 0 skips the database ceiling (e.g. while measuring where the CPU goes); the ratios to it are then NaN.
+int ceilingSeconds = IntOption("--ceiling-seconds", 10);
 var harness = new Harness(settings);
 var runs = new List<ModeRun>();
 var ceilings = new List<(double Insert, double Inbox)>();
@@ -79,10 +81,16 @@ for (int repeat = 1; repeat <= settings.Repeats; repeat++)
     {
         var run = await harness.RunAsync(mode);
         runs.Add(run);
-        Console.WriteLine($"repeat {repeat} {mode,-12} {run.MessagesPerSecond,8:F0} msg/s  p50 {run.P50Ms,6:F1} ms  p99 {run.P99Ms,7:F1} ms  duplicate effects {run.DuplicateEffects}/{run.DuplicatesSent}");
+        Console.WriteLine($"repeat {repeat} {mode,-12} {run.MessagesPerSecond,8:F0} msg/s  p50 {run.P50Ms,6:F1} ms  p99 {run.P99Ms,7:F1} ms  duplicate effects {run.DuplicateEffects}/{run.DuplicatesSent}" +
+            (double.IsNaN(run.MessagesPerTransaction) ? "" : $"  {run.MessagesPerTransaction:F1} msg/tx"));
     }
 
-    var ceiling = await DbCeiling.MeasureAsync(settings.Concurrency, TimeSpan.FromSeconds(10));
+    if (ceilingSeconds <= 0)
+    {
+        continue;
+    }
+
+    var ceiling = await DbCeiling.MeasureAsync(settings.Concurrency, TimeSpan.FromSeconds(ceilingSeconds));
     ceilings.Add(ceiling);
     Console.WriteLine($"repeat {repeat} db ceiling   insert-only {ceiling.InsertOnly:F0} tx/s, inbox transaction {ceiling.InboxTransaction:F0} tx/s");
 }
@@ -94,8 +102,8 @@ static double Median(IEnumerable<double> values)
 }
 
 double baseline = runs.Where(r => r.Mode == "baseline").Select(r => r.MessagesPerSecond).DefaultIfEmpty(double.NaN).Pipe(Median);
-double insertCeiling = Median(ceilings.Select(c => c.Insert));
-double inboxCeiling = Median(ceilings.Select(c => c.Inbox));
+double insertCeiling = ceilings.Count == 0 ? double.NaN : Median(ceilings.Select(c => c.Insert));
+double inboxCeiling = ceilings.Count == 0 ? double.NaN : Median(ceilings.Select(c => c.Inbox));
 Console.WriteLine();
 Console.WriteLine($"{"mode",-12} {"msg/s median",12} {"min–max",15} {"× baseline",10} {"× db ceiling",12} {"p50 ms",7} {"p99 ms",7} {"dup effects",11}");
 var modes = new List<object>();
@@ -120,6 +128,7 @@ foreach (string mode in settings.Modes)
         p50_ms_runs = mine.Select(r => Math.Round(r.P50Ms, 2)).ToArray(),
         p99_ms_runs = mine.Select(r => Math.Round(r.P99Ms, 2)).ToArray(),
         duplicate_effects = duplicates,
+        messages_per_transaction_runs = mine.Select(r => Math.Round(r.MessagesPerTransaction, 2)).ToArray(),
         duplicates_sent = mine[0].DuplicatesSent,
     });
 }
@@ -149,7 +158,12 @@ if (settings.JsonPath is not null)
             runs = ceilings.Select(c => new { insert_only = Math.Round(c.Insert, 1), inbox_transaction = Math.Round(c.Inbox, 1) }).ToArray(),
         },
     };
-    await File.WriteAllTextAsync(settings.JsonPath, JsonSerializer.Serialize(report, new JsonSerializerOptions { WriteIndented = true }));
+    await File.WriteAllTextAsync(settings.JsonPath, JsonSerializer.Serialize(report, new JsonSerializerOptions
+    {
+        WriteIndented = true,
+        // A run without baseline or ceiling has NaN ratios: written as "NaN", not a failed run.
+        NumberHandling = System.Text.Json.Serialization.JsonNumberHandling.AllowNamedFloatingPointLiterals,
+    }));
     Console.WriteLine($"wrote {settings.JsonPath}");
 }
 

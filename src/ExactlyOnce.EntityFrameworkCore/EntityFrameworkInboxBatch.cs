@@ -18,12 +18,14 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
     private readonly DbContext _leader;
     private readonly InboxSql _sql;
     private readonly OutboxCommitNotifier _notifier;
+    private readonly bool _prepare;
     private readonly ILogger _logger;
     private readonly List<DbContext> _members = [];
     private IDbContextTransaction? _transaction;
 
-    public EntityFrameworkInboxBatch(AsyncServiceScope scope, DbContext leader, InboxSql sql, OutboxCommitNotifier notifier, ILogger logger)
+    public EntityFrameworkInboxBatch(AsyncServiceScope scope, DbContext leader, InboxSql sql, OutboxCommitNotifier notifier, bool prepare, ILogger logger)
     {
+        _prepare = prepare;
         _scope = scope;
         _leader = leader;
         _sql = sql;
@@ -67,6 +69,11 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
                 await using var commandScope = command.ConfigureAwait(false);
                 _sql.AddBatchClaimParameters(command, keys, receivedAtUtc, processedAtUtc);
                 InboxSql.AddTimeoutParameter(command, timeout);
+                if (_prepare)
+                {
+                    await command.PrepareAsync(cancellationToken).ConfigureAwait(false);
+                }
+
                 DbDataReader reader = await command.ExecuteReaderAsync(cancellationToken).ConfigureAwait(false);
                 await using var readerScope = reader.ConfigureAwait(false);
                 await reader.NextResultAsync(cancellationToken).ConfigureAwait(false); // past set_config's row

@@ -34,6 +34,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
     private readonly OutboxCommitNotifier _notifier;
     private readonly ILogger _logger;
     private readonly bool _keepSavepoints;
+    private readonly bool _prepare;
     private IDbContextTransaction? _transaction;
     private bool? _autoSavepointsBefore; // the context's own setting, while the inbox has turned savepoints off
     private Exception? _failedSave;
@@ -54,6 +55,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         _scopes = scopes;
         _notifier = notifier;
         _keepSavepoints = options.Value.KeepSaveChangesSavepoints;
+        _prepare = options.Value.PrepareStatements;
         _logger = logger;
     }
 
@@ -99,6 +101,12 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
             if (sql.Dialect == SqlDialect.PostgreSql)
             {
                 InboxSql.AddTimeoutParameter(command, timeout);
+                if (_prepare)
+                {
+                    // No round trip once prepared on this physical connection: Npgsql keeps it across pooled uses.
+                    await command.PrepareAsync(cancellationToken).ConfigureAwait(false);
+                }
+
                 DbDataReader reader = await command.ExecuteReaderAsync(cancellationToken).ConfigureAwait(false);
                 await using var readerScope = reader.ConfigureAwait(false);
                 await reader.NextResultAsync(cancellationToken).ConfigureAwait(false); // past set_config's row
@@ -175,7 +183,7 @@ internal sealed class EntityFrameworkInboxStore<TDbContext> : IInboxBatchStore
         try
         {
             TDbContext leader = scope.ServiceProvider.GetRequiredService<TDbContext>();
-            return Task.FromResult<IInboxBatch>(new EntityFrameworkInboxBatch(scope, leader, Sql, _notifier, _logger));
+            return Task.FromResult<IInboxBatch>(new EntityFrameworkInboxBatch(scope, leader, Sql, _notifier, _prepare, _logger));
         }
         catch
         {

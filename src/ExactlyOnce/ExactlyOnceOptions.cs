@@ -38,6 +38,18 @@ public sealed class ExactlyOnceOptions
     /// </remarks>
     public bool KeepSaveChangesSavepoints { get; set; }
 
+    /// <summary>
+    /// Whether the inbox prepares its claim statement on PostgreSQL (a server-side prepared statement per physical
+    /// connection, kept by Npgsql across pooled uses). Default: <see langword="true"/>: after the first use on a connection
+    /// the server skips parsing and planning the claim, which is most of its cost.
+    /// </summary>
+    /// <remarks>
+    /// Set to <see langword="false"/> behind a pooler that does not support prepared statements in transaction mode
+    /// (PgBouncer before 1.21, or without <c>max_prepared_statements</c>). Your own statements are prepared only if the
+    /// connection string asks for it (Npgsql's <c>Max Auto Prepare</c>); this option does not change them.
+    /// </remarks>
+    public bool PrepareStatements { get; set; } = true;
+
     /// <summary>Options of the batched inbox mode (off by default: one transaction per message).</summary>
     public InboxBatchingOptions Batching { get; } = new();
 

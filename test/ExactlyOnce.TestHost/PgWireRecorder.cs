@@ -13,7 +13,8 @@ namespace ExactlyOnce.TestHost;
 /// of them after which the client waits: nothing more of its bytes has arrived when the message is read, which is before
 /// the relay forwards it, so before the server could have answered it. Npgsql sends <c>BEGIN</c> and <c>SAVEPOINT</c> as a
 /// <c>Query</c> written in front of the next command, in the same write: those ask for a ReadyForQuery but cost no wait.
-/// Statements are the texts of <c>Parse</c> and <c>Query</c> messages.
+/// Statements are the texts of <c>Parse</c> and <c>Query</c> messages, and of a <c>Bind</c> to a prepared statement
+/// (named, parsed earlier on the same connection, so its text is known even when it was parsed before a reset).
 /// </summary>
 /// <remarks>
 /// Needs an unencrypted connection (<c>SSL Mode=Disable</c>): it cannot read TLS. Relies on one client write arriving
@@ -32,6 +33,7 @@ public sealed class PgWireRecorder : IAsyncDisposable
     private readonly Task _accepting;
     private int _roundTripCount;
     private int _syncOrQueryCount;
+    private readonly ConcurrentDictionary<string, int> _preparedExecutions = new();
 
     public PgWireRecorder(string serverHost, int serverPort)
     {
@@ -50,7 +52,11 @@ public sealed class PgWireRecorder : IAsyncDisposable
         Volatile.Write(ref _syncOrQueryCount, 0);
         _statements.Clear();
         _roundTrips.Clear();
+        _preparedExecutions.Clear();
     }
+
+    /// <summary>Statements executed from a prepared (named) statement since <see cref="Reset"/>, by text: these were not parsed again.</summary>
+    public IReadOnlyDictionary<string, int> PreparedExecutions => _preparedExecutions;
 
     /// <summary>Times a client waited for the server since <see cref="Reset"/>.</summary>
     public int RoundTrips => Volatile.Read(ref _roundTripCount);
@@ -132,6 +138,7 @@ public sealed class PgWireRecorder : IAsyncDisposable
         }
 
         var pending = new List<string>(); // statements of the round trip being assembled on this connection
+        var prepared = new Dictionary<string, string>(StringComparer.Ordinal); // this connection's named statements
         while (true)
         {
             byte[] header = await ReadExactlyAsync(client, 5);
@@ -149,9 +156,27 @@ public sealed class PgWireRecorder : IAsyncDisposable
                     EndOfRequest(client, pending);
                     break;
                 case 'P': // Parse: statement name, then the text
+                    string name = CString(body, 0);
                     string text = CString(body, Array.IndexOf(body, (byte)0) + 1);
+                    if (name.Length > 0)
+                    {
+                        // Preparing: recorded when it is executed (Bind), as every later execution will be.
+                        prepared[name] = text;
+                        break;
+                    }
+
                     Record(text);
                     pending.Add(text);
+                    break;
+                case 'B': // Bind: portal name, then statement name
+                    string statement = CString(body, Array.IndexOf(body, (byte)0) + 1);
+                    if (statement.Length > 0 && prepared.TryGetValue(statement, out string? preparedText))
+                    {
+                        Record(preparedText);
+                        _preparedExecutions.AddOrUpdate(preparedText, 1, static (_, n) => n + 1);
+                        pending.Add(preparedText);
+                    }
+
                     break;
             }
 

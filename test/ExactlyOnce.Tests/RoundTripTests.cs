@@ -33,6 +33,20 @@ public sealed class RoundTripTests : PostgresRabbitTest
             ["BEGIN | set_config | INSERT INTO inbox_messages | SET LOCAL", "COMMIT", "INSERT INTO effects"],
             wire.RoundTrips);
         Assert.Equal(4, wire.SyncOrQueryMessages);
+        // The claim's three statements run prepared: the server neither parses nor plans them again.
+        Assert.Equal(3, wire.Prepared.Count(p => p.Key.Contains("inbox_messages", StringComparison.Ordinal) || p.Key.Contains("lock_timeout", StringComparison.Ordinal)));
+        Assert.Contains(wire.Prepared.Keys, s => s.StartsWith("INSERT INTO inbox_messages", StringComparison.Ordinal));
+    }
+
+    [Fact]
+    public async Task Consume_OneMessageWithPrepareStatementsOff_SendsTheClaimUnprepared()
+    {
+        var wire = await RecordOneMessageAsync(batched: false, keepSavepoints: false, prepare: false);
+
+        Assert.Empty(wire.Prepared);
+        Assert.Equal(
+            ["BEGIN | set_config | INSERT INTO inbox_messages | SET LOCAL", "COMMIT", "INSERT INTO effects"],
+            wire.RoundTrips);
     }
 
     [Fact]
@@ -123,7 +137,7 @@ public sealed class RoundTripTests : PostgresRabbitTest
     }
 
     /// <summary>Processes one message to warm up (connection opened, types loaded), then records exactly one more.</summary>
-    private async Task<Wire> RecordOneMessageAsync(bool batched, bool keepSavepoints)
+    private async Task<Wire> RecordOneMessageAsync(bool batched, bool keepSavepoints, bool prepare = true)
     {
         var server = new NpgsqlConnectionStringBuilder(TestHosts.PostgresServer);
         await using var recorder = new PgWireRecorder(server.Host ?? "127.0.0.1", server.Port);
@@ -139,6 +153,7 @@ public sealed class RoundTripTests : PostgresRabbitTest
         {
             o.Batching.Enabled = batched;
             o.KeepSaveChangesSavepoints = keepSavepoints;
+            o.PrepareStatements = prepare;
         }, database: o => o.UseNpgsql(recorded));
 
         await SendAsync(host, queue, NewId.NextGuid());
@@ -155,7 +170,7 @@ public sealed class RoundTripTests : PostgresRabbitTest
             .SelectMany(shape => Enumerable.Repeat(string.Join(" | ", shape.Key.Select(Label)), shape.Value))
             .Order(StringComparer.Ordinal)
             .ToList();
-        return new Wire(recorder.Statements, roundTrips, recorder.SyncOrQueryMessages);
+        return new Wire(recorder.Statements, roundTrips, recorder.SyncOrQueryMessages, recorder.PreparedExecutions.ToDictionary());
     }
 
     // A statement's first words, enough to tell the inbox's statements from the consumer's and Npgsql's own.
@@ -172,5 +187,5 @@ public sealed class RoundTripTests : PostgresRabbitTest
         };
     }
 
-    private sealed record Wire(IReadOnlyDictionary<string, int> Statements, List<string> RoundTrips, int SyncOrQueryMessages);
+    private sealed record Wire(IReadOnlyDictionary<string, int> Statements, List<string> RoundTrips, int SyncOrQueryMessages, Dictionary<string, int> Prepared);
 }

@@ -49,14 +49,17 @@ internal sealed class DeliveryCounter(int drainCount)
 
     public void Record()
     {
+        // Read the clock before counting: a thread that counts the first delivery and is then descheduled must not
+        // stamp "first" after later deliveries (a warm-up at concurrency 64 once measured a negative drain that way).
+        TimeSpan now = _clock.Elapsed;
         int completed = Interlocked.Increment(ref _completed);
         if (completed == 1)
         {
-            FirstAt = _clock.Elapsed;
+            FirstAt = now;
         }
         else if (completed == drainCount)
         {
-            DrainedAt = _clock.Elapsed;
+            DrainedAt = now;
         }
     }
 }

@@ -128,7 +128,7 @@ foreach (string mode in settings.Modes)
         p50_ms_runs = mine.Select(r => Math.Round(r.P50Ms, 2)).ToArray(),
         p99_ms_runs = mine.Select(r => Math.Round(r.P99Ms, 2)).ToArray(),
         duplicate_effects = duplicates,
-        messages_per_transaction_runs = mine.Select(r => Math.Round(r.MessagesPerTransaction, 2)).ToArray(),
+        messages_per_transaction_runs = mine.Select(r => double.IsNaN(r.MessagesPerTransaction) ? (double?)null : Math.Round(r.MessagesPerTransaction, 2)).ToArray(),
         duplicates_sent = mine[0].DuplicatesSent,
     });
 }

@@ -11,25 +11,16 @@ namespace ParcelTracker.Tests;
 /// 20 times — after the SMS was scheduled but before the commit, or after the gateway received the SMS but before the
 /// action was marked done — and restarted; then the SMS the gateway received are counted.
 /// </summary>
-public sealed class AfterCommitActionCrashTests(ITestOutputHelper output) : IAsyncLifetime
+public sealed class AfterCommitActionCrashTests(ITestOutputHelper output) : ParcelTrackerDatabaseTest
 {
     private const int Parcels = 20;
     private const string Notification = "parcel-tracker.notification";
-    private string _database = "";
-
-    public async Task InitializeAsync()
-    {
-        await Services.DeleteParcelTrackerQueuesAsync();
-        _database = await Services.CreateDatabaseAsync();
-    }
-
-    public Task DisposeAsync() => Services.DropDatabaseAsync(_database);
 
     [Fact]
     public async Task Sms_KilledAfterSchedulingBeforeTheCommit_TwentyTimes_OnlyCommittedSchedulesAreSent_OncePerParcel()
     {
         // A gateway that ignores keys: any execution of a rolled-back schedule would show as a second SMS.
-        await using var rig = await CrashRig.StartAsync(_database,
+        await using var rig = await CrashRig.StartAsync(Database,
             ["consumer,worker", "--sms-honours-keys", "false", "--crash-at", "after-schedule", "--crash-times", "20"], output);
         var parcels = await rig.SendParcelsAsync(Parcels, NotificationConsumer.Queue);
         await RunUntilSentAsync(rig, "after-schedule", NotificationConsumer.Queue);
@@ -46,7 +37,7 @@ public sealed class AfterCommitActionCrashTests(ITestOutputHelper output) : IAsy
     [InlineData(true)]
     public async Task Sms_DispatcherKilledAfterTheGatewayCall_TwentyTimes_IsRepeatedWithTheSameKey_SentOnceWhenTheGatewayHonoursIt(bool gatewayHonoursKeys)
     {
-        await using var rig = await CrashRig.StartAsync(_database,
+        await using var rig = await CrashRig.StartAsync(Database,
             ["consumer,worker", "--sms-honours-keys", gatewayHonoursKeys ? "true" : "false", "--crash-at", "after-action-call", "--crash-times", "20"], output);
         var parcels = await rig.SendParcelsAsync(Parcels, NotificationConsumer.Queue);
         await RunUntilSentAsync(rig, "after-action-call", SendParcelSms.Name);

@@ -14,11 +14,10 @@ namespace ParcelTracker.Tests;
 /// the commit but before the acknowledgement — once for each of 20 parcels, and restarted; then the bookings the
 /// carrier holds are counted.
 /// </summary>
-public sealed class RecordedStepCrashTests(ITestOutputHelper output) : IAsyncLifetime
+public sealed class RecordedStepCrashTests(ITestOutputHelper output) : ParcelTrackerDatabaseTest
 {
     private const int Parcels = 20;
     private const string Carrier = "parcel-tracker.carrier-assignment";
-    private string _database = "";
 
     public static TheoryData<string, string> Cases()
     {
@@ -34,21 +33,13 @@ public sealed class RecordedStepCrashTests(ITestOutputHelper output) : IAsyncLif
         return cases;
     }
 
-    public async Task InitializeAsync()
-    {
-        await Services.DeleteParcelTrackerQueuesAsync();
-        _database = await Services.CreateDatabaseAsync();
-    }
-
-    public Task DisposeAsync() => Services.DropDatabaseAsync(_database);
-
     [Theory]
     [MemberData(nameof(Cases))]
     public async Task CarrierBooking_ConsumerKilledAtACrashPointTwentyTimes_NeverBooksTwice_NeverLosesAMessage(string point, string carrier)
     {
         bool honours = carrier.StartsWith("honours", StringComparison.Ordinal);
         string policy = carrier.Split('/')[1];
-        await using var rig = await CrashRig.StartAsync(_database,
+        await using var rig = await CrashRig.StartAsync(Database,
             ["consumer", "--carrier-honours-keys", honours ? "true" : "false", "--carrier-when-unknown", policy, "--crash-at", point, "--crash-times", Parcels.ToString(System.Globalization.CultureInfo.InvariantCulture)],
             output);
         var parcels = await rig.SendParcelsAsync(Parcels, CarrierAssignmentConsumer.Queue);
@@ -138,7 +129,7 @@ public sealed class RecordedStepCrashTests(ITestOutputHelper output) : IAsyncLif
     [Fact]
     public async Task CarrierBooking_TwentySeparateKillsAfterTheCarrierBooked_ReconcileBooksOncePerParcel()
     {
-        await using var rig = await CrashRig.StartAsync(_database,
+        await using var rig = await CrashRig.StartAsync(Database,
             ["consumer", "--carrier-honours-keys", "false", "--carrier-when-unknown", "reconcile", "--crash-at", "after-call", "--crash-times", "20", "--crash-gather-ms", "0", "--consumer-concurrency", "1"],
             output);
         await rig.SendParcelsAsync(Parcels, CarrierAssignmentConsumer.Queue);
@@ -158,7 +149,7 @@ public sealed class RecordedStepCrashTests(ITestOutputHelper output) : IAsyncLif
     [Fact]
     public async Task CarrierBooking_KeyIgnoringCarrierWithRetryPolicy_KilledAfterTheCall_BooksTwice_AsTheTestsWouldSee()
     {
-        await using var rig = await CrashRig.StartAsync(_database,
+        await using var rig = await CrashRig.StartAsync(Database,
             ["consumer", "--carrier-honours-keys", "false", "--carrier-when-unknown", "retry", "--crash-at", "after-call", "--crash-times", "10"], output);
         await rig.SendParcelsAsync(10, CarrierAssignmentConsumer.Queue);
         await rig.RunUntilAsync(async () => rig.CrashesAt("after-call", CarrierAssignmentConsumer.Queue) == 10 && await ProcessedAsync(rig) == 10,

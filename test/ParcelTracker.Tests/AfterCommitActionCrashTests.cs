@@ -19,9 +19,12 @@ public sealed class AfterCommitActionCrashTests(ITestOutputHelper output) : Parc
     [Fact]
     public async Task Sms_KilledAfterSchedulingBeforeTheCommit_TwentyTimes_OnlyCommittedSchedulesAreSent_OncePerParcel()
     {
-        // A gateway that ignores keys: any execution of a rolled-back schedule would show as a second SMS.
+        // A gateway that ignores keys: any execution of a rolled-back schedule would show as a second SMS. The dispatcher
+        // runs in a process of its own that is never killed: a kill landing between its gateway call and its done-mark
+        // would repeat a committed action (at least once, the other test's subject), not execute a rolled-back one.
         await using var rig = await CrashRig.StartAsync(Database,
-            ["consumer,worker", "--sms-honours-keys", "false", "--crash-at", "after-schedule", "--crash-times", "20"], output);
+            ["consumer", "--crash-at", "after-schedule", "--crash-times", "20"], output,
+            companion: ["worker", "--sms-honours-keys", "false"]);
         var parcels = await rig.SendParcelsAsync(Parcels, NotificationConsumer.Queue);
         await RunUntilSentAsync(rig, "after-schedule", NotificationConsumer.Queue);
 
@@ -54,7 +57,10 @@ public sealed class AfterCommitActionCrashTests(ITestOutputHelper output) : Parc
         }
         else
         {
-            Assert.Equal(2, await rig.ScalarAsync("SELECT min(n) FROM (SELECT count(*) n FROM notifications_sent GROUP BY parcel_id) s")); // at least once
+            // At least once: every parcel's crashed execution was repeated. Not "exactly twice": a kill gathered for one
+            // parcel's crash can land between another parcel's repeated call and its done-mark, which sends a third.
+            long fewest = await rig.ScalarAsync("SELECT min(n) FROM (SELECT count(*) n FROM notifications_sent GROUP BY parcel_id) s");
+            Assert.True(fewest >= 2, $"every parcel's crashed SMS was sent again: the fewest sent for a parcel is {fewest}");
         }
     }
 

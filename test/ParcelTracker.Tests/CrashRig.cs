@@ -10,19 +10,21 @@ namespace ParcelTracker.Tests;
 /// <summary>
 /// One Parcel Tracker process with crash injection on a fresh database: parcels are inserted and their events sent
 /// straight to one consumer queue; whenever the process dies (SIGKILL at a crash point) it is started again, until the
-/// test's condition holds.
+/// test's condition holds. An optional companion process (another role, without crash injection) runs beside it and must
+/// stay up: a kill then stops only the crashing role's work, not the companion's.
 /// </summary>
 internal sealed class CrashRig : IAsyncDisposable
 {
     private readonly string[] _args;
     private readonly ITestOutputHelper _output;
     private readonly List<AppProcess> _processes = [];
+    private AppProcess? _companion;
 
     private CrashRig(string database, string[] args, ITestOutputHelper output)
     {
         Database = database;
         CrashLog = Path.Combine(Path.GetTempPath(), $"eo-crash-{Guid.NewGuid():N}.log");
-        _args = [.. args, "--postgres", database, "--rabbitmq", TestHosts.RabbitMq.ToString(), "--crash-log", CrashLog];
+        _args = [.. args, .. Hosts(database), "--crash-log", CrashLog];
         _output = output;
     }
 
@@ -33,12 +35,24 @@ internal sealed class CrashRig : IAsyncDisposable
     /// <summary>Exit codes of the processes that died.</summary>
     public List<int> ExitCodes { get; } = [];
 
-    public static async Task<CrashRig> StartAsync(string database, string[] args, ITestOutputHelper output)
+    /// <param name="database">The fresh database.</param>
+    /// <param name="args">The crashing process's role and flags.</param>
+    /// <param name="output">Where restarts are reported.</param>
+    /// <param name="companion">A second process's role and flags; it is never crashed and must not die.</param>
+    public static async Task<CrashRig> StartAsync(string database, string[] args, ITestOutputHelper output, string[]? companion = null)
     {
         var rig = new CrashRig(database, args, output);
+        if (companion is not null)
+        {
+            rig._companion = new AppProcess([.. companion, .. Hosts(database)]);
+            await rig._companion.WaitForOutputAsync("Bus started", TimeSpan.FromSeconds(90));
+        }
+
         await rig.StartProcessAsync();
         return rig;
     }
+
+    private static string[] Hosts(string database) => ["--postgres", database, "--rabbitmq", TestHosts.RabbitMq.ToString()];
 
     /// <summary>Crashes logged at <paramref name="point"/> by <paramref name="who"/> (a queue or an action name).</summary>
     public int CrashesAt(string point, string who) =>
@@ -91,6 +105,11 @@ internal sealed class CrashRig : IAsyncDisposable
         var clock = Stopwatch.StartNew();
         while (true)
         {
+            if (_companion is { HasExited: true })
+            {
+                throw new InvalidOperationException($"the companion process died (exit code {_companion.ExitCode}). Last output:{Environment.NewLine}{string.Join(Environment.NewLine, _companion.Lines.TakeLast(40))}");
+            }
+
             AppProcess current = _processes[^1];
             if (current.HasExited)
             {
@@ -137,6 +156,8 @@ internal sealed class CrashRig : IAsyncDisposable
         {
             process.Dispose();
         }
+
+        _companion?.Dispose();
 
         File.Delete(CrashLog);
         return ValueTask.CompletedTask;

@@ -13,7 +13,7 @@ namespace ExactlyOnce.Benchmarks;
 /// <summary>
 /// One message through the inbox hot path on PostgreSQL, against the same business write without it: a DI scope, a
 /// <see cref="BenchDbContext"/>, one row. <c>Inbox</c> is what <c>InboxConsumerFilter</c> does per delivery:
-/// <see cref="InboxProtocol.ProcessAsync"/> with the EF Core store (begin, claim, the consumer's row, processed mark, commit).
+/// <see cref="InboxProtocol.ProcessAsync"/> with the EF Core store (begin, the claim writing the row already processed, the consumer's row, commit).
 /// Allocations are the figure to trust; times include loopback round trips on a shared machine.
 /// </summary>
 [MemoryDiagnoser]

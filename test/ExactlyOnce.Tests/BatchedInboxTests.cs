@@ -63,6 +63,39 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     }
 
     /// <summary>
+    /// The batch's leader runs on a flow of its own, but each member's consumer runs on its delivery's: what the pipeline
+    /// put in async locals before the inbox (a trace, a tenant, a log scope) is what the consumer sees — its own
+    /// delivery's, not the leader's (none) nor a batch-mate's. Running the consumer from the leader's flow fails this.
+    /// </summary>
+    [Fact]
+    public async Task Batch_EachConsumerSeesTheAsyncLocalsOfItsOwnDelivery_NotTheLeadersNorABatchMates()
+    {
+        string queue = Queue("batch-context");
+        var counter = new DeliveryCounter();
+        var (holder, releaseHolder) = HoldWhileOthersArrive();
+        var seen = new ConcurrentDictionary<Guid, Guid?>();
+        Func<ConsumeContext, TestDbContext, Task> hold = Probe.BeforeSave!;
+        Probe.BeforeSave = (context, db) =>
+        {
+            seen[context.MessageId!.Value] = DeliveryScopeFilter.Delivery.Value;
+            return hold(context, db);
+        };
+        var ids = Enumerable.Range(0, 10).Select(_ => NewId.NextGuid()).ToList();
+        var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, e => e.UseFilter(new DeliveryScopeFilter()), options: Window);
+
+        await SendAsync(host, queue, holder.Id);
+        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
+        await Task.WhenAll(ids.Select(id => SendAsync(host, queue, id)));
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count), "the ten messages handled");
+        releaseHolder();
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count + 1), "the holder handled");
+
+        Assert.All(ids, id => Assert.Equal(id, seen[id]));
+        int largestBatch = ids.GroupBy(id => _transactions[id].Single()).Max(g => g.Count());
+        Assert.True(largestBatch >= 2, $"the messages shared transactions (largest: {largestBatch}), so the leader ran several consumers");
+    }
+
+    /// <summary>
     /// A transient commit failure under a retrying execution strategy re-runs the whole batch as one fresh transaction:
     /// every member's consumer runs again (with a cleared change tracker) and nothing is faulted or applied twice.
     /// </summary>
@@ -288,6 +321,20 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     {
         long txid = (await db.Database.SqlQuery<long>($"SELECT txid_current() AS \"Value\"").ToListAsync()).Single();
         _transactions.GetOrAdd(context.MessageId!.Value, _ => new ConcurrentQueue<long>()).Enqueue(txid);
+    }
+
+    /// <summary>Before the inbox, as a tracing or tenancy filter would: puts the delivery's id in an async local.</summary>
+    private sealed class DeliveryScopeFilter : IFilter<ConsumeContext>
+    {
+        public static readonly AsyncLocal<Guid?> Delivery = new();
+
+        public Task Send(ConsumeContext context, IPipe<ConsumeContext> next)
+        {
+            Delivery.Value = context.MessageId;
+            return next.Send(context);
+        }
+
+        public void Probe(ProbeContext context) => context.CreateFilterScope("deliveryScope");
     }
 
     private sealed class CommitCounter : DbTransactionInterceptor

@@ -29,7 +29,7 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     {
         string queue = Queue("batch-fail");
         var counter = new DeliveryCounter();
-        var (holder, releaseHolder) = HoldWhileOthersArrive();
+        var holder = HoldWhileOthersArrive();
         var ids = Enumerable.Range(0, 10).Select(_ => NewId.NextGuid()).ToList();
         Guid failing = ids[5];
         Probe.AfterSave = (context, _) => context.MessageId == failing && Probe.Entries(failing, nameof(EffectConsumer)) == 1
@@ -37,12 +37,7 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
             : Task.CompletedTask;
         var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, e => e.UseMessageRetry(r => r.Immediate(3)), options: Window);
 
-        await SendAsync(host, queue, holder.Id);
-        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
-        await Task.WhenAll(ids.Select(id => SendAsync(host, queue, id)));
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count), "the ten messages handled");
-        releaseHolder();
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count + 1), "the holder handled");
+        await SendWhileHeldAsync(host, queue, counter, holder, () => Task.WhenAll(ids.Select(id => SendAsync(host, queue, id))), ids.Count);
 
         foreach (Guid id in ids)
         {
@@ -72,23 +67,12 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     {
         string queue = Queue("batch-context");
         var counter = new DeliveryCounter();
-        var (holder, releaseHolder) = HoldWhileOthersArrive();
         var seen = new ConcurrentDictionary<Guid, Guid?>();
-        Func<ConsumeContext, TestDbContext, Task> hold = Probe.BeforeSave!;
-        Probe.BeforeSave = (context, db) =>
-        {
-            seen[context.MessageId!.Value] = DeliveryScopeFilter.Delivery.Value;
-            return hold(context, db);
-        };
+        var holder = HoldWhileOthersArrive(context => seen[context.MessageId!.Value] = DeliveryScopeFilter.Delivery.Value);
         var ids = Enumerable.Range(0, 10).Select(_ => NewId.NextGuid()).ToList();
         var host = await StartConsumerHostAsync<EffectConsumer>(queue, counter, e => e.UseFilter(new DeliveryScopeFilter()), options: Window);
 
-        await SendAsync(host, queue, holder.Id);
-        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
-        await Task.WhenAll(ids.Select(id => SendAsync(host, queue, id)));
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count), "the ten messages handled");
-        releaseHolder();
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count + 1), "the holder handled");
+        await SendWhileHeldAsync(host, queue, counter, holder, () => Task.WhenAll(ids.Select(id => SendAsync(host, queue, id))), ids.Count);
 
         Assert.All(ids, id => Assert.Equal(id, seen[id]));
         int largestBatch = ids.GroupBy(id => _transactions[id].Single()).Max(g => g.Count());
@@ -104,7 +88,7 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     {
         string queue = Queue("batch-strategy");
         var counter = new DeliveryCounter();
-        var (holder, releaseHolder) = HoldWhileOthersArrive();
+        var holder = HoldWhileOthersArrive();
         var failCommit = new FailingCommitInterceptor
         {
             Remaining = 1,
@@ -115,12 +99,7 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
             .AddInterceptors(failCommit));
         var ids = Enumerable.Range(0, 6).Select(_ => NewId.NextGuid()).ToList();
 
-        await SendAsync(host, queue, holder.Id);
-        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
-        await Task.WhenAll(ids.Select(id => SendAsync(host, queue, id)));
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count), "the six messages handled");
-        releaseHolder();
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= ids.Count + 1), "the holder handled");
+        await SendWhileHeldAsync(host, queue, counter, holder, () => Task.WhenAll(ids.Select(id => SendAsync(host, queue, id))), ids.Count);
 
         Assert.Equal(1, failCommit.Failed);
         Assert.Equal(0, counter.Faulted);
@@ -150,7 +129,7 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
     {
         string queue = Queue("batch-copies");
         var counter = new DeliveryCounter();
-        var (holder, releaseHolder) = HoldWhileOthersArrive();
+        var holder = HoldWhileOthersArrive();
         var id = NewId.NextGuid();
         if (firstFails)
         {
@@ -163,12 +142,7 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
         using var duplicates = new MetricCollector<long>(host.Services.GetRequiredService<System.Diagnostics.Metrics.IMeterFactory>(),
             "ExactlyOnce", "exactlyonce.inbox.messages.duplicates");
 
-        await SendAsync(host, queue, holder.Id);
-        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
-        await SendAsync(host, queue, id, copies: 2); // both arrive within the open batch's window
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= 2), "both copies handled");
-        releaseHolder();
-        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= 3), "the holder handled");
+        await SendWhileHeldAsync(host, queue, counter, holder, () => SendAsync(host, queue, id, copies: 2), 2); // both copies in the open batch's window
 
         Assert.Equal(1, await CountEffectsAsync(id));
         Assert.NotNull(Assert.Single(await InboxRowsAsync(id)).ProcessedAt);
@@ -296,23 +270,44 @@ public sealed class BatchedInboxTests : PostgresRabbitTest
 
     /// <summary>
     /// A first message that stays in its consumer until released: while it is in flight the next ones do not count as
-    /// lone deliveries and collect in a batch for the whole window. Also records every consumer's transaction id.
+    /// lone deliveries and collect in a batch for the whole window. Also records every consumer's transaction id, and
+    /// passes every consumer's context to <paramref name="observe"/> on the consumer's own flow.
     /// </summary>
-    private ((Guid Id, TaskCompletionSource Entered) Holder, Action Release) HoldWhileOthersArrive()
+    private Holder HoldWhileOthersArrive(Action<ConsumeContext>? observe = null)
     {
-        var id = NewId.NextGuid();
-        var entered = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
-        var release = new TaskCompletionSource(TaskCreationOptions.RunContinuationsAsynchronously);
+        var holder = new Holder(NewId.NextGuid());
         Probe.BeforeSave = async (context, db) =>
         {
+            observe?.Invoke(context);
             await RecordTransactionIdAsync(context, db);
-            if (context.MessageId == id)
+            if (context.MessageId == holder.Id)
             {
-                entered.TrySetResult();
-                await release.Task;
+                holder.Entered.TrySetResult();
+                await holder.Released.Task;
             }
         };
-        return ((id, entered), () => release.TrySetResult());
+        return holder;
+    }
+
+    /// <summary>
+    /// Sends the holder and, once it is inside its consumer, the deliveries <paramref name="send"/> sends; waits until
+    /// <paramref name="handled"/> of them were handled, then lets the holder finish and waits for it.
+    /// </summary>
+    private async Task SendWhileHeldAsync(IHost host, string queue, DeliveryCounter counter, Holder holder, Func<Task> send, int handled)
+    {
+        await SendAsync(host, queue, holder.Id);
+        await holder.Entered.Task.WaitAsync(TimeSpan.FromSeconds(30));
+        await send();
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= handled), $"the {handled} held-back deliveries handled");
+        holder.Released.TrySetResult();
+        await Eventually.AssertAsync(() => Task.FromResult(counter.Handled >= handled + 1), "the holder handled");
+    }
+
+    private sealed record Holder(Guid Id)
+    {
+        public TaskCompletionSource Entered { get; } = new(TaskCreationOptions.RunContinuationsAsynchronously);
+
+        public TaskCompletionSource Released { get; } = new(TaskCreationOptions.RunContinuationsAsynchronously);
     }
 
     private void RecordTransactionIds() => Probe.BeforeSave = RecordTransactionIdAsync;

@@ -25,11 +25,11 @@ internal sealed class EntityFrameworkInboxBatch : IInboxBatch
 
     public EntityFrameworkInboxBatch(AsyncServiceScope scope, DbContext leader, InboxSql sql, OutboxCommitNotifier notifier, bool prepare, ILogger logger)
     {
-        _prepare = prepare;
         _scope = scope;
         _leader = leader;
         _sql = sql;
         _notifier = notifier;
+        _prepare = prepare;
         _logger = logger;
     }
 

@@ -120,19 +120,18 @@ internal sealed class InboxSql
     /// <summary>The keys and their receive times as three parallel arrays (uuid[], text[], timestamptz[]) for unnest, and the processed time.</summary>
     public void AddBatchClaimParameters(DbCommand command, IReadOnlyList<InboxKey> keys, IReadOnlyList<DateTime> receivedAtUtc, DateTime processedAtUtc)
     {
-        DbParameter ids = command.CreateParameter();
-        ids.ParameterName = "eo_ids";
-        ids.Value = keys.Select(k => k.MessageId).ToArray();
-        command.Parameters.Add(ids);
-        DbParameter consumers = command.CreateParameter();
-        consumers.ParameterName = "eo_consumers";
-        consumers.Value = keys.Select(k => k.ConsumerName).ToArray();
-        command.Parameters.Add(consumers);
-        DbParameter received = command.CreateParameter();
-        received.ParameterName = "eo_received";
-        received.Value = receivedAtUtc.Select(static t => DateTime.SpecifyKind(t, DateTimeKind.Utc)).ToArray();
-        command.Parameters.Add(received);
+        AddArrayParameter(command, "eo_ids", keys.Select(static k => k.MessageId).ToArray());
+        AddArrayParameter(command, "eo_consumers", keys.Select(static k => k.ConsumerName).ToArray());
+        AddArrayParameter(command, "eo_received", receivedAtUtc.Select(static t => DateTime.SpecifyKind(t, DateTimeKind.Utc)).ToArray());
         command.Parameters.Add(_timeMapping.CreateParameter(command, "eo_processed", DateTime.SpecifyKind(processedAtUtc, DateTimeKind.Utc), nullable: false));
+    }
+
+    private static void AddArrayParameter<T>(DbCommand command, string name, T[] values)
+    {
+        DbParameter parameter = command.CreateParameter();
+        parameter.ParameterName = name;
+        parameter.Value = values;
+        command.Parameters.Add(parameter);
     }
 
     public static void AddTimeoutParameter(DbCommand command, TimeSpan timeout)

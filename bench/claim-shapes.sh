@@ -8,14 +8,9 @@
 # prints each run's tps, then median and spread per variant. Needs eng/services.sh to have run.
 set -euo pipefail
 RUNS="${RUNS:-3}" SECONDS_PER_RUN="${SECONDS_PER_RUN:-8}" CLIENTS="${CLIENTS:-16}"
-export PGPASSWORD="${PGPASSWORD:-postgres}"
-PGBENCH=$(ls /usr/lib/postgresql/*/bin/pgbench | tail -1)
-psql() { command psql -h 127.0.0.1 -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
-psql -c "DROP DATABASE IF EXISTS eo_claim_shapes" -c "CREATE DATABASE eo_claim_shapes" >/dev/null
+source "$(dirname "$0")/pgbench-common.sh"
+create_inbox_database eo_claim_shapes
 psql -d eo_claim_shapes <<'SQL'
-CREATE TABLE inbox_messages (id uuid NOT NULL, consumer_type varchar(500) NOT NULL, received_at timestamptz NOT NULL,
-  processed_at timestamptz NULL, CONSTRAINT pk_inbox_messages PRIMARY KEY (id, consumer_type));
-CREATE INDEX ix_inbox_messages_unprocessed ON inbox_messages (received_at) WHERE processed_at IS NULL;
 CREATE INDEX ix_inbox_messages_processed_at ON inbox_messages (processed_at) WHERE processed_at IS NOT NULL;
 CREATE TABLE bench_rows (id bigserial PRIMARY KEY, key uuid NOT NULL, written_at timestamptz NOT NULL DEFAULT clock_timestamp());
 SQL
@@ -49,5 +44,5 @@ for run in $(seq 1 "$RUNS"); do
   done
 done
 for variant in "${variants[@]}"; do
-  echo "$variant: $(printf '%s\n' ${results[$variant]} | sort -n | awk '{a[NR]=$1} END {printf "median %d tps, min %d, max %d (n=%d)", a[int((NR+1)/2)], a[1], a[NR], NR}')"
+  summarize "$variant" ${results[$variant]}
 done

@@ -5,15 +5,8 @@
 # Needs eng/services.sh to have run (PostgreSQL on 127.0.0.1:5432, postgres/postgres).
 set -euo pipefail
 RUNS="${RUNS:-5}" SECONDS_PER_RUN="${SECONDS_PER_RUN:-15}" CLIENTS="${CLIENTS:-8}"
-export PGPASSWORD="${PGPASSWORD:-postgres}"
-PGBENCH=$(ls /usr/lib/postgresql/*/bin/pgbench | tail -1)
-psql() { command psql -h 127.0.0.1 -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
-psql -c "DROP DATABASE IF EXISTS eo_index_cost" -c "CREATE DATABASE eo_index_cost" >/dev/null
-psql -d eo_index_cost <<'SQL'
-CREATE TABLE inbox_messages (id uuid NOT NULL, consumer_type varchar(500) NOT NULL, received_at timestamptz NOT NULL,
-  processed_at timestamptz NULL, CONSTRAINT pk_inbox_messages PRIMARY KEY (id, consumer_type));
-CREATE INDEX ix_inbox_messages_unprocessed ON inbox_messages (received_at) WHERE processed_at IS NULL;
-SQL
+source "$(dirname "$0")/pgbench-common.sh"
+create_inbox_database eo_index_cost
 script=$(mktemp)
 cat > "$script" <<'SQL'
 SELECT quote_literal(gen_random_uuid()) AS u \gset
@@ -35,7 +28,7 @@ for run in $(seq 1 "$RUNS"); do
   done
 done
 for variant in without with; do
-  echo "$variant index: $(printf '%s\n' ${results[$variant]} | sort -n | awk '{a[NR]=$1} END {printf "median %d tps, min %d, max %d (n=%d)", a[int((NR+1)/2)], a[1], a[NR], NR}')"
+  summarize "$variant index" ${results[$variant]}
 done
 psql -c "DROP DATABASE eo_index_cost" >/dev/null
 rm -f "$script"

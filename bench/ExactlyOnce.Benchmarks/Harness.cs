@@ -52,7 +52,8 @@ internal sealed class Harness(Settings settings)
             double rate = (settings.Messages - 1) / (counter.DrainedAt - counter.FirstAt).TotalSeconds;
             // Our modes: how many messages shared a transaction during the drain (rows committed together share an xmin).
             double perTransaction = mode is "exactlyonce" or "exactlyonce-batched"
-                ? await ScalarDoubleAsync(connectionString, "SELECT count(*)::float8 / count(DISTINCT xmin::text) FROM inbox_messages")
+                ? (double)await ScalarAsync(connectionString, "SELECT count(*) FROM inbox_messages")
+                  / await ScalarAsync(connectionString, "SELECT count(DISTINCT xmin::text) FROM inbox_messages")
                 : double.NaN;
 
             // 2. Latency at a steady, moderate rate: publish time to the business row's write time.
@@ -216,14 +217,6 @@ internal sealed class Harness(Settings settings)
         await connection.OpenAsync();
         await using var command = new NpgsqlCommand(sql, connection);
         return Convert.ToInt64(await command.ExecuteScalarAsync());
-    }
-
-    private static async Task<double> ScalarDoubleAsync(string connectionString, string sql)
-    {
-        await using var connection = new NpgsqlConnection(connectionString);
-        await connection.OpenAsync();
-        await using var command = new NpgsqlCommand(sql, connection);
-        return Convert.ToDouble(await command.ExecuteScalarAsync(), System.Globalization.CultureInfo.InvariantCulture);
     }
 
     internal static async Task<string?> ScalarTextAsync(string sql)

@@ -260,7 +260,7 @@ public class InboxGuaranteeTests : PostgresRabbitTest
     }
 }
 
-/// <summary>Throws on commit — after the consumer's rows and the processed mark were written, before they are durable.</summary>
+/// <summary>Throws on commit — after the claim (written processed) and the consumer's rows were sent, before they are durable.</summary>
 public sealed class FailingCommitInterceptor : DbTransactionInterceptor
 {
     private int _remaining;

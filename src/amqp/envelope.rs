@@ -1,0 +1,345 @@
+//! Reading a delivery (a MassTransit 8 envelope, or plain JSON) and writing MassTransit envelopes.
+//!
+//! What MassTransit writes (captured in `tests/fixtures/interop`): content type `application/vnd.masstransit+json`,
+//! delivery mode 2, AMQP `message_id` equal to the envelope's `messageId`, and an indented camelCase JSON body whose
+//! `message` is the event.
+
+use chrono::{DateTime, Utc};
+use lapin::BasicProperties;
+use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
+use uuid::Uuid;
+
+pub const MASSTRANSIT_CONTENT_TYPE: &str = "application/vnd.masstransit+json";
+
+/// A delivery that could be read: its id, what type it says it is, and the event's JSON.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    pub message_id: Uuid,
+    /// MassTransit message type URNs (`urn:message:Namespace:Type`); for plain JSON the AMQP `type` property, if set.
+    pub message_types: Vec<String>,
+    /// The event: the envelope's `message`, or the whole body of a plain JSON message.
+    pub payload: Box<RawValue>,
+    /// Whether the body was a MassTransit envelope.
+    pub masstransit: bool,
+    pub sent_time: Option<DateTime<Utc>>,
+}
+
+/// Why a delivery cannot be read. Such a message goes to the error queue at once: retrying cannot help.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreadable {
+    #[error("the message body is empty")]
+    EmptyBody,
+    #[error("the message body is not JSON: {0}")]
+    NotJson(String),
+    #[error("the MassTransit envelope cannot be read: {0}")]
+    BadEnvelope(String),
+    #[error("the MassTransit envelope has no message")]
+    NoMessage,
+    #[error("the message has no message id (no messageId in an envelope, no message_id property)")]
+    NoMessageId,
+    #[error("the message id {0:?} is not a UUID")]
+    BadMessageId(String),
+}
+
+/// The envelope fields inboxctl reads. Unknown fields are ignored; a field given twice is an error.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct EnvelopeIn<'a> {
+    message_id: Option<String>,
+    message_type: Option<Vec<String>>,
+    #[serde(borrow)]
+    message: Option<&'a RawValue>,
+    sent_time: Option<String>,
+}
+
+/// Reads a delivery's id, type and event.
+pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unreadable> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(Unreadable::EmptyBody);
+    }
+    let property_id = properties
+        .message_id()
+        .as_ref()
+        .map(|s| s.as_str().to_owned());
+    let declared_masstransit = properties
+        .content_type()
+        .as_ref()
+        .is_some_and(|ct| ct.as_str().eq_ignore_ascii_case(MASSTRANSIT_CONTENT_TYPE));
+
+    let raw: &RawValue =
+        serde_json::from_slice(body).map_err(|e| Unreadable::NotJson(e.to_string()))?;
+
+    let envelope = match serde_json::from_str::<EnvelopeIn<'_>>(raw.get()) {
+        Ok(envelope) => Some(envelope),
+        Err(e) if declared_masstransit => return Err(Unreadable::BadEnvelope(e.to_string())),
+        Err(_) => None,
+    };
+    // A body with messageType and message is an envelope even if a shovel or a plugin dropped its content type.
+    let envelope = envelope
+        .filter(|e| declared_masstransit || (e.message_type.is_some() && e.message.is_some()));
+
+    match envelope {
+        Some(envelope) => {
+            let payload = envelope.message.ok_or(Unreadable::NoMessage)?.to_owned();
+            let id = envelope
+                .message_id
+                .or(property_id)
+                .ok_or(Unreadable::NoMessageId)?;
+            Ok(Incoming {
+                message_id: parse_id(&id)?,
+                message_types: envelope.message_type.unwrap_or_default(),
+                payload,
+                masstransit: true,
+                sent_time: envelope.sent_time.as_deref().and_then(parse_time),
+            })
+        }
+        None => {
+            let id = property_id.ok_or(Unreadable::NoMessageId)?;
+            Ok(Incoming {
+                message_id: parse_id(&id)?,
+                message_types: properties
+                    .kind()
+                    .as_ref()
+                    .map(|t| vec![t.as_str().to_owned()])
+                    .unwrap_or_default(),
+                payload: raw.to_owned(),
+                masstransit: false,
+                sent_time: None,
+            })
+        }
+    }
+}
+
+fn parse_id(id: &str) -> Result<Uuid, Unreadable> {
+    Uuid::parse_str(id.trim()).map_err(|_| Unreadable::BadMessageId(id.to_owned()))
+}
+
+/// MassTransit writes `sentTime` in UTC with 0 to 7 fractional digits.
+pub fn parse_time(s: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(s)
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+/// A time the way .NET writes it: UTC, 7 fractional digits, `Z`.
+pub fn format_time(t: DateTime<Utc>) -> String {
+    format!(
+        "{}.{:07}Z",
+        t.format("%Y-%m-%dT%H:%M:%S"),
+        t.timestamp_subsec_nanos() / 100
+    )
+}
+
+/// The .NET type name a URN names: `urn:message:Ns:Type` → `Ns.Type` (as in `MT-Fault-MessageType`).
+pub fn dotnet_type_name(urn: &str) -> String {
+    urn.strip_prefix("urn:message:")
+        .unwrap_or(urn)
+        .replacen(':', ".", 1)
+}
+
+/// The process that wrote a message, as MassTransit's envelope `host` describes it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct HostInfo {
+    pub machine_name: String,
+    pub process_name: String,
+    pub process_id: u32,
+    pub assembly: String,
+    pub assembly_version: String,
+    pub framework_version: String,
+    pub mass_transit_version: Option<String>,
+    pub operating_system_version: String,
+}
+
+impl HostInfo {
+    /// This process.
+    pub fn current() -> Self {
+        Self {
+            machine_name: machine_name(),
+            process_name: "inboxctl".to_owned(),
+            process_id: std::process::id(),
+            assembly: "inboxctl".to_owned(),
+            assembly_version: env!("CARGO_PKG_VERSION").to_owned(),
+            framework_version: format!("rust {}", env!("CARGO_PKG_RUST_VERSION")),
+            // inboxctl is not MassTransit; the field is written (MassTransit always writes it), but empty.
+            mass_transit_version: None,
+            operating_system_version: format!(
+                "Unix {}",
+                std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                    .map(|s| s.trim().to_owned())
+                    .unwrap_or_default()
+            ),
+        }
+    }
+}
+
+/// This machine's host name.
+pub fn machine_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// A MassTransit 8 envelope as MassTransit writes it: every field, in MassTransit's order, nulls included.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvelopeOut<'a, T: Serialize> {
+    pub message_id: String,
+    pub request_id: Option<String>,
+    pub correlation_id: Option<String>,
+    pub conversation_id: Option<String>,
+    pub initiator_id: Option<String>,
+    pub source_address: Option<String>,
+    pub destination_address: Option<String>,
+    pub response_address: Option<String>,
+    pub fault_address: Option<String>,
+    pub message_type: Vec<String>,
+    pub message: &'a T,
+    pub expiration_time: Option<String>,
+    pub sent_time: String,
+    pub headers: serde_json::Map<String, serde_json::Value>,
+    pub host: &'a HostInfo,
+}
+
+impl<T: Serialize> EnvelopeOut<'_, T> {
+    /// The body bytes: indented JSON (two spaces, `\n`), no trailing newline, like MassTransit's serializer.
+    pub fn to_body(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self)
+            .expect("an envelope of strings, ids and a serialisable event always serialises")
+    }
+}
+
+/// The AMQP properties MassTransit sets on a message: content type, persistent delivery, message id.
+pub fn masstransit_properties(message_id: Uuid) -> BasicProperties {
+    BasicProperties::default()
+        .with_content_type(MASSTRANSIT_CONTENT_TYPE.into())
+        .with_delivery_mode(2)
+        .with_message_id(message_id.to_string().into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: &str = "1a280000-161d-4c08-9e18-08df4f1e91b6";
+
+    fn mt_props() -> BasicProperties {
+        masstransit_properties(Uuid::parse_str(ID).expect("uuid"))
+    }
+
+    fn envelope(body_extra: &str) -> String {
+        format!(
+            r#"{{"messageId": "{ID}", "messageType": ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"], "message": {{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT1", "destination": "Berlin"}}{body_extra}, "sentTime": "2026-11-30T20:14:42.338386Z"}}"#
+        )
+    }
+
+    #[test]
+    fn reads_an_envelope() {
+        let got = parse(&mt_props(), envelope("").as_bytes()).expect("readable");
+        assert_eq!(got.message_id.to_string(), ID);
+        assert!(got.masstransit);
+        assert_eq!(
+            got.message_types,
+            ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"]
+        );
+        assert!(got.payload.get().contains("\"trackingNumber\": \"PT1\""));
+        assert_eq!(
+            got.sent_time.map(format_time).as_deref(),
+            Some("2026-11-30T20:14:42.3383860Z")
+        );
+    }
+
+    #[test]
+    fn the_envelope_id_wins_over_the_property_and_the_property_fills_in() {
+        let other = masstransit_properties(Uuid::from_u128(7));
+        assert_eq!(
+            parse(&other, envelope("").as_bytes())
+                .expect("ok")
+                .message_id
+                .to_string(),
+            ID
+        );
+        let body = envelope("").replace(&format!("\"messageId\": \"{ID}\", "), "");
+        assert_eq!(
+            parse(&other, body.as_bytes()).expect("ok").message_id,
+            Uuid::from_u128(7)
+        );
+    }
+
+    #[test]
+    fn plain_json_takes_the_property_id() {
+        let props = BasicProperties::default()
+            .with_message_id(ID.into())
+            .with_content_type("application/json".into());
+        let got = parse(&props, br#"{"parcelId": "x"}"#).expect("readable");
+        assert!(!got.masstransit);
+        assert_eq!(got.message_id.to_string(), ID);
+        assert!(got.message_types.is_empty());
+        assert_eq!(got.payload.get(), r#"{"parcelId": "x"}"#);
+    }
+
+    #[test]
+    fn an_envelope_without_its_content_type_is_still_an_envelope() {
+        let got = parse(&BasicProperties::default(), envelope("").as_bytes()).expect("readable");
+        assert!(got.masstransit);
+    }
+
+    #[test]
+    fn unreadable_messages_say_why() {
+        let props = BasicProperties::default();
+        assert_eq!(parse(&props, b"").unwrap_err(), Unreadable::EmptyBody);
+        assert_eq!(parse(&props, b"  \n").unwrap_err(), Unreadable::EmptyBody);
+        assert!(matches!(
+            parse(&props, b"not json").unwrap_err(),
+            Unreadable::NotJson(_)
+        ));
+        assert!(matches!(
+            parse(&props, b"{\"a\": \"\xff\"}").unwrap_err(),
+            Unreadable::NotJson(_)
+        ));
+        assert_eq!(
+            parse(&props, br#"{"parcelId": "x"}"#).unwrap_err(),
+            Unreadable::NoMessageId
+        );
+        let bad = BasicProperties::default().with_message_id("order-17".into());
+        assert_eq!(
+            parse(&bad, br#"{"parcelId": "x"}"#).unwrap_err(),
+            Unreadable::BadMessageId("order-17".into())
+        );
+        let no_message = format!(r#"{{"messageId": "{ID}", "messageType": []}}"#);
+        assert_eq!(
+            parse(&mt_props(), no_message.as_bytes()).unwrap_err(),
+            Unreadable::NoMessage
+        );
+        let twice = format!(r#"{{"messageId": "{ID}", "messageId": "{ID}", "message": {{}}}}"#);
+        let err = parse(&mt_props(), twice.as_bytes()).unwrap_err();
+        assert!(
+            matches!(&err, Unreadable::BadEnvelope(e) if e.contains("duplicate field")),
+            "{err}"
+        );
+        assert!(matches!(
+            parse(&mt_props(), b"[1,2]").unwrap_err(),
+            Unreadable::BadEnvelope(_)
+        ));
+    }
+
+    #[test]
+    fn times_are_written_with_seven_digits() {
+        let t = parse_time("2026-11-30T20:14:42.2177304Z").expect("time");
+        assert_eq!(format_time(t), "2026-11-30T20:14:42.2177304Z");
+        let t = parse_time("2026-11-30T20:14:42Z").expect("time");
+        assert_eq!(format_time(t), "2026-11-30T20:14:42.0000000Z");
+    }
+
+    #[test]
+    fn dotnet_names_from_urns() {
+        assert_eq!(
+            dotnet_type_name("urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"),
+            "ParcelTracker.Domain.Events.ParcelCreatedEvent"
+        );
+    }
+}

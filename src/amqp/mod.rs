@@ -1,0 +1,147 @@
+//! RabbitMQ: connecting, the MassTransit topology, envelopes and dead-letter headers.
+
+pub mod dead_letter;
+pub mod envelope;
+pub mod topology;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use lapin::uri::AMQPUri;
+use lapin::{Connection, ConnectionProperties};
+
+use crate::error::{Error, Result};
+use crate::redact;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connection settings parsed from an `amqp://` or `amqps://` URL.
+#[derive(Clone, Debug)]
+pub struct Broker {
+    url: String,
+    uri: AMQPUri,
+}
+
+impl Broker {
+    /// Parses a broker URL. Its password is registered for redaction before anything can print it.
+    pub fn from_url(url: &str) -> Result<Self> {
+        redact::register_url(url);
+        let uri = AMQPUri::from_str(url).map_err(|e| {
+            Error::Usage(format!(
+                "invalid --amqp-url {}: {}",
+                redact::url(url),
+                redact::text(&e)
+            ))
+        })?;
+        if uri.authority.userinfo.password.len() >= 3 {
+            redact::register(&uri.authority.userinfo.password);
+        }
+        Ok(Self {
+            url: url.to_owned(),
+            uri,
+        })
+    }
+
+    /// The URL with its password masked, for messages.
+    pub fn display_url(&self) -> String {
+        redact::url(&self.url)
+    }
+
+    pub fn vhost(&self) -> &str {
+        &self.uri.vhost
+    }
+
+    /// The address MassTransit writes for a queue of this broker: `rabbitmq://host[:port]/[vhost/]queue`.
+    pub fn queue_address(&self, queue: &str) -> String {
+        let host = &self.uri.authority.host;
+        let port = self.uri.authority.port;
+        let authority = if port == self.uri.scheme.default_port() {
+            host.clone()
+        } else {
+            format!("{host}:{port}")
+        };
+        if self.uri.vhost == "/" {
+            format!("rabbitmq://{authority}/{queue}")
+        } else {
+            format!("rabbitmq://{authority}/{}/{queue}", self.uri.vhost)
+        }
+    }
+
+    /// Opens a connection, named so that `rabbitmqctl list_connections` shows who it is.
+    pub async fn connect(&self, name: &str) -> Result<Connection> {
+        let properties =
+            ConnectionProperties::default().with_connection_name(name.to_owned().into());
+        let uri = self.uri.clone();
+        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect_uri(uri, properties)).await
+        {
+            Ok(Ok(connection)) => Ok(connection),
+            Ok(Err(e)) => Err(Error::BrokerUnavailable {
+                url: self.display_url(),
+                reason: redact::text(&e.to_string()),
+            }),
+            Err(_) => Err(Error::BrokerUnavailable {
+                url: self.display_url(),
+                reason: format!(
+                    "no answer within {}",
+                    humantime::format_duration(CONNECT_TIMEOUT)
+                ),
+            }),
+        }
+    }
+}
+
+/// Whether a broker error means "this entity does not exist" (a passive declare's 404).
+pub fn is_not_found(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(e)
+            if matches!(e.kind(), lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::NOTFOUND))
+    )
+}
+
+/// Validates a queue or exchange name given on the command line: AMQP allows at most 255 bytes, and inboxctl also
+/// refuses control characters so that a name is always safe to print.
+pub fn validate_name(what: &str, name: &str) -> Result<()> {
+    if name.is_empty() {
+        return Err(Error::Usage(format!("{what} must not be empty")));
+    }
+    if name.len() > 255 {
+        return Err(Error::Usage(format!(
+            "{what} is {} bytes long; AMQP allows at most 255",
+            name.len()
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(Error::Usage(format!(
+            "{what} must not contain control characters"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queue_addresses_are_written_the_masstransit_way() {
+        let broker = Broker::from_url("amqp://guest:guest@127.0.0.1:5672/%2f").expect("valid");
+        assert_eq!(
+            broker.queue_address("parcel-created-carrier"),
+            "rabbitmq://127.0.0.1/parcel-created-carrier"
+        );
+        let broker = Broker::from_url("amqp://127.0.0.1:5673/shop").expect("valid");
+        assert_eq!(
+            broker.queue_address("q"),
+            "rabbitmq://127.0.0.1:5673/shop/q"
+        );
+    }
+
+    #[test]
+    fn names_are_validated() {
+        assert!(validate_name("queue", "parcel-created-carrier").is_ok());
+        assert!(validate_name("queue", "").is_err());
+        assert!(validate_name("queue", &"q".repeat(256)).is_err());
+        assert!(validate_name("queue", "a\u{1b}b").is_err());
+    }
+}

@@ -1,0 +1,115 @@
+//! The command line: global options and the subcommands.
+
+use clap::{Args, Parser, ValueEnum};
+
+use crate::cmd::Command;
+
+/// Loopback defaults that work on a developer machine with PostgreSQL and RabbitMQ installed from packages.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/parceltracker";
+pub const DEFAULT_AMQP_URL: &str = "amqp://127.0.0.1:5672/%2f";
+
+/// The operator's tool for the Inbox pattern on PostgreSQL + RabbitMQ: exactly-once consumers, the inbox schema,
+/// cleanup, replay of dead-lettered messages, and a live view of duplicates and unprocessed rows.
+#[derive(Debug, Parser)]
+#[command(
+    name = "inboxctl",
+    version,
+    propagate_version = true,
+    max_term_width = 110
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalOpts,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct GlobalOpts {
+    #[command(flatten)]
+    pub connect: ConnectOpts,
+
+    /// More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+
+    /// Log line format on stderr
+    #[arg(long, value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+}
+
+/// Where PostgreSQL and RabbitMQ are. A password in either URL is never printed.
+#[derive(Debug, Clone, Args)]
+pub struct ConnectOpts {
+    /// PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        hide_env_values = true,
+        default_value = DEFAULT_DATABASE_URL,
+        global = true
+    )]
+    pub database_url: String,
+
+    /// RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        hide_env_values = true,
+        default_value = DEFAULT_AMQP_URL,
+        global = true
+    )]
+    pub amqp_url: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A duration the humantime way (`90m`, `36h`, `7d`, `250ms`).
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let s = s.trim();
+    if s.starts_with('-') {
+        return Err("a duration cannot be negative".to_owned());
+    }
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{e} (expected e.g. 500ms, 90s, 15m, 36h, 7d)"))
+}
+
+/// A duration that must be longer than zero.
+pub fn parse_positive_duration(s: &str) -> Result<std::time::Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("must be longer than zero".to_owned());
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(
+            parse_duration("7d"),
+            Ok(std::time::Duration::from_secs(7 * 86400))
+        );
+        assert_eq!(
+            parse_duration("90m"),
+            Ok(std::time::Duration::from_secs(5400))
+        );
+        assert!(parse_duration("-5m").is_err());
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_positive_duration("0s").is_err());
+    }
+}

@@ -1,0 +1,200 @@
+//! `inboxctl consume <carrier|notification>`: one Parcel Tracker consumer in the foreground until SIGINT/SIGTERM.
+
+use std::time::Duration;
+
+use sqlx::postgres::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::{self, Broker, topology};
+use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
+use crate::consumer::{self, ConsumerOptions, RunSummary};
+use crate::db::{Database, schema};
+use crate::error::{Error, Outcome, Result};
+use crate::inbox::{ConsumerType, Inbox};
+use crate::parcel::{
+    CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
+    StandInSms,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    /// Reserves a pickup slot with the carrier for each new parcel (queue parcel-created-carrier)
+    Carrier,
+    /// Sends an SMS for each new parcel (queue parcel-created-notification)
+    Notification,
+}
+
+impl Kind {
+    pub fn default_queue(self) -> &'static str {
+        match self {
+            Kind::Carrier => CARRIER_QUEUE,
+            Kind::Notification => NOTIFICATION_QUEUE,
+        }
+    }
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Which consumer
+    #[arg(value_enum)]
+    pub consumer: Kind,
+
+    /// The queue to read (default: parcel-created-carrier or parcel-created-notification)
+    #[arg(long)]
+    pub queue: Option<String>,
+
+    /// The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET
+    /// tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)
+    #[arg(long)]
+    pub consumer_type: Option<String>,
+
+    /// Deliveries the broker may send ahead of acknowledgements
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+
+    /// Messages processed at once
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub concurrency: u16,
+
+    /// Most PostgreSQL connections (default: --concurrency)
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10000))]
+    pub pool_size: Option<u32>,
+
+    /// Attempts of a message whose processing fails, before it moves to <queue>_error
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub max_attempts: u32,
+
+    /// Delay before the second attempt; doubles for each further one, up to 30s
+    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    pub retry_delay: Duration,
+
+    /// How long a copy waits for another process's in-flight attempt at the same message before it backs off
+    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
+    pub claim_timeout: Duration,
+
+    /// End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)
+    #[arg(long, value_parser = parse_positive_duration)]
+    pub exit_when_idle: Option<Duration>,
+
+    /// After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub shutdown_timeout: Duration,
+
+    /// Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that
+    /// is down: shows retries and the error queue
+    #[arg(long, value_name = "DESTINATION")]
+    pub fail_destination: Option<String>,
+}
+
+impl Args {
+    /// The arguments `consume <kind>` would have with every default.
+    pub fn defaults(consumer: Kind) -> Self {
+        Self {
+            consumer,
+            queue: None,
+            consumer_type: None,
+            prefetch: 64,
+            concurrency: 16,
+            pool_size: None,
+            max_attempts: 5,
+            retry_delay: Duration::from_millis(200),
+            claim_timeout: Duration::from_secs(30),
+            exit_when_idle: None,
+            shutdown_timeout: Duration::from_secs(30),
+            fail_destination: None,
+        }
+    }
+
+    pub fn queue(&self) -> &str {
+        self.queue
+            .as_deref()
+            .unwrap_or(self.consumer.default_queue())
+    }
+}
+
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    let db = Database::from_url(&global.connect.database_url)?;
+    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    run_consumer(&args, &db, &broker, shutdown).await?;
+    Ok(Outcome::Done)
+}
+
+/// Validates `args`, checks the schema, and runs the consumer until it stops.
+pub async fn run_consumer(
+    args: &Args,
+    db: &Database,
+    broker: &Broker,
+    shutdown: CancellationToken,
+) -> Result<RunSummary> {
+    let queue = args.queue().to_owned();
+    amqp::validate_name("--queue", &queue)?;
+    let consumer_type =
+        ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
+            .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
+
+    let pool_size = args.pool_size.unwrap_or(u32::from(args.concurrency));
+    let pool = db
+        .with_lock_timeout(args.claim_timeout)
+        .pool(pool_size)
+        .await?;
+    check_schema(&pool, db).await?;
+
+    let options = ConsumerOptions {
+        queue,
+        event_exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
+        prefetch: args.prefetch,
+        concurrency: usize::from(args.concurrency),
+        max_attempts: args.max_attempts,
+        retry_delay: args.retry_delay,
+        exit_when_idle: args.exit_when_idle,
+        shutdown_timeout: args.shutdown_timeout,
+    };
+    let inbox = Inbox::new(pool.clone(), consumer_type);
+    let fail_destination = args.fail_destination.clone();
+    let summary = match args.consumer {
+        Kind::Carrier => {
+            let carrier = StandInCarrier { fail_destination };
+            consumer::run(
+                inbox,
+                CarrierConsumer { carrier },
+                broker,
+                options,
+                shutdown,
+            )
+            .await
+        }
+        Kind::Notification => {
+            let gateway = StandInSms { fail_destination };
+            consumer::run(
+                inbox,
+                NotificationConsumer { gateway },
+                broker,
+                options,
+                shutdown,
+            )
+            .await
+        }
+    };
+    pool.close().await;
+    summary
+}
+
+/// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
+async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
+    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
+    for table in ["inbox_messages", "inboxctl_events", "inboxctl_consumers"] {
+        if !schema::table_exists(&mut conn, table).await? {
+            return Err(Error::SchemaMissing {
+                database: db.name(),
+            });
+        }
+    }
+    let differences = schema::inbox_differences(&mut conn).await?;
+    if !differences.is_empty() {
+        return Err(Error::SchemaIncompatible {
+            database: db.name(),
+            differences,
+        });
+    }
+    Ok(())
+}

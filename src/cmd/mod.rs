@@ -1,0 +1,37 @@
+//! One file per subcommand, each with its `Args` and one `run`.
+
+pub mod consume;
+pub mod demo;
+pub mod migrate;
+pub mod publish;
+
+use clap::Subcommand;
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::GlobalOpts;
+use crate::error::{Outcome, Result};
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)
+    Migrate(migrate::Args),
+    /// Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)
+    Consume(consume::Args),
+    /// Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)
+    Publish(publish::Args),
+    /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
+    Demo(demo::Args),
+}
+
+pub async fn run(
+    command: Command,
+    global: &GlobalOpts,
+    shutdown: CancellationToken,
+) -> Result<Outcome> {
+    match command {
+        Command::Migrate(args) => migrate::run(args, global).await,
+        Command::Consume(args) => consume::run(args, global, shutdown).await,
+        Command::Publish(args) => publish::run(args, global).await,
+        Command::Demo(args) => demo::run(args, global, shutdown).await,
+    }
+}

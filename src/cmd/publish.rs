@@ -1,0 +1,105 @@
+//! `inboxctl publish parcel-created`: the Parcel Tracker's producer, as MassTransit 8 would publish.
+
+use crate::amqp::{Broker, topology};
+use crate::cli::GlobalOpts;
+use crate::error::{Error, Outcome, Result};
+use crate::output;
+use crate::producer::{self, Plan};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub event: Event,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Event {
+    /// ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel
+    ParcelCreated(ParcelCreated),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ParcelCreated {
+    /// How many parcels
+    #[arg(long, default_value_t = 1)]
+    pub count: u64,
+
+    /// Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
+    pub duplicates: f64,
+
+    /// Messages per second, copies included (default: as fast as the broker confirms)
+    #[arg(long, value_parser = parse_rate)]
+    pub rate: Option<f64>,
+
+    /// Every parcel's destination (default: a rotation of cities)
+    #[arg(long)]
+    pub destination: Option<String>,
+
+    /// The exchange to publish to
+    #[arg(long, default_value = topology::PARCEL_CREATED_EXCHANGE)]
+    pub exchange: String,
+
+    /// Print the result as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !(0.0..=1.0).contains(&f) {
+        return Err("must be between 0 and 1".to_owned());
+    }
+    Ok(f)
+}
+
+fn parse_rate(s: &str) -> Result<f64, String> {
+    let r: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !(r.is_finite() && r > 0.0) {
+        return Err("must be a positive number of messages per second".to_owned());
+    }
+    Ok(r)
+}
+
+pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+    let Event::ParcelCreated(args) = args.event;
+    crate::amqp::validate_name("--exchange", &args.exchange)?;
+    if let Some(d) = &args.destination
+        && d.chars().any(char::is_control)
+    {
+        return Err(Error::Usage(
+            "--destination must not contain control characters".to_owned(),
+        ));
+    }
+    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    let connection = broker.connect("inboxctl publish").await?;
+    topology::ensure_event_exchange(&connection, &args.exchange).await?;
+    let plan = Plan {
+        count: args.count,
+        duplicates: args.duplicates,
+        rate: args.rate,
+        destination: args.destination,
+    };
+    let report = producer::publish(&connection, &broker, &args.exchange, &plan).await?;
+    let _ = connection.close(200, "OK".into()).await;
+
+    if args.json {
+        output::json(&report)?;
+    } else {
+        output::line(&format!(
+            "published {} parcel-created events ({} copies again with the same message id) to exchange {} on vhost {}",
+            report.published,
+            report.duplicates,
+            report.exchange,
+            broker.vhost()
+        ))?;
+    }
+    if report.unroutable > 0 {
+        tracing::warn!(
+            unroutable = report.unroutable,
+            "no queue is bound to the exchange, so these messages were dropped; start a consumer once to create its queue"
+        );
+        return Ok(Outcome::Partial);
+    }
+    Ok(Outcome::Done)
+}

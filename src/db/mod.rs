@@ -1,0 +1,192 @@
+//! PostgreSQL: connecting, telling an outage from a real error, and the schema.
+
+pub mod schema;
+pub mod sql;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::ConnectOptions as _;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
+
+use crate::error::{Error, Result};
+use crate::redact;
+
+/// How long a caller waits for a pooled connection before the wait counts as an outage.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Connection settings parsed from a `postgres://` URL, with inboxctl's own additions.
+#[derive(Clone, Debug)]
+pub struct Database {
+    options: PgConnectOptions,
+    url: String,
+}
+
+impl Database {
+    /// Parses a database URL. The URL's password is registered for redaction before anything can print it.
+    pub fn from_url(url: &str) -> Result<Self> {
+        redact::register_url(url);
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|e| {
+                Error::Usage(format!(
+                    "invalid --database-url {}: {}",
+                    redact::url(url),
+                    redact::text(&e.to_string())
+                ))
+            })?
+            .application_name("inboxctl");
+        Ok(Self {
+            options,
+            url: url.to_owned(),
+        })
+    }
+
+    /// The URL with its password masked, for messages.
+    pub fn display_url(&self) -> String {
+        redact::url(&self.url)
+    }
+
+    /// The database name the URL names (PostgreSQL's default is the user's name).
+    pub fn name(&self) -> String {
+        self.options
+            .get_database()
+            .map(str::to_owned)
+            .unwrap_or_else(|| self.options.get_username().to_owned())
+    }
+
+    pub fn options(&self) -> &PgConnectOptions {
+        &self.options
+    }
+
+    /// The same server and credentials, another database.
+    pub fn with_database(&self, name: &str) -> Self {
+        Self {
+            options: self.options.clone().database(name),
+            url: self.url.clone(),
+        }
+    }
+
+    /// Bounds how long any statement waits for a row lock; a claim that waits longer gives up and is retried later.
+    pub fn with_lock_timeout(&self, timeout: Duration) -> Self {
+        let millis = timeout.as_millis().max(1).to_string();
+        Self {
+            options: self
+                .options
+                .clone()
+                .options([("lock_timeout", millis.as_str())]),
+            url: self.url.clone(),
+        }
+    }
+
+    /// One connection, now. Fails with [`Error::DatabaseUnavailable`] when the server cannot be reached.
+    pub async fn connect(&self) -> Result<PgConnection> {
+        self.options
+            .connect()
+            .await
+            .map_err(|e| self.unavailable(e))
+    }
+
+    /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
+    /// reported at start rather than at the first message.
+    pub async fn pool(&self, size: u32) -> Result<PgPool> {
+        PgPoolOptions::new()
+            .max_connections(size.max(1))
+            .min_connections(0)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(self.options.clone())
+            .await
+            .map_err(|e| self.unavailable(e))
+    }
+
+    pub(crate) fn unavailable(&self, source: sqlx::Error) -> Error {
+        if is_transient(&source) || matches!(&source, sqlx::Error::Database(_)) {
+            Error::DatabaseUnavailable {
+                url: self.display_url(),
+                source,
+            }
+        } else {
+            Error::Database(source)
+        }
+    }
+}
+
+/// Whether an error is the infrastructure's (the server gone, the connection lost, the pool empty, a deadlock or a
+/// serialization failure, a lock wait timed out, the database read-only) rather than the statement's. Such an error
+/// never counts against a message: the work is retried, however long it takes.
+pub fn is_transient(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::BeginFailed => true,
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| is_transient_sqlstate(&code)),
+        _ => false,
+    }
+}
+
+/// SQLSTATEs that describe the server or the moment, not the statement.
+fn is_transient_sqlstate(code: &str) -> bool {
+    code.starts_with("08") // connection exception
+        || code.starts_with("53") // insufficient resources (too many connections, disk full, out of memory)
+        || code.starts_with("57P") // admin shutdown, crash shutdown, cannot connect now
+        || matches!(
+            code,
+            "40001" // serialization failure
+                | "40P01" // deadlock detected
+                | "55P03" // lock not available (lock_timeout)
+                | "25006" // read-only transaction (a replica, or default_transaction_read_only)
+                | "3D000" // database does not exist (dropped under us)
+                | "28000" // invalid authorization (the role lost its login)
+                | "28P01" // invalid password
+        )
+}
+
+/// The SQLSTATE of a database error, if it is one.
+pub fn sqlstate(error: &sqlx::Error) -> Option<String> {
+    match error {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outages_are_transient_and_statement_errors_are_not() {
+        assert!(is_transient(&sqlx::Error::PoolTimedOut));
+        assert!(is_transient(&sqlx::Error::Io(std::io::Error::from(
+            std::io::ErrorKind::ConnectionReset
+        ))));
+        assert!(!is_transient(&sqlx::Error::RowNotFound));
+        for code in [
+            "08006", "57P01", "53300", "40001", "40P01", "55P03", "25006",
+        ] {
+            assert!(is_transient_sqlstate(code), "{code}");
+        }
+        for code in ["23505", "22P02", "42703", "23502"] {
+            assert!(!is_transient_sqlstate(code), "{code}");
+        }
+    }
+
+    #[test]
+    fn the_database_name_comes_from_the_url() {
+        let db = Database::from_url("postgres://postgres@127.0.0.1:5432/parceltracker")
+            .expect("valid url");
+        assert_eq!(db.name(), "parceltracker");
+        assert_eq!(db.with_database("postgres").name(), "postgres");
+    }
+
+    #[test]
+    fn a_bad_url_is_a_usage_error_without_the_password() {
+        let err =
+            Database::from_url("postgres://u:topsecretpw@host:notaport/db").expect_err("invalid");
+        let text = err.to_string();
+        assert!(matches!(err, Error::Usage(_)), "{text}");
+        assert!(!text.contains("topsecretpw"), "{text}");
+    }
+}

@@ -1,0 +1,335 @@
+//! The schema: applying inboxctl's migrations, and checking an `inbox_messages` table someone else created.
+
+use std::collections::HashSet;
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::PgConnection;
+use sqlx::{AssertSqlSafe, Connection as _};
+
+use super::{Database, sql};
+use crate::error::{Error, Result};
+
+/// The table that records inboxctl's applied migrations; its own, so that a service's sqlx migrations in the same
+/// database are never confused with ours.
+pub const MIGRATIONS_TABLE: &str = "inboxctl_migrations";
+
+/// Key of the advisory lock that serialises `migrate` runs on one database.
+const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
+
+/// The migrations in `migrations/`, embedded in the binary.
+pub fn migrator() -> Migrator {
+    let mut migrator = sqlx::migrate!();
+    migrator.dangerous_set_table_name(MIGRATIONS_TABLE);
+    // `migrate` takes its own lock around the compatibility check and the run together.
+    migrator.set_locking(false);
+    migrator
+}
+
+/// One migration, as reported to the user.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MigrationInfo {
+    pub version: i64,
+    pub description: String,
+    /// Runs outside a transaction (e.g. `CREATE INDEX CONCURRENTLY`).
+    pub no_transaction: bool,
+    #[serde(skip)]
+    pub sql: String,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MigrateReport {
+    pub database: String,
+    /// The database did not exist and was created (or, with `dry_run`, would be).
+    pub database_created: bool,
+    /// An `inbox_messages` table that inboxctl did not create was found compatible and kept as it is.
+    pub adopted_existing_inbox: bool,
+    /// Applied by this run (or, with `dry_run`, pending).
+    pub migrations: Vec<MigrationInfo>,
+    pub dry_run: bool,
+}
+
+/// Creates the database if needed and applies the pending migrations; with `dry_run`, reports what that would do and
+/// changes nothing. An incompatible `inbox_messages` stops it before anything is changed.
+pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
+    let database = db.name();
+    let exists = database_exists(db, &database).await?;
+    let migrator = migrator();
+
+    if !exists && dry_run {
+        return Ok(MigrateReport {
+            database,
+            database_created: true,
+            adopted_existing_inbox: false,
+            migrations: migrator.iter().map(info).collect(),
+            dry_run,
+        });
+    }
+    let created = !exists && create_database(db, &database).await?;
+
+    let mut conn = db.connect().await?;
+    sqlx::query(sql::MIGRATE_LOCK)
+        .bind(MIGRATE_LOCK_KEY)
+        .execute(&mut conn)
+        .await?;
+    let result = migrate_locked(&mut conn, &migrator, &database, dry_run).await;
+    // The lock is released with the connection too; unlocking explicitly just frees it sooner.
+    let _ = sqlx::query(sql::MIGRATE_UNLOCK)
+        .bind(MIGRATE_LOCK_KEY)
+        .execute(&mut conn)
+        .await;
+    let _ = conn.close().await;
+    let mut report = result?;
+    report.database_created = created;
+    Ok(report)
+}
+
+async fn migrate_locked(
+    conn: &mut PgConnection,
+    migrator: &Migrator,
+    database: &str,
+    dry_run: bool,
+) -> Result<MigrateReport> {
+    let applied = applied_versions(conn).await?;
+    let inbox_exists = table_exists(conn, "inbox_messages").await?;
+    let adopted_existing_inbox = inbox_exists && !applied.contains(&first_version(migrator));
+    if inbox_exists {
+        let differences = inbox_differences(conn).await?;
+        if !differences.is_empty() {
+            return Err(Error::SchemaIncompatible {
+                database: database.to_owned(),
+                differences,
+            });
+        }
+    }
+
+    let pending: Vec<MigrationInfo> = migrator
+        .iter()
+        .filter(|m| !applied.contains(&m.version))
+        .map(info)
+        .collect();
+    if !dry_run && !pending.is_empty() {
+        migrator.run_direct(None, conn, false).await?;
+    }
+    Ok(MigrateReport {
+        database: database.to_owned(),
+        database_created: false,
+        adopted_existing_inbox,
+        migrations: pending,
+        dry_run,
+    })
+}
+
+fn first_version(migrator: &Migrator) -> i64 {
+    migrator.iter().map(|m| m.version).min().unwrap_or_default()
+}
+
+fn info(m: &sqlx::migrate::Migration) -> MigrationInfo {
+    MigrationInfo {
+        version: m.version,
+        description: m.description.to_string(),
+        no_transaction: m.no_tx,
+        sql: m.sql.as_str().to_owned(),
+    }
+}
+
+async fn applied_versions(conn: &mut PgConnection) -> Result<HashSet<i64>> {
+    if !table_exists(conn, MIGRATIONS_TABLE).await? {
+        return Ok(HashSet::new());
+    }
+    let versions: Vec<i64> = sqlx::query_scalar(sql::APPLIED_MIGRATIONS)
+        .fetch_all(&mut *conn)
+        .await?;
+    Ok(versions.into_iter().collect())
+}
+
+pub async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool> {
+    Ok(sqlx::query_scalar(sql::TABLE_EXISTS)
+        .bind(name)
+        .fetch_one(&mut *conn)
+        .await?)
+}
+
+async fn database_exists(db: &Database, name: &str) -> Result<bool> {
+    match db.connect().await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            Ok(true)
+        }
+        Err(Error::DatabaseUnavailable { source, .. })
+            if super::sqlstate(&source).as_deref() == Some("3D000") =>
+        {
+            let mut admin = maintenance_connection(db).await?;
+            let exists = sqlx::query_scalar(sql::DATABASE_EXISTS)
+                .bind(name)
+                .fetch_one(&mut admin)
+                .await?;
+            let _ = admin.close().await;
+            Ok(exists)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Creates the database; `false` when another `migrate` created it first.
+async fn create_database(db: &Database, name: &str) -> Result<bool> {
+    let mut admin = maintenance_connection(db).await?;
+    let created = sqlx::query(AssertSqlSafe(sql::create_database(name)))
+        .execute(&mut admin)
+        .await;
+    let _ = admin.close().await;
+    match created {
+        Ok(_) => {
+            tracing::debug!(database = name, "created database");
+            Ok(true)
+        }
+        // Another `migrate` created it first: what we wanted.
+        Err(e) if matches!(super::sqlstate(&e).as_deref(), Some("42P04" | "23505")) => Ok(false),
+        Err(e) => Err(Error::Database(e)),
+    }
+}
+
+/// A connection to the server's `postgres` database (or `template1`), to create the target database from.
+async fn maintenance_connection(db: &Database) -> Result<PgConnection> {
+    match db.with_database("postgres").connect().await {
+        Ok(conn) => Ok(conn),
+        Err(first) => db
+            .with_database("template1")
+            .connect()
+            .await
+            .map_err(|_| first),
+    }
+}
+
+/// What an existing `inbox_messages` has that inboxctl cannot work with. Empty means compatible: the four columns
+/// with their types, the key on (id, consumer_type) under any name, and no extra column the claim would have to fill.
+pub async fn inbox_differences(conn: &mut PgConnection) -> Result<Vec<String>> {
+    let columns: Vec<(String, String, bool, bool)> = sqlx::query_as(sql::INBOX_COLUMNS)
+        .fetch_all(&mut *conn)
+        .await?;
+    let key: Option<(String, Vec<String>)> = sqlx::query_as(sql::INBOX_PRIMARY_KEY)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(compare_inbox(&columns, key.as_ref()))
+}
+
+const EXPECTED_COLUMNS: [(&str, &str); 4] = [
+    ("id", "uuid"),
+    ("consumer_type", "character varying(500)"),
+    ("received_at", "timestamp with time zone"),
+    ("processed_at", "timestamp with time zone"),
+];
+
+fn compare_inbox(
+    columns: &[(String, String, bool, bool)],
+    key: Option<&(String, Vec<String>)>,
+) -> Vec<String> {
+    let mut differences = Vec::new();
+    for (name, expected) in EXPECTED_COLUMNS {
+        match columns.iter().find(|c| c.0 == name) {
+            None => differences.push(format!("column {name} is missing (expected {expected})")),
+            Some((_, actual, ..)) if actual != expected => {
+                differences.push(format!("column {name} is {actual}, expected {expected}"))
+            }
+            Some(_) => {}
+        }
+    }
+    for (name, type_name, not_null, has_default) in columns {
+        let ours = EXPECTED_COLUMNS.iter().any(|(n, _)| n == name);
+        if !ours && *not_null && !has_default {
+            differences.push(format!(
+                "column {name} ({type_name}) is NOT NULL without a default, so inboxctl's claim could not insert a row"
+            ));
+        }
+    }
+    match key {
+        None => differences
+            .push("there is no primary key; expected one on (id, consumer_type)".to_owned()),
+        Some((name, key_columns)) => {
+            let mut sorted = key_columns.clone();
+            sorted.sort();
+            if sorted != ["consumer_type", "id"] {
+                differences.push(format!(
+                    "primary key {name} is on ({}), expected (id, consumer_type)",
+                    key_columns.join(", ")
+                ));
+            }
+        }
+    }
+    differences
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn col(name: &str, type_name: &str) -> (String, String, bool, bool) {
+        (name.to_owned(), type_name.to_owned(), true, false)
+    }
+
+    fn seed_columns() -> Vec<(String, String, bool, bool)> {
+        EXPECTED_COLUMNS.iter().map(|(n, t)| col(n, t)).collect()
+    }
+
+    fn key(name: &str, cols: &[&str]) -> (String, Vec<String>) {
+        (
+            name.to_owned(),
+            cols.iter().map(|c| (*c).to_owned()).collect(),
+        )
+    }
+
+    #[test]
+    fn both_key_names_are_the_same_schema() {
+        for name in ["pk_inbox_messages", "PK_inbox_messages"] {
+            assert!(
+                compare_inbox(&seed_columns(), Some(&key(name, &["id", "consumer_type"])))
+                    .is_empty()
+            );
+        }
+    }
+
+    #[test]
+    fn extra_nullable_or_defaulted_columns_are_fine() {
+        let mut columns = seed_columns();
+        columns.push(("note".into(), "text".into(), false, false));
+        columns.push(("tenant".into(), "text".into(), true, true));
+        assert!(compare_inbox(&columns, Some(&key("pk", &["id", "consumer_type"]))).is_empty());
+    }
+
+    #[test]
+    fn each_difference_is_named() {
+        let columns = vec![
+            col("id", "uuid"),
+            col("consumer_type", "character varying(200)"),
+            col("received_at", "timestamp without time zone"),
+            col("tenant", "text"),
+        ];
+        let found = compare_inbox(&columns, Some(&key("pk", &["id"])));
+        assert_eq!(found.len(), 5, "{found:#?}");
+        assert!(found[0].contains("consumer_type is character varying(200)"));
+        assert!(found[1].contains("received_at is timestamp without time zone"));
+        assert!(found[2].contains("processed_at is missing"));
+        assert!(found[3].contains("tenant"));
+        assert!(found[4].contains("primary key pk is on (id)"));
+    }
+
+    #[test]
+    fn no_primary_key_is_a_difference() {
+        let found = compare_inbox(&seed_columns(), None);
+        assert_eq!(
+            found,
+            vec!["there is no primary key; expected one on (id, consumer_type)"]
+        );
+    }
+
+    #[test]
+    fn the_embedded_migrations_are_ordered_and_named() {
+        let m = migrator();
+        let versions: Vec<i64> = m.iter().map(|m| m.version).collect();
+        assert!(versions.windows(2).all(|w| w[0] < w[1]));
+        assert!(m.iter().next().is_some_and(|m| {
+            m.sql
+                .as_str()
+                .contains("CREATE TABLE IF NOT EXISTS inbox_messages")
+        }));
+    }
+}

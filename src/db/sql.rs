@@ -1,0 +1,111 @@
+//! Every SQL statement inboxctl sends, in one place. All of them take their values as parameters.
+
+/// The claim (traps 2 and 5). Inserts the inbox row — with `processed_at` already set, because nobody sees the row
+/// before it commits, and it commits only together with the consumer's effects — or, if the key is taken by a
+/// committed row, records the discarded duplicate instead. A copy whose key is held by an uncommitted attempt waits
+/// here for that attempt's outcome: it claims the key if the attempt rolls back, and is a duplicate if it commits.
+///
+/// Returns whether the key was claimed. `$1` message id, `$2` consumer_type.
+pub const CLAIM: &str = "\
+WITH claim AS (
+    INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+    VALUES ($1, $2, now(), now())
+    ON CONFLICT (id, consumer_type) DO NOTHING
+    RETURNING 1
+), duplicate AS (
+    INSERT INTO inboxctl_events (consumer_type, kind, message_id)
+    SELECT $2, 'duplicate', $1
+    WHERE NOT EXISTS (SELECT 1 FROM claim)
+)
+SELECT EXISTS (SELECT 1 FROM claim)";
+
+/// Records one event of a consumer (`failed`, `dead_lettered`, `skipped`) in a statement of its own.
+/// `$1` consumer_type, `$2` kind, `$3` message id (null when the message had none), `$4` detail.
+pub const RECORD_EVENT: &str = "\
+INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1, $2, $3, $4)";
+
+/// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters and
+/// which queue each reads. `$1` consumer_type, `$2` queue.
+pub const REGISTER_CONSUMER: &str = "\
+INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
+VALUES ($1, $2, now(), now())
+ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, last_seen_at = now()";
+
+/// The carrier stand-in's booking. `$1` parcel id, `$2` slot id, `$3` pickup time, `$4` message id,
+/// `$5` idempotency key.
+pub const INSERT_CARRIER_RESERVATION: &str = "\
+INSERT INTO carrier_reservations (parcel_id, slot_id, pickup_at, message_id, idempotency_key)
+VALUES ($1, $2, $3, $4, $5)";
+
+/// The SMS stand-in's record. `$1` parcel id, `$2` tracking number, `$3` text, `$4` message id, `$5` idempotency key.
+pub const INSERT_NOTIFICATION_SENT: &str = "\
+INSERT INTO notifications_sent (parcel_id, tracking_number, body, message_id, idempotency_key)
+VALUES ($1, $2, $3, $4, $5)";
+
+/// Whether a relation is visible on the search path. `$1` name.
+pub const TABLE_EXISTS: &str = "SELECT to_regclass($1) IS NOT NULL";
+
+/// The columns of `inbox_messages`: name, SQL type, NOT NULL, has a default.
+pub const INBOX_COLUMNS: &str = "\
+SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass('inbox_messages') AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum";
+
+/// The primary key of `inbox_messages`: its name and its columns in key order.
+pub const INBOX_PRIMARY_KEY: &str = "\
+SELECT c.conname::text, array_agg(a.attname::text ORDER BY k.ord)
+FROM pg_constraint c
+CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
+WHERE c.conrelid = to_regclass('inbox_messages') AND c.contype = 'p'
+GROUP BY c.conname";
+
+/// The versions recorded as applied by inboxctl's migrations.
+pub const APPLIED_MIGRATIONS: &str =
+    "SELECT version FROM inboxctl_migrations WHERE success ORDER BY version";
+
+/// Serialises `migrate` runs against one database: one applies, the others wait and then find nothing to do.
+pub const MIGRATE_LOCK: &str = "SELECT pg_advisory_lock($1)";
+pub const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+
+/// Whether a database exists. `$1` name.
+pub const DATABASE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)";
+
+/// The PostgreSQL server version, as the server reports it.
+pub const SERVER_VERSION: &str = "SELECT current_setting('server_version')";
+
+/// Rows each consumer wrote for a set of parcels (the demo's tally). `$1` parcel ids.
+pub const COUNT_CARRIER_RESERVATIONS_FOR: &str =
+    "SELECT count(*) FROM carrier_reservations WHERE parcel_id = ANY($1)";
+pub const COUNT_NOTIFICATIONS_SENT_FOR: &str =
+    "SELECT count(*) FROM notifications_sent WHERE parcel_id = ANY($1)";
+
+/// Duplicates discarded for a set of message ids. `$1` message ids.
+pub const COUNT_DUPLICATES_FOR: &str =
+    "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = ANY($1)";
+
+/// `CREATE DATABASE` cannot take its name as a parameter; the name is quoted as an identifier instead.
+pub fn create_database(name: &str) -> String {
+    format!("CREATE DATABASE {}", quote_ident(name))
+}
+
+/// An identifier quoted for PostgreSQL: wrapped in double quotes, inner double quotes doubled.
+pub fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_quoted() {
+        assert_eq!(quote_ident("parceltracker"), "\"parceltracker\"");
+        assert_eq!(
+            quote_ident("a\"; DROP TABLE x; --"),
+            "\"a\"\"; DROP TABLE x; --\""
+        );
+        assert_eq!(create_database("My DB"), "CREATE DATABASE \"My DB\"");
+    }
+}

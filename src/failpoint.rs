@@ -1,0 +1,74 @@
+//! Crash points for the tests. Compiled in only with the `failpoints` feature; without it every call is a no-op the
+//! optimiser removes.
+//!
+//! Armed by `INBOXCTL_FAILPOINTS`, a comma-separated list of `name[=action][@label]`:
+//! - `pause` (the default): print `failpoint <name> reached` to stderr and wait forever, so a test that sees the line
+//!   knows the point was reached and can kill the process there with SIGKILL;
+//! - `panic`: panic at the point;
+//! - `abort`: abort the process at the point.
+//!
+//! With `@label`, the point fires only where the caller passes that label (e.g. a parcel's destination).
+
+/// Fires the failpoint `name` if it is armed.
+pub async fn hit(name: &str) {
+    hit_with(name, "").await;
+}
+
+/// Fires the failpoint `name` if it is armed for `label` (or for every label).
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+pub async fn hit_with(name: &str, label: &str) {
+    #[cfg(feature = "failpoints")]
+    armed::hit(name, label).await;
+}
+
+#[cfg(feature = "failpoints")]
+mod armed {
+    use std::io::Write;
+    use std::sync::OnceLock;
+
+    struct Point {
+        name: String,
+        action: String,
+        label: Option<String>,
+    }
+
+    fn points() -> &'static [Point] {
+        static POINTS: OnceLock<Vec<Point>> = OnceLock::new();
+        POINTS.get_or_init(|| {
+            std::env::var("INBOXCTL_FAILPOINTS")
+                .unwrap_or_default()
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|spec| {
+                    let (spec, label) = match spec.split_once('@') {
+                        Some((s, l)) => (s, Some(l.to_owned())),
+                        None => (spec, None),
+                    };
+                    let (name, action) = spec.split_once('=').unwrap_or((spec, "pause"));
+                    Point {
+                        name: name.trim().to_owned(),
+                        action: action.trim().to_owned(),
+                        label,
+                    }
+                })
+                .collect()
+        })
+    }
+
+    pub async fn hit(name: &str, label: &str) {
+        let Some(point) = points()
+            .iter()
+            .find(|p| p.name == name && p.label.as_deref().is_none_or(|l| l == label))
+        else {
+            return;
+        };
+        let mut stderr = std::io::stderr();
+        let _ = writeln!(stderr, "failpoint {name} reached");
+        let _ = stderr.flush();
+        match point.action.as_str() {
+            "panic" => panic!("failpoint {name}"),
+            "abort" => std::process::abort(),
+            _ => std::future::pending::<()>().await,
+        }
+    }
+}

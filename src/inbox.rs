@@ -1,0 +1,213 @@
+//! The claim protocol: at-least-once deliveries in, exactly-once database effects out.
+//!
+//! For each delivery of a message, [`Inbox::process`] runs one PostgreSQL transaction on one connection:
+//!
+//! 1. `BEGIN`.
+//! 2. Claim `(message id, consumer_type)`: insert the inbox row with `ON CONFLICT DO NOTHING` ([`sql::CLAIM`]). The
+//!    claim comes first, before any work (trap 2: check-then-insert lets two first deliveries both work). If another
+//!    delivery of the same message holds the key in a transaction that has not ended, PostgreSQL makes this insert
+//!    wait for it: if that transaction commits, this delivery is a duplicate; if it rolls back, this delivery takes
+//!    the key and does the work (trap 5: a copy is dropped only after a committed claim).
+//! 3. A duplicate is recorded (in the same statement) and committed; nothing else happens.
+//! 4. Otherwise the caller's work runs on the same transaction (trap 1), and `processed_at` is already set by the
+//!    claim — nobody can see the row before it commits, and it commits only with the work (trap 3).
+//! 5. `COMMIT`: one transaction per message (trap 6). Any failure before it rolls everything back, claim included,
+//!    so a failed attempt leaves no trace and the message can be processed again.
+//!
+//! The caller acknowledges the delivery only after `process` returned: a crash between the commit and the ack makes
+//! the broker deliver the message again, and that delivery is then a duplicate.
+
+use futures_util::future::BoxFuture;
+use sqlx::postgres::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::db::{is_transient, sql};
+use crate::failpoint;
+
+/// The longest consumer_type the seed schema stores (`VARCHAR(500)`).
+pub const MAX_CONSUMER_TYPE_CHARS: usize = 500;
+
+/// The scope of deduplication: one per consumer. Explicit and stable (trap 4), at most 500 characters.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ConsumerType(String);
+
+impl ConsumerType {
+    pub fn new(name: impl Into<String>) -> Result<Self, String> {
+        let name = name.into();
+        let chars = name.chars().count();
+        if chars == 0 {
+            return Err("consumer_type must not be empty".to_owned());
+        }
+        if chars > MAX_CONSUMER_TYPE_CHARS {
+            return Err(format!(
+                "consumer_type is {chars} characters long; inbox_messages.consumer_type holds at most {MAX_CONSUMER_TYPE_CHARS}"
+            ));
+        }
+        if name.chars().any(char::is_control) {
+            return Err("consumer_type must not contain control characters".to_owned());
+        }
+        Ok(Self(name))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The idempotency key a call to the outside world made for `message_id` carries: the same on every delivery of
+    /// the message to this consumer, different for another consumer of the same message.
+    pub fn idempotency_key(&self, message_id: Uuid) -> Uuid {
+        const NAMESPACE: Uuid = Uuid::from_u128(0x6a1d_5f0e_2b7c_4c1a_9a55_1b0c_2d3e_4f50);
+        let mut name = Vec::with_capacity(self.0.len() + 17);
+        name.extend_from_slice(self.0.as_bytes());
+        name.push(0);
+        name.extend_from_slice(message_id.as_bytes());
+        Uuid::new_v5(&NAMESPACE, &name)
+    }
+}
+
+impl std::fmt::Display for ConsumerType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What became of one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome<T> {
+    /// The key was claimed, the work ran and committed with the inbox row.
+    Processed(T),
+    /// A committed claim already had the key: nothing ran; the discard is counted.
+    Duplicate,
+}
+
+/// Why the consumer's work failed.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkError {
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error("{0}")]
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl WorkError {
+    pub fn msg(message: impl Into<String>) -> Self {
+        WorkError::Failed(message.into().into())
+    }
+}
+
+/// Why [`Inbox::process`] committed nothing. Either way the message is still owed an attempt.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// PostgreSQL could not be used (unreachable, restarting, out of connections, a deadlock, a lock wait that timed
+    /// out). Not the message's fault: retry it, without counting the attempt.
+    #[error("PostgreSQL unavailable: {0}")]
+    Unavailable(#[source] sqlx::Error),
+    /// The consumer's own work failed. Counts as a failed attempt of the message.
+    #[error("{0}")]
+    Failed(#[source] WorkError),
+}
+
+/// The claim protocol for one consumer_type, on a pool of connections. A Rust service can embed it as it is; the
+/// carrier and notification consumers use nothing else.
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    pool: PgPool,
+    consumer_type: ConsumerType,
+}
+
+impl Inbox {
+    pub fn new(pool: PgPool, consumer_type: ConsumerType) -> Self {
+        Self {
+            pool,
+            consumer_type,
+        }
+    }
+
+    pub fn consumer_type(&self) -> &ConsumerType {
+        &self.consumer_type
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Runs `work` exactly once per `message_id` for this consumer_type, however often it is called with that id;
+    /// see the module documentation for the protocol.
+    pub async fn process<T, F>(&self, message_id: Uuid, work: F) -> Result<Outcome<T>, ProcessError>
+    where
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
+        T: Send,
+    {
+        let mut tx = self.pool.begin().await.map_err(ProcessError::Unavailable)?;
+
+        // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
+        let claimed: bool = sqlx::query_scalar(sql::CLAIM)
+            .bind(message_id)
+            .bind(self.consumer_type.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(ProcessError::Unavailable)?;
+
+        if !claimed {
+            tx.commit().await.map_err(ProcessError::Unavailable)?;
+            return Ok(Outcome::Duplicate);
+        }
+
+        let output = match work(&mut tx).await {
+            Ok(output) => output,
+            Err(error) => {
+                // Roll back now rather than when the connection is next used, so a copy waiting on this key
+                // proceeds at once.
+                let _ = tx.rollback().await;
+                return Err(match error {
+                    WorkError::Database(e) if is_transient(&e) => ProcessError::Unavailable(e),
+                    other => ProcessError::Failed(other),
+                });
+            }
+        };
+
+        failpoint::hit("before-commit").await;
+        tx.commit().await.map_err(|e| {
+            if is_transient(&e) {
+                ProcessError::Unavailable(e)
+            } else {
+                ProcessError::Failed(WorkError::Database(e))
+            }
+        })?;
+        Ok(Outcome::Processed(output))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn consumer_type_limits() {
+        assert!(ConsumerType::new("parcel-created-carrier").is_ok());
+        assert!(
+            ConsumerType::new("é".repeat(500)).is_ok(),
+            "500 characters, not bytes"
+        );
+        let err = ConsumerType::new("x".repeat(501)).expect_err("too long");
+        assert!(err.contains("501 characters"), "{err}");
+        assert!(ConsumerType::new("").is_err());
+        assert!(ConsumerType::new("a\u{1b}[2Jb").is_err());
+    }
+
+    #[test]
+    fn idempotency_keys_are_stable_per_message_and_consumer() {
+        let carrier = ConsumerType::new("parcel-created-carrier").expect("valid");
+        let notification = ConsumerType::new("parcel-created-notification").expect("valid");
+        let id = Uuid::from_u128(42);
+        assert_eq!(carrier.idempotency_key(id), carrier.idempotency_key(id));
+        assert_ne!(
+            carrier.idempotency_key(id),
+            notification.idempotency_key(id)
+        );
+        assert_ne!(
+            carrier.idempotency_key(id),
+            carrier.idempotency_key(Uuid::from_u128(43))
+        );
+    }
+}

@@ -1,0 +1,55 @@
+//! inboxctl: the operator's tool for the Inbox pattern on PostgreSQL + RabbitMQ.
+//!
+//! - [`inbox`]: the claim protocol, usable on its own by a Rust service;
+//! - [`consumer`]: running a consumer on a RabbitMQ queue with it (retries, dead-lettering, outages);
+//! - [`parcel`]: the Parcel Tracker's carrier and notification consumers;
+//! - [`db`] and [`amqp`]: PostgreSQL (statements, schema) and RabbitMQ (topology, envelopes, dead-letter headers);
+//! - [`cmd`]: one module per subcommand.
+
+pub mod amqp;
+pub mod cli;
+pub mod cmd;
+pub mod consumer;
+pub mod db;
+pub mod error;
+pub mod failpoint;
+pub mod inbox;
+pub mod logging;
+pub mod output;
+pub mod parcel;
+pub mod producer;
+pub mod redact;
+pub mod sanitize;
+pub mod shutdown;
+
+pub use cli::Cli;
+pub use error::{Error, Outcome, Result};
+
+/// Runs a parsed command line to its end.
+pub fn run(cli: Cli) -> Result<Outcome> {
+    redact::register_url(&cli.global.connect.database_url);
+    redact::register_url(&cli.global.connect.amqp_url);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let shutdown = shutdown::on_signals();
+        cmd::run(cli.command, &cli.global, shutdown).await
+    })
+}
+
+/// Prints `error: …` and the causes the message does not already say, to stderr, without passwords or control
+/// characters.
+pub fn report(error: &Error) {
+    let mut text = error.to_string();
+    let mut source = std::error::Error::source(error);
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            text.push_str("\n  caused by: ");
+            text.push_str(&line);
+        }
+        source = cause.source();
+    }
+    eprintln!("error: {}", sanitize::multiline(&redact::text(&text)));
+}

@@ -1,0 +1,28 @@
+use std::process::ExitCode;
+
+use clap::Parser as _;
+use inboxctl::error::exit;
+
+fn main() -> ExitCode {
+    let cli = match inboxctl::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let _ = e.print();
+            // --help and --version are not errors; a bad flag or value is a usage error.
+            return ExitCode::from(if e.use_stderr() {
+                exit::USAGE
+            } else {
+                exit::OK
+            });
+        }
+    };
+    let is_demo = matches!(cli.command, inboxctl::cmd::Command::Demo(_));
+    inboxctl::logging::init(&cli.global, is_demo);
+    match inboxctl::run(cli) {
+        Ok(outcome) => outcome.into(),
+        Err(e) => {
+            inboxctl::report(&e);
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! The Parcel Tracker's consumers: the carrier consumer books a pickup slot, the notification consumer sends an SMS.
+//! Both reach the outside world through a trait whose stand-in here writes a row inside the consumer's transaction,
+//! so a double effect is visible to anyone who counts rows.
+//!
+//! A real carrier or SMS API is called over the network, outside the database transaction: a crash after such a
+//! call and before the commit makes the message run again and the call repeat. The idempotency key each call
+//! carries — the same for every delivery of a message to a consumer — lets an API that honours keys recognise the
+//! repeat; one that does not will act twice. See the README's guarantees.
+
+use chrono::{DateTime, DurationRound as _, TimeDelta, Utc};
+use futures_util::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+use sqlx::postgres::PgConnection;
+use uuid::Uuid;
+
+use crate::consumer::{Consumer, MessageContext};
+use crate::db::sql;
+use crate::failpoint;
+use crate::inbox::WorkError;
+
+/// The MassTransit message type of [`ParcelCreatedEvent`].
+pub const PARCEL_CREATED_URN: &str = "urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent";
+
+pub const CARRIER_QUEUE: &str = "parcel-created-carrier";
+pub const NOTIFICATION_QUEUE: &str = "parcel-created-notification";
+
+/// `ParcelTracker.Domain.Events.ParcelCreatedEvent`, as MassTransit serialises it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ParcelCreatedEvent {
+    pub parcel_id: Uuid,
+    pub tracking_number: String,
+    pub destination: String,
+}
+
+/// A pickup booking request to a carrier.
+#[derive(Debug, Clone)]
+pub struct PickupRequest {
+    pub parcel_id: Uuid,
+    pub tracking_number: String,
+    pub destination: String,
+    pub message_id: Uuid,
+    /// The same on every delivery of the message: a carrier that honours it books once.
+    pub idempotency_key: Uuid,
+}
+
+/// A booked slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PickupSlot {
+    pub slot_id: Uuid,
+    pub pickup_at: DateTime<Utc>,
+}
+
+/// A carrier's booking API. `tx` is the consumer's transaction, for implementations that record the booking.
+pub trait Carrier: Send + Sync + 'static {
+    fn reserve_pickup<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        request: &'c PickupRequest,
+    ) -> BoxFuture<'c, Result<PickupSlot, WorkError>>;
+}
+
+/// An SMS gateway.
+pub trait SmsGateway: Send + Sync + 'static {
+    fn send<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        sms: &'c Sms,
+    ) -> BoxFuture<'c, Result<(), WorkError>>;
+}
+
+#[derive(Debug, Clone)]
+pub struct Sms {
+    pub parcel_id: Uuid,
+    pub destination: String,
+    pub tracking_number: String,
+    pub body: String,
+    pub message_id: Uuid,
+    pub idempotency_key: Uuid,
+}
+
+/// The stand-in carrier: books a slot for the next morning by writing `carrier_reservations` in the consumer's
+/// transaction. With `fail_destination`, it answers every booking to that destination with an error, like a carrier
+/// API that is down (for demos of retries and of the error queue).
+#[derive(Debug, Clone, Default)]
+pub struct StandInCarrier {
+    pub fail_destination: Option<String>,
+}
+
+impl Carrier for StandInCarrier {
+    fn reserve_pickup<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        request: &'c PickupRequest,
+    ) -> BoxFuture<'c, Result<PickupSlot, WorkError>> {
+        Box::pin(async move {
+            failpoint::hit_with("carrier", &request.destination).await;
+            if self.fail_destination.as_deref() == Some(request.destination.as_str()) {
+                return Err(WorkError::msg("carrier API returned 503"));
+            }
+            let slot = PickupSlot {
+                slot_id: Uuid::new_v4(),
+                pickup_at: next_morning(Utc::now()),
+            };
+            sqlx::query(sql::INSERT_CARRIER_RESERVATION)
+                .bind(request.parcel_id)
+                .bind(slot.slot_id)
+                .bind(slot.pickup_at)
+                .bind(request.message_id)
+                .bind(request.idempotency_key)
+                .execute(&mut *tx)
+                .await?;
+            Ok(slot)
+        })
+    }
+}
+
+/// The stand-in SMS gateway: writes `notifications_sent` in the consumer's transaction; fails for
+/// `fail_destination` like [`StandInCarrier`].
+#[derive(Debug, Clone, Default)]
+pub struct StandInSms {
+    pub fail_destination: Option<String>,
+}
+
+impl SmsGateway for StandInSms {
+    fn send<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        sms: &'c Sms,
+    ) -> BoxFuture<'c, Result<(), WorkError>> {
+        Box::pin(async move {
+            failpoint::hit_with("sms", &sms.destination).await;
+            if self.fail_destination.as_deref() == Some(sms.destination.as_str()) {
+                return Err(WorkError::msg("SMS gateway returned 503"));
+            }
+            sqlx::query(sql::INSERT_NOTIFICATION_SENT)
+                .bind(sms.parcel_id)
+                .bind(&sms.tracking_number)
+                .bind(&sms.body)
+                .bind(sms.message_id)
+                .bind(sms.idempotency_key)
+                .execute(&mut *tx)
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+/// 09:00 UTC of the day after `now`.
+fn next_morning(now: DateTime<Utc>) -> DateTime<Utc> {
+    let midnight = now.duration_trunc(TimeDelta::days(1)).unwrap_or(now);
+    midnight + TimeDelta::days(1) + TimeDelta::hours(9)
+}
+
+/// Books a pickup slot for each new parcel.
+pub struct CarrierConsumer<K: Carrier> {
+    pub carrier: K,
+}
+
+impl<K: Carrier> Consumer for CarrierConsumer<K> {
+    type Message = ParcelCreatedEvent;
+    const MESSAGE_TYPE: &'static str = PARCEL_CREATED_URN;
+
+    async fn consume<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        context: &'c MessageContext,
+        event: &'c ParcelCreatedEvent,
+    ) -> Result<(), WorkError> {
+        let request = PickupRequest {
+            parcel_id: event.parcel_id,
+            tracking_number: event.tracking_number.clone(),
+            destination: event.destination.clone(),
+            message_id: context.message_id,
+            idempotency_key: context.idempotency_key(),
+        };
+        let slot = self.carrier.reserve_pickup(tx, &request).await?;
+        tracing::debug!(parcel_id = %event.parcel_id, slot_id = %slot.slot_id, "pickup reserved");
+        Ok(())
+    }
+}
+
+/// Texts the recipient of each new parcel.
+pub struct NotificationConsumer<G: SmsGateway> {
+    pub gateway: G,
+}
+
+impl<G: SmsGateway> Consumer for NotificationConsumer<G> {
+    type Message = ParcelCreatedEvent;
+    const MESSAGE_TYPE: &'static str = PARCEL_CREATED_URN;
+
+    async fn consume<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        context: &'c MessageContext,
+        event: &'c ParcelCreatedEvent,
+    ) -> Result<(), WorkError> {
+        let sms = Sms {
+            parcel_id: event.parcel_id,
+            destination: event.destination.clone(),
+            tracking_number: event.tracking_number.clone(),
+            body: format!(
+                "Your parcel {} to {} is registered.",
+                event.tracking_number, event.destination
+            ),
+            message_id: context.message_id,
+            idempotency_key: context.idempotency_key(),
+        };
+        self.gateway.send(tx, &sms).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn next_morning_is_nine_the_next_day() {
+        let now = DateTime::parse_from_rfc3339("2026-11-30T22:13:24Z")
+            .expect("time")
+            .with_timezone(&Utc);
+        assert_eq!(next_morning(now).to_rfc3339(), "2026-12-01T09:00:00+00:00");
+    }
+
+    #[test]
+    fn the_event_reads_masstransits_camel_case() {
+        let e: ParcelCreatedEvent = serde_json::from_str(
+            r#"{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT00000001NL", "destination": "Berlin"}"#,
+        )
+        .expect("event");
+        assert_eq!(e.tracking_number, "PT00000001NL");
+        assert!(
+            serde_json::from_str::<ParcelCreatedEvent>(
+                r#"{"trackingNumber": "x", "destination": "y"}"#
+            )
+            .is_err()
+        );
+        assert!(
+            serde_json::from_str::<ParcelCreatedEvent>(
+                r#"{"parcelId": "nope", "trackingNumber": "x", "destination": "y"}"#
+            )
+            .is_err()
+        );
+    }
+}

@@ -1,0 +1,267 @@
+//! The Parcel Tracker's producer side: `ParcelCreatedEvent`s published as MassTransit 8 envelopes, for demos, tests
+//! and benchmarks.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use chrono::Utc;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
+use uuid::Uuid;
+
+use crate::amqp::Broker;
+use crate::amqp::envelope::{EnvelopeOut, HostInfo, format_time, masstransit_properties};
+use crate::error::{Error, Result};
+use crate::parcel::{PARCEL_CREATED_URN, ParcelCreatedEvent};
+
+/// Confirms awaited in flight at most; bounds memory on large runs without waiting on each publish.
+const CONFIRM_WINDOW: usize = 512;
+
+const DESTINATIONS: [&str; 8] = [
+    "Berlin",
+    "Amsterdam",
+    "Paris",
+    "Madrid",
+    "Rome",
+    "Vienna",
+    "Prague",
+    "Warsaw",
+];
+
+/// One message to publish: its id and its event.
+#[derive(Debug, Clone)]
+pub struct Message {
+    pub message_id: Uuid,
+    pub event: ParcelCreatedEvent,
+}
+
+/// What to publish.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub count: u64,
+    /// Fraction of the messages published a second time with the same message id: half of them right after the
+    /// original, half after all the originals.
+    pub duplicates: f64,
+    /// Messages per second (copies included); as fast as the broker confirms when `None`.
+    pub rate: Option<f64>,
+    /// Every parcel's destination; a rotation of cities when `None`.
+    pub destination: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct Report {
+    /// Distinct messages (parcels).
+    pub published: u64,
+    /// Copies published again with an id already sent.
+    pub duplicates: u64,
+    /// Copies the broker returned because no queue was bound (nothing consumes them).
+    pub unroutable: u64,
+    pub exchange: String,
+    #[serde(skip)]
+    pub messages: Vec<Message>,
+}
+
+/// The messages of a plan, each a new parcel.
+pub fn messages(plan: &Plan) -> Vec<Message> {
+    let run = Uuid::new_v4().simple().to_string();
+    (0..plan.count)
+        .map(|i| Message {
+            message_id: Uuid::now_v7(),
+            event: ParcelCreatedEvent {
+                parcel_id: Uuid::new_v4(),
+                tracking_number: format!("PT{}{:08}NL", &run[..4].to_uppercase(), i + 1),
+                destination: plan.destination.clone().unwrap_or_else(|| {
+                    DESTINATIONS[usize::try_from(i).unwrap_or_default() % DESTINATIONS.len()]
+                        .to_owned()
+                }),
+            },
+        })
+        .collect()
+}
+
+/// The order copies go out in: each message once, a fraction of them twice — half of those right after the
+/// original, the other half after every original was sent.
+pub fn schedule(count: usize, duplicates: f64) -> Vec<usize> {
+    let copies = ((count as f64) * duplicates.clamp(0.0, 1.0)).round() as usize;
+    let mut order = Vec::with_capacity(count + copies);
+    let mut late = Vec::new();
+    let mut chosen = 0;
+    for i in 0..count {
+        order.push(i);
+        // Spread the duplicated messages evenly over the run.
+        if (i + 1) * copies / count.max(1) > i * copies / count.max(1) {
+            if chosen % 2 == 0 {
+                order.push(i);
+            } else {
+                late.push(i);
+            }
+            chosen += 1;
+        }
+    }
+    order.extend(late);
+    order
+}
+
+/// The AMQP properties and body MassTransit would write for `message` published to `exchange` on `broker`.
+pub fn envelope(
+    message: &Message,
+    broker: &Broker,
+    exchange: &str,
+    host: &HostInfo,
+) -> (BasicProperties, Vec<u8>) {
+    let body = EnvelopeOut {
+        message_id: message.message_id.to_string(),
+        request_id: None,
+        correlation_id: None,
+        conversation_id: Some(Uuid::now_v7().to_string()),
+        initiator_id: None,
+        source_address: Some(format!(
+            "{}?temporary=true",
+            broker.queue_address(&format!(
+                "{}_inboxctl_bus_{}",
+                host.machine_name,
+                Uuid::new_v4().simple()
+            ))
+        )),
+        destination_address: Some(broker.queue_address(exchange)),
+        response_address: None,
+        fault_address: None,
+        message_type: vec![PARCEL_CREATED_URN.to_owned()],
+        message: &message.event,
+        expiration_time: None,
+        sent_time: format_time(Utc::now()),
+        headers: serde_json::Map::new(),
+        host,
+    }
+    .to_body();
+    (masstransit_properties(message.message_id), body)
+}
+
+/// Publishes `plan` to `exchange` with publisher confirms; returns once the broker confirmed every copy.
+pub async fn publish(
+    connection: &Connection,
+    broker: &Broker,
+    exchange: &str,
+    plan: &Plan,
+) -> Result<Report> {
+    let messages = messages(plan);
+    let order = schedule(messages.len(), plan.duplicates);
+    let channel = connection.create_channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let host = HostInfo::current();
+
+    let mut ticker = plan.rate.map(|rate| {
+        let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
+    let mut pending: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
+    let mut report = Report {
+        exchange: exchange.to_owned(),
+        ..Report::default()
+    };
+    let mut seen = vec![false; messages.len()];
+    for index in order {
+        if let Some(ticker) = ticker.as_mut() {
+            ticker.tick().await;
+        }
+        let (properties, body) = envelope(&messages[index], broker, exchange, &host);
+        pending.push_back(publish_one(&channel, exchange, properties, &body).await?);
+        if std::mem::replace(&mut seen[index], true) {
+            report.duplicates += 1;
+        }
+        if pending.len() >= CONFIRM_WINDOW
+            && let Some(oldest) = pending.pop_front()
+        {
+            settle(oldest, &mut report).await?;
+        }
+    }
+    while let Some(confirm) = pending.pop_front() {
+        settle(confirm, &mut report).await?;
+    }
+    let _ = channel.close(200, "OK".into()).await;
+    report.published = messages.len() as u64;
+    report.messages = messages;
+    Ok(report)
+}
+
+async fn publish_one(
+    channel: &Channel,
+    exchange: &str,
+    properties: BasicProperties,
+    body: &[u8],
+) -> Result<PublisherConfirm> {
+    Ok(channel
+        .basic_publish(
+            exchange.into(),
+            "".into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            body,
+            properties,
+        )
+        .await?)
+}
+
+async fn settle(confirm: PublisherConfirm, report: &mut Report) -> Result<()> {
+    match confirm.await? {
+        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
+        Confirmation::Ack(Some(_)) => {
+            report.unroutable += 1;
+            Ok(())
+        }
+        Confirmation::Nack(_) => Err(Error::Topology(
+            "the broker refused a message (nack)".to_owned(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_sends_every_message_and_the_right_number_of_copies() {
+        let order = schedule(100, 0.2);
+        assert_eq!(order.len(), 120);
+        let mut counts = [0; 100];
+        for &i in &order {
+            counts[i] += 1;
+        }
+        assert!(counts.iter().all(|&c| c == 1 || c == 2));
+        assert_eq!(counts.iter().filter(|&&c| c == 2).count(), 20);
+        // Half right after their original, half after all originals.
+        let immediate = order.windows(2).filter(|w| w[0] == w[1]).count();
+        assert_eq!(immediate, 10);
+        assert_eq!(order[110..].len(), 10, "the late copies come last");
+    }
+
+    #[test]
+    fn no_duplicates_and_all_duplicates() {
+        assert_eq!(schedule(5, 0.0), vec![0, 1, 2, 3, 4]);
+        assert_eq!(schedule(4, 1.0).len(), 8);
+        assert!(schedule(0, 0.5).is_empty());
+    }
+
+    #[test]
+    fn an_envelope_reads_back_with_the_same_id_and_event() {
+        let broker = Broker::from_url("amqp://127.0.0.1:5672/%2f").expect("url");
+        let plan = Plan {
+            count: 1,
+            duplicates: 0.0,
+            rate: None,
+            destination: None,
+        };
+        let message = messages(&plan).remove(0);
+        let (props, body) = envelope(&message, &broker, "X:Y", &HostInfo::current());
+        let incoming = crate::amqp::envelope::parse(&props, &body).expect("readable");
+        assert_eq!(incoming.message_id, message.message_id);
+        let event: ParcelCreatedEvent =
+            serde_json::from_str(incoming.payload.get()).expect("event");
+        assert_eq!(event, message.event);
+    }
+}

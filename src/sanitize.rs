@@ -1,0 +1,76 @@
+//! Text from the database, the broker or a message is never written to a terminal as it is: an escape sequence in a
+//! consumer_type or a failure reason could move the cursor, retitle the window or worse. What cannot be printed is
+//! shown escaped, so it stays visible and inert.
+
+use std::borrow::Cow;
+use std::fmt::Write;
+
+/// `s` with every control character (C0, DEL, C1) and every bidirectional override written as a visible `\u{…}` escape.
+/// A backslash is doubled so that an escape in the output is always one inboxctl wrote.
+pub fn text(s: &str) -> Cow<'_, str> {
+    if !s.chars().any(needs_escape) {
+        return Cow::Borrowed(s);
+    }
+    let mut out = String::with_capacity(s.len() + 8);
+    for c in s.chars() {
+        if c == '\\' {
+            out.push_str("\\\\");
+        } else if needs_escape(c) {
+            let _ = write!(out, "\\u{{{:x}}}", c as u32);
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// Like [`text`], for text that is allowed to span lines (stack traces, multi-line reasons): `\n` and `\t` stay.
+pub fn multiline(s: &str) -> String {
+    s.split('\n')
+        .map(|line| line.split('\t').map(text).collect::<Vec<_>>().join("\t"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn needs_escape(c: char) -> bool {
+    c == '\\'
+        || c.is_control()
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_text_is_borrowed_unchanged() {
+        assert!(matches!(text("parcel-created-carrier"), Cow::Borrowed(_)));
+        assert_eq!(text("Zürich → Köln"), "Zürich → Köln");
+    }
+
+    #[test]
+    fn escape_sequences_and_controls_are_shown_inert() {
+        let evil = "carrier\u{1b}[31mRED\u{1b}]0;title\u{7}\r\n\u{9b}2J";
+        let shown = text(evil);
+        assert!(!shown.chars().any(|c| c.is_control()), "{shown:?}");
+        assert_eq!(
+            shown,
+            "carrier\\u{1b}[31mRED\\u{1b}]0;title\\u{7}\\u{d}\\u{a}\\u{9b}2J"
+        );
+    }
+
+    #[test]
+    fn a_literal_backslash_cannot_forge_an_escape() {
+        assert_eq!(text("a\\u{1b}b"), "a\\\\u{1b}b");
+    }
+
+    #[test]
+    fn bidi_overrides_are_escaped() {
+        assert_eq!(text("abc\u{202e}def"), "abc\\u{202e}def");
+    }
+
+    #[test]
+    fn multiline_keeps_newlines_and_tabs_only() {
+        assert_eq!(multiline("a\n\tb\u{1b}c"), "a\n\tb\\u{1b}c");
+    }
+}

@@ -1,0 +1,678 @@
+//! `inboxctl consume` against real PostgreSQL and RabbitMQ: exactly one effect per (message, consumer), MassTransit's
+//! wire format both ways, bad input to the error and skipped queues with nothing lost.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{CARRIER_QUEUE, EVENT_EXCHANGE, NOTIFICATION_QUEUE, TestEnv};
+use lapin::BasicProperties;
+use lapin::types::AMQPValue;
+use uuid::Uuid;
+
+async fn scalar(pool: &sqlx::PgPool, sql: &'static str, consumer_type: &str) -> i64 {
+    sqlx::query_scalar(sql)
+        .bind(consumer_type)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn carrier_and_notification_each_take_every_message_once_in_one_transaction() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let report = common::publish_parcels(&env, &["--count", "40", "--duplicates", "0.5"]);
+    assert_eq!(report["published"], 40);
+    assert_eq!(report["duplicates"], 20);
+
+    let mut carrier = env.spawn(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    let mut notification = env.spawn(&["consume", "notification", "--exit-when-idle", "1s"]);
+    assert_eq!(
+        carrier.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        carrier.stderr()
+    );
+    assert_eq!(
+        notification.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        notification.stderr()
+    );
+
+    let pool = env.pool().await;
+    for (consumer_type, effects) in [
+        (CARRIER_QUEUE, "carrier_reservations"),
+        (NOTIFICATION_QUEUE, "notifications_sent"),
+    ] {
+        let rows = |sql: &str| sql.replace("EFFECTS", effects);
+        let count_effects: i64 =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(rows("SELECT count(*) FROM EFFECTS")))
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        let distinct_parcels: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(rows(
+            "SELECT count(DISTINCT parcel_id) FROM EFFECTS",
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (count_effects, distinct_parcels),
+            (40, 40),
+            "{consumer_type}: one effect per parcel"
+        );
+
+        let inbox = scalar(
+            &pool,
+            "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1",
+            consumer_type,
+        )
+        .await;
+        let processed = scalar(
+            &pool,
+            "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at IS NOT NULL",
+            consumer_type,
+        )
+        .await;
+        assert_eq!(
+            (inbox, processed),
+            (40, 40),
+            "{consumer_type}: every row we write has processed_at (trap 3)"
+        );
+
+        // One transaction per message (trap 6), holding both the inbox row and the effect (trap 1).
+        let transactions = scalar(
+            &pool,
+            "SELECT count(DISTINCT xmin::text) FROM inbox_messages WHERE consumer_type = $1",
+            consumer_type,
+        )
+        .await;
+        assert_eq!(
+            transactions, 40,
+            "{consumer_type}: one transaction per message"
+        );
+        let same_transaction: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(rows(
+            "SELECT count(*) FROM inbox_messages i JOIN EFFECTS e ON e.message_id = i.id
+             WHERE i.consumer_type = $1 AND i.xmin::text = e.xmin::text",
+        )))
+        .bind(consumer_type)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            same_transaction, 40,
+            "{consumer_type}: effect and inbox row commit together"
+        );
+
+        let duplicates = scalar(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE consumer_type = $1 AND kind = 'duplicate'",
+            consumer_type,
+        )
+        .await;
+        assert_eq!(
+            duplicates, 20,
+            "{consumer_type}: the duplicate counter equals the copies discarded"
+        );
+        assert_eq!(env.queue_counts(consumer_type), (0, 0), "every copy acked");
+    }
+    // Separate scopes: each consumer processed each message id once.
+    let both = common::count(
+        &pool,
+        "SELECT count(*) FROM (SELECT id FROM inbox_messages GROUP BY id HAVING count(*) = 2) t",
+    )
+    .await;
+    assert_eq!(both, 40);
+    assert!(
+        carrier.stderr().contains("duplicate discarded"),
+        "duplicates are logged at WARN"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_masstransit_fixture_is_consumed_with_the_id_of_its_envelope() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let published = common::fixtures("published");
+    let sent = common::fixtures("sent");
+    let errors = common::fixtures("error");
+    for f in &published {
+        common::publish(&conn, EVENT_EXCHANGE, "", f.properties.clone(), &f.body).await;
+    }
+    // A MassTransit Send goes to the endpoint's exchange; the error copies are what an operator would shovel back.
+    for f in sent.iter().chain(&errors) {
+        common::publish(&conn, CARRIER_QUEUE, "", f.properties.clone(), &f.body).await;
+    }
+
+    let out = common::consume_until_idle(&env, &["carrier"]);
+
+    let pool = env.pool().await;
+    let rows: Vec<(Uuid, Uuid)> =
+        sqlx::query_as("SELECT message_id, parcel_id FROM carrier_reservations")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let got: BTreeMap<String, String> = rows
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    assert_eq!(
+        rows.len(),
+        7,
+        "six published and one sent ParcelCreatedEvent: {got:#?}"
+    );
+    for f in published.iter().chain(&sent[..1]) {
+        let envelope_id = f.json["body_text"]
+            .as_str()
+            .map(|b| serde_json::from_str::<serde_json::Value>(b).unwrap())
+            .unwrap();
+        let id = envelope_id["messageId"].as_str().unwrap();
+        assert_eq!(id, f.message_id);
+        assert_eq!(
+            got.get(id).map(String::as_str),
+            envelope_id["message"]["parcelId"].as_str(),
+            "{}: effect recorded with the envelope's id and parcel",
+            f.name
+        );
+    }
+    // The error-queue copies carry the ids of sent-01, published-03 and -06: all three are recognised.
+    let duplicates = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'",
+    )
+    .await;
+    assert_eq!(duplicates, 3, "{}", out.stderr);
+
+    // ParcelLabelPrinted is handled by no consumer here: moved to _skipped as MassTransit does.
+    let skipped = common::drain(&conn, &format!("{CARRIER_QUEUE}_skipped")).await;
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].data, sent[1].body, "body byte for byte");
+    assert_eq!(
+        skipped[0]
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str()),
+        Some(sent[1].message_id.as_str())
+    );
+    assert_eq!(
+        common::header_text(&skipped[0].properties, "MT-Reason").as_deref(),
+        Some("dead-letter")
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_writes_what_masstransit_writes() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    common::capture_queue(&conn, EVENT_EXCHANGE, "capture").await;
+    common::publish_parcels(&env, &["--count", "3"]);
+    let ours = common::drain(&conn, "capture").await;
+    assert_eq!(ours.len(), 3);
+
+    let theirs = common::fixture("published/published-01.json");
+    let keys = |body: &[u8], indent: &str| -> Vec<String> {
+        String::from_utf8(body.to_vec())
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix(indent))
+            .filter(|l| l.starts_with('"'))
+            .map(|l| l.split('"').nth(1).unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        keys(&theirs.body, "  ").len(),
+        14,
+        "the fixture's envelope fields"
+    );
+    for delivery in &ours {
+        let p = &delivery.properties;
+        assert_eq!(p.content_type(), theirs.properties.content_type());
+        assert_eq!(p.delivery_mode(), &Some(2));
+        let body: serde_json::Value = serde_json::from_slice(&delivery.data).unwrap();
+        assert_eq!(
+            p.message_id().as_ref().map(|s| s.as_str()),
+            body["messageId"].as_str(),
+            "id in both places"
+        );
+        // The same fields in the same order, indented the same way, at every level.
+        assert_eq!(
+            keys(&delivery.data, "  "),
+            keys(&theirs.body, "  "),
+            "envelope keys"
+        );
+        assert_eq!(
+            keys(&delivery.data, "    "),
+            keys(&theirs.body, "    "),
+            "message and host keys"
+        );
+        assert!(delivery.data.starts_with(b"{\n  \"messageId\": \""));
+        assert!(!delivery.data.ends_with(b"\n"), "no trailing newline");
+        assert_eq!(
+            body["messageType"],
+            theirs.json["body_text"]
+                .as_str()
+                .map(
+                    |t| serde_json::from_str::<serde_json::Value>(t).unwrap()["messageType"]
+                        .clone()
+                )
+                .unwrap()
+        );
+        assert_eq!(
+            body["sentTime"]
+                .as_str()
+                .unwrap()
+                .split('.')
+                .nth(1)
+                .map(str::len),
+            Some(8),
+            "7 digits and Z"
+        );
+        assert_eq!(body["headers"], serde_json::json!({}));
+        // And inboxctl reads it back with the same code that reads MassTransit's.
+        let incoming = inboxctl::amqp::envelope::parse(p, &delivery.data).unwrap();
+        assert_eq!(
+            incoming.message_id.to_string(),
+            body["messageId"].as_str().unwrap()
+        );
+        assert!(incoming.masstransit);
+    }
+}
+
+struct Bad {
+    label: &'static str,
+    properties: BasicProperties,
+    body: Vec<u8>,
+    reason: &'static str,
+}
+
+fn plain(id: Option<&str>) -> BasicProperties {
+    let p = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2);
+    match id {
+        Some(id) => p.with_message_id(id.into()),
+        None => p,
+    }
+}
+
+fn mt_envelope(id: Uuid, message: &str) -> Vec<u8> {
+    format!(
+        "{{\n  \"messageId\": \"{id}\",\n  \"messageType\": [\n    \"urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent\"\n  ],\n  \"message\": {message}\n}}"
+    )
+    .into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothing_is_lost() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let mt = |id: Uuid| inboxctl::amqp::envelope::masstransit_properties(id);
+    let good_parcel = r#"{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT1", "destination": "Berlin"}"#;
+    let bad = vec![
+        Bad {
+            label: "no id",
+            properties: plain(None),
+            body: good_parcel.as_bytes().to_vec(),
+            reason: "has no message id",
+        },
+        Bad {
+            label: "not JSON",
+            properties: plain(Some(&Uuid::new_v4().to_string())),
+            body: b"PT1;Berlin".to_vec(),
+            reason: "is not JSON",
+        },
+        Bad {
+            label: "empty",
+            properties: plain(Some(&Uuid::new_v4().to_string())),
+            body: Vec::new(),
+            reason: "body is empty",
+        },
+        Bad {
+            label: "id not a UUID",
+            properties: plain(Some("order-17")),
+            body: good_parcel.as_bytes().to_vec(),
+            reason: "is not a UUID",
+        },
+        Bad {
+            label: "parcelId not a UUID",
+            properties: mt(Uuid::new_v4()),
+            body: mt_envelope(
+                Uuid::new_v4(),
+                r#"{"parcelId": "nope", "trackingNumber": "PT2", "destination": "Rome"}"#,
+            ),
+            reason: "cannot be read as ParcelTracker.Domain.Events.ParcelCreatedEvent",
+        },
+        Bad {
+            label: "parcelId missing",
+            properties: mt(Uuid::new_v4()),
+            body: mt_envelope(
+                Uuid::new_v4(),
+                r#"{"trackingNumber": "PT3", "destination": "Rome"}"#,
+            ),
+            reason: "missing field `parcelId`",
+        },
+        Bad {
+            label: "invalid UTF-8",
+            properties: mt(Uuid::new_v4()),
+            body: b"{\"messageId\": \"\xff\xfe\"}".to_vec(),
+            reason: "not JSON",
+        },
+    ];
+    for b in &bad {
+        common::publish(&conn, CARRIER_QUEUE, "", b.properties.clone(), &b.body).await;
+    }
+    let good_id = Uuid::new_v4();
+    common::publish(
+        &conn,
+        CARRIER_QUEUE,
+        "",
+        mt(good_id),
+        &mt_envelope(good_id, good_parcel),
+    )
+    .await;
+    let unhandled = common::fixture("sent/sent-02.json");
+    common::publish(
+        &conn,
+        CARRIER_QUEUE,
+        "",
+        unhandled.properties.clone(),
+        &unhandled.body,
+    )
+    .await;
+
+    common::consume_until_idle(&env, &["carrier"]);
+
+    let errors = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(
+        errors.len(),
+        bad.len(),
+        "every unreadable message is in the error queue"
+    );
+    for b in &bad {
+        let copy = errors
+            .iter()
+            .find(|e| e.data == b.body && e.properties.message_id() == b.properties.message_id())
+            .unwrap_or_else(|| {
+                panic!(
+                    "{}: not in the error queue with its body and id unchanged",
+                    b.label
+                )
+            });
+        let p = &copy.properties;
+        assert_eq!(
+            common::header_text(p, "MT-Reason").as_deref(),
+            Some("fault"),
+            "{}",
+            b.label
+        );
+        let message = common::header_text(p, "MT-Fault-Message").unwrap();
+        assert!(
+            message.contains(b.reason),
+            "{}: {message:?} should say {:?}",
+            b.label,
+            b.reason
+        );
+        assert_eq!(
+            p.headers()
+                .as_ref()
+                .unwrap()
+                .inner()
+                .get("MT-Fault-RetryCount"),
+            Some(&AMQPValue::LongInt(0))
+        );
+        assert_eq!(
+            common::header_text(p, "MT-Fault-InputAddress").as_deref(),
+            Some(format!("rabbitmq://127.0.0.1/{}/{CARRIER_QUEUE}", env.vhost).as_str())
+        );
+        assert_eq!(
+            common::header_text(p, "MT-Fault-ConsumerType").as_deref(),
+            Some(CARRIER_QUEUE)
+        );
+        assert_eq!(
+            p.content_type(),
+            b.properties.content_type(),
+            "properties kept"
+        );
+    }
+    let skipped = common::drain(&conn, &format!("{CARRIER_QUEUE}_skipped")).await;
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].data, unhandled.body);
+
+    let pool = env.pool().await;
+    let effects: Vec<Uuid> = sqlx::query_scalar("SELECT message_id FROM carrier_reservations")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        effects,
+        vec![good_id],
+        "the good message among them was processed"
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    let moved = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind IN ('dead_lettered', 'skipped')",
+    )
+    .await;
+    assert_eq!(moved, 8);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failing_work_is_retried_then_moved_with_its_retry_count() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "4"]);
+    let failing = common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+    assert_eq!(failing["published"], 1);
+
+    let out = common::consume_until_idle(
+        &env,
+        &[
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "3",
+            "--retry-delay",
+            "10ms",
+        ],
+    );
+    assert_eq!(
+        out.stderr.matches("attempt failed").count(),
+        2,
+        "{}",
+        out.stderr
+    );
+
+    let conn = env.amqp().await;
+    let errors = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(errors.len(), 1);
+    let p = &errors[0].properties;
+    assert_eq!(
+        common::header_text(p, "MT-Fault-Message").as_deref(),
+        Some("carrier API returned 503")
+    );
+    assert_eq!(
+        p.headers()
+            .as_ref()
+            .unwrap()
+            .inner()
+            .get("MT-Fault-RetryCount"),
+        Some(&AMQPValue::LongInt(2))
+    );
+    assert_eq!(
+        common::header_text(p, "MT-Fault-MessageType").as_deref(),
+        Some("ParcelTracker.Domain.Events.ParcelCreatedEvent")
+    );
+    let failed_id = Uuid::parse_str(p.message_id().as_ref().unwrap().as_str()).unwrap();
+
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        4
+    );
+    let failed_attempts = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'",
+    )
+    .await;
+    assert_eq!(failed_attempts, 3);
+    let claimed: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE id = $1)")
+            .bind(failed_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        !claimed,
+        "a failed attempt leaves no inbox row, so a replay will be processed"
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_fails_its_message_not_the_process() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "3"]);
+    common::publish_parcels(&env, &["--count", "1", "--destination", "PANIC"]);
+    common::publish_parcels(&env, &["--count", "3"]);
+
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--max-attempts",
+            "2",
+            "--retry-delay",
+            "10ms",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=panic@PANIC")],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+
+    let conn = env.amqp().await;
+    let errors = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(errors.len(), 1);
+    let reason = common::header_text(&errors[0].properties, "MT-Fault-Message").unwrap();
+    assert!(reason.contains("panicked: failpoint carrier"), "{reason}");
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        6
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ef_core_inbox_is_claimed_through_its_own_key() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(include_str!("fixtures/interop/efcore/ef_create_script.sql"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(env.run(&["migrate"]).code, Some(0));
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "5", "--duplicates", "1"]);
+    common::consume_until_idle(&env, &["carrier"]);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        5
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        5
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'"
+        )
+        .await,
+        5
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_type_over_500_characters_is_refused_at_start() {
+    let env = TestEnv::migrated().await;
+    let long = "c".repeat(501);
+    let out = env.run(&["consume", "carrier", "--consumer-type", &long]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("501 characters"), "{}", out.stderr);
+    assert!(out.stderr.contains("at most 500"), "{}", out.stderr);
+    assert!(
+        !env.queue_exists(CARRIER_QUEUE),
+        "refused before touching the broker"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn consuming_before_migrate_says_to_migrate() {
+    let env = TestEnv::empty().await;
+    let out = env.run(&["consume", "carrier"]);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    assert!(
+        out.stderr.contains("run `inboxctl migrate` first"),
+        "{}",
+        out.stderr
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_stops_the_consumer_cleanly() {
+    let env = TestEnv::migrated().await;
+    let mut consumer = env.spawn(&["consume", "notification"]);
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(consumer.stderr().contains("consumer stopped"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_custom_consumer_type_is_its_own_scope() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let report = common::publish_parcels(&env, &["--count", "3"]);
+    assert_eq!(report["published"], 3);
+    common::consume_until_idle(&env, &["carrier", "--consumer-type", "carrier-v2"]);
+    let pool = env.pool().await;
+    assert_eq!(
+        scalar(
+            &pool,
+            "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1",
+            "carrier-v2"
+        )
+        .await,
+        3
+    );
+    let queue: String = sqlx::query_scalar(
+        "SELECT queue FROM inboxctl_consumers WHERE consumer_type = 'carrier-v2'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(queue, CARRIER_QUEUE);
+}

@@ -1,0 +1,277 @@
+//! `inboxctl migrate` against real PostgreSQL: a fresh database, twice, twice at once, over EF Core's table, over
+//! incompatible tables.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::TestEnv;
+use sqlx::PgPool;
+
+const EF_CORE_DDL: &str = include_str!("fixtures/interop/efcore/ef_create_script.sql");
+
+/// Everything a test can see of a schema: tables, columns with types, constraints, indexes.
+async fn schema_snapshot(pool: &PgPool) -> Vec<String> {
+    let mut rows: Vec<String> = sqlx::query_scalar(
+        "SELECT format('%s.%s %s%s', c.relname, a.attname, format_type(a.atttypid, a.atttypmod),
+                       CASE WHEN a.attnotnull THEN ' not null' ELSE '' END)
+         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         JOIN pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+         WHERE n.nspname = 'public' AND c.relkind = 'r'
+         UNION ALL SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid) FROM pg_constraint
+           WHERE connamespace = 'public'::regnamespace
+         UNION ALL SELECT 'index ' || indexdef FROM pg_indexes WHERE schemaname = 'public'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    rows.sort();
+    rows
+}
+
+async fn tables(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT tablename::text FROM pg_tables WHERE schemaname = 'public' ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+async fn database_exists(name: &str) -> bool {
+    let admin = common::admin_pool().await;
+    let exists = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+        .bind(name)
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    exists
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fresh_database_is_created_and_gets_the_schema() {
+    let env = TestEnv::bare().await;
+    assert!(!database_exists(&env.db_name).await);
+
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stdout
+            .contains(&format!("database {}: created", env.db_name)),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(out.stdout.matches("applied ").count(), 3, "{}", out.stdout);
+
+    let pool = env.pool().await;
+    assert_eq!(
+        tables(&pool).await,
+        [
+            "carrier_reservations",
+            "inbox_messages",
+            "inboxctl_consumers",
+            "inboxctl_events",
+            "inboxctl_migrations",
+            "notifications_sent"
+        ]
+    );
+    let snapshot = schema_snapshot(&pool).await;
+    for expected in [
+        "inbox_messages.id uuid not null",
+        "inbox_messages.consumer_type character varying(500) not null",
+        "inbox_messages.received_at timestamp with time zone not null",
+        "inbox_messages.processed_at timestamp with time zone",
+        "constraint pk_inbox_messages PRIMARY KEY (id, consumer_type)",
+        "index CREATE INDEX ix_inbox_messages_unprocessed ON public.inbox_messages USING btree (received_at) WHERE (processed_at IS NULL)",
+    ] {
+        assert!(
+            snapshot.iter().any(|s| s == expected),
+            "missing {expected:?} in {snapshot:#?}"
+        );
+    }
+    // No unique constraint on the effects' parcel ids: a double effect must stay countable.
+    assert!(
+        !snapshot
+            .iter()
+            .any(|s| s.contains("UNIQUE") && s.contains("parcel_id")),
+        "{snapshot:#?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_run_has_nothing_to_do_and_changes_nothing() {
+    let env = TestEnv::bare().await;
+    assert_eq!(env.run(&["migrate"]).code, Some(0));
+    let pool = env.pool().await;
+    let before = schema_snapshot(&pool).await;
+
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        out.stdout.trim(),
+        format!("database {}: up to date, nothing to apply", env.db_name)
+    );
+    assert_eq!(schema_snapshot(&pool).await, before);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_runs_at_once_apply_each_migration_once() {
+    for _ in 0..3 {
+        let env = TestEnv::bare().await;
+        let mut a = env.spawn(&["migrate"]);
+        let mut b = env.spawn(&["migrate"]);
+        assert_eq!(
+            a.wait(std::time::Duration::from_secs(60)),
+            Some(0),
+            "{}",
+            a.stderr()
+        );
+        assert_eq!(
+            b.wait(std::time::Duration::from_secs(60)),
+            Some(0),
+            "{}",
+            b.stderr()
+        );
+        let applied =
+            a.stdout().matches("applied ").count() + b.stdout().matches("applied ").count();
+        assert_eq!(applied, 3, "a:\n{}\nb:\n{}", a.stdout(), b.stdout());
+        let created =
+            a.stdout().matches(": created").count() + b.stdout().matches(": created").count();
+        assert_eq!(created, 1, "a:\n{}\nb:\n{}", a.stdout(), b.stdout());
+        let pool = env.pool().await;
+        let versions: i64 = common::count(&pool, "SELECT count(*) FROM inboxctl_migrations").await;
+        assert_eq!(versions, 3);
+        pool.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ef_core_table_with_rows_is_adopted_untouched() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
+    // The rows EF Core wrote in the capture (tests/fixtures/interop/efcore/rows_select.txt).
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages VALUES
+         ('de0d43d6-149b-4594-8c0e-ce3cbcb67ee2', 'parcel-created-notification', '2026-11-30 20:14:59.454677+00', '2026-11-30 20:15:04.454685+00'),
+         ('2cfb215f-8752-4ee3-b6c4-5aaa7de14419', 'parcel-created-carrier', '2026-11-30 20:15:04.374647+00', NULL),
+         ('f96053db-437a-4812-968c-43d855a3071c', 'parcel-created-carrier', '2026-11-30 20:15:04.45418+00', NULL),
+         ('06ea232d-7313-4849-baf6-c93ddbad8ff4', 'parcel-created-carrier', '2026-11-30 20:15:04.454639+00', NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let rows = "SELECT string_agg(format('%s|%s|%s|%s', id, consumer_type, received_at, processed_at), ',' ORDER BY id) FROM inbox_messages";
+    let rows_before: String = sqlx::query_scalar(rows).fetch_one(&pool).await.unwrap();
+    let inbox_before: Vec<String> = schema_snapshot(&pool)
+        .await
+        .into_iter()
+        .filter(|s| s.contains("inbox_messages"))
+        .collect();
+
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("the existing inbox_messages table is compatible"),
+        "{}",
+        out.stdout
+    );
+
+    let rows_after: String = sqlx::query_scalar(rows).fetch_one(&pool).await.unwrap();
+    assert_eq!(rows_after, rows_before);
+    let inbox_after: Vec<String> = schema_snapshot(&pool)
+        .await
+        .into_iter()
+        .filter(|s| s.contains("inbox_messages"))
+        .collect();
+    assert_eq!(
+        inbox_after, inbox_before,
+        "the EF Core table (its \"PK_inbox_messages\" key included) is kept as it is"
+    );
+    assert!(
+        inbox_after
+            .iter()
+            .any(|s| s == "constraint PK_inbox_messages PRIMARY KEY (id, consumer_type)")
+    );
+    assert!(tables(&pool).await.contains(&"inboxctl_events".to_owned()));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_incompatible_table_is_named_and_nothing_changes() {
+    let cases = [
+        (
+            EF_CORE_DDL.replace(
+                "received_at timestamp with time zone",
+                "received_at timestamp without time zone",
+            ),
+            "column received_at is timestamp without time zone, expected timestamp with time zone",
+        ),
+        (
+            EF_CORE_DDL.replace("character varying(500)", "character varying(200)"),
+            "column consumer_type is character varying(200), expected character varying(500)",
+        ),
+        (
+            EF_CORE_DDL.replace("PRIMARY KEY (id, consumer_type)", "PRIMARY KEY (id)"),
+            "primary key PK_inbox_messages is on (id), expected (id, consumer_type)",
+        ),
+        (
+            EF_CORE_DDL
+                .replace("    processed_at timestamp with time zone,\n", "")
+                .replace(" WHERE processed_at IS NULL", ""),
+            "column processed_at is missing",
+        ),
+        (
+            EF_CORE_DDL.replace("id uuid NOT NULL", "id text NOT NULL"),
+            "column id is text, expected uuid",
+        ),
+    ];
+    for (ddl, expected) in cases {
+        let env = TestEnv::empty().await;
+        let pool = env.pool().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(ddl.clone()))
+            .execute(&pool)
+            .await
+            .unwrap();
+        let before = schema_snapshot(&pool).await;
+
+        let out = env.run(&["migrate"]);
+        assert_eq!(out.code, Some(78), "{ddl}\n{out:?}");
+        assert!(
+            out.stderr
+                .contains("is not compatible with inboxctl; nothing was changed"),
+            "{}",
+            out.stderr
+        );
+        assert!(
+            out.stderr.contains(expected),
+            "expected {expected:?} in:\n{}",
+            out.stderr
+        );
+        assert_eq!(schema_snapshot(&pool).await, before, "nothing may change");
+        assert_eq!(tables(&pool).await, ["inbox_messages"]);
+        pool.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dry_run_shows_the_sql_and_creates_nothing() {
+    let env = TestEnv::bare().await;
+    let out = env.run(&["migrate", "--dry-run"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("would create"), "{}", out.stdout);
+    assert!(
+        out.stdout
+            .contains("CREATE TABLE IF NOT EXISTS inbox_messages"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(out.stdout.matches("would apply ").count(), 3);
+    assert!(!database_exists(&env.db_name).await);
+
+    assert_eq!(env.run(&["migrate"]).code, Some(0));
+    let out = env.run(&["migrate", "--dry-run", "--json"]);
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(report["migrations"].as_array().map(Vec::len), Some(0));
+    assert_eq!(report["dry_run"], true);
+}

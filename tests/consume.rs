@@ -229,7 +229,7 @@ async fn publish_writes_what_masstransit_writes() {
     };
     assert_eq!(
         keys(&theirs.body, "  ").len(),
-        14,
+        15,
         "the fixture's envelope fields"
     );
     for delivery in &ours {

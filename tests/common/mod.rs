@@ -579,7 +579,58 @@ pub fn consume_until_idle(env: &TestEnv, args: &[&str]) -> Output {
     let mut all = vec!["consume"];
     all.extend_from_slice(args);
     all.extend_from_slice(&["--exit-when-idle", "1s"]);
+    // Four workers are plenty for these tests and keep the shared server's connections for the tests that need many.
+    if !args.contains(&"--concurrency") {
+        all.extend_from_slice(&["--concurrency", "4"]);
+    }
     let out = env.run(&all);
     assert_eq!(out.code, Some(0), "{out:?}");
     out
+}
+
+/// Publishes `copies` copies of one body at once (confirms awaited together).
+pub async fn publish_copies(
+    conn: &Connection,
+    exchange: &str,
+    props: BasicProperties,
+    body: &[u8],
+    copies: usize,
+) {
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for _ in 0..copies {
+        // Not awaited one by one: the copies go out back to back and are confirmed together below.
+        let _unconfirmed: lapin::PublisherConfirm = channel
+            .basic_publish(
+                exchange.into(),
+                "".into(),
+                BasicPublishOptions::default(),
+                body,
+                props.clone(),
+            )
+            .await
+            .unwrap();
+    }
+    let returned = channel.wait_for_confirms().await.unwrap();
+    assert!(returned.is_empty());
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// A MassTransit `ParcelCreatedEvent` for a new parcel: (properties, body, parcel id).
+pub fn parcel_message(message_id: Uuid, destination: &str) -> (BasicProperties, Vec<u8>, Uuid) {
+    let broker = inboxctl::amqp::Broker::from_url("amqp://127.0.0.1:5672/%2f").unwrap();
+    let message = inboxctl::producer::Message {
+        message_id,
+        event: inboxctl::parcel::ParcelCreatedEvent {
+            parcel_id: Uuid::new_v4(),
+            tracking_number: "PT00000001NL".to_owned(),
+            destination: destination.to_owned(),
+        },
+    };
+    let host = inboxctl::amqp::envelope::HostInfo::current();
+    let (props, body) = inboxctl::producer::envelope(&message, &broker, EVENT_EXCHANGE, &host);
+    (props, body, message.event.parcel_id)
 }

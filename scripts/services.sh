@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Makes sure the services the tests use are up: PostgreSQL on 127.0.0.1:5432 and RabbitMQ on 127.0.0.1:5672.
+# Installs them from Debian's packages if missing (as root), starts them if stopped, waits until they answer.
+# Safe to run any number of times; changes nothing about a server that is already running.
+set -euo pipefail
+
+READY_TIMEOUT="${INBOXCTL_READY_TIMEOUT:-120}"
+log()  { printf '[services] %s\n' "$*"; }
+fail() { printf '[services] ERROR: %s\n' "$*" >&2; exit 1; }
+
+apt_updated=0
+apt_install() {
+  [ "$(id -u)" -eq 0 ] || fail "$* is missing; install it (root is needed) or point INBOXCTL_TEST_PG / INBOXCTL_TEST_AMQP elsewhere"
+  if [ "$apt_updated" -eq 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq || fail "apt-get update failed"
+    apt_updated=1
+  fi
+  log "installing $*"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null || fail "apt-get install $* failed"
+}
+
+wait_for() { # description, command...
+  local what=$1; shift
+  local deadline=$((SECONDS + READY_TIMEOUT))
+  until "$@" >/dev/null 2>&1; do
+    [ $SECONDS -lt $deadline ] || fail "$what not ready after ${READY_TIMEOUT}s"
+    sleep 1
+  done
+}
+
+# ---- PostgreSQL ----
+command -v pg_ctlcluster >/dev/null 2>&1 || apt_install postgresql
+if ! pg_isready -q -h 127.0.0.1 -p 5432; then
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  [ -n "$version" ] || fail "no PostgreSQL cluster in /etc/postgresql"
+  log "starting PostgreSQL $version/main"
+  pg_ctlcluster --skip-systemctl-redirect "$version" main start || fail "PostgreSQL did not start; see /var/log/postgresql/"
+fi
+wait_for "PostgreSQL on 127.0.0.1:5432" pg_isready -q -h 127.0.0.1 -p 5432
+log "PostgreSQL ready on 127.0.0.1:5432"
+
+# ---- RabbitMQ ----
+command -v rabbitmq-server >/dev/null 2>&1 || apt_install rabbitmq-server
+if ! timeout 20 rabbitmqctl -q status >/dev/null 2>&1; then
+  log "starting RabbitMQ"
+  rabbitmq-server -detached >/dev/null 2>&1 || true
+fi
+# await_startup returns at once while the node is still booting and not yet reachable: poll it.
+wait_for "RabbitMQ" timeout 30 rabbitmqctl -q await_startup
+log "RabbitMQ ready on 127.0.0.1:5672"
+
+# ---- tools the tests call ----
+command -v psql >/dev/null 2>&1 || apt_install postgresql-client
+command -v cargo-nextest >/dev/null 2>&1 || cargo nextest --version >/dev/null 2>&1 || fail "cargo-nextest is missing (cargo install cargo-nextest)"

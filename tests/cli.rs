@@ -1,0 +1,155 @@
+//! The binary's contract with people and scripts: help, exit codes, clear errors, no passwords in any output.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> common::Output {
+    let mut cmd = Command::new(common::BIN);
+    cmd.args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("AMQP_URL")
+        .env_remove("RUST_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    common::Output {
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+#[test]
+fn help_and_version_exit_zero() {
+    for args in [
+        &["--help"][..],
+        &["consume", "--help"],
+        &["migrate", "--help"],
+        &["publish", "parcel-created", "--help"],
+        &["--version"],
+    ] {
+        let out = run(args, &[]);
+        assert_eq!(out.code, Some(0), "{args:?}: {out:?}");
+        assert!(!out.stdout.is_empty());
+    }
+    let help = run(&["consume", "--help"], &[]).stdout;
+    for flag in [
+        "--queue",
+        "--consumer-type",
+        "--prefetch",
+        "--concurrency",
+        "--max-attempts",
+        "--exit-when-idle",
+        "--shutdown-timeout",
+        "--database-url",
+        "--amqp-url",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from consume --help");
+    }
+}
+
+#[test]
+fn bad_flags_and_values_are_usage_errors() {
+    for args in [
+        &["consume"][..],
+        &["consume", "shipping"],
+        &["consume", "carrier", "--concurrency", "0"],
+        &["consume", "carrier", "--exit-when-idle", "-5s"],
+        &["consume", "carrier", "--exit-when-idle", "soon"],
+        &["publish", "parcel-created", "--duplicates", "1.5"],
+        &["publish", "parcel-created", "--rate", "0"],
+        &["migrate", "--frobnicate"],
+    ] {
+        let out = run(args, &[]);
+        assert_eq!(out.code, Some(64), "{args:?}: {out:?}");
+        assert!(out.stderr.contains("error"), "{args:?}: {}", out.stderr);
+    }
+}
+
+#[test]
+fn an_unreachable_database_is_named_without_its_password() {
+    let secret = "Sup3rS3cretPw";
+    let url = format!("postgres://app:{secret}@127.0.0.1:1/parceltracker");
+    for args in [&["migrate"][..], &["consume", "carrier"], &["demo"]] {
+        let out = run(args, &[("DATABASE_URL", &url)]);
+        assert_eq!(out.code, Some(69), "{args:?}: {out:?}");
+        assert!(
+            out.stderr.contains(
+                "cannot connect to PostgreSQL at postgres://app:***@127.0.0.1:1/parceltracker"
+            ),
+            "{}",
+            out.stderr
+        );
+        assert!(
+            !out.stderr.contains(secret) && !out.stdout.contains(secret),
+            "{args:?}: {out:?}"
+        );
+    }
+    let help = run(&["--help"], &[("DATABASE_URL", &url)]);
+    assert!(
+        !help.stdout.contains(secret),
+        "--help must not show the environment's password"
+    );
+}
+
+#[test]
+fn an_unreachable_broker_is_named_without_its_password() {
+    let secret = "An0therS3cret";
+    let url = format!("amqp://app:{secret}@127.0.0.1:1/%2f");
+    let out = run(&["publish", "parcel-created"], &[("AMQP_URL", &url)]);
+    assert_eq!(out.code, Some(69), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("cannot connect to RabbitMQ at amqp://app:***@127.0.0.1:1/%2f"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains(secret));
+}
+
+#[test]
+fn a_malformed_url_is_a_usage_error_without_its_password() {
+    let out = run(
+        &["migrate"],
+        &[(
+            "DATABASE_URL",
+            "postgres://app:Pw0rdSecret@host:notaport/db",
+        )],
+    );
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("invalid --database-url"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("Pw0rdSecret"), "{}", out.stderr);
+}
+
+#[test]
+fn a_closed_stdout_is_not_a_crash() {
+    let mut child = Command::new(common::BIN)
+        .args(["migrate", "--dry-run"])
+        .env(
+            "DATABASE_URL",
+            format!(
+                "{}/inboxctl_never_created_{}",
+                common::pg_base(),
+                std::process::id()
+            ),
+        )
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,38 @@
+//! `inboxctl demo`: one line of JSON from the database, R = S = N, also on a second run against the same database
+//! and broker.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::TestEnv;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn demo_ends_with_one_effect_per_parcel_twice_in_a_row() {
+    let env = TestEnv::bare().await;
+    for run in 1..=2 {
+        let out = env.run(&["demo", "--parcels", "60", "--duplicates", "0.25"]);
+        assert_eq!(out.code, Some(0), "run {run}: {out:?}");
+        let lines: Vec<&str> = out.stdout.lines().collect();
+        assert_eq!(lines.len(), 1, "one line on stdout: {:?}", out.stdout);
+        let tally: serde_json::Value = serde_json::from_str(lines[0]).unwrap();
+        assert_eq!(tally["parcels"], 60, "run {run}");
+        assert_eq!(tally["carrier_reservations"], 60, "run {run}");
+        assert_eq!(tally["notifications_sent"], 60, "run {run}");
+        // 15 copies sent again, each discarded once by each of the two consumers.
+        assert_eq!(tally["duplicates_discarded"], 30, "run {run}");
+        assert!(tally["seconds"].as_f64().unwrap() > 0.0);
+    }
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        120
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT parcel_id) FROM notifications_sent"
+        )
+        .await,
+        120
+    );
+}

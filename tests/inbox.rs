@@ -1,0 +1,278 @@
+//! The claim protocol as a library, on real PostgreSQL: a copy waiting on an in-flight attempt, and any interleaving
+//! of copies and failures giving exactly one effect.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::TestEnv;
+use inboxctl::inbox::{ConsumerType, Inbox, Outcome, ProcessError, WorkError};
+use proptest::prelude::*;
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+async fn setup() -> (TestEnv, PgPool, Inbox) {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql("CREATE TABLE effects (message_id uuid NOT NULL, label text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = Inbox::new(pool.clone(), ConsumerType::new("trap-5").unwrap());
+    (env, pool, inbox)
+}
+
+async fn insert_effect(
+    tx: &mut sqlx::PgConnection,
+    id: Uuid,
+    label: &str,
+) -> Result<(), WorkError> {
+    sqlx::query("INSERT INTO effects VALUES ($1, $2)")
+        .bind(id)
+        .bind(label)
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// Starts a first attempt that claims `id`, writes its effect, and then holds its transaction open until told how
+/// to end: `true` to succeed, `false` to fail.
+async fn hold_first_attempt(
+    inbox: &Inbox,
+    id: Uuid,
+) -> (
+    oneshot::Sender<bool>,
+    tokio::task::JoinHandle<Result<Outcome<()>, ProcessError>>,
+) {
+    let (claimed_tx, claimed_rx) = oneshot::channel();
+    let (end_tx, end_rx) = oneshot::channel::<bool>();
+    let first = inbox.clone();
+    let task = tokio::spawn(async move {
+        first
+            .process(id, move |tx| {
+                Box::pin(async move {
+                    insert_effect(tx, id, "first").await?;
+                    claimed_tx.send(()).unwrap();
+                    if end_rx.await.unwrap() {
+                        Ok(())
+                    } else {
+                        Err(WorkError::msg("carrier API returned 503"))
+                    }
+                })
+            })
+            .await
+    });
+    claimed_rx.await.unwrap();
+    (end_tx, task)
+}
+
+/// Starts a second copy of `id` and waits until PostgreSQL shows it blocked on the first attempt's row lock.
+async fn second_copy_waiting(
+    env: &TestEnv,
+    pool: &PgPool,
+    inbox: &Inbox,
+    id: Uuid,
+) -> tokio::task::JoinHandle<Result<Outcome<()>, ProcessError>> {
+    let second = inbox.clone();
+    let task = tokio::spawn(async move {
+        second
+            .process(id, move |tx| Box::pin(insert_effect(tx, id, "second")))
+            .await
+    });
+    let db = env.db_name.clone();
+    common::eventually("the second copy waits on the first one's lock", Duration::from_secs(10), || {
+        let db = db.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+            )
+            .bind(db)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            waiting == 1
+        }
+    })
+    .await;
+    task
+}
+
+async fn effects(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar("SELECT label FROM effects ORDER BY label")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_waiting_on_an_attempt_that_rolls_back_does_the_work() {
+    let (env, pool, inbox) = setup().await;
+    let id = Uuid::new_v4();
+    let (end_first, first) = hold_first_attempt(&inbox, id).await;
+    let second = second_copy_waiting(&env, &pool, &inbox, id).await;
+
+    end_first.send(false).unwrap();
+    assert!(matches!(first.await.unwrap(), Err(ProcessError::Failed(_))));
+    assert_eq!(
+        second.await.unwrap().unwrap(),
+        Outcome::Processed(()),
+        "not dropped as a duplicate (trap 5)"
+    );
+    assert_eq!(effects(&pool).await, ["second"]);
+    let duplicates = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'",
+    )
+    .await;
+    assert_eq!(duplicates, 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_waiting_on_an_attempt_that_commits_is_a_duplicate() {
+    let (env, pool, inbox) = setup().await;
+    let id = Uuid::new_v4();
+    let (end_first, first) = hold_first_attempt(&inbox, id).await;
+    let second = second_copy_waiting(&env, &pool, &inbox, id).await;
+
+    end_first.send(true).unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Processed(()));
+    assert_eq!(second.await.unwrap().unwrap(), Outcome::Duplicate);
+    assert_eq!(effects(&pool).await, ["first"]);
+    let duplicates = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'",
+    )
+    .await;
+    assert_eq!(
+        duplicates, 1,
+        "the discard is counted in the transaction that made it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn scopes_are_separate_and_a_work_error_leaves_no_trace() {
+    let (_env, pool, inbox) = setup().await;
+    let other = Inbox::new(pool.clone(), ConsumerType::new("other").unwrap());
+    let id = Uuid::new_v4();
+    let failed = inbox
+        .process(id, move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, id, "failed").await?;
+                Err::<(), _>(WorkError::msg("no"))
+            })
+        })
+        .await;
+    assert!(matches!(failed, Err(ProcessError::Failed(_))));
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    for inbox in [&inbox, &other] {
+        let done = inbox
+            .process(id, move |tx| Box::pin(insert_effect(tx, id, "done")))
+            .await
+            .unwrap();
+        assert_eq!(done, Outcome::Processed(()));
+    }
+    assert_eq!(effects(&pool).await, ["done", "done"]);
+}
+
+/// One copy of a message: when it arrives (ms after the start) and whether its work fails.
+#[derive(Debug, Clone)]
+struct Copy {
+    delay_ms: u64,
+    work_ms: u64,
+    fails: bool,
+}
+
+fn copies() -> impl Strategy<Value = Vec<Copy>> {
+    prop::collection::vec(
+        (0u64..15, 0u64..10, prop::bool::weighted(0.3)).prop_map(|(delay_ms, work_ms, fails)| {
+            Copy {
+                delay_ms,
+                work_ms,
+                fails,
+            }
+        }),
+        1..8,
+    )
+}
+
+/// Any interleaving of concurrent copies, some of whose attempts fail, followed by redelivery of the failed ones:
+/// exactly one effect, and a duplicate counted for every copy that was discarded. One database for all cases; each
+/// case is a message id of its own.
+#[test]
+fn any_interleaving_of_copies_gives_one_effect() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (_env, pool, inbox) = runtime.block_on(setup());
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: 64,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    runner
+        .run(&copies(), |plan| {
+            runtime.block_on(async {
+                let id = Uuid::new_v4();
+                let tasks: Vec<_> = plan
+                    .iter()
+                    .cloned()
+                    .enumerate()
+                    .map(|(n, copy)| {
+                        let inbox = inbox.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(copy.delay_ms)).await;
+                            inbox
+                                .process(id, move |tx| {
+                                    Box::pin(async move {
+                                        insert_effect(tx, id, &format!("copy {n}")).await?;
+                                        tokio::time::sleep(Duration::from_millis(copy.work_ms)).await;
+                                        if copy.fails { Err(WorkError::msg("fails")) } else { Ok(()) }
+                                    })
+                                })
+                                .await
+                        })
+                    })
+                    .collect();
+                let (mut processed, mut duplicates, mut failed) = (0, 0, 0);
+                for task in tasks {
+                    match task.await.unwrap() {
+                        Ok(Outcome::Processed(())) => processed += 1,
+                        Ok(Outcome::Duplicate) => duplicates += 1,
+                        Err(ProcessError::Failed(_)) => failed += 1,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                // The broker delivers each failed copy again; once one committed, the rest are duplicates.
+                for _ in 0..failed {
+                    match inbox.process(id, move |tx| Box::pin(insert_effect(tx, id, "redelivered"))).await.unwrap() {
+                        Outcome::Processed(()) => processed += 1,
+                        Outcome::Duplicate => duplicates += 1,
+                    }
+                }
+                let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = $1")
+                    .bind(id)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                let counted: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = $1",
+                )
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                prop_assert_eq!(processed, 1, "{:?}", plan);
+                prop_assert_eq!(effects, 1);
+                prop_assert_eq!(counted, duplicates);
+                Ok(())
+            })
+        })
+        .unwrap();
+}

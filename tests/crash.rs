@@ -88,3 +88,51 @@ async fn killed_before_commit_the_redelivery_is_processed() {
     );
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn past_the_shutdown_timeout_in_flight_work_is_rolled_back_and_left_for_redelivery() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "Stuck"]);
+    // The stand-in carrier hangs for this parcel: its transaction stays open.
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier", "--shutdown-timeout", "1s"],
+        &[("INBOXCTL_FAILPOINTS", "carrier=pause@Stuck")],
+    );
+    consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    let asked = std::time::Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "the timeout bounds the stop"
+    );
+    assert!(
+        consumer.stderr().contains("shutdown timeout reached"),
+        "{}",
+        consumer.stderr()
+    );
+
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0,
+        "rolled back"
+    );
+    common::eventually(
+        "the message back on the queue",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE) == (1, 0) },
+    )
+    .await;
+    common::consume_until_idle(&env, &["carrier"]);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        1
+    );
+}

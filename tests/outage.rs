@@ -96,3 +96,76 @@ async fn postgres_down_mid_stream_nothing_is_acked_and_everything_is_processed_o
     );
     consumer.terminate();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_connection_lost_mid_stream_the_consumer_reconnects_and_nothing_repeats() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(
+        &env,
+        &["--count", &MESSAGES.to_string(), "--duplicates", "0.1"],
+    );
+    let proxy = Proxy::start("127.0.0.1:5672").await;
+    let proxied = format!("amqp://guest:guest@127.0.0.1:{}/{}", proxy.port, env.vhost);
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "2",
+            "--prefetch",
+            "8",
+        ],
+        &[("AMQP_URL", proxied.as_str())],
+    );
+    let pool = env.pool().await;
+    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
+    common::eventually(
+        "a first part processed",
+        Duration::from_secs(60),
+        || async { effects().await >= 50 },
+    )
+    .await;
+
+    proxy.cut();
+    consumer.wait_for_stderr("RabbitMQ connection lost", Duration::from_secs(30));
+    let during = effects().await;
+    assert!(
+        during < MESSAGES,
+        "the outage must come mid-stream ({during} done)"
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    proxy.restore();
+
+    common::eventually(
+        "every message processed after the reconnect",
+        Duration::from_secs(120),
+        || async { effects().await >= MESSAGES && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
+    )
+    .await;
+    assert_eq!(
+        effects().await,
+        MESSAGES,
+        "exactly once, redelivered in-flight messages included"
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
+        )
+        .await,
+        MESSAGES
+    );
+    assert!(consumer.stderr().contains("consuming"));
+    assert_eq!(
+        consumer.stderr().matches("consuming queue").count(),
+        2,
+        "one reconnect:\n{}",
+        consumer.stderr()
+    );
+    assert!(
+        !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
+        "nothing dead-lettered"
+    );
+    consumer.terminate();
+}

@@ -1,5 +1,6 @@
 //! One file per subcommand, each with its `Args` and one `run`.
 
+pub mod completions;
 pub mod consume;
 pub mod demo;
 pub mod migrate;
@@ -21,6 +22,8 @@ pub enum Command {
     Publish(publish::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
     Demo(demo::Args),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
+    Completions(completions::Args),
 }
 
 pub async fn run(
@@ -33,5 +36,6 @@ pub async fn run(
         Command::Consume(args) => consume::run(args, global, shutdown).await,
         Command::Publish(args) => publish::run(args, global).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
+        Command::Completions(args) => completions::run(&args),
     }
 }

@@ -1,0 +1,159 @@
+
+use builtin;
+use str;
+
+set edit:completion:arg-completer[inboxctl] = {|@words|
+    fn spaces {|n|
+        builtin:repeat $n ' ' | str:join ''
+    }
+    fn cand {|text desc|
+        edit:complex-candidate $text &display=$text' '(spaces (- 14 (wcswidth $text)))$desc
+    }
+    var command = 'inboxctl'
+    for word $words[1..-1] {
+        if (str:has-prefix $word '-') {
+            break
+        }
+        set command = $command';'$word
+    }
+    var completions = [
+        &'inboxctl'= {
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+            cand migrate 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+            cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+            cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+            cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+            cand help 'Print this message or the help of the given subcommand(s)'
+        }
+        &'inboxctl;migrate'= {
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand --dry-run 'Show what would be created and run, SQL included, and change nothing'
+            cand --json 'Print the result as JSON'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;consume'= {
+            cand --queue 'The queue to read (default: parcel-created-carrier or parcel-created-notification)'
+            cand --consumer-type 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)'
+            cand --prefetch 'Deliveries the broker may send ahead of acknowledgements'
+            cand --concurrency 'Messages processed at once'
+            cand --pool-size 'Most PostgreSQL connections (default: --concurrency)'
+            cand --max-attempts 'Attempts of a message whose processing fails, before it moves to <queue>_error'
+            cand --retry-delay 'Delay before the second attempt; doubles for each further one, up to 30s'
+            cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off'
+            cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)'
+            cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
+            cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help (see more with ''--help'')'
+            cand --help 'Print help (see more with ''--help'')'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;publish'= {
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+            cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
+            cand help 'Print this message or the help of the given subcommand(s)'
+        }
+        &'inboxctl;publish;parcel-created'= {
+            cand --count 'How many parcels'
+            cand --duplicates 'Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1'
+            cand --rate 'Messages per second, copies included (default: as fast as the broker confirms)'
+            cand --destination 'Every parcel''s destination (default: a rotation of cities)'
+            cand --exchange 'The exchange to publish to'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand --json 'Print the result as JSON'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;publish;help'= {
+            cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
+            cand help 'Print this message or the help of the given subcommand(s)'
+        }
+        &'inboxctl;publish;help;parcel-created'= {
+        }
+        &'inboxctl;publish;help;help'= {
+        }
+        &'inboxctl;demo'= {
+            cand --parcels 'Parcels to register (one ParcelCreatedEvent each)'
+            cand --duplicates 'Fraction of the events delivered twice (the same message id again), 0 to 1'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;completions'= {
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;help'= {
+            cand migrate 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+            cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+            cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+            cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+            cand help 'Print this message or the help of the given subcommand(s)'
+        }
+        &'inboxctl;help;migrate'= {
+        }
+        &'inboxctl;help;consume'= {
+        }
+        &'inboxctl;help;publish'= {
+            cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
+        }
+        &'inboxctl;help;publish;parcel-created'= {
+        }
+        &'inboxctl;help;demo'= {
+        }
+        &'inboxctl;help;completions'= {
+        }
+        &'inboxctl;help;help'= {
+        }
+    ]
+    $completions[$command]
+}

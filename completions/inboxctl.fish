@@ -1,0 +1,113 @@
+# Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
+function __fish_inboxctl_global_optspecs
+    string join \n database-url= amqp-url= v/verbose log-format= h/help V/version
+end
+
+function __fish_inboxctl_needs_command
+    # Figure out if the current invocation already has a command.
+    set -l cmd (commandline -opc)
+    set -e cmd[1]
+    argparse -s (__fish_inboxctl_global_optspecs) -- $cmd 2>/dev/null
+    or return
+    if set -q argv[1]
+        # Also print the command, so this can be used to figure out what it is.
+        echo $argv[1]
+        return 1
+    end
+    return 0
+end
+
+function __fish_inboxctl_using_subcommand
+    set -l cmd (__fish_inboxctl_needs_command)
+    test -z "$cmd"
+    and return 1
+    contains -- $cmd[1] $argv
+end
+
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l dry-run -d 'Show what would be created and run, SQL included, and change nothing'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l queue -d 'The queue to read (default: parcel-created-carrier or parcel-created-notification)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l consumer-type -d 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l prefetch -d 'Deliveries the broker may send ahead of acknowledgements' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l concurrency -d 'Messages processed at once' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l pool-size -d 'Most PostgreSQL connections (default: --concurrency)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l max-attempts -d 'Attempts of a message whose processing fails, before it moves to <queue>_error' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l retry-delay -d 'Delay before the second attempt; doubles for each further one, up to 30s' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim-timeout -d 'How long a copy waits for another process\'s in-flight attempt at the same message before it backs off' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exit-when-idle -d 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l shutdown-timeout -d 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help -d 'Print help (see more with \'--help\')'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l count -d 'How many parcels' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l duplicates -d 'Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l rate -d 'Messages per second, copies included (default: as fast as the broker confirms)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l destination -d 'Every parcel\'s destination (default: a rotation of cities)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from help" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l parcels -d 'Parcels to register (one ParcelCreatedEvent each)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l duplicates -d 'Fraction of the events delivered twice (the same message id again), 0 to 1' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and __fish_seen_subcommand_from publish" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

@@ -32,6 +32,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
             [CompletionResult]::new('migrate', 'migrate', [CompletionResultType]::ParameterValue, 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)')
             [CompletionResult]::new('consume', 'consume', [CompletionResultType]::ParameterValue, 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)')
+            [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
@@ -71,6 +72,25 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help (see more with ''--help'')')
             [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help (see more with ''--help'')')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;cleanup' {
+            [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late')
+            [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type (default: every one)')
+            [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Rows per DELETE; each batch is a short transaction of its own')
+            [CompletionResult]::new('--batch-pause', '--batch-pause', [CompletionResultType]::ParameterName, 'Rest between batches (e.g. 50ms), to leave the database room')
+            [CompletionResult]::new('--every', '--every', [CompletionResultType]::ParameterName, 'Keep running and clean on this schedule (e.g. 1h), as a sidecar or where there is no cron')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'Count what would be deleted; delete nothing')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON (one line per run)')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
             [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
             [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
             break
@@ -147,6 +167,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;help' {
             [CompletionResult]::new('migrate', 'migrate', [CompletionResultType]::ParameterValue, 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)')
             [CompletionResult]::new('consume', 'consume', [CompletionResultType]::ParameterValue, 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)')
+            [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
@@ -157,6 +178,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;help;consume' {
+            break
+        }
+        'inboxctl;help;cleanup' {
             break
         }
         'inboxctl;help;publish' {

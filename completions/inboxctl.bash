@@ -16,6 +16,9 @@ _inboxctl() {
             ",$1")
                 cmd="inboxctl"
                 ;;
+            inboxctl,cleanup)
+                cmd="inboxctl__subcmd__cleanup"
+                ;;
             inboxctl,completions)
                 cmd="inboxctl__subcmd__completions"
                 ;;
@@ -33,6 +36,9 @@ _inboxctl() {
                 ;;
             inboxctl,publish)
                 cmd="inboxctl__subcmd__publish"
+                ;;
+            inboxctl__subcmd__help,cleanup)
+                cmd="inboxctl__subcmd__help__subcmd__cleanup"
                 ;;
             inboxctl__subcmd__help,completions)
                 cmd="inboxctl__subcmd__help__subcmd__completions"
@@ -74,12 +80,58 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume publish demo completions help"
+            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup publish demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi
             case "${prev}" in
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__cleanup)
+            opts="-v -h -V --retention --consumer-type --batch-size --batch-pause --dry-run --every --json --database-url --amqp-url --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --retention)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --consumer-type)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --batch-size)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --batch-pause)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --every)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --database-url)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -230,8 +282,22 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help)
-            opts="migrate consume publish demo completions help"
+            opts="migrate consume cleanup publish demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__cleanup)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi

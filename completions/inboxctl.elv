@@ -29,6 +29,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --version 'Print version'
             cand migrate 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
             cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+            cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -66,6 +67,24 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand -h 'Print help (see more with ''--help'')'
             cand --help 'Print help (see more with ''--help'')'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;cleanup'= {
+            cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
+            cand --consumer-type 'Only this consumer_type (default: every one)'
+            cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'
+            cand --batch-pause 'Rest between batches (e.g. 50ms), to leave the database room'
+            cand --every 'Keep running and clean on this schedule (e.g. 1h), as a sidecar or where there is no cron'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand --dry-run 'Count what would be deleted; delete nothing'
+            cand --json 'Print the result as JSON (one line per run)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
             cand -V 'Print version'
             cand --version 'Print version'
         }
@@ -134,6 +153,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;help'= {
             cand migrate 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
             cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+            cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -142,6 +162,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;help;migrate'= {
         }
         &'inboxctl;help;consume'= {
+        }
+        &'inboxctl;help;cleanup'= {
         }
         &'inboxctl;help;publish'= {
             cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

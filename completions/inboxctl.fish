@@ -33,6 +33,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -s h -l help -d 'Print h
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -64,6 +65,20 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l retention -d 'Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l consumer-type -d 'Only this consumer_type (default: every one)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-size -d 'Rows per DELETE; each batch is a short transaction of its own' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-pause -d 'Rest between batches (e.g. 50ms), to leave the database room' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l every -d 'Keep running and clean on this schedule (e.g. 1h), as a sidecar or where there is no cron' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dry-run -d 'Count what would be deleted; delete nothing'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l json -d 'Print the result as JSON (one line per run)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
@@ -104,10 +119,11 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume publish demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and __fish_seen_subcommand_from publish" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

@@ -7,6 +7,7 @@
 //! - [`cmd`]: one module per subcommand.
 
 pub mod amqp;
+pub mod cleanup;
 pub mod cli;
 pub mod cmd;
 pub mod consumer;
@@ -21,6 +22,7 @@ pub mod producer;
 pub mod redact;
 pub mod sanitize;
 pub mod shutdown;
+pub mod table;
 
 pub use cli::Cli;
 pub use error::{Error, Outcome, Result};

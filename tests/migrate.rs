@@ -28,6 +28,10 @@ async fn schema_snapshot(pool: &PgPool) -> Vec<String> {
     rows
 }
 
+fn migrations() -> usize {
+    inboxctl::db::schema::migrator().iter().count()
+}
+
 async fn tables(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT tablename::text FROM pg_tables WHERE schemaname = 'public' ORDER BY 1",
@@ -61,7 +65,12 @@ async fn a_fresh_database_is_created_and_gets_the_schema() {
         "{}",
         out.stdout
     );
-    assert_eq!(out.stdout.matches("applied ").count(), 3, "{}", out.stdout);
+    assert_eq!(
+        out.stdout.matches("applied ").count(),
+        migrations(),
+        "{}",
+        out.stdout
+    );
 
     let pool = env.pool().await;
     assert_eq!(
@@ -83,6 +92,7 @@ async fn a_fresh_database_is_created_and_gets_the_schema() {
         "inbox_messages.processed_at timestamp with time zone",
         "constraint pk_inbox_messages PRIMARY KEY (id, consumer_type)",
         "index CREATE INDEX ix_inbox_messages_unprocessed ON public.inbox_messages USING btree (received_at) WHERE (processed_at IS NULL)",
+        "index CREATE INDEX ix_inbox_messages_consumer_type_processed_at ON public.inbox_messages USING btree (consumer_type, processed_at)",
     ] {
         assert!(
             snapshot.iter().any(|s| s == expected),
@@ -134,13 +144,19 @@ async fn two_runs_at_once_apply_each_migration_once() {
         );
         let applied =
             a.stdout().matches("applied ").count() + b.stdout().matches("applied ").count();
-        assert_eq!(applied, 3, "a:\n{}\nb:\n{}", a.stdout(), b.stdout());
+        assert_eq!(
+            applied,
+            migrations(),
+            "a:\n{}\nb:\n{}",
+            a.stdout(),
+            b.stdout()
+        );
         let created =
             a.stdout().matches(": created").count() + b.stdout().matches(": created").count();
         assert_eq!(created, 1, "a:\n{}\nb:\n{}", a.stdout(), b.stdout());
         let pool = env.pool().await;
         let versions: i64 = common::count(&pool, "SELECT count(*) FROM inboxctl_migrations").await;
-        assert_eq!(versions, 3);
+        assert_eq!(versions, migrations() as i64);
         pool.close().await;
     }
 }
@@ -180,11 +196,17 @@ async fn an_ef_core_table_with_rows_is_adopted_untouched() {
 
     let rows_after: String = sqlx::query_scalar(rows).fetch_one(&pool).await.unwrap();
     assert_eq!(rows_after, rows_before);
+    let added = "index CREATE INDEX ix_inbox_messages_consumer_type_processed_at ON public.inbox_messages USING btree (consumer_type, processed_at)";
     let inbox_after: Vec<String> = schema_snapshot(&pool)
         .await
         .into_iter()
         .filter(|s| s.contains("inbox_messages"))
         .collect();
+    assert!(
+        inbox_after.iter().any(|s| s == added),
+        "the cleanup index is added beside: {inbox_after:#?}"
+    );
+    let inbox_after: Vec<String> = inbox_after.into_iter().filter(|s| s != added).collect();
     assert_eq!(
         inbox_after, inbox_before,
         "the EF Core table (its \"PK_inbox_messages\" key included) is kept as it is"
@@ -266,7 +288,7 @@ async fn dry_run_shows_the_sql_and_creates_nothing() {
         "{}",
         out.stdout
     );
-    assert_eq!(out.stdout.matches("would apply ").count(), 3);
+    assert_eq!(out.stdout.matches("would apply ").count(), migrations());
     assert!(!database_exists(&env.db_name).await);
 
     assert_eq!(env.run(&["migrate"]).code, Some(0));
@@ -274,4 +296,31 @@ async fn dry_run_shows_the_sql_and_creates_nothing() {
     let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(report["migrations"].as_array().map(Vec::len), Some(0));
     assert_eq!(report["dry_run"], true);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_invalid_index_left_by_an_interrupted_build_is_rebuilt() {
+    let env = TestEnv::bare().await;
+    assert_eq!(env.run(&["migrate"]).code, Some(0));
+    let pool = env.pool().await;
+    // What an interrupted CREATE INDEX CONCURRENTLY leaves: the index there but invalid, the migration unrecorded.
+    sqlx::raw_sql(
+        "UPDATE pg_index SET indisvalid = false
+         WHERE indexrelid = 'ix_inbox_messages_consumer_type_processed_at'::regclass;
+         DELETE FROM inboxctl_migrations WHERE version = 20261201000004;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let valid = "SELECT count(*) FROM pg_index WHERE indexrelid = 'ix_inbox_messages_consumer_type_processed_at'::regclass AND indisvalid";
+    assert_eq!(common::count(&pool, valid).await, 0);
+
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr.contains("dropping an invalid index"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(common::count(&pool, valid).await, 1, "rebuilt, valid");
 }

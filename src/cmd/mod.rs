@@ -1,5 +1,6 @@
 //! One file per subcommand, each with its `Args` and one `run`.
 
+pub mod cleanup;
 pub mod completions;
 pub mod consume;
 pub mod demo;
@@ -18,6 +19,8 @@ pub enum Command {
     Migrate(migrate::Args),
     /// Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)
     Consume(consume::Args),
+    /// Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)
+    Cleanup(cleanup::Args),
     /// Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)
     Publish(publish::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
@@ -34,6 +37,7 @@ pub async fn run(
     match command {
         Command::Migrate(args) => migrate::run(args, global).await,
         Command::Consume(args) => consume::run(args, global, shutdown).await,
+        Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
         Command::Publish(args) => publish::run(args, global).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),

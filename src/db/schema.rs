@@ -16,6 +16,10 @@ pub const MIGRATIONS_TABLE: &str = "inboxctl_migrations";
 /// Key of the advisory lock that serialises `migrate` runs on one database.
 const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
+/// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
+/// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
+const CONCURRENT_INDEXES: [&str; 1] = ["ix_inbox_messages_consumer_type_processed_at"];
+
 /// The migrations in `migrations/`, embedded in the binary.
 pub fn migrator() -> Migrator {
     let mut migrator = sqlx::migrate!();
@@ -67,10 +71,18 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
     let created = !exists && create_database(db, &database).await?;
 
     let mut conn = db.connect().await?;
-    sqlx::query(sql::MIGRATE_LOCK)
+    let mut waiting = false;
+    while !sqlx::query_scalar::<_, bool>(sql::MIGRATE_TRY_LOCK)
         .bind(MIGRATE_LOCK_KEY)
-        .execute(&mut conn)
-        .await?;
+        .fetch_one(&mut conn)
+        .await?
+    {
+        if !waiting {
+            tracing::info!(database = %database, "another migrate is running; waiting for it");
+            waiting = true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     let result = migrate_locked(&mut conn, &migrator, &database, dry_run).await;
     // The lock is released with the connection too; unlocking explicitly just frees it sooner.
     let _ = sqlx::query(sql::MIGRATE_UNLOCK)
@@ -108,6 +120,7 @@ async fn migrate_locked(
         .map(info)
         .collect();
     if !dry_run && !pending.is_empty() {
+        drop_invalid_indexes(conn).await?;
         migrator.run_direct(None, conn, false).await?;
     }
     Ok(MigrateReport {
@@ -117,6 +130,20 @@ async fn migrate_locked(
         migrations: pending,
         dry_run,
     })
+}
+
+async fn drop_invalid_indexes(conn: &mut PgConnection) -> Result<()> {
+    let invalid: Vec<String> = sqlx::query_scalar(sql::INVALID_INBOX_INDEXES)
+        .bind(&CONCURRENT_INDEXES[..])
+        .fetch_all(&mut *conn)
+        .await?;
+    for name in invalid {
+        tracing::warn!(index = %name, "dropping an invalid index left by an interrupted build");
+        sqlx::query(AssertSqlSafe(sql::drop_index_concurrently(&name)))
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
 }
 
 fn first_version(migrator: &Migrator) -> i64 {

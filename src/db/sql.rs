@@ -65,9 +65,21 @@ GROUP BY c.conname";
 pub const APPLIED_MIGRATIONS: &str =
     "SELECT version FROM inboxctl_migrations WHERE success ORDER BY version";
 
-/// Serialises `migrate` runs against one database: one applies, the others wait and then find nothing to do.
-pub const MIGRATE_LOCK: &str = "SELECT pg_advisory_lock($1)";
+/// Serialises `migrate` runs against one database: one applies, the others wait and then find nothing to do. Taken
+/// with a try in a loop, not a blocking wait: a session blocked in a statement holds a snapshot, and
+/// `CREATE INDEX CONCURRENTLY` in the other run would wait for that snapshot while it waits for the lock.
+pub const MIGRATE_TRY_LOCK: &str = "SELECT pg_try_advisory_lock($1)";
 pub const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock($1)";
+
+/// Indexes on `inbox_messages` left invalid by an interrupted `CREATE INDEX CONCURRENTLY`. `$1` index names.
+pub const INVALID_INBOX_INDEXES: &str = "\
+SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.relname = ANY($1)";
+
+/// `DROP INDEX CONCURRENTLY` of an index name known to inboxctl (never one taken from input).
+pub fn drop_index_concurrently(name: &str) -> String {
+    format!("DROP INDEX CONCURRENTLY IF EXISTS {}", quote_ident(name))
+}
 
 /// Whether a database exists. `$1` name.
 pub const DATABASE_EXISTS: &str = "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)";
@@ -84,6 +96,59 @@ pub const COUNT_NOTIFICATIONS_SENT_FOR: &str =
 /// Duplicates discarded for a set of message ids. `$1` message ids.
 pub const COUNT_DUPLICATES_FOR: &str =
     "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = ANY($1)";
+
+/// The cleanup's cutoff, on the database's clock. `$1` retention in seconds.
+pub const CUTOFF: &str = "SELECT now() - make_interval(secs => $1)";
+
+/// Every consumer_type with inbox rows, events or a registration. The inbox and the events are walked with a loose
+/// index scan (one index probe per distinct value), not a scan of every row.
+pub const CONSUMER_TYPES: &str = "\
+WITH RECURSIVE inbox AS (
+    (SELECT consumer_type FROM inbox_messages ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT i.consumer_type FROM inbox_messages i
+            WHERE i.consumer_type > inbox.consumer_type ORDER BY i.consumer_type LIMIT 1)
+    FROM inbox WHERE inbox.consumer_type IS NOT NULL
+), events AS (
+    (SELECT consumer_type FROM inboxctl_events ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.consumer_type FROM inboxctl_events e
+            WHERE e.consumer_type > events.consumer_type ORDER BY e.consumer_type LIMIT 1)
+    FROM events WHERE events.consumer_type IS NOT NULL
+)
+SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL
+UNION SELECT consumer_type::text FROM events WHERE consumer_type IS NOT NULL
+UNION SELECT consumer_type::text FROM inboxctl_consumers
+ORDER BY 1";
+
+/// One cleanup batch: at most `$3` processed rows of consumer_type `$1` older than `$2`, found through
+/// `(consumer_type, processed_at)` and locked with SKIP LOCKED so that two cleanups never wait on each other.
+/// Unprocessed rows (`processed_at IS NULL`) never match.
+pub const DELETE_PROCESSED_BATCH: &str = "\
+DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM inbox_messages
+    WHERE consumer_type = $1 AND processed_at < $2
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED))";
+
+/// The same for inboxctl's own event rows.
+pub const DELETE_EVENTS_BATCH: &str = "\
+DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM inboxctl_events
+    WHERE consumer_type = $1 AND occurred_at < $2
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED))";
+
+/// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
+pub const COUNT_PROCESSED_BEFORE: &str =
+    "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < $2";
+pub const COUNT_EVENTS_BEFORE: &str =
+    "SELECT count(*) FROM inboxctl_events WHERE consumer_type = $1 AND occurred_at < $2";
+
+/// Rows received before the cutoff and never processed, and the oldest of them. `$1` consumer_type, `$2` cutoff.
+pub const UNPROCESSED_BEFORE: &str = "\
+SELECT count(*), min(received_at) FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
 
 /// `CREATE DATABASE` cannot take its name as a parameter; the name is quoted as an identifier instead.
 pub fn create_database(name: &str) -> String {

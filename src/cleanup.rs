@@ -1,0 +1,185 @@
+//! Purging the inbox: processed rows older than the retention window, in small batches, never an unprocessed row.
+//!
+//! Each batch is one `DELETE` of at most `batch_size` rows found through `(consumer_type, processed_at)` and locked
+//! with `FOR UPDATE SKIP LOCKED`, in a transaction of its own: consumers never wait on a cleanup for longer than one
+//! batch, two cleanups at once take different rows (neither waits on the other, nor deletes twice), and an interrupted
+//! cleanup leaves every batch either done or not begun.
+
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use crate::db::sql;
+use crate::error::Result;
+
+/// What to clean.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub retention: Duration,
+    /// One consumer_type, or all of them.
+    pub consumer_type: Option<String>,
+    pub batch_size: i64,
+    /// Rest between batches, to leave the database room on a busy day.
+    pub batch_pause: Duration,
+    /// Count only; delete nothing.
+    pub dry_run: bool,
+}
+
+/// One consumer_type's share of a cleanup.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ConsumerReport {
+    pub consumer_type: String,
+    /// Processed inbox rows older than the cutoff that were deleted (with `dry_run`: that would be).
+    pub deleted: u64,
+    /// inboxctl's own event rows older than the cutoff deleted (or that would be).
+    pub events_deleted: u64,
+    /// Rows received before the cutoff and never processed: kept, and a warning.
+    pub unprocessed_older: u64,
+    pub oldest_unprocessed: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub retention_seconds: u64,
+    pub cutoff: DateTime<Utc>,
+    pub dry_run: bool,
+    /// Stopped by a signal before the end; what was deleted stays deleted.
+    pub interrupted: bool,
+    pub consumers: Vec<ConsumerReport>,
+    pub deleted: u64,
+    pub events_deleted: u64,
+    pub seconds: f64,
+    pub rows_per_second: f64,
+}
+
+/// Progress after each batch: the consumer_type at hand and the rows deleted so far in this run.
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    pub consumer_type: &'a str,
+    pub deleted: u64,
+    pub elapsed: Duration,
+}
+
+/// Runs one cleanup. Stops between two batches when `shutdown` is cancelled.
+pub async fn run(
+    pool: &PgPool,
+    plan: &Plan,
+    shutdown: &CancellationToken,
+    mut progress: impl FnMut(Progress<'_>),
+) -> Result<Report> {
+    let started = Instant::now();
+    let cutoff: DateTime<Utc> = sqlx::query_scalar(sql::CUTOFF)
+        .bind(plan.retention.as_secs_f64())
+        .fetch_one(pool)
+        .await?;
+    let consumer_types = match &plan.consumer_type {
+        Some(one) => vec![one.clone()],
+        None => {
+            sqlx::query_scalar(sql::CONSUMER_TYPES)
+                .fetch_all(pool)
+                .await?
+        }
+    };
+
+    let mut consumers = Vec::with_capacity(consumer_types.len());
+    let mut deleted_total = 0;
+    let mut interrupted = false;
+    for consumer_type in consumer_types {
+        let mut report = ConsumerReport {
+            consumer_type: consumer_type.clone(),
+            ..ConsumerReport::default()
+        };
+        let (unprocessed, oldest): (i64, Option<DateTime<Utc>>) =
+            sqlx::query_as(sql::UNPROCESSED_BEFORE)
+                .bind(&consumer_type)
+                .bind(cutoff)
+                .fetch_one(pool)
+                .await?;
+        report.unprocessed_older = unprocessed.unsigned_abs();
+        report.oldest_unprocessed = oldest;
+
+        if plan.dry_run {
+            report.deleted =
+                count(pool, sql::COUNT_PROCESSED_BEFORE, &consumer_type, cutoff).await?;
+            report.events_deleted =
+                count(pool, sql::COUNT_EVENTS_BEFORE, &consumer_type, cutoff).await?;
+        } else {
+            for (statement, total) in [
+                (sql::DELETE_PROCESSED_BATCH, &mut report.deleted),
+                (sql::DELETE_EVENTS_BATCH, &mut report.events_deleted),
+            ] {
+                loop {
+                    if shutdown.is_cancelled() {
+                        interrupted = true;
+                        break;
+                    }
+                    let batch = sqlx::query(statement)
+                        .bind(&consumer_type)
+                        .bind(cutoff)
+                        .bind(plan.batch_size)
+                        .execute(pool)
+                        .await?
+                        .rows_affected();
+                    *total += batch;
+                    if statement == sql::DELETE_PROCESSED_BATCH {
+                        deleted_total += batch;
+                    }
+                    progress(Progress {
+                        consumer_type: &consumer_type,
+                        deleted: deleted_total,
+                        elapsed: started.elapsed(),
+                    });
+                    // Zero means done, or that what is left is locked by another cleanup, which will delete it.
+                    if batch == 0 {
+                        break;
+                    }
+                    if !plan.batch_pause.is_zero() {
+                        tokio::select! {
+                            () = shutdown.cancelled() => {}
+                            () = tokio::time::sleep(plan.batch_pause) => {}
+                        }
+                    }
+                }
+            }
+        }
+        consumers.push(report);
+        if interrupted {
+            break;
+        }
+    }
+
+    let seconds = started.elapsed().as_secs_f64();
+    let deleted = consumers.iter().map(|c| c.deleted).sum::<u64>();
+    Ok(Report {
+        retention_seconds: plan.retention.as_secs(),
+        cutoff,
+        dry_run: plan.dry_run,
+        interrupted,
+        events_deleted: consumers.iter().map(|c| c.events_deleted).sum(),
+        consumers,
+        deleted,
+        seconds,
+        rows_per_second: if plan.dry_run || seconds == 0.0 {
+            0.0
+        } else {
+            deleted as f64 / seconds
+        },
+    })
+}
+
+async fn count(
+    pool: &PgPool,
+    statement: &'static str,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> Result<u64> {
+    let n: i64 = sqlx::query_scalar(statement)
+        .bind(consumer_type)
+        .bind(cutoff)
+        .fetch_one(pool)
+        .await?;
+    Ok(n.unsigned_abs())
+}

@@ -1,0 +1,194 @@
+//! `inboxctl cleanup --retention <duration>`: purge processed inbox rows older than the window, in small batches.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::cleanup::{self, Plan, Progress, Report};
+use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
+use crate::db::{Database, schema};
+use crate::error::{Error, Outcome, Result};
+use crate::inbox::ConsumerType;
+use crate::{output, sanitize, table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while
+    /// its row exists, so make it longer than any redelivery or replay can come late
+    #[arg(long, value_parser = parse_positive_duration)]
+    pub retention: Duration,
+
+    /// Only this consumer_type (default: every one)
+    #[arg(long)]
+    pub consumer_type: Option<String>,
+
+    /// Rows per DELETE; each batch is a short transaction of its own
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub batch_size: i64,
+
+    /// Rest between batches (e.g. 50ms), to leave the database room
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub batch_pause: Duration,
+
+    /// Count what would be deleted; delete nothing
+    #[arg(long)]
+    pub dry_run: bool,
+
+    /// Keep running and clean on this schedule (e.g. 1h), as a sidecar or where there is no cron
+    #[arg(long, value_parser = parse_positive_duration)]
+    pub every: Option<Duration>,
+
+    /// Print the result as JSON (one line per run)
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    if let Some(consumer_type) = &args.consumer_type {
+        ConsumerType::new(consumer_type.as_str())
+            .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
+    }
+    let db = Database::from_url(&global.connect.database_url)?;
+    let pool = db.pool(2).await?;
+    {
+        let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
+        if !schema::table_exists(&mut conn, "inboxctl_events").await? {
+            return Err(Error::SchemaMissing {
+                database: db.name(),
+            });
+        }
+    }
+    let plan = Plan {
+        retention: args.retention,
+        consumer_type: args.consumer_type.clone(),
+        batch_size: args.batch_size,
+        batch_pause: args.batch_pause,
+        dry_run: args.dry_run,
+    };
+    let show_progress = !args.json && !args.dry_run && std::io::stderr().is_terminal();
+
+    loop {
+        let mut meter = ProgressLine::new(show_progress);
+        let report = cleanup::run(&pool, &plan, &shutdown, |p| meter.update(p)).await?;
+        meter.finish();
+        warn_unprocessed(&report, args.retention);
+        if args.json {
+            output::json(&report)?;
+        } else {
+            print(&report, args.retention)?;
+        }
+        if report.interrupted {
+            return Ok(Outcome::Partial);
+        }
+        let Some(every) = args.every else {
+            return Ok(Outcome::Done);
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(Outcome::Done),
+            () = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+fn warn_unprocessed(report: &Report, retention: Duration) {
+    for c in report.consumers.iter().filter(|c| c.unprocessed_older > 0) {
+        tracing::warn!(
+            consumer_type = %sanitize::text(&c.consumer_type),
+            unprocessed = c.unprocessed_older,
+            oldest = ?c.oldest_unprocessed,
+            "{} messages were received more than {} ago and never processed (kept): a stuck consumer, or a filter that never sets processed_at",
+            c.unprocessed_older,
+            humantime::format_duration(retention)
+        );
+    }
+}
+
+fn print(report: &Report, retention: Duration) -> Result<()> {
+    let verb = if report.dry_run {
+        "would delete"
+    } else {
+        "deleted"
+    };
+    let window = humantime::format_duration(retention).to_string();
+    let mut t = table::new(&[
+        "consumer_type",
+        &format!("rows {verb}"),
+        &format!("events {verb}"),
+        &format!("unprocessed older than {window}"),
+        "oldest unprocessed",
+    ]);
+    for c in &report.consumers {
+        t.add_row(vec![
+            table::text(&c.consumer_type),
+            c.deleted.into(),
+            c.events_deleted.into(),
+            c.unprocessed_older.into(),
+            c.oldest_unprocessed
+                .map(|t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string())
+                .unwrap_or_default()
+                .into(),
+        ]);
+    }
+    output::line(&t.to_string())?;
+    let mut summary = format!(
+        "cutoff {} (retention {window}): {verb} {} rows and {} events",
+        report.cutoff.format("%Y-%m-%d %H:%M:%S UTC"),
+        report.deleted,
+        report.events_deleted
+    );
+    if !report.dry_run {
+        summary.push_str(&format!(
+            " in {:.1}s ({:.0} rows/s)",
+            report.seconds, report.rows_per_second
+        ));
+    }
+    if report.interrupted {
+        summary.push_str("; interrupted: every batch either completed or did not start, and the rest is left for the next run");
+    }
+    output::line(&summary)
+}
+
+/// One line on stderr, rewritten in place, only on a terminal.
+struct ProgressLine {
+    enabled: bool,
+    last: Option<Instant>,
+    shown: bool,
+}
+
+impl ProgressLine {
+    fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            last: None,
+            shown: false,
+        }
+    }
+
+    fn update(&mut self, p: Progress<'_>) {
+        if !self.enabled
+            || self
+                .last
+                .is_some_and(|t| t.elapsed() < Duration::from_millis(200))
+        {
+            return;
+        }
+        self.last = Some(Instant::now());
+        let rate = p.deleted as f64 / p.elapsed.as_secs_f64().max(0.001);
+        let mut err = std::io::stderr().lock();
+        let _ = write!(
+            err,
+            "\r\x1b[2Kcleaning {}: {} rows deleted ({rate:.0} rows/s)",
+            sanitize::text(p.consumer_type),
+            p.deleted
+        );
+        let _ = err.flush();
+        self.shown = true;
+    }
+
+    fn finish(&mut self) {
+        if self.shown {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        }
+    }
+}

@@ -1,0 +1,395 @@
+//! `inboxctl cleanup` against real PostgreSQL: exactly the processed rows past the window go, in batches, never an
+//! unprocessed one; two at once; a million rows while a consumer keeps working; interrupted cleanly.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{CARRIER_QUEUE, TestEnv};
+use sqlx::PgPool;
+
+/// `n` inbox rows of `consumer_type`, received and (unless `unprocessed`) processed `age` ago.
+async fn seed(pool: &PgPool, consumer_type: &str, n: i64, age: &str, unprocessed: bool) {
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         SELECT gen_random_uuid(), $1, now() - $2::interval,
+                CASE WHEN $4 THEN NULL ELSE now() - $2::interval END
+         FROM generate_series(1, $3)",
+    )
+    .bind(consumer_type)
+    .bind(age)
+    .bind(n)
+    .bind(unprocessed)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn seed_events(pool: &PgPool, consumer_type: &str, n: i64, age: &str) {
+    sqlx::query(
+        "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at)
+         SELECT $1, 'duplicate', gen_random_uuid(), now() - $2::interval FROM generate_series(1, $3)",
+    )
+    .bind(consumer_type)
+    .bind(age)
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Rows per (consumer_type, state) where state is old/new × processed/unprocessed, as "type state count" lines.
+async fn census(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT format('%s %s %s', consumer_type, state, count(*)) FROM (
+             SELECT consumer_type,
+                    CASE WHEN processed_at IS NULL THEN 'unprocessed' ELSE 'processed' END
+                    || CASE WHEN received_at < now() - interval '7 days' THEN '-old' ELSE '-new' END AS state
+             FROM inbox_messages) t
+         GROUP BY consumer_type, state ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+async fn seed_both(pool: &PgPool) {
+    for (ct, old, new, stuck) in [("alpha", 120, 30, 7), ("beta", 45, 10, 3)] {
+        seed(pool, ct, old, "8 days", false).await;
+        seed(pool, ct, new, "6 days 23 hours", false).await;
+        seed(pool, ct, stuck, "9 days", true).await;
+        seed_events(pool, ct, 5, "8 days").await;
+        seed_events(pool, ct, 2, "1 hour").await;
+    }
+}
+
+fn json(out: &common::Output) -> serde_json::Value {
+    assert_eq!(out.code, Some(0), "{out:?}");
+    serde_json::from_str(out.stdout.trim()).unwrap_or_else(|e| panic!("{e}: {}", out.stdout))
+}
+
+fn consumer<'a>(report: &'a serde_json::Value, name: &str) -> &'a serde_json::Value {
+    report["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == name)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exactly_the_processed_rows_past_the_window_go() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed_both(&pool).await;
+    let before = census(&pool).await;
+
+    // --dry-run: the same counts, nothing deleted.
+    let dry = json(&env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--dry-run",
+        "--json",
+        "--batch-size",
+        "50",
+    ]));
+    assert_eq!(census(&pool).await, before, "a dry run changes nothing");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_events").await,
+        14
+    );
+
+    let out = env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--json",
+        "--batch-size",
+        "50",
+    ]);
+    let report = json(&out);
+    for (ct, old, stuck) in [("alpha", 120, 7), ("beta", 45, 3)] {
+        for r in [&report, &dry] {
+            let c = consumer(r, ct);
+            assert_eq!(c["deleted"], old, "{ct}");
+            assert_eq!(c["events_deleted"], 5, "{ct}");
+            assert_eq!(c["unprocessed_older"], stuck, "{ct}: the warning's count");
+        }
+        assert!(
+            out.stderr.contains(&format!(
+                "{stuck} messages were received more than 7days ago and never processed"
+            )),
+            "{}",
+            out.stderr
+        );
+    }
+    assert_eq!(report["deleted"], 165);
+    assert_eq!(report["interrupted"], false);
+    assert_eq!(
+        census(&pool).await,
+        [
+            "alpha processed-new 30",
+            "alpha unprocessed-old 7",
+            "beta processed-new 10",
+            "beta unprocessed-old 3"
+        ],
+        "old processed rows gone; newer and unprocessed rows kept"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_events").await,
+        4,
+        "old events pruned too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn one_consumer_type_only() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed_both(&pool).await;
+    let report = json(&env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--consumer-type",
+        "beta",
+        "--json",
+    ]));
+    assert_eq!(report["consumers"].as_array().unwrap().len(), 1);
+    assert_eq!(consumer(&report, "beta")["deleted"], 45);
+    assert_eq!(
+        census(&pool).await,
+        [
+            "alpha processed-new 30",
+            "alpha processed-old 120",
+            "alpha unprocessed-old 7",
+            "beta processed-new 10",
+            "beta unprocessed-old 3"
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_table_for_people_names_each_consumer_type_inertly() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(
+        &pool,
+        "evil\u{1b}]0;owned\u{7}\u{1b}[2J",
+        3,
+        "9 days",
+        false,
+    )
+    .await;
+    let out = env.run(&["cleanup", "--retention", "7d"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stdout.contains("evil\\u{1b}]0;owned\\u{7}\\u{1b}[2J"),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        !out.stdout.contains('\u{1b}') && !out.stderr.contains('\u{1b}'),
+        "no raw escape reaches the terminal"
+    );
+    assert!(out.stdout.contains("deleted 3 rows"), "{}", out.stdout);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn two_cleanups_at_once_delete_exactly_the_expected_rows() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    for ct in ["alpha", "beta", "gamma"] {
+        seed(&pool, ct, 40_000, "10 days", false).await;
+        seed(&pool, ct, 1_000, "1 day", false).await;
+    }
+    let args = [
+        "cleanup",
+        "--retention",
+        "7d",
+        "--batch-size",
+        "500",
+        "--json",
+    ];
+    let mut a = env.spawn(&args);
+    let mut b = env.spawn(&args);
+    assert_eq!(a.wait(Duration::from_secs(120)), Some(0), "{}", a.stderr());
+    assert_eq!(b.wait(Duration::from_secs(120)), Some(0), "{}", b.stderr());
+    let deleted = |out: String| -> u64 {
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["deleted"]
+            .as_u64()
+            .unwrap()
+    };
+    let (da, db) = (deleted(a.stdout()), deleted(b.stdout()));
+    assert_eq!(
+        da + db,
+        120_000,
+        "together exactly the old rows, none twice ({da} + {db})"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        3_000
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_retentions_are_usage_errors() {
+    let env = TestEnv::migrated().await;
+    for bad in ["0", "0s", "-1d", "soon", "7"] {
+        let out = env.run(&["cleanup", "--retention", bad]);
+        assert_eq!(out.code, Some(64), "{bad}: {out:?}");
+    }
+    let out = env.run(&["cleanup"]);
+    assert_eq!(out.code, Some(64), "--retention is required: {out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn interrupted_it_stops_after_the_current_batch_and_says_so() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(&pool, "alpha", 5_000, "8 days", false).await;
+    let mut cleanup = env.spawn(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--batch-size",
+        "100",
+        "--batch-pause",
+        "100ms",
+        "--json",
+    ]);
+    common::eventually("some batches done", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await <= 4_700
+    })
+    .await;
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &cleanup.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert_eq!(
+        cleanup.wait(Duration::from_secs(30)),
+        Some(3),
+        "partial: {}",
+        cleanup.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert_eq!(report["interrupted"], true);
+    let left = common::count(&pool, "SELECT count(*) FROM inbox_messages").await;
+    assert!(left > 0, "it stopped early");
+    assert_eq!(
+        report["deleted"].as_i64().unwrap(),
+        5_000 - left,
+        "the report counts what is gone"
+    );
+    assert_eq!((5_000 - left) % 100, 0, "whole batches only");
+}
+
+/// A million deletable rows purged while a consumer processes a steady stream: no error, and no gap of more than
+/// 2 s between its effects.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_million_rows_while_a_consumer_keeps_working() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    for ct in [CARRIER_QUEUE, "other-a", "other-b", "other-c"] {
+        seed(&pool, ct, 250_000, "10 days", false).await;
+    }
+    let consumer = env.spawn(&["consume", "carrier", "--concurrency", "4"]);
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    // A steady 20 messages/s, for longer than the cleanup takes; stopped once it is done.
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "3000",
+        "--rate",
+        "20",
+    ]);
+    common::eventually("the consumer at work", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 20
+    })
+    .await;
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    let report = json(&out);
+    assert_eq!(report["deleted"], 1_000_000);
+    let window: (chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) =
+        sqlx::query_as("SELECT now() - make_interval(secs => $1), now()")
+            .bind(report["seconds"].as_f64().unwrap())
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        publisher.child.try_wait().unwrap().is_none(),
+        "the stream outlasted the cleanup"
+    );
+    publisher.kill();
+
+    // The longest pause between two effects while the cleanup ran (and from its start and to its end).
+    let gap: f64 = sqlx::query_scalar(
+        "WITH t AS (SELECT reserved_at FROM carrier_reservations WHERE reserved_at BETWEEN $1 AND $2
+                    UNION ALL SELECT $1 UNION ALL SELECT $2)
+         SELECT COALESCE(max(extract(epoch FROM d)), 0)::float8 FROM (
+             SELECT reserved_at - lag(reserved_at) OVER (ORDER BY reserved_at) AS d FROM t) g",
+    )
+    .bind(window.0)
+    .bind(window.1)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    eprintln!(
+        "cleanup of 1M rows: {:.1}s, {:.0} rows/s; longest gap between effects {gap:.2}s",
+        report["seconds"], report["rows_per_second"]
+    );
+    assert!(
+        gap <= 2.0,
+        "a gap of {gap:.2}s between effects during the cleanup"
+    );
+    assert!(
+        !consumer.stderr().contains("ERROR"),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(&pool, "alpha", 10, "2 hours", false).await;
+    let mut sidecar = env.spawn(&["cleanup", "--retention", "1h", "--every", "500ms", "--json"]);
+    common::eventually("the first round", Duration::from_secs(20), || async {
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await == 0
+    })
+    .await;
+    // Rows that age past the window later are taken by a later round.
+    seed(&pool, "beta", 7, "3 hours", false).await;
+    common::eventually("a later round", Duration::from_secs(20), || async {
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await == 0
+    })
+    .await;
+    sidecar.terminate();
+    assert_eq!(
+        sidecar.wait(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        sidecar.stderr()
+    );
+    let rounds: Vec<serde_json::Value> = sidecar
+        .stdout()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(rounds.len() >= 2, "{rounds:?}");
+    assert_eq!(
+        rounds
+            .iter()
+            .map(|r| r["deleted"].as_u64().unwrap())
+            .sum::<u64>(),
+        17
+    );
+}

@@ -33,6 +33,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('migrate', 'migrate', [CompletionResultType]::ParameterValue, 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)')
             [CompletionResult]::new('consume', 'consume', [CompletionResultType]::ParameterValue, 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)')
             [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
+            [CompletionResult]::new('replay', 'replay', [CompletionResultType]::ParameterValue, 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
@@ -87,6 +88,28 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
             [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'Count what would be deleted; delete nothing')
             [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON (one line per run)')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;replay' {
+            [CompletionResult]::new('--from', '--from', [CompletionResultType]::ParameterName, 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue')
+            [CompletionResult]::new('--to', '--to', [CompletionResultType]::ParameterName, 'Send every message here instead of where its headers say it failed')
+            [CompletionResult]::new('--limit', '--limit', [CompletionResultType]::ParameterName, 'Replay at most this many messages')
+            [CompletionResult]::new('--message-id', '--message-id', [CompletionResultType]::ParameterName, 'Only this message id (repeatable)')
+            [CompletionResult]::new('--reason', '--reason', [CompletionResultType]::ParameterName, 'Only messages whose failure reason contains this text')
+            [CompletionResult]::new('--max-replays', '--max-replays', [CompletionResultType]::ParameterName, 'Leave messages that were already replayed this many times')
+            [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'The inbox cleanup''s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--include-expired', '--include-expired', [CompletionResultType]::ParameterName, 'Replay messages that failed before the retention window too')
+            [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
@@ -168,6 +191,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('migrate', 'migrate', [CompletionResultType]::ParameterValue, 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)')
             [CompletionResult]::new('consume', 'consume', [CompletionResultType]::ParameterValue, 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)')
             [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
+            [CompletionResult]::new('replay', 'replay', [CompletionResultType]::ParameterValue, 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
@@ -181,6 +205,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;help;cleanup' {
+            break
+        }
+        'inboxctl;help;replay' {
             break
         }
         'inboxctl;help;publish' {

@@ -37,6 +37,9 @@ _inboxctl() {
             inboxctl,publish)
                 cmd="inboxctl__subcmd__publish"
                 ;;
+            inboxctl,replay)
+                cmd="inboxctl__subcmd__replay"
+                ;;
             inboxctl__subcmd__help,cleanup)
                 cmd="inboxctl__subcmd__help__subcmd__cleanup"
                 ;;
@@ -57,6 +60,9 @@ _inboxctl() {
                 ;;
             inboxctl__subcmd__help,publish)
                 cmd="inboxctl__subcmd__help__subcmd__publish"
+                ;;
+            inboxctl__subcmd__help,replay)
+                cmd="inboxctl__subcmd__help__subcmd__replay"
                 ;;
             inboxctl__subcmd__help__subcmd__publish,parcel-created)
                 cmd="inboxctl__subcmd__help__subcmd__publish__subcmd__parcel__subcmd__created"
@@ -80,7 +86,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup publish demo completions help"
+            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup replay publish demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -282,7 +288,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help)
-            opts="migrate consume cleanup publish demo completions help"
+            opts="migrate consume cleanup replay publish demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -396,6 +402,20 @@ _inboxctl() {
         inboxctl__subcmd__help__subcmd__publish__subcmd__parcel__subcmd__created)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__replay)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi
@@ -525,6 +545,60 @@ _inboxctl() {
                     return 0
                     ;;
                 --exchange)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__replay)
+            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --dry-run --json --database-url --amqp-url --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --from)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --to)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --message-id)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --reason)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --max-replays)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --retention)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

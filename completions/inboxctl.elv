@@ -30,6 +30,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand migrate 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
             cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+            cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -81,6 +82,27 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --log-format 'Log line format on stderr'
             cand --dry-run 'Count what would be deleted; delete nothing'
             cand --json 'Print the result as JSON (one line per run)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;replay'= {
+            cand --from 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue'
+            cand --to 'Send every message here instead of where its headers say it failed'
+            cand --limit 'Replay at most this many messages'
+            cand --message-id 'Only this message id (repeatable)'
+            cand --reason 'Only messages whose failure reason contains this text'
+            cand --max-replays 'Leave messages that were already replayed this many times'
+            cand --retention 'The inbox cleanup''s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand --include-expired 'Replay messages that failed before the retention window too'
+            cand --dry-run 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
+            cand --json 'Print the result as JSON'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand -h 'Print help'
@@ -154,6 +176,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand migrate 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
             cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+            cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -164,6 +187,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;help;consume'= {
         }
         &'inboxctl;help;cleanup'= {
+        }
+        &'inboxctl;help;replay'= {
         }
         &'inboxctl;help;publish'= {
             cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

@@ -34,6 +34,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -s V -l version -d 'Prin
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -79,6 +80,23 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l json -d 'P
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l from -d 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l to -d 'Send every message here instead of where its headers say it failed' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l limit -d 'Replay at most this many messages' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l message-id -d 'Only this message id (repeatable)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l reason -d 'Only messages whose failure reason contains this text' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l max-replays -d 'Leave messages that were already replayed this many times' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l retention -d 'The inbox cleanup\'s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l include-expired -d 'Replay messages that failed before the retention window too'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l dry-run -d 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
@@ -119,11 +137,12 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup publish demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and __fish_seen_subcommand_from publish" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

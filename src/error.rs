@@ -12,6 +12,8 @@ pub mod exit {
     pub const PARTIAL: u8 = 3;
     /// A bad flag, value or combination of them.
     pub const USAGE: u8 = 64;
+    /// What the command was pointed at does not exist (a queue to replay from).
+    pub const NO_INPUT: u8 = 66;
     /// PostgreSQL or RabbitMQ could not be reached.
     pub const UNAVAILABLE: u8 = 69;
     /// The database is not in a state inboxctl can work with (schema missing or incompatible).
@@ -59,6 +61,9 @@ pub enum Error {
     #[error("RabbitMQ: {0}")]
     Topology(String),
 
+    #[error("queue {0:?} does not exist in this vhost")]
+    QueueNotFound(String),
+
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -68,6 +73,7 @@ impl Error {
     pub fn exit_code(&self) -> u8 {
         match self {
             Error::Usage(_) => exit::USAGE,
+            Error::QueueNotFound(_) => exit::NO_INPUT,
             Error::DatabaseUnavailable { .. } | Error::BrokerUnavailable { .. } => {
                 exit::UNAVAILABLE
             }

@@ -20,6 +20,7 @@ pub mod output;
 pub mod parcel;
 pub mod producer;
 pub mod redact;
+pub mod replay;
 pub mod sanitize;
 pub mod shutdown;
 pub mod table;

@@ -6,6 +6,7 @@ pub mod consume;
 pub mod demo;
 pub mod migrate;
 pub mod publish;
+pub mod replay;
 
 use clap::Subcommand;
 use tokio_util::sync::CancellationToken;
@@ -21,6 +22,8 @@ pub enum Command {
     Consume(consume::Args),
     /// Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)
     Cleanup(cleanup::Args),
+    /// Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)
+    Replay(replay::Args),
     /// Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)
     Publish(publish::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
@@ -39,6 +42,7 @@ pub async fn run(
         Command::Consume(args) => consume::run(args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
         Command::Publish(args) => publish::run(args, global).await,
+        Command::Replay(args) => replay::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }

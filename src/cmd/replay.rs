@@ -1,0 +1,166 @@
+//! `inboxctl replay --from <queue>`: move dead-lettered messages back where they failed, safely.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::{self, Broker};
+use crate::cli::{GlobalOpts, parse_positive_duration};
+use crate::error::{Outcome, Result};
+use crate::replay::{self, Plan, Report};
+use crate::{output, sanitize, table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue
+    #[arg(long)]
+    pub from: String,
+
+    /// Send every message here instead of where its headers say it failed
+    #[arg(long)]
+    pub to: Option<String>,
+
+    /// Replay at most this many messages
+    #[arg(long)]
+    pub limit: Option<u64>,
+
+    /// Only this message id (repeatable)
+    #[arg(long = "message-id", value_name = "ID")]
+    pub message_ids: Vec<String>,
+
+    /// Only messages whose failure reason contains this text
+    #[arg(long)]
+    pub reason: Option<String>,
+
+    /// Leave messages that were already replayed this many times
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_replays: Option<u32>,
+
+    /// The inbox cleanup's retention: a message that failed longer ago may have lost its inbox row, so replaying it
+    /// could repeat its effect; such messages are left where they are
+    #[arg(long, default_value = "7d", value_parser = parse_positive_duration)]
+    pub retention: Duration,
+
+    /// Replay messages that failed before the retention window too
+    #[arg(long)]
+    pub include_expired: bool,
+
+    /// List what would be replayed; move nothing (the broker marks inspected messages redelivered)
+    #[arg(long)]
+    pub dry_run: bool,
+
+    /// Print the result as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    amqp::validate_name("--from", &args.from)?;
+    if let Some(to) = &args.to {
+        amqp::validate_name("--to", to)?;
+    }
+    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    let connection = broker.connect("inboxctl replay").await?;
+    let plan = Plan {
+        from: args.from.clone(),
+        to: args.to.clone(),
+        limit: args.limit,
+        message_ids: args.message_ids.clone(),
+        reason: args.reason.clone(),
+        max_replays: args.max_replays,
+        retention: args.retention,
+        include_expired: args.include_expired,
+        dry_run: args.dry_run,
+    };
+    let show_progress = !args.json && std::io::stderr().is_terminal();
+    let mut last = Instant::now();
+    let mut shown = false;
+    let report = replay::run(&connection, &plan, &shutdown, |done, of| {
+        if show_progress && (last.elapsed() > Duration::from_millis(200) || done == of) {
+            last = Instant::now();
+            shown = true;
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[2K{done} of {of} messages");
+            let _ = err.flush();
+        }
+    })
+    .await;
+    if shown {
+        let _ = write!(std::io::stderr(), "\r\x1b[2K");
+    }
+    let _ = connection.close(200, "OK".into()).await;
+    let report = report?;
+
+    if args.json {
+        output::json(&report)?;
+    } else {
+        print(&report)?;
+    }
+    if report.interrupted || report.left > 0 {
+        return Ok(Outcome::Partial);
+    }
+    Ok(Outcome::Done)
+}
+
+fn print(report: &Report) -> Result<()> {
+    // A dry run lists every message; a real run the ones it did not move, with why.
+    let rows: Vec<_> = report
+        .items
+        .iter()
+        .filter(|i| report.dry_run || i.action.is_problem())
+        .collect();
+    if !rows.is_empty() {
+        let mut t = table::new(&[
+            "message id",
+            "reason",
+            "failed at",
+            "origin",
+            "replays",
+            "action",
+        ]);
+        for item in rows {
+            let mut action = item.action.describe().to_owned();
+            if let Some(e) = &item.error {
+                action.push_str(": ");
+                action.push_str(e);
+            }
+            t.add_row(vec![
+                table::text(item.message_id.as_deref().unwrap_or("-")),
+                table::text(item.reason.as_deref().unwrap_or("-")),
+                item.failed_at
+                    .map(|t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string())
+                    .unwrap_or_else(|| "-".to_owned())
+                    .into(),
+                table::text(item.origin.as_deref().unwrap_or("-")),
+                item.replays.into(),
+                table::text(&action),
+            ]);
+        }
+        output::line(&t.to_string())?;
+    }
+    let from = sanitize::text(&report.from);
+    let mut summary = if report.dry_run {
+        let would = report
+            .items
+            .iter()
+            .filter(|i| i.action == replay::Action::WouldReplay)
+            .count();
+        format!(
+            "{from}: {} messages; would replay {would}, move nothing",
+            report.snapshot
+        )
+    } else {
+        format!(
+            "{from}: {} messages; replayed {}",
+            report.snapshot, report.replayed
+        )
+    };
+    if report.left > 0 {
+        summary.push_str(&format!("; {} left in place (see above)", report.left));
+    }
+    if report.interrupted {
+        summary.push_str("; interrupted: the rest is where it was");
+    }
+    output::line(&summary)
+}

@@ -1,0 +1,542 @@
+//! Moving dead-lettered messages back to the queue they failed on, safely.
+//!
+//! - **A fixed snapshot.** The messages present when the replay starts (their count, read first) are taken one by one
+//!   and held unacknowledged, so a message that fails again and lands back in the dead-letter queue is never taken
+//!   again by the same run; what is not replayed is given back at the end, in its original order.
+//! - **Nothing lost.** Each copy is published with publisher confirms (and `mandatory`, so a queue that does not
+//!   exist is an error, not a silent drop); the dead-letter copy is acknowledged only after the broker confirmed it.
+//!   A crash between the two leaves the message in both queues: the inbox discards the second copy.
+//! - **Nothing repeated.** Body, properties and message id are republished untouched (a MassTransit envelope stays
+//!   byte for byte), so the inbox recognises a message that had in fact been processed. Only the failure headers are
+//!   dropped, and a replay count of inboxctl's own is kept.
+//! - **Within the window.** The inbox deduplicates only while a message's row exists: a message that failed longer
+//!   ago than the cleanup retention may have lost its row, so replaying it could repeat its effect; such messages are
+//!   left where they are unless asked for.
+//!
+//! Dead-letter shapes understood: MassTransit's `<queue>_error` and `<queue>_skipped` (origin in
+//! `MT-Fault-InputAddress`, else the queue name) and RabbitMQ dead-letter-exchange queues (origin in `x-death`).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Confirmation, Connection};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::{dead_letter, envelope, topology};
+use crate::error::{Error, Result};
+use crate::failpoint;
+
+/// The header in which inboxctl counts how often a message was replayed. Not an `x-` header: RabbitMQ 4 reserves
+/// those for itself.
+pub const REPLAY_COUNT_HEADER: &str = "inboxctl-replay-count";
+
+/// What to replay.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub from: String,
+    /// Where every message goes, whatever its headers say.
+    pub to: Option<String>,
+    /// Replay at most this many messages.
+    pub limit: Option<u64>,
+    /// Only these message ids (empty: all).
+    pub message_ids: Vec<String>,
+    /// Only messages whose failure reason contains this text.
+    pub reason: Option<String>,
+    /// Leave messages already replayed this many times.
+    pub max_replays: Option<u32>,
+    /// The inbox cleanup's retention: older failures are left unless `include_expired`.
+    pub retention: Duration,
+    pub include_expired: bool,
+    pub dry_run: bool,
+}
+
+/// What became of one message of the snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Replayed,
+    WouldReplay,
+    /// Not chosen by `--message-id`, `--reason` or `--limit`; left in place.
+    NotSelected,
+    /// Failed longer ago than the retention; left in place.
+    Expired,
+    /// Already replayed `--max-replays` times; left in place.
+    MaxReplays,
+    /// No `--to`, and neither headers nor queue name tell where it came from; left in place.
+    OriginUnknown,
+    /// The broker refused or could not route the copy; left in place.
+    PublishFailed,
+}
+
+impl Action {
+    /// Whether leaving the message is something the operator should hear about (not their own filter).
+    pub fn is_problem(self) -> bool {
+        matches!(
+            self,
+            Action::Expired | Action::MaxReplays | Action::OriginUnknown | Action::PublishFailed
+        )
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Action::Replayed => "replayed",
+            Action::WouldReplay => "would replay",
+            Action::NotSelected => "not selected",
+            Action::Expired => "left: failed before the retention window",
+            Action::MaxReplays => "left: replayed too often",
+            Action::OriginUnknown => "left: origin unknown (use --to)",
+            Action::PublishFailed => "left: republish failed",
+        }
+    }
+}
+
+/// One message of the snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct Item {
+    pub message_id: Option<String>,
+    pub reason: Option<String>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub origin: Option<String>,
+    /// Replays before this one.
+    pub replays: u32,
+    pub action: Action,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub from: String,
+    pub dry_run: bool,
+    /// Messages in the queue when the replay started.
+    pub snapshot: u64,
+    pub replayed: u64,
+    /// Left in place for a reason the operator should know (expired, replayed too often, origin unknown, refused).
+    pub left: u64,
+    pub interrupted: bool,
+    pub items: Vec<Item>,
+}
+
+/// What a dead-lettered message says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub origin: Option<String>,
+    pub reason: Option<String>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub replays: u32,
+}
+
+/// Reads origin, reason, time and replay count from a dead-lettered message's headers; `from` is the queue it was
+/// read from (its name tells the origin of a MassTransit `_error`/`_skipped` copy without headers).
+pub fn failure(headers: Option<&FieldTable>, from: &str) -> Failure {
+    let text = |key: &str| dead_letter::header_text(headers, key);
+    let x_death = headers
+        .and_then(|h| h.inner().get("x-death"))
+        .and_then(AMQPValue::as_array)
+        .map(|a| a.as_slice().to_vec())
+        .unwrap_or_default();
+    let death_field = |index: usize, key: &str| {
+        x_death
+            .get(index)
+            .and_then(AMQPValue::as_field_table)
+            .and_then(|t| t.inner().get(key).cloned())
+    };
+    let value_text = |v: Option<AMQPValue>| match v {
+        Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_owned()),
+        _ => None,
+    };
+
+    let origin = text("MT-Fault-InputAddress")
+        .and_then(|address| queue_of_address(&address))
+        .or_else(|| text("x-first-death-queue"))
+        .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
+        .or_else(|| {
+            from.strip_suffix("_error")
+                .or_else(|| from.strip_suffix("_skipped"))
+                .filter(|q| !q.is_empty())
+                .map(str::to_owned)
+        });
+    let reason = text("MT-Fault-Message")
+        .or_else(|| {
+            (text("MT-Reason").as_deref() == Some("dead-letter"))
+                .then(|| "not handled by the consumer (skipped)".to_owned())
+        })
+        .or_else(|| value_text(death_field(0, "reason")))
+        .or_else(|| text("x-first-death-reason"));
+    let failed_at = text("MT-Fault-Timestamp")
+        .as_deref()
+        .and_then(envelope::parse_time)
+        .or_else(|| match death_field(0, "time") {
+            Some(AMQPValue::Timestamp(seconds)) => {
+                DateTime::from_timestamp(i64::try_from(seconds).unwrap_or(i64::MAX), 0)
+            }
+            _ => None,
+        });
+    let replays = headers
+        .and_then(|h| h.inner().get(REPLAY_COUNT_HEADER))
+        .and_then(as_u32)
+        .unwrap_or(0);
+    Failure {
+        origin,
+        reason,
+        failed_at,
+        replays,
+    }
+}
+
+/// `rabbitmq://host[:port]/[vhost/]queue[?…]` → `queue`. The address names no vhost for `/`, and the replay runs in
+/// the vhost it is connected to anyway.
+fn queue_of_address(address: &str) -> Option<String> {
+    let path = address.split_once("://").map_or(address, |(_, rest)| rest);
+    let path = path.split(['?', '#']).next().unwrap_or_default();
+    path.rsplit('/')
+        .next()
+        .filter(|q| !q.is_empty() && path.contains('/'))
+        .map(str::to_owned)
+}
+
+fn as_u32(value: &AMQPValue) -> Option<u32> {
+    match *value {
+        AMQPValue::LongInt(v) => u32::try_from(v).ok(),
+        AMQPValue::LongUInt(v) => Some(v),
+        AMQPValue::LongLongInt(v) => u32::try_from(v).ok(),
+        AMQPValue::ShortInt(v) => u32::try_from(v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u32::from(v)),
+        AMQPValue::ShortShortInt(v) => u32::try_from(v).ok(),
+        AMQPValue::ShortShortUInt(v) => Some(u32::from(v)),
+        _ => None,
+    }
+}
+
+/// The headers a replayed copy carries: the original's without the failure headers, with the replay count raised.
+pub fn replay_headers(original: Option<&FieldTable>, replays: u32) -> FieldTable {
+    let mut headers = FieldTable::default();
+    if let Some(original) = original {
+        for (key, value) in original.inner() {
+            let k = key.as_str();
+            let failure = k.starts_with("MT-Fault-")
+                || k.starts_with("MT-Host-")
+                || k == "MT-Reason"
+                || k == "x-death"
+                || k.starts_with("x-first-death-")
+                || k.starts_with("x-last-death-")
+                || k == "x-dotnet-pub-seq-no"
+                || k == REPLAY_COUNT_HEADER;
+            if !failure {
+                headers.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    headers.insert(
+        REPLAY_COUNT_HEADER.into(),
+        AMQPValue::LongInt(i32::try_from(replays.saturating_add(1)).unwrap_or(i32::MAX)),
+    );
+    headers
+}
+
+/// Replays `plan.from`. `progress` is called after each message with (done, snapshot).
+pub async fn run(
+    connection: &Connection,
+    plan: &Plan,
+    shutdown: &CancellationToken,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Report> {
+    let snapshot = match topology::queue_depth(connection, &plan.from).await? {
+        Some((ready, _)) => u64::from(ready),
+        None => return Err(Error::QueueNotFound(plan.from.clone())),
+    };
+    let inbound = connection.create_channel().await?;
+    let outbound = connection.create_channel().await?;
+    outbound
+        .confirm_select(ConfirmSelectOptions::default())
+        .await?;
+    let now = Utc::now();
+    let window = TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX);
+
+    let mut report = Report {
+        from: plan.from.clone(),
+        dry_run: plan.dry_run,
+        snapshot,
+        replayed: 0,
+        left: 0,
+        interrupted: false,
+        items: Vec::new(),
+    };
+    let mut held: Option<u64> = None;
+    let mut selected = 0u64;
+    let mut republished: HashSet<String> = HashSet::new();
+    for _ in 0..snapshot {
+        if shutdown.is_cancelled() {
+            report.interrupted = true;
+            break;
+        }
+        let Some(message) = inbound
+            .basic_get(plan.from.as_str().into(), BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
+        let delivery = message.delivery;
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned());
+        // A copy this run republished that failed again and is back: the snapshot is done.
+        if message_id
+            .as_ref()
+            .is_some_and(|id| republished.contains(id))
+        {
+            held = Some(delivery.delivery_tag);
+            break;
+        }
+        let failure = failure(delivery.properties.headers().as_ref(), &plan.from);
+        let origin = plan.to.clone().or(failure.origin.clone());
+        let chosen = (plan.message_ids.is_empty()
+            || message_id
+                .as_ref()
+                .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
+            && plan.reason.as_ref().is_none_or(|r| {
+                failure
+                    .reason
+                    .as_ref()
+                    .is_some_and(|text| text.contains(r.as_str()))
+            })
+            && plan.limit.is_none_or(|limit| selected < limit);
+
+        let mut error = None;
+        let action = if !chosen {
+            Action::NotSelected
+        } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
+            Action::MaxReplays
+        } else if !plan.include_expired && failure.failed_at.is_some_and(|t| now - t > window) {
+            Action::Expired
+        } else if origin.is_none() {
+            Action::OriginUnknown
+        } else if plan.dry_run {
+            Action::WouldReplay
+        } else {
+            match republish(
+                &outbound,
+                &delivery,
+                origin.as_deref().unwrap_or_default(),
+                failure.replays,
+            )
+            .await
+            {
+                Ok(()) => {
+                    failpoint::hit("replay-after-publish").await;
+                    inbound
+                        .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
+                        .await?;
+                    if let Some(id) = &message_id {
+                        republished.insert(id.clone());
+                    }
+                    Action::Replayed
+                }
+                Err(e) => {
+                    error = Some(crate::redact::text(&e.to_string()));
+                    Action::PublishFailed
+                }
+            }
+        };
+        if chosen {
+            selected += 1;
+        }
+        if action != Action::Replayed {
+            held = Some(delivery.delivery_tag);
+        }
+        match action {
+            Action::Replayed => report.replayed += 1,
+            a if a.is_problem() => report.left += 1,
+            _ => {}
+        }
+        report.items.push(Item {
+            message_id,
+            reason: failure.reason,
+            failed_at: failure.failed_at,
+            origin,
+            replays: failure.replays,
+            action,
+            error,
+        });
+        progress(report.items.len() as u64, snapshot);
+    }
+
+    // Give back everything not replayed, at once: the broker puts each back in its place, in order.
+    if let Some(last) = held {
+        inbound
+            .basic_nack(
+                last,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await?;
+    }
+    let _ = inbound.close(200, "OK".into()).await;
+    let _ = outbound.close(200, "OK".into()).await;
+    Ok(report)
+}
+
+async fn republish(
+    channel: &lapin::Channel,
+    delivery: &Delivery,
+    queue: &str,
+    replays: u32,
+) -> Result<()> {
+    let headers = replay_headers(delivery.properties.headers().as_ref(), replays);
+    let properties = delivery.properties.clone().with_headers(headers);
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..BasicPublishOptions::default()
+            },
+            &delivery.data,
+            properties,
+        )
+        .await?
+        .await?;
+    match confirm {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(Error::Topology(format!(
+            "queue {queue} does not exist; the copy was returned"
+        ))),
+        Confirmation::Nack(_) => Err(Error::Topology(format!(
+            "the broker refused the copy to {queue}"
+        ))),
+        Confirmation::NotRequested => Err(Error::Topology("publisher confirms are off".to_owned())),
+    }
+}
+
+/// Message ids compared as UUIDs when both are (any spelling), else as text.
+fn same_id(a: &str, b: &str) -> bool {
+    match (
+        uuid::Uuid::parse_str(a.trim()),
+        uuid::Uuid::parse_str(b.trim()),
+    ) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::{FieldArray, LongString};
+
+    fn long(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+    }
+
+    #[test]
+    fn masstransit_error_headers() {
+        let mut h = FieldTable::default();
+        h.insert(
+            "MT-Fault-InputAddress".into(),
+            long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+        );
+        h.insert("MT-Fault-Message".into(), long("carrier API returned 503"));
+        h.insert(
+            "MT-Fault-Timestamp".into(),
+            long("2026-11-30T20:14:50.2268983Z"),
+        );
+        h.insert("MT-Reason".into(), long("fault"));
+        let f = failure(Some(&h), "parcel-created-carrier_error");
+        assert_eq!(f.origin.as_deref(), Some("parcel-created-carrier"));
+        assert_eq!(f.reason.as_deref(), Some("carrier API returned 503"));
+        assert_eq!(
+            f.failed_at.map(|t| t.to_rfc3339()).as_deref(),
+            Some("2026-11-30T20:14:50.226898300+00:00")
+        );
+        assert_eq!(f.replays, 0);
+    }
+
+    #[test]
+    fn the_queue_name_tells_the_origin_of_a_skipped_copy() {
+        let mut h = FieldTable::default();
+        h.insert("MT-Reason".into(), long("dead-letter"));
+        let f = failure(Some(&h), "parcel-created-carrier_skipped");
+        assert_eq!(f.origin.as_deref(), Some("parcel-created-carrier"));
+        assert_eq!(
+            f.reason.as_deref(),
+            Some("not handled by the consumer (skipped)")
+        );
+        assert_eq!(failure(None, "somewhere").origin, None);
+    }
+
+    #[test]
+    fn x_death_headers() {
+        let mut death = FieldTable::default();
+        death.insert("queue".into(), long("orders"));
+        death.insert("reason".into(), long("rejected"));
+        death.insert("time".into(), AMQPValue::Timestamp(1_764_533_690));
+        let mut h = FieldTable::default();
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+        );
+        h.insert(REPLAY_COUNT_HEADER.into(), AMQPValue::LongInt(2));
+        let f = failure(Some(&h), "orders.dlq");
+        assert_eq!(f.origin.as_deref(), Some("orders"));
+        assert_eq!(f.reason.as_deref(), Some("rejected"));
+        assert_eq!(f.failed_at.map(|t| t.timestamp()), Some(1_764_533_690));
+        assert_eq!(f.replays, 2);
+    }
+
+    #[test]
+    fn addresses_with_a_vhost_or_a_query() {
+        assert_eq!(
+            queue_of_address("rabbitmq://h:5673/shop/orders?bind=true").as_deref(),
+            Some("orders")
+        );
+        assert_eq!(
+            queue_of_address("rabbitmq://h/orders").as_deref(),
+            Some("orders")
+        );
+        assert_eq!(queue_of_address("rabbitmq://h/"), None);
+    }
+
+    #[test]
+    fn replay_headers_drop_failures_and_count() {
+        let mut h = FieldTable::default();
+        h.insert("MT-Fault-Message".into(), long("x"));
+        h.insert("MT-Host-MachineName".into(), long("vm"));
+        h.insert("MT-Reason".into(), long("fault"));
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::default()),
+        );
+        h.insert("x-first-death-queue".into(), long("orders"));
+        h.insert("tenant".into(), long("acme"));
+        h.insert(REPLAY_COUNT_HEADER.into(), AMQPValue::LongInt(1));
+        let out = replay_headers(Some(&h), 1);
+        let keys: Vec<&str> = out.inner().keys().map(|k| k.as_str()).collect();
+        assert_eq!(keys, [REPLAY_COUNT_HEADER, "tenant"]);
+        assert_eq!(
+            out.inner().get(REPLAY_COUNT_HEADER),
+            Some(&AMQPValue::LongInt(2))
+        );
+    }
+
+    #[test]
+    fn ids_compare_as_uuids() {
+        assert!(same_id(
+            "1A280000-161D-4C08-9E18-08DF4F1E91B6",
+            "1a280000161d4c089e1808df4f1e91b6"
+        ));
+        assert!(!same_id("order-1", "order-2"));
+    }
+}

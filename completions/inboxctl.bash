@@ -40,6 +40,9 @@ _inboxctl() {
             inboxctl,replay)
                 cmd="inboxctl__subcmd__replay"
                 ;;
+            inboxctl,stats)
+                cmd="inboxctl__subcmd__stats"
+                ;;
             inboxctl__subcmd__help,cleanup)
                 cmd="inboxctl__subcmd__help__subcmd__cleanup"
                 ;;
@@ -64,6 +67,9 @@ _inboxctl() {
             inboxctl__subcmd__help,replay)
                 cmd="inboxctl__subcmd__help__subcmd__replay"
                 ;;
+            inboxctl__subcmd__help,stats)
+                cmd="inboxctl__subcmd__help__subcmd__stats"
+                ;;
             inboxctl__subcmd__help__subcmd__publish,parcel-created)
                 cmd="inboxctl__subcmd__help__subcmd__publish__subcmd__parcel__subcmd__created"
                 ;;
@@ -86,7 +92,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup replay publish demo completions help"
+            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup replay publish stats demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -288,7 +294,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help)
-            opts="migrate consume cleanup replay publish demo completions help"
+            opts="migrate consume cleanup replay publish stats demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -414,6 +420,20 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help__subcmd__replay)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__stats)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -599,6 +619,36 @@ _inboxctl() {
                     return 0
                     ;;
                 --retention)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__stats)
+            opts="-v -h -V --window --json --database-url --amqp-url --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --window)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -32,6 +32,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+            cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
@@ -148,6 +149,19 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;publish;help;help'= {
         }
+        &'inboxctl;stats'= {
+            cand --window 'Rates are averages over this last stretch of time'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand --json 'Print JSON (the shape is documented in the README and stable)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
         &'inboxctl;demo'= {
             cand --parcels 'Parcels to register (one ParcelCreatedEvent each)'
             cand --duplicates 'Fraction of the events delivered twice (the same message id again), 0 to 1'
@@ -178,6 +192,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+            cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
@@ -194,6 +209,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
         }
         &'inboxctl;help;publish;parcel-created'= {
+        }
+        &'inboxctl;help;stats'= {
         }
         &'inboxctl;help;demo'= {
         }

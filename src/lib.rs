@@ -23,6 +23,7 @@ pub mod redact;
 pub mod replay;
 pub mod sanitize;
 pub mod shutdown;
+pub mod stats;
 pub mod table;
 
 pub use cli::Cli;

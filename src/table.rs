@@ -21,6 +21,13 @@ pub fn new(headers: &[&str]) -> Table {
     table
 }
 
+/// Aligns a column of text (names, reasons) to the left.
+pub fn align_left(table: &mut Table, column: usize) {
+    if let Some(c) = table.column_mut(column) {
+        c.set_cell_alignment(CellAlignment::Left);
+    }
+}
+
 /// A cell for text that came from outside (a consumer_type, a reason): control characters shown escaped.
 pub fn text(s: &str) -> Cell {
     Cell::new(sanitize::text(s))

@@ -7,6 +7,7 @@ pub mod demo;
 pub mod migrate;
 pub mod publish;
 pub mod replay;
+pub mod stats;
 
 use clap::Subcommand;
 use tokio_util::sync::CancellationToken;
@@ -26,6 +27,8 @@ pub enum Command {
     Replay(replay::Args),
     /// Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)
     Publish(publish::Args),
+    /// Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON
+    Stats(stats::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
     Demo(demo::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
@@ -43,6 +46,7 @@ pub async fn run(
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
         Command::Publish(args) => publish::run(args, global).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
+        Command::Stats(args) => stats::run(args, global).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }

@@ -150,6 +150,58 @@ pub const UNPROCESSED_BEFORE: &str = "\
 SELECT count(*), min(received_at) FROM inbox_messages
 WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
 
+/// consumer_types with inbox rows, by a loose index scan on `(consumer_type, processed_at)`.
+pub const INBOX_CONSUMER_TYPES: &str = "\
+WITH RECURSIVE inbox AS (
+    (SELECT consumer_type FROM inbox_messages ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT i.consumer_type FROM inbox_messages i
+            WHERE i.consumer_type > inbox.consumer_type ORDER BY i.consumer_type LIMIT 1)
+    FROM inbox WHERE inbox.consumer_type IS NOT NULL
+)
+SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
+
+/// The consumer_types inboxctl consumers ran as, with their queue.
+pub const REGISTERED_CONSUMERS: &str = "SELECT consumer_type::text, queue FROM inboxctl_consumers";
+
+/// The planner's statistics of the inbox: total rows, rows of the unprocessed index, and the most common
+/// consumer_types with their frequencies (nothing is counted).
+pub const INBOX_ESTIMATES: &str = "\
+SELECT c.reltuples::float8,
+       (SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass('ix_inbox_messages_unprocessed')),
+       s.most_common_vals::text::text[], s.most_common_freqs, s.null_frac, s.n_distinct
+FROM pg_class c
+LEFT JOIN pg_stats s ON s.schemaname = c.relnamespace::regnamespace::text
+                    AND s.tablename = 'inbox_messages' AND s.attname = 'consumer_type'
+WHERE c.oid = to_regclass('inbox_messages')";
+
+/// Rows of a consumer_type, counted through the index and never past `$2`. `$1` consumer_type.
+pub const COUNT_ROWS_CAPPED: &str =
+    "SELECT count(*) FROM (SELECT 1 FROM inbox_messages WHERE consumer_type = $1 LIMIT $2) t";
+
+/// Unprocessed rows of a consumer_type, never counting past `$2`.
+pub const COUNT_UNPROCESSED_CAPPED: &str = "\
+SELECT count(*) FROM (SELECT 1 FROM inbox_messages WHERE consumer_type = $1 AND processed_at IS NULL LIMIT $2) t";
+
+/// Seconds since the oldest unprocessed row of a consumer_type was received.
+pub const OLDEST_UNPROCESSED_AGE: &str = "\
+SELECT extract(epoch FROM now() - received_at)::float8 FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at IS NULL ORDER BY received_at LIMIT 1";
+
+/// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest).
+pub const PROCESSED_SERIES: &str = "\
+SELECT floor(extract(epoch FROM now() - processed_at) / $3)::int, count(*)
+FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at > now() - make_interval(secs => $2)
+GROUP BY 1";
+
+/// Events of a consumer_type in the last `$2` seconds, per kind and bucket of `$3` seconds (0 = newest).
+pub const EVENT_SERIES: &str = "\
+SELECT kind, floor(extract(epoch FROM now() - occurred_at) / $3)::int, count(*)
+FROM inboxctl_events
+WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
+GROUP BY 1, 2";
+
 /// `CREATE DATABASE` cannot take its name as a parameter; the name is quoted as an identifier instead.
 pub fn create_database(name: &str) -> String {
     format!("CREATE DATABASE {}", quote_ident(name))

@@ -1,0 +1,166 @@
+//! `inboxctl stats` against real PostgreSQL and RabbitMQ: the figures are what the test put there.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use common::{CARRIER_QUEUE, TestEnv};
+
+fn stats(env: &TestEnv, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["stats", "--json"];
+    all.extend_from_slice(args);
+    let out = env.run(&all);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    serde_json::from_str(out.stdout.trim()).unwrap()
+}
+
+fn of<'a>(report: &'a serde_json::Value, consumer_type: &str) -> &'a serde_json::Value {
+    report["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == consumer_type)
+        .unwrap_or_else(|| panic!("{consumer_type} missing from {report}"))
+}
+
+fn close(a: &serde_json::Value, b: f64) -> bool {
+    (a.as_f64().unwrap() - b).abs() < 1e-9
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_figures_are_what_the_test_put_there() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    // Seeded: 10 processed two days ago (outside any window), 4 received three hours ago and never processed.
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages SELECT gen_random_uuid(), 'parcel-created-carrier', now() - interval '2 days', now() - interval '2 days' FROM generate_series(1, 10);
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'parcel-created-carrier', now() - interval '3 hours', NULL FROM generate_series(1, 4);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Traffic: 30 parcels, 6 of them sent twice.
+    common::publish_parcels(&env, &["--count", "30", "--duplicates", "0.2"]);
+    common::consume_until_idle(&env, &["carrier"]);
+
+    let report = stats(&env, &["--window", "5m"]);
+    assert_eq!(report["window_seconds"], 300.0);
+    let c = of(&report, CARRIER_QUEUE);
+    assert_eq!(c["rows"], 44);
+    assert_eq!(c["rows_estimated"], false);
+    assert_eq!(c["unprocessed"], 4);
+    let oldest = c["oldest_unprocessed_seconds"].as_f64().unwrap();
+    assert!((10_800.0..10_900.0).contains(&oldest), "{oldest}");
+    assert!(close(&c["deliveries_per_second"], 36.0 / 300.0), "{c}");
+    assert!(close(&c["duplicates_per_second"], 6.0 / 300.0), "{c}");
+    assert!(close(&c["duplicate_ratio"], 6.0 / 36.0), "{c}");
+    assert!(close(&c["processed_per_second"], 30.0 / 300.0), "{c}");
+    assert_eq!(
+        c["queue"],
+        serde_json::json!({"name": CARRIER_QUEUE, "ready": 0, "consumers": 0})
+    );
+    assert_eq!(c["error_queue"]["name"], format!("{CARRIER_QUEUE}_error"));
+    assert_eq!(c["error_queue"]["ready"], 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_type_written_only_by_ef_core_shows_its_rows_and_unknown_rates() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(include_str!("fixtures/interop/efcore/ef_create_script.sql"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The tutorial's rows: received, never marked processed.
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages VALUES
+         ('2cfb215f-8752-4ee3-b6c4-5aaa7de14419', 'parcel-created-carrier', now() - interval '5 minutes', NULL),
+         ('f96053db-437a-4812-968c-43d855a3071c', 'parcel-created-carrier', now() - interval '4 minutes', NULL),
+         ('06ea232d-7313-4849-baf6-c93ddbad8ff4', 'parcel-created-carrier', now() - interval '3 minutes', NULL)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Before and after `migrate`: stats works on the .NET service's database as it is.
+    for migrated in [false, true] {
+        if migrated {
+            assert_eq!(env.run(&["migrate"]).code, Some(0));
+        }
+        let report = stats(&env, &[]);
+        let c = of(&report, "parcel-created-carrier");
+        assert_eq!(c["rows"], 3, "migrated: {migrated}");
+        assert_eq!(c["unprocessed"], 3);
+        assert!(c["oldest_unprocessed_seconds"].as_f64().unwrap() >= 300.0);
+        for unknown in [
+            "deliveries_per_second",
+            "duplicates_per_second",
+            "duplicate_ratio",
+            "processed_per_second",
+        ] {
+            assert!(
+                c[unknown].is_null(),
+                "{unknown} must be unknown, not 0: {c}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn above_a_million_rows_a_count_is_an_estimate_and_says_so() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages SELECT gen_random_uuid(), 'big', now(), now() FROM generate_series(1, 1100000);
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'small', now(), now() FROM generate_series(1, 500);
+         ANALYZE inbox_messages;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let report = stats(&env, &[]);
+    let big = of(&report, "big");
+    assert_eq!(big["rows_estimated"], true);
+    let rows = big["rows"].as_f64().unwrap();
+    assert!((1_000_000.0..1_250_000.0).contains(&rows), "{rows}");
+    let small = of(&report, "small");
+    assert_eq!(
+        (small["rows"].clone(), small["rows_estimated"].clone()),
+        (500.into(), false.into())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_table_shows_escape_sequences_inert_and_an_unreachable_broker_is_partial() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'ops' || chr(27) || '[2J' || chr(27) || ']0;pwned' || chr(7), now(), NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = env.run(&["stats"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stdout.contains("ops\\u{1b}[2J\\u{1b}]0;pwned\\u{7}"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains('\u{1b}') && !out.stdout.contains('\u{7}'));
+
+    let mut cmd = env.cmd();
+    cmd.args(["stats", "--json"])
+        .env("AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2f");
+    let out = cmd.output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["broker_error"].is_string());
+    assert!(report["consumers"][0]["queue"]["ready"].is_null());
+    assert_eq!(
+        report["consumers"][0]["rows"], 1,
+        "the database figures are still there"
+    );
+}

@@ -311,6 +311,17 @@ async fn counters(
     Ok((total, series))
 }
 
+/// reltuples of the table and of the unprocessed index; most common consumer_types, their frequencies, null_frac,
+/// n_distinct.
+type EstimateRow = (
+    f64,
+    Option<f64>,
+    Option<Vec<String>>,
+    Option<Vec<f32>>,
+    Option<f32>,
+    Option<f32>,
+);
+
 /// The planner's statistics: total rows, unprocessed rows, and each consumer_type's share.
 #[derive(Debug, Default)]
 struct Estimates {
@@ -323,14 +334,7 @@ struct Estimates {
 
 impl Estimates {
     async fn read(conn: &mut sqlx::PgConnection) -> Result<Self> {
-        let row: Option<(
-            f64,
-            Option<f64>,
-            Option<Vec<String>>,
-            Option<Vec<f32>>,
-            Option<f32>,
-            Option<f32>,
-        )> = sqlx::query_as(sql::INBOX_ESTIMATES)
+        let row: Option<EstimateRow> = sqlx::query_as(sql::INBOX_ESTIMATES)
             .fetch_optional(&mut *conn)
             .await?;
         let Some((rows, unprocessed, values, freqs, null_frac, n_distinct)) = row else {

@@ -59,6 +59,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l retry-dela
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim-timeout -d 'How long a copy waits for another process\'s in-flight attempt at the same message before it backs off' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exit-when-idle -d 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l shutdown-timeout -d 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-addr -d 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
@@ -72,6 +73,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l consumer-t
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-size -d 'Rows per DELETE; each batch is a short transaction of its own' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-pause -d 'Rest between batches (e.g. 50ms), to leave the database room' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l every -d 'Keep running and clean on this schedule (e.g. 1h), as a sidecar or where there is no cron' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l metrics-addr -d 'With --every: serve Prometheus metrics on /metrics and a health check on /health at this address' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''

@@ -109,6 +109,8 @@ pub struct ConsumerOptions {
     pub exit_when_idle: Option<Duration>,
     /// How long in-flight messages may take to finish after a stop was asked for.
     pub shutdown_timeout: Duration,
+    /// Where the run counts what it does (shared with `--metrics-addr`).
+    pub counts: Arc<RunCounts>,
 }
 
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
@@ -116,7 +118,7 @@ pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 const OUTAGE_DELAY_MIN: Duration = Duration::from_millis(100);
 const OUTAGE_DELAY_MAX: Duration = Duration::from_secs(5);
 
-/// What one consumer process did, for its closing log line and for `demo`.
+/// What one consumer process did, for its closing log line, `demo` and `--metrics-addr`.
 #[derive(Debug, Default)]
 pub struct RunCounts {
     pub processed: AtomicU64,
@@ -124,6 +126,8 @@ pub struct RunCounts {
     pub failed_attempts: AtomicU64,
     pub dead_lettered: AtomicU64,
     pub skipped: AtomicU64,
+    /// Whether the consumer holds a working broker connection now.
+    pub broker_connected: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -136,7 +140,7 @@ pub struct RunSummary {
 }
 
 impl RunCounts {
-    fn summary(&self) -> RunSummary {
+    pub fn summary(&self) -> RunSummary {
         RunSummary {
             processed: self.processed.load(Ordering::Relaxed),
             duplicates: self.duplicates.load(Ordering::Relaxed),
@@ -153,7 +157,7 @@ struct Shared<C: Consumer> {
     consumer: Arc<C>,
     options: ConsumerOptions,
     input_address: String,
-    counts: RunCounts,
+    counts: Arc<RunCounts>,
     /// Whether PostgreSQL answered last time anyone asked; no new delivery starts while it is `false`.
     database_up: watch::Sender<bool>,
     shutdown: CancellationToken,
@@ -190,8 +194,8 @@ pub async fn run<C: Consumer>(
         input_address: broker.queue_address(&options.queue),
         inbox,
         consumer: Arc::new(consumer),
+        counts: Arc::clone(&options.counts),
         options,
-        counts: RunCounts::default(),
         database_up: watch::Sender::new(true),
         shutdown: shutdown.clone(),
         in_flight: AtomicUsize::new(0),
@@ -247,6 +251,10 @@ pub async fn run<C: Consumer>(
             consumer_type = %shared.inbox.consumer_type(),
             "consuming"
         );
+        shared
+            .counts
+            .broker_connected
+            .store(true, Ordering::Relaxed);
         *lock(&shared.last_activity) = Instant::now();
         let mut idle_check = tokio::time::interval(Duration::from_millis(100));
 
@@ -296,10 +304,18 @@ pub async fn run<C: Consumer>(
         }
         // Deliveries in flight on the lost connection finish their database work; their acks fail and the broker
         // delivers them again, as duplicates.
+        shared
+            .counts
+            .broker_connected
+            .store(false, Ordering::Relaxed);
         let _ = link.connection.close(200, "reconnecting".into()).await;
     }
 
     drain(&shared, &mut tasks).await;
+    shared
+        .counts
+        .broker_connected
+        .store(false, Ordering::Relaxed);
     let summary = shared.counts.summary();
     tracing::info!(
         consumer_type = %shared.inbox.consumer_type(),

@@ -16,6 +16,7 @@ pub mod error;
 pub mod failpoint;
 pub mod inbox;
 pub mod logging;
+pub mod metrics;
 pub mod output;
 pub mod parcel;
 pub mod producer;

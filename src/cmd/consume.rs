@@ -1,16 +1,21 @@
 //! `inboxctl consume <carrier|notification>`: one Parcel Tracker consumer in the foreground until SIGINT/SIGTERM.
 
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+use futures_util::future::BoxFuture;
 
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, Broker, topology};
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
-use crate::consumer::{self, ConsumerOptions, RunSummary};
+use crate::consumer::{self, ConsumerOptions, RunCounts, RunSummary};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::{ConsumerType, Inbox};
+use crate::metrics::{self, Family};
 use crate::parcel::{
     CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
     StandInSms,
@@ -80,6 +85,10 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
 
+    /// Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+
     /// Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that
     /// is down: shows retries and the error queue
     #[arg(long, value_name = "DESTINATION")]
@@ -101,6 +110,7 @@ impl Args {
             claim_timeout: Duration::from_secs(30),
             exit_when_idle: None,
             shutdown_timeout: Duration::from_secs(30),
+            metrics_addr: None,
             fail_destination: None,
         }
     }
@@ -139,6 +149,15 @@ pub async fn run_consumer(
         .await?;
     check_schema(&pool, db).await?;
 
+    let counts = Arc::new(RunCounts::default());
+    if let Some(addr) = args.metrics_addr {
+        let exporter = ConsumerExporter {
+            consumer_type: consumer_type.to_string(),
+            counts: Arc::clone(&counts),
+            pool: pool.clone(),
+        };
+        metrics::serve(addr, Arc::new(exporter), shutdown.clone()).await?;
+    }
     let options = ConsumerOptions {
         queue,
         event_exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
@@ -148,6 +167,7 @@ pub async fn run_consumer(
         retry_delay: args.retry_delay,
         exit_when_idle: args.exit_when_idle,
         shutdown_timeout: args.shutdown_timeout,
+        counts,
     };
     let inbox = Inbox::new(pool.clone(), consumer_type);
     let fail_destination = args.fail_destination.clone();
@@ -197,4 +217,81 @@ async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// The consumer's counters, as `inbox_*` metrics labelled with its consumer_type.
+struct ConsumerExporter {
+    consumer_type: String,
+    counts: Arc<RunCounts>,
+    pool: PgPool,
+}
+
+impl metrics::Exporter for ConsumerExporter {
+    fn metrics(&self) -> String {
+        let s = self.counts.summary();
+        let label = Some(("consumer_type", self.consumer_type.as_str()));
+        let mut out = String::new();
+        let deliveries = s.processed + s.duplicates + s.dead_lettered + s.skipped;
+        for (name, help, value) in [
+            (
+                "inbox_deliveries_total",
+                "Deliveries that reached an outcome (processed, duplicate, dead-lettered, skipped).",
+                deliveries,
+            ),
+            (
+                "inbox_messages_processed_total",
+                "Messages processed: their effects committed with their inbox row.",
+                s.processed,
+            ),
+            (
+                "inbox_duplicates_discarded_total",
+                "Copies recognised by the inbox and discarded.",
+                s.duplicates,
+            ),
+            (
+                "inbox_attempts_failed_total",
+                "Attempts whose work failed and was rolled back (retried or dead-lettered).",
+                s.failed_attempts,
+            ),
+            (
+                "inbox_messages_dead_lettered_total",
+                "Messages moved to <queue>_error.",
+                s.dead_lettered,
+            ),
+            (
+                "inbox_messages_skipped_total",
+                "Messages of a type the consumer does not handle, moved to <queue>_skipped.",
+                s.skipped,
+            ),
+        ] {
+            Family {
+                name,
+                help,
+                kind: "counter",
+            }
+            .write(&mut out, &[(label, value as f64)]);
+        }
+        let up = f64::from(u8::from(
+            self.counts.broker_connected.load(Ordering::Relaxed),
+        ));
+        Family {
+            name: "inbox_broker_connected",
+            help: "1 while the consumer holds a working RabbitMQ connection.",
+            kind: "gauge",
+        }
+        .write(&mut out, &[(label, up)]);
+        out
+    }
+
+    fn health(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>> {
+        Box::pin(async move {
+            vec![
+                ("database", metrics::database_up(&self.pool).await),
+                (
+                    "broker",
+                    self.counts.broker_connected.load(Ordering::Relaxed),
+                ),
+            ]
+        })
+    }
 }

@@ -1,0 +1,148 @@
+//! `--metrics-addr`: Prometheus counters and a health check that follows the real services.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::io::{Read as _, Write as _};
+use std::time::Duration;
+
+use common::{CARRIER_QUEUE, Proxy, TestEnv};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `(status line, body)` of a GET.
+fn get(port: u16, path: &str) -> (String, String) {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_owned(), body.to_owned())
+}
+
+fn sample(body: &str, metric: &str) -> Option<f64> {
+    body.lines()
+        .find(|l| l.starts_with(metric))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_exports_its_counters_and_its_health_follows_the_database() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "10", "--duplicates", "0.5"]);
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let proxied = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port, env.db_name
+    );
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let consumer = env.spawn_with(
+        &["consume", "carrier", "--metrics-addr", &addr],
+        &[("DATABASE_URL", proxied.as_str())],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let label = format!("{{consumer_type=\"{CARRIER_QUEUE}\"}}");
+    common::eventually("all processed", Duration::from_secs(30), || async {
+        sample(
+            &get(port, "/metrics").1,
+            &format!("inbox_messages_processed_total{label}"),
+        ) == Some(10.0)
+    })
+    .await;
+    let (status, body) = get(port, "/metrics");
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(
+        sample(&body, &format!("inbox_duplicates_discarded_total{label}")),
+        Some(5.0),
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, &format!("inbox_deliveries_total{label}")),
+        Some(15.0),
+        "{body}"
+    );
+    assert_eq!(
+        sample(&body, &format!("inbox_messages_dead_lettered_total{label}")),
+        Some(0.0)
+    );
+    assert!(body.contains("# TYPE inbox_duplicates_discarded_total counter"));
+
+    assert_eq!(
+        get(port, "/health"),
+        (
+            "HTTP/1.1 200 OK".to_owned(),
+            "{\"database\":\"up\",\"broker\":\"up\"}\n".to_owned()
+        )
+    );
+    proxy.cut();
+    let (status, body) = get(port, "/health");
+    assert_eq!(status, "HTTP/1.1 503 Service Unavailable");
+    assert_eq!(body, "{\"database\":\"down\",\"broker\":\"up\"}\n");
+    proxy.restore();
+    common::eventually("healthy again", Duration::from_secs(20), || async {
+        get(port, "/health").0 == "HTTP/1.1 200 OK"
+    })
+    .await;
+    assert_eq!(get(port, "/nope").0, "HTTP/1.1 404 Not Found");
+    consumer.terminate();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleanup_sidecar_exports_what_it_deleted() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages SELECT gen_random_uuid(), 'alpha', now() - interval '2 days', now() - interval '2 days' FROM generate_series(1, 25);
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'alpha', now() - interval '2 days', NULL FROM generate_series(1, 2);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let sidecar = env.spawn(&[
+        "cleanup",
+        "--retention",
+        "1d",
+        "--every",
+        "1h",
+        "--metrics-addr",
+        &addr,
+    ]);
+    common::eventually("one run", Duration::from_secs(20), || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && sample(&get(port, "/metrics").1, "inbox_cleanup_runs_total") == Some(1.0)
+    })
+    .await;
+    let body = get(port, "/metrics").1;
+    assert_eq!(
+        sample(
+            &body,
+            "inbox_cleanup_rows_deleted_total{consumer_type=\"alpha\"}"
+        ),
+        Some(25.0),
+        "{body}"
+    );
+    assert_eq!(
+        sample(
+            &body,
+            "inbox_unprocessed_older_than_retention_rows{consumer_type=\"alpha\"}"
+        ),
+        Some(2.0)
+    );
+    assert!(sample(&body, "inbox_cleanup_last_success_timestamp_seconds").is_some());
+    assert_eq!(get(port, "/health").0, "HTTP/1.1 200 OK");
+    sidecar.terminate();
+}

@@ -35,6 +35,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
             [CompletionResult]::new('replay', 'replay', [CompletionResultType]::ParameterValue, 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
+            [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
@@ -164,6 +165,21 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;publish;help;help' {
             break
         }
+        'inboxctl;top' {
+            [CompletionResult]::new('--interval', '--interval', [CompletionResultType]::ParameterName, 'How often the figures are refreshed')
+            [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time')
+            [CompletionResult]::new('--alert-duplicates', '--alert-duplicates', [CompletionResultType]::ParameterName, 'Highlight a duplicate ratio above this, in percent')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
         'inboxctl;stats' {
             [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
@@ -210,6 +226,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
             [CompletionResult]::new('replay', 'replay', [CompletionResultType]::ParameterValue, 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
+            [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
@@ -233,6 +250,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;help;publish;parcel-created' {
+            break
+        }
+        'inboxctl;help;top' {
             break
         }
         'inboxctl;help;stats' {

@@ -43,6 +43,9 @@ _inboxctl() {
             inboxctl,stats)
                 cmd="inboxctl__subcmd__stats"
                 ;;
+            inboxctl,top)
+                cmd="inboxctl__subcmd__top"
+                ;;
             inboxctl__subcmd__help,cleanup)
                 cmd="inboxctl__subcmd__help__subcmd__cleanup"
                 ;;
@@ -70,6 +73,9 @@ _inboxctl() {
             inboxctl__subcmd__help,stats)
                 cmd="inboxctl__subcmd__help__subcmd__stats"
                 ;;
+            inboxctl__subcmd__help,top)
+                cmd="inboxctl__subcmd__help__subcmd__top"
+                ;;
             inboxctl__subcmd__help__subcmd__publish,parcel-created)
                 cmd="inboxctl__subcmd__help__subcmd__publish__subcmd__parcel__subcmd__created"
                 ;;
@@ -92,7 +98,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup replay publish stats demo completions help"
+            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup replay publish top stats demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -302,7 +308,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help)
-            opts="migrate consume cleanup replay publish stats demo completions help"
+            opts="migrate consume cleanup replay publish top stats demo completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -442,6 +448,20 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help__subcmd__stats)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__top)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -657,6 +677,44 @@ _inboxctl() {
             fi
             case "${prev}" in
                 --window)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__top)
+            opts="-v -h -V --interval --window --alert-duplicates --database-url --amqp-url --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --interval)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --window)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --alert-duplicates)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -32,6 +32,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+            cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -151,6 +152,20 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;publish;help;help'= {
         }
+        &'inboxctl;top'= {
+            cand --interval 'How often the figures are refreshed'
+            cand --window 'Rates are averages over this last stretch of time'
+            cand --alert-duplicates 'Highlight a duplicate ratio above this, in percent'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
         &'inboxctl;stats'= {
             cand --window 'Rates are averages over this last stretch of time'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
@@ -194,6 +209,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+            cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
@@ -211,6 +227,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
         }
         &'inboxctl;help;publish;parcel-created'= {
+        }
+        &'inboxctl;help;top'= {
         }
         &'inboxctl;help;stats'= {
         }

@@ -51,4 +51,5 @@ log "RabbitMQ ready on 127.0.0.1:5672"
 
 # ---- tools the tests call ----
 command -v psql >/dev/null 2>&1 || apt_install postgresql-client
+command -v tmux >/dev/null 2>&1 || apt_install tmux
 command -v cargo-nextest >/dev/null 2>&1 || cargo nextest --version >/dev/null 2>&1 || fail "cargo-nextest is missing (cargo install cargo-nextest)"

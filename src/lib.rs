@@ -26,6 +26,7 @@ pub mod sanitize;
 pub mod shutdown;
 pub mod stats;
 pub mod table;
+pub mod top;
 
 pub use cli::Cli;
 pub use error::{Error, Outcome, Result};

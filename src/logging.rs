@@ -7,9 +7,22 @@ use tracing_subscriber::EnvFilter;
 
 use crate::cli::{GlobalOpts, LogFormat};
 
-/// `quiet_consumers`: the per-message warnings of the consumers (duplicates, retries) are left out unless `-v` is
-/// given — for `demo`, whose duplicates are the point, not news.
-pub fn init(global: &GlobalOpts, quiet_consumers: bool) {
+/// How much of the log a command wants on stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    Stderr,
+    /// The consumers' per-message warnings (duplicates, retries) left out unless `-v` is given — for `demo`, whose
+    /// duplicates are the point, not news.
+    StderrQuietConsumers,
+    /// Nothing: `top` draws on the terminal stderr goes to.
+    Nowhere,
+}
+
+pub fn init(global: &GlobalOpts, target: Target) {
+    if target == Target::Nowhere {
+        return;
+    }
+    let quiet_consumers = target == Target::StderrQuietConsumers;
     // lapin logs a passive declare of a missing exchange (how inboxctl checks before declaring) as an ERROR;
     // inboxctl reports the broker problems that matter itself.
     let mut default = match global.verbose {

@@ -16,8 +16,12 @@ fn main() -> ExitCode {
             });
         }
     };
-    let is_demo = matches!(cli.command, inboxctl::cmd::Command::Demo(_));
-    inboxctl::logging::init(&cli.global, is_demo);
+    let target = match cli.command {
+        inboxctl::cmd::Command::Demo(_) => inboxctl::logging::Target::StderrQuietConsumers,
+        inboxctl::cmd::Command::Top(_) => inboxctl::logging::Target::Nowhere,
+        _ => inboxctl::logging::Target::Stderr,
+    };
+    inboxctl::logging::init(&cli.global, target);
     match inboxctl::run(cli) {
         Ok(outcome) => outcome.into(),
         Err(e) => {

@@ -87,10 +87,38 @@ pub struct ConsumerStats {
     pub oldest_unprocessed_seconds: Option<f64>,
     /// Counters for the window; `None` when inboxctl keeps none for this consumer_type.
     pub window: Option<Counts>,
-    /// Deliveries and duplicates per bucket, oldest first, covering the window.
+    /// Deliveries and duplicates per bucket, oldest first, covering the range's span.
     pub series: Vec<(u64, u64)>,
     pub queue: Option<QueueDepth>,
     pub error_queue: Option<QueueDepth>,
+}
+
+/// Which stretch of time the rates and the series cover.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Range {
+    /// Rates are averages over this last stretch.
+    pub window: Duration,
+    /// The series runs this far back (at least the window).
+    pub span: Duration,
+    /// One point of the series per bucket.
+    pub bucket: Duration,
+}
+
+impl Range {
+    /// Rates over `window` and no series to speak of (one bucket).
+    pub fn rates(window: Duration) -> Self {
+        Self {
+            window,
+            span: window,
+            bucket: window,
+        }
+    }
+
+    fn buckets(&self, of: Duration) -> usize {
+        (of.as_secs_f64() / self.bucket.as_secs_f64())
+            .ceil()
+            .max(1.0) as usize
+    }
 }
 
 /// Everything at one moment.
@@ -105,12 +133,7 @@ pub struct Snapshot {
 }
 
 /// Collects a snapshot. `broker` is optional: without it (or when it fails) the queue figures are `None`.
-pub async fn collect(
-    pool: &PgPool,
-    broker: Option<&Connection>,
-    window: Duration,
-    bucket: Duration,
-) -> Result<Snapshot> {
+pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -> Result<Snapshot> {
     let mut conn = pool.acquire().await?;
     let ours = schema::table_exists(&mut conn, "inboxctl_events").await?
         && schema::table_exists(&mut conn, "inboxctl_consumers").await?;
@@ -131,9 +154,6 @@ pub async fn collect(
     types.dedup();
 
     let estimates = Estimates::read(&mut conn).await?;
-    let buckets = (window.as_secs_f64() / bucket.as_secs_f64())
-        .ceil()
-        .max(1.0) as usize;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
         let (rows, rows_estimated) = match estimates.rows(&consumer_type) {
@@ -172,8 +192,7 @@ pub async fn collect(
         };
 
         let (window_counts, series) = if registered.contains_key(&consumer_type) {
-            let (counts, series) =
-                counters(&mut conn, &consumer_type, window, bucket, buckets).await?;
+            let (counts, series) = counters(&mut conn, &consumer_type, range).await?;
             (Some(counts), series)
         } else {
             (None, Vec::new())
@@ -242,8 +261,8 @@ pub async fn collect(
 
     Ok(Snapshot {
         taken_at: Utc::now(),
-        window,
-        bucket,
+        window: range.window,
+        bucket: range.bucket,
         consumers,
         broker_error,
     })
@@ -262,19 +281,19 @@ async fn capped_count(
     Ok(n.unsigned_abs())
 }
 
-/// The window's counters and a series of (deliveries, duplicates) per bucket, oldest first.
+/// The window's counters and a series of (deliveries, duplicates) per bucket over the span, oldest first.
 async fn counters(
     conn: &mut sqlx::PgConnection,
     consumer_type: &str,
-    window: Duration,
-    bucket: Duration,
-    buckets: usize,
+    range: Range,
 ) -> Result<(Counts, Vec<(u64, u64)>)> {
+    let buckets = range.buckets(range.span);
+    let in_window = range.buckets(range.window);
     let mut per_bucket: BTreeMap<usize, Counts> = BTreeMap::new();
     let processed: Vec<(i32, i64)> = sqlx::query_as(sql::PROCESSED_SERIES)
         .bind(consumer_type)
-        .bind(window.as_secs_f64())
-        .bind(bucket.as_secs_f64())
+        .bind(range.span.as_secs_f64())
+        .bind(range.bucket.as_secs_f64())
         .fetch_all(&mut *conn)
         .await?;
     for (b, n) in processed {
@@ -285,8 +304,8 @@ async fn counters(
     }
     let events: Vec<(String, i32, i64)> = sqlx::query_as(sql::EVENT_SERIES)
         .bind(consumer_type)
-        .bind(window.as_secs_f64())
-        .bind(bucket.as_secs_f64())
+        .bind(range.span.as_secs_f64())
+        .bind(range.bucket.as_secs_f64())
         .fetch_all(&mut *conn)
         .await?;
     for (kind, b, n) in events {
@@ -298,11 +317,13 @@ async fn counters(
     let mut total = Counts::default();
     let mut series = vec![(0, 0); buckets];
     for (age, c) in &per_bucket {
-        total.processed += c.processed;
-        total.duplicates += c.duplicates;
-        total.failed += c.failed;
-        total.dead_lettered += c.dead_lettered;
-        total.skipped += c.skipped;
+        if *age < in_window {
+            total.processed += c.processed;
+            total.duplicates += c.duplicates;
+            total.failed += c.failed;
+            total.dead_lettered += c.dead_lettered;
+            total.skipped += c.skipped;
+        }
         // Bucket 0 is the newest; the series runs oldest first.
         if let Some(slot) = buckets.checked_sub(age + 1).and_then(|i| series.get_mut(i)) {
             *slot = (c.deliveries(), c.duplicates);

@@ -153,3 +153,14 @@ fn a_closed_stdout_is_not_a_crash() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn top_without_a_terminal_points_to_stats() {
+    let out = run(&["top"], &[]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("not one") && out.stderr.contains("inboxctl stats"),
+        "{}",
+        out.stderr
+    );
+}

@@ -8,6 +8,7 @@ pub mod migrate;
 pub mod publish;
 pub mod replay;
 pub mod stats;
+pub mod top;
 
 use clap::Subcommand;
 use tokio_util::sync::CancellationToken;
@@ -27,6 +28,8 @@ pub enum Command {
     Replay(replay::Args),
     /// Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)
     Publish(publish::Args),
+    /// Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues
+    Top(top::Args),
     /// Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON
     Stats(stats::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
@@ -47,6 +50,7 @@ pub async fn run(
         Command::Publish(args) => publish::run(args, global).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
         Command::Stats(args) => stats::run(args, global).await,
+        Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }

@@ -34,7 +34,8 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             None
         }
     };
-    let snapshot = stats::collect(&pool, connection.as_ref(), args.window, args.window).await?;
+    let snapshot =
+        stats::collect(&pool, connection.as_ref(), stats::Range::rates(args.window)).await?;
     if let Some(c) = connection {
         let _ = c.close(200, "OK".into()).await;
     }

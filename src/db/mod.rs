@@ -98,6 +98,14 @@ impl Database {
             .map_err(|e| self.unavailable(e))
     }
 
+    /// A pool that connects on first use (and again after an outage), for callers that must start regardless.
+    pub fn lazy_pool(&self, size: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(size.max(1))
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_lazy_with(self.options.clone())
+    }
+
     pub(crate) fn unavailable(&self, source: sqlx::Error) -> Error {
         if is_transient(&source) || matches!(&source, sqlx::Error::Database(_)) {
             Error::DatabaseUnavailable {

@@ -1,0 +1,59 @@
+//! `inboxctl top`: the live dashboard per consumer_type.
+
+use std::io::IsTerminal as _;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::Broker;
+use crate::cli::{GlobalOpts, parse_positive_duration};
+use crate::db::Database;
+use crate::error::{Error, Outcome, Result};
+use crate::top;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// How often the figures are refreshed
+    #[arg(long, default_value = "1s", value_parser = parse_positive_duration)]
+    pub interval: Duration,
+
+    /// Rates are averages over this last stretch of time
+    #[arg(long, default_value = "1m", value_parser = parse_positive_duration)]
+    pub window: Duration,
+
+    /// Highlight a duplicate ratio above this, in percent
+    #[arg(long, default_value_t = 5.0, value_parser = parse_percent)]
+    pub alert_duplicates: f64,
+}
+
+fn parse_percent(s: &str) -> Result<f64, String> {
+    let p: f64 = s
+        .trim_end_matches('%')
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number"))?;
+    if !(0.0..=100.0).contains(&p) {
+        return Err("must be between 0 and 100".to_owned());
+    }
+    Ok(p)
+}
+
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    if !(std::io::stdout().is_terminal() && std::io::stdin().is_terminal()) {
+        return Err(Error::Usage(
+            "top draws on a terminal, and this is not one; for the same figures as text or JSON use `inboxctl stats` \
+             (or `inboxctl stats --json`)"
+                .to_owned(),
+        ));
+    }
+    let db = Database::from_url(&global.connect.database_url)?;
+    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start.
+    let pool = db.lazy_pool(2);
+    let options = top::Options {
+        interval: args.interval,
+        window: args.window,
+        alert_duplicates: args.alert_duplicates / 100.0,
+    };
+    top::run(pool, broker, options, shutdown).await?;
+    Ok(Outcome::Done)
+}

@@ -1,0 +1,195 @@
+//! `inboxctl top`: the live dashboard. State in [`app`] (pure), drawing in [`ui`] (a function of the state), and here
+//! the loop that merges keys, fresh figures and signals. The figures are collected by a task of their own, so a slow
+//! or unreachable database never holds up the screen.
+
+pub mod app;
+pub mod ui;
+
+use std::time::Duration;
+
+use crossterm::event::{Event, EventStream, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
+use futures_util::StreamExt as _;
+use lapin::Connection;
+use sqlx::postgres::PgPool;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use self::app::{Action, App};
+use crate::amqp::Broker;
+use crate::error::Result;
+use crate::stats::{self, Range};
+
+/// How long the series under the table reaches back.
+const SERIES_SPAN: Duration = Duration::from_secs(120);
+
+pub struct Options {
+    pub interval: Duration,
+    pub window: Duration,
+    pub alert_duplicates: f64,
+}
+
+/// Restores the terminal however the dashboard ends: return, error or panic (ratatui's panic hook).
+struct Restore;
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        ratatui::restore();
+    }
+}
+
+pub async fn run(
+    pool: PgPool,
+    broker: Broker,
+    options: Options,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let (tx, mut rx) = mpsc::channel(2);
+    let collector_stop = shutdown.child_token();
+    let range = Range {
+        window: options.window,
+        span: SERIES_SPAN.max(options.window),
+        bucket: options.interval.max(Duration::from_secs(1)),
+    };
+    let collector = tokio::spawn(collect(
+        pool,
+        broker,
+        range,
+        options.interval,
+        tx,
+        collector_stop.clone(),
+    ));
+
+    let mut terminal = ratatui::try_init()?;
+    let _restore = Restore;
+    let mut app = App::new(options.alert_duplicates);
+    let mut events = EventStream::new();
+    let result = loop {
+        if let Err(e) = terminal.draw(|frame| ui::render(&app, frame)) {
+            break Err(e.into());
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => break Ok(()),
+            event = events.next() => match event {
+                Some(Ok(Event::Key(key))) => {
+                    if let Some(action) = action_for(key) {
+                        app.update(action);
+                    }
+                }
+                Some(Ok(_)) => {} // a resize: the next draw fits the new size
+                Some(Err(e)) => break Err(e.into()),
+                None => break Ok(()),
+            },
+            Some(action) = rx.recv() => app.update(action),
+        }
+        if app.quit {
+            break Ok(());
+        }
+    };
+    collector_stop.cancel();
+    let _ = collector.await;
+    result
+}
+
+/// The key bindings.
+pub fn action_for(key: KeyEvent) -> Option<Action> {
+    if key.kind != KeyEventKind::Press {
+        return None;
+    }
+    match key.code {
+        KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::Quit),
+        KeyCode::Char('q') | KeyCode::Esc => Some(Action::Quit),
+        KeyCode::Up | KeyCode::Char('k') => Some(Action::Up),
+        KeyCode::Down | KeyCode::Char('j') => Some(Action::Down),
+        KeyCode::Char('s') => Some(Action::Sort),
+        KeyCode::Char('p') => Some(Action::Pause),
+        KeyCode::Char('?') | KeyCode::Char('h') => Some(Action::Help),
+        _ => None,
+    }
+}
+
+/// Collects figures every `interval` until stopped; a failure is reported and the next refresh tries again. The broker
+/// connection is reopened when it was lost.
+async fn collect(
+    pool: PgPool,
+    broker: Broker,
+    range: Range,
+    interval: Duration,
+    tx: mpsc::Sender<Action>,
+    stop: CancellationToken,
+) {
+    let mut connection: Option<Connection> = None;
+    loop {
+        if connection.as_ref().is_none_or(|c| !c.status().connected()) {
+            connection =
+                tokio::time::timeout(Duration::from_secs(2), broker.connect("inboxctl top"))
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
+        }
+        let action = match stats::collect(&pool, connection.as_ref(), range).await {
+            Ok(snapshot) => Action::Data(Box::new(snapshot)),
+            Err(e) => Action::DataError(crate::redact::text(&e.to_string())),
+        };
+        if tx.send(action).await.is_err() {
+            break;
+        }
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = tokio::time::sleep(interval) => {}
+        }
+    }
+    if let Some(c) = connection {
+        let _ = c.close(200, "OK".into()).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(code: KeyCode, modifiers: KeyModifiers) -> KeyEvent {
+        KeyEvent::new(code, modifiers)
+    }
+
+    #[test]
+    fn keys() {
+        let none = KeyModifiers::NONE;
+        assert!(matches!(
+            action_for(key(KeyCode::Char('q'), none)),
+            Some(Action::Quit)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Esc, none)),
+            Some(Action::Quit)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+            Some(Action::Quit)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('j'), none)),
+            Some(Action::Down)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Up, none)),
+            Some(Action::Up)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('s'), none)),
+            Some(Action::Sort)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('p'), none)),
+            Some(Action::Pause)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('?'), none)),
+            Some(Action::Help)
+        ));
+        assert!(action_for(key(KeyCode::Char('x'), none)).is_none());
+        assert!(
+            action_for(key(KeyCode::Char('c'), none)).is_none(),
+            "plain c does nothing"
+        );
+    }
+}

@@ -1,0 +1,368 @@
+//! Drawing the dashboard: a function of the state. Every text that came from the database or the broker passes
+//! through [`sanitize::text`] on its way to the screen.
+
+use ratatui::Frame;
+use ratatui::layout::{Alignment, Constraint, Layout, Rect};
+use ratatui::style::{Color, Modifier, Style, Stylize as _};
+use ratatui::text::{Line as TextLine, Span, Text};
+use ratatui::widgets::{
+    Block, Borders, Cell, Clear, Paragraph, Row, Sparkline, Table, TableState, Wrap,
+};
+
+use super::app::{App, Line};
+use crate::sanitize;
+use crate::stats::display;
+
+/// Below this height the sparklines give their room to the table.
+const MIN_HEIGHT_FOR_CHARTS: u16 = 16;
+
+pub fn render(app: &App, frame: &mut Frame) {
+    let area = frame.area();
+    let charts = area.height >= MIN_HEIGHT_FOR_CHARTS && app.selected_line().is_some();
+    let [table_area, chart_area, status_area] = Layout::vertical([
+        Constraint::Min(3),
+        Constraint::Length(if charts { 7 } else { 0 }),
+        Constraint::Length(1),
+    ])
+    .areas(area);
+
+    render_table(app, frame, table_area);
+    if charts && let Some(line) = app.selected_line() {
+        render_charts(app, line, frame, chart_area);
+    }
+    render_status(app, frame, status_area);
+    if app.show_help {
+        render_help(frame, area);
+    }
+}
+
+/// The columns, widest first to go when the terminal is narrow: (header, width, priority).
+const COLUMNS: [(&str, u16, u8); 12] = [
+    ("consumer_type", 28, 0),
+    ("deliv/s", 8, 0),
+    ("dup/s", 7, 1),
+    ("dup %", 7, 0),
+    ("proc/s", 8, 2),
+    ("rows", 8, 2),
+    ("unproc", 9, 0),
+    ("oldest", 7, 1),
+    ("queue", 24, 3),
+    ("ready", 7, 1),
+    ("cons", 5, 2),
+    ("errors", 7, 0),
+];
+
+/// Which columns fit in `width`: drop the least important first.
+fn visible_columns(width: u16) -> Vec<usize> {
+    for max_priority in (0..=3).rev() {
+        let chosen: Vec<usize> = (0..COLUMNS.len())
+            .filter(|&i| COLUMNS[i].2 <= max_priority)
+            .collect();
+        let needed: u16 = chosen.iter().map(|&i| COLUMNS[i].1 + 1).sum::<u16>() + 4;
+        if needed <= width || max_priority == 0 {
+            return chosen;
+        }
+    }
+    Vec::new()
+}
+
+fn cells(line: &Line) -> [String; 12] {
+    let mut unprocessed = display::count(line.unprocessed, line.unprocessed_estimated);
+    if line.unprocessed_growing {
+        unprocessed.push('↑');
+    }
+    [
+        sanitize::text(&line.consumer_type).into_owned(),
+        display::rate(line.deliveries_per_second),
+        display::rate(line.duplicates_per_second),
+        display::percent(line.duplicate_ratio),
+        display::rate(line.processed_per_second),
+        display::count(line.rows, line.rows_estimated),
+        unprocessed,
+        display::age(line.oldest_unprocessed_seconds),
+        line.queue
+            .as_deref()
+            .map(|q| sanitize::text(q).into_owned())
+            .unwrap_or_else(|| display::UNKNOWN.into()),
+        display::count(line.ready.map(u64::from), false),
+        display::count(line.consumers.map(u64::from), false),
+        display::count(line.errors.map(u64::from), false),
+    ]
+}
+
+fn render_table(app: &App, frame: &mut Frame, area: Rect) {
+    let columns = visible_columns(area.width);
+    let alert = Style::new().fg(Color::Red).add_modifier(Modifier::BOLD);
+    let warn = Style::new().fg(Color::Yellow);
+    let rows = app.lines.iter().map(|line| {
+        let texts = cells(line);
+        Row::new(columns.iter().map(|&i| {
+            // Names to the left, figures to the right.
+            let text = if matches!(i, 0 | 8) {
+                Text::from(texts[i].clone())
+            } else {
+                Text::from(texts[i].clone()).alignment(Alignment::Right)
+            };
+            let cell = Cell::from(text);
+            match i {
+                3 if line.duplicates_alert => cell.style(alert),
+                6 if line.unprocessed_growing => cell.style(warn),
+                11 if line.errors_alert => cell.style(alert),
+                _ => cell,
+            }
+        }))
+    });
+    let header = Row::new(columns.iter().map(|&i| {
+        let text = Text::from(COLUMNS[i].0);
+        Cell::from(if matches!(i, 0 | 8) {
+            text
+        } else {
+            text.alignment(Alignment::Right)
+        })
+    }))
+    .bold()
+    .underlined();
+    let widths = columns.iter().map(|&i| {
+        if i == 0 {
+            Constraint::Min(12)
+        } else {
+            Constraint::Length(COLUMNS[i].1)
+        }
+    });
+    let title = format!(
+        " inboxctl top — rates over {} — sorted by {}{} ",
+        humantime::format_duration(std::time::Duration::from_secs_f64(app.window_seconds)),
+        app.sort.label(),
+        if app.paused { " — PAUSED" } else { "" }
+    );
+    let table = Table::new(rows, widths)
+        .header(header)
+        .row_highlight_style(Style::new().reversed())
+        .highlight_symbol("▶ ")
+        .block(Block::new().borders(Borders::ALL).title(title));
+    let mut state = TableState::new().with_selected(app.selected_index());
+    frame.render_stateful_widget(table, area, &mut state);
+    if app.lines.is_empty() {
+        let inner = area.inner(ratatui::layout::Margin::new(2, 2));
+        let text = if app.updated_at.is_none() {
+            "waiting for the first figures…"
+        } else {
+            "no consumer_type yet: inbox_messages is empty"
+        };
+        frame.render_widget(Paragraph::new(text).italic(), inner);
+    }
+}
+
+fn render_charts(app: &App, line: &Line, frame: &mut Frame, area: Rect) {
+    if line.series.is_empty() {
+        let text = format!(
+            "{}: no counters — no inboxctl consumer has run as this consumer_type, so its rates are unknown",
+            sanitize::text(&line.consumer_type)
+        );
+        frame.render_widget(
+            Paragraph::new(text)
+                .wrap(Wrap { trim: true })
+                .block(Block::new().borders(Borders::ALL)),
+            area,
+        );
+        return;
+    }
+    let [left, right] =
+        Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(area);
+    let span = humantime::format_duration(std::time::Duration::from_secs_f64(
+        app.bucket_seconds * line.series.len() as f64,
+    ));
+    let name = sanitize::text(&line.consumer_type);
+    let deliveries: Vec<u64> = line.series.iter().map(|p| p.0).collect();
+    let duplicates: Vec<u64> = line.series.iter().map(|p| p.1).collect();
+    let max = deliveries.iter().copied().max().unwrap_or(0).max(1);
+    frame.render_widget(
+        Sparkline::default()
+            .data(tail(&deliveries, left.width.saturating_sub(2)))
+            .max(max)
+            .style(Style::new().fg(Color::Green))
+            .block(
+                Block::new()
+                    .borders(Borders::ALL)
+                    .title(format!(" {name}: deliveries, last {span} ")),
+            ),
+        left,
+    );
+    frame.render_widget(
+        Sparkline::default()
+            .data(tail(&duplicates, right.width.saturating_sub(2)))
+            .max(max)
+            .style(Style::new().fg(if line.duplicates_alert {
+                Color::Red
+            } else {
+                Color::Yellow
+            }))
+            .block(
+                Block::new()
+                    .borders(Borders::ALL)
+                    .title(" duplicates (same scale) "),
+            ),
+        right,
+    );
+}
+
+/// The newest `width` points.
+fn tail(points: &[u64], width: u16) -> Vec<u64> {
+    points[points.len().saturating_sub(usize::from(width))..].to_vec()
+}
+
+fn render_status(app: &App, frame: &mut Frame, area: Rect) {
+    let mut spans = Vec::new();
+    match &app.error {
+        Some(e) => spans.push(Span::styled(
+            format!(" {} — retrying ", sanitize::text(e)),
+            Style::new().fg(Color::White).bg(Color::Red),
+        )),
+        None => match app.updated_at {
+            Some(t) => spans.push(Span::raw(format!(" updated {} ", t.format("%H:%M:%S")))),
+            None => spans.push(Span::raw(" connecting… ")),
+        },
+    }
+    if let Some(e) = &app.broker_error {
+        spans.push(Span::styled(
+            format!(" RabbitMQ: {} ", sanitize::text(e)),
+            Style::new().fg(Color::Black).bg(Color::Yellow),
+        ));
+    }
+    spans.push(Span::raw(" ↑↓/jk select · s sort · p pause · ? help · q quit").dim());
+    frame.render_widget(Paragraph::new(TextLine::from(spans)), area);
+}
+
+fn render_help(frame: &mut Frame, area: Rect) {
+    let text = vec![
+        TextLine::from("↑ ↓ or j k   select a consumer_type (its charts below)"),
+        TextLine::from("s            sort by the next column"),
+        TextLine::from("p            pause / resume the refresh"),
+        TextLine::from("?            this help"),
+        TextLine::from("q Esc Ctrl-C quit"),
+        TextLine::from(""),
+        TextLine::from("~ estimated from PostgreSQL's statistics · ? unknown"),
+        TextLine::from("red dup %: above --alert-duplicates · ↑ unprocessed growing"),
+        TextLine::from("red errors: the error queue is not empty"),
+    ];
+    let width = 66.min(area.width);
+    let height = (text.len() as u16 + 2).min(area.height);
+    let popup = Rect {
+        x: area.x + (area.width - width) / 2,
+        y: area.y + (area.height - height) / 2,
+        width,
+        height,
+    };
+    frame.render_widget(Clear, popup);
+    frame.render_widget(
+        Paragraph::new(text)
+            .wrap(Wrap { trim: false })
+            .block(Block::new().borders(Borders::ALL).title(" help ")),
+        popup,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::top::app::tests::{consumer, snapshot};
+    use crate::top::app::{Action, App};
+    use ratatui::Terminal;
+    use ratatui::backend::TestBackend;
+
+    fn draw(app: &App, width: u16, height: u16) -> String {
+        let mut terminal = Terminal::new(TestBackend::new(width, height)).expect("terminal");
+        terminal.draw(|f| render(app, f)).expect("draw");
+        let buffer = terminal.backend().buffer().clone();
+        let mut out = String::new();
+        for y in 0..buffer.area.height {
+            for x in 0..buffer.area.width {
+                out.push_str(buffer[(x, y)].symbol());
+            }
+            out.push('\n');
+        }
+        out
+    }
+
+    fn app() -> App {
+        let mut app = App::new(0.05);
+        app.update(Action::Data(snapshot(vec![
+            consumer("parcel-created-carrier", 120, 30, 0, 0),
+            consumer("parcel-created-notification", 60, 0, 7, 2),
+        ])));
+        app
+    }
+
+    #[test]
+    fn rows_and_figures_are_drawn() {
+        let screen = draw(&app(), 140, 30);
+        let carrier = screen
+            .lines()
+            .find(|l| l.contains("parcel-created-carrier "))
+            .expect("carrier row");
+        // 150 deliveries and 30 duplicates over 60 s: 2.5/s and 0.5/s, 20 %.
+        for figure in ["2.5", "0.5", "20.0%", "1120"] {
+            assert!(carrier.contains(figure), "{figure} in {carrier:?}");
+        }
+        let notification = screen
+            .lines()
+            .find(|l| l.contains("parcel-created-notification "))
+            .expect("row");
+        assert!(
+            notification.contains("1.0")
+                && notification.contains("75s")
+                && notification.contains(" 2 "),
+            "{notification:?}"
+        );
+        assert!(
+            screen.contains("deliveries, last 6s"),
+            "charts of the selected consumer:\n{screen}"
+        );
+        assert!(screen.contains("sorted by consumer_type"));
+    }
+
+    #[test]
+    fn an_escape_sequence_is_shown_inert() {
+        let mut app = App::new(0.05);
+        app.update(Action::Data(snapshot(vec![consumer(
+            "evil\u{1b}]0;pwned\u{7}\u{1b}[2J",
+            1,
+            0,
+            0,
+            0,
+        )])));
+        let screen = draw(&app, 140, 30);
+        assert!(
+            screen.contains("evil\\u{1b}]0;pwned\\u{7}\\u{1b}[2J"),
+            "{screen}"
+        );
+        assert!(!screen.contains('\u{1b}') && !screen.contains('\u{7}'));
+    }
+
+    #[test]
+    fn a_small_terminal_degrades_gracefully() {
+        let screen = draw(&app(), 50, 10);
+        assert!(screen.contains("parcel-creat"), "{screen}");
+        assert!(!screen.contains("deliveries, last"), "no room for charts");
+        assert!(!screen.contains("queue"), "low-priority columns go first");
+        // Tiny and empty sizes must not panic either.
+        draw(&app(), 10, 3);
+        draw(&app(), 1, 1);
+    }
+
+    #[test]
+    fn help_pause_and_errors_show() {
+        let mut app = app();
+        app.update(Action::Help);
+        assert!(draw(&app, 120, 30).contains("pause / resume the refresh"));
+        app.update(Action::Help);
+        app.update(Action::Pause);
+        assert!(draw(&app, 120, 30).contains("PAUSED"));
+        app.update(Action::DataError(
+            "PostgreSQL unreachable: connection refused".into(),
+        ));
+        assert!(
+            draw(&app, 120, 30).contains("PostgreSQL unreachable: connection refused — retrying")
+        );
+    }
+}

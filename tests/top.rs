@@ -1,0 +1,174 @@
+//! `inboxctl top` end to end, in a real terminal (tmux): real traffic for two consumer_types, known figures on
+//! screen, `q` quits and leaves the terminal usable.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::TestEnv;
+
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn run(&self, args: &[&str]) -> String {
+        let out = Command::new("tmux")
+            .arg("-L")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("tmux (Debian package tmux)");
+        assert!(
+            out.status.success(),
+            "tmux {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn screen(&self) -> String {
+        self.run(&["capture-pane", "-p", "-t", "top"])
+    }
+
+    fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let screen = self.screen();
+            if ok(&screen) {
+                return screen;
+            }
+            assert!(Instant::now() < deadline, "no {what} on screen:\n{screen}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = Command::new("tmux")
+            .args(["-L", &self.socket, "kill-server"])
+            .status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "20", "--duplicates", "0.5"]);
+    let mut carrier = env.spawn(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    let mut notification = env.spawn(&["consume", "notification", "--exit-when-idle", "1s"]);
+    assert_eq!(carrier.wait(Duration::from_secs(60)), Some(0));
+    assert_eq!(notification.wait(Duration::from_secs(60)), Some(0));
+
+    let tmux = Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let script = format!(
+        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
+        env.database_url,
+        env.amqp_url,
+        common::BIN
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "160",
+        "-y",
+        "40",
+        &script,
+    ]);
+
+    // 20 parcels, 10 sent twice, in the last minute: 30 deliveries (0.5/s), 10 duplicates (0.2/s), 33.3 %.
+    let screen = tmux.wait_for("both consumer_types with their figures", |s| {
+        s.contains("parcel-created-carrier")
+            && s.contains("parcel-created-notification")
+            && s.matches("33.3%").count() == 2
+    });
+    for name in ["parcel-created-carrier ", "parcel-created-notification "] {
+        let row = screen
+            .lines()
+            .find(|l| l.contains(name) && l.contains('%'))
+            .unwrap();
+        let figures: Vec<&str> = row.split_whitespace().collect();
+        assert!(
+            figures.contains(&"0.5") && figures.contains(&"0.2") && figures.contains(&"20"),
+            "{row}"
+        );
+        assert!(figures.contains(&"33.3%"), "{row}");
+    }
+    assert!(
+        screen.contains("deliveries, last 2m"),
+        "charts of the selected consumer_type:\n{screen}"
+    );
+
+    tmux.run(&["send-keys", "-t", "top", "s"]);
+    tmux.wait_for("the sort changed", |s| s.contains("sorted by deliveries/s"));
+    tmux.run(&["send-keys", "-t", "top", "q"]);
+    let after = tmux.wait_for("top to exit", |s| s.contains("EXITED="));
+    assert!(after.contains("EXITED=0"), "{after}");
+    assert!(
+        after.lines().any(|l| l.trim() == "icanon"),
+        "the terminal is back in canonical mode:\n{after}"
+    );
+    assert!(
+        !after.contains("consumer_type"),
+        "the alternate screen is gone:\n{after}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_says_when_postgres_is_gone_keeps_retrying_and_recovers() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql("INSERT INTO inbox_messages SELECT gen_random_uuid(), 'ops-queue', now(), NULL FROM generate_series(1, 3)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let proxy = common::Proxy::start("127.0.0.1:5432").await;
+    let tmux = Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let script = format!(
+        "DATABASE_URL='postgres://postgres@127.0.0.1:{}/{}' AMQP_URL='{}' '{}' top --interval 300ms; echo EXITED=$?; sleep 60",
+        proxy.port,
+        env.db_name,
+        env.amqp_url,
+        common::BIN
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "150",
+        "-y",
+        "30",
+        &script,
+    ]);
+    tmux.wait_for("the inbox figures", |s| s.contains("ops-queue"));
+
+    proxy.cut();
+    let screen = tmux.wait_for("the outage on the status line", |s| s.contains("retrying"));
+    assert!(
+        screen.contains("ops-queue"),
+        "the last figures stay on screen:\n{screen}"
+    );
+    assert!(!screen.contains("EXITED"), "it does not exit");
+    proxy.restore();
+    tmux.wait_for("recovery", |s| {
+        s.contains("updated") && !s.contains("retrying")
+    });
+    tmux.run(&["send-keys", "-t", "top", "Escape"]);
+    assert!(
+        tmux.wait_for("top to exit", |s| s.contains("EXITED="))
+            .contains("EXITED=0")
+    );
+}

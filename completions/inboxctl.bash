@@ -200,7 +200,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --metrics-addr --fail-destination --database-url --amqp-url --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --metrics-addr --fail-destination --database-url --amqp-url --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -243,6 +243,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --shutdown-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --batch-size)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --batch-wait)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

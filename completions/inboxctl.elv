@@ -62,6 +62,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off'
             cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)'
             cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
+            cand --batch-size 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64'
+            cand --batch-wait 'How long a batch waits to fill, only while another batch is running (a lone message never waits)'
             cand --metrics-addr 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)'
             cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'

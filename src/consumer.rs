@@ -9,6 +9,9 @@
 //!   retried in this process with a doubling delay, and after `max_attempts` → `<queue>_error`; PostgreSQL
 //!   unavailable → retried without counting, however long it takes, and no new delivery is started meanwhile.
 //!
+//! Batched (`batch_size` > 1): deliveries that arrive together share one transaction ([`Inbox::process_batch`]); a
+//! member whose work fails is retried alone, one message per transaction, as above.
+//!
 //! A move to a dead-letter queue is acknowledged only after the broker confirmed the copy. Nothing is acknowledged
 //! before its outcome is committed or confirmed; what cannot be finished is left to the broker to deliver again.
 
@@ -29,7 +32,7 @@ use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
-use tokio::sync::{OnceCell, Semaphore, watch};
+use tokio::sync::{OnceCell, Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -40,7 +43,9 @@ use crate::amqp::{Broker, topology};
 use crate::db::sql;
 use crate::error::{Error, Result};
 use crate::failpoint;
-use crate::inbox::{ConsumerType, Inbox, Outcome, ProcessError, WorkError};
+use crate::inbox::{
+    ConsumerType, Inbox, Member, MemberOutcome, Outcome, ProcessError, Work, WorkError,
+};
 use crate::sanitize;
 
 /// What a consumer knows about the delivery it works on.
@@ -111,6 +116,10 @@ pub struct ConsumerOptions {
     pub shutdown_timeout: Duration,
     /// Where the run counts what it does (shared with `--metrics-addr`).
     pub counts: Arc<RunCounts>,
+    /// More than 1: up to this many deliveries share one transaction (see [`Inbox::process_batch`]).
+    pub batch_size: usize,
+    /// How long a batch waits to fill while another batch is running.
+    pub batch_wait: Duration,
 }
 
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
@@ -203,6 +212,25 @@ pub async fn run<C: Consumer>(
     });
     let permits = Arc::new(Semaphore::new(shared.options.concurrency.max(1)));
     let mut tasks: JoinSet<()> = JoinSet::new();
+    // Batched: deliveries queue up for a few batch workers instead of getting a task each.
+    let mut batches = (shared.options.batch_size > 1).then(|| {
+        let (tx, rx) = mpsc::channel::<Queued>(usize::from(shared.options.prefetch).max(1));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let running = Arc::new(AtomicUsize::new(0));
+        let workers = shared
+            .options
+            .concurrency
+            .div_ceil(shared.options.batch_size)
+            .max(1);
+        for _ in 0..workers {
+            tasks.spawn(batch_worker(
+                Arc::clone(&shared),
+                Arc::clone(&rx),
+                Arc::clone(&running),
+            ));
+        }
+        tx
+    });
     let mut outage_delay = OUTAGE_DELAY_MIN;
     let mut first = true;
 
@@ -278,7 +306,26 @@ pub async fn run<C: Consumer>(
                         shared.in_flight.fetch_add(1, Ordering::SeqCst);
                         *lock(&shared.last_activity) = Instant::now();
                         // No new delivery starts while PostgreSQL is down or all workers are busy.
-                        let Some(permit) = wait_for_capacity(&shared, &permits).await else {
+                        if !wait_for_database(&shared).await {
+                            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                            break 'connect;
+                        }
+                        if let Some(queue) = &batches {
+                            let queued = (delivery, Arc::clone(&link));
+                            tokio::select! {
+                                () = shutdown.cancelled() => {
+                                    shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                                    break 'connect;
+                                }
+                                sent = queue.send(queued) => if sent.is_err() { break 'connect; },
+                            }
+                            continue;
+                        }
+                        let permit = tokio::select! {
+                            () = shutdown.cancelled() => None,
+                            permit = Arc::clone(&permits).acquire_owned() => permit.ok(),
+                        };
+                        let Some(permit) = permit else {
                             shared.in_flight.fetch_sub(1, Ordering::SeqCst);
                             break 'connect;
                         };
@@ -286,8 +333,6 @@ pub async fn run<C: Consumer>(
                         let link = Arc::clone(&link);
                         tasks.spawn(async move {
                             handle(&shared, &link, delivery).await;
-                            *lock(&shared.last_activity) = Instant::now();
-                            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
                             drop(permit);
                         });
                     }
@@ -311,6 +356,8 @@ pub async fn run<C: Consumer>(
         let _ = link.connection.close(200, "reconnecting".into()).await;
     }
 
+    // The batch workers end once the deliveries queued for them are done.
+    batches.take();
     drain(&shared, &mut tasks).await;
     shared
         .counts
@@ -355,19 +402,12 @@ async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<L
     })
 }
 
-/// Waits until PostgreSQL is up and a worker is free; `None` if a stop was asked for meanwhile.
-async fn wait_for_capacity<C: Consumer>(
-    shared: &Shared<C>,
-    permits: &Arc<Semaphore>,
-) -> Option<tokio::sync::OwnedSemaphorePermit> {
+/// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile.
+async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
     let mut up = shared.database_up.subscribe();
     tokio::select! {
-        () = shared.shutdown.cancelled() => return None,
-        result = up.wait_for(|up| *up) => { result.ok()?; }
-    }
-    tokio::select! {
-        () = shared.shutdown.cancelled() => None,
-        permit = Arc::clone(permits).acquire_owned() => permit.ok(),
+        () = shared.shutdown.cancelled() => false,
+        result = up.wait_for(|up| *up) => result.is_ok(),
     }
 }
 
@@ -415,8 +455,17 @@ enum Disposition {
     Requeue,
 }
 
+/// Handles one delivery on its own (not batched) and settles it with the broker.
 async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery) {
-    let disposition = decide(shared, link, &delivery).await;
+    let disposition = match prepare(shared, link, &delivery).await {
+        Prepared::Done(disposition) => disposition,
+        Prepared::Ready(ready) => attempts(shared, link, &delivery, &ready, 1).await,
+    };
+    settle(shared, &delivery, disposition).await;
+}
+
+/// Acks or requeues a delivery whose handling ended, and counts it out of flight.
+async fn settle<C: Consumer>(shared: &Shared<C>, delivery: &Delivery, disposition: Disposition) {
     let acker = &delivery.acker;
     match disposition {
         Disposition::Ack => match acker.ack(BasicAckOptions::default()).await {
@@ -435,9 +484,30 @@ async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery
                 .await;
         }
     }
+    *lock(&shared.last_activity) = Instant::now();
+    shared.in_flight.fetch_sub(1, Ordering::SeqCst);
 }
 
-async fn decide<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: &Delivery) -> Disposition {
+/// A delivery that could be read, of a type this consumer handles, with its event decoded.
+struct Ready<M> {
+    incoming: Incoming,
+    message: M,
+    message_type: Option<String>,
+}
+
+enum Prepared<M> {
+    /// Dead-lettered or skipped already.
+    Done(Disposition),
+    Ready(Ready<M>),
+}
+
+/// Reads a delivery; what cannot be read goes to the error queue, what this consumer does not handle to the skipped
+/// queue, both at once.
+async fn prepare<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+) -> Prepared<C::Message> {
     let incoming = match envelope::parse(&delivery.properties, &delivery.data) {
         Ok(incoming) => incoming,
         Err(unreadable) => {
@@ -447,29 +517,25 @@ async fn decide<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: &Deliver
                 reason = %sanitize::text(&unreadable.to_string()),
                 "unreadable message; moving it to the error queue"
             );
-            return dead_letter_error(
-                shared,
-                link,
-                delivery,
-                id,
-                None,
-                &unreadable_fault(&unreadable),
-                0,
-            )
-            .await;
+            let fault = unreadable_fault(&unreadable);
+            return Prepared::Done(
+                dead_letter_error(shared, link, delivery, id, None, &fault, 0).await,
+            );
         }
     };
     let message_type = incoming
         .message_types
         .first()
         .map(|t| envelope::dotnet_type_name(t));
-
     if !C::handles(&incoming.message_types) {
-        return skip(shared, link, delivery, &incoming).await;
+        return Prepared::Done(skip(shared, link, delivery, &incoming).await);
     }
-
-    let message: C::Message = match serde_json::from_str(incoming.payload.get()) {
-        Ok(message) => message,
+    match serde_json::from_str(incoming.payload.get()) {
+        Ok(message) => Prepared::Ready(Ready {
+            incoming,
+            message,
+            message_type,
+        }),
         Err(e) => {
             let reason = format!(
                 "the message cannot be read as {}: {e}",
@@ -477,64 +543,61 @@ async fn decide<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: &Deliver
             );
             tracing::warn!(message_id = %incoming.message_id, reason = %sanitize::text(&reason), "moving message to the error queue");
             let fault = ("inboxctl::MalformedMessage", reason.clone(), reason);
-            return dead_letter_error(
-                shared,
-                link,
-                delivery,
-                Some(incoming.message_id),
-                message_type,
-                &fault,
-                0,
+            let id = Some(incoming.message_id);
+            Prepared::Done(
+                dead_letter_error(shared, link, delivery, id, message_type, &fault, 0).await,
             )
-            .await;
         }
-    };
+    }
+}
 
-    let mut attempt = 1;
+/// The consumer's work on one message, for [`Inbox::process`] or a batch.
+fn work<C: Consumer>(
+    shared: &Shared<C>,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    attempt: u32,
+) -> Work<()> {
+    let context = MessageContext {
+        message_id: ready.incoming.message_id,
+        consumer_type: shared.inbox.consumer_type().clone(),
+        redelivered: delivery.redelivered,
+        attempt,
+    };
+    let consumer = Arc::clone(&shared.consumer);
+    let message = ready.message.clone();
+    Box::new(move |tx| Box::pin(async move { consumer.consume(tx, &context, &message).await }))
+}
+
+/// Processes one message in transactions of its own, from attempt `first` on: retries what fails, waits out outages.
+async fn attempts<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    first: u32,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    let mut attempt = first;
     let mut outage_delay = OUTAGE_DELAY_MIN;
     loop {
-        let context = MessageContext {
-            message_id: incoming.message_id,
-            consumer_type: shared.inbox.consumer_type().clone(),
-            redelivered: delivery.redelivered,
-            attempt,
-        };
-        let consumer = Arc::clone(&shared.consumer);
-        let msg = message.clone();
-        let work = shared.inbox.process(incoming.message_id, move |tx| {
-            Box::pin(async move { consumer.consume(tx, &context, &msg).await })
-        });
+        let work = shared
+            .inbox
+            .process(id, work(shared, delivery, ready, attempt));
         let failure = match AssertUnwindSafe(work).catch_unwind().await {
             Ok(Ok(outcome)) => {
-                shared
-                    .database_up
-                    .send_if_modified(|up| !std::mem::replace(up, true));
+                database_back(shared);
                 match outcome {
                     Outcome::Processed(()) => {
-                        shared.counts.processed.fetch_add(1, Ordering::Relaxed);
-                        tracing::debug!(message_id = %incoming.message_id, "processed");
+                        processed(shared, id);
                         failpoint::hit("after-commit").await;
                     }
-                    Outcome::Duplicate => {
-                        shared.counts.duplicates.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(
-                            message_id = %incoming.message_id,
-                            consumer_type = %shared.inbox.consumer_type(),
-                            "duplicate discarded"
-                        );
-                    }
+                    Outcome::Duplicate => duplicate(shared, id),
                 }
                 return Disposition::Ack;
             }
             Ok(Err(ProcessError::Unavailable(e))) => {
-                if shared
-                    .database_up
-                    .send_if_modified(|up| std::mem::replace(up, false))
-                {
-                    tracing::error!(error = %crate::redact::text(&e.to_string()), "PostgreSQL unavailable: holding deliveries until it is back");
-                } else {
-                    tracing::debug!(error = %e, message_id = %incoming.message_id, "PostgreSQL still unavailable");
-                }
+                database_gone(shared, &e);
                 if sleep_or_cancel(jitter(outage_delay), &shared.shutdown).await {
                     return Disposition::Requeue;
                 }
@@ -544,45 +607,239 @@ async fn decide<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: &Deliver
             Ok(Err(ProcessError::Failed(e))) => error_chain(&e),
             Err(panic) => format!("panicked: {}", panic_message(&*panic)),
         };
-
-        shared
-            .counts
-            .failed_attempts
-            .fetch_add(1, Ordering::Relaxed);
-        record_event(shared, "failed", Some(incoming.message_id), &failure).await;
-        if attempt >= shared.options.max_attempts {
-            tracing::warn!(
-                message_id = %incoming.message_id,
-                attempts = attempt,
-                reason = %sanitize::text(&failure),
-                "giving up; moving message to the error queue"
-            );
-            let first_line = failure.lines().next().unwrap_or_default().to_owned();
-            let fault = ("inboxctl::ConsumerFailed", first_line, failure);
-            return dead_letter_error(
-                shared,
-                link,
-                delivery,
-                Some(incoming.message_id),
-                message_type,
-                &fault,
-                i32::try_from(attempt - 1).unwrap_or(i32::MAX),
-            )
-            .await;
-        }
-        let delay = retry_delay(shared.options.retry_delay, attempt);
-        tracing::warn!(
-            message_id = %incoming.message_id,
-            attempt,
-            retry_in = ?delay,
-            reason = %sanitize::text(&failure),
-            "attempt failed"
-        );
-        if sleep_or_cancel(delay, &shared.shutdown).await {
-            return Disposition::Requeue;
+        if let Some(disposition) = failed(shared, link, delivery, ready, attempt, failure).await {
+            return disposition;
         }
         attempt += 1;
     }
+}
+
+/// Counts and records a failed attempt. After the last attempt the message goes to the error queue (the returned
+/// disposition); before it, this waits the retry delay and returns `None` — or `Requeue` if a stop came meanwhile.
+async fn failed<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    attempt: u32,
+    failure: String,
+) -> Option<Disposition> {
+    let id = ready.incoming.message_id;
+    shared
+        .counts
+        .failed_attempts
+        .fetch_add(1, Ordering::Relaxed);
+    record_event(shared, "failed", Some(id), &failure).await;
+    if attempt >= shared.options.max_attempts {
+        tracing::warn!(
+            message_id = %id,
+            attempts = attempt,
+            reason = %sanitize::text(&failure),
+            "giving up; moving message to the error queue"
+        );
+        let first_line = failure.lines().next().unwrap_or_default().to_owned();
+        let fault = ("inboxctl::ConsumerFailed", first_line, failure);
+        let retries = i32::try_from(attempt - 1).unwrap_or(i32::MAX);
+        return Some(
+            dead_letter_error(
+                shared,
+                link,
+                delivery,
+                Some(id),
+                ready.message_type.clone(),
+                &fault,
+                retries,
+            )
+            .await,
+        );
+    }
+    let delay = retry_delay(shared.options.retry_delay, attempt);
+    tracing::warn!(
+        message_id = %id,
+        attempt,
+        retry_in = ?delay,
+        reason = %sanitize::text(&failure),
+        "attempt failed"
+    );
+    sleep_or_cancel(delay, &shared.shutdown)
+        .await
+        .then_some(Disposition::Requeue)
+}
+
+fn processed<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    shared.counts.processed.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(message_id = %id, "processed");
+}
+
+fn duplicate<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    shared.counts.duplicates.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(
+        message_id = %id,
+        consumer_type = %shared.inbox.consumer_type(),
+        "duplicate discarded"
+    );
+}
+
+fn database_back<C: Consumer>(shared: &Shared<C>) {
+    if shared
+        .database_up
+        .send_if_modified(|up| !std::mem::replace(up, true))
+    {
+        tracing::info!("PostgreSQL is back: taking deliveries again");
+    }
+}
+
+fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
+    if shared
+        .database_up
+        .send_if_modified(|up| std::mem::replace(up, false))
+    {
+        tracing::error!(error = %crate::redact::text(&error.to_string()), "PostgreSQL unavailable: holding deliveries until it is back");
+    } else {
+        tracing::debug!(error = %error, "PostgreSQL still unavailable");
+    }
+}
+
+/// A delivery waiting for a batch, with the broker connection it came on.
+type Queued = (Delivery, Arc<Link>);
+
+/// Takes deliveries off `queue` in batches of up to `batch_size` and processes each batch in one transaction. A batch
+/// starts with whatever is waiting; it waits up to `batch_wait` for more only while another batch is running, so a
+/// lone message never waits.
+async fn batch_worker<C: Consumer>(
+    shared: Arc<Shared<C>>,
+    queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Queued>>>,
+    running: Arc<AtomicUsize>,
+) {
+    let size = shared.options.batch_size;
+    loop {
+        let batch = {
+            let mut rx = queue.lock().await;
+            let Some(first) = rx.recv().await else {
+                return;
+            };
+            let mut batch = vec![first];
+            while batch.len() < size {
+                match rx.try_recv() {
+                    Ok(queued) => batch.push(queued),
+                    Err(_) => break,
+                }
+            }
+            if batch.len() < size && running.load(Ordering::SeqCst) > 0 {
+                let deadline = tokio::time::Instant::now() + shared.options.batch_wait;
+                while batch.len() < size {
+                    match tokio::time::timeout_at(deadline, rx.recv()).await {
+                        Ok(Some(queued)) => batch.push(queued),
+                        _ => break,
+                    }
+                }
+            }
+            batch
+        };
+        running.fetch_add(1, Ordering::SeqCst);
+        process_batch(&shared, batch).await;
+        running.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+async fn process_batch<C: Consumer>(shared: &Shared<C>, batch: Vec<Queued>) {
+    // Read each delivery; two copies of one id in a batch: the later one waits for the batch's outcome.
+    let mut members = Vec::with_capacity(batch.len());
+    let mut later = Vec::new();
+    let mut ids = std::collections::HashSet::new();
+    for (delivery, link) in batch {
+        match prepare(shared, &link, &delivery).await {
+            Prepared::Done(disposition) => settle(shared, &delivery, disposition).await,
+            Prepared::Ready(ready) if ids.insert(ready.incoming.message_id) => {
+                members.push((delivery, link, ready))
+            }
+            Prepared::Ready(ready) => later.push((delivery, link, ready)),
+        }
+    }
+
+    let mut outage_delay = OUTAGE_DELAY_MIN;
+    let outcomes = loop {
+        if members.is_empty() {
+            break Some(Vec::new());
+        }
+        let batch: Vec<Member<()>> = members
+            .iter()
+            .map(|(delivery, _, ready)| Member {
+                message_id: ready.incoming.message_id,
+                work: work(shared, delivery, ready, 1),
+            })
+            .collect();
+        match shared.inbox.process_batch(batch).await {
+            Ok(outcomes) => {
+                database_back(shared);
+                break Some(outcomes);
+            }
+            Err(ProcessError::Unavailable(e)) => {
+                database_gone(shared, &e);
+                if sleep_or_cancel(jitter(outage_delay), &shared.shutdown).await {
+                    for (delivery, _, _) in members.iter().chain(&later) {
+                        settle(shared, delivery, Disposition::Requeue).await;
+                    }
+                    return;
+                }
+                outage_delay = (outage_delay * 2).min(OUTAGE_DELAY_MAX);
+            }
+            Err(ProcessError::Failed(e)) => {
+                tracing::warn!(reason = %sanitize::text(&error_chain(&e)), "batch failed as a whole; processing its messages one by one");
+                break None;
+            }
+        }
+    };
+
+    match outcomes {
+        Some(outcomes) => {
+            if outcomes
+                .iter()
+                .any(|o| matches!(o, MemberOutcome::Processed(())))
+            {
+                failpoint::hit("after-commit").await;
+            }
+            let settled =
+                members
+                    .iter()
+                    .zip(outcomes)
+                    .map(|((delivery, link, ready), outcome)| async move {
+                        let id = ready.incoming.message_id;
+                        let disposition = match outcome {
+                            MemberOutcome::Processed(()) => {
+                                processed(shared, id);
+                                Disposition::Ack
+                            }
+                            MemberOutcome::Duplicate => {
+                                duplicate(shared, id);
+                                Disposition::Ack
+                            }
+                            MemberOutcome::Failed(e) => {
+                                match failed(shared, link, delivery, ready, 1, error_chain(&e))
+                                    .await
+                                {
+                                    Some(disposition) => disposition,
+                                    None => attempts(shared, link, delivery, ready, 2).await,
+                                }
+                            }
+                        };
+                        settle(shared, delivery, disposition).await;
+                    });
+            futures_util::future::join_all(settled).await;
+        }
+        None => {
+            let one_by_one = members.iter().map(|(delivery, link, ready)| async move {
+                let disposition = attempts(shared, link, delivery, ready, 1).await;
+                settle(shared, delivery, disposition).await;
+            });
+            futures_util::future::join_all(one_by_one).await;
+        }
+    }
+    let rest = later.iter().map(|(delivery, link, ready)| async move {
+        let disposition = attempts(shared, link, delivery, ready, 1).await;
+        settle(shared, delivery, disposition).await;
+    });
+    futures_util::future::join_all(rest).await;
 }
 
 async fn skip<C: Consumer>(

@@ -16,7 +16,17 @@
 //!
 //! The caller acknowledges the delivery only after `process` returned: a crash between the commit and the ack makes
 //! the broker deliver the message again, and that delivery is then a duplicate.
+//!
+//! **Batched** ([`Inbox::process_batch`]): several messages share one transaction. All their keys are claimed by one
+//! statement (in id order, so two batches never lock each other in a cycle), duplicates recorded by the same
+//! statement; then each claimed member's work runs in a savepoint of its own. A member whose work fails is rolled back
+//! to its savepoint and its claim deleted, so it alone is left unprocessed and can be retried alone; the others commit
+//! together. One commit for the batch instead of one per message: 3 + 2n round trips for n messages instead of 4n.
 
+use std::collections::HashSet;
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt as _;
 use futures_util::future::BoxFuture;
 use sqlx::postgres::{PgConnection, PgPool};
 use uuid::Uuid;
@@ -107,6 +117,29 @@ pub enum ProcessError {
     Failed(#[source] WorkError),
 }
 
+/// The most members a batch may have: each savepoint that writes takes a subtransaction id, and PostgreSQL keeps 64 of
+/// them per transaction in shared memory before other sessions' snapshots get slower.
+pub const MAX_BATCH: usize = 64;
+
+/// A consumer's work on one message, run on the transaction that holds the message's inbox row.
+pub type Work<T> =
+    Box<dyn for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send>;
+
+/// One message of a batch.
+pub struct Member<T> {
+    pub message_id: Uuid,
+    pub work: Work<T>,
+}
+
+/// What became of one member of a committed batch.
+#[derive(Debug)]
+pub enum MemberOutcome<T> {
+    Processed(T),
+    Duplicate,
+    /// Its work failed: rolled back to its savepoint and unclaimed; nothing of it committed.
+    Failed(WorkError),
+}
+
 /// The claim protocol for one consumer_type, on a pool of connections. A Rust service can embed it as it is; the
 /// carrier and notification consumers use nothing else.
 #[derive(Debug, Clone)]
@@ -175,6 +208,88 @@ impl Inbox {
             }
         })?;
         Ok(Outcome::Processed(output))
+    }
+}
+
+impl Inbox {
+    /// Processes `members` (distinct message ids, at most [`MAX_BATCH`]) in one transaction; see the module
+    /// documentation. `Err` means nothing committed: `Unavailable` is the database's doing; `Failed` means the batch
+    /// as a whole could not be committed (a member panicked, or the commit itself was refused), and its members should
+    /// be processed one by one.
+    pub async fn process_batch<T: Send>(
+        &self,
+        members: Vec<Member<T>>,
+    ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        let mut ids: Vec<Uuid> = members.iter().map(|m| m.message_id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.len() != members.len() {
+            return Err(ProcessError::Failed(WorkError::msg(
+                "a batch must not hold one message id twice",
+            )));
+        }
+        let mut tx = self.pool.begin().await.map_err(ProcessError::Unavailable)?;
+        let claimed: HashSet<Uuid> = sqlx::query_scalar(sql::CLAIM_BATCH)
+            .bind(&ids)
+            .bind(self.consumer_type.as_str())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(ProcessError::Unavailable)?
+            .into_iter()
+            .collect();
+
+        let mut outcomes = Vec::with_capacity(members.len());
+        for member in members {
+            if !claimed.contains(&member.message_id) {
+                outcomes.push(MemberOutcome::Duplicate);
+                continue;
+            }
+            sqlx::query(sql::SAVEPOINT)
+                .execute(&mut *tx)
+                .await
+                .map_err(ProcessError::Unavailable)?;
+            match AssertUnwindSafe((member.work)(&mut tx))
+                .catch_unwind()
+                .await
+            {
+                Ok(Ok(output)) => outcomes.push(MemberOutcome::Processed(output)),
+                Ok(Err(WorkError::Database(e))) if is_transient(&e) => {
+                    let _ = tx.rollback().await;
+                    return Err(ProcessError::Unavailable(e));
+                }
+                Ok(Err(error)) => {
+                    sqlx::query(sql::ROLLBACK_TO_SAVEPOINT)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(ProcessError::Unavailable)?;
+                    sqlx::query(sql::UNCLAIM)
+                        .bind(member.message_id)
+                        .bind(self.consumer_type.as_str())
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(ProcessError::Unavailable)?;
+                    outcomes.push(MemberOutcome::Failed(error));
+                }
+                // A panic may have left the connection mid-statement: give the whole batch up, and let its members
+                // be processed one by one, where a panic costs one message an attempt.
+                Err(_) => {
+                    let _ = tx.rollback().await;
+                    return Err(ProcessError::Failed(WorkError::msg(
+                        "a member of the batch panicked",
+                    )));
+                }
+            }
+        }
+
+        failpoint::hit("before-commit").await;
+        tx.commit().await.map_err(|e| {
+            if is_transient(&e) {
+                ProcessError::Unavailable(e)
+            } else {
+                ProcessError::Failed(WorkError::Database(e))
+            }
+        })?;
+        Ok(outcomes)
     }
 }
 

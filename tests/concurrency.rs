@@ -8,20 +8,27 @@ use std::time::Duration;
 use common::{CARRIER_QUEUE, TestEnv};
 use uuid::Uuid;
 
-#[tokio::test(flavor = "multi_thread")]
-async fn sixteen_copies_at_once_to_two_processes_give_one_effect_fifty_rounds() {
+in_both_modes!(
+    sixteen_copies_at_once_to_two_processes_give_one_effect_fifty_rounds,
+    sixteen_copies
+);
+
+async fn sixteen_copies(mode: &[&str]) {
     const ROUNDS: i64 = 50;
     const COPIES: i64 = 16;
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
-    let args = [
-        "consume",
-        "carrier",
-        "--concurrency",
-        "16",
-        "--prefetch",
-        "64",
-    ];
+    let args = common::with_mode(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "16",
+            "--prefetch",
+            "64",
+        ],
+        mode,
+    );
     let a = env.spawn(&args);
     let b = env.spawn(&args);
     a.wait_for_stderr("consuming", Duration::from_secs(30));

@@ -8,11 +8,14 @@ use std::time::Duration;
 
 use common::{CARRIER_QUEUE, TestEnv};
 
-async fn crash_at(point: &str) -> (TestEnv, sqlx::PgPool) {
+async fn crash_at(point: &str, mode: &[&str]) -> (TestEnv, sqlx::PgPool) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "1"]);
-    let mut victim = env.spawn_with(&["consume", "carrier"], &[("INBOXCTL_FAILPOINTS", point)]);
+    let mut victim = env.spawn_with(
+        &common::with_mode(&["consume", "carrier"], mode),
+        &[("INBOXCTL_FAILPOINTS", point)],
+    );
     // The process says it reached the point, and waits there for its SIGKILL.
     victim.wait_for_stderr(
         &format!("failpoint {point} reached"),
@@ -29,16 +32,20 @@ async fn crash_at(point: &str) -> (TestEnv, sqlx::PgPool) {
     (env, pool)
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_after_commit_before_ack_the_redelivery_is_discarded() {
-    let (env, pool) = crash_at("after-commit").await;
+in_both_modes!(
+    killed_after_commit_before_ack_the_redelivery_is_discarded,
+    after_commit
+);
+
+async fn after_commit(mode: &[&str]) {
+    let (env, pool) = crash_at("after-commit", mode).await;
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
         1,
         "committed before the kill"
     );
 
-    let out = common::consume_until_idle(&env, &["carrier"]);
+    let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
     assert!(out.stderr.contains("duplicate discarded"), "{}", out.stderr);
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
@@ -55,9 +62,13 @@ async fn killed_after_commit_before_ack_the_redelivery_is_discarded() {
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn killed_before_commit_the_redelivery_is_processed() {
-    let (env, pool) = crash_at("before-commit").await;
+in_both_modes!(
+    killed_before_commit_the_redelivery_is_processed,
+    before_commit
+);
+
+async fn before_commit(mode: &[&str]) {
+    let (env, pool) = crash_at("before-commit", mode).await;
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
         0,

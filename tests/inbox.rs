@@ -276,3 +276,162 @@ fn any_interleaving_of_copies_gives_one_effect() {
         })
         .unwrap();
 }
+
+fn member(id: Uuid, label: &'static str, fails: bool) -> inboxctl::inbox::Member<()> {
+    inboxctl::inbox::Member {
+        message_id: id,
+        work: Box::new(move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, id, label).await?;
+                if fails {
+                    Err(WorkError::msg("carrier API returned 503"))
+                } else {
+                    Ok(())
+                }
+            })
+        }),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_commits_once_and_a_failing_member_is_rolled_back_alone() {
+    use inboxctl::inbox::MemberOutcome;
+    let (_env, pool, inbox) = setup().await;
+    let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
+    let labels = ["m0", "m1", "m2", "m3", "m4"];
+    let members = ids
+        .iter()
+        .zip(labels)
+        .map(|(id, label)| member(*id, label, label == "m2"))
+        .collect();
+    let outcomes = inbox.process_batch(members).await.unwrap();
+    let kinds: Vec<&str> = outcomes
+        .iter()
+        .map(|o| match o {
+            MemberOutcome::Processed(()) => "processed",
+            MemberOutcome::Duplicate => "duplicate",
+            MemberOutcome::Failed(_) => "failed",
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["processed", "processed", "failed", "processed", "processed"]
+    );
+    assert_eq!(
+        effects(&pool).await,
+        ["m0", "m1", "m3", "m4"],
+        "the failed member's write is rolled back"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        4,
+        "and its claim taken back"
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT xmin::text) FROM inbox_messages"
+        )
+        .await,
+        1,
+        "one transaction for the batch"
+    );
+    // Retried alone, it is processed.
+    let retried = inbox
+        .process(ids[2], move |tx| {
+            Box::pin(insert_effect(tx, ids[2], "m2 again"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(retried, Outcome::Processed(()));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_member_waiting_on_an_attempt_that_rolls_back_does_the_work() {
+    use inboxctl::inbox::MemberOutcome;
+    let (env, pool, inbox) = setup().await;
+    let (held, other) = (Uuid::new_v4(), Uuid::new_v4());
+    let (end_first, first) = hold_first_attempt(&inbox, held).await;
+    let batch = {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            inbox
+                .process_batch(vec![
+                    member(other, "other", false),
+                    member(held, "batch", false),
+                ])
+                .await
+        })
+    };
+    let db = env.db_name.clone();
+    common::eventually("the batch waits on the first attempt's lock", Duration::from_secs(10), || {
+        let db = db.clone();
+        let pool = pool.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+            )
+            .bind(db)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting == 1
+        }
+    })
+    .await;
+    end_first.send(false).unwrap();
+    assert!(first.await.unwrap().is_err());
+    let outcomes = batch.await.unwrap().unwrap();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, MemberOutcome::Processed(()))),
+        "{outcomes:?}"
+    );
+    assert_eq!(effects(&pool).await, ["batch", "other"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn in_a_batch_committed_copies_are_duplicates_and_one_id_twice_is_refused() {
+    use inboxctl::inbox::MemberOutcome;
+    let (_env, pool, inbox) = setup().await;
+    let (done, new) = (Uuid::new_v4(), Uuid::new_v4());
+    inbox
+        .process(done, move |tx| Box::pin(insert_effect(tx, done, "before")))
+        .await
+        .unwrap();
+    let outcomes = inbox
+        .process_batch(vec![
+            member(done, "again", false),
+            member(new, "new", false),
+        ])
+        .await
+        .unwrap();
+    assert!(
+        matches!(
+            outcomes[..],
+            [MemberOutcome::Duplicate, MemberOutcome::Processed(())]
+        ),
+        "{outcomes:?}"
+    );
+    assert_eq!(effects(&pool).await, ["before", "new"]);
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'"
+        )
+        .await,
+        1
+    );
+
+    let twice = Uuid::new_v4();
+    let refused = inbox
+        .process_batch(vec![member(twice, "a", false), member(twice, "b", false)])
+        .await;
+    assert!(matches!(refused, Err(ProcessError::Failed(_))));
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        2,
+        "nothing of it committed"
+    );
+}

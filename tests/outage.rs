@@ -10,8 +10,12 @@ use common::{CARRIER_QUEUE, Proxy, TestEnv};
 
 const MESSAGES: i64 = 600;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_down_mid_stream_nothing_is_acked_and_everything_is_processed_once_after() {
+in_both_modes!(
+    postgres_down_mid_stream_nothing_is_acked_and_everything_is_processed_once_after,
+    postgres_down
+);
+
+async fn postgres_down(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", &MESSAGES.to_string()]);
@@ -21,14 +25,17 @@ async fn postgres_down_mid_stream_nothing_is_acked_and_everything_is_processed_o
         proxy.port, env.db_name
     );
     let consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--concurrency",
-            "2",
-            "--prefetch",
-            "8",
-        ],
+        &common::with_mode(
+            &[
+                "consume",
+                "carrier",
+                "--concurrency",
+                "2",
+                "--prefetch",
+                "8",
+            ],
+            mode,
+        ),
         &[("DATABASE_URL", proxied.as_str())],
     );
     let pool = env.pool().await;

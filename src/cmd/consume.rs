@@ -85,6 +85,15 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
 
+    /// Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per
+    /// message). At most 64
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub batch_size: u16,
+
+    /// How long a batch waits to fill, only while another batch is running (a lone message never waits)
+    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
+    pub batch_wait: Duration,
+
     /// Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -110,6 +119,8 @@ impl Args {
             claim_timeout: Duration::from_secs(30),
             exit_when_idle: None,
             shutdown_timeout: Duration::from_secs(30),
+            batch_size: 1,
+            batch_wait: Duration::from_millis(5),
             metrics_addr: None,
             fail_destination: None,
         }
@@ -168,6 +179,8 @@ pub async fn run_consumer(
         exit_when_idle: args.exit_when_idle,
         shutdown_timeout: args.shutdown_timeout,
         counts,
+        batch_size: usize::from(args.batch_size),
+        batch_wait: args.batch_wait,
     };
     let inbox = Inbox::new(pool.clone(), consumer_type);
     let fail_destination = args.fail_destination.clone();

@@ -19,6 +19,30 @@ WITH claim AS (
 )
 SELECT EXISTS (SELECT 1 FROM claim)";
 
+/// The batched claim: every key of a batch in one statement, in the order of `$1` (sorted by the caller, so two
+/// batches never wait on each other in a cycle); copies whose key is already committed are recorded as duplicates.
+/// Returns the ids claimed. `$1` message ids, `$2` consumer_type.
+pub const CLAIM_BATCH: &str = "\
+WITH claim AS (
+    INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+    SELECT id, $2, now(), now() FROM unnest($1::uuid[]) WITH ORDINALITY AS m(id, n) ORDER BY n
+    ON CONFLICT (id, consumer_type) DO NOTHING
+    RETURNING id
+), duplicate AS (
+    INSERT INTO inboxctl_events (consumer_type, kind, message_id)
+    SELECT $2, 'duplicate', m.id FROM unnest($1::uuid[]) AS m(id)
+    WHERE m.id NOT IN (SELECT id FROM claim)
+)
+SELECT id FROM claim";
+
+/// Each member of a batch works inside this savepoint (one name, reused: a new savepoint shadows the last).
+pub const SAVEPOINT: &str = "SAVEPOINT inbox_member";
+pub const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT inbox_member";
+
+/// Takes back the claim of a batch member whose work failed, inside the batch's transaction.
+/// `$1` message id, `$2` consumer_type.
+pub const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
+
 /// Records one event of a consumer (`failed`, `dead_lettered`, `skipped`) in a statement of its own.
 /// `$1` consumer_type, `$2` kind, `$3` message id (null when the message had none), `$4` detail.
 pub const RECORD_EVENT: &str = "\

@@ -38,6 +38,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
+            [CompletionResult]::new('bench', 'bench', [CompletionResultType]::ParameterValue, 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -58,6 +59,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         }
         'inboxctl;consume' {
             [CompletionResult]::new('--queue', '--queue', [CompletionResultType]::ParameterName, 'The queue to read (default: parcel-created-carrier or parcel-created-notification)')
+            [CompletionResult]::new('--exchange', '--exchange', [CompletionResultType]::ParameterName, 'The exchange the event is published to; the queue is bound to it through an exchange of its own name')
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)')
             [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Deliveries the broker may send ahead of acknowledgements')
             [CompletionResult]::new('--concurrency', '--concurrency', [CompletionResultType]::ParameterName, 'Messages processed at once')
@@ -69,6 +71,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--shutdown-timeout', '--shutdown-timeout', [CompletionResultType]::ParameterName, 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64')
             [CompletionResult]::new('--batch-wait', '--batch-wait', [CompletionResultType]::ParameterName, 'How long a batch waits to fill, only while another batch is running (a lone message never waits)')
+            [CompletionResult]::new('--claim', '--claim', [CompletionResultType]::ParameterName, 'For `inboxctl bench` only: run without the inbox, or with the tutorial''s look-up-first shape')
             [CompletionResult]::new('--metrics-addr', '--metrics-addr', [CompletionResultType]::ParameterName, 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)')
             [CompletionResult]::new('--fail-destination', '--fail-destination', [CompletionResultType]::ParameterName, 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
@@ -210,6 +213,32 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
             break
         }
+        'inboxctl;bench' {
+            [CompletionResult]::new('--messages', '--messages', [CompletionResultType]::ParameterName, 'Messages pre-loaded for each throughput measurement')
+            [CompletionResult]::new('--repeats', '--repeats', [CompletionResultType]::ParameterName, 'Repeats; the modes alternate within each')
+            [CompletionResult]::new('--modes', '--modes', [CompletionResultType]::ParameterName, 'The modes to measure, in this order within each repeat')
+            [CompletionResult]::new('--concurrency', '--concurrency', [CompletionResultType]::ParameterName, 'Messages processed at once, by every mode (connections, for the ceiling)')
+            [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Prefetch of every consumer')
+            [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Batch size of the inbox-batched mode')
+            [CompletionResult]::new('--warmup', '--warmup', [CompletionResultType]::ParameterName, 'Messages of each warm-up run')
+            [CompletionResult]::new('--latency-rate', '--latency-rate', [CompletionResultType]::ParameterName, 'Steady publish rate of the latency run, messages per second')
+            [CompletionResult]::new('--latency-seconds', '--latency-seconds', [CompletionResultType]::ParameterName, 'Length of the latency run, seconds')
+            [CompletionResult]::new('--duplicate-messages', '--duplicate-messages', [CompletionResultType]::ParameterName, 'Messages of the duplicate run')
+            [CompletionResult]::new('--duplicates', '--duplicates', [CompletionResultType]::ParameterName, 'Fraction of them delivered twice (half at once, half after the rest)')
+            [CompletionResult]::new('--cleanup-rows', '--cleanup-rows', [CompletionResultType]::ParameterName, 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it')
+            [CompletionResult]::new('--output', '--output', [CompletionResultType]::ParameterName, 'Write the full results (every repeat, medians, spreads, the machine) here as JSON')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--keep', '--keep', [CompletionResultType]::ParameterName, 'Keep the scratch databases and queues afterwards')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
         'inboxctl;completions' {
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
@@ -231,6 +260,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
+            [CompletionResult]::new('bench', 'bench', [CompletionResultType]::ParameterValue, 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -261,6 +291,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;help;demo' {
+            break
+        }
+        'inboxctl;help;bench' {
             break
         }
         'inboxctl;help;completions' {

@@ -35,6 +35,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand bench 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -53,6 +54,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;consume'= {
             cand --queue 'The queue to read (default: parcel-created-carrier or parcel-created-notification)'
+            cand --exchange 'The exchange the event is published to; the queue is bound to it through an exchange of its own name'
             cand --consumer-type 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)'
             cand --prefetch 'Deliveries the broker may send ahead of acknowledgements'
             cand --concurrency 'Messages processed at once'
@@ -64,6 +66,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
             cand --batch-size 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64'
             cand --batch-wait 'How long a batch waits to fill, only while another batch is running (a lone message never waits)'
+            cand --claim 'For `inboxctl bench` only: run without the inbox, or with the tutorial''s look-up-first shape'
             cand --metrics-addr 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)'
             cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
@@ -194,6 +197,31 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand -V 'Print version'
             cand --version 'Print version'
         }
+        &'inboxctl;bench'= {
+            cand --messages 'Messages pre-loaded for each throughput measurement'
+            cand --repeats 'Repeats; the modes alternate within each'
+            cand --modes 'The modes to measure, in this order within each repeat'
+            cand --concurrency 'Messages processed at once, by every mode (connections, for the ceiling)'
+            cand --prefetch 'Prefetch of every consumer'
+            cand --batch-size 'Batch size of the inbox-batched mode'
+            cand --warmup 'Messages of each warm-up run'
+            cand --latency-rate 'Steady publish rate of the latency run, messages per second'
+            cand --latency-seconds 'Length of the latency run, seconds'
+            cand --duplicate-messages 'Messages of the duplicate run'
+            cand --duplicates 'Fraction of them delivered twice (half at once, half after the rest)'
+            cand --cleanup-rows 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it'
+            cand --output 'Write the full results (every repeat, medians, spreads, the machine) here as JSON'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --log-format 'Log line format on stderr'
+            cand --keep 'Keep the scratch databases and queues afterwards'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
         &'inboxctl;completions'= {
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
@@ -214,6 +242,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand bench 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -235,6 +264,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;help;stats'= {
         }
         &'inboxctl;help;demo'= {
+        }
+        &'inboxctl;help;bench'= {
         }
         &'inboxctl;help;completions'= {
         }

@@ -39,6 +39,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "publish" -d 'Publ
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "bench" -d 'Measure the inbox beside the same consumer without it, the tutorial\'s shape and the database\'s limit'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
@@ -51,6 +52,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s v -l verbo
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l queue -d 'The queue to read (default: parcel-created-carrier or parcel-created-notification)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exchange -d 'The exchange the event is published to; the queue is bound to it through an exchange of its own name' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l consumer-type -d 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l prefetch -d 'Deliveries the broker may send ahead of acknowledgements' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l concurrency -d 'Messages processed at once' -r
@@ -62,6 +64,9 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exit-when-
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l shutdown-timeout -d 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-size -d 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-wait -d 'How long a batch waits to fill, only while another batch is running (a lone message never waits)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim -d 'For `inboxctl bench` only: run without the inbox, or with the tutorial\'s look-up-first shape' -r -f -a "inbox\t'The claim protocol of this module'
+none\t'No inbox at all: a transaction with the work, nothing else. At-least-once: a copy repeats the effect'
+lookup-first\t'The tutorial\'s shape: look the id up first, then a transaction with a plain insert of the inbox row and the work. Two first copies both pass the look-up; the second one\'s insert then fails on the key'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-addr -d 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
@@ -155,6 +160,31 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l messages -d 'Messages pre-loaded for each throughput measurement' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l repeats -d 'Repeats; the modes alternate within each' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l modes -d 'The modes to measure, in this order within each repeat' -r -f -a "ceiling\t''
+bare\t''
+tutorial\t''
+inbox\t''
+inbox-batched\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l concurrency -d 'Messages processed at once, by every mode (connections, for the ceiling)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l prefetch -d 'Prefetch of every consumer' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l batch-size -d 'Batch size of the inbox-batched mode' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l warmup -d 'Messages of each warm-up run' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-rate -d 'Steady publish rate of the latency run, messages per second' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-seconds -d 'Length of the latency run, seconds' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicate-messages -d 'Messages of the duplicate run' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicates -d 'Fraction of them delivered twice (half at once, half after the rest)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-rows -d 'Also measure cleanup and the dashboard\'s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l output -d 'Write the full results (every repeat, medians, spreads, the machine) here as JSON' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l keep -d 'Keep the scratch databases and queues afterwards'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
@@ -162,14 +192,15 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "bench" -d 'Measure the inbox beside the same consumer without it, the tutorial\'s shape and the database\'s limit'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and __fish_seen_subcommand_from publish" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

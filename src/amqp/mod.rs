@@ -47,6 +47,11 @@ impl Broker {
         redact::url(&self.url)
     }
 
+    /// The URL as given, password included: only for handing to a child process, never for printing.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     pub fn vhost(&self) -> &str {
         &self.uri.vhost
     }

@@ -142,7 +142,7 @@ async fn ensure_exchange(conn: &Connection, name: &str) -> Result<()> {
             FieldTable::default(),
         )
         .await?;
-    tracing::info!(exchange = name, "declared exchange");
+    tracing::debug!(exchange = name, "declared exchange");
     let _ = channel.close(200, "OK".into()).await;
     Ok(())
 }
@@ -160,7 +160,7 @@ async fn ensure_queue(conn: &Connection, name: &str) -> Result<()> {
             FieldTable::default(),
         )
         .await?;
-    tracing::info!(queue = name, "declared queue");
+    tracing::debug!(queue = name, "declared queue");
     let _ = channel.close(200, "OK".into()).await;
     Ok(())
 }

@@ -14,7 +14,7 @@ use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
 use crate::consumer::{self, ConsumerOptions, RunCounts, RunSummary};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
-use crate::inbox::{ConsumerType, Inbox};
+use crate::inbox::{Claim, ConsumerType, Inbox};
 use crate::metrics::{self, Family};
 use crate::parcel::{
     CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
@@ -47,6 +47,10 @@ pub struct Args {
     /// The queue to read (default: parcel-created-carrier or parcel-created-notification)
     #[arg(long)]
     pub queue: Option<String>,
+
+    /// The exchange the event is published to; the queue is bound to it through an exchange of its own name
+    #[arg(long, default_value = topology::PARCEL_CREATED_EXCHANGE)]
+    pub exchange: String,
 
     /// The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET
     /// tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)
@@ -94,6 +98,10 @@ pub struct Args {
     #[arg(long, default_value = "5ms", value_parser = parse_duration)]
     pub batch_wait: Duration,
 
+    /// For `inboxctl bench` only: run without the inbox, or with the tutorial's look-up-first shape
+    #[arg(long, value_enum, default_value_t = Claim::Inbox, hide = true)]
+    pub claim: Claim,
+
     /// Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -110,6 +118,7 @@ impl Args {
         Self {
             consumer,
             queue: None,
+            exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
             consumer_type: None,
             prefetch: 64,
             concurrency: 16,
@@ -121,6 +130,7 @@ impl Args {
             shutdown_timeout: Duration::from_secs(30),
             batch_size: 1,
             batch_wait: Duration::from_millis(5),
+            claim: Claim::Inbox,
             metrics_addr: None,
             fail_destination: None,
         }
@@ -149,6 +159,10 @@ pub async fn run_consumer(
 ) -> Result<RunSummary> {
     let queue = args.queue().to_owned();
     amqp::validate_name("--queue", &queue)?;
+    amqp::validate_name("--exchange", &args.exchange)?;
+    if args.claim != Claim::Inbox && args.batch_size > 1 {
+        return Err(Error::Usage("--batch-size needs the inbox".to_owned()));
+    }
     let consumer_type =
         ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
@@ -171,7 +185,7 @@ pub async fn run_consumer(
     }
     let options = ConsumerOptions {
         queue,
-        event_exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
+        event_exchange: args.exchange.clone(),
         prefetch: args.prefetch,
         concurrency: usize::from(args.concurrency),
         max_attempts: args.max_attempts,
@@ -182,7 +196,7 @@ pub async fn run_consumer(
         batch_size: usize::from(args.batch_size),
         batch_wait: args.batch_wait,
     };
-    let inbox = Inbox::new(pool.clone(), consumer_type);
+    let inbox = Inbox::new(pool.clone(), consumer_type).with_claim(args.claim);
     let fail_destination = args.fail_destination.clone();
     let summary = match args.consumer {
         Kind::Carrier => {

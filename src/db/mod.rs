@@ -60,10 +60,22 @@ impl Database {
 
     /// The same server and credentials, another database.
     pub fn with_database(&self, name: &str) -> Self {
+        let url = match url::Url::parse(&self.url) {
+            Ok(mut u) => {
+                u.set_path(&format!("/{name}"));
+                u.to_string()
+            }
+            Err(_) => self.url.clone(),
+        };
         Self {
             options: self.options.clone().database(name),
-            url: self.url.clone(),
+            url,
         }
+    }
+
+    /// The URL as given, password included: only for handing to a child process, never for printing.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     /// Bounds how long any statement waits for a row lock; a claim that waits longer gives up and is retried later.

@@ -1,0 +1,398 @@
+//! `inboxctl bench --cleanup-rows N`: the cleanup and the dashboard at N inbox rows (10M by the measure).
+//!
+//! The rows are built once into a template database (4 consumer_types, half of the processed rows past a 7-day
+//! window, 1 % never processed) and copied for each run with `CREATE DATABASE … TEMPLATE`. Each run copies the
+//! template, starts a consumer at a steady rate, and measures its latency while nothing else happens (baseline),
+//! while `inboxctl cleanup` runs, and while one plain `DELETE … WHERE processed_at < cutoff` runs. The refresh queries
+//! of `stats`/`top` are timed on a copy too.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgPool;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{
+    Mode, Options, Scratch, Spread, drop_database, percentile, publish, spawn_consumer, stop,
+    wait_for_consumer,
+};
+use crate::amqp::Broker;
+use crate::cleanup::{self, Plan};
+use crate::db::{Database, schema, sql};
+use crate::error::Result;
+use crate::stats::{self, Range};
+
+/// The four consumer_types of the table.
+const CONSUMER_TYPES: [&str; 4] = ["bench-alpha", "bench-beta", "bench-gamma", "bench-delta"];
+const RETENTION: Duration = Duration::from_secs(7 * 86_400);
+/// The consumer's steady rate while a cleanup runs, messages per second.
+const RATE: f64 = 100.0;
+/// How long the baseline (no cleanup) is measured.
+const BASELINE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CleanupRun {
+    pub seconds: f64,
+    pub rows_deleted: u64,
+    pub rows_per_second: f64,
+    pub consumer_p50_ms: Option<f64>,
+    pub consumer_p99_ms: Option<f64>,
+    pub consumer_messages: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CleanupReport {
+    pub rows: u64,
+    pub deletable: u64,
+    pub batch_size: i64,
+    pub consumer_rate: f64,
+    pub baseline: CleanupRun,
+    pub inboxctl: CleanupRun,
+    pub plain_delete: CleanupRun,
+}
+
+pub async fn run(
+    db: &Database,
+    broker: &Broker,
+    options: &Options,
+    rows: u64,
+    shutdown: &CancellationToken,
+    mut say: impl FnMut(&str),
+) -> Result<(CleanupReport, BTreeMap<String, Spread>)> {
+    let template = format!("{}_bench_rows_{rows}", db.name());
+    let template_db = db.with_database(&template);
+    if !template_ready(&template_db, rows).await {
+        say(&format!(
+            "building {rows} inbox rows into {template} (once; later runs reuse it)"
+        ));
+        build_template(db, &template_db, rows, &mut say).await?;
+    }
+    let deletable: i64 = {
+        let pool = template_db.pool(1).await?;
+        let n = sqlx::query_scalar(sql::BENCH_COUNT_DELETABLE)
+            .bind(RETENTION.as_secs_f64())
+            .fetch_one(&pool)
+            .await?;
+        pool.close().await;
+        n
+    };
+
+    let connection = broker.connect("inboxctl bench cleanup").await?;
+    let mut runs = BTreeMap::new();
+    for variant in ["baseline", "inboxctl", "plain-delete"] {
+        let scratch = copy(db, &template, "cleanup").await?;
+        let measured =
+            under_load(&scratch, broker, &connection, options, variant, shutdown).await?;
+        say(&format!(
+            "cleanup at {rows} rows, {variant}: {:.1}s, {} rows ({:.0} rows/s); consumer p50 {} p99 {}",
+            measured.seconds,
+            measured.rows_deleted,
+            measured.rows_per_second,
+            super::ms(measured.consumer_p50_ms),
+            super::ms(measured.consumer_p99_ms)
+        ));
+        scratch.pool.close().await;
+        drop_database(db, &scratch.db.name()).await?;
+        runs.insert(variant, measured);
+    }
+    let _ = connection.close(200, "OK".into()).await;
+
+    let scratch = copy(db, &template, "refresh").await?;
+    let refresh = refresh_timings(&scratch.pool).await?;
+    for (query, spread) in &refresh {
+        say(&format!(
+            "refresh at {rows} rows, {query}: median {:.1} ms (max {:.1})",
+            spread.median, spread.max
+        ));
+    }
+    scratch.pool.close().await;
+    drop_database(db, &scratch.db.name()).await?;
+
+    let mut take = |k: &str| {
+        runs.remove(k)
+            .ok_or_else(|| crate::Error::Usage(format!("missing {k}")))
+    };
+    Ok((
+        CleanupReport {
+            rows,
+            deletable: deletable.unsigned_abs(),
+            batch_size: 5000,
+            consumer_rate: RATE,
+            baseline: take("baseline")?,
+            inboxctl: take("inboxctl")?,
+            plain_delete: take("plain-delete")?,
+        },
+        refresh,
+    ))
+}
+
+async fn template_ready(template: &Database, rows: u64) -> bool {
+    let Ok(pool) = template.pool(1).await else {
+        return false;
+    };
+    let ready: Option<String> =
+        sqlx::query_scalar("SELECT obj_description(to_regclass('inbox_messages'), 'pg_class')")
+            .fetch_one(&pool)
+            .await
+            .ok()
+            .flatten();
+    pool.close().await;
+    ready.as_deref() == Some(&format!("inboxctl bench: {rows} rows"))
+}
+
+async fn build_template(
+    db: &Database,
+    template: &Database,
+    rows: u64,
+    say: &mut impl FnMut(&str),
+) -> Result<()> {
+    drop_database(db, &template.name()).await?;
+    schema::migrate(template, false).await?;
+    let pool = template.pool(1).await?;
+    let chunk = 1_000_000u64;
+    let started = Instant::now();
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        sqlx::query(sql::BENCH_SEED_ROWS)
+            .bind(i64::try_from(done).unwrap_or(i64::MAX))
+            .bind(i64::try_from(n).unwrap_or(i64::MAX))
+            .bind(&CONSUMER_TYPES[..])
+            .execute(&pool)
+            .await?;
+        done += n;
+        say(&format!(
+            "  {done} rows ({:.0}s)",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    sqlx::query("VACUUM ANALYZE inbox_messages")
+        .execute(&pool)
+        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "COMMENT ON TABLE inbox_messages IS 'inboxctl bench: {rows} rows'"
+    )))
+    .execute(&pool)
+    .await?;
+    pool.close().await;
+    Ok(())
+}
+
+async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
+    let name = format!("{}_bench_{purpose}", db.name());
+    drop_database(db, &name).await?;
+    let mut admin = db.with_database("postgres").connect().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE {} TEMPLATE {}",
+        sql::quote_ident(&name),
+        sql::quote_ident(template)
+    )))
+    .execute(&mut admin)
+    .await?;
+    let scratch_db = db.with_database(&name);
+    let pool = scratch_db.pool(4).await?;
+    Ok(Scratch {
+        mode: Mode::Inbox,
+        db: scratch_db,
+        pool,
+        queue: "inboxctl-bench-cleanup".to_owned(),
+        exchange: "inboxctl-bench-cleanup-events".to_owned(),
+    })
+}
+
+/// A consumer at a steady rate while `variant` runs; its latencies during the run.
+async fn under_load(
+    scratch: &Scratch,
+    broker: &Broker,
+    connection: &lapin::Connection,
+    options: &Options,
+    variant: &str,
+    shutdown: &CancellationToken,
+) -> Result<CleanupRun> {
+    let mut consumer = spawn_consumer(scratch, broker, options, false)?;
+    crate::amqp::topology::ensure_endpoint(connection, &scratch.exchange, &scratch.queue).await?;
+    wait_for_consumer(connection, &scratch.queue).await?;
+
+    // The steady stream runs in the background; its messages are 10 minutes' worth, more than any run takes.
+    let stream = crate::producer::messages(&crate::producer::Plan {
+        count: (RATE * 600.0) as u64,
+        duplicates: 0.0,
+        rate: None,
+        destination: None,
+    });
+    let stop_stream = CancellationToken::new();
+    let publisher = {
+        let connection = broker.connect("inboxctl bench stream").await?;
+        let broker = broker.clone();
+        let (exchange, queue) = (scratch.exchange.clone(), scratch.queue.clone());
+        let stop_stream = stop_stream.clone();
+        tokio::spawn(async move {
+            let sent = publish(
+                &connection,
+                &broker,
+                (&exchange, &queue),
+                &stream,
+                Some(RATE),
+                Some(&stop_stream),
+            )
+            .await;
+            let _ = connection.close(200, "OK".into()).await;
+            sent
+        })
+    };
+    // Let the stream settle before measuring.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    let window_start: DateTime<Utc> = Utc::now();
+    let started = Instant::now();
+    let deleted = match variant {
+        "inboxctl" => {
+            let plan = Plan {
+                retention: RETENTION,
+                consumer_type: None,
+                batch_size: 5000,
+                batch_pause: Duration::ZERO,
+                dry_run: false,
+            };
+            cleanup::run(&scratch.pool, &plan, shutdown, |_| {})
+                .await?
+                .deleted
+        }
+        "plain-delete" => sqlx::query(sql::BENCH_PLAIN_DELETE)
+            .bind(RETENTION.as_secs_f64())
+            .execute(&scratch.pool)
+            .await?
+            .rows_affected(),
+        _ => {
+            tokio::time::sleep(BASELINE).await;
+            0
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let window_end: DateTime<Utc> = Utc::now();
+    stop_stream.cancel();
+    let sent = publisher.await.map_err(std::io::Error::other)??;
+    // Let the last messages of the window arrive.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop(&mut consumer);
+
+    let in_window: Vec<Uuid> = sent
+        .iter()
+        .filter(|(_, at)| **at >= window_start && **at <= window_end)
+        .map(|(id, _)| *id)
+        .collect();
+    let effects: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(sql::BENCH_EFFECT_TIMES)
+        .bind(&in_window)
+        .fetch_all(&scratch.pool)
+        .await?;
+    let mut latencies: Vec<f64> = effects
+        .iter()
+        .filter_map(|(id, at)| {
+            sent.get(id)
+                .map(|s| (*at - *s).num_microseconds().unwrap_or(0) as f64 / 1000.0)
+        })
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    Ok(CleanupRun {
+        seconds,
+        rows_deleted: deleted,
+        rows_per_second: if seconds > 0.0 {
+            deleted as f64 / seconds
+        } else {
+            0.0
+        },
+        consumer_p50_ms: percentile(&latencies, 0.5),
+        consumer_p99_ms: percentile(&latencies, 0.99),
+        consumer_messages: latencies.len(),
+    })
+}
+
+/// Each refresh statement `stats`/`top` sends, timed five times per consumer_type, and one whole collection.
+async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
+    let mut conn = pool.acquire().await?;
+    // Counters of inboxctl's for the consumer_types, as if a consumer had run as each.
+    for ct in CONSUMER_TYPES {
+        sqlx::query(sql::REGISTER_CONSUMER)
+            .bind(ct)
+            .bind(ct)
+            .execute(&mut *conn)
+            .await?;
+    }
+    let mut timings: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    let mut time = |name: &str, started: Instant| {
+        timings
+            .entry(name.to_owned())
+            .or_default()
+            .push(started.elapsed().as_secs_f64() * 1000.0);
+    };
+    let exact_cap = i64::try_from(stats::EXACT_BELOW + 1).unwrap_or(i64::MAX);
+    for _ in 0..5 {
+        let t = Instant::now();
+        let _: Vec<String> = sqlx::query_scalar(sql::INBOX_CONSUMER_TYPES)
+            .fetch_all(&mut *conn)
+            .await?;
+        time("consumer_types", t);
+        let t = Instant::now();
+        sqlx::query(sql::INBOX_ESTIMATES)
+            .fetch_optional(&mut *conn)
+            .await?;
+        time("estimates", t);
+        for ct in CONSUMER_TYPES {
+            let t = Instant::now();
+            let _: i64 = sqlx::query_scalar(sql::COUNT_UNPROCESSED_CAPPED)
+                .bind(ct)
+                .bind(exact_cap)
+                .fetch_one(&mut *conn)
+                .await?;
+            time("unprocessed_count", t);
+            let t = Instant::now();
+            let _: Option<f64> = sqlx::query_scalar(sql::OLDEST_UNPROCESSED_AGE)
+                .bind(ct)
+                .fetch_optional(&mut *conn)
+                .await?;
+            time("oldest_unprocessed", t);
+            let t = Instant::now();
+            let _: Vec<(i32, i64)> = sqlx::query_as(sql::PROCESSED_SERIES)
+                .bind(ct)
+                .bind(120.0)
+                .bind(1.0)
+                .fetch_all(&mut *conn)
+                .await?;
+            time("processed_series", t);
+            let t = Instant::now();
+            let _: Vec<(String, i32, i64)> = sqlx::query_as(sql::EVENT_SERIES)
+                .bind(ct)
+                .bind(120.0)
+                .bind(1.0)
+                .fetch_all(&mut *conn)
+                .await?;
+            time("event_series", t);
+        }
+        // The capped exact count, which stats uses only below a million rows per consumer_type: its worst case.
+        let t = Instant::now();
+        let _: i64 = sqlx::query_scalar(sql::COUNT_ROWS_CAPPED)
+            .bind(CONSUMER_TYPES[0])
+            .bind(exact_cap)
+            .fetch_one(&mut *conn)
+            .await?;
+        time("rows_count_capped_at_1m", t);
+    }
+    drop(conn);
+    for _ in 0..5 {
+        let t = Instant::now();
+        let range = Range {
+            window: Duration::from_secs(60),
+            span: Duration::from_secs(120),
+            bucket: Duration::from_secs(1),
+        };
+        stats::collect(pool, None, range).await?;
+        time("whole_refresh", t);
+    }
+    Ok(timings
+        .into_iter()
+        .filter_map(|(k, v)| Spread::of(&v).map(|s| (k, s)))
+        .collect())
+}

@@ -1,0 +1,157 @@
+//! `inboxctl bench`: throughput, latency, duplicate effects and memory of the inbox beside the same consumer without
+//! it, the tutorial's shape and the database's own limit; optionally cleanup and dashboard at millions of rows.
+
+use std::path::PathBuf;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::Broker;
+use crate::bench::{self, Mode, Options, Report};
+use crate::cli::GlobalOpts;
+use crate::cmd::publish::parse_fraction;
+use crate::db::Database;
+use crate::error::{Outcome, Result};
+use crate::{output, table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Messages pre-loaded for each throughput measurement
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(10..))]
+    pub messages: u64,
+
+    /// Repeats; the modes alternate within each
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub repeats: u32,
+
+    /// The modes to measure, in this order within each repeat
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Mode::Ceiling, Mode::Bare, Mode::Tutorial, Mode::Inbox, Mode::InboxBatched])]
+    pub modes: Vec<Mode>,
+
+    /// Messages processed at once, by every mode (connections, for the ceiling)
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub concurrency: u16,
+
+    /// Prefetch of every consumer
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+
+    /// Batch size of the inbox-batched mode
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(2..=64))]
+    pub batch_size: u16,
+
+    /// Messages of each warm-up run
+    #[arg(long, default_value_t = 2_000)]
+    pub warmup: u64,
+
+    /// Steady publish rate of the latency run, messages per second
+    #[arg(long, default_value_t = 200.0)]
+    pub latency_rate: f64,
+
+    /// Length of the latency run, seconds
+    #[arg(long, default_value_t = 10)]
+    pub latency_seconds: u64,
+
+    /// Messages of the duplicate run
+    #[arg(long, default_value_t = 2_000)]
+    pub duplicate_messages: u64,
+
+    /// Fraction of them delivered twice (half at once, half after the rest)
+    #[arg(long, default_value_t = 0.1, value_parser = parse_fraction)]
+    pub duplicates: f64,
+
+    /// Also measure cleanup and the dashboard's refresh queries at this many inbox rows (e.g. 10000000); 0 skips it
+    #[arg(long, default_value_t = 0)]
+    pub cleanup_rows: u64,
+
+    /// Write the full results (every repeat, medians, spreads, the machine) here as JSON
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+
+    /// Keep the scratch databases and queues afterwards
+    #[arg(long)]
+    pub keep: bool,
+}
+
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    let db = Database::from_url(&global.connect.database_url)?;
+    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    let options = Options {
+        modes: args.modes.clone(),
+        messages: args.messages,
+        repeats: args.repeats,
+        concurrency: args.concurrency,
+        prefetch: args.prefetch,
+        batch_size: args.batch_size,
+        warmup: args.warmup,
+        latency_rate: args.latency_rate,
+        latency_seconds: args.latency_seconds,
+        duplicate_messages: args.duplicate_messages,
+        duplicates: args.duplicates,
+        keep: args.keep,
+    };
+    let say = |line: &str| eprintln!("{line}");
+    let mut report = bench::run(&db, &broker, &options, &shutdown, say).await?;
+    if args.cleanup_rows > 0 {
+        let (cleanup, refresh) =
+            bench::cleanup::run(&db, &broker, &options, args.cleanup_rows, &shutdown, say).await?;
+        report.cleanup = Some(cleanup);
+        report.refresh_ms = Some(refresh);
+    }
+    print(&report)?;
+    if let Some(path) = &args.output {
+        std::fs::write(
+            path,
+            serde_json::to_vec_pretty(&report).map_err(std::io::Error::other)?,
+        )?;
+        output::line(&format!("results written to {}", path.display()))?;
+    }
+    Ok(Outcome::Done)
+}
+
+fn print(report: &Report) -> Result<()> {
+    let mut t = table::new(&[
+        "mode",
+        "msg/s (median)",
+        "min–max",
+        "p50 ms",
+        "p99 ms",
+        "duplicate effects",
+        "RSS MB",
+    ]);
+    let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
+    let order = [
+        Mode::Ceiling,
+        Mode::Bare,
+        Mode::Tutorial,
+        Mode::Inbox,
+        Mode::InboxBatched,
+    ];
+    for (mode, m) in order
+        .iter()
+        .filter_map(|m| report.modes.get(m.name()).map(|r| (m.name(), r)))
+    {
+        t.add_row(vec![
+            comfy_table::Cell::new(mode),
+            m.throughput
+                .map_or("-".to_owned(), |s| format!("{:.0}", s.median))
+                .into(),
+            m.throughput
+                .map_or("-".to_owned(), |s| format!("{:.0}–{:.0}", s.min, s.max))
+                .into(),
+            f(m.p50_ms.map(|s| s.median)).into(),
+            f(m.p99_ms.map(|s| s.median)).into(),
+            m.duplicate_effects
+                .map_or("-".to_owned(), |d| d.to_string())
+                .into(),
+            f(m.rss_mb).into(),
+        ]);
+    }
+    output::line(&t.to_string())?;
+    for (pair, s) in &report.ratios {
+        output::line(&format!(
+            "{pair}: {:.2} (repeats {:.2}–{:.2})",
+            s.median, s.min, s.max
+        ))?;
+    }
+    Ok(())
+}

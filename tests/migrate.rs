@@ -196,17 +196,25 @@ async fn an_ef_core_table_with_rows_is_adopted_untouched() {
 
     let rows_after: String = sqlx::query_scalar(rows).fetch_one(&pool).await.unwrap();
     assert_eq!(rows_after, rows_before);
-    let added = "index CREATE INDEX ix_inbox_messages_consumer_type_processed_at ON public.inbox_messages USING btree (consumer_type, processed_at)";
+    let added = [
+        "index CREATE INDEX ix_inbox_messages_consumer_type_processed_at ON public.inbox_messages USING btree (consumer_type, processed_at)",
+        "index CREATE INDEX ix_inbox_messages_unprocessed_by_consumer_type ON public.inbox_messages USING btree (consumer_type, received_at) WHERE (processed_at IS NULL)",
+    ];
     let inbox_after: Vec<String> = schema_snapshot(&pool)
         .await
         .into_iter()
         .filter(|s| s.contains("inbox_messages"))
         .collect();
-    assert!(
-        inbox_after.iter().any(|s| s == added),
-        "the cleanup index is added beside: {inbox_after:#?}"
-    );
-    let inbox_after: Vec<String> = inbox_after.into_iter().filter(|s| s != added).collect();
+    for index in added {
+        assert!(
+            inbox_after.iter().any(|s| s == index),
+            "the cleanup and dashboard indexes are added beside: {inbox_after:#?}"
+        );
+    }
+    let inbox_after: Vec<String> = inbox_after
+        .into_iter()
+        .filter(|s| !added.contains(&s.as_str()))
+        .collect();
     assert_eq!(
         inbox_after, inbox_before,
         "the EF Core table (its \"PK_inbox_messages\" key included) is kept as it is"

@@ -18,7 +18,10 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 1] = ["ix_inbox_messages_consumer_type_processed_at"];
+const CONCURRENT_INDEXES: [&str; 2] = [
+    "ix_inbox_messages_consumer_type_processed_at",
+    "ix_inbox_messages_unprocessed_by_consumer_type",
+];
 
 /// The migrations in `migrations/`, embedded in the binary.
 pub fn migrator() -> Migrator {

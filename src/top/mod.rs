@@ -46,6 +46,7 @@ pub async fn run(
     let (tx, mut rx) = mpsc::channel(2);
     let collector_stop = shutdown.child_token();
     let range = Range {
+        exact_below: stats::EXACT_BELOW_LIVE,
         window: options.window,
         span: SERIES_SPAN.max(options.window),
         bucket: options.interval.max(Duration::from_secs(1)),

@@ -130,7 +130,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__bench)
-            opts="-v -h -V --messages --repeats --modes --concurrency --prefetch --batch-size --warmup --latency-rate --latency-seconds --duplicate-messages --duplicates --cleanup-rows --output --keep --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --messages --repeats --modes --concurrency --prefetch --batch-size --warmup --latency-rate --latency-seconds --duplicate-messages --duplicates --cleanup-rows --cleanup-batch-size --cleanup-batch-pause --cleanup-only --output --keep --database-url --amqp-url --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -181,6 +181,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --cleanup-rows)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --cleanup-batch-size)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --cleanup-batch-pause)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

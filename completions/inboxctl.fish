@@ -176,11 +176,14 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-seco
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicate-messages -d 'Messages of the duplicate run' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicates -d 'Fraction of them delivered twice (half at once, half after the rest)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-rows -d 'Also measure cleanup and the dashboard\'s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batch-size -d 'Batch size of `inboxctl cleanup` in the cleanup measurement' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batch-pause -d 'Pause between cleanup batches in the cleanup measurement' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l output -d 'Write the full results (every repeat, medians, spreads, the machine) here as JSON' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-only -d 'Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l keep -d 'Keep the scratch databases and queues afterwards'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s h -l help -d 'Print help'

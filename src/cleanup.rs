@@ -1,9 +1,10 @@
 //! Purging the inbox: processed rows older than the retention window, in small batches, never an unprocessed row.
 //!
-//! Each batch is one `DELETE` of at most `batch_size` rows found through `(consumer_type, processed_at)` and locked
-//! with `FOR UPDATE SKIP LOCKED`, in a transaction of its own: consumers never wait on a cleanup for longer than one
-//! batch, two cleanups at once take different rows (neither waits on the other, nor deletes twice), and an interrupted
-//! cleanup leaves every batch either done or not begun.
+//! Each batch is one `DELETE` of at most `batch_size` rows found through `(consumer_type, processed_at)`, in a
+//! transaction of its own: consumers never wait on a cleanup for longer than one batch, and an interrupted cleanup
+//! leaves every batch either done or not begun. Two cleanups at once never clean the same consumer_type together: an
+//! advisory lock per consumer_type makes the second one skip it (and say so), so neither waits on the other, deletes a
+//! row twice, or deadlocks.
 
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,8 @@ pub struct ConsumerReport {
     /// Rows received before the cutoff and never processed: kept, and a warning.
     pub unprocessed_older: u64,
     pub oldest_unprocessed: Option<DateTime<Utc>>,
+    /// Another cleanup was cleaning this consumer_type, so this one left it alone.
+    pub busy: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -107,6 +110,17 @@ pub async fn run(
             report.events_deleted =
                 count(pool, sql::COUNT_EVENTS_BEFORE, &consumer_type, cutoff).await?;
         } else {
+            // The lock lives on a connection of its own for as long as this consumer_type is being cleaned.
+            let mut lock = pool.acquire().await?;
+            let locked: bool = sqlx::query_scalar(sql::CLEANUP_TRY_LOCK)
+                .bind(&consumer_type)
+                .fetch_one(&mut *lock)
+                .await?;
+            if !locked {
+                report.busy = true;
+                consumers.push(report);
+                continue;
+            }
             for (statement, total) in [
                 (sql::DELETE_PROCESSED_BATCH, &mut report.deleted),
                 (sql::DELETE_EVENTS_BATCH, &mut report.events_deleted),
@@ -132,7 +146,6 @@ pub async fn run(
                         deleted: deleted_total,
                         elapsed: started.elapsed(),
                     });
-                    // Zero means done, or that what is left is locked by another cleanup, which will delete it.
                     if batch == 0 {
                         break;
                     }
@@ -144,6 +157,10 @@ pub async fn run(
                     }
                 }
             }
+            sqlx::query(sql::CLEANUP_UNLOCK)
+                .bind(&consumer_type)
+                .execute(&mut *lock)
+                .await?;
         }
         consumers.push(report);
         if interrupted {

@@ -41,6 +41,9 @@ pub struct CleanupRun {
     pub consumer_p50_ms: Option<f64>,
     pub consumer_p99_ms: Option<f64>,
     pub consumer_messages: usize,
+    /// WAL written during the run, and checkpoints it forced (max_wal_size reached).
+    pub wal_mb: f64,
+    pub checkpoints_requested: i64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -48,6 +51,7 @@ pub struct CleanupReport {
     pub rows: u64,
     pub deletable: u64,
     pub batch_size: i64,
+    pub batch_pause_ms: f64,
     pub consumer_rate: f64,
     pub baseline: CleanupRun,
     pub inboxctl: CleanupRun,
@@ -87,12 +91,14 @@ pub async fn run(
         let measured =
             under_load(&scratch, broker, &connection, options, variant, shutdown).await?;
         say(&format!(
-            "cleanup at {rows} rows, {variant}: {:.1}s, {} rows ({:.0} rows/s); consumer p50 {} p99 {}",
+            "cleanup at {rows} rows, {variant}: {:.1}s, {} rows ({:.0} rows/s); consumer p50 {} p99 {}; WAL {:.0} MB, {} checkpoints",
             measured.seconds,
             measured.rows_deleted,
             measured.rows_per_second,
             super::ms(measured.consumer_p50_ms),
-            super::ms(measured.consumer_p99_ms)
+            super::ms(measured.consumer_p99_ms),
+            measured.wal_mb,
+            measured.checkpoints_requested
         ));
         scratch.pool.close().await;
         drop_database(db, &scratch.db.name()).await?;
@@ -119,7 +125,8 @@ pub async fn run(
         CleanupReport {
             rows,
             deletable: deletable.unsigned_abs(),
-            batch_size: 5000,
+            batch_size: options.cleanup_batch_size,
+            batch_pause_ms: options.cleanup_batch_pause.as_secs_f64() * 1000.0,
             consumer_rate: RATE,
             baseline: take("baseline")?,
             inboxctl: take("inboxctl")?,
@@ -127,6 +134,11 @@ pub async fn run(
         },
         refresh,
     ))
+}
+
+/// What the template's table comment says when it is complete and of the current shape.
+fn marker(rows: u64) -> String {
+    format!("inboxctl bench v2: {rows} rows")
 }
 
 async fn template_ready(template: &Database, rows: u64) -> bool {
@@ -140,7 +152,7 @@ async fn template_ready(template: &Database, rows: u64) -> bool {
             .ok()
             .flatten();
     pool.close().await;
-    ready.as_deref() == Some(&format!("inboxctl bench: {rows} rows"))
+    ready.as_deref() == Some(&marker(rows))
 }
 
 async fn build_template(
@@ -173,7 +185,8 @@ async fn build_template(
         .execute(&pool)
         .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "COMMENT ON TABLE inbox_messages IS 'inboxctl bench: {rows} rows'"
+        "COMMENT ON TABLE inbox_messages IS '{}'",
+        marker(rows)
     )))
     .execute(&pool)
     .await?;
@@ -246,6 +259,10 @@ async fn under_load(
     // Let the stream settle before measuring.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
+    let (wal_before, checkpoints_before): (f64, i64) =
+        sqlx::query_as(sql::BENCH_WAL_AND_CHECKPOINTS)
+            .fetch_one(&scratch.pool)
+            .await?;
     let window_start: DateTime<Utc> = Utc::now();
     let started = Instant::now();
     let deleted = match variant {
@@ -253,8 +270,8 @@ async fn under_load(
             let plan = Plan {
                 retention: RETENTION,
                 consumer_type: None,
-                batch_size: 5000,
-                batch_pause: Duration::ZERO,
+                batch_size: options.cleanup_batch_size,
+                batch_pause: options.cleanup_batch_pause,
                 dry_run: false,
             };
             cleanup::run(&scratch.pool, &plan, shutdown, |_| {})
@@ -273,6 +290,9 @@ async fn under_load(
     };
     let seconds = started.elapsed().as_secs_f64();
     let window_end: DateTime<Utc> = Utc::now();
+    let (wal_after, checkpoints_after): (f64, i64) = sqlx::query_as(sql::BENCH_WAL_AND_CHECKPOINTS)
+        .fetch_one(&scratch.pool)
+        .await?;
     stop_stream.cancel();
     let sent = publisher.await.map_err(std::io::Error::other)??;
     // Let the last messages of the window arrive.
@@ -307,6 +327,8 @@ async fn under_load(
         consumer_p50_ms: percentile(&latencies, 0.5),
         consumer_p99_ms: percentile(&latencies, 0.99),
         consumer_messages: latencies.len(),
+        wal_mb: (wal_after - wal_before) / 1_048_576.0,
+        checkpoints_requested: checkpoints_after - checkpoints_before,
     })
 }
 
@@ -371,25 +393,32 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
                 .await?;
             time("event_series", t);
         }
-        // The capped exact count, which stats uses only below a million rows per consumer_type: its worst case.
-        let t = Instant::now();
-        let _: i64 = sqlx::query_scalar(sql::COUNT_ROWS_CAPPED)
-            .bind(CONSUMER_TYPES[0])
-            .bind(exact_cap)
-            .fetch_one(&mut *conn)
-            .await?;
-        time("rows_count_capped_at_1m", t);
+        // The capped exact counts, used only below their cap (1M rows per consumer_type for stats, 250k for top):
+        // their worst case, counting up to the cap.
+        for (name, cap) in [
+            ("stats_rows_count_up_to_1m", stats::EXACT_BELOW),
+            ("top_rows_count_up_to_250k", stats::EXACT_BELOW_LIVE),
+        ] {
+            let t = Instant::now();
+            let _: i64 = sqlx::query_scalar(sql::COUNT_ROWS_CAPPED)
+                .bind(CONSUMER_TYPES[0])
+                .bind(i64::try_from(cap + 1).unwrap_or(i64::MAX))
+                .fetch_one(&mut *conn)
+                .await?;
+            time(name, t);
+        }
     }
     drop(conn);
     for _ in 0..5 {
         let t = Instant::now();
         let range = Range {
+            exact_below: stats::EXACT_BELOW_LIVE,
             window: Duration::from_secs(60),
             span: Duration::from_secs(120),
             bucket: Duration::from_secs(1),
         };
         stats::collect(pool, None, range).await?;
-        time("whole_refresh", t);
+        time("top_whole_refresh", t);
     }
     Ok(timings
         .into_iter()

@@ -86,6 +86,9 @@ pub struct Options {
     pub duplicates: f64,
     /// Keep the scratch databases and queues afterwards.
     pub keep: bool,
+    /// The `inboxctl cleanup` settings measured at many rows.
+    pub cleanup_batch_size: i64,
+    pub cleanup_batch_pause: Duration,
 }
 
 /// One measurement of one mode.
@@ -214,6 +217,20 @@ pub async fn run(
     let started_at = Utc::now();
     let connection = broker.connect("inboxctl bench").await?;
     let mut scratches = Vec::new();
+    if options.modes.is_empty() {
+        let pool = db.with_database("postgres").pool(1).await?;
+        let machine = machine(&pool).await?;
+        pool.close().await;
+        return Ok(Report {
+            machine,
+            settings: settings(options),
+            started_at,
+            modes: BTreeMap::new(),
+            ratios: BTreeMap::new(),
+            cleanup: None,
+            refresh_ms: None,
+        });
+    }
     for &mode in &options.modes {
         scratches.push(prepare(db, mode, options).await?);
     }
@@ -279,18 +296,7 @@ pub async fn run(
     let ratios = ratios(&repeats);
     Ok(Report {
         machine,
-        settings: Settings {
-            messages: options.messages,
-            repeats: options.repeats,
-            concurrency: options.concurrency,
-            prefetch: options.prefetch,
-            batch_size: options.batch_size,
-            warmup: options.warmup,
-            latency_rate: options.latency_rate,
-            latency_seconds: options.latency_seconds,
-            duplicate_messages: options.duplicate_messages,
-            duplicates: options.duplicates,
-        },
+        settings: settings(options),
         started_at,
         modes: repeats
             .into_iter()
@@ -300,6 +306,21 @@ pub async fn run(
         cleanup: None,
         refresh_ms: None,
     })
+}
+
+fn settings(options: &Options) -> Settings {
+    Settings {
+        messages: options.messages,
+        repeats: options.repeats,
+        concurrency: options.concurrency,
+        prefetch: options.prefetch,
+        batch_size: options.batch_size,
+        warmup: options.warmup,
+        latency_rate: options.latency_rate,
+        latency_seconds: options.latency_seconds,
+        duplicate_messages: options.duplicate_messages,
+        duplicates: options.duplicates,
+    }
 }
 
 fn ms(v: Option<f64>) -> String {

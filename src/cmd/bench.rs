@@ -63,6 +63,18 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub cleanup_rows: u64,
 
+    /// Batch size of `inboxctl cleanup` in the cleanup measurement
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub cleanup_batch_size: i64,
+
+    /// Pause between cleanup batches in the cleanup measurement
+    #[arg(long, default_value = "0s", value_parser = crate::cli::parse_duration)]
+    pub cleanup_batch_pause: std::time::Duration,
+
+    /// Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes
+    #[arg(long, requires = "cleanup_rows")]
+    pub cleanup_only: bool,
+
     /// Write the full results (every repeat, medians, spreads, the machine) here as JSON
     #[arg(long)]
     pub output: Option<PathBuf>,
@@ -76,7 +88,11 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     let db = Database::from_url(&global.connect.database_url)?;
     let broker = Broker::from_url(&global.connect.amqp_url)?;
     let options = Options {
-        modes: args.modes.clone(),
+        modes: if args.cleanup_only {
+            Vec::new()
+        } else {
+            args.modes.clone()
+        },
         messages: args.messages,
         repeats: args.repeats,
         concurrency: args.concurrency,
@@ -88,6 +104,8 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         duplicate_messages: args.duplicate_messages,
         duplicates: args.duplicates,
         keep: args.keep,
+        cleanup_batch_size: args.cleanup_batch_size,
+        cleanup_batch_pause: args.cleanup_batch_pause,
     };
     let say = |line: &str| eprintln!("{line}");
     let mut report = bench::run(&db, &broker, &options, &shutdown, say).await?;

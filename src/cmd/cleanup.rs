@@ -59,7 +59,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
     }
     let db = Database::from_url(&global.connect.database_url)?;
-    let pool = db.pool(2).await?;
+    let pool = db.pool(3).await?;
     {
         let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
         if !schema::table_exists(&mut conn, "inboxctl_events").await? {
@@ -140,8 +140,13 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
         "oldest unprocessed",
     ]);
     for c in &report.consumers {
+        let name = if c.busy {
+            format!("{} (left to another cleanup running now)", c.consumer_type)
+        } else {
+            c.consumer_type.clone()
+        };
         t.add_row(vec![
-            table::text(&c.consumer_type),
+            table::text(&name),
             c.deleted.into(),
             c.events_deleted.into(),
             c.unprocessed_older.into(),

@@ -154,22 +154,29 @@ UNION SELECT consumer_type::text FROM inboxctl_consumers
 ORDER BY 1";
 
 /// One cleanup batch: at most `$3` processed rows of consumer_type `$1` older than `$2`, found through
-/// `(consumer_type, processed_at)` and locked with SKIP LOCKED so that two cleanups never wait on each other.
-/// Unprocessed rows (`processed_at IS NULL`) never match.
+/// `(consumer_type, processed_at)` and deleted by their tuple ids. Unprocessed rows (`processed_at IS NULL`) never
+/// match. No `FOR UPDATE`: locking the rows first would write them twice (a lock record and, after a checkpoint, a
+/// full page image each — measured at 2.4 GB of WAL against 1 GB for 4.95M rows); cleanups of one consumer_type are
+/// kept apart by [`CLEANUP_TRY_LOCK`] instead.
 pub const DELETE_PROCESSED_BATCH: &str = "\
 DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (
     SELECT ctid FROM inbox_messages
     WHERE consumer_type = $1 AND processed_at < $2
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED))";
+    LIMIT $3))";
 
 /// The same for inboxctl's own event rows.
 pub const DELETE_EVENTS_BATCH: &str = "\
 DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
     SELECT ctid FROM inboxctl_events
     WHERE consumer_type = $1 AND occurred_at < $2
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED))";
+    LIMIT $3))";
+
+/// One cleanup at a time per consumer_type (per database): a second one skips a consumer_type another is cleaning,
+/// rather than waiting on it or deleting the same rows. `$1` consumer_type.
+pub const CLEANUP_TRY_LOCK: &str =
+    "SELECT pg_try_advisory_lock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
+pub const CLEANUP_UNLOCK: &str =
+    "SELECT pg_advisory_unlock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
 
 /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
 pub const COUNT_PROCESSED_BEFORE: &str =
@@ -253,17 +260,22 @@ pub const BENCH_DUPLICATE_EFFECTS: &str =
     "SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations";
 
 /// `inboxctl bench --cleanup-rows`: `$2` inbox rows numbered from `$1`, spread over the consumer_types `$3`; every
-/// second row processed 10 days ago (past a 7-day window), the others a day ago; one in a hundred never processed.
+/// second row processed 10 days ago (past a 7-day window), the others a day ago; one in a hundred never processed,
+/// spread over the consumer_types.
 /// Ids are time-ordered, as real message ids (MassTransit's, UUIDv7) are.
 pub const BENCH_SEED_ROWS: &str = "\
 INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
 SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
        ($3::text[])[1 + g % cardinality($3::text[])],
        t,
-       CASE WHEN g % 100 = 0 THEN NULL ELSE t END
+       CASE WHEN (g / cardinality($3::text[])) % 100 = 0 THEN NULL ELSE t END
 FROM generate_series($1 + 1, $1 + $2) AS g,
      LATERAL (SELECT now() - CASE WHEN g % 2 = 0 THEN interval '10 days' ELSE interval '1 day' END
                            - (g % 86400) * interval '1 second' AS t) AS x";
+
+/// WAL position (bytes) and checkpoints forced so far, server-wide.
+pub const BENCH_WAL_AND_CHECKPOINTS: &str = "\
+SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::float8, checkpoints_req FROM pg_stat_bgwriter";
 
 /// Rows a cleanup with a retention of `$1` seconds deletes.
 pub const BENCH_COUNT_DELETABLE: &str =

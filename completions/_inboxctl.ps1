@@ -216,7 +216,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;bench' {
             [CompletionResult]::new('--messages', '--messages', [CompletionResultType]::ParameterName, 'Messages pre-loaded for each throughput measurement')
             [CompletionResult]::new('--repeats', '--repeats', [CompletionResultType]::ParameterName, 'Repeats; the modes alternate within each')
-            [CompletionResult]::new('--modes', '--modes', [CompletionResultType]::ParameterName, 'The modes to measure, in this order within each repeat')
+            [CompletionResult]::new('--modes', '--modes', [CompletionResultType]::ParameterName, 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user''s cache directory)')
             [CompletionResult]::new('--concurrency', '--concurrency', [CompletionResultType]::ParameterName, 'Messages processed at once, by every mode (connections, for the ceiling)')
             [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Prefetch of every consumer')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Batch size of the inbox-batched mode')

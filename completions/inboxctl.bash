@@ -145,7 +145,7 @@ _inboxctl() {
                     return 0
                     ;;
                 --modes)
-                    COMPREPLY=($(compgen -W "ceiling bare tutorial inbox inbox-batched" -- "${cur}"))
+                    COMPREPLY=($(compgen -W "ceiling bare tutorial inbox inbox-batched peer" -- "${cur}"))
                     return 0
                     ;;
                 --concurrency)

@@ -200,7 +200,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;bench'= {
             cand --messages 'Messages pre-loaded for each throughput measurement'
             cand --repeats 'Repeats; the modes alternate within each'
-            cand --modes 'The modes to measure, in this order within each repeat'
+            cand --modes 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user''s cache directory)'
             cand --concurrency 'Messages processed at once, by every mode (connections, for the ceiling)'
             cand --prefetch 'Prefetch of every consumer'
             cand --batch-size 'Batch size of the inbox-batched mode'

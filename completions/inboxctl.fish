@@ -162,11 +162,12 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l messages -d 'Messages pre-loaded for each throughput measurement' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l repeats -d 'Repeats; the modes alternate within each' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l modes -d 'The modes to measure, in this order within each repeat' -r -f -a "ceiling\t''
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l modes -d 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user\'s cache directory)' -r -f -a "ceiling\t''
 bare\t''
 tutorial\t''
 inbox\t''
-inbox-batched\t''"
+inbox-batched\t''
+peer\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l concurrency -d 'Messages processed at once, by every mode (connections, for the ceiling)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l prefetch -d 'Prefetch of every consumer' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l batch-size -d 'Batch size of the inbox-batched mode' -r

@@ -35,7 +35,14 @@ async fn a_small_bench_writes_every_mode_and_the_machine() {
     let _ = std::fs::remove_file(&output);
     assert_eq!(report["machine"]["synchronous_commit"], "on");
     assert!(report["machine"]["cores"].as_u64().unwrap() >= 1);
-    for mode in ["ceiling", "bare", "tutorial", "inbox", "inbox-batched"] {
+    for mode in [
+        "ceiling",
+        "bare",
+        "tutorial",
+        "inbox",
+        "inbox-batched",
+        "peer",
+    ] {
         let m = &report["modes"][mode];
         assert!(
             m["throughput"]["median"].as_f64().unwrap() > 0.0,
@@ -59,6 +66,18 @@ async fn a_small_bench_writes_every_mode_and_the_machine() {
         "bare repeats effects"
     );
     assert!(report["ratios"]["inbox/bare"]["median"].as_f64().unwrap() > 0.0);
+    // The peer ran for real (its effects are what the throughput counts), with its settings reported beside it.
+    let peer = &report["modes"]["peer"];
+    assert!(peer["rss_mb"].as_f64().unwrap() > 1.0, "{peer}");
+    assert!(peer["p99_ms"]["median"].as_f64().unwrap() > 0.0, "{peer}");
+    assert!(peer["duplicate_effects"].as_u64().is_some(), "{peer}");
+    assert_eq!(
+        report["settings"]["peer"]["package"],
+        "pg-transactional-outbox@0.5.7"
+    );
+    assert_eq!(report["settings"]["peer"]["listener"], "polling");
+    assert_eq!(report["settings"]["peer"]["batch_size"], 4);
+    assert!(report["ratios"]["inbox/peer"]["median"].as_f64().unwrap() > 0.0);
     // The scratch databases are gone.
     let admin = common::admin_pool().await;
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname LIKE $1")

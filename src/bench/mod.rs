@@ -7,12 +7,14 @@
 //!
 //! - `ceiling`: the inbox transaction's statements sent straight from `concurrency` connections, no broker;
 //! - `bare`: the consumer without an inbox; `tutorial`: a look-up first, then the inbox insert and the effect;
-//! - `inbox`: `inboxctl consume`; `inbox-batched`: the same with `--batch-size`.
+//! - `inbox`: `inboxctl consume`; `inbox-batched`: the same with `--batch-size`;
+//! - `peer`: pg-transactional-outbox (npm) under Node.js, as its docs and RabbitMQ example set it up ([`peer`]).
 //!
 //! Per mode and repeat: throughput (messages pre-loaded, first effect to last), latency from publish to effect at a
 //! steady rate (p50, p99), duplicate effects when a fraction of the messages arrive twice, peak resident memory.
 
 pub mod cleanup;
+pub mod peer;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -45,6 +47,7 @@ pub enum Mode {
     Tutorial,
     Inbox,
     InboxBatched,
+    Peer,
 }
 
 impl Mode {
@@ -55,6 +58,7 @@ impl Mode {
             Mode::Tutorial => "tutorial",
             Mode::Inbox => "inbox",
             Mode::InboxBatched => "inbox-batched",
+            Mode::Peer => "peer",
         }
     }
 
@@ -65,6 +69,7 @@ impl Mode {
             Mode::Tutorial => "tutorial",
             Mode::Inbox => "inbox",
             Mode::InboxBatched => "inbox_batched",
+            Mode::Peer => "peer",
         }
     }
 }
@@ -178,6 +183,8 @@ pub struct Settings {
     pub latency_seconds: u64,
     pub duplicate_messages: u64,
     pub duplicates: f64,
+    /// The peer's configuration, when it ran.
+    pub peer: Option<peer::PeerSettings>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -199,6 +206,7 @@ struct Scratch {
     pool: PgPool,
     queue: String,
     exchange: String,
+    peer: Option<peer::Peer>,
 }
 
 impl Scratch {
@@ -223,7 +231,7 @@ pub async fn run(
         pool.close().await;
         return Ok(Report {
             machine,
-            settings: settings(options),
+            settings: settings(options, None),
             started_at,
             modes: BTreeMap::new(),
             ratios: BTreeMap::new(),
@@ -231,8 +239,16 @@ pub async fn run(
             refresh_ms: None,
         });
     }
+    let peer = if options.modes.contains(&Mode::Peer) {
+        let mut say_now = |line: &str| say(line);
+        Some(tokio::task::block_in_place(|| {
+            peer::Peer::install(&mut say_now)
+        })?)
+    } else {
+        None
+    };
     for &mode in &options.modes {
-        scratches.push(prepare(db, mode, options).await?);
+        scratches.push(prepare(db, mode, options, peer.as_ref()).await?);
     }
     let machine = machine(&scratches[0].pool).await?;
     say(&format!(
@@ -296,7 +312,7 @@ pub async fn run(
     let ratios = ratios(&repeats);
     Ok(Report {
         machine,
-        settings: settings(options),
+        settings: settings(options, peer.as_ref()),
         started_at,
         modes: repeats
             .into_iter()
@@ -308,7 +324,7 @@ pub async fn run(
     })
 }
 
-fn settings(options: &Options) -> Settings {
+fn settings(options: &Options, peer: Option<&peer::Peer>) -> Settings {
     Settings {
         messages: options.messages,
         repeats: options.repeats,
@@ -320,6 +336,7 @@ fn settings(options: &Options) -> Settings {
         latency_seconds: options.latency_seconds,
         duplicate_messages: options.duplicate_messages,
         duplicates: options.duplicates,
+        peer: peer.map(|p| p.settings(options.concurrency)),
     }
 }
 
@@ -333,6 +350,7 @@ fn ratios(repeats: &BTreeMap<Mode, Vec<Repeat>>) -> BTreeMap<String, Spread> {
         (Mode::Inbox, Mode::Bare),
         (Mode::InboxBatched, Mode::Bare),
         (Mode::Inbox, Mode::Tutorial),
+        (Mode::Inbox, Mode::Peer),
         (Mode::Inbox, Mode::Ceiling),
         (Mode::InboxBatched, Mode::Ceiling),
         (Mode::Bare, Mode::Ceiling),
@@ -355,11 +373,25 @@ fn ratios(repeats: &BTreeMap<Mode, Vec<Repeat>>) -> BTreeMap<String, Spread> {
     out
 }
 
-async fn prepare(db: &Database, mode: Mode, options: &Options) -> Result<Scratch> {
+async fn prepare(
+    db: &Database,
+    mode: Mode,
+    options: &Options,
+    peer: Option<&peer::Peer>,
+) -> Result<Scratch> {
     let name = format!("{}_bench_{}", db.name(), mode.database_suffix());
     drop_database(db, &name).await?;
     let scratch_db = db.with_database(&name);
+    // Every mode, the peer too, has the same effect table (`carrier_reservations`), from our migrations.
     schema::migrate(&scratch_db, false).await?;
+    let peer = match (mode, peer) {
+        (Mode::Peer, Some(p)) => {
+            let url = scratch_db.url();
+            tokio::task::block_in_place(|| p.setup(url))?;
+            Some(p.clone())
+        }
+        _ => None,
+    };
     let pool = scratch_db.pool(u32::from(options.concurrency) + 2).await?;
     Ok(Scratch {
         mode,
@@ -367,6 +399,7 @@ async fn prepare(db: &Database, mode: Mode, options: &Options) -> Result<Scratch
         pool,
         queue: format!("inboxctl-bench-{}", mode.name()),
         exchange: format!("inboxctl-bench-{}-events", mode.name()),
+        peer,
     })
 }
 
@@ -405,8 +438,16 @@ async fn machine(pool: &PgPool) -> Result<Machine> {
     })
 }
 
-async fn truncate(pool: &PgPool) -> Result<()> {
-    sqlx::query(sql::BENCH_TRUNCATE).execute(pool).await?;
+/// Empty tables before each run (the peer's inbox too: its polling slows with every row it keeps).
+async fn truncate(scratch: &Scratch) -> Result<()> {
+    sqlx::query(sql::BENCH_TRUNCATE)
+        .execute(&scratch.pool)
+        .await?;
+    if scratch.peer.is_some() {
+        sqlx::query(sql::BENCH_TRUNCATE_PEER)
+            .execute(&scratch.pool)
+            .await?;
+    }
     Ok(())
 }
 
@@ -421,13 +462,13 @@ async fn measure(
         return ceiling(scratch, options).await;
     }
     // Warm-up: the same run, smaller, on the same database and queue; then empty tables for the measured run.
-    truncate(&scratch.pool).await?;
+    truncate(scratch).await?;
     let warm = messages(options.warmup, 0.0);
     publish(connection, broker, scratch.route(), &warm, None, None).await?;
     consume_until_idle(scratch, broker, options).await?;
 
     // Throughput: everything pre-loaded, first effect to last.
-    truncate(&scratch.pool).await?;
+    truncate(scratch).await?;
     let load = messages(options.messages, 0.0);
     publish(connection, broker, scratch.route(), &load, None, None).await?;
     let rss = consume_until_idle(scratch, broker, options).await?;
@@ -440,7 +481,7 @@ async fn measure(
     };
 
     // Latency at a steady rate.
-    truncate(&scratch.pool).await?;
+    truncate(scratch).await?;
     let steady = messages(
         (options.latency_rate * options.latency_seconds as f64).round() as u64,
         0.0,
@@ -484,7 +525,7 @@ async fn measure(
     latencies.sort_by(f64::total_cmp);
 
     // Duplicates: a fraction of the messages twice, half at once and half after the rest.
-    truncate(&scratch.pool).await?;
+    truncate(scratch).await?;
     let plan = Plan {
         count: options.duplicate_messages,
         duplicates: options.duplicates,
@@ -613,8 +654,13 @@ async fn consume_until_idle(
         .map_err(std::io::Error::other)??;
     sampler.abort();
     if !status.success() {
+        let output = scratch
+            .peer
+            .as_ref()
+            .map(|p| format!(" (its output: {})", p.log().display()))
+            .unwrap_or_default();
         return Err(Error::Topology(format!(
-            "the {} consumer failed: {status}",
+            "the {} consumer failed: {status}{output}",
             scratch.mode.name()
         )));
     }
@@ -634,6 +680,18 @@ fn spawn_consumer(
     options: &Options,
     until_idle: bool,
 ) -> Result<Child> {
+    if let Some(peer) = &scratch.peer {
+        let mut cmd = peer.node("consume");
+        cmd.env("DATABASE_URL", scratch.db.url())
+            .env("AMQP_URL", broker.url())
+            .env("QUEUE", &scratch.queue)
+            .env("CONCURRENCY", options.concurrency.to_string())
+            .env("PREFETCH", options.prefetch.to_string())
+            .env("EXIT_WHEN_IDLE_MS", if until_idle { "1000" } else { "0" })
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(peer.log())?);
+        return Ok(cmd.spawn()?);
+    }
     let exe: PathBuf = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args([
@@ -663,7 +721,7 @@ fn spawn_consumer(
         Mode::InboxBatched => {
             cmd.args(["--batch-size", &options.batch_size.to_string()]);
         }
-        Mode::Inbox | Mode::Ceiling => {}
+        Mode::Inbox | Mode::Ceiling | Mode::Peer => {}
     }
     if until_idle {
         cmd.args(["--exit-when-idle", "1s"]);
@@ -694,7 +752,7 @@ fn stop(child: &mut Child) {
 
 /// The database alone: the inbox transaction from `concurrency` connections, as fast as they go.
 async fn ceiling(scratch: &Scratch, options: &Options) -> Result<Repeat> {
-    truncate(&scratch.pool).await?;
+    truncate(scratch).await?;
     let run = |count: u64| {
         let pool = scratch.pool.clone();
         let next = Arc::new(AtomicU64::new(0));
@@ -728,7 +786,7 @@ async fn ceiling(scratch: &Scratch, options: &Options) -> Result<Repeat> {
     for result in run(options.warmup).await {
         result.map_err(std::io::Error::other)??;
     }
-    truncate(&scratch.pool).await?;
+    truncate(scratch).await?;
     let started = Instant::now();
     for result in run(options.messages).await {
         result.map_err(std::io::Error::other)??;

@@ -23,8 +23,9 @@ pub struct Args {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub repeats: u32,
 
-    /// The modes to measure, in this order within each repeat
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Mode::Ceiling, Mode::Bare, Mode::Tutorial, Mode::Inbox, Mode::InboxBatched])]
+    /// The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs
+    /// pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user's cache directory)
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Mode::Ceiling, Mode::Bare, Mode::Tutorial, Mode::Inbox, Mode::InboxBatched, Mode::Peer])]
     pub modes: Vec<Mode>,
 
     /// Messages processed at once, by every mode (connections, for the ceiling)
@@ -143,6 +144,7 @@ fn print(report: &Report) -> Result<()> {
         Mode::Tutorial,
         Mode::Inbox,
         Mode::InboxBatched,
+        Mode::Peer,
     ];
     for (mode, m) in order
         .iter()

@@ -244,6 +244,9 @@ GROUP BY 1, 2";
 /// `inboxctl bench` on its scratch databases: empty the tables between runs.
 pub const BENCH_TRUNCATE: &str = "TRUNCATE inbox_messages, carrier_reservations, inboxctl_events";
 
+/// The peer mode's own inbox table (pg-transactional-outbox's `inbox`, made by its set-up).
+pub const BENCH_TRUNCATE_PEER: &str = "TRUNCATE inbox";
+
 /// Effects and the seconds from the first to the last.
 pub const BENCH_EFFECT_SPAN: &str = "SELECT count(*), extract(epoch FROM max(reserved_at) - min(reserved_at))::float8 FROM carrier_reservations";
 

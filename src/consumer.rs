@@ -696,7 +696,7 @@ fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
     {
         tracing::error!(error = %crate::redact::text(&error.to_string()), "PostgreSQL unavailable: holding deliveries until it is back");
     } else {
-        tracing::debug!(error = %error, "PostgreSQL still unavailable");
+        tracing::debug!(error = %crate::redact::text(&error.to_string()), "PostgreSQL still unavailable");
     }
 }
 

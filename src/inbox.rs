@@ -28,6 +28,7 @@ use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt as _;
 use futures_util::future::BoxFuture;
+use sqlx::Connection as _;
 use sqlx::postgres::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -193,6 +194,30 @@ impl Inbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
     {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(ProcessError::Unavailable)?;
+        let result = self.process_on(&mut conn, message_id, work).await;
+        if matches!(result, Err(ProcessError::Unavailable(_))) {
+            // The session itself may be what failed (made read-only by a failover or by
+            // default_transaction_read_only, terminated by an administrator): never hand it out again.
+            conn.close_on_drop();
+        }
+        result
+    }
+
+    async fn process_on<T, F>(
+        &self,
+        conn: &mut PgConnection,
+        message_id: Uuid,
+        work: F,
+    ) -> Result<Outcome<T>, ProcessError>
+    where
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
+        T: Send,
+    {
         if self.claim == Claim::LookupFirst {
             let seen: bool = sqlx::query_scalar(sql::TUTORIAL_LOOKUP)
                 .bind(message_id)
@@ -204,7 +229,7 @@ impl Inbox {
                 return Ok(Outcome::Duplicate);
             }
         }
-        let mut tx = self.pool.begin().await.map_err(ProcessError::Unavailable)?;
+        let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
 
         // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
         let claimed: bool = match self.claim {
@@ -265,6 +290,24 @@ impl Inbox {
         &self,
         members: Vec<Member<T>>,
     ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(ProcessError::Unavailable)?;
+        let result = self.process_batch_on(&mut conn, members).await;
+        // As in `process`; and a member that panicked may have left the session mid-statement.
+        if result.is_err() {
+            conn.close_on_drop();
+        }
+        result
+    }
+
+    async fn process_batch_on<T: Send>(
+        &self,
+        conn: &mut PgConnection,
+        members: Vec<Member<T>>,
+    ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
         let mut ids: Vec<Uuid> = members.iter().map(|m| m.message_id).collect();
         ids.sort_unstable();
         ids.dedup();
@@ -273,7 +316,7 @@ impl Inbox {
                 "a batch must not hold one message id twice",
             )));
         }
-        let mut tx = self.pool.begin().await.map_err(ProcessError::Unavailable)?;
+        let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
         let claimed: HashSet<Uuid> = sqlx::query_scalar(sql::CLAIM_BATCH)
             .bind(&ids)
             .bind(self.consumer_type.as_str())

@@ -1,5 +1,6 @@
-//! PostgreSQL unreachable mid-stream, through a loopback proxy the test cuts and restores: nothing is acknowledged
-//! while it is down, and every message is processed exactly once after it is back.
+//! PostgreSQL unreachable mid-stream (through a loopback proxy the test cuts and restores) or turned read-only, and
+//! RabbitMQ's connection lost: nothing is acknowledged while it lasts, and every message is processed exactly once
+//! after.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -174,5 +175,91 @@ async fn rabbitmq_connection_lost_mid_stream_the_consumer_reconnects_and_nothing
         !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
         "nothing dead-lettered"
     );
+    consumer.terminate();
+}
+
+// A database that turns read-only under a running consumer (a failover onto a replica, or
+// `default_transaction_read_only`): every claim fails with SQLSTATE 25006, which is the database's state, not the
+// message's. Nothing is acked, nothing counts as a failed attempt or goes to the error queue, and once the database
+// is writable again every message is processed exactly once, on fresh sessions (a pooled session keeps the
+// read-only default it was opened with, so it must not be reused).
+in_both_modes!(
+    a_database_turned_read_only_holds_every_message_until_it_is_writable,
+    read_only
+);
+
+async fn read_only(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let consumer = env.spawn(&common::with_mode(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "2",
+            "--prefetch",
+            "8",
+        ],
+        mode,
+    ));
+    let pool = env.pool().await;
+    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
+    common::publish_parcels(&env, &["--count", "20"]);
+    common::eventually(
+        "the first messages processed",
+        Duration::from_secs(60),
+        || async { effects().await == 20 },
+    )
+    .await;
+
+    // Read-only for every session, the consumer's open ones included (as after a failover onto a replica).
+    let admin = common::admin_pool().await;
+    let database = format!("\"{}\"", env.db_name);
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {database} SET default_transaction_read_only = on"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(&env.db_name)
+    .execute(&admin)
+    .await
+    .unwrap();
+    let pool = env.pool().await;
+    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
+    common::publish_parcels(&env, &["--count", "30"]);
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(effects().await, 20, "nothing commits while read-only");
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 30, "nothing is acked while read-only");
+
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {database} RESET default_transaction_read_only"
+    )))
+    .execute(&admin)
+    .await
+    .unwrap();
+    // Sessions opened while it was read-only keep that default: only fresh ones can write.
+    common::eventually(
+        "every message processed once the database is writable",
+        Duration::from_secs(60),
+        || async { effects().await >= 50 && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
+    )
+    .await;
+    assert_eq!(effects().await, 50, "exactly once");
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
+        )
+        .await,
+        0,
+        "being read-only never counted against a message"
+    );
+    assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
     consumer.terminate();
 }

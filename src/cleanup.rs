@@ -88,84 +88,74 @@ pub async fn run(
     };
 
     let mut consumers = Vec::with_capacity(consumer_types.len());
-    let mut deleted_total = 0;
-    let mut interrupted = false;
     for consumer_type in consumer_types {
-        let mut report = ConsumerReport {
-            consumer_type: consumer_type.clone(),
-            ..ConsumerReport::default()
-        };
         let (unprocessed, oldest): (i64, Option<DateTime<Utc>>) =
             sqlx::query_as(sql::UNPROCESSED_BEFORE)
                 .bind(&consumer_type)
                 .bind(cutoff)
                 .fetch_one(pool)
                 .await?;
-        report.unprocessed_older = unprocessed.unsigned_abs();
-        report.oldest_unprocessed = oldest;
+        consumers.push(ConsumerReport {
+            consumer_type,
+            unprocessed_older: unprocessed.unsigned_abs(),
+            oldest_unprocessed: oldest,
+            ..ConsumerReport::default()
+        });
+    }
 
-        if plan.dry_run {
-            report.deleted =
-                count(pool, sql::COUNT_PROCESSED_BEFORE, &consumer_type, cutoff).await?;
-            report.events_deleted =
-                count(pool, sql::COUNT_EVENTS_BEFORE, &consumer_type, cutoff).await?;
-        } else {
-            // The lock lives on a connection of its own for as long as this consumer_type is being cleaned.
-            let mut lock = pool.acquire().await?;
+    let mut interrupted = false;
+    if plan.dry_run {
+        for report in &mut consumers {
+            report.deleted = count(
+                pool,
+                sql::COUNT_PROCESSED_BEFORE,
+                &report.consumer_type,
+                cutoff,
+            )
+            .await?;
+            report.events_deleted = count(
+                pool,
+                sql::COUNT_EVENTS_BEFORE,
+                &report.consumer_type,
+                cutoff,
+            )
+            .await?;
+        }
+    } else {
+        // The locks live on a session of their own for as long as the cleanup runs, and are released however it ends
+        // (a session that cannot release them is closed, which does).
+        let mut lock = pool.acquire().await?;
+        let mut mine = Vec::with_capacity(consumers.len());
+        for (i, report) in consumers.iter_mut().enumerate() {
             let locked: bool = sqlx::query_scalar(sql::CLEANUP_TRY_LOCK)
-                .bind(&consumer_type)
+                .bind(&report.consumer_type)
                 .fetch_one(&mut *lock)
                 .await?;
-            if !locked {
+            if locked {
+                mine.push(i);
+            } else {
                 report.busy = true;
-                consumers.push(report);
-                continue;
             }
-            for (statement, total) in [
-                (sql::DELETE_PROCESSED_BATCH, &mut report.deleted),
-                (sql::DELETE_EVENTS_BATCH, &mut report.events_deleted),
-            ] {
-                loop {
-                    if shutdown.is_cancelled() {
-                        interrupted = true;
-                        break;
-                    }
-                    let batch = sqlx::query(statement)
-                        .bind(&consumer_type)
-                        .bind(cutoff)
-                        .bind(plan.batch_size)
-                        .execute(pool)
-                        .await?
-                        .rows_affected();
-                    *total += batch;
-                    if statement == sql::DELETE_PROCESSED_BATCH {
-                        deleted_total += batch;
-                    }
-                    progress(Progress {
-                        consumer_type: &consumer_type,
-                        deleted: deleted_total,
-                        elapsed: started.elapsed(),
-                    });
-                    if batch == 0 {
-                        break;
-                    }
-                    if !plan.batch_pause.is_zero() {
-                        tokio::select! {
-                            () = shutdown.cancelled() => {}
-                            () = tokio::time::sleep(plan.batch_pause) => {}
-                        }
-                    }
-                }
-            }
-            sqlx::query(sql::CLEANUP_UNLOCK)
-                .bind(&consumer_type)
-                .execute(&mut *lock)
-                .await?;
         }
-        consumers.push(report);
-        if interrupted {
-            break;
+        let result = delete_in_turns(
+            pool,
+            plan,
+            cutoff,
+            &mut consumers,
+            &mine,
+            shutdown,
+            &mut progress,
+            started,
+        )
+        .await;
+        if sqlx::query(sql::CLEANUP_UNLOCK_ALL)
+            .execute(&mut *lock)
+            .await
+            .is_err()
+        {
+            lock.close_on_drop();
         }
+        interrupted = result?;
     }
 
     let seconds = started.elapsed().as_secs_f64();
@@ -185,6 +175,77 @@ pub async fn run(
             deleted as f64 / seconds
         },
     })
+}
+
+/// Deletes in batches, one consumer_type after another in turn (`order`, indexes into `consumers`), each first its
+/// inbox rows and then its event rows, until none is left or `shutdown`; returns whether it was interrupted.
+///
+/// In turn rather than one consumer_type after the other: the consumer_types' rows share the heap's pages (a message
+/// gets a row per consumer_type), so a pass per consumer_type would dirty every page once per consumer_type, and
+/// after each checkpoint write its full image to the WAL again. Taking the consumer_types' oldest rows together
+/// dirties each page about once.
+#[allow(clippy::too_many_arguments)]
+async fn delete_in_turns(
+    pool: &PgPool,
+    plan: &Plan,
+    cutoff: DateTime<Utc>,
+    consumers: &mut [ConsumerReport],
+    order: &[usize],
+    shutdown: &CancellationToken,
+    progress: &mut impl FnMut(Progress<'_>),
+    started: Instant,
+) -> Result<bool> {
+    // Per consumer_type: 0 deletes inbox rows, 1 event rows, 2 is done.
+    let mut phase = vec![0u8; consumers.len()];
+    let mut deleted_total = 0;
+    loop {
+        let mut any = false;
+        for &i in order {
+            if phase[i] > 1 {
+                continue;
+            }
+            any = true;
+            if shutdown.is_cancelled() {
+                return Ok(true);
+            }
+            let statement = if phase[i] == 0 {
+                sql::DELETE_PROCESSED_BATCH
+            } else {
+                sql::DELETE_EVENTS_BATCH
+            };
+            let report = &mut consumers[i];
+            let batch = sqlx::query(statement)
+                .bind(&report.consumer_type)
+                .bind(cutoff)
+                .bind(plan.batch_size)
+                .execute(pool)
+                .await?
+                .rows_affected();
+            if phase[i] == 0 {
+                report.deleted += batch;
+                deleted_total += batch;
+            } else {
+                report.events_deleted += batch;
+            }
+            progress(Progress {
+                consumer_type: &report.consumer_type,
+                deleted: deleted_total,
+                elapsed: started.elapsed(),
+            });
+            if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) {
+                phase[i] += 1;
+            }
+            if batch > 0 && !plan.batch_pause.is_zero() {
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(plan.batch_pause) => {}
+                }
+            }
+        }
+        if !any {
+            return Ok(false);
+        }
+    }
 }
 
 async fn count(

@@ -138,7 +138,7 @@ pub async fn run(
 
 /// What the template's table comment says when it is complete and of the current shape.
 fn marker(rows: u64) -> String {
-    format!("inboxctl bench v2: {rows} rows")
+    format!("inboxctl bench v3: {rows} rows")
 }
 
 async fn template_ready(template: &Database, rows: u64) -> bool {
@@ -173,6 +173,7 @@ async fn build_template(
             .bind(i64::try_from(done).unwrap_or(i64::MAX))
             .bind(i64::try_from(n).unwrap_or(i64::MAX))
             .bind(&CONSUMER_TYPES[..])
+            .bind(i64::try_from(rows).unwrap_or(i64::MAX))
             .execute(&pool)
             .await?;
         done += n;
@@ -198,13 +199,27 @@ async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
     let name = format!("{}_bench_{purpose}", db.name());
     drop_database(db, &name).await?;
     let mut admin = db.with_database("postgres").connect().await?;
+    // PostgreSQL 15 copies a database by writing it all to the WAL unless told to copy the files; that would force
+    // checkpoints into the measurement that follows. Then a checkpoint of our own (if the role may), so each run
+    // starts from the same clean state.
+    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+        .fetch_one(&mut admin)
+        .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE DATABASE {} TEMPLATE {}",
+        "CREATE DATABASE {} TEMPLATE {}{}",
         sql::quote_ident(&name),
-        sql::quote_ident(template)
+        sql::quote_ident(template),
+        if version >= 150_000 {
+            " STRATEGY = FILE_COPY"
+        } else {
+            ""
+        }
     )))
     .execute(&mut admin)
     .await?;
+    if let Err(e) = sqlx::query("CHECKPOINT").execute(&mut admin).await {
+        tracing::debug!(error = %e, "no checkpoint before the run");
+    }
     let scratch_db = db.with_database(&name);
     let pool = scratch_db.pool(4).await?;
     Ok(Scratch {

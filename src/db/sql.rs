@@ -155,9 +155,8 @@ ORDER BY 1";
 
 /// One cleanup batch: at most `$3` processed rows of consumer_type `$1` older than `$2`, found through
 /// `(consumer_type, processed_at)` and deleted by their tuple ids. Unprocessed rows (`processed_at IS NULL`) never
-/// match. No `FOR UPDATE`: locking the rows first would write them twice (a lock record and, after a checkpoint, a
-/// full page image each — measured at 2.4 GB of WAL against 1 GB for 4.95M rows); cleanups of one consumer_type are
-/// kept apart by [`CLEANUP_TRY_LOCK`] instead.
+/// match. No `FOR UPDATE SKIP LOCKED`: nothing else deletes these rows while a cleanup holds the consumer_type's
+/// [`CLEANUP_TRY_LOCK`], and locking them first would write each row once more.
 pub const DELETE_PROCESSED_BATCH: &str = "\
 DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (
     SELECT ctid FROM inbox_messages
@@ -175,8 +174,8 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
 /// rather than waiting on it or deleting the same rows. `$1` consumer_type.
 pub const CLEANUP_TRY_LOCK: &str =
     "SELECT pg_try_advisory_lock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
-pub const CLEANUP_UNLOCK: &str =
-    "SELECT pg_advisory_unlock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
+/// Releases the cleanup's locks: every advisory lock of the session, which holds nothing else.
+pub const CLEANUP_UNLOCK_ALL: &str = "SELECT pg_advisory_unlock_all()";
 
 /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
 pub const COUNT_PROCESSED_BEFORE: &str =
@@ -262,10 +261,11 @@ pub const BENCH_EFFECT_TIMES: &str =
 pub const BENCH_DUPLICATE_EFFECTS: &str =
     "SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations";
 
-/// `inboxctl bench --cleanup-rows`: `$2` inbox rows numbered from `$1`, spread over the consumer_types `$3`; every
-/// second row processed 10 days ago (past a 7-day window), the others a day ago; one in a hundred never processed,
-/// spread over the consumer_types.
-/// Ids are time-ordered, as real message ids (MassTransit's, UUIDv7) are.
+/// `inboxctl bench --cleanup-rows`: `$2` inbox rows numbered from `$1` of `$4` in all, spread over the
+/// consumer_types `$3` in turn, as a real inbox is (each message gets a row per consumer_type it reaches). Received and
+/// processed in the order of their numbers over the last 14 days, so the older half is past a 7-day window and lies in
+/// the first half of the heap, as in a table that has been filling for two weeks; one row in a hundred never
+/// processed, spread over the consumer_types. Ids are time-ordered, as real message ids (MassTransit's, UUIDv7) are.
 pub const BENCH_SEED_ROWS: &str = "\
 INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
 SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
@@ -273,8 +273,7 @@ SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
        t,
        CASE WHEN (g / cardinality($3::text[])) % 100 = 0 THEN NULL ELSE t END
 FROM generate_series($1 + 1, $1 + $2) AS g,
-     LATERAL (SELECT now() - CASE WHEN g % 2 = 0 THEN interval '10 days' ELSE interval '1 day' END
-                           - (g % 86400) * interval '1 second' AS t) AS x";
+     LATERAL (SELECT now() - interval '14 days' + (g::float8 / $4::float8) * interval '14 days' AS t) AS x";
 
 /// WAL position (bytes) and checkpoints forced so far, server-wide.
 pub const BENCH_WAL_AND_CHECKPOINTS: &str = "\

@@ -302,6 +302,11 @@ impl Proc {
         assert!(status.success());
     }
 
+    /// Whether the process has ended (its exit code, if it has one).
+    pub fn try_wait(&mut self) -> Option<Option<i32>> {
+        self.child.try_wait().unwrap().map(|status| status.code())
+    }
+
     /// SIGKILL, and waits for the process to be gone.
     pub fn kill(&mut self) {
         self.child.kill().unwrap();

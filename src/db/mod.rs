@@ -101,13 +101,25 @@ impl Database {
     /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
     /// reported at start rather than at the first message.
     pub async fn pool(&self, size: u32) -> Result<PgPool> {
-        PgPoolOptions::new()
+        match PgPoolOptions::new()
             .max_connections(size.max(1))
             .min_connections(0)
             .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_with(self.options.clone())
             .await
-            .map_err(|e| self.unavailable(e))
+        {
+            Ok(pool) => Ok(pool),
+            // The pool retries a failing connect until its timeout and then only says that it timed out (a role or
+            // database at its CONNECTION LIMIT, a server refusing connections): one direct attempt names the cause.
+            Err(sqlx::Error::PoolTimedOut) => match self.connect().await {
+                Err(cause) => Err(cause),
+                Ok(conn) => {
+                    let _ = sqlx::Connection::close(conn).await;
+                    Err(self.unavailable(sqlx::Error::PoolTimedOut))
+                }
+            },
+            Err(e) => Err(self.unavailable(e)),
+        }
     }
 
     /// A pool that connects on first use (and again after an outage), for callers that must start regardless.

@@ -287,6 +287,67 @@ async fn interrupted_it_stops_after_the_current_batch_and_says_so() {
     assert_eq!((5_000 - left) % 100, 0, "whole batches only");
 }
 
+/// Killed with SIGKILL mid-run: every batch happened whole or not at all (the deleted count is whole batches per
+/// consumer_type), no unprocessed row and no row inside the window went, the consumer_types' locks died with the
+/// session (the next cleanup is not told another one is busy), and it finishes the job.
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_mid_run_nothing_is_half_done_and_the_next_run_finishes() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    for ct in ["alpha", "beta"] {
+        seed(&pool, ct, 3_000, "8 days", false).await;
+        seed(&pool, ct, 50, "8 days", true).await;
+        seed(&pool, ct, 50, "1 day", false).await;
+    }
+    let mut cleanup = env.spawn(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--batch-size",
+        "100",
+        "--batch-pause",
+        "100ms",
+    ]);
+    common::eventually("some batches done", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await <= 6_200 - 1_000
+    })
+    .await;
+    cleanup.kill();
+    for ct in ["alpha", "beta"] {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < now() - interval '7 days'",
+        )
+        .bind(ct)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(left > 0, "{ct}: killed before the end");
+        assert_eq!(
+            (3_000 - left) % 100,
+            0,
+            "{ct}: whole batches only ({left} left)"
+        );
+    }
+    let kept = "SELECT count(*) FROM inbox_messages WHERE processed_at IS NULL OR processed_at > now() - interval '7 days'";
+    assert_eq!(
+        common::count(&pool, kept).await,
+        200,
+        "nothing it must keep went"
+    );
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    for c in report["consumers"].as_array().unwrap() {
+        assert_eq!(c["busy"], false, "the killed run's locks are gone: {c}");
+    }
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        200
+    );
+    assert_eq!(common::count(&pool, kept).await, 200);
+}
+
 /// A million deletable rows purged while a consumer processes a steady stream: no error, and no gap of more than
 /// 2 s between its effects.
 #[tokio::test(flavor = "multi_thread")]

@@ -292,7 +292,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --claim --metrics-addr --fail-destination --database-url --amqp-url --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --claim --metrics-addr --fail-destination --database-url --amqp-url --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -347,6 +347,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --batch-wait)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --poison-after)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

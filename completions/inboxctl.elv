@@ -66,6 +66,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
             cand --batch-size 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64'
             cand --batch-wait 'How long a batch waits to fill, only while another batch is running (a lone message never waits)'
+            cand --poison-after 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery'
             cand --claim 'For `inboxctl bench` only: run without the inbox, or with the tutorial''s look-up-first shape'
             cand --metrics-addr 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)'
             cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'

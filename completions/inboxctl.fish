@@ -64,6 +64,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exit-when-
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l shutdown-timeout -d 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-size -d 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-wait -d 'How long a batch waits to fill, only while another batch is running (a lone message never waits)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l poison-after -d 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim -d 'For `inboxctl bench` only: run without the inbox, or with the tutorial\'s look-up-first shape' -r -f -a "inbox\t'The claim protocol of this module'
 none\t'No inbox at all: a transaction with the work, nothing else. At-least-once: a copy repeats the effect'
 lookup-first\t'The tutorial\'s shape: look the id up first, then a transaction with a plain insert of the inbox row and the work. Two first copies both pass the look-up; the second one\'s insert then fails on the key'"

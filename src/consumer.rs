@@ -120,6 +120,9 @@ pub struct ConsumerOptions {
     pub batch_size: usize,
     /// How long a batch waits to fill while another batch is running.
     pub batch_wait: Duration,
+    /// A redelivered message that has started this many times without reaching an outcome (each start ended its
+    /// process) goes to the error queue at its next delivery.
+    pub poison_after: u32,
 }
 
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
@@ -172,6 +175,9 @@ struct Shared<C: Consumer> {
     shutdown: CancellationToken,
     in_flight: AtomicUsize,
     last_activity: std::sync::Mutex<Instant>,
+    /// Work holds it shared; a suspect — a redelivered message that was in flight when a process ended before — holds
+    /// it alone, so that if its process ends again, nothing else was in flight to share the blame.
+    alone: tokio::sync::RwLock<()>,
 }
 
 /// One broker connection's channels: deliveries come in on one, dead-letter copies go out on the other (in
@@ -209,6 +215,7 @@ pub async fn run<C: Consumer>(
         shutdown: shutdown.clone(),
         in_flight: AtomicUsize::new(0),
         last_activity: std::sync::Mutex::new(Instant::now()),
+        alone: tokio::sync::RwLock::new(()),
     });
     let permits = Arc::new(Semaphore::new(shared.options.concurrency.max(1)));
     let mut tasks: JoinSet<()> = JoinSet::new();
@@ -310,7 +317,9 @@ pub async fn run<C: Consumer>(
                             shared.in_flight.fetch_sub(1, Ordering::SeqCst);
                             break 'connect;
                         }
-                        if let Some(queue) = &batches {
+                        // A redelivered message is processed on its own: if it is what ended a process, it must not
+                        // take a batch's healthy members down with it again.
+                        if let Some(queue) = batches.as_ref().filter(|_| !delivery.redelivered) {
                             let queued = (delivery, Arc::clone(&link));
                             tokio::select! {
                                 () = shutdown.cancelled() => {
@@ -459,9 +468,110 @@ enum Disposition {
 async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery) {
     let disposition = match prepare(shared, link, &delivery).await {
         Prepared::Done(disposition) => disposition,
-        Prepared::Ready(ready) => attempts(shared, link, &delivery, &ready, 1).await,
+        Prepared::Ready(ready) if delivery.redelivered => {
+            let id = ready.incoming.message_id;
+            let counted = redelivered_start(shared, id).await;
+            let disposition = match counted {
+                // It ended its process this many times while it was the only work in flight: it is the cause.
+                Some((_, alone)) if alone >= shared.options.poison_after => {
+                    poison(shared, link, &delivery, &ready, alone).await
+                }
+                // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
+                Some((started, _)) if started >= 2 => {
+                    let _alone = shared.alone.write().await;
+                    redelivered_alone(shared, id).await;
+                    attempts(shared, link, &delivery, &ready, 1).await
+                }
+                _ => {
+                    let _shared = shared.alone.read().await;
+                    attempts(shared, link, &delivery, &ready, 1).await
+                }
+            };
+            // Alive after this start, whatever its outcome: the message is not what ends processes.
+            if counted.is_some() {
+                redelivered_done(shared, id).await;
+            }
+            disposition
+        }
+        Prepared::Ready(ready) => {
+            let _shared = shared.alone.read().await;
+            attempts(shared, link, &delivery, &ready, 1).await
+        }
     };
     settle(shared, &delivery, disposition).await;
+}
+
+/// Counts a start of a redelivered message: its starts without an outcome so far (this one included), and those of
+/// them made alone. `None` when it cannot be counted (the database down, or a schema from before the count existed),
+/// and the message is then processed as usual.
+async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<(u32, u32)> {
+    match sqlx::query_as::<_, (i32, i32)>(sql::REDELIVERED_START)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(id)
+        .fetch_one(shared.inbox.pool())
+        .await
+    {
+        Ok((started, alone)) => Some((
+            u32::try_from(started).unwrap_or(0),
+            u32::try_from(alone).unwrap_or(0),
+        )),
+        Err(e) => {
+            tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "redelivery not counted");
+            None
+        }
+    }
+}
+
+/// Counts a start made alone, before the work (committed on its own, so that it stays counted if the work ends the
+/// process).
+async fn redelivered_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    if let Err(e) = sqlx::query(sql::REDELIVERED_ALONE)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(id)
+        .execute(shared.inbox.pool())
+        .await
+    {
+        tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "start alone not counted");
+    }
+}
+
+async fn redelivered_done<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    if let Err(e) = sqlx::query(sql::REDELIVERED_DONE)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(id)
+        .execute(shared.inbox.pool())
+        .await
+    {
+        tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "redelivery count not cleared");
+    }
+}
+
+/// A message whose processing ended its process `alone` times while nothing else was in flight: to the error queue.
+async fn poison<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    alone: u32,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    let reason = format!(
+        "processed alone {alone} times without reaching an outcome: each attempt ended the consumer process \
+         (a crash, an abort or a kill while it was the only message in flight)"
+    );
+    tracing::error!(message_id = %id, alone, "poison message; moving it to the error queue");
+    let fault = ("inboxctl::PoisonMessage", reason.clone(), reason);
+    let retries = i32::try_from(alone).unwrap_or(i32::MAX);
+    dead_letter_error(
+        shared,
+        link,
+        delivery,
+        Some(id),
+        ready.message_type.clone(),
+        &fault,
+        retries,
+    )
+    .await
 }
 
 /// Acks or requeues a delivery whose handling ended, and counts it out of flight.
@@ -737,7 +847,10 @@ async fn batch_worker<C: Consumer>(
             batch
         };
         running.fetch_add(1, Ordering::SeqCst);
-        process_batch(&shared, batch).await;
+        {
+            let _shared = shared.alone.read().await;
+            process_batch(&shared, batch).await;
+        }
         running.fetch_sub(1, Ordering::SeqCst);
     }
 }

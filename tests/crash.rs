@@ -147,3 +147,82 @@ async fn past_the_shutdown_timeout_in_flight_work_is_rolled_back_and_left_for_re
         1
     );
 }
+
+// A message whose processing ends the process every time (here an abort inside the carrier call, as a crash in
+// native code or an out-of-memory kill would): each redelivery starts it again. It must not take the consumer down
+// forever: once it has ended the process --poison-after (3) times while tried alone, it goes to the error queue; the
+// healthy messages that were in flight beside it at the first aborts (the same ones each time: a requeued message
+// keeps its place) are processed once, none of them moved aside.
+in_both_modes!(
+    a_message_that_ends_its_process_every_time_is_moved_aside_and_the_rest_flows,
+    poison
+);
+
+async fn poison(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "10"]);
+    common::publish_parcels(&env, &["--count", "1", "--destination", "POISON"]);
+    common::publish_parcels(&env, &["--count", "10"]);
+
+    let mut aborted = 0;
+    let mut runs = 0;
+    loop {
+        runs += 1;
+        assert!(runs <= 10, "the consumer never got past the poison message");
+        let mut consumer = env.spawn_with(
+            &common::with_mode(
+                &[
+                    "consume",
+                    "carrier",
+                    "--concurrency",
+                    "2",
+                    "--prefetch",
+                    "8",
+                    "--exit-when-idle",
+                    "1s",
+                ],
+                mode,
+            ),
+            &[("INBOXCTL_FAILPOINTS", "carrier=abort@POISON")],
+        );
+        match consumer.wait(Duration::from_secs(60)) {
+            Some(0) => break,
+            None => aborted += 1,
+            Some(code) => panic!("exit {code}: {}", consumer.stderr()),
+        }
+    }
+    assert_eq!(
+        aborted, 5,
+        "ended by its first delivery, its first redelivery (beside others), and three starts alone; then moved aside"
+    );
+
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        20
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
+        )
+        .await,
+        20
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    let conn = env.amqp().await;
+    let errors = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(errors.len(), 1, "only the poison message is moved aside");
+    assert!(
+        String::from_utf8_lossy(&errors[0].data).contains("POISON"),
+        "the moved message is the poison one"
+    );
+    let reason = common::header_text(&errors[0].properties, "MT-Fault-Message").unwrap();
+    assert!(reason.contains("without reaching an outcome"), "{reason}");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_attempts").await,
+        0,
+        "no count is left behind"
+    );
+}

@@ -98,6 +98,11 @@ pub struct Args {
     #[arg(long, default_value = "5ms", value_parser = parse_duration)]
     pub batch_wait: Duration,
 
+    /// A redelivered message that started this many times without an outcome, each start ending the consumer process
+    /// (an abort, a crash, a kill), goes to <queue>_error at its next delivery
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub poison_after: u32,
+
     /// For `inboxctl bench` only: run without the inbox, or with the tutorial's look-up-first shape
     #[arg(long, value_enum, default_value_t = Claim::Inbox, hide = true)]
     pub claim: Claim,
@@ -130,6 +135,7 @@ impl Args {
             shutdown_timeout: Duration::from_secs(30),
             batch_size: 1,
             batch_wait: Duration::from_millis(5),
+            poison_after: 3,
             claim: Claim::Inbox,
             metrics_addr: None,
             fail_destination: None,
@@ -195,6 +201,7 @@ pub async fn run_consumer(
         counts,
         batch_size: usize::from(args.batch_size),
         batch_wait: args.batch_wait,
+        poison_after: args.poison_after,
     };
     let inbox = Inbox::new(pool.clone(), consumer_type).with_claim(args.claim);
     let fail_destination = args.fail_destination.clone();

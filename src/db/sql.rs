@@ -56,6 +56,23 @@ pub const TUTORIAL_INSERT: &str =
 pub const RECORD_EVENT: &str = "\
 INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1, $2, $3, $4)";
 
+/// A redelivered message starts: counts the starts that have not reached an outcome, and returns them with those made
+/// alone. `$1` consumer_type, `$2` message id. Committed on its own, before the work, so a start that ends the process
+/// stays counted.
+pub const REDELIVERED_START: &str = "\
+INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)
+ON CONFLICT (consumer_type, message_id)
+DO UPDATE SET started = inboxctl_attempts.started + 1, last_started_at = now()
+RETURNING started, alone";
+
+/// A redelivered message starts alone (nothing else in flight in its process). `$1` consumer_type, `$2` message id.
+pub const REDELIVERED_ALONE: &str =
+    "UPDATE inboxctl_attempts SET alone = alone + 1 WHERE consumer_type = $1 AND message_id = $2";
+
+/// A redelivered message came through an attempt alive: its count goes. `$1` consumer_type, `$2` message id.
+pub const REDELIVERED_DONE: &str =
+    "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND message_id = $2";
+
 /// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters and
 /// which queue each reads. `$1` consumer_type, `$2` queue.
 pub const REGISTER_CONSUMER: &str = "\

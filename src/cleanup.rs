@@ -54,6 +54,9 @@ pub struct Report {
     pub consumers: Vec<ConsumerReport>,
     pub deleted: u64,
     pub events_deleted: u64,
+    /// Counts of redelivered messages' starts (see `consume --poison-after`) older than the window: left by messages
+    /// that never came back.
+    pub attempts_deleted: u64,
     pub seconds: f64,
     pub rows_per_second: f64,
 }
@@ -104,6 +107,7 @@ pub async fn run(
     }
 
     let mut interrupted = false;
+    let mut attempts_deleted = 0;
     if plan.dry_run {
         for report in &mut consumers {
             report.deleted = count(
@@ -156,6 +160,9 @@ pub async fn run(
             lock.close_on_drop();
         }
         interrupted = result?;
+        if !interrupted {
+            attempts_deleted = prune_attempts(pool, &consumers, &mine, cutoff).await?;
+        }
     }
 
     let seconds = started.elapsed().as_secs_f64();
@@ -166,6 +173,7 @@ pub async fn run(
         dry_run: plan.dry_run,
         interrupted,
         events_deleted: consumers.iter().map(|c| c.events_deleted).sum(),
+        attempts_deleted,
         consumers,
         deleted,
         seconds,
@@ -246,6 +254,33 @@ async fn delete_in_turns(
             return Ok(false);
         }
     }
+}
+
+/// Deletes the start counts older than the cutoff of the consumer_types this cleanup cleaned (`order`), where the
+/// table exists (a schema from before it did is not an error).
+async fn prune_attempts(
+    pool: &PgPool,
+    consumers: &[ConsumerReport],
+    order: &[usize],
+    cutoff: DateTime<Utc>,
+) -> Result<u64> {
+    let exists: bool = sqlx::query_scalar(sql::TABLE_EXISTS)
+        .bind("inboxctl_attempts")
+        .fetch_one(pool)
+        .await?;
+    if !exists {
+        return Ok(0);
+    }
+    let mut deleted = 0;
+    for &i in order {
+        deleted += sqlx::query(sql::DELETE_OLD_ATTEMPTS)
+            .bind(&consumers[i].consumer_type)
+            .bind(cutoff)
+            .execute(pool)
+            .await?
+            .rows_affected();
+    }
+    Ok(deleted)
 }
 
 async fn count(

@@ -287,6 +287,49 @@ async fn interrupted_it_stops_after_the_current_batch_and_says_so() {
     assert_eq!((5_000 - left) % 100, 0, "whole batches only");
 }
 
+/// The start counts of redelivered messages (`consume --poison-after`) left by messages that never came back go
+/// with the window too; recent ones stay.
+#[tokio::test(flavor = "multi_thread")]
+async fn start_counts_older_than_the_window_go_too() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, last_started_at) VALUES
+         ('alpha', gen_random_uuid(), 2, now() - interval '8 days'),
+         ('alpha', gen_random_uuid(), 1, now() - interval '1 hour'),
+         ('beta', gen_random_uuid(), 3, now() - interval '9 days')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    seed(&pool, "alpha", 1, "8 days", false).await;
+    seed(&pool, "beta", 1, "8 days", false).await;
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--dry-run", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_attempts").await,
+        3
+    );
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["attempts_deleted"], 2, "{report}");
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_attempts WHERE last_started_at > now() - interval '1 day'"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_attempts").await,
+        1
+    );
+}
+
 /// Killed with SIGKILL mid-run: every batch happened whole or not at all (the deleted count is whole batches per
 /// consumer_type), no unprocessed row and no row inside the window went, the consumer_types' locks died with the
 /// session (the next cleanup is not told another one is busy), and it finishes the job.

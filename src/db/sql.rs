@@ -69,6 +69,10 @@ RETURNING started, alone";
 pub const REDELIVERED_ALONE: &str =
     "UPDATE inboxctl_attempts SET alone = alone + 1 WHERE consumer_type = $1 AND message_id = $2";
 
+/// `cleanup`: start counts of messages that never came back. `$1` consumer_type, `$2` cutoff.
+pub const DELETE_OLD_ATTEMPTS: &str =
+    "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND last_started_at < $2";
+
 /// A redelivered message came through an attempt alive: its count goes. `$1` consumer_type, `$2` message id.
 pub const REDELIVERED_DONE: &str =
     "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND message_id = $2";

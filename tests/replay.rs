@@ -474,3 +474,43 @@ async fn a_replay_works_through_its_snapshot_not_its_own_refailures() {
     }
     consumer.terminate();
 }
+
+/// A failure reason holding escape sequences and control characters (it comes from whoever failed the message) is
+/// shown inert by `replay --dry-run`, in the table for people and in JSON, and the message stays where it is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dry_run_shows_hostile_reasons_inert() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    let hostile = "carrier down\u{1b}[2J\u{1b}]0;pwned\u{7}\r\nrm -rf";
+    let id = failed_message(&conn, hostile, chrono::TimeDelta::hours(1), 0).await;
+
+    let out = env.run(&["replay", "--from", ERROR_QUEUE, "--dry-run"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains(&id), "{}", out.stdout);
+    assert!(out.stdout.contains("carrier down"), "{}", out.stdout);
+    for raw in ['\u{1b}', '\u{7}', '\r'] {
+        assert!(
+            !out.stdout.contains(raw) && !out.stderr.contains(raw),
+            "{raw:?} reached the terminal: {out:?}"
+        );
+    }
+    assert!(
+        out.stdout.contains("\\u{1b}[2J"),
+        "shown escaped: {}",
+        out.stdout
+    );
+
+    // For scripts, JSON carries the reason exactly, its control characters escaped by JSON itself.
+    let out = env.run(&["replay", "--json", "--from", ERROR_QUEUE, "--dry-run"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(!out.stdout.contains('\u{1b}'), "{}", out.stdout);
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["items"][0]["reason"], hostile);
+    assert_eq!(
+        env.queue_counts(ERROR_QUEUE),
+        (1, 0),
+        "a dry run moves nothing"
+    );
+}

@@ -164,3 +164,59 @@ fn top_without_a_terminal_points_to_stats() {
         out.stderr
     );
 }
+
+/// Every command's error path, at the most verbose logging in both formats, and every command's help: the passwords
+/// of both URLs appear nowhere.
+#[test]
+fn no_command_shows_a_password_on_any_error_path_or_in_its_help() {
+    let db_secret = "DbS3cretPw9";
+    let mq_secret = "MqS3cretPw9";
+    let db = format!("postgres://app:{db_secret}@127.0.0.1:1/parceltracker");
+    let mq = format!("amqp://app:{mq_secret}@127.0.0.1:1/%2f");
+    let env = [("DATABASE_URL", db.as_str()), ("AMQP_URL", mq.as_str())];
+    let commands: [&[&str]; 11] = [
+        &["migrate"],
+        &["migrate", "--dry-run", "--json"],
+        &["consume", "carrier"],
+        &["consume", "notification", "--batch-size", "8"],
+        &["publish", "parcel-created", "--count", "1"],
+        &["cleanup", "--retention", "7d", "--json"],
+        &["replay", "--from", "parcel-created-carrier_error", "--json"],
+        &["stats", "--json"],
+        &["stats"],
+        &["demo"],
+        &[
+            "bench",
+            "--modes",
+            "inbox",
+            "--messages",
+            "10",
+            "--repeats",
+            "1",
+        ],
+    ];
+    for args in commands {
+        for format in ["text", "json"] {
+            let mut all = vec!["-vv", "--log-format", format];
+            all.extend_from_slice(args);
+            let out = run(&all, &env);
+            assert_ne!(out.code, Some(0), "{all:?} must fail: {out:?}");
+            for secret in [db_secret, mq_secret] {
+                assert!(
+                    !out.stdout.contains(secret) && !out.stderr.contains(secret),
+                    "{all:?} showed a password: {out:?}"
+                );
+            }
+        }
+        let mut help = vec![args[0]];
+        if args[0] == "consume" || args[0] == "publish" {
+            help.push(args[1]);
+        }
+        help.push("--help");
+        let out = run(&help, &env);
+        assert_eq!(out.code, Some(0), "{help:?}: {out:?}");
+        for secret in [db_secret, mq_secret] {
+            assert!(!out.stdout.contains(secret), "{help:?} showed a password");
+        }
+    }
+}

@@ -220,3 +220,31 @@ fn no_command_shows_a_password_on_any_error_path_or_in_its_help() {
         }
     }
 }
+
+/// A vhost that does not exist, and a wrong broker password: each named clearly, exit 69, no password shown, nothing
+/// consumed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_vhost_or_broker_password_is_named() {
+    let env = common::TestEnv::migrated().await;
+    let secret = "WrongPw7";
+    let base = common::amqp_base();
+    let wrong_vhost = format!("{base}/no-such-vhost-{}", env.db_name);
+    let wrong_password =
+        base.replacen("guest:guest@", &format!("guest:{secret}@"), 1) + "/" + &env.vhost;
+    for (url, says) in [
+        (wrong_vhost.as_str(), "vhost no-such-vhost"),
+        (wrong_password.as_str(), "ACCESS_REFUSED"),
+    ] {
+        for args in [
+            &["consume", "carrier"][..],
+            &["replay", "--from", "q"],
+            &["publish", "parcel-created"],
+        ] {
+            let out = env.cmd().env("AMQP_URL", url).args(args).output().unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+            assert!(stderr.contains(says), "{args:?}: {stderr}");
+            assert!(!stderr.contains(secret), "{args:?}: {stderr}");
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! The real PostgreSQL server stopped and started mid-stream, and a role with a password: on a private cluster of
+//! the test's own (`pg_createcluster` on a free port), never the shared server every other test uses.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{CARRIER_QUEUE, TestEnv};
+
+/// A PostgreSQL cluster of this test's own, trusting loopback except for the role `pwuser`; dropped with the guard.
+struct PrivatePg {
+    version: String,
+    name: String,
+    port: u16,
+}
+
+impl PrivatePg {
+    fn start() -> Self {
+        let version = std::fs::read_dir("/etc/postgresql")
+            .expect("a Debian PostgreSQL installation")
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .max()
+            .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let name = format!("inboxctl_{}", uuid::Uuid::new_v4().simple());
+        let pg = Self {
+            version,
+            name,
+            port,
+        };
+        pg.ctl(
+            "pg_createcluster",
+            &[
+                "-p",
+                &port.to_string(),
+                &pg.version,
+                &pg.name,
+                "--start",
+                "--",
+                "--auth-host=trust",
+                "--auth-local=trust",
+            ],
+        );
+        // The role with a password authenticates with it; everyone else is trusted on loopback, as on the shared
+        // server.
+        let hba = format!("/etc/postgresql/{}/{}/pg_hba.conf", pg.version, pg.name);
+        let trusted = std::fs::read_to_string(&hba).unwrap();
+        std::fs::write(
+            &hba,
+            format!("host all pwuser 127.0.0.1/32 scram-sha-256\n{trusted}"),
+        )
+        .unwrap();
+        pg.ctl("pg_ctlcluster", &[&pg.version, &pg.name, "reload"]);
+        pg
+    }
+
+    fn ctl(&self, tool: &str, args: &[&str]) {
+        let out = Command::new(tool).args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{tool} {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn stop(&self) {
+        self.ctl(
+            "pg_ctlcluster",
+            &[&self.version, &self.name, "stop", "-m", "fast"],
+        );
+    }
+
+    fn start_again(&self) {
+        self.ctl("pg_ctlcluster", &[&self.version, &self.name, "start"]);
+    }
+
+    fn url(&self, user: &str, database: &str) -> String {
+        format!("postgres://{user}@127.0.0.1:{}/{database}", self.port)
+    }
+}
+
+impl Drop for PrivatePg {
+    fn drop(&mut self) {
+        let _ = Command::new("pg_dropcluster")
+            .args(["--stop", &self.version, &self.name])
+            .output();
+    }
+}
+
+/// PostgreSQL stopped (fast shutdown: every session terminated) under a running consumer, left down for a while, and
+/// started again: nothing is committed or acked while it is down, nothing counts against a message, and every message
+/// is processed exactly once after.
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_stopped_and_started_mid_stream_every_message_once() {
+    let env = TestEnv::bare().await;
+    common::ensure_endpoints(&env).await;
+    let pg = PrivatePg::start();
+    let url = pg.url("postgres", "parcels");
+    let run = |args: &[&str]| {
+        env.cmd()
+            .env("DATABASE_URL", &url)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    assert!(run(&["migrate"]).status.success());
+    common::publish_parcels(&env, &["--count", "600", "--duplicates", "0.1"]);
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "2",
+            "--prefetch",
+            "8",
+        ],
+        &[("DATABASE_URL", url.as_str())],
+    );
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy(&url)
+        .unwrap();
+    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
+    common::eventually(
+        "a first part processed",
+        Duration::from_secs(60),
+        || async { effects().await >= 50 },
+    )
+    .await;
+
+    pg.stop();
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    let acked = |(ready, unacked): (u64, u64)| 660 - i64::try_from(ready + unacked).unwrap();
+    let acked_during = acked(env.queue_counts(CARRIER_QUEUE));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        acked(env.queue_counts(CARRIER_QUEUE)),
+        acked_during,
+        "nothing is acked while the server is down"
+    );
+    assert!(acked_during < 660, "the stop came mid-stream");
+
+    pg.start_again();
+    common::eventually(
+        "every message processed after the restart",
+        Duration::from_secs(120),
+        || async { effects().await >= 600 && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
+    )
+    .await;
+    assert_eq!(effects().await, 600, "exactly once");
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
+        )
+        .await,
+        600
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
+        )
+        .await,
+        0,
+        "the restart never counted against a message"
+    );
+    assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
+    consumer.terminate();
+    pool.close().await;
+}
+
+/// A role with a password: a wrong one is named as such (exit 69, the password shown nowhere); the right one can come
+/// from libpq's password file instead of the URL, so it need not appear on a command line.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_wrong_password_is_named_and_a_password_file_works() {
+    let env = TestEnv::bare().await;
+    let pg = PrivatePg::start();
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg.url("postgres", "postgres"))
+        .await
+        .unwrap();
+    for statement in [
+        "CREATE ROLE pwuser LOGIN PASSWORD 'Right-Pw-42'",
+        "CREATE DATABASE parcels OWNER pwuser",
+    ] {
+        sqlx::raw_sql(statement).execute(&admin).await.unwrap();
+    }
+
+    let wrong = format!(
+        "postgres://pwuser:Wrong-Pw-17@127.0.0.1:{}/parcels",
+        pg.port
+    );
+    for args in [
+        &["migrate"][..],
+        &["stats", "--json"],
+        &["consume", "carrier"],
+    ] {
+        let out = env
+            .cmd()
+            .env("DATABASE_URL", &wrong)
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("password authentication failed for user \"pwuser\""),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("Wrong-Pw-17"), "{args:?}: {stderr}");
+    }
+
+    let passfile = std::env::temp_dir().join(format!("{}.pgpass", pg.name));
+    std::fs::write(
+        &passfile,
+        format!("127.0.0.1:{}:*:pwuser:Right-Pw-42\n", pg.port),
+    )
+    .unwrap();
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&passfile, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let out = env
+        .cmd()
+        .env("DATABASE_URL", pg.url("pwuser", "parcels"))
+        .env("PGPASSFILE", &passfile)
+        .args(["migrate"])
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&passfile);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("applied"));
+    admin.close().await;
+}

@@ -1,0 +1,232 @@
+//! The real RabbitMQ restarted under a running consumer: the application stopped and started (`stop_app` /
+//! `start_app`), then the whole node stopped and started again. On a private node of the test's own (its own ports,
+//! directories and configuration), never the shared broker every other test uses.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{CARRIER_QUEUE, TestEnv};
+
+struct PrivateRabbit {
+    node: String,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+impl PrivateRabbit {
+    fn start() -> Self {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let dir = std::env::temp_dir().join(format!("inboxctl-rabbit-{id}"));
+        std::fs::create_dir_all(dir.join("mnesia")).unwrap();
+        std::fs::create_dir_all(dir.join("log")).unwrap();
+        std::fs::write(dir.join("plugins"), "[].\n").unwrap();
+        let port = free_port();
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("env.conf"), "ERL_EPMD_ADDRESS=127.0.0.1\n").unwrap();
+        // The Debian scripts run the broker as the rabbitmq user.
+        let _ = Command::new("chown")
+            .args(["-R", "rabbitmq:rabbitmq", dir.to_str().unwrap()])
+            .status();
+        let rabbit = Self {
+            node: format!("inboxctl-{}@localhost", &id[..12]),
+            port,
+            dir,
+        };
+        rabbit.boot();
+        rabbit
+    }
+
+    fn boot(&self) {
+        let d = |p: &str| self.dir.join(p).to_str().unwrap().to_owned();
+        let status = Command::new("rabbitmq-server")
+            .arg("-detached")
+            .env("RABBITMQ_NODENAME", &self.node)
+            .env("RABBITMQ_DIST_PORT", free_port().to_string())
+            .env("RABBITMQ_MNESIA_BASE", d("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d("log"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d("plugins"))
+            .env("RABBITMQ_PID_FILE", d("pid"))
+            .env("RABBITMQ_CONFIG_FILE", d("rabbitmq.conf"))
+            .env("RABBITMQ_CONF_ENV_FILE", d("env.conf"))
+            .status()
+            .unwrap();
+        assert!(status.success());
+        self.wait_until("the private node running", |r| {
+            r.ctl(&["await_startup", "--timeout", "5"]).is_ok()
+        });
+    }
+
+    fn ctl(&self, args: &[&str]) -> Result<String, String> {
+        let out = Command::new("rabbitmqctl")
+            .args(["-q", "-n", &self.node])
+            .args(args)
+            .output()
+            .unwrap();
+        if out.status.success() {
+            Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        } else {
+            Err(String::from_utf8_lossy(&out.stderr).into_owned())
+        }
+    }
+
+    fn wait_until(&self, what: &str, f: impl Fn(&Self) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while !f(self) {
+            assert!(Instant::now() < deadline, "{what}: not within 90 s");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// `(ready, unacknowledged)` of a queue; `None` when it does not exist.
+    fn queue(&self, name: &str) -> Option<(u64, u64)> {
+        let out = self
+            .ctl(&[
+                "list_queues",
+                "name",
+                "messages_ready",
+                "messages_unacknowledged",
+            ])
+            .ok()?;
+        out.lines().find_map(|line| {
+            let cols: Vec<&str> = line.split('\t').collect();
+            (cols.len() == 3 && cols[0] == name)
+                .then(|| (cols[1].parse().unwrap(), cols[2].parse().unwrap()))
+        })
+    }
+}
+
+impl Drop for PrivateRabbit {
+    fn drop(&mut self) {
+        let _ = self.ctl(&["stop"]);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn rabbitmq_restarted_twice_mid_stream_every_message_once() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start();
+    let amqp = rabbit.url();
+    let run = |args: &[&str]| {
+        let out = env
+            .cmd()
+            .env("AMQP_URL", &amqp)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    // Declares the topology; then the first 600 parcels (with 10 % copies), durable, on the queue.
+    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    run(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "600",
+        "--duplicates",
+        "0.1",
+    ]);
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "2",
+            "--prefetch",
+            "8",
+        ],
+        &[("AMQP_URL", amqp.as_str())],
+    );
+    let pool = env.pool().await;
+    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
+    common::eventually(
+        "a first part processed",
+        Duration::from_secs(60),
+        || async { effects().await >= 50 },
+    )
+    .await;
+
+    // 1. The application stopped and started.
+    rabbit.ctl(&["stop_app"]).unwrap();
+    consumer.wait_for_stderr("RabbitMQ connection lost", Duration::from_secs(30));
+    let during = effects().await;
+    assert!(during < 600, "the stop came mid-stream ({during} done)");
+    rabbit.ctl(&["start_app"]).unwrap();
+    common::eventually(
+        "all 600 after start_app",
+        Duration::from_secs(120),
+        || async { effects().await >= 600 && rabbit.queue(CARRIER_QUEUE) == Some((0, 0)) },
+    )
+    .await;
+
+    // 2. The whole node stopped and started: the durable queue and its messages survive; the consumer reconnects.
+    run(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "600",
+        "--duplicates",
+        "0.1",
+    ]);
+    common::eventually(
+        "a part of the second 600",
+        Duration::from_secs(60),
+        || async { effects().await >= 650 },
+    )
+    .await;
+    rabbit.ctl(&["stop"]).unwrap();
+    rabbit.wait_until("the node gone", |r| r.ctl(&["status"]).is_err());
+    rabbit.boot();
+    common::eventually(
+        "all 1,200 after the restart",
+        Duration::from_secs(120),
+        || async { effects().await >= 1_200 && rabbit.queue(CARRIER_QUEUE) == Some((0, 0)) },
+    )
+    .await;
+
+    assert_eq!(effects().await, 1_200, "exactly once");
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
+        )
+        .await,
+        1_200
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
+        )
+        .await,
+        0,
+        "the restarts never counted against a message"
+    );
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    assert!(matches!(rabbit.queue(&error_queue), None | Some((0, 0))));
+    consumer.terminate();
+}

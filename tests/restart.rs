@@ -245,3 +245,109 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("applied"));
     admin.close().await;
 }
+
+/// Makes a certificate authority and a server certificate for 127.0.0.1 / localhost signed by it, and a second,
+/// unrelated authority, in `dir`, with openssl.
+fn certificates(dir: &std::path::Path) {
+    let sh = |script: &str| {
+        let out = Command::new("sh")
+            .args(["-ec", script])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj '/CN=inboxctl test CA' 2>/dev/null
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem -days 2 -subj '/CN=another CA' 2>/dev/null
+        openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj '/CN=localhost' 2>/dev/null
+        printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nbasicConstraints=CA:FALSE\\nkeyUsage=digitalSignature,keyEncipherment\\nextendedKeyUsage=serverAuth\\n' > ext.cnf
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf 2>/dev/null");
+}
+
+/// TLS to PostgreSQL: a private cluster that refuses unencrypted connections, with a certificate from a test-made
+/// authority. `sslmode=verify-full` with that authority's certificate works; another authority is refused with the
+/// reason; `sslmode=disable` is refused by the server, and said so.
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_over_tls_verified_against_a_ca_file() {
+    let env = TestEnv::bare().await;
+    let pg = PrivatePg::start();
+    let certs = std::env::temp_dir().join(format!("{}-tls", pg.name));
+    std::fs::create_dir_all(&certs).unwrap();
+    certificates(&certs);
+    let data = format!("/var/lib/postgresql/{}/{}", pg.version, pg.name);
+    for file in ["server.pem", "server.key"] {
+        std::fs::copy(certs.join(file), format!("{data}/{file}")).unwrap();
+    }
+    pg.ctl(
+        "sh",
+        &[
+            "-ec",
+            &format!("chown postgres:postgres {data}/server.pem {data}/server.key; chmod 600 {data}/server.key"),
+        ],
+    );
+    let conf = format!("/etc/postgresql/{}/{}/postgresql.conf", pg.version, pg.name);
+    let mut settings = std::fs::read_to_string(&conf).unwrap();
+    settings.push_str(&format!(
+        "\nssl = on\nssl_cert_file = '{data}/server.pem'\nssl_key_file = '{data}/server.key'\n"
+    ));
+    std::fs::write(&conf, settings).unwrap();
+    let hba = format!("/etc/postgresql/{}/{}/pg_hba.conf", pg.version, pg.name);
+    let rules = std::fs::read_to_string(&hba).unwrap();
+    std::fs::write(
+        &hba,
+        format!("hostnossl all all 127.0.0.1/32 reject\n{rules}"),
+    )
+    .unwrap();
+    pg.ctl(
+        "pg_ctlcluster",
+        &[&pg.version, &pg.name, "restart", "-m", "fast"],
+    );
+
+    let ca = certs.join("ca.pem");
+    let other = certs.join("other.pem");
+    let url = |mode: &str, root: Option<&std::path::Path>| {
+        let mut u = format!("{}?sslmode={mode}", pg.url("postgres", "parcels"));
+        if let Some(root) = root {
+            u.push_str(&format!("&sslrootcert={}", root.display()));
+        }
+        u
+    };
+    let run = |url: &str, args: &[&str]| {
+        let out = env
+            .cmd()
+            .env("DATABASE_URL", url)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    // Only an encrypted connection gets in, so a migrate that works went over TLS.
+    let (code, stdout, stderr) = run(&url("verify-full", Some(&ca)), &["migrate"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("applied"), "{stdout}");
+    let (code, _, stderr) = run(&url("verify-full", Some(&ca)), &["stats", "--json"]);
+    assert!(code == Some(0) || code == Some(3), "{stderr}");
+
+    let (code, _, stderr) = run(&url("verify-full", Some(&other)), &["migrate"]);
+    assert_eq!(
+        code,
+        Some(69),
+        "a certificate from another authority: {stderr}"
+    );
+    assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
+
+    let (code, _, stderr) = run(&url("disable", None), &["migrate"]);
+    assert_eq!(code, Some(69), "{stderr}");
+    assert!(stderr.contains("no encryption"), "{stderr}");
+
+    let _ = std::fs::remove_dir_all(&certs);
+}

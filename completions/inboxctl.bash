@@ -104,7 +104,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version migrate consume cleanup replay publish top stats demo bench completions help"
+            opts="-v -h -V --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version migrate consume cleanup replay publish top stats demo bench completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -115,6 +115,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -130,7 +134,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__bench)
-            opts="-v -h -V --messages --repeats --modes --concurrency --prefetch --batch-size --warmup --latency-rate --latency-seconds --duplicate-messages --duplicates --cleanup-rows --cleanup-batch-size --cleanup-batch-pause --cleanup-only --output --keep --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --messages --repeats --modes --concurrency --prefetch --batch-size --warmup --latency-rate --latency-seconds --duplicate-messages --duplicates --cleanup-rows --cleanup-batch-size --cleanup-batch-pause --cleanup-only --output --keep --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -204,6 +208,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -216,7 +224,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__cleanup)
-            opts="-v -h -V --retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -254,6 +262,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -266,7 +278,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__completions)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version bash elvish fish powershell zsh"
+            opts="-v -h -V --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version bash elvish fish powershell zsh"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -277,6 +289,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -292,7 +308,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --claim --metrics-addr --fail-destination --database-url --amqp-url --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --claim --metrics-addr --fail-destination --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -374,6 +390,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -386,7 +406,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__demo)
-            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -405,6 +425,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -602,7 +626,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__migrate)
-            opts="-v -h -V --dry-run --json --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --dry-run --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -613,6 +637,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -628,7 +656,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish)
-            opts="-v -h -V --database-url --amqp-url --verbose --log-format --help --version parcel-created help"
+            opts="-v -h -V --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version parcel-created help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -639,6 +667,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -696,7 +728,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish__subcmd__parcel__subcmd__created)
-            opts="-v -h -V --count --duplicates --rate --destination --exchange --json --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --count --duplicates --rate --destination --exchange --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -730,6 +762,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -742,7 +778,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__replay)
-            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --dry-run --json --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --dry-run --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -784,6 +820,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -796,7 +836,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__stats)
-            opts="-v -h -V --window --json --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --window --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -814,6 +854,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -826,7 +870,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__top)
-            opts="-v -h -V --interval --window --alert-duplicates --database-url --amqp-url --verbose --log-format --help --version"
+            opts="-v -h -V --interval --window --alert-duplicates --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -849,6 +893,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_inboxctl_global_optspecs
-    string join \n database-url= amqp-url= v/verbose log-format= h/help V/version
+    string join \n database-url= amqp-url= amqp-ca-file= v/verbose log-format= h/help V/version
 end
 
 function __fish_inboxctl_needs_command
@@ -26,6 +26,7 @@ end
 
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -44,6 +45,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d '
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l dry-run -d 'Show what would be created and run, SQL included, and change nothing'
@@ -72,6 +74,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-ad
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -85,6 +88,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l every -d '
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l metrics-addr -d 'With --every: serve Prometheus metrics on /metrics and a health check on /health at this address' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dry-run -d 'Count what would be deleted; delete nothing'
@@ -101,6 +105,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l max-replays
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l retention -d 'The inbox cleanup\'s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l include-expired -d 'Replay messages that failed before the retention window too'
@@ -111,6 +116,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s h -l help -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -125,6 +131,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l json -d 'Print the result as JSON'
@@ -138,6 +145,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l window -d 'Rat
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l alert-duplicates -d 'Highlight a duplicate ratio above this, in percent' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -146,6 +154,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l window -d 'Rates are averages over this last stretch of time' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l json -d 'Print JSON (the shape is documented in the README and stable)'
@@ -156,6 +165,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l parcels -d 'P
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l duplicates -d 'Fraction of the events delivered twice (the same message id again), 0 to 1' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -183,6 +193,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batc
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l output -d 'Write the full results (every repeat, medians, spreads, the machine) here as JSON' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-only -d 'Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes'
@@ -192,6 +203,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s h -l help -d
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

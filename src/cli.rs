@@ -61,6 +61,10 @@ pub struct ConnectOpts {
         global = true
     )]
     pub amqp_url: String,
+
+    /// CA certificate (PEM) that an amqps:// broker's certificate must chain to, instead of the system's roots
+    #[arg(long, env = "AMQP_CA_FILE", value_name = "PATH", global = true)]
+    pub amqp_ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

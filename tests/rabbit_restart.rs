@@ -27,17 +27,18 @@ fn free_port() -> u16 {
 
 impl PrivateRabbit {
     fn start() -> Self {
+        Self::start_with(|port, _| format!("listeners.tcp.local = 127.0.0.1:{port}\n"))
+    }
+
+    /// A node whose configuration `conf` writes, given its port and its directory.
+    fn start_with(conf: impl FnOnce(u16, &std::path::Path) -> String) -> Self {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let dir = std::env::temp_dir().join(format!("inboxctl-rabbit-{id}"));
         std::fs::create_dir_all(dir.join("mnesia")).unwrap();
         std::fs::create_dir_all(dir.join("log")).unwrap();
         std::fs::write(dir.join("plugins"), "[].\n").unwrap();
         let port = free_port();
-        std::fs::write(
-            dir.join("rabbitmq.conf"),
-            format!("listeners.tcp.local = 127.0.0.1:{port}\n"),
-        )
-        .unwrap();
+        std::fs::write(dir.join("rabbitmq.conf"), conf(port, &dir)).unwrap();
         std::fs::write(dir.join("env.conf"), "ERL_EPMD_ADDRESS=127.0.0.1\n").unwrap();
         // The Debian scripts run the broker as the rabbitmq user.
         let _ = Command::new("chown")
@@ -229,4 +230,73 @@ async fn rabbitmq_restarted_twice_mid_stream_every_message_once() {
     let error_queue = format!("{CARRIER_QUEUE}_error");
     assert!(matches!(rabbit.queue(&error_queue), None | Some((0, 0))));
     consumer.terminate();
+}
+
+/// TLS to RabbitMQ: a private node that listens only on TLS, with a certificate from a test-made authority.
+/// `amqps://` with `--amqp-ca-file` of that authority works end to end (publish, consume, one effect each); verified
+/// by default, so the system's roots or another authority are refused with the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn amqps_verified_against_a_ca_file() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start_with(|port, dir| {
+        common::certificates(dir);
+        let f = |name: &str| dir.join(name).display().to_string();
+        format!(
+            "listeners.tcp = none\nlisteners.ssl.default = 127.0.0.1:{port}\n\
+             ssl_options.cacertfile = {}\nssl_options.certfile = {}\nssl_options.keyfile = {}\n\
+             ssl_options.verify = verify_none\nssl_options.fail_if_no_peer_cert = false\n",
+            f("ca.pem"),
+            f("server.pem"),
+            f("server.key")
+        )
+    });
+    let url = format!("amqps://guest:guest@127.0.0.1:{}/%2f", rabbit.port);
+    let ca = rabbit.dir.join("ca.pem");
+    let other = rabbit.dir.join("other.pem");
+    let run = |ca: Option<&std::path::Path>, args: &[&str]| {
+        let mut cmd = env.cmd();
+        cmd.env("AMQP_URL", &url).args(args);
+        if let Some(ca) = ca {
+            cmd.arg("--amqp-ca-file").arg(ca);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+
+    let (code, stderr) = run(Some(&ca), &["consume", "carrier", "--exit-when-idle", "1s"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, stderr) = run(Some(&ca), &["publish", "parcel-created", "--count", "3"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let (code, stderr) = run(Some(&ca), &["consume", "carrier", "--exit-when-idle", "1s"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        3,
+        "published and consumed over TLS"
+    );
+
+    for (label, ca) in [
+        ("the system's roots", None),
+        ("another authority", Some(other.as_path())),
+    ] {
+        let (code, stderr) = run(ca, &["publish", "parcel-created", "--count", "1"]);
+        assert_eq!(code, Some(69), "{label}: {stderr}");
+        assert!(
+            stderr.to_lowercase().contains("certificate") || stderr.contains("UnknownIssuer"),
+            "{label}: {stderr}"
+        );
+    }
+    let (code, stderr) = run(
+        Some(&rabbit.dir.join("plugins")),
+        &["publish", "parcel-created"],
+    );
+    assert_eq!(
+        code,
+        Some(64),
+        "a CA file with no certificate is a usage error: {stderr}"
+    );
 }

@@ -246,28 +246,6 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
     admin.close().await;
 }
 
-/// Makes a certificate authority and a server certificate for 127.0.0.1 / localhost signed by it, and a second,
-/// unrelated authority, in `dir`, with openssl.
-fn certificates(dir: &std::path::Path) {
-    let sh = |script: &str| {
-        let out = Command::new("sh")
-            .args(["-ec", script])
-            .current_dir(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{script}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj '/CN=inboxctl test CA' 2>/dev/null
-        openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem -days 2 -subj '/CN=another CA' 2>/dev/null
-        openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj '/CN=localhost' 2>/dev/null
-        printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nbasicConstraints=CA:FALSE\\nkeyUsage=digitalSignature,keyEncipherment\\nextendedKeyUsage=serverAuth\\n' > ext.cnf
-        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf 2>/dev/null");
-}
-
 /// TLS to PostgreSQL: a private cluster that refuses unencrypted connections, with a certificate from a test-made
 /// authority. `sslmode=verify-full` with that authority's certificate works; another authority is refused with the
 /// reason; `sslmode=disable` is refused by the server, and said so.
@@ -277,7 +255,7 @@ async fn postgres_over_tls_verified_against_a_ca_file() {
     let pg = PrivatePg::start();
     let certs = std::env::temp_dir().join(format!("{}-tls", pg.name));
     std::fs::create_dir_all(&certs).unwrap();
-    certificates(&certs);
+    common::certificates(&certs);
     let data = format!("/var/lib/postgresql/{}/{}", pg.version, pg.name);
     for file in ["server.pem", "server.key"] {
         std::fs::copy(certs.join(file), format!("{data}/{file}")).unwrap();

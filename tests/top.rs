@@ -111,7 +111,12 @@ async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
     tmux.run(&["send-keys", "-t", "top", "s"]);
     tmux.wait_for("the sort changed", |s| s.contains("sorted by deliveries/s"));
     tmux.run(&["send-keys", "-t", "top", "q"]);
-    let after = tmux.wait_for("top to exit", |s| s.contains("EXITED="));
+    // Wait for stty's answer too: it comes a moment after the exit line.
+    let after = tmux.wait_for("top to exit and stty to report", |s| {
+        s.contains("EXITED=")
+            && s.lines()
+                .any(|l| l.trim() == "icanon" || l.trim() == "-icanon")
+    });
     assert!(after.contains("EXITED=0"), "{after}");
     assert!(
         after.lines().any(|l| l.trim() == "icanon"),

@@ -20,6 +20,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Broker {
     url: String,
     uri: AMQPUri,
+    /// A CA file for amqps://, and its PEM text.
+    ca: Option<(std::path::PathBuf, String)>,
 }
 
 impl Broker {
@@ -39,7 +41,30 @@ impl Broker {
         Ok(Self {
             url: url.to_owned(),
             uri,
+            ca: None,
         })
+    }
+
+    /// The broker of the command line: `--amqp-url`, and `--amqp-ca-file` if given.
+    pub fn from_opts(opts: &crate::cli::ConnectOpts) -> Result<Self> {
+        let mut broker = Self::from_url(&opts.amqp_url)?;
+        if let Some(path) = &opts.amqp_ca_file {
+            let pem = std::fs::read_to_string(path)
+                .map_err(|e| Error::Usage(format!("--amqp-ca-file {}: {e}", path.display())))?;
+            if !pem.contains("-----BEGIN CERTIFICATE-----") {
+                return Err(Error::Usage(format!(
+                    "--amqp-ca-file {}: no PEM certificate in it",
+                    path.display()
+                )));
+            }
+            broker.ca = Some((path.clone(), pem));
+        }
+        Ok(broker)
+    }
+
+    /// The CA file given with `--amqp-ca-file`, for child processes.
+    pub fn ca_file(&self) -> Option<&std::path::Path> {
+        self.ca.as_ref().map(|(path, _)| path.as_path())
     }
 
     /// The URL with its password masked, for messages.
@@ -77,8 +102,20 @@ impl Broker {
         let properties =
             ConnectionProperties::default().with_connection_name(name.to_owned().into());
         let uri = self.uri.clone();
-        match tokio::time::timeout(CONNECT_TIMEOUT, Connection::connect_uri(uri, properties)).await
-        {
+        let connect = async {
+            match &self.ca {
+                None => Connection::connect_uri(uri, properties).await,
+                Some((_, pem)) => {
+                    let tls = lapin::tcp::OwnedTLSConfig {
+                        identity: None,
+                        cert_chain: Some(pem.clone()),
+                    };
+                    let runtime = lapin::runtime::default_runtime()?;
+                    Connection::connect_uri_with_config(uri, properties, tls, runtime).await
+                }
+            }
+        };
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(connection)) => Ok(connection),
             Ok(Err(e)) => Err(Error::BrokerUnavailable {
                 url: self.display_url(),

@@ -707,6 +707,7 @@ fn spawn_consumer(
     .args(["--prefetch", &options.prefetch.to_string()])
     .env("DATABASE_URL", scratch.db.url())
     .env("AMQP_URL", broker.url())
+    .envs(broker.ca_file().map(|p| ("AMQP_CA_FILE", p)))
     // The same quiet logging for every mode: a WARN line per duplicate would tax the modes that find them.
     .env("RUST_LOG", "error")
     .stdout(Stdio::null())

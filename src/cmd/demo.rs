@@ -42,7 +42,7 @@ pub struct Tally {
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let started = Instant::now();
     let db = Database::from_url(&global.connect.database_url)?;
-    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    let broker = Broker::from_opts(&global.connect)?;
 
     let report = schema::migrate(&db, false).await?;
     if !report.migrations.is_empty() {

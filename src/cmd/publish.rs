@@ -71,7 +71,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             "--destination must not contain control characters".to_owned(),
         ));
     }
-    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    let broker = Broker::from_opts(&global.connect)?;
     let connection = broker.connect("inboxctl publish").await?;
     topology::ensure_event_exchange(&connection, &args.exchange).await?;
     let plan = Plan {

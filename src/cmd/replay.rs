@@ -60,7 +60,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if let Some(to) = &args.to {
         amqp::validate_name("--to", to)?;
     }
-    let broker = Broker::from_url(&global.connect.amqp_url)?;
+    let broker = Broker::from_opts(&global.connect)?;
     let connection = broker.connect("inboxctl replay").await?;
     let plan = Plan {
         from: args.from.clone(),

@@ -666,3 +666,25 @@ macro_rules! in_both_modes {
 pub fn with_mode<'a>(args: &[&'a str], mode: &[&'a str]) -> Vec<&'a str> {
     args.iter().chain(mode).copied().collect()
 }
+
+/// Makes a certificate authority and a server certificate for 127.0.0.1 / localhost signed by it, and a second,
+/// unrelated authority, in `dir`, with openssl.
+pub fn certificates(dir: &std::path::Path) {
+    let sh = |script: &str| {
+        let out = std::process::Command::new("sh")
+            .args(["-ec", script])
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    sh("openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj '/CN=inboxctl test CA' 2>/dev/null
+        openssl req -x509 -newkey rsa:2048 -nodes -keyout other.key -out other.pem -days 2 -subj '/CN=another CA' 2>/dev/null
+        openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj '/CN=localhost' 2>/dev/null
+        printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nbasicConstraints=CA:FALSE\\nkeyUsage=digitalSignature,keyEncipherment\\nextendedKeyUsage=serverAuth\\n' > ext.cnf
+        openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf 2>/dev/null");
+}

@@ -479,7 +479,8 @@ async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery
                 // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
                 Some((started, _)) if started >= 2 => {
                     let _alone = shared.alone.write().await;
-                    redelivered_alone(shared, id).await;
+                    // Counted before the work, so that it stays counted if the work ends the process.
+                    redelivery_count(shared, sql::REDELIVERED_ALONE, id).await;
                     attempts(shared, link, &delivery, &ready, 1).await
                 }
                 _ => {
@@ -489,7 +490,7 @@ async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery
             };
             // Alive after this start, whatever its outcome: the message is not what ends processes.
             if counted.is_some() {
-                redelivered_done(shared, id).await;
+                redelivery_count(shared, sql::REDELIVERED_DONE, id).await;
             }
             disposition
         }
@@ -522,27 +523,16 @@ async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<
     }
 }
 
-/// Counts a start made alone, before the work (committed on its own, so that it stays counted if the work ends the
-/// process).
-async fn redelivered_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
-    if let Err(e) = sqlx::query(sql::REDELIVERED_ALONE)
+/// Runs one of the redelivery count's statements (`$1` consumer_type, `$2` message id) on its own. A count that
+/// cannot be kept (the database down) only weakens poison detection; it never holds up the message.
+async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static str, id: Uuid) {
+    if let Err(e) = sqlx::query(statement)
         .bind(shared.inbox.consumer_type().as_str())
         .bind(id)
         .execute(shared.inbox.pool())
         .await
     {
-        tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "start alone not counted");
-    }
-}
-
-async fn redelivered_done<C: Consumer>(shared: &Shared<C>, id: Uuid) {
-    if let Err(e) = sqlx::query(sql::REDELIVERED_DONE)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(id)
-        .execute(shared.inbox.pool())
-        .await
-    {
-        tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "redelivery count not cleared");
+        tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "redelivery count not kept");
     }
 }
 

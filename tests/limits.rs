@@ -173,16 +173,7 @@ async fn no_connection_to_be_had_is_a_clear_error_at_start_and_held_deliveries_l
         || async { effects().await >= 25 && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
     )
     .await;
-    assert_eq!(effects().await, 25, "exactly once");
-    assert_eq!(
-        common::count(
-            &pool,
-            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
-        )
-        .await,
-        0,
-        "no connection never counted against a message"
-    );
+    common::assert_carrier_exactly_once(&pool, 25).await;
     assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
     consumer.terminate();
 }

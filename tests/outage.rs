@@ -80,24 +80,7 @@ async fn postgres_down(mode: &[&str]) {
         || async { effects().await >= MESSAGES && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
     )
     .await;
-    assert_eq!(effects().await, MESSAGES, "exactly once");
-    assert_eq!(
-        common::count(
-            &pool,
-            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
-        )
-        .await,
-        MESSAGES
-    );
-    assert_eq!(
-        common::count(
-            &pool,
-            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
-        )
-        .await,
-        0,
-        "the outage never counted against a message"
-    );
+    common::assert_carrier_exactly_once(&pool, MESSAGES).await;
     assert!(
         !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
         "nothing dead-lettered"
@@ -250,16 +233,7 @@ async fn read_only(mode: &[&str]) {
         || async { effects().await >= 50 && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
     )
     .await;
-    assert_eq!(effects().await, 50, "exactly once");
-    assert_eq!(
-        common::count(
-            &pool,
-            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
-        )
-        .await,
-        0,
-        "being read-only never counted against a message"
-    );
+    common::assert_carrier_exactly_once(&pool, 50).await;
     assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
     consumer.terminate();
 }

@@ -153,24 +153,7 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
         || async { effects().await >= 600 && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
     )
     .await;
-    assert_eq!(effects().await, 600, "exactly once");
-    assert_eq!(
-        common::count(
-            &pool,
-            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
-        )
-        .await,
-        600
-    );
-    assert_eq!(
-        common::count(
-            &pool,
-            "SELECT count(*) FROM inboxctl_events WHERE kind <> 'duplicate'"
-        )
-        .await,
-        0,
-        "the restart never counted against a message"
-    );
+    common::assert_carrier_exactly_once(&pool, 600).await;
     assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
     consumer.terminate();
     pool.close().await;

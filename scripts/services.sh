@@ -52,4 +52,7 @@ log "RabbitMQ ready on 127.0.0.1:5672"
 # ---- tools the tests call ----
 command -v psql >/dev/null 2>&1 || apt_install postgresql-client
 command -v tmux >/dev/null 2>&1 || apt_install tmux
+# The TLS tests make their certificate authority with openssl; the bench's peer mode runs under Node.js.
+command -v openssl >/dev/null 2>&1 || apt_install openssl
+{ command -v node && command -v npm; } >/dev/null 2>&1 || apt_install nodejs npm
 command -v cargo-nextest >/dev/null 2>&1 || cargo nextest --version >/dev/null 2>&1 || fail "cargo-nextest is missing (cargo install cargo-nextest)"

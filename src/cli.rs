@@ -62,6 +62,19 @@ pub struct ConnectOpts {
     )]
     pub amqp_url: String,
 
+    /// File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment
+    #[arg(
+        long,
+        env = "DATABASE_PASSWORD_FILE",
+        value_name = "PATH",
+        global = true
+    )]
+    pub database_password_file: Option<std::path::PathBuf>,
+
+    /// File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment
+    #[arg(long, env = "AMQP_PASSWORD_FILE", value_name = "PATH", global = true)]
+    pub amqp_password_file: Option<std::path::PathBuf>,
+
     /// CA certificate (PEM) that an amqps:// broker's certificate must chain to, instead of the system's roots
     #[arg(long, env = "AMQP_CA_FILE", value_name = "PATH", global = true)]
     pub amqp_ca_file: Option<std::path::PathBuf>,

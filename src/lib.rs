@@ -24,6 +24,7 @@ pub mod producer;
 pub mod redact;
 pub mod replay;
 pub mod sanitize;
+pub mod secret;
 pub mod shutdown;
 pub mod stats;
 pub mod table;

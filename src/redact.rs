@@ -60,7 +60,8 @@ pub fn url(url: &str) -> String {
     }
 }
 
-fn password_of(url: &str) -> Option<String> {
+/// The password written in `url`, if it has one (percent-encoded as written).
+pub fn password_of(url: &str) -> Option<String> {
     let (_, password) = userinfo_span(url)?;
     let (start, end) = password?;
     Some(url[start..end].to_owned())

@@ -248,3 +248,79 @@ async fn a_wrong_vhost_or_broker_password_is_named() {
         }
     }
 }
+
+/// The broker's password from `--amqp-password-file` (or `AMQP_PASSWORD_FILE`), with a URL that names only the user:
+/// the right one works, a wrong one is refused and never shown, and a password in both places is a usage error.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_broker_password_can_come_from_a_file() {
+    let env = common::TestEnv::migrated().await;
+    let base = common::amqp_base();
+    assert!(base.contains("guest:guest@"), "{base}");
+    let without_password = base.replacen("guest:guest@", "guest@", 1) + "/" + &env.vhost;
+    let dir = std::env::temp_dir().join(format!("inboxctl-pwfile-{}", env.db_name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let right = dir.join("right");
+    let wrong = dir.join("wrong");
+    std::fs::write(&right, "guest\n").unwrap();
+    std::fs::write(&wrong, "Wrong-File-Pw-3\n").unwrap();
+    for file in [&right, &wrong] {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+
+    // The flag, then the environment variable.
+    let out = env
+        .cmd()
+        .env("AMQP_URL", &without_password)
+        .args(["--amqp-password-file", right.to_str().unwrap()])
+        .args(["publish", "parcel-created", "--count", "2", "--json"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // No queue is bound yet: published, and unroutable (exit 3) — but connected and authenticated.
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["published"], 2, "{report}");
+    let out = env
+        .cmd()
+        .env("AMQP_URL", &without_password)
+        .env("AMQP_PASSWORD_FILE", &right)
+        .args(["consume", "carrier", "--exit-when-idle", "1s"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    for args in [
+        &["consume", "carrier"][..],
+        &["replay", "--from", "q"],
+        &["publish", "parcel-created"],
+    ] {
+        let out = env
+            .cmd()
+            .env("AMQP_URL", &without_password)
+            .env("AMQP_PASSWORD_FILE", &wrong)
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+        assert!(stderr.contains("ACCESS_REFUSED"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Wrong-File-Pw-3"), "{args:?}: {stderr}");
+    }
+
+    let out = env
+        .cmd()
+        .env("AMQP_URL", format!("{base}/{}", env.vhost))
+        .env("AMQP_PASSWORD_FILE", &right)
+        .args(["publish", "parcel-created"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("give it in one place"), "{stderr}");
+    let _ = std::fs::remove_dir_all(dir);
+}

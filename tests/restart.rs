@@ -177,7 +177,7 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
         sqlx::raw_sql(statement).execute(&admin).await.unwrap();
     }
 
-    let wrong = format!(
+    let wrong_url = format!(
         "postgres://pwuser:Wrong-Pw-17@127.0.0.1:{}/parcels",
         pg.port
     );
@@ -188,7 +188,7 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
     ] {
         let out = env
             .cmd()
-            .env("DATABASE_URL", &wrong)
+            .env("DATABASE_URL", &wrong_url)
             .args(args)
             .output()
             .unwrap();
@@ -226,6 +226,58 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(String::from_utf8_lossy(&out.stdout).contains("applied"));
+
+    // inboxctl's own password file: the flag and its environment variable, right and wrong.
+    let right = std::env::temp_dir().join(format!("{}.right", pg.name));
+    let wrong = std::env::temp_dir().join(format!("{}.wrong", pg.name));
+    std::fs::write(&right, "Right-Pw-42\n").unwrap();
+    std::fs::write(&wrong, "Wrong-File-Pw-19\n").unwrap();
+    for file in [&right, &wrong] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let out = env
+        .cmd()
+        .env("DATABASE_URL", pg.url("pwuser", "parcels"))
+        .args(["--database-password-file", right.to_str().unwrap()])
+        .args(["stats", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = env
+        .cmd()
+        .env("DATABASE_URL", pg.url("pwuser", "parcels"))
+        .env("DATABASE_PASSWORD_FILE", &wrong)
+        .args(["migrate"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert!(
+        stderr.contains("password authentication failed for user \"pwuser\""),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("Wrong-File-Pw-19"), "{stderr}");
+    let out = env
+        .cmd()
+        .env("DATABASE_URL", &wrong_url)
+        .env("DATABASE_PASSWORD_FILE", &right)
+        .args(["migrate"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("give it in one place"), "{stderr}");
+    assert!(
+        !stderr.contains("Right-Pw-42") && !stderr.contains("Wrong-Pw-17"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_file(right);
+    let _ = std::fs::remove_file(wrong);
     admin.close().await;
 }
 

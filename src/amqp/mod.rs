@@ -11,7 +11,7 @@ use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
 use crate::error::{Error, Result};
-use crate::redact;
+use crate::{redact, secret};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -45,7 +45,7 @@ impl Broker {
         })
     }
 
-    /// The broker of the command line: `--amqp-url`, and `--amqp-ca-file` if given.
+    /// The broker of the command line: `--amqp-url`, with `--amqp-ca-file` and `--amqp-password-file` if given.
     pub fn from_opts(opts: &crate::cli::ConnectOpts) -> Result<Self> {
         let mut broker = Self::from_url(&opts.amqp_url)?;
         if let Some(path) = &opts.amqp_ca_file {
@@ -58,6 +58,18 @@ impl Broker {
                 )));
             }
             broker.ca = Some((path.clone(), pem));
+        }
+        if let Some(path) = &opts.amqp_password_file {
+            let password = secret::read_password_file("--amqp-password-file", path)?;
+            if redact::password_of(&opts.amqp_url).is_some() {
+                return Err(secret::given_twice("--amqp-url", "--amqp-password-file"));
+            }
+            broker.url = secret::url_with_password(
+                &broker.url,
+                &broker.uri.authority.userinfo.username,
+                &password,
+            );
+            broker.uri.authority.userinfo.password = password;
         }
         Ok(broker)
     }

@@ -86,7 +86,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
-    let db = Database::from_url(&global.connect.database_url)?;
+    let db = Database::from_opts(&global.connect)?;
     let broker = Broker::from_opts(&global.connect)?;
     let options = Options {
         modes: if args.cleanup_only {

@@ -58,7 +58,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         ConsumerType::new(consumer_type.as_str())
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
     }
-    let db = Database::from_url(&global.connect.database_url)?;
+    let db = Database::from_opts(&global.connect)?;
     let pool = db.pool(3).await?;
     {
         let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;

@@ -41,7 +41,7 @@ pub struct Tally {
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let started = Instant::now();
-    let db = Database::from_url(&global.connect.database_url)?;
+    let db = Database::from_opts(&global.connect)?;
     let broker = Broker::from_opts(&global.connect)?;
 
     let report = schema::migrate(&db, false).await?;

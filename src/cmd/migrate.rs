@@ -18,7 +18,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
-    let db = Database::from_url(&global.connect.database_url)?;
+    let db = Database::from_opts(&global.connect)?;
     let report = schema::migrate(&db, args.dry_run).await?;
     if args.json {
         output::json(&report)?;

@@ -21,7 +21,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
-    let db = Database::from_url(&global.connect.database_url)?;
+    let db = Database::from_opts(&global.connect)?;
     let broker = Broker::from_opts(&global.connect)?;
     let pool = db.pool(2).await?;
     let connection = match broker.connect("inboxctl stats").await {

@@ -45,7 +45,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
                 .to_owned(),
         ));
     }
-    let db = Database::from_url(&global.connect.database_url)?;
+    let db = Database::from_opts(&global.connect)?;
     let broker = Broker::from_opts(&global.connect)?;
     // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start.
     let pool = db.lazy_pool(2);

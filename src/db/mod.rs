@@ -10,7 +10,7 @@ use sqlx::ConnectOptions as _;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use crate::error::{Error, Result};
-use crate::redact;
+use crate::{redact, secret};
 
 /// How long a caller waits for a pooled connection before the wait counts as an outage.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -39,6 +39,23 @@ impl Database {
             options,
             url: url.to_owned(),
         })
+    }
+
+    /// The database of the command line: `--database-url`, with the password of `--database-password-file` if given.
+    pub fn from_opts(opts: &crate::cli::ConnectOpts) -> Result<Self> {
+        let mut db = Self::from_url(&opts.database_url)?;
+        if let Some(path) = &opts.database_password_file {
+            let password = secret::read_password_file("--database-password-file", path)?;
+            if redact::password_of(&opts.database_url).is_some() {
+                return Err(secret::given_twice(
+                    "--database-url",
+                    "--database-password-file",
+                ));
+            }
+            db.options = db.options.password(&password);
+            db.url = secret::url_with_password(&db.url, db.options.get_username(), &password);
+        }
+        Ok(db)
     }
 
     /// The URL with its password masked, for messages.

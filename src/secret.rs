@@ -1,0 +1,141 @@
+//! Passwords read from files (`--database-password-file`, `--amqp-password-file`), so that they need appear neither
+//! on a command line that `ps` shows nor in the environment.
+
+use std::path::Path;
+
+use crate::error::{Error, Result};
+use crate::redact;
+
+/// Reads the password in `path` for the option `flag`: the file's text without its final line end. Registered for
+/// redaction before anything can print it. An unreadable or empty file, or one of more than one line, is a usage error
+/// that names the file, never its content.
+pub fn read_password_file(flag: &str, path: &Path) -> Result<String> {
+    let bytes =
+        std::fs::read(path).map_err(|e| Error::Usage(format!("{flag} {}: {e}", path.display())))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| Error::Usage(format!("{flag} {}: not UTF-8 text", path.display())))?;
+    let password = text
+        .strip_suffix("\r\n")
+        .or_else(|| text.strip_suffix('\n'))
+        .unwrap_or(&text)
+        .to_owned();
+    redact::register(&password);
+    if password.is_empty() {
+        return Err(Error::Usage(format!(
+            "{flag} {}: the file is empty",
+            path.display()
+        )));
+    }
+    if password.contains(['\n', '\r']) {
+        return Err(Error::Usage(format!(
+            "{flag} {}: the file holds more than one line; it must hold the password alone",
+            path.display()
+        )));
+    }
+    warn_if_shared(flag, path);
+    Ok(password)
+}
+
+/// libpq ignores a password file that others can read; inboxctl uses it (a mounted secret is often 0644) but says so.
+#[cfg(unix)]
+fn warn_if_shared(flag: &str, path: &Path) {
+    use std::os::unix::fs::PermissionsExt as _;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            file = %crate::sanitize::text(&path.display().to_string()),
+            "{flag}: the file can be read by other users of this machine (chmod 600 it)"
+        );
+    }
+}
+
+#[cfg(not(unix))]
+fn warn_if_shared(_flag: &str, _path: &Path) {}
+
+/// The usage error for a password given twice.
+pub fn given_twice(url_flag: &str, file_flag: &str) -> Error {
+    Error::Usage(format!(
+        "{url_flag} has a password and {file_flag} gives one too; give it in one place"
+    ))
+}
+
+/// `url` with `password` (and `user`, where the URL names none) written into it, for handing to a child process
+/// through its environment (never for printing). The URL as it was when it cannot carry one.
+pub fn url_with_password(url: &str, user: &str, password: &str) -> String {
+    let Ok(mut u) = url::Url::parse(url) else {
+        return url.to_owned();
+    };
+    if u.username().is_empty() && u.set_username(user).is_err() {
+        return url.to_owned();
+    }
+    match u.set_password(Some(password)) {
+        Ok(()) => u.to_string(),
+        Err(()) => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(name: &str, content: &[u8]) -> std::path::PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("inboxctl-secret-{}-{name}", std::process::id()));
+        std::fs::write(&path, content).expect("write");
+        path
+    }
+
+    #[test]
+    fn a_password_is_written_into_a_url_encoded() {
+        assert_eq!(
+            url_with_password(
+                "postgres://app@db:5432/parcels?sslmode=require",
+                "app",
+                "p@ss/w:rd"
+            ),
+            "postgres://app:p%40ss%2Fw%3Ard@db:5432/parcels?sslmode=require"
+        );
+        assert_eq!(
+            url_with_password("amqp://127.0.0.1:5672/%2f", "guest", "pw-x"),
+            "amqp://guest:pw-x@127.0.0.1:5672/%2f"
+        );
+    }
+
+    #[test]
+    fn the_final_line_end_is_not_part_of_the_password() {
+        for (name, content) in [
+            ("lf", &b"s3cret-pw\n"[..]),
+            ("crlf", b"s3cret-pw\r\n"),
+            ("none", b"s3cret-pw"),
+        ] {
+            let path = file(name, content);
+            assert_eq!(
+                read_password_file("--database-password-file", &path).expect("read"),
+                "s3cret-pw"
+            );
+            let _ = std::fs::remove_file(path);
+        }
+    }
+
+    #[test]
+    fn empty_missing_and_multi_line_files_are_usage_errors_that_do_not_show_the_content() {
+        let empty = file("empty", b"\n");
+        let two = file("two", b"first-line-pw\nsecond-line-pw\n");
+        let missing = std::env::temp_dir().join("inboxctl-secret-no-such-file");
+        for (path, says) in [
+            (&empty, "empty"),
+            (&two, "more than one line"),
+            (&missing, "No such file"),
+        ] {
+            let err = read_password_file("--amqp-password-file", path).expect_err("refused");
+            assert_eq!(err.exit_code(), 64, "{err}");
+            let text = err.to_string();
+            assert!(text.contains(says), "{text}");
+            assert!(text.contains("--amqp-password-file"), "{text}");
+            assert!(!text.contains("line-pw"), "{text}");
+        }
+        let _ = std::fs::remove_file(empty);
+        let _ = std::fs::remove_file(two);
+    }
+}

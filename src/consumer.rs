@@ -292,6 +292,10 @@ pub async fn run<C: Consumer>(
             .store(true, Ordering::Relaxed);
         *lock(&shared.last_activity) = Instant::now();
         let mut idle_check = tokio::time::interval(Duration::from_millis(100));
+        // The deliveries stream is not always ended when the connection goes (lapin has had such bugs, and a node
+        // restart is where they showed): the connection's own state is watched too, so a lost connection is never
+        // waited on forever.
+        let mut connection_check = tokio::time::interval(Duration::from_secs(1));
 
         loop {
             tokio::select! {
@@ -301,6 +305,12 @@ pub async fn run<C: Consumer>(
                     break 'connect;
                 }
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                _ = connection_check.tick() => {
+                    if !link.connection.status().connected() {
+                        tracing::warn!("RabbitMQ connection lost (seen in its state); reconnecting");
+                        break;
+                    }
+                }
                 _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
                     if is_idle(&shared, &link).await {
                         tracing::info!(queue = %shared.options.queue, "queue idle; stopping");

@@ -104,7 +104,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version migrate consume cleanup replay publish top stats demo bench completions help"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version migrate consume cleanup replay publish top stats demo bench completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -115,6 +115,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -134,7 +142,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__bench)
-            opts="-v -h -V --messages --repeats --modes --concurrency --prefetch --batch-size --warmup --latency-rate --latency-seconds --duplicate-messages --duplicates --cleanup-rows --cleanup-batch-size --cleanup-batch-pause --cleanup-only --output --keep --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --messages --repeats --modes --concurrency --prefetch --batch-size --warmup --latency-rate --latency-seconds --duplicate-messages --duplicates --cleanup-rows --cleanup-batch-size --cleanup-batch-pause --cleanup-only --output --keep --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -208,6 +216,14 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -224,7 +240,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__cleanup)
-            opts="-v -h -V --retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -262,6 +278,14 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -278,7 +302,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__completions)
-            opts="-v -h -V --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version bash elvish fish powershell zsh"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version bash elvish fish powershell zsh"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -289,6 +313,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -308,7 +340,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --claim --metrics-addr --fail-destination --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --claim --metrics-addr --fail-destination --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -390,6 +422,14 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --amqp-ca-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -406,7 +446,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__demo)
-            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -425,6 +465,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -626,7 +674,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__migrate)
-            opts="-v -h -V --dry-run --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --dry-run --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -637,6 +685,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -656,7 +712,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish)
-            opts="-v -h -V --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version parcel-created help"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version parcel-created help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -667,6 +723,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -728,7 +792,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish__subcmd__parcel__subcmd__created)
-            opts="-v -h -V --count --duplicates --rate --destination --exchange --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --count --duplicates --rate --destination --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -754,11 +818,23 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --reconnect-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --database-url)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -778,7 +854,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__replay)
-            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --dry-run --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -812,11 +888,23 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --reconnect-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --database-url)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -836,7 +924,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__stats)
-            opts="-v -h -V --window --json --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --window --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -851,6 +939,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -870,7 +966,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__top)
-            opts="-v -h -V --interval --window --alert-duplicates --database-url --amqp-url --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --interval --window --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -893,6 +989,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_inboxctl_global_optspecs
-    string join \n database-url= amqp-url= amqp-ca-file= v/verbose log-format= h/help V/version
+    string join \n database-url= amqp-url= database-password-file= amqp-password-file= amqp-ca-file= v/verbose log-format= h/help V/version
 end
 
 function __fish_inboxctl_needs_command
@@ -26,6 +26,8 @@ end
 
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -45,6 +47,8 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d '
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -74,6 +78,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-ad
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -88,6 +94,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l every -d '
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l metrics-addr -d 'With --every: serve Prometheus metrics on /metrics and a health check on /health at this address' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -103,8 +111,11 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l message-id 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l reason -d 'Only messages whose failure reason contains this text' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l max-replays -d 'Leave messages that were already replayed this many times' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l retention -d 'The inbox cleanup\'s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to go on (0: stop at once, saying what was done)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -116,6 +127,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s h -l help -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -129,8 +142,11 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l rate -d 'Messages per second, copies included (default: as fast as the broker confirms)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l destination -d 'Every parcel\'s destination (default: a rotation of cities)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -145,6 +161,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l window -d 'Rat
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l alert-duplicates -d 'Highlight a duplicate ratio above this, in percent' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -154,6 +172,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l window -d 'Rates are averages over this last stretch of time' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -165,6 +185,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l parcels -d 'P
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l duplicates -d 'Fraction of the events delivered twice (the same message id again), 0 to 1' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -193,6 +215,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batc
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l output -d 'Write the full results (every repeat, medians, spreads, the machine) here as JSON' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
@@ -203,6 +227,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s h -l help -d
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"

@@ -56,6 +56,10 @@ pub struct Report {
     pub duplicates: u64,
     /// Copies the broker returned because no queue was bound (nothing consumes them).
     pub unroutable: u64,
+    /// Times the connection was lost and made again.
+    pub reconnects: u32,
+    /// Copies sent again after a reconnect because their confirm had not arrived (some may have arrived twice).
+    pub resent: u64,
     pub exchange: String,
     #[serde(skip)]
     pub messages: Vec<Message>,
@@ -138,53 +142,163 @@ pub fn envelope(
 }
 
 /// Publishes `plan` to `exchange` with publisher confirms; returns once the broker confirmed every copy.
+///
+/// When the connection is lost on the way (the broker restarted, the network broke), it connects again for up to
+/// `reconnect_for` and sends again every copy whose confirm it had not received — the same message ids, so an inbox
+/// discards the ones that had in fact arrived. Out of time, it fails saying how many copies were confirmed before.
 pub async fn publish(
     connection: &Connection,
     broker: &Broker,
     exchange: &str,
     plan: &Plan,
+    reconnect_for: Duration,
 ) -> Result<Report> {
     let messages = messages(plan);
     let order = schedule(messages.len(), plan.duplicates);
-    let channel = connection.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
     let host = HostInfo::current();
-
-    let mut ticker = plan.rate.map(|rate| {
-        let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        t
-    });
-    let mut pending: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
-    let mut report = Report {
-        exchange: exchange.to_owned(),
-        ..Report::default()
+    let mut run = Run {
+        messages: &messages,
+        order: &order,
+        broker,
+        exchange,
+        host: &host,
+        ticker: plan.rate.map(|rate| {
+            let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        }),
+        confirmed: 0,
+        sent: 0,
+        report: Report {
+            exchange: exchange.to_owned(),
+            duplicates: (order.len() - messages.len()) as u64,
+            ..Report::default()
+        },
     };
-    let mut seen = vec![false; messages.len()];
-    for index in order {
-        if let Some(ticker) = ticker.as_mut() {
-            ticker.tick().await;
-        }
-        let (properties, body) = envelope(&messages[index], broker, exchange, &host);
-        pending.push_back(publish_one(&channel, exchange, properties, &body).await?);
-        if std::mem::replace(&mut seen[index], true) {
-            report.duplicates += 1;
-        }
-        if pending.len() >= CONFIRM_WINDOW
-            && let Some(oldest) = pending.pop_front()
-        {
-            settle(oldest, &mut report).await?;
+    let mut reconnected: Option<Connection> = None;
+    loop {
+        let current = reconnected.as_ref().unwrap_or(connection);
+        match run.send_rest(current).await {
+            Ok(()) => break,
+            Err(e) if !crate::amqp::is_connection_lost(current, &e) => return Err(e),
+            Err(e) => {
+                let in_flight = run.sent - run.confirmed;
+                tracing::warn!(
+                    error = %e,
+                    confirmed = run.confirmed,
+                    of = order.len(),
+                    unconfirmed_in_flight = in_flight,
+                    "lost the connection to RabbitMQ; connecting again to send the unconfirmed rest"
+                );
+                let again = broker
+                    .reconnect("inboxctl publish", reconnect_for)
+                    .await
+                    .map_err(|last| Error::BrokerUnavailable {
+                        url: broker.display_url(),
+                        reason: format!(
+                            "{}; the connection was lost after the broker had confirmed {} of {} copies (the first \
+                             {} in the run's order) and did not come back within {}: the rest may not have \
+                             arrived; publishing them again is safe for an inbox (same message ids)",
+                            unavailable_reason(&last),
+                            run.confirmed,
+                            order.len(),
+                            run.confirmed,
+                            humantime::format_duration(reconnect_for)
+                        ),
+                    })?;
+                crate::amqp::topology::ensure_event_exchange(&again, exchange).await?;
+                run.report.reconnects += 1;
+                run.report.resent += in_flight as u64;
+                run.sent = run.confirmed;
+                if let Some(old) = reconnected.replace(again) {
+                    let _ = old.close(200, "OK".into()).await;
+                }
+            }
         }
     }
-    while let Some(confirm) = pending.pop_front() {
-        settle(confirm, &mut report).await?;
+    if let Some(own) = reconnected {
+        let _ = own.close(200, "OK".into()).await;
     }
-    let _ = channel.close(200, "OK".into()).await;
+    let mut report = run.report;
     report.published = messages.len() as u64;
     report.messages = messages;
     Ok(report)
+}
+
+fn unavailable_reason(error: &Error) -> String {
+    match error {
+        Error::BrokerUnavailable { reason, .. } => reason.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A publishing run's progress: the copies of `order` before `confirmed` were confirmed by the broker, those before
+/// `sent` were handed to the connection.
+struct Run<'a> {
+    messages: &'a [Message],
+    order: &'a [usize],
+    broker: &'a Broker,
+    exchange: &'a str,
+    host: &'a HostInfo,
+    ticker: Option<tokio::time::Interval>,
+    confirmed: usize,
+    sent: usize,
+    report: Report,
+}
+
+impl Run<'_> {
+    /// Sends every copy from the first unconfirmed one on, over a new confirm-mode channel of `connection`. On an
+    /// error, the confirms that had already arrived still count.
+    async fn send_rest(&mut self, connection: &Connection) -> Result<()> {
+        let mut pending: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
+        let result = self.send_rest_on(connection, &mut pending).await;
+        if result.is_err() {
+            while let Some(confirm) = pending.pop_front() {
+                // Polled once: ready only if the broker's confirm had arrived before the failure.
+                match tokio::time::timeout(Duration::ZERO, confirm).await {
+                    Ok(Ok(Confirmation::Ack(returned))) => {
+                        self.report.unroutable += u64::from(returned.is_some());
+                        self.confirmed += 1;
+                    }
+                    _ => break,
+                }
+            }
+        }
+        result
+    }
+
+    async fn send_rest_on(
+        &mut self,
+        connection: &Connection,
+        pending: &mut VecDeque<PublisherConfirm>,
+    ) -> Result<()> {
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        // Confirms arrive in order, so the confirmed copies are always a prefix of the order.
+        while self.sent < self.order.len() {
+            if let Some(ticker) = self.ticker.as_mut() {
+                ticker.tick().await;
+            }
+            let message = &self.messages[self.order[self.sent]];
+            let (properties, body) = envelope(message, self.broker, self.exchange, self.host);
+            pending.push_back(publish_one(&channel, self.exchange, properties, &body).await?);
+            self.sent += 1;
+            if pending.len() >= CONFIRM_WINDOW
+                && let Some(oldest) = pending.pop_front()
+            {
+                settle(oldest, &mut self.report).await?;
+                self.confirmed += 1;
+            }
+        }
+        while let Some(confirm) = pending.pop_front() {
+            settle(confirm, &mut self.report).await?;
+            self.confirmed += 1;
+        }
+        let _ = channel.close(200, "OK".into()).await;
+        Ok(())
+    }
 }
 
 async fn publish_one(

@@ -16,7 +16,7 @@
 //! Dead-letter shapes understood: MassTransit's `<queue>_error` and `<queue>_skipped` (origin in
 //! `MT-Fault-InputAddress`, else the queue name) and RabbitMQ dead-letter-exchange queues (origin in `x-death`).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
@@ -29,7 +29,7 @@ use lapin::{Confirmation, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{dead_letter, envelope, topology};
+use crate::amqp::{Broker, dead_letter, envelope, topology};
 use crate::error::{Error, Result};
 use crate::failpoint;
 
@@ -121,6 +121,14 @@ pub struct Report {
     /// Left in place for a reason the operator should know (expired, replayed too often, origin unknown, refused).
     pub left: u64,
     pub interrupted: bool,
+    /// Times the connection was lost and made again.
+    pub reconnects: u32,
+    /// Why the replay stopped early on an error: the connection lost and not back in time, or the broker refusing
+    /// something. What was done before is in `items`; the rest is where it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
+    /// Whether `stopped` is a lost connection (as opposed to a refusal).
+    pub connection_lost: bool,
     pub items: Vec<Item>,
 }
 
@@ -243,9 +251,18 @@ pub fn replay_headers(original: Option<&FieldTable>, replays: u32) -> FieldTable
 }
 
 /// Replays `plan.from`. `progress` is called after each message with (done, snapshot).
+///
+/// When the connection is lost on the way (the broker restarted, the network broke), the messages it held go back to
+/// the dead-letter queue by themselves; it connects again for up to `reconnect_for` and goes on with the snapshot,
+/// stepping over the messages it had already looked at and left, and acknowledging (without sending again) a
+/// dead-letter copy whose replay the broker had confirmed but whose acknowledgement was lost. Out of time, it returns
+/// what it did so far with `stopped` and `connection_lost` set. Another error after the first message also returns
+/// what was done, with `stopped` set.
 pub async fn run(
     connection: &Connection,
+    broker: &Broker,
     plan: &Plan,
+    reconnect_for: Duration,
     shutdown: &CancellationToken,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<Report> {
@@ -253,139 +270,272 @@ pub async fn run(
         Some((ready, _)) => u64::from(ready),
         None => return Err(Error::QueueNotFound(plan.from.clone())),
     };
-    let inbound = connection.create_channel().await?;
-    let outbound = connection.create_channel().await?;
-    outbound
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
-    let now = Utc::now();
-    let window = TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX);
-
-    let mut report = Report {
-        from: plan.from.clone(),
-        dry_run: plan.dry_run,
-        snapshot,
-        replayed: 0,
-        left: 0,
-        interrupted: false,
-        items: Vec::new(),
+    let mut state = State {
+        plan,
+        now: Utc::now(),
+        window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
+        report: Report {
+            from: plan.from.clone(),
+            dry_run: plan.dry_run,
+            snapshot,
+            replayed: 0,
+            left: 0,
+            interrupted: false,
+            reconnects: 0,
+            stopped: None,
+            connection_lost: false,
+            items: Vec::new(),
+        },
+        selected: 0,
+        republished: HashMap::new(),
+        left_in_place: HashSet::new(),
     };
-    let mut held: Option<u64> = None;
-    let mut selected = 0u64;
-    let mut republished: HashSet<String> = HashSet::new();
-    for _ in 0..snapshot {
-        if shutdown.is_cancelled() {
-            report.interrupted = true;
-            break;
+    let mut reconnected: Option<Connection> = None;
+    loop {
+        let current = reconnected.as_ref().unwrap_or(connection);
+        match state.pass(current, shutdown, &mut progress).await {
+            Ok(()) => break,
+            Err(e) if !crate::amqp::is_connection_lost(current, &e) => {
+                if state.report.items.is_empty() {
+                    return Err(e);
+                }
+                state.report.interrupted = true;
+                state.report.stopped = Some(crate::redact::text(&e.to_string()));
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    done = state.report.items.len(),
+                    of = snapshot,
+                    "lost the connection to RabbitMQ; connecting again to go on (the messages held go back to {} by themselves)",
+                    crate::sanitize::text(&plan.from)
+                );
+                match broker.reconnect("inboxctl replay", reconnect_for).await {
+                    Ok(again) => {
+                        state.report.reconnects += 1;
+                        if let Some(old) = reconnected.replace(again) {
+                            let _ = old.close(200, "OK".into()).await;
+                        }
+                    }
+                    Err(last) => {
+                        state.report.interrupted = true;
+                        state.report.connection_lost = true;
+                        state.report.stopped = Some(format!(
+                            "{} (not back within {})",
+                            crate::redact::text(&last.to_string()),
+                            humantime::format_duration(reconnect_for)
+                        ));
+                        break;
+                    }
+                }
+            }
         }
-        let Some(message) = inbound
-            .basic_get(plan.from.as_str().into(), BasicGetOptions { no_ack: false })
-            .await?
-        else {
-            break;
-        };
-        let delivery = message.delivery;
-        let message_id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.as_str().to_owned());
-        // A copy this run republished that failed again and is back: the snapshot is done.
-        if message_id
-            .as_ref()
-            .is_some_and(|id| republished.contains(id))
-        {
-            held = Some(delivery.delivery_tag);
-            break;
-        }
-        let failure = failure(delivery.properties.headers().as_ref(), &plan.from);
-        let origin = plan.to.clone().or(failure.origin.clone());
-        let chosen = (plan.message_ids.is_empty()
-            || message_id
-                .as_ref()
-                .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
-            && plan.reason.as_ref().is_none_or(|r| {
-                failure
-                    .reason
-                    .as_ref()
-                    .is_some_and(|text| text.contains(r.as_str()))
-            })
-            && plan.limit.is_none_or(|limit| selected < limit);
+    }
+    if let Some(own) = reconnected {
+        let _ = own.close(200, "OK".into()).await;
+    }
+    Ok(state.report)
+}
 
-        let mut error = None;
-        let action = if !chosen {
-            Action::NotSelected
-        } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
-            Action::MaxReplays
-        } else if !plan.include_expired && failure.failed_at.is_some_and(|t| now - t > window) {
-            Action::Expired
-        } else if origin.is_none() {
-            Action::OriginUnknown
-        } else if plan.dry_run {
-            Action::WouldReplay
-        } else {
-            match republish(
-                &outbound,
-                &delivery,
-                origin.as_deref().unwrap_or_default(),
-                failure.replays,
-            )
-            .await
-            {
-                Ok(()) => {
-                    failpoint::hit("replay-after-publish").await;
+/// A replay's progress, kept across reconnects.
+struct State<'a> {
+    plan: &'a Plan,
+    now: DateTime<Utc>,
+    window: TimeDelta,
+    report: Report,
+    /// Messages chosen so far (for `--limit`).
+    selected: u64,
+    /// Message ids republished (confirmed) by this run, with the replay count their dead-letter copy had.
+    republished: HashMap<String, u32>,
+    /// Messages looked at and left where they were.
+    left_in_place: HashSet<Key>,
+}
+
+/// How a message is recognised when it is seen again after a reconnect: its id, or for a message without one, its
+/// body.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Id(String),
+    Body(u64),
+}
+
+fn key(delivery: &Delivery, message_id: Option<&str>) -> Key {
+    match message_id {
+        Some(id) => Key::Id(id.to_owned()),
+        None => {
+            use std::hash::{Hash as _, Hasher as _};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            delivery.data.hash(&mut hasher);
+            Key::Body(hasher.finish())
+        }
+    }
+}
+
+impl State<'_> {
+    /// Takes the rest of the snapshot over one connection; gives back what it held and did not replay.
+    async fn pass(
+        &mut self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+        progress: &mut impl FnMut(u64, u64),
+    ) -> Result<()> {
+        let inbound = connection.create_channel().await?;
+        let outbound = connection.create_channel().await?;
+        outbound
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let mut held: Option<u64> = None;
+        self.take(&inbound, &outbound, shutdown, progress, &mut held)
+            .await?;
+        // Give back everything not replayed, at once: the broker puts each back in its place, in order.
+        if let Some(last) = held {
+            inbound
+                .basic_nack(
+                    last,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        let _ = inbound.close(200, "OK".into()).await;
+        let _ = outbound.close(200, "OK".into()).await;
+        Ok(())
+    }
+
+    async fn take(
+        &mut self,
+        inbound: &lapin::Channel,
+        outbound: &lapin::Channel,
+        shutdown: &CancellationToken,
+        progress: &mut impl FnMut(u64, u64),
+        held: &mut Option<u64>,
+    ) -> Result<()> {
+        let plan = self.plan;
+        while (self.report.items.len() as u64) < self.report.snapshot {
+            if shutdown.is_cancelled() {
+                self.report.interrupted = true;
+                break;
+            }
+            let Some(message) = inbound
+                .basic_get(plan.from.as_str().into(), BasicGetOptions { no_ack: false })
+                .await?
+            else {
+                break;
+            };
+            let delivery = message.delivery;
+            let message_id = delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.as_str().to_owned());
+            let failure = failure(delivery.properties.headers().as_ref(), &plan.from);
+            if let Some(&replays) = message_id.as_ref().and_then(|id| self.republished.get(id)) {
+                if failure.replays <= replays {
+                    // The dead-letter copy of a message this run republished, with the broker's confirm, just before
+                    // the connection was lost with its acknowledgement: acknowledge it now, do not send it again.
                     inbound
                         .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
                         .await?;
-                    if let Some(id) = &message_id {
-                        republished.insert(id.clone());
-                    }
-                    Action::Replayed
+                    continue;
                 }
-                Err(e) => {
-                    error = Some(crate::redact::text(&e.to_string()));
-                    Action::PublishFailed
+                // A copy this run republished that failed again and is back: the snapshot is done.
+                *held = Some(delivery.delivery_tag);
+                break;
+            }
+            let key = key(&delivery, message_id.as_deref());
+            if self.left_in_place.contains(&key) {
+                // Looked at before the connection was lost, and left: step over it again.
+                *held = Some(delivery.delivery_tag);
+                continue;
+            }
+            let origin = plan.to.clone().or(failure.origin.clone());
+            let chosen = (plan.message_ids.is_empty()
+                || message_id
+                    .as_ref()
+                    .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
+                && plan.reason.as_ref().is_none_or(|r| {
+                    failure
+                        .reason
+                        .as_ref()
+                        .is_some_and(|text| text.contains(r.as_str()))
+                })
+                && plan.limit.is_none_or(|limit| self.selected < limit);
+
+            let mut error = None;
+            let action = if !chosen {
+                Action::NotSelected
+            } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
+                Action::MaxReplays
+            } else if !plan.include_expired
+                && failure
+                    .failed_at
+                    .is_some_and(|t| self.now - t > self.window)
+            {
+                Action::Expired
+            } else if origin.is_none() {
+                Action::OriginUnknown
+            } else if plan.dry_run {
+                Action::WouldReplay
+            } else {
+                match republish(
+                    outbound,
+                    &delivery,
+                    origin.as_deref().unwrap_or_default(),
+                    failure.replays,
+                )
+                .await
+                {
+                    Ok(()) => Action::Replayed,
+                    // The channel or the connection failed (not a refusal of this one copy): stop this pass.
+                    Err(e @ Error::Broker(_)) => return Err(e),
+                    Err(e) => {
+                        error = Some(crate::redact::text(&e.to_string()));
+                        Action::PublishFailed
+                    }
+                }
+            };
+            if chosen {
+                self.selected += 1;
+            }
+            match action {
+                Action::Replayed => {
+                    self.report.replayed += 1;
+                    if let Some(id) = &message_id {
+                        self.republished.insert(id.clone(), failure.replays);
+                    }
+                }
+                other => {
+                    if other.is_problem() {
+                        self.report.left += 1;
+                    }
+                    *held = Some(delivery.delivery_tag);
+                    self.left_in_place.insert(key);
                 }
             }
-        };
-        if chosen {
-            selected += 1;
+            self.report.items.push(Item {
+                message_id,
+                reason: failure.reason,
+                failed_at: failure.failed_at,
+                origin,
+                replays: failure.replays,
+                action,
+                error,
+            });
+            // The copy is confirmed and counted: only now may the dead-letter copy go. A crash or a lost connection
+            // before this leaves it in both queues, and the inbox discards the second.
+            if action == Action::Replayed {
+                failpoint::hit("replay-after-publish").await;
+                inbound
+                    .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
+                    .await?;
+            }
+            progress(self.report.items.len() as u64, self.report.snapshot);
         }
-        if action != Action::Replayed {
-            held = Some(delivery.delivery_tag);
-        }
-        match action {
-            Action::Replayed => report.replayed += 1,
-            a if a.is_problem() => report.left += 1,
-            _ => {}
-        }
-        report.items.push(Item {
-            message_id,
-            reason: failure.reason,
-            failed_at: failure.failed_at,
-            origin,
-            replays: failure.replays,
-            action,
-            error,
-        });
-        progress(report.items.len() as u64, snapshot);
+        Ok(())
     }
-
-    // Give back everything not replayed, at once: the broker puts each back in its place, in order.
-    if let Some(last) = held {
-        inbound
-            .basic_nack(
-                last,
-                BasicNackOptions {
-                    multiple: true,
-                    requeue: true,
-                },
-            )
-            .await?;
-    }
-    let _ = inbound.close(200, "OK".into()).await;
-    let _ = outbound.close(200, "OK".into()).await;
-    Ok(report)
 }
 
 async fn republish(

@@ -293,3 +293,221 @@ async fn amqps_verified_against_a_ca_file() {
         "a CA file with no certificate is a usage error: {stderr}"
     );
 }
+
+/// The number after `prefix` in `text`.
+fn number_after(text: &str, prefix: &str) -> u64 {
+    let rest = &text[text
+        .find(prefix)
+        .unwrap_or_else(|| panic!("no {prefix:?} in:\n{text}"))
+        + prefix.len()..];
+    rest.chars()
+        .take_while(char::is_ascii_digit)
+        .collect::<String>()
+        .parse()
+        .unwrap()
+}
+
+/// Waits until the carrier queue holds at least `n` ready messages (the publisher or replay is mid-run).
+fn wait_for_ready(rabbit: &PrivateRabbit, queue: &str, n: u64) {
+    rabbit.wait_until("messages arriving", |r| {
+        r.queue(queue).is_some_and(|(ready, _)| ready >= n)
+    });
+}
+
+/// `publish` across a broker restart. With the default `--reconnect-timeout` it connects again and sends what the
+/// broker had not confirmed (same message ids): all 3,000 parcels arrive, one effect each. With a timeout shorter
+/// than the outage it fails (exit 69) saying how many copies were confirmed — and at least those are on the queue
+/// after the restart.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_resumes_across_a_broker_restart_or_fails_saying_what_was_confirmed() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start();
+    let amqp = rabbit.url();
+    let amqp_env = [("AMQP_URL", amqp.as_str())];
+    let consume = || {
+        let out = env
+            .cmd()
+            .env("AMQP_URL", &amqp)
+            .args(["consume", "carrier", "--exit-when-idle", "1s"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    consume();
+    let pool = env.pool().await;
+    let publish = [
+        "publish",
+        "parcel-created",
+        "--count",
+        "3000",
+        "--rate",
+        "500",
+        "--json",
+    ];
+
+    // 1. Resumes.
+    let mut publisher = env.spawn_with(&publish, &amqp_env);
+    wait_for_ready(&rabbit, CARRIER_QUEUE, 200);
+    rabbit.ctl(&["stop_app"]).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    rabbit.ctl(&["start_app"]).unwrap();
+    let code = publisher.wait(Duration::from_secs(120));
+    assert_eq!(code, Some(0), "{}", publisher.stderr());
+    let report: serde_json::Value = serde_json::from_str(&publisher.stdout()).unwrap();
+    assert_eq!(report["published"], 3000, "{report}");
+    assert!(report["reconnects"].as_u64().unwrap() >= 1, "{report}");
+    eprintln!("resumed: {report}");
+    consume();
+    common::assert_carrier_exactly_once(&pool, 3000).await;
+
+    // 2. Out of time: fails, saying how many were confirmed; those survive.
+    let mut args = publish.to_vec();
+    args.extend(["--reconnect-timeout", "1s"]);
+    let mut publisher = env.spawn_with(&args, &amqp_env);
+    wait_for_ready(&rabbit, CARRIER_QUEUE, 200);
+    rabbit.ctl(&["stop_app"]).unwrap();
+    let code = publisher.wait(Duration::from_secs(60));
+    let stderr = publisher.stderr();
+    assert_eq!(code, Some(69), "{stderr}");
+    let confirmed = number_after(&stderr, "the broker had confirmed ");
+    assert!(stderr.contains("of 3000 copies"), "{stderr}");
+    assert!((1..3000).contains(&confirmed), "{stderr}");
+    assert!(!stderr.contains("guest:guest"), "{stderr}");
+    rabbit.ctl(&["start_app"]).unwrap();
+    rabbit.wait_until("the queue back", |r| r.queue(CARRIER_QUEUE).is_some());
+    let (ready, _) = rabbit.queue(CARRIER_QUEUE).unwrap();
+    assert!(
+        ready >= confirmed,
+        "{ready} on the queue, {confirmed} confirmed"
+    );
+    consume();
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(rows, distinct, "one effect per parcel");
+    assert!(
+        u64::try_from(rows).unwrap() >= 3000 + confirmed,
+        "{rows} effects; 3000 + {confirmed} confirmed"
+    );
+    eprintln!("failed clearly: {confirmed} confirmed, {ready} on the queue, {rows} effects in all");
+}
+
+/// `replay` across a broker restart. 4,000 dead-lettered messages; the whole node stopped and booted again
+/// mid-replay: it connects again and goes on — every message replayed once (the report says 4,000), the error queue
+/// empty, one effect per parcel. Then with a `--reconnect-timeout` shorter than the outage: it stops (exit 69),
+/// its report says how many it replayed, and every message is in one of the two queues; a second replay finishes.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_resumes_across_a_broker_restart_or_stops_saying_what_was_done() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start();
+    let amqp = rabbit.url();
+    let amqp_env = [("AMQP_URL", amqp.as_str())];
+    let run = |args: &[&str]| {
+        let out = env
+            .cmd()
+            .env("AMQP_URL", &amqp)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    run(&[
+        "publish",
+        "parcel-created",
+        "--exchange",
+        "dead-letter-filler",
+        "--count",
+        "0",
+    ]);
+    {
+        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        common::capture_queue(&conn, "dead-letter-filler", &error_queue).await;
+        let _ = conn.close(200, "OK".into()).await;
+    }
+    // Parcel events straight into the error queue: replay finds their origin from its name.
+    let fill = || {
+        run(&[
+            "publish",
+            "parcel-created",
+            "--exchange",
+            "dead-letter-filler",
+            "--count",
+            "4000",
+        ]);
+    };
+    let pool = env.pool().await;
+
+    // 1. The whole node restarted: resumes.
+    fill();
+    let replay = ["replay", "--from", &error_queue, "--json"];
+    let mut replaying = env.spawn_with(&replay, &amqp_env);
+    wait_for_ready(&rabbit, CARRIER_QUEUE, 200);
+    rabbit.ctl(&["stop"]).unwrap();
+    rabbit.wait_until("the node gone", |r| r.ctl(&["status"]).is_err());
+    rabbit.boot();
+    let code = replaying.wait(Duration::from_secs(180));
+    assert_eq!(code, Some(0), "{}", replaying.stderr());
+    let report: serde_json::Value = serde_json::from_str(&replaying.stdout()).unwrap();
+    assert_eq!(report["snapshot"], 4000);
+    assert_eq!(report["replayed"], 4000);
+    assert!(report["reconnects"].as_u64().unwrap() >= 1);
+    assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
+    let (ready, _) = rabbit.queue(CARRIER_QUEUE).unwrap();
+    eprintln!(
+        "resumed: {} reconnects, {ready} on the origin queue",
+        report["reconnects"]
+    );
+    assert!((4000..=4001).contains(&ready), "{ready}");
+    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    common::assert_carrier_exactly_once(&pool, 4000).await;
+
+    // 2. Out of time: stops, says what it did; nothing lost.
+    fill();
+    let mut args = replay.to_vec();
+    args.extend(["--reconnect-timeout", "1s"]);
+    let mut replaying = env.spawn_with(&args, &amqp_env);
+    wait_for_ready(&rabbit, CARRIER_QUEUE, 200);
+    rabbit.ctl(&["stop_app"]).unwrap();
+    let code = replaying.wait(Duration::from_secs(60));
+    let stderr = replaying.stderr();
+    assert_eq!(code, Some(69), "{stderr}");
+    assert!(stderr.contains("stopped after"), "{stderr}");
+    assert!(stderr.contains("run replay again"), "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&replaying.stdout()).unwrap();
+    assert_eq!(report["connection_lost"], true, "{report}");
+    let replayed = report["replayed"].as_u64().unwrap();
+    assert!((200..4000).contains(&replayed), "{report}");
+    rabbit.ctl(&["start_app"]).unwrap();
+    rabbit.wait_until("the queues back", |r| r.queue(&error_queue).is_some());
+    let (left, _) = rabbit.queue(&error_queue).unwrap();
+    let (moved, _) = rabbit.queue(CARRIER_QUEUE).unwrap();
+    eprintln!(
+        "stopped: {replayed} replayed; {left} in the error queue, {moved} on the origin queue"
+    );
+    // An acknowledgement lost with the connection leaves one message in both queues.
+    assert!(
+        (4000 - replayed..=4001 - replayed).contains(&left),
+        "{left} left, {replayed} replayed"
+    );
+    assert!((replayed..=replayed + 1).contains(&moved), "{moved} moved");
+    assert!(left + moved >= 4000);
+    run(&["replay", "--from", &error_queue]);
+    assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
+    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    common::assert_carrier_exactly_once(&pool, 8000).await;
+}

@@ -144,6 +144,60 @@ impl Broker {
     }
 }
 
+impl Broker {
+    /// Connects again after a lost connection: tries with a backoff (0.1 s doubling to 5 s) for up to `within`, then
+    /// gives up with the last reason (at once, without a try, when `within` is zero). Each failed try is logged.
+    pub async fn reconnect(&self, name: &str, within: Duration) -> Result<Connection> {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut delay = Duration::from_millis(100);
+        if within.is_zero() {
+            return Err(Error::BrokerUnavailable {
+                url: self.display_url(),
+                reason: "the connection was lost".to_owned(),
+            });
+        }
+        loop {
+            match self.connect(name).await {
+                Ok(connection) => {
+                    tracing::info!(url = %self.display_url(), "connected to RabbitMQ again");
+                    return Ok(connection);
+                }
+                Err(e) => {
+                    let now = tokio::time::Instant::now();
+                    if now + delay > deadline {
+                        return Err(e);
+                    }
+                    tracing::warn!(error = %e, retry_in = ?delay, "RabbitMQ unavailable");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
+/// Whether `error` came from losing `connection` itself (the broker stopped, the network broke), as opposed to the
+/// broker refusing something on a channel (an exchange that does not exist, a permission): the first is worth a
+/// reconnect, the second is not.
+pub fn is_connection_lost(connection: &Connection, error: &Error) -> bool {
+    if !connection.status().connected() {
+        return true;
+    }
+    match error {
+        Error::Broker(e) => {
+            e.is_io_error()
+                || e.is_amqp_hard_error()
+                || matches!(
+                    e.kind(),
+                    lapin::ErrorKind::InvalidConnectionState(_)
+                        | lapin::ErrorKind::MissingHeartbeatError
+                )
+        }
+        Error::BrokerUnavailable { .. } => true,
+        _ => false,
+    }
+}
+
 /// Whether a broker error means "this entity does not exist" (a passive declare's 404).
 pub fn is_not_found(error: &lapin::Error) -> bool {
     matches!(

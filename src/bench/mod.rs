@@ -532,7 +532,8 @@ async fn measure(
         rate: None,
         destination: None,
     };
-    producer::publish(connection, broker, &scratch.exchange, &plan).await?;
+    // A measurement with a lost connection in it would not be one: fail instead of resuming.
+    producer::publish(connection, broker, &scratch.exchange, &plan, Duration::ZERO).await?;
     consume_until_idle(scratch, broker, options).await?;
     let (effects, parcels): (i64, i64) = sqlx::query_as(sql::BENCH_DUPLICATE_EFFECTS)
         .fetch_one(&scratch.pool)

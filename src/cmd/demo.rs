@@ -69,6 +69,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         &broker,
         topology::PARCEL_CREATED_EXCHANGE,
         &plan,
+        Duration::from_secs(30),
     )
     .await?;
     let _ = connection.close(200, "OK".into()).await;

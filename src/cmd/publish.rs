@@ -3,8 +3,8 @@
 use crate::amqp::{Broker, topology};
 use crate::cli::GlobalOpts;
 use crate::error::{Error, Outcome, Result};
-use crate::output;
 use crate::producer::{self, Plan};
+use crate::{output, sanitize};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -39,6 +39,10 @@ pub struct ParcelCreated {
     /// The exchange to publish to
     #[arg(long, default_value = topology::PARCEL_CREATED_EXCHANGE)]
     pub exchange: String,
+
+    /// After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)
+    #[arg(long, default_value = "60s", value_parser = crate::cli::parse_duration)]
+    pub reconnect_timeout: std::time::Duration,
 
     /// Print the result as JSON
     #[arg(long)]
@@ -80,19 +84,33 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
         rate: args.rate,
         destination: args.destination,
     };
-    let report = producer::publish(&connection, &broker, &args.exchange, &plan).await?;
+    let report = producer::publish(
+        &connection,
+        &broker,
+        &args.exchange,
+        &plan,
+        args.reconnect_timeout,
+    )
+    .await?;
     let _ = connection.close(200, "OK".into()).await;
 
     if args.json {
         output::json(&report)?;
     } else {
-        output::line(&format!(
+        let mut line = format!(
             "published {} parcel-created events ({} copies again with the same message id) to exchange {} on vhost {}",
             report.published,
             report.duplicates,
-            report.exchange,
-            broker.vhost()
-        ))?;
+            sanitize::text(&report.exchange),
+            sanitize::text(broker.vhost())
+        );
+        if report.reconnects > 0 {
+            line.push_str(&format!(
+                "; the connection was lost {} times and made again, {} unconfirmed copies sent again",
+                report.reconnects, report.resent
+            ));
+        }
+        output::line(&line)?;
     }
     if report.unroutable > 0 {
         tracing::warn!(

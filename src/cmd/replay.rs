@@ -50,6 +50,10 @@ pub struct Args {
     #[arg(long)]
     pub dry_run: bool,
 
+    /// After a lost connection, how long to keep connecting again to go on (0: stop at once, saying what was done)
+    #[arg(long, default_value = "60s", value_parser = crate::cli::parse_duration)]
+    pub reconnect_timeout: Duration,
+
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -76,15 +80,22 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     let show_progress = !args.json && std::io::stderr().is_terminal();
     let mut last = Instant::now();
     let mut shown = false;
-    let report = replay::run(&connection, &plan, &shutdown, |done, of| {
-        if show_progress && (last.elapsed() > Duration::from_millis(200) || done == of) {
-            last = Instant::now();
-            shown = true;
-            let mut err = std::io::stderr().lock();
-            let _ = write!(err, "\r\x1b[2K{done} of {of} messages");
-            let _ = err.flush();
-        }
-    })
+    let report = replay::run(
+        &connection,
+        &broker,
+        &plan,
+        args.reconnect_timeout,
+        &shutdown,
+        |done, of| {
+            if show_progress && (last.elapsed() > Duration::from_millis(200) || done == of) {
+                last = Instant::now();
+                shown = true;
+                let mut err = std::io::stderr().lock();
+                let _ = write!(err, "\r\x1b[2K{done} of {of} messages");
+                let _ = err.flush();
+            }
+        },
+    )
     .await;
     if shown {
         let _ = write!(std::io::stderr(), "\r\x1b[2K");
@@ -96,6 +107,22 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         output::json(&report)?;
     } else {
         print(&report)?;
+    }
+    if let Some(reason) = &report.stopped {
+        let done = format!(
+            "stopped after {} of {} messages ({} replayed); the rest are where they were: run replay again",
+            report.items.len(),
+            report.snapshot,
+            report.replayed
+        );
+        return Err(if report.connection_lost {
+            crate::error::Error::BrokerUnavailable {
+                url: broker.display_url(),
+                reason: format!("{reason}; {done}"),
+            }
+        } else {
+            crate::error::Error::Topology(format!("{reason}; {done}"))
+        });
     }
     if report.interrupted || report.left > 0 {
         return Ok(Outcome::Partial);
@@ -159,7 +186,13 @@ fn print(report: &Report) -> Result<()> {
     if report.left > 0 {
         summary.push_str(&format!("; {} left in place (see above)", report.left));
     }
-    if report.interrupted {
+    if report.reconnects > 0 {
+        summary.push_str(&format!(
+            "; the connection was lost {} times and made again",
+            report.reconnects
+        ));
+    }
+    if report.interrupted && report.stopped.is_none() {
         summary.push_str("; interrupted: the rest is where it was");
     }
     output::line(&summary)

@@ -691,7 +691,9 @@ fn spawn_consumer(
             .env("EXIT_WHEN_IDLE_MS", if until_idle { "1000" } else { "0" })
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(peer.log())?);
-        return Ok(cmd.spawn()?);
+        return cmd
+            .spawn()
+            .map_err(|e| Error::Tool(format!("cannot start the peer's consumer (node): {e}")));
     }
     let exe: PathBuf = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
@@ -728,7 +730,13 @@ fn spawn_consumer(
     if until_idle {
         cmd.args(["--exit-when-idle", "1s"]);
     }
-    Ok(cmd.spawn()?)
+    // A binary rebuilt while the bench runs is gone from the path it started from: say which file is missing.
+    cmd.spawn().map_err(|e| {
+        Error::Tool(format!(
+            "cannot start a consumer process from {}: {e}",
+            crate::sanitize::text(&cmd.get_program().to_string_lossy())
+        ))
+    })
 }
 
 /// Waits until the queue has a consumer.

@@ -168,7 +168,18 @@ pub async fn publish(
             ticker.tick().await;
         }
         let (properties, body) = envelope(&messages[index], broker, exchange, &host);
-        pending.push_back(publish_one(&channel, exchange, properties, &body).await?);
+        match publish_one(&channel, exchange, properties, &body).await {
+            Ok(confirm) => pending.push_back(confirm),
+            Err(e) => {
+                // A channel the broker closed (a publish it refused, say for want of a permission) fails every later
+                // publish with only "invalid channel state"; the broker's reason comes with an earlier publish's
+                // confirm, so that is the error to report.
+                while let Some(confirm) = pending.pop_front() {
+                    settle(confirm, &mut report).await?;
+                }
+                return Err(e);
+            }
+        }
         if std::mem::replace(&mut seen[index], true) {
             report.duplicates += 1;
         }

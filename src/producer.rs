@@ -283,7 +283,19 @@ impl Run<'_> {
             }
             let message = &self.messages[self.order[self.sent]];
             let (properties, body) = envelope(message, self.broker, self.exchange, self.host);
-            pending.push_back(publish_one(&channel, self.exchange, properties, &body).await?);
+            match publish_one(&channel, self.exchange, properties, &body).await {
+                Ok(confirm) => pending.push_back(confirm),
+                Err(e) => {
+                    // A channel the broker closed (a publish it refused, say for want of a permission) fails every
+                    // later publish with only "invalid channel state"; the broker's reason comes with an earlier
+                    // publish's confirm, so that is the error to report.
+                    while let Some(confirm) = pending.pop_front() {
+                        settle(confirm, &mut self.report).await?;
+                        self.confirmed += 1;
+                    }
+                    return Err(e);
+                }
+            }
             self.sent += 1;
             if pending.len() >= CONFIRM_WINDOW
                 && let Some(oldest) = pending.pop_front()

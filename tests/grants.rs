@@ -1,0 +1,1001 @@
+//! The README's "What to grant": each command run through the binary as a PostgreSQL role and a RabbitMQ user that
+//! have exactly the table's grants and nothing more, doing its whole job; and key grants shown necessary by taking
+//! each away alone: the command names the permission it lacks and loses nothing.
+//!
+//! Roles and users are named after the test's database (unique per run, so a leftover of a killed run never
+//! collides) and dropped with [`Principals`], also when the test fails. A `none` in the table is run against an
+//! unreachable URL for that server: the command succeeding proves it never connects there.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::{CARRIER_QUEUE, EVENT_EXCHANGE, NOTIFICATION_QUEUE, Output, TestEnv};
+use lapin::BasicProperties;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+/// The README's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
+const README_ROWS: [&str; 6] = [
+    "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner | none |",
+    "| `consume` | `SELECT, INSERT, DELETE` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`) and `inboxctl_events`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
+    "| `publish` | none | write on the event exchange (configure it, if absent) |",
+    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`; `SELECT` on `inboxctl_consumers` | none |",
+    "| `replay` | none | read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
+    "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure, write and read all empty (`\"\"`): the queue depths come from passive declares, which need none |",
+];
+
+/// `migrate`'s row, PostgreSQL (`{role}` is the role's quoted name).
+const MIGRATE_GRANTS: &str = "GRANT CREATE ON SCHEMA public TO {role}";
+
+/// `consume`'s row, PostgreSQL, for the consumer whose effects go to `effect_table`.
+fn consume_grants(effect_table: &str) -> String {
+    format!(
+        "GRANT SELECT, INSERT, DELETE ON inbox_messages TO {{role}};
+         GRANT INSERT ON {effect_table}, inboxctl_events TO {{role}};
+         GRANT SELECT, INSERT, UPDATE ON inboxctl_consumers TO {{role}};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts TO {{role}};"
+    )
+}
+
+/// `cleanup`'s row, PostgreSQL.
+const CLEANUP_GRANTS: &str = concat!(
+    "GRANT SELECT, DELETE ON inbox_messages, inboxctl_events, inboxctl_attempts TO {role};",
+    "GRANT SELECT ON inboxctl_consumers TO {role};",
+);
+
+/// `stats`' row, PostgreSQL.
+const STATS_GRANTS: &str =
+    "GRANT SELECT ON inbox_messages, inboxctl_events, inboxctl_consumers TO {role}";
+
+/// A name as a regular expression that matches it alone.
+fn literal(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        if "\\.+*?()|[]{}^$".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// Configure, write and read permissions.
+type Permissions = [String; 3];
+
+fn permissions(configure: &str, write: &str, read: &str) -> Permissions {
+    [configure.to_owned(), write.to_owned(), read.to_owned()]
+}
+
+/// `consume`'s row, RabbitMQ, for `queue` fed by the Parcel Tracker's event exchange.
+fn consume_permissions(queue: &str) -> Permissions {
+    let (q, x) = (literal(queue), literal(EVENT_EXCHANGE));
+    permissions(
+        &format!("^({q}(_error|_skipped)?|{x})$"),
+        &format!("^{q}(_error|_skipped)?$"),
+        &format!("^({q}(_error|_skipped)?|{x})$"),
+    )
+}
+
+/// `replay`'s row, RabbitMQ.
+fn replay_permissions(dead_letter_queue: &str) -> Permissions {
+    permissions(
+        "",
+        "^amq\\.default$",
+        &format!("^{}$", literal(dead_letter_queue)),
+    )
+}
+
+/// A server `none` in the table: nothing listens on port 1, so a command that connected would fail.
+const NOWHERE_PG: &str = "postgres://nobody@127.0.0.1:1/nothing";
+const NOWHERE_AMQP: &str = "amqp://nobody:nothing@127.0.0.1:1/nothing";
+
+/// What a command runs as: a database URL and a broker URL.
+struct As {
+    database_url: String,
+    amqp_url: String,
+}
+
+impl As {
+    fn new(database_url: &str, amqp_url: &str) -> Self {
+        Self {
+            database_url: database_url.to_owned(),
+            amqp_url: amqp_url.to_owned(),
+        }
+    }
+
+    fn args<'a>(&'a self, args: &[&'a str]) -> Vec<&'a str> {
+        let mut all = args.to_vec();
+        all.extend_from_slice(&[
+            "--database-url",
+            &self.database_url,
+            "--amqp-url",
+            &self.amqp_url,
+        ]);
+        all
+    }
+
+    /// Runs inboxctl to its end with these URLs only (the test's superuser and guest URLs removed from its
+    /// environment).
+    fn run(&self, env: &TestEnv, args: &[&str]) -> Output {
+        let out = env
+            .cmd()
+            .env_remove("DATABASE_URL")
+            .env_remove("AMQP_URL")
+            .args(self.args(args))
+            .output()
+            .unwrap();
+        Output {
+            code: out.status.code(),
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
+    }
+
+    /// Starts inboxctl in the background with these URLs only.
+    fn spawn(&self, env: &TestEnv, args: &[&str]) -> common::Proc {
+        env.spawn_with(
+            &self.args(args),
+            &[
+                ("DATABASE_URL", self.database_url.as_str()),
+                ("AMQP_URL", self.amqp_url.as_str()),
+            ],
+        )
+    }
+
+    /// `consume` until its queue stays empty for half a second (a consumer that holds its deliveries instead is
+    /// killed after 60 s, failing the test); asserts exit code 0 and returns its stderr.
+    fn consume(&self, env: &TestEnv, args: &[&str]) -> String {
+        let mut all = vec!["consume"];
+        all.extend_from_slice(args);
+        all.extend_from_slice(&["--exit-when-idle", "500ms", "--concurrency", "4"]);
+        let mut consumer = self.spawn(env, &all);
+        let code = consumer.wait(Duration::from_secs(60));
+        assert_eq!(code, Some(0), "{}", consumer.stderr());
+        consumer.stderr()
+    }
+}
+
+/// A login role or a user, and the URL that logs in as it.
+struct Login {
+    name: String,
+    url: String,
+}
+
+/// The PostgreSQL roles, RabbitMQ users and extra databases of one test; all dropped with it.
+struct Principals {
+    db: String,
+    vhost: String,
+    password: String,
+    roles: Vec<String>,
+    users: Vec<String>,
+    databases: Vec<String>,
+}
+
+impl Principals {
+    fn new(env: &TestEnv) -> Self {
+        Self {
+            db: env.db_name.clone(),
+            vhost: env.vhost.clone(),
+            password: Uuid::new_v4().simple().to_string(),
+            roles: Vec::new(),
+            users: Vec::new(),
+            databases: Vec::new(),
+        }
+    }
+
+    fn name(&self, what: &str) -> String {
+        format!("{}_{what}", self.db)
+    }
+
+    /// A login role with nothing but `grants` (SQL on the test database as the superuser, `{role}` standing for
+    /// the role), and its URL for the test database.
+    async fn role(&mut self, admin: &PgPool, what: &str, grants: &str) -> Login {
+        let name = self.name(what);
+        self.roles.push(name.clone());
+        execute(admin, &format!("CREATE ROLE \"{name}\" LOGIN")).await;
+        if !grants.is_empty() {
+            grant(admin, &name, grants).await;
+        }
+        Login {
+            url: pg_url(&name, &self.db),
+            name,
+        }
+    }
+
+    /// A RabbitMQ user with a password of this run and `permissions` on the test's vhost, and its URL.
+    fn user(&mut self, what: &str, permissions: &Permissions) -> Login {
+        let name = self.name(what);
+        common::rabbitmqctl(&["-q", "add_user", &name, &self.password]);
+        self.users.push(name.clone());
+        let login = Login {
+            url: amqp_url(&name, &self.password, &self.vhost),
+            name,
+        };
+        self.permit(&login, permissions);
+        login
+    }
+
+    /// Sets a user's permissions on the test's vhost (replacing what it had).
+    fn permit(&self, user: &Login, [configure, write, read]: &Permissions) {
+        common::rabbitmqctl(&[
+            "-q",
+            "set_permissions",
+            "-p",
+            &self.vhost,
+            &user.name,
+            configure,
+            write,
+            read,
+        ]);
+    }
+}
+
+impl Drop for Principals {
+    fn drop(&mut self) {
+        let psql = |db: &str, sql: &str| {
+            let out = Command::new("psql")
+                .args([&format!("{}/{db}", common::pg_base()), "-qXc", sql])
+                .output();
+            if let Ok(out) = out
+                && !out.status.success()
+            {
+                eprintln!("{sql}: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        };
+        for db in &self.databases {
+            psql(
+                "postgres",
+                &format!("DROP DATABASE IF EXISTS \"{db}\" WITH (FORCE)"),
+            );
+        }
+        if !self.roles.is_empty() {
+            let roles: Vec<String> = self.roles.iter().map(|r| format!("\"{r}\"")).collect();
+            let roles = roles.join(", ");
+            // What the roles own or were granted in the test database (it may be gone already: nothing left then).
+            psql(&self.db, &format!("DROP OWNED BY {roles}"));
+            psql("postgres", &format!("DROP ROLE IF EXISTS {roles}"));
+        }
+        for user in &self.users {
+            let _ = Command::new("rabbitmqctl")
+                .args(["-q", "delete_user", user])
+                .output();
+        }
+    }
+}
+
+fn pg_url(role: &str, db: &str) -> String {
+    let mut url = url::Url::parse(&common::pg_base()).unwrap();
+    url.set_username(role).unwrap();
+    url.set_password(None).unwrap();
+    url.set_path(&format!("/{db}"));
+    url.to_string()
+}
+
+fn amqp_url(user: &str, password: &str, vhost: &str) -> String {
+    let mut url = url::Url::parse(&common::amqp_base()).unwrap();
+    url.set_username(user).unwrap();
+    url.set_password(Some(password)).unwrap();
+    url.set_path(&format!("/{vhost}"));
+    url.to_string()
+}
+
+async fn execute(pool: &PgPool, sql: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// Runs `grants` (GRANT or REVOKE statements, `{role}` standing for the role) on the test database.
+async fn grant(admin: &PgPool, role: &str, grants: &str) {
+    execute(admin, &grants.replace("{role}", &format!("\"{role}\""))).await;
+}
+
+/// Inserted, updated and deleted rows of a table, as PostgreSQL's statistics count them once the sessions that
+/// wrote them have reported (at the latest when they end).
+async fn tuples(pool: &PgPool, table: &str) -> (i64, i64, i64) {
+    sqlx::query_as(
+        "SELECT n_tup_ins, n_tup_upd, n_tup_del FROM pg_stat_user_tables WHERE relname = $1",
+    )
+    .bind(table)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn count(pool: &PgPool, sql: &'static str) -> i64 {
+    common::count(pool, sql).await
+}
+
+/// Asserts a command failed (exit code `code`) with stderr naming every one of `needles`.
+fn assert_refused(out: &Output, code: i32, needles: &[&str]) {
+    assert_eq!(out.code, Some(code), "{out:?}");
+    for needle in needles {
+        assert!(
+            out.stderr.contains(needle),
+            "stderr does not name {needle:?}: {out:?}"
+        );
+    }
+}
+
+/// Waits until a stopped consumer's deliveries are all back on `queue`, ready.
+async fn given_back(env: &TestEnv, queue: &str, messages: u64) {
+    common::eventually(
+        "the deliveries given back",
+        Duration::from_secs(10),
+        || async { env.queue_counts(queue) == (messages, 0) },
+    )
+    .await;
+}
+
+/// A message no consumer can read: a message id, but a body that is not JSON.
+fn unreadable() -> (BasicProperties, Vec<u8>) {
+    let props = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_message_id(Uuid::new_v4().to_string().into());
+    (props, b"PT1;Berlin".to_vec())
+}
+
+#[test]
+fn the_readme_table_is_the_one_proved_here() {
+    let readme =
+        std::fs::read_to_string(format!("{}/README.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
+    let security = readme
+        .split("## Security")
+        .nth(1)
+        .expect("a Security section");
+    for row in README_ROWS {
+        assert!(
+            security.lines().any(|l| l == row),
+            "the README's table no longer has this row; prove the new one in tests/grants.rs:\n{row}"
+        );
+    }
+    let rows = security
+        .lines()
+        .skip_while(|l| !l.starts_with("| command |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .count();
+    assert_eq!(rows, README_ROWS.len(), "a row was added to the table");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn migrate_needs_create_on_the_schema_createdb_to_create_and_ownership_to_adopt() {
+    let env = TestEnv::empty().await;
+    let admin = env.pool().await;
+    let mut principals = Principals::new(&env);
+    let role = principals.role(&admin, "migrate", "").await;
+    let migrate = As::new(&role.url, NOWHERE_AMQP);
+    let relations = || async {
+        count(
+            &admin,
+            "SELECT count(*) FROM pg_class WHERE relnamespace = 'public'::regnamespace",
+        )
+        .await
+    };
+
+    // Without CREATE on the schema (PUBLIC has none on PostgreSQL 15's public): named, and nothing is created.
+    let out = migrate.run(&env, &["migrate"]);
+    assert_refused(&out, 1, &["permission denied for schema public"]);
+    assert_eq!(relations().await, 0, "nothing created");
+
+    grant(&admin, &role.name, MIGRATE_GRANTS).await;
+    let out = migrate.run(&env, &["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let migrations = inboxctl::db::schema::migrator().iter().count();
+    assert_eq!(
+        out.stdout.matches("applied ").count(),
+        migrations,
+        "{out:?}"
+    );
+    let out = migrate.run(&env, &["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("up to date"), "{out:?}");
+
+    // A database to create: CREATEDB, and only then.
+    let new_db = format!("{}_made", env.db_name);
+    principals.databases.push(new_db.clone());
+    let exists = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)",
+        )
+        .bind(&new_db)
+        .fetch_one(&admin)
+        .await
+        .unwrap()
+    };
+    let create = As::new(&pg_url(&role.name, &new_db), NOWHERE_AMQP);
+    let out = create.run(&env, &["migrate"]);
+    assert_refused(&out, 1, &["permission denied to create database"]);
+    assert!(!exists().await);
+    execute(&admin, &format!("ALTER ROLE \"{}\" CREATEDB", role.name)).await;
+    let out = create.run(&env, &["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("created"), "{out:?}");
+    assert!(exists().await);
+    execute(&admin, &format!("ALTER ROLE \"{}\" NOCREATEDB", role.name)).await;
+
+    // An existing inbox_messages (EF Core's, owned by the service's role): its indexes need the table's owner.
+    let adopt_db = format!("{}_ef", env.db_name);
+    principals.databases.push(adopt_db.clone());
+    execute(&admin, &format!("CREATE DATABASE \"{adopt_db}\"")).await;
+    let ef = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&format!("{}/{adopt_db}", common::pg_base()))
+        .await
+        .unwrap();
+    execute(
+        &ef,
+        "CREATE TABLE inbox_messages (
+             id uuid NOT NULL, consumer_type varchar(500) NOT NULL,
+             received_at timestamptz NOT NULL, processed_at timestamptz NULL,
+             CONSTRAINT \"PK_inbox_messages\" PRIMARY KEY (id, consumer_type));
+         INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'billing', now(), now());",
+    )
+    .await;
+    grant(&ef, &role.name, MIGRATE_GRANTS).await;
+    let adopt = As::new(&pg_url(&role.name, &adopt_db), NOWHERE_AMQP);
+    let out = adopt.run(&env, &["migrate"]);
+    assert_refused(&out, 1, &["must be owner of table inbox_messages"]);
+    assert_eq!(
+        count(
+            &ef,
+            "SELECT count(*) FROM pg_class WHERE relname LIKE 'ix_inbox_messages%'"
+        )
+        .await,
+        0,
+        "no index added"
+    );
+    execute(
+        &ef,
+        &format!("ALTER TABLE inbox_messages OWNER TO \"{}\"", role.name),
+    )
+    .await;
+    let out = adopt.run(&env, &["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("compatible"), "{out:?}");
+    assert_eq!(
+        count(&ef, "SELECT count(*) FROM inbox_messages").await,
+        1,
+        "the service's rows are kept"
+    );
+    ef.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_ones_aside() {
+    let env = TestEnv::migrated().await;
+    let admin = env.pool().await;
+    let amqp = env.amqp().await;
+    let mut principals = Principals::new(&env);
+    let carrier_role = principals
+        .role(&admin, "carrier", &consume_grants("carrier_reservations"))
+        .await;
+    let notification_role = principals
+        .role(
+            &admin,
+            "notification",
+            &consume_grants("notifications_sent"),
+        )
+        .await;
+    let carrier_user = principals.user("carrier", &consume_permissions(CARRIER_QUEUE));
+    let notification_user =
+        principals.user("notification", &consume_permissions(NOTIFICATION_QUEUE));
+    let carrier = As::new(&carrier_role.url, &carrier_user.url);
+    let notification = As::new(&notification_role.url, &notification_user.url);
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    let skipped_queue = format!("{CARRIER_QUEUE}_skipped");
+
+    // Without SELECT on inboxctl_consumers (its registration is an upsert): refused at start, before any delivery.
+    grant(
+        &admin,
+        &carrier_role.name,
+        "REVOKE SELECT ON inboxctl_consumers FROM {role}",
+    )
+    .await;
+    let out = carrier.run(&env, &["consume", "carrier", "--exit-when-idle", "500ms"]);
+    assert_refused(&out, 1, &["permission denied for table inboxctl_consumers"]);
+    grant(
+        &admin,
+        &carrier_role.name,
+        "GRANT SELECT ON inboxctl_consumers TO {role}",
+    )
+    .await;
+
+    // Without write on the queue (the binding to its exchange): refused at start.
+    let [configure, write, read] = consume_permissions(CARRIER_QUEUE);
+    let q = literal(CARRIER_QUEUE);
+    principals.permit(
+        &carrier_user,
+        &permissions(&configure, &format!("^{q}_(error|skipped)$"), &read),
+    );
+    let out = carrier.run(&env, &["consume", "carrier", "--exit-when-idle", "500ms"]);
+    assert_refused(
+        &out,
+        1,
+        &["ACCESS_REFUSED", &format!("queue '{CARRIER_QUEUE}'")],
+    );
+    principals.permit(&carrier_user, &consume_permissions(CARRIER_QUEUE));
+
+    // Exactly the grants: each consumer declares what is missing of its topology.
+    carrier.consume(&env, &["carrier"]);
+    notification.consume(&env, &["notification"]);
+
+    // Without INSERT on inbox_messages (the claim): deliveries are held with the cause named, nothing is acked or
+    // written, and a stop gives them all back.
+    grant(
+        &admin,
+        &carrier_role.name,
+        "REVOKE INSERT ON inbox_messages FROM {role}",
+    )
+    .await;
+    common::publish_parcels(&env, &["--count", "5"]);
+    let mut held = carrier.spawn(
+        &env,
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "4",
+            "--shutdown-timeout",
+            "5s",
+        ],
+    );
+    held.wait_for_stderr(
+        "permission denied for table inbox_messages",
+        Duration::from_secs(30),
+    );
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 5, "nothing acked");
+    held.terminate();
+    assert_eq!(
+        held.wait(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        held.stderr()
+    );
+    given_back(&env, CARRIER_QUEUE, 5).await;
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM carrier_reservations").await,
+        0
+    );
+    grant(
+        &admin,
+        &carrier_role.name,
+        "GRANT INSERT ON inbox_messages TO {role}",
+    )
+    .await;
+
+    // Exactly the grants: the five come back redelivered, so their starts are counted in inboxctl_attempts (an
+    // upsert returning the count, hence SELECT) and the counts deleted once they are through. A count that cannot be
+    // kept is logged at debug level only, so -v, and no such line.
+    let stderr = carrier.consume(&env, &["carrier", "-v"]);
+    for silent in [
+        "redelivery not counted",
+        "redelivery count not kept",
+        "could not record",
+    ] {
+        assert!(!stderr.contains(silent), "{silent}: {stderr}");
+    }
+    common::eventually(
+        "five starts counted in inboxctl_attempts, and deleted",
+        Duration::from_secs(10),
+        || async { tuples(&admin, "inboxctl_attempts").await == (5, 0, 5) },
+    )
+    .await;
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM carrier_reservations").await,
+        5
+    );
+
+    // Batched, with copies, a failing carrier (its members' claims taken back: DELETE), an unreadable message
+    // (to the error queue) and a message of another type (to the skipped queue).
+    let published = common::publish_parcels(&env, &["--count", "20", "--duplicates", "0.25"]);
+    let copies = published["duplicates"].as_i64().unwrap();
+    assert!(copies > 0, "{published}");
+    common::publish_parcels(&env, &["--count", "2", "--destination", "Atlantis"]);
+    let (props, body) = unreadable();
+    common::publish(&amqp, CARRIER_QUEUE, "", props, &body).await;
+    let unhandled = common::fixture("sent/sent-02.json");
+    common::publish(
+        &amqp,
+        CARRIER_QUEUE,
+        "",
+        unhandled.properties.clone(),
+        &unhandled.body,
+    )
+    .await;
+    carrier.consume(
+        &env,
+        &[
+            "carrier",
+            "--batch-size",
+            "8",
+            "--fail-destination",
+            "Atlantis",
+            "--max-attempts",
+            "1",
+        ],
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    assert_eq!(env.queue_counts(&error_queue), (3, 0));
+    assert_eq!(env.queue_counts(&skipped_queue), (1, 0));
+    common::eventually(
+        "the two failing members' claims taken back",
+        Duration::from_secs(10),
+        || async { tuples(&admin, "inbox_messages").await.2 == 2 },
+    )
+    .await;
+    let events: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT kind, count(*) FROM inboxctl_events WHERE consumer_type = $1 GROUP BY kind ORDER BY kind",
+    )
+    .bind(CARRIER_QUEUE)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        events,
+        [
+            ("dead_lettered".to_owned(), 3),
+            ("duplicate".to_owned(), copies),
+            ("failed".to_owned(), 2),
+            ("skipped".to_owned(), 1),
+        ]
+    );
+
+    // Without read on the dead-letter exchange (its binding to its queue, at first use): the copy is refused with
+    // the cause named, and the message stays on its queue.
+    principals.permit(
+        &carrier_user,
+        &permissions(
+            &configure,
+            &write,
+            &format!("^({q}|{})$", literal(EVENT_EXCHANGE)),
+        ),
+    );
+    let (props, body) = unreadable();
+    common::publish(&amqp, CARRIER_QUEUE, "", props, &body).await;
+    let mut refused = carrier.spawn(
+        &env,
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "4",
+            "--shutdown-timeout",
+            "5s",
+        ],
+    );
+    refused.wait_for_stderr(
+        &format!("could not move a message to {error_queue}"),
+        Duration::from_secs(30),
+    );
+    assert!(
+        refused.stderr().contains(&format!(
+            "ACCESS_REFUSED - access to exchange '{error_queue}'"
+        )),
+        "{}",
+        refused.stderr()
+    );
+    refused.terminate();
+    assert_eq!(
+        refused.wait(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        refused.stderr()
+    );
+    given_back(&env, CARRIER_QUEUE, 1).await;
+    assert_eq!(env.queue_counts(&error_queue), (3, 0));
+
+    // Configure is only for declaring what is absent: with everything there, none is needed.
+    principals.permit(&carrier_user, &permissions("", &write, &read));
+    carrier.consume(&env, &["carrier"]);
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    assert_eq!(env.queue_counts(&error_queue), (4, 0));
+
+    // Every parcel once, in both consumers.
+    let parcels = 5 + 20;
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert_eq!((rows, distinct), (parcels, parcels));
+    notification.consume(&env, &["notification"]);
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM notifications_sent")
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert_eq!((rows, distinct), (parcels + 2, parcels + 2), "Atlantis too");
+    assert_eq!(env.queue_counts(NOTIFICATION_QUEUE), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_needs_write_on_the_event_exchange_and_configure_only_to_declare_it() {
+    let env = TestEnv::bare().await;
+    let mut principals = Principals::new(&env);
+    let x = format!("^{}$", literal(EVENT_EXCHANGE));
+    let user = principals.user("publish", &permissions("", &x, ""));
+    let publish = As::new(NOWHERE_PG, &user.url);
+
+    // The exchange is absent: declaring it needs configure.
+    let out = publish.run(&env, &["publish", "parcel-created", "--count", "3"]);
+    assert_refused(
+        &out,
+        1,
+        &["ACCESS_REFUSED", &format!("exchange '{EVENT_EXCHANGE}'")],
+    );
+    principals.permit(&user, &permissions(&x, &x, ""));
+    let out = publish.run(
+        &env,
+        &["publish", "parcel-created", "--count", "3", "--json"],
+    );
+    assert_eq!(
+        out.code,
+        Some(3),
+        "declared, but no queue is bound yet: {out:?}"
+    );
+
+    // It exists (and the consumers' queues are bound): write alone.
+    common::ensure_endpoints(&env).await;
+    principals.permit(&user, &permissions("", "", ""));
+    let out = publish.run(&env, &["publish", "parcel-created", "--count", "3"]);
+    assert_refused(
+        &out,
+        1,
+        &["ACCESS_REFUSED", &format!("exchange '{EVENT_EXCHANGE}'")],
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    principals.permit(&user, &permissions("", &x, ""));
+    let out = publish.run(
+        &env,
+        &["publish", "parcel-created", "--count", "10", "--json"],
+    );
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (10, 0));
+    assert_eq!(env.queue_counts(NOTIFICATION_QUEUE), (10, 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_needs_read_on_the_dead_letter_queue_and_write_on_the_default_exchange() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::publish_parcels(&env, &["--count", "3", "--destination", "Atlantis"]);
+    common::consume_until_idle(
+        &env,
+        &[
+            "carrier",
+            "--fail-destination",
+            "Atlantis",
+            "--max-attempts",
+            "1",
+        ],
+    );
+    assert_eq!(env.queue_counts(&error_queue), (3, 0));
+
+    let mut principals = Principals::new(&env);
+    let [_, write, read] = replay_permissions(&error_queue);
+    let user = principals.user("replay", &permissions("", "", &read));
+    let replay = As::new(NOWHERE_PG, &user.url);
+    let args = ["replay", "--from", error_queue.as_str(), "--json"];
+
+    // Without write on amq.default: every message is left where it is, each with the cause.
+    let out = replay.run(&env, &args);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["replayed"], 0, "{report}");
+    assert_eq!(report["left"], 3, "{report}");
+    let first = report["items"][0]["error"].as_str().unwrap_or_default();
+    assert!(
+        first.contains("ACCESS_REFUSED - access to exchange 'amq.default'"),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts(&error_queue), (3, 0), "nothing lost");
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+
+    // Without read on the dead-letter queue: refused, nothing taken.
+    principals.permit(&user, &permissions("", &write, ""));
+    let out = replay.run(&env, &args);
+    assert_refused(
+        &out,
+        1,
+        &["ACCESS_REFUSED", &format!("queue '{error_queue}'")],
+    );
+    assert_eq!(env.queue_counts(&error_queue), (3, 0));
+
+    // Exactly the grants: all three go back to their queue, and the consumer takes each once.
+    principals.permit(&user, &replay_permissions(&error_queue));
+    let out = replay.run(&env, &args);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (3, 0));
+    common::consume_until_idle(&env, &["carrier"]);
+    let pool = env.pool().await;
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, distinct), (3, 3));
+}
+
+/// Rows per (table, state): what a cleanup may and may not touch.
+async fn census(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT 'inbox ' || consumer_type || CASE WHEN processed_at IS NULL THEN ' unprocessed' ELSE '' END
+                || CASE WHEN received_at < now() - interval '7 days' THEN ' old' ELSE ' new' END, count(*)
+         FROM inbox_messages GROUP BY 1
+         UNION ALL
+         SELECT 'events ' || CASE WHEN occurred_at < now() - interval '7 days' THEN 'old' ELSE 'new' END, count(*)
+         FROM inboxctl_events GROUP BY 1
+         UNION ALL
+         SELECT 'attempts ' || CASE WHEN last_started_at < now() - interval '7 days' THEN 'old' ELSE 'new' END,
+                count(*)
+         FROM inboxctl_attempts GROUP BY 1
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_needs_select_and_delete_and_no_broker() {
+    let env = TestEnv::migrated().await;
+    let admin = env.pool().await;
+    execute(
+        &admin,
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         SELECT gen_random_uuid(), ct, now() - age, CASE WHEN stuck THEN NULL ELSE now() - age END
+         FROM (VALUES ('alpha', interval '8 days', false, 30), ('alpha', interval '1 hour', false, 10),
+                      ('alpha', interval '9 days', true, 4), ('beta', interval '8 days', false, 20))
+              AS s(ct, age, stuck, n),
+              generate_series(1, n);
+         INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at)
+         SELECT ct, 'duplicate', gen_random_uuid(), now() - age
+         FROM (VALUES ('alpha', interval '8 days', 5), ('alpha', interval '1 hour', 2),
+                      ('gamma', interval '8 days', 3)) AS s(ct, age, n),
+              generate_series(1, n);
+         INSERT INTO inboxctl_attempts (consumer_type, message_id, started, last_started_at)
+         SELECT 'alpha', gen_random_uuid(), 1, now() - age
+         FROM (VALUES (interval '8 days'), (interval '8 days'), (interval '1 hour')) AS s(age);
+         INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
+         VALUES ('gamma', 'gamma-queue', now(), now());",
+    )
+    .await;
+    let before = census(&admin).await;
+    let mut principals = Principals::new(&env);
+    let role = principals.role(&admin, "cleanup", CLEANUP_GRANTS).await;
+    let cleanup = As::new(&role.url, NOWHERE_AMQP);
+    let args = ["cleanup", "--retention", "7d", "--json"];
+
+    // Without DELETE on inbox_messages: refused, nothing deleted.
+    grant(
+        &admin,
+        &role.name,
+        "REVOKE DELETE ON inbox_messages FROM {role}",
+    )
+    .await;
+    let out = cleanup.run(&env, &args);
+    assert_refused(&out, 1, &["permission denied for table inbox_messages"]);
+    assert_eq!(census(&admin).await, before);
+    grant(
+        &admin,
+        &role.name,
+        "GRANT DELETE ON inbox_messages TO {role}",
+    )
+    .await;
+
+    // Without SELECT on inboxctl_consumers (where consumer_types with nothing else to show are found): refused.
+    grant(
+        &admin,
+        &role.name,
+        "REVOKE SELECT ON inboxctl_consumers FROM {role}",
+    )
+    .await;
+    let out = cleanup.run(&env, &args);
+    assert_refused(&out, 1, &["permission denied for table inboxctl_consumers"]);
+    assert_eq!(census(&admin).await, before);
+    grant(
+        &admin,
+        &role.name,
+        "GRANT SELECT ON inboxctl_consumers TO {role}",
+    )
+    .await;
+
+    // Exactly the grants, and no broker: the processed rows, events and start counts past the window go.
+    let out = cleanup.run(&env, &args);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["deleted"], 50, "{report}");
+    assert_eq!(report["events_deleted"], 8, "{report}");
+    assert_eq!(report["attempts_deleted"], 2, "{report}");
+    let after: Vec<(String, i64)> = census(&admin).await;
+    assert_eq!(
+        after,
+        [
+            ("attempts new".to_owned(), 1),
+            ("events new".to_owned(), 2),
+            ("inbox alpha new".to_owned(), 10),
+            ("inbox alpha unprocessed old".to_owned(), 4),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_needs_select_and_only_access_to_the_vhost() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "4", "--duplicates", "0.5"]);
+    common::consume_until_idle(&env, &["carrier"]);
+    common::publish_parcels(&env, &["--count", "2"]);
+    let admin = env.pool().await;
+    let mut principals = Principals::new(&env);
+    let role = principals.role(&admin, "stats", STATS_GRANTS).await;
+    let user = principals.user("stats", &permissions("", "", ""));
+    let stats = As::new(&role.url, &user.url);
+    let carrier = |out: &Output| -> serde_json::Value {
+        let json: serde_json::Value =
+            serde_json::from_str(out.stdout.trim()).unwrap_or_else(|e| panic!("{e}: {out:?}"));
+        json["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+            .cloned()
+            .unwrap_or_else(|| panic!("no carrier figures: {out:?}"))
+    };
+
+    // Exactly the grants: every figure, the queues' depths included.
+    let out = stats.run(&env, &["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("\"broker_error\":null"), "{out:?}");
+    let c = carrier(&out);
+    assert_eq!(c["rows"], 4, "{c}");
+    assert_eq!(c["unprocessed"], 0, "{c}");
+    assert!(c["duplicates_per_second"].as_f64().unwrap() > 0.0, "{c}");
+    assert_eq!(c["queue"]["ready"], 2, "{c}");
+    assert_eq!(c["queue"]["consumers"], 0, "{c}");
+    assert_eq!(c["error_queue"]["ready"], 0, "{c}");
+
+    // Without SELECT on inboxctl_events (the rates): refused.
+    grant(
+        &admin,
+        &role.name,
+        "REVOKE SELECT ON inboxctl_events FROM {role}",
+    )
+    .await;
+    let out = stats.run(&env, &["stats", "--json"]);
+    assert_refused(&out, 1, &["permission denied for table inboxctl_events"]);
+    grant(
+        &admin,
+        &role.name,
+        "GRANT SELECT ON inboxctl_events TO {role}",
+    )
+    .await;
+
+    // Without access to the vhost: the database's figures, the queues' unknown, and why.
+    common::rabbitmqctl(&["-q", "clear_permissions", "-p", &env.vhost, &user.name]);
+    let out = stats.run(&env, &["stats", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stderr
+            .contains(&format!("access to vhost '{}' refused", env.vhost)),
+        "{out:?}"
+    );
+    let c = carrier(&out);
+    assert_eq!(c["rows"], 4, "{c}");
+    assert!(c["queue"]["ready"].is_null(), "{c}");
+}

@@ -54,12 +54,16 @@ async fn a_consumer_exports_its_counters_and_its_health_follows_the_database() {
     );
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
     let label = format!("{{consumer_type=\"{CARRIER_QUEUE}\"}}");
-    common::eventually("all processed", Duration::from_secs(30), || async {
-        sample(
-            &get(port, "/metrics").1,
-            &format!("inbox_messages_processed_total{label}"),
-        ) == Some(10.0)
-    })
+    // Every delivery through, the late copies too (they come after all the originals).
+    common::eventually(
+        "all 15 deliveries through",
+        Duration::from_secs(30),
+        || async {
+            let body = get(port, "/metrics").1;
+            sample(&body, &format!("inbox_messages_processed_total{label}")) == Some(10.0)
+                && sample(&body, &format!("inbox_deliveries_total{label}")) == Some(15.0)
+        },
+    )
     .await;
     let (status, body) = get(port, "/metrics");
     assert_eq!(status, "HTTP/1.1 200 OK");

@@ -527,7 +527,12 @@ async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<
             u32::try_from(alone).unwrap_or(0),
         )),
         Err(e) => {
-            tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "redelivery not counted");
+            bookkeeping_failed(
+                "redelivery not counted",
+                "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
+                id,
+                &e,
+            );
             None
         }
     }
@@ -542,7 +547,37 @@ async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static s
         .execute(shared.inbox.pool())
         .await
     {
-        tracing::debug!(message_id = %id, error = %crate::redact::text(&e.to_string()), "redelivery count not kept");
+        bookkeeping_failed(
+            "redelivery count not kept",
+            "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
+            id,
+            &e,
+        );
+    }
+}
+
+/// A bookkeeping statement (the redelivery count, an event counter) failed. It never holds up a message; during an
+/// outage that is expected and said at debug level. Any other failure (a grant or a table missing) is a warning,
+/// once per process and statement, so that it is neither silent nor one line per message.
+fn bookkeeping_failed(
+    what: &'static str,
+    consequence: &'static str,
+    id: Uuid,
+    error: &sqlx::Error,
+) {
+    static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let text = crate::redact::text(&error.to_string());
+    let first = !crate::db::is_transient(error) && {
+        let mut warned = lock(&WARNED);
+        !warned.contains(&what) && {
+            warned.push(what);
+            true
+        }
+    };
+    if first {
+        tracing::warn!(message_id = %id, error = %text, "{what}: {consequence} (said once; the rest at -v)");
+    } else {
+        tracing::debug!(message_id = %id, error = %text, "{what}");
     }
 }
 
@@ -1098,7 +1133,12 @@ async fn record_event<C: Consumer>(
         .execute(shared.inbox.pool())
         .await;
     if let Err(e) = recorded {
-        tracing::debug!(error = %e, kind, "could not record the event (it is only a counter)");
+        bookkeeping_failed(
+            "could not record an event in inboxctl_events",
+            "the counters that stats and top show miss it (a grant on inboxctl_events missing?)",
+            message_id.unwrap_or_default(),
+            &e,
+        );
     }
 }
 

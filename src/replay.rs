@@ -465,6 +465,7 @@ impl State<'_> {
                 && plan.limit.is_none_or(|limit| self.selected < limit);
 
             let mut error = None;
+            let mut refused = None;
             let action = if !chosen {
                 Action::NotSelected
             } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
@@ -489,7 +490,14 @@ impl State<'_> {
                 .await
                 {
                     Ok(()) => Action::Replayed,
-                    // The channel or the connection failed (not a refusal of this one copy): stop this pass.
+                    // The broker refused the copy and closed the channel with its reason (a permission, say): every
+                    // later copy would fail the same way. This one is left, with the reason, and the replay stops.
+                    Err(Error::Broker(e)) if e.is_amqp_soft_error() => {
+                        error = Some(crate::redact::text(&e.to_string()));
+                        refused = Some(Error::Broker(e));
+                        Action::PublishFailed
+                    }
+                    // The connection failed: stop this pass (and connect again).
                     Err(e @ Error::Broker(_)) => return Err(e),
                     Err(e) => {
                         error = Some(crate::redact::text(&e.to_string()));
@@ -533,6 +541,9 @@ impl State<'_> {
                     .await?;
             }
             progress(self.report.items.len() as u64, self.report.snapshot);
+            if let Some(e) = refused {
+                return Err(e);
+            }
         }
         Ok(())
     }

@@ -651,6 +651,58 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
         ]
     );
 
+    // Without grants on inboxctl_attempts: redelivered messages cannot have their starts counted, so poison-message
+    // detection is off. They are processed all the same, and the missing grant is a warning said once, not silence
+    // and not a line per message. (Two messages made redelivered the way the claim's missing grant did above.)
+    grant(
+        &admin,
+        &carrier_role.name,
+        "REVOKE ALL ON inboxctl_attempts FROM {role}; REVOKE INSERT ON inbox_messages FROM {role}",
+    )
+    .await;
+    common::publish_parcels(&env, &["--count", "2"]);
+    let mut held = carrier.spawn(&env, &["consume", "carrier", "--shutdown-timeout", "5s"]);
+    held.wait_for_stderr(
+        "permission denied for table inbox_messages",
+        Duration::from_secs(30),
+    );
+    held.terminate();
+    assert_eq!(
+        held.wait(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        held.stderr()
+    );
+    given_back(&env, CARRIER_QUEUE, 2).await;
+    grant(
+        &admin,
+        &carrier_role.name,
+        "GRANT INSERT ON inbox_messages TO {role}",
+    )
+    .await;
+    let before = count(&admin, "SELECT count(*) FROM carrier_reservations").await;
+    let stderr = carrier.consume(&env, &["carrier"]);
+    assert_eq!(
+        stderr.matches("redelivery not counted").count(),
+        1,
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("permission denied for table inboxctl_attempts")
+            && stderr.contains("poison-message detection is off"),
+        "{stderr}"
+    );
+    assert_eq!(
+        count(&admin, "SELECT count(*) FROM carrier_reservations").await,
+        before + 2
+    );
+    grant(
+        &admin,
+        &carrier_role.name,
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts TO {role}",
+    )
+    .await;
+
     // Without read on the dead-letter exchange (its binding to its queue, at first use): the copy is refused with
     // the cause named, and the message stays on its queue.
     principals.permit(
@@ -702,7 +754,7 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
     assert_eq!(env.queue_counts(&error_queue), (4, 0));
 
     // Every parcel once, in both consumers.
-    let parcels = 5 + 20;
+    let parcels = 5 + 20 + 2;
     let (rows, distinct): (i64, i64) =
         sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
             .fetch_one(&admin)
@@ -715,7 +767,11 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
             .fetch_one(&admin)
             .await
             .unwrap();
-    assert_eq!((rows, distinct), (parcels + 2, parcels + 2), "Atlantis too");
+    assert_eq!(
+        (rows, distinct),
+        (parcels + 2, parcels + 2),
+        "the two Atlantis parcels too"
+    );
     assert_eq!(env.queue_counts(NOTIFICATION_QUEUE), (0, 0));
 }
 
@@ -789,12 +845,22 @@ async fn replay_needs_read_on_the_dead_letter_queue_and_write_on_the_default_exc
     let replay = As::new(NOWHERE_PG, &user.url);
     let args = ["replay", "--from", error_queue.as_str(), "--json"];
 
-    // Without write on amq.default: every message is left where it is, each with the cause.
+    // Without write on amq.default: the first copy is refused, and the broker closes the channel with the cause, so
+    // the replay stops there (exit 1), its report naming the cause; every message is left where it is.
     let out = replay.run(&env, &args);
-    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(out.code, Some(1), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("ACCESS_REFUSED - access to exchange 'amq.default'")
+            && out
+                .stderr
+                .contains("stopped after 1 of 3 messages (0 replayed)"),
+        "{out:?}"
+    );
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!(report["replayed"], 0, "{report}");
-    assert_eq!(report["left"], 3, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["connection_lost"], false, "{report}");
     let first = report["items"][0]["error"].as_str().unwrap_or_default();
     assert!(
         first.contains("ACCESS_REFUSED - access to exchange 'amq.default'"),

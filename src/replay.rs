@@ -123,6 +123,9 @@ pub struct Report {
     pub interrupted: bool,
     /// Times the connection was lost and made again.
     pub reconnects: u32,
+    /// Copies of messages this run had already sent to the same origin (a dead-letter copy whose acknowledgement was
+    /// lost with the connection, or a second copy in the queue): acknowledged, not sent again.
+    pub already_replayed: u64,
     /// Why the replay stopped early on an error: the connection lost and not back in time, or the broker refusing
     /// something. What was done before is in `items`; the rest is where it was.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -282,6 +285,7 @@ pub async fn run(
             left: 0,
             interrupted: false,
             reconnects: 0,
+            already_replayed: 0,
             stopped: None,
             connection_lost: false,
             items: Vec::new(),
@@ -346,23 +350,28 @@ struct State<'a> {
     report: Report,
     /// Messages chosen so far (for `--limit`).
     selected: u64,
-    /// Message ids republished (confirmed) by this run, with the replay count their dead-letter copy had.
-    republished: HashMap<String, u32>,
+    /// Messages (with an id) republished by this run with the broker's confirm, with the replay count their
+    /// dead-letter copy had.
+    republished: HashMap<Key, u32>,
     /// Messages looked at and left where they were.
     left_in_place: HashSet<Key>,
 }
 
-/// How a message is recognised when it is seen again after a reconnect: its id, or for a message without one, its
+/// How a message is recognised when it is seen again: its id and where it goes (one dead-letter queue can collect
+/// the copies of one event from several queues: each is a message of its own), or for a message without an id, its
 /// body.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum Key {
-    Id(String),
+    Id { id: String, origin: Option<String> },
     Body(u64),
 }
 
-fn key(delivery: &Delivery, message_id: Option<&str>) -> Key {
+fn key(delivery: &Delivery, message_id: Option<&str>, origin: Option<&str>) -> Key {
     match message_id {
-        Some(id) => Key::Id(id.to_owned()),
+        Some(id) => Key::Id {
+            id: id.to_owned(),
+            origin: origin.map(str::to_owned),
+        },
         None => {
             use std::hash::{Hash as _, Hasher as _};
             let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -432,26 +441,28 @@ impl State<'_> {
                 .as_ref()
                 .map(|s| s.as_str().to_owned());
             let failure = failure(delivery.properties.headers().as_ref(), &plan.from);
-            if let Some(&replays) = message_id.as_ref().and_then(|id| self.republished.get(id)) {
+            let origin = plan.to.clone().or(failure.origin.clone());
+            let key = key(&delivery, message_id.as_deref(), origin.as_deref());
+            if let Some(&replays) = self.republished.get(&key) {
                 if failure.replays <= replays {
-                    // The dead-letter copy of a message this run republished, with the broker's confirm, just before
-                    // the connection was lost with its acknowledgement: acknowledge it now, do not send it again.
+                    // This run already sent this message to this origin, with the broker's confirm: the dead-letter
+                    // copy of it whose acknowledgement was lost with the connection, or a second copy of it (which
+                    // the origin's inbox would discard). Acknowledged, not sent again, counted.
                     inbound
                         .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
                         .await?;
+                    self.report.already_replayed += 1;
                     continue;
                 }
                 // A copy this run republished that failed again and is back: the snapshot is done.
                 *held = Some(delivery.delivery_tag);
                 break;
             }
-            let key = key(&delivery, message_id.as_deref());
             if self.left_in_place.contains(&key) {
                 // Looked at before the connection was lost, and left: step over it again.
                 *held = Some(delivery.delivery_tag);
                 continue;
             }
-            let origin = plan.to.clone().or(failure.origin.clone());
             let chosen = (plan.message_ids.is_empty()
                 || message_id
                     .as_ref()
@@ -511,8 +522,8 @@ impl State<'_> {
             match action {
                 Action::Replayed => {
                     self.report.replayed += 1;
-                    if let Some(id) = &message_id {
-                        self.republished.insert(id.clone(), failure.replays);
+                    if matches!(key, Key::Id { .. }) {
+                        self.republished.insert(key.clone(), failure.replays);
                     }
                 }
                 other => {

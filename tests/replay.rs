@@ -514,3 +514,44 @@ async fn a_dry_run_shows_hostile_reasons_inert() {
         "a dry run moves nothing"
     );
 }
+
+/// One dead-letter queue collecting the copies of one event from two queues (the event fanned out, both consumers
+/// failed): the same message id, two origins — each goes back to its own queue. A second copy for the same origin is
+/// acknowledged, not sent again (that inbox would discard it), and counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_message_id_from_two_queues_goes_back_to_both_and_a_second_copy_is_not_sent_again() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    for queue in ["fan-a", "fan-b", "fan.dlq"] {
+        channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    let id = uuid::Uuid::new_v4().to_string();
+    for origin in ["fan-a", "fan-b", "fan-a"] {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "MT-Fault-InputAddress".into(),
+            long(&format!("rabbitmq://localhost/{origin}")),
+        );
+        headers.insert("MT-Fault-Message".into(), long("boom"));
+        let props = BasicProperties::default()
+            .with_message_id(id.as_str().into())
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        common::publish(&conn, "", "fan.dlq", props, b"{}").await;
+    }
+    let report = replay_json(&env, &["--from", "fan.dlq"], 0);
+    assert_eq!(report["snapshot"], 3, "{report}");
+    assert_eq!(report["replayed"], 2, "{report}");
+    assert_eq!(report["already_replayed"], 1, "{report}");
+    assert_eq!(env.queue_counts("fan-a"), (1, 0));
+    assert_eq!(env.queue_counts("fan-b"), (1, 0));
+    assert_eq!(env.queue_counts("fan.dlq"), (0, 0));
+}

@@ -186,6 +186,12 @@ fn print(report: &Report) -> Result<()> {
     if report.left > 0 {
         summary.push_str(&format!("; {} left in place (see above)", report.left));
     }
+    if report.already_replayed > 0 {
+        summary.push_str(&format!(
+            "; {} copies of messages it had already sent acknowledged, not sent again",
+            report.already_replayed
+        ));
+    }
     if report.reconnects > 0 {
         summary.push_str(&format!(
             "; the connection was lost {} times and made again",

@@ -169,6 +169,7 @@ pub async fn publish(
         }),
         confirmed: 0,
         sent: 0,
+        prefix_broken: false,
         report: Report {
             exchange: exchange.to_owned(),
             duplicates: (order.len() - messages.len()) as u64,
@@ -176,12 +177,20 @@ pub async fn publish(
         },
     };
     let mut reconnected: Option<Connection> = None;
+    let mut fruitless = 0;
     loop {
         let current = reconnected.as_ref().unwrap_or(connection);
+        let confirmed_before = run.confirmed;
         match run.send_rest(current).await {
             Ok(()) => break,
             Err(e) if !crate::amqp::is_connection_lost(current, &e) => return Err(e),
             Err(e) => {
+                let _ = current.close(200, "reconnecting".into()).await;
+                fruitless = if run.confirmed > confirmed_before {
+                    0
+                } else {
+                    fruitless + 1
+                };
                 let in_flight = run.sent - run.confirmed;
                 tracing::warn!(
                     error = %e,
@@ -190,9 +199,19 @@ pub async fn publish(
                     unconfirmed_in_flight = in_flight,
                     "lost the connection to RabbitMQ; connecting again to send the unconfirmed rest"
                 );
-                let again = broker
-                    .reconnect("inboxctl publish", reconnect_for)
-                    .await
+                let gave_up = (fruitless >= crate::amqp::MAX_FRUITLESS_RECONNECTS).then(|| {
+                    Error::BrokerUnavailable {
+                        url: broker.display_url(),
+                        reason: format!(
+                            "the connection was lost {fruitless} times in a row without a confirm in between ({})",
+                            crate::redact::text(&e.to_string())
+                        ),
+                    }
+                });
+                let again = match gave_up {
+                    Some(e) => Err(e),
+                    None => broker.reconnect("inboxctl publish", reconnect_for, None).await,
+                }
                     .map_err(|last| Error::BrokerUnavailable {
                         url: broker.display_url(),
                         reason: format!(
@@ -243,6 +262,8 @@ struct Run<'a> {
     ticker: Option<tokio::time::Interval>,
     confirmed: usize,
     sent: usize,
+    /// Set when a confirm was taken from the window and failed: the copies after it are no longer a prefix.
+    prefix_broken: bool,
     report: Report,
 }
 
@@ -251,8 +272,11 @@ impl Run<'_> {
     /// error, the confirms that had already arrived still count.
     async fn send_rest(&mut self, connection: &Connection) -> Result<()> {
         let mut pending: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
+        self.prefix_broken = false;
         let result = self.send_rest_on(connection, &mut pending).await;
-        if result.is_err() {
+        // Only while the confirmed copies are still a prefix: after a copy whose confirm failed (a nack, say), later
+        // acks do not make it confirmed.
+        if result.is_err() && !self.prefix_broken {
             while let Some(confirm) = pending.pop_front() {
                 // Polled once: ready only if the broker's confirm had arrived before the failure.
                 match tokio::time::timeout(Duration::ZERO, confirm).await {
@@ -265,6 +289,13 @@ impl Run<'_> {
             }
         }
         result
+    }
+
+    /// Waits for the oldest confirm in the window; a failure breaks the confirmed prefix.
+    async fn settle(&mut self, confirm: PublisherConfirm) -> Result<()> {
+        let settled = settle(confirm, &mut self.report).await;
+        self.prefix_broken |= settled.is_err();
+        settled
     }
 
     async fn send_rest_on(
@@ -290,7 +321,7 @@ impl Run<'_> {
                     // later publish with only "invalid channel state"; the broker's reason comes with an earlier
                     // publish's confirm, so that is the error to report.
                     while let Some(confirm) = pending.pop_front() {
-                        settle(confirm, &mut self.report).await?;
+                        self.settle(confirm).await?;
                         self.confirmed += 1;
                     }
                     return Err(e);
@@ -300,12 +331,12 @@ impl Run<'_> {
             if pending.len() >= CONFIRM_WINDOW
                 && let Some(oldest) = pending.pop_front()
             {
-                settle(oldest, &mut self.report).await?;
+                self.settle(oldest).await?;
                 self.confirmed += 1;
             }
         }
         while let Some(confirm) = pending.pop_front() {
-            settle(confirm, &mut self.report).await?;
+            self.settle(confirm).await?;
             self.confirmed += 1;
         }
         let _ = channel.close(200, "OK".into()).await;

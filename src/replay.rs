@@ -16,7 +16,7 @@
 //! Dead-letter shapes understood: MassTransit's `<queue>_error` and `<queue>_skipped` (origin in
 //! `MT-Fault-InputAddress`, else the queue name) and RabbitMQ dead-letter-exchange queues (origin in `x-death`).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
@@ -73,6 +73,9 @@ pub enum Action {
     OriginUnknown,
     /// The broker refused or could not route the copy; left in place.
     PublishFailed,
+    /// A copy of a message this run already sent to the same origin (a second copy in the queue, or the first back
+    /// again without its replay count); left in place.
+    CopyOfReplayed,
 }
 
 impl Action {
@@ -80,7 +83,11 @@ impl Action {
     pub fn is_problem(self) -> bool {
         matches!(
             self,
-            Action::Expired | Action::MaxReplays | Action::OriginUnknown | Action::PublishFailed
+            Action::Expired
+                | Action::MaxReplays
+                | Action::OriginUnknown
+                | Action::PublishFailed
+                | Action::CopyOfReplayed
         )
     }
 
@@ -93,6 +100,7 @@ impl Action {
             Action::MaxReplays => "left: replayed too often",
             Action::OriginUnknown => "left: origin unknown (use --to)",
             Action::PublishFailed => "left: republish failed",
+            Action::CopyOfReplayed => "left: a copy of a message this run already replayed",
         }
     }
 }
@@ -123,8 +131,8 @@ pub struct Report {
     pub interrupted: bool,
     /// Times the connection was lost and made again.
     pub reconnects: u32,
-    /// Copies of messages this run had already sent to the same origin (a dead-letter copy whose acknowledgement was
-    /// lost with the connection, or a second copy in the queue): acknowledged, not sent again.
+    /// Dead-letter copies whose replay the broker had confirmed but whose acknowledgement was lost with the
+    /// connection, seen again after a reconnect: acknowledged, not sent again.
     pub already_replayed: u64,
     /// Why the replay stopped early on an error: the connection lost and not back in time, or the broker refusing
     /// something. What was done before is in `items`; the rest is where it was.
@@ -291,12 +299,15 @@ pub async fn run(
             items: Vec::new(),
         },
         selected: 0,
+        pass: 0,
         republished: HashMap::new(),
-        left_in_place: HashSet::new(),
+        left_in_place: HashMap::new(),
     };
     let mut reconnected: Option<Connection> = None;
+    let mut fruitless = 0;
     loop {
         let current = reconnected.as_ref().unwrap_or(connection);
+        let done_before = state.report.items.len() as u64 + state.report.already_replayed;
         match state.pass(current, shutdown, &mut progress).await {
             Ok(()) => break,
             Err(e) if !crate::amqp::is_connection_lost(current, &e) => {
@@ -315,7 +326,27 @@ pub async fn run(
                     "lost the connection to RabbitMQ; connecting again to go on (the messages held go back to {} by themselves)",
                     crate::sanitize::text(&plan.from)
                 );
-                match broker.reconnect("inboxctl replay", reconnect_for).await {
+                // Closed for certain, so that nothing it held stays unacknowledged out of the next pass's sight.
+                let _ = current.close(200, "reconnecting".into()).await;
+                let done_after = state.report.items.len() as u64 + state.report.already_replayed;
+                fruitless = if done_after > done_before {
+                    0
+                } else {
+                    fruitless + 1
+                };
+                if fruitless >= crate::amqp::MAX_FRUITLESS_RECONNECTS {
+                    state.report.interrupted = true;
+                    state.report.connection_lost = true;
+                    state.report.stopped = Some(format!(
+                        "the connection was lost {fruitless} times in a row without any progress: {}",
+                        crate::redact::text(&e.to_string())
+                    ));
+                    break;
+                }
+                match broker
+                    .reconnect("inboxctl replay", reconnect_for, Some(shutdown))
+                    .await
+                {
                     Ok(again) => {
                         state.report.reconnects += 1;
                         if let Some(old) = reconnected.replace(again) {
@@ -350,11 +381,13 @@ struct State<'a> {
     report: Report,
     /// Messages chosen so far (for `--limit`).
     selected: u64,
-    /// Messages (with an id) republished by this run with the broker's confirm, with the replay count their
-    /// dead-letter copy had.
-    republished: HashMap<Key, u32>,
-    /// Messages looked at and left where they were.
-    left_in_place: HashSet<Key>,
+    /// The pass over one connection this is (1 before the first reconnect).
+    pass: u32,
+    /// Messages republished by this run with the broker's confirm: the replay count their dead-letter copy had, and
+    /// the pass they were sent in.
+    republished: HashMap<Key, (u32, u32)>,
+    /// Messages looked at and left where they were, and the pass they were looked at in.
+    left_in_place: HashMap<Key, u32>,
 }
 
 /// How a message is recognised when it is seen again: its id and where it goes (one dead-letter queue can collect
@@ -389,6 +422,7 @@ impl State<'_> {
         shutdown: &CancellationToken,
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
+        self.pass += 1;
         let inbound = connection.create_channel().await?;
         let outbound = connection.create_channel().await?;
         outbound
@@ -443,22 +477,32 @@ impl State<'_> {
             let failure = failure(delivery.properties.headers().as_ref(), &plan.from);
             let origin = plan.to.clone().or(failure.origin.clone());
             let key = key(&delivery, message_id.as_deref(), origin.as_deref());
-            if let Some(&replays) = self.republished.get(&key) {
-                if failure.replays <= replays {
-                    // This run already sent this message to this origin, with the broker's confirm: the dead-letter
-                    // copy of it whose acknowledgement was lost with the connection, or a second copy of it (which
-                    // the origin's inbox would discard). Acknowledged, not sent again, counted.
+            let mut copy_of_replayed = false;
+            if let Some(&(replays, pass)) = self.republished.get(&key) {
+                if failure.replays > replays {
+                    // A copy this run republished that failed again and is back (its replay count is higher): not
+                    // taken again by this run.
+                    *held = Some(delivery.delivery_tag);
+                    continue;
+                }
+                if pass < self.pass && delivery.redelivered {
+                    // The dead-letter copy of a message this run sent, with the broker's confirm, before the
+                    // connection was lost with its acknowledgement: acknowledged now, not sent again.
                     inbound
                         .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
                         .await?;
                     self.report.already_replayed += 1;
                     continue;
                 }
-                // A copy this run republished that failed again and is back: the snapshot is done.
-                *held = Some(delivery.delivery_tag);
-                break;
+                // A second copy of a message already sent to this origin, or the first back again from a path that
+                // dropped its replay count: which, cannot be told, so it is left where it is, and said.
+                copy_of_replayed = true;
             }
-            if self.left_in_place.contains(&key) {
+            if self
+                .left_in_place
+                .get(&key)
+                .is_some_and(|&pass| pass < self.pass)
+            {
                 // Looked at before the connection was lost, and left: step over it again.
                 *held = Some(delivery.delivery_tag);
                 continue;
@@ -477,7 +521,9 @@ impl State<'_> {
 
             let mut error = None;
             let mut refused = None;
-            let action = if !chosen {
+            let action = if copy_of_replayed {
+                Action::CopyOfReplayed
+            } else if !chosen {
                 Action::NotSelected
             } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
                 Action::MaxReplays
@@ -516,22 +562,21 @@ impl State<'_> {
                     }
                 }
             };
-            if chosen {
+            if chosen && !copy_of_replayed {
                 self.selected += 1;
             }
             match action {
                 Action::Replayed => {
                     self.report.replayed += 1;
-                    if matches!(key, Key::Id { .. }) {
-                        self.republished.insert(key.clone(), failure.replays);
-                    }
+                    self.republished
+                        .insert(key.clone(), (failure.replays, self.pass));
                 }
                 other => {
                     if other.is_problem() {
                         self.report.left += 1;
                     }
                     *held = Some(delivery.delivery_tag);
-                    self.left_in_place.insert(key);
+                    self.left_in_place.entry(key).or_insert(self.pass);
                 }
             }
             self.report.items.push(Item {

@@ -517,9 +517,10 @@ async fn a_dry_run_shows_hostile_reasons_inert() {
 
 /// One dead-letter queue collecting the copies of one event from two queues (the event fanned out, both consumers
 /// failed): the same message id, two origins — each goes back to its own queue. A second copy for the same origin is
-/// acknowledged, not sent again (that inbox would discard it), and counted.
+/// left where it is and said (it cannot be told from the first failing again on a path that dropped the replay
+/// count): nothing deleted.
 #[tokio::test(flavor = "multi_thread")]
-async fn one_message_id_from_two_queues_goes_back_to_both_and_a_second_copy_is_not_sent_again() {
+async fn one_message_id_from_two_queues_goes_back_to_both_and_a_second_copy_stays() {
     let env = TestEnv::bare().await;
     let conn = env.amqp().await;
     let channel = conn.create_channel().await.unwrap();
@@ -547,11 +548,77 @@ async fn one_message_id_from_two_queues_goes_back_to_both_and_a_second_copy_is_n
             .with_headers(headers);
         common::publish(&conn, "", "fan.dlq", props, b"{}").await;
     }
-    let report = replay_json(&env, &["--from", "fan.dlq"], 0);
+    let report = replay_json(&env, &["--from", "fan.dlq"], 3);
     assert_eq!(report["snapshot"], 3, "{report}");
     assert_eq!(report["replayed"], 2, "{report}");
-    assert_eq!(report["already_replayed"], 1, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["items"][2]["action"], "copy_of_replayed", "{report}");
+    assert_eq!(report["already_replayed"], 0, "{report}");
     assert_eq!(env.queue_counts("fan-a"), (1, 0));
     assert_eq!(env.queue_counts("fan-b"), (1, 0));
-    assert_eq!(env.queue_counts("fan.dlq"), (0, 0));
+    assert_eq!(env.queue_counts("fan.dlq"), (1, 0));
+}
+
+/// The connection lost between a confirmed republish and the acknowledgement of its dead-letter copy (a failpoint
+/// holds the replay there while a proxy cuts the connection): the replay connects again, finds that copy back
+/// (redelivered, its replay count unchanged), acknowledges it without sending it again, and goes on. Exactly one copy
+/// of each of the three messages on the origin queue, none left behind.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acknowledgement_lost_with_the_connection_is_made_again_without_a_second_copy() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    for queue in ["lost-a", "lost.dlq"] {
+        channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    for _ in 0..3 {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "MT-Fault-InputAddress".into(),
+            long("rabbitmq://localhost/lost-a"),
+        );
+        let props = BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        common::publish(&conn, "", "lost.dlq", props, b"{}").await;
+    }
+    let proxy = common::Proxy::start("127.0.0.1:5672").await;
+    let proxied = format!("amqp://guest:guest@127.0.0.1:{}/{}", proxy.port, env.vhost);
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "lost.dlq", "--json"],
+        &[
+            ("AMQP_URL", proxied.as_str()),
+            (
+                "INBOXCTL_FAILPOINTS",
+                "replay-after-publish=sleep-once-3000",
+            ),
+        ],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-after-publish reached",
+        Duration::from_secs(30),
+    );
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    proxy.restore();
+    assert_eq!(
+        replay.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(report["already_replayed"], 1, "{report}");
+    assert_eq!(report["reconnects"], 1, "{report}");
+    assert_eq!(env.queue_counts("lost-a"), (3, 0), "one copy each");
+    assert_eq!(env.queue_counts("lost.dlq"), (0, 0));
 }

@@ -144,10 +144,20 @@ impl Broker {
     }
 }
 
+/// A publisher or a replay that loses its connection this many times in a row without getting anything done in
+/// between (a connection that flaps, an error that ends every connection) stops rather than trying forever.
+pub const MAX_FRUITLESS_RECONNECTS: u32 = 5;
+
 impl Broker {
     /// Connects again after a lost connection: tries with a backoff (0.1 s doubling to 5 s) for up to `within`, then
-    /// gives up with the last reason (at once, without a try, when `within` is zero). Each failed try is logged.
-    pub async fn reconnect(&self, name: &str, within: Duration) -> Result<Connection> {
+    /// gives up with the last reason (at once, without a try, when `within` is zero; and when `shutdown` is
+    /// cancelled). Each failed try is logged.
+    pub async fn reconnect(
+        &self,
+        name: &str,
+        within: Duration,
+        shutdown: Option<&tokio_util::sync::CancellationToken>,
+    ) -> Result<Connection> {
         let deadline = tokio::time::Instant::now() + within;
         let mut delay = Duration::from_millis(100);
         if within.is_zero() {
@@ -157,18 +167,36 @@ impl Broker {
             });
         }
         loop {
-            match self.connect(name).await {
+            let attempt = async {
+                match shutdown {
+                    Some(token) => tokio::select! {
+                        () = token.cancelled() => Err(Error::BrokerUnavailable {
+                            url: self.display_url(),
+                            reason: "interrupted while connecting again".to_owned(),
+                        }),
+                        result = self.connect(name) => result,
+                    },
+                    None => self.connect(name).await,
+                }
+            };
+            match attempt.await {
                 Ok(connection) => {
                     tracing::info!(url = %self.display_url(), "connected to RabbitMQ again");
                     return Ok(connection);
                 }
                 Err(e) => {
                     let now = tokio::time::Instant::now();
-                    if now + delay > deadline {
+                    if now + delay > deadline || shutdown.is_some_and(|t| t.is_cancelled()) {
                         return Err(e);
                     }
                     tracing::warn!(error = %e, retry_in = ?delay, "RabbitMQ unavailable");
-                    tokio::time::sleep(delay).await;
+                    match shutdown {
+                        Some(token) => tokio::select! {
+                            () = token.cancelled() => return Err(e),
+                            () = tokio::time::sleep(delay) => {}
+                        },
+                        None => tokio::time::sleep(delay).await,
+                    }
                     delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }

@@ -685,6 +685,8 @@ fn spawn_consumer(
         let mut cmd = peer.node("consume");
         cmd.env("DATABASE_URL", scratch.db.url())
             .env("AMQP_URL", broker.url())
+            .env_remove("DATABASE_PASSWORD_FILE")
+            .env_remove("AMQP_PASSWORD_FILE")
             .env("QUEUE", &scratch.queue)
             .env("CONCURRENCY", options.concurrency.to_string())
             .env("PREFETCH", options.prefetch.to_string())
@@ -708,8 +710,12 @@ fn spawn_consumer(
     .args(["--exchange", &scratch.exchange])
     .args(["--concurrency", &options.concurrency.to_string()])
     .args(["--prefetch", &options.prefetch.to_string()])
+    // The URLs carry the passwords (from a password file too): a password file inherited as well would be a
+    // password given twice.
     .env("DATABASE_URL", scratch.db.url())
     .env("AMQP_URL", broker.url())
+    .env_remove("DATABASE_PASSWORD_FILE")
+    .env_remove("AMQP_PASSWORD_FILE")
     .envs(broker.ca_file().map(|p| ("AMQP_CA_FILE", p)))
     // The same quiet logging for every mode: a WARN line per duplicate would tax the modes that find them.
     .env("RUST_LOG", "error")

@@ -225,7 +225,6 @@ pub async fn publish(
                             humantime::format_duration(reconnect_for)
                         ),
                     })?;
-                crate::amqp::topology::ensure_event_exchange(&again, exchange).await?;
                 run.report.reconnects += 1;
                 run.report.resent += in_flight as u64;
                 run.sent = run.confirmed;
@@ -303,6 +302,11 @@ impl Run<'_> {
         connection: &Connection,
         pending: &mut VecDeque<PublisherConfirm>,
     ) -> Result<()> {
+        if self.report.reconnects > 0 {
+            // After a reconnect, as at the start: the exchange exists (inside the retry, so a second loss here is
+            // handled like any other).
+            crate::amqp::topology::ensure_event_exchange(connection, self.exchange).await?;
+        }
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())

@@ -12,9 +12,10 @@ fn secrets() -> &'static Mutex<Vec<String>> {
     SECRETS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
-/// Remembers the password of `url` (if it has one), so that [`text`] removes it wherever it appears.
+/// Remembers the password of `url` (if it has one, in its user information or as libpq's `password=` parameter),
+/// so that [`text`] removes it wherever it appears.
 pub fn register_url(url: &str) {
-    if let Some(password) = password_of(url) {
+    for password in password_of(url).into_iter().chain(query_password(url)) {
         register(&password);
         if let Ok(decoded) = percent_decode(&password) {
             register(&decoded);
@@ -52,16 +53,47 @@ pub fn text(text: &str) -> String {
     out
 }
 
-/// A URL with its password, if any, replaced by `***`.
+/// A URL with its password, if any, replaced by `***` (in the user information, and a `password=` parameter).
 pub fn url(url: &str) -> String {
-    match userinfo_span(url) {
+    let masked = match userinfo_span(url) {
         Some((_, Some(password))) => format!("{}{MASK}{}", &url[..password.0], &url[password.1..]),
         _ => url.to_owned(),
+    };
+    match query_password_span(&masked) {
+        Some((start, end)) => format!("{}{MASK}{}", &masked[..start], &masked[end..]),
+        None => masked,
     }
 }
 
-/// The password written in `url`, if it has one (percent-encoded as written).
-pub fn password_of(url: &str) -> Option<String> {
+/// Whether `url` carries a password: in its user information, or as a `password=` parameter.
+pub fn has_password(url: &str) -> bool {
+    password_of(url).is_some() || query_password(url).is_some()
+}
+
+fn query_password(url: &str) -> Option<String> {
+    let (start, end) = query_password_span(url)?;
+    Some(url[start..end].to_owned())
+}
+
+/// The byte span of the value of a `password=` query parameter (libpq's URLs accept one).
+fn query_password_span(url: &str) -> Option<(usize, usize)> {
+    let query_start = url.find('?')? + 1;
+    let query_end = url[query_start..]
+        .find('#')
+        .map_or(url.len(), |i| query_start + i);
+    let mut offset = query_start;
+    for pair in url[query_start..query_end].split('&') {
+        if let Some(value) = pair.strip_prefix("password=") {
+            let start = offset + "password=".len();
+            return (!value.is_empty()).then_some((start, start + value.len()));
+        }
+        offset += pair.len() + 1;
+    }
+    None
+}
+
+/// The password written in `url`'s user information, if it has one (percent-encoded as written).
+fn password_of(url: &str) -> Option<String> {
     let (_, password) = userinfo_span(url)?;
     let (start, end) = password?;
     Some(url[start..end].to_owned())
@@ -138,6 +170,21 @@ mod tests {
             "amqp://127.0.0.1:5672/%2f"
         );
         assert_eq!(url("amqp://u:p%40ss@h/v"), "amqp://u:***@h/v");
+        assert_eq!(
+            url("postgres://app@db/parcels?sslmode=require&password=s3cret-q&application_name=x"),
+            "postgres://app@db/parcels?sslmode=require&password=***&application_name=x"
+        );
+        assert!(has_password("postgres://app@db/parcels?password=s3cret-q"));
+        assert!(!has_password("postgres://app@db/parcels?sslmode=require"));
+    }
+
+    #[test]
+    fn registers_a_password_given_as_a_parameter() {
+        register_url("postgres://app@db/x?password=q-param-pw");
+        assert_eq!(
+            text("password q-param-pw rejected"),
+            "password *** rejected"
+        );
     }
 
     #[test]

@@ -6,14 +6,28 @@ use std::path::Path;
 use crate::error::{Error, Result};
 use crate::redact;
 
+/// A password file longer than this is not a password file.
+const MAX_PASSWORD_FILE: u64 = 64 * 1024;
+
 /// Reads the password in `path` for the option `flag`: the file's text without its final line end. Registered for
 /// redaction before anything can print it. An unreadable or empty file, or one of more than one line, is a usage error
 /// that names the file, never its content.
 pub fn read_password_file(flag: &str, path: &Path) -> Result<String> {
-    let bytes =
-        std::fs::read(path).map_err(|e| Error::Usage(format!("{flag} {}: {e}", path.display())))?;
+    use std::io::Read as _;
+    let path_text = path.display().to_string();
+    let shown = crate::sanitize::text(&path_text);
+    // Read through a bound: a pipe (`<(pass show db)`) works, and `/dev/zero` does not fill the memory.
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(MAX_PASSWORD_FILE + 1).read_to_end(&mut bytes))
+        .map_err(|e| Error::Usage(format!("{flag} {shown}: {e}")))?;
+    if bytes.len() as u64 > MAX_PASSWORD_FILE {
+        return Err(Error::Usage(format!(
+            "{flag} {shown}: longer than {MAX_PASSWORD_FILE} bytes; it must hold the password alone"
+        )));
+    }
     let text = String::from_utf8(bytes)
-        .map_err(|_| Error::Usage(format!("{flag} {}: not UTF-8 text", path.display())))?;
+        .map_err(|_| Error::Usage(format!("{flag} {shown}: not UTF-8 text")))?;
     let password = text
         .strip_suffix("\r\n")
         .or_else(|| text.strip_suffix('\n'))
@@ -21,15 +35,11 @@ pub fn read_password_file(flag: &str, path: &Path) -> Result<String> {
         .to_owned();
     redact::register(&password);
     if password.is_empty() {
-        return Err(Error::Usage(format!(
-            "{flag} {}: the file is empty",
-            path.display()
-        )));
+        return Err(Error::Usage(format!("{flag} {shown}: the file is empty")));
     }
     if password.contains(['\n', '\r']) {
         return Err(Error::Usage(format!(
-            "{flag} {}: the file holds more than one line; it must hold the password alone",
-            path.display()
+            "{flag} {shown}: the file holds more than one line; it must hold the password alone"
         )));
     }
     warn_if_shared(flag, path);

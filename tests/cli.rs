@@ -93,6 +93,17 @@ fn an_unreachable_database_is_named_without_its_password() {
         !help.stdout.contains(secret),
         "--help must not show the environment's password"
     );
+
+    // libpq's URLs also take the password as a parameter.
+    let url = format!("postgres://app@127.0.0.1:1/parceltracker?password={secret}&sslmode=disable");
+    let out = run(&["migrate"], &[("DATABASE_URL", &url)]);
+    assert_eq!(out.code, Some(69), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("postgres://app@127.0.0.1:1/parceltracker?password=***&sslmode=disable"),
+        "{out:?}"
+    );
+    assert!(!out.stderr.contains(secret), "{out:?}");
 }
 
 #[test]

@@ -61,7 +61,7 @@ impl Broker {
         }
         if let Some(path) = &opts.amqp_password_file {
             let password = secret::read_password_file("--amqp-password-file", path)?;
-            if redact::password_of(&opts.amqp_url).is_some() {
+            if redact::has_password(&opts.amqp_url) {
                 return Err(secret::given_twice("--amqp-url", "--amqp-password-file"));
             }
             broker.url = secret::url_with_password(

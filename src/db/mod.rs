@@ -46,7 +46,7 @@ impl Database {
         let mut db = Self::from_url(&opts.database_url)?;
         if let Some(path) = &opts.database_password_file {
             let password = secret::read_password_file("--database-password-file", path)?;
-            if redact::password_of(&opts.database_url).is_some() {
+            if redact::has_password(&opts.database_url) {
                 return Err(secret::given_twice(
                     "--database-url",
                     "--database-password-file",

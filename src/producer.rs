@@ -7,6 +7,7 @@ use std::time::Duration;
 use chrono::Utc;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::amqp::Broker;
@@ -60,6 +61,11 @@ pub struct Report {
     pub reconnects: u32,
     /// Copies sent again after a reconnect because their confirm had not arrived (some may have arrived twice).
     pub resent: u64,
+    /// Copies the run meant to send (messages and their copies).
+    pub planned: u64,
+    /// Stopped early by a signal: `published` and `duplicates` count the copies the broker confirmed, the first ones
+    /// of the run's order.
+    pub interrupted: bool,
     pub exchange: String,
     #[serde(skip)]
     pub messages: Vec<Message>,
@@ -152,6 +158,7 @@ pub async fn publish(
     exchange: &str,
     plan: &Plan,
     reconnect_for: Duration,
+    shutdown: &CancellationToken,
 ) -> Result<Report> {
     let messages = messages(plan);
     let order = schedule(messages.len(), plan.duplicates);
@@ -173,6 +180,7 @@ pub async fn publish(
         report: Report {
             exchange: exchange.to_owned(),
             duplicates: (order.len() - messages.len()) as u64,
+            planned: order.len() as u64,
             ..Report::default()
         },
     };
@@ -181,7 +189,7 @@ pub async fn publish(
     loop {
         let current = reconnected.as_ref().unwrap_or(connection);
         let confirmed_before = run.confirmed;
-        match run.send_rest(current).await {
+        match run.send_rest(current, shutdown).await {
             Ok(()) => break,
             Err(e) if !crate::amqp::is_connection_lost(current, &e) => return Err(e),
             Err(e) => {
@@ -210,7 +218,11 @@ pub async fn publish(
                 });
                 let again = match gave_up {
                     Some(e) => Err(e),
-                    None => broker.reconnect("inboxctl publish", reconnect_for, None).await,
+                    None => {
+                        broker
+                            .reconnect("inboxctl publish", reconnect_for, Some(shutdown))
+                            .await
+                    }
                 }
                     .map_err(|last| Error::BrokerUnavailable {
                         url: broker.display_url(),
@@ -238,7 +250,22 @@ pub async fn publish(
         let _ = own.close(200, "OK".into()).await;
     }
     let mut report = run.report;
-    report.published = messages.len() as u64;
+    if run.confirmed < order.len() {
+        // Interrupted: the confirmed copies are the first ones of the order; count what they were.
+        report.interrupted = true;
+        let mut seen = vec![false; messages.len()];
+        report.published = 0;
+        report.duplicates = 0;
+        for &index in &order[..run.confirmed] {
+            if std::mem::replace(&mut seen[index], true) {
+                report.duplicates += 1;
+            } else {
+                report.published += 1;
+            }
+        }
+    } else {
+        report.published = messages.len() as u64;
+    }
     report.messages = messages;
     Ok(report)
 }
@@ -269,10 +296,14 @@ struct Run<'a> {
 impl Run<'_> {
     /// Sends every copy from the first unconfirmed one on, over a new confirm-mode channel of `connection`. On an
     /// error, the confirms that had already arrived still count.
-    async fn send_rest(&mut self, connection: &Connection) -> Result<()> {
+    async fn send_rest(
+        &mut self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+    ) -> Result<()> {
         let mut pending: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
         self.prefix_broken = false;
-        let result = self.send_rest_on(connection, &mut pending).await;
+        let result = self.send_rest_on(connection, &mut pending, shutdown).await;
         // Only while the confirmed copies are still a prefix: after a copy whose confirm failed (a nack, say), later
         // acks do not make it confirmed.
         if result.is_err() && !self.prefix_broken {
@@ -301,6 +332,7 @@ impl Run<'_> {
         &mut self,
         connection: &Connection,
         pending: &mut VecDeque<PublisherConfirm>,
+        shutdown: &CancellationToken,
     ) -> Result<()> {
         if self.report.reconnects > 0 {
             // After a reconnect, as at the start: the exchange exists (inside the retry, so a second loss here is
@@ -314,7 +346,14 @@ impl Run<'_> {
         // Confirms arrive in order, so the confirmed copies are always a prefix of the order.
         while self.sent < self.order.len() {
             if let Some(ticker) = self.ticker.as_mut() {
-                ticker.tick().await;
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    _ = ticker.tick() => {}
+                }
+            }
+            if shutdown.is_cancelled() {
+                // Stop sending; what was sent is confirmed below, and the report says how far it got.
+                break;
             }
             let message = &self.messages[self.order[self.sent]];
             let (properties, body) = envelope(message, self.broker, self.exchange, self.host);

@@ -784,3 +784,37 @@ async fn a_custom_consumer_type_is_its_own_scope() {
     .unwrap();
     assert_eq!(queue, CARRIER_QUEUE);
 }
+
+/// `publish` stopped by SIGTERM midway: it stops sending, waits for the confirms of what it sent, and says how far it
+/// got (exit 3, `interrupted`); exactly those copies are on the queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interrupted_publish_says_how_many_the_broker_confirmed() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "2000",
+        "--rate",
+        "100",
+        "--json",
+    ]);
+    common::eventually("some published", Duration::from_secs(30), || async {
+        env.queue_counts(CARRIER_QUEUE).0 >= 50
+    })
+    .await;
+    publisher.terminate();
+    assert_eq!(
+        publisher.wait(Duration::from_secs(20)),
+        Some(3),
+        "{}",
+        publisher.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(publisher.stdout().trim()).unwrap();
+    assert_eq!(report["interrupted"], true, "{report}");
+    assert_eq!(report["planned"], 2000, "{report}");
+    let published = report["published"].as_u64().unwrap();
+    assert!((50..2000).contains(&published), "{report}");
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (published, 0));
+}

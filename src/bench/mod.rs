@@ -533,7 +533,15 @@ async fn measure(
         destination: None,
     };
     // A measurement with a lost connection in it would not be one: fail instead of resuming.
-    producer::publish(connection, broker, &scratch.exchange, &plan, Duration::ZERO).await?;
+    producer::publish(
+        connection,
+        broker,
+        &scratch.exchange,
+        &plan,
+        Duration::ZERO,
+        shutdown,
+    )
+    .await?;
     consume_until_idle(scratch, broker, options).await?;
     let (effects, parcels): (i64, i64) = sqlx::query_as(sql::BENCH_DUPLICATE_EFFECTS)
         .fetch_one(&scratch.pool)

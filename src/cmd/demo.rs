@@ -70,6 +70,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         topology::PARCEL_CREATED_EXCHANGE,
         &plan,
         Duration::from_secs(30),
+        &shutdown,
     )
     .await?;
     let _ = connection.close(200, "OK".into()).await;

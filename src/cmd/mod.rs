@@ -50,7 +50,7 @@ pub async fn run(
         Command::Migrate(args) => migrate::run(args, global).await,
         Command::Consume(args) => consume::run(args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
-        Command::Publish(args) => publish::run(args, global).await,
+        Command::Publish(args) => publish::run(args, global, shutdown).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
         Command::Stats(args) => stats::run(args, global).await,
         Command::Top(args) => top::run(args, global, shutdown).await,

@@ -65,7 +65,11 @@ fn parse_rate(s: &str) -> Result<f64, String> {
     Ok(r)
 }
 
-pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+pub async fn run(
+    args: Args,
+    global: &GlobalOpts,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<Outcome> {
     let Event::ParcelCreated(args) = args.event;
     crate::amqp::validate_name("--exchange", &args.exchange)?;
     if let Some(d) = &args.destination
@@ -90,6 +94,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
         &args.exchange,
         &plan,
         args.reconnect_timeout,
+        &shutdown,
     )
     .await?;
     let _ = connection.close(200, "OK".into()).await;
@@ -104,6 +109,13 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             sanitize::text(&report.exchange),
             sanitize::text(broker.vhost())
         );
+        if report.interrupted {
+            line.push_str(&format!(
+                "; interrupted: these are the copies the broker confirmed, {} of the {} planned",
+                report.published + report.duplicates,
+                report.planned
+            ));
+        }
         if report.reconnects > 0 {
             line.push_str(&format!(
                 "; the connection was lost {} times and made again, {} unconfirmed copies sent again",
@@ -111,6 +123,9 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             ));
         }
         output::line(&line)?;
+    }
+    if report.interrupted {
+        return Ok(Outcome::Partial);
     }
     if report.unroutable > 0 {
         tracing::warn!(

@@ -530,7 +530,7 @@ async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<
             bookkeeping_failed(
                 "redelivery not counted",
                 "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
-                id,
+                Some(id),
                 &e,
             );
             None
@@ -550,7 +550,7 @@ async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static s
         bookkeeping_failed(
             "redelivery count not kept",
             "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
-            id,
+            Some(id),
             &e,
         );
     }
@@ -562,7 +562,7 @@ async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static s
 fn bookkeeping_failed(
     what: &'static str,
     consequence: &'static str,
-    id: Uuid,
+    id: Option<Uuid>,
     error: &sqlx::Error,
 ) {
     static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
@@ -575,9 +575,9 @@ fn bookkeeping_failed(
         }
     };
     if first {
-        tracing::warn!(message_id = %id, error = %text, "{what}: {consequence} (said once; the rest at -v)");
+        tracing::warn!(message_id = ?id, error = %text, "{what}: {consequence} (said once; the rest at -v)");
     } else {
-        tracing::debug!(message_id = %id, error = %text, "{what}");
+        tracing::debug!(message_id = ?id, error = %text, "{what}");
     }
 }
 
@@ -1136,7 +1136,7 @@ async fn record_event<C: Consumer>(
         bookkeeping_failed(
             "could not record an event in inboxctl_events",
             "the counters that stats and top show miss it (a grant on inboxctl_events missing?)",
-            message_id.unwrap_or_default(),
+            message_id,
             &e,
         );
     }

@@ -549,6 +549,12 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
         "permission denied for table inbox_messages",
         Duration::from_secs(30),
     );
+    assert!(
+        held.stderr()
+            .contains("PostgreSQL refuses the inbox's own statements (a grant or the schema"),
+        "said for what it is, not as an outage: {}",
+        held.stderr()
+    );
     let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
     assert_eq!(ready + unacked, 5, "nothing acked");
     held.terminate();

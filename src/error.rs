@@ -16,6 +16,8 @@ pub mod exit {
     pub const NO_INPUT: u8 = 66;
     /// PostgreSQL or RabbitMQ could not be reached.
     pub const UNAVAILABLE: u8 = 69;
+    /// The role lacks privileges the command needs.
+    pub const NO_PERMISSION: u8 = 77;
     /// The database is not in a state inboxctl can work with (schema missing or incompatible).
     pub const CONFIG: u8 = 78;
 }
@@ -47,6 +49,16 @@ pub enum Error {
     SchemaIncompatible {
         database: String,
         differences: Vec<String>,
+    },
+
+    #[error(
+        "the PostgreSQL role {role:?} lacks privileges that {command} needs: {}; see the README's security section",
+        .missing.join("; ")
+    )]
+    PermissionMissing {
+        role: String,
+        command: &'static str,
+        missing: Vec<String>,
     },
 
     #[error("PostgreSQL: {0}")]
@@ -82,6 +94,7 @@ impl Error {
             | Error::BrokerUnavailable { .. }
             | Error::Tool(_) => exit::UNAVAILABLE,
             Error::SchemaMissing { .. } | Error::SchemaIncompatible { .. } => exit::CONFIG,
+            Error::PermissionMissing { .. } => exit::NO_PERMISSION,
             Error::Database(e) if crate::db::is_transient(e) => exit::UNAVAILABLE,
             Error::Broker(e) if e.is_io_error() => exit::UNAVAILABLE,
             Error::Database(_)

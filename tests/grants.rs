@@ -490,19 +490,27 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
     let error_queue = format!("{CARRIER_QUEUE}_error");
     let skipped_queue = format!("{CARRIER_QUEUE}_skipped");
 
-    // Without SELECT on inboxctl_consumers (its registration is an upsert): refused at start, before any delivery.
+    // Without SELECT on inboxctl_consumers (its registration is an upsert) and INSERT on inbox_messages (the
+    // claim): refused at start, before any delivery, each missing privilege named (exit 77).
     grant(
         &admin,
         &carrier_role.name,
-        "REVOKE SELECT ON inboxctl_consumers FROM {role}",
+        "REVOKE SELECT ON inboxctl_consumers FROM {role}; REVOKE INSERT ON inbox_messages FROM {role}",
     )
     .await;
     let out = carrier.run(&env, &["consume", "carrier", "--exit-when-idle", "500ms"]);
-    assert_refused(&out, 1, &["permission denied for table inboxctl_consumers"]);
+    assert_refused(
+        &out,
+        77,
+        &[
+            "lacks privileges that consume needs: INSERT on inbox_messages; SELECT on inboxctl_consumers",
+            "security section",
+        ],
+    );
     grant(
         &admin,
         &carrier_role.name,
-        "GRANT SELECT ON inboxctl_consumers TO {role}",
+        "GRANT SELECT ON inboxctl_consumers TO {role}; GRANT INSERT ON inbox_messages TO {role}",
     )
     .await;
 
@@ -525,15 +533,8 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
     carrier.consume(&env, &["carrier"]);
     notification.consume(&env, &["notification"]);
 
-    // Without INSERT on inbox_messages (the claim): deliveries are held with the cause named, nothing is acked or
-    // written, and a stop gives them all back.
-    grant(
-        &admin,
-        &carrier_role.name,
-        "REVOKE INSERT ON inbox_messages FROM {role}",
-    )
-    .await;
-    common::publish_parcels(&env, &["--count", "5"]);
+    // INSERT on inbox_messages (the claim) taken away under a running consumer: deliveries are held with the cause
+    // named, nothing is acked or written, and a stop gives them all back.
     let mut held = carrier.spawn(
         &env,
         &[
@@ -545,6 +546,14 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
             "5s",
         ],
     );
+    held.wait_for_stderr("consuming", Duration::from_secs(30));
+    grant(
+        &admin,
+        &carrier_role.name,
+        "REVOKE INSERT ON inbox_messages FROM {role}",
+    )
+    .await;
+    common::publish_parcels(&env, &["--count", "5"]);
     held.wait_for_stderr(
         "permission denied for table inbox_messages",
         Duration::from_secs(30),
@@ -658,16 +667,30 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
     );
 
     // Without grants on inboxctl_attempts: redelivered messages cannot have their starts counted, so poison-message
-    // detection is off. They are processed all the same, and the missing grant is a warning said once, not silence
-    // and not a line per message. (Two messages made redelivered the way the claim's missing grant did above.)
+    // detection is off. Said at start, and once when it happens; the messages are processed all the same. (Two
+    // messages made redelivered the way the claim's missing grant did above.)
     grant(
         &admin,
         &carrier_role.name,
-        "REVOKE ALL ON inboxctl_attempts FROM {role}; REVOKE INSERT ON inbox_messages FROM {role}",
+        "REVOKE ALL ON inboxctl_attempts FROM {role}",
+    )
+    .await;
+    let mut held = carrier.spawn(&env, &["consume", "carrier", "--shutdown-timeout", "5s"]);
+    held.wait_for_stderr("consuming", Duration::from_secs(30));
+    assert!(
+        held.stderr().contains(
+            "the role lacks privileges on inboxctl_attempts: poison-message detection is off"
+        ),
+        "{}",
+        held.stderr()
+    );
+    grant(
+        &admin,
+        &carrier_role.name,
+        "REVOKE INSERT ON inbox_messages FROM {role}",
     )
     .await;
     common::publish_parcels(&env, &["--count", "2"]);
-    let mut held = carrier.spawn(&env, &["consume", "carrier", "--shutdown-timeout", "5s"]);
     held.wait_for_stderr(
         "permission denied for table inbox_messages",
         Duration::from_secs(30),

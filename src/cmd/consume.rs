@@ -179,6 +179,9 @@ pub async fn run_consumer(
         .pool(pool_size)
         .await?;
     check_schema(&pool, db).await?;
+    if args.claim == Claim::Inbox {
+        check_privileges(&pool, db, args.consumer).await?;
+    }
 
     let counts = Arc::new(RunCounts::default());
     if let Some(addr) = args.metrics_addr {
@@ -251,6 +254,60 @@ async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
         });
     }
     Ok(())
+}
+
+impl Kind {
+    /// The table its stand-in effect writes.
+    fn effect_table(self) -> &'static str {
+        match self {
+            Kind::Carrier => "carrier_reservations",
+            Kind::Notification => "notifications_sent",
+        }
+    }
+}
+
+/// Refuses to start when the role lacks a privilege the claim or the effect needs (the README's security section),
+/// naming each: otherwise every delivery would be held with the same error. A missing privilege on
+/// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
+async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
+    let needs: [(&str, &str); 5] = [
+        ("inbox_messages", "SELECT,INSERT,DELETE"),
+        (kind.effect_table(), "INSERT"),
+        ("inboxctl_events", "INSERT"),
+        ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),
+        ("inboxctl_attempts", "SELECT,INSERT,UPDATE,DELETE"),
+    ];
+    let (tables, privileges): (Vec<&str>, Vec<&str>) = needs.into_iter().unzip();
+    let missing: Vec<(String, String)> = sqlx::query_as(crate::db::sql::MISSING_PRIVILEGES)
+        .bind(&tables)
+        .bind(&privileges)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| match crate::db::is_transient(&e) {
+            true => db.unavailable(e),
+            false => Error::Database(e),
+        })?;
+    let (attempts, required): (Vec<_>, Vec<_>) = missing
+        .into_iter()
+        .partition(|(table, _)| table == "inboxctl_attempts");
+    if let Some((_, privileges)) = attempts.first() {
+        tracing::warn!(
+            missing = %privileges,
+            "the role lacks privileges on inboxctl_attempts: poison-message detection is off (a message that ends \
+             the process every time will keep coming back)"
+        );
+    }
+    if required.is_empty() {
+        return Ok(());
+    }
+    Err(Error::PermissionMissing {
+        role: db.options().get_username().to_owned(),
+        command: "consume",
+        missing: required
+            .into_iter()
+            .map(|(table, privileges)| format!("{privileges} on {table}"))
+            .collect(),
+    })
 }
 
 /// The consumer's counters, as `inbox_*` metrics labelled with its consumer_type.

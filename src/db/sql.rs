@@ -318,6 +318,16 @@ pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// The privileges of `$1` (tables) × `$2` (privileges, comma-separated, per table) the current role lacks, per table,
+/// for the tables that exist. One row per table: (table, missing privileges).
+pub const MISSING_PRIVILEGES: &str = "\
+SELECT need.t, string_agg(p.privilege, ', ' ORDER BY p.n)
+FROM unnest($1::text[], $2::text[]) AS need(t, privileges)
+CROSS JOIN LATERAL unnest(string_to_array(need.privileges, ',')) WITH ORDINALITY AS p(privilege, n)
+WHERE to_regclass(need.t) IS NOT NULL AND NOT has_table_privilege(need.t, p.privilege)
+GROUP BY need.t
+ORDER BY min(array_position($1::text[], need.t))";
+
 #[cfg(test)]
 mod tests {
     use super::*;

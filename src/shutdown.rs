@@ -1,8 +1,18 @@
 //! SIGINT and SIGTERM as a cancellation token: the first asks long-running commands to stop cleanly, a second one ends
 //! the process at once (exit 130; nothing unfinished was acknowledged, so the broker delivers it again).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
+
+/// Set while a full-screen terminal UI (`top`) owns the terminal: an exit at once must give it back first.
+static TERMINAL_TAKEN: AtomicBool = AtomicBool::new(false);
+
+/// Says whether the terminal is in raw mode on the alternate screen, for the exit at a second signal.
+pub fn terminal_taken(taken: bool) {
+    TERMINAL_TAKEN.store(taken, Ordering::SeqCst);
+}
 
 /// A token cancelled by the first SIGINT or SIGTERM. Must be called inside a tokio runtime.
 pub fn on_signals() -> CancellationToken {
@@ -29,6 +39,10 @@ pub fn on_signals() -> CancellationToken {
                 );
                 cancel.cancel();
             } else {
+                if TERMINAL_TAKEN.load(Ordering::SeqCst) {
+                    // Out of raw mode and the alternate screen, or the shell is left unusable.
+                    ratatui::restore();
+                }
                 eprintln!(
                     "inboxctl: stopping at once; unfinished messages will be delivered again"
                 );

@@ -177,3 +177,71 @@ async fn top_says_when_postgres_is_gone_keeps_retrying_and_recovers() {
             .contains("EXITED=0")
     );
 }
+
+/// A second SIGTERM while `top` is still stopping (held there by a failpoint) ends it at once, exit 130 — and gives
+/// the terminal back first: canonical mode, the alternate screen gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_second_signal_exits_at_once_and_gives_the_terminal_back() {
+    let env = TestEnv::migrated().await;
+    let tmux = Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let pid_file = std::env::temp_dir().join(format!("{}.top.pid", env.db_name));
+    let inner = std::env::temp_dir().join(format!("{}.top.sh", env.db_name));
+    // The dashboard runs in a shell of its own (exec keeps the pid it wrote), and the session's shell reports after.
+    std::fs::write(
+        &inner,
+        format!(
+            "echo $$ > '{}'\nINBOXCTL_FAILPOINTS=top-stopping DATABASE_URL='{}' AMQP_URL='{}' exec '{}' top --interval 500ms\n",
+            pid_file.display(),
+            env.database_url,
+            env.amqp_url,
+            common::BIN
+        ),
+    )
+    .unwrap();
+    let outer = format!(
+        "sh '{}'; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
+        inner.display()
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "160",
+        "-y",
+        "40",
+        &outer,
+    ]);
+    tmux.wait_for("the dashboard", |s| s.contains("consumer_type"));
+    let pid = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let _ = std::fs::remove_file(&pid_file);
+    let kill = |what: &str| {
+        let status = Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        assert!(status.success(), "{what}");
+    };
+    kill("the first signal");
+    tmux.wait_for("the failpoint holding it", |s| {
+        s.contains("failpoint top-stopping reached")
+    });
+    kill("the second signal");
+    let after = tmux.wait_for("top to exit and stty to report", |s| {
+        s.contains("EXITED=")
+            && s.lines()
+                .any(|l| l.trim() == "icanon" || l.trim() == "-icanon")
+    });
+    assert!(after.contains("EXITED=130"), "{after}");
+    assert!(
+        after.lines().any(|l| l.trim() == "icanon"),
+        "the terminal is back in canonical mode:\n{after}"
+    );
+    assert!(
+        !after.contains("consumer_type"),
+        "the alternate screen is gone:\n{after}"
+    );
+}

@@ -34,6 +34,7 @@ struct Restore;
 impl Drop for Restore {
     fn drop(&mut self) {
         ratatui::restore();
+        crate::shutdown::terminal_taken(false);
     }
 }
 
@@ -62,6 +63,7 @@ pub async fn run(
 
     let mut terminal = ratatui::try_init()?;
     let _restore = Restore;
+    crate::shutdown::terminal_taken(true);
     let mut app = App::new(options.alert_duplicates);
     let mut events = EventStream::new();
     let result = loop {
@@ -69,7 +71,11 @@ pub async fn run(
             break Err(e.into());
         }
         tokio::select! {
-            () = shutdown.cancelled() => break Ok(()),
+            () = shutdown.cancelled() => {
+                // Tests hold the dashboard here to send the second signal while it still owns the terminal.
+                crate::failpoint::hit("top-stopping").await;
+                break Ok(());
+            }
             event = events.next() => match event {
                 Some(Ok(Event::Key(key))) => {
                     if let Some(action) = action_for(key) {

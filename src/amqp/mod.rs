@@ -15,6 +15,9 @@ use crate::{redact, secret};
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The heartbeat asked for unless the URL says otherwise, in seconds: a dead connection is noticed within two.
+pub const DEFAULT_HEARTBEAT_SECS: u16 = 10;
+
 /// Connection settings parsed from an `amqp://` or `amqps://` URL.
 #[derive(Clone, Debug)]
 pub struct Broker {
@@ -37,6 +40,13 @@ impl Broker {
         })?;
         if uri.authority.userinfo.password.len() >= 3 {
             redact::register(&uri.authority.userinfo.password);
+        }
+        let mut uri = uri;
+        if uri.query.heartbeat.is_none() {
+            // RabbitMQ's default is 60 s, and a connection whose end is never seen (a node stopped under it, a
+            // network gone) is given up only after two: two minutes of a consumer holding nothing. `?heartbeat=`
+            // in the URL sets another.
+            uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
         }
         Ok(Self {
             url: url.to_owned(),
@@ -271,6 +281,14 @@ mod tests {
             broker.queue_address("q"),
             "rabbitmq://127.0.0.1:5673/shop/q"
         );
+    }
+
+    #[test]
+    fn a_heartbeat_of_ten_seconds_unless_the_url_says_otherwise() {
+        let broker = Broker::from_url("amqp://127.0.0.1:5672/%2f").expect("valid");
+        assert_eq!(broker.uri.query.heartbeat, Some(DEFAULT_HEARTBEAT_SECS));
+        let broker = Broker::from_url("amqp://127.0.0.1:5672/%2f?heartbeat=30").expect("valid");
+        assert_eq!(broker.uri.query.heartbeat, Some(30));
     }
 
     #[test]

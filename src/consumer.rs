@@ -277,7 +277,7 @@ pub async fn run<C: Consumer>(
             Ok(deliveries) => deliveries,
             Err(e) => {
                 tracing::warn!(error = %e, "could not start consuming; reconnecting");
-                let _ = link.connection.close(200, "reconnecting".into()).await;
+                crate::amqp::close(&link.connection, "reconnecting").await;
                 continue;
             }
         };
@@ -372,7 +372,7 @@ pub async fn run<C: Consumer>(
             .counts
             .broker_connected
             .store(false, Ordering::Relaxed);
-        let _ = link.connection.close(200, "reconnecting".into()).await;
+        crate::amqp::close(&link.connection, "reconnecting").await;
     }
 
     // The batch workers end once the deliveries queued for them are done.

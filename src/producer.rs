@@ -193,7 +193,7 @@ pub async fn publish(
             Ok(()) => break,
             Err(e) if !crate::amqp::is_connection_lost(current, &e) => return Err(e),
             Err(e) => {
-                let _ = current.close(200, "reconnecting".into()).await;
+                crate::amqp::close(current, "reconnecting").await;
                 fruitless = if run.confirmed > confirmed_before {
                     0
                 } else {
@@ -241,13 +241,13 @@ pub async fn publish(
                 run.report.resent += in_flight as u64;
                 run.sent = run.confirmed;
                 if let Some(old) = reconnected.replace(again) {
-                    let _ = old.close(200, "OK".into()).await;
+                    crate::amqp::close(&old, "OK").await;
                 }
             }
         }
     }
     if let Some(own) = reconnected {
-        let _ = own.close(200, "OK".into()).await;
+        crate::amqp::close(&own, "OK").await;
     }
     let mut report = run.report;
     if run.confirmed < order.len() {

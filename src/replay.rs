@@ -327,7 +327,7 @@ pub async fn run(
                     crate::sanitize::text(&plan.from)
                 );
                 // Closed for certain, so that nothing it held stays unacknowledged out of the next pass's sight.
-                let _ = current.close(200, "reconnecting".into()).await;
+                crate::amqp::close(current, "reconnecting").await;
                 let done_after = state.report.items.len() as u64 + state.report.already_replayed;
                 fruitless = if done_after > done_before {
                     0
@@ -350,7 +350,7 @@ pub async fn run(
                     Ok(again) => {
                         state.report.reconnects += 1;
                         if let Some(old) = reconnected.replace(again) {
-                            let _ = old.close(200, "OK".into()).await;
+                            crate::amqp::close(&old, "OK").await;
                         }
                     }
                     Err(last) => {
@@ -368,7 +368,7 @@ pub async fn run(
         }
     }
     if let Some(own) = reconnected {
-        let _ = own.close(200, "OK".into()).await;
+        crate::amqp::close(&own, "OK").await;
     }
     Ok(state.report)
 }

@@ -214,6 +214,18 @@ impl Broker {
     }
 }
 
+/// Closes a connection, waiting at most 2 s for the broker's answer: on a connection that is dead without lapin having
+/// noticed yet (a node stopped under it), `close` would wait for its answer for ever.
+pub async fn close(connection: &Connection, reason: &str) {
+    let closing = connection.close(200, reason.into());
+    if tokio::time::timeout(Duration::from_secs(2), closing)
+        .await
+        .is_err()
+    {
+        tracing::debug!("RabbitMQ did not answer the close within 2 s; the connection is given up");
+    }
+}
+
 /// Whether `error` came from losing `connection` itself (the broker stopped, the network broke), as opposed to the
 /// broker refusing something on a channel (an exchange that does not exist, a permission): the first is worth a
 /// reconnect, the second is not.

@@ -104,7 +104,7 @@ pub async fn run(
         drop_database(db, &scratch.db.name()).await?;
         runs.insert(variant, measured);
     }
-    let _ = connection.close(200, "OK".into()).await;
+    crate::amqp::close(&connection, "OK").await;
 
     let scratch = copy(db, &template, "refresh").await?;
     let refresh = refresh_timings(&scratch.pool).await?;
@@ -268,7 +268,7 @@ async fn under_load(
                 Some(&stop_stream),
             )
             .await;
-            let _ = connection.close(200, "OK".into()).await;
+            crate::amqp::close(&connection, "OK").await;
             sent
         })
     };

@@ -307,7 +307,7 @@ pub async fn run(
             drop_database(db, &scratch.db.name()).await?;
         }
     }
-    let _ = connection.close(200, "OK".into()).await;
+    crate::amqp::close(&connection, "OK").await;
 
     let ratios = ratios(&repeats);
     Ok(Report {

@@ -73,7 +73,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         &shutdown,
     )
     .await?;
-    let _ = connection.close(200, "OK".into()).await;
+    crate::amqp::close(&connection, "OK").await;
     tracing::info!(
         parcels = published.published,
         duplicates = published.duplicates,

@@ -97,7 +97,7 @@ pub async fn run(
         &shutdown,
     )
     .await?;
-    let _ = connection.close(200, "OK".into()).await;
+    crate::amqp::close(&connection, "OK").await;
 
     if args.json {
         output::json(&report)?;

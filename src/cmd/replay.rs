@@ -100,7 +100,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if shown {
         let _ = write!(std::io::stderr(), "\r\x1b[2K");
     }
-    let _ = connection.close(200, "OK".into()).await;
+    crate::amqp::close(&connection, "OK").await;
     let report = report?;
 
     if args.json {

@@ -37,7 +37,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let snapshot =
         stats::collect(&pool, connection.as_ref(), stats::Range::rates(args.window)).await?;
     if let Some(c) = connection {
-        let _ = c.close(200, "OK".into()).await;
+        crate::amqp::close(&c, "OK").await;
     }
     if args.json {
         output::json(&Json::from(&snapshot))?;

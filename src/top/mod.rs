@@ -146,7 +146,7 @@ async fn collect(
         }
     }
     if let Some(c) = connection {
-        let _ = c.close(200, "OK".into()).await;
+        crate::amqp::close(&c, "OK").await;
     }
 }
 

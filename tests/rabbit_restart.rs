@@ -123,23 +123,24 @@ impl Drop for PrivateRabbit {
     }
 }
 
+/// Runs inboxctl against the private node; asserts it succeeded and returns its stdout.
+fn run_ok(env: &TestEnv, amqp: &str, args: &[&str]) -> String {
+    let out = env.cmd().env("AMQP_URL", amqp).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn rabbitmq_restarted_twice_mid_stream_every_message_once() {
     let env = TestEnv::migrated().await;
     let rabbit = PrivateRabbit::start();
     let amqp = rabbit.url();
     let run = |args: &[&str]| {
-        let out = env
-            .cmd()
-            .env("AMQP_URL", &amqp)
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        run_ok(&env, &amqp, args);
     };
     // Declares the topology; then the first 2,000 parcels (with 10 % copies), durable, on the queue: enough that the
     // consumer is still at them when stop_app (which takes seconds) has stopped the broker, even on a loaded machine.
@@ -325,27 +326,22 @@ async fn publish_resumes_across_a_broker_restart_or_fails_saying_what_was_confir
     let amqp = rabbit.url();
     let amqp_env = [("AMQP_URL", amqp.as_str())];
     let consume = || {
-        let out = env
-            .cmd()
-            .env("AMQP_URL", &amqp)
-            .args(["consume", "carrier", "--exit-when-idle", "1s"])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+        run_ok(
+            &env,
+            &amqp,
+            &["consume", "carrier", "--exit-when-idle", "1s"],
         );
     };
     consume();
     let pool = env.pool().await;
+    // 15 s of publishing: the broker stops well before the end, even when rabbitmqctl is slow on a loaded machine.
     let publish = [
         "publish",
         "parcel-created",
         "--count",
         "3000",
         "--rate",
-        "500",
+        "200",
         "--json",
     ];
 
@@ -408,20 +404,7 @@ async fn replay_resumes_across_a_broker_restart_or_stops_saying_what_was_done() 
     let rabbit = PrivateRabbit::start();
     let amqp = rabbit.url();
     let amqp_env = [("AMQP_URL", amqp.as_str())];
-    let run = |args: &[&str]| {
-        let out = env
-            .cmd()
-            .env("AMQP_URL", &amqp)
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let run = |args: &[&str]| run_ok(&env, &amqp, args);
     let error_queue = format!("{CARRIER_QUEUE}_error");
     run(&["consume", "carrier", "--exit-when-idle", "1s"]);
     run(&[

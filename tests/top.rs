@@ -54,6 +54,26 @@ impl Drop for Tmux {
     }
 }
 
+/// Waits for the shell after top to report, then checks top's exit code and that the terminal was given back:
+/// canonical mode, the alternate screen gone.
+fn assert_exited_and_terminal_given_back(tmux: &Tmux, code: &str) {
+    // Wait for stty's answer too: it comes a moment after the exit line.
+    let after = tmux.wait_for("top to exit and stty to report", |s| {
+        s.contains("EXITED=")
+            && s.lines()
+                .any(|l| l.trim() == "icanon" || l.trim() == "-icanon")
+    });
+    assert!(after.contains(&format!("EXITED={code}")), "{after}");
+    assert!(
+        after.lines().any(|l| l.trim() == "icanon"),
+        "the terminal is back in canonical mode:\n{after}"
+    );
+    assert!(
+        !after.contains("consumer_type"),
+        "the alternate screen is gone:\n{after}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
     let env = TestEnv::migrated().await;
@@ -111,21 +131,7 @@ async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
     tmux.run(&["send-keys", "-t", "top", "s"]);
     tmux.wait_for("the sort changed", |s| s.contains("sorted by deliveries/s"));
     tmux.run(&["send-keys", "-t", "top", "q"]);
-    // Wait for stty's answer too: it comes a moment after the exit line.
-    let after = tmux.wait_for("top to exit and stty to report", |s| {
-        s.contains("EXITED=")
-            && s.lines()
-                .any(|l| l.trim() == "icanon" || l.trim() == "-icanon")
-    });
-    assert!(after.contains("EXITED=0"), "{after}");
-    assert!(
-        after.lines().any(|l| l.trim() == "icanon"),
-        "the terminal is back in canonical mode:\n{after}"
-    );
-    assert!(
-        !after.contains("consumer_type"),
-        "the alternate screen is gone:\n{after}"
-    );
+    assert_exited_and_terminal_given_back(&tmux, "0");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -230,18 +236,5 @@ async fn a_second_signal_exits_at_once_and_gives_the_terminal_back() {
         s.contains("failpoint top-stopping reached")
     });
     kill("the second signal");
-    let after = tmux.wait_for("top to exit and stty to report", |s| {
-        s.contains("EXITED=")
-            && s.lines()
-                .any(|l| l.trim() == "icanon" || l.trim() == "-icanon")
-    });
-    assert!(after.contains("EXITED=130"), "{after}");
-    assert!(
-        after.lines().any(|l| l.trim() == "icanon"),
-        "the terminal is back in canonical mode:\n{after}"
-    );
-    assert!(
-        !after.contains("consumer_type"),
-        "the alternate screen is gone:\n{after}"
-    );
+    assert_exited_and_terminal_given_back(&tmux, "130");
 }

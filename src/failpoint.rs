@@ -5,6 +5,7 @@
 //! - `pause` (the default): print `failpoint <name> reached` to stderr and wait forever, so a test that sees the line
 //!   knows the point was reached and can kill the process there with SIGKILL;
 //! - `panic`: panic at the point;
+//! - `panic-once`: panic at the point the first time it is reached, pass it after;
 //! - `abort`: abort the process at the point;
 //! - `sleep-once-<ms>`: print the line, then sleep that long, the first time only (a test can break a connection
 //!   meanwhile).
@@ -65,16 +66,24 @@ mod armed {
             return;
         };
         let mut stderr = std::io::stderr();
+        static FIRED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+        let first = || {
+            let mut fired = FIRED.lock().unwrap_or_else(|p| p.into_inner());
+            !fired.iter().any(|n| n == name) && {
+                fired.push(name.to_owned());
+                true
+            }
+        };
+        if point.action == "panic-once" {
+            if first() {
+                let _ = writeln!(stderr, "failpoint {name} reached");
+                let _ = stderr.flush();
+                panic!("failpoint {name}");
+            }
+            return;
+        }
         if let Some(ms) = point.action.strip_prefix("sleep-once-") {
-            static FIRED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-            let first = {
-                let mut fired = FIRED.lock().unwrap_or_else(|p| p.into_inner());
-                !fired.iter().any(|n| n == name) && {
-                    fired.push(name.to_owned());
-                    true
-                }
-            };
-            if first {
+            if first() {
                 let _ = writeln!(stderr, "failpoint {name} reached");
                 let _ = stderr.flush();
                 let ms = ms.parse().unwrap_or(1000);

@@ -23,7 +23,7 @@
 //! to its savepoint and its claim deleted, so it alone is left unprocessed and can be retried alone; the others commit
 //! together. One commit for the batch instead of one per message: 3 + 2n round trips for n messages instead of 4n.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
 
 use futures_util::FutureExt as _;
@@ -82,13 +82,57 @@ impl std::fmt::Display for ConsumerType {
     }
 }
 
+/// A hash of a message's event, kept beside its claim, that tells a copy of the message (the same event) from another
+/// message that reuses its id (a producer bug): see `amqp::envelope::fingerprint`.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 16]);
+
+impl Fingerprint {
+    pub const fn from_bytes(bytes: [u8; 16]) -> Self {
+        Self(bytes)
+    }
+
+    pub fn as_bytes(&self) -> &[u8; 16] {
+        &self.0
+    }
+
+    fn from_slice(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
+}
+
+impl std::fmt::Display for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+    }
+}
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fingerprint({self})")
+    }
+}
+
+/// A copy whose message id was claimed before for another event: the id was reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conflict {
+    /// The fingerprint of the event processed under this id.
+    pub first: Fingerprint,
+    /// This copy's.
+    pub this: Fingerprint,
+}
+
 /// What became of one delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome<T> {
     /// The key was claimed, the work ran and committed with the inbox row.
     Processed(T),
-    /// A committed claim already had the key: nothing ran; the discard is counted.
+    /// A committed claim already had the key, for the same event (or one whose fingerprint is not known): nothing ran;
+    /// the discard is counted.
     Duplicate,
+    /// A committed claim already had the key for another event: nothing ran; recorded as a conflict, not as a
+    /// duplicate. What to do with the copy is the caller's choice.
+    Conflict(Conflict),
 }
 
 /// Why the consumer's work failed.
@@ -129,6 +173,8 @@ pub type Work<T> =
 /// One message of a batch.
 pub struct Member<T> {
     pub message_id: Uuid,
+    /// Its event's fingerprint, if known: kept with the claim, compared with later copies'.
+    pub fingerprint: Option<Fingerprint>,
     pub work: Work<T>,
 }
 
@@ -137,6 +183,7 @@ pub struct Member<T> {
 pub enum MemberOutcome<T> {
     Processed(T),
     Duplicate,
+    Conflict(Conflict),
     /// Its work failed: rolled back to its savepoint and unclaimed; nothing of it committed.
     Failed(WorkError),
 }
@@ -188,8 +235,24 @@ impl Inbox {
     }
 
     /// Runs `work` exactly once per `message_id` for this consumer_type, however often it is called with that id;
-    /// see the module documentation for the protocol.
+    /// see the module documentation for the protocol. A message id reused for another event is not noticed: see
+    /// [`Inbox::process_event`].
     pub async fn process<T, F>(&self, message_id: Uuid, work: F) -> Result<Outcome<T>, ProcessError>
+    where
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
+        T: Send,
+    {
+        self.process_event(message_id, None, work).await
+    }
+
+    /// Like [`Inbox::process`], and keeps `fingerprint` (of the message's event) with the claim: a later copy whose
+    /// fingerprint differs is a [`Outcome::Conflict`], not a duplicate.
+    pub async fn process_event<T, F>(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        work: F,
+    ) -> Result<Outcome<T>, ProcessError>
     where
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
@@ -199,7 +262,9 @@ impl Inbox {
             .acquire()
             .await
             .map_err(ProcessError::Unavailable)?;
-        let result = self.process_on(&mut conn, message_id, work).await;
+        let result = self
+            .process_on(&mut conn, message_id, fingerprint, work)
+            .await;
         if matches!(result, Err(ProcessError::Unavailable(_))) {
             // The session itself may be what failed (made read-only by a failover or by
             // default_transaction_read_only, terminated by an administrator): never hand it out again.
@@ -212,6 +277,7 @@ impl Inbox {
         &self,
         conn: &mut PgConnection,
         message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
         work: F,
     ) -> Result<Outcome<T>, ProcessError>
     where
@@ -236,6 +302,7 @@ impl Inbox {
             Claim::Inbox => sqlx::query_scalar(sql::CLAIM)
                 .bind(message_id)
                 .bind(self.consumer_type.as_str())
+                .bind(fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(ProcessError::Unavailable)?,
@@ -252,8 +319,12 @@ impl Inbox {
         };
 
         if !claimed {
+            let outcome = match self.claim {
+                Claim::Inbox => self.record_copy(&mut tx, message_id, fingerprint).await?,
+                _ => Outcome::Duplicate,
+            };
             tx.commit().await.map_err(ProcessError::Unavailable)?;
-            return Ok(Outcome::Duplicate);
+            return Ok(outcome);
         }
 
         let output = match work(&mut tx).await {
@@ -279,6 +350,35 @@ impl Inbox {
         })?;
         Ok(Outcome::Processed(output))
     }
+}
+
+impl Inbox {
+    /// Records a copy whose key a committed claim holds: a duplicate, or a conflict if the claim kept another
+    /// fingerprint. A statement of its own, after the claim: the claim's snapshot was taken before it waited for the
+    /// other attempt, and would not see that attempt's fingerprint.
+    async fn record_copy<T>(
+        &self,
+        conn: &mut PgConnection,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Outcome<T>, ProcessError> {
+        let first: Option<Vec<u8>> = sqlx::query_scalar(sql::RECORD_COPY)
+            .bind(message_id)
+            .bind(self.consumer_type.as_str())
+            .bind(fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+            .fetch_one(conn)
+            .await
+            .map_err(ProcessError::Unavailable)?;
+        Ok(conflict(first.as_deref(), fingerprint).map_or(Outcome::Duplicate, Outcome::Conflict))
+    }
+}
+
+/// Whether a copy with `this` fingerprint, of a message first claimed with `first`, is a conflict (both known and
+/// different).
+fn conflict(first: Option<&[u8]>, this: Option<Fingerprint>) -> Option<Conflict> {
+    let first = Fingerprint::from_slice(first?)?;
+    let this = this?;
+    (first != this).then_some(Conflict { first, this })
 }
 
 impl Inbox {
@@ -308,28 +408,43 @@ impl Inbox {
         conn: &mut PgConnection,
         members: Vec<Member<T>>,
     ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
-        let mut ids: Vec<Uuid> = members.iter().map(|m| m.message_id).collect();
-        ids.sort_unstable();
-        ids.dedup();
-        if ids.len() != members.len() {
+        let mut keys: Vec<(Uuid, Vec<u8>)> = members
+            .iter()
+            .map(|m| {
+                let fingerprint = m.fingerprint.map(|f| f.as_bytes().to_vec());
+                (m.message_id, fingerprint.unwrap_or_default())
+            })
+            .collect();
+        keys.sort_unstable();
+        keys.dedup_by_key(|(id, _)| *id);
+        if keys.len() != members.len() {
             return Err(ProcessError::Failed(WorkError::msg(
                 "a batch must not hold one message id twice",
             )));
         }
+        let (ids, fingerprints): (Vec<Uuid>, Vec<Vec<u8>>) = keys.into_iter().unzip();
         let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
         let claimed: HashSet<Uuid> = sqlx::query_scalar(sql::CLAIM_BATCH)
             .bind(&ids)
             .bind(self.consumer_type.as_str())
+            .bind(&fingerprints)
             .fetch_all(&mut *tx)
             .await
             .map_err(ProcessError::Unavailable)?
             .into_iter()
             .collect();
+        let copies = self
+            .record_batch_copies(&mut tx, &ids, &fingerprints, &claimed)
+            .await?;
 
         let mut outcomes = Vec::with_capacity(members.len());
         for member in members {
             if !claimed.contains(&member.message_id) {
-                outcomes.push(MemberOutcome::Duplicate);
+                let first = copies.get(&member.message_id).and_then(Option::as_deref);
+                outcomes.push(
+                    conflict(first, member.fingerprint)
+                        .map_or(MemberOutcome::Duplicate, MemberOutcome::Conflict),
+                );
                 continue;
             }
             sqlx::query(sql::SAVEPOINT)
@@ -378,6 +493,34 @@ impl Inbox {
             }
         })?;
         Ok(outcomes)
+    }
+
+    /// Records the members a committed claim already held (duplicates and conflicts) in one statement, if any;
+    /// returns the fingerprint each was first claimed with.
+    async fn record_batch_copies(
+        &self,
+        conn: &mut PgConnection,
+        ids: &[Uuid],
+        fingerprints: &[Vec<u8>],
+        claimed: &HashSet<Uuid>,
+    ) -> Result<HashMap<Uuid, Option<Vec<u8>>>, ProcessError> {
+        let (copies, copy_fingerprints): (Vec<Uuid>, Vec<Vec<u8>>) = ids
+            .iter()
+            .zip(fingerprints)
+            .filter(|(id, _)| !claimed.contains(id))
+            .map(|(id, f)| (*id, f.clone()))
+            .unzip();
+        if copies.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let rows: Vec<(Uuid, Option<Vec<u8>>)> = sqlx::query_as(sql::RECORD_BATCH_COPIES)
+            .bind(&copies)
+            .bind(self.consumer_type.as_str())
+            .bind(&copy_fingerprints)
+            .fetch_all(conn)
+            .await
+            .map_err(ProcessError::Unavailable)?;
+        Ok(rows.into_iter().collect())
     }
 }
 

@@ -40,10 +40,14 @@ pub fn run(cli: Cli) -> Result<Outcome> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(async {
+    let result = runtime.block_on(async {
         let shutdown = shutdown::on_signals();
         cmd::run(cli.command, &cli.global, shutdown).await
-    })
+    });
+    // A command has returned: whatever its tasks still wait on (a statement stuck on a lock, a broker that does not
+    // answer a close) must not keep the process alive.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
 }
 
 /// Prints `error: …` and the causes the message does not already say, to stderr, without passwords or control

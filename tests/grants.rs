@@ -20,9 +20,9 @@ use uuid::Uuid;
 /// The README's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
 const README_ROWS: [&str; 6] = [
     "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner | none |",
-    "| `consume` | `SELECT, INSERT, DELETE` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`) and `inboxctl_events`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
+    "| `consume` | `SELECT, INSERT, DELETE` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`) and `inboxctl_events`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` and `inboxctl_fingerprints` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
-    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`; `SELECT` on `inboxctl_consumers` | none |",
+    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`; `SELECT` on `inboxctl_consumers` | none |",
     "| `replay` | none | read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
     "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure, write and read all empty (`\"\"`): the queue depths come from passive declares, which need none |",
 ];
@@ -36,13 +36,13 @@ fn consume_grants(effect_table: &str) -> String {
         "GRANT SELECT, INSERT, DELETE ON inbox_messages TO {{role}};
          GRANT INSERT ON {effect_table}, inboxctl_events TO {{role}};
          GRANT SELECT, INSERT, UPDATE ON inboxctl_consumers TO {{role}};
-         GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts TO {{role}};"
+         GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts, inboxctl_fingerprints TO {{role}};"
     )
 }
 
 /// `cleanup`'s row, PostgreSQL.
 const CLEANUP_GRANTS: &str = concat!(
-    "GRANT SELECT, DELETE ON inbox_messages, inboxctl_events, inboxctl_attempts TO {role};",
+    "GRANT SELECT, DELETE ON inbox_messages, inboxctl_events, inboxctl_attempts, inboxctl_fingerprints TO {role};",
     "GRANT SELECT ON inboxctl_consumers TO {role};",
 );
 

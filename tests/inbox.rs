@@ -245,6 +245,7 @@ fn any_interleaving_of_copies_gives_one_effect() {
                     match task.await.unwrap() {
                         Ok(Outcome::Processed(())) => processed += 1,
                         Ok(Outcome::Duplicate) => duplicates += 1,
+                        Ok(Outcome::Conflict(c)) => panic!("no fingerprint given, yet a conflict: {c:?}"),
                         Err(ProcessError::Failed(_)) => failed += 1,
                         Err(e) => panic!("{e}"),
                     }
@@ -254,6 +255,7 @@ fn any_interleaving_of_copies_gives_one_effect() {
                     match inbox.process(id, move |tx| Box::pin(insert_effect(tx, id, "redelivered"))).await.unwrap() {
                         Outcome::Processed(()) => processed += 1,
                         Outcome::Duplicate => duplicates += 1,
+                        Outcome::Conflict(c) => panic!("no fingerprint given, yet a conflict: {c:?}"),
                     }
                 }
                 let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE message_id = $1")
@@ -280,6 +282,7 @@ fn any_interleaving_of_copies_gives_one_effect() {
 fn member(id: Uuid, label: &'static str, fails: bool) -> inboxctl::inbox::Member<()> {
     inboxctl::inbox::Member {
         message_id: id,
+        fingerprint: None,
         work: Box::new(move |tx| {
             Box::pin(async move {
                 insert_effect(tx, id, label).await?;
@@ -310,6 +313,7 @@ async fn a_batch_commits_once_and_a_failing_member_is_rolled_back_alone() {
         .map(|o| match o {
             MemberOutcome::Processed(()) => "processed",
             MemberOutcome::Duplicate => "duplicate",
+            MemberOutcome::Conflict(_) => "conflict",
             MemberOutcome::Failed(_) => "failed",
         })
         .collect();

@@ -5,9 +5,18 @@
 //! order, not in MassTransit's order; AMQP gives the order no meaning.)
 
 use chrono::Utc;
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::BasicProperties;
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 
 use super::envelope::{HostInfo, format_time};
+use super::limits::{self, MAX_HEADER_TEXT, MAX_STACK_TRACE};
+
+/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy must not expire.
+pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
+
+/// The header a dead-letter copy keeps a message's `user_id` property in when it names another user than the one
+/// inboxctl publishes as: RabbitMQ refuses a `user_id` that is not the publisher's own.
+pub const ORIGINAL_USER_ID_HEADER: &str = "inboxctl-original-user-id";
 
 /// Headers of a previous failure, replaced rather than kept when a message fails again; and the publisher's sequence
 /// number, which means nothing on a copy another process publishes.
@@ -49,12 +58,28 @@ pub fn error_headers(original: Option<&FieldTable>, fault: &Fault) -> FieldTable
         &fault.exception_type,
     );
     put(&mut headers, "MT-Fault-InputAddress", &fault.input_address);
-    put(&mut headers, "MT-Fault-Message", &fault.message);
+    put(
+        &mut headers,
+        "MT-Fault-Message",
+        &limits::truncate(&fault.message, MAX_HEADER_TEXT),
+    );
     put(&mut headers, "MT-Fault-Timestamp", &format_time(Utc::now()));
-    put(&mut headers, "MT-Fault-StackTrace", &fault.stack_trace);
-    put(&mut headers, "MT-Fault-ConsumerType", &fault.consumer_type);
+    put(
+        &mut headers,
+        "MT-Fault-StackTrace",
+        &limits::truncate(&fault.stack_trace, MAX_STACK_TRACE),
+    );
+    put(
+        &mut headers,
+        "MT-Fault-ConsumerType",
+        &limits::truncate(&fault.consumer_type, MAX_HEADER_TEXT),
+    );
     if let Some(message_type) = &fault.message_type {
-        put(&mut headers, "MT-Fault-MessageType", message_type);
+        put(
+            &mut headers,
+            "MT-Fault-MessageType",
+            &limits::truncate(message_type, MAX_HEADER_TEXT),
+        );
     }
     headers.insert(
         "MT-Fault-RetryCount".into(),
@@ -72,16 +97,134 @@ pub fn skipped_headers(original: Option<&FieldTable>) -> FieldTable {
     headers
 }
 
+/// The original's headers a copy keeps: all but earlier failure headers, with values nested too deep to copy
+/// replaced by a note.
 fn carried_over(original: Option<&FieldTable>) -> FieldTable {
-    let mut headers = FieldTable::default();
-    if let Some(original) = original {
-        for (key, value) in original.inner() {
-            if !is_failure_header(key.as_str()) {
-                headers.insert(key.clone(), value.clone());
+    let mut headers = original.map(limits::shallow_headers).unwrap_or_default();
+    drop_keys(&mut headers, is_failure_header);
+    headers
+}
+
+/// Why a dead-letter copy of a message cannot be published.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "its dead-letter copy needs a {needed}-byte header frame, more than the connection's {frame_max}-byte frames \
+     allow even without inboxctl's own failure details: its own headers are too large to copy"
+)]
+pub struct CopyTooLarge {
+    pub needed: usize,
+    pub frame_max: usize,
+}
+
+/// The properties of a dead-letter copy of a message whose properties are `original`, with `headers`, as `publisher`
+/// (the user inboxctl connects as) may publish them and a frame of `frame_max` bytes can carry them:
+/// - no `expiration`: a copy in a dead-letter queue must not expire (the original value is kept in
+///   [`ORIGINAL_EXPIRATION_HEADER`], as RabbitMQ's own dead-lettering keeps it in `x-death`);
+/// - a `user_id` that is not `publisher`'s is moved to [`ORIGINAL_USER_ID_HEADER`], since RabbitMQ refuses it;
+/// - if the header frame would be larger than `frame_max`, inboxctl's own details go first (the stack trace, then
+///   the host, then most of the failure message); if the original's own headers are still too large, no copy.
+///
+/// Everything else (body, content type, message id, delivery mode, …) is kept as it was.
+pub fn copy_properties(
+    original: &BasicProperties,
+    mut headers: FieldTable,
+    publisher: &str,
+    frame_max: usize,
+) -> Result<BasicProperties, CopyTooLarge> {
+    if let Some(expiration) = original.expiration() {
+        put(
+            &mut headers,
+            ORIGINAL_EXPIRATION_HEADER,
+            expiration.as_str(),
+        );
+    }
+    let user_id = original
+        .user_id()
+        .as_ref()
+        .filter(|user| user.as_str() == publisher);
+    if let Some(other) = original
+        .user_id()
+        .as_ref()
+        .filter(|u| u.as_str() != publisher)
+    {
+        put(&mut headers, ORIGINAL_USER_ID_HEADER, other.as_str());
+    }
+    let base = rebuilt(original, user_id.cloned());
+    let mut copy = base.clone().with_headers(headers.clone());
+    let shrink: [&dyn Fn(&mut FieldTable); 3] = [
+        &|h| drop_keys(h, |k| k == "MT-Fault-StackTrace"),
+        &|h| drop_keys(h, |k| k.starts_with("MT-Host-")),
+        &|h| {
+            if let Some(message) = header_text(Some(h), "MT-Fault-Message") {
+                put(h, "MT-Fault-Message", &limits::truncate(&message, 256));
             }
+        },
+    ];
+    for step in shrink {
+        if limits::content_header_len(&copy) <= frame_max {
+            return Ok(copy);
+        }
+        step(&mut headers);
+        copy = base.clone().with_headers(headers.clone());
+    }
+    let needed = limits::content_header_len(&copy);
+    if needed <= frame_max {
+        Ok(copy)
+    } else {
+        Err(CopyTooLarge { needed, frame_max })
+    }
+}
+
+/// `original`'s properties but its headers and `expiration`, with `user_id` as given.
+fn rebuilt(original: &BasicProperties, user_id: Option<ShortString>) -> BasicProperties {
+    let mut p = BasicProperties::default();
+    if let Some(v) = original.content_type() {
+        p = p.with_content_type(v.clone());
+    }
+    if let Some(v) = original.content_encoding() {
+        p = p.with_content_encoding(v.clone());
+    }
+    if let Some(v) = original.delivery_mode() {
+        p = p.with_delivery_mode(*v);
+    }
+    if let Some(v) = original.priority() {
+        p = p.with_priority(*v);
+    }
+    if let Some(v) = original.correlation_id() {
+        p = p.with_correlation_id(v.clone());
+    }
+    if let Some(v) = original.reply_to() {
+        p = p.with_reply_to(v.clone());
+    }
+    if let Some(v) = original.message_id() {
+        p = p.with_message_id(v.clone());
+    }
+    if let Some(v) = original.timestamp() {
+        p = p.with_timestamp(*v);
+    }
+    if let Some(v) = original.kind() {
+        p = p.with_type(v.clone());
+    }
+    if let Some(v) = user_id {
+        p = p.with_user_id(v);
+    }
+    if let Some(v) = original.app_id() {
+        p = p.with_app_id(v.clone());
+    }
+    if let Some(v) = original.cluster_id() {
+        p = p.with_cluster_id(v.clone());
+    }
+    p
+}
+
+fn drop_keys(headers: &mut FieldTable, drop: impl Fn(&str) -> bool) {
+    let mut kept = FieldTable::default();
+    for (key, value) in headers.inner() {
+        if !drop(key.as_str()) {
+            kept.insert(key.clone(), value.clone());
         }
     }
-    headers
+    *headers = kept;
 }
 
 fn host_headers(headers: &mut FieldTable) {

@@ -8,7 +8,11 @@ use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
+use sha2::Digest as _;
 use uuid::Uuid;
+
+use super::limits::{self, MAX_CANONICAL_EVENT, MAX_HEADER_DEPTH, MAX_LOGGED_TEXT};
+use crate::inbox::Fingerprint;
 
 pub const MASSTRANSIT_CONTENT_TYPE: &str = "application/vnd.masstransit+json";
 
@@ -32,6 +36,15 @@ pub enum Unreadable {
     EmptyBody,
     #[error("the message body is not JSON: {0}")]
     NotJson(String),
+    #[error(
+        "the message body starts with a UTF-8 byte order mark (EF BB BF), which JSON does not allow (MassTransit's \
+         deserializer refuses it too): the producer should write UTF-8 without a BOM"
+    )]
+    ByteOrderMark,
+    #[error(
+        "the message's headers nest tables or arrays {0} levels deep; inboxctl reads at most {MAX_HEADER_DEPTH}"
+    )]
+    HeadersTooDeep(usize),
     #[error("the MassTransit envelope cannot be read: {0}")]
     BadEnvelope(String),
     #[error("the MassTransit envelope has no message")]
@@ -40,6 +53,11 @@ pub enum Unreadable {
     NoMessageId,
     #[error("the message id {0:?} is not a UUID")]
     BadMessageId(String),
+    #[error(
+        "the message id is the nil UUID 00000000-0000-0000-0000-000000000000 (an id never set, e.g. Guid.Empty): \
+         every message carrying it would be taken for a copy of the first"
+    )]
+    NilMessageId,
 }
 
 /// The envelope fields inboxctl reads. Unknown fields are ignored; a field given twice is an error.
@@ -55,8 +73,17 @@ struct EnvelopeIn<'a> {
 
 /// Reads a delivery's id, type and event.
 pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unreadable> {
+    if let Some(headers) = properties.headers() {
+        let depth = limits::header_depth(headers);
+        if depth > MAX_HEADER_DEPTH {
+            return Err(Unreadable::HeadersTooDeep(depth));
+        }
+    }
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(Unreadable::EmptyBody);
+    }
+    if body.starts_with(b"\xEF\xBB\xBF") {
+        return Err(Unreadable::ByteOrderMark);
     }
     let property_id = properties
         .message_id()
@@ -112,7 +139,71 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
 }
 
 fn parse_id(id: &str) -> Result<Uuid, Unreadable> {
-    Uuid::parse_str(id.trim()).map_err(|_| Unreadable::BadMessageId(id.to_owned()))
+    match Uuid::parse_str(id.trim()) {
+        Ok(id) if id.is_nil() => Err(Unreadable::NilMessageId),
+        Ok(id) => Ok(id),
+        Err(_) => Err(Unreadable::BadMessageId(
+            limits::truncate(id, MAX_LOGGED_TEXT).into_owned(),
+        )),
+    }
+}
+
+/// The fingerprint of an event, to tell a copy of a message from another message reusing its id: SHA-256 (first 16
+/// bytes) of its canonical form — parsed, object keys sorted, no whitespace — so that a legitimate re-send that
+/// differs in key order, whitespace or the envelope around it (`sentTime`, headers) has the same fingerprint. An
+/// event larger than [`MAX_CANONICAL_EVENT`], or deeper than the JSON parser's bound, is fingerprinted over its
+/// bytes as they are.
+pub fn fingerprint(event: &RawValue) -> Fingerprint {
+    let text = event.get();
+    let canonical = (text.len() <= MAX_CANONICAL_EVENT)
+        .then(|| serde_json::from_str::<serde_json::Value>(text).ok())
+        .flatten()
+        .map(|value| {
+            let mut out = Vec::with_capacity(text.len());
+            write_canonical(&value, &mut out);
+            out
+        });
+    let digest = sha2::Sha256::digest(canonical.as_deref().unwrap_or(text.as_bytes()));
+    let mut bytes = [0u8; 16];
+    bytes.copy_from_slice(&digest[..16]);
+    Fingerprint::from_bytes(bytes)
+}
+
+/// `value` as compact JSON with every object's keys sorted, whatever order the map type keeps them in. Its depth is
+/// bounded by the JSON parser's (128 levels).
+fn write_canonical(value: &serde_json::Value, out: &mut Vec<u8>) {
+    match value {
+        serde_json::Value::Object(map) => {
+            let mut entries: Vec<_> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            out.push(b'{');
+            for (i, (key, value)) in entries.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_scalar(&serde_json::Value::String(key.clone()), out);
+                out.push(b':');
+                write_canonical(value, out);
+            }
+            out.push(b'}');
+        }
+        serde_json::Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(b']');
+        }
+        scalar => write_scalar(scalar, out),
+    }
+}
+
+fn write_scalar(value: &serde_json::Value, out: &mut Vec<u8>) {
+    // Writing a string, number, bool or null into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, value);
 }
 
 /// MassTransit writes `sentTime` in UTC with 0 to 7 fractional digits.

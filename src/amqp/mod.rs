@@ -2,6 +2,7 @@
 
 pub mod dead_letter;
 pub mod envelope;
+pub mod limits;
 pub mod topology;
 
 use std::str::FromStr;
@@ -101,6 +102,11 @@ impl Broker {
 
     pub fn vhost(&self) -> &str {
         &self.uri.vhost
+    }
+
+    /// The user inboxctl connects as.
+    pub fn username(&self) -> &str {
+        &self.uri.authority.userinfo.username
     }
 
     /// The address MassTransit writes for a queue of this broker: `rabbitmq://host[:port]/[vhost/]queue`.

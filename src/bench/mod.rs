@@ -790,6 +790,7 @@ async fn ceiling(scratch: &Scratch, options: &Options) -> Result<Repeat> {
                     let _: bool = sqlx::query_scalar(sql::CLAIM)
                         .bind(id)
                         .bind("ceiling")
+                        .bind(Uuid::new_v4().as_bytes().as_slice())
                         .fetch_one(&mut *tx)
                         .await?;
                     sqlx::query(sql::INSERT_CARRIER_RESERVATION)

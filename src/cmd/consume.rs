@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{self, Broker, topology};
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
-use crate::consumer::{self, ConsumerOptions, RunCounts, RunSummary};
+use crate::consumer::{self, ConsumerOptions, OnConflict, RunCounts, RunSummary};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::{Claim, ConsumerType, Inbox};
@@ -103,6 +103,12 @@ pub struct Args {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub poison_after: u32,
 
+    /// What to do with a message whose id was processed before for another event (a producer reusing ids): it is
+    /// never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look,
+    /// discard drops it like a duplicate
+    #[arg(long, value_enum, default_value_t = OnConflict::DeadLetter)]
+    pub on_conflict: OnConflict,
+
     /// For `inboxctl bench` only: run without the inbox, or with the tutorial's look-up-first shape
     #[arg(long, value_enum, default_value_t = Claim::Inbox, hide = true)]
     pub claim: Claim,
@@ -136,6 +142,7 @@ impl Args {
             batch_size: 1,
             batch_wait: Duration::from_millis(5),
             poison_after: 3,
+            on_conflict: OnConflict::DeadLetter,
             claim: Claim::Inbox,
             metrics_addr: None,
             fail_destination: None,
@@ -165,7 +172,19 @@ pub async fn run_consumer(
 ) -> Result<RunSummary> {
     let queue = args.queue().to_owned();
     amqp::validate_name("--queue", &queue)?;
-    amqp::validate_name("--exchange", &args.exchange)?;
+    // The dead-letter queues' names are the queue's with a suffix: they must be valid too, or the first message to
+    // move aside would find no name to go to.
+    let longest = topology::skipped_queue(&queue);
+    if longest.len() > 255 {
+        let suffix = longest.len() - queue.len();
+        return Err(Error::Usage(format!(
+            "--queue is {} bytes long; the name of its dead-letter queue <queue>_skipped would be {} bytes, past \
+             AMQP's 255: at most {} bytes",
+            queue.len(),
+            longest.len(),
+            255 - suffix
+        )));
+    }
     if args.claim != Claim::Inbox && args.batch_size > 1 {
         return Err(Error::Usage("--batch-size needs the inbox".to_owned()));
     }
@@ -205,6 +224,7 @@ pub async fn run_consumer(
         batch_size: usize::from(args.batch_size),
         batch_wait: args.batch_wait,
         poison_after: args.poison_after,
+        on_conflict: args.on_conflict,
     };
     let inbox = Inbox::new(pool.clone(), consumer_type).with_claim(args.claim);
     let fail_destination = args.fail_destination.clone();
@@ -232,14 +252,28 @@ pub async fn run_consumer(
             .await
         }
     };
-    pool.close().await;
+    // Bounded: a connection abandoned mid-statement at the shutdown timeout (work stuck on a lock) is never given
+    // back, and the pool would wait for it for ever. The server rolls it back when the process is gone.
+    if tokio::time::timeout(Duration::from_secs(2), pool.close())
+        .await
+        .is_err()
+    {
+        tracing::debug!(
+            "PostgreSQL connections still busy after the stop; left to the server to roll back"
+        );
+    }
     summary
 }
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
 async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
     let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
-    for table in ["inbox_messages", "inboxctl_events", "inboxctl_consumers"] {
+    for table in [
+        "inbox_messages",
+        "inboxctl_events",
+        "inboxctl_consumers",
+        "inboxctl_fingerprints",
+    ] {
         if !schema::table_exists(&mut conn, table).await? {
             return Err(Error::SchemaMissing {
                 database: db.name(),
@@ -270,8 +304,9 @@ impl Kind {
 /// naming each: otherwise every delivery would be held with the same error. A missing privilege on
 /// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
 async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
-    let needs: [(&str, &str); 5] = [
+    let needs: [(&str, &str); 6] = [
         ("inbox_messages", "SELECT,INSERT,DELETE"),
+        ("inboxctl_fingerprints", "SELECT,INSERT,UPDATE,DELETE"),
         (kind.effect_table(), "INSERT"),
         ("inboxctl_events", "INSERT"),
         ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),
@@ -353,6 +388,11 @@ impl metrics::Exporter for ConsumerExporter {
                 "inbox_messages_skipped_total",
                 "Messages of a type the consumer does not handle, moved to <queue>_skipped.",
                 s.skipped,
+            ),
+            (
+                "inbox_conflicts_total",
+                "Messages whose id was processed before for another event (an id reused by a producer): not processed.",
+                s.conflicts,
             ),
         ] {
             Family {

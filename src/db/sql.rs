@@ -1,47 +1,90 @@
 //! Every SQL statement inboxctl sends, in one place. All of them take their values as parameters.
 
-/// The claim (traps 2 and 5). Inserts the inbox row — with `processed_at` already set, because nobody sees the row
-/// before it commits, and it commits only together with the consumer's effects — or, if the key is taken by a
-/// committed row, records the discarded duplicate instead. A copy whose key is held by an uncommitted attempt waits
-/// here for that attempt's outcome: it claims the key if the attempt rolls back, and is a duplicate if it commits.
+/// The claim. Inserts the inbox row — with `processed_at` already set, because nobody sees the row before it commits,
+/// and it commits only together with the consumer's effects — and, beside it, the fingerprint of the message's event
+/// (when given), so that a later copy of another event under the same id can be told from a copy of this one. A copy
+/// whose key is held by an uncommitted attempt waits here for that attempt's outcome: it claims the key if the attempt
+/// rolls back, and is a copy ([`RECORD_COPY`]) if it commits.
 ///
-/// Returns whether the key was claimed. `$1` message id, `$2` consumer_type.
+/// Returns whether the key was claimed. `$1` message id, `$2` consumer_type, `$3` fingerprint (null: unknown).
 pub const CLAIM: &str = "\
 WITH claim AS (
     INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
     VALUES ($1, $2, now(), now())
     ON CONFLICT (id, consumer_type) DO NOTHING
     RETURNING 1
-), duplicate AS (
-    INSERT INTO inboxctl_events (consumer_type, kind, message_id)
-    SELECT $2, 'duplicate', $1
-    WHERE NOT EXISTS (SELECT 1 FROM claim)
+), fingerprint AS (
+    INSERT INTO inboxctl_fingerprints (id, consumer_type, fingerprint)
+    SELECT $1, $2, $3 FROM claim WHERE $3::bytea IS NOT NULL
+    ON CONFLICT (id, consumer_type) DO UPDATE SET fingerprint = EXCLUDED.fingerprint
 )
 SELECT EXISTS (SELECT 1 FROM claim)";
 
+/// A copy whose key a committed claim holds: recorded as a `duplicate`, or as a `conflict` when the claim kept another
+/// fingerprint than this copy's (both known). A statement of its own after the claim, because the claim's snapshot
+/// predates the attempt it waited for. Returns the fingerprint the key was claimed with (null: unknown).
+/// `$1` message id, `$2` consumer_type, `$3` this copy's fingerprint (null: unknown).
+pub const RECORD_COPY: &str = "\
+WITH first AS (
+    SELECT (SELECT fingerprint FROM inboxctl_fingerprints WHERE id = $1 AND consumer_type = $2) AS first,
+           $3::bytea AS this
+), event AS (
+    INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail)
+    SELECT $2,
+           CASE WHEN first <> this THEN 'conflict' ELSE 'duplicate' END,
+           $1,
+           CASE WHEN first <> this
+                THEN 'first event ' || encode(first, 'hex') || ', this one ' || encode(this, 'hex') END
+    FROM first
+)
+SELECT first FROM first";
+
 /// The batched claim: every key of a batch in one statement, in the order of `$1` (sorted by the caller, so two
-/// batches never wait on each other in a cycle); copies whose key is already committed are recorded as duplicates.
-/// Returns the ids claimed. `$1` message ids, `$2` consumer_type.
+/// batches never wait on each other in a cycle), each with its fingerprint. Returns the ids claimed.
+/// `$1` message ids, `$2` consumer_type, `$3` their fingerprints (empty: unknown).
 pub const CLAIM_BATCH: &str = "\
-WITH claim AS (
+WITH m AS (
+    SELECT id, NULLIF(fingerprint, ''::bytea) AS fingerprint, n
+    FROM unnest($1::uuid[], $3::bytea[]) WITH ORDINALITY AS m(id, fingerprint, n)
+), claim AS (
     INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
-    SELECT id, $2, now(), now() FROM unnest($1::uuid[]) WITH ORDINALITY AS m(id, n) ORDER BY n
+    SELECT id, $2, now(), now() FROM m ORDER BY n
     ON CONFLICT (id, consumer_type) DO NOTHING
     RETURNING id
-), duplicate AS (
-    INSERT INTO inboxctl_events (consumer_type, kind, message_id)
-    SELECT $2, 'duplicate', m.id FROM unnest($1::uuid[]) AS m(id)
-    WHERE m.id NOT IN (SELECT id FROM claim)
+), fingerprint AS (
+    INSERT INTO inboxctl_fingerprints (id, consumer_type, fingerprint)
+    SELECT m.id, $2, m.fingerprint FROM m JOIN claim USING (id) WHERE m.fingerprint IS NOT NULL
+    ON CONFLICT (id, consumer_type) DO UPDATE SET fingerprint = EXCLUDED.fingerprint
 )
 SELECT id FROM claim";
+
+/// [`RECORD_COPY`] for the members of a batch whose keys a committed claim held. Returns each id with the
+/// fingerprint it was claimed with. `$1` message ids, `$2` consumer_type, `$3` their fingerprints (empty: unknown).
+pub const RECORD_BATCH_COPIES: &str = "\
+WITH c AS (
+    SELECT m.id, NULLIF(m.fingerprint, ''::bytea) AS this, f.fingerprint AS first
+    FROM unnest($1::uuid[], $3::bytea[]) AS m(id, fingerprint)
+    LEFT JOIN inboxctl_fingerprints f ON f.id = m.id AND f.consumer_type = $2
+), event AS (
+    INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail)
+    SELECT $2,
+           CASE WHEN first <> this THEN 'conflict' ELSE 'duplicate' END,
+           id,
+           CASE WHEN first <> this
+                THEN 'first event ' || encode(first, 'hex') || ', this one ' || encode(this, 'hex') END
+    FROM c
+)
+SELECT id, first FROM c";
 
 /// Each member of a batch works inside this savepoint (one name, reused: a new savepoint shadows the last).
 pub const SAVEPOINT: &str = "SAVEPOINT inbox_member";
 pub const ROLLBACK_TO_SAVEPOINT: &str = "ROLLBACK TO SAVEPOINT inbox_member";
 
-/// Takes back the claim of a batch member whose work failed, inside the batch's transaction.
+/// Takes back the claim of a batch member whose work failed, and its fingerprint, inside the batch's transaction.
 /// `$1` message id, `$2` consumer_type.
-pub const UNCLAIM: &str = "DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
+pub const UNCLAIM: &str = "\
+WITH fingerprint AS (DELETE FROM inboxctl_fingerprints WHERE id = $1 AND consumer_type = $2)
+DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
 
 /// The tutorial's look-up before its transaction (for `inboxctl bench` only). `$1` message id, `$2` consumer_type.
 pub const TUTORIAL_LOOKUP: &str =
@@ -68,6 +111,14 @@ RETURNING started, alone";
 /// A redelivered message starts alone (nothing else in flight in its process). `$1` consumer_type, `$2` message id.
 pub const REDELIVERED_ALONE: &str =
     "UPDATE inboxctl_attempts SET alone = alone + 1 WHERE consumer_type = $1 AND message_id = $2";
+
+/// Starts abandoned by a clean stop (not ended by a crash) taken back. `$1` consumer_type, `$2` message ids, `$3` for
+/// each, 1 if the start was also counted as made alone.
+pub const REDELIVERED_ABANDONED: &str = "\
+UPDATE inboxctl_attempts a
+SET started = greatest(a.started - 1, 0), alone = greatest(a.alone - s.alone, 0)
+FROM unnest($2::uuid[], $3::int[]) AS s(message_id, alone)
+WHERE a.consumer_type = $1 AND a.message_id = s.message_id";
 
 /// `cleanup`: start counts of messages that never came back. `$1` consumer_type, `$2` cutoff.
 pub const DELETE_OLD_ATTEMPTS: &str =
@@ -178,11 +229,16 @@ ORDER BY 1";
 /// `(consumer_type, processed_at)` and deleted by their tuple ids. Unprocessed rows (`processed_at IS NULL`) never
 /// match. No `FOR UPDATE SKIP LOCKED`: nothing else deletes these rows while a cleanup holds the consumer_type's
 /// [`CLEANUP_TRY_LOCK`], and locking them first would write each row once more.
+/// The batch's fingerprints go with it, found through their key.
 pub const DELETE_PROCESSED_BATCH: &str = "\
-DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (
-    SELECT ctid FROM inbox_messages
+WITH batch AS (
+    SELECT ctid, id FROM inbox_messages
     WHERE consumer_type = $1 AND processed_at < $2
-    LIMIT $3))";
+    LIMIT $3
+), fingerprints AS (
+    DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = batch.id
+)
+DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch))";
 
 /// The same for inboxctl's own event rows.
 pub const DELETE_EVENTS_BATCH: &str = "\
@@ -262,7 +318,8 @@ WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
 GROUP BY 1, 2";
 
 /// `inboxctl bench` on its scratch databases: empty the tables between runs.
-pub const BENCH_TRUNCATE: &str = "TRUNCATE inbox_messages, carrier_reservations, inboxctl_events";
+pub const BENCH_TRUNCATE: &str =
+    "TRUNCATE inbox_messages, inboxctl_fingerprints, carrier_reservations, inboxctl_events";
 
 /// The peer mode's own inbox table (pg-transactional-outbox's `inbox`, made by its set-up).
 pub const BENCH_TRUNCATE_PEER: &str = "TRUNCATE inbox";

@@ -21,30 +21,35 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod batch;
+mod dead_letters;
+mod poison;
+
 use futures_util::{FutureExt as _, StreamExt as _};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{Channel, Connection};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
-use tokio::sync::{OnceCell, Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use self::dead_letters::{CopyError, DeadLetters};
 use crate::amqp::dead_letter::{self, Fault};
 use crate::amqp::envelope::{self, Incoming, Unreadable};
+use crate::amqp::limits::{self, MAX_HEADER_TEXT, MAX_LOGGED_TEXT};
 use crate::amqp::{Broker, topology};
 use crate::db::sql;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::failpoint;
 use crate::inbox::{
-    ConsumerType, Inbox, Member, MemberOutcome, Outcome, ProcessError, Work, WorkError,
+    Conflict, ConsumerType, Fingerprint, Inbox, Outcome, ProcessError, Work, WorkError,
 };
 use crate::sanitize;
 
@@ -123,12 +128,30 @@ pub struct ConsumerOptions {
     /// A redelivered message that has started this many times without reaching an outcome (each start ended its
     /// process) goes to the error queue at its next delivery.
     pub poison_after: u32,
+    /// What becomes of a copy whose message id was processed before for another event.
+    pub on_conflict: OnConflict,
+}
+
+/// What becomes of a message whose id was processed before for another event (a producer that reused an id): it is
+/// never processed, and always counted and logged as a conflict; this says whether it is also kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnConflict {
+    /// Moved to `<queue>_error` with the reason, for someone to look at: it is a bug upstream.
+    #[default]
+    DeadLetter,
+    /// Acknowledged and dropped, like a duplicate.
+    Discard,
 }
 
 pub const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
 /// Backoff while PostgreSQL or RabbitMQ is unavailable.
 const OUTAGE_DELAY_MIN: Duration = Duration::from_millis(100);
 const OUTAGE_DELAY_MAX: Duration = Duration::from_secs(5);
+/// How long a message whose dead-letter copy can never be made is held before it goes back to the queue: it is not
+/// acknowledged (nothing is lost) and must not come round in a tight loop.
+const HOLD_IMPOSSIBLE: Duration = Duration::from_secs(60);
+/// How long the work left in flight at a stop may take to be told apart from a crash, and the pool to close.
+const STOP_BOOKKEEPING: Duration = Duration::from_secs(2);
 
 /// What one consumer process did, for its closing log line, `demo` and `--metrics-addr`.
 #[derive(Debug, Default)]
@@ -138,6 +161,7 @@ pub struct RunCounts {
     pub failed_attempts: AtomicU64,
     pub dead_lettered: AtomicU64,
     pub skipped: AtomicU64,
+    pub conflicts: AtomicU64,
     /// Whether the consumer holds a working broker connection now.
     pub broker_connected: std::sync::atomic::AtomicBool,
 }
@@ -149,6 +173,7 @@ pub struct RunSummary {
     pub failed_attempts: u64,
     pub dead_lettered: u64,
     pub skipped: u64,
+    pub conflicts: u64,
 }
 
 impl RunCounts {
@@ -159,6 +184,7 @@ impl RunCounts {
             failed_attempts: self.failed_attempts.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             skipped: self.skipped.load(Ordering::Relaxed),
+            conflicts: self.conflicts.load(Ordering::Relaxed),
         }
     }
 }
@@ -175,19 +201,19 @@ struct Shared<C: Consumer> {
     shutdown: CancellationToken,
     in_flight: AtomicUsize,
     last_activity: std::sync::Mutex<Instant>,
-    /// Work holds it shared; a suspect — a redelivered message that was in flight when a process ended before — holds
-    /// it alone, so that if its process ends again, nothing else was in flight to share the blame.
+    /// An attempt holds it shared; an attempt of a suspect — a redelivered message that was in flight when a process
+    /// ended before — holds it alone, so that if its process ends again, nothing else was in flight to share the
+    /// blame. Only attempts hold it: never a retry's wait.
     alone: tokio::sync::RwLock<()>,
+    /// Redelivered messages whose start is counted and not yet through (see [`poison`]).
+    starts: poison::Starts,
 }
 
-/// One broker connection's channels: deliveries come in on one, dead-letter copies go out on the other (in
-/// confirm mode).
+/// One broker connection: deliveries come in on one channel, dead-letter copies go out on another.
 struct Link {
     connection: Connection,
     consume: Channel,
-    publish: Channel,
-    error_declared: OnceCell<()>,
-    skipped_declared: OnceCell<()>,
+    dead_letters: DeadLetters,
 }
 
 /// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
@@ -216,12 +242,13 @@ pub async fn run<C: Consumer>(
         in_flight: AtomicUsize::new(0),
         last_activity: std::sync::Mutex::new(Instant::now()),
         alone: tokio::sync::RwLock::new(()),
+        starts: poison::Starts::default(),
     });
     let permits = Arc::new(Semaphore::new(shared.options.concurrency.max(1)));
     let mut tasks: JoinSet<()> = JoinSet::new();
     // Batched: deliveries queue up for a few batch workers instead of getting a task each.
     let mut batches = (shared.options.batch_size > 1).then(|| {
-        let (tx, rx) = mpsc::channel::<Queued>(usize::from(shared.options.prefetch).max(1));
+        let (tx, rx) = mpsc::channel::<batch::Queued>(usize::from(shared.options.prefetch).max(1));
         let rx = Arc::new(tokio::sync::Mutex::new(rx));
         let running = Arc::new(AtomicUsize::new(0));
         let workers = shared
@@ -230,7 +257,7 @@ pub async fn run<C: Consumer>(
             .div_ceil(shared.options.batch_size)
             .max(1);
         for _ in 0..workers {
-            tasks.spawn(batch_worker(
+            tasks.spawn(batch::worker(
                 Arc::clone(&shared),
                 Arc::clone(&rx),
                 Arc::clone(&running),
@@ -390,6 +417,7 @@ pub async fn run<C: Consumer>(
         failed_attempts = summary.failed_attempts,
         dead_lettered = summary.dead_lettered,
         skipped = summary.skipped,
+        conflicts = summary.conflicts,
         "consumer stopped"
     );
     Ok(summary)
@@ -408,16 +436,10 @@ async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<L
     consume
         .basic_qos(shared.options.prefetch, BasicQosOptions::default())
         .await?;
-    let publish = connection.create_channel().await?;
-    publish
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
     Ok(Link {
         connection,
         consume,
-        publish,
-        error_declared: OnceCell::new(),
-        skipped_declared: OnceCell::new(),
+        dead_letters: DeadLetters::new(broker.username().to_owned()),
     })
 }
 
@@ -463,6 +485,8 @@ async fn drain<C: Consumer>(shared: &Shared<C>, tasks: &mut JoinSet<()>) {
         );
         tasks.abort_all();
         while tasks.join_next().await.is_some() {}
+        // Abandoned by a clean stop, not ended by a crash: their starts must not count towards --poison-after.
+        poison::abandoned(shared).await;
     }
 }
 
@@ -470,90 +494,46 @@ async fn drain<C: Consumer>(shared: &Shared<C>, tasks: &mut JoinSet<()>) {
 enum Disposition {
     /// Its outcome is committed or its copy confirmed.
     Ack,
-    /// Not finished (a stop, or RabbitMQ refused the dead-letter copy): give it back to the broker.
+    /// Not finished (a stop, an outage): give it back to the broker.
     Requeue,
+    /// Not finished, and not to come back at once (its dead-letter copy was refused): give it back after this pause,
+    /// or at a stop.
+    RequeueAfter(Duration),
 }
 
-/// Handles one delivery on its own (not batched) and settles it with the broker.
+/// Handles one delivery on its own (not batched) and settles it with the broker. A panic anywhere in its handling
+/// (not only in the consumer's work, which counts as a failed attempt) gives the delivery back, never leaves it
+/// unsettled.
 async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery) {
-    let disposition = match prepare(shared, link, &delivery).await {
-        Prepared::Done(disposition) => disposition,
-        Prepared::Ready(ready) if delivery.redelivered => {
-            let id = ready.incoming.message_id;
-            let counted = redelivered_start(shared, id).await;
-            let disposition = match counted {
-                // It ended its process this many times while it was the only work in flight: it is the cause.
-                Some((_, alone)) if alone >= shared.options.poison_after => {
-                    poison(shared, link, &delivery, &ready, alone).await
-                }
-                // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
-                Some((started, _)) if started >= 2 => {
-                    let _alone = shared.alone.write().await;
-                    // Counted before the work, so that it stays counted if the work ends the process.
-                    redelivery_count(shared, sql::REDELIVERED_ALONE, id).await;
-                    attempts(shared, link, &delivery, &ready, 1).await
-                }
-                _ => {
-                    let _shared = shared.alone.read().await;
-                    attempts(shared, link, &delivery, &ready, 1).await
-                }
-            };
-            // Alive after this start, whatever its outcome: the message is not what ends processes.
-            if counted.is_some() {
-                redelivery_count(shared, sql::REDELIVERED_DONE, id).await;
-            }
-            disposition
-        }
-        Prepared::Ready(ready) => {
-            let _shared = shared.alone.read().await;
-            attempts(shared, link, &delivery, &ready, 1).await
-        }
+    let disposition = match AssertUnwindSafe(dispose(shared, link, &delivery))
+        .catch_unwind()
+        .await
+    {
+        Ok(disposition) => disposition,
+        Err(panic) => handling_panicked(&delivery, &panic_message(&*panic)),
     };
     settle(shared, &delivery, disposition).await;
 }
 
-/// Counts a start of a redelivered message: its starts without an outcome so far (this one included), and those of
-/// them made alone. `None` when it cannot be counted (the database down, or a schema from before the count existed),
-/// and the message is then processed as usual.
-async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<(u32, u32)> {
-    match sqlx::query_as::<_, (i32, i32)>(sql::REDELIVERED_START)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(id)
-        .fetch_one(shared.inbox.pool())
-        .await
-    {
-        Ok((started, alone)) => Some((
-            u32::try_from(started).unwrap_or(0),
-            u32::try_from(alone).unwrap_or(0),
-        )),
-        Err(e) => {
-            bookkeeping_failed(
-                "redelivery not counted",
-                "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
-                Some(id),
-                &e,
-            );
-            None
+async fn dispose<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: &Delivery) -> Disposition {
+    match prepare(shared, link, delivery).await {
+        Prepared::Done(disposition) => disposition,
+        Prepared::Ready(ready) if delivery.redelivered => {
+            poison::redelivered(shared, link, delivery, &ready).await
         }
+        Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,
     }
 }
 
-/// Runs one of the redelivery count's statements (`$1` consumer_type, `$2` message id) on its own. A count that
-/// cannot be kept (the database down) only weakens poison detection; it never holds up the message.
-async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static str, id: Uuid) {
-    if let Err(e) = sqlx::query(statement)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(id)
-        .execute(shared.inbox.pool())
-        .await
-    {
-        bookkeeping_failed(
-            "redelivery count not kept",
-            "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
-            Some(id),
-            &e,
-        );
-    }
+/// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,
+/// and the delivery given back after a pause, so that it cannot come round in a tight loop.
+fn handling_panicked(delivery: &Delivery, panic: &str) -> Disposition {
+    tracing::error!(
+        message_id = ?property_id(delivery),
+        panic = %logged(panic),
+        "handling a message panicked; it goes back to the queue"
+    );
+    Disposition::RequeueAfter(OUTAGE_DELAY_MAX)
 }
 
 /// A bookkeeping statement (the redelivery count, an event counter) failed. It never holds up a message; during an
@@ -581,56 +561,44 @@ fn bookkeeping_failed(
     }
 }
 
-/// A message whose processing ended its process `alone` times while nothing else was in flight: to the error queue.
-async fn poison<C: Consumer>(
-    shared: &Shared<C>,
-    link: &Link,
-    delivery: &Delivery,
-    ready: &Ready<C::Message>,
-    alone: u32,
-) -> Disposition {
-    let id = ready.incoming.message_id;
-    let reason = format!(
-        "processed alone {alone} times without reaching an outcome: each attempt ended the consumer process \
-         (a crash, an abort or a kill while it was the only message in flight)"
-    );
-    tracing::error!(message_id = %id, alone, "poison message; moving it to the error queue");
-    let fault = ("inboxctl::PoisonMessage", reason.clone(), reason);
-    let retries = i32::try_from(alone).unwrap_or(i32::MAX);
-    dead_letter_error(
-        shared,
-        link,
-        delivery,
-        Some(id),
-        ready.message_type.clone(),
-        &fault,
-        retries,
-    )
-    .await
-}
-
 /// Acks or requeues a delivery whose handling ended, and counts it out of flight.
 async fn settle<C: Consumer>(shared: &Shared<C>, delivery: &Delivery, disposition: Disposition) {
-    let acker = &delivery.acker;
-    match disposition {
-        Disposition::Ack => match acker.ack(BasicAckOptions::default()).await {
-            Ok(true) => {}
-            Ok(false) | Err(_) => tracing::debug!(
-                delivery_tag = delivery.delivery_tag,
-                "ack not sent (channel closed); the broker will deliver the message again"
-            ),
-        },
-        Disposition::Requeue => {
-            let _ = acker
+    settle_acker(shared, &delivery.acker, delivery.delivery_tag, disposition).await;
+}
+
+async fn settle_acker<C: Consumer>(
+    shared: &Shared<C>,
+    acker: &lapin::Acker,
+    delivery_tag: u64,
+    disposition: Disposition,
+) {
+    let settled = match disposition {
+        Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
+        Disposition::Requeue | Disposition::RequeueAfter(_) => {
+            if let Disposition::RequeueAfter(pause) = disposition {
+                sleep_or_cancel(pause, &shared.shutdown).await;
+            }
+            acker
                 .nack(BasicNackOptions {
                     multiple: false,
                     requeue: true,
                 })
-                .await;
+                .await
         }
+    };
+    match settled {
+        Ok(true) => {}
+        // Settled already, by the clean-up after a panic: counted out of flight there.
+        Ok(false) => return,
+        Err(_) => tracing::debug!(
+            delivery_tag,
+            "not settled (channel closed); the broker will deliver the message again"
+        ),
     }
     *lock(&shared.last_activity) = Instant::now();
-    shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+    let _ = shared
+        .in_flight
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
 }
 
 /// A delivery that could be read, of a type this consumer handles, with its event decoded.
@@ -638,6 +606,7 @@ struct Ready<M> {
     incoming: Incoming,
     message: M,
     message_type: Option<String>,
+    fingerprint: Fingerprint,
 }
 
 enum Prepared<M> {
@@ -653,13 +622,19 @@ async fn prepare<C: Consumer>(
     link: &Link,
     delivery: &Delivery,
 ) -> Prepared<C::Message> {
+    let label = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str());
+    failpoint::hit_with("handle", label.unwrap_or_default()).await;
     let incoming = match envelope::parse(&delivery.properties, &delivery.data) {
         Ok(incoming) => incoming,
         Err(unreadable) => {
             let id = property_id(delivery);
             tracing::warn!(
                 message_id = id.map(|i| i.to_string()).unwrap_or_default(),
-                reason = %sanitize::text(&unreadable.to_string()),
+                reason = %logged(&unreadable.to_string()),
                 "unreadable message; moving it to the error queue"
             );
             let fault = unreadable_fault(&unreadable);
@@ -677,6 +652,7 @@ async fn prepare<C: Consumer>(
     }
     match serde_json::from_str(incoming.payload.get()) {
         Ok(message) => Prepared::Ready(Ready {
+            fingerprint: envelope::fingerprint(&incoming.payload),
             incoming,
             message,
             message_type,
@@ -686,7 +662,7 @@ async fn prepare<C: Consumer>(
                 "the message cannot be read as {}: {e}",
                 envelope::dotnet_type_name(C::MESSAGE_TYPE)
             );
-            tracing::warn!(message_id = %incoming.message_id, reason = %sanitize::text(&reason), "moving message to the error queue");
+            tracing::warn!(message_id = %incoming.message_id, reason = %logged(&reason), "moving message to the error queue");
             let fault = ("inboxctl::MalformedMessage", reason.clone(), reason);
             let id = Some(incoming.message_id);
             Prepared::Done(
@@ -714,22 +690,52 @@ fn work<C: Consumer>(
     Box::new(move |tx| Box::pin(async move { consumer.consume(tx, &context, &message).await }))
 }
 
+/// Whether an attempt may run beside others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Access {
+    Shared,
+    /// A suspect's: nothing else may be in flight in this process while it runs.
+    Alone,
+}
+
 /// Processes one message in transactions of its own, from attempt `first` on: retries what fails, waits out outages.
+/// Each attempt holds [`Shared::alone`] (shared, or alone for a suspect) while it runs, and only then: a retry's wait
+/// holds up nobody.
 async fn attempts<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
     delivery: &Delivery,
     ready: &Ready<C::Message>,
     first: u32,
+    access: Access,
 ) -> Disposition {
     let id = ready.incoming.message_id;
     let mut attempt = first;
     let mut outage_delay = OUTAGE_DELAY_MIN;
     loop {
-        let work = shared
-            .inbox
-            .process(id, work(shared, delivery, ready, attempt));
-        let failure = match AssertUnwindSafe(work).catch_unwind().await {
+        let result = {
+            let _guard = match access {
+                Access::Shared => Guard::Shared {
+                    _held: shared.alone.read().await,
+                },
+                Access::Alone => {
+                    let guard = Guard::Alone {
+                        _held: shared.alone.write().await,
+                    };
+                    if attempt == first {
+                        poison::starting_alone(shared, id).await;
+                    }
+                    guard
+                }
+            };
+            let work = shared.inbox.process_event(
+                id,
+                Some(ready.fingerprint),
+                work(shared, delivery, ready, attempt),
+            );
+            AssertUnwindSafe(work).catch_unwind().await
+        };
+        let failure = match result {
             Ok(Ok(outcome)) => {
                 database_back(shared);
                 match outcome {
@@ -738,6 +744,9 @@ async fn attempts<C: Consumer>(
                         failpoint::hit("after-commit").await;
                     }
                     Outcome::Duplicate => duplicate(shared, id),
+                    Outcome::Conflict(c) => {
+                        return conflict(shared, link, delivery, ready, c).await;
+                    }
                 }
                 return Disposition::Ack;
             }
@@ -757,6 +766,16 @@ async fn attempts<C: Consumer>(
         }
         attempt += 1;
     }
+}
+
+/// The hold an attempt has on [`Shared::alone`].
+enum Guard<'a> {
+    Shared {
+        _held: tokio::sync::RwLockReadGuard<'a, ()>,
+    },
+    Alone {
+        _held: tokio::sync::RwLockWriteGuard<'a, ()>,
+    },
 }
 
 /// Counts and records a failed attempt. After the last attempt the message goes to the error queue (the returned
@@ -779,7 +798,7 @@ async fn failed<C: Consumer>(
         tracing::warn!(
             message_id = %id,
             attempts = attempt,
-            reason = %sanitize::text(&failure),
+            reason = %logged(&failure),
             "giving up; moving message to the error queue"
         );
         let first_line = failure.lines().next().unwrap_or_default().to_owned();
@@ -803,7 +822,7 @@ async fn failed<C: Consumer>(
         message_id = %id,
         attempt,
         retry_in = ?delay,
-        reason = %sanitize::text(&failure),
+        reason = %logged(&failure),
         "attempt failed"
     );
     sleep_or_cancel(delay, &shared.shutdown)
@@ -823,6 +842,43 @@ fn duplicate<C: Consumer>(shared: &Shared<C>, id: Uuid) {
         consumer_type = %shared.inbox.consumer_type(),
         "duplicate discarded"
     );
+}
+
+/// A copy whose message id was processed before for another event: never processed; counted and logged as a
+/// conflict (the claim recorded it), then moved to the error queue or dropped, as the operator chose.
+async fn conflict<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    conflict: Conflict,
+) -> Disposition {
+    shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
+    let id = ready.incoming.message_id;
+    let then = match shared.options.on_conflict {
+        OnConflict::DeadLetter => "moving it to the error queue",
+        OnConflict::Discard => "discarding it (--on-conflict discard)",
+    };
+    tracing::warn!(
+        message_id = %id,
+        consumer_type = %shared.inbox.consumer_type(),
+        first_event = %conflict.first,
+        this_event = %conflict.this,
+        "message id reused for another event: this message was not processed; {then}"
+    );
+    match shared.options.on_conflict {
+        OnConflict::Discard => Disposition::Ack,
+        OnConflict::DeadLetter => {
+            let reason = format!(
+                "message id {id} was processed before for another event (fingerprint {}; this message's {}): the id \
+                 was reused for a different message, which was not processed",
+                conflict.first, conflict.this
+            );
+            let fault = ("inboxctl::MessageIdConflict", reason.clone(), reason);
+            let message_type = ready.message_type.clone();
+            dead_letter_error(shared, link, delivery, Some(id), message_type, &fault, 0).await
+        }
+    }
 }
 
 fn database_back<C: Consumer>(shared: &Shared<C>) {
@@ -854,151 +910,6 @@ fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
     }
 }
 
-/// A delivery waiting for a batch, with the broker connection it came on.
-type Queued = (Delivery, Arc<Link>);
-
-/// Takes deliveries off `queue` in batches of up to `batch_size` and processes each batch in one transaction. A batch
-/// starts with whatever is waiting; it waits up to `batch_wait` for more only while another batch is running, so a
-/// lone message never waits.
-async fn batch_worker<C: Consumer>(
-    shared: Arc<Shared<C>>,
-    queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Queued>>>,
-    running: Arc<AtomicUsize>,
-) {
-    let size = shared.options.batch_size;
-    loop {
-        let batch = {
-            let mut rx = queue.lock().await;
-            let Some(first) = rx.recv().await else {
-                return;
-            };
-            let mut batch = vec![first];
-            while batch.len() < size {
-                match rx.try_recv() {
-                    Ok(queued) => batch.push(queued),
-                    Err(_) => break,
-                }
-            }
-            if batch.len() < size && running.load(Ordering::SeqCst) > 0 {
-                let deadline = tokio::time::Instant::now() + shared.options.batch_wait;
-                while batch.len() < size {
-                    match tokio::time::timeout_at(deadline, rx.recv()).await {
-                        Ok(Some(queued)) => batch.push(queued),
-                        _ => break,
-                    }
-                }
-            }
-            batch
-        };
-        running.fetch_add(1, Ordering::SeqCst);
-        {
-            let _shared = shared.alone.read().await;
-            process_batch(&shared, batch).await;
-        }
-        running.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-async fn process_batch<C: Consumer>(shared: &Shared<C>, batch: Vec<Queued>) {
-    // Read each delivery; two copies of one id in a batch: the later one waits for the batch's outcome.
-    let mut members = Vec::with_capacity(batch.len());
-    let mut later = Vec::new();
-    let mut ids = std::collections::HashSet::new();
-    for (delivery, link) in batch {
-        match prepare(shared, &link, &delivery).await {
-            Prepared::Done(disposition) => settle(shared, &delivery, disposition).await,
-            Prepared::Ready(ready) if ids.insert(ready.incoming.message_id) => {
-                members.push((delivery, link, ready))
-            }
-            Prepared::Ready(ready) => later.push((delivery, link, ready)),
-        }
-    }
-
-    let mut outage_delay = OUTAGE_DELAY_MIN;
-    let outcomes = loop {
-        if members.is_empty() {
-            break Some(Vec::new());
-        }
-        let batch: Vec<Member<()>> = members
-            .iter()
-            .map(|(delivery, _, ready)| Member {
-                message_id: ready.incoming.message_id,
-                work: work(shared, delivery, ready, 1),
-            })
-            .collect();
-        match shared.inbox.process_batch(batch).await {
-            Ok(outcomes) => {
-                database_back(shared);
-                break Some(outcomes);
-            }
-            Err(ProcessError::Unavailable(e)) => {
-                database_gone(shared, &e);
-                if sleep_or_cancel(jitter(outage_delay), &shared.shutdown).await {
-                    for (delivery, _, _) in members.iter().chain(&later) {
-                        settle(shared, delivery, Disposition::Requeue).await;
-                    }
-                    return;
-                }
-                outage_delay = (outage_delay * 2).min(OUTAGE_DELAY_MAX);
-            }
-            Err(ProcessError::Failed(e)) => {
-                tracing::warn!(reason = %sanitize::text(&error_chain(&e)), "batch failed as a whole; processing its messages one by one");
-                break None;
-            }
-        }
-    };
-
-    match outcomes {
-        Some(outcomes) => {
-            if outcomes
-                .iter()
-                .any(|o| matches!(o, MemberOutcome::Processed(())))
-            {
-                failpoint::hit("after-commit").await;
-            }
-            let settled =
-                members
-                    .iter()
-                    .zip(outcomes)
-                    .map(|((delivery, link, ready), outcome)| async move {
-                        let id = ready.incoming.message_id;
-                        let disposition = match outcome {
-                            MemberOutcome::Processed(()) => {
-                                processed(shared, id);
-                                Disposition::Ack
-                            }
-                            MemberOutcome::Duplicate => {
-                                duplicate(shared, id);
-                                Disposition::Ack
-                            }
-                            MemberOutcome::Failed(e) => {
-                                match failed(shared, link, delivery, ready, 1, error_chain(&e))
-                                    .await
-                                {
-                                    Some(disposition) => disposition,
-                                    None => attempts(shared, link, delivery, ready, 2).await,
-                                }
-                            }
-                        };
-                        settle(shared, delivery, disposition).await;
-                    });
-            futures_util::future::join_all(settled).await;
-        }
-        None => {
-            let one_by_one = members.iter().map(|(delivery, link, ready)| async move {
-                let disposition = attempts(shared, link, delivery, ready, 1).await;
-                settle(shared, delivery, disposition).await;
-            });
-            futures_util::future::join_all(one_by_one).await;
-        }
-    }
-    let rest = later.iter().map(|(delivery, link, ready)| async move {
-        let disposition = attempts(shared, link, delivery, ready, 1).await;
-        settle(shared, delivery, disposition).await;
-    });
-    futures_util::future::join_all(rest).await;
-}
-
 async fn skip<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
@@ -1006,28 +917,24 @@ async fn skip<C: Consumer>(
     incoming: &Incoming,
 ) -> Disposition {
     let destination = topology::skipped_queue(&shared.options.queue);
+    let types = incoming.message_types.join(", ");
     tracing::warn!(
         message_id = %incoming.message_id,
-        message_type = %sanitize::text(&incoming.message_types.join(", ")),
+        message_type = %logged(&types),
         "message type not handled here; moving it to {destination}"
     );
     let headers = dead_letter::skipped_headers(delivery.properties.headers().as_ref());
-    match publish_copy(
-        link,
-        &link.skipped_declared,
-        &destination,
-        delivery,
-        headers,
-    )
-    .await
-    {
+    let moved = link
+        .dead_letters
+        .publish(&link.connection, &destination, delivery, headers)
+        .await;
+    match moved {
         Ok(()) => {
             shared.counts.skipped.fetch_add(1, Ordering::Relaxed);
-            let detail = incoming.message_types.join(", ");
-            record_event(shared, "skipped", Some(incoming.message_id), &detail).await;
+            record_event(shared, "skipped", Some(incoming.message_id), &types).await;
             Disposition::Ack
         }
-        Err(e) => copy_refused(shared, &destination, &e).await,
+        Err(e) => copy_refused(Some(incoming.message_id), &destination, e),
     }
 }
 
@@ -1063,69 +970,44 @@ async fn dead_letter_error<C: Consumer>(
     };
     let headers =
         dead_letter::error_headers(delivery.properties.headers().as_ref(), &fault_headers);
-    match publish_copy(link, &link.error_declared, &destination, delivery, headers).await {
+    let moved = link
+        .dead_letters
+        .publish(&link.connection, &destination, delivery, headers)
+        .await;
+    match moved {
         Ok(()) => {
             shared.counts.dead_lettered.fetch_add(1, Ordering::Relaxed);
             record_event(shared, "dead_lettered", message_id, &fault.1).await;
             Disposition::Ack
         }
-        Err(e) => copy_refused(shared, &destination, &e).await,
+        Err(e) => copy_refused(message_id, &destination, e),
     }
 }
 
-async fn copy_refused<C: Consumer>(
-    shared: &Shared<C>,
-    destination: &str,
-    error: &Error,
-) -> Disposition {
-    tracing::error!(
-        error = %crate::redact::text(&error.to_string()),
-        "could not move a message to {destination}; it stays on the queue"
-    );
-    // Not at once: a broker that refuses the copy would otherwise get it back in a tight loop.
-    sleep_or_cancel(OUTAGE_DELAY_MAX, &shared.shutdown).await;
-    Disposition::Requeue
-}
-
-/// Publishes the delivery's body and properties, with `headers`, to the exchange `destination` (declared on first
-/// use) and waits for the broker's confirm. A copy the broker could not route to a queue counts as refused.
-async fn publish_copy(
-    link: &Link,
-    declared: &OnceCell<()>,
-    destination: &str,
-    delivery: &Delivery,
-    headers: FieldTable,
-) -> Result<()> {
-    declared
-        .get_or_try_init(|| topology::ensure_dead_letter_queue(&link.connection, destination))
-        .await?;
-    let properties: BasicProperties = delivery.properties.clone().with_headers(headers);
-    let confirm = link
-        .publish
-        .basic_publish(
-            destination.into(),
-            "".into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            &delivery.data,
-            properties,
-        )
-        .await?
-        .await?;
-    match confirm {
-        lapin::Confirmation::Ack(None) => Ok(()),
-        lapin::Confirmation::Ack(Some(_)) => Err(Error::Topology(format!(
-            "{destination} routes to no queue; the copy was returned"
-        ))),
-        lapin::Confirmation::Nack(_) => Err(Error::Topology(format!(
-            "the broker refused the copy to {destination}"
-        ))),
-        lapin::Confirmation::NotRequested => {
-            Err(Error::Topology("publisher confirms are off".to_owned()))
+/// The dead-letter copy was not published: the message stays on its queue, given back after a pause — a short one
+/// if the broker may take the copy later, a long one if the copy can never be made — never in a tight loop.
+fn copy_refused(message_id: Option<Uuid>, destination: &str, error: CopyError) -> Disposition {
+    let pause = match error {
+        CopyError::Refused(reason) => {
+            tracing::error!(
+                message_id = ?message_id,
+                error = %reason,
+                "could not move a message to {destination}; it stays on the queue"
+            );
+            OUTAGE_DELAY_MAX
         }
-    }
+        CopyError::Impossible(reason) => {
+            tracing::error!(
+                message_id = ?message_id,
+                error = %reason,
+                "cannot move a message to {destination}; it stays on the queue, held {} at a time (move or delete \
+                 it by hand)",
+                humantime::format_duration(HOLD_IMPOSSIBLE)
+            );
+            HOLD_IMPOSSIBLE
+        }
+    };
+    Disposition::RequeueAfter(pause)
 }
 
 async fn record_event<C: Consumer>(
@@ -1138,7 +1020,7 @@ async fn record_event<C: Consumer>(
         .bind(shared.inbox.consumer_type().as_str())
         .bind(kind)
         .bind(message_id)
-        .bind(detail)
+        .bind(limits::truncate(detail, MAX_HEADER_TEXT).as_ref())
         .execute(shared.inbox.pool())
         .await;
     if let Err(e) = recorded {
@@ -1157,6 +1039,11 @@ fn property_id(delivery: &Delivery) -> Option<Uuid> {
         .message_id()
         .as_ref()
         .and_then(|id| Uuid::parse_str(id.as_str()).ok())
+}
+
+/// Text from a message or an error about it, for a log field: bounded and with control characters escaped.
+fn logged(text: &str) -> String {
+    sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
 }
 
 /// The error and its causes, one per line.

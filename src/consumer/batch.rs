@@ -1,0 +1,245 @@
+//! Batched consumption (`--batch-size` > 1): deliveries that arrive together share one transaction
+//! ([`Inbox::process_batch`](crate::inbox::Inbox::process_batch)).
+//!
+//! A batch worker only runs batches. Whatever takes time beyond the batch's transaction — a failed member's retries and
+//! their waits, a copy of a member's id, a dead-letter copy the broker refused and its pause, the members of a batch
+//! that failed as a whole — goes on in a task of its own beside the worker, so that one slow message never holds up
+//! the batches behind it.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures_util::FutureExt as _;
+use lapin::Acker;
+use lapin::message::Delivery;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use super::{
+    Access, Consumer, Disposition, Link, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Prepared, Ready,
+    Shared, attempts, conflict, database_back, database_gone, duplicate, error_chain, failed,
+    jitter, logged, panic_message, prepare, processed, settle, settle_acker, sleep_or_cancel, work,
+};
+use crate::failpoint;
+use crate::inbox::{Member, MemberOutcome, ProcessError};
+
+/// A delivery waiting for a batch, with the broker connection it came on.
+pub(super) type Queued = (Delivery, Arc<Link>);
+
+/// A member of a batch: a delivery read and ready.
+type Held<C> = (Delivery, Arc<Link>, Ready<<C as Consumer>::Message>);
+
+/// Takes deliveries off `queue` in batches of up to `batch_size` and processes each batch in one transaction. A batch
+/// starts with whatever is waiting; it waits up to `batch_wait` for more only while another batch is running, so a
+/// lone message never waits.
+pub(super) async fn worker<C: Consumer>(
+    shared: Arc<Shared<C>>,
+    queue: Arc<tokio::sync::Mutex<mpsc::Receiver<Queued>>>,
+    running: Arc<AtomicUsize>,
+) {
+    // Dropped (and its tasks with it) if the worker is abandoned at the shutdown timeout, like any work in flight.
+    let mut aside: JoinSet<()> = JoinSet::new();
+    while let Some(batch) = next(&shared, &queue, &running).await {
+        while aside.try_join_next().is_some() {}
+        running.fetch_add(1, Ordering::SeqCst);
+        let ackers: Vec<(Acker, u64)> = batch
+            .iter()
+            .map(|(d, _)| (d.acker.clone(), d.delivery_tag))
+            .collect();
+        if let Err(panic) = AssertUnwindSafe(run(&shared, batch, &mut aside))
+            .catch_unwind()
+            .await
+        {
+            tracing::error!(
+                panic = %logged(&panic_message(&*panic)),
+                "handling a batch panicked; what it had not settled goes back to the queue"
+            );
+            // What the batch settled, or handed to a task of its own, stays as it is.
+            for (acker, tag) in ackers.into_iter().filter(|(a, _)| a.usable()) {
+                let shared = Arc::clone(&shared);
+                aside.spawn(async move {
+                    let disposition = Disposition::RequeueAfter(OUTAGE_DELAY_MAX);
+                    settle_acker(&shared, &acker, tag, disposition).await;
+                });
+            }
+        }
+        running.fetch_sub(1, Ordering::SeqCst);
+    }
+    while aside.join_next().await.is_some() {}
+}
+
+/// The next batch; `None` once the queue is closed (a stop).
+async fn next<C: Consumer>(
+    shared: &Shared<C>,
+    queue: &tokio::sync::Mutex<mpsc::Receiver<Queued>>,
+    running: &AtomicUsize,
+) -> Option<Vec<Queued>> {
+    let size = shared.options.batch_size;
+    let mut rx = queue.lock().await;
+    let first = rx.recv().await?;
+    let mut batch = vec![first];
+    while batch.len() < size {
+        match rx.try_recv() {
+            Ok(queued) => batch.push(queued),
+            Err(_) => break,
+        }
+    }
+    if batch.len() < size && running.load(Ordering::SeqCst) > 0 {
+        let deadline = tokio::time::Instant::now() + shared.options.batch_wait;
+        while batch.len() < size {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(queued)) => batch.push(queued),
+                _ => break,
+            }
+        }
+    }
+    Some(batch)
+}
+
+async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &mut JoinSet<()>) {
+    // Read each delivery; two copies of one id in a batch: the later one waits for the batch's outcome.
+    let mut members: Vec<Held<C>> = Vec::with_capacity(batch.len());
+    let mut later: Vec<Held<C>> = Vec::new();
+    let mut ids = std::collections::HashSet::new();
+    for (delivery, link) in batch {
+        match prepare(shared, &link, &delivery).await {
+            Prepared::Done(disposition) => finish(shared, aside, delivery, disposition).await,
+            Prepared::Ready(ready) if ids.insert(ready.incoming.message_id) => {
+                members.push((delivery, link, ready))
+            }
+            Prepared::Ready(ready) => later.push((delivery, link, ready)),
+        }
+    }
+
+    match commit(shared, &members).await {
+        Committed::Outcomes(outcomes) => {
+            if outcomes
+                .iter()
+                .any(|o| matches!(o, MemberOutcome::Processed(())))
+            {
+                failpoint::hit("after-commit").await;
+            }
+            for ((delivery, link, ready), outcome) in members.into_iter().zip(outcomes) {
+                let id = ready.incoming.message_id;
+                let disposition = match outcome {
+                    MemberOutcome::Processed(()) => {
+                        processed(shared, id);
+                        Disposition::Ack
+                    }
+                    MemberOutcome::Duplicate => {
+                        duplicate(shared, id);
+                        Disposition::Ack
+                    }
+                    MemberOutcome::Conflict(c) => {
+                        conflict(shared, &link, &delivery, &ready, c).await
+                    }
+                    MemberOutcome::Failed(e) => {
+                        let failure = error_chain(&e);
+                        let shared = Arc::clone(shared);
+                        aside.spawn(async move {
+                            let disposition =
+                                match failed(&shared, &link, &delivery, &ready, 1, failure).await {
+                                    Some(disposition) => disposition,
+                                    None => {
+                                        attempts(
+                                            &shared,
+                                            &link,
+                                            &delivery,
+                                            &ready,
+                                            2,
+                                            Access::Shared,
+                                        )
+                                        .await
+                                    }
+                                };
+                            settle(&shared, &delivery, disposition).await;
+                        });
+                        continue;
+                    }
+                };
+                finish(shared, aside, delivery, disposition).await;
+            }
+        }
+        Committed::OneByOne => later.extend(members),
+        Committed::Stopped => {
+            for (delivery, _, _) in members.iter().chain(&later) {
+                settle(shared, delivery, Disposition::Requeue).await;
+            }
+            return;
+        }
+    }
+    for (delivery, link, ready) in later {
+        let shared = Arc::clone(shared);
+        aside.spawn(async move {
+            let disposition = attempts(&shared, &link, &delivery, &ready, 1, Access::Shared).await;
+            settle(&shared, &delivery, disposition).await;
+        });
+    }
+}
+
+/// What became of a batch's transaction.
+enum Committed {
+    Outcomes(Vec<MemberOutcome<()>>),
+    /// It failed as a whole (a member panicked, the commit was refused): its members go one by one.
+    OneByOne,
+    /// A stop came while PostgreSQL was unavailable.
+    Stopped,
+}
+
+/// Runs the batch's transaction, waiting out outages.
+async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committed {
+    let mut outage_delay = OUTAGE_DELAY_MIN;
+    loop {
+        if members.is_empty() {
+            return Committed::Outcomes(Vec::new());
+        }
+        let batch: Vec<Member<()>> = members
+            .iter()
+            .map(|(delivery, _, ready)| Member {
+                message_id: ready.incoming.message_id,
+                fingerprint: Some(ready.fingerprint),
+                work: work(shared, delivery, ready, 1),
+            })
+            .collect();
+        let result = {
+            let _shared = shared.alone.read().await;
+            shared.inbox.process_batch(batch).await
+        };
+        match result {
+            Ok(outcomes) => {
+                database_back(shared);
+                return Committed::Outcomes(outcomes);
+            }
+            Err(ProcessError::Unavailable(e)) => {
+                database_gone(shared, &e);
+                if sleep_or_cancel(jitter(outage_delay), &shared.shutdown).await {
+                    return Committed::Stopped;
+                }
+                outage_delay = (outage_delay * 2).min(OUTAGE_DELAY_MAX);
+            }
+            Err(ProcessError::Failed(e)) => {
+                tracing::warn!(
+                    reason = %logged(&error_chain(&e)),
+                    "batch failed as a whole; processing its messages one by one"
+                );
+                return Committed::OneByOne;
+            }
+        }
+    }
+}
+
+/// Settles a delivery at once, or in a task of its own if it is to be given back after a pause.
+async fn finish<C: Consumer>(
+    shared: &Arc<Shared<C>>,
+    aside: &mut JoinSet<()>,
+    delivery: Delivery,
+    disposition: Disposition,
+) {
+    if let Disposition::RequeueAfter(_) = disposition {
+        let shared = Arc::clone(shared);
+        aside.spawn(async move { settle(&shared, &delivery, disposition).await });
+    } else {
+        settle(shared, &delivery, disposition).await;
+    }
+}

@@ -1,0 +1,167 @@
+//! Poison messages: a message whose processing ends its consumer process (an abort, a crash in native code, an
+//! out-of-memory kill) comes back redelivered every time. Redelivered messages are counted in `inboxctl_attempts` as
+//! they start (a first delivery costs nothing); one that was in flight at an earlier end is a suspect and is tried
+//! alone; once it has ended the process `--poison-after` times alone, it moves to the error queue.
+//!
+//! Only an end of the process may count: a start that reaches an outcome is forgotten, and so is one abandoned by a
+//! clean stop (SIGTERM past `--shutdown-timeout`), which is not the message's doing.
+
+use std::collections::HashMap;
+
+use lapin::message::Delivery;
+use uuid::Uuid;
+
+use super::{
+    Access, Consumer, Disposition, Link, Ready, STOP_BOOKKEEPING, Shared, attempts,
+    bookkeeping_failed, dead_letter_error, lock,
+};
+use crate::db::sql;
+
+/// The redelivered messages of this process whose start is counted and has not reached an outcome, and whether the
+/// start was also counted as made alone: what a clean stop that abandons them takes back.
+#[derive(Debug, Default)]
+pub(super) struct Starts(std::sync::Mutex<HashMap<Uuid, bool>>);
+
+/// Handles a redelivered message: counts its start, moves it aside if it is the poison, tries it alone if it is a
+/// suspect.
+pub(super) async fn redelivered<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    // Registered before the count, so that a stop can never miss a start it counted.
+    lock(&shared.starts.0).insert(id, false);
+    let counted = redelivered_start(shared, id).await;
+    let disposition = match counted {
+        // It ended its process this many times while it was the only work in flight: it is the cause.
+        Some((_, alone)) if alone >= shared.options.poison_after => {
+            poison(shared, link, delivery, ready, alone).await
+        }
+        // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
+        Some((started, _)) if started >= 2 => {
+            attempts(shared, link, delivery, ready, 1, Access::Alone).await
+        }
+        _ => attempts(shared, link, delivery, ready, 1, Access::Shared).await,
+    };
+    // Alive after this start, whatever its outcome: the message is not what ends processes.
+    if counted.is_some() {
+        redelivery_count(shared, sql::REDELIVERED_DONE, id).await;
+    }
+    lock(&shared.starts.0).remove(&id);
+    disposition
+}
+
+/// A suspect's attempt starts alone: counted before the work, so that it stays counted if the work ends the process.
+pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    if let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
+        *alone = true;
+    }
+    redelivery_count(shared, sql::REDELIVERED_ALONE, id).await;
+}
+
+/// A clean stop abandoned the work still in flight: the starts it had counted are taken back (within a bound of
+/// time: a database that does not answer costs poison detection a count, never the stop its promptness).
+pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {
+    let (ids, alone): (Vec<Uuid>, Vec<i32>) = std::mem::take(&mut *lock(&shared.starts.0))
+        .into_iter()
+        .map(|(id, alone)| (id, i32::from(alone)))
+        .unzip();
+    if ids.is_empty() {
+        return;
+    }
+    let undo = sqlx::query(sql::REDELIVERED_ABANDONED)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(&ids)
+        .bind(&alone)
+        .execute(shared.inbox.pool());
+    match tokio::time::timeout(STOP_BOOKKEEPING, undo).await {
+        Ok(Ok(_)) => tracing::debug!(
+            messages = ids.len(),
+            "starts abandoned by the stop taken back"
+        ),
+        Ok(Err(e)) => bookkeeping_failed(
+            "starts abandoned by the stop not taken back",
+            "they count towards --poison-after as if the process had crashed",
+            None,
+            &e,
+        ),
+        Err(_) => tracing::warn!(
+            messages = ids.len(),
+            "PostgreSQL did not answer in time: the starts abandoned by the stop count towards --poison-after"
+        ),
+    }
+}
+
+/// Counts a start of a redelivered message: its starts without an outcome so far (this one included), and those of
+/// them made alone. `None` when it cannot be counted (the database down, or a schema from before the count existed),
+/// and the message is then processed as usual.
+async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<(u32, u32)> {
+    match sqlx::query_as::<_, (i32, i32)>(sql::REDELIVERED_START)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(id)
+        .fetch_one(shared.inbox.pool())
+        .await
+    {
+        Ok((started, alone)) => Some((
+            u32::try_from(started).unwrap_or(0),
+            u32::try_from(alone).unwrap_or(0),
+        )),
+        Err(e) => {
+            bookkeeping_failed(
+                "redelivery not counted",
+                "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
+                Some(id),
+                &e,
+            );
+            None
+        }
+    }
+}
+
+/// Runs one of the redelivery count's statements (`$1` consumer_type, `$2` message id) on its own. A count that
+/// cannot be kept (the database down) only weakens poison detection; it never holds up the message.
+async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static str, id: Uuid) {
+    if let Err(e) = sqlx::query(statement)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(id)
+        .execute(shared.inbox.pool())
+        .await
+    {
+        bookkeeping_failed(
+            "redelivery count not kept",
+            "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",
+            Some(id),
+            &e,
+        );
+    }
+}
+
+/// A message whose processing ended its process `alone` times while nothing else was in flight: to the error queue.
+async fn poison<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    alone: u32,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    let reason = format!(
+        "processed alone {alone} times without reaching an outcome: each attempt ended the consumer process \
+         (a crash, an abort or a kill while it was the only message in flight)"
+    );
+    tracing::error!(message_id = %id, alone, "poison message; moving it to the error queue");
+    let fault = ("inboxctl::PoisonMessage", reason.clone(), reason);
+    let retries = i32::try_from(alone).unwrap_or(i32::MAX);
+    dead_letter_error(
+        shared,
+        link,
+        delivery,
+        Some(id),
+        ready.message_type.clone(),
+        &fault,
+        retries,
+    )
+    .await
+}

@@ -5,6 +5,8 @@
 //! (an `amqp://` URL without a vhost), by default the loopback services. A test that cannot reach them fails.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
+pub mod raw_amqp;
+
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,12 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 use uuid::Uuid;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_inboxctl");
+
+/// The binary `TestEnv` runs: this build's, or the one `INBOXCTL_TEST_BIN` names — to show that a regression test
+/// fails against an earlier build.
+pub fn bin() -> String {
+    std::env::var("INBOXCTL_TEST_BIN").unwrap_or_else(|_| BIN.to_owned())
+}
 
 pub fn pg_base() -> String {
     std::env::var("INBOXCTL_TEST_PG")
@@ -83,7 +91,7 @@ impl TestEnv {
 
     /// The inboxctl binary with this environment's URLs.
     pub fn cmd(&self) -> Command {
-        let mut cmd = Command::new(BIN);
+        let mut cmd = Command::new(bin());
         cmd.env("DATABASE_URL", &self.database_url)
             .env("AMQP_URL", &self.amqp_url)
             .env_remove("RUST_LOG")
@@ -147,6 +155,12 @@ impl TestEnv {
             }
         }
         panic!("queue {queue} not found in vhost {}:\n{out}", self.vhost)
+    }
+
+    /// `host:port` of the broker, for [`raw_amqp`].
+    pub fn amqp_addr(&self) -> String {
+        let url = url::Url::parse(&amqp_base()).unwrap();
+        format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5672))
     }
 
     /// Whether a queue exists in the vhost.

@@ -1,0 +1,646 @@
+//! What a hostile test of `consume` found, each case against the real services: messages the broker accepts but that
+//! lost a message, crashed or stalled a consumer, or were mistaken for something else. Each test here failed against
+//! the build that had the bug (run it with `INBOXCTL_TEST_BIN=<that build's binary>` to see).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{CARRIER_QUEUE, EVENT_EXCHANGE, TestEnv, raw_amqp};
+use lapin::BasicProperties;
+use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use uuid::Uuid;
+
+const ERROR_QUEUE: &str = "parcel-created-carrier_error";
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Every message of a queue, taken.
+async fn take_all(env: &TestEnv, queue: &str) -> Vec<lapin::message::Delivery> {
+    let conn = env.amqp().await;
+    let out = common::drain(&conn, queue).await;
+    let _ = conn.close(200, "OK".into()).await;
+    out
+}
+
+fn header_text(delivery: &lapin::message::Delivery, key: &str) -> String {
+    common::header_text(&delivery.properties, key).unwrap_or_default()
+}
+
+async fn effects(pool: &sqlx::PgPool) -> i64 {
+    common::count(pool, "SELECT count(*) FROM carrier_reservations").await
+}
+
+/// A consumer of the carrier queue, started and consuming.
+fn consumer(env: &TestEnv, args: &[&str]) -> common::Proc {
+    let mut all = vec!["consume", "carrier", "--concurrency", "4"];
+    all.extend_from_slice(args);
+    let proc = env.spawn(&all);
+    proc.wait_for_stderr("consuming", Duration::from_secs(60));
+    proc
+}
+
+// ---- a dead-letter copy must not expire ----
+
+in_both_modes!(
+    dead_letter_copies_do_not_expire_and_keep_the_ttl_in_a_header,
+    copies_do_not_expire
+);
+
+async fn copies_do_not_expire(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = consumer(
+        &env,
+        &common::with_mode(&["--fail-destination", "FAIL", "--max-attempts", "1"], mode),
+    );
+    let conn = env.amqp().await;
+    // A message whose work fails, and one that cannot be read, each with a per-message TTL of 4 s.
+    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    common::publish(
+        &conn,
+        EVENT_EXCHANGE,
+        "",
+        props.with_expiration("4000".into()),
+        &body,
+    )
+    .await;
+    let unreadable = BasicProperties::default()
+        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_expiration("4000".into());
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable, b"not json").await;
+    common::eventually(
+        "both copies in the error queue",
+        Duration::from_secs(60),
+        || async { env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 2 },
+    )
+    .await;
+    // Past the TTL: a copy that kept `expiration` would be gone.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0), "no copy expired");
+    for copy in take_all(&env, ERROR_QUEUE).await {
+        assert_eq!(copy.properties.expiration(), &None, "the copy has no TTL");
+        assert_eq!(
+            header_text(&copy, "inboxctl-original-expiration"),
+            "4000",
+            "the original TTL is kept"
+        );
+    }
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
+// ---- message ids: the nil UUID, and an id reused for another event ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_nil_message_id_is_unreadable_and_no_message_carrying_it_is_lost() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    for destination in ["Berlin", "Paris"] {
+        let (props, body, _) = common::parcel_message(Uuid::nil(), destination);
+        common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    }
+    common::consume_until_idle(&env, &["carrier"]);
+    let pool = env.pool().await;
+    assert_eq!(effects(&pool).await, 0, "neither was processed");
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 2, "both kept in the error queue");
+    for copy in &copies {
+        assert!(
+            header_text(copy, "MT-Fault-Message").contains("nil UUID"),
+            "{}",
+            header_text(copy, "MT-Fault-Message")
+        );
+    }
+}
+
+in_both_modes!(
+    a_reused_message_id_with_another_event_is_a_conflict_not_a_duplicate,
+    reused_id
+);
+
+/// The envelope body of a `ParcelCreatedEvent` with `id`, written by hand so that its key order, whitespace and
+/// `sentTime` can differ from another copy's.
+fn envelope(id: Uuid, parcel: Uuid, destination: &str, sent: &str, reorder: bool) -> Vec<u8> {
+    let event = if reorder {
+        format!(r#"{{"destination":"{destination}","trackingNumber":"PT1","parcelId":"{parcel}"}}"#)
+    } else {
+        format!(
+            "{{\n    \"parcelId\": \"{parcel}\",\n    \"trackingNumber\": \"PT1\",\n    \"destination\": \"{destination}\"\n  }}"
+        )
+    };
+    format!(
+        r#"{{"messageId": "{id}", "messageType": ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"], "message": {event}, "sentTime": "{sent}", "headers": {{}}}}"#
+    )
+    .into_bytes()
+}
+
+async fn reused_id(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let id = Uuid::new_v4();
+    let (first, second) = (Uuid::new_v4(), Uuid::new_v4());
+    let props = inboxctl::amqp::envelope::masstransit_properties(id);
+    let send = |body: Vec<u8>| {
+        let conn = &conn;
+        let props = props.clone();
+        async move { common::publish(conn, EVENT_EXCHANGE, "", props, &body).await }
+    };
+    send(envelope(
+        id,
+        first,
+        "Berlin",
+        "2026-12-01T10:00:00.1234567Z",
+        false,
+    ))
+    .await;
+    common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
+    // A legitimate re-send of the same event (other key order, whitespace and sentTime): a duplicate.
+    send(envelope(id, first, "Berlin", "2026-12-01T10:05:00Z", true)).await;
+    // Another parcel under the same message id: a conflict.
+    send(envelope(id, second, "Paris", "2026-12-01T10:06:00Z", false)).await;
+    let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
+    assert!(
+        out.stderr.contains("message id reused for another event"),
+        "{}",
+        out.stderr
+    );
+
+    let pool = env.pool().await;
+    let parcels: Vec<Uuid> = sqlx::query_scalar("SELECT parcel_id FROM carrier_reservations")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(parcels, [first], "only the first event was processed");
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM inboxctl_events WHERE kind IN ('duplicate', 'conflict') ORDER BY kind",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kinds, ["conflict", "duplicate"]);
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(
+        copies.len(),
+        1,
+        "the conflicting message is kept, for a look"
+    );
+    assert_eq!(
+        header_text(&copies[0], "MT-Fault-ExceptionType"),
+        "inboxctl::MessageIdConflict"
+    );
+    assert!(String::from_utf8_lossy(&copies[0].data).contains(&second.to_string()));
+
+    // Discarding conflicts is the operator's choice; they are counted all the same.
+    send(envelope(
+        id,
+        Uuid::new_v4(),
+        "Rome",
+        "2026-12-01T10:07:00Z",
+        false,
+    ))
+    .await;
+    common::consume_until_idle(
+        &env,
+        &common::with_mode(&["carrier", "--on-conflict", "discard"], mode),
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0));
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'conflict'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(effects(&pool).await, 1);
+}
+
+// ---- poison detection: a clean stop is not a crash ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stops_that_abandon_a_message_stuck_on_a_lock_do_not_make_it_poison() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1"]);
+    let pool = env.pool().await;
+    // Work stuck on a lock: the effect table held by another session.
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE carrier_reservations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    for stop in 1..=5 {
+        let mut consumer = consumer(
+            &env,
+            &["--claim-timeout", "10m", "--shutdown-timeout", "1s"],
+        );
+        common::eventually("the message in flight", Duration::from_secs(30), || async {
+            env.queue_counts(CARRIER_QUEUE).1 == 1
+        })
+        .await;
+        consumer.terminate();
+        assert_eq!(
+            consumer.wait(Duration::from_secs(30)),
+            Some(0),
+            "stop {stop}"
+        );
+        assert_eq!(
+            env.queue_counts(CARRIER_QUEUE).0,
+            1,
+            "stop {stop}: the message is back"
+        );
+    }
+    blocker.rollback().await.unwrap();
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert!(!out.stderr.contains("poison"), "{}", out.stderr);
+    assert_eq!(effects(&pool).await, 1, "processed, not moved aside");
+    assert!(!env.queue_exists(ERROR_QUEUE) || env.queue_counts(ERROR_QUEUE) == (0, 0));
+}
+
+// ---- messages the broker accepts that must not crash or stall a consumer ----
+
+in_both_modes!(
+    a_header_nested_a_thousand_levels_deep_is_dead_lettered_not_a_crash,
+    deep_header
+);
+
+async fn deep_header(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    // Written frame by frame: a client library's recursive writer would overflow its own stack first.
+    let (_, body, _) = common::parcel_message(Uuid::new_v4(), "Berlin");
+    let headers = raw_amqp::table(&[
+        ("deep", raw_amqp::nested_table_value("k", 1000)),
+        ("tenant", raw_amqp::long_string("acme")),
+    ]);
+    raw_amqp::publish(
+        &env.amqp_addr(),
+        &env.vhost,
+        EVENT_EXCHANGE,
+        "",
+        &Uuid::new_v4().to_string(),
+        inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
+        &headers,
+        &body,
+    );
+    common::publish_parcels(&env, &["--count", "20"]);
+    let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
+    assert!(!out.stderr.contains("overflow"), "{}", out.stderr);
+    let pool = env.pool().await;
+    assert_eq!(
+        effects(&pool).await,
+        20,
+        "the messages behind it were processed"
+    );
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1);
+    assert!(
+        header_text(&copies[0], "MT-Fault-Message").contains("nest"),
+        "{}",
+        header_text(&copies[0], "MT-Fault-Message")
+    );
+    assert_eq!(
+        header_text(&copies[0], "tenant"),
+        "acme",
+        "the other headers are kept"
+    );
+    assert!(
+        header_text(&copies[0], "deep").contains("nested deeper than 64 levels"),
+        "the too-deep value is replaced by a note"
+    );
+    let copied = copies[0].properties.headers().as_ref().unwrap();
+    assert!(inboxctl::amqp::limits::header_depth(copied) <= 64);
+}
+
+in_both_modes!(
+    a_huge_message_id_or_huge_headers_never_loop_on_reconnects,
+    huge_values
+);
+
+async fn huge_values(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    // A 70,000-character messageId: the reason that quotes it would not fit in a frame.
+    let huge_id = "x".repeat(70_000);
+    let body = format!(
+        r#"{{"messageId": "{huge_id}", "messageType": ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"], "message": {{"parcelId": "{}", "trackingNumber": "PT1", "destination": "Berlin"}}}}"#,
+        Uuid::new_v4()
+    );
+    common::publish(
+        &conn,
+        EVENT_EXCHANGE,
+        "",
+        BasicProperties::default(),
+        body.as_bytes(),
+    )
+    .await;
+    // A failing message whose own headers take most of a frame: the copy's must be cut to fit.
+    let mut headers = FieldTable::default();
+    for i in 0..12 {
+        headers.insert(format!("h{i}").into(), long(&"v".repeat(10_000)));
+    }
+    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    common::publish(
+        &conn,
+        EVENT_EXCHANGE,
+        "",
+        props.with_headers(headers),
+        &body,
+    )
+    .await;
+    common::publish_parcels(&env, &["--count", "300"]);
+
+    let started = Instant::now();
+    let out = common::consume_until_idle(
+        &env,
+        &common::with_mode(
+            &[
+                "carrier",
+                "--fail-destination",
+                "FAIL",
+                "--max-attempts",
+                "1",
+            ],
+            mode,
+        ),
+    );
+    let pool = env.pool().await;
+    assert_eq!(effects(&pool).await, 300);
+    assert!(
+        !out.stderr.contains("reconnect"),
+        "no connection was lost: {}",
+        out.stderr
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(120),
+        "took {:?}",
+        started.elapsed()
+    );
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 2, "both moved aside");
+    for copy in &copies {
+        let reason = header_text(copy, "MT-Fault-Message");
+        assert!(reason.len() <= 2048, "bounded: {} bytes", reason.len());
+    }
+    assert!(
+        copies.iter().any(|c| header_text(c, "h3").len() == 10_000),
+        "the original's own headers are kept whole"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_that_cannot_fit_a_frame_is_held_not_looped_on() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    // Headers that leave no room in a 128 KB frame for any failure header.
+    let mut headers = FieldTable::default();
+    for i in 0..13 {
+        headers.insert(format!("h{i:02}").into(), long(&"v".repeat(10_000)));
+    }
+    headers.insert("pad".into(), long(&"p".repeat(780)));
+    let unreadable = BasicProperties::default()
+        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_headers(headers);
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable, b"not json").await;
+    common::publish_parcels(&env, &["--count", "50"]);
+    let mut consumer = consumer(&env, &[]);
+    let pool = env.pool().await;
+    common::eventually(
+        "the healthy messages processed",
+        Duration::from_secs(60),
+        || async { effects(&pool).await == 50 },
+    )
+    .await;
+    consumer.wait_for_stderr("cannot move a message", Duration::from_secs(30));
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 1, "the message stays on its queue");
+    assert!(
+        !consumer.stderr().contains("reconnect"),
+        "{}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (1, 0),
+        "given back at the stop"
+    );
+}
+
+// ---- names and panics ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_name_too_long_for_its_dead_letter_queues_is_refused_at_start() {
+    let env = TestEnv::migrated().await;
+    let queue = "q".repeat(250);
+    let out = env.run(&["consume", "carrier", "--queue", &queue]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("at most 247 bytes"), "{}", out.stderr);
+}
+
+in_both_modes!(
+    a_panic_while_handling_a_message_gives_it_back,
+    panic_in_handling
+);
+
+async fn panic_in_handling(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let id = Uuid::new_v4();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    common::publish_parcels(&env, &["--count", "10"]);
+    let point = format!("handle=panic-once@{id}");
+    let mut args = vec![
+        "consume",
+        "carrier",
+        "--exit-when-idle",
+        "1s",
+        "--concurrency",
+        "4",
+    ];
+    args.extend_from_slice(mode);
+    let mut consumer = env.spawn_with(&args, &[("INBOXCTL_FAILPOINTS", point.as_str())]);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(90)),
+        Some(0),
+        "the consumer ends once idle: nothing left unsettled"
+    );
+    let stderr = consumer.stderr();
+    assert!(
+        stderr.contains("handling a message panicked")
+            || stderr.contains("handling a batch panicked"),
+        "{stderr}"
+    );
+    let pool = env.pool().await;
+    common::assert_carrier_exactly_once(&pool, 11).await;
+}
+
+// ---- stops that end, and waits that hold nobody up ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_ends_the_process_in_time_even_with_work_stuck_on_a_lock() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "4"]);
+    let pool = env.pool().await;
+    let mut blocker = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE carrier_reservations IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    for run in 1..=4 {
+        let mut consumer = consumer(
+            &env,
+            &["--claim-timeout", "10m", "--shutdown-timeout", "1s"],
+        );
+        common::eventually("work in flight", Duration::from_secs(30), || async {
+            env.queue_counts(CARRIER_QUEUE).1 > 0
+        })
+        .await;
+        let stopped = Instant::now();
+        consumer.terminate();
+        assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0), "run {run}");
+        assert!(
+            stopped.elapsed() < Duration::from_secs(6),
+            "run {run}: the process ended {:?} after SIGTERM (shutdown timeout 1 s)",
+            stopped.elapsed()
+        );
+    }
+    blocker.rollback().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_waits_for_work_in_progress_not_for_a_retry_backoff() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    // F fails every time (a long backoff ahead of it); S was in flight when a process ended before: a suspect.
+    let (f_props, f_body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    common::publish(&conn, EVENT_EXCHANGE, "", f_props, &f_body).await;
+    let s_id = Uuid::new_v4();
+    let (s_props, s_body, _) = common::parcel_message(s_id, "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", s_props, &s_body).await;
+    // Both delivered once and given back: redelivered, in their order.
+    let channel = conn.create_channel().await.unwrap();
+    let mut last = 0;
+    for _ in 0..2 {
+        let got = channel
+            .basic_get(CARRIER_QUEUE.into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .unwrap();
+        last = got.delivery.delivery_tag;
+    }
+    channel
+        .basic_nack(
+            last,
+            BasicNackOptions {
+                multiple: true,
+                requeue: true,
+            },
+        )
+        .await
+        .unwrap();
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(s_id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    common::publish_parcels(&env, &["--count", "30"]);
+
+    let mut consumer = consumer(
+        &env,
+        &[
+            "--fail-destination",
+            "FAIL",
+            "--retry-delay",
+            "5s",
+            "--max-attempts",
+            "8",
+        ],
+    );
+    // Within a fraction of F's ~155 s of backoff, everything else is done.
+    common::eventually(
+        "S and the 30 others processed",
+        Duration::from_secs(40),
+        || async { effects(&pool).await == 31 },
+    )
+    .await;
+    assert!(
+        consumer.stderr().contains("attempt failed"),
+        "F is in its backoff"
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (1, 0),
+        "F given back at the stop"
+    );
+}
+
+// ---- dead-letter topology deleted under a running consumer ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_error_queue_or_exchange_is_declared_again() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let mut consumer = consumer(&env, &[]);
+    let unreadable =
+        || BasicProperties::default().with_message_id(Uuid::new_v4().to_string().into());
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable(), b"not json").await;
+    common::eventually("the first copy", Duration::from_secs(30), || async {
+        env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 1
+    })
+    .await;
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable(), b"not json").await;
+    common::eventually(
+        "a copy in the error queue declared again",
+        Duration::from_secs(4),
+        || async { env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 1 },
+    )
+    .await;
+    channel
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    channel
+        .exchange_delete(
+            ERROR_QUEUE.into(),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable(), b"not json").await;
+    common::eventually(
+        "a copy after the exchange too was deleted",
+        Duration::from_secs(4),
+        || async { env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 1 },
+    )
+    .await;
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

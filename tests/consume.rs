@@ -818,3 +818,91 @@ async fn an_interrupted_publish_says_how_many_the_broker_confirmed() {
     assert!((50..2000).contains(&published), "{report}");
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (published, 0));
 }
+
+// A stop that comes while a failed message waits for its next attempt: the wait is cut short and the message given
+// back to the broker, neither acknowledged (it would be lost: no effect, no error-queue copy) nor held for the whole
+// delay. The delay (30 s, the cap) and the shutdown timeout (60 s) are far longer than the stop may take, so a prompt
+// exit with the message ready again can only be the backoff's own way out.
+in_both_modes!(
+    a_stop_during_a_retry_backoff_gives_the_message_back,
+    a_stop_during_a_retry_backoff_gives_the_message_back_in
+);
+
+async fn a_stop_during_a_retry_backoff_gives_the_message_back_in(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+
+    let mut consumer = env.spawn(&common::with_mode(
+        &[
+            "consume",
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--retry-delay",
+            "30s",
+            "--max-attempts",
+            "5",
+            "--shutdown-timeout",
+            "60s",
+        ],
+        mode,
+    ));
+    consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
+    let asked = std::time::Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "the backoff is cut short by the stop ({:?})",
+        asked.elapsed()
+    );
+    assert!(
+        !consumer.stderr().contains("shutdown timeout reached"),
+        "given back, not abandoned: {}",
+        consumer.stderr()
+    );
+
+    common::eventually(
+        "no delivery left unsettled once the process is gone",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (1, 0),
+        "the message given back, not acknowledged:\n{}",
+        consumer.stderr()
+    );
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    assert!(
+        !env.queue_exists(&error_queue) || env.queue_counts(&error_queue) == (0, 0),
+        "a stop is not a failure: nothing in {error_queue}"
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        0,
+        "no effect"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0,
+        "no claim left behind"
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'"
+        )
+        .await,
+        1,
+        "the one attempt made"
+    );
+}

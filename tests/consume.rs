@@ -906,3 +906,112 @@ async fn a_stop_during_a_retry_backoff_gives_the_message_back_in(mode: &[&str]) 
         "the one attempt made"
     );
 }
+
+// The consumer's own dead-lettering when the broker refuses the copy with a nack: `<queue>_error` exists already,
+// declared by someone else with `x-max-length=0` and `x-overflow=reject-publish` (inboxctl uses an existing queue as
+// it is), so every copy published to it is nacked. An unreadable message must then stay on its own queue — never
+// acknowledged, since no copy of it exists anywhere else — while the consumer keeps working on the rest.
+in_both_modes!(
+    a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue,
+    a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in
+);
+
+async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::declare_queue_that_refuses_everything(&conn, &error_queue).await;
+    let id = Uuid::new_v4();
+    let body = b"PT1;Berlin".to_vec();
+    common::publish(
+        &conn,
+        CARRIER_QUEUE,
+        "",
+        plain(Some(&id.to_string())),
+        &body,
+    )
+    .await;
+
+    let mut consumer = env.spawn(&common::with_mode(
+        &["consume", "carrier", "--concurrency", "4"],
+        mode,
+    ));
+    // Whichever comes first — the refusal said, or the message gone — comes within seconds; then judge.
+    common::eventually(
+        "the copy refused, or the message gone from its queue",
+        Duration::from_secs(30),
+        || async {
+            consumer.stderr().contains("could not move a message")
+                || env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
+    .await;
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(
+        ready + unacked,
+        1,
+        "the broker refused the copy: the message must not be acknowledged\n{}",
+        consumer.stderr()
+    );
+    assert!(
+        consumer
+            .stderr()
+            .contains(&format!("could not move a message to {error_queue}")),
+        "{}",
+        consumer.stderr()
+    );
+
+    // It keeps running: a healthy message published now is processed.
+    common::publish_parcels(&env, &["--count", "1"]);
+    let pool = env.pool().await;
+    common::eventually(
+        "the healthy message processed beside the refused one",
+        Duration::from_secs(30),
+        || async { common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 1 },
+    )
+    .await;
+    assert!(
+        consumer.try_wait().is_none(),
+        "the consumer runs on: {}",
+        consumer.stderr()
+    );
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 1, "still there, still not acknowledged");
+    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'dead_lettered'"
+        )
+        .await,
+        0,
+        "nothing counted as dead-lettered"
+    );
+
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    common::eventually(
+        "no delivery left unsettled once the process is gone",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (1, 0),
+        "the message given back at the stop"
+    );
+    let left = common::drain(&conn, CARRIER_QUEUE).await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].data, body, "the message itself, byte for byte");
+    assert_eq!(
+        left[0].properties.message_id().as_ref().map(|s| s.as_str()),
+        Some(id.to_string().as_str())
+    );
+}

@@ -709,3 +709,20 @@ pub fn certificates(dir: &std::path::Path) {
         printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nbasicConstraints=CA:FALSE\\nkeyUsage=digitalSignature,keyEncipherment\\nextendedKeyUsage=serverAuth\\n' > ext.cnf
         openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf 2>/dev/null");
 }
+
+/// Declares a durable queue that the broker refuses every message for (`x-max-length=0`,
+/// `x-overflow=reject-publish`): a publish routed to it is nacked.
+pub async fn declare_queue_that_refuses_everything(conn: &Connection, queue: &str) {
+    let channel = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    channel
+        .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
+        .await
+        .unwrap();
+    let _ = channel.close(200, "OK".into()).await;
+}

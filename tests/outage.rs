@@ -88,6 +88,79 @@ async fn postgres_down(mode: &[&str]) {
     consumer.terminate();
 }
 
+// A stop (SIGTERM) while PostgreSQL is unreachable: the deliveries the consumer holds — in batched mode a whole batch
+// waiting for the database — go back to the broker, none acknowledged. The consumer is started, the database cut
+// away, and only then are the messages published, so that none of them can have been committed.
+in_both_modes!(
+    a_stop_during_a_postgres_outage_gives_every_held_message_back,
+    stop_during_outage
+);
+
+async fn stop_during_outage(mode: &[&str]) {
+    const HELD: u64 = 20;
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let proxied = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port, env.db_name
+    );
+    let mut consumer = env.spawn_with(
+        &common::with_mode(
+            &[
+                "consume",
+                "carrier",
+                "--concurrency",
+                "2",
+                "--prefetch",
+                "8",
+            ],
+            mode,
+        ),
+        &[("DATABASE_URL", proxied.as_str())],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    proxy.cut();
+    common::publish_parcels(&env, &["--count", &HELD.to_string()]);
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert!(unacked > 0, "some deliveries held by the consumer");
+    assert_eq!(ready + unacked, HELD, "nothing acked while it is down");
+
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    common::eventually(
+        "no delivery left unsettled once the process is gone",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (HELD, 0),
+        "every held message given back, none acknowledged:\n{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        0
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert!(
+        !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
+        "nothing dead-lettered"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_connection_lost_mid_stream_the_consumer_reconnects_and_nothing_repeats() {
     let env = TestEnv::migrated().await;

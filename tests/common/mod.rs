@@ -726,3 +726,15 @@ pub async fn declare_queue_that_refuses_everything(conn: &Connection, queue: &st
         .unwrap();
     let _ = channel.close(200, "OK".into()).await;
 }
+
+/// Sessions that inboxctl processes hold on the database `db_name` (inboxctl names its sessions `inboxctl`; the
+/// tests' own pools do not), seen through `pool`.
+pub async fn inboxctl_sessions(pool: &PgPool, db_name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = 'inboxctl'",
+    )
+    .bind(db_name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}

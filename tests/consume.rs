@@ -30,6 +30,8 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
 ) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    common::record_inserting_transactions(&pool).await;
     let report = common::publish_parcels(&env, &["--count", "40", "--duplicates", "0.5"]);
     assert_eq!(report["published"], 40);
     assert_eq!(report["duplicates"], 20);
@@ -55,7 +57,6 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
         notification.stderr()
     );
 
-    let pool = env.pool().await;
     for (consumer_type, effects) in [
         (CARRIER_QUEUE, "carrier_reservations"),
         (NOTIFICATION_QUEUE, "notifications_sent"),
@@ -127,6 +128,25 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
                 "{consumer_type}: effect and inbox row commit together"
             );
         }
+
+        // In either mode, each effect commits with its own inbox row: the row of its message id and consumer_type
+        // was inserted by the same top-level transaction (in batched mode the effect's xmin is its savepoint's, so
+        // the transaction is told by `committed_in`; see `common::record_inserting_transactions`).
+        let apart: Vec<(Uuid, Option<String>, Option<String>)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(rows(
+                "SELECT e.message_id, e.committed_in::text, i.committed_in::text FROM EFFECTS e
+                 LEFT JOIN inbox_messages i ON i.id = e.message_id AND i.consumer_type = $1
+                 WHERE i.committed_in IS DISTINCT FROM e.committed_in OR e.committed_in IS NULL",
+            )))
+            .bind(consumer_type)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert!(
+            apart.is_empty(),
+            "{consumer_type}: effects not committed with their own inbox row \
+             (message id, effect's transaction, inbox row's transaction): {apart:?}"
+        );
 
         let duplicates = scalar(
             &pool,

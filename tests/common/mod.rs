@@ -738,3 +738,21 @@ pub async fn inboxctl_sessions(pool: &PgPool, db_name: &str) -> i64 {
     .await
     .unwrap()
 }
+
+/// Gives `inbox_messages` and both effect tables a column `committed_in` holding the top-level transaction that
+/// inserted each row (`pg_current_xact_id()` names the top-level transaction even inside a savepoint, where `xmin`
+/// names the savepoint's subtransaction). inboxctl's statements list their columns, so it does not see the column.
+pub async fn record_inserting_transactions(pool: &PgPool) {
+    for table in [
+        "inbox_messages",
+        "carrier_reservations",
+        "notifications_sent",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {table} ADD COLUMN committed_in xid8 DEFAULT pg_current_xact_id()"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}

@@ -1,7 +1,8 @@
 //! Chaos: two consumer processes per consumer (carrier and notification), one of the four killed with SIGKILL at
 //! random every second or two and started again, while 2,000 parcels with 30 % duplicates (half of the copies at
 //! once, half after the rest) flow through at a steady rate. The end is the same check as every fault test: exactly
-//! one effect per parcel per consumer, nothing left on the queues, nothing in the error or skipped queues.
+//! one effect per parcel per consumer, nothing left on the queues, nothing in the error or skipped queues. In both
+//! modes: one transaction per message, and batched.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -28,12 +29,20 @@ impl Rng {
     }
 }
 
-fn consumer(env: &TestEnv, kind: &str) -> Proc {
-    env.spawn(&["consume", kind, "--concurrency", "4", "--prefetch", "16"])
+fn consumer(env: &TestEnv, kind: &str, mode: &[&str]) -> Proc {
+    env.spawn(&common::with_mode(
+        &["consume", kind, "--concurrency", "4", "--prefetch", "16"],
+        mode,
+    ))
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn two_processes_per_consumer_one_killed_at_random_every_effect_once() {
+// In both modes: batched, a kill takes a whole uncommitted batch down with it, and its members come back redelivered.
+in_both_modes!(
+    two_processes_per_consumer_one_killed_at_random_every_effect_once,
+    chaos
+);
+
+async fn chaos(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let seed = std::env::var("CHAOS_SEED")
@@ -50,7 +59,7 @@ async fn two_processes_per_consumer_one_killed_at_random_every_effect_once() {
     let mut rng = Rng(seed);
 
     let kinds = ["carrier", "carrier", "notification", "notification"];
-    let mut consumers: Vec<Proc> = kinds.iter().map(|k| consumer(&env, k)).collect();
+    let mut consumers: Vec<Proc> = kinds.iter().map(|k| consumer(&env, k, mode)).collect();
     let started = Instant::now();
     // 2,600 deliveries per queue at 200/s: about 13 s of traffic to kill consumers in.
     let mut publisher = env.spawn(&[
@@ -70,7 +79,7 @@ async fn two_processes_per_consumer_one_killed_at_random_every_effect_once() {
         let victim = usize::try_from(rng.below(kinds.len() as u64)).unwrap();
         consumers[victim].kill();
         kills += 1;
-        consumers[victim] = consumer(&env, kinds[victim]);
+        consumers[victim] = consumer(&env, kinds[victim], mode);
         if publisher.try_wait().is_some() {
             break;
         }
@@ -129,7 +138,7 @@ async fn two_processes_per_consumer_one_killed_at_random_every_effect_once() {
     );
     assert!(kills >= 5, "only {kills} kills");
     eprintln!(
-        "chaos: {PARCELS} parcels, {} effects, {discarded} duplicates discarded, {kills} kills, {seconds:.1} s",
+        "chaos {mode:?}: {PARCELS} parcels, {} effects, {discarded} duplicates discarded, {kills} kills, {seconds:.1} s",
         2 * PARCELS
     );
     for mut c in consumers {

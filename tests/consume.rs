@@ -30,6 +30,8 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
 ) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    common::record_inserting_transactions(&pool).await;
     let report = common::publish_parcels(&env, &["--count", "40", "--duplicates", "0.5"]);
     assert_eq!(report["published"], 40);
     assert_eq!(report["duplicates"], 20);
@@ -55,7 +57,6 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
         notification.stderr()
     );
 
-    let pool = env.pool().await;
     for (consumer_type, effects) in [
         (CARRIER_QUEUE, "carrier_reservations"),
         (NOTIFICATION_QUEUE, "notifications_sent"),
@@ -127,6 +128,25 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
                 "{consumer_type}: effect and inbox row commit together"
             );
         }
+
+        // In either mode, each effect commits with its own inbox row: the row of its message id and consumer_type
+        // was inserted by the same top-level transaction (in batched mode the effect's xmin is its savepoint's, so
+        // the transaction is told by `committed_in`; see `common::record_inserting_transactions`).
+        let apart: Vec<(Uuid, Option<String>, Option<String>)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(rows(
+                "SELECT e.message_id, e.committed_in::text, i.committed_in::text FROM EFFECTS e
+                 LEFT JOIN inbox_messages i ON i.id = e.message_id AND i.consumer_type = $1
+                 WHERE i.committed_in IS DISTINCT FROM e.committed_in OR e.committed_in IS NULL",
+            )))
+            .bind(consumer_type)
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        assert!(
+            apart.is_empty(),
+            "{consumer_type}: effects not committed with their own inbox row \
+             (message id, effect's transaction, inbox row's transaction): {apart:?}"
+        );
 
         let duplicates = scalar(
             &pool,
@@ -817,4 +837,201 @@ async fn an_interrupted_publish_says_how_many_the_broker_confirmed() {
     let published = report["published"].as_u64().unwrap();
     assert!((50..2000).contains(&published), "{report}");
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (published, 0));
+}
+
+// A stop that comes while a failed message waits for its next attempt: the wait is cut short and the message given
+// back to the broker, neither acknowledged (it would be lost: no effect, no error-queue copy) nor held for the whole
+// delay. The delay (30 s, the cap) and the shutdown timeout (60 s) are far longer than the stop may take, so a prompt
+// exit with the message ready again can only be the backoff's own way out.
+in_both_modes!(
+    a_stop_during_a_retry_backoff_gives_the_message_back,
+    a_stop_during_a_retry_backoff_gives_the_message_back_in
+);
+
+async fn a_stop_during_a_retry_backoff_gives_the_message_back_in(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+
+    let mut consumer = env.spawn(&common::with_mode(
+        &[
+            "consume",
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--retry-delay",
+            "30s",
+            "--max-attempts",
+            "5",
+            "--shutdown-timeout",
+            "60s",
+        ],
+        mode,
+    ));
+    consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
+    let asked = std::time::Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "the backoff is cut short by the stop ({:?})",
+        asked.elapsed()
+    );
+    assert!(
+        !consumer.stderr().contains("shutdown timeout reached"),
+        "given back, not abandoned: {}",
+        consumer.stderr()
+    );
+
+    common::eventually(
+        "no delivery left unsettled once the process is gone",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (1, 0),
+        "the message given back, not acknowledged:\n{}",
+        consumer.stderr()
+    );
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    assert!(
+        !env.queue_exists(&error_queue) || env.queue_counts(&error_queue) == (0, 0),
+        "a stop is not a failure: nothing in {error_queue}"
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        0,
+        "no effect"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0,
+        "no claim left behind"
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'"
+        )
+        .await,
+        1,
+        "the one attempt made"
+    );
+}
+
+// The consumer's own dead-lettering when the broker refuses the copy with a nack: `<queue>_error` exists already,
+// declared by someone else with `x-max-length=0` and `x-overflow=reject-publish` (inboxctl uses an existing queue as
+// it is), so every copy published to it is nacked. An unreadable message must then stay on its own queue — never
+// acknowledged, since no copy of it exists anywhere else — while the consumer keeps working on the rest.
+in_both_modes!(
+    a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue,
+    a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in
+);
+
+async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::declare_queue_that_refuses_everything(&conn, &error_queue).await;
+    let id = Uuid::new_v4();
+    let body = b"PT1;Berlin".to_vec();
+    common::publish(
+        &conn,
+        CARRIER_QUEUE,
+        "",
+        plain(Some(&id.to_string())),
+        &body,
+    )
+    .await;
+
+    let mut consumer = env.spawn(&common::with_mode(
+        &["consume", "carrier", "--concurrency", "4"],
+        mode,
+    ));
+    // Whichever comes first — the refusal said, or the message gone — comes within seconds; then judge.
+    common::eventually(
+        "the copy refused, or the message gone from its queue",
+        Duration::from_secs(30),
+        || async {
+            consumer.stderr().contains("could not move a message")
+                || env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
+    .await;
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(
+        ready + unacked,
+        1,
+        "the broker refused the copy: the message must not be acknowledged\n{}",
+        consumer.stderr()
+    );
+    assert!(
+        consumer
+            .stderr()
+            .contains(&format!("could not move a message to {error_queue}")),
+        "{}",
+        consumer.stderr()
+    );
+
+    // It keeps running: a healthy message published now is processed.
+    common::publish_parcels(&env, &["--count", "1"]);
+    let pool = env.pool().await;
+    common::eventually(
+        "the healthy message processed beside the refused one",
+        Duration::from_secs(30),
+        || async { common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 1 },
+    )
+    .await;
+    assert!(
+        consumer.try_wait().is_none(),
+        "the consumer runs on: {}",
+        consumer.stderr()
+    );
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 1, "still there, still not acknowledged");
+    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'dead_lettered'"
+        )
+        .await,
+        0,
+        "nothing counted as dead-lettered"
+    );
+
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    common::eventually(
+        "no delivery left unsettled once the process is gone",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (1, 0),
+        "the message given back at the stop"
+    );
+    let left = common::drain(&conn, CARRIER_QUEUE).await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].data, body, "the message itself, byte for byte");
+    assert_eq!(
+        left[0].properties.message_id().as_ref().map(|s| s.as_str()),
+        Some(id.to_string().as_str())
+    );
 }

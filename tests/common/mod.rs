@@ -723,3 +723,50 @@ pub fn certificates(dir: &std::path::Path) {
         printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nbasicConstraints=CA:FALSE\\nkeyUsage=digitalSignature,keyEncipherment\\nextendedKeyUsage=serverAuth\\n' > ext.cnf
         openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf 2>/dev/null");
 }
+
+/// Declares a durable queue that the broker refuses every message for (`x-max-length=0`,
+/// `x-overflow=reject-publish`): a publish routed to it is nacked.
+pub async fn declare_queue_that_refuses_everything(conn: &Connection, queue: &str) {
+    let channel = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    channel
+        .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
+        .await
+        .unwrap();
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// Sessions that inboxctl processes hold on the database `db_name` (inboxctl names its sessions `inboxctl`; the
+/// tests' own pools do not), seen through `pool`.
+pub async fn inboxctl_sessions(pool: &PgPool, db_name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name = 'inboxctl'",
+    )
+    .bind(db_name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// Gives `inbox_messages` and both effect tables a column `committed_in` holding the top-level transaction that
+/// inserted each row (`pg_current_xact_id()` names the top-level transaction even inside a savepoint, where `xmin`
+/// names the savepoint's subtransaction). inboxctl's statements list their columns, so it does not see the column.
+pub async fn record_inserting_transactions(pool: &PgPool) {
+    for table in [
+        "inbox_messages",
+        "carrier_reservations",
+        "notifications_sent",
+    ] {
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "ALTER TABLE {table} ADD COLUMN committed_in xid8 DEFAULT pg_current_xact_id()"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}

@@ -9,6 +9,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString};
 
 use super::envelope::{HostInfo, format_time};
 
+/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy must not expire.
+pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
+
 /// Headers of a previous failure, replaced rather than kept when a message fails again; and the publisher's sequence
 /// number, which means nothing on a copy another process publishes.
 fn is_failure_header(key: &str) -> bool {

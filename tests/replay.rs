@@ -622,3 +622,244 @@ async fn an_acknowledgement_lost_with_the_connection_is_made_again_without_a_sec
     assert_eq!(env.queue_counts("lost-a"), (3, 0), "one copy each");
     assert_eq!(env.queue_counts("lost.dlq"), (0, 0));
 }
+
+/// Declares durable queues (arguments for the first only, when given).
+async fn declare(conn: &Connection, queues: &[&str], first_args: FieldTable) {
+    let channel = conn.create_channel().await.unwrap();
+    for (i, queue) in queues.iter().enumerate() {
+        let args = if i == 0 {
+            first_args.clone()
+        } else {
+            FieldTable::default()
+        };
+        channel
+            .queue_declare((*queue).into(), QueueDeclareOptions::durable(), args)
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// A dead-lettered message as MassTransit leaves it in an error queue: `MT-Fault-InputAddress` and a reason.
+async fn dead_letter(conn: &Connection, queue: &str, id: &str, body: &[u8], input_address: &str) {
+    let mut headers = FieldTable::default();
+    headers.insert("MT-Fault-InputAddress".into(), long(input_address));
+    headers.insert("MT-Fault-Message".into(), long("boom"));
+    let props = BasicProperties::default()
+        .with_message_id(id.into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    common::publish(conn, "", queue, props, body).await;
+}
+
+/// Closes the connection the replay running in `vhost` made (it names itself "inboxctl replay"), from the broker's
+/// side, as `rabbitmqctl close_connection` does for an operator.
+fn close_replay_connection(vhost: &str) {
+    let listing = common::rabbitmqctl(&[
+        "-q",
+        "list_connections",
+        "pid",
+        "vhost",
+        "client_properties",
+    ]);
+    let pid = listing
+        .lines()
+        .find(|l| l.split('\t').nth(1) == Some(vhost) && l.contains("inboxctl replay"))
+        .and_then(|l| l.split('\t').next())
+        .unwrap_or_else(|| panic!("no replay connection in {vhost}:\n{listing}"))
+        .to_owned();
+    common::rabbitmqctl(&["close_connection", &pid, "cut by the test"]);
+}
+
+fn items_with<'r>(report: &'r serde_json::Value, action: &str) -> Vec<&'r serde_json::Value> {
+    report["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["action"] == action)
+        .collect()
+}
+
+/// The report's counts against the queues: every message is in the dead-letter queue exactly when the report says
+/// it was not replayed, and `replayed` copies reached their origins.
+fn assert_counts_match(
+    env: &TestEnv,
+    report: &serde_json::Value,
+    dead_letter_queue: &str,
+    origins: &[&str],
+) {
+    let items = report["items"].as_array().unwrap();
+    let not_replayed = items.iter().filter(|i| i["action"] != "replayed").count() as u64;
+    let replayed = items.len() as u64 - not_replayed;
+    assert_eq!(report["replayed"], replayed, "{report}");
+    assert_eq!(
+        env.queue_counts(dead_letter_queue),
+        (not_replayed, 0),
+        "{report}"
+    );
+    let on_origins: u64 = origins.iter().map(|q| env.queue_counts(q).0).sum();
+    assert_eq!(on_origins, replayed, "{report}");
+}
+
+/// The data loss the hostile test found: A and B share a message id and differ (two origins, or a buggy producer),
+/// followed by others; A is replayed and B left (`copy_of_replayed`); the broker closes the replay's connection
+/// (`rabbitmqctl close_connection`, timed by a failpoint). After the reconnect B comes back redelivered: it stays
+/// where it is, as reported, and is not taken for a lost acknowledgement of A.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection_is_cut() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["cut-a", "cut.dlq"], FieldTable::default()).await;
+    let address = "rabbitmq://localhost/cut-a";
+    let shared = uuid::Uuid::new_v4().to_string();
+    dead_letter(&conn, "cut.dlq", &shared, b"{\"copy\": \"A\"}", address).await;
+    dead_letter(&conn, "cut.dlq", &shared, b"{\"copy\": \"B\"}", address).await;
+    for i in 0..30 {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(
+            &conn,
+            "cut.dlq",
+            &id,
+            format!("{{\"n\": {i}}}").as_bytes(),
+            address,
+        )
+        .await;
+    }
+
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "cut.dlq", "--json"],
+        // Held before taking the third message, A replayed and B left, long enough for two rabbitmqctl calls on a
+        // loaded machine (2.5 s each seen).
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-get=sleep-once-15000@2",
+        )],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-get reached",
+        Duration::from_secs(30),
+    );
+    close_replay_connection(&env.vhost);
+    assert_eq!(
+        replay.wait(Duration::from_secs(60)),
+        Some(3),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["reconnects"], 1, "{report}");
+    assert_eq!(report["snapshot"], 32, "{report}");
+    assert_eq!(report["replayed"], 31, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["already_replayed"], 0, "{report}");
+    assert_eq!(items_with(&report, "copy_of_replayed").len(), 1, "{report}");
+    assert_counts_match(&env, &report, "cut.dlq", &["cut-a"]);
+    let left = peek(&conn, "cut.dlq").await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(
+        left[0].data, b"{\"copy\": \"B\"}",
+        "B itself is still there"
+    );
+}
+
+/// A copy the broker nacks — its origin declared with `x-max-length=1` and `x-overflow=reject-publish`, and full —
+/// leaves the message in the dead-letter queue, reported. Also the guard that the dead-letter copy is acknowledged only
+/// after the confirm was awaited: acknowledged before, both messages would be gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_the_broker_nacks_leaves_the_message_in_the_dead_letter_queue() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert("x-overflow".into(), long("reject-publish"));
+    declare(&conn, &["full", "full.dlq"], args).await;
+    common::publish(
+        &conn,
+        "",
+        "full",
+        BasicProperties::default(),
+        b"already here",
+    )
+    .await;
+    for _ in 0..2 {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(&conn, "full.dlq", &id, b"{}", "rabbitmq://localhost/full").await;
+    }
+
+    let report = replay_json(&env, &["--from", "full.dlq"], 3);
+    assert_eq!(report["replayed"], 0, "{report}");
+    assert_eq!(report["left"], 2, "{report}");
+    for item in report["items"].as_array().unwrap() {
+        assert_eq!(item["action"], "publish_failed", "{report}");
+        assert!(
+            item["error"].as_str().unwrap().contains("refused"),
+            "{report}"
+        );
+    }
+    assert_eq!(env.queue_counts("full.dlq"), (2, 0), "{report}");
+    assert_eq!(env.queue_counts("full"), (1, 0), "{report}");
+}
+
+/// A copy returned as unroutable leaves the message where it is: `--to` a queue that does not exist (found before
+/// sending), and an origin deleted between the check and the publish (a failpoint holds the replay there), whose
+/// copy the broker returns.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_returned_as_unroutable_leaves_the_message_in_the_dead_letter_queue() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["doomed", "doomed.dlq"], FieldTable::default()).await;
+    let id = uuid::Uuid::new_v4().to_string();
+    dead_letter(
+        &conn,
+        "doomed.dlq",
+        &id,
+        b"{}",
+        "rabbitmq://localhost/doomed",
+    )
+    .await;
+
+    let report = replay_json(&env, &["--from", "doomed.dlq", "--to", "no-such-queue"], 3);
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["items"][0]["action"], "origin_missing", "{report}");
+    assert_counts_match(&env, &report, "doomed.dlq", &["doomed"]);
+
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "doomed.dlq", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-publish=sleep-once-3000",
+        )],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-publish reached",
+        Duration::from_secs(30),
+    );
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(
+            "doomed".into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        replay.wait(Duration::from_secs(30)),
+        Some(3),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["replayed"], 0, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["items"][0]["action"], "origin_missing", "{report}");
+    assert!(
+        report["items"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("came back unroutable"),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts("doomed.dlq"), (1, 0), "{report}");
+}

@@ -863,3 +863,126 @@ async fn a_copy_returned_as_unroutable_leaves_the_message_in_the_dead_letter_que
     );
     assert_eq!(env.queue_counts("doomed.dlq"), (1, 0), "{report}");
 }
+
+/// Three dead-lettered messages that had a per-message TTL, one for each place it is kept: the `expiration` property
+/// itself (a MassTransit copy may keep it: this one must be replayed before it expires in `ttl.dlq`), inboxctl's
+/// `inboxctl-original-expiration` header, and `x-death` (RabbitMQ's own dead-lettering of `ttl-src`, whose
+/// messages it dead-letters when they expire). Returns the TTLs, in that order.
+async fn ttl_messages(env: &TestEnv, conn: &Connection) -> [&'static str; 3] {
+    // Long enough for the copies to be looked at before the restored ones expire, on a loaded machine.
+    let ttls = ["8000", "5000", "3000"];
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://localhost/ttl-origin"),
+    );
+    headers.insert(
+        inboxctl::amqp::dead_letter::ORIGINAL_EXPIRATION_HEADER.into(),
+        long(ttls[1]),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_headers(headers);
+    common::publish(conn, "", "ttl.dlq", props, b"header").await;
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_expiration(ttls[2].into());
+    common::publish(conn, "", "ttl-src", props, b"x-death").await;
+    common::eventually(
+        "RabbitMQ dead-letters the expired message",
+        Duration::from_secs(10),
+        || async { env.queue_counts("ttl.dlq") == (2, 0) },
+    )
+    .await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://localhost/ttl-origin"),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_expiration(ttls[0].into())
+        .with_headers(headers);
+    common::publish(conn, "", "ttl.dlq", props, b"property").await;
+    ttls
+}
+
+/// The TTL a copy on an origin queue carries, and the one it keeps in `inboxctl-original-expiration`, by body.
+async fn ttls_on(conn: &Connection, queue: &str) -> Vec<(String, Option<String>, Option<String>)> {
+    peek(conn, queue)
+        .await
+        .iter()
+        .map(|d| {
+            (
+                String::from_utf8_lossy(&d.data).into_owned(),
+                d.properties
+                    .expiration()
+                    .as_ref()
+                    .map(|e| e.as_str().to_owned()),
+                common::header_text(&d.properties, "inboxctl-original-expiration"),
+            )
+        })
+        .collect()
+}
+
+/// A dead-lettered message that had a per-message TTL is replayed without one: its copy is still on its origin after
+/// that TTL, and keeps the original value in `inboxctl-original-expiration`. With `--restore-expiration` the copy
+/// carries the original TTL again, wherever it was kept, and expires on its origin.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_copy_has_no_ttl_unless_asked_for_and_then_its_original_one() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let mut dead_lettering = FieldTable::default();
+    dead_lettering.insert("x-dead-letter-exchange".into(), long(""));
+    dead_lettering.insert("x-dead-letter-routing-key".into(), long("ttl.dlq"));
+    declare(&conn, &["ttl-src", "ttl-origin", "ttl.dlq"], dead_lettering).await;
+    let origins = ["ttl-origin", "ttl-src"];
+
+    let ttls = ttl_messages(&env, &conn).await;
+    let report = replay_json(&env, &["--from", "ttl.dlq"], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_counts_match(&env, &report, "ttl.dlq", &origins);
+    let no_ttl = |body: &str, ttl: &str| (body.to_owned(), None, Some(ttl.to_owned()));
+    assert_eq!(
+        ttls_on(&conn, "ttl-origin").await,
+        [no_ttl("header", ttls[1]), no_ttl("property", ttls[0])]
+    );
+    assert_eq!(
+        ttls_on(&conn, "ttl-src").await,
+        [no_ttl("x-death", ttls[2])]
+    );
+    tokio::time::sleep(Duration::from_millis(9_000)).await;
+    assert_eq!(env.queue_counts("ttl-origin"), (2, 0), "outlived its TTL");
+    assert_eq!(env.queue_counts("ttl-src"), (1, 0), "outlived its TTL");
+
+    let channel = conn.create_channel().await.unwrap();
+    for queue in origins {
+        channel
+            .queue_purge(queue.into(), lapin::options::QueuePurgeOptions::default())
+            .await
+            .unwrap();
+    }
+    let ttls = ttl_messages(&env, &conn).await;
+    let report = replay_json(&env, &["--from", "ttl.dlq", "--restore-expiration"], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    // Looked at at once: the copies now expire (and are counted below, once they have).
+    let restored = |body: &str, ttl: &str| (body.to_owned(), Some(ttl.to_owned()), None);
+    assert_eq!(
+        ttls_on(&conn, "ttl-origin").await,
+        [restored("header", ttls[1]), restored("property", ttls[0])]
+    );
+    assert_eq!(
+        ttls_on(&conn, "ttl-src").await,
+        [restored("x-death", ttls[2])]
+    );
+    common::eventually(
+        "the restored TTLs expire the copies",
+        Duration::from_secs(15),
+        || async {
+            env.queue_counts("ttl-origin") == (0, 0) && env.queue_counts("ttl-src") == (0, 0)
+        },
+    )
+    .await;
+    // All three left the dead-letter queue; ttl-src dead-letters its expired copy once more, as it did the original.
+    assert_eq!(env.queue_counts("ttl.dlq"), (1, 0));
+}

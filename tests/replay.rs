@@ -986,3 +986,179 @@ async fn a_replayed_copy_has_no_ttl_unless_asked_for_and_then_its_original_one()
     // All three left the dead-letter queue; ttl-src dead-letters its expired copy once more, as it did the original.
     assert_eq!(env.queue_counts("ttl.dlq"), (1, 0));
 }
+
+/// The address inboxctl's consumer writes for `queue` in the test's vhost.
+fn written_address(env: &TestEnv, queue: &str) -> String {
+    inboxctl::amqp::Broker::from_url(&env.amqp_url)
+        .unwrap()
+        .queue_address(queue)
+}
+
+fn action_of<'r>(report: &'r serde_json::Value, id: &str) -> &'r serde_json::Value {
+    &report["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["message_id"] == id)
+        .unwrap_or_else(|| panic!("{id} not in {report}"))["action"]
+}
+
+/// Queues named `eu/parcel-created-carrier` and `q?x=1#f`, with decoys named `parcel-created-carrier` and `q` (what
+/// "the text after the last /, before ? or #" made of their addresses). Addresses written escaped go back to their
+/// queue; the same names written raw (an older writer, a hand-made header) cannot be read without guessing and are
+/// left; an address naming a vhost `eu` is in another vhost; a queue that does not exist is said. Never the decoys.
+#[tokio::test(flavor = "multi_thread")]
+async fn names_with_a_slash_a_question_mark_or_a_hash_go_back_to_their_own_queue_or_stay() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let (slash, query) = ("eu/parcel-created-carrier", "q?x=1#f");
+    let decoys = ["parcel-created-carrier", "q"];
+    declare(
+        &conn,
+        &[slash, query, decoys[0], decoys[1], "mixed.dlq"],
+        FieldTable::default(),
+    )
+    .await;
+    let vhost = &env.vhost;
+    let cases = [
+        (written_address(&env, slash), "would_replay", "replayed"),
+        (written_address(&env, query), "would_replay", "replayed"),
+        (
+            format!("rabbitmq://127.0.0.1/{vhost}/{slash}"),
+            "origin_ambiguous",
+            "origin_ambiguous",
+        ),
+        (
+            format!("rabbitmq://127.0.0.1/{vhost}/{query}"),
+            "origin_ambiguous",
+            "origin_ambiguous",
+        ),
+        (
+            format!("rabbitmq://127.0.0.1/{slash}"),
+            "origin_other_vhost",
+            "origin_other_vhost",
+        ),
+        (
+            written_address(&env, "gone"),
+            "origin_missing",
+            "origin_missing",
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (address, _, _) in &cases {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(&conn, "mixed.dlq", &id, b"{}", address).await;
+        ids.push(id);
+    }
+
+    let dry = replay_json(&env, &["--from", "mixed.dlq", "--dry-run"], 3);
+    let report = replay_json(&env, &["--from", "mixed.dlq"], 3);
+    for ((address, in_dry_run, in_run), id) in cases.iter().zip(&ids) {
+        assert_eq!(action_of(&dry, id), in_dry_run, "{address}: {dry}");
+        assert_eq!(action_of(&report, id), in_run, "{address}: {report}");
+    }
+    assert_eq!(report["replayed"], 2, "{report}");
+    assert_eq!(report["left"], 4, "{report}");
+    assert_counts_match(&env, &report, "mixed.dlq", &[slash, query]);
+    assert_eq!(env.queue_counts(slash), (1, 0));
+    assert_eq!(env.queue_counts(query), (1, 0));
+    for decoy in decoys {
+        assert_eq!(env.queue_counts(decoy), (0, 0), "{decoy}");
+    }
+    // For people: what was left, and why.
+    let out = env.run(&["replay", "--from", "mixed.dlq", "--dry-run"]);
+    for why in [
+        "left: origin address ambiguous (use --to)",
+        "more than two segments",
+        "left: origin in another vhost",
+        "left: origin queue does not exist",
+    ] {
+        assert!(out.stdout.contains(why), "{why}: {}", out.stdout);
+    }
+}
+
+/// The consumer's own error copies of a queue named `eu/parcel-created-carrier`, a decoy `parcel-created-carrier`
+/// beside it: what the consumer writes into `MT-Fault-InputAddress` is what replay reads back, and every message
+/// goes back to the queue it failed on.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_consumers_error_copies_of_a_queue_with_a_slash_go_back_to_it() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    let queue = "eu/parcel-created-carrier";
+    let error_queue = format!("{queue}_error");
+    inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue)
+        .await
+        .unwrap();
+    declare(&conn, &[CARRIER_QUEUE], FieldTable::default()).await;
+    common::publish_parcels(&env, &["--count", "3", "--destination", "FAIL"]);
+    common::consume_until_idle(
+        &env,
+        &[
+            "carrier",
+            "--queue",
+            queue,
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+        ],
+    );
+    assert_eq!(env.queue_counts(&error_queue), (3, 0));
+    for copy in peek(&conn, &error_queue).await {
+        assert_eq!(
+            common::header_text(&copy.properties, "MT-Fault-InputAddress"),
+            Some(format!(
+                "rabbitmq://127.0.0.1/{}/eu%2Fparcel-created-carrier",
+                env.vhost
+            ))
+        );
+    }
+
+    let report = replay_json(&env, &["--from", &error_queue], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_counts_match(&env, &report, &error_queue, &[queue]);
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0), "the decoy");
+}
+
+/// A vhost named `probe?q…` (the `?` escaped in the URL as `%3F`): the address MassTransit and inboxctl write for it
+/// names it escaped and is replayed; the same address written raw read as the vhost `probe`, or the queue `probe`,
+/// before — it is now left, and the decoy queue `probe` stays empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vhost_with_a_question_mark_is_read_as_written() {
+    let mut env = TestEnv::bare().await;
+    let vhost = format!(
+        "probe?q-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    common::rabbitmqctl(&["delete_vhost", &env.vhost]);
+    common::rabbitmqctl(&["add_vhost", &vhost]);
+    common::rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    // Dropped, the environment deletes this vhost instead.
+    env.amqp_url = format!("{}/{}", common::amqp_base(), vhost.replace('?', "%3F"));
+    env.vhost = vhost.clone();
+    let conn = env.amqp().await;
+    declare(
+        &conn,
+        &["orders", "probe", "orders_error"],
+        FieldTable::default(),
+    )
+    .await;
+    let written = written_address(&env, "orders");
+    assert_eq!(
+        written,
+        format!("rabbitmq://127.0.0.1/{}/orders", vhost.replace('?', "%3F"))
+    );
+    let raw = format!("rabbitmq://127.0.0.1/{vhost}/orders");
+    let (escaped_id, raw_id) = (
+        uuid::Uuid::new_v4().to_string(),
+        uuid::Uuid::new_v4().to_string(),
+    );
+    dead_letter(&conn, "orders_error", &escaped_id, b"{}", &written).await;
+    dead_letter(&conn, "orders_error", &raw_id, b"{}", &raw).await;
+
+    let report = replay_json(&env, &["--from", "orders_error"], 3);
+    assert_eq!(action_of(&report, &escaped_id), "replayed", "{report}");
+    assert_eq!(action_of(&report, &raw_id), "origin_ambiguous", "{report}");
+    assert_counts_match(&env, &report, "orders_error", &["orders"]);
+    assert_eq!(env.queue_counts("probe"), (0, 0), "the decoy");
+}

@@ -461,12 +461,38 @@ pub async fn run(
             items: Vec::new(),
         },
     };
+    run_passes(
+        &mut state,
+        connection,
+        broker,
+        reconnect_for,
+        shutdown,
+        &mut progress,
+    )
+    .await?;
+    let mut report = state.report;
+    report.replayed = state.machine.replayed();
+    report.left = state.machine.left();
+    report.already_replayed = state.machine.already_replayed();
+    Ok(report)
+}
+
+/// One pass per connection until the snapshot is done, connecting again after a lost connection.
+async fn run_passes(
+    state: &mut State<'_>,
+    connection: &Connection,
+    broker: &Broker,
+    reconnect_for: Duration,
+    shutdown: &CancellationToken,
+    progress: &mut impl FnMut(u64, u64),
+) -> Result<()> {
+    let (plan, snapshot) = (state.plan, state.report.snapshot);
     let mut reconnected: Option<Connection> = None;
     let mut fruitless = 0;
     loop {
         let current = reconnected.as_ref().unwrap_or(connection);
         let done_before = state.machine.progress();
-        match state.pass(current, shutdown, &mut progress).await {
+        match state.pass(current, shutdown, progress).await {
             Ok(()) => break,
             Err(e) if !crate::amqp::is_connection_lost(current, &e) => {
                 if state.report.items.is_empty() {
@@ -493,9 +519,7 @@ pub async fn run(
                     fruitless + 1
                 };
                 if fruitless >= crate::amqp::MAX_FRUITLESS_RECONNECTS {
-                    state.report.interrupted = true;
-                    state.report.connection_lost = true;
-                    state.report.stopped = Some(format!(
+                    state.stop_lost(format!(
                         "the connection was lost {fruitless} times in a row without any progress: {}",
                         crate::redact::text(&e.to_string())
                     ));
@@ -512,9 +536,7 @@ pub async fn run(
                         }
                     }
                     Err(last) => {
-                        state.report.interrupted = true;
-                        state.report.connection_lost = true;
-                        state.report.stopped = Some(format!(
+                        state.stop_lost(format!(
                             "{} (not back within {})",
                             crate::redact::text(&last.to_string()),
                             humantime::format_duration(reconnect_for)
@@ -528,11 +550,7 @@ pub async fn run(
     if let Some(own) = reconnected {
         crate::amqp::close(&own, "OK").await;
     }
-    let mut report = state.report;
-    report.replayed = state.machine.replayed();
-    report.left = state.machine.left();
-    report.already_replayed = state.machine.already_replayed();
-    Ok(report)
+    Ok(())
 }
 
 /// A replay's progress, kept across reconnects.
@@ -561,6 +579,13 @@ struct Read {
 }
 
 impl State<'_> {
+    /// Stops the replay on a connection lost for good, saying why.
+    fn stop_lost(&mut self, why: String) {
+        self.report.interrupted = true;
+        self.report.connection_lost = true;
+        self.report.stopped = Some(why);
+    }
+
     /// Takes the rest of the snapshot over one connection; gives back what it held and did not replay.
     async fn pass(
         &mut self,
@@ -653,9 +678,10 @@ impl State<'_> {
                     self.record(read, action, error);
                 }
                 Step::Publish => self.replay_one(channels, &delivery, read).await?,
+                // Only ever the answer to a republish.
                 Step::Ack => {}
             }
-            progress(self.machine.progress(), self.report.snapshot);
+            progress(self.machine.decided(), self.report.snapshot);
         }
         Ok(())
     }
@@ -747,17 +773,10 @@ impl State<'_> {
         });
     }
 
-    /// Everything the decision needs from one delivery.
-    fn read(&self, delivery: &Delivery) -> Read {
-        let plan = self.plan;
-        let headers = delivery.properties.headers().as_ref();
-        let message_id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.as_str().to_owned());
-        let failure = failure(headers, &plan.from, &self.vhost);
-        let (origin, origin_obstacle, origin_error) = match (&plan.to, &failure.origin) {
+    /// Where a message would go (`--to`, else its origin's queue), and if it cannot: why, for the machine and for
+    /// the report.
+    fn destination(&self, origin: &Origin) -> (Option<String>, Option<Action>, Option<String>) {
+        match (&self.plan.to, origin) {
             (Some(to), _) => (Some(to.clone()), None, None),
             (None, Origin::Queue(queue)) => (Some(queue.clone()), None, None),
             (None, Origin::Unknown) => (None, Some(Action::OriginUnknown), None),
@@ -774,7 +793,20 @@ impl State<'_> {
                     self.vhost
                 )),
             ),
-        };
+        }
+    }
+
+    /// Everything the decision needs from one delivery.
+    fn read(&self, delivery: &Delivery) -> Read {
+        let plan = self.plan;
+        let headers = delivery.properties.headers().as_ref();
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned());
+        let failure = failure(headers, &plan.from, &self.vhost);
+        let (origin, origin_obstacle, origin_error) = self.destination(&failure.origin);
         let obstacle = if plan.max_replays.is_some_and(|max| failure.replays >= max) {
             Some(Action::MaxReplays)
         } else if !plan.include_expired
@@ -1027,83 +1059,54 @@ fn hash_value(h: &mut Pair, root: &AMQPValue) {
             }
             Next::Value(value) => value,
         };
-        match value {
-            AMQPValue::Boolean(v) => {
-                h.write_u8(1);
-                h.write_u8(u8::from(*v));
-            }
-            AMQPValue::ShortShortInt(v) => {
-                h.write_u8(2);
-                h.write_i8(*v);
-            }
-            AMQPValue::ShortShortUInt(v) => {
-                h.write_u8(3);
-                h.write_u8(*v);
-            }
-            AMQPValue::ShortInt(v) => {
-                h.write_u8(4);
-                h.write_i16(*v);
-            }
-            AMQPValue::ShortUInt(v) => {
-                h.write_u8(5);
-                h.write_u16(*v);
-            }
-            AMQPValue::LongInt(v) => {
-                h.write_u8(6);
-                h.write_i32(*v);
-            }
-            AMQPValue::LongUInt(v) => {
-                h.write_u8(7);
-                h.write_u32(*v);
-            }
-            AMQPValue::LongLongInt(v) => {
-                h.write_u8(8);
-                h.write_i64(*v);
-            }
-            AMQPValue::Float(v) => {
-                h.write_u8(9);
-                h.write_u32(v.to_bits());
-            }
-            AMQPValue::Double(v) => {
-                h.write_u8(10);
-                h.write_u64(v.to_bits());
-            }
-            AMQPValue::DecimalValue(v) => {
-                h.write_u8(11);
-                h.write_u8(v.scale);
-                h.write_u32(v.value);
-            }
+        // A tag for the type, then a fixed-width number or a length-prefixed run of bytes: no two values alike.
+        let (tag, number) = match value {
+            AMQPValue::Boolean(v) => (1, u64::from(*v)),
+            AMQPValue::ShortShortInt(v) => (2, i64::from(*v).cast_unsigned()),
+            AMQPValue::ShortShortUInt(v) => (3, u64::from(*v)),
+            AMQPValue::ShortInt(v) => (4, i64::from(*v).cast_unsigned()),
+            AMQPValue::ShortUInt(v) => (5, u64::from(*v)),
+            AMQPValue::LongInt(v) => (6, i64::from(*v).cast_unsigned()),
+            AMQPValue::LongUInt(v) => (7, u64::from(*v)),
+            AMQPValue::LongLongInt(v) => (8, v.cast_unsigned()),
+            AMQPValue::Float(v) => (9, u64::from(v.to_bits())),
+            AMQPValue::Double(v) => (10, v.to_bits()),
+            AMQPValue::DecimalValue(v) => (11, (u64::from(v.scale) << 32) | u64::from(v.value)),
+            AMQPValue::Timestamp(v) => (12, *v),
+            AMQPValue::Void => (13, 0),
             AMQPValue::ShortString(v) => {
-                h.write_u8(12);
+                h.write_u8(14);
                 h.bytes(v.as_str().as_bytes());
+                continue;
             }
             AMQPValue::LongString(v) => {
-                h.write_u8(13);
+                h.write_u8(15);
                 h.bytes(v.as_bytes());
+                continue;
+            }
+            AMQPValue::ByteArray(v) => {
+                h.write_u8(16);
+                h.bytes(v.as_slice());
+                continue;
             }
             AMQPValue::FieldArray(v) => {
-                h.write_u8(14);
+                h.write_u8(17);
                 h.write_usize(v.as_slice().len());
                 stack.extend(v.as_slice().iter().rev().map(Next::Value));
-            }
-            AMQPValue::Timestamp(v) => {
-                h.write_u8(15);
-                h.write_u64(*v);
+                continue;
             }
             AMQPValue::FieldTable(v) => {
-                h.write_u8(16);
+                h.write_u8(18);
                 h.write_usize(v.inner().len());
                 for (key, value) in v.inner().iter().rev() {
                     stack.push(Next::Value(value));
                     stack.push(Next::Key(key.as_str()));
                 }
+                continue;
             }
-            AMQPValue::ByteArray(v) => {
-                h.write_u8(17);
-                h.bytes(v.as_slice());
-            }
-            AMQPValue::Void => h.write_u8(18),
-        }
+        };
+        h.write_u8(tag);
+        h.write_u64(number);
     }
 }
 

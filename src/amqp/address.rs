@@ -257,6 +257,25 @@ mod tests {
     }
 
     #[test]
+    fn the_captured_error_fixtures_name_parcel_created_carrier() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/interop/messages/error"
+        );
+        let mut read_back = 0;
+        for entry in std::fs::read_dir(dir).expect("the fixtures") {
+            let text = std::fs::read_to_string(entry.expect("a fixture").path()).expect("readable");
+            let json: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+            let address = json["headers"]["MT-Fault-InputAddress"]["text"]
+                .as_str()
+                .expect("an input address");
+            assert_eq!(read(address), queue("parcel-created-carrier"), "{address}");
+            read_back += 1;
+        }
+        assert_eq!(read_back, 3);
+    }
+
+    #[test]
     fn what_it_cannot_read_without_guessing_is_refused() {
         for address in [
             // A / in a name written unescaped: vhost "shop/eu" or queue "eu/orders"?

@@ -854,7 +854,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__replay)
-            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

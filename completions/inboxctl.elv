@@ -127,6 +127,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
             cand --log-format 'Log line format on stderr'
             cand --include-expired 'Replay messages that failed before the retention window too'
+            cand --restore-expiration 'Give each copy back the per-message TTL (expiration) it had before it was dead-lettered; by default a replayed copy has none, so that it cannot expire on its way back'
             cand --dry-run 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
             cand --json 'Print the result as JSON'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

@@ -120,6 +120,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-ca-fil
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l include-expired -d 'Replay messages that failed before the retention window too'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l restore-expiration -d 'Give each copy back the per-message TTL (expiration) it had before it was dead-lettered; by default a replayed copy has none, so that it cannot expire on its way back'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l dry-run -d 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l json -d 'Print the result as JSON'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

@@ -2,40 +2,56 @@
 //!
 //! - **A fixed snapshot.** The messages present when the replay starts (their count, read first) are taken one by one
 //!   and held unacknowledged, so a message that fails again and lands back in the dead-letter queue is never taken
-//!   again by the same run; what is not replayed is given back at the end, in its original order.
+//!   again by the same run (its copy carries the run's tag); what is not replayed is given back at the end, in its
+//!   original order.
 //! - **Nothing lost.** Each copy is published with publisher confirms (and `mandatory`, so a queue that does not
-//!   exist is an error, not a silent drop); the dead-letter copy is acknowledged only after the broker confirmed it.
-//!   A crash between the two leaves the message in both queues: the inbox discards the second copy.
+//!   exist is an error, not a silent drop); the dead-letter copy is acknowledged only after the broker confirmed a
+//!   copy with the same content on its origin (see [`machine`]). A crash between the two leaves the message in both
+//!   queues: the inbox discards the second copy.
 //! - **Nothing repeated.** Body, properties and message id are republished untouched (a MassTransit envelope stays
 //!   byte for byte), so the inbox recognises a message that had in fact been processed. Only the failure headers are
-//!   dropped, and a replay count of inboxctl's own is kept.
+//!   dropped, a replay count of inboxctl's own is kept, and the per-message TTL (`expiration`) is left out unless
+//!   asked for: the copy must not expire on its way back.
 //! - **Within the window.** The inbox deduplicates only while a message's row exists: a message that failed longer
 //!   ago than the cleanup retention may have lost its row, so replaying it could repeat its effect; such messages are
 //!   left where they are unless asked for.
+//! - **Never a guess at the origin.** An address that cannot be read without guessing, that names another vhost, or
+//!   a queue that does not exist: the message stays, and the report says why.
 //!
 //! Dead-letter shapes understood: MassTransit's `<queue>_error` and `<queue>_skipped` (origin in
 //! `MT-Fault-InputAddress`, else the queue name) and RabbitMQ dead-letter-exchange queues (origin in `x-death`).
 
+mod machine;
+
 use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher as _, Hasher};
 use std::time::Duration;
 
 use chrono::{DateTime, TimeDelta, Utc};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
+    QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Confirmation, Connection};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{Broker, dead_letter, envelope, topology};
+use crate::amqp::dead_letter::{self, ORIGINAL_EXPIRATION_HEADER};
+use crate::amqp::{Broker, address, envelope, topology};
 use crate::error::{Error, Result};
 use crate::failpoint;
+use machine::{Key, Machine, Outcome, Seen, Step};
 
 /// The header in which inboxctl counts how often a message was replayed. Not an `x-` header: RabbitMQ 4 reserves
 /// those for itself.
 pub const REPLAY_COUNT_HEADER: &str = "inboxctl-replay-count";
+
+/// The header that tags each copy with the replay run that sent it, so that the run knows its own copies when they
+/// fail again and come back.
+pub const REPLAY_RUN_HEADER: &str = "inboxctl-replay-run";
 
 /// What to replay.
 #[derive(Debug, Clone)]
@@ -54,6 +70,8 @@ pub struct Plan {
     /// The inbox cleanup's retention: older failures are left unless `include_expired`.
     pub retention: Duration,
     pub include_expired: bool,
+    /// Give each copy back the per-message TTL it had before it was dead-lettered.
+    pub restore_expiration: bool,
     pub dry_run: bool,
 }
 
@@ -71,7 +89,13 @@ pub enum Action {
     MaxReplays,
     /// No `--to`, and neither headers nor queue name tell where it came from; left in place.
     OriginUnknown,
-    /// The broker refused or could not route the copy; left in place.
+    /// No `--to`, and its `MT-Fault-InputAddress` cannot be read without guessing; left in place.
+    OriginAmbiguous,
+    /// No `--to`, and its origin is in another vhost than the one the replay is connected to; left in place.
+    OriginOtherVhost,
+    /// Its origin queue does not exist (checked first, or the copy came back unroutable); left in place.
+    OriginMissing,
+    /// The broker refused the copy; left in place.
     PublishFailed,
     /// A copy of a message this run already sent to the same origin (a second copy in the queue, or the first back
     /// again without its replay count); left in place.
@@ -81,13 +105,9 @@ pub enum Action {
 impl Action {
     /// Whether leaving the message is something the operator should hear about (not their own filter).
     pub fn is_problem(self) -> bool {
-        matches!(
+        !matches!(
             self,
-            Action::Expired
-                | Action::MaxReplays
-                | Action::OriginUnknown
-                | Action::PublishFailed
-                | Action::CopyOfReplayed
+            Action::Replayed | Action::WouldReplay | Action::NotSelected
         )
     }
 
@@ -99,6 +119,9 @@ impl Action {
             Action::Expired => "left: failed before the retention window",
             Action::MaxReplays => "left: replayed too often",
             Action::OriginUnknown => "left: origin unknown (use --to)",
+            Action::OriginAmbiguous => "left: origin address ambiguous (use --to)",
+            Action::OriginOtherVhost => "left: origin in another vhost (replay from there)",
+            Action::OriginMissing => "left: origin queue does not exist",
             Action::PublishFailed => "left: republish failed",
             Action::CopyOfReplayed => "left: a copy of a message this run already replayed",
         }
@@ -131,8 +154,8 @@ pub struct Report {
     pub interrupted: bool,
     /// Times the connection was lost and made again.
     pub reconnects: u32,
-    /// Dead-letter copies whose replay the broker had confirmed but whose acknowledgement was lost with the
-    /// connection, seen again after a reconnect: acknowledged, not sent again.
+    /// Dead-letter copies acknowledged without being sent again: an identical copy had been republished with the
+    /// broker's confirm, and the acknowledgement that followed was lost with the connection.
     pub already_replayed: u64,
     /// Why the replay stopped early on an error: the connection lost and not back in time, or the broker refusing
     /// something. What was done before is in `items`; the rest is where it was.
@@ -143,24 +166,39 @@ pub struct Report {
     pub items: Vec<Item>,
 }
 
+/// Where a dead-lettered message came from, as its headers (or the dead-letter queue's name) tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Queue(String),
+    /// Nothing tells.
+    Unknown,
+    /// `MT-Fault-InputAddress` cannot be read without guessing.
+    Ambiguous {
+        address: String,
+        why: String,
+    },
+    /// `MT-Fault-InputAddress` names a vhost other than the one the replay is connected to.
+    OtherVhost {
+        vhost: String,
+        queue: String,
+    },
+}
+
 /// What a dead-lettered message says about itself.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
-    pub origin: Option<String>,
+    pub origin: Origin,
     pub reason: Option<String>,
     pub failed_at: Option<DateTime<Utc>>,
     pub replays: u32,
 }
 
 /// Reads origin, reason, time and replay count from a dead-lettered message's headers; `from` is the queue it was
-/// read from (its name tells the origin of a MassTransit `_error`/`_skipped` copy without headers).
-pub fn failure(headers: Option<&FieldTable>, from: &str) -> Failure {
+/// read from (its name tells the origin of a MassTransit `_error`/`_skipped` copy without headers), `vhost` the one
+/// the replay is connected to.
+pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure {
     let text = |key: &str| dead_letter::header_text(headers, key);
-    let x_death = headers
-        .and_then(|h| h.inner().get("x-death"))
-        .and_then(AMQPValue::as_array)
-        .map(|a| a.as_slice().to_vec())
-        .unwrap_or_default();
+    let x_death = x_death(headers);
     let death_field = |index: usize, key: &str| {
         x_death
             .get(index)
@@ -173,16 +211,18 @@ pub fn failure(headers: Option<&FieldTable>, from: &str) -> Failure {
         _ => None,
     };
 
-    let origin = text("MT-Fault-InputAddress")
-        .and_then(|address| queue_of_address(&address))
-        .or_else(|| text("x-first-death-queue"))
-        .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
-        .or_else(|| {
-            from.strip_suffix("_error")
-                .or_else(|| from.strip_suffix("_skipped"))
-                .filter(|q| !q.is_empty())
-                .map(str::to_owned)
-        });
+    let origin = match text("MT-Fault-InputAddress") {
+        Some(input_address) => origin_of_address(input_address, vhost),
+        None => text("x-first-death-queue")
+            .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
+            .or_else(|| {
+                from.strip_suffix("_error")
+                    .or_else(|| from.strip_suffix("_skipped"))
+                    .filter(|q| !q.is_empty())
+                    .map(str::to_owned)
+            })
+            .map_or(Origin::Unknown, Origin::Queue),
+    };
     let reason = text("MT-Fault-Message")
         .or_else(|| {
             (text("MT-Reason").as_deref() == Some("dead-letter"))
@@ -211,15 +251,31 @@ pub fn failure(headers: Option<&FieldTable>, from: &str) -> Failure {
     }
 }
 
-/// `rabbitmq://host[:port]/[vhost/]queue[?…]` → `queue`. The address names no vhost for `/`, and the replay runs in
-/// the vhost it is connected to anyway.
-fn queue_of_address(address: &str) -> Option<String> {
-    let path = address.split_once("://").map_or(address, |(_, rest)| rest);
-    let path = path.split(['?', '#']).next().unwrap_or_default();
-    path.rsplit('/')
-        .next()
-        .filter(|q| !q.is_empty() && path.contains('/'))
-        .map(str::to_owned)
+fn x_death(headers: Option<&FieldTable>) -> Vec<AMQPValue> {
+    headers
+        .and_then(|h| h.inner().get("x-death"))
+        .and_then(AMQPValue::as_array)
+        .map(|a| a.as_slice().to_vec())
+        .unwrap_or_default()
+}
+
+/// The origin `MT-Fault-InputAddress` names. An address that names no vhost (MassTransit's way of writing `/`) is
+/// taken to be the vhost the replay is connected to: a consumer only dead-letters into its own vhost.
+fn origin_of_address(input_address: String, vhost: &str) -> Origin {
+    match address::parse(&input_address) {
+        Ok(address::Address {
+            vhost: Some(named),
+            queue,
+        }) if named != vhost => Origin::OtherVhost {
+            vhost: named,
+            queue,
+        },
+        Ok(address) => Origin::Queue(address.queue),
+        Err(why) => Origin::Ambiguous {
+            address: input_address,
+            why: why.to_string(),
+        },
+    }
 }
 
 fn as_u32(value: &AMQPValue) -> Option<u32> {
@@ -235,8 +291,41 @@ fn as_u32(value: &AMQPValue) -> Option<u32> {
     }
 }
 
-/// The headers a replayed copy carries: the original's without the failure headers, with the replay count raised.
-pub fn replay_headers(original: Option<&FieldTable>, replays: u32) -> FieldTable {
+/// The per-message TTL a message had before it was dead-lettered: its `expiration` property (a MassTransit copy may
+/// keep it), else inboxctl's header, else what RabbitMQ's dead-lettering kept in `x-death` (newest death first).
+/// Only a value RabbitMQ accepts (milliseconds, digits only).
+pub fn original_expiration(properties: &BasicProperties) -> Option<String> {
+    let headers = properties.headers().as_ref();
+    let in_death = || {
+        x_death(headers).iter().find_map(|death| {
+            let value = death.as_field_table()?.inner().get("original-expiration")?;
+            match value {
+                AMQPValue::LongString(s) => {
+                    Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                }
+                AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+                _ => None,
+            }
+        })
+    };
+    properties
+        .expiration()
+        .as_ref()
+        .map(|e| e.as_str().to_owned())
+        .or_else(|| dead_letter::header_text(headers, ORIGINAL_EXPIRATION_HEADER))
+        .or_else(in_death)
+        .filter(|e| !e.is_empty() && e.len() <= 10 && e.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// The headers a replayed copy carries: the original's without the failure headers, with the replay count raised and
+/// the run's tag; and the original per-message TTL in [`ORIGINAL_EXPIRATION_HEADER`] when the copy does not carry it
+/// as its `expiration`, so that a later replay can still give it back.
+pub fn replay_headers(
+    original: Option<&FieldTable>,
+    replays: u32,
+    run: &str,
+    kept_expiration: Option<&str>,
+) -> FieldTable {
     let mut headers = FieldTable::default();
     if let Some(original) = original {
         for (key, value) in original.inner() {
@@ -247,8 +336,11 @@ pub fn replay_headers(original: Option<&FieldTable>, replays: u32) -> FieldTable
                 || k == "x-death"
                 || k.starts_with("x-first-death-")
                 || k.starts_with("x-last-death-")
+                || k == "x-delivery-count"
                 || k == "x-dotnet-pub-seq-no"
-                || k == REPLAY_COUNT_HEADER;
+                || k == REPLAY_COUNT_HEADER
+                || k == REPLAY_RUN_HEADER
+                || k == ORIGINAL_EXPIRATION_HEADER;
             if !failure {
                 headers.insert(key.clone(), value.clone());
             }
@@ -258,7 +350,73 @@ pub fn replay_headers(original: Option<&FieldTable>, replays: u32) -> FieldTable
         REPLAY_COUNT_HEADER.into(),
         AMQPValue::LongInt(i32::try_from(replays.saturating_add(1)).unwrap_or(i32::MAX)),
     );
+    headers.insert(REPLAY_RUN_HEADER.into(), long_string(run));
+    if let Some(expiration) = kept_expiration {
+        headers.insert(ORIGINAL_EXPIRATION_HEADER.into(), long_string(expiration));
+    }
     headers
+}
+
+fn long_string(text: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(text.as_bytes().to_vec()))
+}
+
+/// The properties of a replayed copy: the original's, untouched, but for the headers and the per-message TTL, which
+/// is left out unless `restore_expiration` (then the original one is given back, wherever it was kept).
+pub fn replay_properties(
+    original: &BasicProperties,
+    replays: u32,
+    run: &str,
+    restore_expiration: bool,
+) -> BasicProperties {
+    let expiration = original_expiration(original);
+    let kept = (!restore_expiration)
+        .then_some(expiration.as_deref())
+        .flatten();
+    let headers = replay_headers(original.headers().as_ref(), replays, run, kept);
+    // AMQP properties are all optional and lapin has no way to unset one: the copy is built field by field.
+    let mut copy = BasicProperties::default().with_headers(headers);
+    let text = |v: &Option<ShortString>| v.clone();
+    if let Some(v) = text(original.content_type()) {
+        copy = copy.with_content_type(v);
+    }
+    if let Some(v) = text(original.content_encoding()) {
+        copy = copy.with_content_encoding(v);
+    }
+    if let Some(v) = *original.delivery_mode() {
+        copy = copy.with_delivery_mode(v);
+    }
+    if let Some(v) = *original.priority() {
+        copy = copy.with_priority(v);
+    }
+    if let Some(v) = text(original.correlation_id()) {
+        copy = copy.with_correlation_id(v);
+    }
+    if let Some(v) = text(original.reply_to()) {
+        copy = copy.with_reply_to(v);
+    }
+    if let Some(v) = expiration.filter(|_| restore_expiration) {
+        copy = copy.with_expiration(v.into());
+    }
+    if let Some(v) = text(original.message_id()) {
+        copy = copy.with_message_id(v);
+    }
+    if let Some(v) = *original.timestamp() {
+        copy = copy.with_timestamp(v);
+    }
+    if let Some(v) = text(original.kind()) {
+        copy = copy.with_type(v);
+    }
+    if let Some(v) = text(original.user_id()) {
+        copy = copy.with_user_id(v);
+    }
+    if let Some(v) = text(original.app_id()) {
+        copy = copy.with_app_id(v);
+    }
+    if let Some(v) = text(original.cluster_id()) {
+        copy = copy.with_cluster_id(v);
+    }
+    copy
 }
 
 /// Replays `plan.from`. `progress` is called after each message with (done, snapshot).
@@ -266,9 +424,9 @@ pub fn replay_headers(original: Option<&FieldTable>, replays: u32) -> FieldTable
 /// When the connection is lost on the way (the broker restarted, the network broke), the messages it held go back to
 /// the dead-letter queue by themselves; it connects again for up to `reconnect_for` and goes on with the snapshot,
 /// stepping over the messages it had already looked at and left, and acknowledging (without sending again) a
-/// dead-letter copy whose replay the broker had confirmed but whose acknowledgement was lost. Out of time, it returns
-/// what it did so far with `stopped` and `connection_lost` set. Another error after the first message also returns
-/// what was done, with `stopped` set.
+/// dead-letter copy whose replay the broker had confirmed but whose acknowledgement may have been lost. Out of time,
+/// it returns what it did so far with `stopped` and `connection_lost` set. Another error after the first message also
+/// returns what was done, with `stopped` set.
 pub async fn run(
     connection: &Connection,
     broker: &Broker,
@@ -283,8 +441,12 @@ pub async fn run(
     };
     let mut state = State {
         plan,
+        vhost: broker.vhost().to_owned(),
         now: Utc::now(),
         window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
+        run: uuid::Uuid::new_v4().to_string(),
+        fingerprints: Fingerprints::new(),
+        machine: Machine::new(snapshot, plan.limit),
         report: Report {
             from: plan.from.clone(),
             dry_run: plan.dry_run,
@@ -298,17 +460,39 @@ pub async fn run(
             connection_lost: false,
             items: Vec::new(),
         },
-        selected: 0,
-        pass: 0,
-        republished: HashMap::new(),
-        left_in_place: HashMap::new(),
     };
+    run_passes(
+        &mut state,
+        connection,
+        broker,
+        reconnect_for,
+        shutdown,
+        &mut progress,
+    )
+    .await?;
+    let mut report = state.report;
+    report.replayed = state.machine.replayed();
+    report.left = state.machine.left();
+    report.already_replayed = state.machine.already_replayed();
+    Ok(report)
+}
+
+/// One pass per connection until the snapshot is done, connecting again after a lost connection.
+async fn run_passes(
+    state: &mut State<'_>,
+    connection: &Connection,
+    broker: &Broker,
+    reconnect_for: Duration,
+    shutdown: &CancellationToken,
+    progress: &mut impl FnMut(u64, u64),
+) -> Result<()> {
+    let (plan, snapshot) = (state.plan, state.report.snapshot);
     let mut reconnected: Option<Connection> = None;
     let mut fruitless = 0;
     loop {
         let current = reconnected.as_ref().unwrap_or(connection);
-        let done_before = state.report.items.len() as u64 + state.report.already_replayed;
-        match state.pass(current, shutdown, &mut progress).await {
+        let done_before = state.machine.progress();
+        match state.pass(current, shutdown, progress).await {
             Ok(()) => break,
             Err(e) if !crate::amqp::is_connection_lost(current, &e) => {
                 if state.report.items.is_empty() {
@@ -319,6 +503,7 @@ pub async fn run(
                 break;
             }
             Err(e) => {
+                state.machine.connection_lost();
                 tracing::warn!(
                     error = %e,
                     done = state.report.items.len(),
@@ -328,16 +513,13 @@ pub async fn run(
                 );
                 // Closed for certain, so that nothing it held stays unacknowledged out of the next pass's sight.
                 crate::amqp::close(current, "reconnecting").await;
-                let done_after = state.report.items.len() as u64 + state.report.already_replayed;
-                fruitless = if done_after > done_before {
+                fruitless = if state.machine.progress() > done_before {
                     0
                 } else {
                     fruitless + 1
                 };
                 if fruitless >= crate::amqp::MAX_FRUITLESS_RECONNECTS {
-                    state.report.interrupted = true;
-                    state.report.connection_lost = true;
-                    state.report.stopped = Some(format!(
+                    state.stop_lost(format!(
                         "the connection was lost {fruitless} times in a row without any progress: {}",
                         crate::redact::text(&e.to_string())
                     ));
@@ -354,9 +536,7 @@ pub async fn run(
                         }
                     }
                     Err(last) => {
-                        state.report.interrupted = true;
-                        state.report.connection_lost = true;
-                        state.report.stopped = Some(format!(
+                        state.stop_lost(format!(
                             "{} (not back within {})",
                             crate::redact::text(&last.to_string()),
                             humantime::format_duration(reconnect_for)
@@ -370,51 +550,42 @@ pub async fn run(
     if let Some(own) = reconnected {
         crate::amqp::close(&own, "OK").await;
     }
-    Ok(state.report)
+    Ok(())
 }
 
 /// A replay's progress, kept across reconnects.
 struct State<'a> {
     plan: &'a Plan,
+    /// The vhost the replay is connected to.
+    vhost: String,
     now: DateTime<Utc>,
     window: TimeDelta,
+    /// This run's tag, in [`REPLAY_RUN_HEADER`] of every copy it sends.
+    run: String,
+    fingerprints: Fingerprints,
+    machine: Machine,
     report: Report,
-    /// Messages chosen so far (for `--limit`).
-    selected: u64,
-    /// The pass over one connection this is (1 before the first reconnect).
-    pass: u32,
-    /// Messages republished by this run with the broker's confirm: the replay count their dead-letter copy had, and
-    /// the pass they were sent in.
-    republished: HashMap<Key, (u32, u32)>,
-    /// Messages looked at and left where they were, and the pass they were looked at in.
-    left_in_place: HashMap<Key, u32>,
 }
 
-/// How a message is recognised when it is seen again: its id and where it goes (one dead-letter queue can collect
-/// the copies of one event from several queues: each is a message of its own), or for a message without an id, its
-/// body.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-enum Key {
-    Id { id: String, origin: Option<String> },
-    Body(u64),
-}
-
-fn key(delivery: &Delivery, message_id: Option<&str>, origin: Option<&str>) -> Key {
-    match message_id {
-        Some(id) => Key::Id {
-            id: id.to_owned(),
-            origin: origin.map(str::to_owned),
-        },
-        None => {
-            use std::hash::{Hash as _, Hasher as _};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            delivery.data.hash(&mut hasher);
-            Key::Body(hasher.finish())
-        }
-    }
+/// What one delivery says, for the machine and for the report.
+struct Read {
+    seen: Seen,
+    message_id: Option<String>,
+    failure: Failure,
+    /// Where it would go: `--to`, else its origin's queue.
+    origin: Option<String>,
+    /// Why its origin cannot be used, for the report.
+    origin_error: Option<String>,
 }
 
 impl State<'_> {
+    /// Stops the replay on a connection lost for good, saying why.
+    fn stop_lost(&mut self, why: String) {
+        self.report.interrupted = true;
+        self.report.connection_lost = true;
+        self.report.stopped = Some(why);
+    }
+
     /// Takes the rest of the snapshot over one connection; gives back what it held and did not replay.
     async fn pass(
         &mut self,
@@ -422,18 +593,27 @@ impl State<'_> {
         shutdown: &CancellationToken,
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
-        self.pass += 1;
+        self.machine.pass_started();
         let inbound = connection.create_channel().await?;
         let outbound = connection.create_channel().await?;
         outbound
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        let mut held: Option<u64> = None;
-        self.take(&inbound, &outbound, shutdown, progress, &mut held)
-            .await?;
+        let mut channels = Channels {
+            inbound,
+            outbound,
+            probe: Probe {
+                connection,
+                channel: None,
+                known: HashMap::new(),
+            },
+            held: None,
+        };
+        self.take(&mut channels, shutdown, progress).await?;
         // Give back everything not replayed, at once: the broker puts each back in its place, in order.
-        if let Some(last) = held {
-            inbound
+        if let Some(last) = channels.held {
+            channels
+                .inbound
                 .basic_nack(
                     last,
                     BasicNackOptions {
@@ -443,176 +623,307 @@ impl State<'_> {
                 )
                 .await?;
         }
-        let _ = inbound.close(200, "OK".into()).await;
-        let _ = outbound.close(200, "OK".into()).await;
+        match channels.inbound.close(200, "OK".into()).await {
+            // Answered after every acknowledgement sent on the channel: they all arrived.
+            Ok(()) => self.machine.settled(),
+            Err(e) => {
+                let e = Error::from(e);
+                if crate::amqp::is_connection_lost(connection, &e) {
+                    return Err(e);
+                }
+            }
+        }
+        let _ = channels.outbound.close(200, "OK".into()).await;
+        channels.probe.close().await;
         Ok(())
     }
 
     async fn take(
         &mut self,
-        inbound: &lapin::Channel,
-        outbound: &lapin::Channel,
+        channels: &mut Channels<'_>,
         shutdown: &CancellationToken,
         progress: &mut impl FnMut(u64, u64),
-        held: &mut Option<u64>,
     ) -> Result<()> {
-        let plan = self.plan;
-        while (self.report.items.len() as u64) < self.report.snapshot {
+        while self.machine.wants_more() {
             if shutdown.is_cancelled() {
                 self.report.interrupted = true;
                 break;
             }
-            let Some(message) = inbound
-                .basic_get(plan.from.as_str().into(), BasicGetOptions { no_ack: false })
-                .await?
-            else {
+            failpoint::hit_with("replay-before-get", &self.machine.decided().to_string()).await;
+            let got = channels
+                .inbound
+                .basic_get(
+                    self.plan.from.as_str().into(),
+                    BasicGetOptions { no_ack: false },
+                )
+                .await?;
+            // Answered after every acknowledgement sent before it on this channel: those arrived.
+            self.machine.settled();
+            let Some(message) = got else {
                 break;
             };
             let delivery = message.delivery;
-            let message_id = delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|s| s.as_str().to_owned());
-            let failure = failure(delivery.properties.headers().as_ref(), &plan.from);
-            let origin = plan.to.clone().or(failure.origin.clone());
-            let key = key(&delivery, message_id.as_deref(), origin.as_deref());
-            let mut copy_of_replayed = false;
-            if let Some(&(replays, pass)) = self.republished.get(&key) {
-                if failure.replays > replays {
-                    // A copy this run republished that failed again and is back (its replay count is higher): not
-                    // taken again by this run.
-                    *held = Some(delivery.delivery_tag);
-                    continue;
-                }
-                if pass < self.pass && delivery.redelivered {
-                    // The dead-letter copy of a message this run sent, with the broker's confirm, before the
-                    // connection was lost with its acknowledgement: acknowledged now, not sent again.
-                    inbound
+            let read = self.read(&delivery);
+            match self.machine.delivered(&read.seen) {
+                Step::Hold => channels.held = Some(delivery.delivery_tag),
+                Step::AckAgain => {
+                    channels
+                        .inbound
                         .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
                         .await?;
-                    self.report.already_replayed += 1;
-                    continue;
                 }
-                // A second copy of a message already sent to this origin, or the first back again from a path that
-                // dropped its replay count: which, cannot be told, so it is left where it is, and said.
-                copy_of_replayed = true;
-            }
-            if self
-                .left_in_place
-                .get(&key)
-                .is_some_and(|&pass| pass < self.pass)
-            {
-                // Looked at before the connection was lost, and left: step over it again.
-                *held = Some(delivery.delivery_tag);
-                continue;
-            }
-            let chosen = (plan.message_ids.is_empty()
-                || message_id
-                    .as_ref()
-                    .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
-                && plan.reason.as_ref().is_none_or(|r| {
-                    failure
-                        .reason
-                        .as_ref()
-                        .is_some_and(|text| text.contains(r.as_str()))
-                })
-                && plan.limit.is_none_or(|limit| self.selected < limit);
-
-            let mut error = None;
-            let mut refused = None;
-            let action = if copy_of_replayed {
-                Action::CopyOfReplayed
-            } else if !chosen {
-                Action::NotSelected
-            } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
-                Action::MaxReplays
-            } else if !plan.include_expired
-                && failure
-                    .failed_at
-                    .is_some_and(|t| self.now - t > self.window)
-            {
-                Action::Expired
-            } else if origin.is_none() {
-                Action::OriginUnknown
-            } else if plan.dry_run {
-                Action::WouldReplay
-            } else {
-                match republish(
-                    outbound,
-                    &delivery,
-                    origin.as_deref().unwrap_or_default(),
-                    failure.replays,
-                )
-                .await
-                {
-                    Ok(()) => Action::Replayed,
-                    // The broker refused the copy and closed the channel with its reason (a permission, say): every
-                    // later copy would fail the same way. This one is left, with the reason, and the replay stops.
-                    Err(Error::Broker(e)) if e.is_amqp_soft_error() => {
-                        error = Some(crate::redact::text(&e.to_string()));
-                        refused = Some(Error::Broker(e));
-                        Action::PublishFailed
-                    }
-                    // The connection failed: stop this pass (and connect again).
-                    Err(e @ Error::Broker(_)) => return Err(e),
-                    Err(e) => {
-                        error = Some(crate::redact::text(&e.to_string()));
-                        Action::PublishFailed
-                    }
+                Step::Leave(action) => {
+                    channels.held = Some(delivery.delivery_tag);
+                    let error = read.origin_error.clone();
+                    self.record(read, action, error);
                 }
-            };
-            if chosen && !copy_of_replayed {
-                self.selected += 1;
+                Step::Publish => self.replay_one(channels, &delivery, read).await?,
+                // Only ever the answer to a republish.
+                Step::Ack => {}
             }
-            match action {
-                Action::Replayed => {
-                    self.report.replayed += 1;
-                    self.republished
-                        .insert(key.clone(), (failure.replays, self.pass));
-                }
-                other => {
-                    if other.is_problem() {
-                        self.report.left += 1;
-                    }
-                    *held = Some(delivery.delivery_tag);
-                    self.left_in_place.entry(key).or_insert(self.pass);
-                }
-            }
-            self.report.items.push(Item {
-                message_id,
-                reason: failure.reason,
-                failed_at: failure.failed_at,
-                origin,
-                replays: failure.replays,
-                action,
-                error,
-            });
-            // The copy is confirmed and counted: only now may the dead-letter copy go. A crash or a lost connection
-            // before this leaves it in both queues, and the inbox discards the second.
-            if action == Action::Replayed {
-                failpoint::hit("replay-after-publish").await;
-                inbound
-                    .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
-                    .await?;
-            }
-            progress(self.report.items.len() as u64, self.report.snapshot);
-            if let Some(e) = refused {
-                return Err(e);
-            }
+            progress(self.machine.decided(), self.report.snapshot);
         }
         Ok(())
     }
+
+    /// Republishes one message (in a dry run, only checks its origin) and acknowledges its dead-letter copy once the
+    /// broker confirmed the republished one.
+    async fn replay_one(
+        &mut self,
+        channels: &mut Channels<'_>,
+        delivery: &Delivery,
+        read: Read,
+    ) -> Result<()> {
+        let origin = read.origin.clone().unwrap_or_default();
+        let mut refused = None;
+        let (outcome, error) = if !channels.probe.exists(&origin).await? {
+            (
+                Outcome::Missing,
+                Some(format!("queue {origin} does not exist")),
+            )
+        } else if self.plan.dry_run {
+            (Outcome::WouldReplay, None)
+        } else {
+            failpoint::hit("replay-before-publish").await;
+            let properties = replay_properties(
+                &delivery.properties,
+                read.failure.replays,
+                &self.run,
+                self.plan.restore_expiration,
+            );
+            match republish(&channels.outbound, delivery, &origin, properties).await {
+                Ok(Outcome::Missing) => {
+                    channels.probe.known.insert(origin.clone(), false);
+                    (
+                        Outcome::Missing,
+                        Some(format!(
+                            "the copy came back unroutable: queue {origin} does not exist"
+                        )),
+                    )
+                }
+                Ok(Outcome::Failed) => (
+                    Outcome::Failed,
+                    Some(format!("the broker refused the copy to {origin} (nack)")),
+                ),
+                Ok(outcome) => (outcome, None),
+                // The broker refused the copy and closed the channel with its reason (a permission, say): every
+                // later copy would fail the same way. This one is left, with the reason, and the replay stops.
+                Err(Error::Broker(e)) if e.is_amqp_soft_error() => {
+                    let error = crate::redact::text(&e.to_string());
+                    refused = Some(Error::Broker(e));
+                    (Outcome::Failed, Some(error))
+                }
+                // The connection failed: stop this pass (and connect again).
+                Err(e @ Error::Broker(_)) => return Err(e),
+                Err(e) => (Outcome::Failed, Some(crate::redact::text(&e.to_string()))),
+            }
+        };
+        match self.machine.outcome(outcome) {
+            Step::Ack => {
+                self.record(read, Action::Replayed, None);
+                // The copy is confirmed and counted: only now may the dead-letter copy go. A crash or a lost
+                // connection before this leaves it in both queues, and the inbox discards the second.
+                failpoint::hit("replay-after-publish").await;
+                channels
+                    .inbound
+                    .basic_ack(delivery.delivery_tag, BasicAckOptions::default())
+                    .await?;
+            }
+            Step::Leave(action) => {
+                channels.held = Some(delivery.delivery_tag);
+                self.record(read, action, error);
+            }
+            Step::Hold | Step::AckAgain | Step::Publish => {}
+        }
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn record(&mut self, read: Read, action: Action, error: Option<String>) {
+        self.report.items.push(Item {
+            message_id: read.message_id,
+            reason: read.failure.reason,
+            failed_at: read.failure.failed_at,
+            origin: read.origin,
+            replays: read.failure.replays,
+            action,
+            error,
+        });
+    }
+
+    /// Where a message would go (`--to`, else its origin's queue), and if it cannot: why, for the machine and for
+    /// the report.
+    fn destination(&self, origin: &Origin) -> (Option<String>, Option<Action>, Option<String>) {
+        match (&self.plan.to, origin) {
+            (Some(to), _) => (Some(to.clone()), None, None),
+            (None, Origin::Queue(queue)) => (Some(queue.clone()), None, None),
+            (None, Origin::Unknown) => (None, Some(Action::OriginUnknown), None),
+            (None, Origin::Ambiguous { address, why }) => (
+                None,
+                Some(Action::OriginAmbiguous),
+                Some(format!("MT-Fault-InputAddress {address}: {why}")),
+            ),
+            (None, Origin::OtherVhost { vhost, queue }) => (
+                Some(queue.clone()),
+                Some(Action::OriginOtherVhost),
+                Some(format!(
+                    "MT-Fault-InputAddress names vhost {vhost}; the replay is connected to {}",
+                    self.vhost
+                )),
+            ),
+        }
+    }
+
+    /// Everything the decision needs from one delivery.
+    fn read(&self, delivery: &Delivery) -> Read {
+        let plan = self.plan;
+        let headers = delivery.properties.headers().as_ref();
+        let message_id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned());
+        let failure = failure(headers, &plan.from, &self.vhost);
+        let (origin, origin_obstacle, origin_error) = self.destination(&failure.origin);
+        let obstacle = if plan.max_replays.is_some_and(|max| failure.replays >= max) {
+            Some(Action::MaxReplays)
+        } else if !plan.include_expired
+            && failure
+                .failed_at
+                .is_some_and(|t| self.now - t > self.window)
+        {
+            Some(Action::Expired)
+        } else {
+            origin_obstacle
+        };
+        let chosen = (plan.message_ids.is_empty()
+            || message_id
+                .as_ref()
+                .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
+            && plan.reason.as_ref().is_none_or(|r| {
+                failure
+                    .reason
+                    .as_ref()
+                    .is_some_and(|text| text.contains(r.as_str()))
+            });
+        // Where it would go, for recognising its copies: nowhere, if its origin cannot be used.
+        let destination = origin_obstacle.is_none().then(|| origin.clone()).flatten();
+        let key = match &message_id {
+            Some(id) => Key::Id {
+                id: id.clone(),
+                origin: destination.clone(),
+            },
+            None => Key::Body {
+                body: self.fingerprints.body(&delivery.data),
+                origin: destination.clone(),
+            },
+        };
+        let from_this_run =
+            dead_letter::header_text(headers, REPLAY_RUN_HEADER).as_deref() == Some(&self.run);
+        Read {
+            seen: Seen {
+                content: self.fingerprints.content(delivery),
+                key,
+                redelivered: delivery.redelivered,
+                from_this_run,
+                chosen,
+                obstacle,
+            },
+            message_id,
+            failure,
+            origin,
+            origin_error,
+        }
+    }
 }
 
+/// The channels of one pass.
+struct Channels<'c> {
+    /// Takes the dead-letter copies, and acknowledges them.
+    inbound: Channel,
+    /// Republishes, with publisher confirms.
+    outbound: Channel,
+    probe: Probe<'c>,
+    /// The last delivery tag held, to give everything held back at once.
+    held: Option<u64>,
+}
+
+/// Whether origin queues exist, asked once per queue and pass (a passive declare, which needs no permission).
+struct Probe<'c> {
+    connection: &'c Connection,
+    /// A failed passive declare closes its channel: a new one is made for the next.
+    channel: Option<Channel>,
+    known: HashMap<String, bool>,
+}
+
+impl Probe<'_> {
+    async fn exists(&mut self, queue: &str) -> Result<bool> {
+        if let Some(&known) = self.known.get(queue) {
+            return Ok(known);
+        }
+        let channel = match self.channel.take() {
+            Some(channel) if channel.status().connected() => channel,
+            _ => self.connection.create_channel().await?,
+        };
+        let exists = match channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default().passive(),
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(_) => {
+                self.channel = Some(channel);
+                true
+            }
+            Err(e) if crate::amqp::is_not_found(&e) => false,
+            // Another refusal (an exclusive queue of another connection, say) is not an absence: the republish
+            // tells, its copy coming back unroutable if the queue is missing after all.
+            Err(e) if e.is_amqp_soft_error() => true,
+            Err(e) => return Err(e.into()),
+        };
+        self.known.insert(queue.to_owned(), exists);
+        Ok(exists)
+    }
+
+    async fn close(self) {
+        if let Some(channel) = self.channel {
+            let _ = channel.close(200, "OK".into()).await;
+        }
+    }
+}
+
+/// Publishes a copy to `queue` through the default exchange and waits for the broker's confirm: `Confirmed`,
+/// `Missing` (returned as unroutable: no such queue) or `Failed` (nacked).
 async fn republish(
-    channel: &lapin::Channel,
+    channel: &Channel,
     delivery: &Delivery,
     queue: &str,
-    replays: u32,
-) -> Result<()> {
-    let headers = replay_headers(delivery.properties.headers().as_ref(), replays);
-    let properties = delivery.properties.clone().with_headers(headers);
+    properties: BasicProperties,
+) -> Result<Outcome> {
     let confirm = channel
         .basic_publish(
             "".into(),
@@ -627,14 +938,175 @@ async fn republish(
         .await?
         .await?;
     match confirm {
-        Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(_)) => Err(Error::Topology(format!(
-            "queue {queue} does not exist; the copy was returned"
-        ))),
-        Confirmation::Nack(_) => Err(Error::Topology(format!(
-            "the broker refused the copy to {queue}"
-        ))),
+        Confirmation::Ack(None) => Ok(Outcome::Confirmed),
+        Confirmation::Ack(Some(_)) => Ok(Outcome::Missing),
+        Confirmation::Nack(_) => Ok(Outcome::Failed),
         Confirmation::NotRequested => Err(Error::Topology("publisher confirms are off".to_owned())),
+    }
+}
+
+/// Fingerprints of what copies carry, keyed at random for each run: 128 bits from two keyed hashes, so that neither
+/// chance nor a crafted message makes two different copies look identical.
+struct Fingerprints {
+    keys: [RandomState; 2],
+}
+
+/// Both keyed hashes at once.
+struct Pair([std::collections::hash_map::DefaultHasher; 2]);
+
+impl Hasher for Pair {
+    fn write(&mut self, bytes: &[u8]) {
+        self.0[0].write(bytes);
+        self.0[1].write(bytes);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0[0].finish()
+    }
+}
+
+impl Pair {
+    fn finish128(&self) -> u128 {
+        (u128::from(self.0[0].finish()) << 64) | u128::from(self.0[1].finish())
+    }
+
+    fn bytes(&mut self, bytes: &[u8]) {
+        self.write_usize(bytes.len());
+        self.write(bytes);
+    }
+
+    fn text(&mut self, text: Option<&ShortString>) {
+        match text {
+            None => self.write_u8(0),
+            Some(s) => {
+                self.write_u8(1);
+                self.bytes(s.as_str().as_bytes());
+            }
+        }
+    }
+}
+
+impl Fingerprints {
+    fn new() -> Self {
+        Self {
+            keys: [RandomState::new(), RandomState::new()],
+        }
+    }
+
+    fn hasher(&self) -> Pair {
+        Pair([self.keys[0].build_hasher(), self.keys[1].build_hasher()])
+    }
+
+    fn body(&self, body: &[u8]) -> u128 {
+        let mut h = self.hasher();
+        h.bytes(body);
+        h.finish128()
+    }
+
+    /// Body, every property and every header but the broker's own delivery count (which changes as a copy is
+    /// delivered again, while the copy stays the same). Where a copy goes follows from these.
+    fn content(&self, delivery: &Delivery) -> u128 {
+        let p = &delivery.properties;
+        let mut h = self.hasher();
+        h.bytes(&delivery.data);
+        for text in [
+            p.content_type(),
+            p.content_encoding(),
+            p.correlation_id(),
+            p.reply_to(),
+            p.expiration(),
+            p.message_id(),
+            p.kind(),
+            p.user_id(),
+            p.app_id(),
+            p.cluster_id(),
+        ] {
+            h.text(text.as_ref());
+        }
+        for number in [p.delivery_mode(), p.priority()] {
+            h.write_u16(number.map_or(u16::MAX, u16::from));
+        }
+        h.write_u8(u8::from(p.timestamp().is_some()));
+        h.write_u64(p.timestamp().unwrap_or(0));
+        let headers: Vec<_> = p
+            .headers()
+            .iter()
+            .flat_map(|t| t.inner())
+            .filter(|(key, _)| key.as_str() != "x-delivery-count")
+            .collect();
+        h.write_usize(headers.len());
+        for (key, value) in headers {
+            h.bytes(key.as_str().as_bytes());
+            hash_value(&mut h, value);
+        }
+        h.finish128()
+    }
+}
+
+/// Hashes a header value, nested tables and arrays included, without recursion: a header nested as deep as a frame
+/// allows must not exhaust the stack.
+fn hash_value(h: &mut Pair, root: &AMQPValue) {
+    enum Next<'v> {
+        Value(&'v AMQPValue),
+        Key(&'v str),
+    }
+    let mut stack = vec![Next::Value(root)];
+    while let Some(next) = stack.pop() {
+        let value = match next {
+            Next::Key(key) => {
+                h.bytes(key.as_bytes());
+                continue;
+            }
+            Next::Value(value) => value,
+        };
+        // A tag for the type, then a fixed-width number or a length-prefixed run of bytes: no two values alike.
+        let (tag, number) = match value {
+            AMQPValue::Boolean(v) => (1, u64::from(*v)),
+            AMQPValue::ShortShortInt(v) => (2, i64::from(*v).cast_unsigned()),
+            AMQPValue::ShortShortUInt(v) => (3, u64::from(*v)),
+            AMQPValue::ShortInt(v) => (4, i64::from(*v).cast_unsigned()),
+            AMQPValue::ShortUInt(v) => (5, u64::from(*v)),
+            AMQPValue::LongInt(v) => (6, i64::from(*v).cast_unsigned()),
+            AMQPValue::LongUInt(v) => (7, u64::from(*v)),
+            AMQPValue::LongLongInt(v) => (8, v.cast_unsigned()),
+            AMQPValue::Float(v) => (9, u64::from(v.to_bits())),
+            AMQPValue::Double(v) => (10, v.to_bits()),
+            AMQPValue::DecimalValue(v) => (11, (u64::from(v.scale) << 32) | u64::from(v.value)),
+            AMQPValue::Timestamp(v) => (12, *v),
+            AMQPValue::Void => (13, 0),
+            AMQPValue::ShortString(v) => {
+                h.write_u8(14);
+                h.bytes(v.as_str().as_bytes());
+                continue;
+            }
+            AMQPValue::LongString(v) => {
+                h.write_u8(15);
+                h.bytes(v.as_bytes());
+                continue;
+            }
+            AMQPValue::ByteArray(v) => {
+                h.write_u8(16);
+                h.bytes(v.as_slice());
+                continue;
+            }
+            AMQPValue::FieldArray(v) => {
+                h.write_u8(17);
+                h.write_usize(v.as_slice().len());
+                stack.extend(v.as_slice().iter().rev().map(Next::Value));
+                continue;
+            }
+            AMQPValue::FieldTable(v) => {
+                h.write_u8(18);
+                h.write_usize(v.inner().len());
+                for (key, value) in v.inner().iter().rev() {
+                    stack.push(Next::Value(value));
+                    stack.push(Next::Key(key.as_str()));
+                }
+                continue;
+            }
+        };
+        h.write_u8(tag);
+        h.write_u64(number);
     }
 }
 
@@ -671,8 +1143,8 @@ mod tests {
             long("2026-11-30T20:14:50.2268983Z"),
         );
         h.insert("MT-Reason".into(), long("fault"));
-        let f = failure(Some(&h), "parcel-created-carrier_error");
-        assert_eq!(f.origin.as_deref(), Some("parcel-created-carrier"));
+        let f = failure(Some(&h), "parcel-created-carrier_error", "/");
+        assert_eq!(f.origin, Origin::Queue("parcel-created-carrier".into()));
         assert_eq!(f.reason.as_deref(), Some("carrier API returned 503"));
         assert_eq!(
             f.failed_at.map(|t| t.to_rfc3339()).as_deref(),
@@ -685,13 +1157,13 @@ mod tests {
     fn the_queue_name_tells_the_origin_of_a_skipped_copy() {
         let mut h = FieldTable::default();
         h.insert("MT-Reason".into(), long("dead-letter"));
-        let f = failure(Some(&h), "parcel-created-carrier_skipped");
-        assert_eq!(f.origin.as_deref(), Some("parcel-created-carrier"));
+        let f = failure(Some(&h), "parcel-created-carrier_skipped", "/");
+        assert_eq!(f.origin, Origin::Queue("parcel-created-carrier".into()));
         assert_eq!(
             f.reason.as_deref(),
             Some("not handled by the consumer (skipped)")
         );
-        assert_eq!(failure(None, "somewhere").origin, None);
+        assert_eq!(failure(None, "somewhere", "/").origin, Origin::Unknown);
     }
 
     #[test]
@@ -706,24 +1178,50 @@ mod tests {
             AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
         );
         h.insert(REPLAY_COUNT_HEADER.into(), AMQPValue::LongInt(2));
-        let f = failure(Some(&h), "orders.dlq");
-        assert_eq!(f.origin.as_deref(), Some("orders"));
+        let f = failure(Some(&h), "orders.dlq", "/");
+        assert_eq!(f.origin, Origin::Queue("orders".into()));
         assert_eq!(f.reason.as_deref(), Some("rejected"));
         assert_eq!(f.failed_at.map(|t| t.timestamp()), Some(1_764_533_690));
         assert_eq!(f.replays, 2);
     }
 
     #[test]
-    fn addresses_with_a_vhost_or_a_query() {
+    fn the_input_address_decides_and_is_never_guessed_at() {
+        let origin = |address: &str, vhost: &str| {
+            let mut h = FieldTable::default();
+            h.insert("MT-Fault-InputAddress".into(), long(address));
+            failure(Some(&h), "orders_error", vhost).origin
+        };
+        let queue = |q: &str| Origin::Queue(q.to_owned());
         assert_eq!(
-            queue_of_address("rabbitmq://h:5673/shop/orders?bind=true").as_deref(),
-            Some("orders")
+            origin("rabbitmq://h:5673/shop/orders?bind=true", "shop"),
+            queue("orders")
+        );
+        // No vhost in the address: the one the replay is connected to.
+        assert_eq!(origin("rabbitmq://h/orders", "shop"), queue("orders"));
+        assert_eq!(
+            origin("rabbitmq://h/probe%3Fq/eu%2Forders", "probe?q"),
+            queue("eu/orders")
         );
         assert_eq!(
-            queue_of_address("rabbitmq://h/orders").as_deref(),
-            Some("orders")
+            origin("rabbitmq://h/eu/orders", "shop"),
+            Origin::OtherVhost {
+                vhost: "eu".into(),
+                queue: "orders".into()
+            }
         );
-        assert_eq!(queue_of_address("rabbitmq://h/"), None);
+        // Unreadable: left, and not replaced by the dead-letter queue's name.
+        for address in [
+            "rabbitmq://h/shop/eu/orders",
+            "rabbitmq://h/probe?q/orders",
+            "rabbitmq://h/orders#x",
+            "rabbitmq://h/",
+        ] {
+            assert!(
+                matches!(origin(address, "shop"), Origin::Ambiguous { .. }),
+                "{address}"
+            );
+        }
     }
 
     #[test]
@@ -739,13 +1237,71 @@ mod tests {
         h.insert("x-first-death-queue".into(), long("orders"));
         h.insert("tenant".into(), long("acme"));
         h.insert(REPLAY_COUNT_HEADER.into(), AMQPValue::LongInt(1));
-        let out = replay_headers(Some(&h), 1);
+        h.insert(REPLAY_RUN_HEADER.into(), long("an earlier run"));
+        h.insert("x-delivery-count".into(), AMQPValue::LongInt(3));
+        let out = replay_headers(Some(&h), 1, "this run", None);
         let keys: Vec<&str> = out.inner().keys().map(|k| k.as_str()).collect();
-        assert_eq!(keys, [REPLAY_COUNT_HEADER, "tenant"]);
+        assert_eq!(keys, [REPLAY_COUNT_HEADER, REPLAY_RUN_HEADER, "tenant"]);
+        assert_eq!(out.inner().get(REPLAY_RUN_HEADER), Some(&long("this run")));
         assert_eq!(
             out.inner().get(REPLAY_COUNT_HEADER),
             Some(&AMQPValue::LongInt(2))
         );
+    }
+
+    #[test]
+    fn a_copy_carries_no_ttl_unless_asked_and_keeps_the_original_in_a_header() {
+        let mut death = FieldTable::default();
+        death.insert("original-expiration".into(), long("8000"));
+        let mut h = FieldTable::default();
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+        );
+        let from_death = BasicProperties::default()
+            .with_message_id("m".into())
+            .with_headers(h);
+        let mut h = FieldTable::default();
+        h.insert(ORIGINAL_EXPIRATION_HEADER.into(), long("7000"));
+        let from_header = BasicProperties::default().with_headers(h);
+        let from_property = BasicProperties::default()
+            .with_expiration("6000".into())
+            .with_priority(3);
+        for (original, ttl) in [
+            (&from_death, "8000"),
+            (&from_header, "7000"),
+            (&from_property, "6000"),
+        ] {
+            let copy = replay_properties(original, 0, "run", false);
+            assert_eq!(copy.expiration(), &None, "{original:?}");
+            assert_eq!(
+                dead_letter::header_text(copy.headers().as_ref(), ORIGINAL_EXPIRATION_HEADER)
+                    .as_deref(),
+                Some(ttl)
+            );
+            let restored = replay_properties(original, 0, "run", true);
+            assert_eq!(
+                restored.expiration().as_ref().map(ShortString::as_str),
+                Some(ttl)
+            );
+            assert!(
+                !restored
+                    .headers()
+                    .as_ref()
+                    .is_some_and(|h| h.contains_key(ORIGINAL_EXPIRATION_HEADER))
+            );
+        }
+        assert_eq!(
+            replay_properties(&from_death, 0, "run", false).message_id(),
+            from_death.message_id()
+        );
+        assert_eq!(
+            replay_properties(&from_property, 0, "run", true).priority(),
+            &Some(3)
+        );
+        // A value RabbitMQ would refuse (and close the channel for) is not given back.
+        let odd = BasicProperties::default().with_expiration("soon".into());
+        assert_eq!(replay_properties(&odd, 0, "run", true).expiration(), &None);
     }
 
     #[test]

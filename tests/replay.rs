@@ -622,3 +622,543 @@ async fn an_acknowledgement_lost_with_the_connection_is_made_again_without_a_sec
     assert_eq!(env.queue_counts("lost-a"), (3, 0), "one copy each");
     assert_eq!(env.queue_counts("lost.dlq"), (0, 0));
 }
+
+/// Declares durable queues (arguments for the first only, when given).
+async fn declare(conn: &Connection, queues: &[&str], first_args: FieldTable) {
+    let channel = conn.create_channel().await.unwrap();
+    for (i, queue) in queues.iter().enumerate() {
+        let args = if i == 0 {
+            first_args.clone()
+        } else {
+            FieldTable::default()
+        };
+        channel
+            .queue_declare((*queue).into(), QueueDeclareOptions::durable(), args)
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// A dead-lettered message as MassTransit leaves it in an error queue: `MT-Fault-InputAddress` and a reason.
+async fn dead_letter(conn: &Connection, queue: &str, id: &str, body: &[u8], input_address: &str) {
+    let mut headers = FieldTable::default();
+    headers.insert("MT-Fault-InputAddress".into(), long(input_address));
+    headers.insert("MT-Fault-Message".into(), long("boom"));
+    let props = BasicProperties::default()
+        .with_message_id(id.into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    common::publish(conn, "", queue, props, body).await;
+}
+
+/// Closes the connection the replay running in `vhost` made (it names itself "inboxctl replay"), from the broker's
+/// side, as `rabbitmqctl close_connection` does for an operator.
+fn close_replay_connection(vhost: &str) {
+    let listing = common::rabbitmqctl(&[
+        "-q",
+        "list_connections",
+        "pid",
+        "vhost",
+        "client_properties",
+    ]);
+    let pid = listing
+        .lines()
+        .find(|l| l.split('\t').nth(1) == Some(vhost) && l.contains("inboxctl replay"))
+        .and_then(|l| l.split('\t').next())
+        .unwrap_or_else(|| panic!("no replay connection in {vhost}:\n{listing}"))
+        .to_owned();
+    common::rabbitmqctl(&["close_connection", &pid, "cut by the test"]);
+}
+
+fn items_with<'r>(report: &'r serde_json::Value, action: &str) -> Vec<&'r serde_json::Value> {
+    report["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["action"] == action)
+        .collect()
+}
+
+/// The report's counts against the queues: every message is in the dead-letter queue exactly when the report says
+/// it was not replayed, and `replayed` copies reached their origins.
+fn assert_counts_match(
+    env: &TestEnv,
+    report: &serde_json::Value,
+    dead_letter_queue: &str,
+    origins: &[&str],
+) {
+    let items = report["items"].as_array().unwrap();
+    let not_replayed = items.iter().filter(|i| i["action"] != "replayed").count() as u64;
+    let replayed = items.len() as u64 - not_replayed;
+    assert_eq!(report["replayed"], replayed, "{report}");
+    assert_eq!(
+        env.queue_counts(dead_letter_queue),
+        (not_replayed, 0),
+        "{report}"
+    );
+    let on_origins: u64 = origins.iter().map(|q| env.queue_counts(q).0).sum();
+    assert_eq!(on_origins, replayed, "{report}");
+}
+
+/// The data loss the hostile test found: A and B share a message id and differ (two origins, or a buggy producer),
+/// followed by others; A is replayed and B left (`copy_of_replayed`); the broker closes the replay's connection
+/// (`rabbitmqctl close_connection`, timed by a failpoint). After the reconnect B comes back redelivered: it stays
+/// where it is, as reported, and is not taken for a lost acknowledgement of A.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection_is_cut() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["cut-a", "cut.dlq"], FieldTable::default()).await;
+    let address = "rabbitmq://localhost/cut-a";
+    let shared = uuid::Uuid::new_v4().to_string();
+    dead_letter(&conn, "cut.dlq", &shared, b"{\"copy\": \"A\"}", address).await;
+    dead_letter(&conn, "cut.dlq", &shared, b"{\"copy\": \"B\"}", address).await;
+    for i in 0..30 {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(
+            &conn,
+            "cut.dlq",
+            &id,
+            format!("{{\"n\": {i}}}").as_bytes(),
+            address,
+        )
+        .await;
+    }
+
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "cut.dlq", "--json"],
+        // Held before taking the third message, A replayed and B left, long enough for two rabbitmqctl calls on a
+        // loaded machine (2.5 s each seen).
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-get=sleep-once-15000@2",
+        )],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-get reached",
+        Duration::from_secs(30),
+    );
+    close_replay_connection(&env.vhost);
+    assert_eq!(
+        replay.wait(Duration::from_secs(60)),
+        Some(3),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["reconnects"], 1, "{report}");
+    assert_eq!(report["snapshot"], 32, "{report}");
+    assert_eq!(report["replayed"], 31, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["already_replayed"], 0, "{report}");
+    assert_eq!(items_with(&report, "copy_of_replayed").len(), 1, "{report}");
+    assert_counts_match(&env, &report, "cut.dlq", &["cut-a"]);
+    let left = peek(&conn, "cut.dlq").await;
+    assert_eq!(left.len(), 1);
+    assert_eq!(
+        left[0].data, b"{\"copy\": \"B\"}",
+        "B itself is still there"
+    );
+}
+
+/// A copy the broker nacks — its origin declared with `x-max-length=1` and `x-overflow=reject-publish`, and full —
+/// leaves the message in the dead-letter queue, reported. Also the guard that the dead-letter copy is acknowledged only
+/// after the confirm was awaited: acknowledged before, both messages would be gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_the_broker_nacks_leaves_the_message_in_the_dead_letter_queue() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert("x-overflow".into(), long("reject-publish"));
+    declare(&conn, &["full", "full.dlq"], args).await;
+    common::publish(
+        &conn,
+        "",
+        "full",
+        BasicProperties::default(),
+        b"already here",
+    )
+    .await;
+    for _ in 0..2 {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(&conn, "full.dlq", &id, b"{}", "rabbitmq://localhost/full").await;
+    }
+
+    let report = replay_json(&env, &["--from", "full.dlq"], 3);
+    assert_eq!(report["replayed"], 0, "{report}");
+    assert_eq!(report["left"], 2, "{report}");
+    for item in report["items"].as_array().unwrap() {
+        assert_eq!(item["action"], "publish_failed", "{report}");
+        assert!(
+            item["error"].as_str().unwrap().contains("refused"),
+            "{report}"
+        );
+    }
+    assert_eq!(env.queue_counts("full.dlq"), (2, 0), "{report}");
+    assert_eq!(env.queue_counts("full"), (1, 0), "{report}");
+}
+
+/// A copy returned as unroutable leaves the message where it is: `--to` a queue that does not exist (found before
+/// sending), and an origin deleted between the check and the publish (a failpoint holds the replay there), whose
+/// copy the broker returns.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_returned_as_unroutable_leaves_the_message_in_the_dead_letter_queue() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["doomed", "doomed.dlq"], FieldTable::default()).await;
+    let id = uuid::Uuid::new_v4().to_string();
+    dead_letter(
+        &conn,
+        "doomed.dlq",
+        &id,
+        b"{}",
+        "rabbitmq://localhost/doomed",
+    )
+    .await;
+
+    let report = replay_json(&env, &["--from", "doomed.dlq", "--to", "no-such-queue"], 3);
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["items"][0]["action"], "origin_missing", "{report}");
+    assert_counts_match(&env, &report, "doomed.dlq", &["doomed"]);
+
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "doomed.dlq", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-publish=sleep-once-3000",
+        )],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-publish reached",
+        Duration::from_secs(30),
+    );
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(
+            "doomed".into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        replay.wait(Duration::from_secs(30)),
+        Some(3),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["replayed"], 0, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(report["items"][0]["action"], "origin_missing", "{report}");
+    assert!(
+        report["items"][0]["error"]
+            .as_str()
+            .unwrap()
+            .contains("came back unroutable"),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts("doomed.dlq"), (1, 0), "{report}");
+}
+
+/// Three dead-lettered messages that had a per-message TTL, one for each place it is kept: the `expiration` property
+/// itself (a MassTransit copy may keep it: this one must be replayed before it expires in `ttl.dlq`), inboxctl's
+/// `inboxctl-original-expiration` header, and `x-death` (RabbitMQ's own dead-lettering of `ttl-src`, whose
+/// messages it dead-letters when they expire). Returns the TTLs, in that order.
+async fn ttl_messages(env: &TestEnv, conn: &Connection) -> [&'static str; 3] {
+    // Long enough for the copies to be looked at before the restored ones expire, on a loaded machine.
+    let ttls = ["8000", "5000", "3000"];
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://localhost/ttl-origin"),
+    );
+    headers.insert(
+        inboxctl::amqp::dead_letter::ORIGINAL_EXPIRATION_HEADER.into(),
+        long(ttls[1]),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_headers(headers);
+    common::publish(conn, "", "ttl.dlq", props, b"header").await;
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_expiration(ttls[2].into());
+    common::publish(conn, "", "ttl-src", props, b"x-death").await;
+    common::eventually(
+        "RabbitMQ dead-letters the expired message",
+        Duration::from_secs(10),
+        || async { env.queue_counts("ttl.dlq") == (2, 0) },
+    )
+    .await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://localhost/ttl-origin"),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_expiration(ttls[0].into())
+        .with_headers(headers);
+    common::publish(conn, "", "ttl.dlq", props, b"property").await;
+    ttls
+}
+
+/// The TTL a copy on an origin queue carries, and the one it keeps in `inboxctl-original-expiration`, by body.
+async fn ttls_on(conn: &Connection, queue: &str) -> Vec<(String, Option<String>, Option<String>)> {
+    peek(conn, queue)
+        .await
+        .iter()
+        .map(|d| {
+            (
+                String::from_utf8_lossy(&d.data).into_owned(),
+                d.properties
+                    .expiration()
+                    .as_ref()
+                    .map(|e| e.as_str().to_owned()),
+                common::header_text(&d.properties, "inboxctl-original-expiration"),
+            )
+        })
+        .collect()
+}
+
+/// A dead-lettered message that had a per-message TTL is replayed without one: its copy is still on its origin after
+/// that TTL, and keeps the original value in `inboxctl-original-expiration`. With `--restore-expiration` the copy
+/// carries the original TTL again, wherever it was kept, and expires on its origin.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_copy_has_no_ttl_unless_asked_for_and_then_its_original_one() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let mut dead_lettering = FieldTable::default();
+    dead_lettering.insert("x-dead-letter-exchange".into(), long(""));
+    dead_lettering.insert("x-dead-letter-routing-key".into(), long("ttl.dlq"));
+    declare(&conn, &["ttl-src", "ttl-origin", "ttl.dlq"], dead_lettering).await;
+    let origins = ["ttl-origin", "ttl-src"];
+
+    let ttls = ttl_messages(&env, &conn).await;
+    let report = replay_json(&env, &["--from", "ttl.dlq"], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_counts_match(&env, &report, "ttl.dlq", &origins);
+    let no_ttl = |body: &str, ttl: &str| (body.to_owned(), None, Some(ttl.to_owned()));
+    assert_eq!(
+        ttls_on(&conn, "ttl-origin").await,
+        [no_ttl("header", ttls[1]), no_ttl("property", ttls[0])]
+    );
+    assert_eq!(
+        ttls_on(&conn, "ttl-src").await,
+        [no_ttl("x-death", ttls[2])]
+    );
+    tokio::time::sleep(Duration::from_millis(9_000)).await;
+    assert_eq!(env.queue_counts("ttl-origin"), (2, 0), "outlived its TTL");
+    assert_eq!(env.queue_counts("ttl-src"), (1, 0), "outlived its TTL");
+
+    let channel = conn.create_channel().await.unwrap();
+    for queue in origins {
+        channel
+            .queue_purge(queue.into(), lapin::options::QueuePurgeOptions::default())
+            .await
+            .unwrap();
+    }
+    let ttls = ttl_messages(&env, &conn).await;
+    let report = replay_json(&env, &["--from", "ttl.dlq", "--restore-expiration"], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    // Looked at at once: the copies now expire (and are counted below, once they have).
+    let restored = |body: &str, ttl: &str| (body.to_owned(), Some(ttl.to_owned()), None);
+    assert_eq!(
+        ttls_on(&conn, "ttl-origin").await,
+        [restored("header", ttls[1]), restored("property", ttls[0])]
+    );
+    assert_eq!(
+        ttls_on(&conn, "ttl-src").await,
+        [restored("x-death", ttls[2])]
+    );
+    common::eventually(
+        "the restored TTLs expire the copies",
+        Duration::from_secs(15),
+        || async {
+            env.queue_counts("ttl-origin") == (0, 0) && env.queue_counts("ttl-src") == (0, 0)
+        },
+    )
+    .await;
+    // All three left the dead-letter queue; ttl-src dead-letters its expired copy once more, as it did the original.
+    assert_eq!(env.queue_counts("ttl.dlq"), (1, 0));
+}
+
+/// The address inboxctl's consumer writes for `queue` in the test's vhost.
+fn written_address(env: &TestEnv, queue: &str) -> String {
+    inboxctl::amqp::Broker::from_url(&env.amqp_url)
+        .unwrap()
+        .queue_address(queue)
+}
+
+fn action_of<'r>(report: &'r serde_json::Value, id: &str) -> &'r serde_json::Value {
+    &report["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|i| i["message_id"] == id)
+        .unwrap_or_else(|| panic!("{id} not in {report}"))["action"]
+}
+
+/// Queues named `eu/parcel-created-carrier` and `q?x=1#f`, with decoys named `parcel-created-carrier` and `q` (what
+/// "the text after the last /, before ? or #" made of their addresses). Addresses written escaped go back to their
+/// queue; the same names written raw (an older writer, a hand-made header) cannot be read without guessing and are
+/// left; an address naming a vhost `eu` is in another vhost; a queue that does not exist is said. Never the decoys.
+#[tokio::test(flavor = "multi_thread")]
+async fn names_with_a_slash_a_question_mark_or_a_hash_go_back_to_their_own_queue_or_stay() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let (slash, query) = ("eu/parcel-created-carrier", "q?x=1#f");
+    let decoys = ["parcel-created-carrier", "q"];
+    declare(
+        &conn,
+        &[slash, query, decoys[0], decoys[1], "mixed.dlq"],
+        FieldTable::default(),
+    )
+    .await;
+    let vhost = &env.vhost;
+    let cases = [
+        (written_address(&env, slash), "would_replay", "replayed"),
+        (written_address(&env, query), "would_replay", "replayed"),
+        (
+            format!("rabbitmq://127.0.0.1/{vhost}/{slash}"),
+            "origin_ambiguous",
+            "origin_ambiguous",
+        ),
+        (
+            format!("rabbitmq://127.0.0.1/{vhost}/{query}"),
+            "origin_ambiguous",
+            "origin_ambiguous",
+        ),
+        (
+            format!("rabbitmq://127.0.0.1/{slash}"),
+            "origin_other_vhost",
+            "origin_other_vhost",
+        ),
+        (
+            written_address(&env, "gone"),
+            "origin_missing",
+            "origin_missing",
+        ),
+    ];
+    let mut ids = Vec::new();
+    for (address, _, _) in &cases {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(&conn, "mixed.dlq", &id, b"{}", address).await;
+        ids.push(id);
+    }
+
+    let dry = replay_json(&env, &["--from", "mixed.dlq", "--dry-run"], 3);
+    let report = replay_json(&env, &["--from", "mixed.dlq"], 3);
+    for ((address, in_dry_run, in_run), id) in cases.iter().zip(&ids) {
+        assert_eq!(action_of(&dry, id), in_dry_run, "{address}: {dry}");
+        assert_eq!(action_of(&report, id), in_run, "{address}: {report}");
+    }
+    assert_eq!(report["replayed"], 2, "{report}");
+    assert_eq!(report["left"], 4, "{report}");
+    assert_counts_match(&env, &report, "mixed.dlq", &[slash, query]);
+    assert_eq!(env.queue_counts(slash), (1, 0));
+    assert_eq!(env.queue_counts(query), (1, 0));
+    for decoy in decoys {
+        assert_eq!(env.queue_counts(decoy), (0, 0), "{decoy}");
+    }
+    // For people: what was left, and why.
+    let out = env.run(&["replay", "--from", "mixed.dlq", "--dry-run"]);
+    for why in [
+        "left: origin address ambiguous (use --to)",
+        "more than two segments",
+        "left: origin in another vhost",
+        "left: origin queue does not exist",
+    ] {
+        assert!(out.stdout.contains(why), "{why}: {}", out.stdout);
+    }
+}
+
+/// The consumer's own error copies of a queue named `eu/parcel-created-carrier`, a decoy `parcel-created-carrier`
+/// beside it: what the consumer writes into `MT-Fault-InputAddress` is what replay reads back, and every message
+/// goes back to the queue it failed on.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_consumers_error_copies_of_a_queue_with_a_slash_go_back_to_it() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    let queue = "eu/parcel-created-carrier";
+    let error_queue = format!("{queue}_error");
+    inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue)
+        .await
+        .unwrap();
+    declare(&conn, &[CARRIER_QUEUE], FieldTable::default()).await;
+    common::publish_parcels(&env, &["--count", "3", "--destination", "FAIL"]);
+    common::consume_until_idle(
+        &env,
+        &[
+            "carrier",
+            "--queue",
+            queue,
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+        ],
+    );
+    assert_eq!(env.queue_counts(&error_queue), (3, 0));
+    for copy in peek(&conn, &error_queue).await {
+        assert_eq!(
+            common::header_text(&copy.properties, "MT-Fault-InputAddress"),
+            Some(format!(
+                "rabbitmq://127.0.0.1/{}/eu%2Fparcel-created-carrier",
+                env.vhost
+            ))
+        );
+    }
+
+    let report = replay_json(&env, &["--from", &error_queue], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_counts_match(&env, &report, &error_queue, &[queue]);
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0), "the decoy");
+}
+
+/// A vhost named `probe?q…` (the `?` escaped in the URL as `%3F`): the address MassTransit and inboxctl write for it
+/// names it escaped and is replayed; the same address written raw read as the vhost `probe`, or the queue `probe`,
+/// before — it is now left, and the decoy queue `probe` stays empty.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_vhost_with_a_question_mark_is_read_as_written() {
+    let mut env = TestEnv::bare().await;
+    let vhost = format!(
+        "probe?q-{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..8]
+    );
+    common::rabbitmqctl(&["delete_vhost", &env.vhost]);
+    common::rabbitmqctl(&["add_vhost", &vhost]);
+    common::rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+    // Dropped, the environment deletes this vhost instead.
+    env.amqp_url = format!("{}/{}", common::amqp_base(), vhost.replace('?', "%3F"));
+    env.vhost = vhost.clone();
+    let conn = env.amqp().await;
+    declare(
+        &conn,
+        &["orders", "probe", "orders_error"],
+        FieldTable::default(),
+    )
+    .await;
+    let written = written_address(&env, "orders");
+    assert_eq!(
+        written,
+        format!("rabbitmq://127.0.0.1/{}/orders", vhost.replace('?', "%3F"))
+    );
+    let raw = format!("rabbitmq://127.0.0.1/{vhost}/orders");
+    let (escaped_id, raw_id) = (
+        uuid::Uuid::new_v4().to_string(),
+        uuid::Uuid::new_v4().to_string(),
+    );
+    dead_letter(&conn, "orders_error", &escaped_id, b"{}", &written).await;
+    dead_letter(&conn, "orders_error", &raw_id, b"{}", &raw).await;
+
+    let report = replay_json(&env, &["--from", "orders_error"], 3);
+    assert_eq!(action_of(&report, &escaped_id), "replayed", "{report}");
+    assert_eq!(action_of(&report, &raw_id), "origin_ambiguous", "{report}");
+    assert_counts_match(&env, &report, "orders_error", &["orders"]);
+    assert_eq!(env.queue_counts("probe"), (0, 0), "the decoy");
+}

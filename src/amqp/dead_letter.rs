@@ -18,6 +18,9 @@ pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
 /// inboxctl publishes as: RabbitMQ refuses a `user_id` that is not the publisher's own.
 pub const ORIGINAL_USER_ID_HEADER: &str = "inboxctl-original-user-id";
 
+/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy must not expire.
+pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
+
 /// Headers of a previous failure, replaced rather than kept when a message fails again; and the publisher's sequence
 /// number, which means nothing on a copy another process publishes.
 fn is_failure_header(key: &str) -> bool {

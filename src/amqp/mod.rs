@@ -1,5 +1,6 @@
 //! RabbitMQ: connecting, the MassTransit topology, envelopes and dead-letter headers.
 
+pub mod address;
 pub mod dead_letter;
 pub mod envelope;
 pub mod limits;
@@ -109,20 +110,17 @@ impl Broker {
         &self.uri.authority.userinfo.username
     }
 
-    /// The address MassTransit writes for a queue of this broker: `rabbitmq://host[:port]/[vhost/]queue`.
+    /// The address MassTransit writes for a queue of this broker, `rabbitmq://host[:port]/[vhost/]queue`, escaped so
+    /// that `replay` reads back exactly this queue (see [`address`]).
     pub fn queue_address(&self, queue: &str) -> String {
-        let host = &self.uri.authority.host;
         let port = self.uri.authority.port;
-        let authority = if port == self.uri.scheme.default_port() {
-            host.clone()
-        } else {
-            format!("{host}:{port}")
-        };
-        if self.uri.vhost == "/" {
-            format!("rabbitmq://{authority}/{queue}")
-        } else {
-            format!("rabbitmq://{authority}/{}/{queue}", self.uri.vhost)
-        }
+        address::write(
+            &self.uri.authority.host,
+            (port != self.uri.scheme.default_port()).then_some(port),
+            self.uri.scheme == lapin::uri::AMQPScheme::AMQPS,
+            &self.uri.vhost,
+            queue,
+        )
     }
 
     /// Opens a connection, named so that `rabbitmqctl list_connections` shows who it is.

@@ -46,6 +46,11 @@ pub struct Args {
     #[arg(long)]
     pub include_expired: bool,
 
+    /// Give each copy back the per-message TTL (expiration) it had before it was dead-lettered; by default a replayed
+    /// copy has none, so that it cannot expire on its way back
+    #[arg(long)]
+    pub restore_expiration: bool,
+
     /// List what would be replayed; move nothing (the broker marks inspected messages redelivered)
     #[arg(long)]
     pub dry_run: bool,
@@ -75,6 +80,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         max_replays: args.max_replays,
         retention: args.retention,
         include_expired: args.include_expired,
+        restore_expiration: args.restore_expiration,
         dry_run: args.dry_run,
     };
     let show_progress = !args.json && std::io::stderr().is_terminal();

@@ -78,6 +78,50 @@ pub struct ConnectOpts {
     /// CA certificate (PEM) that an amqps:// broker's certificate must chain to, instead of the system's roots
     #[arg(long, env = "AMQP_CA_FILE", value_name = "PATH", global = true)]
     pub amqp_ca_file: Option<std::path::PathBuf>,
+
+    /// The URLs whose password was typed in the command line itself, where `ps` shows it to every user of the
+    /// machine (found by [`parse`]; a URL from the environment is not among them).
+    #[arg(skip)]
+    pub passwords_in_arguments: Vec<UrlFlag>,
+}
+
+/// A URL flag, with the safer places its password can come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UrlFlag {
+    pub flag: &'static str,
+    pub env: &'static str,
+    pub password_file: &'static str,
+}
+
+pub const DATABASE_URL: UrlFlag = UrlFlag {
+    flag: "--database-url",
+    env: "DATABASE_URL",
+    password_file: "--database-password-file",
+};
+
+pub const AMQP_URL: UrlFlag = UrlFlag {
+    flag: "--amqp-url",
+    env: "AMQP_URL",
+    password_file: "--amqp-password-file",
+};
+
+/// Parses the process's command line as [`Cli`], and notes which URLs were given a password in it.
+pub fn parse() -> Result<Cli, clap::Error> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let matches = Cli::command().try_get_matches()?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut Cli::command()))?;
+    let connect = &mut cli.global.connect;
+    for (id, url, flag) in [
+        ("database_url", &connect.database_url, DATABASE_URL),
+        ("amqp_url", &connect.amqp_url, AMQP_URL),
+    ] {
+        if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+            && crate::redact::has_password(url)
+        {
+            connect.passwords_in_arguments.push(flag);
+        }
+    }
+    Ok(cli)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

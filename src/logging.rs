@@ -42,6 +42,7 @@ pub fn init(global: &GlobalOpts, target: Target) {
         LogFormat::Text => builder.with_ansi(use_colour()).try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
+    crate::secret::warn_if_on_command_line(&global.connect);
 }
 
 /// Colour on stderr only when it is a terminal and `NO_COLOR` is unset or empty.

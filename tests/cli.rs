@@ -335,3 +335,141 @@ async fn the_broker_password_can_come_from_a_file() {
     assert!(stderr.contains("give it in one place"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Passwords holding what a URL reserves (`@ # / ? : %`), spaces, quotes and non-ASCII, written into either URL
+/// unencoded, from the environment or the command line: never shown, at -vv in either log format (nor JSON-escaped,
+/// nor percent-encoded). A URL that does not parse is a usage error saying to percent-encode the password or use the
+/// password file, and one that parses but whose credentials are ambiguous gets the same advice as a warning.
+#[test]
+fn a_password_with_reserved_characters_is_never_shown() {
+    let passwords = [
+        "pa#ss-W0rd9",
+        "pa/ss?W0rd9",
+        "p@ss#w/rd?x9",
+        "pä:ss€😀#x9",
+        "50%off#now9",
+        "a?b#c/d@e:f%g9",
+        "rtl\u{202e}#pass9",
+        "sp ace#Pw9",
+        "quo\"te#Pw9",
+        "back\\slash#9",
+    ];
+    for password in passwords {
+        let db = format!("postgres://app:{password}@127.0.0.1:1/parceltracker");
+        let mq = format!("amqp://app:{password}@127.0.0.1:1/%2f");
+        let shown_forms = [
+            password.to_owned(),
+            serde_json::to_string(password)
+                .unwrap()
+                .trim_matches('"')
+                .to_owned(),
+            url::form_urlencoded::byte_serialize(password.as_bytes()).collect(),
+        ];
+        for command in [&["migrate"][..], &["publish", "parcel-created"], &["stats"]] {
+            for format in ["text", "json"] {
+                for in_arguments in [false, true] {
+                    let mut args = vec!["-vv", "--log-format", format];
+                    let mut env = Vec::new();
+                    if in_arguments {
+                        args.extend(["--database-url", db.as_str(), "--amqp-url", mq.as_str()]);
+                    } else {
+                        env.extend([("DATABASE_URL", db.as_str()), ("AMQP_URL", mq.as_str())]);
+                    }
+                    args.extend_from_slice(command);
+                    let out = run(&args, &env);
+                    let what =
+                        format!("{password:?} {command:?} {format} in arguments: {in_arguments}");
+                    assert!(
+                        !matches!(out.code, Some(0 | 101)) && !out.stderr.contains("panicked"),
+                        "{what}: {out:?}"
+                    );
+                    for shown in &shown_forms {
+                        assert!(
+                            !out.stderr.contains(shown.as_str())
+                                && !out.stdout.contains(shown.as_str()),
+                            "{what} showed {shown:?}: {out:?}"
+                        );
+                    }
+                    assert!(
+                        out.stderr.contains("percent-encode"),
+                        "{what}: {}",
+                        out.stderr
+                    );
+                    if out.code == Some(64) {
+                        assert!(
+                            out.stderr.contains("error: invalid --"),
+                            "{what}: {}",
+                            out.stderr
+                        );
+                    }
+                    assert_eq!(
+                        out.stderr.contains("where `ps` shows it"),
+                        in_arguments,
+                        "{what}: {}",
+                        out.stderr
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A password in a URL typed on the command line (where `ps` shows it) is warned about once per URL, pointing to the
+/// environment variable and the password file; not when the URL came from the environment, nor without a password.
+#[test]
+fn a_password_on_the_command_line_is_warned_about_once() {
+    let db = "postgres://app:Cm4ndL1nePw@127.0.0.1:1/parceltracker";
+    let out = run(&["migrate", "--database-url", db], &[]);
+    assert_eq!(out.code, Some(69), "{out:?}");
+    assert_eq!(
+        out.stderr.matches("where `ps` shows it").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains("--database-url holds a password in the command line")
+            && out.stderr.contains("DATABASE_URL")
+            && out.stderr.contains("--database-password-file"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("Cm4ndL1nePw"), "{}", out.stderr);
+    let out = run(
+        &[
+            "--amqp-url",
+            "amqp://app:Cm4ndL1nePw@127.0.0.1:1/%2f",
+            "publish",
+            "parcel-created",
+        ],
+        &[],
+    );
+    assert!(
+        out.stderr
+            .contains("--amqp-url holds a password in the command line")
+            && out.stderr.contains("AMQP_URL")
+            && out.stderr.contains("--amqp-password-file"),
+        "{}",
+        out.stderr
+    );
+    for (args, env) in [
+        (&["migrate"][..], &[("DATABASE_URL", db)][..]),
+        (
+            &[
+                "migrate",
+                "--database-url",
+                "postgres://app@127.0.0.1:1/parceltracker",
+            ],
+            &[],
+        ),
+    ] {
+        let out = run(args, env);
+        assert_eq!(out.code, Some(69), "{out:?}");
+        assert!(
+            !out.stderr.contains("where `ps` shows it"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+}

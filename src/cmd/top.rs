@@ -6,25 +6,29 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::Broker;
-use crate::cli::{GlobalOpts, parse_positive_duration};
+use crate::cli::{GlobalOpts, MAX_DURATION, duration_between, parse_window};
 use crate::db::Database;
 use crate::error::{Error, Outcome, Result};
 use crate::top;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// How often the figures are refreshed
-    #[arg(long, default_value = "1s", value_parser = parse_positive_duration)]
+    /// How often the figures are refreshed (from 100ms to 100y)
+    #[arg(long, default_value = "1s", value_parser = duration_between(MIN_INTERVAL, MAX_DURATION))]
     pub interval: Duration,
 
-    /// Rates are averages over this last stretch of time
-    #[arg(long, default_value = "1m", value_parser = parse_positive_duration)]
+    /// Rates are averages over this last stretch of time (from 1s to 100y)
+    #[arg(long, default_value = "1m", value_parser = parse_window)]
     pub window: Duration,
 
     /// Highlight a duplicate ratio above this, in percent
     #[arg(long, default_value_t = 5.0, value_parser = parse_percent)]
     pub alert_duplicates: f64,
 }
+
+/// The shortest refresh interval: each refresh queries every consumer_type, and a shorter one keeps the database
+/// busy for a screen that cannot change faster than it is read.
+const MIN_INTERVAL: Duration = Duration::from_millis(100);
 
 fn parse_percent(s: &str) -> Result<f64, String> {
     let p: f64 = s

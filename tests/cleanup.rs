@@ -497,3 +497,50 @@ async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
         17
     );
 }
+
+/// A retention longer than PostgreSQL's timestamps reach is a usage error that names the longest one taken (instead
+/// of "timestamp out of range"); one under a minute, which empties the deduplication window, is refused unless
+/// `--force`, and nothing is deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retention_past_the_bounds_is_refused_and_names_them() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(&pool, "alpha", 3, "2 seconds", false).await;
+    for huge in ["1000000y", "101y"] {
+        let out = env.run(&["cleanup", "--retention", huge]);
+        assert_eq!(out.code, Some(64), "{huge}: {out:?}");
+        assert!(
+            out.stderr.contains("at most 100years"),
+            "{huge}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("timestamp"), "{}", out.stderr);
+    }
+    let out = env.run(&["cleanup", "--retention", "100y", "--json"]);
+    assert_eq!(json(&out)["deleted"], 0, "the longest is taken: {out:?}");
+
+    for short in ["1ns", "1ms", "59s"] {
+        for dry_run in [false, true] {
+            let mut args = vec!["cleanup", "--retention", short];
+            if dry_run {
+                args.push("--dry-run");
+            }
+            let out = env.run(&args);
+            assert_eq!(out.code, Some(64), "{short}: {out:?}");
+            assert!(
+                out.stderr.contains("is under 1m") && out.stderr.contains("--force"),
+                "{short}: {}",
+                out.stderr
+            );
+        }
+    }
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        3,
+        "nothing deleted"
+    );
+    let help = env.run(&["cleanup", "--help"]);
+    assert!(help.stdout.contains("--force"), "{}", help.stdout);
+    let out = env.run(&["cleanup", "--retention", "1ms", "--force", "--json"]);
+    assert_eq!(json(&out)["deleted"], 3, "{out:?}");
+}

@@ -798,3 +798,52 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
         assert!(!panicked(&out), "{args:?}: {out:?}");
     }
 }
+
+/// A consumer_type and a queue name holding a right-to-left override (which `--consumer-type` accepts: it is not a
+/// control character) reach the log only escaped, as the tables show them: `\u{202e}` in text lines, `\u202e` in JSON
+/// lines (which read back to the name as given). No log line carries a raw control character or override.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bidi_override_in_a_name_reaches_the_log_escaped() {
+    let env = common::TestEnv::migrated().await;
+    let consumer_type = "carrier\u{202e}reversed";
+    let queue = "carrier-queue\u{202e}reversed";
+    for format in ["text", "json"] {
+        let out = env.run(&[
+            "--log-format",
+            format,
+            "consume",
+            "carrier",
+            "--queue",
+            queue,
+            "--consumer-type",
+            consumer_type,
+            "--exit-when-idle",
+            "1s",
+        ]);
+        assert_eq!(out.code, Some(0), "{format}: {out:?}");
+        assert!(
+            !out.stderr
+                .chars()
+                .any(|c| c != '\n' && inboxctl::sanitize::is_unsafe(c)),
+            "{format}: {:?}",
+            out.stderr
+        );
+        let consuming = out
+            .stderr
+            .lines()
+            .find(|l| l.contains("consuming"))
+            .unwrap_or_else(|| panic!("{format}: {}", out.stderr));
+        if format == "text" {
+            assert!(
+                consuming.contains("consumer_type=carrier\\u{202e}reversed")
+                    && consuming.contains("queue=carrier-queue\\u{202e}reversed"),
+                "{consuming}"
+            );
+        } else {
+            assert!(consuming.contains("carrier\\u202ereversed"), "{consuming}");
+            let line: serde_json::Value = serde_json::from_str(consuming).unwrap();
+            assert_eq!(line["consumer_type"], consumer_type, "{line}");
+            assert_eq!(line["queue"], queue, "{line}");
+        }
+    }
+}

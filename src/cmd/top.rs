@@ -49,6 +49,15 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
                 .to_owned(),
         ));
     }
+    // A dumb terminal (Emacs's shell, some CI consoles) cannot move the cursor: a full-screen dashboard, ASCII or not,
+    // would come out as a scroll of escape codes. The same figures as lines are what `stats` prints.
+    if std::env::var_os("TERM").is_some_and(|term| term == "dumb") {
+        return Err(Error::Usage(
+            "top redraws the screen in place, and TERM=dumb says this terminal cannot; for the same figures as text use \
+             `inboxctl stats` (or set TERM to what the terminal is, e.g. TERM=xterm-256color)"
+                .to_owned(),
+        ));
+    }
     let db = Database::from_opts(&global.connect)?;
     let broker = Broker::from_opts(&global.connect)?;
     // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start.

@@ -72,7 +72,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--pool-size', '--pool-size', [CompletionResultType]::ParameterName, 'Most PostgreSQL connections (default: --concurrency)')
             [CompletionResult]::new('--max-attempts', '--max-attempts', [CompletionResultType]::ParameterName, 'Attempts of a message whose processing fails, before it moves to <queue>_error')
             [CompletionResult]::new('--retry-delay', '--retry-delay', [CompletionResultType]::ParameterName, 'Delay before the second attempt; doubles for each further one, up to 30s')
-            [CompletionResult]::new('--claim-timeout', '--claim-timeout', [CompletionResultType]::ParameterName, 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off')
+            [CompletionResult]::new('--claim-timeout', '--claim-timeout', [CompletionResultType]::ParameterName, 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off (from 100ms to 24 days)')
             [CompletionResult]::new('--exit-when-idle', '--exit-when-idle', [CompletionResultType]::ParameterName, 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)')
             [CompletionResult]::new('--shutdown-timeout', '--shutdown-timeout', [CompletionResultType]::ParameterName, 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64')
@@ -96,7 +96,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;cleanup' {
-            [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late')
+            [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late')
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type (default: every one)')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Rows per DELETE; each batch is a short transaction of its own')
             [CompletionResult]::new('--batch-pause', '--batch-pause', [CompletionResultType]::ParameterName, 'Rest between batches (e.g. 50ms), to leave the database room')
@@ -108,6 +108,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
             [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--force', '--force', [CompletionResultType]::ParameterName, 'Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is processed again')
             [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'Count what would be deleted; delete nothing')
             [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON (one line per run)')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
@@ -163,9 +164,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;publish;parcel-created' {
-            [CompletionResult]::new('--count', '--count', [CompletionResultType]::ParameterName, 'How many parcels')
+            [CompletionResult]::new('--count', '--count', [CompletionResultType]::ParameterName, 'How many parcels, at most 1000000 (each is held until the broker confirmed it)')
             [CompletionResult]::new('--duplicates', '--duplicates', [CompletionResultType]::ParameterName, 'Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1')
-            [CompletionResult]::new('--rate', '--rate', [CompletionResultType]::ParameterName, 'Messages per second, copies included (default: as fast as the broker confirms)')
+            [CompletionResult]::new('--rate', '--rate', [CompletionResultType]::ParameterName, 'Messages per second, copies included, from 0.001 to 1000000 (default: as fast as the broker confirms)')
             [CompletionResult]::new('--destination', '--destination', [CompletionResultType]::ParameterName, 'Every parcel''s destination (default: a rotation of cities)')
             [CompletionResult]::new('--exchange', '--exchange', [CompletionResultType]::ParameterName, 'The exchange to publish to')
             [CompletionResult]::new('--reconnect-timeout', '--reconnect-timeout', [CompletionResultType]::ParameterName, 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)')
@@ -196,8 +197,8 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;top' {
-            [CompletionResult]::new('--interval', '--interval', [CompletionResultType]::ParameterName, 'How often the figures are refreshed')
-            [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time')
+            [CompletionResult]::new('--interval', '--interval', [CompletionResultType]::ParameterName, 'How often the figures are refreshed (from 100ms to 100y)')
+            [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time (from 1s to 100y)')
             [CompletionResult]::new('--alert-duplicates', '--alert-duplicates', [CompletionResultType]::ParameterName, 'Highlight a duplicate ratio above this, in percent')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
@@ -214,7 +215,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;stats' {
-            [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time')
+            [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time (from 1s to 100y)')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
             [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
@@ -248,18 +249,18 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;bench' {
-            [CompletionResult]::new('--messages', '--messages', [CompletionResultType]::ParameterName, 'Messages pre-loaded for each throughput measurement')
+            [CompletionResult]::new('--messages', '--messages', [CompletionResultType]::ParameterName, 'Messages pre-loaded for each throughput measurement (10 to 1000000)')
             [CompletionResult]::new('--repeats', '--repeats', [CompletionResultType]::ParameterName, 'Repeats; the modes alternate within each')
             [CompletionResult]::new('--modes', '--modes', [CompletionResultType]::ParameterName, 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user''s cache directory)')
             [CompletionResult]::new('--concurrency', '--concurrency', [CompletionResultType]::ParameterName, 'Messages processed at once, by every mode (connections, for the ceiling)')
             [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Prefetch of every consumer')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Batch size of the inbox-batched mode')
-            [CompletionResult]::new('--warmup', '--warmup', [CompletionResultType]::ParameterName, 'Messages of each warm-up run')
-            [CompletionResult]::new('--latency-rate', '--latency-rate', [CompletionResultType]::ParameterName, 'Steady publish rate of the latency run, messages per second')
-            [CompletionResult]::new('--latency-seconds', '--latency-seconds', [CompletionResultType]::ParameterName, 'Length of the latency run, seconds')
-            [CompletionResult]::new('--duplicate-messages', '--duplicate-messages', [CompletionResultType]::ParameterName, 'Messages of the duplicate run')
+            [CompletionResult]::new('--warmup', '--warmup', [CompletionResultType]::ParameterName, 'Messages of each warm-up run (at most 1000000)')
+            [CompletionResult]::new('--latency-rate', '--latency-rate', [CompletionResultType]::ParameterName, 'Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at most 1000000 messages)')
+            [CompletionResult]::new('--latency-seconds', '--latency-seconds', [CompletionResultType]::ParameterName, 'Length of the latency run, seconds (1 to 86400)')
+            [CompletionResult]::new('--duplicate-messages', '--duplicate-messages', [CompletionResultType]::ParameterName, 'Messages of the duplicate run (1 to 1000000)')
             [CompletionResult]::new('--duplicates', '--duplicates', [CompletionResultType]::ParameterName, 'Fraction of them delivered twice (half at once, half after the rest)')
-            [CompletionResult]::new('--cleanup-rows', '--cleanup-rows', [CompletionResultType]::ParameterName, 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it')
+            [CompletionResult]::new('--cleanup-rows', '--cleanup-rows', [CompletionResultType]::ParameterName, 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000, at most 1000000000); 0 skips it')
             [CompletionResult]::new('--cleanup-batch-size', '--cleanup-batch-size', [CompletionResultType]::ParameterName, 'Batch size of `inboxctl cleanup` in the cleanup measurement')
             [CompletionResult]::new('--cleanup-batch-pause', '--cleanup-batch-pause', [CompletionResultType]::ParameterName, 'Pause between cleanup batches in the cleanup measurement')
             [CompletionResult]::new('--output', '--output', [CompletionResultType]::ParameterName, 'Write the full results (every repeat, medians, spreads, the machine) here as JSON')

@@ -240,7 +240,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__cleanup)
-            opts="-v -h -V --retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --retention --force --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

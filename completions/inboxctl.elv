@@ -67,7 +67,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --pool-size 'Most PostgreSQL connections (default: --concurrency)'
             cand --max-attempts 'Attempts of a message whose processing fails, before it moves to <queue>_error'
             cand --retry-delay 'Delay before the second attempt; doubles for each further one, up to 30s'
-            cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off'
+            cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off (from 100ms to 24 days)'
             cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)'
             cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
             cand --batch-size 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64'
@@ -90,7 +90,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --version 'Print version'
         }
         &'inboxctl;cleanup'= {
-            cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
+            cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
             cand --consumer-type 'Only this consumer_type (default: every one)'
             cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'
             cand --batch-pause 'Rest between batches (e.g. 50ms), to leave the database room'
@@ -102,6 +102,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
             cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
             cand --log-format 'Log line format on stderr'
+            cand --force 'Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is processed again'
             cand --dry-run 'Count what would be deleted; delete nothing'
             cand --json 'Print the result as JSON (one line per run)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -154,9 +155,9 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand help 'Print this message or the help of the given subcommand(s)'
         }
         &'inboxctl;publish;parcel-created'= {
-            cand --count 'How many parcels'
+            cand --count 'How many parcels, at most 1000000 (each is held until the broker confirmed it)'
             cand --duplicates 'Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1'
-            cand --rate 'Messages per second, copies included (default: as fast as the broker confirms)'
+            cand --rate 'Messages per second, copies included, from 0.001 to 1000000 (default: as fast as the broker confirms)'
             cand --destination 'Every parcel''s destination (default: a rotation of cities)'
             cand --exchange 'The exchange to publish to'
             cand --reconnect-timeout 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)'
@@ -183,8 +184,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;publish;help;help'= {
         }
         &'inboxctl;top'= {
-            cand --interval 'How often the figures are refreshed'
-            cand --window 'Rates are averages over this last stretch of time'
+            cand --interval 'How often the figures are refreshed (from 100ms to 100y)'
+            cand --window 'Rates are averages over this last stretch of time (from 1s to 100y)'
             cand --alert-duplicates 'Highlight a duplicate ratio above this, in percent'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
@@ -200,7 +201,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --version 'Print version'
         }
         &'inboxctl;stats'= {
-            cand --window 'Rates are averages over this last stretch of time'
+            cand --window 'Rates are averages over this last stretch of time (from 1s to 100y)'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
@@ -232,18 +233,18 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --version 'Print version'
         }
         &'inboxctl;bench'= {
-            cand --messages 'Messages pre-loaded for each throughput measurement'
+            cand --messages 'Messages pre-loaded for each throughput measurement (10 to 1000000)'
             cand --repeats 'Repeats; the modes alternate within each'
             cand --modes 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user''s cache directory)'
             cand --concurrency 'Messages processed at once, by every mode (connections, for the ceiling)'
             cand --prefetch 'Prefetch of every consumer'
             cand --batch-size 'Batch size of the inbox-batched mode'
-            cand --warmup 'Messages of each warm-up run'
-            cand --latency-rate 'Steady publish rate of the latency run, messages per second'
-            cand --latency-seconds 'Length of the latency run, seconds'
-            cand --duplicate-messages 'Messages of the duplicate run'
+            cand --warmup 'Messages of each warm-up run (at most 1000000)'
+            cand --latency-rate 'Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at most 1000000 messages)'
+            cand --latency-seconds 'Length of the latency run, seconds (1 to 86400)'
+            cand --duplicate-messages 'Messages of the duplicate run (1 to 1000000)'
             cand --duplicates 'Fraction of them delivered twice (half at once, half after the rest)'
-            cand --cleanup-rows 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it'
+            cand --cleanup-rows 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000, at most 1000000000); 0 skips it'
             cand --cleanup-batch-size 'Batch size of `inboxctl cleanup` in the cleanup measurement'
             cand --cleanup-batch-pause 'Pause between cleanup batches in the cleanup measurement'
             cand --output 'Write the full results (every repeat, medians, spreads, the machine) here as JSON'

@@ -65,7 +65,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l concurrenc
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l pool-size -d 'Most PostgreSQL connections (default: --concurrency)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l max-attempts -d 'Attempts of a message whose processing fails, before it moves to <queue>_error' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l retry-delay -d 'Delay before the second attempt; doubles for each further one, up to 30s' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim-timeout -d 'How long a copy waits for another process\'s in-flight attempt at the same message before it backs off' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim-timeout -d 'How long a copy waits for another process\'s in-flight attempt at the same message before it backs off (from 100ms to 24 days)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exit-when-idle -d 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l shutdown-timeout -d 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-size -d 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64' -r
@@ -86,7 +86,7 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l retention -d 'Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l retention -d 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l consumer-type -d 'Only this consumer_type (default: every one)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-size -d 'Rows per DELETE; each batch is a short transaction of its own' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-pause -d 'Rest between batches (e.g. 50ms), to leave the database room' -r
@@ -99,6 +99,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-passw
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l force -d 'Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is processed again'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dry-run -d 'Count what would be deleted; delete nothing'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l json -d 'Print the result as JSON (one line per run)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -138,9 +139,9 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fis
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l count -d 'How many parcels' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l count -d 'How many parcels, at most 1000000 (each is held until the broker confirmed it)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l duplicates -d 'Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l rate -d 'Messages per second, copies included (default: as fast as the broker confirms)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l rate -d 'Messages per second, copies included, from 0.001 to 1000000 (default: as fast as the broker confirms)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l destination -d 'Every parcel\'s destination (default: a rotation of cities)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)' -r
@@ -157,8 +158,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from help" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l interval -d 'How often the figures are refreshed' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l window -d 'Rates are averages over this last stretch of time' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l interval -d 'How often the figures are refreshed (from 100ms to 100y)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l window -d 'Rates are averages over this last stretch of time (from 1s to 100y)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l alert-duplicates -d 'Highlight a duplicate ratio above this, in percent' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
@@ -170,7 +171,7 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l window -d 'Rates are averages over this last stretch of time' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l window -d 'Rates are averages over this last stretch of time (from 1s to 100y)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -194,7 +195,7 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l messages -d 'Messages pre-loaded for each throughput measurement' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l messages -d 'Messages pre-loaded for each throughput measurement (10 to 1000000)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l repeats -d 'Repeats; the modes alternate within each' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l modes -d 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user\'s cache directory)' -r -f -a "ceiling\t''
 bare\t''
@@ -205,12 +206,12 @@ peer\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l concurrency -d 'Messages processed at once, by every mode (connections, for the ceiling)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l prefetch -d 'Prefetch of every consumer' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l batch-size -d 'Batch size of the inbox-batched mode' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l warmup -d 'Messages of each warm-up run' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-rate -d 'Steady publish rate of the latency run, messages per second' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-seconds -d 'Length of the latency run, seconds' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicate-messages -d 'Messages of the duplicate run' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l warmup -d 'Messages of each warm-up run (at most 1000000)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-rate -d 'Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at most 1000000 messages)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-seconds -d 'Length of the latency run, seconds (1 to 86400)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicate-messages -d 'Messages of the duplicate run (1 to 1000000)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicates -d 'Fraction of them delivered twice (half at once, half after the rest)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-rows -d 'Also measure cleanup and the dashboard\'s refresh queries at this many inbox rows (e.g. 10000000); 0 skips it' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-rows -d 'Also measure cleanup and the dashboard\'s refresh queries at this many inbox rows (e.g. 10000000, at most 1000000000); 0 skips it' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batch-size -d 'Batch size of `inboxctl cleanup` in the cleanup measurement' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batch-pause -d 'Pause between cleanup batches in the cleanup measurement' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l output -d 'Write the full results (every repeat, medians, spreads, the machine) here as JSON' -r -F

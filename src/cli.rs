@@ -78,6 +78,50 @@ pub struct ConnectOpts {
     /// CA certificate (PEM) that an amqps:// broker's certificate must chain to, instead of the system's roots
     #[arg(long, env = "AMQP_CA_FILE", value_name = "PATH", global = true)]
     pub amqp_ca_file: Option<std::path::PathBuf>,
+
+    /// The URLs whose password was typed in the command line itself, where `ps` shows it to every user of the
+    /// machine (found by [`parse`]; a URL from the environment is not among them).
+    #[arg(skip)]
+    pub passwords_in_arguments: Vec<UrlFlag>,
+}
+
+/// A URL flag, with the safer places its password can come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UrlFlag {
+    pub flag: &'static str,
+    pub env: &'static str,
+    pub password_file: &'static str,
+}
+
+pub const DATABASE_URL: UrlFlag = UrlFlag {
+    flag: "--database-url",
+    env: "DATABASE_URL",
+    password_file: "--database-password-file",
+};
+
+pub const AMQP_URL: UrlFlag = UrlFlag {
+    flag: "--amqp-url",
+    env: "AMQP_URL",
+    password_file: "--amqp-password-file",
+};
+
+/// Parses the process's command line as [`Cli`], and notes which URLs were given a password in it.
+pub fn parse() -> Result<Cli, clap::Error> {
+    use clap::{CommandFactory as _, FromArgMatches as _};
+    let matches = Cli::command().try_get_matches()?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut Cli::command()))?;
+    let connect = &mut cli.global.connect;
+    for (id, url, flag) in [
+        ("database_url", &connect.database_url, DATABASE_URL),
+        ("amqp_url", &connect.amqp_url, AMQP_URL),
+    ] {
+        if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+            && crate::redact::has_password(url)
+        {
+            connect.passwords_in_arguments.push(flag);
+        }
+    }
+    Ok(cli)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -86,23 +130,97 @@ pub enum LogFormat {
     Json,
 }
 
-/// A duration the humantime way (`90m`, `36h`, `7d`, `250ms`).
+/// The longest duration any flag takes: 100 years (of 365.25 days). Far longer than any window or wait that means
+/// something, and short enough that no clock, timer or PostgreSQL timestamp it is added to or taken from can
+/// overflow (PostgreSQL's timestamps end in 4713 BC).
+pub const MAX_DURATION: std::time::Duration = std::time::Duration::from_secs(100 * 31_557_600);
+
+/// A duration the humantime way (`90m`, `36h`, `7d`, `250ms`), from zero to [`MAX_DURATION`].
 pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    duration_in(s, std::time::Duration::ZERO, MAX_DURATION)
+}
+
+/// A duration from `min` to `max`; the error names the range.
+fn duration_in(
+    s: &str,
+    min: std::time::Duration,
+    max: std::time::Duration,
+) -> Result<std::time::Duration, String> {
     let s = s.trim();
     if s.starts_with('-') {
         return Err("a duration cannot be negative".to_owned());
     }
-    humantime::parse_duration(s)
-        .map_err(|e| format!("{e} (expected e.g. 500ms, 90s, 15m, 36h, 7d)"))
+    let range = || {
+        if min.is_zero() {
+            format!("at most {}", show(max))
+        } else {
+            format!("must be from {} to {}", show(min), show(max))
+        }
+    };
+    let d = humantime::parse_duration(s).map_err(|e| match e {
+        humantime::DurationError::NumberOverflow => range(),
+        e => format!("{e} (expected e.g. 500ms, 90s, 15m, 36h, 7d)"),
+    })?;
+    if d < min || d > max {
+        return Err(range());
+    }
+    Ok(d)
 }
 
-/// A duration that must be longer than zero.
+/// A duration that must be longer than zero (and at most [`MAX_DURATION`]).
 pub fn parse_positive_duration(s: &str) -> Result<std::time::Duration, String> {
     let d = parse_duration(s)?;
     if d.is_zero() {
         return Err("must be longer than zero".to_owned());
     }
     Ok(d)
+}
+
+/// A parser for a duration from `min` to `max`, for flags where a shorter or longer one means nothing or breaks
+/// something further down; the error names the range.
+pub fn duration_between(
+    min: std::time::Duration,
+    max: std::time::Duration,
+) -> impl Fn(&str) -> Result<std::time::Duration, String> + Clone + Send + Sync + 'static {
+    move |s: &str| duration_in(s, min, max)
+}
+
+/// A window that rates are averaged over: from one second (a shorter one has no rate worth the name, and its
+/// per-bucket arithmetic overflows) to [`MAX_DURATION`].
+pub fn parse_window(s: &str) -> Result<std::time::Duration, String> {
+    duration_between(std::time::Duration::from_secs(1), MAX_DURATION)(s)
+}
+
+/// A lock wait (`consume --claim-timeout`), set as PostgreSQL's `lock_timeout`: at most what that setting holds
+/// (2^31 − 1 ms, about 24 days), and at least 100ms, since a copy waits for the whole of another attempt's work and a
+/// shorter wait turns every such overlap into an outage backoff.
+pub fn parse_lock_timeout(s: &str) -> Result<std::time::Duration, String> {
+    duration_between(
+        std::time::Duration::from_millis(100),
+        std::time::Duration::from_millis(i32::MAX.unsigned_abs().into()),
+    )(s)
+}
+
+/// A parser for a finite number from `min` to `max` (not NaN, not infinite); the error names the range.
+pub fn number_between(
+    min: f64,
+    max: f64,
+) -> impl Fn(&str) -> Result<f64, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let n: f64 = s
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not a number"))?;
+        if !(min..=max).contains(&n) {
+            return Err(format!("must be a number from {min} to {max}"));
+        }
+        Ok(n)
+    }
+}
+
+/// A duration as the flags take it (`100years`, `1m`, `24days 20h 31m 23s 647ms`).
+pub fn show(d: std::time::Duration) -> String {
+    humantime::format_duration(d).to_string()
 }
 
 #[cfg(test)]
@@ -128,5 +246,45 @@ mod tests {
         assert!(parse_duration("-5m").is_err());
         assert!(parse_duration("soon").is_err());
         assert!(parse_positive_duration("0s").is_err());
+    }
+
+    #[test]
+    fn durations_are_bounded_and_the_error_names_the_bound() {
+        assert_eq!(parse_duration("100y"), Ok(MAX_DURATION));
+        for huge in ["101y", "1000000y", "584542046090y", "99999999999999999999d"] {
+            assert_eq!(
+                parse_duration(huge),
+                Err("at most 100years".to_owned()),
+                "{huge}"
+            );
+        }
+        assert!(parse_window("999ms").is_err());
+        assert_eq!(parse_window("1s"), Ok(std::time::Duration::from_secs(1)));
+        let between = duration_between(
+            std::time::Duration::from_millis(100),
+            std::time::Duration::from_secs(60),
+        );
+        assert_eq!(between("1ns"), Err("must be from 100ms to 1m".to_owned()));
+        assert_eq!(between("61s"), Err("must be from 100ms to 1m".to_owned()));
+        assert_eq!(
+            parse_window("1000000y"),
+            Err("must be from 1s to 100years".to_owned())
+        );
+        assert!(between("100ms").is_ok());
+    }
+
+    #[test]
+    fn numbers_are_finite_and_in_range() {
+        let rate = number_between(0.001, 1_000_000.0);
+        for bad in [
+            "NaN", "inf", "-inf", "1e309", "1e10", "1e-20", "0", "-1", "x", "",
+        ] {
+            assert!(rate(bad).is_err(), "{bad}");
+        }
+        assert_eq!(rate("200"), Ok(200.0));
+        assert_eq!(
+            rate("1e10"),
+            Err("must be a number from 0.001 to 1000000".to_owned())
+        );
     }
 }

@@ -1,11 +1,21 @@
 //! Logs: `tracing` to stderr, filtered by `RUST_LOG` or `-v`, as text or JSON lines. Colour only on a terminal and
 //! never under `NO_COLOR`.
+//!
+//! A log line carries text from outside — a consumer_type, a queue name, a failure reason, a message id — and a
+//! control character or a bidirectional override in it would act on the terminal (or forge a line) rather than show.
+//! Both formats make such characters inert here, once, whatever the call site logged: text lines write them as
+//! `\u{1b}` (the form the tables use), JSON lines as `\u001b` (so a JSON reader gets back exactly what was logged).
 
+use std::fmt::{self, Write as _};
 use std::io::IsTerminal as _;
 
+use tracing::field::{Field, Visit};
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::field::{MakeVisitor, VisitFmt, VisitOutput};
+use tracing_subscriber::fmt::format::Writer;
 
 use crate::cli::{GlobalOpts, LogFormat};
+use crate::sanitize;
 
 /// How much of the log a command wants on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,15 +46,279 @@ pub fn init(global: &GlobalOpts, target: Target) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
         .with_target(false);
     let _ = match global.log_format {
-        LogFormat::Text => builder.with_ansi(use_colour()).try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+        LogFormat::Text => builder
+            .with_writer(std::io::stderr)
+            .with_ansi(use_colour())
+            .fmt_fields(InertFields)
+            .try_init(),
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_writer(|| InertJson(std::io::stderr()))
+            .try_init(),
     };
+    crate::secret::warn_if_on_command_line(&global.connect);
 }
 
 /// Colour on stderr only when it is a terminal and `NO_COLOR` is unset or empty.
 fn use_colour() -> bool {
     std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}
+
+/// The fields of a text line (`name=value`, the message bare), as tracing-subscriber writes them, with every value
+/// made inert. Only the values: the level's colour and the names' styling are the formatter's own escape codes.
+struct InertFields;
+
+impl<'w> MakeVisitor<Writer<'w>> for InertFields {
+    type Visitor = InertVisitor<'w>;
+
+    fn make_visitor(&self, writer: Writer<'w>) -> Self::Visitor {
+        InertVisitor {
+            writer,
+            first: true,
+            result: Ok(()),
+        }
+    }
+}
+
+struct InertVisitor<'w> {
+    writer: Writer<'w>,
+    first: bool,
+    result: fmt::Result,
+}
+
+impl InertVisitor<'_> {
+    fn field(&mut self, field: &Field, value: fmt::Arguments<'_>) {
+        let name = field.name();
+        // Metadata of records from the `log` crate, which the line's prefix already shows.
+        if self.result.is_err() || name.starts_with("log.") {
+            return;
+        }
+        let separator = if std::mem::take(&mut self.first) {
+            ""
+        } else {
+            " "
+        };
+        let name = name.strip_prefix("r#").unwrap_or(name);
+        self.result = if name == "message" {
+            write!(self.writer, "{separator}")
+        } else if self.writer.has_ansi_escapes() {
+            // Italic name, dimmed `=`: tracing-subscriber's own styling.
+            write!(
+                self.writer,
+                "{separator}\x1b[3m{name}\x1b[0m\x1b[2m=\x1b[0m"
+            )
+        } else {
+            write!(self.writer, "{separator}{name}=")
+        }
+        .and_then(|()| Inert(&mut self.writer).write_fmt(value));
+    }
+}
+
+impl Visit for InertVisitor<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.field(field, format_args!("{value}"));
+        } else {
+            self.field(field, format_args!("{value:?}"));
+        }
+    }
+
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.field(field, format_args!("{value}"));
+        let mut source = value.source();
+        while let Some(cause) = source {
+            self.result = self
+                .result
+                .and_then(|()| Inert(&mut self.writer).write_fmt(format_args!(": {cause}")));
+            source = cause.source();
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.field(field, format_args!("{value:?}"));
+    }
+}
+
+impl VisitOutput<fmt::Result> for InertVisitor<'_> {
+    fn finish(self) -> fmt::Result {
+        self.result
+    }
+}
+
+impl VisitFmt for InertVisitor<'_> {
+    fn writer(&mut self) -> &mut dyn fmt::Write {
+        &mut self.writer
+    }
+}
+
+/// Writes through to `W` with every unsafe character as a `\u{…}` escape, the form [`sanitize::text`] uses. A
+/// backslash is not doubled: a value a call site already made inert (or that `Debug` escaped) is not escaped twice.
+struct Inert<'a, W: fmt::Write>(&'a mut W);
+
+impl<W: fmt::Write> fmt::Write for Inert<'_, W> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        for c in s.chars() {
+            if sanitize::is_unsafe(c) {
+                write!(self.0, "\\u{{{:x}}}", u32::from(c))?;
+            } else {
+                self.0.write_char(c)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// JSON lines to `W`, with the unsafe characters that JSON leaves raw (DEL, C1 controls, bidirectional overrides)
+/// written as `\uXXXX` escapes: the same string to a JSON reader, inert on a terminal. The C0 controls are already
+/// escaped by the JSON writer, and the line end is the only one outside a string.
+struct InertJson<W>(W);
+
+impl<W: std::io::Write> std::io::Write for InertJson<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // Each line comes in one write; anything else is passed through as it is.
+        match std::str::from_utf8(buf) {
+            Ok(line) if line.chars().any(|c| c != '\n' && sanitize::is_unsafe(c)) => {
+                let mut out = String::with_capacity(line.len() + 16);
+                for c in line.chars() {
+                    if c != '\n' && sanitize::is_unsafe(c) {
+                        for unit in c.encode_utf16(&mut [0; 2]) {
+                            let _ = write!(out, "\\u{unit:04x}");
+                        }
+                    } else {
+                        out.push(c);
+                    }
+                }
+                self.0.write_all(out.as_bytes())?;
+            }
+            _ => self.0.write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tracing_subscriber::fmt::MakeWriter;
+
+    use super::*;
+
+    /// A writer the test reads back.
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().expect("lock").extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl<'a> MakeWriter<'a> for Captured {
+        type Writer = Self;
+        fn make_writer(&'a self) -> Self {
+            self.clone()
+        }
+    }
+
+    impl Captured {
+        fn text(&self) -> String {
+            String::from_utf8(self.0.lock().expect("lock").clone()).expect("UTF-8")
+        }
+    }
+
+    const HOSTILE: &str = "carrier\u{202e}\u{1b}[31mred\u{9b}2J\u{7f}\r\nINFO forged line";
+
+    fn log_hostile_values() {
+        let span = tracing::info_span!("consume", queue = %HOSTILE);
+        let _entered = span.enter();
+        tracing::warn!(
+            consumer_type = %HOSTILE,
+            message_id = ?HOSTILE,
+            reason = HOSTILE,
+            "moving {HOSTILE} to the error queue"
+        );
+    }
+
+    fn text_lines(ansi: bool) -> String {
+        let out = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(out.clone())
+            .with_ansi(ansi)
+            .with_target(false)
+            .fmt_fields(InertFields)
+            .finish();
+        tracing::subscriber::with_default(subscriber, log_hostile_values);
+        out.text()
+    }
+
+    #[test]
+    fn a_text_line_shows_controls_and_bidi_overrides_escaped() {
+        let line = text_lines(false);
+        assert_eq!(line.matches('\n').count(), 1, "one line: {line:?}");
+        assert!(
+            !line.trim_end_matches('\n').chars().any(sanitize::is_unsafe),
+            "{line:?}"
+        );
+        assert!(
+            line.contains("consumer_type=carrier\\u{202e}\\u{1b}[31mred\\u{9b}2J\\u{7f}\\u{d}\\u{a}INFO forged line"),
+            "{line:?}"
+        );
+        assert!(
+            line.contains("WARN consume{queue=carrier\\u{202e}"),
+            "{line:?}"
+        );
+        assert!(line.contains("moving carrier\\u{202e}"), "{line:?}");
+    }
+
+    #[test]
+    fn on_a_terminal_the_colours_stay_and_the_values_are_still_inert() {
+        let line = text_lines(true);
+        // The formatter's own escape codes (level colour, styled names) are there...
+        assert!(line.contains("\u{1b}[33m"), "{line:?}");
+        assert!(line.contains("\u{1b}[3mconsumer_type\u{1b}[0m"), "{line:?}");
+        // ...and none of the value's.
+        assert!(!line.contains("\u{1b}[31m"), "{line:?}");
+        assert!(
+            !line.contains('\u{202e}') && !line.contains('\u{9b}'),
+            "{line:?}"
+        );
+        assert_eq!(line.matches('\n').count(), 1, "{line:?}");
+    }
+
+    #[test]
+    fn a_json_line_escapes_what_json_leaves_raw_and_reads_back_the_same() {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_writer(move || InertJson(writer.clone()))
+            .finish();
+        tracing::subscriber::with_default(subscriber, log_hostile_values);
+        let line = out.text();
+        assert!(line.ends_with('\n'), "{line:?}");
+        assert!(
+            !line.trim_end_matches('\n').chars().any(sanitize::is_unsafe),
+            "{line:?}"
+        );
+        assert!(
+            line.contains("carrier\\u202e\\u001b[31mred\\u009b2J\\u007f"),
+            "{line:?}"
+        );
+        let parsed: serde_json::Value = serde_json::from_str(&line).expect("JSON");
+        assert_eq!(parsed["consumer_type"], HOSTILE, "{parsed}");
+        assert_eq!(parsed["reason"], HOSTILE, "{parsed}");
+    }
 }

@@ -1,10 +1,9 @@
 use std::process::ExitCode;
 
-use clap::Parser as _;
 use inboxctl::error::exit;
 
 fn main() -> ExitCode {
-    let cli = match inboxctl::Cli::try_parse() {
+    let cli = match inboxctl::cli::parse() {
         Ok(cli) => cli,
         Err(e) => {
             let _ = e.print();

@@ -13,11 +13,13 @@ fn secrets() -> &'static Mutex<Vec<String>> {
 }
 
 /// Remembers the password of `url` (if it has one, in its user information or as libpq's `password=` parameter),
-/// so that [`text`] removes it wherever it appears.
+/// so that [`text`] removes it wherever it appears. In a URL whose credentials cannot be told apart from the rest
+/// (see [`url`]), everything after the first `:` of the masked part is taken for the password.
 pub fn register_url(url: &str) {
-    for password in password_of(url).into_iter().chain(query_password(url)) {
-        register(&password);
-        if let Ok(decoded) = percent_decode(&password) {
+    for (start, end) in password_spans(url) {
+        let password = &url[start..end];
+        register(password);
+        if let Ok(decoded) = percent_decode(password) {
             register(&decoded);
         }
     }
@@ -53,65 +55,116 @@ pub fn text(text: &str) -> String {
     out
 }
 
-/// A URL with its password, if any, replaced by `***` (in the user information, and a `password=` parameter).
+/// `url` with its password replaced by `***`: in the user information, and in a `password=` parameter. Safe for any
+/// string, a URL that does not parse included: when the credentials are ambiguous (see [`credentials_ambiguous`]),
+/// everything between `//` and the last `@` is masked, user name included.
 pub fn url(url: &str) -> String {
-    let masked = match userinfo_span(url) {
-        Some((_, Some(password))) => format!("{}{MASK}{}", &url[..password.0], &url[password.1..]),
-        _ => url.to_owned(),
-    };
-    match query_password_span(&masked) {
-        Some((start, end)) => format!("{}{MASK}{}", &masked[..start], &masked[end..]),
-        None => masked,
+    let mut spans = mask_spans(url);
+    spans.sort_unstable();
+    let mut out = String::with_capacity(url.len());
+    let mut shown = 0;
+    for (start, end) in spans {
+        // Overlapping spans are masked as one.
+        if start >= shown {
+            out.push_str(&url[shown..start]);
+            out.push_str(MASK);
+        }
+        shown = shown.max(end);
     }
+    out.push_str(&url[shown..]);
+    out
 }
 
 /// Whether `url` carries a password: in its user information, or as a `password=` parameter.
 pub fn has_password(url: &str) -> bool {
-    password_of(url).is_some() || query_password(url).is_some()
+    !password_spans(url).is_empty()
 }
 
-fn query_password(url: &str) -> Option<String> {
-    let (start, end) = query_password_span(url)?;
-    Some(url[start..end].to_owned())
+/// Whether the user information of `url` cannot be told from the rest: an `@` comes after a `/`, `?` or `#` that a
+/// URL parser takes for the end of the host, so a user name or password holds one of them unencoded (or the path or
+/// query holds an `@`). The usual cause is a password with `/`, `?` or `#` that was not percent-encoded.
+pub fn credentials_ambiguous(url: &str) -> bool {
+    userinfo(url).is_some_and(|u| !u.clear)
 }
 
-/// The byte span of the value of a `password=` query parameter (libpq's URLs accept one).
-fn query_password_span(url: &str) -> Option<(usize, usize)> {
-    let query_start = url.find('?')? + 1;
-    let query_end = url[query_start..]
-        .find('#')
-        .map_or(url.len(), |i| query_start + i);
-    let mut offset = query_start;
-    for pair in url[query_start..query_end].split('&') {
-        if let Some(value) = pair.strip_prefix("password=") {
-            let start = offset + "password=".len();
-            return (!value.is_empty()).then_some((start, start + value.len()));
+/// The user information of a URL: from after `//` (in a string without one, after the first `:`) to the last `@`.
+struct Userinfo {
+    start: usize,
+    /// The byte offset of the last `@`.
+    end: usize,
+    /// No `/`, `?` or `#` in it: every URL parser reads it the same way.
+    clear: bool,
+}
+
+fn userinfo(url: &str) -> Option<Userinfo> {
+    let start = match url.find("//") {
+        Some(i) => i + 2,
+        None => url.find(':')? + 1,
+    };
+    let end = start + url[start..].rfind('@')?;
+    Some(Userinfo {
+        start,
+        end,
+        clear: !url[start..end].contains(['/', '?', '#']),
+    })
+}
+
+/// The byte spans to mask: the password of clear user information, all of ambiguous user information, and the value
+/// of a `password=` parameter.
+fn mask_spans(url: &str) -> Vec<(usize, usize)> {
+    let mut spans = Vec::with_capacity(2);
+    if let Some(u) = userinfo(url) {
+        if u.clear {
+            if let Some(colon) = url[u.start..u.end].find(':') {
+                spans.push((u.start + colon + 1, u.end));
+            }
+        } else {
+            spans.push((u.start, u.end));
         }
-        offset += pair.len() + 1;
     }
-    None
+    spans.extend(query_password_span(url));
+    spans
 }
 
-/// The password written in `url`'s user information, if it has one (percent-encoded as written).
-fn password_of(url: &str) -> Option<String> {
-    let (_, password) = userinfo_span(url)?;
-    let (start, end) = password?;
-    Some(url[start..end].to_owned())
+/// The byte spans of what a URL's passwords may be: the user information's after its first `:` (a user name holds
+/// no unencoded `:`), and a `password=` parameter's value.
+fn password_spans(url: &str) -> Vec<(usize, usize)> {
+    let mut spans = Vec::with_capacity(2);
+    if let Some(u) = userinfo(url)
+        && let Some(colon) = url[u.start..u.end].find(':')
+        && u.start + colon + 1 < u.end
+    {
+        spans.push((u.start + colon + 1, u.end));
+    }
+    spans.extend(query_password_span(url).filter(|(start, end)| start < end));
+    spans
 }
 
-/// For `scheme://user:password@host…`: the byte span of the userinfo and of the password in it.
-#[allow(clippy::type_complexity)]
-fn userinfo_span(url: &str) -> Option<((usize, usize), Option<(usize, usize)>)> {
-    let scheme_end = url.find("://")? + 3;
-    let rest = &url[scheme_end..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let at = authority.rfind('@')?;
-    let userinfo = (scheme_end, scheme_end + at);
-    let password = authority[..at]
-        .find(':')
-        .map(|colon| (scheme_end + colon + 1, scheme_end + at));
-    Some((userinfo, password))
+/// The byte span of the value of a `password=` query parameter (libpq's URLs accept one). The value runs to the next
+/// `&` that starts another parameter (`name=`), else to the end: an unencoded `&` or `#` in a password is kept inside
+/// the span rather than shown.
+fn query_password_span(url: &str) -> Option<(usize, usize)> {
+    let query = url.find('?')? + 1;
+    let mut at = query;
+    let start = loop {
+        let rest = &url[at..];
+        if let Some(value) = rest.strip_prefix("password=") {
+            break url.len() - value.len();
+        }
+        at += rest.find('&')? + 1;
+    };
+    let end = url[start..]
+        .match_indices('&')
+        .map(|(i, _)| start + i)
+        .find(|&amp| starts_parameter(&url[amp + 1..]))
+        .unwrap_or(url.len());
+    Some((start, end))
+}
+
+/// Whether `s` starts with a libpq parameter's `name=`.
+fn starts_parameter(s: &str) -> bool {
+    s.find('=')
+        .is_some_and(|eq| eq > 0 && s[..eq].chars().all(|c| c.is_ascii_lowercase() || c == '_'))
 }
 
 /// Masks the password of every `scheme://user:password@` in free text.
@@ -176,6 +229,86 @@ mod tests {
         );
         assert!(has_password("postgres://app@db/parcels?password=s3cret-q"));
         assert!(!has_password("postgres://app@db/parcels?sslmode=require"));
+    }
+
+    #[test]
+    fn an_unencoded_slash_question_mark_or_hash_masks_everything_up_to_the_last_at() {
+        for (given, shown) in [
+            (
+                "postgres://postgres:pa#ss@127.0.0.1:5432/db",
+                "postgres://***@127.0.0.1:5432/db",
+            ),
+            (
+                "postgres://postgres:pa/s?s@127.0.0.1:5432/db",
+                "postgres://***@127.0.0.1:5432/db",
+            ),
+            ("amqp://u:p@s/s@h/v", "amqp://***@h/v"),
+            // An @ in the password but no / ? #: the user information is still clear.
+            ("amqp://u:p@ss@h/v", "amqp://u:***@h/v"),
+            // No // at all: from the scheme's colon.
+            ("amqp:u:pw#x@h", "amqp:***@h"),
+            // A password parameter holding an @ is masked whole, with what it makes ambiguous.
+            (
+                "postgres://app@db/x?password=p@ss&a=b",
+                "postgres://***&a=b",
+            ),
+        ] {
+            assert_eq!(url(given), shown, "{given}");
+            assert!(has_password(given), "{given}");
+        }
+        assert!(credentials_ambiguous("postgres://postgres:pa#ss@h/db"));
+        assert!(!credentials_ambiguous("postgres://postgres:pa@ss@h/db"));
+        assert!(!credentials_ambiguous("postgres://h/db"));
+    }
+
+    #[test]
+    fn any_string_is_safe_to_mask() {
+        for given in [
+            "",
+            "@",
+            "//",
+            "//@",
+            ":@",
+            "a:b",
+            "?password=",
+            "p://u:é@h",
+            "x://@@@",
+        ] {
+            let _ = url(given);
+            let _ = has_password(given);
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever a password holds, written into a URL raw or percent-encoded, `url` never shows it, and once the URL
+        /// is registered neither does `text`.
+        #[test]
+        fn no_password_survives_masking(
+            password in "[a-zA-Z0-9@#/?:%&=+ é€😀\\u{202e}-]{8,24}",
+            user in "[a-z@]{0,6}",
+        ) {
+            let encoded = url::form_urlencoded::byte_serialize(password.as_bytes()).collect::<String>();
+            for written in [password.as_str(), encoded.as_str()] {
+                let mut forms = vec![
+                    format!("postgres://{user}:{written}@127.0.0.1:5432/db?sslmode=disable"),
+                    format!("amqp://{user}:{written}@127.0.0.1:5672/%2f"),
+                ];
+                // An unencoded & starts the next parameter for every parser: what follows it cannot be told from one.
+                if !written.contains('&') {
+                    forms.push(format!("postgres://{user}@127.0.0.1:5432/db?password={written}&sslmode=disable"));
+                }
+                for given in forms {
+                    let shown = url(&given);
+                    let template = given.replace(written, "");
+                    proptest::prop_assume!(!template.contains(password.as_str()));
+                    proptest::prop_assert!(!shown.contains(password.as_str()), "{given} -> {shown}");
+                    proptest::prop_assert!(!shown.contains(written), "{given} -> {shown}");
+                    register_url(&given);
+                    let scrubbed = text(&format!("error near {written} in {given}: {password}"));
+                    proptest::prop_assert!(!scrubbed.contains(password.as_str()), "{scrubbed}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -33,8 +33,13 @@ pub fn multiline(s: &str) -> String {
 }
 
 fn needs_escape(c: char) -> bool {
-    c == '\\'
-        || c.is_control()
+    c == '\\' || is_unsafe(c)
+}
+
+/// Whether a terminal could act on `c` rather than show it: a control character (C0, DEL, C1) or a bidirectional
+/// override.
+pub fn is_unsafe(c: char) -> bool {
+    c.is_control()
         || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 

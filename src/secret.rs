@@ -63,6 +63,65 @@ fn warn_if_shared(flag: &str, path: &Path) {
 #[cfg(not(unix))]
 fn warn_if_shared(_flag: &str, _path: &Path) {}
 
+/// How to write a password that a URL cannot hold as it is.
+fn encoding_hint(url: crate::cli::UrlFlag) -> String {
+    format!(
+        "percent-encode the password (% as %25, / as %2F, ? as %3F, # as %23, @ as %40, : as %3A) or give it in {}",
+        url.password_file
+    )
+}
+
+/// The usage error for a URL the driver could not parse. It never shows the credentials: the URL is masked (all of
+/// the part before its last `@` when the credentials are ambiguous), the driver's message is shown only when the
+/// credentials are clear (it may quote a piece of the URL), and the URL itself in it is masked too.
+pub fn invalid_url(url: crate::cli::UrlFlag, given: &str, driver_error: &str) -> Error {
+    let shown = redact::url(given);
+    let flag = url.flag;
+    if redact::credentials_ambiguous(given) {
+        return Error::Usage(format!(
+            "invalid {flag} {shown}: a URL's user name and password end at its first /, ? or #, and one comes \
+             before the last @; {}",
+            encoding_hint(url)
+        ));
+    }
+    let mut message = format!(
+        "invalid {flag} {shown}: {}",
+        redact::text(&driver_error.replace(given, &shown))
+    );
+    if given.contains('@') {
+        message.push_str("; if the password holds a character a URL reserves, ");
+        message.push_str(&encoding_hint(url));
+    }
+    Error::Usage(message)
+}
+
+/// Warns about a URL that parsed but whose credentials are ambiguous (see [`redact::credentials_ambiguous`]): the
+/// driver took the user name and password to end at the first `/`, `?` or `#`, which is rarely what was meant.
+pub fn warn_if_ambiguous(url: crate::cli::UrlFlag, given: &str) {
+    if redact::credentials_ambiguous(given) {
+        tracing::warn!(
+            "{} {}: a URL's user name and password end at its first /, ? or #, and one comes before the last @; if \
+             the password holds one, {}",
+            url.flag,
+            redact::url(given),
+            encoding_hint(url)
+        );
+    }
+}
+
+/// Warns, once per URL, about a password typed in the command line: `ps` shows it to every user of the machine.
+pub fn warn_if_on_command_line(opts: &crate::cli::ConnectOpts) {
+    for url in &opts.passwords_in_arguments {
+        tracing::warn!(
+            "{} holds a password in the command line, where `ps` shows it to every user of this machine: give the URL in \
+             the environment ({}) or the password in a file ({})",
+            url.flag,
+            url.env,
+            url.password_file
+        );
+    }
+}
+
 /// The usage error for a password given twice.
 pub fn given_twice(url_flag: &str, file_flag: &str) -> Error {
     Error::Usage(format!(

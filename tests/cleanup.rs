@@ -497,3 +497,95 @@ async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
         17
     );
 }
+
+/// The window is measured on `processed_at`, never `received_at`: a .NET service's (EF Core's, the tutorial's) rows
+/// are received long before they are processed. A row processed inside the window stays however long ago it was
+/// received; one processed before it goes however recently it was received. The same for `--dry-run`'s count.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_window_is_measured_from_processing_not_from_receipt() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    // (name, received ago, processed ago, kept by --retention 7d)
+    let rows = [
+        ("received-30d-processed-1m", "30 days", "1 minute", true),
+        ("received-8d-processed-6d", "8 days", "6 days", true),
+        ("received-10d-processed-8d", "10 days", "8 days", false),
+        // Not a real history, but a statement reading received_at would keep it.
+        ("received-1m-processed-8d", "1 minute", "8 days", false),
+    ];
+    for (name, received, processed, _) in rows {
+        sqlx::query(
+            "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+             VALUES (gen_random_uuid(), $1, now() - $2::interval, now() - $3::interval)",
+        )
+        .bind(name)
+        .bind(received)
+        .bind(processed)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let dry = json(&env.run(&["cleanup", "--retention", "7d", "--dry-run", "--json"]));
+    let out = json(&env.run(&["cleanup", "--retention", "7d", "--json"]));
+    for (name, _, _, kept) in rows {
+        let expected = u64::from(!kept);
+        assert_eq!(consumer(&dry, name)["deleted"], expected, "dry run: {name}");
+        assert_eq!(consumer(&out, name)["deleted"], expected, "{name}");
+    }
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT consumer_type FROM inbox_messages ORDER BY consumer_type")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        left,
+        ["received-30d-processed-1m", "received-8d-processed-6d"]
+    );
+}
+
+/// A retention longer than PostgreSQL's timestamps reach is a usage error that names the longest one taken (instead
+/// of "timestamp out of range"); one under a minute, which empties the deduplication window, is refused unless
+/// `--force`, and nothing is deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retention_past_the_bounds_is_refused_and_names_them() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(&pool, "alpha", 3, "2 seconds", false).await;
+    for huge in ["1000000y", "101y"] {
+        let out = env.run(&["cleanup", "--retention", huge]);
+        assert_eq!(out.code, Some(64), "{huge}: {out:?}");
+        assert!(
+            out.stderr.contains("at most 100years"),
+            "{huge}: {}",
+            out.stderr
+        );
+        assert!(!out.stderr.contains("timestamp"), "{}", out.stderr);
+    }
+    let out = env.run(&["cleanup", "--retention", "100y", "--json"]);
+    assert_eq!(json(&out)["deleted"], 0, "the longest is taken: {out:?}");
+
+    for short in ["1ns", "1ms", "59s"] {
+        for dry_run in [false, true] {
+            let mut args = vec!["cleanup", "--retention", short];
+            if dry_run {
+                args.push("--dry-run");
+            }
+            let out = env.run(&args);
+            assert_eq!(out.code, Some(64), "{short}: {out:?}");
+            assert!(
+                out.stderr.contains("is under 1m") && out.stderr.contains("--force"),
+                "{short}: {}",
+                out.stderr
+            );
+        }
+    }
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        3,
+        "nothing deleted"
+    );
+    let help = env.run(&["cleanup", "--help"]);
+    assert!(help.stdout.contains("--force"), "{}", help.stdout);
+    let out = env.run(&["cleanup", "--retention", "1ms", "--force", "--json"]);
+    assert_eq!(json(&out)["deleted"], 3, "{out:?}");
+}

@@ -335,3 +335,515 @@ async fn the_broker_password_can_come_from_a_file() {
     assert!(stderr.contains("give it in one place"), "{stderr}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Runs the binary with a time limit, its output collected; `None` for the exit code when it had to be killed.
+fn run_for(mut cmd: Command, limit: std::time::Duration) -> common::Output {
+    use std::io::Read as _;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let out = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stdout.read_to_end(&mut s);
+        s
+    });
+    let err = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = stderr.read_to_end(&mut s);
+        s
+    });
+    let deadline = std::time::Instant::now() + limit;
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    common::Output {
+        code,
+        stdout: String::from_utf8_lossy(&out.join().unwrap()).into_owned(),
+        stderr: String::from_utf8_lossy(&err.join().unwrap()).into_owned(),
+    }
+}
+
+/// Passwords holding what a URL reserves (`@ # / ? : %`), spaces, quotes and non-ASCII, written into either URL
+/// unencoded, from the environment or the command line: never shown, at -vv in either log format (nor JSON-escaped,
+/// nor percent-encoded). A URL that does not parse is a usage error saying to percent-encode the password or use the
+/// password file, and one that parses but whose credentials are ambiguous gets the same advice as a warning.
+#[test]
+fn a_password_with_reserved_characters_is_never_shown() {
+    let passwords = [
+        "pa#ss-W0rd9",
+        "pa/ss?W0rd9",
+        "p@ss#w/rd?x9",
+        "pä:ss€😀#x9",
+        "50%off#now9",
+        "a?b#c/d@e:f%g9",
+        "rtl\u{202e}#pass9",
+        "sp ace#Pw9",
+        "quo\"te#Pw9",
+        "back\\slash#9",
+    ];
+    for password in passwords {
+        let db = format!("postgres://app:{password}@127.0.0.1:1/parceltracker");
+        let mq = format!("amqp://app:{password}@127.0.0.1:1/%2f");
+        let shown_forms = [
+            password.to_owned(),
+            serde_json::to_string(password)
+                .unwrap()
+                .trim_matches('"')
+                .to_owned(),
+            url::form_urlencoded::byte_serialize(password.as_bytes()).collect(),
+        ];
+        for command in [&["migrate"][..], &["publish", "parcel-created"], &["stats"]] {
+            for format in ["text", "json"] {
+                for in_arguments in [false, true] {
+                    let mut args = vec!["-vv", "--log-format", format];
+                    let mut env = Vec::new();
+                    if in_arguments {
+                        args.extend(["--database-url", db.as_str(), "--amqp-url", mq.as_str()]);
+                    } else {
+                        env.extend([("DATABASE_URL", db.as_str()), ("AMQP_URL", mq.as_str())]);
+                    }
+                    args.extend_from_slice(command);
+                    let out = run(&args, &env);
+                    let what =
+                        format!("{password:?} {command:?} {format} in arguments: {in_arguments}");
+                    assert!(
+                        !matches!(out.code, Some(0 | 101)) && !out.stderr.contains("panicked"),
+                        "{what}: {out:?}"
+                    );
+                    for shown in &shown_forms {
+                        assert!(
+                            !out.stderr.contains(shown.as_str())
+                                && !out.stdout.contains(shown.as_str()),
+                            "{what} showed {shown:?}: {out:?}"
+                        );
+                    }
+                    assert!(
+                        out.stderr.contains("percent-encode"),
+                        "{what}: {}",
+                        out.stderr
+                    );
+                    if out.code == Some(64) {
+                        assert!(
+                            out.stderr.contains("error: invalid --"),
+                            "{what}: {}",
+                            out.stderr
+                        );
+                    }
+                    assert_eq!(
+                        out.stderr.contains("where `ps` shows it"),
+                        in_arguments,
+                        "{what}: {}",
+                        out.stderr
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A password in a URL typed on the command line (where `ps` shows it) is warned about once per URL, pointing to the
+/// environment variable and the password file; not when the URL came from the environment, nor without a password.
+#[test]
+fn a_password_on_the_command_line_is_warned_about_once() {
+    let db = "postgres://app:Cm4ndL1nePw@127.0.0.1:1/parceltracker";
+    let out = run(&["migrate", "--database-url", db], &[]);
+    assert_eq!(out.code, Some(69), "{out:?}");
+    assert_eq!(
+        out.stderr.matches("where `ps` shows it").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains("--database-url holds a password in the command line")
+            && out.stderr.contains("DATABASE_URL")
+            && out.stderr.contains("--database-password-file"),
+        "{}",
+        out.stderr
+    );
+    assert!(!out.stderr.contains("Cm4ndL1nePw"), "{}", out.stderr);
+    let out = run(
+        &[
+            "--amqp-url",
+            "amqp://app:Cm4ndL1nePw@127.0.0.1:1/%2f",
+            "publish",
+            "parcel-created",
+        ],
+        &[],
+    );
+    assert!(
+        out.stderr
+            .contains("--amqp-url holds a password in the command line")
+            && out.stderr.contains("AMQP_URL")
+            && out.stderr.contains("--amqp-password-file"),
+        "{}",
+        out.stderr
+    );
+    for (args, env) in [
+        (&["migrate"][..], &[("DATABASE_URL", db)][..]),
+        (
+            &[
+                "migrate",
+                "--database-url",
+                "postgres://app@127.0.0.1:1/parceltracker",
+            ],
+            &[],
+        ),
+    ] {
+        let out = run(args, env);
+        assert_eq!(out.code, Some(69), "{out:?}");
+        assert!(
+            !out.stderr.contains("where `ps` shows it"),
+            "{args:?}: {}",
+            out.stderr
+        );
+    }
+}
+
+/// `publish --rate` outside what can be timed (a tick rounded to zero, or longer than a clock holds) is a usage
+/// error naming the range, not a panic.
+#[test]
+fn a_publish_rate_out_of_range_is_a_usage_error() {
+    for rate in ["1e10", "1e-20", "NaN", "inf", "0", "-5"] {
+        let out = run(
+            &["publish", "parcel-created", &format!("--rate={rate}")],
+            &[],
+        );
+        assert_eq!(out.code, Some(64), "{rate}: {out:?}");
+        assert!(
+            out.stderr
+                .contains("from 0.001 to 1000000 messages per second"),
+            "{rate}: {}",
+            out.stderr
+        );
+    }
+}
+
+/// Every numeric and duration flag of every subcommand, given each value of a hostile list (overflowing, NaN,
+/// infinite, zero, negative, tiny, centuries): no panic (exit 101, "panicked") and no abort, ever. First against
+/// servers that do not answer — each value is either refused as a usage error or taken and the command fails to
+/// connect — then, for the values taken, against the real servers with a time limit (a command that runs past it
+/// was working, not crashing). `top` needs a terminal and `bench` minutes, so they are held to the first part: their
+/// values are bounded before anything connects.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_hostile_flag_value_makes_any_command_panic() {
+    const NUMBERS: &[&str] = &[
+        "0",
+        "-1",
+        "0.5",
+        "1e10",
+        "1e-20",
+        "NaN",
+        "inf",
+        "1e309",
+        "65536",
+        "4294967296",
+        "18446744073709551615",
+        "18446744073709551616",
+    ];
+    const DURATIONS: &[&str] = &[
+        "0s",
+        "-1s",
+        "1ns",
+        "1ms",
+        "100y",
+        "1000000y",
+        "584542046090y",
+        "99999999999999999999d",
+    ];
+    const FOR_DURATIONS: &[&str] = &[
+        "--retry-delay",
+        "--claim-timeout",
+        "--exit-when-idle",
+        "--shutdown-timeout",
+        "--batch-wait",
+        "--retention",
+        "--batch-pause",
+        "--every",
+        "--reconnect-timeout",
+        "--window",
+        "--interval",
+        "--cleanup-batch-pause",
+    ];
+    // The command and the flags it takes, with what makes a run of it end by itself.
+    let commands: &[(&[&str], &[&str], &[&str])] = &[
+        (
+            &["consume", "carrier"],
+            &["--exit-when-idle", "1s", "--concurrency", "2"],
+            &[
+                "--prefetch",
+                "--concurrency",
+                "--pool-size",
+                "--max-attempts",
+                "--retry-delay",
+                "--claim-timeout",
+                "--exit-when-idle",
+                "--shutdown-timeout",
+                "--batch-size",
+                "--batch-wait",
+                "--poison-after",
+            ],
+        ),
+        (
+            &["cleanup"],
+            &["--retention", "7d"],
+            &["--retention", "--batch-size", "--batch-pause", "--every"],
+        ),
+        (
+            &[
+                "replay",
+                "--from",
+                "parcel-created-carrier_error",
+                "--dry-run",
+            ],
+            &[],
+            &[
+                "--limit",
+                "--max-replays",
+                "--retention",
+                "--reconnect-timeout",
+            ],
+        ),
+        (
+            &["publish", "parcel-created", "--exchange", "hostile-values"],
+            &["--count", "3"],
+            &["--count", "--duplicates", "--rate", "--reconnect-timeout"],
+        ),
+        (&["stats"], &[], &["--window"]),
+        (
+            &["demo"],
+            &["--parcels", "5"],
+            &["--parcels", "--duplicates"],
+        ),
+        (
+            &["top"],
+            &[],
+            &["--interval", "--window", "--alert-duplicates"],
+        ),
+        (
+            &["bench"],
+            &["--modes", "ceiling", "--messages", "10", "--repeats", "1"],
+            &[
+                "--messages",
+                "--repeats",
+                "--concurrency",
+                "--prefetch",
+                "--batch-size",
+                "--warmup",
+                "--latency-rate",
+                "--latency-seconds",
+                "--duplicate-messages",
+                "--duplicates",
+                "--cleanup-rows",
+                "--cleanup-batch-size",
+                "--cleanup-batch-pause",
+            ],
+        ),
+    ];
+    let mut runs: Vec<(Vec<String>, bool)> = Vec::new();
+    for (command, ends, flags) in commands {
+        for flag in *flags {
+            let values = if FOR_DURATIONS.contains(flag) {
+                DURATIONS
+            } else {
+                NUMBERS
+            };
+            for value in values {
+                let mut args: Vec<String> = command.iter().map(|s| (*s).to_owned()).collect();
+                // The flag under test replaces the same flag among the ones that end the run.
+                for pair in ends.chunks(2) {
+                    if pair[0] != *flag {
+                        args.extend(pair.iter().map(|s| (*s).to_owned()));
+                    }
+                }
+                // `--flag=value`, so that a value starting with `-` is taken as one.
+                args.push(format!("{flag}={value}"));
+                let real = !matches!(command[0], "top" | "bench");
+                runs.push((args, real));
+            }
+        }
+    }
+    runs.push((
+        vec!["-".to_owned() + &"v".repeat(300), "stats".to_owned()],
+        true,
+    ));
+
+    let panicked = |out: &common::Output| {
+        matches!(out.code, Some(101 | 134)) || out.stderr.contains("panicked")
+    };
+    // Part one: the servers refuse at once (a role and a vhost that do not exist), and nothing can be created.
+    let refused = [
+        (
+            "DATABASE_URL",
+            format!("{}/parceltracker", common::pg_base()).replacen(
+                "postgres@",
+                "inboxctl_no_such_role@",
+                1,
+            ),
+        ),
+        (
+            "AMQP_URL",
+            format!("{}/inboxctl-no-such-vhost", common::amqp_base()),
+        ),
+    ];
+    let refused = &refused;
+    let taken: Vec<Vec<String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = runs
+            .chunks(runs.len().div_ceil(4))
+            .map(|chunk| {
+                scope.spawn(move || {
+                    let mut taken = Vec::new();
+                    for (args, real) in chunk {
+                        let mut cmd = Command::new(common::BIN);
+                        cmd.args(args).env_remove("RUST_LOG");
+                        for (k, v) in refused {
+                            cmd.env(k, v);
+                        }
+                        let out = run_for(cmd, std::time::Duration::from_secs(30));
+                        assert!(!panicked(&out), "{args:?}: {out:?}");
+                        assert!(
+                            out.code.is_some(),
+                            "{args:?} hung, refused by the servers: {out:?}"
+                        );
+                        if out.code != Some(64) && *real {
+                            taken.push(args.clone());
+                        }
+                    }
+                    taken
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap())
+            .collect()
+    });
+
+    // Values that panicked, aborted or looped once — some only minutes into a bench, past what part two can reach —
+    // are refused before anything connects.
+    for args in [
+        &["publish", "parcel-created", "--rate=1e10"][..],
+        &["publish", "parcel-created", "--rate=1e-20"],
+        &["publish", "parcel-created", "--count=4294967296"],
+        &["consume", "carrier", "--claim-timeout=100y"],
+        &["stats", "--window=1000000y"],
+        &["bench", "--warmup=18446744073709551615"],
+        &["bench", "--messages=18446744073709551615"],
+        &["bench", "--duplicate-messages=18446744073709551615"],
+        &["bench", "--latency-rate=NaN"],
+        &["bench", "--latency-rate=1e10"],
+        &["bench", "--latency-seconds=18446744073709551615"],
+        &["bench", "--latency-rate=1000000", "--latency-seconds=86400"],
+    ] {
+        let mut cmd = Command::new(common::BIN);
+        cmd.args(args);
+        for (k, v) in refused {
+            cmd.env(k, v);
+        }
+        let out = run_for(cmd, std::time::Duration::from_secs(30));
+        assert_eq!(out.code, Some(64), "{args:?}: {out:?}");
+    }
+
+    // Part two: the real servers, for the values taken.
+    let env = common::TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "Atlantis"]);
+    let out = env.run(&[
+        "consume",
+        "carrier",
+        "--fail-destination",
+        "Atlantis",
+        "--max-attempts",
+        "1",
+        "--exit-when-idle",
+        "1s",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(env.queue_counts("parcel-created-carrier_error").0, 1);
+    let (demo, rest): (Vec<_>, Vec<_>) = taken.into_iter().partition(|a| a[0] == "demo");
+    std::thread::scope(|scope| {
+        for chunk in rest.chunks(rest.len().div_ceil(4).max(1)) {
+            let env = &env;
+            scope.spawn(move || {
+                for args in chunk {
+                    let mut cmd = env.cmd();
+                    cmd.args(args);
+                    let out = run_for(cmd, std::time::Duration::from_secs(5));
+                    assert!(!panicked(&out), "{args:?}: {out:?}");
+                }
+            });
+        }
+    });
+    // A demo fills the endpoints' queues, and one stopped at the time limit leaves them full: each run gets a vhost
+    // and a database of its own.
+    for args in demo {
+        let demo_env = common::TestEnv::bare().await;
+        let mut cmd = demo_env.cmd();
+        cmd.args(&args);
+        let out = run_for(cmd, std::time::Duration::from_secs(10));
+        assert!(!panicked(&out), "{args:?}: {out:?}");
+    }
+}
+
+/// A consumer_type and a queue name holding a right-to-left override (which `--consumer-type` accepts: it is not a
+/// control character) reach the log only escaped, as the tables show them: `\u{202e}` in text lines, `\u202e` in JSON
+/// lines (which read back to the name as given). No log line carries a raw control character or override.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_bidi_override_in_a_name_reaches_the_log_escaped() {
+    let env = common::TestEnv::migrated().await;
+    let consumer_type = "carrier\u{202e}reversed";
+    let queue = "carrier-queue\u{202e}reversed";
+    for format in ["text", "json"] {
+        let out = env.run(&[
+            "--log-format",
+            format,
+            "consume",
+            "carrier",
+            "--queue",
+            queue,
+            "--consumer-type",
+            consumer_type,
+            "--exit-when-idle",
+            "1s",
+        ]);
+        assert_eq!(out.code, Some(0), "{format}: {out:?}");
+        assert!(
+            !out.stderr
+                .chars()
+                .any(|c| c != '\n' && inboxctl::sanitize::is_unsafe(c)),
+            "{format}: {:?}",
+            out.stderr
+        );
+        let consuming = out
+            .stderr
+            .lines()
+            .find(|l| l.contains("consuming"))
+            .unwrap_or_else(|| panic!("{format}: {}", out.stderr));
+        if format == "text" {
+            assert!(
+                consuming.contains("consumer_type=carrier\\u{202e}reversed")
+                    && consuming.contains("queue=carrier-queue\\u{202e}reversed"),
+                "{consuming}"
+            );
+        } else {
+            assert!(consuming.contains("carrier\\u202ereversed"), "{consuming}");
+            let line: serde_json::Value = serde_json::from_str(consuming).unwrap();
+            assert_eq!(line["consumer_type"], consumer_type, "{line}");
+            assert_eq!(line["queue"], queue, "{line}");
+        }
+    }
+}

@@ -164,3 +164,39 @@ async fn the_table_shows_escape_sequences_inert_and_an_unreachable_broker_is_par
         "the database figures are still there"
     );
 }
+
+/// A window longer than PostgreSQL's timestamps reach (or shorter than a second, whose per-bucket arithmetic
+/// overflows) is a usage error naming the range, for `stats` and `top` alike; the longest window taken works.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_window_past_the_bounds_is_refused_and_names_them() {
+    let env = TestEnv::migrated().await;
+    // A consumer_type with inboxctl's counters, whose rates are read over the window.
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "2"]);
+    common::consume_until_idle(&env, &["carrier"]);
+    for (args, says) in [
+        (
+            &["stats", "--window", "1000000y"][..],
+            "from 1s to 100years",
+        ),
+        (
+            &["stats", "--window", "101y", "--json"],
+            "from 1s to 100years",
+        ),
+        (&["stats", "--window", "999ms"], "from 1s to 100years"),
+        (&["top", "--window", "1000000y"], "from 1s to 100years"),
+        (&["top", "--interval", "1ns"], "from 100ms to 100years"),
+    ] {
+        let out = env.run(args);
+        assert_eq!(out.code, Some(64), "{args:?}: {out:?}");
+        assert!(out.stderr.contains(says), "{args:?}: {}", out.stderr);
+        assert!(!out.stderr.contains("out of range"), "{}", out.stderr);
+    }
+    let report = stats(&env, &["--window", "100y"]);
+    let carrier = of(&report, CARRIER_QUEUE);
+    assert_eq!(carrier["rows"], 2, "{report}");
+    assert!(
+        carrier["deliveries_per_second"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
+}

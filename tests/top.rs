@@ -238,3 +238,44 @@ async fn a_second_signal_exits_at_once_and_gives_the_terminal_back() {
     kill("the second signal");
     assert_exited_and_terminal_given_back(&tmux, "130");
 }
+
+/// Under `TERM=dumb` (Emacs's shell, some CI consoles) the terminal cannot redraw in place: `top` says so, points to
+/// `stats`, exits 64 and draws nothing — no box, no escape codes — and the terminal is left as it was.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dumb_terminal_is_refused_with_a_pointer_to_stats() {
+    let env = TestEnv::migrated().await;
+    let tmux = Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let script = format!(
+        "TERM=dumb DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
+        env.database_url,
+        env.amqp_url,
+        common::BIN
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "160",
+        "-y",
+        "40",
+        &script,
+    ]);
+    let screen = tmux.wait_for("top to exit", |s| s.contains("EXITED="));
+    assert!(screen.contains("EXITED=64"), "{screen}");
+    assert!(
+        screen.contains("TERM=dumb") && screen.contains("inboxctl stats"),
+        "{screen}"
+    );
+    assert!(
+        !screen.contains('┌') && !screen.contains("consumer_type"),
+        "nothing drawn:\n{screen}"
+    );
+    // Escape codes written raw would show in the pane's history with -e; there are none but the message's.
+    let raw = tmux.run(&["capture-pane", "-p", "-e", "-t", "top"]);
+    assert!(!raw.contains('\u{1b}'), "{raw:?}");
+    assert_exited_and_terminal_given_back(&tmux, "64");
+}

@@ -8,15 +8,15 @@ use tokio_util::sync::CancellationToken;
 use crate::amqp::Broker;
 use crate::bench::{self, Mode, Options, Report};
 use crate::cli::GlobalOpts;
-use crate::cmd::publish::parse_fraction;
+use crate::cmd::publish::{MAX_COUNT, parse_fraction, parse_rate};
 use crate::db::Database;
-use crate::error::{Outcome, Result};
+use crate::error::{Error, Outcome, Result};
 use crate::{output, table};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Messages pre-loaded for each throughput measurement
-    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(10..))]
+    /// Messages pre-loaded for each throughput measurement (10 to 1000000)
+    #[arg(long, default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(10..=MAX_COUNT))]
     pub messages: u64,
 
     /// Repeats; the modes alternate within each
@@ -40,28 +40,30 @@ pub struct Args {
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(2..=64))]
     pub batch_size: u16,
 
-    /// Messages of each warm-up run
-    #[arg(long, default_value_t = 2_000)]
+    /// Messages of each warm-up run (at most 1000000)
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(0..=MAX_COUNT))]
     pub warmup: u64,
 
-    /// Steady publish rate of the latency run, messages per second
-    #[arg(long, default_value_t = 200.0)]
+    /// Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at
+    /// most 1000000 messages)
+    #[arg(long, default_value_t = 200.0, value_parser = parse_rate)]
     pub latency_rate: f64,
 
-    /// Length of the latency run, seconds
-    #[arg(long, default_value_t = 10)]
+    /// Length of the latency run, seconds (1 to 86400)
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     pub latency_seconds: u64,
 
-    /// Messages of the duplicate run
-    #[arg(long, default_value_t = 2_000)]
+    /// Messages of the duplicate run (1 to 1000000)
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..=MAX_COUNT))]
     pub duplicate_messages: u64,
 
     /// Fraction of them delivered twice (half at once, half after the rest)
     #[arg(long, default_value_t = 0.1, value_parser = parse_fraction)]
     pub duplicates: f64,
 
-    /// Also measure cleanup and the dashboard's refresh queries at this many inbox rows (e.g. 10000000); 0 skips it
-    #[arg(long, default_value_t = 0)]
+    /// Also measure cleanup and the dashboard's refresh queries at this many inbox rows (e.g. 10000000, at most
+    /// 1000000000); 0 skips it
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000))]
     pub cleanup_rows: u64,
 
     /// Batch size of `inboxctl cleanup` in the cleanup measurement
@@ -86,6 +88,12 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    // The latency run's messages are made up front, like every run's.
+    if args.latency_rate * args.latency_seconds as f64 > MAX_COUNT as f64 {
+        return Err(Error::Usage(format!(
+            "--latency-rate × --latency-seconds is more than {MAX_COUNT} messages"
+        )));
+    }
     let db = Database::from_opts(&global.connect)?;
     let broker = Broker::from_opts(&global.connect)?;
     let options = Options {

@@ -10,7 +10,7 @@ use futures_util::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 
 use crate::cleanup::{self, Plan, Progress, Report};
-use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
+use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration, show};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::ConsumerType;
@@ -19,10 +19,16 @@ use crate::{output, sanitize, table};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Keep processed rows this long (e.g. 90m, 36h, 7d): a copy of a message is recognised as a duplicate only while
-    /// its row exists, so make it longer than any redelivery or replay can come late
+    /// Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a
+    /// message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or
+    /// replay can come late
     #[arg(long, value_parser = parse_positive_duration)]
     pub retention: Duration,
+
+    /// Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is
+    /// processed again
+    #[arg(long)]
+    pub force: bool,
 
     /// Only this consumer_type (default: every one)
     #[arg(long)]
@@ -53,7 +59,19 @@ pub struct Args {
     pub json: bool,
 }
 
+/// The shortest `--retention` taken without `--force`. A retention is the deduplication window, and one of
+/// milliseconds (as easy to type as `0s`, which is refused) empties it: every late copy would be processed again.
+pub const MIN_RETENTION: Duration = Duration::from_secs(60);
+
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+    if args.retention < MIN_RETENTION && !args.force {
+        return Err(Error::Usage(format!(
+            "--retention {} is under {}: the retention is the deduplication window, and a copy of a message that \
+             arrives after its row was deleted is processed again; give --force to clean with it anyway",
+            show(args.retention),
+            show(MIN_RETENTION)
+        )));
+    }
     if let Some(consumer_type) = &args.consumer_type {
         ConsumerType::new(consumer_type.as_str())
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;

@@ -78,7 +78,8 @@ pub struct Args {
     pub retry_delay: Duration,
 
     /// How long a copy waits for another process's in-flight attempt at the same message before it backs off
-    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
+    /// (from 100ms to 24 days)
+    #[arg(long, default_value = "30s", value_parser = crate::cli::parse_lock_timeout)]
     pub claim_timeout: Duration,
 
     /// End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)

@@ -20,15 +20,15 @@ pub enum Event {
 
 #[derive(Debug, clap::Args)]
 pub struct ParcelCreated {
-    /// How many parcels
-    #[arg(long, default_value_t = 1)]
+    /// How many parcels, at most 1000000 (each is held until the broker confirmed it)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(0..=MAX_COUNT))]
     pub count: u64,
 
     /// Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1
     #[arg(long, default_value_t = 0.0, value_parser = parse_fraction)]
     pub duplicates: f64,
 
-    /// Messages per second, copies included (default: as fast as the broker confirms)
+    /// Messages per second, copies included, from 0.001 to 1000000 (default: as fast as the broker confirms)
     #[arg(long, value_parser = parse_rate)]
     pub rate: Option<f64>,
 
@@ -57,12 +57,14 @@ pub fn parse_fraction(s: &str) -> Result<f64, String> {
     Ok(f)
 }
 
-fn parse_rate(s: &str) -> Result<f64, String> {
-    let r: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
-    if !(r.is_finite() && r > 0.0) {
-        return Err("must be a positive number of messages per second".to_owned());
-    }
-    Ok(r)
+/// The most parcels one run publishes: the producer holds each message until the broker confirmed it.
+pub const MAX_COUNT: u64 = 1_000_000;
+
+/// A rate in messages per second: one every 1000 s at the slowest; at the fastest a million a second, far above
+/// what a broker confirms, and a tick still nanoseconds long (a faster one would round to zero).
+pub fn parse_rate(s: &str) -> Result<f64, String> {
+    crate::cli::number_between(0.001, 1_000_000.0)(s)
+        .map_err(|e| format!("{e} messages per second"))
 }
 
 pub async fn run(

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::amqp::Broker;
-use crate::cli::{GlobalOpts, parse_positive_duration};
+use crate::cli::{GlobalOpts, parse_window};
 use crate::db::Database;
 use crate::error::{Outcome, Result};
 use crate::stats::{self, Json, Snapshot, display};
@@ -11,8 +11,8 @@ use crate::{output, table};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Rates are averages over this last stretch of time
-    #[arg(long, default_value = "1m", value_parser = parse_positive_duration)]
+    /// Rates are averages over this last stretch of time (from 1s to 100y)
+    #[arg(long, default_value = "1m", value_parser = parse_window)]
     pub window: Duration,
 
     /// Print JSON (the shape is documented in the README and stable)

@@ -6,25 +6,29 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::Broker;
-use crate::cli::{GlobalOpts, parse_positive_duration};
+use crate::cli::{GlobalOpts, MAX_DURATION, duration_between, parse_window};
 use crate::db::Database;
 use crate::error::{Error, Outcome, Result};
 use crate::top;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// How often the figures are refreshed
-    #[arg(long, default_value = "1s", value_parser = parse_positive_duration)]
+    /// How often the figures are refreshed (from 100ms to 100y)
+    #[arg(long, default_value = "1s", value_parser = duration_between(MIN_INTERVAL, MAX_DURATION))]
     pub interval: Duration,
 
-    /// Rates are averages over this last stretch of time
-    #[arg(long, default_value = "1m", value_parser = parse_positive_duration)]
+    /// Rates are averages over this last stretch of time (from 1s to 100y)
+    #[arg(long, default_value = "1m", value_parser = parse_window)]
     pub window: Duration,
 
     /// Highlight a duplicate ratio above this, in percent
     #[arg(long, default_value_t = 5.0, value_parser = parse_percent)]
     pub alert_duplicates: f64,
 }
+
+/// The shortest refresh interval: each refresh queries every consumer_type, and a shorter one keeps the database
+/// busy for a screen that cannot change faster than it is read.
+const MIN_INTERVAL: Duration = Duration::from_millis(100);
 
 fn parse_percent(s: &str) -> Result<f64, String> {
     let p: f64 = s
@@ -42,6 +46,15 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         return Err(Error::Usage(
             "top draws on a terminal, and this is not one; for the same figures as text or JSON use `inboxctl stats` \
              (or `inboxctl stats --json`)"
+                .to_owned(),
+        ));
+    }
+    // A dumb terminal (Emacs's shell, some CI consoles) cannot move the cursor: a full-screen dashboard, ASCII or not,
+    // would come out as a scroll of escape codes. The same figures as lines are what `stats` prints.
+    if std::env::var_os("TERM").is_some_and(|term| term == "dumb") {
+        return Err(Error::Usage(
+            "top redraws the screen in place, and TERM=dumb says this terminal cannot; for the same figures as text use \
+             `inboxctl stats` (or set TERM to what the terminal is, e.g. TERM=xterm-256color)"
                 .to_owned(),
         ));
     }

@@ -22,6 +22,10 @@ use crate::stats::{self, Range};
 /// How long the series under the table reaches back.
 const SERIES_SPAN: Duration = Duration::from_secs(120);
 
+/// The most buckets the series has: a long `--window` makes the buckets longer rather than more numerous (a bucket per
+/// second over a day would be 86,400 groups per consumer_type and refresh; over 100 years, more than memory holds).
+const MAX_BUCKETS: u32 = 600;
+
 pub struct Options {
     pub interval: Duration,
     pub window: Duration,
@@ -46,12 +50,7 @@ pub async fn run(
 ) -> Result<()> {
     let (tx, mut rx) = mpsc::channel(2);
     let collector_stop = shutdown.child_token();
-    let range = Range {
-        exact_below: stats::EXACT_BELOW_LIVE,
-        window: options.window,
-        span: SERIES_SPAN.max(options.window),
-        bucket: options.interval.max(Duration::from_secs(1)),
-    };
+    let range = range(options.interval, options.window);
     let collector = tokio::spawn(collect(
         pool,
         broker,
@@ -95,6 +94,18 @@ pub async fn run(
     collector_stop.cancel();
     let _ = collector.await;
     result
+}
+
+/// What a refresh collects: rates over `window`, and a series over at least the last two minutes in buckets of
+/// `interval` (at least a second, and at most [`MAX_BUCKETS`] of them).
+fn range(interval: Duration, window: Duration) -> Range {
+    let span = SERIES_SPAN.max(window);
+    Range {
+        exact_below: stats::EXACT_BELOW_LIVE,
+        window,
+        span,
+        bucket: interval.max(Duration::from_secs(1)).max(span / MAX_BUCKETS),
+    }
 }
 
 /// The key bindings.
@@ -156,6 +167,21 @@ mod tests {
 
     fn key(code: KeyCode, modifiers: KeyModifiers) -> KeyEvent {
         KeyEvent::new(code, modifiers)
+    }
+
+    #[test]
+    fn the_series_has_a_bounded_number_of_buckets_whatever_the_window() {
+        let r = range(Duration::from_millis(500), Duration::from_secs(60));
+        assert_eq!((r.span, r.bucket), (SERIES_SPAN, Duration::from_secs(1)));
+        for window in [Duration::from_secs(86_400), crate::cli::MAX_DURATION] {
+            let r = range(Duration::from_secs(1), window);
+            assert_eq!(r.span, window);
+            let buckets = r.span.as_secs_f64() / r.bucket.as_secs_f64();
+            assert!(
+                buckets <= f64::from(MAX_BUCKETS) + 1.0,
+                "{window:?}: {buckets}"
+            );
+        }
     }
 
     #[test]

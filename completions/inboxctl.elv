@@ -73,6 +73,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --batch-size 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64'
             cand --batch-wait 'How long a batch waits to fill, only while another batch is running (a lone message never waits)'
             cand --poison-after 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery'
+            cand --on-conflict 'What to do with a message whose id was processed before for another event (a producer reusing ids): it is never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look, discard drops it like a duplicate'
             cand --claim 'For `inboxctl bench` only: run without the inbox, or with the tutorial''s look-up-first shape'
             cand --metrics-addr 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)'
             cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'

@@ -100,6 +100,9 @@ pub enum Action {
     /// A copy of a message this run already sent to the same origin (a second copy in the queue, or the first back
     /// again without its replay count); left in place.
     CopyOfReplayed,
+    /// It cannot be republished as it is (headers nested deeper than inboxctl reads, a `user_id` of another user
+    /// the broker would refuse); left in place.
+    Uncopyable,
 }
 
 impl Action {
@@ -124,6 +127,7 @@ impl Action {
             Action::OriginMissing => "left: origin queue does not exist",
             Action::PublishFailed => "left: republish failed",
             Action::CopyOfReplayed => "left: a copy of a message this run already replayed",
+            Action::Uncopyable => "left: cannot be republished as it is",
         }
     }
 }
@@ -442,6 +446,7 @@ pub async fn run(
     let mut state = State {
         plan,
         vhost: broker.vhost().to_owned(),
+        user: broker.username().to_owned(),
         now: Utc::now(),
         window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
         run: uuid::Uuid::new_v4().to_string(),
@@ -558,6 +563,8 @@ struct State<'a> {
     plan: &'a Plan,
     /// The vhost the replay is connected to.
     vhost: String,
+    /// The user it publishes as.
+    user: String,
     now: DateTime<Utc>,
     window: TimeDelta,
     /// This run's tag, in [`REPLAY_RUN_HEADER`] of every copy it sends.
@@ -574,8 +581,8 @@ struct Read {
     failure: Failure,
     /// Where it would go: `--to`, else its origin's queue.
     origin: Option<String>,
-    /// Why its origin cannot be used, for the report.
-    origin_error: Option<String>,
+    /// Why it cannot be replayed (its origin, or the message itself), for the report.
+    obstacle_error: Option<String>,
 }
 
 impl State<'_> {
@@ -674,7 +681,7 @@ impl State<'_> {
                 }
                 Step::Leave(action) => {
                     channels.held = Some(delivery.delivery_tag);
-                    let error = read.origin_error.clone();
+                    let error = read.obstacle_error.clone();
                     self.record(read, action, error);
                 }
                 Step::Publish => self.replay_one(channels, &delivery, read).await?,
@@ -806,8 +813,12 @@ impl State<'_> {
             .as_ref()
             .map(|s| s.as_str().to_owned());
         let failure = failure(headers, &plan.from, &self.vhost);
-        let (origin, origin_obstacle, origin_error) = self.destination(&failure.origin);
-        let obstacle = if plan.max_replays.is_some_and(|max| failure.replays >= max) {
+        let (origin, origin_obstacle, mut obstacle_error) = self.destination(&failure.origin);
+        let uncopyable = uncopyable(&delivery.properties, &self.user);
+        let obstacle = if let Some(why) = uncopyable {
+            obstacle_error = Some(why);
+            Some(Action::Uncopyable)
+        } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
             Some(Action::MaxReplays)
         } else if !plan.include_expired
             && failure
@@ -854,8 +865,29 @@ impl State<'_> {
             message_id,
             failure,
             origin,
-            origin_error,
+            obstacle_error,
         }
+    }
+}
+
+/// Why a dead-lettered message cannot be republished as it is, if it cannot: a copy would not be the message.
+fn uncopyable(properties: &lapin::BasicProperties, user: &str) -> Option<String> {
+    let depth = properties
+        .headers()
+        .as_ref()
+        .map_or(0, crate::amqp::limits::header_depth);
+    if depth > crate::amqp::limits::MAX_HEADER_DEPTH {
+        return Some(format!(
+            "its headers nest {depth} levels deep; inboxctl reads at most {}",
+            crate::amqp::limits::MAX_HEADER_DEPTH
+        ));
+    }
+    match properties.user_id() {
+        Some(other) if other.as_str() != user => Some(format!(
+            "its user_id {:?} is not the user the replay publishes as, and the broker would refuse it",
+            crate::amqp::limits::truncate(other.as_str(), 64)
+        )),
+        _ => None,
     }
 }
 

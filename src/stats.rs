@@ -34,13 +34,16 @@ pub struct Counts {
     pub failed: u64,
     pub dead_lettered: u64,
     pub skipped: u64,
+    /// Copies of an id first processed for another event (an id reused upstream).
+    pub conflicts: u64,
 }
 
 impl Counts {
-    /// Deliveries that reached an outcome: processed, discarded as duplicates, dead-lettered or skipped. (A failed
-    /// attempt is retried, so it is not a delivery of its own.)
+    /// Deliveries that reached an outcome: processed, discarded as duplicates, in conflict with an earlier message of
+    /// their id, dead-lettered or skipped. (A failed attempt is retried, so it is not a delivery of its own; a
+    /// conflict that is then dead-lettered is counted once, as a conflict.)
     pub fn deliveries(&self) -> u64 {
-        self.processed + self.duplicates + self.dead_lettered + self.skipped
+        self.processed + self.duplicates + self.conflicts + self.dead_lettered + self.skipped
     }
 
     /// Share of deliveries that were duplicates; `None` when there were no deliveries.
@@ -55,6 +58,7 @@ impl Counts {
             "failed" => self.failed += n,
             "dead_lettered" => self.dead_lettered += n,
             "skipped" => self.skipped += n,
+            "conflict" => self.conflicts += n,
             _ => {}
         }
     }
@@ -343,6 +347,7 @@ async fn counters(
             total.failed += c.failed;
             total.dead_lettered += c.dead_lettered;
             total.skipped += c.skipped;
+            total.conflicts += c.conflicts;
         }
         // Bucket 0 is the newest; the series runs oldest first.
         if let Some(slot) = buckets.checked_sub(age + 1).and_then(|i| series.get_mut(i)) {
@@ -441,6 +446,8 @@ pub struct ConsumerJson {
     pub duplicate_ratio: Option<f64>,
     pub processed_per_second: Option<f64>,
     pub failed_per_second: Option<f64>,
+    /// Messages whose id had been processed before for another event, in the window: a producer reusing ids.
+    pub conflicts: Option<u64>,
     pub queue: QueueJson,
     pub error_queue: QueueJson,
 }
@@ -482,6 +489,7 @@ impl From<&Snapshot> for Json {
                         duplicate_ratio: c.window.as_ref().and_then(Counts::duplicate_ratio),
                         processed_per_second: rate(|w| w.processed),
                         failed_per_second: rate(|w| w.failed),
+                        conflicts: c.window.as_ref().map(|w| w.conflicts),
                         queue: queue(&c.queue),
                         error_queue: {
                             let mut q = queue(&c.error_queue);
@@ -507,6 +515,7 @@ mod tests {
             failed: 3,
             dead_lettered: 0,
             skipped: 0,
+            conflicts: 0,
         };
         assert_eq!(c.deliveries(), 100);
         assert_eq!(c.duplicate_ratio(), Some(0.1));

@@ -185,6 +185,18 @@ async fn reused_id(mode: &[&str]) {
     .await
     .unwrap();
     assert_eq!(kinds, ["conflict", "duplicate"]);
+    let stats = env.run(&["stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(&stats.stdout).unwrap();
+    let carrier = stats["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+        .unwrap();
+    assert_eq!(
+        carrier["conflicts"], 1,
+        "stats shows the conflict: {carrier}"
+    );
     let copies = take_all(&env, ERROR_QUEUE).await;
     assert_eq!(
         copies.len(),
@@ -220,6 +232,40 @@ async fn reused_id(mode: &[&str]) {
         2
     );
     assert_eq!(effects(&pool).await, 1);
+}
+
+// ---- a message published by another user ----
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_from_another_user_is_moved_aside_without_its_user_id() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    // A producer with a user of its own stamps its name in user_id (RabbitMQ checks it is the publisher's).
+    let user = format!("producer-{}", &env.vhost);
+    common::rabbitmqctl(&["add_user", &user, "producer-secret"]);
+    common::rabbitmqctl(&["set_permissions", "-p", &env.vhost, &user, ".*", ".*", ".*"]);
+    let url = format!(
+        "amqp://{user}:producer-secret@{}/{}",
+        env.amqp_addr(),
+        env.vhost
+    );
+    let producer = lapin::Connection::connect(&url, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let unreadable = BasicProperties::default()
+        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_user_id(user.as_str().into());
+    common::publish(&producer, "", CARRIER_QUEUE, unreadable, b"not json").await;
+    common::publish_parcels(&env, &["--count", "5"]);
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    common::rabbitmqctl(&["delete_user", &user]);
+    let pool = env.pool().await;
+    assert_eq!(effects(&pool).await, 5);
+    assert!(!out.stderr.contains("reconnect"), "{}", out.stderr);
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1, "moved aside: {}", out.stderr);
+    assert_eq!(copies[0].properties.user_id(), &None);
+    assert_eq!(header_text(&copies[0], "inboxctl-original-user-id"), user);
 }
 
 // ---- poison detection: a clean stop is not a crash ----
@@ -299,6 +345,12 @@ async fn deep_header(mode: &[&str]) {
         20,
         "the messages behind it were processed"
     );
+    // Replay reads it without crashing, and leaves it: a copy would not be the message.
+    let out = env.run(&["replay", "--from", ERROR_QUEUE, "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(report["items"][0]["action"], "uncopyable", "{report}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
     let copies = take_all(&env, ERROR_QUEUE).await;
     assert_eq!(copies.len(), 1);
     assert!(

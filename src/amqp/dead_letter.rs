@@ -11,15 +11,13 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use super::envelope::{HostInfo, format_time};
 use super::limits::{self, MAX_HEADER_TEXT, MAX_STACK_TRACE};
 
-/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy must not expire.
+/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy
+/// must not expire.
 pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
 
 /// The header a dead-letter copy keeps a message's `user_id` property in when it names another user than the one
 /// inboxctl publishes as: RabbitMQ refuses a `user_id` that is not the publisher's own.
 pub const ORIGINAL_USER_ID_HEADER: &str = "inboxctl-original-user-id";
-
-/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy must not expire.
-pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
 
 /// Headers of a previous failure, replaced rather than kept when a message fails again; and the publisher's sequence
 /// number, which means nothing on a copy another process publishes.

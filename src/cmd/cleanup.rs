@@ -80,10 +80,13 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     let pool = db.pool(3).await?;
     {
         let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
-        if !schema::table_exists(&mut conn, "inboxctl_events").await? {
-            return Err(Error::SchemaMissing {
-                database: db.name(),
-            });
+        // Its batches delete fingerprints with their inbox rows: a database from before that table needs `migrate`.
+        for table in ["inboxctl_events", "inboxctl_fingerprints"] {
+            if !schema::table_exists(&mut conn, table).await? {
+                return Err(Error::SchemaMissing {
+                    database: db.name(),
+                });
+            }
         }
     }
     let plan = Plan {

@@ -358,11 +358,11 @@ impl metrics::Exporter for ConsumerExporter {
         let s = self.counts.summary();
         let label = Some(("consumer_type", self.consumer_type.as_str()));
         let mut out = String::new();
-        let deliveries = s.processed + s.duplicates + s.dead_lettered + s.skipped;
+        let deliveries = s.processed + s.duplicates + s.conflicts + s.dead_lettered + s.skipped;
         for (name, help, value) in [
             (
                 "inbox_deliveries_total",
-                "Deliveries that reached an outcome (processed, duplicate, dead-lettered, skipped).",
+                "Deliveries that reached an outcome (processed, duplicate, conflict, dead-lettered, skipped).",
                 deliveries,
             ),
             (

@@ -62,13 +62,14 @@ fn print(s: &Snapshot) -> Result<()> {
         "deliveries/s",
         "duplicates/s",
         "dup ratio",
+        "conflicts",
         "processed/s",
         "queue",
         "ready",
         "consumers",
         "errors",
     ]);
-    table::align_left(&mut t, 8);
+    table::align_left(&mut t, 9);
     for c in &json.consumers {
         t.add_row(vec![
             table::text(&c.consumer_type),
@@ -78,6 +79,7 @@ fn print(s: &Snapshot) -> Result<()> {
             display::rate(c.deliveries_per_second).into(),
             display::rate(c.duplicates_per_second).into(),
             display::percent(c.duplicate_ratio).into(),
+            display::count(c.conflicts, false).into(),
             display::rate(c.processed_per_second).into(),
             table::text(c.queue.name.as_deref().unwrap_or(display::UNKNOWN)),
             display::count(c.queue.ready.map(u64::from), false).into(),

@@ -874,7 +874,7 @@ async fn conflict<C: Consumer>(
                  was reused for a different message, which was not processed",
                 conflict.first, conflict.this
             );
-            let fault = ("inboxctl::MessageIdConflict", reason.clone(), reason);
+            let fault = (CONFLICT_FAULT, reason.clone(), reason);
             let message_type = ready.message_type.clone();
             dead_letter_error(shared, link, delivery, Some(id), message_type, &fault, 0).await
         }
@@ -941,6 +941,10 @@ async fn skip<C: Consumer>(
 /// `(exception type, one-line message, full description)`.
 type FaultText = (&'static str, String, String);
 
+/// The exception type of a conflict's copy. A conflict moved aside is counted once, as a conflict (the claim recorded
+/// it), not again as a dead-lettering.
+const CONFLICT_FAULT: &str = "inboxctl::MessageIdConflict";
+
 fn unreadable_fault(unreadable: &Unreadable) -> FaultText {
     (
         "inboxctl::UnreadableMessage",
@@ -976,8 +980,10 @@ async fn dead_letter_error<C: Consumer>(
         .await;
     match moved {
         Ok(()) => {
-            shared.counts.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            record_event(shared, "dead_lettered", message_id, &fault.1).await;
+            if fault.0 != CONFLICT_FAULT {
+                shared.counts.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                record_event(shared, "dead_lettered", message_id, &fault.1).await;
+            }
             Disposition::Ack
         }
         Err(e) => copy_refused(message_id, &destination, e),

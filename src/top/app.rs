@@ -61,6 +61,8 @@ pub struct Line {
     pub deliveries_per_second: Option<f64>,
     pub duplicates_per_second: Option<f64>,
     pub duplicate_ratio: Option<f64>,
+    /// Messages whose id was processed before for another event, in the window.
+    pub conflicts: Option<u64>,
     pub processed_per_second: Option<f64>,
     pub rows: Option<u64>,
     pub rows_estimated: bool,
@@ -195,6 +197,7 @@ impl App {
                 deliveries_per_second: rate(Counts::deliveries),
                 duplicates_per_second: rate(|w| w.duplicates),
                 duplicate_ratio: ratio,
+                conflicts: c.window.as_ref().map(|w| w.conflicts),
                 processed_per_second: rate(|w| w.processed),
                 rows: c.rows,
                 rows_estimated: c.rows_estimated,

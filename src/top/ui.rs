@@ -37,11 +37,12 @@ pub fn render(app: &App, frame: &mut Frame) {
 }
 
 /// The columns, widest first to go when the terminal is narrow: (header, width, priority).
-const COLUMNS: [(&str, u16, u8); 12] = [
+const COLUMNS: [(&str, u16, u8); 13] = [
     ("consumer_type", 28, 0),
     ("deliv/s", 8, 0),
     ("dup/s", 7, 1),
     ("dup %", 7, 0),
+    ("confl", 6, 0),
     ("proc/s", 8, 2),
     ("rows", 8, 2),
     ("unproc", 9, 0),
@@ -66,7 +67,7 @@ fn visible_columns(width: u16) -> Vec<usize> {
     Vec::new()
 }
 
-fn cells(line: &Line) -> [String; 12] {
+fn cells(line: &Line) -> [String; 13] {
     let mut unprocessed = display::count(line.unprocessed, line.unprocessed_estimated);
     if line.unprocessed_growing {
         unprocessed.push('↑');
@@ -76,6 +77,7 @@ fn cells(line: &Line) -> [String; 12] {
         display::rate(line.deliveries_per_second),
         display::rate(line.duplicates_per_second),
         display::percent(line.duplicate_ratio),
+        display::count(line.conflicts, false),
         display::rate(line.processed_per_second),
         display::count(line.rows, line.rows_estimated),
         unprocessed,
@@ -98,7 +100,7 @@ fn render_table(app: &App, frame: &mut Frame, area: Rect) {
         let texts = cells(line);
         Row::new(columns.iter().map(|&i| {
             // Names to the left, figures to the right.
-            let text = if matches!(i, 0 | 8) {
+            let text = if matches!(i, 0 | 9) {
                 Text::from(texts[i].clone())
             } else {
                 Text::from(texts[i].clone()).alignment(Alignment::Right)
@@ -106,15 +108,16 @@ fn render_table(app: &App, frame: &mut Frame, area: Rect) {
             let cell = Cell::from(text);
             match i {
                 3 if line.duplicates_alert => cell.style(alert),
-                6 if line.unprocessed_growing => cell.style(warn),
-                11 if line.errors_alert => cell.style(alert),
+                4 if line.conflicts.is_some_and(|n| n > 0) => cell.style(alert),
+                7 if line.unprocessed_growing => cell.style(warn),
+                12 if line.errors_alert => cell.style(alert),
                 _ => cell,
             }
         }))
     });
     let header = Row::new(columns.iter().map(|&i| {
         let text = Text::from(COLUMNS[i].0);
-        Cell::from(if matches!(i, 0 | 8) {
+        Cell::from(if matches!(i, 0 | 9) {
             text
         } else {
             text.alignment(Alignment::Right)

@@ -107,9 +107,17 @@ pub fn dead_letter_copy(data: &[u8]) {
             assert_eq!(on_the_wire, limits::content_header_len(&copy));
             assert!(on_the_wire <= frame_max, "{on_the_wire} > {frame_max}");
             assert!(copy.expiration().is_none());
-            assert!(copy.user_id().as_ref().is_none_or(|u| u.as_str() == "guest"));
+            assert!(
+                copy.user_id()
+                    .as_ref()
+                    .is_none_or(|u| u.as_str() == "guest")
+            );
             let copied = copy.headers().as_ref().expect("headers");
-            for key in ["MT-Fault-Message", "MT-Fault-MessageType", "MT-Fault-ConsumerType"] {
+            for key in [
+                "MT-Fault-Message",
+                "MT-Fault-MessageType",
+                "MT-Fault-ConsumerType",
+            ] {
                 if let Some(AMQPValue::LongString(s)) = copied.inner().get(key) {
                     assert!(s.len() <= limits::MAX_HEADER_TEXT, "{key}: {}", s.len());
                 }
@@ -144,10 +152,16 @@ pub fn replay_failure(data: &[u8]) {
 /// queue name written is read back exactly.
 pub fn address(data: &[u8]) {
     if let Ok(read) = address::parse(&String::from_utf8_lossy(data)) {
-        assert!(!read.queue.is_empty() && read.queue.len() <= 255, "{read:?}");
+        assert!(
+            !read.queue.is_empty() && read.queue.len() <= 255,
+            "{read:?}"
+        );
     }
     let (vhost, name) = split(data);
-    let (vhost, name) = (String::from_utf8_lossy(vhost), String::from_utf8_lossy(name));
+    let (vhost, name) = (
+        String::from_utf8_lossy(vhost),
+        String::from_utf8_lossy(name),
+    );
     if name.is_empty() || name.len() > 255 || vhost.is_empty() || vhost.len() > 255 {
         return;
     }

@@ -345,12 +345,26 @@ async fn deep_header(mode: &[&str]) {
         20,
         "the messages behind it were processed"
     );
-    // Replay reads it without crashing, and leaves it: a copy would not be the message.
-    let out = env.run(&["replay", "--from", ERROR_QUEUE, "--json"]);
+    // The same message in a dead-letter queue as it is (dead-lettered by RabbitMQ, say): replay reads it without
+    // crashing, and leaves it, since a copy would not be the message.
+    let dlq = "deep.dlq";
+    let conn = env.amqp().await;
+    common::capture_queue(&conn, "amq.direct", dlq).await;
+    raw_amqp::publish(
+        &env.amqp_addr(),
+        &env.vhost,
+        "",
+        dlq,
+        &Uuid::new_v4().to_string(),
+        inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
+        &headers,
+        &body,
+    );
+    let out = env.run(&["replay", "--from", dlq, "--to", CARRIER_QUEUE, "--json"]);
     assert_eq!(out.code, Some(3), "{out:?}");
     let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(report["items"][0]["action"], "uncopyable", "{report}");
-    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
+    assert_eq!(env.queue_counts(dlq), (1, 0), "left where it was");
     let copies = take_all(&env, ERROR_QUEUE).await;
     assert_eq!(copies.len(), 1);
     assert!(

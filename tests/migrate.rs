@@ -81,6 +81,7 @@ async fn a_fresh_database_is_created_and_gets_the_schema() {
             "inboxctl_attempts",
             "inboxctl_consumers",
             "inboxctl_events",
+            "inboxctl_fingerprints",
             "inboxctl_migrations",
             "notifications_sent"
         ]

@@ -419,6 +419,80 @@ mod tests {
     }
 
     #[test]
+    fn a_byte_order_mark_the_nil_id_and_deep_headers_are_unreadable_with_their_reason() {
+        let mut bom = b"\xEF\xBB\xBF".to_vec();
+        bom.extend_from_slice(envelope("").as_bytes());
+        assert_eq!(
+            parse(&mt_props(), &bom).unwrap_err(),
+            Unreadable::ByteOrderMark
+        );
+        assert!(
+            Unreadable::ByteOrderMark
+                .to_string()
+                .contains("byte order mark")
+        );
+
+        let nil = envelope("").replace(ID, "00000000-0000-0000-0000-000000000000");
+        assert_eq!(
+            parse(&mt_props(), nil.as_bytes()).unwrap_err(),
+            Unreadable::NilMessageId
+        );
+        let nil_property =
+            BasicProperties::default().with_message_id(Uuid::nil().to_string().into());
+        assert_eq!(
+            parse(&nil_property, br#"{"parcelId": "x"}"#).unwrap_err(),
+            Unreadable::NilMessageId
+        );
+
+        let mut deep = lapin::types::AMQPValue::LongInt(1);
+        for _ in 0..=MAX_HEADER_DEPTH {
+            let mut t = lapin::types::FieldTable::default();
+            t.insert("k".into(), deep);
+            deep = lapin::types::AMQPValue::FieldTable(t);
+        }
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert("deep".into(), deep);
+        let props = mt_props().with_headers(headers);
+        assert_eq!(
+            parse(&props, envelope("").as_bytes()).unwrap_err(),
+            Unreadable::HeadersTooDeep(MAX_HEADER_DEPTH + 1)
+        );
+    }
+
+    #[test]
+    fn a_huge_id_is_quoted_cut_short() {
+        let huge = "x".repeat(70_000);
+        let props = BasicProperties::default().with_content_type("application/json".into());
+        let body = format!(r#"{{"messageId": "{huge}", "messageType": [], "message": {{}}}}"#);
+        let reason = parse(&props, body.as_bytes()).unwrap_err().to_string();
+        assert!(reason.len() < 1000, "{} bytes", reason.len());
+        assert!(reason.contains("70000 bytes in all"), "{reason}");
+    }
+
+    fn event(text: &str) -> Box<RawValue> {
+        RawValue::from_string(text.to_owned()).expect("json")
+    }
+
+    #[test]
+    fn a_fingerprint_ignores_key_order_and_whitespace_not_content() {
+        let a = fingerprint(&event(
+            r#"{"parcelId": "p1", "destination": "Berlin", "n": [1, {"b": 2, "a": 1}]}"#,
+        ));
+        let reordered = fingerprint(&event(
+            "{\n  \"n\" : [ 1 , { \"a\":1,\"b\":2 } ],\"destination\":\"Berlin\",\"parcelId\":\"p1\"}",
+        ));
+        assert_eq!(a, reordered);
+        let other = fingerprint(&event(
+            r#"{"parcelId": "p1", "destination": "Paris", "n": [1, {"b": 2, "a": 1}]}"#,
+        ));
+        assert_ne!(a, other);
+        let swapped_array = fingerprint(&event(
+            r#"{"parcelId": "p1", "destination": "Berlin", "n": [{"b": 2, "a": 1}, 1]}"#,
+        ));
+        assert_ne!(a, swapped_array, "array order is content");
+    }
+
+    #[test]
     fn times_are_written_with_seven_digits() {
         let t = parse_time("2026-11-30T20:14:42.2177304Z").expect("time");
         assert_eq!(format_time(t), "2026-11-30T20:14:42.2177304Z");

@@ -2,15 +2,18 @@
 //! acknowledging only what is done, surviving outages of either server.
 //!
 //! Per delivery:
-//! - unreadable (no id, an id that is not a UUID, not JSON, an envelope without a message) → `<queue>_error` at once;
+//! - unreadable (no id or the nil id, an id that is not a UUID, not JSON, a byte order mark, headers nested too deep,
+//!   an envelope without a message) → `<queue>_error` at once;
 //! - a message type the consumer does not handle → `<queue>_skipped` (`MT-Reason: dead-letter`, as MassTransit);
 //! - an event that cannot be decoded (a field missing or of the wrong type) → `<queue>_error` at once;
-//! - otherwise [`Inbox::process`]: processed or duplicate → ack; the consumer's work failed (an error or a panic) →
+//! - otherwise [`Inbox::process_event`]: processed or duplicate → ack; an id processed before for another event → a
+//!   conflict, moved to `<queue>_error` or dropped (`on_conflict`); the consumer's work failed (an error or a panic) →
 //!   retried in this process with a doubling delay, and after `max_attempts` → `<queue>_error`; PostgreSQL
 //!   unavailable → retried without counting, however long it takes, and no new delivery is started meanwhile.
 //!
-//! Batched (`batch_size` > 1): deliveries that arrive together share one transaction ([`Inbox::process_batch`]); a
-//! member whose work fails is retried alone, one message per transaction, as above.
+//! Batched (`batch_size` > 1, [`batch`]): deliveries that arrive together share one transaction; a member whose work
+//! fails is retried alone, one message per transaction, as above, beside the batches. Redelivered messages, which may
+//! be what ends a process, go through [`poison`]. Dead-letter copies go out through [`dead_letters`].
 //!
 //! A move to a dead-letter queue is acknowledged only after the broker confirmed the copy. Nothing is acknowledged
 //! before its outcome is committed or confirmed; what cannot be finished is left to the broker to deliver again.

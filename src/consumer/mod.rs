@@ -807,18 +807,7 @@ async fn failed<C: Consumer>(
         let first_line = failure.lines().next().unwrap_or_default().to_owned();
         let fault = ("inboxctl::ConsumerFailed", first_line, failure);
         let retries = i32::try_from(attempt - 1).unwrap_or(i32::MAX);
-        return Some(
-            dead_letter_error(
-                shared,
-                link,
-                delivery,
-                Some(id),
-                ready.message_type.clone(),
-                &fault,
-                retries,
-            )
-            .await,
-        );
+        return Some(error_queue(shared, link, delivery, ready, &fault, retries).await);
     }
     let delay = retry_delay(shared.options.retry_delay, attempt);
     tracing::warn!(
@@ -878,8 +867,7 @@ async fn conflict<C: Consumer>(
                 conflict.first, conflict.this
             );
             let fault = (CONFLICT_FAULT, reason.clone(), reason);
-            let message_type = ready.message_type.clone();
-            dead_letter_error(shared, link, delivery, Some(id), message_type, &fault, 0).await
+            error_queue(shared, link, delivery, ready, &fault, 0).await
         }
     }
 }
@@ -954,6 +942,20 @@ fn unreadable_fault(unreadable: &Unreadable) -> FaultText {
         unreadable.to_string(),
         unreadable.to_string(),
     )
+}
+
+/// Moves a message that could be read to the error queue.
+async fn error_queue<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    fault: &FaultText,
+    retry_count: i32,
+) -> Disposition {
+    let id = Some(ready.incoming.message_id);
+    let message_type = ready.message_type.clone();
+    dead_letter_error(shared, link, delivery, id, message_type, fault, retry_count).await
 }
 
 async fn dead_letter_error<C: Consumer>(

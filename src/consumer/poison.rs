@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use super::{
     Access, Consumer, Disposition, Link, Ready, STOP_BOOKKEEPING, Shared, attempts,
-    bookkeeping_failed, dead_letter_error, lock,
+    bookkeeping_failed, error_queue, lock,
 };
 use crate::db::sql;
 
@@ -154,14 +154,5 @@ async fn poison<C: Consumer>(
     tracing::error!(message_id = %id, alone, "poison message; moving it to the error queue");
     let fault = ("inboxctl::PoisonMessage", reason.clone(), reason);
     let retries = i32::try_from(alone).unwrap_or(i32::MAX);
-    dead_letter_error(
-        shared,
-        link,
-        delivery,
-        Some(id),
-        ready.message_type.clone(),
-        &fault,
-        retries,
-    )
-    .await
+    error_queue(shared, link, delivery, ready, &fault, retries).await
 }

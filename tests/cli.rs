@@ -6,7 +6,7 @@ mod common;
 use std::process::Command;
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> common::Output {
-    let mut cmd = Command::new(common::BIN);
+    let mut cmd = Command::new(common::bin());
     cmd.args(args)
         .env_remove("DATABASE_URL")
         .env_remove("AMQP_URL")
@@ -141,7 +141,7 @@ fn a_malformed_url_is_a_usage_error_without_its_password() {
 
 #[test]
 fn a_closed_stdout_is_not_a_crash() {
-    let mut child = Command::new(common::BIN)
+    let mut child = Command::new(common::bin())
         .args(["migrate", "--dry-run"])
         .env(
             "DATABASE_URL",
@@ -708,7 +708,7 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
                 scope.spawn(move || {
                     let mut taken = Vec::new();
                     for (args, real) in chunk {
-                        let mut cmd = Command::new(common::BIN);
+                        let mut cmd = Command::new(common::bin());
                         cmd.args(args).env_remove("RUST_LOG");
                         for (k, v) in refused {
                             cmd.env(k, v);
@@ -749,7 +749,7 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
         &["bench", "--latency-seconds=18446744073709551615"],
         &["bench", "--latency-rate=1000000", "--latency-seconds=86400"],
     ] {
-        let mut cmd = Command::new(common::BIN);
+        let mut cmd = Command::new(common::bin());
         cmd.args(args);
         for (k, v) in refused {
             cmd.env(k, v);

@@ -91,7 +91,7 @@ async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
         "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
         env.database_url,
         env.amqp_url,
-        common::BIN
+        common::bin()
     );
     tmux.run(&[
         "new-session",
@@ -151,7 +151,7 @@ async fn top_says_when_postgres_is_gone_keeps_retrying_and_recovers() {
         proxy.port,
         env.db_name,
         env.amqp_url,
-        common::BIN
+        common::bin()
     );
     tmux.run(&[
         "new-session",
@@ -202,7 +202,7 @@ async fn a_second_signal_exits_at_once_and_gives_the_terminal_back() {
             pid_file.display(),
             env.database_url,
             env.amqp_url,
-            common::BIN
+            common::bin()
         ),
     )
     .unwrap();
@@ -251,7 +251,7 @@ async fn a_dumb_terminal_is_refused_with_a_pointer_to_stats() {
         "TERM=dumb DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
         env.database_url,
         env.amqp_url,
-        common::BIN
+        common::bin()
     );
     tmux.run(&[
         "new-session",

@@ -7,6 +7,7 @@
 //! - [`cmd`]: one module per subcommand.
 
 pub mod amqp;
+pub mod backoff;
 pub mod bench;
 pub mod cleanup;
 pub mod cli;

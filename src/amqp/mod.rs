@@ -12,6 +12,7 @@ use std::time::Duration;
 use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties};
 
+use crate::backoff::{Backoff, sleep_or_cancel};
 use crate::error::{Error, Result};
 use crate::{redact, secret};
 
@@ -169,45 +170,36 @@ impl Broker {
         shutdown: Option<&tokio_util::sync::CancellationToken>,
     ) -> Result<Connection> {
         let deadline = tokio::time::Instant::now() + within;
-        let mut delay = Duration::from_millis(100);
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         if within.is_zero() {
             return Err(Error::BrokerUnavailable {
                 url: self.display_url(),
                 reason: "the connection was lost".to_owned(),
             });
         }
+        let stop = shutdown.cloned().unwrap_or_default();
         loop {
-            let attempt = async {
-                match shutdown {
-                    Some(token) => tokio::select! {
-                        () = token.cancelled() => Err(Error::BrokerUnavailable {
-                            url: self.display_url(),
-                            reason: "interrupted while connecting again".to_owned(),
-                        }),
-                        result = self.connect(name) => result,
-                    },
-                    None => self.connect(name).await,
-                }
+            let attempt = tokio::select! {
+                () = stop.cancelled() => Err(Error::BrokerUnavailable {
+                    url: self.display_url(),
+                    reason: "interrupted while connecting again".to_owned(),
+                }),
+                result = self.connect(name) => result,
             };
-            match attempt.await {
+            match attempt {
                 Ok(connection) => {
                     tracing::info!(url = %self.display_url(), "connected to RabbitMQ again");
                     return Ok(connection);
                 }
                 Err(e) => {
-                    let now = tokio::time::Instant::now();
-                    if now + delay > deadline || shutdown.is_some_and(|t| t.is_cancelled()) {
+                    let delay = backoff.next_delay();
+                    if tokio::time::Instant::now() + delay > deadline || stop.is_cancelled() {
                         return Err(e);
                     }
                     tracing::warn!(error = %e, retry_in = ?delay, "RabbitMQ unavailable");
-                    match shutdown {
-                        Some(token) => tokio::select! {
-                            () = token.cancelled() => return Err(e),
-                            () = tokio::time::sleep(delay) => {}
-                        },
-                        None => tokio::time::sleep(delay).await,
+                    if sleep_or_cancel(delay, &stop).await {
+                        return Err(e);
                     }
-                    delay = (delay * 2).min(Duration::from_secs(5));
                 }
             }
         }

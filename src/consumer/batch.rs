@@ -16,11 +16,16 @@ use lapin::message::Delivery;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
-use super::{
-    Access, Consumer, Disposition, Link, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Prepared, Ready,
-    Shared, attempts, conflict, database_back, database_gone, duplicate, error_chain, failed,
-    jitter, logged, panic_message, prepare, processed, settle, settle_acker, sleep_or_cancel, work,
+use super::dispatch::{
+    Access, Disposition, Prepared, Ready, attempts, conflict, database_back, database_gone,
+    duplicate, failed, prepare, processed, settle, settle_acker, work,
 };
+use super::run::Link;
+use super::{
+    Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged, panic_message,
+    sleep_or_cancel,
+};
+use crate::backoff::Backoff;
 use crate::failpoint;
 use crate::inbox::{Member, MemberOutcome, ProcessError};
 
@@ -189,7 +194,7 @@ enum Committed {
 
 /// Runs the batch's transaction, waiting out outages.
 async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committed {
-    let mut outage_delay = OUTAGE_DELAY_MIN;
+    let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     loop {
         if members.is_empty() {
             return Committed::Outcomes(Vec::new());
@@ -213,10 +218,9 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             }
             Err(ProcessError::Unavailable(e)) => {
                 database_gone(shared, &e);
-                if sleep_or_cancel(jitter(outage_delay), &shared.shutdown).await {
+                if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
                     return Committed::Stopped;
                 }
-                outage_delay = (outage_delay * 2).min(OUTAGE_DELAY_MAX);
             }
             Err(ProcessError::Failed(e)) => {
                 tracing::warn!(

@@ -1,7 +1,8 @@
-//! Moving a message aside: its dead-letter copy (`<queue>_error`, `<queue>_skipped`) published with publisher
-//! confirms on a channel of its own, the destination declared on first use — and again when it was deleted under a
-//! running consumer, so that a deleted error queue does not turn every later failure into a message sent back
-//! round until a restart.
+//! Moving a message aside: to `<queue>_error` (unreadable, failed too often, poison, a conflict) or `<queue>_skipped`
+//! (a type the consumer does not handle), its copy published with publisher confirms on a channel of its own, the
+//! destination declared on first use — and again when it was deleted under a running consumer, so that a deleted
+//! error queue does not turn every later failure into a message sent back round until a restart. The original is
+//! acknowledged only once the copy is confirmed; a copy the broker refuses leaves it on its queue.
 
 use std::collections::HashSet;
 
@@ -10,8 +11,17 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
 
-use crate::amqp::{dead_letter, topology};
+use super::Consumer;
+use super::bookkeeping::record_event;
+use super::dispatch::{Disposition, Ready};
+use super::run::Link;
+use super::{HOLD_IMPOSSIBLE, OUTAGE_DELAY_MAX, Shared, logged};
+use crate::amqp::dead_letter::{self, Fault};
+use crate::amqp::envelope::{Incoming, Unreadable};
+use crate::amqp::topology;
 use crate::error::Error;
+use std::sync::atomic::Ordering;
+use uuid::Uuid;
 
 /// Why a copy was not published; either way the original stays where it is, unacknowledged.
 #[derive(Debug)]
@@ -171,4 +181,128 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+pub(super) async fn skip<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    incoming: &Incoming,
+) -> Disposition {
+    let destination = topology::skipped_queue(&shared.options.queue);
+    let types = incoming.message_types.join(", ");
+    tracing::warn!(
+        message_id = %incoming.message_id,
+        message_type = %logged(&types),
+        "message type not handled here; moving it to {destination}"
+    );
+    let headers = dead_letter::skipped_headers(delivery.properties.headers().as_ref());
+    let moved = link
+        .dead_letters
+        .publish(&link.connection, &destination, delivery, headers)
+        .await;
+    match moved {
+        Ok(()) => {
+            shared.counts.skipped.fetch_add(1, Ordering::Relaxed);
+            record_event(shared, "skipped", Some(incoming.message_id), &types).await;
+            Disposition::Ack
+        }
+        Err(e) => copy_refused(Some(incoming.message_id), &destination, e),
+    }
+}
+
+/// `(exception type, one-line message, full description)`.
+pub(super) type FaultText = (&'static str, String, String);
+
+/// The exception type of a conflict's copy. A conflict moved aside is counted once, as a conflict (the claim recorded
+/// it), not again as a dead-lettering.
+pub(super) const CONFLICT_FAULT: &str = "inboxctl::MessageIdConflict";
+
+pub(super) fn unreadable_fault(unreadable: &Unreadable) -> FaultText {
+    (
+        "inboxctl::UnreadableMessage",
+        unreadable.to_string(),
+        unreadable.to_string(),
+    )
+}
+
+/// Moves a message that could be read to the error queue.
+pub(super) async fn error_queue<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    fault: &FaultText,
+    retry_count: i32,
+) -> Disposition {
+    let id = Some(ready.incoming.message_id);
+    let message_type = ready.message_type.clone();
+    dead_letter_error(shared, link, delivery, id, message_type, fault, retry_count).await
+}
+
+pub(super) async fn dead_letter_error<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    message_id: Option<Uuid>,
+    message_type: Option<String>,
+    fault: &FaultText,
+    retry_count: i32,
+) -> Disposition {
+    let destination = topology::error_queue(&shared.options.queue);
+    let fault_headers = Fault {
+        exception_type: fault.0.to_owned(),
+        message: fault.1.clone(),
+        stack_trace: fault.2.clone(),
+        input_address: shared.input_address.clone(),
+        consumer_type: shared.inbox.consumer_type().to_string(),
+        message_type,
+        retry_count,
+    };
+    let headers =
+        dead_letter::error_headers(delivery.properties.headers().as_ref(), &fault_headers);
+    let moved = link
+        .dead_letters
+        .publish(&link.connection, &destination, delivery, headers)
+        .await;
+    match moved {
+        Ok(()) => {
+            if fault.0 != CONFLICT_FAULT {
+                shared.counts.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                record_event(shared, "dead_lettered", message_id, &fault.1).await;
+            }
+            Disposition::Ack
+        }
+        Err(e) => copy_refused(message_id, &destination, e),
+    }
+}
+
+/// The dead-letter copy was not published: the message stays on its queue, given back after a pause — a short one
+/// if the broker may take the copy later, a long one if the copy can never be made — never in a tight loop.
+pub(super) fn copy_refused(
+    message_id: Option<Uuid>,
+    destination: &str,
+    error: CopyError,
+) -> Disposition {
+    let pause = match error {
+        CopyError::Refused(reason) => {
+            tracing::error!(
+                message_id = ?message_id,
+                error = %reason,
+                "could not move a message to {destination}; it stays on the queue"
+            );
+            OUTAGE_DELAY_MAX
+        }
+        CopyError::Impossible(reason) => {
+            tracing::error!(
+                message_id = ?message_id,
+                error = %reason,
+                "cannot move a message to {destination}; it stays on the queue, held {} at a time (move or delete \
+                 it by hand)",
+                humantime::format_duration(HOLD_IMPOSSIBLE)
+            );
+            HOLD_IMPOSSIBLE
+        }
+    };
+    Disposition::RequeueAfter(pause)
 }

@@ -11,10 +11,11 @@ use std::collections::HashMap;
 use lapin::message::Delivery;
 use uuid::Uuid;
 
-use super::{
-    Access, Consumer, Disposition, Link, Ready, STOP_BOOKKEEPING, Shared, attempts,
-    bookkeeping_failed, error_queue, lock,
-};
+use super::bookkeeping::bookkeeping_failed;
+use super::dead_letters::error_queue;
+use super::dispatch::{Access, Disposition, Ready, attempts};
+use super::run::Link;
+use super::{Consumer, STOP_BOOKKEEPING, Shared, lock};
 use crate::db::sql;
 
 /// The redelivered messages of this process whose start is counted and has not reached an outcome, and whether the

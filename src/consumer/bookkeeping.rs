@@ -1,0 +1,57 @@
+//! inboxctl's own bookkeeping beside a message's outcome (its events, for `stats` and `top`): it never holds up a
+//! message, and a failure of it is said, not hidden.
+
+use uuid::Uuid;
+
+use super::Consumer;
+use super::{Shared, lock};
+use crate::amqp::limits::{self, MAX_HEADER_TEXT};
+use crate::db::sql;
+
+/// A bookkeeping statement (the redelivery count, an event counter) failed. It never holds up a message; during an
+/// outage that is expected and said at debug level. Any other failure (a grant or a table missing) is a warning,
+/// once per process and statement, so that it is neither silent nor one line per message.
+pub(super) fn bookkeeping_failed(
+    what: &'static str,
+    consequence: &'static str,
+    id: Option<Uuid>,
+    error: &sqlx::Error,
+) {
+    static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let text = crate::redact::text(&error.to_string());
+    let first = !crate::db::is_transient(error) && {
+        let mut warned = lock(&WARNED);
+        !warned.contains(&what) && {
+            warned.push(what);
+            true
+        }
+    };
+    if first {
+        tracing::warn!(message_id = ?id, error = %text, "{what}: {consequence} (said once; the rest at -v)");
+    } else {
+        tracing::debug!(message_id = ?id, error = %text, "{what}");
+    }
+}
+
+pub(super) async fn record_event<C: Consumer>(
+    shared: &Shared<C>,
+    kind: &str,
+    message_id: Option<Uuid>,
+    detail: &str,
+) {
+    let recorded = sqlx::query(sql::RECORD_EVENT)
+        .bind(shared.inbox.consumer_type().as_str())
+        .bind(kind)
+        .bind(message_id)
+        .bind(limits::truncate(detail, MAX_HEADER_TEXT).as_ref())
+        .execute(shared.inbox.pool())
+        .await;
+    if let Err(e) = recorded {
+        bookkeeping_failed(
+            "could not record an event in inboxctl_events",
+            "the counters that stats and top show miss it (a grant on inboxctl_events missing?)",
+            message_id,
+            &e,
+        );
+    }
+}

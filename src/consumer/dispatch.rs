@@ -1,0 +1,416 @@
+//! One delivery, from reading it to settling it: read (or moved aside at once), processed in transactions of its
+//! own with retries and outage waits, and acknowledged only once its outcome is committed or its copy confirmed.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt as _;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+use uuid::Uuid;
+
+use super::Consumer;
+use super::bookkeeping::record_event;
+use super::dead_letters::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
+use super::poison;
+use super::run::Link;
+use super::{
+    MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, OnConflict, Shared, error_chain, lock,
+    logged, panic_message, property_id, retry_delay, sleep_or_cancel,
+};
+use crate::amqp::envelope::{self, Incoming};
+use crate::backoff::Backoff;
+use crate::failpoint;
+use crate::inbox::{Conflict, Fingerprint, Outcome, ProcessError, Work};
+
+/// What to do with a delivery once its handling ended.
+pub(super) enum Disposition {
+    /// Its outcome is committed or its copy confirmed.
+    Ack,
+    /// Not finished (a stop, an outage): give it back to the broker.
+    Requeue,
+    /// Not finished, and not to come back at once (its dead-letter copy was refused): give it back after this pause,
+    /// or at a stop.
+    RequeueAfter(Duration),
+}
+
+/// Handles one delivery on its own (not batched) and settles it with the broker. A panic anywhere in its handling
+/// (not only in the consumer's work, which counts as a failed attempt) gives the delivery back, never leaves it
+/// unsettled.
+pub(super) async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery) {
+    let disposition = match AssertUnwindSafe(dispose(shared, link, &delivery))
+        .catch_unwind()
+        .await
+    {
+        Ok(disposition) => disposition,
+        Err(panic) => handling_panicked(&delivery, &panic_message(&*panic)),
+    };
+    settle(shared, &delivery, disposition).await;
+}
+
+pub(super) async fn dispose<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+) -> Disposition {
+    match prepare(shared, link, delivery).await {
+        Prepared::Done(disposition) => disposition,
+        Prepared::Ready(ready) if delivery.redelivered => {
+            poison::redelivered(shared, link, delivery, &ready).await
+        }
+        Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,
+    }
+}
+
+/// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,
+/// and the delivery given back after a pause, so that it cannot come round in a tight loop.
+pub(super) fn handling_panicked(delivery: &Delivery, panic: &str) -> Disposition {
+    tracing::error!(
+        message_id = ?property_id(delivery),
+        panic = %logged(panic),
+        "handling a message panicked; it goes back to the queue"
+    );
+    Disposition::RequeueAfter(OUTAGE_DELAY_MAX)
+}
+
+/// Acks or requeues a delivery whose handling ended, and counts it out of flight.
+pub(super) async fn settle<C: Consumer>(
+    shared: &Shared<C>,
+    delivery: &Delivery,
+    disposition: Disposition,
+) {
+    settle_acker(shared, &delivery.acker, delivery.delivery_tag, disposition).await;
+}
+
+pub(super) async fn settle_acker<C: Consumer>(
+    shared: &Shared<C>,
+    acker: &lapin::Acker,
+    delivery_tag: u64,
+    disposition: Disposition,
+) {
+    let settled = match disposition {
+        Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
+        Disposition::Requeue | Disposition::RequeueAfter(_) => {
+            if let Disposition::RequeueAfter(pause) = disposition {
+                sleep_or_cancel(pause, &shared.shutdown).await;
+            }
+            acker
+                .nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                })
+                .await
+        }
+    };
+    match settled {
+        Ok(true) => {}
+        // Settled already, by the clean-up after a panic: counted out of flight there.
+        Ok(false) => return,
+        Err(_) => tracing::debug!(
+            delivery_tag,
+            "not settled (channel closed); the broker will deliver the message again"
+        ),
+    }
+    *lock(&shared.last_activity) = Instant::now();
+    let _ = shared
+        .in_flight
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+}
+
+/// A delivery that could be read, of a type this consumer handles, with its event decoded.
+pub(super) struct Ready<M> {
+    pub(super) incoming: Incoming,
+    pub(super) message: M,
+    pub(super) message_type: Option<String>,
+    pub(super) fingerprint: Fingerprint,
+}
+
+pub(super) enum Prepared<M> {
+    /// Dead-lettered or skipped already.
+    Done(Disposition),
+    Ready(Ready<M>),
+}
+
+/// Reads a delivery; what cannot be read goes to the error queue, what this consumer does not handle to the skipped
+/// queue, both at once.
+pub(super) async fn prepare<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+) -> Prepared<C::Message> {
+    let label = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .map(|id| id.as_str());
+    failpoint::hit_with("handle", label.unwrap_or_default()).await;
+    let incoming = match envelope::parse(&delivery.properties, &delivery.data) {
+        Ok(incoming) => incoming,
+        Err(unreadable) => {
+            let id = property_id(delivery);
+            tracing::warn!(
+                message_id = id.map(|i| i.to_string()).unwrap_or_default(),
+                reason = %logged(&unreadable.to_string()),
+                "unreadable message; moving it to the error queue"
+            );
+            let fault = unreadable_fault(&unreadable);
+            return Prepared::Done(
+                dead_letter_error(shared, link, delivery, id, None, &fault, 0).await,
+            );
+        }
+    };
+    let message_type = incoming
+        .message_types
+        .first()
+        .map(|t| envelope::dotnet_type_name(t));
+    if !C::handles(&incoming.message_types) {
+        return Prepared::Done(skip(shared, link, delivery, &incoming).await);
+    }
+    match serde_json::from_str(incoming.payload.get()) {
+        Ok(message) => Prepared::Ready(Ready {
+            fingerprint: envelope::fingerprint(&incoming.payload),
+            incoming,
+            message,
+            message_type,
+        }),
+        Err(e) => {
+            let reason = format!(
+                "the message cannot be read as {}: {e}",
+                envelope::dotnet_type_name(C::MESSAGE_TYPE)
+            );
+            tracing::warn!(message_id = %incoming.message_id, reason = %logged(&reason), "moving message to the error queue");
+            let fault = ("inboxctl::MalformedMessage", reason.clone(), reason);
+            let id = Some(incoming.message_id);
+            Prepared::Done(
+                dead_letter_error(shared, link, delivery, id, message_type, &fault, 0).await,
+            )
+        }
+    }
+}
+
+/// The consumer's work on one message, for [`Inbox::process`] or a batch.
+pub(super) fn work<C: Consumer>(
+    shared: &Shared<C>,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    attempt: u32,
+) -> Work<()> {
+    let context = MessageContext {
+        message_id: ready.incoming.message_id,
+        consumer_type: shared.inbox.consumer_type().clone(),
+        redelivered: delivery.redelivered,
+        attempt,
+    };
+    let consumer = Arc::clone(&shared.consumer);
+    let message = ready.message.clone();
+    Box::new(move |tx| Box::pin(async move { consumer.consume(tx, &context, &message).await }))
+}
+
+/// Whether an attempt may run beside others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Access {
+    Shared,
+    /// A suspect's: nothing else may be in flight in this process while it runs.
+    Alone,
+}
+
+/// Processes one message in transactions of its own, from attempt `first` on: retries what fails, waits out outages.
+/// Each attempt holds [`Shared::alone`] (shared, or alone for a suspect) while it runs, and only then: a retry's wait
+/// holds up nobody.
+pub(super) async fn attempts<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    first: u32,
+    access: Access,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    let mut attempt = first;
+    let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
+    loop {
+        let result = {
+            let _guard = match access {
+                Access::Shared => Guard::Shared {
+                    _held: shared.alone.read().await,
+                },
+                Access::Alone => {
+                    let guard = Guard::Alone {
+                        _held: shared.alone.write().await,
+                    };
+                    if attempt == first {
+                        poison::starting_alone(shared, id).await;
+                    }
+                    guard
+                }
+            };
+            let work = shared.inbox.process_event(
+                id,
+                Some(ready.fingerprint),
+                work(shared, delivery, ready, attempt),
+            );
+            AssertUnwindSafe(work).catch_unwind().await
+        };
+        let failure = match result {
+            Ok(Ok(outcome)) => {
+                database_back(shared);
+                match outcome {
+                    Outcome::Processed(()) => {
+                        processed(shared, id);
+                        failpoint::hit("after-commit").await;
+                    }
+                    Outcome::Duplicate => duplicate(shared, id),
+                    Outcome::Conflict(c) => {
+                        return conflict(shared, link, delivery, ready, c).await;
+                    }
+                }
+                return Disposition::Ack;
+            }
+            Ok(Err(ProcessError::Unavailable(e))) => {
+                database_gone(shared, &e);
+                if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
+                    return Disposition::Requeue;
+                }
+                continue;
+            }
+            Ok(Err(ProcessError::Failed(e))) => error_chain(&e),
+            Err(panic) => format!("panicked: {}", panic_message(&*panic)),
+        };
+        if let Some(disposition) = failed(shared, link, delivery, ready, attempt, failure).await {
+            return disposition;
+        }
+        attempt += 1;
+    }
+}
+
+/// The hold an attempt has on [`Shared::alone`].
+pub(super) enum Guard<'a> {
+    Shared {
+        _held: tokio::sync::RwLockReadGuard<'a, ()>,
+    },
+    Alone {
+        _held: tokio::sync::RwLockWriteGuard<'a, ()>,
+    },
+}
+
+/// Counts and records a failed attempt. After the last attempt the message goes to the error queue (the returned
+/// disposition); before it, this waits the retry delay and returns `None` — or `Requeue` if a stop came meanwhile.
+pub(super) async fn failed<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    attempt: u32,
+    failure: String,
+) -> Option<Disposition> {
+    let id = ready.incoming.message_id;
+    shared
+        .counts
+        .failed_attempts
+        .fetch_add(1, Ordering::Relaxed);
+    record_event(shared, "failed", Some(id), &failure).await;
+    if attempt >= shared.options.max_attempts {
+        tracing::warn!(
+            message_id = %id,
+            attempts = attempt,
+            reason = %logged(&failure),
+            "giving up; moving message to the error queue"
+        );
+        let first_line = failure.lines().next().unwrap_or_default().to_owned();
+        let fault = ("inboxctl::ConsumerFailed", first_line, failure);
+        let retries = i32::try_from(attempt - 1).unwrap_or(i32::MAX);
+        return Some(error_queue(shared, link, delivery, ready, &fault, retries).await);
+    }
+    let delay = retry_delay(shared.options.retry_delay, attempt);
+    tracing::warn!(
+        message_id = %id,
+        attempt,
+        retry_in = ?delay,
+        reason = %logged(&failure),
+        "attempt failed"
+    );
+    sleep_or_cancel(delay, &shared.shutdown)
+        .await
+        .then_some(Disposition::Requeue)
+}
+
+pub(super) fn processed<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    shared.counts.processed.fetch_add(1, Ordering::Relaxed);
+    tracing::debug!(message_id = %id, "processed");
+}
+
+pub(super) fn duplicate<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    shared.counts.duplicates.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(
+        message_id = %id,
+        consumer_type = %shared.inbox.consumer_type(),
+        "duplicate discarded"
+    );
+}
+
+/// A copy whose message id was processed before for another event: never processed; counted and logged as a
+/// conflict (the claim recorded it), then moved to the error queue or dropped, as the operator chose.
+pub(super) async fn conflict<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    conflict: Conflict,
+) -> Disposition {
+    shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
+    let id = ready.incoming.message_id;
+    let then = match shared.options.on_conflict {
+        OnConflict::DeadLetter => "moving it to the error queue",
+        OnConflict::Discard => "discarding it (--on-conflict discard)",
+    };
+    tracing::warn!(
+        message_id = %id,
+        consumer_type = %shared.inbox.consumer_type(),
+        first_event = %conflict.first,
+        this_event = %conflict.this,
+        "message id reused for another event: this message was not processed; {then}"
+    );
+    match shared.options.on_conflict {
+        OnConflict::Discard => Disposition::Ack,
+        OnConflict::DeadLetter => {
+            let reason = format!(
+                "message id {id} was processed before for another event (fingerprint {}; this message's {}): the id \
+                 was reused for a different message, which was not processed",
+                conflict.first, conflict.this
+            );
+            let fault = (CONFLICT_FAULT, reason.clone(), reason);
+            error_queue(shared, link, delivery, ready, &fault, 0).await
+        }
+    }
+}
+
+pub(super) fn database_back<C: Consumer>(shared: &Shared<C>) {
+    if shared
+        .database_up
+        .send_if_modified(|up| !std::mem::replace(up, true))
+    {
+        tracing::info!("PostgreSQL is back: taking deliveries again");
+    }
+}
+
+pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
+    if shared
+        .database_up
+        .send_if_modified(|up| std::mem::replace(up, false))
+    {
+        let text = crate::redact::text(&error.to_string());
+        if crate::db::is_transient(error) {
+            tracing::error!(error = %text, "PostgreSQL unavailable: holding deliveries until it is back");
+        } else {
+            // A missing grant or table: the inbox's own statements fail, whatever the message. Held, never acked.
+            tracing::error!(
+                error = %text,
+                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding                  deliveries until they succeed; see the README's security section for the grants"
+            );
+        }
+    } else {
+        tracing::debug!(error = %crate::redact::text(&error.to_string()), "PostgreSQL still unavailable");
+    }
+}

@@ -1,0 +1,364 @@
+//! The run loop: one broker connection after another (reconnecting with backoff), deliveries handed to workers —
+//! a task per delivery, or batch workers — while PostgreSQL is up, and at a stop, the work in flight drained within
+//! the shutdown timeout.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt as _;
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::Consumer;
+use super::dead_letters::DeadLetters;
+use super::dispatch::handle;
+use super::{
+    ConsumerOptions, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, RunSummary, Shared, lock, sleep_or_cancel,
+};
+use super::{batch, poison};
+use crate::amqp::Broker;
+use crate::amqp::topology;
+use crate::backoff::Backoff;
+use crate::db::sql;
+use crate::error::Result;
+use crate::inbox::Inbox;
+
+/// One broker connection: deliveries come in on one channel, dead-letter copies go out on another.
+pub(super) struct Link {
+    pub(super) connection: Connection,
+    pub(super) consume: Channel,
+    pub(super) dead_letters: DeadLetters,
+}
+
+/// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
+/// empty). Fails at start if PostgreSQL or RabbitMQ cannot be reached; after that, outages are waited out.
+pub async fn run<C: Consumer>(
+    inbox: Inbox,
+    consumer: C,
+    broker: &Broker,
+    options: ConsumerOptions,
+    shutdown: CancellationToken,
+) -> Result<RunSummary> {
+    sqlx::query(sql::REGISTER_CONSUMER)
+        .bind(inbox.consumer_type().as_str())
+        .bind(&options.queue)
+        .execute(inbox.pool())
+        .await?;
+    let shared = Arc::new(Shared {
+        input_address: broker.queue_address(&options.queue),
+        inbox,
+        consumer: Arc::new(consumer),
+        counts: Arc::clone(&options.counts),
+        options,
+        database_up: watch::Sender::new(true),
+        shutdown: shutdown.clone(),
+        in_flight: AtomicUsize::new(0),
+        last_activity: std::sync::Mutex::new(Instant::now()),
+        alone: tokio::sync::RwLock::new(()),
+        starts: poison::Starts::default(),
+    });
+    let mut workers = Workers::start(&shared);
+    let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
+    let mut first = true;
+    while !shutdown.is_cancelled() {
+        let link = match open_link(broker, &shared).await {
+            Ok(link) => Arc::new(link),
+            Err(e) if first => return Err(e),
+            Err(e) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "RabbitMQ unavailable");
+                if sleep_or_cancel(delay, &shutdown).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        first = false;
+        backoff.reset();
+        let end = consume_on(&shared, &link, &mut workers).await;
+        // Deliveries in flight on a lost connection finish their database work; their acks fail and the broker
+        // delivers them again, as duplicates.
+        shared
+            .counts
+            .broker_connected
+            .store(false, Ordering::Relaxed);
+        crate::amqp::close(&link.connection, "reconnecting").await;
+        if end == LinkEnd::Stop {
+            break;
+        }
+    }
+    workers.finish(&shared).await;
+    let summary = shared.counts.summary();
+    tracing::info!(
+        consumer_type = %shared.inbox.consumer_type(),
+        processed = summary.processed,
+        duplicates = summary.duplicates,
+        failed_attempts = summary.failed_attempts,
+        dead_lettered = summary.dead_lettered,
+        skipped = summary.skipped,
+        conflicts = summary.conflicts,
+        "consumer stopped"
+    );
+    Ok(summary)
+}
+
+/// Why consuming on one connection ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkEnd {
+    /// A stop was asked for, or the queue stayed idle: no more connections.
+    Stop,
+    /// The connection was lost, or the broker cancelled the consumer: connect again.
+    Reconnect,
+}
+
+/// Consumes on one connection until it is lost, a stop is asked for, or (with `exit_when_idle`) the queue is idle.
+async fn consume_on<C: Consumer>(
+    shared: &Arc<Shared<C>>,
+    link: &Arc<Link>,
+    workers: &mut Workers,
+) -> LinkEnd {
+    let tag = format!(
+        "inboxctl-{}-{}",
+        std::process::id(),
+        Uuid::new_v4().simple()
+    );
+    let consumed = link
+        .consume
+        .basic_consume(
+            shared.options.queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await;
+    let mut deliveries = match consumed {
+        Ok(deliveries) => deliveries,
+        Err(e) => {
+            tracing::warn!(error = %e, "could not start consuming; reconnecting");
+            return LinkEnd::Reconnect;
+        }
+    };
+    tracing::info!(
+        queue = %shared.options.queue,
+        consumer_type = %shared.inbox.consumer_type(),
+        "consuming"
+    );
+    shared
+        .counts
+        .broker_connected
+        .store(true, Ordering::Relaxed);
+    *lock(&shared.last_activity) = Instant::now();
+    let mut idle_check = tokio::time::interval(Duration::from_millis(100));
+    // The deliveries stream is not always ended when the connection goes (lapin has had such bugs, and a node
+    // restart is where they showed): the connection's own state is watched too, so a lost connection is never
+    // waited on forever.
+    let mut connection_check = tokio::time::interval(Duration::from_secs(1));
+    let cancel = || async {
+        let _ = link
+            .consume
+            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+            .await;
+    };
+    loop {
+        tokio::select! {
+            biased;
+            () = shared.shutdown.cancelled() => {
+                cancel().await;
+                return LinkEnd::Stop;
+            }
+            Some(_) = workers.tasks.join_next(), if !workers.tasks.is_empty() => {}
+            _ = connection_check.tick() => {
+                if !link.connection.status().connected() {
+                    tracing::warn!("RabbitMQ connection lost (seen in its state); reconnecting");
+                    return LinkEnd::Reconnect;
+                }
+            }
+            _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
+                if is_idle(shared, link).await {
+                    tracing::info!(queue = %shared.options.queue, "queue idle; stopping");
+                    cancel().await;
+                    return LinkEnd::Stop;
+                }
+            }
+            delivery = deliveries.next() => match delivery {
+                Some(Ok(delivery)) => {
+                    if !workers.dispatch(shared, link, delivery).await {
+                        return LinkEnd::Stop;
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "RabbitMQ connection lost; reconnecting");
+                    return LinkEnd::Reconnect;
+                }
+                None => {
+                    tracing::warn!(queue = %shared.options.queue, "the broker cancelled the consumer; reconnecting");
+                    return LinkEnd::Reconnect;
+                }
+            }
+        }
+    }
+}
+
+/// Who handles the deliveries: a task each (at most `concurrency` at once), or, batched, a few batch workers fed
+/// through a queue.
+struct Workers {
+    tasks: JoinSet<()>,
+    permits: Arc<Semaphore>,
+    batches: Option<mpsc::Sender<batch::Queued>>,
+}
+
+impl Workers {
+    fn start<C: Consumer>(shared: &Arc<Shared<C>>) -> Self {
+        let mut tasks = JoinSet::new();
+        let options = &shared.options;
+        let batches = (options.batch_size > 1).then(|| {
+            let (tx, rx) = mpsc::channel::<batch::Queued>(usize::from(options.prefetch).max(1));
+            let rx = Arc::new(tokio::sync::Mutex::new(rx));
+            let running = Arc::new(AtomicUsize::new(0));
+            for _ in 0..options.concurrency.div_ceil(options.batch_size).max(1) {
+                let worker =
+                    batch::worker(Arc::clone(shared), Arc::clone(&rx), Arc::clone(&running));
+                tasks.spawn(worker);
+            }
+            tx
+        });
+        Self {
+            tasks,
+            permits: Arc::new(Semaphore::new(options.concurrency.max(1))),
+            batches,
+        }
+    }
+
+    /// Hands a delivery to a worker once PostgreSQL is up and a worker is free; `false` if a stop came first.
+    async fn dispatch<C: Consumer>(
+        &mut self,
+        shared: &Arc<Shared<C>>,
+        link: &Arc<Link>,
+        delivery: lapin::message::Delivery,
+    ) -> bool {
+        shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        *lock(&shared.last_activity) = Instant::now();
+        let handed = self.hand_over(shared, link, delivery).await;
+        if !handed {
+            shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        handed
+    }
+
+    async fn hand_over<C: Consumer>(
+        &mut self,
+        shared: &Arc<Shared<C>>,
+        link: &Arc<Link>,
+        delivery: lapin::message::Delivery,
+    ) -> bool {
+        if !wait_for_database(shared).await {
+            return false;
+        }
+        // A redelivered message is processed on its own: if it is what ended a process, it must not take a batch's
+        // healthy members down with it again.
+        if let Some(queue) = self.batches.as_ref().filter(|_| !delivery.redelivered) {
+            let queued = (delivery, Arc::clone(link));
+            return tokio::select! {
+                () = shared.shutdown.cancelled() => false,
+                sent = queue.send(queued) => sent.is_ok(),
+            };
+        }
+        let permit = tokio::select! {
+            () = shared.shutdown.cancelled() => None,
+            permit = Arc::clone(&self.permits).acquire_owned() => permit.ok(),
+        };
+        let Some(permit) = permit else {
+            return false;
+        };
+        let shared = Arc::clone(shared);
+        let link = Arc::clone(link);
+        self.tasks.spawn(async move {
+            handle(&shared, &link, delivery).await;
+            drop(permit);
+        });
+        true
+    }
+
+    /// The batch workers end once the deliveries queued for them are done; then everything in flight is drained.
+    async fn finish<C: Consumer>(mut self, shared: &Shared<C>) {
+        self.batches.take();
+        drain(shared, &mut self.tasks).await;
+        shared
+            .counts
+            .broker_connected
+            .store(false, Ordering::Relaxed);
+    }
+}
+
+pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {
+    let name = format!("inboxctl consume {}", shared.inbox.consumer_type());
+    let connection = broker.connect(&name).await?;
+    topology::ensure_endpoint(
+        &connection,
+        &shared.options.event_exchange,
+        &shared.options.queue,
+    )
+    .await?;
+    let consume = connection.create_channel().await?;
+    consume
+        .basic_qos(shared.options.prefetch, BasicQosOptions::default())
+        .await?;
+    Ok(Link {
+        connection,
+        consume,
+        dead_letters: DeadLetters::new(broker.username().to_owned()),
+    })
+}
+
+/// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile.
+pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
+    let mut up = shared.database_up.subscribe();
+    tokio::select! {
+        () = shared.shutdown.cancelled() => false,
+        result = up.wait_for(|up| *up) => result.is_ok(),
+    }
+}
+
+pub(super) async fn is_idle<C: Consumer>(shared: &Shared<C>, link: &Link) -> bool {
+    let Some(idle_after) = shared.options.exit_when_idle else {
+        return false;
+    };
+    if shared.in_flight.load(Ordering::SeqCst) > 0
+        || lock(&shared.last_activity).elapsed() < idle_after
+    {
+        return false;
+    }
+    matches!(
+        topology::queue_depth(&link.connection, &shared.options.queue).await,
+        Ok(Some((0, _)))
+    )
+}
+
+/// Waits for in-flight deliveries up to the shutdown timeout; past it, abandons them: their transactions roll back
+/// with their connections and the broker delivers the messages again.
+pub(super) async fn drain<C: Consumer>(shared: &Shared<C>, tasks: &mut JoinSet<()>) {
+    if tasks.is_empty() {
+        return;
+    }
+    tracing::info!(in_flight = tasks.len(), "waiting for in-flight messages");
+    let finished = tokio::time::timeout(shared.options.shutdown_timeout, async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+    if finished.is_err() {
+        tracing::warn!(
+            abandoned = tasks.len(),
+            "shutdown timeout reached: abandoning in-flight messages, uncommitted and unacknowledged, for redelivery"
+        );
+        tasks.abort_all();
+        while tasks.join_next().await.is_some() {}
+        // Abandoned by a clean stop, not ended by a crash: their starts must not count towards --poison-after.
+        poison::abandoned(shared).await;
+    }
+}

@@ -5,13 +5,14 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use chrono::Utc;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
+use lapin::options::ConfirmSelectOptions;
+use lapin::{BasicProperties, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::amqp::Broker;
 use crate::amqp::envelope::{EnvelopeOut, HostInfo, format_time, masstransit_properties};
+use crate::amqp::publish::{self as confirms, PublishError, Routed};
 use crate::error::{Error, Result};
 use crate::parcel::{PARCEL_CREATED_URN, ParcelCreatedEvent};
 
@@ -357,9 +358,10 @@ impl Run<'_> {
             }
             let message = &self.messages[self.order[self.sent]];
             let (properties, body) = envelope(message, self.broker, self.exchange, self.host);
-            match publish_one(&channel, self.exchange, properties, &body).await {
+            match confirms::publish(&channel, self.exchange, "", &body, properties).await {
                 Ok(confirm) => pending.push_back(confirm),
                 Err(e) => {
+                    let e = Error::from(e);
                     // A channel the broker closed (a publish it refused, say for want of a permission) fails every
                     // later publish with only "invalid channel state"; the broker's reason comes with an earlier
                     // publish's confirm, so that is the error to report.
@@ -387,36 +389,18 @@ impl Run<'_> {
     }
 }
 
-async fn publish_one(
-    channel: &Channel,
-    exchange: &str,
-    properties: BasicProperties,
-    body: &[u8],
-) -> Result<PublisherConfirm> {
-    Ok(channel
-        .basic_publish(
-            exchange.into(),
-            "".into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            body,
-            properties,
-        )
-        .await?)
-}
-
+/// Waits for a copy's confirm: a copy no queue received is counted, one the broker refused fails the run.
 async fn settle(confirm: PublisherConfirm, report: &mut Report) -> Result<()> {
-    match confirm.await? {
-        Confirmation::Ack(None) | Confirmation::NotRequested => Ok(()),
-        Confirmation::Ack(Some(_)) => {
+    match confirms::confirmed(confirm).await {
+        Ok(Routed::Queued) => Ok(()),
+        Ok(Routed::Returned) => {
             report.unroutable += 1;
             Ok(())
         }
-        Confirmation::Nack(_) => Err(Error::Topology(
-            "the broker refused a message (nack)".to_owned(),
-        )),
+        Err(PublishError::Broker(e)) => Err(e.into()),
+        Err(refused) => Err(Error::Topology(format!(
+            "the broker refused a message: {refused}"
+        ))),
     }
 }
 

@@ -31,15 +31,15 @@ use std::time::Duration;
 use chrono::{DateTime, TimeDelta, Utc};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use lapin::{BasicProperties, Channel, Connection};
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::dead_letter::{self, ORIGINAL_EXPIRATION_HEADER};
+use crate::amqp::publish::{self, PublishError, Routed};
 use crate::amqp::{Broker, address, envelope, topology};
 use crate::error::{Error, Result};
 use crate::failpoint;
@@ -334,14 +334,8 @@ pub fn replay_headers(
     if let Some(original) = original {
         for (key, value) in original.inner() {
             let k = key.as_str();
-            let failure = k.starts_with("MT-Fault-")
-                || k.starts_with("MT-Host-")
-                || k == "MT-Reason"
-                || k == "x-death"
-                || k.starts_with("x-first-death-")
-                || k.starts_with("x-last-death-")
-                || k == "x-delivery-count"
-                || k == "x-dotnet-pub-seq-no"
+            let failure = dead_letter::is_failure_header(k)
+                || dead_letter::is_death_header(k)
                 || k == REPLAY_COUNT_HEADER
                 || k == REPLAY_RUN_HEADER
                 || k == ORIGINAL_EXPIRATION_HEADER;
@@ -956,24 +950,14 @@ async fn republish(
     queue: &str,
     properties: BasicProperties,
 ) -> Result<Outcome> {
-    let confirm = channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            &delivery.data,
-            properties,
-        )
-        .await?
-        .await?;
-    match confirm {
-        Confirmation::Ack(None) => Ok(Outcome::Confirmed),
-        Confirmation::Ack(Some(_)) => Ok(Outcome::Missing),
-        Confirmation::Nack(_) => Ok(Outcome::Failed),
-        Confirmation::NotRequested => Err(Error::Topology("publisher confirms are off".to_owned())),
+    match publish::publish_confirmed(channel, "", queue, &delivery.data, properties).await {
+        Ok(Routed::Queued) => Ok(Outcome::Confirmed),
+        Ok(Routed::Returned) => Ok(Outcome::Missing),
+        Err(PublishError::Nacked) => Ok(Outcome::Failed),
+        Err(PublishError::ConfirmsOff) => {
+            Err(Error::Topology("publisher confirms are off".to_owned()))
+        }
+        Err(PublishError::Broker(e)) => Err(e.into()),
     }
 }
 

@@ -19,13 +19,22 @@ pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
 /// inboxctl publishes as: RabbitMQ refuses a `user_id` that is not the publisher's own.
 pub const ORIGINAL_USER_ID_HEADER: &str = "inboxctl-original-user-id";
 
-/// Headers of a previous failure, replaced rather than kept when a message fails again; and the publisher's sequence
-/// number, which means nothing on a copy another process publishes.
-fn is_failure_header(key: &str) -> bool {
+/// MassTransit's headers of a failure (`MT-Fault-*`, `MT-Host-*`, `MT-Reason`), replaced rather than kept when a
+/// message fails again; and the publisher's sequence number, which means nothing on a copy another process publishes.
+pub fn is_failure_header(key: &str) -> bool {
     key.starts_with("MT-Fault-")
         || key.starts_with("MT-Host-")
         || key == "MT-Reason"
         || key == "x-dotnet-pub-seq-no"
+}
+
+/// RabbitMQ's headers of a dead-lettering (`x-death`, `x-first-death-*`, `x-last-death-*`) and of a quorum queue's
+/// delivery count: the broker's record of where a message failed, not part of the message.
+pub fn is_death_header(key: &str) -> bool {
+    key == "x-death"
+        || key.starts_with("x-first-death-")
+        || key.starts_with("x-last-death-")
+        || key == "x-delivery-count"
 }
 
 /// Why a message failed, for `MT-Fault-*`.

@@ -4,6 +4,7 @@ pub mod address;
 pub mod dead_letter;
 pub mod envelope;
 pub mod limits;
+pub mod publish;
 pub mod topology;
 
 use std::str::FromStr;

@@ -5,23 +5,24 @@
 //! acknowledged only once the copy is confirmed; a copy the broker refuses leaves it on its queue.
 
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 
 use lapin::message::Delivery;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::ConfirmSelectOptions;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use lapin::{BasicProperties, Channel, Connection};
+use uuid::Uuid;
 
 use super::Consumer;
 use super::bookkeeping::record_event;
 use super::dispatch::{Disposition, Ready};
 use super::run::Link;
-use super::{HOLD_IMPOSSIBLE, OUTAGE_DELAY_MAX, Shared, logged};
+use super::{HOLD_IMPOSSIBLE, OUTAGE_DELAY_MAX, Shared, lock, logged};
 use crate::amqp::dead_letter::{self, Fault};
 use crate::amqp::envelope::{Incoming, Unreadable};
+use crate::amqp::publish::{self, PublishError, Routed};
 use crate::amqp::topology;
 use crate::error::Error;
-use std::sync::atomic::Ordering;
-use uuid::Uuid;
 
 /// Why a copy was not published; either way the original stays where it is, unacknowledged.
 #[derive(Debug)]
@@ -119,30 +120,22 @@ impl DeadLetters {
             Ok(channel) => channel,
             Err(e) => return Sent::Failed(e),
         };
-        let published = channel
-            .basic_publish(
-                destination.into(),
-                "".into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..BasicPublishOptions::default()
-                },
-                &delivery.data,
-                properties.clone(),
-            )
-            .await;
-        let confirm = match published {
-            Ok(confirm) => confirm.await,
-            Err(e) => Err(e),
-        };
-        match confirm {
-            Ok(Confirmation::Ack(None)) => Sent::Confirmed,
-            Ok(Confirmation::Ack(Some(_))) => Sent::Returned,
-            Ok(Confirmation::Nack(_)) => Sent::Nacked,
-            Ok(Confirmation::NotRequested) => {
+        let published = publish::publish_confirmed(
+            &channel,
+            destination,
+            "",
+            &delivery.data,
+            properties.clone(),
+        )
+        .await;
+        match published {
+            Ok(Routed::Queued) => Sent::Confirmed,
+            Ok(Routed::Returned) => Sent::Returned,
+            Err(PublishError::Nacked) => Sent::Nacked,
+            Err(PublishError::ConfirmsOff) => {
                 Sent::Failed(Error::Topology("publisher confirms are off".to_owned()))
             }
-            Err(e) => Sent::Failed(e.into()),
+            Err(PublishError::Broker(e)) => Sent::Failed(e.into()),
         }
     }
 
@@ -175,12 +168,6 @@ impl DeadLetters {
     fn forget(&self, destination: &str) {
         lock(&self.declared).remove(destination);
     }
-}
-
-fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 pub(super) async fn skip<C: Consumer>(

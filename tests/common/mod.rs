@@ -392,24 +392,13 @@ pub async fn publish(
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let confirm = channel
-        .basic_publish(
-            exchange.into(),
-            routing_key.into(),
-            BasicPublishOptions {
-                mandatory: true,
-                ..BasicPublishOptions::default()
-            },
-            body,
-            props,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let routed =
+        inboxctl::amqp::publish::publish_confirmed(&channel, exchange, routing_key, body, props)
+            .await
+            .unwrap();
     assert_eq!(
-        confirm,
-        lapin::Confirmation::Ack(None),
+        routed,
+        inboxctl::amqp::publish::Routed::Queued,
         "the broker must route and confirm it"
     );
     let _ = channel.close(200, "OK".into()).await;

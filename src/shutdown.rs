@@ -1,17 +1,17 @@
 //! SIGINT and SIGTERM as a cancellation token: the first asks long-running commands to stop cleanly, a second one ends
 //! the process at once (exit 130; nothing unfinished was acknowledged, so the broker delivers it again).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
-/// Set while a full-screen terminal UI (`top`) owns the terminal: an exit at once must give it back first.
-static TERMINAL_TAKEN: AtomicBool = AtomicBool::new(false);
+/// What must run before the process exits at once on a second signal (a full-screen UI giving the terminal back).
+static BEFORE_EXIT: Mutex<Option<fn()>> = Mutex::new(None);
 
-/// Says whether the terminal is in raw mode on the alternate screen, for the exit at a second signal.
-pub fn terminal_taken(taken: bool) {
-    TERMINAL_TAKEN.store(taken, Ordering::SeqCst);
+/// Sets (or with `None`, clears) what runs before an exit at once.
+pub fn before_exit(hook: Option<fn()>) {
+    *BEFORE_EXIT.lock().unwrap_or_else(|p| p.into_inner()) = hook;
 }
 
 /// A token cancelled by the first SIGINT or SIGTERM. Must be called inside a tokio runtime.
@@ -39,9 +39,9 @@ pub fn on_signals() -> CancellationToken {
                 );
                 cancel.cancel();
             } else {
-                if TERMINAL_TAKEN.load(Ordering::SeqCst) {
-                    // Out of raw mode and the alternate screen, or the shell is left unusable.
-                    ratatui::restore();
+                let hook = *BEFORE_EXIT.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(hook) = hook {
+                    hook();
                 }
                 eprintln!(
                     "inboxctl: stopping at once; unfinished messages will be delivered again"

@@ -124,6 +124,23 @@ pub struct Args {
     pub fail_destination: Option<String>,
 }
 
+/// `--on-conflict dead-letter|discard`.
+impl clap::ValueEnum for OnConflict {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[OnConflict::DeadLetter, OnConflict::Discard]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            OnConflict::DeadLetter => clap::builder::PossibleValue::new("dead-letter")
+                .help("Moved to <queue>_error with the reason, for someone to look at: it is a bug upstream"),
+            OnConflict::Discard => {
+                clap::builder::PossibleValue::new("discard").help("Acknowledged and dropped, like a duplicate")
+            }
+        })
+    }
+}
+
 impl Args {
     /// The arguments `consume <kind>` would have with every default.
     pub fn defaults(consumer: Kind) -> Self {

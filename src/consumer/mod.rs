@@ -128,7 +128,7 @@ pub struct ConsumerOptions {
 
 /// What becomes of a message whose id was processed before for another event (a producer that reused an id): it is
 /// never processed, and always counted and logged as a conflict; this says whether it is also kept.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum OnConflict {
     /// Moved to `<queue>_error` with the reason, for someone to look at: it is a bug upstream.
     #[default]

@@ -32,13 +32,21 @@ pub struct Options {
     pub alert_duplicates: f64,
 }
 
-/// Restores the terminal however the dashboard ends: return, error or panic (ratatui's panic hook).
+/// Restores the terminal however the dashboard ends: return, error or panic (ratatui's panic hook), and before an
+/// exit at once on a second signal — out of raw mode and the alternate screen, or the shell is left unusable.
 struct Restore;
+
+impl Restore {
+    fn guard() -> Self {
+        crate::shutdown::before_exit(Some(ratatui::restore));
+        Self
+    }
+}
 
 impl Drop for Restore {
     fn drop(&mut self) {
         ratatui::restore();
-        crate::shutdown::terminal_taken(false);
+        crate::shutdown::before_exit(None);
     }
 }
 
@@ -61,8 +69,7 @@ pub async fn run(
     ));
 
     let mut terminal = ratatui::try_init()?;
-    let _restore = Restore;
-    crate::shutdown::terminal_taken(true);
+    let _restore = Restore::guard();
     let mut app = App::new(options.alert_duplicates);
     let mut events = EventStream::new();
     let result = loop {

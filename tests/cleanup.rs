@@ -234,6 +234,52 @@ async fn two_cleanups_at_once_delete_exactly_the_expected_rows() {
     );
 }
 
+/// A consumer_type another cleanup is cleaning (its advisory lock held, here by a session of the test's) is left to
+/// that cleanup and reported busy, untouched; the other consumer_types are cleaned. Once the lock is released, the
+/// next run cleans it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_type_another_cleanup_holds_is_left_to_it() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed_both(&pool).await;
+    let mut other = pool.acquire().await.unwrap();
+    let locked: bool = sqlx::query_scalar(inboxctl::db::sql::CLEANUP_TRY_LOCK)
+        .bind("alpha")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    assert!(locked);
+
+    let report = json(&env.run(&["cleanup", "--retention", "7d", "--json"]));
+    let alpha = consumer(&report, "alpha");
+    assert_eq!(alpha["busy"], true, "{report}");
+    assert_eq!(
+        (&alpha["deleted"], &alpha["events_deleted"]),
+        (&0.into(), &0.into())
+    );
+    assert_eq!(consumer(&report, "beta")["busy"], false, "{report}");
+    assert_eq!(
+        census(&pool).await,
+        [
+            "alpha processed-new 30",
+            "alpha processed-old 120",
+            "alpha unprocessed-old 7",
+            "beta processed-new 10",
+            "beta unprocessed-old 3"
+        ],
+        "alpha untouched; beta cleaned"
+    );
+
+    sqlx::query(inboxctl::db::sql::CLEANUP_UNLOCK_ALL)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let report = json(&env.run(&["cleanup", "--retention", "7d", "--json"]));
+    let alpha = consumer(&report, "alpha");
+    assert_eq!(alpha["busy"], false, "{report}");
+    assert_eq!(alpha["deleted"], 120, "{report}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_retentions_are_usage_errors() {
     let env = TestEnv::migrated().await;

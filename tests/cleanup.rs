@@ -234,6 +234,183 @@ async fn two_cleanups_at_once_delete_exactly_the_expected_rows() {
     );
 }
 
+/// A consumer_type another cleanup is cleaning (its advisory lock held, here by a session of the test's) is left to
+/// that cleanup and reported busy, untouched; the other consumer_types are cleaned. Once the lock is released, the
+/// next run cleans it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_type_another_cleanup_holds_is_left_to_it() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed_both(&pool).await;
+    let mut other = pool.acquire().await.unwrap();
+    let locked: bool = sqlx::query_scalar(inboxctl::db::sql::CLEANUP_TRY_LOCK)
+        .bind("alpha")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    assert!(locked);
+
+    let report = json(&env.run(&["cleanup", "--retention", "7d", "--json"]));
+    let alpha = consumer(&report, "alpha");
+    assert_eq!(alpha["busy"], true, "{report}");
+    assert_eq!(
+        (&alpha["deleted"], &alpha["events_deleted"]),
+        (&0.into(), &0.into())
+    );
+    assert_eq!(consumer(&report, "beta")["busy"], false, "{report}");
+    assert_eq!(
+        census(&pool).await,
+        [
+            "alpha processed-new 30",
+            "alpha processed-old 120",
+            "alpha unprocessed-old 7",
+            "beta processed-new 10",
+            "beta unprocessed-old 3"
+        ],
+        "alpha untouched; beta cleaned"
+    );
+
+    sqlx::query(inboxctl::db::sql::CLEANUP_UNLOCK_ALL)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let report = json(&env.run(&["cleanup", "--retention", "7d", "--json"]));
+    let alpha = consumer(&report, "alpha");
+    assert_eq!(alpha["busy"], false, "{report}");
+    assert_eq!(alpha["deleted"], 120, "{report}");
+}
+
+/// The fingerprints the claim keeps beside inbox rows go with their rows, and only with them: a fingerprint whose row
+/// is gone would be kept forever (the inbox's own cleanup being the only one that knows it).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fingerprints_of_deleted_rows_go_with_them() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed_both(&pool).await;
+    sqlx::query(
+        "INSERT INTO inboxctl_fingerprints (id, consumer_type, fingerprint)
+         SELECT id, consumer_type, '\\x01'::bytea FROM inbox_messages",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let report = json(&env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--batch-size",
+        "50",
+        "--json",
+    ]));
+    assert_eq!(report["deleted"], 165);
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_fingerprints f WHERE NOT EXISTS (
+                 SELECT 1 FROM inbox_messages i WHERE i.id = f.id AND i.consumer_type = f.consumer_type)"
+        )
+        .await,
+        0,
+        "no fingerprint outlives its row"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_fingerprints").await,
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        "the kept rows keep theirs"
+    );
+}
+
+/// The cutoff belongs to the window: a row, event or start count stamped exactly at it is not older than the window
+/// (the README's "older than now - retention"), and no statement of the cleanup counts or deletes it; one stamped a
+/// microsecond earlier, each of them does.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
+    use chrono::{DateTime, TimeDelta, Utc};
+    use inboxctl::db::sql;
+
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let cutoff: DateTime<Utc> = sqlx::query_scalar(sql::CUTOFF)
+        .bind(7.0 * 86_400.0)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let earlier = cutoff - TimeDelta::microseconds(1);
+    for (consumer_type, at) in [("at", cutoff), ("earlier", earlier)] {
+        for statement in [
+            "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+             VALUES (gen_random_uuid(), $1, $2, $2), (gen_random_uuid(), $1 || '-unprocessed', $2, NULL)",
+            "INSERT INTO inboxctl_events (consumer_type, kind, occurred_at) VALUES ($1, 'duplicate', $2)",
+            "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, last_started_at)
+             VALUES ($1, gen_random_uuid(), 1, $2)",
+        ] {
+            sqlx::query(statement)
+                .bind(consumer_type)
+                .bind(at)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+    }
+    let count = |statement: &'static str, consumer_type: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(statement)
+                .bind(consumer_type)
+                .bind(cutoff)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let delete = |statement: &'static str, consumer_type: &'static str, batch: bool| {
+        let pool = pool.clone();
+        async move {
+            let query = sqlx::query(statement).bind(consumer_type).bind(cutoff);
+            let query = if batch { query.bind(100_i64) } else { query };
+            query.execute(&pool).await.unwrap().rows_affected()
+        }
+    };
+    for (consumer_type, unprocessed, n) in [
+        ("at", "at-unprocessed", 0),
+        ("earlier", "earlier-unprocessed", 1),
+    ] {
+        assert_eq!(
+            count(sql::COUNT_PROCESSED_BEFORE, consumer_type).await,
+            n,
+            "{consumer_type}"
+        );
+        assert_eq!(
+            count(sql::COUNT_EVENTS_BEFORE, consumer_type).await,
+            n,
+            "{consumer_type}"
+        );
+        let (stuck, _): (i64, Option<DateTime<Utc>>) = sqlx::query_as(sql::UNPROCESSED_BEFORE)
+            .bind(unprocessed)
+            .bind(cutoff)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(stuck, n, "{unprocessed}");
+        let n = n.unsigned_abs();
+        assert_eq!(
+            delete(sql::DELETE_PROCESSED_BATCH, consumer_type, true).await,
+            n,
+            "{consumer_type}"
+        );
+        assert_eq!(
+            delete(sql::DELETE_EVENTS_BATCH, consumer_type, true).await,
+            n,
+            "{consumer_type}"
+        );
+        assert_eq!(
+            delete(sql::DELETE_OLD_ATTEMPTS, consumer_type, false).await,
+            n,
+            "{consumer_type}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bad_retentions_are_usage_errors() {
     let env = TestEnv::migrated().await;

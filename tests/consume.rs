@@ -927,10 +927,11 @@ async fn a_stop_during_a_retry_backoff_gives_the_message_back_in(mode: &[&str]) 
     );
 }
 
-// The consumer's own dead-lettering when the broker refuses the copy with a nack: `<queue>_error` exists already,
-// declared by someone else with `x-max-length=0` and `x-overflow=reject-publish` (inboxctl uses an existing queue as
-// it is), so every copy published to it is nacked. An unreadable message must then stay on its own queue — never
-// acknowledged, since no copy of it exists anywhere else — while the consumer keeps working on the rest.
+// The consumer's own dead-lettering when the broker refuses the copy with a nack: `<queue>_error` and
+// `<queue>_skipped` exist already, declared by someone else with `x-max-length=0` and `x-overflow=reject-publish`
+// (inboxctl uses an existing queue as it is), so every copy published to them is nacked. An unreadable message and
+// one of a type the consumer does not handle must then stay on their own queue — never acknowledged, since no copy
+// of them exists anywhere else — while the consumer keeps working on the rest.
 in_both_modes!(
     a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue,
     a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in
@@ -941,7 +942,9 @@ async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
     let error_queue = format!("{CARRIER_QUEUE}_error");
+    let skipped_queue = format!("{CARRIER_QUEUE}_skipped");
     common::declare_queue_that_refuses_everything(&conn, &error_queue).await;
+    common::declare_queue_that_refuses_everything(&conn, &skipped_queue).await;
     let id = Uuid::new_v4();
     let body = b"PT1;Berlin".to_vec();
     common::publish(
@@ -952,33 +955,38 @@ async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(
         &body,
     )
     .await;
+    let unhandled = common::fixture("sent/sent-02.json");
+    common::publish(
+        &conn,
+        CARRIER_QUEUE,
+        "",
+        unhandled.properties.clone(),
+        &unhandled.body,
+    )
+    .await;
 
     let mut consumer = env.spawn(&common::with_mode(
         &["consume", "carrier", "--concurrency", "4"],
         mode,
     ));
-    // Whichever comes first — the refusal said, or the message gone — comes within seconds; then judge.
+    let refused = |queue: &str| format!("could not move a message to {queue}");
+    // Whichever comes first — both refusals said, or a message gone — comes within seconds; then judge.
     common::eventually(
-        "the copy refused, or the message gone from its queue",
+        "both copies refused, or a message gone from its queue",
         Duration::from_secs(30),
         || async {
-            consumer.stderr().contains("could not move a message")
-                || env.queue_counts(CARRIER_QUEUE) == (0, 0)
+            let stderr = consumer.stderr();
+            let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+            (stderr.contains(&refused(&error_queue)) && stderr.contains(&refused(&skipped_queue)))
+                || ready + unacked < 2
         },
     )
     .await;
     let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
     assert_eq!(
         ready + unacked,
-        1,
-        "the broker refused the copy: the message must not be acknowledged\n{}",
-        consumer.stderr()
-    );
-    assert!(
-        consumer
-            .stderr()
-            .contains(&format!("could not move a message to {error_queue}")),
-        "{}",
+        2,
+        "the broker refused the copies: neither message may be acknowledged\n{}",
         consumer.stderr()
     );
 
@@ -997,16 +1005,17 @@ async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(
         consumer.stderr()
     );
     let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
-    assert_eq!(ready + unacked, 1, "still there, still not acknowledged");
+    assert_eq!(ready + unacked, 2, "still there, still not acknowledged");
     assert_eq!(env.queue_counts(&error_queue), (0, 0));
+    assert_eq!(env.queue_counts(&skipped_queue), (0, 0));
     assert_eq!(
         common::count(
             &pool,
-            "SELECT count(*) FROM inboxctl_events WHERE kind = 'dead_lettered'"
+            "SELECT count(*) FROM inboxctl_events WHERE kind IN ('dead_lettered', 'skipped')"
         )
         .await,
         0,
-        "nothing counted as dead-lettered"
+        "nothing counted as dead-lettered or skipped"
     );
 
     consumer.terminate();
@@ -1024,14 +1033,25 @@ async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(
     .await;
     assert_eq!(
         env.queue_counts(CARRIER_QUEUE),
-        (1, 0),
-        "the message given back at the stop"
+        (2, 0),
+        "the messages given back at the stop"
     );
     let left = common::drain(&conn, CARRIER_QUEUE).await;
-    assert_eq!(left.len(), 1);
-    assert_eq!(left[0].data, body, "the message itself, byte for byte");
+    assert_eq!(left.len(), 2);
+    let unreadable = left
+        .iter()
+        .find(|d| d.data == body)
+        .expect("the unreadable message itself, byte for byte");
     assert_eq!(
-        left[0].properties.message_id().as_ref().map(|s| s.as_str()),
+        unreadable
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str()),
         Some(id.to_string().as_str())
+    );
+    assert!(
+        left.iter().any(|d| d.data == unhandled.body),
+        "the unhandled message itself, byte for byte"
     );
 }

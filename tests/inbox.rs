@@ -7,7 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::TestEnv;
-use inboxctl::inbox::{ConsumerType, Inbox, Outcome, ProcessError, WorkError};
+use inboxctl::inbox::{
+    ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, WorkError,
+};
 use proptest::prelude::*;
 use sqlx::PgPool;
 use tokio::sync::oneshot;
@@ -279,8 +281,8 @@ fn any_interleaving_of_copies_gives_one_effect() {
         .unwrap();
 }
 
-fn member(id: Uuid, label: &'static str, fails: bool) -> inboxctl::inbox::Member<()> {
-    inboxctl::inbox::Member {
+fn member(id: Uuid, label: &'static str, fails: bool) -> Member<()> {
+    Member {
         message_id: id,
         fingerprint: None,
         work: Box::new(move |tx| {
@@ -298,7 +300,6 @@ fn member(id: Uuid, label: &'static str, fails: bool) -> inboxctl::inbox::Member
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_commits_once_and_a_failing_member_is_rolled_back_alone() {
-    use inboxctl::inbox::MemberOutcome;
     let (_env, pool, inbox) = setup().await;
     let ids: Vec<Uuid> = (0..5).map(|_| Uuid::new_v4()).collect();
     let labels = ["m0", "m1", "m2", "m3", "m4"];
@@ -352,7 +353,6 @@ async fn a_batch_commits_once_and_a_failing_member_is_rolled_back_alone() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_member_waiting_on_an_attempt_that_rolls_back_does_the_work() {
-    use inboxctl::inbox::MemberOutcome;
     let (env, pool, inbox) = setup().await;
     let (held, other) = (Uuid::new_v4(), Uuid::new_v4());
     let (end_first, first) = hold_first_attempt(&inbox, held).await;
@@ -397,7 +397,6 @@ async fn a_batch_member_waiting_on_an_attempt_that_rolls_back_does_the_work() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn in_a_batch_committed_copies_are_duplicates_and_one_id_twice_is_refused() {
-    use inboxctl::inbox::MemberOutcome;
     let (_env, pool, inbox) = setup().await;
     let (done, new) = (Uuid::new_v4(), Uuid::new_v4());
     inbox
@@ -438,4 +437,171 @@ async fn in_a_batch_committed_copies_are_duplicates_and_one_id_twice_is_refused(
         2,
         "nothing of it committed"
     );
+}
+
+/// A member whose event has `fingerprint`, and whose work writes its effect.
+fn member_of_event(id: Uuid, fingerprint: Fingerprint, label: &'static str) -> Member<()> {
+    Member {
+        message_id: id,
+        fingerprint: Some(fingerprint),
+        work: Box::new(move |tx| Box::pin(insert_effect(tx, id, label))),
+    }
+}
+
+/// What became of each member, in a word.
+fn kinds(outcomes: &[MemberOutcome<()>]) -> Vec<&'static str> {
+    outcomes
+        .iter()
+        .map(|o| match o {
+            MemberOutcome::Processed(()) => "processed",
+            MemberOutcome::Duplicate => "duplicate",
+            MemberOutcome::Conflict(_) => "conflict",
+            MemberOutcome::Failed(_) => "failed",
+        })
+        .collect()
+}
+
+/// A fingerprint left behind by an inbox row deleted elsewhere (the purge of an adopted table's own application,
+/// which knows nothing of inboxctl's fingerprints) gives way to the next claim's: a later copy of the event claimed
+/// then is a duplicate, not a conflict — one by one and in a batch.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claim_replaces_a_fingerprint_its_row_left_behind() {
+    let (_env, pool, inbox) = setup().await;
+    let (single, batched) = (Uuid::new_v4(), Uuid::new_v4());
+    let (old, new) = (
+        Fingerprint::from_bytes([1; 16]),
+        Fingerprint::from_bytes([2; 16]),
+    );
+    let process = |id: Uuid, fingerprint, label: &'static str| {
+        inbox.process_event(id, Some(fingerprint), move |tx| {
+            Box::pin(insert_effect(tx, id, label))
+        })
+    };
+    for id in [single, batched] {
+        assert_eq!(
+            process(id, old, "old").await.unwrap(),
+            Outcome::Processed(())
+        );
+    }
+    sqlx::query("DELETE FROM inbox_messages")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    assert_eq!(
+        process(single, new, "new").await.unwrap(),
+        Outcome::Processed(())
+    );
+    assert_eq!(
+        process(single, new, "copy").await.unwrap(),
+        Outcome::Duplicate
+    );
+    let claimed = inbox
+        .process_batch(vec![member_of_event(batched, new, "new")])
+        .await
+        .unwrap();
+    assert_eq!(kinds(&claimed), ["processed"]);
+    let copy = inbox
+        .process_batch(vec![member_of_event(batched, new, "copy")])
+        .await
+        .unwrap();
+    assert_eq!(kinds(&copy), ["duplicate"]);
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'conflict'"
+        )
+        .await,
+        0
+    );
+}
+
+/// A copy of a message claimed without a fingerprint (by EF Core, or by an inboxctl from before fingerprints) is an
+/// ordinary duplicate, and recorded as one: with nothing to tell the two events apart, it is never a conflict.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_of_a_claim_without_a_fingerprint_is_recorded_as_a_duplicate() {
+    let (_env, pool, inbox) = setup().await;
+    let (single, batched) = (Uuid::new_v4(), Uuid::new_v4());
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         SELECT unnest($1::uuid[]), 'trap-5', now(), now()",
+    )
+    .bind([single, batched])
+    .execute(&pool)
+    .await
+    .unwrap();
+    let fingerprint = Fingerprint::from_bytes([7; 16]);
+
+    let outcome = inbox
+        .process_event(single, Some(fingerprint), move |tx| {
+            Box::pin(insert_effect(tx, single, "single"))
+        })
+        .await
+        .unwrap();
+    assert_eq!(outcome, Outcome::Duplicate);
+    let outcomes = inbox
+        .process_batch(vec![member_of_event(batched, fingerprint, "batched")])
+        .await
+        .unwrap();
+    assert_eq!(kinds(&outcomes), ["duplicate"]);
+    assert!(effects(&pool).await.is_empty());
+    let recorded: Vec<String> =
+        sqlx::query_scalar("SELECT kind FROM inboxctl_events ORDER BY kind")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(recorded, ["duplicate", "duplicate"]);
+}
+
+/// A batch claims its keys in id order, whatever order its members came in: waiting on a key another attempt holds,
+/// it holds none of the keys after it, so a copy of a later member goes ahead meanwhile — and two batches never wait
+/// on each other in a cycle.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_waiting_on_a_key_holds_none_after_it() {
+    let (env, pool, inbox) = setup().await;
+    let mut ids = [Uuid::new_v4(), Uuid::new_v4()];
+    ids.sort();
+    let [low, high] = ids;
+    let (end_first, first) = hold_first_attempt(&inbox, low).await;
+    let batch = {
+        let inbox = inbox.clone();
+        tokio::spawn(async move {
+            inbox
+                .process_batch(vec![
+                    member(high, "batch high", false),
+                    member(low, "batch low", false),
+                ])
+                .await
+        })
+    };
+    let db = env.db_name.clone();
+    common::eventually("the batch waits on the first attempt's lock", Duration::from_secs(10), || {
+        let db = db.clone();
+        let pool = pool.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+            )
+            .bind(db)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            waiting == 1
+        }
+    })
+    .await;
+
+    let copy = tokio::time::timeout(
+        Duration::from_secs(10),
+        inbox.process(high, move |tx| Box::pin(insert_effect(tx, high, "copy"))),
+    )
+    .await
+    .expect("a copy of the batch's later member is not held up by the waiting batch")
+    .unwrap();
+    assert_eq!(copy, Outcome::Processed(()));
+    end_first.send(false).unwrap();
+    assert!(first.await.unwrap().is_err());
+    let outcomes = batch.await.unwrap().unwrap();
+    assert_eq!(kinds(&outcomes), ["duplicate", "processed"]);
+    assert_eq!(effects(&pool).await, ["batch low", "copy"]);
 }

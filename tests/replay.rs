@@ -565,6 +565,17 @@ async fn one_message_id_from_two_queues_goes_back_to_both_and_a_second_copy_stay
 /// of each of the three messages on the origin queue, none left behind.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_acknowledgement_lost_with_the_connection_is_made_again_without_a_second_copy() {
+    acknowledgement_lost_with_the_connection(3).await;
+}
+
+/// The same with one message: the acknowledgement made again is the replay's last request on its channel, so only
+/// the channel's close tells that it arrived — and the report still counts it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_last_message_acknowledged_again_is_counted_in_the_report() {
+    acknowledgement_lost_with_the_connection(1).await;
+}
+
+async fn acknowledgement_lost_with_the_connection(messages: u64) {
     let env = TestEnv::bare().await;
     let conn = env.amqp().await;
     let channel = conn.create_channel().await.unwrap();
@@ -578,7 +589,7 @@ async fn an_acknowledgement_lost_with_the_connection_is_made_again_without_a_sec
             .await
             .unwrap();
     }
-    for _ in 0..3 {
+    for _ in 0..messages {
         let mut headers = FieldTable::default();
         headers.insert(
             "MT-Fault-InputAddress".into(),
@@ -616,10 +627,10 @@ async fn an_acknowledgement_lost_with_the_connection_is_made_again_without_a_sec
         replay.stderr()
     );
     let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
-    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(report["replayed"], messages, "{report}");
     assert_eq!(report["already_replayed"], 1, "{report}");
     assert_eq!(report["reconnects"], 1, "{report}");
-    assert_eq!(env.queue_counts("lost-a"), (3, 0), "one copy each");
+    assert_eq!(env.queue_counts("lost-a"), (messages, 0), "one copy each");
     assert_eq!(env.queue_counts("lost.dlq"), (0, 0));
 }
 

@@ -326,6 +326,34 @@ mod tests {
         }
     }
 
+    /// Whatever a failure quotes — a reason or an error chain that repeats a message's text, a message type read
+    /// from the message — the copy carries a bounded amount of it, cut with a note, before any frame is considered.
+    #[test]
+    fn failure_texts_are_cut_to_their_bounds() {
+        let long = "x".repeat(100_000);
+        let fault = Fault {
+            message: long.clone(),
+            stack_trace: long.clone(),
+            consumer_type: long.clone(),
+            message_type: Some(long),
+            ..fault()
+        };
+        let headers = error_headers(None, &fault);
+        for (key, max) in [
+            ("MT-Fault-Message", MAX_HEADER_TEXT),
+            ("MT-Fault-StackTrace", MAX_STACK_TRACE),
+            ("MT-Fault-ConsumerType", MAX_HEADER_TEXT),
+            ("MT-Fault-MessageType", MAX_HEADER_TEXT),
+        ] {
+            let text = header_text(Some(&headers), key).expect(key);
+            assert!(text.len() <= max, "{key}: {} bytes", text.len());
+            assert!(
+                text.ends_with("[cut by inboxctl: 100000 bytes in all]"),
+                "{key}"
+            );
+        }
+    }
+
     #[test]
     fn skipped_headers_say_dead_letter_and_carry_no_fault() {
         let headers = skipped_headers(None);

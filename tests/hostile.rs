@@ -119,6 +119,33 @@ async fn the_nil_message_id_is_unreadable_and_no_message_carrying_it_is_lost() {
     }
 }
 
+/// A body that starts with a UTF-8 byte order mark is unreadable (MassTransit's deserializer refuses it too), and its
+/// error copy says so in words, not as "expected value at line 1 column 1"; the healthy message behind it goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_with_a_byte_order_mark_is_dead_lettered_saying_so() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "Berlin");
+    let mut marked = vec![0xEF, 0xBB, 0xBF];
+    marked.extend_from_slice(&body);
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &marked).await;
+    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "Paris");
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    common::consume_until_idle(&env, &["carrier"]);
+    let pool = env.pool().await;
+    assert_eq!(
+        effects(&pool).await,
+        1,
+        "only the healthy one was processed"
+    );
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1, "the marked one is kept in the error queue");
+    let reason = header_text(&copies[0], "MT-Fault-Message");
+    assert!(reason.contains("byte order mark"), "{reason}");
+    assert_eq!(copies[0].data, marked, "kept byte for byte");
+}
+
 in_both_modes!(
     a_reused_message_id_with_another_event_is_a_conflict_not_a_duplicate,
     reused_id

@@ -83,16 +83,7 @@ pub async fn run(
         None => db::cleanup::consumer_types(pool).await?,
     };
 
-    let mut consumers = Vec::with_capacity(consumer_types.len());
-    for consumer_type in consumer_types {
-        let unprocessed = db::cleanup::unprocessed_before(pool, &consumer_type, cutoff).await?;
-        consumers.push(ConsumerReport {
-            consumer_type,
-            unprocessed_older: unprocessed.count,
-            oldest_unprocessed: unprocessed.oldest,
-            ..ConsumerReport::default()
-        });
-    }
+    let mut consumers = reports(pool, consumer_types, cutoff).await?;
 
     let mut interrupted = false;
     let mut attempts_deleted = 0;
@@ -154,6 +145,25 @@ pub async fn run(
             deleted as f64 / seconds
         },
     })
+}
+
+/// A report for each consumer_type, with its rows received before the cutoff and never processed.
+async fn reports(
+    pool: &PgPool,
+    consumer_types: Vec<String>,
+    cutoff: DateTime<Utc>,
+) -> Result<Vec<ConsumerReport>> {
+    let mut consumers = Vec::with_capacity(consumer_types.len());
+    for consumer_type in consumer_types {
+        let unprocessed = db::cleanup::unprocessed_before(pool, &consumer_type, cutoff).await?;
+        consumers.push(ConsumerReport {
+            consumer_type,
+            unprocessed_older: unprocessed.count,
+            oldest_unprocessed: unprocessed.oldest,
+            ..ConsumerReport::default()
+        });
+    }
+    Ok(consumers)
 }
 
 /// Deletes in batches, one consumer_type after another in turn (`order`, indexes into `consumers`), each first its

@@ -161,72 +161,8 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     let estimates = Estimates::read(&mut conn).await?;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
-        let exact_below = range.exact_below;
-        let (rows, rows_estimated) = match estimates.rows(&consumer_type) {
-            Some(estimate) if estimate >= exact_below => (Some(estimate), true),
-            estimate => {
-                let exact =
-                    db::stats::count_rows_capped(&mut *conn, &consumer_type, exact_below).await?;
-                if exact > exact_below {
-                    (Some(estimate.unwrap_or(exact).max(exact)), true)
-                } else {
-                    (Some(exact), false)
-                }
-            }
-        };
-        let exact_unprocessed =
-            db::stats::count_unprocessed_capped(&mut *conn, &consumer_type, exact_below).await?;
-        let (unprocessed, unprocessed_estimated) = if exact_unprocessed > exact_below {
-            (
-                Some(
-                    estimates
-                        .unprocessed(&consumer_type)
-                        .unwrap_or(exact_unprocessed)
-                        .max(exact_unprocessed),
-                ),
-                true,
-            )
-        } else {
-            (Some(exact_unprocessed), false)
-        };
-        let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
-            None
-        } else {
-            db::stats::oldest_unprocessed_age(&mut *conn, &consumer_type).await?
-        };
-
-        let (window_counts, series) = if registered.contains_key(&consumer_type) {
-            let (counts, series) = counters(&mut conn, &consumer_type, range).await?;
-            (Some(counts), series)
-        } else {
-            (None, Vec::new())
-        };
-        let queue_name = registered
-            .get(&consumer_type)
-            .cloned()
-            .unwrap_or_else(|| consumer_type.clone());
-        consumers.push(ConsumerStats {
-            consumer_type,
-            rows,
-            rows_estimated,
-            unprocessed,
-            unprocessed_estimated,
-            oldest_unprocessed_seconds,
-            window: window_counts,
-            series,
-            queue: Some(QueueDepth {
-                name: queue_name.clone(),
-                ready: None,
-                consumers: None,
-                exists: false,
-            }),
-            error_queue: Some(QueueDepth {
-                name: topology::error_queue(&queue_name),
-                ready: None,
-                consumers: None,
-                exists: false,
-            }),
-        });
+        consumers
+            .push(consumer_stats(&mut conn, consumer_type, &registered, &estimates, range).await?);
     }
     drop(conn);
 
@@ -269,6 +205,82 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         bucket: range.bucket,
         consumers,
         broker_error,
+    })
+}
+
+/// One consumer_type's figures from the database; its queues' depths are left for the broker to fill in.
+async fn consumer_stats(
+    conn: &mut sqlx::PgConnection,
+    consumer_type: String,
+    registered: &HashMap<String, String>,
+    estimates: &Estimates,
+    range: Range,
+) -> Result<ConsumerStats> {
+    let exact_below = range.exact_below;
+    let (rows, rows_estimated) = match estimates.rows(&consumer_type) {
+        Some(estimate) if estimate >= exact_below => (Some(estimate), true),
+        estimate => {
+            let exact =
+                db::stats::count_rows_capped(&mut *conn, &consumer_type, exact_below).await?;
+            if exact > exact_below {
+                (Some(estimate.unwrap_or(exact).max(exact)), true)
+            } else {
+                (Some(exact), false)
+            }
+        }
+    };
+    let exact_unprocessed =
+        db::stats::count_unprocessed_capped(&mut *conn, &consumer_type, exact_below).await?;
+    let (unprocessed, unprocessed_estimated) = if exact_unprocessed > exact_below {
+        (
+            Some(
+                estimates
+                    .unprocessed(&consumer_type)
+                    .unwrap_or(exact_unprocessed)
+                    .max(exact_unprocessed),
+            ),
+            true,
+        )
+    } else {
+        (Some(exact_unprocessed), false)
+    };
+    let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
+        None
+    } else {
+        db::stats::oldest_unprocessed_age(&mut *conn, &consumer_type).await?
+    };
+
+    let (window_counts, series) = if registered.contains_key(&consumer_type) {
+        let (counts, series) = counters(&mut *conn, &consumer_type, range).await?;
+        (Some(counts), series)
+    } else {
+        (None, Vec::new())
+    };
+    let queue_name = registered
+        .get(&consumer_type)
+        .cloned()
+        .unwrap_or_else(|| consumer_type.clone());
+    Ok(ConsumerStats {
+        consumer_type,
+        rows,
+        rows_estimated,
+        unprocessed,
+        unprocessed_estimated,
+        oldest_unprocessed_seconds,
+        window: window_counts,
+        series,
+        queue: Some(QueueDepth {
+            name: queue_name.clone(),
+            ready: None,
+            consumers: None,
+            exists: false,
+        }),
+        error_queue: Some(QueueDepth {
+            name: topology::error_queue(&queue_name),
+            ready: None,
+            consumers: None,
+            exists: false,
+        }),
     })
 }
 

@@ -41,7 +41,7 @@ pub struct Starts {
     pub alone: u32,
 }
 
-/// Counts a start of a redelivered message ([`REDELIVERED_START`]).
+/// Counts a start of a redelivered message (`REDELIVERED_START`).
 pub async fn start(
     executor: impl PgExecutor<'_>,
     consumer_type: &ConsumerType,
@@ -58,7 +58,7 @@ pub async fn start(
     })
 }
 
-/// Counts the current start of a redelivered message as made alone ([`REDELIVERED_ALONE`]).
+/// Counts the current start of a redelivered message as made alone (`REDELIVERED_ALONE`).
 pub async fn started_alone(
     executor: impl PgExecutor<'_>,
     consumer_type: &ConsumerType,
@@ -72,7 +72,7 @@ pub async fn started_alone(
         .map(drop)
 }
 
-/// Forgets a redelivered message's count: it came through an attempt alive ([`REDELIVERED_DONE`]).
+/// Forgets a redelivered message's count: it came through an attempt alive (`REDELIVERED_DONE`).
 pub async fn done(
     executor: impl PgExecutor<'_>,
     consumer_type: &ConsumerType,
@@ -86,7 +86,7 @@ pub async fn done(
         .map(drop)
 }
 
-/// Takes back the starts a clean stop abandoned ([`REDELIVERED_ABANDONED`]): each message id, and whether its start
+/// Takes back the starts a clean stop abandoned (`REDELIVERED_ABANDONED`): each message id, and whether its start
 /// was also counted as made alone.
 pub async fn abandoned(
     executor: impl PgExecutor<'_>,

@@ -14,7 +14,7 @@ statements! {
     /// commits, and it commits only together with the consumer's effects — and, beside it, the fingerprint of the
     /// message's event (when given), so that a later copy of another event under the same id can be told from a copy
     /// of this one. A copy whose key is held by an uncommitted attempt waits here for that attempt's outcome: it claims
-    /// the key if the attempt rolls back, and is a copy ([`RECORD_COPY`]) if it commits.
+    /// the key if the attempt rolls back, and is a copy (`RECORD_COPY`) if it commits.
     ///
     /// Returns whether the key was claimed. `$1` message id, `$2` consumer_type, `$3` fingerprint (null: unknown).
     pub const CLAIM = "\
@@ -68,7 +68,7 @@ WITH m AS (
 )
 SELECT id FROM claim";
 
-    /// [`RECORD_COPY`] for the members of a batch whose keys a committed claim held. Returns each id with the
+    /// `RECORD_COPY` for the members of a batch whose keys a committed claim held. Returns each id with the
     /// fingerprint it was claimed with. `$1` message ids, `$2` consumer_type, `$3` their fingerprints (empty: unknown).
     const RECORD_BATCH_COPIES = "\
 WITH c AS (
@@ -112,7 +112,7 @@ pub struct Key {
     pub fingerprint: Option<Fingerprint>,
 }
 
-/// Claims `(message_id, consumer_type)` and keeps `fingerprint` beside it ([`CLAIM`]); `false`: a committed claim
+/// Claims `(message_id, consumer_type)` and keeps `fingerprint` beside it (`CLAIM`); `false`: a committed claim
 /// holds the key (after waiting for an uncommitted one to end).
 pub async fn claim(
     conn: &mut PgConnection,
@@ -128,7 +128,7 @@ pub async fn claim(
         .await
 }
 
-/// Records a copy whose key a committed claim holds ([`RECORD_COPY`]); returns the fingerprint the key was claimed
+/// Records a copy whose key a committed claim holds (`RECORD_COPY`); returns the fingerprint the key was claimed
 /// with, if known.
 pub async fn record_copy(
     conn: &mut PgConnection,
@@ -155,7 +155,7 @@ fn arrays(keys: &[Key]) -> (Vec<Uuid>, Vec<Vec<u8>>) {
         .unzip()
 }
 
-/// Claims every key of a batch in one statement, in the order of `keys` ([`CLAIM_BATCH`]); returns the ids claimed.
+/// Claims every key of a batch in one statement, in the order of `keys` (`CLAIM_BATCH`); returns the ids claimed.
 pub async fn claim_batch(
     conn: &mut PgConnection,
     keys: &[Key],
@@ -172,7 +172,7 @@ pub async fn claim_batch(
         .collect())
 }
 
-/// Records the members of a batch whose keys a committed claim held ([`RECORD_BATCH_COPIES`]); returns the
+/// Records the members of a batch whose keys a committed claim held (`RECORD_BATCH_COPIES`); returns the
 /// fingerprint each was first claimed with, if known.
 pub async fn record_batch_copies(
     conn: &mut PgConnection,
@@ -192,12 +192,12 @@ pub async fn record_batch_copies(
         .collect())
 }
 
-/// Opens the savepoint a batch member works in ([`SAVEPOINT`]).
+/// Opens the savepoint a batch member works in (`SAVEPOINT`).
 pub async fn savepoint(conn: &mut PgConnection) -> sqlx::Result<()> {
     sqlx::query(SAVEPOINT).execute(conn).await.map(drop)
 }
 
-/// Rolls a failed batch member back to its savepoint ([`ROLLBACK_TO_SAVEPOINT`]).
+/// Rolls a failed batch member back to its savepoint (`ROLLBACK_TO_SAVEPOINT`).
 pub async fn rollback_to_savepoint(conn: &mut PgConnection) -> sqlx::Result<()> {
     sqlx::query(ROLLBACK_TO_SAVEPOINT)
         .execute(conn)
@@ -205,7 +205,7 @@ pub async fn rollback_to_savepoint(conn: &mut PgConnection) -> sqlx::Result<()> 
         .map(drop)
 }
 
-/// Takes back a failed batch member's claim and fingerprint ([`UNCLAIM`]).
+/// Takes back a failed batch member's claim and fingerprint (`UNCLAIM`).
 pub async fn unclaim(
     conn: &mut PgConnection,
     message_id: Uuid,
@@ -219,7 +219,7 @@ pub async fn unclaim(
         .map(drop)
 }
 
-/// The tutorial's look-up: whether an inbox row for the key exists ([`TUTORIAL_LOOKUP`]).
+/// The tutorial's look-up: whether an inbox row for the key exists (`TUTORIAL_LOOKUP`).
 pub async fn tutorial_lookup(
     executor: impl PgExecutor<'_>,
     message_id: Uuid,
@@ -232,7 +232,7 @@ pub async fn tutorial_lookup(
         .await
 }
 
-/// The tutorial's plain insert of the inbox row ([`TUTORIAL_INSERT`]).
+/// The tutorial's plain insert of the inbox row (`TUTORIAL_INSERT`).
 pub async fn tutorial_insert(
     conn: &mut PgConnection,
     message_id: Uuid,

@@ -34,7 +34,7 @@ ORDER BY 1";
     /// One cleanup batch: at most `$3` processed rows of consumer_type `$1` older than `$2`, found through
     /// `(consumer_type, processed_at)` and deleted by their tuple ids. Unprocessed rows (`processed_at IS NULL`) never
     /// match. No `FOR UPDATE SKIP LOCKED`: nothing else deletes these rows while a cleanup holds the consumer_type's
-    /// [`CLEANUP_TRY_LOCK`], and locking them first would write each row once more.
+    /// `CLEANUP_TRY_LOCK`, and locking them first would write each row once more.
     /// The batch's fingerprints go with it, found through their key.
     const DELETE_PROCESSED_BATCH = "\
 WITH batch AS (
@@ -76,7 +76,7 @@ WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
     "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND last_started_at < $2";
 }
 
-/// `now() - retention` on the database's clock ([`CUTOFF`]).
+/// `now() - retention` on the database's clock (`CUTOFF`).
 pub async fn cutoff(
     executor: impl PgExecutor<'_>,
     retention: Duration,
@@ -87,7 +87,7 @@ pub async fn cutoff(
         .await
 }
 
-/// Every consumer_type with inbox rows, events or a registration, in order ([`CONSUMER_TYPES`]).
+/// Every consumer_type with inbox rows, events or a registration, in order (`CONSUMER_TYPES`).
 pub async fn consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(CONSUMER_TYPES).fetch_all(executor).await
 }
@@ -99,7 +99,7 @@ pub struct Unprocessed {
     pub oldest: Option<DateTime<Utc>>,
 }
 
-/// The unprocessed rows received before `cutoff` ([`UNPROCESSED_BEFORE`]).
+/// The unprocessed rows received before `cutoff` (`UNPROCESSED_BEFORE`).
 pub async fn unprocessed_before(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -116,7 +116,7 @@ pub async fn unprocessed_before(
     })
 }
 
-/// Processed rows older than `cutoff`: what a cleanup deletes ([`COUNT_PROCESSED_BEFORE`]).
+/// Processed rows older than `cutoff`: what a cleanup deletes (`COUNT_PROCESSED_BEFORE`).
 pub async fn count_processed_before(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -125,7 +125,7 @@ pub async fn count_processed_before(
     count(executor, COUNT_PROCESSED_BEFORE, consumer_type, cutoff).await
 }
 
-/// Event rows older than `cutoff` ([`COUNT_EVENTS_BEFORE`]).
+/// Event rows older than `cutoff` (`COUNT_EVENTS_BEFORE`).
 pub async fn count_events_before(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -148,7 +148,7 @@ async fn count(
     Ok(n.unsigned_abs())
 }
 
-/// Takes the consumer_type's cleanup lock on this session if no other session holds it ([`CLEANUP_TRY_LOCK`]).
+/// Takes the consumer_type's cleanup lock on this session if no other session holds it (`CLEANUP_TRY_LOCK`).
 pub async fn try_lock(executor: impl PgExecutor<'_>, consumer_type: &str) -> sqlx::Result<bool> {
     sqlx::query_scalar(CLEANUP_TRY_LOCK)
         .bind(consumer_type)
@@ -156,7 +156,7 @@ pub async fn try_lock(executor: impl PgExecutor<'_>, consumer_type: &str) -> sql
         .await
 }
 
-/// Releases every advisory lock of the session ([`CLEANUP_UNLOCK_ALL`]).
+/// Releases every advisory lock of the session (`CLEANUP_UNLOCK_ALL`).
 pub async fn unlock_all(executor: impl PgExecutor<'_>) -> sqlx::Result<()> {
     sqlx::query(CLEANUP_UNLOCK_ALL)
         .execute(executor)
@@ -164,7 +164,7 @@ pub async fn unlock_all(executor: impl PgExecutor<'_>) -> sqlx::Result<()> {
         .map(drop)
 }
 
-/// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints ([`DELETE_PROCESSED_BATCH`]);
+/// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`);
 /// returns the rows deleted.
 pub async fn delete_processed_batch(
     executor: impl PgExecutor<'_>,
@@ -182,7 +182,7 @@ pub async fn delete_processed_batch(
     .await
 }
 
-/// Deletes at most `limit` event rows older than `cutoff` ([`DELETE_EVENTS_BATCH`]); returns the rows deleted.
+/// Deletes at most `limit` event rows older than `cutoff` (`DELETE_EVENTS_BATCH`); returns the rows deleted.
 pub async fn delete_events_batch(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -208,7 +208,7 @@ async fn delete_batch(
         .rows_affected())
 }
 
-/// Deletes the start counts last started before `cutoff` ([`DELETE_OLD_ATTEMPTS`]); returns how many.
+/// Deletes the start counts last started before `cutoff` (`DELETE_OLD_ATTEMPTS`); returns how many.
 pub async fn delete_old_attempts(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,

@@ -46,7 +46,7 @@ pub struct Notification<'a> {
     pub idempotency_key: Uuid,
 }
 
-/// Writes a booking ([`INSERT_CARRIER_RESERVATION`]).
+/// Writes a booking (`INSERT_CARRIER_RESERVATION`).
 pub async fn insert_carrier_reservation(
     conn: &mut PgConnection,
     r: &Reservation,
@@ -62,7 +62,7 @@ pub async fn insert_carrier_reservation(
         .map(drop)
 }
 
-/// Writes a text sent ([`INSERT_NOTIFICATION_SENT`]).
+/// Writes a text sent (`INSERT_NOTIFICATION_SENT`).
 pub async fn insert_notification_sent(
     conn: &mut PgConnection,
     n: &Notification<'_>,
@@ -78,7 +78,7 @@ pub async fn insert_notification_sent(
         .map(drop)
 }
 
-/// Bookings written for these parcels ([`COUNT_CARRIER_RESERVATIONS_FOR`]).
+/// Bookings written for these parcels (`COUNT_CARRIER_RESERVATIONS_FOR`).
 pub async fn count_carrier_reservations_for(
     executor: impl PgExecutor<'_>,
     parcel_ids: &[Uuid],
@@ -89,7 +89,7 @@ pub async fn count_carrier_reservations_for(
         .await
 }
 
-/// Texts written for these parcels ([`COUNT_NOTIFICATIONS_SENT_FOR`]).
+/// Texts written for these parcels (`COUNT_NOTIFICATIONS_SENT_FOR`).
 pub async fn count_notifications_sent_for(
     executor: impl PgExecutor<'_>,
     parcel_ids: &[Uuid],

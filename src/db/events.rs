@@ -24,7 +24,7 @@ ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, last_seen_at =
     "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = ANY($1)";
 }
 
-/// Records one event of a consumer ([`RECORD_EVENT`]): its kind, the message's id if it had one, a detail.
+/// Records one event of a consumer (`RECORD_EVENT`): its kind, the message's id if it had one, a detail.
 pub async fn record(
     executor: impl PgExecutor<'_>,
     consumer_type: &ConsumerType,
@@ -42,7 +42,7 @@ pub async fn record(
         .map(drop)
 }
 
-/// Registers a consumer process's consumer_type and the queue it reads ([`REGISTER_CONSUMER`]).
+/// Registers a consumer process's consumer_type and the queue it reads (`REGISTER_CONSUMER`).
 pub async fn register_consumer(
     executor: impl PgExecutor<'_>,
     consumer_type: &ConsumerType,
@@ -56,7 +56,7 @@ pub async fn register_consumer(
         .map(drop)
 }
 
-/// Duplicates discarded for these message ids ([`COUNT_DUPLICATES_FOR`]).
+/// Duplicates discarded for these message ids (`COUNT_DUPLICATES_FOR`).
 pub async fn count_duplicates_for(
     executor: impl PgExecutor<'_>,
     message_ids: &[Uuid],

@@ -23,7 +23,7 @@ pub struct Missing {
 }
 
 /// Of `needs` (a table and the privileges it needs, comma-separated), what the current role lacks, per table, in the
-/// order of `needs` ([`MISSING_PRIVILEGES`]). Tables that do not exist are left out.
+/// order of `needs` (`MISSING_PRIVILEGES`). Tables that do not exist are left out.
 pub async fn missing_privileges(
     executor: impl PgExecutor<'_>,
     needs: &[(&str, &str)],

@@ -1,7 +1,7 @@
 //! The store: PostgreSQL. Connecting, telling an outage from a real error, and one module per area, each owning its
 //! statements and the typed functions that bind and run them. Nothing outside `db` binds a parameter by position.
 //!
-//! Every statement is declared with [`statements!`], which also lists it in [`statements`]: `tests/statements.rs`
+//! Every statement is declared with `statements!`, which also lists it in [`statements`]: `tests/statements.rs`
 //! prepares each of them against a freshly migrated database, and a unit test below checks that `src/db/` sends no
 //! statement that is not declared that way.
 

@@ -60,14 +60,14 @@ WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
 GROUP BY 1, 2";
 }
 
-/// consumer_types with inbox rows ([`INBOX_CONSUMER_TYPES`]).
+/// consumer_types with inbox rows (`INBOX_CONSUMER_TYPES`).
 pub async fn inbox_consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
     sqlx::query_scalar(INBOX_CONSUMER_TYPES)
         .fetch_all(executor)
         .await
 }
 
-/// Each consumer_type an inboxctl consumer ran as, with the queue it read ([`REGISTERED_CONSUMERS`]).
+/// Each consumer_type an inboxctl consumer ran as, with the queue it read (`REGISTERED_CONSUMERS`).
 pub async fn registered_consumers(
     executor: impl PgExecutor<'_>,
 ) -> sqlx::Result<HashMap<String, String>> {
@@ -77,7 +77,7 @@ pub async fn registered_consumers(
     Ok(rows.into_iter().collect())
 }
 
-/// The planner's statistics of the inbox ([`INBOX_ESTIMATES`]).
+/// The planner's statistics of the inbox (`INBOX_ESTIMATES`).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Estimates {
     /// reltuples of the table (-1 until it was first vacuumed or analyzed).
@@ -118,7 +118,7 @@ pub async fn estimates(executor: impl PgExecutor<'_>) -> sqlx::Result<Option<Est
 }
 
 /// Rows of a consumer_type, counted up to `cap + 1` (more than `cap` means at least that many)
-/// ([`COUNT_ROWS_CAPPED`]).
+/// (`COUNT_ROWS_CAPPED`).
 pub async fn count_rows_capped(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -127,7 +127,7 @@ pub async fn count_rows_capped(
     capped(executor, COUNT_ROWS_CAPPED, consumer_type, cap).await
 }
 
-/// Unprocessed rows of a consumer_type, counted up to `cap + 1` ([`COUNT_UNPROCESSED_CAPPED`]).
+/// Unprocessed rows of a consumer_type, counted up to `cap + 1` (`COUNT_UNPROCESSED_CAPPED`).
 pub async fn count_unprocessed_capped(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -151,7 +151,7 @@ async fn capped(
 }
 
 /// Seconds since the oldest unprocessed row of a consumer_type was received; `None` when there is none
-/// ([`OLDEST_UNPROCESSED_AGE`]).
+/// (`OLDEST_UNPROCESSED_AGE`).
 pub async fn oldest_unprocessed_age(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -171,7 +171,7 @@ pub struct Bucket {
     pub count: i64,
 }
 
-/// Processed rows of a consumer_type over the last `span`, per `bucket` ([`PROCESSED_SERIES`]).
+/// Processed rows of a consumer_type over the last `span`, per `bucket` (`PROCESSED_SERIES`).
 pub async fn processed_series(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,
@@ -194,7 +194,7 @@ pub async fn processed_series(
         .collect())
 }
 
-/// Events of a consumer_type over the last `span`, per kind and `bucket` ([`EVENT_SERIES`]).
+/// Events of a consumer_type over the last `span`, per kind and `bucket` (`EVENT_SERIES`).
 pub async fn event_series(
     executor: impl PgExecutor<'_>,
     consumer_type: &str,

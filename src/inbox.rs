@@ -3,7 +3,7 @@
 //! For each delivery of a message, [`Inbox::process`] runs one PostgreSQL transaction on one connection:
 //!
 //! 1. `BEGIN`.
-//! 2. Claim `(message id, consumer_type)`: insert the inbox row with `ON CONFLICT DO NOTHING` ([`db::claim::claim`]). The
+//! 2. Claim `(message id, consumer_type)`: insert the inbox row with `ON CONFLICT DO NOTHING` ([`db::claim`]). The
 //!    claim comes first, before any work (trap 2: check-then-insert lets two first deliveries both work). If another
 //!    delivery of the same message holds the key in a transaction that has not ended, PostgreSQL makes this insert
 //!    wait for it: if that transaction commits, this delivery is a duplicate; if it rolls back, this delivery takes

@@ -13,7 +13,7 @@ use serde::Serialize;
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::sql;
+use crate::db::{self, schema};
 use crate::error::Result;
 
 /// What to clean.
@@ -77,53 +77,22 @@ pub async fn run(
     mut progress: impl FnMut(Progress<'_>),
 ) -> Result<Report> {
     let started = Instant::now();
-    let cutoff: DateTime<Utc> = sqlx::query_scalar(sql::CUTOFF)
-        .bind(plan.retention.as_secs_f64())
-        .fetch_one(pool)
-        .await?;
+    let cutoff = db::cleanup::cutoff(pool, plan.retention).await?;
     let consumer_types = match &plan.consumer_type {
         Some(one) => vec![one.clone()],
-        None => {
-            sqlx::query_scalar(sql::CONSUMER_TYPES)
-                .fetch_all(pool)
-                .await?
-        }
+        None => db::cleanup::consumer_types(pool).await?,
     };
 
-    let mut consumers = Vec::with_capacity(consumer_types.len());
-    for consumer_type in consumer_types {
-        let (unprocessed, oldest): (i64, Option<DateTime<Utc>>) =
-            sqlx::query_as(sql::UNPROCESSED_BEFORE)
-                .bind(&consumer_type)
-                .bind(cutoff)
-                .fetch_one(pool)
-                .await?;
-        consumers.push(ConsumerReport {
-            consumer_type,
-            unprocessed_older: unprocessed.unsigned_abs(),
-            oldest_unprocessed: oldest,
-            ..ConsumerReport::default()
-        });
-    }
+    let mut consumers = reports(pool, consumer_types, cutoff).await?;
 
     let mut interrupted = false;
     let mut attempts_deleted = 0;
     if plan.dry_run {
         for report in &mut consumers {
-            report.deleted = count(
-                pool,
-                sql::COUNT_PROCESSED_BEFORE,
-                &report.consumer_type,
-                cutoff,
-            )
-            .await?;
-            report.events_deleted = count(
-                pool,
-                sql::COUNT_EVENTS_BEFORE,
-                &report.consumer_type,
-                cutoff,
-            )
-            .await?;
+            report.deleted =
+                db::cleanup::count_processed_before(pool, &report.consumer_type, cutoff).await?;
+            report.events_deleted =
+                db::cleanup::count_events_before(pool, &report.consumer_type, cutoff).await?;
         }
     } else {
         // The locks live on a session of their own for as long as the cleanup runs, and are released however it ends
@@ -131,10 +100,7 @@ pub async fn run(
         let mut lock = pool.acquire().await?;
         let mut mine = Vec::with_capacity(consumers.len());
         for (i, report) in consumers.iter_mut().enumerate() {
-            let locked: bool = sqlx::query_scalar(sql::CLEANUP_TRY_LOCK)
-                .bind(&report.consumer_type)
-                .fetch_one(&mut *lock)
-                .await?;
+            let locked = db::cleanup::try_lock(&mut *lock, &report.consumer_type).await?;
             if locked {
                 mine.push(i);
             } else {
@@ -152,11 +118,7 @@ pub async fn run(
             started,
         )
         .await;
-        if sqlx::query(sql::CLEANUP_UNLOCK_ALL)
-            .execute(&mut *lock)
-            .await
-            .is_err()
-        {
+        if db::cleanup::unlock_all(&mut *lock).await.is_err() {
             lock.close_on_drop();
         }
         interrupted = result?;
@@ -183,6 +145,25 @@ pub async fn run(
             deleted as f64 / seconds
         },
     })
+}
+
+/// A report for each consumer_type, with its rows received before the cutoff and never processed.
+async fn reports(
+    pool: &PgPool,
+    consumer_types: Vec<String>,
+    cutoff: DateTime<Utc>,
+) -> Result<Vec<ConsumerReport>> {
+    let mut consumers = Vec::with_capacity(consumer_types.len());
+    for consumer_type in consumer_types {
+        let unprocessed = db::cleanup::unprocessed_before(pool, &consumer_type, cutoff).await?;
+        consumers.push(ConsumerReport {
+            consumer_type,
+            unprocessed_older: unprocessed.count,
+            oldest_unprocessed: unprocessed.oldest,
+            ..ConsumerReport::default()
+        });
+    }
+    Ok(consumers)
 }
 
 /// Deletes in batches, one consumer_type after another in turn (`order`, indexes into `consumers`), each first its
@@ -216,19 +197,13 @@ async fn delete_in_turns(
             if shutdown.is_cancelled() {
                 return Ok(true);
             }
-            let statement = if phase[i] == 0 {
-                sql::DELETE_PROCESSED_BATCH
-            } else {
-                sql::DELETE_EVENTS_BATCH
-            };
             let report = &mut consumers[i];
-            let batch = sqlx::query(statement)
-                .bind(&report.consumer_type)
-                .bind(cutoff)
-                .bind(plan.batch_size)
-                .execute(pool)
-                .await?
-                .rows_affected();
+            let (consumer_type, limit) = (&report.consumer_type, plan.batch_size);
+            let batch = if phase[i] == 0 {
+                db::cleanup::delete_processed_batch(pool, consumer_type, cutoff, limit).await?
+            } else {
+                db::cleanup::delete_events_batch(pool, consumer_type, cutoff, limit).await?
+            };
             if phase[i] == 0 {
                 report.deleted += batch;
                 deleted_total += batch;
@@ -264,35 +239,13 @@ async fn prune_attempts(
     order: &[usize],
     cutoff: DateTime<Utc>,
 ) -> Result<u64> {
-    let exists: bool = sqlx::query_scalar(sql::TABLE_EXISTS)
-        .bind("inboxctl_attempts")
-        .fetch_one(pool)
-        .await?;
-    if !exists {
+    if !schema::table_exists(&mut *pool.acquire().await?, "inboxctl_attempts").await? {
         return Ok(0);
     }
     let mut deleted = 0;
     for &i in order {
-        deleted += sqlx::query(sql::DELETE_OLD_ATTEMPTS)
-            .bind(&consumers[i].consumer_type)
-            .bind(cutoff)
-            .execute(pool)
-            .await?
-            .rows_affected();
+        deleted +=
+            db::cleanup::delete_old_attempts(pool, &consumers[i].consumer_type, cutoff).await?;
     }
     Ok(deleted)
-}
-
-async fn count(
-    pool: &PgPool,
-    statement: &'static str,
-    consumer_type: &str,
-    cutoff: DateTime<Utc>,
-) -> Result<u64> {
-    let n: i64 = sqlx::query_scalar(statement)
-        .bind(consumer_type)
-        .bind(cutoff)
-        .fetch_one(pool)
-        .await?;
-    Ok(n.unsigned_abs())
 }

@@ -85,6 +85,13 @@ pub struct ConnectOpts {
     pub passwords_in_arguments: Vec<UrlFlag>,
 }
 
+impl ConnectOpts {
+    /// The database of the command line: `--database-url`, with the password of `--database-password-file` if given.
+    pub fn database(&self) -> crate::Result<crate::db::Database> {
+        crate::db::Database::new(&self.database_url, self.database_password_file.as_deref())
+    }
+}
+
 /// A URL flag, with the safer places its password can come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct UrlFlag {

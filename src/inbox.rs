@@ -3,7 +3,7 @@
 //! For each delivery of a message, [`Inbox::process`] runs one PostgreSQL transaction on one connection:
 //!
 //! 1. `BEGIN`.
-//! 2. Claim `(message id, consumer_type)`: insert the inbox row with `ON CONFLICT DO NOTHING` ([`sql::CLAIM`]). The
+//! 2. Claim `(message id, consumer_type)`: insert the inbox row with `ON CONFLICT DO NOTHING` ([`db::claim`]). The
 //!    claim comes first, before any work (trap 2: check-then-insert lets two first deliveries both work). If another
 //!    delivery of the same message holds the key in a transaction that has not ended, PostgreSQL makes this insert
 //!    wait for it: if that transaction commits, this delivery is a duplicate; if it rolls back, this delivery takes
@@ -32,7 +32,7 @@ use sqlx::Connection as _;
 use sqlx::postgres::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::db::{is_transient, sql};
+use crate::db::{self, is_transient};
 use crate::failpoint;
 
 /// The longest consumer_type the seed schema stores (`VARCHAR(500)`).
@@ -96,7 +96,7 @@ impl Fingerprint {
         &self.0
     }
 
-    fn from_slice(bytes: &[u8]) -> Option<Self> {
+    pub(crate) fn from_slice(bytes: &[u8]) -> Option<Self> {
         bytes.try_into().ok().map(Self)
     }
 }
@@ -285,10 +285,7 @@ impl Inbox {
         T: Send,
     {
         if self.claim == Claim::LookupFirst {
-            let seen: bool = sqlx::query_scalar(sql::TUTORIAL_LOOKUP)
-                .bind(message_id)
-                .bind(self.consumer_type.as_str())
-                .fetch_one(&self.pool)
+            let seen = db::claim::tutorial_lookup(&self.pool, message_id, &self.consumer_type)
                 .await
                 .map_err(ProcessError::Unavailable)?;
             if seen {
@@ -299,19 +296,17 @@ impl Inbox {
 
         // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
         let claimed: bool = match self.claim {
-            Claim::Inbox => sqlx::query_scalar(sql::CLAIM)
-                .bind(message_id)
-                .bind(self.consumer_type.as_str())
-                .bind(fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(ProcessError::Unavailable)?,
+            Claim::Inbox => db::claim::claim(
+                &mut tx,
+                message_id,
+                &self.consumer_type,
+                fingerprint.as_ref(),
+            )
+            .await
+            .map_err(ProcessError::Unavailable)?,
             Claim::None => true,
             Claim::LookupFirst => {
-                sqlx::query(sql::TUTORIAL_INSERT)
-                    .bind(message_id)
-                    .bind(self.consumer_type.as_str())
-                    .execute(&mut *tx)
+                db::claim::tutorial_insert(&mut tx, message_id, &self.consumer_type)
                     .await
                     .map_err(|e| ProcessError::Failed(WorkError::Database(e)))?;
                 true
@@ -362,21 +357,18 @@ impl Inbox {
         message_id: Uuid,
         fingerprint: Option<Fingerprint>,
     ) -> Result<Outcome<T>, ProcessError> {
-        let first: Option<Vec<u8>> = sqlx::query_scalar(sql::RECORD_COPY)
-            .bind(message_id)
-            .bind(self.consumer_type.as_str())
-            .bind(fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-            .fetch_one(conn)
-            .await
-            .map_err(ProcessError::Unavailable)?;
-        Ok(conflict(first.as_deref(), fingerprint).map_or(Outcome::Duplicate, Outcome::Conflict))
+        let first =
+            db::claim::record_copy(conn, message_id, &self.consumer_type, fingerprint.as_ref())
+                .await
+                .map_err(ProcessError::Unavailable)?;
+        Ok(conflict(first, fingerprint).map_or(Outcome::Duplicate, Outcome::Conflict))
     }
 }
 
 /// Whether a copy with `this` fingerprint, of a message first claimed with `first`, is a conflict (both known and
 /// different).
-fn conflict(first: Option<&[u8]>, this: Option<Fingerprint>) -> Option<Conflict> {
-    let first = Fingerprint::from_slice(first?)?;
+fn conflict(first: Option<Fingerprint>, this: Option<Fingerprint>) -> Option<Conflict> {
+    let first = first?;
     let this = this?;
     (first != this).then_some(Conflict { first, this })
 }
@@ -408,47 +400,37 @@ impl Inbox {
         conn: &mut PgConnection,
         members: Vec<Member<T>>,
     ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
-        let mut keys: Vec<(Uuid, Vec<u8>)> = members
+        let mut keys: Vec<db::claim::Key> = members
             .iter()
-            .map(|m| {
-                let fingerprint = m.fingerprint.map(|f| f.as_bytes().to_vec());
-                (m.message_id, fingerprint.unwrap_or_default())
+            .map(|m| db::claim::Key {
+                message_id: m.message_id,
+                fingerprint: m.fingerprint,
             })
             .collect();
-        keys.sort_unstable();
-        keys.dedup_by_key(|(id, _)| *id);
+        keys.sort_unstable_by_key(|k| k.message_id);
+        keys.dedup_by_key(|k| k.message_id);
         if keys.len() != members.len() {
             return Err(ProcessError::Failed(WorkError::msg(
                 "a batch must not hold one message id twice",
             )));
         }
-        let (ids, fingerprints): (Vec<Uuid>, Vec<Vec<u8>>) = keys.into_iter().unzip();
         let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
-        let claimed: HashSet<Uuid> = sqlx::query_scalar(sql::CLAIM_BATCH)
-            .bind(&ids)
-            .bind(self.consumer_type.as_str())
-            .bind(&fingerprints)
-            .fetch_all(&mut *tx)
+        let claimed = db::claim::claim_batch(&mut tx, &keys, &self.consumer_type)
             .await
-            .map_err(ProcessError::Unavailable)?
-            .into_iter()
-            .collect();
-        let copies = self
-            .record_batch_copies(&mut tx, &ids, &fingerprints, &claimed)
-            .await?;
+            .map_err(ProcessError::Unavailable)?;
+        let copies = self.record_batch_copies(&mut tx, &keys, &claimed).await?;
 
         let mut outcomes = Vec::with_capacity(members.len());
         for member in members {
             if !claimed.contains(&member.message_id) {
-                let first = copies.get(&member.message_id).and_then(Option::as_deref);
+                let first = copies.get(&member.message_id).copied().flatten();
                 outcomes.push(
                     conflict(first, member.fingerprint)
                         .map_or(MemberOutcome::Duplicate, MemberOutcome::Conflict),
                 );
                 continue;
             }
-            sqlx::query(sql::SAVEPOINT)
-                .execute(&mut *tx)
+            db::claim::savepoint(&mut tx)
                 .await
                 .map_err(ProcessError::Unavailable)?;
             match AssertUnwindSafe((member.work)(&mut tx))
@@ -461,14 +443,10 @@ impl Inbox {
                     return Err(ProcessError::Unavailable(e));
                 }
                 Ok(Err(error)) => {
-                    sqlx::query(sql::ROLLBACK_TO_SAVEPOINT)
-                        .execute(&mut *tx)
+                    db::claim::rollback_to_savepoint(&mut tx)
                         .await
                         .map_err(ProcessError::Unavailable)?;
-                    sqlx::query(sql::UNCLAIM)
-                        .bind(member.message_id)
-                        .bind(self.consumer_type.as_str())
-                        .execute(&mut *tx)
+                    db::claim::unclaim(&mut tx, member.message_id, &self.consumer_type)
                         .await
                         .map_err(ProcessError::Unavailable)?;
                     outcomes.push(MemberOutcome::Failed(error));
@@ -500,27 +478,20 @@ impl Inbox {
     async fn record_batch_copies(
         &self,
         conn: &mut PgConnection,
-        ids: &[Uuid],
-        fingerprints: &[Vec<u8>],
+        keys: &[db::claim::Key],
         claimed: &HashSet<Uuid>,
-    ) -> Result<HashMap<Uuid, Option<Vec<u8>>>, ProcessError> {
-        let (copies, copy_fingerprints): (Vec<Uuid>, Vec<Vec<u8>>) = ids
+    ) -> Result<HashMap<Uuid, Option<Fingerprint>>, ProcessError> {
+        let copies: Vec<db::claim::Key> = keys
             .iter()
-            .zip(fingerprints)
-            .filter(|(id, _)| !claimed.contains(id))
-            .map(|(id, f)| (*id, f.clone()))
-            .unzip();
+            .filter(|k| !claimed.contains(&k.message_id))
+            .copied()
+            .collect();
         if copies.is_empty() {
             return Ok(HashMap::new());
         }
-        let rows: Vec<(Uuid, Option<Vec<u8>>)> = sqlx::query_as(sql::RECORD_BATCH_COPIES)
-            .bind(&copies)
-            .bind(self.consumer_type.as_str())
-            .bind(&copy_fingerprints)
-            .fetch_all(conn)
+        db::claim::record_batch_copies(conn, &copies, &self.consumer_type)
             .await
-            .map_err(ProcessError::Unavailable)?;
-        Ok(rows.into_iter().collect())
+            .map_err(ProcessError::Unavailable)
     }
 }
 

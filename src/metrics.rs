@@ -153,7 +153,7 @@ async fn answer(mut stream: TcpStream, exporter: Arc<dyn Exporter>) -> std::io::
 
 /// Whether PostgreSQL answers within two seconds.
 pub async fn database_up(pool: &sqlx::PgPool) -> bool {
-    let ping = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(pool);
+    let ping = crate::db::ping(pool);
     matches!(
         tokio::time::timeout(Duration::from_secs(2), ping).await,
         Ok(Ok(1))

@@ -14,7 +14,7 @@ use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
 use crate::consumer::{Consumer, MessageContext};
-use crate::db::sql;
+use crate::db::effects;
 use crate::failpoint;
 use crate::inbox::WorkError;
 
@@ -102,14 +102,14 @@ impl Carrier for StandInCarrier {
                 slot_id: Uuid::new_v4(),
                 pickup_at: next_morning(Utc::now()),
             };
-            sqlx::query(sql::INSERT_CARRIER_RESERVATION)
-                .bind(request.parcel_id)
-                .bind(slot.slot_id)
-                .bind(slot.pickup_at)
-                .bind(request.message_id)
-                .bind(request.idempotency_key)
-                .execute(&mut *tx)
-                .await?;
+            let reservation = effects::Reservation {
+                parcel_id: request.parcel_id,
+                slot_id: slot.slot_id,
+                pickup_at: slot.pickup_at,
+                message_id: request.message_id,
+                idempotency_key: request.idempotency_key,
+            };
+            effects::insert_carrier_reservation(tx, &reservation).await?;
             Ok(slot)
         })
     }
@@ -133,14 +133,14 @@ impl SmsGateway for StandInSms {
             if self.fail_destination.as_deref() == Some(sms.destination.as_str()) {
                 return Err(WorkError::msg("SMS gateway returned 503"));
             }
-            sqlx::query(sql::INSERT_NOTIFICATION_SENT)
-                .bind(sms.parcel_id)
-                .bind(&sms.tracking_number)
-                .bind(&sms.body)
-                .bind(sms.message_id)
-                .bind(sms.idempotency_key)
-                .execute(&mut *tx)
-                .await?;
+            let notification = effects::Notification {
+                parcel_id: sms.parcel_id,
+                tracking_number: &sms.tracking_number,
+                body: &sms.body,
+                message_id: sms.message_id,
+                idempotency_key: sms.idempotency_key,
+            };
+            effects::insert_notification_sent(tx, &notification).await?;
             Ok(())
         })
     }

@@ -16,7 +16,7 @@ use serde::Serialize;
 use sqlx::postgres::PgPool;
 
 use crate::amqp::topology;
-use crate::db::{schema, sql};
+use crate::db::{self, schema};
 use crate::error::Result;
 
 /// `stats` counts rows exactly up to this many per consumer_type; above, it estimates.
@@ -149,17 +149,11 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     let ours = schema::table_exists(&mut conn, "inboxctl_events").await?
         && schema::table_exists(&mut conn, "inboxctl_consumers").await?;
     let registered: HashMap<String, String> = if ours {
-        sqlx::query_as::<_, (String, String)>(sql::REGISTERED_CONSUMERS)
-            .fetch_all(&mut *conn)
-            .await?
-            .into_iter()
-            .collect()
+        db::stats::registered_consumers(&mut *conn).await?
     } else {
         HashMap::new()
     };
-    let mut types: Vec<String> = sqlx::query_scalar(sql::INBOX_CONSUMER_TYPES)
-        .fetch_all(&mut *conn)
-        .await?;
+    let mut types = db::stats::inbox_consumer_types(&mut *conn).await?;
     types.extend(registered.keys().cloned());
     types.sort();
     types.dedup();
@@ -167,85 +161,8 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     let estimates = Estimates::read(&mut conn).await?;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
-        let exact_below = range.exact_below;
-        let (rows, rows_estimated) = match estimates.rows(&consumer_type) {
-            Some(estimate) if estimate >= exact_below => (Some(estimate), true),
-            estimate => {
-                let exact = capped_count(
-                    &mut conn,
-                    sql::COUNT_ROWS_CAPPED,
-                    &consumer_type,
-                    exact_below,
-                )
-                .await?;
-                if exact > exact_below {
-                    (Some(estimate.unwrap_or(exact).max(exact)), true)
-                } else {
-                    (Some(exact), false)
-                }
-            }
-        };
-        let exact_unprocessed = capped_count(
-            &mut conn,
-            sql::COUNT_UNPROCESSED_CAPPED,
-            &consumer_type,
-            exact_below,
-        )
-        .await?;
-        let (unprocessed, unprocessed_estimated) = if exact_unprocessed > exact_below {
-            (
-                Some(
-                    estimates
-                        .unprocessed(&consumer_type)
-                        .unwrap_or(exact_unprocessed)
-                        .max(exact_unprocessed),
-                ),
-                true,
-            )
-        } else {
-            (Some(exact_unprocessed), false)
-        };
-        let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
-            None
-        } else {
-            sqlx::query_scalar(sql::OLDEST_UNPROCESSED_AGE)
-                .bind(&consumer_type)
-                .fetch_optional(&mut *conn)
-                .await?
-        };
-
-        let (window_counts, series) = if registered.contains_key(&consumer_type) {
-            let (counts, series) = counters(&mut conn, &consumer_type, range).await?;
-            (Some(counts), series)
-        } else {
-            (None, Vec::new())
-        };
-        let queue_name = registered
-            .get(&consumer_type)
-            .cloned()
-            .unwrap_or_else(|| consumer_type.clone());
-        consumers.push(ConsumerStats {
-            consumer_type,
-            rows,
-            rows_estimated,
-            unprocessed,
-            unprocessed_estimated,
-            oldest_unprocessed_seconds,
-            window: window_counts,
-            series,
-            queue: Some(QueueDepth {
-                name: queue_name.clone(),
-                ready: None,
-                consumers: None,
-                exists: false,
-            }),
-            error_queue: Some(QueueDepth {
-                name: topology::error_queue(&queue_name),
-                ready: None,
-                consumers: None,
-                exists: false,
-            }),
-        });
+        consumers
+            .push(consumer_stats(&mut conn, consumer_type, &registered, &estimates, range).await?);
     }
     drop(conn);
 
@@ -291,18 +208,80 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     })
 }
 
-async fn capped_count(
+/// One consumer_type's figures from the database; its queues' depths are left for the broker to fill in.
+async fn consumer_stats(
     conn: &mut sqlx::PgConnection,
-    statement: &'static str,
-    consumer_type: &str,
-    cap: u64,
-) -> Result<u64> {
-    let n: i64 = sqlx::query_scalar(statement)
-        .bind(consumer_type)
-        .bind(i64::try_from(cap + 1).unwrap_or(i64::MAX))
-        .fetch_one(&mut *conn)
-        .await?;
-    Ok(n.unsigned_abs())
+    consumer_type: String,
+    registered: &HashMap<String, String>,
+    estimates: &Estimates,
+    range: Range,
+) -> Result<ConsumerStats> {
+    let exact_below = range.exact_below;
+    let (rows, rows_estimated) = match estimates.rows(&consumer_type) {
+        Some(estimate) if estimate >= exact_below => (Some(estimate), true),
+        estimate => {
+            let exact =
+                db::stats::count_rows_capped(&mut *conn, &consumer_type, exact_below).await?;
+            if exact > exact_below {
+                (Some(estimate.unwrap_or(exact).max(exact)), true)
+            } else {
+                (Some(exact), false)
+            }
+        }
+    };
+    let exact_unprocessed =
+        db::stats::count_unprocessed_capped(&mut *conn, &consumer_type, exact_below).await?;
+    let (unprocessed, unprocessed_estimated) = if exact_unprocessed > exact_below {
+        (
+            Some(
+                estimates
+                    .unprocessed(&consumer_type)
+                    .unwrap_or(exact_unprocessed)
+                    .max(exact_unprocessed),
+            ),
+            true,
+        )
+    } else {
+        (Some(exact_unprocessed), false)
+    };
+    let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
+        None
+    } else {
+        db::stats::oldest_unprocessed_age(&mut *conn, &consumer_type).await?
+    };
+
+    let (window_counts, series) = if registered.contains_key(&consumer_type) {
+        let (counts, series) = counters(&mut *conn, &consumer_type, range).await?;
+        (Some(counts), series)
+    } else {
+        (None, Vec::new())
+    };
+    let queue_name = registered
+        .get(&consumer_type)
+        .cloned()
+        .unwrap_or_else(|| consumer_type.clone());
+    Ok(ConsumerStats {
+        consumer_type,
+        rows,
+        rows_estimated,
+        unprocessed,
+        unprocessed_estimated,
+        oldest_unprocessed_seconds,
+        window: window_counts,
+        series,
+        queue: Some(QueueDepth {
+            name: queue_name.clone(),
+            ready: None,
+            consumers: None,
+            exists: false,
+        }),
+        error_queue: Some(QueueDepth {
+            name: topology::error_queue(&queue_name),
+            ready: None,
+            consumers: None,
+            exists: false,
+        }),
+    })
 }
 
 /// The window's counters and a series of (deliveries, duplicates) per bucket over the span, oldest first.
@@ -314,29 +293,21 @@ async fn counters(
     let buckets = range.buckets(range.span);
     let in_window = range.buckets(range.window);
     let mut per_bucket: BTreeMap<usize, Counts> = BTreeMap::new();
-    let processed: Vec<(i32, i64)> = sqlx::query_as(sql::PROCESSED_SERIES)
-        .bind(consumer_type)
-        .bind(range.span.as_secs_f64())
-        .bind(range.bucket.as_secs_f64())
-        .fetch_all(&mut *conn)
-        .await?;
-    for (b, n) in processed {
+    let processed =
+        db::stats::processed_series(&mut *conn, consumer_type, range.span, range.bucket).await?;
+    for b in processed {
         per_bucket
-            .entry(usize::try_from(b).unwrap_or(0))
+            .entry(usize::try_from(b.age).unwrap_or(0))
             .or_default()
-            .processed += n.unsigned_abs();
+            .processed += b.count.unsigned_abs();
     }
-    let events: Vec<(String, i32, i64)> = sqlx::query_as(sql::EVENT_SERIES)
-        .bind(consumer_type)
-        .bind(range.span.as_secs_f64())
-        .bind(range.bucket.as_secs_f64())
-        .fetch_all(&mut *conn)
-        .await?;
-    for (kind, b, n) in events {
+    let events =
+        db::stats::event_series(&mut *conn, consumer_type, range.span, range.bucket).await?;
+    for b in events {
         per_bucket
-            .entry(usize::try_from(b).unwrap_or(0))
+            .entry(usize::try_from(b.age).unwrap_or(0))
             .or_default()
-            .add(&kind, n.unsigned_abs());
+            .add(&b.kind, b.count.unsigned_abs());
     }
     let mut total = Counts::default();
     let mut series = vec![(0, 0); buckets];
@@ -357,17 +328,6 @@ async fn counters(
     Ok((total, series))
 }
 
-/// reltuples of the table and of the unprocessed index; most common consumer_types, their frequencies, null_frac,
-/// n_distinct.
-type EstimateRow = (
-    f64,
-    Option<f64>,
-    Option<Vec<String>>,
-    Option<Vec<f32>>,
-    Option<f32>,
-    Option<f32>,
-);
-
 /// The planner's statistics: total rows, unprocessed rows, and each consumer_type's share.
 #[derive(Debug, Default)]
 struct Estimates {
@@ -380,10 +340,15 @@ struct Estimates {
 
 impl Estimates {
     async fn read(conn: &mut sqlx::PgConnection) -> Result<Self> {
-        let row: Option<EstimateRow> = sqlx::query_as(sql::INBOX_ESTIMATES)
-            .fetch_optional(&mut *conn)
-            .await?;
-        let Some((rows, unprocessed, values, freqs, null_frac, n_distinct)) = row else {
+        let Some(db::stats::Estimates {
+            rows,
+            unprocessed,
+            common_values: values,
+            common_freqs: freqs,
+            null_frac,
+            n_distinct,
+        }) = db::stats::estimates(&mut *conn).await?
+        else {
             return Ok(Self::default());
         };
         // reltuples is -1 until the table was first vacuumed or analyzed: no estimate then.
@@ -421,85 +386,6 @@ impl Estimates {
 
     fn unprocessed(&self, consumer_type: &str) -> Option<u64> {
         Some((self.unprocessed? * self.share(consumer_type)?).round() as u64)
-    }
-}
-
-/// The documented JSON of `stats --json`.
-#[derive(Debug, Serialize)]
-pub struct Json {
-    pub taken_at: DateTime<Utc>,
-    pub window_seconds: f64,
-    pub broker_error: Option<String>,
-    pub consumers: Vec<ConsumerJson>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ConsumerJson {
-    pub consumer_type: String,
-    pub rows: Option<u64>,
-    pub rows_estimated: bool,
-    pub unprocessed: Option<u64>,
-    pub unprocessed_estimated: bool,
-    pub oldest_unprocessed_seconds: Option<f64>,
-    pub deliveries_per_second: Option<f64>,
-    pub duplicates_per_second: Option<f64>,
-    pub duplicate_ratio: Option<f64>,
-    pub processed_per_second: Option<f64>,
-    pub failed_per_second: Option<f64>,
-    /// Messages whose id had been processed before for another event, in the window: a producer reusing ids.
-    pub conflicts: Option<u64>,
-    pub queue: QueueJson,
-    pub error_queue: QueueJson,
-}
-
-#[derive(Debug, Serialize)]
-pub struct QueueJson {
-    pub name: Option<String>,
-    pub ready: Option<u32>,
-    pub consumers: Option<u32>,
-}
-
-impl From<&Snapshot> for Json {
-    fn from(s: &Snapshot) -> Self {
-        let queue = |q: &Option<QueueDepth>| QueueJson {
-            name: q.as_ref().map(|q| q.name.clone()),
-            ready: q.as_ref().and_then(|q| q.ready),
-            consumers: q.as_ref().and_then(|q| q.consumers),
-        };
-        Json {
-            taken_at: s.taken_at,
-            window_seconds: s.window.as_secs_f64(),
-            broker_error: s.broker_error.clone(),
-            consumers: s
-                .consumers
-                .iter()
-                .map(|c| {
-                    let rate = |n: fn(&Counts) -> u64| {
-                        c.window.as_ref().map(|w| per_second(n(w), s.window))
-                    };
-                    ConsumerJson {
-                        consumer_type: c.consumer_type.clone(),
-                        rows: c.rows,
-                        rows_estimated: c.rows_estimated,
-                        unprocessed: c.unprocessed,
-                        unprocessed_estimated: c.unprocessed_estimated,
-                        oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
-                        deliveries_per_second: rate(Counts::deliveries),
-                        duplicates_per_second: rate(|w| w.duplicates),
-                        duplicate_ratio: c.window.as_ref().and_then(Counts::duplicate_ratio),
-                        processed_per_second: rate(|w| w.processed),
-                        failed_per_second: rate(|w| w.failed),
-                        conflicts: c.window.as_ref().map(|w| w.conflicts),
-                        queue: queue(&c.queue),
-                        error_queue: {
-                            let mut q = queue(&c.error_queue);
-                            q.consumers = None;
-                            q
-                        },
-                    }
-                })
-                .collect(),
-        }
     }
 }
 

@@ -243,9 +243,7 @@ async fn a_consumer_type_another_cleanup_holds_is_left_to_it() {
     let pool = env.pool().await;
     seed_both(&pool).await;
     let mut other = pool.acquire().await.unwrap();
-    let locked: bool = sqlx::query_scalar(inboxctl::db::sql::CLEANUP_TRY_LOCK)
-        .bind("alpha")
-        .fetch_one(&mut *other)
+    let locked = inboxctl::db::cleanup::try_lock(&mut *other, "alpha")
         .await
         .unwrap();
     assert!(locked);
@@ -270,8 +268,7 @@ async fn a_consumer_type_another_cleanup_holds_is_left_to_it() {
         "alpha untouched; beta cleaned"
     );
 
-    sqlx::query(inboxctl::db::sql::CLEANUP_UNLOCK_ALL)
-        .execute(&mut *other)
+    inboxctl::db::cleanup::unlock_all(&mut *other)
         .await
         .unwrap();
     let report = json(&env.run(&["cleanup", "--retention", "7d", "--json"]));
@@ -326,13 +323,11 @@ async fn the_fingerprints_of_deleted_rows_go_with_them() {
 #[tokio::test(flavor = "multi_thread")]
 async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
     use chrono::{DateTime, TimeDelta, Utc};
-    use inboxctl::db::sql;
+    use inboxctl::db::cleanup as store;
 
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
-    let cutoff: DateTime<Utc> = sqlx::query_scalar(sql::CUTOFF)
-        .bind(7.0 * 86_400.0)
-        .fetch_one(&pool)
+    let cutoff: DateTime<Utc> = store::cutoff(&pool, std::time::Duration::from_secs(7 * 86_400))
         .await
         .unwrap();
     let earlier = cutoff - TimeDelta::microseconds(1);
@@ -352,59 +347,46 @@ async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
                 .unwrap();
         }
     }
-    let count = |statement: &'static str, consumer_type: &'static str| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(statement)
-                .bind(consumer_type)
-                .bind(cutoff)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let delete = |statement: &'static str, consumer_type: &'static str, batch: bool| {
-        let pool = pool.clone();
-        async move {
-            let query = sqlx::query(statement).bind(consumer_type).bind(cutoff);
-            let query = if batch { query.bind(100_i64) } else { query };
-            query.execute(&pool).await.unwrap().rows_affected()
-        }
-    };
     for (consumer_type, unprocessed, n) in [
         ("at", "at-unprocessed", 0),
         ("earlier", "earlier-unprocessed", 1),
     ] {
         assert_eq!(
-            count(sql::COUNT_PROCESSED_BEFORE, consumer_type).await,
+            store::count_processed_before(&pool, consumer_type, cutoff)
+                .await
+                .unwrap(),
             n,
             "{consumer_type}"
         );
         assert_eq!(
-            count(sql::COUNT_EVENTS_BEFORE, consumer_type).await,
+            store::count_events_before(&pool, consumer_type, cutoff)
+                .await
+                .unwrap(),
             n,
             "{consumer_type}"
         );
-        let (stuck, _): (i64, Option<DateTime<Utc>>) = sqlx::query_as(sql::UNPROCESSED_BEFORE)
-            .bind(unprocessed)
-            .bind(cutoff)
-            .fetch_one(&pool)
+        let stuck = store::unprocessed_before(&pool, unprocessed, cutoff)
             .await
             .unwrap();
-        assert_eq!(stuck, n, "{unprocessed}");
-        let n = n.unsigned_abs();
+        assert_eq!(stuck.count, n, "{unprocessed}");
         assert_eq!(
-            delete(sql::DELETE_PROCESSED_BATCH, consumer_type, true).await,
+            store::delete_processed_batch(&pool, consumer_type, cutoff, 100)
+                .await
+                .unwrap(),
             n,
             "{consumer_type}"
         );
         assert_eq!(
-            delete(sql::DELETE_EVENTS_BATCH, consumer_type, true).await,
+            store::delete_events_batch(&pool, consumer_type, cutoff, 100)
+                .await
+                .unwrap(),
             n,
             "{consumer_type}"
         );
         assert_eq!(
-            delete(sql::DELETE_OLD_ATTEMPTS, consumer_type, false).await,
+            store::delete_old_attempts(&pool, consumer_type, cutoff)
+                .await
+                .unwrap(),
             n,
             "{consumer_type}"
         );

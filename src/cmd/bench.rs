@@ -9,7 +9,6 @@ use crate::amqp::Broker;
 use crate::bench::{self, Mode, Options, Report};
 use crate::cli::GlobalOpts;
 use crate::cmd::publish::{MAX_COUNT, parse_fraction, parse_rate};
-use crate::db::Database;
 use crate::error::{Error, Outcome, Result};
 use crate::{output, table};
 
@@ -94,7 +93,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
             "--latency-rate × --latency-seconds is more than {MAX_COUNT} messages"
         )));
     }
-    let db = Database::from_opts(&global.connect)?;
+    let db = global.connect.database()?;
     let broker = Broker::from_opts(&global.connect)?;
     let options = Options {
         modes: if args.cleanup_only {

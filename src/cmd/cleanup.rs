@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cleanup::{self, Plan, Progress, Report};
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration, show};
-use crate::db::{Database, schema};
+use crate::db::schema;
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::ConsumerType;
 use crate::metrics::{self, Family};
@@ -76,7 +76,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         ConsumerType::new(consumer_type.as_str())
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
     }
-    let db = Database::from_opts(&global.connect)?;
+    let db = global.connect.database()?;
     let pool = db.pool(3).await?;
     {
         let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;

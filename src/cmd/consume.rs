@@ -175,7 +175,7 @@ impl Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
-    let db = Database::from_opts(&global.connect)?;
+    let db = global.connect.database()?;
     let broker = Broker::from_opts(&global.connect)?;
     run_consumer(&args, &db, &broker, shutdown).await?;
     Ok(Outcome::Done)
@@ -330,11 +330,7 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
         ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),
         ("inboxctl_attempts", "SELECT,INSERT,UPDATE,DELETE"),
     ];
-    let (tables, privileges): (Vec<&str>, Vec<&str>) = needs.into_iter().unzip();
-    let missing: Vec<(String, String)> = sqlx::query_as(crate::db::sql::MISSING_PRIVILEGES)
-        .bind(&tables)
-        .bind(&privileges)
-        .fetch_all(pool)
+    let missing = crate::db::grants::missing_privileges(pool, &needs)
         .await
         .map_err(|e| match crate::db::is_transient(&e) {
             true => db.unavailable(e),
@@ -342,8 +338,8 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
         })?;
     let (attempts, required): (Vec<_>, Vec<_>) = missing
         .into_iter()
-        .partition(|(table, _)| table == "inboxctl_attempts");
-    if let Some((_, privileges)) = attempts.first() {
+        .partition(|m| m.table == "inboxctl_attempts");
+    if let Some(crate::db::grants::Missing { privileges, .. }) = attempts.first() {
         tracing::warn!(
             missing = %privileges,
             "the role lacks privileges on inboxctl_attempts: poison-message detection is off (a message that ends \
@@ -358,7 +354,7 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
         command: "consume",
         missing: required
             .into_iter()
-            .map(|(table, privileges)| format!("{privileges} on {table}"))
+            .map(|m| format!("{} on {}", m.privileges, m.table))
             .collect(),
     })
 }

@@ -9,7 +9,7 @@ use crate::amqp::{Broker, topology};
 use crate::cli::GlobalOpts;
 use crate::cmd::consume::{self, Kind};
 use crate::cmd::publish::parse_fraction;
-use crate::db::{Database, schema, sql};
+use crate::db::{self, schema};
 use crate::error::{Outcome, Result};
 use crate::output;
 use crate::producer::{self, Plan};
@@ -41,7 +41,7 @@ pub struct Tally {
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let started = Instant::now();
-    let db = Database::from_opts(&global.connect)?;
+    let db = global.connect.database()?;
     let broker = Broker::from_opts(&global.connect)?;
 
     let report = schema::migrate(&db, false).await?;
@@ -103,18 +103,13 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         .collect();
     let message_ids: Vec<Uuid> = published.messages.iter().map(|m| m.message_id).collect();
     let mut conn = db.connect().await?;
-    let count = |query: &'static str, ids: Vec<Uuid>| sqlx::query_scalar::<_, i64>(query).bind(ids);
     let tally = Tally {
         parcels: published.published,
-        carrier_reservations: count(sql::COUNT_CARRIER_RESERVATIONS_FOR, parcel_ids.clone())
-            .fetch_one(&mut conn)
+        carrier_reservations: db::effects::count_carrier_reservations_for(&mut conn, &parcel_ids)
             .await?,
-        notifications_sent: count(sql::COUNT_NOTIFICATIONS_SENT_FOR, parcel_ids)
-            .fetch_one(&mut conn)
+        notifications_sent: db::effects::count_notifications_sent_for(&mut conn, &parcel_ids)
             .await?,
-        duplicates_discarded: count(sql::COUNT_DUPLICATES_FOR, message_ids)
-            .fetch_one(&mut conn)
-            .await?,
+        duplicates_discarded: db::events::count_duplicates_for(&mut conn, &message_ids).await?,
         seconds: (started.elapsed().as_secs_f64() * 100.0).round() / 100.0,
     };
     output::json(&tally)?;

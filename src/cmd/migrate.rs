@@ -1,7 +1,6 @@
 //! `inboxctl migrate`: creates the database if needed, checks an existing `inbox_messages`, applies what is pending.
 
 use crate::cli::GlobalOpts;
-use crate::db::Database;
 use crate::db::schema::{self, MigrateReport};
 use crate::error::{Outcome, Result};
 use crate::output;
@@ -18,7 +17,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
-    let db = Database::from_opts(&global.connect)?;
+    let db = global.connect.database()?;
     let report = schema::migrate(&db, args.dry_run).await?;
     if args.json {
         output::json(&report)?;

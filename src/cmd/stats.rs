@@ -2,11 +2,13 @@
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
 use crate::amqp::Broker;
 use crate::cli::{GlobalOpts, parse_window};
-use crate::db::Database;
 use crate::error::{Outcome, Result};
-use crate::stats::{self, Json, Snapshot, display};
+use crate::stats::{self, Counts, QueueDepth, Snapshot, display, per_second};
 use crate::{output, table};
 
 #[derive(Debug, clap::Args)]
@@ -21,7 +23,7 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
-    let db = Database::from_opts(&global.connect)?;
+    let db = global.connect.database()?;
     let broker = Broker::from_opts(&global.connect)?;
     let pool = db.pool(2).await?;
     let connection = match broker.connect("inboxctl stats").await {
@@ -95,4 +97,83 @@ fn print(s: &Snapshot) -> Result<()> {
         footer.push_str(&format!("; RabbitMQ: {}", crate::sanitize::text(e)));
     }
     output::line(&footer)
+}
+
+/// The documented JSON of `stats --json`.
+#[derive(Debug, Serialize)]
+pub struct Json {
+    pub taken_at: DateTime<Utc>,
+    pub window_seconds: f64,
+    pub broker_error: Option<String>,
+    pub consumers: Vec<ConsumerJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ConsumerJson {
+    pub consumer_type: String,
+    pub rows: Option<u64>,
+    pub rows_estimated: bool,
+    pub unprocessed: Option<u64>,
+    pub unprocessed_estimated: bool,
+    pub oldest_unprocessed_seconds: Option<f64>,
+    pub deliveries_per_second: Option<f64>,
+    pub duplicates_per_second: Option<f64>,
+    pub duplicate_ratio: Option<f64>,
+    pub processed_per_second: Option<f64>,
+    pub failed_per_second: Option<f64>,
+    /// Messages whose id had been processed before for another event, in the window: a producer reusing ids.
+    pub conflicts: Option<u64>,
+    pub queue: QueueJson,
+    pub error_queue: QueueJson,
+}
+
+#[derive(Debug, Serialize)]
+pub struct QueueJson {
+    pub name: Option<String>,
+    pub ready: Option<u32>,
+    pub consumers: Option<u32>,
+}
+
+impl From<&Snapshot> for Json {
+    fn from(s: &Snapshot) -> Self {
+        let queue = |q: &Option<QueueDepth>| QueueJson {
+            name: q.as_ref().map(|q| q.name.clone()),
+            ready: q.as_ref().and_then(|q| q.ready),
+            consumers: q.as_ref().and_then(|q| q.consumers),
+        };
+        Json {
+            taken_at: s.taken_at,
+            window_seconds: s.window.as_secs_f64(),
+            broker_error: s.broker_error.clone(),
+            consumers: s
+                .consumers
+                .iter()
+                .map(|c| {
+                    let rate = |n: fn(&Counts) -> u64| {
+                        c.window.as_ref().map(|w| per_second(n(w), s.window))
+                    };
+                    ConsumerJson {
+                        consumer_type: c.consumer_type.clone(),
+                        rows: c.rows,
+                        rows_estimated: c.rows_estimated,
+                        unprocessed: c.unprocessed,
+                        unprocessed_estimated: c.unprocessed_estimated,
+                        oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
+                        deliveries_per_second: rate(Counts::deliveries),
+                        duplicates_per_second: rate(|w| w.duplicates),
+                        duplicate_ratio: c.window.as_ref().and_then(Counts::duplicate_ratio),
+                        processed_per_second: rate(|w| w.processed),
+                        failed_per_second: rate(|w| w.failed),
+                        conflicts: c.window.as_ref().map(|w| w.conflicts),
+                        queue: queue(&c.queue),
+                        error_queue: {
+                            let mut q = queue(&c.error_queue);
+                            q.consumers = None;
+                            q
+                        },
+                    }
+                })
+                .collect(),
+        }
+    }
 }

@@ -6,7 +6,7 @@ use uuid::Uuid;
 use super::Consumer;
 use super::{Shared, lock};
 use crate::amqp::limits::{self, MAX_HEADER_TEXT};
-use crate::db::sql;
+use crate::db;
 
 /// A bookkeeping statement (the redelivery count, an event counter) failed. It never holds up a message; during an
 /// outage that is expected and said at debug level. Any other failure (a grant or a table missing) is a warning,
@@ -39,13 +39,14 @@ pub(super) async fn record_event<C: Consumer>(
     message_id: Option<Uuid>,
     detail: &str,
 ) {
-    let recorded = sqlx::query(sql::RECORD_EVENT)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(kind)
-        .bind(message_id)
-        .bind(limits::truncate(detail, MAX_HEADER_TEXT).as_ref())
-        .execute(shared.inbox.pool())
-        .await;
+    let recorded = db::events::record(
+        shared.inbox.pool(),
+        shared.inbox.consumer_type(),
+        kind,
+        message_id,
+        limits::truncate(detail, MAX_HEADER_TEXT).as_ref(),
+    )
+    .await;
     if let Err(e) = recorded {
         bookkeeping_failed(
             "could not record an event in inboxctl_events",

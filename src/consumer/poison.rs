@@ -16,7 +16,7 @@ use super::dead_letters::error_queue;
 use super::dispatch::{Access, Disposition, Ready, attempts};
 use super::run::Link;
 use super::{Consumer, STOP_BOOKKEEPING, Shared, lock};
-use crate::db::sql;
+use crate::db::attempts;
 
 /// The redelivered messages of this process whose start is counted and has not reached an outcome, and whether the
 /// start was also counted as made alone: what a clean stop that abandons them takes back.
@@ -48,7 +48,8 @@ pub(super) async fn redelivered<C: Consumer>(
     };
     // Alive after this start, whatever its outcome: the message is not what ends processes.
     if counted.is_some() {
-        redelivery_count(shared, sql::REDELIVERED_DONE, id).await;
+        let kept = attempts::done(shared.inbox.pool(), shared.inbox.consumer_type(), id).await;
+        redelivery_count(id, kept);
     }
     lock(&shared.starts.0).remove(&id);
     disposition
@@ -59,27 +60,23 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
     if let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
         *alone = true;
     }
-    redelivery_count(shared, sql::REDELIVERED_ALONE, id).await;
+    let kept = attempts::started_alone(shared.inbox.pool(), shared.inbox.consumer_type(), id).await;
+    redelivery_count(id, kept);
 }
 
 /// A clean stop abandoned the work still in flight: the starts it had counted are taken back (within a bound of
 /// time: a database that does not answer costs poison detection a count, never the stop its promptness).
 pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {
-    let (ids, alone): (Vec<Uuid>, Vec<i32>) = std::mem::take(&mut *lock(&shared.starts.0))
+    let starts: Vec<(Uuid, bool)> = std::mem::take(&mut *lock(&shared.starts.0))
         .into_iter()
-        .map(|(id, alone)| (id, i32::from(alone)))
-        .unzip();
-    if ids.is_empty() {
+        .collect();
+    if starts.is_empty() {
         return;
     }
-    let undo = sqlx::query(sql::REDELIVERED_ABANDONED)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(&ids)
-        .bind(&alone)
-        .execute(shared.inbox.pool());
+    let undo = attempts::abandoned(shared.inbox.pool(), shared.inbox.consumer_type(), &starts);
     match tokio::time::timeout(STOP_BOOKKEEPING, undo).await {
         Ok(Ok(_)) => tracing::debug!(
-            messages = ids.len(),
+            messages = starts.len(),
             "starts abandoned by the stop taken back"
         ),
         Ok(Err(e)) => bookkeeping_failed(
@@ -89,7 +86,7 @@ pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {
             &e,
         ),
         Err(_) => tracing::warn!(
-            messages = ids.len(),
+            messages = starts.len(),
             "PostgreSQL did not answer in time: the starts abandoned by the stop count towards --poison-after"
         ),
     }
@@ -99,16 +96,8 @@ pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {
 /// them made alone. `None` when it cannot be counted (the database down, or a schema from before the count existed),
 /// and the message is then processed as usual.
 async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<(u32, u32)> {
-    match sqlx::query_as::<_, (i32, i32)>(sql::REDELIVERED_START)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(id)
-        .fetch_one(shared.inbox.pool())
-        .await
-    {
-        Ok((started, alone)) => Some((
-            u32::try_from(started).unwrap_or(0),
-            u32::try_from(alone).unwrap_or(0),
-        )),
+    match attempts::start(shared.inbox.pool(), shared.inbox.consumer_type(), id).await {
+        Ok(attempts::Starts { started, alone }) => Some((started, alone)),
         Err(e) => {
             bookkeeping_failed(
                 "redelivery not counted",
@@ -121,15 +110,10 @@ async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<
     }
 }
 
-/// Runs one of the redelivery count's statements (`$1` consumer_type, `$2` message id) on its own. A count that
-/// cannot be kept (the database down) only weakens poison detection; it never holds up the message.
-async fn redelivery_count<C: Consumer>(shared: &Shared<C>, statement: &'static str, id: Uuid) {
-    if let Err(e) = sqlx::query(statement)
-        .bind(shared.inbox.consumer_type().as_str())
-        .bind(id)
-        .execute(shared.inbox.pool())
-        .await
-    {
+/// Says when one of the redelivery count's statements failed. A count that cannot be kept (the database down) only
+/// weakens poison detection; it never holds up the message.
+fn redelivery_count(id: Uuid, kept: sqlx::Result<()>) {
+    if let Err(e) = kept {
         bookkeeping_failed(
             "redelivery count not kept",
             "poison-message detection is off until it can be (a grant on inboxctl_attempts missing?)",

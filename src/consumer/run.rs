@@ -25,7 +25,7 @@ use super::{batch, poison};
 use crate::amqp::Broker;
 use crate::amqp::topology;
 use crate::backoff::Backoff;
-use crate::db::sql;
+use crate::db;
 use crate::error::Result;
 use crate::inbox::Inbox;
 
@@ -45,11 +45,7 @@ pub async fn run<C: Consumer>(
     options: ConsumerOptions,
     shutdown: CancellationToken,
 ) -> Result<RunSummary> {
-    sqlx::query(sql::REGISTER_CONSUMER)
-        .bind(inbox.consumer_type().as_str())
-        .bind(&options.queue)
-        .execute(inbox.pool())
-        .await?;
+    db::events::register_consumer(inbox.pool(), inbox.consumer_type(), &options.queue).await?;
     let shared = Arc::new(Shared {
         input_address: broker.queue_address(&options.queue),
         inbox,

@@ -1,8 +1,33 @@
-//! PostgreSQL: connecting, telling an outage from a real error, and the schema.
+//! The store: PostgreSQL. Connecting, telling an outage from a real error, and one module per area, each owning its
+//! statements and the typed functions that bind and run them. Nothing outside `db` binds a parameter by position.
+//!
+//! Every statement is declared with `statements!`, which also lists it in [`statements`]: `tests/statements.rs`
+//! prepares each of them against a freshly migrated database, and a unit test below checks that `src/db/` sends no
+//! statement that is not declared that way.
 
+/// Declares an area's statements (`const NAME = "SQL";`, doc comments allowed) and lists them in the area's
+/// `STATEMENTS`, which [`statements`] gathers.
+macro_rules! statements {
+    ($($(#[$attr:meta])* $vis:vis const $name:ident = $sql:expr;)*) => {
+        $($(#[$attr])* $vis const $name: &str = $sql;)*
+
+        /// This area's statements, for [`crate::db::statements`].
+        pub(super) const STATEMENTS: &[(&str, &str)] = &[$((stringify!($name), $name)),*];
+    };
+}
+
+pub mod attempts;
+pub mod claim;
+pub mod cleanup;
+pub mod effects;
+pub mod events;
+pub mod grants;
 pub mod schema;
 pub mod sql;
+pub mod stats;
 
+use std::borrow::Cow;
+use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -36,12 +61,12 @@ impl Database {
         })
     }
 
-    /// The database of the command line: `--database-url`, with the password of `--database-password-file` if given.
-    pub fn from_opts(opts: &crate::cli::ConnectOpts) -> Result<Self> {
-        let mut db = Self::from_url(&opts.database_url)?;
-        if let Some(path) = &opts.database_password_file {
+    /// A database URL, with the password read from `password_file` if given (`--database-password-file`).
+    pub fn new(url: &str, password_file: Option<&Path>) -> Result<Self> {
+        let mut db = Self::from_url(url)?;
+        if let Some(path) = password_file {
             let password = secret::read_password_file("--database-password-file", path)?;
-            if redact::has_password(&opts.database_url) {
+            if redact::has_password(url) {
                 return Err(secret::given_twice(
                     "--database-url",
                     "--database-password-file",
@@ -152,6 +177,53 @@ impl Database {
             Error::Database(source)
         }
     }
+}
+
+statements! {
+    /// Whether the server answers (`/health`).
+    const PING = "SELECT 1";
+}
+
+/// `SELECT 1`: the server answers with 1 when it is up.
+pub async fn ping(pool: &PgPool) -> sqlx::Result<i32> {
+    sqlx::query_scalar(PING).fetch_one(pool).await
+}
+
+/// One statement of the store, by area and name.
+#[derive(Debug, Clone)]
+pub struct Statement {
+    /// `area::NAME`, e.g. `claim::CLAIM`.
+    pub name: String,
+    pub sql: Cow<'static, str>,
+}
+
+/// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
+/// prepares against a freshly migrated database.
+pub fn statements() -> Vec<Statement> {
+    let areas: [(&str, &[(&str, &str)]); 9] = [
+        ("db", STATEMENTS),
+        ("attempts", attempts::STATEMENTS),
+        ("claim", claim::STATEMENTS),
+        ("cleanup", cleanup::STATEMENTS),
+        ("effects", effects::STATEMENTS),
+        ("events", events::STATEMENTS),
+        ("grants", grants::STATEMENTS),
+        ("schema", schema::STATEMENTS),
+        ("stats", stats::STATEMENTS),
+    ];
+    let fixed = areas.into_iter().flat_map(|(area, statements)| {
+        statements.iter().map(move |(name, sql)| Statement {
+            name: format!("{area}::{name}"),
+            sql: Cow::Borrowed(*sql),
+        })
+    });
+    let built = schema::built_statements()
+        .into_iter()
+        .map(|(name, sql)| Statement {
+            name: format!("schema::{name}"),
+            sql: Cow::Owned(sql),
+        });
+    fixed.chain(built).collect()
 }
 
 /// Whether an error is the infrastructure's (the server gone, the connection lost, the pool empty, a deadlock or a

@@ -6,8 +6,72 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection as _};
 
-use super::{Database, sql};
+use super::Database;
+use super::sql::quote_ident;
 use crate::error::{Error, Result};
+
+statements! {
+    /// Whether a relation is visible on the search path. `$1` name.
+    const TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL";
+
+    /// The columns of `inbox_messages`: name, SQL type, NOT NULL, has a default.
+    const INBOX_COLUMNS = "\
+SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
+FROM pg_attribute a
+WHERE a.attrelid = to_regclass('inbox_messages') AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum";
+
+    /// The primary key of `inbox_messages`: its name and its columns in key order.
+    const INBOX_PRIMARY_KEY = "\
+SELECT c.conname::text, array_agg(a.attname::text ORDER BY k.ord)
+FROM pg_constraint c
+CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
+WHERE c.conrelid = to_regclass('inbox_messages') AND c.contype = 'p'
+GROUP BY c.conname";
+
+    /// The versions recorded as applied by inboxctl's migrations.
+    const APPLIED_MIGRATIONS =
+    "SELECT version FROM inboxctl_migrations WHERE success ORDER BY version";
+
+    /// Serialises `migrate` runs against one database: one applies, the others wait and then find nothing to do.
+    /// Taken with a try in a loop, not a blocking wait: a session blocked in a statement holds a snapshot, and
+    /// `CREATE INDEX CONCURRENTLY` in the other run would wait for that snapshot while it waits for the lock.
+    const MIGRATE_TRY_LOCK = "SELECT pg_try_advisory_lock($1)";
+    const MIGRATE_UNLOCK = "SELECT pg_advisory_unlock($1)";
+
+    /// Indexes on `inbox_messages` left invalid by an interrupted `CREATE INDEX CONCURRENTLY`. `$1` index names.
+    const INVALID_INBOX_INDEXES = "\
+SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.relname = ANY($1)";
+
+    /// Whether a database exists. `$1` name.
+    const DATABASE_EXISTS = "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)";
+}
+
+/// `DROP INDEX CONCURRENTLY` of an index name known to inboxctl (never one taken from input).
+fn drop_index_concurrently(name: &str) -> String {
+    format!("DROP INDEX CONCURRENTLY IF EXISTS {}", quote_ident(name))
+}
+
+/// `CREATE DATABASE` cannot take its name as a parameter; the name is quoted as an identifier instead.
+fn create_database_statement(name: &str) -> String {
+    format!("CREATE DATABASE {}", quote_ident(name))
+}
+
+/// The statements built around an identifier, each with a sample one, for [`super::statements`].
+pub(super) fn built_statements() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "drop_index_concurrently",
+            drop_index_concurrently(CONCURRENT_INDEXES[0]),
+        ),
+        (
+            "create_database_statement",
+            create_database_statement("inboxctl sample"),
+        ),
+    ]
+}
 
 /// The table that records inboxctl's applied migrations; its own, so that a service's sqlx migrations in the same
 /// database are never confused with ours.
@@ -75,7 +139,7 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
 
     let mut conn = db.connect().await?;
     let mut waiting = false;
-    while !sqlx::query_scalar::<_, bool>(sql::MIGRATE_TRY_LOCK)
+    while !sqlx::query_scalar::<_, bool>(MIGRATE_TRY_LOCK)
         .bind(MIGRATE_LOCK_KEY)
         .fetch_one(&mut conn)
         .await?
@@ -88,7 +152,7 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
     }
     let result = migrate_locked(&mut conn, &migrator, &database, dry_run).await;
     // The lock is released with the connection too; unlocking explicitly just frees it sooner.
-    let _ = sqlx::query(sql::MIGRATE_UNLOCK)
+    let _ = sqlx::query(MIGRATE_UNLOCK)
         .bind(MIGRATE_LOCK_KEY)
         .execute(&mut conn)
         .await;
@@ -136,13 +200,13 @@ async fn migrate_locked(
 }
 
 async fn drop_invalid_indexes(conn: &mut PgConnection) -> Result<()> {
-    let invalid: Vec<String> = sqlx::query_scalar(sql::INVALID_INBOX_INDEXES)
+    let invalid: Vec<String> = sqlx::query_scalar(INVALID_INBOX_INDEXES)
         .bind(&CONCURRENT_INDEXES[..])
         .fetch_all(&mut *conn)
         .await?;
     for name in invalid {
         tracing::warn!(index = %name, "dropping an invalid index left by an interrupted build");
-        sqlx::query(AssertSqlSafe(sql::drop_index_concurrently(&name)))
+        sqlx::query(AssertSqlSafe(drop_index_concurrently(&name)))
             .execute(&mut *conn)
             .await?;
     }
@@ -166,14 +230,14 @@ async fn applied_versions(conn: &mut PgConnection) -> Result<HashSet<i64>> {
     if !table_exists(conn, MIGRATIONS_TABLE).await? {
         return Ok(HashSet::new());
     }
-    let versions: Vec<i64> = sqlx::query_scalar(sql::APPLIED_MIGRATIONS)
+    let versions: Vec<i64> = sqlx::query_scalar(APPLIED_MIGRATIONS)
         .fetch_all(&mut *conn)
         .await?;
     Ok(versions.into_iter().collect())
 }
 
 pub async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool> {
-    Ok(sqlx::query_scalar(sql::TABLE_EXISTS)
+    Ok(sqlx::query_scalar(TABLE_EXISTS)
         .bind(name)
         .fetch_one(&mut *conn)
         .await?)
@@ -189,7 +253,7 @@ async fn database_exists(db: &Database, name: &str) -> Result<bool> {
             if super::sqlstate(&source).as_deref() == Some("3D000") =>
         {
             let mut admin = maintenance_connection(db).await?;
-            let exists = sqlx::query_scalar(sql::DATABASE_EXISTS)
+            let exists = sqlx::query_scalar(DATABASE_EXISTS)
                 .bind(name)
                 .fetch_one(&mut admin)
                 .await?;
@@ -203,7 +267,7 @@ async fn database_exists(db: &Database, name: &str) -> Result<bool> {
 /// Creates the database; `false` when another `migrate` created it first.
 async fn create_database(db: &Database, name: &str) -> Result<bool> {
     let mut admin = maintenance_connection(db).await?;
-    let created = sqlx::query(AssertSqlSafe(sql::create_database(name)))
+    let created = sqlx::query(AssertSqlSafe(create_database_statement(name)))
         .execute(&mut admin)
         .await;
     let _ = admin.close().await;
@@ -233,10 +297,9 @@ async fn maintenance_connection(db: &Database) -> Result<PgConnection> {
 /// What an existing `inbox_messages` has that inboxctl cannot work with. Empty means compatible: the four columns
 /// with their types, the key on (id, consumer_type) under any name, and no extra column the claim would have to fill.
 pub async fn inbox_differences(conn: &mut PgConnection) -> Result<Vec<String>> {
-    let columns: Vec<(String, String, bool, bool)> = sqlx::query_as(sql::INBOX_COLUMNS)
-        .fetch_all(&mut *conn)
-        .await?;
-    let key: Option<(String, Vec<String>)> = sqlx::query_as(sql::INBOX_PRIMARY_KEY)
+    let columns: Vec<(String, String, bool, bool)> =
+        sqlx::query_as(INBOX_COLUMNS).fetch_all(&mut *conn).await?;
+    let key: Option<(String, Vec<String>)> = sqlx::query_as(INBOX_PRIMARY_KEY)
         .fetch_optional(&mut *conn)
         .await?;
     Ok(compare_inbox(&columns, key.as_ref()))
@@ -348,6 +411,14 @@ mod tests {
         assert_eq!(
             found,
             vec!["there is no primary key; expected one on (id, consumer_type)"]
+        );
+    }
+
+    #[test]
+    fn database_names_are_quoted() {
+        assert_eq!(
+            create_database_statement("My DB"),
+            "CREATE DATABASE \"My DB\""
         );
     }
 

@@ -1,0 +1,223 @@
+//! The cleanup's statements: its cutoff, the consumer_types to clean, the counts of a dry run, the per-consumer_type
+//! lock, and the batched deletes.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+
+statements! {
+    /// The cleanup's cutoff, on the database's clock. `$1` retention in seconds.
+    const CUTOFF = "SELECT now() - make_interval(secs => $1)";
+
+    /// Every consumer_type with inbox rows, events or a registration. The inbox and the events are walked with a loose
+    /// index scan (one index probe per distinct value), not a scan of every row.
+    const CONSUMER_TYPES = "\
+WITH RECURSIVE inbox AS (
+    (SELECT consumer_type FROM inbox_messages ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT i.consumer_type FROM inbox_messages i
+            WHERE i.consumer_type > inbox.consumer_type ORDER BY i.consumer_type LIMIT 1)
+    FROM inbox WHERE inbox.consumer_type IS NOT NULL
+), events AS (
+    (SELECT consumer_type FROM inboxctl_events ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT e.consumer_type FROM inboxctl_events e
+            WHERE e.consumer_type > events.consumer_type ORDER BY e.consumer_type LIMIT 1)
+    FROM events WHERE events.consumer_type IS NOT NULL
+)
+SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL
+UNION SELECT consumer_type::text FROM events WHERE consumer_type IS NOT NULL
+UNION SELECT consumer_type::text FROM inboxctl_consumers
+ORDER BY 1";
+
+    /// One cleanup batch: at most `$3` processed rows of consumer_type `$1` older than `$2`, found through
+    /// `(consumer_type, processed_at)` and deleted by their tuple ids. Unprocessed rows (`processed_at IS NULL`) never
+    /// match. No `FOR UPDATE SKIP LOCKED`: nothing else deletes these rows while a cleanup holds the consumer_type's
+    /// `CLEANUP_TRY_LOCK`, and locking them first would write each row once more.
+    /// The batch's fingerprints go with it, found through their key.
+    const DELETE_PROCESSED_BATCH = "\
+WITH batch AS (
+    SELECT ctid, id FROM inbox_messages
+    WHERE consumer_type = $1 AND processed_at < $2
+    LIMIT $3
+), fingerprints AS (
+    DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = batch.id
+)
+DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch))";
+
+    /// The same for inboxctl's own event rows.
+    const DELETE_EVENTS_BATCH = "\
+DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM inboxctl_events
+    WHERE consumer_type = $1 AND occurred_at < $2
+    LIMIT $3))";
+
+    /// One cleanup at a time per consumer_type (per database): a second one skips a consumer_type another is
+    /// cleaning, rather than waiting on it or deleting the same rows. `$1` consumer_type.
+    const CLEANUP_TRY_LOCK =
+    "SELECT pg_try_advisory_lock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
+    /// Releases the cleanup's locks: every advisory lock of the session, which holds nothing else.
+    const CLEANUP_UNLOCK_ALL = "SELECT pg_advisory_unlock_all()";
+
+    /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
+    const COUNT_PROCESSED_BEFORE =
+    "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < $2";
+    const COUNT_EVENTS_BEFORE =
+    "SELECT count(*) FROM inboxctl_events WHERE consumer_type = $1 AND occurred_at < $2";
+
+    /// Rows received before the cutoff and never processed, and the oldest of them. `$1` consumer_type, `$2` cutoff.
+    const UNPROCESSED_BEFORE = "\
+SELECT count(*), min(received_at) FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
+
+    /// `cleanup`: start counts of messages that never came back. `$1` consumer_type, `$2` cutoff.
+    const DELETE_OLD_ATTEMPTS =
+    "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND last_started_at < $2";
+}
+
+/// `now() - retention` on the database's clock (`CUTOFF`).
+pub async fn cutoff(
+    executor: impl PgExecutor<'_>,
+    retention: Duration,
+) -> sqlx::Result<DateTime<Utc>> {
+    sqlx::query_scalar(CUTOFF)
+        .bind(retention.as_secs_f64())
+        .fetch_one(executor)
+        .await
+}
+
+/// Every consumer_type with inbox rows, events or a registration, in order (`CONSUMER_TYPES`).
+pub async fn consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(CONSUMER_TYPES).fetch_all(executor).await
+}
+
+/// Rows of a consumer_type received before the cutoff and never processed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unprocessed {
+    pub count: u64,
+    pub oldest: Option<DateTime<Utc>>,
+}
+
+/// The unprocessed rows received before `cutoff` (`UNPROCESSED_BEFORE`).
+pub async fn unprocessed_before(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> sqlx::Result<Unprocessed> {
+    let (count, oldest): (i64, Option<DateTime<Utc>>) = sqlx::query_as(UNPROCESSED_BEFORE)
+        .bind(consumer_type)
+        .bind(cutoff)
+        .fetch_one(executor)
+        .await?;
+    Ok(Unprocessed {
+        count: count.unsigned_abs(),
+        oldest,
+    })
+}
+
+/// Processed rows older than `cutoff`: what a cleanup deletes (`COUNT_PROCESSED_BEFORE`).
+pub async fn count_processed_before(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> sqlx::Result<u64> {
+    count(executor, COUNT_PROCESSED_BEFORE, consumer_type, cutoff).await
+}
+
+/// Event rows older than `cutoff` (`COUNT_EVENTS_BEFORE`).
+pub async fn count_events_before(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> sqlx::Result<u64> {
+    count(executor, COUNT_EVENTS_BEFORE, consumer_type, cutoff).await
+}
+
+async fn count(
+    executor: impl PgExecutor<'_>,
+    statement: &'static str,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> sqlx::Result<u64> {
+    let n: i64 = sqlx::query_scalar(statement)
+        .bind(consumer_type)
+        .bind(cutoff)
+        .fetch_one(executor)
+        .await?;
+    Ok(n.unsigned_abs())
+}
+
+/// Takes the consumer_type's cleanup lock on this session if no other session holds it (`CLEANUP_TRY_LOCK`).
+pub async fn try_lock(executor: impl PgExecutor<'_>, consumer_type: &str) -> sqlx::Result<bool> {
+    sqlx::query_scalar(CLEANUP_TRY_LOCK)
+        .bind(consumer_type)
+        .fetch_one(executor)
+        .await
+}
+
+/// Releases every advisory lock of the session (`CLEANUP_UNLOCK_ALL`).
+pub async fn unlock_all(executor: impl PgExecutor<'_>) -> sqlx::Result<()> {
+    sqlx::query(CLEANUP_UNLOCK_ALL)
+        .execute(executor)
+        .await
+        .map(drop)
+}
+
+/// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`);
+/// returns the rows deleted.
+pub async fn delete_processed_batch(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> sqlx::Result<u64> {
+    delete_batch(
+        executor,
+        DELETE_PROCESSED_BATCH,
+        consumer_type,
+        cutoff,
+        limit,
+    )
+    .await
+}
+
+/// Deletes at most `limit` event rows older than `cutoff` (`DELETE_EVENTS_BATCH`); returns the rows deleted.
+pub async fn delete_events_batch(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> sqlx::Result<u64> {
+    delete_batch(executor, DELETE_EVENTS_BATCH, consumer_type, cutoff, limit).await
+}
+
+async fn delete_batch(
+    executor: impl PgExecutor<'_>,
+    statement: &'static str,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> sqlx::Result<u64> {
+    Ok(sqlx::query(statement)
+        .bind(consumer_type)
+        .bind(cutoff)
+        .bind(limit)
+        .execute(executor)
+        .await?
+        .rows_affected())
+}
+
+/// Deletes the start counts last started before `cutoff` (`DELETE_OLD_ATTEMPTS`); returns how many.
+pub async fn delete_old_attempts(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> sqlx::Result<u64> {
+    Ok(sqlx::query(DELETE_OLD_ATTEMPTS)
+        .bind(consumer_type)
+        .bind(cutoff)
+        .execute(executor)
+        .await?
+        .rows_affected())
+}

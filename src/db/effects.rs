@@ -1,0 +1,101 @@
+//! The example consumers' effect tables: what the carrier and SMS stand-ins write in the consumer's transaction, and
+//! the demo's count of it.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+use sqlx::postgres::PgConnection;
+use uuid::Uuid;
+
+statements! {
+    /// The carrier stand-in's booking. `$1` parcel id, `$2` slot id, `$3` pickup time, `$4` message id,
+    /// `$5` idempotency key.
+    pub const INSERT_CARRIER_RESERVATION = "\
+INSERT INTO carrier_reservations (parcel_id, slot_id, pickup_at, message_id, idempotency_key)
+VALUES ($1, $2, $3, $4, $5)";
+
+    /// The SMS stand-in's record. `$1` parcel id, `$2` tracking number, `$3` text, `$4` message id, `$5` idempotency
+    /// key.
+    const INSERT_NOTIFICATION_SENT = "\
+INSERT INTO notifications_sent (parcel_id, tracking_number, body, message_id, idempotency_key)
+VALUES ($1, $2, $3, $4, $5)";
+
+    /// Rows each consumer wrote for a set of parcels (the demo's tally). `$1` parcel ids.
+    const COUNT_CARRIER_RESERVATIONS_FOR =
+    "SELECT count(*) FROM carrier_reservations WHERE parcel_id = ANY($1)";
+    const COUNT_NOTIFICATIONS_SENT_FOR =
+    "SELECT count(*) FROM notifications_sent WHERE parcel_id = ANY($1)";
+}
+
+/// A booked pickup, as the carrier stand-in records it.
+#[derive(Debug, Clone, Copy)]
+pub struct Reservation {
+    pub parcel_id: Uuid,
+    pub slot_id: Uuid,
+    pub pickup_at: DateTime<Utc>,
+    pub message_id: Uuid,
+    pub idempotency_key: Uuid,
+}
+
+/// A text sent, as the SMS stand-in records it.
+#[derive(Debug, Clone, Copy)]
+pub struct Notification<'a> {
+    pub parcel_id: Uuid,
+    pub tracking_number: &'a str,
+    pub body: &'a str,
+    pub message_id: Uuid,
+    pub idempotency_key: Uuid,
+}
+
+/// Writes a booking (`INSERT_CARRIER_RESERVATION`).
+pub async fn insert_carrier_reservation(
+    conn: &mut PgConnection,
+    r: &Reservation,
+) -> sqlx::Result<()> {
+    sqlx::query(INSERT_CARRIER_RESERVATION)
+        .bind(r.parcel_id)
+        .bind(r.slot_id)
+        .bind(r.pickup_at)
+        .bind(r.message_id)
+        .bind(r.idempotency_key)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Writes a text sent (`INSERT_NOTIFICATION_SENT`).
+pub async fn insert_notification_sent(
+    conn: &mut PgConnection,
+    n: &Notification<'_>,
+) -> sqlx::Result<()> {
+    sqlx::query(INSERT_NOTIFICATION_SENT)
+        .bind(n.parcel_id)
+        .bind(n.tracking_number)
+        .bind(n.body)
+        .bind(n.message_id)
+        .bind(n.idempotency_key)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Bookings written for these parcels (`COUNT_CARRIER_RESERVATIONS_FOR`).
+pub async fn count_carrier_reservations_for(
+    executor: impl PgExecutor<'_>,
+    parcel_ids: &[Uuid],
+) -> sqlx::Result<i64> {
+    sqlx::query_scalar(COUNT_CARRIER_RESERVATIONS_FOR)
+        .bind(parcel_ids)
+        .fetch_one(executor)
+        .await
+}
+
+/// Texts written for these parcels (`COUNT_NOTIFICATIONS_SENT_FOR`).
+pub async fn count_notifications_sent_for(
+    executor: impl PgExecutor<'_>,
+    parcel_ids: &[Uuid],
+) -> sqlx::Result<i64> {
+    sqlx::query_scalar(COUNT_NOTIFICATIONS_SENT_FOR)
+        .bind(parcel_ids)
+        .fetch_one(executor)
+        .await
+}

@@ -1,0 +1,68 @@
+//! inboxctl's own bookkeeping beside the inbox: the events of its consumers (`inboxctl_events`) and the consumers
+//! that ran (`inboxctl_consumers`), which `stats` and `top` read.
+
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+use crate::inbox::ConsumerType;
+
+statements! {
+    /// Records one event of a consumer (`failed`, `dead_lettered`, `skipped`) in a statement of its own.
+    /// `$1` consumer_type, `$2` kind, `$3` message id (null when the message had none), `$4` detail.
+    const RECORD_EVENT = "\
+INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1, $2, $3, $4)";
+
+    /// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters
+    /// and which queue each reads. `$1` consumer_type, `$2` queue.
+    pub const REGISTER_CONSUMER = "\
+INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
+VALUES ($1, $2, now(), now())
+ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, last_seen_at = now()";
+
+    /// Duplicates discarded for a set of message ids (the demo's tally). `$1` message ids.
+    const COUNT_DUPLICATES_FOR =
+    "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = ANY($1)";
+}
+
+/// Records one event of a consumer (`RECORD_EVENT`): its kind, the message's id if it had one, a detail.
+pub async fn record(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &ConsumerType,
+    kind: &str,
+    message_id: Option<Uuid>,
+    detail: &str,
+) -> sqlx::Result<()> {
+    sqlx::query(RECORD_EVENT)
+        .bind(consumer_type.as_str())
+        .bind(kind)
+        .bind(message_id)
+        .bind(detail)
+        .execute(executor)
+        .await
+        .map(drop)
+}
+
+/// Registers a consumer process's consumer_type and the queue it reads (`REGISTER_CONSUMER`).
+pub async fn register_consumer(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &ConsumerType,
+    queue: &str,
+) -> sqlx::Result<()> {
+    sqlx::query(REGISTER_CONSUMER)
+        .bind(consumer_type.as_str())
+        .bind(queue)
+        .execute(executor)
+        .await
+        .map(drop)
+}
+
+/// Duplicates discarded for these message ids (`COUNT_DUPLICATES_FOR`).
+pub async fn count_duplicates_for(
+    executor: impl PgExecutor<'_>,
+    message_ids: &[Uuid],
+) -> sqlx::Result<i64> {
+    sqlx::query_scalar(COUNT_DUPLICATES_FOR)
+        .bind(message_ids)
+        .fetch_one(executor)
+        .await
+}

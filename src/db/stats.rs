@@ -1,0 +1,214 @@
+//! What `stats` and `top` read: the consumer_types, capped row counts, the planner's estimates, the age of the oldest
+//! unprocessed row, and the series of processed rows and events per bucket of time.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use sqlx::PgExecutor;
+
+statements! {
+    /// consumer_types with inbox rows, by a loose index scan on `(consumer_type, processed_at)`.
+    pub const INBOX_CONSUMER_TYPES = "\
+WITH RECURSIVE inbox AS (
+    (SELECT consumer_type FROM inbox_messages ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT i.consumer_type FROM inbox_messages i
+            WHERE i.consumer_type > inbox.consumer_type ORDER BY i.consumer_type LIMIT 1)
+    FROM inbox WHERE inbox.consumer_type IS NOT NULL
+)
+SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
+
+    /// The consumer_types inboxctl consumers ran as, with their queue.
+    const REGISTERED_CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers";
+
+    /// The planner's statistics of the inbox: total rows, rows of the unprocessed index, and the most common
+    /// consumer_types with their frequencies (nothing is counted).
+    pub const INBOX_ESTIMATES = "\
+SELECT c.reltuples::float8,
+       (SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass('ix_inbox_messages_unprocessed')),
+       s.most_common_vals::text::text[], s.most_common_freqs, s.null_frac, s.n_distinct
+FROM pg_class c
+LEFT JOIN pg_stats s ON s.schemaname = c.relnamespace::regnamespace::text
+                    AND s.tablename = 'inbox_messages' AND s.attname = 'consumer_type'
+WHERE c.oid = to_regclass('inbox_messages')";
+
+    /// Rows of a consumer_type, counted through the index and never past `$2`. `$1` consumer_type.
+    pub const COUNT_ROWS_CAPPED =
+    "SELECT count(*) FROM (SELECT 1 FROM inbox_messages WHERE consumer_type = $1 LIMIT $2) t";
+
+    /// Unprocessed rows of a consumer_type, never counting past `$2`.
+    pub const COUNT_UNPROCESSED_CAPPED = "\
+SELECT count(*) FROM (SELECT 1 FROM inbox_messages WHERE consumer_type = $1 AND processed_at IS NULL LIMIT $2) t";
+
+    /// Seconds since the oldest unprocessed row of a consumer_type was received.
+    pub const OLDEST_UNPROCESSED_AGE = "\
+SELECT extract(epoch FROM now() - received_at)::float8 FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at IS NULL ORDER BY received_at LIMIT 1";
+
+    /// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest).
+    pub const PROCESSED_SERIES = "\
+SELECT floor(extract(epoch FROM now() - processed_at) / $3)::int, count(*)
+FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at > now() - make_interval(secs => $2)
+GROUP BY 1";
+
+    /// Events of a consumer_type in the last `$2` seconds, per kind and bucket of `$3` seconds (0 = newest).
+    pub const EVENT_SERIES = "\
+SELECT kind, floor(extract(epoch FROM now() - occurred_at) / $3)::int, count(*)
+FROM inboxctl_events
+WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
+GROUP BY 1, 2";
+}
+
+/// consumer_types with inbox rows (`INBOX_CONSUMER_TYPES`).
+pub async fn inbox_consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
+    sqlx::query_scalar(INBOX_CONSUMER_TYPES)
+        .fetch_all(executor)
+        .await
+}
+
+/// Each consumer_type an inboxctl consumer ran as, with the queue it read (`REGISTERED_CONSUMERS`).
+pub async fn registered_consumers(
+    executor: impl PgExecutor<'_>,
+) -> sqlx::Result<HashMap<String, String>> {
+    let rows: Vec<(String, String)> = sqlx::query_as(REGISTERED_CONSUMERS)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows.into_iter().collect())
+}
+
+/// The planner's statistics of the inbox (`INBOX_ESTIMATES`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Estimates {
+    /// reltuples of the table (-1 until it was first vacuumed or analyzed).
+    pub rows: f64,
+    /// reltuples of the unprocessed index, if it exists.
+    pub unprocessed: Option<f64>,
+    /// The most common consumer_types and their frequencies.
+    pub common_values: Option<Vec<String>>,
+    pub common_freqs: Option<Vec<f32>>,
+    pub null_frac: Option<f32>,
+    pub n_distinct: Option<f32>,
+}
+
+type EstimateRow = (
+    f64,
+    Option<f64>,
+    Option<Vec<String>>,
+    Option<Vec<f32>>,
+    Option<f32>,
+    Option<f32>,
+);
+
+/// The planner's statistics of the inbox; `None` when there is no `inbox_messages`.
+pub async fn estimates(executor: impl PgExecutor<'_>) -> sqlx::Result<Option<Estimates>> {
+    let row: Option<EstimateRow> = sqlx::query_as(INBOX_ESTIMATES)
+        .fetch_optional(executor)
+        .await?;
+    Ok(row.map(
+        |(rows, unprocessed, common_values, common_freqs, null_frac, n_distinct)| Estimates {
+            rows,
+            unprocessed,
+            common_values,
+            common_freqs,
+            null_frac,
+            n_distinct,
+        },
+    ))
+}
+
+/// Rows of a consumer_type, counted up to `cap + 1` (more than `cap` means at least that many)
+/// (`COUNT_ROWS_CAPPED`).
+pub async fn count_rows_capped(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cap: u64,
+) -> sqlx::Result<u64> {
+    capped(executor, COUNT_ROWS_CAPPED, consumer_type, cap).await
+}
+
+/// Unprocessed rows of a consumer_type, counted up to `cap + 1` (`COUNT_UNPROCESSED_CAPPED`).
+pub async fn count_unprocessed_capped(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    cap: u64,
+) -> sqlx::Result<u64> {
+    capped(executor, COUNT_UNPROCESSED_CAPPED, consumer_type, cap).await
+}
+
+async fn capped(
+    executor: impl PgExecutor<'_>,
+    statement: &'static str,
+    consumer_type: &str,
+    cap: u64,
+) -> sqlx::Result<u64> {
+    let n: i64 = sqlx::query_scalar(statement)
+        .bind(consumer_type)
+        .bind(i64::try_from(cap + 1).unwrap_or(i64::MAX))
+        .fetch_one(executor)
+        .await?;
+    Ok(n.unsigned_abs())
+}
+
+/// Seconds since the oldest unprocessed row of a consumer_type was received; `None` when there is none
+/// (`OLDEST_UNPROCESSED_AGE`).
+pub async fn oldest_unprocessed_age(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+) -> sqlx::Result<Option<f64>> {
+    sqlx::query_scalar(OLDEST_UNPROCESSED_AGE)
+        .bind(consumer_type)
+        .fetch_optional(executor)
+        .await
+}
+
+/// Rows in one bucket of time: bucket 0 is the newest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    /// The event kind (for events; empty for processed rows).
+    pub kind: String,
+    pub age: i32,
+    pub count: i64,
+}
+
+/// Processed rows of a consumer_type over the last `span`, per `bucket` (`PROCESSED_SERIES`).
+pub async fn processed_series(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    span: Duration,
+    bucket: Duration,
+) -> sqlx::Result<Vec<Bucket>> {
+    let rows: Vec<(i32, i64)> = sqlx::query_as(PROCESSED_SERIES)
+        .bind(consumer_type)
+        .bind(span.as_secs_f64())
+        .bind(bucket.as_secs_f64())
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(age, count)| Bucket {
+            kind: String::new(),
+            age,
+            count,
+        })
+        .collect())
+}
+
+/// Events of a consumer_type over the last `span`, per kind and `bucket` (`EVENT_SERIES`).
+pub async fn event_series(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    span: Duration,
+    bucket: Duration,
+) -> sqlx::Result<Vec<Bucket>> {
+    let rows: Vec<(String, i32, i64)> = sqlx::query_as(EVENT_SERIES)
+        .bind(consumer_type)
+        .bind(span.as_secs_f64())
+        .bind(bucket.as_secs_f64())
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(kind, age, count)| Bucket { kind, age, count })
+        .collect())
+}

@@ -1,0 +1,262 @@
+//! Every statement of the store (`inboxctl::db::statements()`) against the schema the migrations make, before any of
+//! them runs for real: a misspelt column or table, a type that does not fit, fails here with the statement's name.
+//! And the list is complete: `src/db/` holds no SQL outside the `statements!` declarations that make it.
+
+mod common;
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use common::TestEnv;
+use sqlx::{AssertSqlSafe, Connection as _, Executor as _, PgConnection, SqlSafeStr as _};
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_statement_of_the_store_prepares_against_the_migrated_schema() {
+    let env = TestEnv::migrated().await;
+    let mut conn = PgConnection::connect(&env.database_url)
+        .await
+        .expect("connect to the migrated database");
+    let statements = inboxctl::db::statements();
+    let mut failed = Vec::new();
+    for statement in &statements {
+        let sql = AssertSqlSafe(statement.sql.to_string()).into_sql_str();
+        if let Err(e) = (&mut conn).prepare(sql).await {
+            failed.push(format!("{}: {e}", statement.name));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of {} statements do not prepare against the migrated schema:\n{}",
+        failed.len(),
+        statements.len(),
+        failed.join("\n")
+    );
+    let _ = conn.close().await;
+}
+
+#[test]
+fn statement_names_are_unique() {
+    let statements = inboxctl::db::statements();
+    let names: HashSet<&str> = statements.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names.len(), statements.len());
+}
+
+/// The bench's statements, which stay in `db/sql.rs` until the bench leaves the library; not the store's.
+fn bench_only(item: &str) -> bool {
+    item.starts_with("BENCH_") || item == "SERVER_VERSION"
+}
+
+/// Nothing in `src/db/` sends a statement that `statements()` does not list: every SQL text is declared in a
+/// `statements!` block (which lists it), built by a function `statements()` lists with a sample, or one of the
+/// bench's in `sql.rs`; and every `sqlx::query*` call takes a listed statement (or a parameter holding one).
+#[test]
+fn the_list_holds_every_statement_in_src_db() {
+    let statements = inboxctl::db::statements();
+    let listed: HashSet<&str> = statements
+        .iter()
+        .filter_map(|s| s.name.rsplit("::").next())
+        .collect();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/db");
+    let mut problems = Vec::new();
+    let mut files = 0;
+    for entry in std::fs::read_dir(&dir).expect("src/db") {
+        let path = entry.expect("an entry of src/db").path();
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        files += 1;
+        let file = path.file_name().unwrap_or_default().to_string_lossy();
+        let text = std::fs::read_to_string(&path).expect("a source file");
+        // Unit tests may hold any text.
+        let text = text
+            .split("#[cfg(test)]\nmod tests")
+            .next()
+            .unwrap_or_default();
+        for literal in scan(text) {
+            let sql = literal.text.trim_start_matches('\\').trim_start();
+            let is_sql = SQL_STARTS.iter().any(|k| {
+                sql.strip_prefix(k)
+                    .is_some_and(|rest| rest.starts_with([' ', '\n', '(']) || rest.is_empty())
+            });
+            let allowed = literal.in_statements_block
+                || listed.contains(literal.item.as_str())
+                || (file == "sql.rs" && bench_only(&literal.item));
+            if is_sql && !allowed {
+                problems.push(format!(
+                    "{file}:{}: SQL outside a statements! block, in {}: {:?}",
+                    literal.line, literal.item, literal.text
+                ));
+            }
+        }
+        for (line, argument) in query_arguments(text) {
+            let name = argument.trim_start_matches("AssertSqlSafe(");
+            let name = name
+                .split(['(', ')', ','])
+                .next()
+                .unwrap_or_default()
+                .trim();
+            if !(listed.contains(name) || name == "statement") {
+                problems.push(format!(
+                    "{file}:{line}: a query of {argument:?}, which statements() does not list"
+                ));
+            }
+        }
+    }
+    assert!(files >= 9, "found only {files} files in {}", dir.display());
+    assert!(
+        problems.is_empty(),
+        "statements the list misses:\n{}",
+        problems.join("\n")
+    );
+}
+
+/// The first word of every statement inboxctl sends (or might).
+const SQL_STARTS: &[&str] = &[
+    "SELECT",
+    "INSERT",
+    "UPDATE",
+    "DELETE",
+    "WITH",
+    "CREATE",
+    "DROP",
+    "ALTER",
+    "TRUNCATE",
+    "SAVEPOINT",
+    "ROLLBACK",
+    "RELEASE",
+    "BEGIN",
+    "COMMIT",
+    "VACUUM",
+    "ANALYZE",
+    "CHECKPOINT",
+    "LOCK",
+    "GRANT",
+    "REVOKE",
+    "SET",
+    "COPY",
+];
+
+/// A string literal of a source file.
+struct Literal {
+    text: String,
+    line: usize,
+    /// The last `fn` or `const` declared before it: the item it belongs to.
+    item: String,
+    in_statements_block: bool,
+}
+
+/// The string literals of a Rust source file, outside comments, each with the item it is in and whether it is inside
+/// a `statements! { … }` block.
+fn scan(source: &str) -> Vec<Literal> {
+    let chars: Vec<char> = source.chars().collect();
+    let (mut i, mut line, mut depth) = (0, 1, 0usize);
+    let mut block_depth: Option<usize> = None;
+    let mut item = String::new();
+    let mut literals = Vec::new();
+    let word_at =
+        |i: usize, word: &str| chars[i..].iter().take(word.len()).copied().eq(word.chars());
+    while i < chars.len() {
+        let c = chars[i];
+        if c == '\n' {
+            line += 1;
+        }
+        if word_at(i, "//") {
+            while i < chars.len() && chars[i] != '\n' {
+                i += 1;
+            }
+            continue;
+        }
+        if word_at(i, "/*") {
+            while i < chars.len() && !word_at(i, "*/") {
+                line += usize::from(chars[i] == '\n');
+                i += 1;
+            }
+            i += 2;
+            continue;
+        }
+        if c == '\'' {
+            // A char literal ('x', '\n', '"'), or a lifetime.
+            if chars.get(i + 1) == Some(&'\\') {
+                i += 2;
+                while i < chars.len() && chars[i] != '\'' {
+                    i += 1;
+                }
+                i += 1;
+            } else if chars.get(i + 2) == Some(&'\'') {
+                i += 3;
+            } else {
+                i += 1;
+            }
+            continue;
+        }
+        if c == '"' {
+            let start_line = line;
+            let mut text = String::new();
+            i += 1;
+            while i < chars.len() && chars[i] != '"' {
+                if chars[i] == '\\' && i + 1 < chars.len() {
+                    text.push(chars[i]);
+                    i += 1;
+                }
+                line += usize::from(chars[i] == '\n');
+                text.push(chars[i]);
+                i += 1;
+            }
+            i += 1;
+            literals.push(Literal {
+                text,
+                line: start_line,
+                item: item.clone(),
+                in_statements_block: block_depth.is_some(),
+            });
+            continue;
+        }
+        if word_at(i, "statements!") {
+            block_depth = Some(depth);
+        }
+        for keyword in ["fn ", "const "] {
+            if word_at(i, keyword) && (i == 0 || !chars[i - 1].is_alphanumeric()) {
+                let rest = &chars[i + keyword.len()..];
+                item = rest
+                    .iter()
+                    .take_while(|c| c.is_alphanumeric() || **c == '_')
+                    .collect();
+            }
+        }
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth = depth.saturating_sub(1);
+                if block_depth == Some(depth) {
+                    block_depth = None;
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    literals
+}
+
+/// The first argument of every `sqlx::query(…)`, `sqlx::query_as(…)` and `sqlx::query_scalar(…)` call (turbofish
+/// allowed), with its line.
+fn query_arguments(source: &str) -> Vec<(usize, String)> {
+    let mut found = Vec::new();
+    for (n, line) in source.lines().enumerate() {
+        if line.trim_start().starts_with("//") {
+            continue;
+        }
+        let mut rest = line;
+        while let Some(at) = rest.find("sqlx::query") {
+            rest = &rest[at + "sqlx::query".len()..];
+            let call = rest.trim_start_matches("_as").trim_start_matches("_scalar");
+            let call = match call.strip_prefix("::<") {
+                Some(generic) => generic.split_once(">(").map_or("", |(_, after)| after),
+                None => call.strip_prefix('(').unwrap_or(""),
+            };
+            // An argument on the next line shows as an empty one, which no statement is called: write it on the line.
+            found.push((n + 1, call.to_owned()));
+        }
+    }
+    found
+}

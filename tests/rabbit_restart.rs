@@ -349,7 +349,7 @@ async fn publish_resumes_across_a_broker_restart_or_fails_saying_what_was_confir
     let mut publisher = env.spawn_with(&publish, &amqp_env);
     wait_for_ready(&rabbit, CARRIER_QUEUE, 200);
     rabbit.ctl(&["stop_app"]).unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    tokio::time::sleep(Duration::from_secs(2)).await;
     rabbit.ctl(&["start_app"]).unwrap();
     let code = publisher.wait(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{}", publisher.stderr());

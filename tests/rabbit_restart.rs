@@ -118,8 +118,15 @@ impl PrivateRabbit {
 
 impl Drop for PrivateRabbit {
     fn drop(&mut self) {
-        let _ = self.ctl(&["stop"]);
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Err(e) = self.ctl(&["stop"]) {
+            eprintln!(
+                "clean-up failed: stopping the private node {}: {e}",
+                self.node
+            );
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("clean-up failed: removing {}: {e}", self.dir.display());
+        }
     }
 }
 

@@ -2,6 +2,10 @@
 //! have exactly the table's grants and nothing more, doing its whole job; and key grants shown necessary by taking
 //! each away alone: the command names the permission it lacks and loses nothing.
 //!
+//! The grants taken away are the rows of one table per command ([`MIGRATE_REFUSALS`], [`CONSUME_REFUSALS`], …):
+//! what is missing, the command, its exit code and the words its error must name, and what must be as it was. One
+//! runner ([`Subject::refused`]) takes the grant away, runs the command, checks all that and gives the grant back.
+//!
 //! Roles and users are named after the test's database (unique per run, so a leftover of a killed run never
 //! collides) and dropped with [`Principals`], also when the test fails. A `none` in the table is run against an
 //! unreachable URL for that server: the command succeeding proves it never connects there.
@@ -69,28 +73,377 @@ fn permissions(configure: &str, write: &str, read: &str) -> Permissions {
     [configure.to_owned(), write.to_owned(), read.to_owned()]
 }
 
-/// `consume`'s row, RabbitMQ, for `queue` fed by the Parcel Tracker's event exchange.
-fn consume_permissions(queue: &str) -> Permissions {
-    let (q, x) = (literal(queue), literal(EVENT_EXCHANGE));
-    permissions(
-        &format!("^({q}(_error|_skipped)?|{x})$"),
-        &format!("^{q}(_error|_skipped)?$"),
-        &format!("^({q}(_error|_skipped)?|{x})$"),
-    )
-}
+/// RabbitMQ permissions written with the names of the carrier's endpoint left out (see [`expand`]).
+type PermissionTemplates = [&'static str; 3];
+
+/// `consume`'s row, RabbitMQ.
+const CONSUME_PERMISSIONS: PermissionTemplates = [
+    "^({q}(_error|_skipped)?|{x})$",
+    "^{q}(_error|_skipped)?$",
+    "^({q}(_error|_skipped)?|{x})$",
+];
+
+/// `publish`'s row, RabbitMQ: write on the event exchange, and configure too while it is absent.
+const PUBLISH_PERMISSIONS: PermissionTemplates = ["", "^{x}$", ""];
+const PUBLISH_PERMISSIONS_TO_DECLARE: PermissionTemplates = ["^{x}$", "^{x}$", ""];
 
 /// `replay`'s row, RabbitMQ.
-fn replay_permissions(dead_letter_queue: &str) -> Permissions {
-    permissions(
-        "",
-        "^amq\\.default$",
-        &format!("^{}$", literal(dead_letter_queue)),
-    )
+const REPLAY_PERMISSIONS: PermissionTemplates = ["", "^amq\\.default$", "^{dlq}$"];
+
+/// `consume`'s row, RabbitMQ, for `queue` fed by the Parcel Tracker's event exchange.
+fn consume_permissions(queue: &str) -> Permissions {
+    CONSUME_PERMISSIONS.map(|t| expand_for(queue, t, ""))
 }
 
 /// A server `none` in the table: nothing listens on port 1, so a command that connected would fail.
 const NOWHERE_PG: &str = "postgres://nobody@127.0.0.1:1/nothing";
 const NOWHERE_AMQP: &str = "amqp://nobody:nothing@127.0.0.1:1/nothing";
+
+/// `template` with the names of `queue`'s endpoint in it: `{queue}`, `{error_queue}` and `{exchange}` (the event
+/// exchange) as they are, `{q}`, `{dlq}` (the error queue) and `{x}` as regular expressions matching them alone;
+/// `{database}` is `database`.
+fn expand_for(queue: &str, template: &str, database: &str) -> String {
+    let error_queue = format!("{queue}_error");
+    template
+        .replace("{queue}", queue)
+        .replace("{error_queue}", &error_queue)
+        .replace("{exchange}", EVENT_EXCHANGE)
+        .replace("{q}", &literal(queue))
+        .replace("{dlq}", &literal(&error_queue))
+        .replace("{x}", &literal(EVENT_EXCHANGE))
+        .replace("{database}", database)
+}
+
+/// One grant (or a few, named together) taken away alone: the command is refused, names what it lacks, and changes
+/// nothing. The text may name the carrier's endpoint (see [`expand_for`]).
+struct Refusal {
+    /// What is missing, in words.
+    missing: &'static str,
+    without: Without,
+    /// The command.
+    args: &'static [&'static str],
+    /// Its exit code, and the words its stderr must hold.
+    code: i32,
+    names: &'static [&'static str],
+    /// What is as it was after it.
+    unchanged: Unchanged,
+}
+
+enum Without {
+    /// SQL on the database the command uses, as the superuser, `{role}` standing for the role: the revoke (empty when
+    /// the role never had it) and the grant that gives it back.
+    Sql {
+        revoke: &'static str,
+        grant: &'static str,
+    },
+    /// The user's RabbitMQ permissions while the command runs, and what they are set to after.
+    Permissions {
+        during: PermissionTemplates,
+        after: PermissionTemplates,
+    },
+}
+
+enum Unchanged {
+    /// Nothing to look at: refused at its start, before it touches anything.
+    Nothing,
+    /// A count on the database the command uses is this.
+    Count(&'static str, i64),
+    /// Queues' `(ready, unacknowledged)` are these.
+    Queues(&'static [(&'static str, (u64, u64))]),
+    /// The rows a cleanup may touch are what they were ([`census`]).
+    Census,
+}
+
+/// `migrate`'s grants taken away, each on a database of its own: the test's (empty), one to create, one holding EF
+/// Core's `inbox_messages` (owned by the service's role).
+const MIGRATE_REFUSALS: [Refusal; 3] = [
+    Refusal {
+        missing: "CREATE on the schema (PUBLIC has none on PostgreSQL 15's public)",
+        without: Without::Sql {
+            revoke: "",
+            grant: MIGRATE_GRANTS,
+        },
+        args: &["migrate"],
+        code: 1,
+        names: &["permission denied for schema public"],
+        unchanged: Unchanged::Count(
+            "SELECT count(*) FROM pg_class WHERE relnamespace = 'public'::regnamespace",
+            0,
+        ),
+    },
+    Refusal {
+        missing: "CREATEDB, for a database to create",
+        without: Without::Sql {
+            revoke: "",
+            grant: "ALTER ROLE {role} CREATEDB",
+        },
+        args: &["migrate"],
+        code: 1,
+        names: &["permission denied to create database"],
+        unchanged: Unchanged::Count(
+            "SELECT count(*) FROM pg_database WHERE datname = '{database}'",
+            0,
+        ),
+    },
+    Refusal {
+        missing: "the ownership of an existing inbox_messages, for its indexes",
+        without: Without::Sql {
+            revoke: "",
+            grant: "ALTER TABLE inbox_messages OWNER TO {role}",
+        },
+        args: &["migrate"],
+        code: 1,
+        names: &["must be owner of table inbox_messages"],
+        unchanged: Unchanged::Count(
+            "SELECT count(*) FROM pg_class WHERE relname LIKE 'ix_inbox_messages%'",
+            0,
+        ),
+    },
+];
+
+/// `consume`'s grants taken away, refused at start before any delivery.
+const CONSUME_REFUSALS: [Refusal; 2] = [
+    Refusal {
+        missing: "SELECT on inboxctl_consumers (its registration is an upsert) and INSERT on inbox_messages (the claim)",
+        without: Without::Sql {
+            revoke: "REVOKE SELECT ON inboxctl_consumers FROM {role}; REVOKE INSERT ON inbox_messages FROM {role}",
+            grant: "GRANT SELECT ON inboxctl_consumers TO {role}; GRANT INSERT ON inbox_messages TO {role}",
+        },
+        args: &["consume", "carrier", "--exit-when-idle", "500ms"],
+        code: 77,
+        names: &[
+            "lacks privileges that consume needs: INSERT on inbox_messages; SELECT on inboxctl_consumers",
+            "security section",
+        ],
+        unchanged: Unchanged::Nothing,
+    },
+    Refusal {
+        missing: "write on the queue (the binding to its exchange)",
+        without: Without::Permissions {
+            during: [
+                CONSUME_PERMISSIONS[0],
+                "^{q}_(error|skipped)$",
+                CONSUME_PERMISSIONS[2],
+            ],
+            after: CONSUME_PERMISSIONS,
+        },
+        args: &["consume", "carrier", "--exit-when-idle", "500ms"],
+        code: 1,
+        names: &["ACCESS_REFUSED", "queue '{queue}'"],
+        unchanged: Unchanged::Nothing,
+    },
+];
+
+/// `publish`'s permissions taken away.
+const PUBLISH_REFUSALS: [Refusal; 2] = [
+    Refusal {
+        missing: "configure on the event exchange, while it is absent",
+        without: Without::Permissions {
+            during: PUBLISH_PERMISSIONS,
+            after: PUBLISH_PERMISSIONS_TO_DECLARE,
+        },
+        args: &["publish", "parcel-created", "--count", "3"],
+        code: 1,
+        names: &["ACCESS_REFUSED", "exchange '{exchange}'"],
+        unchanged: Unchanged::Nothing,
+    },
+    Refusal {
+        missing: "write on the event exchange, once it exists",
+        without: Without::Permissions {
+            during: ["", "", ""],
+            after: PUBLISH_PERMISSIONS,
+        },
+        args: &["publish", "parcel-created", "--count", "3"],
+        code: 1,
+        names: &["ACCESS_REFUSED", "exchange '{exchange}'"],
+        unchanged: Unchanged::Queues(&[("{queue}", (0, 0))]),
+    },
+];
+
+/// `replay`'s permissions taken away, with three messages in the carrier's error queue.
+const REPLAY_REFUSALS: [Refusal; 2] = [
+    // The first copy is refused, and the broker closes the channel with the cause, so the replay stops there (exit
+    // 1), its report naming the cause; every message is left where it is.
+    Refusal {
+        missing: "write on amq.default",
+        without: Without::Permissions {
+            during: ["", "", REPLAY_PERMISSIONS[2]],
+            after: REPLAY_PERMISSIONS,
+        },
+        args: &["replay", "--from", "{error_queue}", "--json"],
+        code: 1,
+        names: &[
+            "ACCESS_REFUSED - access to exchange 'amq.default'",
+            "stopped after 1 of 3 messages (0 replayed)",
+        ],
+        unchanged: Unchanged::Queues(&[("{error_queue}", (3, 0)), ("{queue}", (0, 0))]),
+    },
+    Refusal {
+        missing: "read on the dead-letter queue",
+        without: Without::Permissions {
+            during: ["", REPLAY_PERMISSIONS[1], ""],
+            after: REPLAY_PERMISSIONS,
+        },
+        args: &["replay", "--from", "{error_queue}", "--json"],
+        code: 1,
+        names: &["ACCESS_REFUSED", "queue '{error_queue}'"],
+        unchanged: Unchanged::Queues(&[("{error_queue}", (3, 0))]),
+    },
+];
+
+/// `cleanup`'s grants taken away.
+const CLEANUP_REFUSALS: [Refusal; 2] = [
+    Refusal {
+        missing: "DELETE on inbox_messages",
+        without: Without::Sql {
+            revoke: "REVOKE DELETE ON inbox_messages FROM {role}",
+            grant: "GRANT DELETE ON inbox_messages TO {role}",
+        },
+        args: &["cleanup", "--retention", "7d", "--json"],
+        code: 1,
+        names: &["permission denied for table inbox_messages"],
+        unchanged: Unchanged::Census,
+    },
+    Refusal {
+        missing: "SELECT on inboxctl_consumers (where consumer_types with nothing else to show are found)",
+        without: Without::Sql {
+            revoke: "REVOKE SELECT ON inboxctl_consumers FROM {role}",
+            grant: "GRANT SELECT ON inboxctl_consumers TO {role}",
+        },
+        args: &["cleanup", "--retention", "7d", "--json"],
+        code: 1,
+        names: &["permission denied for table inboxctl_consumers"],
+        unchanged: Unchanged::Census,
+    },
+];
+
+/// `stats`' grants taken away.
+const STATS_REFUSALS: [Refusal; 1] = [Refusal {
+    missing: "SELECT on inboxctl_events (the rates)",
+    without: Without::Sql {
+        revoke: "REVOKE SELECT ON inboxctl_events FROM {role}",
+        grant: "GRANT SELECT ON inboxctl_events TO {role}",
+    },
+    args: &["stats", "--json"],
+    code: 1,
+    names: &["permission denied for table inboxctl_events"],
+    unchanged: Unchanged::Nothing,
+}];
+
+/// Whom a test's refusals take grants from and run as, and where.
+struct Subject<'a> {
+    env: &'a TestEnv,
+    principals: &'a Principals,
+    runs_as: &'a As,
+    /// The role, and the superuser's pool on the database the command uses.
+    role: Option<(&'a Login, &'a PgPool)>,
+    user: Option<&'a Login>,
+    /// The database the command uses (`{database}`).
+    database: String,
+}
+
+impl<'a> Subject<'a> {
+    fn new(env: &'a TestEnv, principals: &'a Principals, runs_as: &'a As) -> Self {
+        Self {
+            env,
+            principals,
+            runs_as,
+            role: None,
+            user: None,
+            database: env.db_name.clone(),
+        }
+    }
+
+    fn role(mut self, role: &'a Login, pool: &'a PgPool) -> Self {
+        self.role = Some((role, pool));
+        self
+    }
+
+    fn user(mut self, user: &'a Login) -> Self {
+        self.user = Some(user);
+        self
+    }
+
+    fn database(mut self, database: &str) -> Self {
+        database.clone_into(&mut self.database);
+        self
+    }
+
+    fn expand(&self, template: &str) -> String {
+        expand_for(CARRIER_QUEUE, template, &self.database)
+    }
+
+    fn pool(&self) -> &'a PgPool {
+        self.role.expect("a refusal on PostgreSQL needs the role").1
+    }
+
+    /// Takes the row's grant away, runs its command, asserts it was refused as the row says and changed nothing, and
+    /// gives the grant back; returns what the command printed.
+    async fn refused(&self, row: &Refusal) -> Output {
+        let census_before = match row.unchanged {
+            Unchanged::Census => Some(census(self.pool()).await),
+            _ => None,
+        };
+        self.set(&row.without, true).await;
+        let args: Vec<String> = row.args.iter().map(|a| self.expand(a)).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = self.runs_as.run(self.env, &args);
+        let names: Vec<String> = row.names.iter().map(|n| self.expand(n)).collect();
+        assert_refused(&out, row.code, &names, row.missing);
+        match &row.unchanged {
+            Unchanged::Nothing => {}
+            Unchanged::Count(sql, n) => {
+                let sql = self.expand(sql);
+                let now: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
+                    .fetch_one(self.pool())
+                    .await
+                    .unwrap();
+                assert_eq!(now, *n, "without {}: {sql}", row.missing);
+            }
+            Unchanged::Queues(queues) => {
+                for (queue, counts) in *queues {
+                    let queue = self.expand(queue);
+                    assert_eq!(
+                        self.env.queue_counts(&queue),
+                        *counts,
+                        "without {}: {queue} as it was",
+                        row.missing
+                    );
+                }
+            }
+            Unchanged::Census => assert_eq!(
+                Some(census(self.pool()).await),
+                census_before,
+                "without {}: nothing deleted",
+                row.missing
+            ),
+        }
+        self.set(&row.without, false).await;
+        out
+    }
+
+    /// Takes the grant away (`during`) or gives it back.
+    async fn set(&self, without: &Without, during: bool) {
+        match without {
+            Without::Sql {
+                revoke,
+                grant: give,
+            } => {
+                let sql = if during { revoke } else { give };
+                if !sql.is_empty() {
+                    let (role, pool) = self.role.expect("a refusal on PostgreSQL needs the role");
+                    grant(pool, &role.name, sql).await;
+                }
+            }
+            Without::Permissions { during: d, after } => {
+                let templates = if during { d } else { after };
+                let user = self.user.expect("a refusal on RabbitMQ needs the user");
+                self.principals
+                    .permit(user, &templates.map(|t| self.expand(t)));
+            }
+        }
+    }
+}
 
 /// What a command runs as: a database URL and a broker URL.
 struct As {
@@ -195,7 +548,11 @@ impl Principals {
     async fn role(&mut self, admin: &PgPool, what: &str, grants: &str) -> Login {
         let name = self.name(what);
         self.roles.push(name.clone());
-        execute(admin, &format!("CREATE ROLE \"{name}\" LOGIN")).await;
+        execute(
+            admin,
+            &format!("CREATE ROLE {} LOGIN", common::quote_ident(&name)),
+        )
+        .await;
         if !grants.is_empty() {
             grant(admin, &name, grants).await;
         }
@@ -236,32 +593,36 @@ impl Principals {
 impl Drop for Principals {
     fn drop(&mut self) {
         let psql = |db: &str, sql: &str| {
-            let out = Command::new("psql")
-                .args([&format!("{}/{db}", common::pg_base()), "-qXc", sql])
-                .output();
-            if let Ok(out) = out
-                && !out.status.success()
-            {
-                eprintln!("{sql}: {}", String::from_utf8_lossy(&out.stderr));
-            }
+            common::report_cleanup(
+                sql,
+                Command::new("psql")
+                    .args([&format!("{}/{db}", common::pg_base()), "-qXc", sql])
+                    .output(),
+            );
         };
         for db in &self.databases {
             psql(
                 "postgres",
-                &format!("DROP DATABASE IF EXISTS \"{db}\" WITH (FORCE)"),
+                &format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                    common::quote_ident(db)
+                ),
             );
         }
         if !self.roles.is_empty() {
-            let roles: Vec<String> = self.roles.iter().map(|r| format!("\"{r}\"")).collect();
+            let roles: Vec<String> = self.roles.iter().map(|r| common::quote_ident(r)).collect();
             let roles = roles.join(", ");
             // What the roles own or were granted in the test database (it may be gone already: nothing left then).
             psql(&self.db, &format!("DROP OWNED BY {roles}"));
             psql("postgres", &format!("DROP ROLE IF EXISTS {roles}"));
         }
         for user in &self.users {
-            let _ = Command::new("rabbitmqctl")
-                .args(["-q", "delete_user", user])
-                .output();
+            common::report_cleanup(
+                &format!("rabbitmqctl delete_user {user}"),
+                Command::new("rabbitmqctl")
+                    .args(["-q", "delete_user", user])
+                    .output(),
+            );
         }
     }
 }
@@ -291,7 +652,7 @@ async fn execute(pool: &PgPool, sql: &str) {
 
 /// Runs `grants` (GRANT or REVOKE statements, `{role}` standing for the role) on the test database.
 async fn grant(admin: &PgPool, role: &str, grants: &str) {
-    execute(admin, &grants.replace("{role}", &format!("\"{role}\""))).await;
+    execute(admin, &grants.replace("{role}", &common::quote_ident(role))).await;
 }
 
 /// Inserted, updated and deleted rows of a table, as PostgreSQL's statistics count them once the sessions that
@@ -310,13 +671,13 @@ async fn count(pool: &PgPool, sql: &'static str) -> i64 {
     common::count(pool, sql).await
 }
 
-/// Asserts a command failed (exit code `code`) with stderr naming every one of `needles`.
-fn assert_refused(out: &Output, code: i32, needles: &[&str]) {
-    assert_eq!(out.code, Some(code), "{out:?}");
+/// Asserts a command run `without` something failed (exit code `code`) with stderr naming every one of `needles`.
+fn assert_refused(out: &Output, code: i32, needles: &[String], without: &str) {
+    assert_eq!(out.code, Some(code), "without {without}: {out:?}");
     for needle in needles {
         assert!(
-            out.stderr.contains(needle),
-            "stderr does not name {needle:?}: {out:?}"
+            out.stderr.contains(needle.as_str()),
+            "without {without}: stderr does not name {needle:?}: {out:?}"
         );
     }
 }
@@ -370,20 +731,18 @@ async fn migrate_needs_create_on_the_schema_createdb_to_create_and_ownership_to_
     let mut principals = Principals::new(&env);
     let role = principals.role(&admin, "migrate", "").await;
     let migrate = As::new(&role.url, NOWHERE_AMQP);
-    let relations = || async {
-        count(
-            &admin,
-            "SELECT count(*) FROM pg_class WHERE relnamespace = 'public'::regnamespace",
-        )
-        .await
-    };
+    let new_db = format!("{}_made", env.db_name);
+    let adopt_db = format!("{}_ef", env.db_name);
+    principals
+        .databases
+        .extend([new_db.clone(), adopt_db.clone()]);
+    let [without_create, without_createdb, not_owner] = &MIGRATE_REFUSALS;
 
-    // Without CREATE on the schema (PUBLIC has none on PostgreSQL 15's public): named, and nothing is created.
-    let out = migrate.run(&env, &["migrate"]);
-    assert_refused(&out, 1, &["permission denied for schema public"]);
-    assert_eq!(relations().await, 0, "nothing created");
-
-    grant(&admin, &role.name, MIGRATE_GRANTS).await;
+    // Without CREATE on the schema: named, and nothing is created; with it, the migrations.
+    Subject::new(&env, &principals, &migrate)
+        .role(&role, &admin)
+        .refused(without_create)
+        .await;
     let out = migrate.run(&env, &["migrate"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     let migrations = inboxctl::db::schema::migrator().iter().count();
@@ -409,20 +768,28 @@ async fn migrate_needs_create_on_the_schema_createdb_to_create_and_ownership_to_
         .unwrap()
     };
     let create = As::new(&pg_url(&role.name, &new_db), NOWHERE_AMQP);
-    let out = create.run(&env, &["migrate"]);
-    assert_refused(&out, 1, &["permission denied to create database"]);
+    Subject::new(&env, &principals, &create)
+        .role(&role, &admin)
+        .database(&new_db)
+        .refused(without_createdb)
+        .await;
     assert!(!exists().await);
-    execute(&admin, &format!("ALTER ROLE \"{}\" CREATEDB", role.name)).await;
     let out = create.run(&env, &["migrate"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.contains("created"), "{out:?}");
     assert!(exists().await);
-    execute(&admin, &format!("ALTER ROLE \"{}\" NOCREATEDB", role.name)).await;
+    execute(
+        &admin,
+        &format!("ALTER ROLE {} NOCREATEDB", common::quote_ident(&role.name)),
+    )
+    .await;
 
     // An existing inbox_messages (EF Core's, owned by the service's role): its indexes need the table's owner.
-    let adopt_db = format!("{}_ef", env.db_name);
-    principals.databases.push(adopt_db.clone());
-    execute(&admin, &format!("CREATE DATABASE \"{adopt_db}\"")).await;
+    execute(
+        &admin,
+        &format!("CREATE DATABASE {}", common::quote_ident(&adopt_db)),
+    )
+    .await;
     let ef = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect(&format!("{}/{adopt_db}", common::pg_base()))
@@ -439,22 +806,11 @@ async fn migrate_needs_create_on_the_schema_createdb_to_create_and_ownership_to_
     .await;
     grant(&ef, &role.name, MIGRATE_GRANTS).await;
     let adopt = As::new(&pg_url(&role.name, &adopt_db), NOWHERE_AMQP);
-    let out = adopt.run(&env, &["migrate"]);
-    assert_refused(&out, 1, &["must be owner of table inbox_messages"]);
-    assert_eq!(
-        count(
-            &ef,
-            "SELECT count(*) FROM pg_class WHERE relname LIKE 'ix_inbox_messages%'"
-        )
-        .await,
-        0,
-        "no index added"
-    );
-    execute(
-        &ef,
-        &format!("ALTER TABLE inbox_messages OWNER TO \"{}\"", role.name),
-    )
-    .await;
+    Subject::new(&env, &principals, &adopt)
+        .role(&role, &ef)
+        .database(&adopt_db)
+        .refused(not_owner)
+        .await;
     let out = adopt.run(&env, &["migrate"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.contains("compatible"), "{out:?}");
@@ -490,44 +846,15 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
     let error_queue = format!("{CARRIER_QUEUE}_error");
     let skipped_queue = format!("{CARRIER_QUEUE}_skipped");
 
-    // Without SELECT on inboxctl_consumers (its registration is an upsert) and INSERT on inbox_messages (the
-    // claim): refused at start, before any delivery, each missing privilege named (exit 77).
-    grant(
-        &admin,
-        &carrier_role.name,
-        "REVOKE SELECT ON inboxctl_consumers FROM {role}; REVOKE INSERT ON inbox_messages FROM {role}",
-    )
-    .await;
-    let out = carrier.run(&env, &["consume", "carrier", "--exit-when-idle", "500ms"]);
-    assert_refused(
-        &out,
-        77,
-        &[
-            "lacks privileges that consume needs: INSERT on inbox_messages; SELECT on inboxctl_consumers",
-            "security section",
-        ],
-    );
-    grant(
-        &admin,
-        &carrier_role.name,
-        "GRANT SELECT ON inboxctl_consumers TO {role}; GRANT INSERT ON inbox_messages TO {role}",
-    )
-    .await;
-
-    // Without write on the queue (the binding to its exchange): refused at start.
+    // Refused at start, before any delivery, each missing privilege named.
+    let subject = Subject::new(&env, &principals, &carrier)
+        .role(&carrier_role, &admin)
+        .user(&carrier_user);
+    for row in &CONSUME_REFUSALS {
+        subject.refused(row).await;
+    }
     let [configure, write, read] = consume_permissions(CARRIER_QUEUE);
     let q = literal(CARRIER_QUEUE);
-    principals.permit(
-        &carrier_user,
-        &permissions(&configure, &format!("^{q}_(error|skipped)$"), &read),
-    );
-    let out = carrier.run(&env, &["consume", "carrier", "--exit-when-idle", "500ms"]);
-    assert_refused(
-        &out,
-        1,
-        &["ACCESS_REFUSED", &format!("queue '{CARRIER_QUEUE}'")],
-    );
-    principals.permit(&carrier_user, &consume_permissions(CARRIER_QUEUE));
 
     // Exactly the grants: each consumer declares what is missing of its topology.
     carrier.consume(&env, &["carrier"]);
@@ -808,18 +1135,16 @@ async fn consume_with_exactly_its_grants_takes_every_message_once_and_moves_bad_
 async fn publish_needs_write_on_the_event_exchange_and_configure_only_to_declare_it() {
     let env = TestEnv::bare().await;
     let mut principals = Principals::new(&env);
-    let x = format!("^{}$", literal(EVENT_EXCHANGE));
-    let user = principals.user("publish", &permissions("", &x, ""));
+    let user = principals.user(
+        "publish",
+        &PUBLISH_PERMISSIONS.map(|t| expand_for(CARRIER_QUEUE, t, "")),
+    );
     let publish = As::new(NOWHERE_PG, &user.url);
+    let subject = Subject::new(&env, &principals, &publish).user(&user);
+    let [without_configure, without_write] = &PUBLISH_REFUSALS;
 
     // The exchange is absent: declaring it needs configure.
-    let out = publish.run(&env, &["publish", "parcel-created", "--count", "3"]);
-    assert_refused(
-        &out,
-        1,
-        &["ACCESS_REFUSED", &format!("exchange '{EVENT_EXCHANGE}'")],
-    );
-    principals.permit(&user, &permissions(&x, &x, ""));
+    subject.refused(without_configure).await;
     let out = publish.run(
         &env,
         &["publish", "parcel-created", "--count", "3", "--json"],
@@ -832,15 +1157,7 @@ async fn publish_needs_write_on_the_event_exchange_and_configure_only_to_declare
 
     // It exists (and the consumers' queues are bound): write alone.
     common::ensure_endpoints(&env).await;
-    principals.permit(&user, &permissions("", "", ""));
-    let out = publish.run(&env, &["publish", "parcel-created", "--count", "3"]);
-    assert_refused(
-        &out,
-        1,
-        &["ACCESS_REFUSED", &format!("exchange '{EVENT_EXCHANGE}'")],
-    );
-    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
-    principals.permit(&user, &permissions("", &x, ""));
+    subject.refused(without_write).await;
     let out = publish.run(
         &env,
         &["publish", "parcel-created", "--count", "10", "--json"],
@@ -869,23 +1186,19 @@ async fn replay_needs_read_on_the_dead_letter_queue_and_write_on_the_default_exc
     assert_eq!(env.queue_counts(&error_queue), (3, 0));
 
     let mut principals = Principals::new(&env);
-    let [_, write, read] = replay_permissions(&error_queue);
-    let user = principals.user("replay", &permissions("", "", &read));
+    let full = REPLAY_PERMISSIONS.map(|t| expand_for(CARRIER_QUEUE, t, ""));
+    let user = principals.user("replay", &permissions("", "", &full[2]));
     let replay = As::new(NOWHERE_PG, &user.url);
     let args = ["replay", "--from", error_queue.as_str(), "--json"];
 
-    // Without write on amq.default: the first copy is refused, and the broker closes the channel with the cause, so
-    // the replay stops there (exit 1), its report naming the cause; every message is left where it is.
-    let out = replay.run(&env, &args);
-    assert_eq!(out.code, Some(1), "{out:?}");
-    assert!(
-        out.stderr
-            .contains("ACCESS_REFUSED - access to exchange 'amq.default'")
-            && out
-                .stderr
-                .contains("stopped after 1 of 3 messages (0 replayed)"),
-        "{out:?}"
-    );
+    // Without write on amq.default, or read on the dead-letter queue: refused, every message left where it is.
+    let subject = Subject::new(&env, &principals, &replay).user(&user);
+    let mut refused = Vec::new();
+    for row in &REPLAY_REFUSALS {
+        refused.push(subject.refused(row).await);
+    }
+    // Without write, the report names the cause of the refused first copy.
+    let out = &refused[0];
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!(report["replayed"], 0, "{report}");
     assert_eq!(report["left"], 1, "{report}");
@@ -895,21 +1208,8 @@ async fn replay_needs_read_on_the_dead_letter_queue_and_write_on_the_default_exc
         first.contains("ACCESS_REFUSED - access to exchange 'amq.default'"),
         "{report}"
     );
-    assert_eq!(env.queue_counts(&error_queue), (3, 0), "nothing lost");
-    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
-
-    // Without read on the dead-letter queue: refused, nothing taken.
-    principals.permit(&user, &permissions("", &write, ""));
-    let out = replay.run(&env, &args);
-    assert_refused(
-        &out,
-        1,
-        &["ACCESS_REFUSED", &format!("queue '{error_queue}'")],
-    );
-    assert_eq!(env.queue_counts(&error_queue), (3, 0));
 
     // Exactly the grants: all three go back to their queue, and the consumer takes each once.
-    principals.permit(&user, &replay_permissions(&error_queue));
     let out = replay.run(&env, &args);
     assert_eq!(out.code, Some(0), "{out:?}");
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
@@ -970,45 +1270,16 @@ async fn cleanup_needs_select_and_delete_and_no_broker() {
          VALUES ('gamma', 'gamma-queue', now(), now());",
     )
     .await;
-    let before = census(&admin).await;
     let mut principals = Principals::new(&env);
     let role = principals.role(&admin, "cleanup", CLEANUP_GRANTS).await;
     let cleanup = As::new(&role.url, NOWHERE_AMQP);
     let args = ["cleanup", "--retention", "7d", "--json"];
 
-    // Without DELETE on inbox_messages: refused, nothing deleted.
-    grant(
-        &admin,
-        &role.name,
-        "REVOKE DELETE ON inbox_messages FROM {role}",
-    )
-    .await;
-    let out = cleanup.run(&env, &args);
-    assert_refused(&out, 1, &["permission denied for table inbox_messages"]);
-    assert_eq!(census(&admin).await, before);
-    grant(
-        &admin,
-        &role.name,
-        "GRANT DELETE ON inbox_messages TO {role}",
-    )
-    .await;
-
-    // Without SELECT on inboxctl_consumers (where consumer_types with nothing else to show are found): refused.
-    grant(
-        &admin,
-        &role.name,
-        "REVOKE SELECT ON inboxctl_consumers FROM {role}",
-    )
-    .await;
-    let out = cleanup.run(&env, &args);
-    assert_refused(&out, 1, &["permission denied for table inboxctl_consumers"]);
-    assert_eq!(census(&admin).await, before);
-    grant(
-        &admin,
-        &role.name,
-        "GRANT SELECT ON inboxctl_consumers TO {role}",
-    )
-    .await;
+    // Without DELETE on inbox_messages, or SELECT on inboxctl_consumers: refused, nothing deleted.
+    let subject = Subject::new(&env, &principals, &cleanup).role(&role, &admin);
+    for row in &CLEANUP_REFUSALS {
+        subject.refused(row).await;
+    }
 
     // Exactly the grants, and no broker: the processed rows, events and start counts past the window go.
     let out = cleanup.run(&env, &args);
@@ -1066,20 +1337,12 @@ async fn stats_needs_select_and_only_access_to_the_vhost() {
     assert_eq!(c["error_queue"]["ready"], 0, "{c}");
 
     // Without SELECT on inboxctl_events (the rates): refused.
-    grant(
-        &admin,
-        &role.name,
-        "REVOKE SELECT ON inboxctl_events FROM {role}",
-    )
-    .await;
-    let out = stats.run(&env, &["stats", "--json"]);
-    assert_refused(&out, 1, &["permission denied for table inboxctl_events"]);
-    grant(
-        &admin,
-        &role.name,
-        "GRANT SELECT ON inboxctl_events TO {role}",
-    )
-    .await;
+    let subject = Subject::new(&env, &principals, &stats)
+        .role(&role, &admin)
+        .user(&user);
+    for row in &STATS_REFUSALS {
+        subject.refused(row).await;
+    }
 
     // Without access to the vhost: the database's figures, the queues' unknown, and why.
     common::rabbitmqctl(&["-q", "clear_permissions", "-p", &env.vhost, &user.name]);

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{CARRIER_QUEUE, Proxy, TestEnv};
+use common::{CARRIER_QUEUE, FaultStream, Proxy, TestEnv};
 
 const MESSAGES: i64 = 600;
 
@@ -19,34 +19,18 @@ in_both_modes!(
 async fn postgres_down(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
-    common::publish_parcels(&env, &["--count", &MESSAGES.to_string()]);
     let proxy = Proxy::start("127.0.0.1:5432").await;
     let proxied = format!(
         "postgres://postgres@127.0.0.1:{}/{}",
         proxy.port, env.db_name
     );
-    let consumer = env.spawn_with(
-        &common::with_mode(
-            &[
-                "consume",
-                "carrier",
-                "--concurrency",
-                "2",
-                "--prefetch",
-                "8",
-            ],
-            mode,
-        ),
-        &[("DATABASE_URL", proxied.as_str())],
-    );
-    let pool = env.pool().await;
-    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
-    common::eventually(
-        "a first part processed",
-        Duration::from_secs(60),
-        || async { effects().await >= 50 },
-    )
+    let stream = FaultStream {
+        consumer_env: &[("DATABASE_URL", proxied.as_str())],
+        ..FaultStream::new(MESSAGES, mode)
+    }
+    .start(&env, env.pool().await)
     .await;
+    let (consumer, pool) = (&stream.consumer, &stream.pool);
 
     proxy.cut();
     consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
@@ -55,10 +39,10 @@ async fn postgres_down(mode: &[&str]) {
     common::eventually(
         "the consumer's sessions gone from the server",
         Duration::from_secs(30),
-        || async { common::inboxctl_sessions(&pool, &env.db_name).await == 0 },
+        || async { common::inboxctl_sessions(pool, &env.db_name).await == 0 },
     )
     .await;
-    let during = effects().await;
+    let during = stream.effects().await;
     assert!(
         during < MESSAGES,
         "the outage must come mid-stream ({during} done)"
@@ -72,33 +56,24 @@ async fn postgres_down(mode: &[&str]) {
     let outage = std::time::Instant::now();
     let mut samples = 0;
     while samples < 3 || outage.elapsed() < Duration::from_secs(3) {
-        acked_at_most_committed(&env, &pool, "during the outage").await;
+        acked_at_most_committed(&env, pool, "during the outage").await;
         samples += 1;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     assert_eq!(
-        effects().await,
+        stream.effects().await,
         during,
         "nothing commits while the database is unreachable"
     );
-    acked_at_most_committed(&env, &pool, "at the end of the outage").await;
+    acked_at_most_committed(&env, pool, "at the end of the outage").await;
 
     proxy.restore();
-    common::eventually(
-        "every message processed after the outage",
-        Duration::from_secs(120),
-        || async {
-            let (queue, committed) = acked_at_most_committed(&env, &pool, "after the outage").await;
+    stream
+        .end_when("every message processed after the outage", || async {
+            let (queue, committed) = acked_at_most_committed(&env, pool, "after the outage").await;
             committed >= MESSAGES && queue == (0, 0)
-        },
-    )
-    .await;
-    common::assert_carrier_exactly_once(&pool, MESSAGES).await;
-    assert!(
-        !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
-        "nothing dead-lettered"
-    );
-    consumer.terminate();
+        })
+        .await;
 }
 
 /// Asserts that the broker holds every message of [`MESSAGES`] not yet committed: acknowledged (no longer ready or
@@ -196,31 +171,17 @@ async fn stop_during_outage(mode: &[&str]) {
 async fn rabbitmq_connection_lost_mid_stream_the_consumer_reconnects_and_nothing_repeats() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
-    common::publish_parcels(
-        &env,
-        &["--count", &MESSAGES.to_string(), "--duplicates", "0.1"],
-    );
     let proxy = Proxy::start("127.0.0.1:5672").await;
     let proxied = format!("amqp://guest:guest@127.0.0.1:{}/{}", proxy.port, env.vhost);
-    let consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--concurrency",
-            "2",
-            "--prefetch",
-            "8",
-        ],
-        &[("AMQP_URL", proxied.as_str())],
-    );
-    let pool = env.pool().await;
-    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
-    common::eventually(
-        "a first part processed",
-        Duration::from_secs(60),
-        || async { effects().await >= 50 },
-    )
+    let stream = FaultStream {
+        duplicates: Some("0.1"),
+        consumer_env: &[("AMQP_URL", proxied.as_str())],
+        ..FaultStream::new(MESSAGES, common::ONE_BY_ONE)
+    }
+    .start(&env, env.pool().await)
     .await;
+    let (consumer, pool) = (&stream.consumer, &stream.pool);
+    let effects = || stream.effects();
 
     proxy.cut();
     consumer.wait_for_stderr("RabbitMQ connection lost", Duration::from_secs(30));
@@ -245,7 +206,7 @@ async fn rabbitmq_connection_lost_mid_stream_the_consumer_reconnects_and_nothing
     );
     assert_eq!(
         common::count(
-            &pool,
+            pool,
             "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
         )
         .await,

@@ -118,8 +118,15 @@ impl PrivateRabbit {
 
 impl Drop for PrivateRabbit {
     fn drop(&mut self) {
-        let _ = self.ctl(&["stop"]);
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Err(e) = self.ctl(&["stop"]) {
+            eprintln!(
+                "clean-up failed: stopping the private node {}: {e}",
+                self.node
+            );
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            eprintln!("clean-up failed: removing {}: {e}", self.dir.display());
+        }
     }
 }
 
@@ -349,7 +356,7 @@ async fn publish_resumes_across_a_broker_restart_or_fails_saying_what_was_confir
     let mut publisher = env.spawn_with(&publish, &amqp_env);
     wait_for_ready(&rabbit, CARRIER_QUEUE, 200);
     rabbit.ctl(&["stop_app"]).unwrap();
-    std::thread::sleep(Duration::from_secs(2));
+    tokio::time::sleep(Duration::from_secs(2)).await;
     rabbit.ctl(&["start_app"]).unwrap();
     let code = publisher.wait(Duration::from_secs(120));
     assert_eq!(code, Some(0), "{}", publisher.stderr());

@@ -7,7 +7,7 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{CARRIER_QUEUE, TestEnv};
+use common::{CARRIER_QUEUE, FaultStream, TestEnv};
 
 /// A PostgreSQL cluster of this test's own, trusting loopback except for the role `pwuser`; dropped with the guard.
 struct PrivatePg {
@@ -87,9 +87,12 @@ impl PrivatePg {
 
 impl Drop for PrivatePg {
     fn drop(&mut self) {
-        let _ = Command::new("pg_dropcluster")
-            .args(["--stop", &self.version, &self.name])
-            .output();
+        common::report_cleanup(
+            &format!("pg_dropcluster --stop {} {}", self.version, self.name),
+            Command::new("pg_dropcluster")
+                .args(["--stop", &self.version, &self.name])
+                .output(),
+        );
     }
 }
 
@@ -110,32 +113,22 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
             .unwrap()
     };
     assert!(run(&["migrate"]).status.success());
-    common::publish_parcels(&env, &["--count", "600", "--duplicates", "0.1"]);
-    let consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--concurrency",
-            "2",
-            "--prefetch",
-            "8",
-        ],
-        &[("DATABASE_URL", url.as_str())],
-    );
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect_lazy(&url)
         .unwrap();
-    let effects = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
-    common::eventually(
-        "a first part processed",
-        Duration::from_secs(60),
-        || async { effects().await >= 50 },
-    )
+    let stream = FaultStream {
+        duplicates: Some("0.1"),
+        consumer_env: &[("DATABASE_URL", url.as_str())],
+        ..FaultStream::new(600, common::ONE_BY_ONE)
+    }
+    .start(&env, pool)
     .await;
 
     pg.stop();
-    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    stream
+        .consumer
+        .wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
     let acked = |(ready, unacked): (u64, u64)| 660 - i64::try_from(ready + unacked).unwrap();
     let acked_during = acked(env.queue_counts(CARRIER_QUEUE));
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -147,16 +140,10 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
     assert!(acked_during < 660, "the stop came mid-stream");
 
     pg.start_again();
-    common::eventually(
-        "every message processed after the restart",
-        Duration::from_secs(120),
-        || async { effects().await >= 600 && env.queue_counts(CARRIER_QUEUE) == (0, 0) },
-    )
-    .await;
-    common::assert_carrier_exactly_once(&pool, 600).await;
-    assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
-    consumer.terminate();
-    pool.close().await;
+    stream
+        .end("every message processed after the restart")
+        .await;
+    stream.pool.close().await;
 }
 
 /// A role with a password: a wrong one is named as such (exit 69, the password shown nowhere); the right one can come

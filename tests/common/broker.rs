@@ -1,0 +1,195 @@
+//! RabbitMQ as the tests see it: the Parcel Tracker's topology, publishing with confirms, taking messages off a
+//! queue, and the broker's own books through `rabbitmqctl`.
+
+use std::process::Command;
+
+use lapin::options::{
+    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Connection};
+
+use super::{TestEnv, amqp_base};
+
+pub const CARRIER_QUEUE: &str = "parcel-created-carrier";
+pub const NOTIFICATION_QUEUE: &str = "parcel-created-notification";
+pub const EVENT_EXCHANGE: &str = "ParcelTracker.Domain.Events:ParcelCreatedEvent";
+
+pub fn rabbitmqctl(args: &[&str]) -> String {
+    let out = Command::new("rabbitmqctl")
+        .args(args)
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl TestEnv {
+    /// `(ready, unacknowledged)` of a queue, from the broker's own books.
+    pub fn queue_counts(&self, queue: &str) -> (u64, u64) {
+        let out = rabbitmqctl(&[
+            "-q",
+            "list_queues",
+            "-p",
+            &self.vhost,
+            "name",
+            "messages_ready",
+            "messages_unacknowledged",
+        ]);
+        for line in out.lines() {
+            let cols: Vec<&str> = line.split('\t').collect();
+            if cols.len() == 3 && cols[0] == queue {
+                return (cols[1].parse().unwrap(), cols[2].parse().unwrap());
+            }
+        }
+        panic!("queue {queue} not found in vhost {}:\n{out}", self.vhost)
+    }
+
+    /// `host:port` of the broker, for [`super::raw_amqp`].
+    pub fn amqp_addr(&self) -> String {
+        let url = url::Url::parse(&amqp_base()).unwrap();
+        format!("{}:{}", url.host_str().unwrap(), url.port().unwrap_or(5672))
+    }
+
+    /// Whether a queue exists in the vhost.
+    pub fn queue_exists(&self, queue: &str) -> bool {
+        rabbitmqctl(&["-q", "list_queues", "-p", &self.vhost, "name"])
+            .lines()
+            .any(|l| l.trim() == queue)
+    }
+}
+
+/// Declares the MassTransit topology of both Parcel Tracker endpoints in the test's vhost.
+pub async fn ensure_endpoints(env: &TestEnv) {
+    let conn = env.amqp().await;
+    for queue in [CARRIER_QUEUE, NOTIFICATION_QUEUE] {
+        inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue)
+            .await
+            .unwrap();
+    }
+    let _ = conn.close(200, "OK".into()).await;
+}
+
+/// Publishes with publisher confirms to an exchange (`""` for the default exchange, routing by queue name).
+pub async fn publish(
+    conn: &Connection,
+    exchange: &str,
+    routing_key: &str,
+    props: BasicProperties,
+    body: &[u8],
+) {
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let routed =
+        inboxctl::amqp::publish::publish_confirmed(&channel, exchange, routing_key, body, props)
+            .await
+            .unwrap();
+    assert_eq!(
+        routed,
+        inboxctl::amqp::publish::Routed::Queued,
+        "the broker must route and confirm it"
+    );
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// Publishes `copies` copies of one body at once (confirms awaited together).
+pub async fn publish_copies(
+    conn: &Connection,
+    exchange: &str,
+    props: BasicProperties,
+    body: &[u8],
+    copies: usize,
+) {
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for _ in 0..copies {
+        // Not awaited one by one: the copies go out back to back and are confirmed together below.
+        let _unconfirmed: lapin::PublisherConfirm = channel
+            .basic_publish(
+                exchange.into(),
+                "".into(),
+                BasicPublishOptions::default(),
+                body,
+                props.clone(),
+            )
+            .await
+            .unwrap();
+    }
+    let returned = channel.wait_for_confirms().await.unwrap();
+    assert!(returned.is_empty());
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// Declares a durable queue bound to a fanout exchange (both declared if absent) and returns its name.
+pub async fn capture_queue(conn: &Connection, exchange: &str, queue: &str) {
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// Declares a durable queue that the broker refuses every message for (`x-max-length=0`,
+/// `x-overflow=reject-publish`): a publish routed to it is nacked.
+pub async fn declare_queue_that_refuses_everything(conn: &Connection, queue: &str) {
+    let channel = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    channel
+        .queue_declare(queue.into(), QueueDeclareOptions::durable(), args)
+        .await
+        .unwrap();
+    let _ = channel.close(200, "OK".into()).await;
+}
+
+/// Takes every message from a queue (acknowledging each).
+pub async fn drain(conn: &Connection, queue: &str) -> Vec<lapin::message::Delivery> {
+    let channel = conn.create_channel().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(msg) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        out.push(msg.delivery);
+    }
+    let _ = channel.close(200, "OK".into()).await;
+    out
+}
+
+pub fn header_text(props: &BasicProperties, key: &str) -> Option<String> {
+    match props.headers().as_ref()?.inner().get(key)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        other => Some(format!("{other:?}")),
+    }
+}

@@ -1,0 +1,166 @@
+//! The test's own environment on the real servers: a database and a RabbitMQ vhost, made for one test and removed
+//! when it ends, and the inboxctl binary pointed at them.
+
+use std::process::{Command, Stdio};
+
+use lapin::{Connection, ConnectionProperties};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use uuid::Uuid;
+
+use super::{Output, Proc, admin_pool, quote_ident, rabbitmqctl};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_inboxctl");
+
+/// The binary `TestEnv` runs: this build's, or the one `INBOXCTL_TEST_BIN` names — to show that a regression test
+/// fails against an earlier build.
+pub fn bin() -> String {
+    std::env::var("INBOXCTL_TEST_BIN").unwrap_or_else(|_| BIN.to_owned())
+}
+
+pub fn pg_base() -> String {
+    std::env::var("INBOXCTL_TEST_PG")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
+}
+
+pub fn amqp_base() -> String {
+    std::env::var("INBOXCTL_TEST_AMQP")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672".to_owned())
+}
+
+/// A database and a vhost of this test's own; both are removed when it is dropped.
+pub struct TestEnv {
+    pub db_name: String,
+    pub database_url: String,
+    pub vhost: String,
+    pub amqp_url: String,
+}
+
+impl TestEnv {
+    /// A vhost and a database name; the database is not created.
+    pub async fn bare() -> Self {
+        let id = Uuid::new_v4().simple().to_string();
+        let db_name = format!("inboxctl_test_{}", &id[..16]);
+        let vhost = format!("inboxctl-test-{}", &id[..16]);
+        rabbitmqctl(&["add_vhost", &vhost]);
+        rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+        Self {
+            database_url: format!("{}/{db_name}", pg_base()),
+            db_name,
+            amqp_url: format!("{}/{vhost}", amqp_base()),
+            vhost,
+        }
+    }
+
+    /// An empty database and a vhost.
+    pub async fn empty() -> Self {
+        let env = Self::bare().await;
+        let admin = admin_pool().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {}",
+            quote_ident(&env.db_name)
+        )))
+        .execute(&admin)
+        .await
+        .expect("create the test database");
+        admin.close().await;
+        env
+    }
+
+    /// A database migrated by inboxctl, and a vhost.
+    pub async fn migrated() -> Self {
+        let env = Self::bare().await;
+        let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+        inboxctl::db::schema::migrate(&db, false)
+            .await
+            .expect("migrate");
+        env
+    }
+
+    /// The inboxctl binary with this environment's URLs.
+    pub fn cmd(&self) -> Command {
+        let mut cmd = Command::new(bin());
+        cmd.env("DATABASE_URL", &self.database_url)
+            .env("AMQP_URL", &self.amqp_url)
+            .env_remove("RUST_LOG")
+            .env_remove("INBOXCTL_FAILPOINTS");
+        cmd
+    }
+
+    /// Runs inboxctl to its end.
+    pub fn run(&self, args: &[&str]) -> Output {
+        Output::of(self.cmd().args(args).output().expect("run inboxctl"))
+    }
+
+    /// Starts inboxctl in the background, its stderr collected.
+    pub fn spawn(&self, args: &[&str]) -> Proc {
+        self.spawn_with(args, &[])
+    }
+
+    pub fn spawn_with(&self, args: &[&str], env: &[(&str, &str)]) -> Proc {
+        let mut cmd = self.cmd();
+        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Proc::start(cmd)
+    }
+
+    pub async fn pool(&self) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&self.database_url)
+            .await
+            .expect("connect to the test database")
+    }
+
+    pub async fn amqp(&self) -> Connection {
+        Connection::connect(&self.amqp_url, ConnectionProperties::default())
+            .await
+            .expect("connect to the test vhost")
+    }
+}
+
+impl Drop for TestEnv {
+    /// Drops the database and the vhost; a failure is reported (a panic here, perhaps during another, would abort
+    /// the test binary) and leaves a leftover that a later run never collides with (the names are unique).
+    fn drop(&mut self) {
+        if std::env::var_os("INBOXCTL_TEST_KEEP").is_some() {
+            eprintln!("kept database {} and vhost {}", self.db_name, self.vhost);
+            return;
+        }
+        let drop_database = format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            quote_ident(&self.db_name)
+        );
+        report_cleanup(
+            &drop_database,
+            Command::new("psql")
+                .args([
+                    &format!("{}/postgres", pg_base()),
+                    "-qX",
+                    "-c",
+                    &drop_database,
+                ])
+                .output(),
+        );
+        report_cleanup(
+            &format!("rabbitmqctl delete_vhost {}", self.vhost),
+            Command::new("rabbitmqctl")
+                .args(["-q", "delete_vhost", &self.vhost])
+                .output(),
+        );
+    }
+}
+
+/// Says on stderr what a clean-up command (`what`) could not do: not run at all, or failed with its stderr.
+pub fn report_cleanup(what: &str, result: std::io::Result<std::process::Output>) {
+    match result {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => eprintln!(
+            "clean-up failed: {what}: {}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ),
+        Err(e) => eprintln!("clean-up could not run: {what}: {e}"),
+    }
+}

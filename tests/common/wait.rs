@@ -1,0 +1,22 @@
+//! Waiting on what the servers and processes do, by polling without blocking the runtime.
+
+use std::time::{Duration, Instant};
+
+/// Polls `f` until it returns `true`; panics with `what` after `timeout`.
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

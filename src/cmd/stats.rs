@@ -2,7 +2,6 @@
 
 use std::time::Duration;
 
-use crate::amqp::Broker;
 use crate::cli::{GlobalOpts, parse_window};
 use crate::db::Database;
 use crate::error::{Outcome, Result};
@@ -22,7 +21,7 @@ pub struct Args {
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let db = Database::from_opts(&global.connect)?;
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     let pool = db.pool(2).await?;
     let connection = match broker.connect("inboxctl stats").await {
         Ok(c) => Some(c),

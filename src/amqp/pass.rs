@@ -4,13 +4,11 @@
 use std::collections::HashMap;
 
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicGetOptions, BasicNackOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
-use super::publish::{self, PublishError, Routed};
+use super::publish::{ConfirmChannel, PublishError, Routed};
 use super::{is_connection_lost, is_not_found};
 use crate::error::{Error, Result};
 
@@ -20,7 +18,7 @@ pub struct Channels<'c> {
     /// Takes the dead-letter copies, and acknowledges them.
     inbound: Channel,
     /// Republishes, with publisher confirms.
-    outbound: Channel,
+    outbound: ConfirmChannel,
     probe: Probe<'c>,
     /// The last delivery tag held, to give everything held back at once.
     held: Option<u64>,
@@ -29,10 +27,7 @@ pub struct Channels<'c> {
 impl<'c> Channels<'c> {
     pub async fn open(connection: &'c Connection) -> Result<Self> {
         let inbound = connection.create_channel().await?;
-        let outbound = connection.create_channel().await?;
-        outbound
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let outbound = ConfirmChannel::open(connection).await?;
         Ok(Self {
             connection,
             inbound,
@@ -85,7 +80,9 @@ impl<'c> Channels<'c> {
         queue: &str,
         properties: BasicProperties,
     ) -> Result<Routed, PublishError> {
-        publish::publish_confirmed(&self.outbound, "", queue, &delivery.data, properties).await
+        self.outbound
+            .publish_confirmed("", queue, &delivery.data, properties)
+            .await
     }
 
     /// Gives back everything held and not acknowledged, at once (the broker puts each back in its place, in order),
@@ -113,7 +110,7 @@ impl<'c> Channels<'c> {
                 false
             }
         };
-        let _ = self.outbound.close(200, "OK".into()).await;
+        self.outbound.close().await;
         self.probe.close().await;
         Ok(settled)
     }

@@ -98,6 +98,17 @@ impl ConfirmChannel {
         ))
     }
 
+    /// [`publish_confirmed`] on this channel.
+    pub async fn publish_confirmed(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<Routed, PublishError> {
+        publish_confirmed(&self.0, exchange, routing_key, body, properties).await
+    }
+
     pub async fn close(self) {
         let _ = self.0.close(200, "OK".into()).await;
     }
@@ -115,9 +126,8 @@ impl Pending {
     /// Where the message went if the broker's ack had arrived already (looked at once, without waiting); `None` when
     /// it had not, or was not an ack.
     pub async fn acked_already(self) -> Option<Routed> {
-        match tokio::time::timeout(std::time::Duration::ZERO, self.0).await {
-            Ok(Ok(Confirmation::Ack(None))) => Some(Routed::Queued),
-            Ok(Ok(Confirmation::Ack(Some(_)))) => Some(Routed::Returned),
+        match tokio::time::timeout(std::time::Duration::ZERO, confirmed(self.0)).await {
+            Ok(Ok(routed)) => Some(routed),
             _ => None,
         }
     }

@@ -68,7 +68,7 @@ pub enum Error {
     Migrate(#[from] sqlx::migrate::MigrateError),
 
     #[error("RabbitMQ: {0}")]
-    Broker(#[from] lapin::Error),
+    Broker(#[from] crate::amqp::BrokerError),
 
     #[error("RabbitMQ: {0}")]
     Topology(String),

@@ -5,14 +5,12 @@ use std::collections::VecDeque;
 use std::time::Duration;
 
 use chrono::Utc;
-use lapin::options::ConfirmSelectOptions;
-use lapin::{BasicProperties, Confirmation, Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::amqp::Broker;
 use crate::amqp::envelope::{EnvelopeOut, HostInfo, format_time, masstransit_properties};
-use crate::amqp::publish::{self as confirms, PublishError, Routed};
+use crate::amqp::publish::{ConfirmChannel, Pending, PublishError, Routed};
+use crate::amqp::{BasicProperties, Broker, Connection, GaveUp, Link};
 use crate::error::{Error, Result};
 use crate::parcel::{PARCEL_CREATED_URN, ParcelCreatedEvent};
 
@@ -161,6 +159,29 @@ pub async fn publish(
     reconnect_for: Duration,
     shutdown: &CancellationToken,
 ) -> Result<Report> {
+    let quiet = |_, _| {};
+    publish_showing(
+        connection,
+        broker,
+        exchange,
+        plan,
+        reconnect_for,
+        shutdown,
+        quiet,
+    )
+    .await
+}
+
+/// [`publish`], calling `progress` with (copies confirmed, copies planned) as the broker confirms them.
+pub async fn publish_showing(
+    connection: &Connection,
+    broker: &Broker,
+    exchange: &str,
+    plan: &Plan,
+    reconnect_for: Duration,
+    shutdown: &CancellationToken,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Report> {
     let messages = messages(plan);
     let order = schedule(messages.len(), plan.duplicates);
     let host = HostInfo::current();
@@ -176,6 +197,7 @@ pub async fn publish(
             t
         }),
         confirmed: 0,
+        progress: &mut progress,
         sent: 0,
         prefix_broken: false,
         report: Report {
@@ -185,71 +207,10 @@ pub async fn publish(
             ..Report::default()
         },
     };
-    let mut reconnected: Option<Connection> = None;
-    let mut fruitless = 0;
-    loop {
-        let current = reconnected.as_ref().unwrap_or(connection);
-        let confirmed_before = run.confirmed;
-        match run.send_rest(current, shutdown).await {
-            Ok(()) => break,
-            Err(e) if !crate::amqp::is_connection_lost(current, &e) => return Err(e),
-            Err(e) => {
-                crate::amqp::close(current, "reconnecting").await;
-                fruitless = if run.confirmed > confirmed_before {
-                    0
-                } else {
-                    fruitless + 1
-                };
-                let in_flight = run.sent - run.confirmed;
-                tracing::warn!(
-                    error = %e,
-                    confirmed = run.confirmed,
-                    of = order.len(),
-                    unconfirmed_in_flight = in_flight,
-                    "lost the connection to RabbitMQ; connecting again to send the unconfirmed rest"
-                );
-                let gave_up = (fruitless >= crate::amqp::MAX_FRUITLESS_RECONNECTS).then(|| {
-                    Error::BrokerUnavailable {
-                        url: broker.display_url(),
-                        reason: format!(
-                            "the connection was lost {fruitless} times in a row without a confirm in between ({})",
-                            crate::redact::text(&e.to_string())
-                        ),
-                    }
-                });
-                let again = match gave_up {
-                    Some(e) => Err(e),
-                    None => {
-                        broker
-                            .reconnect("inboxctl publish", reconnect_for, Some(shutdown))
-                            .await
-                    }
-                }
-                    .map_err(|last| Error::BrokerUnavailable {
-                        url: broker.display_url(),
-                        reason: format!(
-                            "{}; the connection was lost after the broker had confirmed {} of {} copies (the first \
-                             {} in the run's order) and did not come back within {}: the rest may not have \
-                             arrived; publishing them again is safe for an inbox (same message ids)",
-                            unavailable_reason(&last),
-                            run.confirmed,
-                            order.len(),
-                            run.confirmed,
-                            humantime::format_duration(reconnect_for)
-                        ),
-                    })?;
-                run.report.reconnects += 1;
-                run.report.resent += in_flight as u64;
-                run.sent = run.confirmed;
-                if let Some(old) = reconnected.replace(again) {
-                    crate::amqp::close(&old, "OK").await;
-                }
-            }
-        }
-    }
-    if let Some(own) = reconnected {
-        crate::amqp::close(&own, "OK").await;
-    }
+    let mut link = Link::new(broker, "inboxctl publish", connection, reconnect_for);
+    let sent = run.send_all(&mut link, shutdown).await;
+    link.close().await;
+    sent?;
     let mut report = run.report;
     if run.confirmed < order.len() {
         // Interrupted: the confirmed copies are the first ones of the order; count what they were.
@@ -288,6 +249,8 @@ struct Run<'a> {
     host: &'a HostInfo,
     ticker: Option<tokio::time::Interval>,
     confirmed: usize,
+    /// Told (confirmed, planned) after each confirm.
+    progress: &'a mut dyn FnMut(u64, u64),
     sent: usize,
     /// Set when a confirm was taken from the window and failed: the copies after it are no longer a prefix.
     prefix_broken: bool,
@@ -295,6 +258,58 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
+    /// Sends every copy, connecting again after a lost connection (and sending again what was not confirmed).
+    async fn send_all(&mut self, link: &mut Link<'_>, shutdown: &CancellationToken) -> Result<()> {
+        loop {
+            let confirmed_before = self.confirmed;
+            let e = match self.send_rest(link.current(), shutdown).await {
+                Ok(()) => return Ok(()),
+                Err(e) if !link.is_lost(&e) => return Err(e),
+                Err(e) => e,
+            };
+            let in_flight = self.sent - self.confirmed;
+            tracing::warn!(
+                error = %e,
+                confirmed = self.confirmed,
+                of = self.order.len(),
+                unconfirmed_in_flight = in_flight,
+                "lost the connection to RabbitMQ; connecting again to send the unconfirmed rest"
+            );
+            if let Err(gave_up) = link
+                .again(self.confirmed > confirmed_before, shutdown)
+                .await
+            {
+                return Err(self.gave_up(gave_up, &e, link.within()));
+            }
+            self.report.reconnects = link.reconnects();
+            self.report.resent += in_flight as u64;
+            self.sent = self.confirmed;
+        }
+    }
+
+    /// The error a run that lost its connection for good ends with: how far it got, and that sending again is safe.
+    fn gave_up(&self, gave_up: GaveUp, lost: &Error, reconnect_for: Duration) -> Error {
+        let last = match gave_up {
+            GaveUp::Fruitless(times) => format!(
+                "the connection was lost {times} times in a row without a confirm in between ({})",
+                crate::redact::text(&lost.to_string())
+            ),
+            GaveUp::NotBack(last) => unavailable_reason(&last),
+        };
+        Error::BrokerUnavailable {
+            url: self.broker.display_url(),
+            reason: format!(
+                "{last}; the connection was lost after the broker had confirmed {} of {} copies (the first {} in the \
+                 run's order) and did not come back within {}: the rest may not have arrived; publishing them again \
+                 is safe for an inbox (same message ids)",
+                self.confirmed,
+                self.order.len(),
+                self.confirmed,
+                humantime::format_duration(reconnect_for)
+            ),
+        }
+    }
+
     /// Sends every copy from the first unconfirmed one on, over a new confirm-mode channel of `connection`. On an
     /// error, the confirms that had already arrived still count.
     async fn send_rest(
@@ -302,7 +317,7 @@ impl Run<'_> {
         connection: &Connection,
         shutdown: &CancellationToken,
     ) -> Result<()> {
-        let mut pending: VecDeque<PublisherConfirm> = VecDeque::with_capacity(CONFIRM_WINDOW);
+        let mut pending: VecDeque<Pending> = VecDeque::with_capacity(CONFIRM_WINDOW);
         self.prefix_broken = false;
         let result = self.send_rest_on(connection, &mut pending, shutdown).await;
         // Only while the confirmed copies are still a prefix: after a copy whose confirm failed (a nack, say), later
@@ -310,20 +325,26 @@ impl Run<'_> {
         if result.is_err() && !self.prefix_broken {
             while let Some(confirm) = pending.pop_front() {
                 // Polled once: ready only if the broker's confirm had arrived before the failure.
-                match tokio::time::timeout(Duration::ZERO, confirm).await {
-                    Ok(Ok(Confirmation::Ack(returned))) => {
-                        self.report.unroutable += u64::from(returned.is_some());
-                        self.confirmed += 1;
+                match confirm.acked_already().await {
+                    Some(routed) => {
+                        self.report.unroutable += u64::from(routed == Routed::Returned);
+                        self.confirmed_one();
                     }
-                    _ => break,
+                    None => break,
                 }
             }
         }
         result
     }
 
+    /// One more copy confirmed, in the run's order.
+    fn confirmed_one(&mut self) {
+        self.confirmed += 1;
+        (self.progress)(self.confirmed as u64, self.order.len() as u64);
+    }
+
     /// Waits for the oldest confirm in the window; a failure breaks the confirmed prefix.
-    async fn settle(&mut self, confirm: PublisherConfirm) -> Result<()> {
+    async fn settle(&mut self, confirm: Pending) -> Result<()> {
         let settled = settle(confirm, &mut self.report).await;
         self.prefix_broken |= settled.is_err();
         settled
@@ -332,7 +353,7 @@ impl Run<'_> {
     async fn send_rest_on(
         &mut self,
         connection: &Connection,
-        pending: &mut VecDeque<PublisherConfirm>,
+        pending: &mut VecDeque<Pending>,
         shutdown: &CancellationToken,
     ) -> Result<()> {
         if self.report.reconnects > 0 {
@@ -340,10 +361,7 @@ impl Run<'_> {
             // handled like any other).
             crate::amqp::topology::ensure_event_exchange(connection, self.exchange).await?;
         }
-        let channel = connection.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let channel = ConfirmChannel::open(connection).await?;
         // Confirms arrive in order, so the confirmed copies are always a prefix of the order.
         while self.sent < self.order.len() {
             if let Some(ticker) = self.ticker.as_mut() {
@@ -358,16 +376,15 @@ impl Run<'_> {
             }
             let message = &self.messages[self.order[self.sent]];
             let (properties, body) = envelope(message, self.broker, self.exchange, self.host);
-            match confirms::publish(&channel, self.exchange, "", &body, properties).await {
+            match channel.publish(self.exchange, "", &body, properties).await {
                 Ok(confirm) => pending.push_back(confirm),
                 Err(e) => {
-                    let e = Error::from(e);
                     // A channel the broker closed (a publish it refused, say for want of a permission) fails every
                     // later publish with only "invalid channel state"; the broker's reason comes with an earlier
                     // publish's confirm, so that is the error to report.
                     while let Some(confirm) = pending.pop_front() {
                         self.settle(confirm).await?;
-                        self.confirmed += 1;
+                        self.confirmed_one();
                     }
                     return Err(e);
                 }
@@ -377,21 +394,21 @@ impl Run<'_> {
                 && let Some(oldest) = pending.pop_front()
             {
                 self.settle(oldest).await?;
-                self.confirmed += 1;
+                self.confirmed_one();
             }
         }
         while let Some(confirm) = pending.pop_front() {
             self.settle(confirm).await?;
-            self.confirmed += 1;
+            self.confirmed_one();
         }
-        let _ = channel.close(200, "OK".into()).await;
+        channel.close().await;
         Ok(())
     }
 }
 
 /// Waits for a copy's confirm: a copy no queue received is counted, one the broker refused fails the run.
-async fn settle(confirm: PublisherConfirm, report: &mut Report) -> Result<()> {
-    match confirms::confirmed(confirm).await {
+async fn settle(confirm: Pending, report: &mut Report) -> Result<()> {
+    match confirm.confirmed().await {
         Ok(Routed::Queued) => Ok(()),
         Ok(Routed::Returned) => {
             report.unroutable += 1;

@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
+use crate::amqp::Connection;
 use chrono::{DateTime, Utc};
-use lapin::Connection;
 use serde::Serialize;
 use sqlx::postgres::PgPool;
 

@@ -1,19 +1,29 @@
 //! RabbitMQ: connecting, the MassTransit topology, envelopes and dead-letter headers.
 
 pub mod address;
+pub mod copy;
 pub mod dead_letter;
 pub mod envelope;
+mod error;
+pub mod failure;
+pub mod fingerprint;
 pub mod limits;
+pub mod pass;
 pub mod publish;
+mod reconnect;
 pub mod topology;
+
+pub use error::BrokerError;
+pub use lapin::message::Delivery;
+pub use lapin::{BasicProperties, Connection};
+pub use reconnect::{GaveUp, Link, MAX_FRUITLESS_RECONNECTS, close, is_connection_lost};
 
 use std::str::FromStr;
 use std::time::Duration;
 
+use lapin::ConnectionProperties;
 use lapin::uri::AMQPUri;
-use lapin::{Connection, ConnectionProperties};
 
-use crate::backoff::{Backoff, sleep_or_cancel};
 use crate::error::{Error, Result};
 use crate::{redact, secret};
 
@@ -21,6 +31,17 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The heartbeat asked for unless the URL says otherwise, in seconds: a dead connection is noticed within two.
 pub const DEFAULT_HEARTBEAT_SECS: u16 = 10;
+
+/// Where the broker is, and how to trust it and log in: what `--amqp-url`, `--amqp-ca-file` and
+/// `--amqp-password-file` give.
+#[derive(Clone, Debug, Default)]
+pub struct BrokerOptions {
+    pub url: String,
+    /// A CA certificate (PEM) an amqps:// broker's certificate must chain to.
+    pub ca_file: Option<std::path::PathBuf>,
+    /// A file holding the password (one line), when the URL has none.
+    pub password_file: Option<std::path::PathBuf>,
+}
 
 /// Connection settings parsed from an `amqp://` or `amqps://` URL.
 #[derive(Clone, Debug)]
@@ -55,10 +76,10 @@ impl Broker {
         })
     }
 
-    /// The broker of the command line: `--amqp-url`, with `--amqp-ca-file` and `--amqp-password-file` if given.
-    pub fn from_opts(opts: &crate::cli::ConnectOpts) -> Result<Self> {
-        let mut broker = Self::from_url(&opts.amqp_url)?;
-        if let Some(path) = &opts.amqp_ca_file {
+    /// The broker `options` describe: the URL, with a CA file and a password file if given.
+    pub fn new(options: &BrokerOptions) -> Result<Self> {
+        let mut broker = Self::from_url(&options.url)?;
+        if let Some(path) = &options.ca_file {
             let pem = std::fs::read_to_string(path)
                 .map_err(|e| Error::Usage(format!("--amqp-ca-file {}: {e}", path.display())))?;
             if !pem.contains("-----BEGIN CERTIFICATE-----") {
@@ -69,9 +90,9 @@ impl Broker {
             }
             broker.ca = Some((path.clone(), pem));
         }
-        if let Some(path) = &opts.amqp_password_file {
+        if let Some(path) = &options.password_file {
             let password = secret::read_password_file("--amqp-password-file", path)?;
-            if redact::has_password(&opts.amqp_url) {
+            if redact::has_password(&options.url) {
                 return Err(secret::given_twice("--amqp-url", "--amqp-password-file"));
             }
             broker.url = secret::url_with_password(
@@ -153,91 +174,6 @@ impl Broker {
                 ),
             }),
         }
-    }
-}
-
-/// A publisher or a replay that loses its connection this many times in a row without getting anything done in
-/// between (a connection that flaps, an error that ends every connection) stops rather than trying forever.
-pub const MAX_FRUITLESS_RECONNECTS: u32 = 5;
-
-impl Broker {
-    /// Connects again after a lost connection: tries with a backoff (0.1 s doubling to 5 s) for up to `within`, then
-    /// gives up with the last reason (at once, without a try, when `within` is zero; and when `shutdown` is
-    /// cancelled). Each failed try is logged.
-    pub async fn reconnect(
-        &self,
-        name: &str,
-        within: Duration,
-        shutdown: Option<&tokio_util::sync::CancellationToken>,
-    ) -> Result<Connection> {
-        let deadline = tokio::time::Instant::now() + within;
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-        if within.is_zero() {
-            return Err(Error::BrokerUnavailable {
-                url: self.display_url(),
-                reason: "the connection was lost".to_owned(),
-            });
-        }
-        let stop = shutdown.cloned().unwrap_or_default();
-        loop {
-            let attempt = tokio::select! {
-                () = stop.cancelled() => Err(Error::BrokerUnavailable {
-                    url: self.display_url(),
-                    reason: "interrupted while connecting again".to_owned(),
-                }),
-                result = self.connect(name) => result,
-            };
-            match attempt {
-                Ok(connection) => {
-                    tracing::info!(url = %self.display_url(), "connected to RabbitMQ again");
-                    return Ok(connection);
-                }
-                Err(e) => {
-                    let delay = backoff.next_delay();
-                    if tokio::time::Instant::now() + delay > deadline || stop.is_cancelled() {
-                        return Err(e);
-                    }
-                    tracing::warn!(error = %e, retry_in = ?delay, "RabbitMQ unavailable");
-                    if sleep_or_cancel(delay, &stop).await {
-                        return Err(e);
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Closes a connection, waiting at most 2 s for the broker's answer: on a connection that is dead without lapin having
-/// noticed yet (a node stopped under it), `close` would wait for its answer for ever.
-pub async fn close(connection: &Connection, reason: &str) {
-    let closing = connection.close(200, reason.into());
-    if tokio::time::timeout(Duration::from_secs(2), closing)
-        .await
-        .is_err()
-    {
-        tracing::debug!("RabbitMQ did not answer the close within 2 s; the connection is given up");
-    }
-}
-
-/// Whether `error` came from losing `connection` itself (the broker stopped, the network broke), as opposed to the
-/// broker refusing something on a channel (an exchange that does not exist, a permission): the first is worth a
-/// reconnect, the second is not.
-pub fn is_connection_lost(connection: &Connection, error: &Error) -> bool {
-    if !connection.status().connected() {
-        return true;
-    }
-    match error {
-        Error::Broker(e) => {
-            e.is_io_error()
-                || e.is_amqp_hard_error()
-                || matches!(
-                    e.kind(),
-                    lapin::ErrorKind::InvalidConnectionState(_)
-                        | lapin::ErrorKind::MissingHeartbeatError
-                )
-        }
-        Error::BrokerUnavailable { .. } => true,
-        _ => false,
     }
 }
 

@@ -2,8 +2,8 @@
 //! than vanishing) on a channel in confirm mode, and read back from the broker's confirm. The one way inboxctl sends
 //! such a message: a dead-letter copy, a replayed copy, a published parcel.
 
-use lapin::options::BasicPublishOptions;
-use lapin::{BasicProperties, Channel, Confirmation, PublisherConfirm};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, PublisherConfirm};
 
 /// Where a confirmed message went.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,4 +70,65 @@ pub async fn publish_confirmed(
     properties: BasicProperties,
 ) -> Result<Routed, PublishError> {
     confirmed(publish(channel, exchange, routing_key, body, properties).await?).await
+}
+
+/// A channel in confirm mode, for a publisher that keeps several messages in flight.
+pub struct ConfirmChannel(Channel);
+
+impl ConfirmChannel {
+    /// A new channel of `connection`, in confirm mode.
+    pub async fn open(connection: &Connection) -> crate::error::Result<Self> {
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        Ok(Self(channel))
+    }
+
+    /// [`publish`] on this channel; the confirm is waited for with [`Pending::confirmed`].
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> crate::error::Result<Pending> {
+        Ok(Pending(
+            publish(&self.0, exchange, routing_key, body, properties).await?,
+        ))
+    }
+
+    /// [`publish_confirmed`] on this channel.
+    pub async fn publish_confirmed(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        properties: BasicProperties,
+    ) -> Result<Routed, PublishError> {
+        publish_confirmed(&self.0, exchange, routing_key, body, properties).await
+    }
+
+    pub async fn close(self) {
+        let _ = self.0.close(200, "OK".into()).await;
+    }
+}
+
+/// A published message whose confirm was not waited for yet.
+pub struct Pending(PublisherConfirm);
+
+impl Pending {
+    /// Waits for the confirm and says what it means.
+    pub async fn confirmed(self) -> Result<Routed, PublishError> {
+        confirmed(self.0).await
+    }
+
+    /// Where the message went if the broker's ack had arrived already (looked at once, without waiting); `None` when
+    /// it had not, or was not an ack.
+    pub async fn acked_already(self) -> Option<Routed> {
+        match tokio::time::timeout(std::time::Duration::ZERO, confirmed(self.0)).await {
+            Ok(Ok(routed)) => Some(routed),
+            _ => None,
+        }
+    }
 }

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::Broker;
 use crate::bench::{self, Mode, Options, Report};
 use crate::cli::GlobalOpts;
 use crate::cmd::publish::{MAX_COUNT, parse_fraction, parse_rate};
@@ -94,7 +93,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         )));
     }
     let db = global.connect.database()?;
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     let options = Options {
         modes: if args.cleanup_only {
             Vec::new()

@@ -1,11 +1,11 @@
 //! `inboxctl cleanup --retention <duration>`: purge processed inbox rows older than the window, in small batches.
 
 use std::collections::BTreeMap;
-use std::io::{IsTerminal as _, Write as _};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
+use indicatif::ProgressBar;
 
 use tokio_util::sync::CancellationToken;
 
@@ -96,7 +96,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         batch_pause: args.batch_pause,
         dry_run: args.dry_run,
     };
-    let show_progress = !args.json && !args.dry_run && std::io::stderr().is_terminal();
+    let show_progress = !args.json && !args.dry_run;
     let totals = Arc::new(Mutex::new(Totals::default()));
     if let Some(addr) = args.metrics_addr {
         let exporter = CleanupExporter {
@@ -107,9 +107,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     }
 
     loop {
-        let mut meter = ProgressLine::new(show_progress);
-        let report = cleanup::run(&pool, &plan, &shutdown, |p| meter.update(p)).await?;
-        meter.finish();
+        let meter = super::progress::line(show_progress);
+        let report = cleanup::run(&pool, &plan, &shutdown, |p| draw(&meter, &p)).await?;
+        meter.finish_and_clear();
         warn_unprocessed(&report, args.retention);
         totals
             .lock()
@@ -196,48 +196,14 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
     output::line(&summary)
 }
 
-/// One line on stderr, rewritten in place, only on a terminal.
-struct ProgressLine {
-    enabled: bool,
-    last: Option<Instant>,
-    shown: bool,
-}
-
-impl ProgressLine {
-    fn new(enabled: bool) -> Self {
-        Self {
-            enabled,
-            last: None,
-            shown: false,
-        }
-    }
-
-    fn update(&mut self, p: Progress<'_>) {
-        if !self.enabled
-            || self
-                .last
-                .is_some_and(|t| t.elapsed() < Duration::from_millis(200))
-        {
-            return;
-        }
-        self.last = Some(Instant::now());
-        let rate = p.deleted as f64 / p.elapsed.as_secs_f64().max(0.001);
-        let mut err = std::io::stderr().lock();
-        let _ = write!(
-            err,
-            "\r\x1b[2Kcleaning {}: {} rows deleted ({rate:.0} rows/s)",
-            sanitize::text(p.consumer_type),
-            p.deleted
-        );
-        let _ = err.flush();
-        self.shown = true;
-    }
-
-    fn finish(&mut self) {
-        if self.shown {
-            let _ = write!(std::io::stderr(), "\r\x1b[2K");
-        }
-    }
+/// How far the cleanup got, on the progress line.
+fn draw(meter: &ProgressBar, p: &Progress<'_>) {
+    let rate = p.deleted as f64 / p.elapsed.as_secs_f64().max(0.001);
+    meter.set_message(format!(
+        "cleaning {}: {} rows deleted ({rate:.0} rows/s)",
+        sanitize::text(p.consumer_type),
+        p.deleted
+    ));
 }
 
 /// What the cleanups of this process did, for `--metrics-addr`.

@@ -176,7 +176,7 @@ impl Args {
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let db = global.connect.database()?;
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     run_consumer(&args, &db, &broker, shutdown).await?;
     Ok(Outcome::Done)
 }

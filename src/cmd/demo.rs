@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::amqp::{Broker, topology};
+use crate::amqp::topology;
 use crate::cli::GlobalOpts;
 use crate::cmd::consume::{self, Kind};
 use crate::cmd::publish::parse_fraction;
@@ -42,7 +42,7 @@ pub struct Tally {
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let started = Instant::now();
     let db = global.connect.database()?;
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
 
     let report = schema::migrate(&db, false).await?;
     if !report.migrations.is_empty() {

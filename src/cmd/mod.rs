@@ -6,6 +6,7 @@ pub mod completions;
 pub mod consume;
 pub mod demo;
 pub mod migrate;
+mod progress;
 pub mod publish;
 pub mod replay;
 pub mod stats;
@@ -14,7 +15,8 @@ pub mod top;
 use clap::Subcommand;
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::GlobalOpts;
+use crate::amqp::{Broker, BrokerOptions};
+use crate::cli::{ConnectOpts, GlobalOpts};
 use crate::error::{Outcome, Result};
 
 #[derive(Debug, Subcommand)]
@@ -58,4 +60,13 @@ pub async fn run(
         Command::Bench(args) => bench::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }
+}
+
+/// The broker of the command line: `--amqp-url`, with `--amqp-ca-file` and `--amqp-password-file` if given.
+pub fn broker(connect: &ConnectOpts) -> Result<Broker> {
+    Broker::new(&BrokerOptions {
+        url: connect.amqp_url.clone(),
+        ca_file: connect.amqp_ca_file.clone(),
+        password_file: connect.amqp_password_file.clone(),
+    })
 }

@@ -1,6 +1,6 @@
 //! `inboxctl publish parcel-created`: the Parcel Tracker's producer, as MassTransit 8 would publish.
 
-use crate::amqp::{Broker, topology};
+use crate::amqp::topology;
 use crate::cli::GlobalOpts;
 use crate::error::{Error, Outcome, Result};
 use crate::producer::{self, Plan};
@@ -81,7 +81,7 @@ pub async fn run(
             "--destination must not contain control characters".to_owned(),
         ));
     }
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     let connection = broker.connect("inboxctl publish").await?;
     topology::ensure_event_exchange(&connection, &args.exchange).await?;
     let plan = Plan {
@@ -90,15 +90,22 @@ pub async fn run(
         rate: args.rate,
         destination: args.destination,
     };
-    let report = producer::publish(
+    let bar = super::progress::counter(!args.json, "copies confirmed");
+    let report = producer::publish_showing(
         &connection,
         &broker,
         &args.exchange,
         &plan,
         args.reconnect_timeout,
         &shutdown,
+        |done, of| {
+            bar.set_length(of);
+            bar.set_position(done);
+        },
     )
-    .await?;
+    .await;
+    bar.finish_and_clear();
+    let report = report?;
     crate::amqp::close(&connection, "OK").await;
 
     if args.json {

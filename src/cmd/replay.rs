@@ -1,11 +1,10 @@
 //! `inboxctl replay --from <queue>`: move dead-lettered messages back where they failed, safely.
 
-use std::io::{IsTerminal as _, Write as _};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{self, Broker};
+use crate::amqp;
 use crate::cli::{GlobalOpts, parse_positive_duration};
 use crate::error::{Outcome, Result};
 use crate::replay::{self, Plan, Report};
@@ -69,7 +68,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if let Some(to) = &args.to {
         amqp::validate_name("--to", to)?;
     }
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     let connection = broker.connect("inboxctl replay").await?;
     let plan = Plan {
         from: args.from.clone(),
@@ -83,9 +82,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         restore_expiration: args.restore_expiration,
         dry_run: args.dry_run,
     };
-    let show_progress = !args.json && std::io::stderr().is_terminal();
-    let mut last = Instant::now();
-    let mut shown = false;
+    let bar = super::progress::counter(!args.json, "messages");
     let report = replay::run(
         &connection,
         &broker,
@@ -93,19 +90,12 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         args.reconnect_timeout,
         &shutdown,
         |done, of| {
-            if show_progress && (last.elapsed() > Duration::from_millis(200) || done == of) {
-                last = Instant::now();
-                shown = true;
-                let mut err = std::io::stderr().lock();
-                let _ = write!(err, "\r\x1b[2K{done} of {of} messages");
-                let _ = err.flush();
-            }
+            bar.set_length(of);
+            bar.set_position(done);
         },
     )
     .await;
-    if shown {
-        let _ = write!(std::io::stderr(), "\r\x1b[2K");
-    }
+    bar.finish_and_clear();
     crate::amqp::close(&connection, "OK").await;
     let report = report?;
 

@@ -5,7 +5,6 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use crate::amqp::Broker;
 use crate::cli::{GlobalOpts, parse_window};
 use crate::error::{Outcome, Result};
 use crate::stats::{self, Counts, QueueDepth, Snapshot, display, per_second};
@@ -24,7 +23,7 @@ pub struct Args {
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let db = global.connect.database()?;
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     let pool = db.pool(2).await?;
     let connection = match broker.connect("inboxctl stats").await {
         Ok(c) => Some(c),

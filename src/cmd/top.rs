@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::Broker;
 use crate::cli::{GlobalOpts, MAX_DURATION, duration_between, parse_window};
 use crate::error::{Error, Outcome, Result};
 use crate::top;
@@ -58,7 +57,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         ));
     }
     let db = global.connect.database()?;
-    let broker = Broker::from_opts(&global.connect)?;
+    let broker = super::broker(&global.connect)?;
     // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start.
     let pool = db.lazy_pool(2);
     let options = top::Options {

@@ -7,9 +7,9 @@ pub mod ui;
 
 use std::time::Duration;
 
+use crate::amqp::Connection;
 use crossterm::event::{Event, EventStream, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
 use futures_util::StreamExt as _;
-use lapin::Connection;
 use sqlx::postgres::PgPool;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;

@@ -1,0 +1,238 @@
+//! What a dead-lettered message says about its failure: where it came from (MassTransit's `MT-Fault-InputAddress`,
+//! RabbitMQ's `x-death`, or the name of the `<queue>_error`/`<queue>_skipped` queue it sits in), why, when, and how
+//! often inboxctl replayed it already.
+
+use chrono::{DateTime, Utc};
+use lapin::types::{AMQPValue, FieldTable};
+
+use super::copy::REPLAY_COUNT_HEADER;
+use super::{address, dead_letter, envelope};
+
+/// Where a dead-lettered message came from, as its headers (or the dead-letter queue's name) tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    Queue(String),
+    /// Nothing tells.
+    Unknown,
+    /// `MT-Fault-InputAddress` cannot be read without guessing.
+    Ambiguous {
+        address: String,
+        why: String,
+    },
+    /// `MT-Fault-InputAddress` names a vhost other than the one the replay is connected to.
+    OtherVhost {
+        vhost: String,
+        queue: String,
+    },
+}
+
+/// What a dead-lettered message says about itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub origin: Origin,
+    pub reason: Option<String>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub replays: u32,
+}
+
+/// Reads origin, reason, time and replay count from a dead-lettered message's headers; `from` is the queue it was
+/// read from (its name tells the origin of a MassTransit `_error`/`_skipped` copy without headers), `vhost` the one
+/// the replay is connected to.
+pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure {
+    let text = |key: &str| dead_letter::header_text(headers, key);
+    let x_death = x_death(headers);
+    let death_field = |index: usize, key: &str| {
+        x_death
+            .get(index)
+            .and_then(AMQPValue::as_field_table)
+            .and_then(|t| t.inner().get(key).cloned())
+    };
+    let value_text = |v: Option<AMQPValue>| match v {
+        Some(AMQPValue::LongString(s)) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_owned()),
+        _ => None,
+    };
+
+    let origin = match text("MT-Fault-InputAddress") {
+        Some(input_address) => origin_of_address(input_address, vhost),
+        None => text("x-first-death-queue")
+            .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
+            .or_else(|| {
+                from.strip_suffix("_error")
+                    .or_else(|| from.strip_suffix("_skipped"))
+                    .filter(|q| !q.is_empty())
+                    .map(str::to_owned)
+            })
+            .map_or(Origin::Unknown, Origin::Queue),
+    };
+    let reason = text("MT-Fault-Message")
+        .or_else(|| {
+            (text("MT-Reason").as_deref() == Some("dead-letter"))
+                .then(|| "not handled by the consumer (skipped)".to_owned())
+        })
+        .or_else(|| value_text(death_field(0, "reason")))
+        .or_else(|| text("x-first-death-reason"));
+    let failed_at = text("MT-Fault-Timestamp")
+        .as_deref()
+        .and_then(envelope::parse_time)
+        .or_else(|| match death_field(0, "time") {
+            Some(AMQPValue::Timestamp(seconds)) => {
+                DateTime::from_timestamp(i64::try_from(seconds).unwrap_or(i64::MAX), 0)
+            }
+            _ => None,
+        });
+    let replays = headers
+        .and_then(|h| h.inner().get(REPLAY_COUNT_HEADER))
+        .and_then(as_u32)
+        .unwrap_or(0);
+    Failure {
+        origin,
+        reason,
+        failed_at,
+        replays,
+    }
+}
+
+pub(super) fn x_death(headers: Option<&FieldTable>) -> Vec<AMQPValue> {
+    headers
+        .and_then(|h| h.inner().get("x-death"))
+        .and_then(AMQPValue::as_array)
+        .map(|a| a.as_slice().to_vec())
+        .unwrap_or_default()
+}
+
+/// The origin `MT-Fault-InputAddress` names. An address that names no vhost (MassTransit's way of writing `/`) is
+/// taken to be the vhost the replay is connected to: a consumer only dead-letters into its own vhost.
+fn origin_of_address(input_address: String, vhost: &str) -> Origin {
+    match address::parse(&input_address) {
+        Ok(address::Address {
+            vhost: Some(named),
+            queue,
+        }) if named != vhost => Origin::OtherVhost {
+            vhost: named,
+            queue,
+        },
+        Ok(address) => Origin::Queue(address.queue),
+        Err(why) => Origin::Ambiguous {
+            address: input_address,
+            why: why.to_string(),
+        },
+    }
+}
+
+fn as_u32(value: &AMQPValue) -> Option<u32> {
+    match *value {
+        AMQPValue::LongInt(v) => u32::try_from(v).ok(),
+        AMQPValue::LongUInt(v) => Some(v),
+        AMQPValue::LongLongInt(v) => u32::try_from(v).ok(),
+        AMQPValue::ShortInt(v) => u32::try_from(v).ok(),
+        AMQPValue::ShortUInt(v) => Some(u32::from(v)),
+        AMQPValue::ShortShortInt(v) => u32::try_from(v).ok(),
+        AMQPValue::ShortShortUInt(v) => Some(u32::from(v)),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::{FieldArray, LongString};
+
+    fn long(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+    }
+
+    #[test]
+    fn masstransit_error_headers() {
+        let mut h = FieldTable::default();
+        h.insert(
+            "MT-Fault-InputAddress".into(),
+            long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+        );
+        h.insert("MT-Fault-Message".into(), long("carrier API returned 503"));
+        h.insert(
+            "MT-Fault-Timestamp".into(),
+            long("2026-11-30T20:14:50.2268983Z"),
+        );
+        h.insert("MT-Reason".into(), long("fault"));
+        let f = failure(Some(&h), "parcel-created-carrier_error", "/");
+        assert_eq!(f.origin, Origin::Queue("parcel-created-carrier".into()));
+        assert_eq!(f.reason.as_deref(), Some("carrier API returned 503"));
+        assert_eq!(
+            f.failed_at.map(|t| t.to_rfc3339()).as_deref(),
+            Some("2026-11-30T20:14:50.226898300+00:00")
+        );
+        assert_eq!(f.replays, 0);
+    }
+
+    #[test]
+    fn the_queue_name_tells_the_origin_of_a_skipped_copy() {
+        let mut h = FieldTable::default();
+        h.insert("MT-Reason".into(), long("dead-letter"));
+        let f = failure(Some(&h), "parcel-created-carrier_skipped", "/");
+        assert_eq!(f.origin, Origin::Queue("parcel-created-carrier".into()));
+        assert_eq!(
+            f.reason.as_deref(),
+            Some("not handled by the consumer (skipped)")
+        );
+        assert_eq!(failure(None, "somewhere", "/").origin, Origin::Unknown);
+    }
+
+    #[test]
+    fn x_death_headers() {
+        let mut death = FieldTable::default();
+        death.insert("queue".into(), long("orders"));
+        death.insert("reason".into(), long("rejected"));
+        death.insert("time".into(), AMQPValue::Timestamp(1_764_533_690));
+        let mut h = FieldTable::default();
+        h.insert(
+            "x-death".into(),
+            AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+        );
+        h.insert(REPLAY_COUNT_HEADER.into(), AMQPValue::LongInt(2));
+        let f = failure(Some(&h), "orders.dlq", "/");
+        assert_eq!(f.origin, Origin::Queue("orders".into()));
+        assert_eq!(f.reason.as_deref(), Some("rejected"));
+        assert_eq!(f.failed_at.map(|t| t.timestamp()), Some(1_764_533_690));
+        assert_eq!(f.replays, 2);
+    }
+
+    #[test]
+    fn the_input_address_decides_and_is_never_guessed_at() {
+        let origin = |address: &str, vhost: &str| {
+            let mut h = FieldTable::default();
+            h.insert("MT-Fault-InputAddress".into(), long(address));
+            failure(Some(&h), "orders_error", vhost).origin
+        };
+        let queue = |q: &str| Origin::Queue(q.to_owned());
+        assert_eq!(
+            origin("rabbitmq://h:5673/shop/orders?bind=true", "shop"),
+            queue("orders")
+        );
+        // No vhost in the address: the one the replay is connected to.
+        assert_eq!(origin("rabbitmq://h/orders", "shop"), queue("orders"));
+        assert_eq!(
+            origin("rabbitmq://h/probe%3Fq/eu%2Forders", "probe?q"),
+            queue("eu/orders")
+        );
+        assert_eq!(
+            origin("rabbitmq://h/eu/orders", "shop"),
+            Origin::OtherVhost {
+                vhost: "eu".into(),
+                queue: "orders".into()
+            }
+        );
+        // Unreadable: left, and not replaced by the dead-letter queue's name.
+        for address in [
+            "rabbitmq://h/shop/eu/orders",
+            "rabbitmq://h/probe?q/orders",
+            "rabbitmq://h/orders#x",
+            "rabbitmq://h/",
+        ] {
+            assert!(
+                matches!(origin(address, "shop"), Origin::Ambiguous { .. }),
+                "{address}"
+            );
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! The channels `replay` works through over one connection (a pass): one takes the dead-letter copies and settles
+//! them, one republishes with publisher confirms, and one asks whether origin queues exist.
+
+use std::collections::HashMap;
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+
+use super::publish::{ConfirmChannel, PublishError, Routed};
+use super::{is_connection_lost, is_not_found};
+use crate::error::{Error, Result};
+
+/// The channels of one pass.
+pub struct Channels<'c> {
+    connection: &'c Connection,
+    /// Takes the dead-letter copies, and acknowledges them.
+    inbound: Channel,
+    /// Republishes, with publisher confirms.
+    outbound: ConfirmChannel,
+    probe: Probe<'c>,
+    /// The last delivery tag held, to give everything held back at once.
+    held: Option<u64>,
+}
+
+impl<'c> Channels<'c> {
+    pub async fn open(connection: &'c Connection) -> Result<Self> {
+        let inbound = connection.create_channel().await?;
+        let outbound = ConfirmChannel::open(connection).await?;
+        Ok(Self {
+            connection,
+            inbound,
+            outbound,
+            probe: Probe {
+                connection,
+                channel: None,
+                known: HashMap::new(),
+            },
+            held: None,
+        })
+    }
+
+    /// Takes the next message of `queue`, unacknowledged. The answer comes after every acknowledgement sent before it
+    /// on this channel: those arrived.
+    pub async fn get(&self, queue: &str) -> Result<Option<Delivery>> {
+        let got = self
+            .inbound
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await?;
+        Ok(got.map(|message| message.delivery))
+    }
+
+    /// Keeps a delivery unacknowledged, to be given back in its place by [`Channels::finish`].
+    pub fn hold(&mut self, delivery_tag: u64) {
+        self.held = Some(delivery_tag);
+    }
+
+    pub async fn ack(&self, delivery_tag: u64) -> Result<()> {
+        self.inbound
+            .basic_ack(delivery_tag, BasicAckOptions::default())
+            .await?;
+        Ok(())
+    }
+
+    /// Whether `queue` exists, asked once per queue and pass.
+    pub async fn queue_exists(&mut self, queue: &str) -> Result<bool> {
+        self.probe.exists(queue).await
+    }
+
+    /// `queue` turned out not to exist (a copy came back unroutable).
+    pub fn queue_missing(&mut self, queue: &str) {
+        self.probe.known.insert(queue.to_owned(), false);
+    }
+
+    /// Publishes a copy of `delivery` to `queue` through the default exchange and waits for the broker's confirm.
+    pub async fn republish(
+        &self,
+        delivery: &Delivery,
+        queue: &str,
+        properties: BasicProperties,
+    ) -> Result<Routed, PublishError> {
+        self.outbound
+            .publish_confirmed("", queue, &delivery.data, properties)
+            .await
+    }
+
+    /// Gives back everything held and not acknowledged, at once (the broker puts each back in its place, in order),
+    /// and closes the channels. `true` when the close was answered after every acknowledgement sent: they all
+    /// arrived. A lost connection is an error; another failure to close is not.
+    pub async fn finish(self) -> Result<bool> {
+        if let Some(last) = self.held {
+            self.inbound
+                .basic_nack(
+                    last,
+                    BasicNackOptions {
+                        multiple: true,
+                        requeue: true,
+                    },
+                )
+                .await?;
+        }
+        let settled = match self.inbound.close(200, "OK".into()).await {
+            Ok(()) => true,
+            Err(e) => {
+                let e = Error::from(e);
+                if is_connection_lost(self.connection, &e) {
+                    return Err(e);
+                }
+                false
+            }
+        };
+        self.outbound.close().await;
+        self.probe.close().await;
+        Ok(settled)
+    }
+}
+
+/// Whether origin queues exist, asked once per queue and pass (a passive declare, which needs no permission).
+struct Probe<'c> {
+    connection: &'c Connection,
+    /// A failed passive declare closes its channel: a new one is made for the next.
+    channel: Option<Channel>,
+    known: HashMap<String, bool>,
+}
+
+impl Probe<'_> {
+    async fn exists(&mut self, queue: &str) -> Result<bool> {
+        if let Some(&known) = self.known.get(queue) {
+            return Ok(known);
+        }
+        let channel = match self.channel.take() {
+            Some(channel) if channel.status().connected() => channel,
+            _ => self.connection.create_channel().await?,
+        };
+        let exists = match channel
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default().passive(),
+                FieldTable::default(),
+            )
+            .await
+        {
+            Ok(_) => {
+                self.channel = Some(channel);
+                true
+            }
+            Err(e) if is_not_found(&e) => false,
+            // Another refusal (an exclusive queue of another connection, say) is not an absence: the republish
+            // tells, its copy coming back unroutable if the queue is missing after all.
+            Err(e) if e.is_amqp_soft_error() => true,
+            Err(e) => return Err(e.into()),
+        };
+        self.known.insert(queue.to_owned(), exists);
+        Ok(exists)
+    }
+
+    async fn close(self) {
+        if let Some(channel) = self.channel {
+            let _ = channel.close(200, "OK".into()).await;
+        }
+    }
+}

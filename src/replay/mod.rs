@@ -1,0 +1,155 @@
+//! Moving dead-lettered messages back to the queue they failed on, safely.
+//!
+//! - **A fixed snapshot.** The messages present when the replay starts (their count, read first) are taken one by one
+//!   and held unacknowledged, so a message that fails again and lands back in the dead-letter queue is never taken
+//!   again by the same run (its copy carries the run's tag); what is not replayed is given back at the end, in its
+//!   original order.
+//! - **Nothing lost.** Each copy is published with publisher confirms (and `mandatory`, so a queue that does not
+//!   exist is an error, not a silent drop); the dead-letter copy is acknowledged only after the broker confirmed a
+//!   copy with the same content on its origin (see [`machine`]). A crash between the two leaves the message in both
+//!   queues: the inbox discards the second copy.
+//! - **Nothing repeated.** Body, properties and message id are republished untouched (a MassTransit envelope stays
+//!   byte for byte), so the inbox recognises a message that had in fact been processed. Only the failure headers are
+//!   dropped, a replay count of inboxctl's own is kept, and the per-message TTL (`expiration`) is left out unless
+//!   asked for: the copy must not expire on its way back.
+//! - **Within the window.** The inbox deduplicates only while a message's row exists: a message that failed longer
+//!   ago than the cleanup retention may have lost its row, so replaying it could repeat its effect; such messages are
+//!   left where they are unless asked for.
+//! - **Never a guess at the origin.** An address that cannot be read without guessing, that names another vhost, or
+//!   a queue that does not exist: the message stays, and the report says why.
+//!
+//! Dead-letter shapes understood: MassTransit's `<queue>_error` and `<queue>_skipped` (origin in
+//! `MT-Fault-InputAddress`, else the queue name) and RabbitMQ dead-letter-exchange queues (origin in `x-death`).
+
+mod decide;
+mod machine;
+mod republish;
+mod run;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+
+pub use crate::amqp::copy::{
+    REPLAY_COUNT_HEADER, REPLAY_RUN_HEADER, original_expiration, replay_headers, replay_properties,
+};
+pub use crate::amqp::failure::{Failure, Origin, failure};
+pub use run::run;
+
+/// What to replay.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub from: String,
+    /// Where every message goes, whatever its headers say.
+    pub to: Option<String>,
+    /// Replay at most this many messages.
+    pub limit: Option<u64>,
+    /// Only these message ids (empty: all).
+    pub message_ids: Vec<String>,
+    /// Only messages whose failure reason contains this text.
+    pub reason: Option<String>,
+    /// Leave messages already replayed this many times.
+    pub max_replays: Option<u32>,
+    /// The inbox cleanup's retention: older failures are left unless `include_expired`.
+    pub retention: Duration,
+    pub include_expired: bool,
+    /// Give each copy back the per-message TTL it had before it was dead-lettered.
+    pub restore_expiration: bool,
+    pub dry_run: bool,
+}
+
+/// What became of one message of the snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    Replayed,
+    WouldReplay,
+    /// Not chosen by `--message-id`, `--reason` or `--limit`; left in place.
+    NotSelected,
+    /// Failed longer ago than the retention; left in place.
+    Expired,
+    /// Already replayed `--max-replays` times; left in place.
+    MaxReplays,
+    /// No `--to`, and neither headers nor queue name tell where it came from; left in place.
+    OriginUnknown,
+    /// No `--to`, and its `MT-Fault-InputAddress` cannot be read without guessing; left in place.
+    OriginAmbiguous,
+    /// No `--to`, and its origin is in another vhost than the one the replay is connected to; left in place.
+    OriginOtherVhost,
+    /// Its origin queue does not exist (checked first, or the copy came back unroutable); left in place.
+    OriginMissing,
+    /// The broker refused the copy; left in place.
+    PublishFailed,
+    /// A copy of a message this run already sent to the same origin (a second copy in the queue, or the first back
+    /// again without its replay count); left in place.
+    CopyOfReplayed,
+    /// It cannot be republished as it is (headers nested deeper than inboxctl reads, a `user_id` of another user
+    /// the broker would refuse); left in place.
+    Uncopyable,
+}
+
+impl Action {
+    /// Whether leaving the message is something the operator should hear about (not their own filter).
+    pub fn is_problem(self) -> bool {
+        !matches!(
+            self,
+            Action::Replayed | Action::WouldReplay | Action::NotSelected
+        )
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Action::Replayed => "replayed",
+            Action::WouldReplay => "would replay",
+            Action::NotSelected => "not selected",
+            Action::Expired => "left: failed before the retention window",
+            Action::MaxReplays => "left: replayed too often",
+            Action::OriginUnknown => "left: origin unknown (use --to)",
+            Action::OriginAmbiguous => "left: origin address ambiguous (use --to)",
+            Action::OriginOtherVhost => "left: origin in another vhost (replay from there)",
+            Action::OriginMissing => "left: origin queue does not exist",
+            Action::PublishFailed => "left: republish failed",
+            Action::CopyOfReplayed => "left: a copy of a message this run already replayed",
+            Action::Uncopyable => "left: cannot be republished as it is",
+        }
+    }
+}
+
+/// One message of the snapshot.
+#[derive(Debug, Clone, Serialize)]
+pub struct Item {
+    pub message_id: Option<String>,
+    pub reason: Option<String>,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub origin: Option<String>,
+    /// Replays before this one.
+    pub replays: u32,
+    pub action: Action,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub from: String,
+    pub dry_run: bool,
+    /// Messages in the queue when the replay started.
+    pub snapshot: u64,
+    pub replayed: u64,
+    /// Left in place for a reason the operator should know (expired, replayed too often, origin unknown, refused).
+    pub left: u64,
+    pub interrupted: bool,
+    /// Times the connection was lost and made again.
+    pub reconnects: u32,
+    /// Dead-letter copies acknowledged without being sent again: an identical copy had been republished with the
+    /// broker's confirm, and the acknowledgement that followed was lost with the connection.
+    pub already_replayed: u64,
+    /// Why the replay stopped early on an error: the connection lost and not back in time, or the broker refusing
+    /// something. What was done before is in `items`; the rest is where it was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stopped: Option<String>,
+    /// Whether `stopped` is a lost connection (as opposed to a refusal).
+    pub connection_lost: bool,
+    pub items: Vec<Item>,
+}

@@ -1,0 +1,137 @@
+//! Sending one copy back to its origin, and acknowledging its dead-letter copy only once the broker confirmed it.
+
+use super::decide::Read;
+use super::machine::{Outcome, Step};
+use super::run::State;
+use super::{Action, replay_properties};
+use crate::amqp::Delivery;
+use crate::amqp::pass::Channels;
+use crate::amqp::publish::{PublishError, Routed};
+use crate::error::{Error, Result};
+use crate::failpoint;
+
+/// How sending one copy went: the machine's outcome, the error for the report, and a refusal that stops the replay.
+struct Sent {
+    outcome: Outcome,
+    error: Option<String>,
+    refused: Option<Error>,
+}
+
+impl Sent {
+    fn outcome(outcome: Outcome, error: Option<String>) -> Self {
+        Self {
+            outcome,
+            error,
+            refused: None,
+        }
+    }
+}
+
+impl State<'_> {
+    /// Republishes one message (in a dry run, only checks its origin) and acknowledges its dead-letter copy once the
+    /// broker confirmed the republished one.
+    pub(super) async fn replay_one(
+        &mut self,
+        channels: &mut Channels<'_>,
+        delivery: &Delivery,
+        read: Read,
+    ) -> Result<()> {
+        let origin = read.origin.clone().unwrap_or_default();
+        let sent = if !channels.queue_exists(&origin).await? {
+            Sent::outcome(
+                Outcome::Missing,
+                Some(format!("queue {origin} does not exist")),
+            )
+        } else if self.plan.dry_run {
+            Sent::outcome(Outcome::WouldReplay, None)
+        } else {
+            self.send(channels, delivery, &read, &origin).await?
+        };
+        match self.machine.outcome(sent.outcome) {
+            Step::Ack => {
+                self.record(read, Action::Replayed, None);
+                // The copy is confirmed and counted: only now may the dead-letter copy go. A crash or a lost
+                // connection before this leaves it in both queues, and the inbox discards the second.
+                failpoint::hit("replay-after-publish").await;
+                channels.ack(delivery.delivery_tag).await?;
+            }
+            Step::Leave(action) => {
+                channels.hold(delivery.delivery_tag);
+                self.record(read, action, sent.error);
+            }
+            Step::Hold | Step::AckAgain | Step::Publish => {}
+        }
+        match sent.refused {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Publishes the copy to `origin` and reads the broker's answer. A lost connection is an error (this pass stops
+    /// and the replay connects again); a refusal is an outcome, with the reason.
+    async fn send(
+        &self,
+        channels: &mut Channels<'_>,
+        delivery: &Delivery,
+        read: &Read,
+        origin: &str,
+    ) -> Result<Sent> {
+        failpoint::hit("replay-before-publish").await;
+        let properties = replay_properties(
+            &delivery.properties,
+            read.failure.replays,
+            &self.run,
+            self.plan.restore_expiration,
+        );
+        Ok(
+            match republish(channels, delivery, origin, properties).await {
+                Ok(Outcome::Missing) => {
+                    channels.queue_missing(origin);
+                    Sent::outcome(
+                        Outcome::Missing,
+                        Some(format!(
+                            "the copy came back unroutable: queue {origin} does not exist"
+                        )),
+                    )
+                }
+                Ok(Outcome::Failed) => Sent::outcome(
+                    Outcome::Failed,
+                    Some(format!("the broker refused the copy to {origin} (nack)")),
+                ),
+                Ok(outcome) => Sent::outcome(outcome, None),
+                // The broker refused the copy and closed the channel with its reason (a permission, say): every later
+                // copy would fail the same way. This one is left, with the reason, and the replay stops.
+                Err(Error::Broker(e)) if e.is_refusal() => {
+                    let error = crate::redact::text(&e.to_string());
+                    Sent {
+                        outcome: Outcome::Failed,
+                        error: Some(error),
+                        refused: Some(Error::Broker(e)),
+                    }
+                }
+                // The connection failed: stop this pass (and connect again).
+                Err(e @ Error::Broker(_)) => return Err(e),
+                Err(e) => Sent::outcome(Outcome::Failed, Some(crate::redact::text(&e.to_string()))),
+            },
+        )
+    }
+}
+
+/// Publishes a copy to `queue` through the default exchange and waits for the broker's confirm: `Confirmed`,
+/// `Missing` (returned as unroutable: no such queue) or `Failed` (nacked).
+async fn republish(
+    channels: &Channels<'_>,
+    delivery: &Delivery,
+    queue: &str,
+    properties: crate::amqp::BasicProperties,
+) -> Result<Outcome> {
+    match channels.republish(delivery, queue, properties).await {
+        Ok(Routed::Queued) => Ok(Outcome::Confirmed),
+        Ok(Routed::Returned) => Ok(Outcome::Missing),
+        Err(PublishError::Nacked) => Ok(Outcome::Failed),
+        Err(PublishError::ConfirmsOff) => {
+            Err(Error::Topology("publisher confirms are off".to_owned()))
+        }
+        Err(PublishError::Broker(e)) => Err(e.into()),
+    }
+}

@@ -1,0 +1,210 @@
+//! The replay loop: one pass over the snapshot per connection, connecting again after a lost one.
+
+use std::time::Duration;
+
+use chrono::{DateTime, TimeDelta, Utc};
+use tokio_util::sync::CancellationToken;
+
+use super::decide::Read;
+use super::machine::{Machine, Step};
+use super::{Action, Item, Plan, Report};
+use crate::amqp::fingerprint::Fingerprints;
+use crate::amqp::pass::Channels;
+use crate::amqp::{Broker, Connection, GaveUp, Link, topology};
+use crate::error::{Error, Result};
+use crate::failpoint;
+
+/// Replays `plan.from`. `progress` is called after each message with (done, snapshot).
+///
+/// When the connection is lost on the way (the broker restarted, the network broke), the messages it held go back to
+/// the dead-letter queue by themselves; it connects again for up to `reconnect_for` and goes on with the snapshot,
+/// stepping over the messages it had already looked at and left, and acknowledging (without sending again) a
+/// dead-letter copy whose replay the broker had confirmed but whose acknowledgement may have been lost. Out of time,
+/// it returns what it did so far with `stopped` and `connection_lost` set. Another error after the first message also
+/// returns what was done, with `stopped` set.
+pub async fn run(
+    connection: &Connection,
+    broker: &Broker,
+    plan: &Plan,
+    reconnect_for: Duration,
+    shutdown: &CancellationToken,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<Report> {
+    let snapshot = match topology::queue_depth(connection, &plan.from).await? {
+        Some((ready, _)) => u64::from(ready),
+        None => return Err(Error::QueueNotFound(plan.from.clone())),
+    };
+    let mut state = State {
+        plan,
+        vhost: broker.vhost().to_owned(),
+        user: broker.username().to_owned(),
+        now: Utc::now(),
+        window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
+        run: uuid::Uuid::new_v4().to_string(),
+        fingerprints: Fingerprints::new(),
+        machine: Machine::new(snapshot, plan.limit),
+        report: Report {
+            from: plan.from.clone(),
+            dry_run: plan.dry_run,
+            snapshot,
+            replayed: 0,
+            left: 0,
+            interrupted: false,
+            reconnects: 0,
+            already_replayed: 0,
+            stopped: None,
+            connection_lost: false,
+            items: Vec::new(),
+        },
+    };
+    let mut link = Link::new(broker, "inboxctl replay", connection, reconnect_for);
+    let passes = state.run_passes(&mut link, shutdown, &mut progress).await;
+    link.close().await;
+    passes?;
+    let mut report = state.report;
+    report.replayed = state.machine.replayed();
+    report.left = state.machine.left();
+    report.already_replayed = state.machine.already_replayed();
+    Ok(report)
+}
+
+/// A replay's progress, kept across reconnects.
+pub(super) struct State<'a> {
+    pub(super) plan: &'a Plan,
+    /// The vhost the replay is connected to.
+    pub(super) vhost: String,
+    /// The user it publishes as.
+    pub(super) user: String,
+    pub(super) now: DateTime<Utc>,
+    pub(super) window: TimeDelta,
+    /// This run's tag, in [`super::REPLAY_RUN_HEADER`] of every copy it sends.
+    pub(super) run: String,
+    pub(super) fingerprints: Fingerprints,
+    pub(super) machine: Machine,
+    pub(super) report: Report,
+}
+
+impl State<'_> {
+    /// One pass per connection until the snapshot is done, connecting again after a lost connection.
+    async fn run_passes(
+        &mut self,
+        link: &mut Link<'_>,
+        shutdown: &CancellationToken,
+        progress: &mut impl FnMut(u64, u64),
+    ) -> Result<()> {
+        loop {
+            let done_before = self.machine.progress();
+            let e = match self.pass(link.current(), shutdown, progress).await {
+                Ok(()) => return Ok(()),
+                Err(e) if !link.is_lost(&e) => {
+                    if self.report.items.is_empty() {
+                        return Err(e);
+                    }
+                    self.report.interrupted = true;
+                    self.report.stopped = Some(crate::redact::text(&e.to_string()));
+                    return Ok(());
+                }
+                Err(e) => e,
+            };
+            self.machine.connection_lost();
+            tracing::warn!(
+                error = %e,
+                done = self.report.items.len(),
+                of = self.report.snapshot,
+                "lost the connection to RabbitMQ; connecting again to go on (the messages held go back to {} by themselves)",
+                crate::sanitize::text(&self.plan.from)
+            );
+            let progressed = self.machine.progress() > done_before;
+            match link.again(progressed, shutdown).await {
+                Ok(()) => self.report.reconnects = link.reconnects(),
+                Err(GaveUp::Fruitless(times)) => {
+                    self.stop_lost(format!(
+                        "the connection was lost {times} times in a row without any progress: {}",
+                        crate::redact::text(&e.to_string())
+                    ));
+                    return Ok(());
+                }
+                Err(GaveUp::NotBack(last)) => {
+                    self.stop_lost(format!(
+                        "{} (not back within {})",
+                        crate::redact::text(&last.to_string()),
+                        humantime::format_duration(link.within())
+                    ));
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Stops the replay on a connection lost for good, saying why.
+    fn stop_lost(&mut self, why: String) {
+        self.report.interrupted = true;
+        self.report.connection_lost = true;
+        self.report.stopped = Some(why);
+    }
+
+    /// Takes the rest of the snapshot over one connection; gives back what it held and did not replay.
+    async fn pass(
+        &mut self,
+        connection: &Connection,
+        shutdown: &CancellationToken,
+        progress: &mut impl FnMut(u64, u64),
+    ) -> Result<()> {
+        self.machine.pass_started();
+        let mut channels = Channels::open(connection).await?;
+        self.take(&mut channels, shutdown, progress).await?;
+        if channels.finish().await? {
+            // Answered after every acknowledgement sent on the channel: they all arrived.
+            self.machine.settled();
+        }
+        Ok(())
+    }
+
+    async fn take(
+        &mut self,
+        channels: &mut Channels<'_>,
+        shutdown: &CancellationToken,
+        progress: &mut impl FnMut(u64, u64),
+    ) -> Result<()> {
+        while self.machine.wants_more() {
+            if shutdown.is_cancelled() {
+                self.report.interrupted = true;
+                break;
+            }
+            failpoint::hit_with("replay-before-get", &self.machine.decided().to_string()).await;
+            let got = channels.get(&self.plan.from).await?;
+            // Answered after every acknowledgement sent before it on this channel: those arrived.
+            self.machine.settled();
+            let Some(delivery) = got else {
+                break;
+            };
+            let read = self.read(&delivery);
+            match self.machine.delivered(&read.seen) {
+                Step::Hold => channels.hold(delivery.delivery_tag),
+                Step::AckAgain => channels.ack(delivery.delivery_tag).await?,
+                Step::Leave(action) => {
+                    channels.hold(delivery.delivery_tag);
+                    let error = read.obstacle_error.clone();
+                    self.record(read, action, error);
+                }
+                Step::Publish => self.replay_one(channels, &delivery, read).await?,
+                // Only ever the answer to a republish.
+                Step::Ack => {}
+            }
+            progress(self.machine.decided(), self.report.snapshot);
+        }
+        Ok(())
+    }
+
+    pub(super) fn record(&mut self, read: Read, action: Action, error: Option<String>) {
+        self.report.items.push(Item {
+            message_id: read.message_id,
+            reason: read.failure.reason,
+            failed_at: read.failure.failed_at,
+            origin: read.origin,
+            replays: read.failure.replays,
+            action,
+            error,
+        });
+    }
+}

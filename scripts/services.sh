@@ -55,4 +55,7 @@ command -v tmux >/dev/null 2>&1 || apt_install tmux
 # The TLS tests make their certificate authority with openssl; the bench's peer mode runs under Node.js.
 command -v openssl >/dev/null 2>&1 || apt_install openssl
 { command -v node && command -v npm; } >/dev/null 2>&1 || apt_install nodejs npm
+# The metrics test checks /metrics with Prometheus' own checker, promtool, from Debian's prometheus package (the
+# tests use nothing else of it).
+command -v promtool >/dev/null 2>&1 || apt_install prometheus
 command -v cargo-nextest >/dev/null 2>&1 || cargo nextest --version >/dev/null 2>&1 || fail "cargo-nextest is missing (cargo install cargo-nextest)"

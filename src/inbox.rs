@@ -26,6 +26,8 @@
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt as _;
 use futures_util::future::BoxFuture;
@@ -203,6 +205,15 @@ pub enum Claim {
     LookupFirst,
 }
 
+/// Told how long each claim statement took, from sending it to its answer: next to nothing for a first delivery, and
+/// for a copy of a message whose attempt is in flight elsewhere, the time it waited for that attempt's end. Lets a
+/// caller measure the claim (`--metrics-addr`) without the core knowing how it is exported. A claim that failed (the
+/// database gone, `--claim-timeout` reached) is not told.
+pub trait ClaimObserver: std::fmt::Debug + Send + Sync + 'static {
+    /// One claim statement (one per message, or one per batch) answered after `took`.
+    fn claimed(&self, took: Duration);
+}
+
 /// The claim protocol for one consumer_type, on a pool of connections. A Rust service can embed it as it is; the
 /// carrier and notification consumers use nothing else.
 #[derive(Debug, Clone)]
@@ -210,6 +221,7 @@ pub struct Inbox {
     pool: PgPool,
     consumer_type: ConsumerType,
     claim: Claim,
+    observer: Option<Arc<dyn ClaimObserver>>,
 }
 
 impl Inbox {
@@ -218,6 +230,19 @@ impl Inbox {
             pool,
             consumer_type,
             claim: Claim::Inbox,
+            observer: None,
+        }
+    }
+
+    /// The same inbox, telling `observer` how long each claim took.
+    pub fn with_claim_observer(mut self, observer: Arc<dyn ClaimObserver>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    fn claim_took(&self, started: Instant) {
+        if let Some(observer) = &self.observer {
+            observer.claimed(started.elapsed());
         }
     }
 
@@ -295,6 +320,7 @@ impl Inbox {
         }
         let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
 
+        let claim_started = Instant::now();
         // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
         let claimed: bool = match self.claim {
             Claim::Inbox => db::claim::claim(
@@ -313,6 +339,7 @@ impl Inbox {
                 true
             }
         };
+        self.claim_took(claim_started);
 
         if !claimed {
             let outcome = match self.claim {
@@ -416,9 +443,11 @@ impl Inbox {
             )));
         }
         let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
+        let claim_started = Instant::now();
         let claimed = db::claim::claim_batch(&mut tx, &keys, &self.consumer_type)
             .await
             .map_err(ProcessError::Unavailable)?;
+        self.claim_took(claim_started);
         let copies = self.record_batch_copies(&mut tx, &keys, &claimed).await?;
 
         let mut outcomes = Vec::with_capacity(members.len());

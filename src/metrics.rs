@@ -1,154 +1,153 @@
-//! `--metrics-addr`: the process's counters in Prometheus' text format on `/metrics`, and `/health`, which says
-//! whether PostgreSQL and RabbitMQ are reachable (200 when all it depends on is, 503 otherwise).
+//! `--metrics-addr`: the process's metrics in Prometheus' text format (version 0.0.4) on `/metrics`, and `/health`,
+//! which says whether PostgreSQL and RabbitMQ are reachable (200 when all it depends on is, 503 otherwise, with a JSON
+//! object of each dependency's state).
 //!
-//! A few lines of HTTP/1.1 over a TCP listener are all this needs, so it takes no web framework.
+//! The metrics are kept and written by `prometheus-client`, one registry per process: what `consume` exports is in
+//! [`consume`] (its counters, read from the run's counts at each scrape, and the histograms of its processing time and
+//! of its claims' wait, fed as it goes), what `cleanup --every` exports in [`cleanup`]. axum on hyper serves them, one
+//! response per connection, until the shutdown token is cancelled.
 
-use std::fmt::Write as _;
+pub mod cleanup;
+pub mod consume;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::Router;
+use axum::extract::State;
+use axum::http::{HeaderValue, Method, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
 use futures_util::future::BoxFuture;
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::{TcpListener, TcpStream};
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::error::{Error, Result};
 
-/// What a process exports.
-pub trait Exporter: Send + Sync + 'static {
-    /// The exposition text of every metric.
-    fn metrics(&self) -> String;
-    /// Each dependency with whether it is reachable now.
-    fn health(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>>;
+/// What `/health` checks: each dependency with whether it is reachable now.
+pub trait Health: Send + Sync + 'static {
+    fn check(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>>;
 }
 
-/// One metric family in Prometheus' text format, with a sample per label value.
-pub struct Family<'a> {
-    pub name: &'a str,
-    pub help: &'a str,
-    pub kind: &'a str,
+/// The buckets of every histogram of durations, in seconds: from half a millisecond (a claim that waited for nobody, a
+/// duplicate) to ten seconds (a copy that waited on a slow attempt, a message retried), each about 2–2.5 times the one
+/// before.
+pub const SECONDS_BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// The label of every per-consumer metric.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ConsumerLabel {
+    pub consumer_type: String,
 }
 
-impl Family<'_> {
-    pub fn write(&self, out: &mut String, samples: &[(Option<(&str, &str)>, f64)]) {
-        let _ = writeln!(out, "# HELP {} {}", self.name, self.help);
-        let _ = writeln!(out, "# TYPE {} {}", self.name, self.kind);
-        for (label, value) in samples {
-            match label {
-                Some((key, v)) => {
-                    let _ = writeln!(
-                        out,
-                        "{}{{{key}=\"{}\"}} {value}",
-                        self.name,
-                        escape_label(v)
-                    );
-                }
-                None => {
-                    let _ = writeln!(out, "{} {value}", self.name);
-                }
-            }
-        }
+/// The label set of a family's only sample.
+pub(crate) const UNLABELLED: [(&str, &str); 0] = [];
+
+/// A family a collector writes at scrape time, with a sample per label set. With no sample (no label value yet), its
+/// HELP and TYPE lines alone.
+pub(crate) fn encode_family<L: EncodeLabelSet, M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    metric_type: MetricType,
+    samples: impl IntoIterator<Item = (L, M)>,
+) -> std::fmt::Result {
+    let mut family = encoder.encode_descriptor(name, help, None, metric_type)?;
+    for (labels, metric) in samples {
+        metric.encode(family.encode_family(&labels)?)?;
     }
+    Ok(())
 }
 
-/// A label value as the text format wants it: backslash, double quote and newline escaped.
-pub fn escape_label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// Binds `addr` now (so a bad address is an error at start) and serves until `shutdown`.
+/// Binds `addr` now (so a bad address, or one in use, is an error at start) and serves `/metrics` from `registry` and
+/// `/health` from `health` until `shutdown`.
 pub async fn serve(
     addr: SocketAddr,
-    exporter: Arc<dyn Exporter>,
+    registry: Registry,
+    health: Arc<dyn Health>,
     shutdown: CancellationToken,
 ) -> Result<()> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| Error::Usage(format!("--metrics-addr {addr}: {e}")))?;
     tracing::info!(%addr, "serving /metrics and /health");
+    let exposed = Arc::new(Exposed { registry, health });
+    let app = Router::new()
+        .route("/metrics", get(metrics))
+        .route("/health", get(health_check))
+        .fallback(elsewhere)
+        .method_not_allowed_fallback(elsewhere)
+        .layer(axum::middleware::map_response(close_connection))
+        .with_state(exposed);
     tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                () = shutdown.cancelled() => break,
-                accepted = listener.accept() => {
-                    if let Ok((stream, _)) = accepted {
-                        let exporter = Arc::clone(&exporter);
-                        tokio::spawn(async move {
-                            let _ = tokio::time::timeout(Duration::from_secs(10), answer(stream, exporter)).await;
-                        });
-                    }
-                }
-            }
+        let served = axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = served {
+            tracing::warn!(error = %e, "serving /metrics and /health failed");
         }
     });
     Ok(())
 }
 
-async fn answer(mut stream: TcpStream, exporter: Arc<dyn Exporter>) -> std::io::Result<()> {
-    let mut request = Vec::with_capacity(1024);
-    let mut buf = [0u8; 1024];
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") && request.len() < 8192 {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            break;
+struct Exposed {
+    registry: Registry,
+    health: Arc<dyn Health>,
+}
+
+async fn metrics(State(exposed): State<Arc<Exposed>>) -> Response {
+    let mut body = String::new();
+    match prometheus_text::encode(&mut body, &exposed.registry) {
+        Ok(()) => (
+            [(header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE)],
+            body,
+        )
+            .into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "writing the metrics failed");
+            StatusCode::INTERNAL_SERVER_ERROR.into_response()
         }
-        request.extend_from_slice(&buf[..n]);
     }
-    let line = String::from_utf8_lossy(&request);
-    let mut parts = line.split_whitespace();
-    let (method, path) = (
-        parts.next().unwrap_or_default(),
-        parts.next().unwrap_or_default(),
+}
+
+async fn health_check(State(exposed): State<Arc<Exposed>>) -> Response {
+    let checks = exposed.health.check().await;
+    let healthy = checks.iter().all(|(_, up)| *up);
+    let body = format!(
+        "{{{}}}\n",
+        checks
+            .iter()
+            .map(|(name, up)| format!("\"{name}\":\"{}\"", if *up { "up" } else { "down" }))
+            .collect::<Vec<_>>()
+            .join(",")
     );
-    let path = path.split('?').next().unwrap_or_default();
-    let (status, content_type, body) = match (method, path) {
-        ("GET", "/metrics") => (
-            "200 OK",
-            "text/plain; version=0.0.4; charset=utf-8",
-            exporter.metrics(),
-        ),
-        ("GET", "/health") => {
-            let checks = exporter.health().await;
-            let healthy = checks.iter().all(|(_, up)| *up);
-            let body = format!(
-                "{{{}}}\n",
-                checks
-                    .iter()
-                    .map(|(name, up)| format!("\"{name}\":\"{}\"", if *up { "up" } else { "down" }))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            );
-            (
-                if healthy {
-                    "200 OK"
-                } else {
-                    "503 Service Unavailable"
-                },
-                "application/json",
-                body,
-            )
-        }
-        ("GET", _) => (
-            "404 Not Found",
-            "text/plain",
-            "try /metrics or /health\n".to_owned(),
-        ),
-        _ => (
-            "405 Method Not Allowed",
-            "text/plain",
-            "GET only\n".to_owned(),
-        ),
+    let status = match healthy {
+        true => StatusCode::OK,
+        false => StatusCode::SERVICE_UNAVAILABLE,
     };
-    let response = format!(
-        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+async fn elsewhere(method: Method) -> Response {
+    match method {
+        Method::GET => (StatusCode::NOT_FOUND, "try /metrics or /health\n").into_response(),
+        _ => (StatusCode::METHOD_NOT_ALLOWED, "GET only\n").into_response(),
+    }
+}
+
+/// One response per connection: nothing is left open between scrapes.
+async fn close_connection(mut response: Response) -> Response {
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 /// Whether PostgreSQL answers within two seconds.
@@ -158,26 +157,4 @@ pub async fn database_up(pool: &sqlx::PgPool) -> bool {
         tokio::time::timeout(Duration::from_secs(2), ping).await,
         Ok(Ok(1))
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn families_are_written_in_the_text_format() {
-        let mut out = String::new();
-        Family {
-            name: "inbox_duplicates_discarded_total",
-            help: "Copies discarded.",
-            kind: "counter",
-        }
-        .write(&mut out, &[(Some(("consumer_type", "a\"b\\c\nd")), 3.0)]);
-        assert_eq!(
-            out,
-            "# HELP inbox_duplicates_discarded_total Copies discarded.\n\
-             # TYPE inbox_duplicates_discarded_total counter\n\
-             inbox_duplicates_discarded_total{consumer_type=\"a\\\"b\\\\c\\nd\"} 3\n"
-        );
-    }
 }

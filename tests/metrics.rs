@@ -4,6 +4,7 @@
 mod common;
 
 use std::io::{Read as _, Write as _};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{CARRIER_QUEUE, Proxy, TestEnv};
@@ -103,6 +104,109 @@ async fn a_consumer_exports_its_counters_and_its_health_follows_the_database() {
     consumer.terminate();
 }
 
+/// Prometheus' own checker on an exposition: `promtool check metrics`, fed on its standard input. Whether it passed,
+/// and what it said. A machine without promtool fails the test, never skips it.
+fn promtool_check(body: &str) -> (bool, String) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect(
+            "promtool checks /metrics: it comes with Debian's prometheus package, which scripts/services.sh installs",
+        );
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), said)
+}
+
+/// Runs `consume carrier` with `extra` flags until the 15 deliveries `publish --count 10 --duplicates 0.5` makes are
+/// through; returns its /metrics.
+async fn scrape_after_fifteen(env: &TestEnv, extra: &[&str]) -> String {
+    common::publish_parcels(env, &["--count", "10", "--duplicates", "0.5"]);
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = vec![
+        "consume",
+        "carrier",
+        "--metrics-addr",
+        &addr,
+        "--concurrency",
+        "4",
+    ];
+    args.extend_from_slice(extra);
+    let consumer = env.spawn(&args);
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let deliveries = format!("inbox_deliveries_total{{consumer_type=\"{CARRIER_QUEUE}\"}}");
+    common::eventually(
+        "all 15 deliveries through",
+        Duration::from_secs(30),
+        || async { sample(&get(port, "/metrics").1, &deliveries) == Some(15.0) },
+    )
+    .await;
+    let (status, body) = get(port, "/metrics");
+    consumer.terminate();
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    body
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exposition_passes_promtool_with_the_processing_and_claim_histograms() {
+    // The checker itself: it must refuse a malformed exposition, or its approval below would mean nothing.
+    let (passed, said) =
+        promtool_check("# TYPE inbox_deliveries_total counter\ninbox_deliveries_total{ 1\n");
+    assert!(!passed, "promtool accepted a malformed exposition: {said}");
+
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let label = format!("{{consumer_type=\"{CARRIER_QUEUE}\"}}");
+    // One message per transaction (a claim each), then batched (a claim per batch, and one per copy left to go alone).
+    for (mode, extra) in [
+        ("one by one", &[][..]),
+        ("batched", &["--batch-size", "8"][..]),
+    ] {
+        let body = scrape_after_fifteen(&env, extra).await;
+        let (passed, said) = promtool_check(&body);
+        assert!(
+            passed,
+            "{mode}: promtool check metrics failed:\n{said}\n{body}"
+        );
+        for histogram in ["inbox_processing_seconds", "inbox_claim_wait_seconds"] {
+            assert!(
+                body.contains(&format!("# TYPE {histogram} histogram")),
+                "{mode}: {histogram} missing:\n{body}"
+            );
+            let le = format!("{histogram}_bucket{{consumer_type=\"{CARRIER_QUEUE}\",le=\"+Inf\"}}");
+            assert!(sample(&body, &le).is_some(), "{mode}: {le}:\n{body}");
+        }
+        let count =
+            |histogram: &str| sample(&body, &format!("{histogram}_count{label}")).unwrap_or(0.0);
+        // Every delivery that reached an outcome was timed, and nothing else.
+        assert_eq!(count("inbox_processing_seconds"), 15.0, "{mode}:\n{body}");
+        let claims = count("inbox_claim_wait_seconds");
+        match mode {
+            "one by one" => assert_eq!(claims, 15.0, "{mode}: a claim per delivery:\n{body}"),
+            // A claim per batch (however the deliveries fell into batches), and one per copy of an id already in its
+            // batch, which goes alone.
+            _ => assert!((1.0..=15.0).contains(&claims), "{mode}:\n{body}"),
+        }
+        // The counters kept their names, with `_total` once.
+        assert!(
+            body.contains("# TYPE inbox_messages_processed_total counter"),
+            "{body}"
+        );
+        assert!(!body.contains("_total_total"), "{body}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cleanup_sidecar_exports_what_it_deleted() {
     let env = TestEnv::migrated().await;
@@ -147,6 +251,8 @@ async fn a_cleanup_sidecar_exports_what_it_deleted() {
         Some(2.0)
     );
     assert!(sample(&body, "inbox_cleanup_last_success_timestamp_seconds").is_some());
+    let (passed, said) = promtool_check(&body);
+    assert!(passed, "promtool check metrics failed:\n{said}\n{body}");
     assert_eq!(get(port, "/health").0, "HTTP/1.1 200 OK");
     sidecar.terminate();
 }

@@ -1,12 +1,9 @@
 //! `inboxctl cleanup --retention <duration>`: purge processed inbox rows older than the window, in small batches.
 
-use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures_util::future::BoxFuture;
 use indicatif::ProgressBar;
-
 use tokio_util::sync::CancellationToken;
 
 use crate::cleanup::{self, Plan, Progress, Report};
@@ -14,7 +11,7 @@ use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration, show};
 use crate::db::schema;
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::ConsumerType;
-use crate::metrics::{self, Family};
+use crate::metrics::{self, cleanup::Totals};
 use crate::{output, sanitize, table};
 
 #[derive(Debug, clap::Args)]
@@ -99,11 +96,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     let show_progress = !args.json && !args.dry_run;
     let totals = Arc::new(Mutex::new(Totals::default()));
     if let Some(addr) = args.metrics_addr {
-        let exporter = CleanupExporter {
-            totals: Arc::clone(&totals),
-            pool: pool.clone(),
-        };
-        metrics::serve(addr, Arc::new(exporter), shutdown.clone()).await?;
+        let registry = metrics::cleanup::registry(Arc::clone(&totals));
+        let health = metrics::cleanup::CleanupHealth { pool: pool.clone() };
+        metrics::serve(addr, registry, Arc::new(health), shutdown.clone()).await?;
     }
 
     loop {
@@ -204,86 +199,4 @@ fn draw(meter: &ProgressBar, p: &Progress<'_>) {
         sanitize::text(p.consumer_type),
         p.deleted
     ));
-}
-
-/// What the cleanups of this process did, for `--metrics-addr`.
-#[derive(Debug, Default)]
-struct Totals {
-    runs: u64,
-    deleted: BTreeMap<String, u64>,
-    events_deleted: u64,
-    unprocessed_older: BTreeMap<String, u64>,
-    last_success: Option<f64>,
-}
-
-impl Totals {
-    fn add(&mut self, report: &Report) {
-        self.runs += 1;
-        self.events_deleted += report.events_deleted;
-        for c in &report.consumers {
-            *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
-            self.unprocessed_older
-                .insert(c.consumer_type.clone(), c.unprocessed_older);
-        }
-        if !report.interrupted {
-            self.last_success =
-                Some(report.cutoff.timestamp() as f64 + report.retention_seconds as f64);
-        }
-    }
-}
-
-/// One sample per consumer_type.
-fn per_type(m: &BTreeMap<String, u64>) -> Vec<(Option<(&'static str, &str)>, f64)> {
-    m.iter()
-        .map(|(k, v)| (Some(("consumer_type", k.as_str())), *v as f64))
-        .collect()
-}
-
-struct CleanupExporter {
-    totals: Arc<Mutex<Totals>>,
-    pool: sqlx::PgPool,
-}
-
-impl metrics::Exporter for CleanupExporter {
-    fn metrics(&self) -> String {
-        let t = self.totals.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = String::new();
-        Family {
-            name: "inbox_cleanup_runs_total",
-            help: "Cleanup runs finished.",
-            kind: "counter",
-        }
-        .write(&mut out, &[(None, t.runs as f64)]);
-        Family {
-            name: "inbox_cleanup_rows_deleted_total",
-            help: "Processed inbox rows deleted.",
-            kind: "counter",
-        }
-        .write(&mut out, &per_type(&t.deleted));
-        Family {
-            name: "inbox_cleanup_events_deleted_total",
-            help: "inboxctl event rows deleted.",
-            kind: "counter",
-        }
-        .write(&mut out, &[(None, t.events_deleted as f64)]);
-        Family {
-            name: "inbox_unprocessed_older_than_retention_rows",
-            help: "Rows received before the cutoff and never processed, at the last run.",
-            kind: "gauge",
-        }
-        .write(&mut out, &per_type(&t.unprocessed_older));
-        if let Some(at) = t.last_success {
-            Family {
-                name: "inbox_cleanup_last_success_timestamp_seconds",
-                help: "When the last complete cleanup ran (Unix time).",
-                kind: "gauge",
-            }
-            .write(&mut out, &[(None, at)]);
-        }
-        out
-    }
-
-    fn health(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>> {
-        Box::pin(async move { vec![("database", metrics::database_up(&self.pool).await)] })
-    }
 }

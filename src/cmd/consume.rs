@@ -1,10 +1,7 @@
 //! `inboxctl consume <carrier|notification>`: one Parcel Tracker consumer in the foreground until SIGINT/SIGTERM.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
-
-use futures_util::future::BoxFuture;
 
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -15,7 +12,7 @@ use crate::consumer::{self, ConsumerOptions, OnConflict, RunCounts, RunSummary};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::{Claim, ConsumerType, Inbox};
-use crate::metrics::{self, Family};
+use crate::metrics;
 use crate::parcel::{
     CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
     StandInSms,
@@ -221,13 +218,17 @@ pub async fn run_consumer(
     }
 
     let counts = Arc::new(RunCounts::default());
+    let mut inbox = Inbox::new(pool.clone(), consumer_type.clone()).with_claim(args.claim);
+    let mut timings = None;
     if let Some(addr) = args.metrics_addr {
-        let exporter = ConsumerExporter {
-            consumer_type: consumer_type.to_string(),
-            counts: Arc::clone(&counts),
+        let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));
+        let health = metrics::consume::ConsumerHealth {
             pool: pool.clone(),
+            counts: Arc::clone(&counts),
         };
-        metrics::serve(addr, Arc::new(exporter), shutdown.clone()).await?;
+        metrics::serve(addr, registry, Arc::new(health), shutdown.clone()).await?;
+        inbox = inbox.with_claim_observer(Arc::new(fed.clone()));
+        timings = Some(fed);
     }
     let options = ConsumerOptions {
         queue,
@@ -243,8 +244,8 @@ pub async fn run_consumer(
         batch_wait: args.batch_wait,
         poison_after: args.poison_after,
         on_conflict: args.on_conflict,
+        timings,
     };
-    let inbox = Inbox::new(pool.clone(), consumer_type).with_claim(args.claim);
     let fail_destination = args.fail_destination.clone();
     let summary = match args.consumer {
         Kind::Carrier => {
@@ -357,86 +358,4 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
             .map(|m| format!("{} on {}", m.privileges, m.table))
             .collect(),
     })
-}
-
-/// The consumer's counters, as `inbox_*` metrics labelled with its consumer_type.
-struct ConsumerExporter {
-    consumer_type: String,
-    counts: Arc<RunCounts>,
-    pool: PgPool,
-}
-
-impl metrics::Exporter for ConsumerExporter {
-    fn metrics(&self) -> String {
-        let s = self.counts.summary();
-        let label = Some(("consumer_type", self.consumer_type.as_str()));
-        let mut out = String::new();
-        let deliveries = s.processed + s.duplicates + s.conflicts + s.dead_lettered + s.skipped;
-        for (name, help, value) in [
-            (
-                "inbox_deliveries_total",
-                "Deliveries that reached an outcome (processed, duplicate, conflict, dead-lettered, skipped).",
-                deliveries,
-            ),
-            (
-                "inbox_messages_processed_total",
-                "Messages processed: their effects committed with their inbox row.",
-                s.processed,
-            ),
-            (
-                "inbox_duplicates_discarded_total",
-                "Copies recognised by the inbox and discarded.",
-                s.duplicates,
-            ),
-            (
-                "inbox_attempts_failed_total",
-                "Attempts whose work failed and was rolled back (retried or dead-lettered).",
-                s.failed_attempts,
-            ),
-            (
-                "inbox_messages_dead_lettered_total",
-                "Messages moved to <queue>_error.",
-                s.dead_lettered,
-            ),
-            (
-                "inbox_messages_skipped_total",
-                "Messages of a type the consumer does not handle, moved to <queue>_skipped.",
-                s.skipped,
-            ),
-            (
-                "inbox_conflicts_total",
-                "Messages whose id was processed before for another event (an id reused by a producer): not processed.",
-                s.conflicts,
-            ),
-        ] {
-            Family {
-                name,
-                help,
-                kind: "counter",
-            }
-            .write(&mut out, &[(label, value as f64)]);
-        }
-        let up = f64::from(u8::from(
-            self.counts.broker_connected.load(Ordering::Relaxed),
-        ));
-        Family {
-            name: "inbox_broker_connected",
-            help: "1 while the consumer holds a working RabbitMQ connection.",
-            kind: "gauge",
-        }
-        .write(&mut out, &[(label, up)]);
-        out
-    }
-
-    fn health(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>> {
-        Box::pin(async move {
-            vec![
-                ("database", metrics::database_up(&self.pool).await),
-                (
-                    "broker",
-                    self.counts.broker_connected.load(Ordering::Relaxed),
-                ),
-            ]
-        })
-    }
 }

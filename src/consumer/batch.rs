@@ -9,6 +9,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
 
 use futures_util::FutureExt as _;
 use lapin::Acker;
@@ -103,13 +104,16 @@ async fn next<C: Consumer>(
 }
 
 async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &mut JoinSet<()>) {
+    let started = Instant::now();
     // Read each delivery; two copies of one id in a batch: the later one waits for the batch's outcome.
     let mut members: Vec<Held<C>> = Vec::with_capacity(batch.len());
     let mut later: Vec<Held<C>> = Vec::new();
     let mut ids = std::collections::HashSet::new();
     for (delivery, link) in batch {
         match prepare(shared, &link, &delivery).await {
-            Prepared::Done(disposition) => finish(shared, aside, delivery, disposition).await,
+            Prepared::Done(disposition) => {
+                finish(shared, aside, delivery, disposition, started).await
+            }
             Prepared::Ready(ready) if ids.insert(ready.incoming.message_id) => {
                 members.push((delivery, link, ready))
             }
@@ -140,36 +144,18 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
                         conflict(shared, &link, &delivery, &ready, c).await
                     }
                     MemberOutcome::Failed(e) => {
-                        let failure = error_chain(&e);
-                        let shared = Arc::clone(shared);
-                        aside.spawn(async move {
-                            let disposition =
-                                match failed(&shared, &link, &delivery, &ready, 1, failure).await {
-                                    Some(disposition) => disposition,
-                                    None => {
-                                        attempts(
-                                            &shared,
-                                            &link,
-                                            &delivery,
-                                            &ready,
-                                            2,
-                                            Access::Shared,
-                                        )
-                                        .await
-                                    }
-                                };
-                            settle(&shared, &delivery, disposition).await;
-                        });
+                        let member = (delivery, link, ready);
+                        retry_aside(shared, aside, member, error_chain(&e), started);
                         continue;
                     }
                 };
-                finish(shared, aside, delivery, disposition).await;
+                finish(shared, aside, delivery, disposition, started).await;
             }
         }
         Committed::OneByOne => later.extend(members),
         Committed::Stopped => {
             for (delivery, _, _) in members.iter().chain(&later) {
-                settle(shared, delivery, Disposition::Requeue).await;
+                settle(shared, delivery, Disposition::Requeue, started).await;
             }
             return;
         }
@@ -178,9 +164,28 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
         let shared = Arc::clone(shared);
         aside.spawn(async move {
             let disposition = attempts(&shared, &link, &delivery, &ready, 1, Access::Shared).await;
-            settle(&shared, &delivery, disposition).await;
+            settle(&shared, &delivery, disposition, started).await;
         });
     }
+}
+
+/// A member whose work failed in the batch: its first attempt is counted, and the next ones go on alone, in a task of
+/// their own beside the worker.
+fn retry_aside<C: Consumer>(
+    shared: &Arc<Shared<C>>,
+    aside: &mut JoinSet<()>,
+    (delivery, link, ready): Held<C>,
+    failure: String,
+    started: Instant,
+) {
+    let shared = Arc::clone(shared);
+    aside.spawn(async move {
+        let disposition = match failed(&shared, &link, &delivery, &ready, 1, failure).await {
+            Some(disposition) => disposition,
+            None => attempts(&shared, &link, &delivery, &ready, 2, Access::Shared).await,
+        };
+        settle(&shared, &delivery, disposition, started).await;
+    });
 }
 
 /// What became of a batch's transaction.
@@ -233,17 +238,19 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
     }
 }
 
-/// Settles a delivery at once, or in a task of its own if it is to be given back after a pause.
+/// Settles a delivery of the batch taken up at `started` at once, or in a task of its own if it is to be given back
+/// after a pause.
 async fn finish<C: Consumer>(
     shared: &Arc<Shared<C>>,
     aside: &mut JoinSet<()>,
     delivery: Delivery,
     disposition: Disposition,
+    started: Instant,
 ) {
     if let Disposition::RequeueAfter(_) = disposition {
         let shared = Arc::clone(shared);
-        aside.spawn(async move { settle(&shared, &delivery, disposition).await });
+        aside.spawn(async move { settle(&shared, &delivery, disposition, started).await });
     } else {
-        settle(shared, &delivery, disposition).await;
+        settle(shared, &delivery, disposition, started).await;
     }
 }

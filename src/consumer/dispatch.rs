@@ -40,6 +40,7 @@ pub(super) enum Disposition {
 /// (not only in the consumer's work, which counts as a failed attempt) gives the delivery back, never leaves it
 /// unsettled.
 pub(super) async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery) {
+    let started = Instant::now();
     let disposition = match AssertUnwindSafe(dispose(shared, link, &delivery))
         .catch_unwind()
         .await
@@ -47,7 +48,7 @@ pub(super) async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, deliver
         Ok(disposition) => disposition,
         Err(panic) => handling_panicked(&delivery, &panic_message(&*panic)),
     };
-    settle(shared, &delivery, disposition).await;
+    settle(shared, &delivery, disposition, started).await;
 }
 
 pub(super) async fn dispose<C: Consumer>(
@@ -75,12 +76,18 @@ pub(super) fn handling_panicked(delivery: &Delivery, panic: &str) -> Disposition
     Disposition::RequeueAfter(OUTAGE_DELAY_MAX)
 }
 
-/// Acks or requeues a delivery whose handling ended, and counts it out of flight.
+/// Acks or requeues a delivery whose handling ended (it was taken up at `started`), and counts it out of flight. One
+/// that reached its outcome (acked) has its handling time observed, for `--metrics-addr`: from when a worker took it
+/// up to its outcome committed or its copy confirmed, retries and their waits included; one given back is not.
 pub(super) async fn settle<C: Consumer>(
     shared: &Shared<C>,
     delivery: &Delivery,
     disposition: Disposition,
+    started: Instant,
 ) {
+    if let (Disposition::Ack, Some(timings)) = (&disposition, &shared.options.timings) {
+        timings.handled(started.elapsed());
+    }
     settle_acker(shared, &delivery.acker, delivery.delivery_tag, disposition).await;
 }
 

@@ -45,6 +45,7 @@ use crate::amqp::limits::{self, MAX_LOGGED_TEXT};
 use crate::backoff::sleep_or_cancel;
 use crate::error::Result;
 use crate::inbox::{ConsumerType, Inbox, WorkError};
+use crate::metrics::consume::Timings;
 use crate::sanitize;
 
 /// What a consumer knows about the delivery it works on.
@@ -124,6 +125,8 @@ pub struct ConsumerOptions {
     pub poison_after: u32,
     /// What becomes of a copy whose message id was processed before for another event.
     pub on_conflict: OnConflict,
+    /// Where the time each delivery took to reach its outcome goes (`--metrics-addr`), if anywhere.
+    pub timings: Option<Timings>,
 }
 
 /// What becomes of a message whose id was processed before for another event (a producer that reused an id): it is

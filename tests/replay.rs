@@ -1173,3 +1173,34 @@ async fn a_vhost_with_a_question_mark_is_read_as_written() {
     assert_counts_match(&env, &report, "orders_error", &["orders"]);
     assert_eq!(env.queue_counts("probe"), (0, 0), "the decoy");
 }
+
+/// Found by the `replay_failure` fuzz target: a producer can write `x-first-death-queue` as any long string, and one
+/// of 256 bytes named an origin no AMQP frame can carry. Such a message is left and reported, never sent; the
+/// message beside it, naming a real queue, goes back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_death_queue_name_longer_than_amqp_allows_is_left_and_reported() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["odd.dlq", "odd.origin"], FieldTable::default()).await;
+    let mut ids = Vec::new();
+    for origin in ["q".repeat(256), "odd.origin".to_owned()] {
+        let id = uuid::Uuid::new_v4().to_string();
+        let mut headers = FieldTable::default();
+        headers.insert("x-first-death-queue".into(), long(&origin));
+        let props = BasicProperties::default()
+            .with_message_id(id.as_str().into())
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        common::publish(&conn, "", "odd.dlq", props, b"{}").await;
+        ids.push(id);
+    }
+    let dry = replay_json(&env, &["--from", "odd.dlq", "--dry-run"], 3);
+    assert_eq!(action_of(&dry, &ids[0]), "origin_ambiguous", "{dry}");
+    let report = replay_json(&env, &["--from", "odd.dlq"], 3);
+    assert_eq!(action_of(&report, &ids[0]), "origin_ambiguous", "{report}");
+    assert_eq!(action_of(&report, &ids[1]), "replayed", "{report}");
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["left"], 1, "{report}");
+    assert_eq!(env.queue_counts("odd.dlq"), (1, 0));
+    assert_eq!(env.queue_counts("odd.origin"), (1, 0));
+}

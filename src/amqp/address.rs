@@ -50,7 +50,7 @@ const OPTIONS: &[&str] = &[
 ];
 
 /// The longest queue name AMQP can carry.
-const MAX_NAME: usize = 255;
+pub(crate) const MAX_NAME: usize = 255;
 
 /// Reads the vhost and queue of an address MassTransit (or inboxctl) wrote.
 pub fn parse(address: &str) -> Result<Address, Unreadable> {

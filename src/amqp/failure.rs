@@ -14,7 +14,7 @@ pub enum Origin {
     Queue(String),
     /// Nothing tells.
     Unknown,
-    /// `MT-Fault-InputAddress` cannot be read without guessing.
+    /// `MT-Fault-InputAddress` cannot be read without guessing, or the headers name no possible queue.
     Ambiguous {
         address: String,
         why: String,
@@ -56,14 +56,17 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
     let origin = match text("MT-Fault-InputAddress") {
         Some(input_address) => origin_of_address(input_address, vhost),
         None => text("x-first-death-queue")
+            .filter(|q| !q.is_empty())
             .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
+            .filter(|q| !q.is_empty())
+            .map(origin_of_death_queue)
             .or_else(|| {
                 from.strip_suffix("_error")
                     .or_else(|| from.strip_suffix("_skipped"))
                     .filter(|q| !q.is_empty())
-                    .map(str::to_owned)
+                    .map(|q| Origin::Queue(q.to_owned()))
             })
-            .map_or(Origin::Unknown, Origin::Queue),
+            .unwrap_or(Origin::Unknown),
     };
     let reason = text("MT-Fault-Message")
         .or_else(|| {
@@ -99,6 +102,21 @@ pub(super) fn x_death(headers: Option<&FieldTable>) -> Vec<AMQPValue> {
         .and_then(AMQPValue::as_array)
         .map(|a| a.as_slice().to_vec())
         .unwrap_or_default()
+}
+
+/// The origin RabbitMQ's `x-death` names. The broker never writes a queue name longer than AMQP's 255 bytes, but a
+/// producer can write any header: such a name is no queue, so the message is left, not sent anywhere.
+fn origin_of_death_queue(queue: String) -> Origin {
+    if queue.len() <= address::MAX_NAME {
+        return Origin::Queue(queue);
+    }
+    Origin::Ambiguous {
+        address: super::limits::truncate(&queue, super::limits::MAX_LOGGED_TEXT).into_owned(),
+        why: format!(
+            "x-death names a queue of {} bytes, longer than AMQP's 255",
+            queue.len()
+        ),
+    }
 }
 
 /// The origin `MT-Fault-InputAddress` names. An address that names no vhost (MassTransit's way of writing `/`) is
@@ -195,6 +213,43 @@ mod tests {
         assert_eq!(f.reason.as_deref(), Some("rejected"));
         assert_eq!(f.failed_at.map(|t| t.timestamp()), Some(1_764_533_690));
         assert_eq!(f.replays, 2);
+    }
+
+    /// Found by the `replay_failure` fuzz target: `x-first-death-queue` (or `x-death`'s `queue`) written by a producer
+    /// as a long string of 256 bytes became an origin no AMQP frame can name.
+    #[test]
+    fn a_death_queue_past_255_bytes_or_empty_is_no_origin() {
+        let origin = |key: &str, name: &str| {
+            let mut h = FieldTable::default();
+            if key == "x-death" {
+                let mut death = FieldTable::default();
+                death.insert("queue".into(), long(name));
+                h.insert(
+                    "x-death".into(),
+                    AMQPValue::FieldArray(vec![AMQPValue::FieldTable(death)].into()),
+                );
+            } else {
+                h.insert(key.into(), long(name));
+            }
+            failure(Some(&h), "orders_error", "/").origin
+        };
+        for key in ["x-first-death-queue", "x-death"] {
+            let long_name = "q".repeat(256);
+            assert!(
+                matches!(&origin(key, &long_name), Origin::Ambiguous { why, .. } if why.contains("256 bytes")),
+                "{key}"
+            );
+            assert_eq!(
+                origin(key, &"q".repeat(255)),
+                Origin::Queue("q".repeat(255)),
+                "{key}"
+            );
+            assert_eq!(
+                origin(key, ""),
+                Origin::Queue("orders".into()),
+                "{key}: the queue's own name tells"
+            );
+        }
     }
 
     #[test]

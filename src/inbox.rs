@@ -188,27 +188,12 @@ pub enum MemberOutcome<T> {
     Failed(WorkError),
 }
 
-/// How [`Inbox::process`] guards the work. Only [`Claim::Inbox`] is exactly-once; the others exist so that
-/// `inboxctl bench` can measure the same consumer without the protocol and with the tutorial's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Claim {
-    /// The claim protocol of this module.
-    #[default]
-    Inbox,
-    /// No inbox at all: a transaction with the work, nothing else. At-least-once: a copy repeats the effect.
-    None,
-    /// The tutorial's shape: look the id up first, then a transaction with a plain insert of the inbox row and the
-    /// work. Two first copies both pass the look-up; the second one's insert then fails on the key.
-    LookupFirst,
-}
-
 /// The claim protocol for one consumer_type, on a pool of connections. A Rust service can embed it as it is; the
 /// carrier and notification consumers use nothing else.
 #[derive(Debug, Clone)]
 pub struct Inbox {
     pool: PgPool,
     consumer_type: ConsumerType,
-    claim: Claim,
 }
 
 impl Inbox {
@@ -216,14 +201,7 @@ impl Inbox {
         Self {
             pool,
             consumer_type,
-            claim: Claim::Inbox,
         }
-    }
-
-    /// The same consumer with another guard, for measurements: see [`Claim`].
-    pub fn with_claim(mut self, claim: Claim) -> Self {
-        self.claim = claim;
-        self
     }
 
     pub fn consumer_type(&self) -> &ConsumerType {
@@ -284,45 +262,19 @@ impl Inbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
     {
-        if self.claim == Claim::LookupFirst {
-            let seen: bool = sqlx::query_scalar(sql::TUTORIAL_LOOKUP)
-                .bind(message_id)
-                .bind(self.consumer_type.as_str())
-                .fetch_one(&self.pool)
-                .await
-                .map_err(ProcessError::Unavailable)?;
-            if seen {
-                return Ok(Outcome::Duplicate);
-            }
-        }
         let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
 
         // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
-        let claimed: bool = match self.claim {
-            Claim::Inbox => sqlx::query_scalar(sql::CLAIM)
-                .bind(message_id)
-                .bind(self.consumer_type.as_str())
-                .bind(fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(ProcessError::Unavailable)?,
-            Claim::None => true,
-            Claim::LookupFirst => {
-                sqlx::query(sql::TUTORIAL_INSERT)
-                    .bind(message_id)
-                    .bind(self.consumer_type.as_str())
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(|e| ProcessError::Failed(WorkError::Database(e)))?;
-                true
-            }
-        };
+        let claimed: bool = sqlx::query_scalar(sql::CLAIM)
+            .bind(message_id)
+            .bind(self.consumer_type.as_str())
+            .bind(fingerprint.as_ref().map(|f| f.as_bytes().as_slice()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(ProcessError::Unavailable)?;
 
         if !claimed {
-            let outcome = match self.claim {
-                Claim::Inbox => self.record_copy(&mut tx, message_id, fingerprint).await?,
-                _ => Outcome::Duplicate,
-            };
+            let outcome = self.record_copy(&mut tx, message_id, fingerprint).await?;
             tx.commit().await.map_err(ProcessError::Unavailable)?;
             return Ok(outcome);
         }

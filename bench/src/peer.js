@@ -1,4 +1,4 @@
-// The `peer` mode of `inboxctl bench`: pg-transactional-outbox's transactional inbox, set up as its README and its
+// The `peer` mode of the bench (inboxctl-bench): pg-transactional-outbox's transactional inbox, set up as its README and its
 // RabbitMQ example (examples/rabbitmq/consumer) do, consuming the same queue and making the same effect (one row in
 // carrier_reservations) as inboxctl's modes.
 //

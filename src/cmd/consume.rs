@@ -14,7 +14,7 @@ use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
 use crate::consumer::{self, ConsumerOptions, OnConflict, RunCounts, RunSummary};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
-use crate::inbox::{Claim, ConsumerType, Inbox};
+use crate::inbox::{ConsumerType, Inbox};
 use crate::metrics::{self, Family};
 use crate::parcel::{
     CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
@@ -110,10 +110,6 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = OnConflict::DeadLetter)]
     pub on_conflict: OnConflict,
 
-    /// For `inboxctl bench` only: run without the inbox, or with the tutorial's look-up-first shape
-    #[arg(long, value_enum, default_value_t = Claim::Inbox, hide = true)]
-    pub claim: Claim,
-
     /// Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -161,7 +157,6 @@ impl Args {
             batch_wait: Duration::from_millis(5),
             poison_after: 3,
             on_conflict: OnConflict::DeadLetter,
-            claim: Claim::Inbox,
             metrics_addr: None,
             fail_destination: None,
         }
@@ -203,9 +198,6 @@ pub async fn run_consumer(
             255 - suffix
         )));
     }
-    if args.claim != Claim::Inbox && args.batch_size > 1 {
-        return Err(Error::Usage("--batch-size needs the inbox".to_owned()));
-    }
     let consumer_type =
         ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
@@ -216,9 +208,7 @@ pub async fn run_consumer(
         .pool(pool_size)
         .await?;
     check_schema(&pool, db).await?;
-    if args.claim == Claim::Inbox {
-        check_privileges(&pool, db, args.consumer).await?;
-    }
+    check_privileges(&pool, db, args.consumer).await?;
 
     let counts = Arc::new(RunCounts::default());
     if let Some(addr) = args.metrics_addr {
@@ -244,7 +234,7 @@ pub async fn run_consumer(
         poison_after: args.poison_after,
         on_conflict: args.on_conflict,
     };
-    let inbox = Inbox::new(pool.clone(), consumer_type).with_claim(args.claim);
+    let inbox = Inbox::new(pool.clone(), consumer_type);
     let fail_destination = args.fail_destination.clone();
     let summary = match args.consumer {
         Kind::Carrier => {

@@ -1,6 +1,5 @@
 //! One file per subcommand, each with its `Args` and one `run`.
 
-pub mod bench;
 pub mod cleanup;
 pub mod completions;
 pub mod consume;
@@ -35,8 +34,6 @@ pub enum Command {
     Stats(stats::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
     Demo(demo::Args),
-    /// Measure the inbox beside the same consumer without it, the tutorial's shape and the database's limit
-    Bench(bench::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(completions::Args),
 }
@@ -55,7 +52,6 @@ pub async fn run(
         Command::Stats(args) => stats::run(args, global).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
-        Command::Bench(args) => bench::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }
 }

@@ -117,36 +117,38 @@ fn the_bench_shows_no_password_on_its_error_path_or_in_its_help() {
     }
 }
 
+/// The hostile values every numeric and duration flag is given.
+const NUMBERS: &[&str] = &[
+    "0",
+    "-1",
+    "0.5",
+    "1e10",
+    "1e-20",
+    "NaN",
+    "inf",
+    "1e309",
+    "65536",
+    "4294967296",
+    "18446744073709551615",
+    "18446744073709551616",
+];
+const DURATIONS: &[&str] = &[
+    "0s",
+    "-1s",
+    "1ns",
+    "1ms",
+    "100y",
+    "1000000y",
+    "584542046090y",
+    "99999999999999999999d",
+];
+
 /// Every numeric and duration flag of the bench, given each value of a hostile list (overflowing, NaN, infinite, zero,
 /// negative, tiny, centuries), against servers that refuse at once: no panic (exit 101, "panicked"), no abort, no
 /// hang — each value is either refused as a usage error or taken and the bench fails to connect. (A bench takes
 /// minutes, so the values are bounded before anything connects; they are not run against the real servers.)
 #[test]
 fn no_hostile_flag_value_makes_the_bench_panic() {
-    const NUMBERS: &[&str] = &[
-        "0",
-        "-1",
-        "0.5",
-        "1e10",
-        "1e-20",
-        "NaN",
-        "inf",
-        "1e309",
-        "65536",
-        "4294967296",
-        "18446744073709551615",
-        "18446744073709551616",
-    ];
-    const DURATIONS: &[&str] = &[
-        "0s",
-        "-1s",
-        "1ns",
-        "1ms",
-        "100y",
-        "1000000y",
-        "584542046090y",
-        "99999999999999999999d",
-    ];
     const FLAGS: &[&str] = &[
         "--messages",
         "--repeats",

@@ -41,7 +41,6 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
-            [CompletionResult]::new('bench', 'bench', [CompletionResultType]::ParameterValue, 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -79,7 +78,6 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--batch-wait', '--batch-wait', [CompletionResultType]::ParameterName, 'How long a batch waits to fill, only while another batch is running (a lone message never waits)')
             [CompletionResult]::new('--poison-after', '--poison-after', [CompletionResultType]::ParameterName, 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery')
             [CompletionResult]::new('--on-conflict', '--on-conflict', [CompletionResultType]::ParameterName, 'What to do with a message whose id was processed before for another event (a producer reusing ids): it is never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look, discard drops it like a duplicate')
-            [CompletionResult]::new('--claim', '--claim', [CompletionResultType]::ParameterName, 'For `inboxctl bench` only: run without the inbox, or with the tutorial''s look-up-first shape')
             [CompletionResult]::new('--metrics-addr', '--metrics-addr', [CompletionResultType]::ParameterName, 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)')
             [CompletionResult]::new('--fail-destination', '--fail-destination', [CompletionResultType]::ParameterName, 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
@@ -249,38 +247,6 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
             break
         }
-        'inboxctl;bench' {
-            [CompletionResult]::new('--messages', '--messages', [CompletionResultType]::ParameterName, 'Messages pre-loaded for each throughput measurement (10 to 1000000)')
-            [CompletionResult]::new('--repeats', '--repeats', [CompletionResultType]::ParameterName, 'Repeats; the modes alternate within each')
-            [CompletionResult]::new('--modes', '--modes', [CompletionResultType]::ParameterName, 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user''s cache directory)')
-            [CompletionResult]::new('--concurrency', '--concurrency', [CompletionResultType]::ParameterName, 'Messages processed at once, by every mode (connections, for the ceiling)')
-            [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Prefetch of every consumer')
-            [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Batch size of the inbox-batched mode')
-            [CompletionResult]::new('--warmup', '--warmup', [CompletionResultType]::ParameterName, 'Messages of each warm-up run (at most 1000000)')
-            [CompletionResult]::new('--latency-rate', '--latency-rate', [CompletionResultType]::ParameterName, 'Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at most 1000000 messages)')
-            [CompletionResult]::new('--latency-seconds', '--latency-seconds', [CompletionResultType]::ParameterName, 'Length of the latency run, seconds (1 to 86400)')
-            [CompletionResult]::new('--duplicate-messages', '--duplicate-messages', [CompletionResultType]::ParameterName, 'Messages of the duplicate run (1 to 1000000)')
-            [CompletionResult]::new('--duplicates', '--duplicates', [CompletionResultType]::ParameterName, 'Fraction of them delivered twice (half at once, half after the rest)')
-            [CompletionResult]::new('--cleanup-rows', '--cleanup-rows', [CompletionResultType]::ParameterName, 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000, at most 1000000000); 0 skips it')
-            [CompletionResult]::new('--cleanup-batch-size', '--cleanup-batch-size', [CompletionResultType]::ParameterName, 'Batch size of `inboxctl cleanup` in the cleanup measurement')
-            [CompletionResult]::new('--cleanup-batch-pause', '--cleanup-batch-pause', [CompletionResultType]::ParameterName, 'Pause between cleanup batches in the cleanup measurement')
-            [CompletionResult]::new('--output', '--output', [CompletionResultType]::ParameterName, 'Write the full results (every repeat, medians, spreads, the machine) here as JSON')
-            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
-            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
-            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
-            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
-            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
-            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
-            [CompletionResult]::new('--cleanup-only', '--cleanup-only', [CompletionResultType]::ParameterName, 'Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes')
-            [CompletionResult]::new('--keep', '--keep', [CompletionResultType]::ParameterName, 'Keep the scratch databases and queues afterwards')
-            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
-            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
-            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
-            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
-            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
-            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
-            break
-        }
         'inboxctl;completions' {
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
@@ -305,7 +271,6 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
-            [CompletionResult]::new('bench', 'bench', [CompletionResultType]::ParameterValue, 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -336,9 +301,6 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;help;demo' {
-            break
-        }
-        'inboxctl;help;bench' {
             break
         }
         'inboxctl;help;completions' {

@@ -38,7 +38,6 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-            cand bench 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -74,7 +73,6 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --batch-wait 'How long a batch waits to fill, only while another batch is running (a lone message never waits)'
             cand --poison-after 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery'
             cand --on-conflict 'What to do with a message whose id was processed before for another event (a producer reusing ids): it is never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look, discard drops it like a duplicate'
-            cand --claim 'For `inboxctl bench` only: run without the inbox, or with the tutorial''s look-up-first shape'
             cand --metrics-addr 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)'
             cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
@@ -233,37 +231,6 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand -V 'Print version'
             cand --version 'Print version'
         }
-        &'inboxctl;bench'= {
-            cand --messages 'Messages pre-loaded for each throughput measurement (10 to 1000000)'
-            cand --repeats 'Repeats; the modes alternate within each'
-            cand --modes 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user''s cache directory)'
-            cand --concurrency 'Messages processed at once, by every mode (connections, for the ceiling)'
-            cand --prefetch 'Prefetch of every consumer'
-            cand --batch-size 'Batch size of the inbox-batched mode'
-            cand --warmup 'Messages of each warm-up run (at most 1000000)'
-            cand --latency-rate 'Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at most 1000000 messages)'
-            cand --latency-seconds 'Length of the latency run, seconds (1 to 86400)'
-            cand --duplicate-messages 'Messages of the duplicate run (1 to 1000000)'
-            cand --duplicates 'Fraction of them delivered twice (half at once, half after the rest)'
-            cand --cleanup-rows 'Also measure cleanup and the dashboard''s refresh queries at this many inbox rows (e.g. 10000000, at most 1000000000); 0 skips it'
-            cand --cleanup-batch-size 'Batch size of `inboxctl cleanup` in the cleanup measurement'
-            cand --cleanup-batch-pause 'Pause between cleanup batches in the cleanup measurement'
-            cand --output 'Write the full results (every repeat, medians, spreads, the machine) here as JSON'
-            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
-            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
-            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
-            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
-            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
-            cand --log-format 'Log line format on stderr'
-            cand --cleanup-only 'Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes'
-            cand --keep 'Keep the scratch databases and queues afterwards'
-            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
-            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
-            cand -h 'Print help'
-            cand --help 'Print help'
-            cand -V 'Print version'
-            cand --version 'Print version'
-        }
         &'inboxctl;completions'= {
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
@@ -287,7 +254,6 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-            cand bench 'Measure the inbox beside the same consumer without it, the tutorial''s shape and the database''s limit'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -309,8 +275,6 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;help;stats'= {
         }
         &'inboxctl;help;demo'= {
-        }
-        &'inboxctl;help;bench'= {
         }
         &'inboxctl;help;completions'= {
         }

@@ -42,7 +42,6 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "publish" -d 'Publ
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "bench" -d 'Measure the inbox beside the same consumer without it, the tutorial\'s shape and the database\'s limit'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
@@ -73,9 +72,6 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-wait
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l poison-after -d 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l on-conflict -d 'What to do with a message whose id was processed before for another event (a producer reusing ids): it is never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look, discard drops it like a duplicate' -r -f -a "dead-letter\t'Moved to <queue>_error with the reason, for someone to look at: it is a bug upstream'
 discard\t'Acknowledged and dropped, like a duplicate'"
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim -d 'For `inboxctl bench` only: run without the inbox, or with the tutorial\'s look-up-first shape' -r -f -a "inbox\t'The claim protocol of this module'
-none\t'No inbox at all: a transaction with the work, nothing else. At-least-once: a copy repeats the effect'
-lookup-first\t'The tutorial\'s shape: look the id up first, then a transaction with a plain insert of the inbox row and the work. Two first copies both pass the look-up; the second one\'s insert then fails on the key'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-addr -d 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
@@ -197,38 +193,6 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l messages -d 'Messages pre-loaded for each throughput measurement (10 to 1000000)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l repeats -d 'Repeats; the modes alternate within each' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l modes -d 'The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user\'s cache directory)' -r -f -a "ceiling\t''
-bare\t''
-tutorial\t''
-inbox\t''
-inbox-batched\t''
-peer\t''"
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l concurrency -d 'Messages processed at once, by every mode (connections, for the ceiling)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l prefetch -d 'Prefetch of every consumer' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l batch-size -d 'Batch size of the inbox-batched mode' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l warmup -d 'Messages of each warm-up run (at most 1000000)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-rate -d 'Steady publish rate of the latency run, messages per second (0.001 to 1000000; with --latency-seconds, at most 1000000 messages)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l latency-seconds -d 'Length of the latency run, seconds (1 to 86400)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicate-messages -d 'Messages of the duplicate run (1 to 1000000)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l duplicates -d 'Fraction of them delivered twice (half at once, half after the rest)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-rows -d 'Also measure cleanup and the dashboard\'s refresh queries at this many inbox rows (e.g. 10000000, at most 1000000000); 0 skips it' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batch-size -d 'Batch size of `inboxctl cleanup` in the cleanup measurement' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-batch-pause -d 'Pause between cleanup batches in the cleanup measurement' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l output -d 'Write the full results (every repeat, medians, spreads, the machine) here as JSON' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
-json\t''"
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l cleanup-only -d 'Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -l keep -d 'Keep the scratch databases and queues afterwards'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s h -l help -d 'Print help'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand bench" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -239,15 +203,14 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "bench" -d 'Measure the inbox beside the same consumer without it, the tutorial\'s shape and the database\'s limit'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo bench completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and __fish_seen_subcommand_from publish" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

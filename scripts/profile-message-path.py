@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 """Where a message's time goes: CPU per message of the consumer, PostgreSQL and RabbitMQ, per consume mode.
 
-For each mode (bare, tutorial, inbox, inbox batched) it pre-loads N messages into a queue of its own, runs
-`inboxctl consume` until the queue is idle, and reads the CPU time each party spent meanwhile:
+For each mode (bare, tutorial, inbox, inbox batched) it pre-loads N messages into a queue of its own, runs the mode's
+consumer until the queue is idle — inboxctl's consumer operation, as the bench runs it (`inboxctl-bench consume`,
+the same for every mode but for what guards each message's work) — and reads the CPU time each party spent meanwhile:
   - the consumer: its own rusage (user + system);
   - PostgreSQL: every postgres process's CPU, plus what the postmaster collected from backends that exited;
   - RabbitMQ: the Erlang VM (beam.smp).
 It also reports, from PostgreSQL's own counters, the transactions committed and the WAL written per message.
-Run it on a quiet machine (nothing else measuring), with the release binary built:
+Run it on a quiet machine (nothing else measuring), with the release binaries built:
 
-    cargo build --release && scripts/profile-message-path.py [--messages 20000]
+    cargo build --release --workspace && scripts/profile-message-path.py [--messages 20000]
 
 Each mode gets a scratch database (inboxctl_profile_<mode>) and a vhost (inboxctl-profile) that it drops afterwards.
 """
@@ -24,13 +25,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release", "inboxctl")
+BENCH_BIN = os.path.join(ROOT, "target", "release", "inboxctl-bench")
 CLK = os.sysconf("SC_CLK_TCK")
 VHOST = "inboxctl-profile"
 MODES = {
-    "bare": ["--claim", "none"],
-    "tutorial": ["--claim", "lookup-first"],
-    "inbox": [],
-    "inbox-batched": ["--batch-size", "32"],
+    "bare": ["--guard", "bare"],
+    "tutorial": ["--guard", "lookup-first"],
+    "inbox": ["--guard", "inbox"],
+    "inbox-batched": ["--guard", "inbox", "--batch-size", "32"],
 }
 
 
@@ -78,6 +80,10 @@ def run(args, env, **kw):
     return subprocess.run([BIN, *args], env=env, check=True, **kw)
 
 
+def run_consumer(args, env, **kw):
+    return subprocess.run([BENCH_BIN, *args], env=env, check=True, **kw)
+
+
 def profile(mode, extra, messages, concurrency):
     db = f"inboxctl_profile_{mode.replace('-', '_')}"
     psql("postgres", f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
@@ -89,10 +95,11 @@ def profile(mode, extra, messages, concurrency):
     exchange = f"profile-{mode}-events"
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run(["migrate"], env, **quiet)
-    consume = ["consume", "carrier", "--queue", queue, "--consumer-type", queue, "--exchange", exchange,
+    # The consumer_type is the queue's name.
+    consume = ["consume", "--queue", queue, "--exchange", exchange,
                "--concurrency", str(concurrency), "--prefetch", "64", *extra]
     # Declare the topology, then load the queue.
-    run([*consume, "--exit-when-idle", "1s"], env, **quiet)
+    run_consumer([*consume, "--exit-when-idle", "1s"], env, **quiet)
     run(["publish", "parcel-created", "--count", str(messages), "--exchange", exchange], env, **quiet)
     psql(db, "TRUNCATE inbox_messages, carrier_reservations, inboxctl_events")
     xact0 = int(psql(db, f"SELECT xact_commit FROM pg_stat_database WHERE datname = '{db}'"))
@@ -101,7 +108,7 @@ def profile(mode, extra, messages, concurrency):
     pg0, mq0 = cpu("postgres", True), cpu("beam.smp", False)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.monotonic()
-    run([*consume, "--exit-when-idle", "1s"], env, **quiet)
+    run_consumer([*consume, "--exit-when-idle", "1s"], env, **quiet)
     wall = time.monotonic() - started - 1.0  # the idle second at the end
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     pg1, mq1 = cpu("postgres", True), cpu("beam.smp", False)

@@ -90,6 +90,15 @@ impl ConnectOpts {
     pub fn database(&self) -> crate::Result<crate::db::Database> {
         crate::db::Database::new(&self.database_url, self.database_password_file.as_deref())
     }
+
+    /// The broker of the command line: `--amqp-url`, with `--amqp-ca-file` and `--amqp-password-file` if given.
+    pub fn broker(&self) -> crate::Result<crate::amqp::Broker> {
+        crate::amqp::Broker::new(&crate::amqp::BrokerOptions {
+            url: self.amqp_url.clone(),
+            ca_file: self.amqp_ca_file.clone(),
+            password_file: self.amqp_password_file.clone(),
+        })
+    }
 }
 
 /// A URL flag, with the safer places its password can come from.

@@ -76,10 +76,6 @@ pub enum Error {
     #[error("queue {0:?} does not exist in this vhost")]
     QueueNotFound(String),
 
-    /// A tool another command needs (the bench's peer: Node.js and npm) is missing or failed.
-    #[error("{0}")]
-    Tool(String),
-
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -90,9 +86,9 @@ impl Error {
         match self {
             Error::Usage(_) => exit::USAGE,
             Error::QueueNotFound(_) => exit::NO_INPUT,
-            Error::DatabaseUnavailable { .. }
-            | Error::BrokerUnavailable { .. }
-            | Error::Tool(_) => exit::UNAVAILABLE,
+            Error::DatabaseUnavailable { .. } | Error::BrokerUnavailable { .. } => {
+                exit::UNAVAILABLE
+            }
             Error::SchemaMissing { .. } | Error::SchemaIncompatible { .. } => exit::CONFIG,
             Error::PermissionMissing { .. } => exit::NO_PERMISSION,
             Error::Database(e) if crate::db::is_transient(e) => exit::UNAVAILABLE,

@@ -191,20 +191,6 @@ pub enum MemberOutcome<T> {
     Failed(WorkError),
 }
 
-/// How [`Inbox::process`] guards the work. Only [`Claim::Inbox`] is exactly-once; the others exist so that
-/// `inboxctl bench` can measure the same consumer without the protocol and with the tutorial's.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
-pub enum Claim {
-    /// The claim protocol of this module.
-    #[default]
-    Inbox,
-    /// No inbox at all: a transaction with the work, nothing else. At-least-once: a copy repeats the effect.
-    None,
-    /// The tutorial's shape: look the id up first, then a transaction with a plain insert of the inbox row and the
-    /// work. Two first copies both pass the look-up; the second one's insert then fails on the key.
-    LookupFirst,
-}
-
 /// Told how long each claim statement took, from sending it to its answer: next to nothing for a first delivery, and
 /// for a copy of a message whose attempt is in flight elsewhere, the time it waited for that attempt's end. Lets a
 /// caller measure the claim (`--metrics-addr`) without the core knowing how it is exported. A claim that failed (the
@@ -220,7 +206,6 @@ pub trait ClaimObserver: std::fmt::Debug + Send + Sync + 'static {
 pub struct Inbox {
     pool: PgPool,
     consumer_type: ConsumerType,
-    claim: Claim,
     observer: Option<Arc<dyn ClaimObserver>>,
 }
 
@@ -229,7 +214,6 @@ impl Inbox {
         Self {
             pool,
             consumer_type,
-            claim: Claim::Inbox,
             observer: None,
         }
     }
@@ -244,12 +228,6 @@ impl Inbox {
         if let Some(observer) = &self.observer {
             observer.claimed(started.elapsed());
         }
-    }
-
-    /// The same consumer with another guard, for measurements: see [`Claim`].
-    pub fn with_claim(mut self, claim: Claim) -> Self {
-        self.claim = claim;
-        self
     }
 
     pub fn consumer_type(&self) -> &ConsumerType {
@@ -310,42 +288,22 @@ impl Inbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
     {
-        if self.claim == Claim::LookupFirst {
-            let seen = db::claim::tutorial_lookup(&self.pool, message_id, &self.consumer_type)
-                .await
-                .map_err(ProcessError::Unavailable)?;
-            if seen {
-                return Ok(Outcome::Duplicate);
-            }
-        }
         let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
 
         let claim_started = Instant::now();
         // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
-        let claimed: bool = match self.claim {
-            Claim::Inbox => db::claim::claim(
-                &mut tx,
-                message_id,
-                &self.consumer_type,
-                fingerprint.as_ref(),
-            )
-            .await
-            .map_err(ProcessError::Unavailable)?,
-            Claim::None => true,
-            Claim::LookupFirst => {
-                db::claim::tutorial_insert(&mut tx, message_id, &self.consumer_type)
-                    .await
-                    .map_err(|e| ProcessError::Failed(WorkError::Database(e)))?;
-                true
-            }
-        };
+        let claimed = db::claim::claim(
+            &mut tx,
+            message_id,
+            &self.consumer_type,
+            fingerprint.as_ref(),
+        )
+        .await
+        .map_err(ProcessError::Unavailable)?;
         self.claim_took(claim_started);
 
         if !claimed {
-            let outcome = match self.claim {
-                Claim::Inbox => self.record_copy(&mut tx, message_id, fingerprint).await?,
-                _ => Outcome::Duplicate,
-            };
+            let outcome = self.record_copy(&mut tx, message_id, fingerprint).await?;
             tx.commit().await.map_err(ProcessError::Unavailable)?;
             return Ok(outcome);
         }

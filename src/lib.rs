@@ -8,7 +8,6 @@
 
 pub mod amqp;
 pub mod backoff;
-pub mod bench;
 pub mod cleanup;
 pub mod cli;
 pub mod cmd;

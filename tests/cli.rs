@@ -185,7 +185,7 @@ fn no_command_shows_a_password_on_any_error_path_or_in_its_help() {
     let db = format!("postgres://app:{db_secret}@127.0.0.1:1/parceltracker");
     let mq = format!("amqp://app:{mq_secret}@127.0.0.1:1/%2f");
     let env = [("DATABASE_URL", db.as_str()), ("AMQP_URL", mq.as_str())];
-    let commands: [&[&str]; 11] = [
+    let commands: [&[&str]; 10] = [
         &["migrate"],
         &["migrate", "--dry-run", "--json"],
         &["consume", "carrier"],
@@ -196,15 +196,6 @@ fn no_command_shows_a_password_on_any_error_path_or_in_its_help() {
         &["stats", "--json"],
         &["stats"],
         &["demo"],
-        &[
-            "bench",
-            "--modes",
-            "inbox",
-            "--messages",
-            "10",
-            "--repeats",
-            "1",
-        ],
     ];
     for args in commands {
         for format in ["text", "json"] {
@@ -537,8 +528,8 @@ fn a_publish_rate_out_of_range_is_a_usage_error() {
 /// infinite, zero, negative, tiny, centuries): no panic (exit 101, "panicked") and no abort, ever. First against
 /// servers that do not answer — each value is either refused as a usage error or taken and the command fails to
 /// connect — then, for the values taken, against the real servers with a time limit (a command that runs past it
-/// was working, not crashing). `top` needs a terminal and `bench` minutes, so they are held to the first part: their
-/// values are bounded before anything connects.
+/// was working, not crashing). `top` needs a terminal, so it is held to the first part: its values are bounded before
+/// anything connects. (The bench's flags have the same test in its own crate, bench/tests/bench.rs.)
 #[tokio::test(flavor = "multi_thread")]
 async fn no_hostile_flag_value_makes_any_command_panic() {
     const NUMBERS: &[&str] = &[
@@ -577,7 +568,6 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
         "--reconnect-timeout",
         "--window",
         "--interval",
-        "--cleanup-batch-pause",
     ];
     // The command and the flags it takes, with what makes a run of it end by itself.
     let commands: &[(&[&str], &[&str], &[&str])] = &[
@@ -634,25 +624,6 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
             &[],
             &["--interval", "--window", "--alert-duplicates"],
         ),
-        (
-            &["bench"],
-            &["--modes", "ceiling", "--messages", "10", "--repeats", "1"],
-            &[
-                "--messages",
-                "--repeats",
-                "--concurrency",
-                "--prefetch",
-                "--batch-size",
-                "--warmup",
-                "--latency-rate",
-                "--latency-seconds",
-                "--duplicate-messages",
-                "--duplicates",
-                "--cleanup-rows",
-                "--cleanup-batch-size",
-                "--cleanup-batch-pause",
-            ],
-        ),
     ];
     let mut runs: Vec<(Vec<String>, bool)> = Vec::new();
     for (command, ends, flags) in commands {
@@ -672,7 +643,7 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
                 }
                 // `--flag=value`, so that a value starting with `-` is taken as one.
                 args.push(format!("{flag}={value}"));
-                let real = !matches!(command[0], "top" | "bench");
+                let real = command[0] != "top";
                 runs.push((args, real));
             }
         }
@@ -733,21 +704,13 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
             .collect()
     });
 
-    // Values that panicked, aborted or looped once — some only minutes into a bench, past what part two can reach —
-    // are refused before anything connects.
+    // Values that panicked, aborted or looped once are refused before anything connects.
     for args in [
         &["publish", "parcel-created", "--rate=1e10"][..],
         &["publish", "parcel-created", "--rate=1e-20"],
         &["publish", "parcel-created", "--count=4294967296"],
         &["consume", "carrier", "--claim-timeout=100y"],
         &["stats", "--window=1000000y"],
-        &["bench", "--warmup=18446744073709551615"],
-        &["bench", "--messages=18446744073709551615"],
-        &["bench", "--duplicate-messages=18446744073709551615"],
-        &["bench", "--latency-rate=NaN"],
-        &["bench", "--latency-rate=1e10"],
-        &["bench", "--latency-seconds=18446744073709551615"],
-        &["bench", "--latency-rate=1000000", "--latency-seconds=86400"],
     ] {
         let mut cmd = Command::new(common::bin());
         cmd.args(args);

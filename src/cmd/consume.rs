@@ -11,7 +11,7 @@ use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
 use crate::consumer::{self, ConsumerOptions, OnConflict, RunCounts, RunSummary};
 use crate::db::{Database, schema};
 use crate::error::{Error, Outcome, Result};
-use crate::inbox::{Claim, ConsumerType, Inbox};
+use crate::inbox::{ConsumerType, Inbox};
 use crate::metrics;
 use crate::parcel::{
     CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
@@ -107,10 +107,6 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = OnConflict::DeadLetter)]
     pub on_conflict: OnConflict,
 
-    /// For `inboxctl bench` only: run without the inbox, or with the tutorial's look-up-first shape
-    #[arg(long, value_enum, default_value_t = Claim::Inbox, hide = true)]
-    pub claim: Claim,
-
     /// Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
@@ -158,7 +154,6 @@ impl Args {
             batch_wait: Duration::from_millis(5),
             poison_after: 3,
             on_conflict: OnConflict::DeadLetter,
-            claim: Claim::Inbox,
             metrics_addr: None,
             fail_destination: None,
         }
@@ -173,7 +168,7 @@ impl Args {
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let db = global.connect.database()?;
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
     run_consumer(&args, &db, &broker, shutdown).await?;
     Ok(Outcome::Done)
 }
@@ -200,9 +195,6 @@ pub async fn run_consumer(
             255 - suffix
         )));
     }
-    if args.claim != Claim::Inbox && args.batch_size > 1 {
-        return Err(Error::Usage("--batch-size needs the inbox".to_owned()));
-    }
     let consumer_type =
         ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
@@ -213,12 +205,10 @@ pub async fn run_consumer(
         .pool(pool_size)
         .await?;
     check_schema(&pool, db).await?;
-    if args.claim == Claim::Inbox {
-        check_privileges(&pool, db, args.consumer).await?;
-    }
+    check_privileges(&pool, db, args.consumer).await?;
 
     let counts = Arc::new(RunCounts::default());
-    let mut inbox = Inbox::new(pool.clone(), consumer_type.clone()).with_claim(args.claim);
+    let mut inbox = Inbox::new(pool.clone(), consumer_type.clone());
     let mut timings = None;
     if let Some(addr) = args.metrics_addr {
         let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));

@@ -42,7 +42,7 @@ pub struct Tally {
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let started = Instant::now();
     let db = global.connect.database()?;
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
 
     let report = schema::migrate(&db, false).await?;
     if !report.migrations.is_empty() {

@@ -1,6 +1,5 @@
 //! One file per subcommand, each with its `Args` and one `run`.
 
-pub mod bench;
 pub mod cleanup;
 pub mod completions;
 pub mod consume;
@@ -15,8 +14,7 @@ pub mod top;
 use clap::Subcommand;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{Broker, BrokerOptions};
-use crate::cli::{ConnectOpts, GlobalOpts};
+use crate::cli::GlobalOpts;
 use crate::error::{Outcome, Result};
 
 #[derive(Debug, Subcommand)]
@@ -37,8 +35,6 @@ pub enum Command {
     Stats(stats::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
     Demo(demo::Args),
-    /// Measure the inbox beside the same consumer without it, the tutorial's shape and the database's limit
-    Bench(bench::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(completions::Args),
 }
@@ -57,16 +53,6 @@ pub async fn run(
         Command::Stats(args) => stats::run(args, global).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
-        Command::Bench(args) => bench::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }
-}
-
-/// The broker of the command line: `--amqp-url`, with `--amqp-ca-file` and `--amqp-password-file` if given.
-pub fn broker(connect: &ConnectOpts) -> Result<Broker> {
-    Broker::new(&BrokerOptions {
-        url: connect.amqp_url.clone(),
-        ca_file: connect.amqp_ca_file.clone(),
-        password_file: connect.amqp_password_file.clone(),
-    })
 }

@@ -81,7 +81,7 @@ pub async fn run(
             "--destination must not contain control characters".to_owned(),
         ));
     }
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl publish").await?;
     topology::ensure_event_exchange(&connection, &args.exchange).await?;
     let plan = Plan {

@@ -68,7 +68,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if let Some(to) = &args.to {
         amqp::validate_name("--to", to)?;
     }
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl replay").await?;
     let plan = Plan {
         from: args.from.clone(),

@@ -23,7 +23,7 @@ pub struct Args {
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let db = global.connect.database()?;
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
     let pool = db.pool(2).await?;
     let connection = match broker.connect("inboxctl stats").await {
         Ok(c) => Some(c),

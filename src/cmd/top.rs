@@ -57,7 +57,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         ));
     }
     let db = global.connect.database()?;
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
     // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start.
     let pool = db.lazy_pool(2);
     let options = top::Options {

@@ -6,7 +6,7 @@
 //!   an envelope without a message) → `<queue>_error` at once;
 //! - a message type the consumer does not handle → `<queue>_skipped` (`MT-Reason: dead-letter`, as MassTransit);
 //! - an event that cannot be decoded (a field missing or of the wrong type) → `<queue>_error` at once;
-//! - otherwise [`Inbox::process_event`]: processed or duplicate → ack; an id processed before for another event → a
+//! - otherwise [`Inbox::process_event`](crate::inbox::Inbox::process_event): processed or duplicate → ack; an id processed before for another event → a
 //!   conflict, moved to `<queue>_error` or dropped (`on_conflict`); the consumer's work failed (an error or a panic) →
 //!   retried in this process with a doubling delay, and after `max_attempts` → `<queue>_error`; PostgreSQL
 //!   unavailable → retried without counting, however long it takes, and no new delivery is started meanwhile.
@@ -27,9 +27,11 @@ mod batch;
 mod bookkeeping;
 mod dead_letters;
 mod dispatch;
+mod guard;
 mod poison;
 mod run;
 
+pub use self::guard::WorkGuard;
 pub use self::run::run;
 
 use lapin::message::Delivery;
@@ -44,7 +46,7 @@ use crate::amqp::envelope;
 use crate::amqp::limits::{self, MAX_LOGGED_TEXT};
 use crate::backoff::sleep_or_cancel;
 use crate::error::Result;
-use crate::inbox::{ConsumerType, Inbox, WorkError};
+use crate::inbox::{ConsumerType, WorkError};
 use crate::metrics::consume::Timings;
 use crate::sanitize;
 
@@ -116,7 +118,7 @@ pub struct ConsumerOptions {
     pub shutdown_timeout: Duration,
     /// Where the run counts what it does (shared with `--metrics-addr`).
     pub counts: Arc<RunCounts>,
-    /// More than 1: up to this many deliveries share one transaction (see [`Inbox::process_batch`]).
+    /// More than 1: up to this many deliveries share one transaction (see [`Inbox::process_batch`](crate::inbox::Inbox::process_batch)).
     pub batch_size: usize,
     /// How long a batch waits to fill while another batch is running.
     pub batch_wait: Duration,
@@ -188,7 +190,8 @@ impl RunCounts {
 
 /// Everything a delivery's task shares with the others.
 struct Shared<C: Consumer> {
-    inbox: Inbox,
+    /// The [`Inbox`](crate::inbox::Inbox), unless the caller guards the work otherwise.
+    inbox: Box<dyn WorkGuard>,
     consumer: Arc<C>,
     options: ConsumerOptions,
     input_address: String,

@@ -15,9 +15,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::Consumer;
 use super::dead_letters::DeadLetters;
 use super::dispatch::handle;
+use super::{Consumer, WorkGuard};
 use super::{
     ConsumerOptions, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, RunSummary, Shared, lock, sleep_or_cancel,
 };
@@ -27,7 +27,6 @@ use crate::amqp::topology;
 use crate::backoff::Backoff;
 use crate::db;
 use crate::error::Result;
-use crate::inbox::Inbox;
 
 /// One broker connection: deliveries come in on one channel, dead-letter copies go out on another.
 pub(super) struct Link {
@@ -39,7 +38,7 @@ pub(super) struct Link {
 /// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
 /// empty). Fails at start if PostgreSQL or RabbitMQ cannot be reached; after that, outages are waited out.
 pub async fn run<C: Consumer>(
-    inbox: Inbox,
+    inbox: impl WorkGuard,
     consumer: C,
     broker: &Broker,
     options: ConsumerOptions,
@@ -48,7 +47,7 @@ pub async fn run<C: Consumer>(
     db::events::register_consumer(inbox.pool(), inbox.consumer_type(), &options.queue).await?;
     let shared = Arc::new(Shared {
         input_address: broker.queue_address(&options.queue),
-        inbox,
+        inbox: Box::new(inbox),
         consumer: Arc::new(consumer),
         counts: Arc::clone(&options.counts),
         options,

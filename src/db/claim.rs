@@ -3,7 +3,6 @@
 
 use std::collections::{HashMap, HashSet};
 
-use sqlx::PgExecutor;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
@@ -95,14 +94,6 @@ SELECT id, first FROM c";
     const UNCLAIM = "\
 WITH fingerprint AS (DELETE FROM inboxctl_fingerprints WHERE id = $1 AND consumer_type = $2)
 DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
-
-    /// The tutorial's look-up before its transaction (for `inboxctl bench` only). `$1` message id, `$2` consumer_type.
-    const TUTORIAL_LOOKUP =
-    "SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE id = $1 AND consumer_type = $2)";
-
-    /// The tutorial's plain insert of the inbox row (for `inboxctl bench` only).
-    const TUTORIAL_INSERT =
-    "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())";
 }
 
 /// One key of a batch: a message id and its event's fingerprint, if known.
@@ -212,33 +203,6 @@ pub async fn unclaim(
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<()> {
     sqlx::query(UNCLAIM)
-        .bind(message_id)
-        .bind(consumer_type.as_str())
-        .execute(conn)
-        .await
-        .map(drop)
-}
-
-/// The tutorial's look-up: whether an inbox row for the key exists (`TUTORIAL_LOOKUP`).
-pub async fn tutorial_lookup(
-    executor: impl PgExecutor<'_>,
-    message_id: Uuid,
-    consumer_type: &ConsumerType,
-) -> sqlx::Result<bool> {
-    sqlx::query_scalar(TUTORIAL_LOOKUP)
-        .bind(message_id)
-        .bind(consumer_type.as_str())
-        .fetch_one(executor)
-        .await
-}
-
-/// The tutorial's plain insert of the inbox row (`TUTORIAL_INSERT`).
-pub async fn tutorial_insert(
-    conn: &mut PgConnection,
-    message_id: Uuid,
-    consumer_type: &ConsumerType,
-) -> sqlx::Result<()> {
-    sqlx::query(TUTORIAL_INSERT)
         .bind(message_id)
         .bind(consumer_type.as_str())
         .execute(conn)

@@ -1,15 +1,67 @@
-//! `inboxctl bench`: throughput, latency, duplicate effects and memory of the inbox beside the same consumer without
-//! it, the tutorial's shape and the database's own limit; optionally cleanup and dashboard at millions of rows.
+//! The command line: the bench's flags, and the consumer it runs as a child process for each mode (hidden).
 
 use std::path::PathBuf;
 
+use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+use inboxctl::cli::GlobalOpts;
+use inboxctl::cmd::publish::{MAX_COUNT, parse_fraction, parse_rate};
+use inboxctl::{output, table};
 use tokio_util::sync::CancellationToken;
 
-use crate::bench::{self, Mode, Options, Report};
-use crate::cli::GlobalOpts;
-use crate::cmd::publish::{MAX_COUNT, parse_fraction, parse_rate};
-use crate::error::{Error, Outcome, Result};
-use crate::{output, table};
+use crate::error::{Error, Result};
+use crate::guard::ConsumeArgs;
+use crate::report::{Mode, Options, Report};
+use crate::{cleanup, measure};
+
+/// Measures inboxctl's consumer beside the same consumer without an inbox, the tutorial's look-up-first shape, the
+/// database's own limit and a published peer, side by side in one run, against the PostgreSQL and RabbitMQ it is
+/// given (every mode gets a scratch database and queues of its own, dropped afterwards unless --keep).
+#[derive(Debug, Parser)]
+#[command(
+    name = "inboxctl-bench",
+    version,
+    max_term_width = 110,
+    args_conflicts_with_subcommands = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalOpts,
+
+    #[command(flatten)]
+    pub bench: Args,
+
+    #[command(subcommand)]
+    pub child: Option<Child>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Child {
+    /// One mode's consumer, as the bench runs it (not for use by hand)
+    #[command(hide = true)]
+    Consume(ConsumeArgs),
+}
+
+/// Parses the process's command line, and notes which URLs were given a password in it (as inboxctl does, to warn).
+pub fn parse() -> Result<Cli, clap::Error> {
+    let matches = Cli::command().try_get_matches()?;
+    let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut Cli::command()))?;
+    let connect = &mut cli.global.connect;
+    for (id, url, flag) in [
+        (
+            "database_url",
+            &connect.database_url,
+            inboxctl::cli::DATABASE_URL,
+        ),
+        ("amqp_url", &connect.amqp_url, inboxctl::cli::AMQP_URL),
+    ] {
+        if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+            && inboxctl::redact::has_password(url)
+        {
+            connect.passwords_in_arguments.push(flag);
+        }
+    }
+    Ok(cli)
+}
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -69,7 +121,7 @@ pub struct Args {
     pub cleanup_batch_size: i64,
 
     /// Pause between cleanup batches in the cleanup measurement
-    #[arg(long, default_value = "0s", value_parser = crate::cli::parse_duration)]
+    #[arg(long, default_value = "0s", value_parser = inboxctl::cli::parse_duration)]
     pub cleanup_batch_pause: std::time::Duration,
 
     /// Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes
@@ -85,15 +137,16 @@ pub struct Args {
     pub keep: bool,
 }
 
-pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
+/// Runs the bench, prints its table and writes its JSON.
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<()> {
     // The latency run's messages are made up front, like every run's.
     if args.latency_rate * args.latency_seconds as f64 > MAX_COUNT as f64 {
-        return Err(Error::Usage(format!(
+        return Err(Error::usage(format!(
             "--latency-rate × --latency-seconds is more than {MAX_COUNT} messages"
         )));
     }
     let db = global.connect.database()?;
-    let broker = super::broker(&global.connect)?;
+    let broker = global.connect.broker()?;
     let options = Options {
         modes: if args.cleanup_only {
             Vec::new()
@@ -115,10 +168,10 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         cleanup_batch_pause: args.cleanup_batch_pause,
     };
     let say = |line: &str| eprintln!("{line}");
-    let mut report = bench::run(&db, &broker, &options, &shutdown, say).await?;
+    let mut report = measure::run(&db, &broker, &options, &shutdown, say).await?;
     if args.cleanup_rows > 0 {
         let (cleanup, refresh) =
-            bench::cleanup::run(&db, &broker, &options, args.cleanup_rows, &shutdown, say).await?;
+            cleanup::run(&db, &broker, &options, args.cleanup_rows, &shutdown, say).await?;
         report.cleanup = Some(cleanup);
         report.refresh_ms = Some(refresh);
     }
@@ -130,7 +183,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         )?;
         output::line(&format!("results written to {}", path.display()))?;
     }
-    Ok(Outcome::Done)
+    Ok(())
 }
 
 fn print(report: &Report) -> Result<()> {
@@ -144,15 +197,7 @@ fn print(report: &Report) -> Result<()> {
         "RSS MB",
     ]);
     let f = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{v:.1}"));
-    let order = [
-        Mode::Ceiling,
-        Mode::Bare,
-        Mode::Tutorial,
-        Mode::Inbox,
-        Mode::InboxBatched,
-        Mode::Peer,
-    ];
-    for (mode, m) in order
+    for (mode, m) in Mode::ALL
         .iter()
         .filter_map(|m| report.modes.get(m.name()).map(|r| (m.name(), r)))
     {

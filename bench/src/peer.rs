@@ -95,7 +95,7 @@ impl Peer {
                 return Err(Error::Tool(format!(
                     "the peer mode could not install {PACKAGE}@{VERSION} with npm ({}): {}",
                     out.status,
-                    crate::sanitize::multiline(String::from_utf8_lossy(&out.stderr).trim())
+                    inboxctl::sanitize::multiline(String::from_utf8_lossy(&out.stderr).trim())
                 )));
             }
         }
@@ -116,7 +116,7 @@ impl Peer {
             Err(Error::Tool(format!(
                 "the peer's set-up failed ({}): {}",
                 out.status,
-                crate::sanitize::multiline(String::from_utf8_lossy(&out.stderr).trim())
+                inboxctl::sanitize::multiline(String::from_utf8_lossy(&out.stderr).trim())
             )))
         }
     }

@@ -1,6 +1,6 @@
-// The `peer` mode of `inboxctl bench`: pg-transactional-outbox's transactional inbox, set up as its README and its
-// RabbitMQ example (examples/rabbitmq/consumer) do, consuming the same queue and making the same effect (one row in
-// carrier_reservations) as inboxctl's modes.
+// The `peer` mode of the bench (inboxctl-bench): pg-transactional-outbox's transactional inbox, set up as its README
+// and its RabbitMQ example (examples/rabbitmq/consumer) do, consuming the same queue and making the same effect (one
+// row in carrier_reservations) as inboxctl's modes.
 //
 //   node peer.js setup     creates the library's inbox table and polling function (DatabaseSetupExporter's polling
 //                          script, without roles: the bench's user is the listener and the handler role)

@@ -1,4 +1,4 @@
-//! `inboxctl bench --cleanup-rows N`: the cleanup and the dashboard at N inbox rows (10M by the measure).
+//! `inboxctl-bench --cleanup-rows N`: the cleanup and the dashboard at N inbox rows (10M by the measure).
 //!
 //! The rows are built once into a template database (4 consumer_types, half of the processed rows past a 7-day
 //! window, 1 % never processed) and copied for each run with `CREATE DATABASE … TEMPLATE`. Each run copies the
@@ -11,19 +11,23 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::{
-    Mode, Options, Scratch, Spread, drop_database, percentile, publish, spawn_consumer, stop,
-    wait_for_consumer,
+use inboxctl::amqp::Broker;
+use inboxctl::cleanup::{self, Plan};
+use inboxctl::db as store;
+use inboxctl::db::{Database, schema};
+use inboxctl::inbox::ConsumerType;
+use inboxctl::stats::{self, Range};
+
+use crate::error::{Error, Result};
+use crate::report::{Mode, Options, Spread, ms, percentile};
+use crate::scratch::{
+    Scratch, drop_database, latencies, messages, publish, spawn_consumer, stop, wait_for_consumer,
 };
-use crate::amqp::Broker;
-use crate::cleanup::{self, Plan};
-use crate::db::{Database, schema, sql};
-use crate::error::Result;
-use crate::stats::{self, Range};
+use crate::sql;
 
 /// The four consumer_types of the table.
 const CONSUMER_TYPES: [&str; 4] = ["bench-alpha", "bench-beta", "bench-gamma", "bench-delta"];
@@ -76,7 +80,7 @@ pub async fn run(
     }
     let deletable: i64 = {
         let pool = template_db.pool(1).await?;
-        let n = sqlx::query_scalar(sql::BENCH_COUNT_DELETABLE)
+        let n = sqlx::query_scalar(sql::COUNT_DELETABLE)
             .bind(RETENTION.as_secs_f64())
             .fetch_one(&pool)
             .await?;
@@ -95,8 +99,8 @@ pub async fn run(
             measured.seconds,
             measured.rows_deleted,
             measured.rows_per_second,
-            super::ms(measured.consumer_p50_ms),
-            super::ms(measured.consumer_p99_ms),
+            ms(measured.consumer_p50_ms),
+            ms(measured.consumer_p99_ms),
             measured.wal_mb,
             measured.checkpoints_requested
         ));
@@ -104,7 +108,7 @@ pub async fn run(
         drop_database(db, &scratch.db.name()).await?;
         runs.insert(variant, measured);
     }
-    crate::amqp::close(&connection, "OK").await;
+    inboxctl::amqp::close(&connection, "OK").await;
 
     let scratch = copy(db, &template, "refresh").await?;
     let refresh = refresh_timings(&scratch.pool).await?;
@@ -119,7 +123,7 @@ pub async fn run(
 
     let mut take = |k: &str| {
         runs.remove(k)
-            .ok_or_else(|| crate::Error::Usage(format!("missing {k}")))
+            .ok_or_else(|| Error::usage(format!("missing {k}")))
     };
     Ok((
         CleanupReport {
@@ -145,12 +149,11 @@ async fn template_ready(template: &Database, rows: u64) -> bool {
     let Ok(pool) = template.pool(1).await else {
         return false;
     };
-    let ready: Option<String> =
-        sqlx::query_scalar("SELECT obj_description(to_regclass('inbox_messages'), 'pg_class')")
-            .fetch_one(&pool)
-            .await
-            .ok()
-            .flatten();
+    let ready: Option<String> = sqlx::query_scalar(sql::TEMPLATE_MARKER)
+        .fetch_one(&pool)
+        .await
+        .ok()
+        .flatten();
     pool.close().await;
     ready.as_deref() == Some(&marker(rows))
 }
@@ -169,7 +172,7 @@ async fn build_template(
     let mut done = 0;
     while done < rows {
         let n = chunk.min(rows - done);
-        sqlx::query(sql::BENCH_SEED_ROWS)
+        sqlx::query(sql::SEED_ROWS)
             .bind(i64::try_from(done).unwrap_or(i64::MAX))
             .bind(i64::try_from(n).unwrap_or(i64::MAX))
             .bind(&CONSUMER_TYPES[..])
@@ -202,13 +205,13 @@ async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
     // PostgreSQL 15 copies a database by writing it all to the WAL unless told to copy the files; that would force
     // checkpoints into the measurement that follows. Then a checkpoint of our own (if the role may), so each run
     // starts from the same clean state.
-    let version: i32 = sqlx::query_scalar("SELECT current_setting('server_version_num')::int")
+    let version: i32 = sqlx::query_scalar(sql::SERVER_VERSION_NUM)
         .fetch_one(&mut admin)
         .await?;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE DATABASE {} TEMPLATE {}{}",
-        sql::quote_ident(&name),
-        sql::quote_ident(template),
+        store::sql::quote_ident(&name),
+        store::sql::quote_ident(template),
         if version >= 150_000 {
             " STRATEGY = FILE_COPY"
         } else {
@@ -242,71 +245,22 @@ async fn under_load(
     shutdown: &CancellationToken,
 ) -> Result<CleanupRun> {
     let mut consumer = spawn_consumer(scratch, broker, options, false)?;
-    crate::amqp::topology::ensure_endpoint(connection, &scratch.exchange, &scratch.queue).await?;
+    inboxctl::amqp::topology::ensure_endpoint(connection, &scratch.exchange, &scratch.queue)
+        .await?;
     wait_for_consumer(connection, &scratch.queue).await?;
-
-    // The steady stream runs in the background; its messages are 10 minutes' worth, more than any run takes.
-    let stream = crate::producer::messages(&crate::producer::Plan {
-        count: (RATE * 600.0) as u64,
-        duplicates: 0.0,
-        rate: None,
-        destination: None,
-    });
-    let stop_stream = CancellationToken::new();
-    let publisher = {
-        let connection = broker.connect("inboxctl bench stream").await?;
-        let broker = broker.clone();
-        let (exchange, queue) = (scratch.exchange.clone(), scratch.queue.clone());
-        let stop_stream = stop_stream.clone();
-        tokio::spawn(async move {
-            let sent = publish(
-                &connection,
-                &broker,
-                (&exchange, &queue),
-                &stream,
-                Some(RATE),
-                Some(&stop_stream),
-            )
-            .await;
-            crate::amqp::close(&connection, "OK").await;
-            sent
-        })
-    };
+    let (stop_stream, publisher) = stream(scratch, broker).await?;
     // Let the stream settle before measuring.
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    let (wal_before, checkpoints_before): (f64, i64) =
-        sqlx::query_as(sql::BENCH_WAL_AND_CHECKPOINTS)
-            .fetch_one(&scratch.pool)
-            .await?;
+    let (wal_before, checkpoints_before): (f64, i64) = sqlx::query_as(sql::WAL_AND_CHECKPOINTS)
+        .fetch_one(&scratch.pool)
+        .await?;
     let window_start: DateTime<Utc> = Utc::now();
     let started = Instant::now();
-    let deleted = match variant {
-        "inboxctl" => {
-            let plan = Plan {
-                retention: RETENTION,
-                consumer_type: None,
-                batch_size: options.cleanup_batch_size,
-                batch_pause: options.cleanup_batch_pause,
-                dry_run: false,
-            };
-            cleanup::run(&scratch.pool, &plan, shutdown, |_| {})
-                .await?
-                .deleted
-        }
-        "plain-delete" => sqlx::query(sql::BENCH_PLAIN_DELETE)
-            .bind(RETENTION.as_secs_f64())
-            .execute(&scratch.pool)
-            .await?
-            .rows_affected(),
-        _ => {
-            tokio::time::sleep(BASELINE).await;
-            0
-        }
-    };
+    let deleted = delete(scratch, options, variant, shutdown).await?;
     let seconds = started.elapsed().as_secs_f64();
     let window_end: DateTime<Utc> = Utc::now();
-    let (wal_after, checkpoints_after): (f64, i64) = sqlx::query_as(sql::BENCH_WAL_AND_CHECKPOINTS)
+    let (wal_after, checkpoints_after): (f64, i64) = sqlx::query_as(sql::WAL_AND_CHECKPOINTS)
         .fetch_one(&scratch.pool)
         .await?;
     stop_stream.cancel();
@@ -320,18 +274,7 @@ async fn under_load(
         .filter(|(_, at)| **at >= window_start && **at <= window_end)
         .map(|(id, _)| *id)
         .collect();
-    let effects: Vec<(Uuid, DateTime<Utc>)> = sqlx::query_as(sql::BENCH_EFFECT_TIMES)
-        .bind(&in_window)
-        .fetch_all(&scratch.pool)
-        .await?;
-    let mut latencies: Vec<f64> = effects
-        .iter()
-        .filter_map(|(id, at)| {
-            sent.get(id)
-                .map(|s| (*at - *s).num_microseconds().unwrap_or(0) as f64 / 1000.0)
-        })
-        .collect();
-    latencies.sort_by(f64::total_cmp);
+    let latencies = latencies(&scratch.pool, &sent, &in_window).await?;
     Ok(CleanupRun {
         seconds,
         rows_deleted: deleted,
@@ -348,66 +291,88 @@ async fn under_load(
     })
 }
 
+type Sent = BTreeMap<Uuid, DateTime<Utc>>;
+
+/// The steady stream, in the background until cancelled; its messages are 10 minutes' worth, more than any run
+/// takes.
+async fn stream(
+    scratch: &Scratch,
+    broker: &Broker,
+) -> Result<(CancellationToken, tokio::task::JoinHandle<Result<Sent>>)> {
+    let stream = messages((RATE * 600.0) as u64);
+    let stop_stream = CancellationToken::new();
+    let connection = broker.connect("inboxctl bench stream").await?;
+    let broker = broker.clone();
+    let (exchange, queue) = (scratch.exchange.clone(), scratch.queue.clone());
+    let stop = stop_stream.clone();
+    let publisher = tokio::spawn(async move {
+        let route = (exchange.as_str(), queue.as_str());
+        let sent = publish(
+            &connection,
+            &broker,
+            route,
+            &stream,
+            Some(RATE),
+            Some(&stop),
+        )
+        .await;
+        inboxctl::amqp::close(&connection, "OK").await;
+        sent
+    });
+    Ok((stop_stream, publisher))
+}
+
+/// What `variant` deletes: `inboxctl cleanup`, one plain `DELETE`, or nothing for a while (the baseline).
+async fn delete(
+    scratch: &Scratch,
+    options: &Options,
+    variant: &str,
+    shutdown: &CancellationToken,
+) -> Result<u64> {
+    Ok(match variant {
+        "inboxctl" => {
+            let plan = Plan {
+                retention: RETENTION,
+                consumer_type: None,
+                batch_size: options.cleanup_batch_size,
+                batch_pause: options.cleanup_batch_pause,
+                dry_run: false,
+            };
+            cleanup::run(&scratch.pool, &plan, shutdown, |_| {})
+                .await?
+                .deleted
+        }
+        "plain-delete" => sqlx::query(sql::PLAIN_DELETE)
+            .bind(RETENTION.as_secs_f64())
+            .execute(&scratch.pool)
+            .await?
+            .rows_affected(),
+        _ => {
+            tokio::time::sleep(BASELINE).await;
+            0
+        }
+    })
+}
+
 /// Each refresh statement `stats`/`top` sends, timed five times per consumer_type, and one whole collection.
 async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
     let mut conn = pool.acquire().await?;
     // Counters of inboxctl's for the consumer_types, as if a consumer had run as each.
     for ct in CONSUMER_TYPES {
-        sqlx::query(sql::REGISTER_CONSUMER)
-            .bind(ct)
-            .bind(ct)
-            .execute(&mut *conn)
-            .await?;
+        let consumer_type = ConsumerType::new((*ct).to_owned()).map_err(Error::usage)?;
+        store::events::register_consumer(&mut *conn, &consumer_type, ct).await?;
     }
-    let mut timings: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-    let mut time = |name: &str, started: Instant| {
-        timings
-            .entry(name.to_owned())
-            .or_default()
-            .push(started.elapsed().as_secs_f64() * 1000.0);
-    };
-    let exact_cap = i64::try_from(stats::EXACT_BELOW + 1).unwrap_or(i64::MAX);
+    let mut timings = Timings::default();
+    let exact_cap = stats::EXACT_BELOW;
     for _ in 0..5 {
         let t = Instant::now();
-        let _: Vec<String> = sqlx::query_scalar(sql::INBOX_CONSUMER_TYPES)
-            .fetch_all(&mut *conn)
-            .await?;
-        time("consumer_types", t);
+        store::stats::inbox_consumer_types(&mut *conn).await?;
+        timings.add("consumer_types", t);
         let t = Instant::now();
-        sqlx::query(sql::INBOX_ESTIMATES)
-            .fetch_optional(&mut *conn)
-            .await?;
-        time("estimates", t);
+        store::stats::estimates(&mut *conn).await?;
+        timings.add("estimates", t);
         for ct in CONSUMER_TYPES {
-            let t = Instant::now();
-            let _: i64 = sqlx::query_scalar(sql::COUNT_UNPROCESSED_CAPPED)
-                .bind(ct)
-                .bind(exact_cap)
-                .fetch_one(&mut *conn)
-                .await?;
-            time("unprocessed_count", t);
-            let t = Instant::now();
-            let _: Option<f64> = sqlx::query_scalar(sql::OLDEST_UNPROCESSED_AGE)
-                .bind(ct)
-                .fetch_optional(&mut *conn)
-                .await?;
-            time("oldest_unprocessed", t);
-            let t = Instant::now();
-            let _: Vec<(i32, i64)> = sqlx::query_as(sql::PROCESSED_SERIES)
-                .bind(ct)
-                .bind(120.0)
-                .bind(1.0)
-                .fetch_all(&mut *conn)
-                .await?;
-            time("processed_series", t);
-            let t = Instant::now();
-            let _: Vec<(String, i32, i64)> = sqlx::query_as(sql::EVENT_SERIES)
-                .bind(ct)
-                .bind(120.0)
-                .bind(1.0)
-                .fetch_all(&mut *conn)
-                .await?;
-            time("event_series", t);
+            per_consumer_type(&mut conn, ct, exact_cap, &mut timings).await?;
         }
         // The capped exact counts, used only below their cap (1M rows per consumer_type for stats, 250k for top):
         // their worst case, counting up to the cap.
@@ -416,12 +381,8 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
             ("top_rows_count_up_to_250k", stats::EXACT_BELOW_LIVE),
         ] {
             let t = Instant::now();
-            let _: i64 = sqlx::query_scalar(sql::COUNT_ROWS_CAPPED)
-                .bind(CONSUMER_TYPES[0])
-                .bind(i64::try_from(cap + 1).unwrap_or(i64::MAX))
-                .fetch_one(&mut *conn)
-                .await?;
-            time(name, t);
+            store::stats::count_rows_capped(&mut *conn, CONSUMER_TYPES[0], cap).await?;
+            timings.add(name, t);
         }
     }
     drop(conn);
@@ -434,10 +395,50 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
             bucket: Duration::from_secs(1),
         };
         stats::collect(pool, None, range).await?;
-        time("top_whole_refresh", t);
+        timings.add("top_whole_refresh", t);
     }
-    Ok(timings
-        .into_iter()
-        .filter_map(|(k, v)| Spread::of(&v).map(|s| (k, s)))
-        .collect())
+    Ok(timings.spreads())
+}
+
+/// The refresh statements of one consumer_type, each timed.
+async fn per_consumer_type(
+    conn: &mut PgConnection,
+    ct: &str,
+    exact_cap: u64,
+    timings: &mut Timings,
+) -> Result<()> {
+    let t = Instant::now();
+    store::stats::count_unprocessed_capped(&mut *conn, ct, exact_cap).await?;
+    timings.add("unprocessed_count", t);
+    let t = Instant::now();
+    store::stats::oldest_unprocessed_age(&mut *conn, ct).await?;
+    timings.add("oldest_unprocessed", t);
+    let t = Instant::now();
+    let (span, bucket) = (Duration::from_secs(120), Duration::from_secs(1));
+    store::stats::processed_series(&mut *conn, ct, span, bucket).await?;
+    timings.add("processed_series", t);
+    let t = Instant::now();
+    store::stats::event_series(&mut *conn, ct, span, bucket).await?;
+    timings.add("event_series", t);
+    Ok(())
+}
+
+/// Milliseconds per statement.
+#[derive(Default)]
+struct Timings(BTreeMap<String, Vec<f64>>);
+
+impl Timings {
+    fn add(&mut self, name: &str, started: Instant) {
+        self.0
+            .entry(name.to_owned())
+            .or_default()
+            .push(started.elapsed().as_secs_f64() * 1000.0);
+    }
+
+    fn spreads(self) -> BTreeMap<String, Spread> {
+        self.0
+            .into_iter()
+            .filter_map(|(k, v)| Spread::of(&v).map(|s| (k, s)))
+            .collect()
+    }
 }

@@ -1,0 +1,221 @@
+//! The consumers the bench compares, run as child processes (`inboxctl-bench consume`, hidden) so that their resident
+//! memory can be read: inboxctl's consumer operation (`inboxctl::consumer::run`, what `inboxctl consume` runs), the
+//! same for every mode — the queue, prefetch, concurrency, envelope reading, retries, effect and ack after the commit
+//! — except for what guards each message's work:
+//!
+//! - `inbox` (and `inbox-batched`): the library's [`Inbox`], the claim protocol;
+//! - `bare`: [`Plain::bare`], no inbox at all: a transaction with the work, nothing else (at-least-once);
+//! - `tutorial`: [`Plain::lookup_first`], the tutorial's shape: look the id up first, then a transaction with a plain insert
+//!   of the inbox row and the work. Two first copies both pass the look-up; the second one's insert then fails on
+//!   the key.
+
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use inboxctl::cli::ConnectOpts;
+use inboxctl::cmd::consume::{self, Kind};
+use inboxctl::consumer::{self, ConsumerOptions, WorkGuard};
+use inboxctl::db::is_transient;
+use inboxctl::inbox::{
+    ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, Work, WorkError,
+};
+use inboxctl::parcel::{CarrierConsumer, StandInCarrier};
+use sqlx::Connection as _;
+use sqlx::postgres::{PgConnection, PgPool};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::sql;
+
+/// What guards the child consumer's work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Guard {
+    Inbox,
+    Bare,
+    LookupFirst,
+}
+
+/// `inboxctl-bench consume`: one mode's consumer, run by the bench itself (the carrier consumer, its consumer_type the
+/// queue's name).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ConsumeArgs {
+    #[arg(long, value_enum)]
+    pub guard: Guard,
+    #[arg(long)]
+    pub queue: String,
+    #[arg(long)]
+    pub exchange: String,
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub concurrency: u16,
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub batch_size: u16,
+    #[arg(long, value_parser = inboxctl::cli::parse_positive_duration)]
+    pub exit_when_idle: Option<Duration>,
+}
+
+/// Runs the consumer until it stops, with `consume`'s defaults for everything the bench does not set.
+pub async fn consume(
+    args: &ConsumeArgs,
+    connect: &ConnectOpts,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    if args.guard != Guard::Inbox && args.batch_size > 1 {
+        return Err(Error::usage("--batch-size needs the inbox"));
+    }
+    let defaults = consume::Args::defaults(Kind::Carrier);
+    let db = connect.database()?;
+    let broker = connect.broker()?;
+    let consumer_type = ConsumerType::new(args.queue.clone()).map_err(Error::usage)?;
+    let pool = db
+        .with_lock_timeout(defaults.claim_timeout)
+        .pool(u32::from(args.concurrency))
+        .await?;
+    let options = ConsumerOptions {
+        queue: args.queue.clone(),
+        event_exchange: args.exchange.clone(),
+        prefetch: args.prefetch,
+        concurrency: usize::from(args.concurrency),
+        max_attempts: defaults.max_attempts,
+        retry_delay: defaults.retry_delay,
+        exit_when_idle: args.exit_when_idle,
+        shutdown_timeout: defaults.shutdown_timeout,
+        counts: Default::default(),
+        batch_size: usize::from(args.batch_size),
+        batch_wait: defaults.batch_wait,
+        poison_after: defaults.poison_after,
+        on_conflict: defaults.on_conflict,
+        timings: None,
+    };
+    let carrier = CarrierConsumer {
+        carrier: StandInCarrier::default(),
+    };
+    let (p, ct) = (pool.clone(), consumer_type);
+    let run = match args.guard {
+        Guard::Inbox => consumer::run(Inbox::new(p, ct), carrier, &broker, options, shutdown).await,
+        Guard::Bare => consumer::run(Plain::bare(p, ct), carrier, &broker, options, shutdown).await,
+        Guard::LookupFirst => {
+            let guard = Plain::lookup_first(p, ct);
+            consumer::run(guard, carrier, &broker, options, shutdown).await
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), pool.close()).await;
+    run.map(drop).map_err(Error::from)
+}
+
+/// The consumers without the claim protocol: each message's work in a transaction of its own.
+pub struct Plain {
+    pool: PgPool,
+    consumer_type: ConsumerType,
+    look_up_first: bool,
+}
+
+impl Plain {
+    /// No inbox at all: the transaction holds the work and nothing else. A copy repeats the effect.
+    pub fn bare(pool: PgPool, consumer_type: ConsumerType) -> Self {
+        Self {
+            pool,
+            consumer_type,
+            look_up_first: false,
+        }
+    }
+
+    /// The tutorial's shape: a look-up of the id first (on another connection of the pool's, while the message's own
+    /// is already held), then a transaction with a plain insert of the inbox row before the work.
+    pub fn lookup_first(pool: PgPool, consumer_type: ConsumerType) -> Self {
+        Self {
+            look_up_first: true,
+            ..Self::bare(pool, consumer_type)
+        }
+    }
+
+    /// Errors told apart as the inbox tells them: the database's doing, or the work's.
+    async fn on(
+        &self,
+        conn: &mut PgConnection,
+        message_id: Uuid,
+        work: Work<()>,
+    ) -> Result<Outcome<()>, ProcessError> {
+        if self.look_up_first {
+            let seen: bool = sqlx::query_scalar(sql::TUTORIAL_LOOKUP)
+                .bind(message_id)
+                .bind(self.consumer_type.as_str())
+                .fetch_one(&self.pool)
+                .await
+                .map_err(ProcessError::Unavailable)?;
+            if seen {
+                return Ok(Outcome::Duplicate);
+            }
+        }
+        let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
+        if self.look_up_first {
+            sqlx::query(sql::TUTORIAL_INSERT)
+                .bind(message_id)
+                .bind(self.consumer_type.as_str())
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| ProcessError::Failed(WorkError::Database(e)))?;
+        }
+        if let Err(error) = work(&mut tx).await {
+            // Rolled back now rather than when the connection is next used.
+            let _ = tx.rollback().await;
+            return Err(match error {
+                WorkError::Database(e) if is_transient(&e) => ProcessError::Unavailable(e),
+                other => ProcessError::Failed(other),
+            });
+        }
+        tx.commit().await.map_err(|e| {
+            if is_transient(&e) {
+                ProcessError::Unavailable(e)
+            } else {
+                ProcessError::Failed(WorkError::Database(e))
+            }
+        })?;
+        Ok(Outcome::Processed(()))
+    }
+}
+
+impl WorkGuard for Plain {
+    fn consumer_type(&self) -> &ConsumerType {
+        &self.consumer_type
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn process_event(
+        &self,
+        message_id: Uuid,
+        _fingerprint: Option<Fingerprint>,
+        work: Work<()>,
+    ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
+        Box::pin(async move {
+            let mut conn = self
+                .pool
+                .acquire()
+                .await
+                .map_err(ProcessError::Unavailable)?;
+            let result = self.on(&mut conn, message_id, work).await;
+            if matches!(result, Err(ProcessError::Unavailable(_))) {
+                // As the inbox does: a session that failed is never handed out again.
+                conn.close_on_drop();
+            }
+            result
+        })
+    }
+
+    /// A batch needs the inbox's savepoints and batched claim: the consumer is told to take the members one by one.
+    fn process_batch(
+        &self,
+        _members: Vec<Member<()>>,
+    ) -> BoxFuture<'_, Result<Vec<MemberOutcome<()>>, ProcessError>> {
+        Box::pin(async {
+            Err(ProcessError::Failed(WorkError::msg(
+                "only the inbox processes batches",
+            )))
+        })
+    }
+}

@@ -1,0 +1,388 @@
+//! The consumer modes, side by side, on the PostgreSQL and RabbitMQ the bench is given.
+//!
+//! Every mode gets a scratch database and a queue (and event exchange) of its own, the same effect (one row in
+//! `carrier_reservations`), the same prefetch and concurrency, and a warm-up before it is measured; modes alternate
+//! within each repeat, so a noisy neighbour hurts them all alike. The consumers run as child processes (see
+//! [`crate::guard`]; the peer under Node.js, [`crate::peer`]), so their resident memory can be read.
+//!
+//! - `ceiling`: the library's [`Inbox`] with the same effect, from `concurrency` tasks, no broker;
+//! - `bare`: the consumer without an inbox; `tutorial`: a look-up first, then the inbox insert and the effect;
+//! - `inbox`: inboxctl's consumer; `inbox-batched`: the same with `--batch-size`;
+//! - `peer`: pg-transactional-outbox (npm) under Node.js, as its docs and RabbitMQ example set it up.
+//!
+//! Per mode and repeat: throughput (messages pre-loaded, first effect to last), latency from publish to effect at a
+//! steady rate (p50, p99), duplicate effects when a fraction of the messages arrive twice, peak resident memory.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use inboxctl::amqp::Broker;
+use inboxctl::amqp::envelope::HostInfo;
+use inboxctl::db::{Database, schema};
+use inboxctl::inbox::{ConsumerType, Fingerprint, Inbox, ProcessError, Work, WorkError};
+use inboxctl::parcel::{Carrier as _, PickupRequest, StandInCarrier};
+use inboxctl::producer::{self, Plan};
+use lapin::Connection;
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use sqlx::postgres::PgPool;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::report::{Machine, Mode, ModeReport, Options, Repeat, Report, Settings, ms, ratios};
+use crate::scratch::{
+    Scratch, consume_until_idle, drop_database, latencies, messages, publish, spawn_consumer, stop,
+    wait_for_consumer,
+};
+use crate::{peer, sql};
+
+pub async fn run(
+    db: &Database,
+    broker: &Broker,
+    options: &Options,
+    shutdown: &CancellationToken,
+    mut say: impl FnMut(&str),
+) -> Result<Report> {
+    let started_at = Utc::now();
+    if options.modes.is_empty() {
+        let pool = db.with_database("postgres").pool(1).await?;
+        let machine = machine(&pool).await?;
+        pool.close().await;
+        return Ok(report(
+            machine,
+            Settings::of(options, None),
+            started_at,
+            BTreeMap::new(),
+        ));
+    }
+    let connection = broker.connect("inboxctl bench").await?;
+    let peer = if options.modes.contains(&Mode::Peer) {
+        let mut say_now = |line: &str| say(line);
+        Some(tokio::task::block_in_place(|| {
+            peer::Peer::install(&mut say_now)
+        })?)
+    } else {
+        None
+    };
+    let mut scratches = Vec::new();
+    for &mode in &options.modes {
+        scratches.push(prepare(db, mode, options, peer.as_ref()).await?);
+    }
+    let machine = machine(&scratches[0].pool).await?;
+    say(&format!(
+        "{} cores, PostgreSQL {} (synchronous_commit={}), RabbitMQ {}",
+        machine.cores,
+        machine.postgres_version,
+        machine.synchronous_commit,
+        machine.rabbitmq_version.as_deref().unwrap_or("?")
+    ));
+    let repeats = repeat(&scratches, broker, &connection, options, shutdown, &mut say).await?;
+    if !options.keep {
+        for scratch in scratches {
+            remove(db, &connection, scratch).await?;
+        }
+    }
+    inboxctl::amqp::close(&connection, "OK").await;
+    let settings = Settings::of(options, peer.as_ref());
+    Ok(report(machine, settings, started_at, repeats))
+}
+
+fn report(
+    machine: Machine,
+    settings: Settings,
+    started_at: DateTime<Utc>,
+    repeats: BTreeMap<Mode, Vec<Repeat>>,
+) -> Report {
+    Report {
+        machine,
+        settings,
+        started_at,
+        ratios: ratios(&repeats),
+        modes: repeats
+            .into_iter()
+            .map(|(m, r)| (m.name(), ModeReport::of(r)))
+            .collect(),
+        cleanup: None,
+        refresh_ms: None,
+    }
+}
+
+/// Every mode once per repeat, in the order given.
+async fn repeat(
+    scratches: &[Scratch],
+    broker: &Broker,
+    connection: &Connection,
+    options: &Options,
+    shutdown: &CancellationToken,
+    say: &mut impl FnMut(&str),
+) -> Result<BTreeMap<Mode, Vec<Repeat>>> {
+    let mut repeats: BTreeMap<Mode, Vec<Repeat>> = BTreeMap::new();
+    for repeat in 1..=options.repeats {
+        for scratch in scratches {
+            if shutdown.is_cancelled() {
+                return Err(Error::usage("interrupted"));
+            }
+            let result = measure(scratch, broker, connection, options, shutdown).await?;
+            say(&format!(
+                "repeat {repeat}/{}: {:<13} {:>8.0} msg/s  p50 {}  p99 {}  duplicate effects {}  rss {}",
+                options.repeats,
+                scratch.mode.name(),
+                result.throughput,
+                ms(result.p50_ms),
+                ms(result.p99_ms),
+                result
+                    .duplicate_effects
+                    .map_or("-".to_owned(), |d| d.to_string()),
+                result
+                    .rss_mb
+                    .map_or("-".to_owned(), |r| format!("{r:.1} MB")),
+            ));
+            repeats.entry(scratch.mode).or_default().push(result);
+        }
+    }
+    Ok(repeats)
+}
+
+/// Drops a mode's scratch database, queue and exchanges.
+async fn remove(db: &Database, connection: &Connection, scratch: Scratch) -> Result<()> {
+    scratch.pool.close().await;
+    if let Ok(channel) = connection.create_channel().await {
+        let _ = channel
+            .queue_delete(scratch.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        for exchange in [&scratch.queue, &scratch.exchange] {
+            let _ = channel
+                .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+                .await;
+        }
+    }
+    drop_database(db, &scratch.db.name()).await
+}
+
+async fn prepare(
+    db: &Database,
+    mode: Mode,
+    options: &Options,
+    peer: Option<&peer::Peer>,
+) -> Result<Scratch> {
+    let name = format!("{}_bench_{}", db.name(), mode.database_suffix());
+    drop_database(db, &name).await?;
+    let scratch_db = db.with_database(&name);
+    // Every mode, the peer too, has the same effect table (`carrier_reservations`), from inboxctl's migrations.
+    schema::migrate(&scratch_db, false).await?;
+    let peer = match (mode, peer) {
+        (Mode::Peer, Some(p)) => {
+            let url = scratch_db.url();
+            tokio::task::block_in_place(|| p.setup(url))?;
+            Some(p.clone())
+        }
+        _ => None,
+    };
+    let pool = scratch_db.pool(u32::from(options.concurrency) + 2).await?;
+    Ok(Scratch {
+        mode,
+        db: scratch_db,
+        pool,
+        queue: format!("inboxctl-bench-{}", mode.name()),
+        exchange: format!("inboxctl-bench-{}-events", mode.name()),
+        peer,
+    })
+}
+
+async fn machine(pool: &PgPool) -> Result<Machine> {
+    let postgres_version: String = sqlx::query_scalar(sql::SERVER_VERSION)
+        .fetch_one(pool)
+        .await?;
+    let synchronous_commit: String = sqlx::query_scalar(sql::SYNCHRONOUS_COMMIT)
+        .fetch_one(pool)
+        .await?;
+    let rabbitmq_version = Command::new("rabbitmqctl")
+        .args(["-q", "version"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned());
+    Ok(Machine {
+        cores: std::thread::available_parallelism().map_or(1, usize::from),
+        os: HostInfo::current().operating_system_version,
+        postgres_version,
+        synchronous_commit,
+        rabbitmq_version,
+        inboxctl_version: env!("CARGO_PKG_VERSION").to_owned(),
+    })
+}
+
+/// Empty tables before each run (the peer's inbox too: its polling slows with every row it keeps).
+async fn truncate(scratch: &Scratch) -> Result<()> {
+    sqlx::query(sql::TRUNCATE).execute(&scratch.pool).await?;
+    if scratch.peer.is_some() {
+        sqlx::query(sql::TRUNCATE_PEER)
+            .execute(&scratch.pool)
+            .await?;
+    }
+    Ok(())
+}
+
+async fn measure(
+    scratch: &Scratch,
+    broker: &Broker,
+    connection: &Connection,
+    options: &Options,
+    shutdown: &CancellationToken,
+) -> Result<Repeat> {
+    if scratch.mode == Mode::Ceiling {
+        return ceiling(scratch, options).await;
+    }
+    // Warm-up: the same run, smaller, on the same database and queue; then empty tables for the measured run.
+    truncate(scratch).await?;
+    let warm = messages(options.warmup);
+    publish(connection, broker, scratch.route(), &warm, None, None).await?;
+    consume_until_idle(scratch, broker, options).await?;
+
+    // Throughput: everything pre-loaded, first effect to last.
+    truncate(scratch).await?;
+    let load = messages(options.messages);
+    publish(connection, broker, scratch.route(), &load, None, None).await?;
+    let rss = consume_until_idle(scratch, broker, options).await?;
+    let (count, seconds): (i64, Option<f64>) = sqlx::query_as(sql::EFFECT_SPAN)
+        .fetch_one(&scratch.pool)
+        .await?;
+    let throughput = match seconds {
+        Some(s) if s > 0.0 && count > 1 => (count - 1) as f64 / s,
+        _ => 0.0,
+    };
+    let latencies = steady(scratch, broker, connection, options, shutdown).await?;
+    let duplicate_effects = duplicates(scratch, broker, connection, options, shutdown).await?;
+    Ok(Repeat {
+        throughput,
+        p50_ms: crate::report::percentile(&latencies, 0.50),
+        p99_ms: crate::report::percentile(&latencies, 0.99),
+        duplicate_effects: Some(duplicate_effects),
+        rss_mb: rss,
+    })
+}
+
+/// Latencies from publish to effect at a steady rate, sorted.
+async fn steady(
+    scratch: &Scratch,
+    broker: &Broker,
+    connection: &Connection,
+    options: &Options,
+    shutdown: &CancellationToken,
+) -> Result<Vec<f64>> {
+    truncate(scratch).await?;
+    let count = (options.latency_rate * options.latency_seconds as f64).round() as u64;
+    let steady = messages(count);
+    let mut consumer = spawn_consumer(scratch, broker, options, false)?;
+    wait_for_consumer(connection, &scratch.queue).await?;
+    let rate = Some(options.latency_rate);
+    let published = publish(connection, broker, scratch.route(), &steady, rate, None).await?;
+    let ids: Vec<Uuid> = steady.iter().map(|m| m.message_id).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let done: i64 = sqlx::query_scalar(sql::COUNT_EFFECTS_FOR)
+            .bind(&ids)
+            .fetch_one(&scratch.pool)
+            .await?;
+        if done >= ids.len() as i64 || Instant::now() > deadline || shutdown.is_cancelled() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stop(&mut consumer);
+    latencies(&scratch.pool, &published, &ids).await
+}
+
+/// Duplicate effects when a fraction of the messages arrive twice, half at once and half after the rest.
+async fn duplicates(
+    scratch: &Scratch,
+    broker: &Broker,
+    connection: &Connection,
+    options: &Options,
+    shutdown: &CancellationToken,
+) -> Result<u64> {
+    truncate(scratch).await?;
+    let plan = Plan {
+        count: options.duplicate_messages,
+        duplicates: options.duplicates,
+        rate: None,
+        destination: None,
+    };
+    // A measurement with a lost connection in it would not be one: fail instead of resuming.
+    producer::publish(
+        connection,
+        broker,
+        &scratch.exchange,
+        &plan,
+        Duration::ZERO,
+        shutdown,
+    )
+    .await?;
+    consume_until_idle(scratch, broker, options).await?;
+    let (effects, parcels): (i64, i64) = sqlx::query_as(sql::DUPLICATE_EFFECTS)
+        .fetch_one(&scratch.pool)
+        .await?;
+    Ok((effects - parcels).unsigned_abs())
+}
+
+/// The database alone: the library's inbox with the carrier's effect, from `concurrency` tasks, as fast as they go.
+async fn ceiling(scratch: &Scratch, options: &Options) -> Result<Repeat> {
+    truncate(scratch).await?;
+    let consumer_type = ConsumerType::new("ceiling").map_err(Error::usage)?;
+    let inbox = Inbox::new(scratch.pool.clone(), consumer_type);
+    let run = |count: u64| {
+        let next = Arc::new(AtomicU64::new(0));
+        let workers = (0..options.concurrency).map(|_| {
+            let (inbox, next) = (inbox.clone(), Arc::clone(&next));
+            tokio::spawn(async move {
+                while next.fetch_add(1, Ordering::Relaxed) < count {
+                    claim_and_book(&inbox).await?;
+                }
+                Ok::<(), Error>(())
+            })
+        });
+        futures_util::future::join_all(workers)
+    };
+    for result in run(options.warmup).await {
+        result.map_err(std::io::Error::other)??;
+    }
+    truncate(scratch).await?;
+    let started = Instant::now();
+    for result in run(options.messages).await {
+        result.map_err(std::io::Error::other)??;
+    }
+    Ok(Repeat {
+        throughput: options.messages as f64 / started.elapsed().as_secs_f64(),
+        ..Repeat::default()
+    })
+}
+
+/// One new message through the inbox: `BEGIN`, the claim, the stand-in carrier's booking, `COMMIT`.
+async fn claim_and_book(inbox: &Inbox) -> Result<()> {
+    let id = Uuid::now_v7();
+    let request = PickupRequest {
+        parcel_id: Uuid::new_v4(),
+        tracking_number: String::new(),
+        destination: String::new(),
+        message_id: id,
+        idempotency_key: id,
+    };
+    let fingerprint = Fingerprint::from_bytes(*Uuid::new_v4().as_bytes());
+    let work: Work<()> = Box::new(move |tx| {
+        Box::pin(async move {
+            let carrier = StandInCarrier::default();
+            carrier.reserve_pickup(tx, &request).await.map(drop)
+        })
+    });
+    match inbox.process_event(id, Some(fingerprint), work).await {
+        Ok(_) => Ok(()),
+        Err(ProcessError::Unavailable(e) | ProcessError::Failed(WorkError::Database(e))) => {
+            Err(e.into())
+        }
+        Err(ProcessError::Failed(other)) => Err(std::io::Error::other(other.to_string()).into()),
+    }
+}

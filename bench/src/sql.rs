@@ -1,0 +1,69 @@
+//! The bench's own statements, on its scratch databases (inboxctl's are in its store, and the bench reaches them only
+//! through the library's functions).
+
+/// The PostgreSQL server version, as the server reports it.
+pub const SERVER_VERSION: &str = "SELECT current_setting('server_version')";
+
+pub const SYNCHRONOUS_COMMIT: &str = "SELECT current_setting('synchronous_commit')";
+
+pub const SERVER_VERSION_NUM: &str = "SELECT current_setting('server_version_num')::int";
+
+/// The tutorial's look-up before its transaction. `$1` message id, `$2` consumer_type.
+pub const TUTORIAL_LOOKUP: &str =
+    "SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE id = $1 AND consumer_type = $2)";
+
+/// The tutorial's plain insert of the inbox row. `$1` message id, `$2` consumer_type.
+pub const TUTORIAL_INSERT: &str =
+    "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())";
+
+/// Empty the tables between runs.
+pub const TRUNCATE: &str =
+    "TRUNCATE inbox_messages, inboxctl_fingerprints, carrier_reservations, inboxctl_events";
+
+/// The peer mode's own inbox table (pg-transactional-outbox's `inbox`, made by its set-up).
+pub const TRUNCATE_PEER: &str = "TRUNCATE inbox";
+
+/// Effects and the seconds from the first to the last.
+pub const EFFECT_SPAN: &str = "SELECT count(*), extract(epoch FROM max(reserved_at) - min(reserved_at))::float8 FROM carrier_reservations";
+
+/// Effects of a set of messages. `$1` message ids.
+pub const COUNT_EFFECTS_FOR: &str =
+    "SELECT count(*) FROM carrier_reservations WHERE message_id = ANY($1)";
+
+/// When each message's effect was written. `$1` message ids.
+pub const EFFECT_TIMES: &str =
+    "SELECT message_id, reserved_at FROM carrier_reservations WHERE message_id = ANY($1)";
+
+/// Effects and distinct parcels: the difference is the duplicate effects.
+pub const DUPLICATE_EFFECTS: &str =
+    "SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations";
+
+/// `--cleanup-rows`: `$2` inbox rows numbered from `$1` of `$4` in all, spread over the consumer_types `$3` in turn,
+/// as a real inbox is (each message gets a row per consumer_type it reaches). Received and processed in the order of
+/// their numbers over the last 14 days, so the older half is past a 7-day window and lies in the first half of the
+/// heap, as in a table that has been filling for two weeks; one row in a hundred never processed, spread over the
+/// consumer_types. Ids are time-ordered, as real message ids (MassTransit's, UUIDv7) are.
+pub const SEED_ROWS: &str = "\
+INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
+       ($3::text[])[1 + g % cardinality($3::text[])],
+       t,
+       CASE WHEN (g / cardinality($3::text[])) % 100 = 0 THEN NULL ELSE t END
+FROM generate_series($1 + 1, $1 + $2) AS g,
+     LATERAL (SELECT now() - interval '14 days' + (g::float8 / $4::float8) * interval '14 days' AS t) AS x";
+
+/// What the template's table comment says, if anything.
+pub const TEMPLATE_MARKER: &str =
+    "SELECT obj_description(to_regclass('inbox_messages'), 'pg_class')";
+
+/// WAL position (bytes) and checkpoints forced so far, server-wide.
+pub const WAL_AND_CHECKPOINTS: &str = "\
+SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::float8, checkpoints_req FROM pg_stat_bgwriter";
+
+/// Rows a cleanup with a retention of `$1` seconds deletes.
+pub const COUNT_DELETABLE: &str =
+    "SELECT count(*) FROM inbox_messages WHERE processed_at < now() - make_interval(secs => $1)";
+
+/// The peers' cleanup: one statement for everything past the window.
+pub const PLAIN_DELETE: &str =
+    "DELETE FROM inbox_messages WHERE processed_at < now() - make_interval(secs => $1)";

@@ -131,9 +131,11 @@ pub fn dead_letter_copy(data: &[u8]) {
 /// queue name.
 pub fn replay_failure(data: &[u8]) {
     let (from, rest) = split(data);
-    let from = String::from_utf8_lossy(from);
+    // `--from` is a queue name (replay refuses one over 255 bytes before it reads anything), so the queue a message
+    // is read from is one too.
+    let from = short(from);
     let headers = table(rest);
-    let failure = inboxctl::replay::failure(headers.as_ref(), &from, "/");
+    let failure = inboxctl::replay::failure(headers.as_ref(), from.as_str(), "/");
     let queue = match &failure.origin {
         inboxctl::replay::Origin::Queue(queue) => Some(queue),
         inboxctl::replay::Origin::OtherVhost { queue, .. } => Some(queue),

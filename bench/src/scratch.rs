@@ -9,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use inboxctl::amqp::envelope::HostInfo;
+use inboxctl::amqp::publish::{self, Routed};
 use inboxctl::amqp::{Broker, topology};
 use inboxctl::db::Database;
 use inboxctl::producer::{self, Message, Plan};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::{Confirmation, Connection};
+use lapin::Connection;
+use lapin::options::ConfirmSelectOptions;
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -90,34 +91,32 @@ pub async fn publish(
             break;
         }
         let (properties, body) = producer::envelope(message, broker, exchange, &host);
-        let confirm = channel
-            .basic_publish(
-                exchange.into(),
-                "".into(),
-                BasicPublishOptions::default(),
-                &body,
-                properties,
-            )
-            .await?;
+        let confirm = publish::publish(&channel, exchange, "", &body, properties).await?;
         sent.insert(message.message_id, Utc::now());
         pending.push_back(confirm);
         if pending.len() >= 512
             && let Some(c) = pending.pop_front()
         {
-            confirmed(c.await?)?;
+            confirmed(c).await?;
         }
     }
     while let Some(c) = pending.pop_front() {
-        confirmed(c.await?)?;
+        confirmed(c).await?;
     }
     let _ = channel.close(200, "OK".into()).await;
     Ok(sent)
 }
 
-fn confirmed(confirmation: Confirmation) -> Result<()> {
-    match confirmation {
-        Confirmation::Nack(_) => Err(Error::topology("the broker refused a benchmark message")),
-        _ => Ok(()),
+/// Waits for one message's confirm: refused or returned, the run cannot measure what it meant to.
+async fn confirmed(confirm: lapin::PublisherConfirm) -> Result<()> {
+    match publish::confirmed(confirm).await {
+        Ok(Routed::Queued) => Ok(()),
+        Ok(Routed::Returned) => Err(Error::topology(
+            "a benchmark message reached no queue (returned by the broker)",
+        )),
+        Err(e) => Err(Error::topology(format!(
+            "the broker did not take a benchmark message: {e}"
+        ))),
     }
 }
 

@@ -4,8 +4,7 @@
 use std::process::Command;
 
 use lapin::options::{
-    BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
-    QueueDeclareOptions,
+    BasicGetOptions, ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};
@@ -113,21 +112,22 @@ pub async fn publish_copies(
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
+    // Not awaited one by one: the copies go out back to back and are confirmed together below.
+    let mut pending = Vec::with_capacity(copies);
     for _ in 0..copies {
-        // Not awaited one by one: the copies go out back to back and are confirmed together below.
-        let _unconfirmed: lapin::PublisherConfirm = channel
-            .basic_publish(
-                exchange.into(),
-                "".into(),
-                BasicPublishOptions::default(),
-                body,
-                props.clone(),
-            )
-            .await
-            .unwrap();
+        pending.push(
+            inboxctl::amqp::publish::publish(&channel, exchange, "", body, props.clone())
+                .await
+                .unwrap(),
+        );
     }
-    let returned = channel.wait_for_confirms().await.unwrap();
-    assert!(returned.is_empty());
+    for confirm in pending {
+        assert_eq!(
+            inboxctl::amqp::publish::confirmed(confirm).await.unwrap(),
+            inboxctl::amqp::publish::Routed::Queued,
+            "the broker must route and confirm every copy"
+        );
+    }
     let _ = channel.close(200, "OK".into()).await;
 }
 

@@ -180,24 +180,7 @@ pub async fn run_consumer(
     broker: &Broker,
     shutdown: CancellationToken,
 ) -> Result<RunSummary> {
-    let queue = args.queue().to_owned();
-    amqp::validate_name("--queue", &queue)?;
-    // The dead-letter queues' names are the queue's with a suffix: they must be valid too, or the first message to
-    // move aside would find no name to go to.
-    let longest = topology::skipped_queue(&queue);
-    if longest.len() > 255 {
-        let suffix = longest.len() - queue.len();
-        return Err(Error::Usage(format!(
-            "--queue is {} bytes long; the name of its dead-letter queue <queue>_skipped would be {} bytes, past \
-             AMQP's 255: at most {} bytes",
-            queue.len(),
-            longest.len(),
-            255 - suffix
-        )));
-    }
-    let consumer_type =
-        ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
-            .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
+    let (queue, consumer_type) = names(args)?;
 
     let pool_size = args.pool_size.unwrap_or(u32::from(args.concurrency));
     let pool = db
@@ -261,6 +244,36 @@ pub async fn run_consumer(
             .await
         }
     };
+    close_pool(pool).await;
+    summary
+}
+
+/// The queue to consume and the consumer_type to claim under, checked: the queue and its dead-letter queues must be
+/// valid AMQP names.
+fn names(args: &Args) -> Result<(String, ConsumerType)> {
+    let queue = args.queue().to_owned();
+    amqp::validate_name("--queue", &queue)?;
+    // The dead-letter queues' names are the queue's with a suffix: they must be valid too, or the first message to
+    // move aside would find no name to go to.
+    let longest = topology::skipped_queue(&queue);
+    if longest.len() > 255 {
+        let suffix = longest.len() - queue.len();
+        return Err(Error::Usage(format!(
+            "--queue is {} bytes long; the name of its dead-letter queue <queue>_skipped would be {} bytes, past \
+             AMQP's 255: at most {} bytes",
+            queue.len(),
+            longest.len(),
+            255 - suffix
+        )));
+    }
+    let consumer_type =
+        ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
+            .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
+    Ok((queue, consumer_type))
+}
+
+/// Closes the pool, waiting a bounded time.
+async fn close_pool(pool: PgPool) {
     // Bounded: a connection abandoned mid-statement at the shutdown timeout (work stuck on a lock) is never given
     // back, and the pool would wait for it for ever. The server rolls it back when the process is gone.
     if tokio::time::timeout(Duration::from_secs(2), pool.close())
@@ -271,7 +284,6 @@ pub async fn run_consumer(
             "PostgreSQL connections still busy after the stop; left to the server to roll back"
         );
     }
-    summary
 }
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.

@@ -112,31 +112,26 @@ enum LinkEnd {
     Reconnect,
 }
 
-/// Consumes on one connection until it is lost, a stop is asked for, or (with `exit_when_idle`) the queue is idle.
-async fn consume_on<C: Consumer>(
+/// Starts consuming the queue under `tag` and marks the broker connected; `None` (logged) when the broker refused.
+async fn start_consuming<C: Consumer>(
     shared: &Arc<Shared<C>>,
     link: &Arc<Link>,
-    workers: &mut Workers,
-) -> LinkEnd {
-    let tag = format!(
-        "inboxctl-{}-{}",
-        std::process::id(),
-        Uuid::new_v4().simple()
-    );
+    tag: &str,
+) -> Option<lapin::Consumer> {
     let consumed = link
         .consume
         .basic_consume(
             shared.options.queue.as_str().into(),
-            tag.as_str().into(),
+            tag.into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
         .await;
-    let mut deliveries = match consumed {
+    let deliveries = match consumed {
         Ok(deliveries) => deliveries,
         Err(e) => {
             tracing::warn!(error = %e, "could not start consuming; reconnecting");
-            return LinkEnd::Reconnect;
+            return None;
         }
     };
     tracing::info!(
@@ -148,6 +143,23 @@ async fn consume_on<C: Consumer>(
         .counts
         .broker_connected
         .store(true, Ordering::Relaxed);
+    Some(deliveries)
+}
+
+/// Consumes on one connection until it is lost, a stop is asked for, or (with `exit_when_idle`) the queue is idle.
+async fn consume_on<C: Consumer>(
+    shared: &Arc<Shared<C>>,
+    link: &Arc<Link>,
+    workers: &mut Workers,
+) -> LinkEnd {
+    let tag = format!(
+        "inboxctl-{}-{}",
+        std::process::id(),
+        Uuid::new_v4().simple()
+    );
+    let Some(mut deliveries) = start_consuming(shared, link, &tag).await else {
+        return LinkEnd::Reconnect;
+    };
     *lock(&shared.last_activity) = Instant::now();
     let mut idle_check = tokio::time::interval(Duration::from_millis(100));
     // The deliveries stream is not always ended when the connection goes (lapin has had such bugs, and a node

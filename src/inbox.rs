@@ -1,19 +1,20 @@
 //! The claim protocol: at-least-once deliveries in, exactly-once database effects out.
 //!
-//! For each delivery of a message, [`Inbox::process`] runs one PostgreSQL transaction on one connection (the traps
-//! named are numbered and written out in `docs/architecture.md`, "The traps the claim avoids"):
+//! For each delivery of a message, [`Inbox::process`] runs one PostgreSQL transaction on one connection (each trap
+//! named is written out in `docs/architecture.md`, "The traps the claim avoids"):
 //!
 //! 1. `BEGIN`.
 //! 2. Claim `(message id, consumer_type)`: insert the inbox row with `ON CONFLICT DO NOTHING` ([`db::claim`]). The
-//!    claim comes first, before any work (trap 2, check-then-insert, lets two first deliveries both work). If another
+//!    claim comes first, before any work (the check-then-insert trap lets two first deliveries both work). If another
 //!    delivery of the same message holds the key in a transaction that has not ended, PostgreSQL makes this insert
 //!    wait for it: if that transaction commits, this delivery is a duplicate; if it rolls back, this delivery takes
-//!    the key and does the work (trap 5: a copy is dropped only after a committed claim).
+//!    the key and does the work (dropping a copy too early: a copy is dropped only after a committed claim).
 //! 3. A duplicate is recorded (in the same statement) and committed; nothing else happens.
-//! 4. Otherwise the caller's work runs on the same transaction (trap 1, the split transaction), and `processed_at` is
-//!    already set by the claim — nobody can see the row before it commits, and it commits only with the work (trap 3).
-//! 5. `COMMIT`: one transaction per message (trap 6). Any failure before it rolls everything back, claim included,
-//!    so a failed attempt leaves no trace and the message can be processed again.
+//! 4. Otherwise the caller's work runs on the same transaction (no split transaction), and `processed_at` is already
+//!    set by the claim — nobody can see the row before it commits, and it commits only with the work (so
+//!    `processed_at` is never left unset).
+//! 5. `COMMIT`: one transaction per message (no extra transactions). Any failure before it rolls everything back,
+//!    claim included, so a failed attempt leaves no trace and the message can be processed again.
 //!
 //! The caller acknowledges the delivery only after `process` returned: a crash between the commit and the ack makes
 //! the broker deliver the message again, and that delivery is then a duplicate.
@@ -41,7 +42,7 @@ use crate::failpoint;
 /// The longest consumer_type the seed schema stores (`VARCHAR(500)`).
 pub const MAX_CONSUMER_TYPE_CHARS: usize = 500;
 
-/// The scope of deduplication: one per consumer. Explicit and stable (`docs/architecture.md`, trap 4), at most 500 characters.
+/// The scope of deduplication: one per consumer. Explicit and stable (see `docs/architecture.md`, the fragile scope), at most 500 characters.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ConsumerType(String);
 

@@ -94,7 +94,7 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
         assert_eq!(
             (inbox, processed),
             (40, 40),
-            "{consumer_type}: every row we write has processed_at (docs/architecture.md, trap 3)"
+            "{consumer_type}: every row we write has processed_at (docs/architecture.md: `processed_at` never set)"
         );
 
         let transactions = scalar(
@@ -110,7 +110,7 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
                 "{consumer_type}: {transactions} transactions for 40 messages"
             );
         } else {
-            // One transaction per message (docs/architecture.md, trap 6), holding both the inbox row and the effect (trap 1).
+            // One transaction per message (docs/architecture.md: extra transactions), holding both the inbox row and the effect (no split transaction).
             assert_eq!(
                 transactions, 40,
                 "{consumer_type}: one transaction per message"

@@ -120,7 +120,7 @@ async fn a_copy_waiting_on_an_attempt_that_rolls_back_does_the_work() {
     assert_eq!(
         second.await.unwrap().unwrap(),
         Outcome::Processed(()),
-        "not dropped as a duplicate (docs/architecture.md, trap 5)"
+        "not dropped as a duplicate (docs/architecture.md: dropping a copy too early)"
     );
     assert_eq!(effects(&pool).await, ["second"]);
     let duplicates = common::count(

@@ -665,6 +665,7 @@ async fn dead_letter(conn: &Connection, queue: &str, id: &str, body: &[u8], inpu
 
 /// Closes the connection the replay running in `vhost` made (it names itself "inboxctl replay"), from the broker's
 /// side, as `rabbitmqctl close_connection` does for an operator.
+#[cfg(feature = "failpoints")]
 fn close_replay_connection(vhost: &str) {
     let listing = common::rabbitmqctl(&[
         "-q",
@@ -682,6 +683,7 @@ fn close_replay_connection(vhost: &str) {
     common::rabbitmqctl(&["close_connection", &pid, "cut by the test"]);
 }
 
+#[cfg(feature = "failpoints")]
 fn items_with<'r>(report: &'r serde_json::Value, action: &str) -> Vec<&'r serde_json::Value> {
     report["items"]
         .as_array()

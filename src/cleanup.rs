@@ -13,8 +13,8 @@ use serde::Serialize;
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::db::{self, schema};
-use crate::error::Result;
+use crate::db::{self, Database, schema};
+use crate::error::{Error, Result};
 
 /// What to clean.
 #[derive(Debug, Clone)]
@@ -67,6 +67,66 @@ pub struct Progress<'a> {
     pub consumer_type: &'a str,
     pub deleted: u64,
     pub elapsed: Duration,
+}
+
+/// What a scheduled cleanup tells its caller, as it goes.
+#[derive(Debug)]
+pub enum Event<'a> {
+    /// A run begins.
+    Started,
+    /// A batch of the run is done.
+    Progress(Progress<'a>),
+    /// A run has ended (interrupted or not).
+    Finished(&'a Report),
+}
+
+/// Refuses to clean a database `migrate` has not prepared: cleanup's batches delete fingerprints and events with their
+/// inbox rows, so a database from before those tables needs `migrate` first.
+pub async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
+    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
+    for table in ["inboxctl_events", "inboxctl_fingerprints"] {
+        if !schema::table_exists(&mut conn, table).await? {
+            return Err(Error::SchemaMissing {
+                database: db.name(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Runs a cleanup once, or with `every`, again on that schedule until `shutdown`, telling `on` how each run goes.
+/// Returns whether the last run was interrupted (a stop between two runs interrupts nothing).
+pub async fn scheduled(
+    pool: &PgPool,
+    plan: &Plan,
+    every: Option<Duration>,
+    shutdown: &CancellationToken,
+    mut on: impl FnMut(Event<'_>) -> Result<()>,
+) -> Result<bool> {
+    loop {
+        on(Event::Started)?;
+        let mut progress_failed = None;
+        let report = run(pool, plan, shutdown, |p| {
+            if let Err(e) = on(Event::Progress(p)) {
+                progress_failed.get_or_insert(e);
+            }
+        })
+        .await?;
+        if let Some(e) = progress_failed {
+            return Err(e);
+        }
+        on(Event::Finished(&report))?;
+        if report.interrupted {
+            return Ok(true);
+        }
+        let Some(every) = every else {
+            return Ok(false);
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(false),
+            () = tokio::time::sleep(every) => {}
+        }
+    }
 }
 
 /// Runs one cleanup. Stops between two batches when `shutdown` is cancelled.

@@ -6,9 +6,8 @@ use std::time::Duration;
 use indicatif::ProgressBar;
 use tokio_util::sync::CancellationToken;
 
-use crate::cleanup::{self, Plan, Progress, Report};
+use crate::cleanup::{self, Event, Plan, Progress, Report};
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration, show};
-use crate::db::schema;
 use crate::error::{Error, Outcome, Result};
 use crate::inbox::ConsumerType;
 use crate::metrics::{self, cleanup::Totals};
@@ -75,17 +74,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     }
     let db = global.connect.database()?;
     let pool = db.pool(3).await?;
-    {
-        let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
-        // Its batches delete fingerprints with their inbox rows: a database from before that table needs `migrate`.
-        for table in ["inboxctl_events", "inboxctl_fingerprints"] {
-            if !schema::table_exists(&mut conn, table).await? {
-                return Err(Error::SchemaMissing {
-                    database: db.name(),
-                });
-            }
-        }
-    }
+    cleanup::check_schema(&pool, &db).await?;
     let plan = Plan {
         retention: args.retention,
         consumer_type: args.consumer_type.clone(),
@@ -93,39 +82,37 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         batch_pause: args.batch_pause,
         dry_run: args.dry_run,
     };
-    let show_progress = !args.json && !args.dry_run;
     let totals = Arc::new(Mutex::new(Totals::default()));
     if let Some(addr) = args.metrics_addr {
         let registry = metrics::cleanup::registry(Arc::clone(&totals));
         let health = metrics::cleanup::CleanupHealth { pool: pool.clone() };
         metrics::serve(addr, registry, Arc::new(health), shutdown.clone()).await?;
     }
-
-    loop {
-        let meter = super::progress::line(show_progress);
-        let report = cleanup::run(&pool, &plan, &shutdown, |p| draw(&meter, &p)).await?;
-        meter.finish_and_clear();
-        warn_unprocessed(&report, args.retention);
-        totals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .add(&report);
-        if args.json {
-            output::json(&report)?;
-        } else {
-            print(&report, args.retention)?;
+    let show_progress = !args.json && !args.dry_run;
+    let mut meter = ProgressBar::hidden();
+    let interrupted = cleanup::scheduled(&pool, &plan, args.every, &shutdown, |event| {
+        match event {
+            Event::Started => meter = super::progress::line(show_progress),
+            Event::Progress(p) => draw(&meter, &p),
+            Event::Finished(report) => {
+                meter.finish_and_clear();
+                warn_unprocessed(report, args.retention);
+                totals.lock().unwrap_or_else(|p| p.into_inner()).add(report);
+                if args.json {
+                    output::json(report)?;
+                } else {
+                    print(report, args.retention)?;
+                }
+            }
         }
-        if report.interrupted {
-            return Ok(Outcome::Partial);
-        }
-        let Some(every) = args.every else {
-            return Ok(Outcome::Done);
-        };
-        tokio::select! {
-            () = shutdown.cancelled() => return Ok(Outcome::Done),
-            () = tokio::time::sleep(every) => {}
-        }
-    }
+        Ok(())
+    })
+    .await?;
+    Ok(if interrupted {
+        Outcome::Partial
+    } else {
+        Outcome::Done
+    })
 }
 
 fn warn_unprocessed(report: &Report, retention: Duration) {

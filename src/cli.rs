@@ -101,25 +101,7 @@ impl ConnectOpts {
     }
 }
 
-/// A URL flag, with the safer places its password can come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct UrlFlag {
-    pub flag: &'static str,
-    pub env: &'static str,
-    pub password_file: &'static str,
-}
-
-pub const DATABASE_URL: UrlFlag = UrlFlag {
-    flag: "--database-url",
-    env: "DATABASE_URL",
-    password_file: "--database-password-file",
-};
-
-pub const AMQP_URL: UrlFlag = UrlFlag {
-    flag: "--amqp-url",
-    env: "AMQP_URL",
-    password_file: "--amqp-password-file",
-};
+pub use crate::secret::{AMQP_URL, DATABASE_URL, UrlFlag};
 
 /// Parses the process's command line as [`Cli`], and notes which URLs were given a password in it.
 pub fn parse() -> Result<Cli, clap::Error> {
@@ -232,6 +214,24 @@ pub fn number_between(
         }
         Ok(n)
     }
+}
+
+/// A fraction from 0 to 1 (`--duplicates`).
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    let f: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !(0.0..=1.0).contains(&f) {
+        return Err("must be between 0 and 1".to_owned());
+    }
+    Ok(f)
+}
+
+/// The most parcels one run publishes: the producer holds each message until the broker confirmed it.
+pub const MAX_COUNT: u64 = 1_000_000;
+
+/// A rate in messages per second: one every 1000 s at the slowest; at the fastest a million a second, far above
+/// what a broker confirms, and a tick still nanoseconds long (a faster one would round to zero).
+pub fn parse_rate(s: &str) -> Result<f64, String> {
+    number_between(0.001, 1_000_000.0)(s).map_err(|e| format!("{e} messages per second"))
 }
 
 /// A duration as the flags take it (`100years`, `1m`, `24days 20h 31m 23s 647ms`).

@@ -13,6 +13,7 @@ pub mod cli;
 pub mod cmd;
 pub mod consumer;
 pub mod db;
+pub mod demo;
 pub mod error;
 pub mod failpoint;
 pub mod inbox;

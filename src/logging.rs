@@ -59,7 +59,7 @@ pub fn init(global: &GlobalOpts, target: Target) {
             .with_writer(|| InertJson(std::io::stderr()))
             .try_init(),
     };
-    crate::secret::warn_if_on_command_line(&global.connect);
+    crate::secret::warn_if_on_command_line(&global.connect.passwords_in_arguments);
 }
 
 /// Colour on stderr only when it is a terminal and `NO_COLOR` is unset or empty.

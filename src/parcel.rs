@@ -24,6 +24,35 @@ pub const PARCEL_CREATED_URN: &str = "urn:message:ParcelTracker.Domain.Events:Pa
 pub const CARRIER_QUEUE: &str = "parcel-created-carrier";
 pub const NOTIFICATION_QUEUE: &str = "parcel-created-notification";
 
+/// Which of the Parcel Tracker's consumers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Reserves a pickup slot with the carrier for each new parcel.
+    Carrier,
+    /// Sends an SMS for each new parcel.
+    Notification,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 2] = [Kind::Carrier, Kind::Notification];
+
+    /// The queue it reads unless told otherwise.
+    pub fn default_queue(self) -> &'static str {
+        match self {
+            Kind::Carrier => CARRIER_QUEUE,
+            Kind::Notification => NOTIFICATION_QUEUE,
+        }
+    }
+
+    /// The table its stand-in effect writes.
+    pub fn effect_table(self) -> &'static str {
+        match self {
+            Kind::Carrier => "carrier_reservations",
+            Kind::Notification => "notifications_sent",
+        }
+    }
+}
+
 /// `ParcelTracker.Domain.Events.ParcelCreatedEvent`, as MassTransit serialises it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -63,8 +63,28 @@ fn warn_if_shared(flag: &str, path: &Path) {
 #[cfg(not(unix))]
 fn warn_if_shared(_flag: &str, _path: &Path) {}
 
+/// A URL flag, with the safer places its password can come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UrlFlag {
+    pub flag: &'static str,
+    pub env: &'static str,
+    pub password_file: &'static str,
+}
+
+pub const DATABASE_URL: UrlFlag = UrlFlag {
+    flag: "--database-url",
+    env: "DATABASE_URL",
+    password_file: "--database-password-file",
+};
+
+pub const AMQP_URL: UrlFlag = UrlFlag {
+    flag: "--amqp-url",
+    env: "AMQP_URL",
+    password_file: "--amqp-password-file",
+};
+
 /// How to write a password that a URL cannot hold as it is.
-fn encoding_hint(url: crate::cli::UrlFlag) -> String {
+fn encoding_hint(url: UrlFlag) -> String {
     format!(
         "percent-encode the password (% as %25, / as %2F, ? as %3F, # as %23, @ as %40, : as %3A) or give it in {}",
         url.password_file
@@ -74,7 +94,7 @@ fn encoding_hint(url: crate::cli::UrlFlag) -> String {
 /// The usage error for a URL the driver could not parse. It never shows the credentials: the URL is masked (all of
 /// the part before its last `@` when the credentials are ambiguous), the driver's message is shown only when the
 /// credentials are clear (it may quote a piece of the URL), and the URL itself in it is masked too.
-pub fn invalid_url(url: crate::cli::UrlFlag, given: &str, driver_error: &str) -> Error {
+pub fn invalid_url(url: UrlFlag, given: &str, driver_error: &str) -> Error {
     let shown = redact::url(given);
     let flag = url.flag;
     if redact::credentials_ambiguous(given) {
@@ -97,7 +117,7 @@ pub fn invalid_url(url: crate::cli::UrlFlag, given: &str, driver_error: &str) ->
 
 /// Warns about a URL that parsed but whose credentials are ambiguous (see [`redact::credentials_ambiguous`]): the
 /// driver took the user name and password to end at the first `/`, `?` or `#`, which is rarely what was meant.
-pub fn warn_if_ambiguous(url: crate::cli::UrlFlag, given: &str) {
+pub fn warn_if_ambiguous(url: UrlFlag, given: &str) {
     if redact::credentials_ambiguous(given) {
         tracing::warn!(
             "{} {}: a URL's user name and password end at its first /, ? or #, and one comes before the last @; if \
@@ -110,8 +130,8 @@ pub fn warn_if_ambiguous(url: crate::cli::UrlFlag, given: &str) {
 }
 
 /// Warns, once per URL, about a password typed in the command line: `ps` shows it to every user of the machine.
-pub fn warn_if_on_command_line(opts: &crate::cli::ConnectOpts) {
-    for url in &opts.passwords_in_arguments {
+pub fn warn_if_on_command_line(urls: &[UrlFlag]) {
+    for url in urls {
         tracing::warn!(
             "{} holds a password in the command line, where `ps` shows it to every user of this machine: give the URL in \
              the environment ({}) or the password in a file ({})",

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::{CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 use inboxctl::cli::GlobalOpts;
-use inboxctl::cmd::publish::{MAX_COUNT, parse_fraction, parse_rate};
+use inboxctl::cli::{MAX_COUNT, parse_fraction, parse_rate};
 use inboxctl::{output, table};
 use tokio_util::sync::CancellationToken;
 

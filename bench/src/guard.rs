@@ -13,13 +13,12 @@ use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use inboxctl::cli::ConnectOpts;
-use inboxctl::cmd::consume::{self, Kind};
-use inboxctl::consumer::{self, ConsumerOptions, WorkGuard};
+use inboxctl::consumer::{self, Config, WorkGuard};
 use inboxctl::db::is_transient;
 use inboxctl::inbox::{
     ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, Work, WorkError,
 };
-use inboxctl::parcel::{CarrierConsumer, StandInCarrier};
+use inboxctl::parcel::Kind;
 use sqlx::Connection as _;
 use sqlx::postgres::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -56,7 +55,8 @@ pub struct ConsumeArgs {
     pub exit_when_idle: Option<Duration>,
 }
 
-/// Runs the consumer until it stops, with `consume`'s defaults for everything the bench does not set.
+/// Runs the consumer until it stops: `inboxctl consume carrier`'s start, checks and defaults for everything the bench
+/// does not set, with the work guarded by `args.guard`.
 pub async fn consume(
     args: &ConsumeArgs,
     connect: &ConnectOpts,
@@ -65,43 +65,26 @@ pub async fn consume(
     if args.guard != Guard::Inbox && args.batch_size > 1 {
         return Err(Error::usage("--batch-size needs the inbox"));
     }
-    let defaults = consume::Args::defaults(Kind::Carrier);
     let db = connect.database()?;
     let broker = connect.broker()?;
-    let consumer_type = ConsumerType::new(args.queue.clone()).map_err(Error::usage)?;
-    let pool = db
-        .with_lock_timeout(defaults.claim_timeout)
-        .pool(u32::from(args.concurrency))
-        .await?;
-    let options = ConsumerOptions {
-        queue: args.queue.clone(),
-        event_exchange: args.exchange.clone(),
+    let config = Config {
+        queue: Some(args.queue.clone()),
+        exchange: args.exchange.clone(),
         prefetch: args.prefetch,
-        concurrency: usize::from(args.concurrency),
-        max_attempts: defaults.max_attempts,
-        retry_delay: defaults.retry_delay,
+        concurrency: args.concurrency,
+        batch_size: args.batch_size,
         exit_when_idle: args.exit_when_idle,
-        shutdown_timeout: defaults.shutdown_timeout,
-        counts: Default::default(),
-        batch_size: usize::from(args.batch_size),
-        batch_wait: defaults.batch_wait,
-        poison_after: defaults.poison_after,
-        on_conflict: defaults.on_conflict,
-        timings: None,
+        ..Config::of(Kind::Carrier)
     };
-    let carrier = CarrierConsumer {
-        carrier: StandInCarrier::default(),
-    };
-    let (p, ct) = (pool.clone(), consumer_type);
     let run = match args.guard {
-        Guard::Inbox => consumer::run(Inbox::new(p, ct), carrier, &broker, options, shutdown).await,
-        Guard::Bare => consumer::run(Plain::bare(p, ct), carrier, &broker, options, shutdown).await,
+        Guard::Inbox => consumer::consume(&config, &db, &broker, shutdown).await,
+        Guard::Bare => {
+            consumer::consume_guarded(&config, &db, &broker, shutdown, Plain::bare).await
+        }
         Guard::LookupFirst => {
-            let guard = Plain::lookup_first(p, ct);
-            consumer::run(guard, carrier, &broker, options, shutdown).await
+            consumer::consume_guarded(&config, &db, &broker, shutdown, Plain::lookup_first).await
         }
     };
-    let _ = tokio::time::timeout(Duration::from_secs(2), pool.close()).await;
     run.map(drop).map_err(Error::from)
 }
 
@@ -113,21 +96,22 @@ pub struct Plain {
 }
 
 impl Plain {
-    /// No inbox at all: the transaction holds the work and nothing else. A copy repeats the effect.
-    pub fn bare(pool: PgPool, consumer_type: ConsumerType) -> Self {
+    /// No inbox at all: the transaction holds the work and nothing else. A copy repeats the effect. It takes the
+    /// connections and consumer_type `inbox` would have used.
+    pub fn bare(inbox: Inbox) -> Self {
         Self {
-            pool,
-            consumer_type,
+            pool: inbox.pool().clone(),
+            consumer_type: inbox.consumer_type().clone(),
             look_up_first: false,
         }
     }
 
     /// The tutorial's shape: a look-up of the id first (on another connection of the pool's, while the message's own
     /// is already held), then a transaction with a plain insert of the inbox row before the work.
-    pub fn lookup_first(pool: PgPool, consumer_type: ConsumerType) -> Self {
+    pub fn lookup_first(inbox: Inbox) -> Self {
         Self {
             look_up_first: true,
-            ..Self::bare(pool, consumer_type)
+            ..Self::bare(inbox)
         }
     }
 

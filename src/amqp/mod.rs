@@ -56,9 +56,9 @@ impl Broker {
     /// Parses a broker URL. Its password is registered for redaction before anything can print it.
     pub fn from_url(url: &str) -> Result<Self> {
         redact::register_url(url);
-        let uri = AMQPUri::from_str(url)
-            .map_err(|e| secret::invalid_url(crate::cli::AMQP_URL, url, &e))?;
-        secret::warn_if_ambiguous(crate::cli::AMQP_URL, url);
+        let uri =
+            AMQPUri::from_str(url).map_err(|e| secret::invalid_url(secret::AMQP_URL, url, &e))?;
+        secret::warn_if_ambiguous(secret::AMQP_URL, url);
         if uri.authority.userinfo.password.len() >= 3 {
             redact::register(&uri.authority.userinfo.password);
         }

@@ -1,37 +1,33 @@
 //! `inboxctl consume <carrier|notification>`: one Parcel Tracker consumer in the foreground until SIGINT/SIGTERM.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::{self, Broker, topology};
+use crate::amqp::topology;
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
-use crate::consumer::{self, ConsumerOptions, OnConflict, RunCounts, RunSummary};
-use crate::db::{Database, schema};
-use crate::error::{Error, Outcome, Result};
-use crate::inbox::{ConsumerType, Inbox};
-use crate::metrics;
-use crate::parcel::{
-    CARRIER_QUEUE, CarrierConsumer, NOTIFICATION_QUEUE, NotificationConsumer, StandInCarrier,
-    StandInSms,
+use crate::consumer::OnConflict;
+use crate::consumer::start::{
+    self, Config, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_POISON_AFTER, DEFAULT_PREFETCH,
 };
+use crate::error::{Outcome, Result};
+use crate::parcel::Kind;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Kind {
-    /// Reserves a pickup slot with the carrier for each new parcel (queue parcel-created-carrier)
-    Carrier,
-    /// Sends an SMS for each new parcel (queue parcel-created-notification)
-    Notification,
-}
+/// `consume carrier|notification`.
+impl clap::ValueEnum for Kind {
+    fn value_variants<'a>() -> &'a [Self] {
+        &Kind::ALL
+    }
 
-impl Kind {
-    pub fn default_queue(self) -> &'static str {
-        match self {
-            Kind::Carrier => CARRIER_QUEUE,
-            Kind::Notification => NOTIFICATION_QUEUE,
-        }
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            Kind::Carrier => clap::builder::PossibleValue::new("carrier").help(
+                "Reserves a pickup slot with the carrier for each new parcel (queue parcel-created-carrier)",
+            ),
+            Kind::Notification => clap::builder::PossibleValue::new("notification")
+                .help("Sends an SMS for each new parcel (queue parcel-created-notification)"),
+        })
     }
 }
 
@@ -55,11 +51,11 @@ pub struct Args {
     pub consumer_type: Option<String>,
 
     /// Deliveries the broker may send ahead of acknowledgements
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, default_value_t = DEFAULT_PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
     pub prefetch: u16,
 
     /// Messages processed at once
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, default_value_t = DEFAULT_CONCURRENCY, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub concurrency: u16,
 
     /// Most PostgreSQL connections (default: --concurrency)
@@ -67,7 +63,7 @@ pub struct Args {
     pub pool_size: Option<u32>,
 
     /// Attempts of a message whose processing fails, before it moves to <queue>_error
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub max_attempts: u32,
 
     /// Delay before the second attempt; doubles for each further one, up to 30s
@@ -89,7 +85,7 @@ pub struct Args {
 
     /// Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per
     /// message). At most 64
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    #[arg(long, default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub batch_size: u16,
 
     /// How long a batch waits to fill, only while another batch is running (a lone message never waits)
@@ -98,7 +94,7 @@ pub struct Args {
 
     /// A redelivered message that started this many times without an outcome, each start ending the consumer process
     /// (an abort, a crash, a kill), goes to <queue>_error at its next delivery
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(long, default_value_t = DEFAULT_POISON_AFTER, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub poison_after: u32,
 
     /// What to do with a message whose id was processed before for another event (a producer reusing ids): it is
@@ -135,229 +131,107 @@ impl clap::ValueEnum for OnConflict {
 }
 
 impl Args {
-    /// The arguments `consume <kind>` would have with every default.
-    pub fn defaults(consumer: Kind) -> Self {
-        Self {
-            consumer,
-            queue: None,
-            exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
-            consumer_type: None,
-            prefetch: 64,
-            concurrency: 16,
-            pool_size: None,
-            max_attempts: 5,
-            retry_delay: Duration::from_millis(200),
-            claim_timeout: Duration::from_secs(30),
-            exit_when_idle: None,
-            shutdown_timeout: Duration::from_secs(30),
-            batch_size: 1,
-            batch_wait: Duration::from_millis(5),
-            poison_after: 3,
-            on_conflict: OnConflict::DeadLetter,
-            metrics_addr: None,
-            fail_destination: None,
+    /// The consumer these arguments describe.
+    pub fn config(&self) -> Config {
+        Config {
+            consumer: self.consumer,
+            queue: self.queue.clone(),
+            exchange: self.exchange.clone(),
+            consumer_type: self.consumer_type.clone(),
+            prefetch: self.prefetch,
+            concurrency: self.concurrency,
+            pool_size: self.pool_size,
+            max_attempts: self.max_attempts,
+            retry_delay: self.retry_delay,
+            claim_timeout: self.claim_timeout,
+            exit_when_idle: self.exit_when_idle,
+            shutdown_timeout: self.shutdown_timeout,
+            batch_size: self.batch_size,
+            batch_wait: self.batch_wait,
+            poison_after: self.poison_after,
+            on_conflict: self.on_conflict,
+            metrics_addr: self.metrics_addr,
+            fail_destination: self.fail_destination.clone(),
         }
-    }
-
-    pub fn queue(&self) -> &str {
-        self.queue
-            .as_deref()
-            .unwrap_or(self.consumer.default_queue())
     }
 }
 
 pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let db = global.connect.database()?;
     let broker = global.connect.broker()?;
-    run_consumer(&args, &db, &broker, shutdown).await?;
+    start::consume(&args.config(), &db, &broker, shutdown).await?;
     Ok(Outcome::Done)
 }
 
-/// Validates `args`, checks the schema, and runs the consumer until it stops.
-pub async fn run_consumer(
-    args: &Args,
-    db: &Database,
-    broker: &Broker,
-    shutdown: CancellationToken,
-) -> Result<RunSummary> {
-    let (queue, consumer_type) = names(args)?;
+#[cfg(test)]
+mod tests {
+    use clap::Parser as _;
 
-    let pool_size = args.pool_size.unwrap_or(u32::from(args.concurrency));
-    let pool = db
-        .with_lock_timeout(args.claim_timeout)
-        .pool(pool_size)
-        .await?;
-    check_schema(&pool, db).await?;
-    check_privileges(&pool, db, args.consumer).await?;
+    use super::*;
 
-    let counts = Arc::new(RunCounts::default());
-    let mut inbox = Inbox::new(pool.clone(), consumer_type.clone());
-    let mut timings = None;
-    if let Some(addr) = args.metrics_addr {
-        let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));
-        let health = metrics::consume::ConsumerHealth {
-            pool: pool.clone(),
-            counts: Arc::clone(&counts),
+    #[derive(Debug, clap::Parser)]
+    struct Consume {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    /// The flags' defaults are the operation's: `demo` and the bench, which start from `Config::default()`, run the
+    /// consumer `consume` runs.
+    #[test]
+    fn the_flags_defaults_are_the_operations() {
+        for (name, kind) in [
+            ("carrier", Kind::Carrier),
+            ("notification", Kind::Notification),
+        ] {
+            let parsed = Consume::try_parse_from(["consume", name]).expect("defaults parse");
+            assert_eq!(parsed.args.config(), Config::of(kind));
+        }
+    }
+
+    #[test]
+    fn every_flag_reaches_the_config() {
+        let parsed = Consume::try_parse_from([
+            "consume",
+            "notification",
+            "--queue=q",
+            "--exchange=e",
+            "--consumer-type=t",
+            "--prefetch=7",
+            "--concurrency=3",
+            "--pool-size=4",
+            "--max-attempts=9",
+            "--retry-delay=1s",
+            "--claim-timeout=2s",
+            "--exit-when-idle=3s",
+            "--shutdown-timeout=4s",
+            "--batch-size=8",
+            "--batch-wait=6ms",
+            "--poison-after=2",
+            "--on-conflict=discard",
+            "--metrics-addr=127.0.0.1:9",
+            "--fail-destination=FAIL",
+        ])
+        .expect("flags parse");
+        let expected = Config {
+            consumer: Kind::Notification,
+            queue: Some("q".into()),
+            exchange: "e".into(),
+            consumer_type: Some("t".into()),
+            prefetch: 7,
+            concurrency: 3,
+            pool_size: Some(4),
+            max_attempts: 9,
+            retry_delay: Duration::from_secs(1),
+            claim_timeout: Duration::from_secs(2),
+            exit_when_idle: Some(Duration::from_secs(3)),
+            shutdown_timeout: Duration::from_secs(4),
+            batch_size: 8,
+            batch_wait: Duration::from_millis(6),
+            poison_after: 2,
+            on_conflict: OnConflict::Discard,
+            metrics_addr: Some("127.0.0.1:9".parse().expect("address")),
+            fail_destination: Some("FAIL".into()),
         };
-        metrics::serve(addr, registry, Arc::new(health), shutdown.clone()).await?;
-        inbox = inbox.with_claim_observer(Arc::new(fed.clone()));
-        timings = Some(fed);
+        assert_eq!(parsed.args.config(), expected);
     }
-    let options = ConsumerOptions {
-        queue,
-        event_exchange: args.exchange.clone(),
-        prefetch: args.prefetch,
-        concurrency: usize::from(args.concurrency),
-        max_attempts: args.max_attempts,
-        retry_delay: args.retry_delay,
-        exit_when_idle: args.exit_when_idle,
-        shutdown_timeout: args.shutdown_timeout,
-        counts,
-        batch_size: usize::from(args.batch_size),
-        batch_wait: args.batch_wait,
-        poison_after: args.poison_after,
-        on_conflict: args.on_conflict,
-        timings,
-    };
-    let fail_destination = args.fail_destination.clone();
-    let summary = match args.consumer {
-        Kind::Carrier => {
-            let carrier = StandInCarrier { fail_destination };
-            consumer::run(
-                inbox,
-                CarrierConsumer { carrier },
-                broker,
-                options,
-                shutdown,
-            )
-            .await
-        }
-        Kind::Notification => {
-            let gateway = StandInSms { fail_destination };
-            consumer::run(
-                inbox,
-                NotificationConsumer { gateway },
-                broker,
-                options,
-                shutdown,
-            )
-            .await
-        }
-    };
-    close_pool(pool).await;
-    summary
-}
-
-/// The queue to consume and the consumer_type to claim under, checked: the queue and its dead-letter queues must be
-/// valid AMQP names.
-fn names(args: &Args) -> Result<(String, ConsumerType)> {
-    let queue = args.queue().to_owned();
-    amqp::validate_name("--queue", &queue)?;
-    // The dead-letter queues' names are the queue's with a suffix: they must be valid too, or the first message to
-    // move aside would find no name to go to.
-    let longest = topology::skipped_queue(&queue);
-    if longest.len() > 255 {
-        let suffix = longest.len() - queue.len();
-        return Err(Error::Usage(format!(
-            "--queue is {} bytes long; the name of its dead-letter queue <queue>_skipped would be {} bytes, past \
-             AMQP's 255: at most {} bytes",
-            queue.len(),
-            longest.len(),
-            255 - suffix
-        )));
-    }
-    let consumer_type =
-        ConsumerType::new(args.consumer_type.clone().unwrap_or_else(|| queue.clone()))
-            .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
-    Ok((queue, consumer_type))
-}
-
-/// Closes the pool, waiting a bounded time.
-async fn close_pool(pool: PgPool) {
-    // Bounded: a connection abandoned mid-statement at the shutdown timeout (work stuck on a lock) is never given
-    // back, and the pool would wait for it for ever. The server rolls it back when the process is gone.
-    if tokio::time::timeout(Duration::from_secs(2), pool.close())
-        .await
-        .is_err()
-    {
-        tracing::debug!(
-            "PostgreSQL connections still busy after the stop; left to the server to roll back"
-        );
-    }
-}
-
-/// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
-async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
-    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
-    for table in [
-        "inbox_messages",
-        "inboxctl_events",
-        "inboxctl_consumers",
-        "inboxctl_fingerprints",
-    ] {
-        if !schema::table_exists(&mut conn, table).await? {
-            return Err(Error::SchemaMissing {
-                database: db.name(),
-            });
-        }
-    }
-    let differences = schema::inbox_differences(&mut conn).await?;
-    if !differences.is_empty() {
-        return Err(Error::SchemaIncompatible {
-            database: db.name(),
-            differences,
-        });
-    }
-    Ok(())
-}
-
-impl Kind {
-    /// The table its stand-in effect writes.
-    fn effect_table(self) -> &'static str {
-        match self {
-            Kind::Carrier => "carrier_reservations",
-            Kind::Notification => "notifications_sent",
-        }
-    }
-}
-
-/// Refuses to start when the role lacks a privilege the claim or the effect needs (the README's security section),
-/// naming each: otherwise every delivery would be held with the same error. A missing privilege on
-/// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
-async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
-    let needs: [(&str, &str); 6] = [
-        ("inbox_messages", "SELECT,INSERT,DELETE"),
-        ("inboxctl_fingerprints", "SELECT,INSERT,UPDATE,DELETE"),
-        (kind.effect_table(), "INSERT"),
-        ("inboxctl_events", "INSERT"),
-        ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),
-        ("inboxctl_attempts", "SELECT,INSERT,UPDATE,DELETE"),
-    ];
-    let missing = crate::db::grants::missing_privileges(pool, &needs)
-        .await
-        .map_err(|e| match crate::db::is_transient(&e) {
-            true => db.unavailable(e),
-            false => Error::Database(e),
-        })?;
-    let (attempts, required): (Vec<_>, Vec<_>) = missing
-        .into_iter()
-        .partition(|m| m.table == "inboxctl_attempts");
-    if let Some(crate::db::grants::Missing { privileges, .. }) = attempts.first() {
-        tracing::warn!(
-            missing = %privileges,
-            "the role lacks privileges on inboxctl_attempts: poison-message detection is off (a message that ends \
-             the process every time will keep coming back)"
-        );
-    }
-    if required.is_empty() {
-        return Ok(());
-    }
-    Err(Error::PermissionMissing {
-        role: db.options().get_username().to_owned(),
-        command: "consume",
-        missing: required
-            .into_iter()
-            .map(|m| format!("{} on {}", m.privileges, m.table))
-            .collect(),
-    })
 }

@@ -1,7 +1,7 @@
 //! `inboxctl publish parcel-created`: the Parcel Tracker's producer, as MassTransit 8 would publish.
 
 use crate::amqp::topology;
-use crate::cli::GlobalOpts;
+use crate::cli::{GlobalOpts, MAX_COUNT, parse_fraction, parse_rate};
 use crate::error::{Error, Outcome, Result};
 use crate::producer::{self, Plan};
 use crate::{output, sanitize};
@@ -47,24 +47,6 @@ pub struct ParcelCreated {
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
-}
-
-pub fn parse_fraction(s: &str) -> Result<f64, String> {
-    let f: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
-    if !(0.0..=1.0).contains(&f) {
-        return Err("must be between 0 and 1".to_owned());
-    }
-    Ok(f)
-}
-
-/// The most parcels one run publishes: the producer holds each message until the broker confirmed it.
-pub const MAX_COUNT: u64 = 1_000_000;
-
-/// A rate in messages per second: one every 1000 s at the slowest; at the fastest a million a second, far above
-/// what a broker confirms, and a tick still nanoseconds long (a faster one would round to zero).
-pub fn parse_rate(s: &str) -> Result<f64, String> {
-    crate::cli::number_between(0.001, 1_000_000.0)(s)
-        .map_err(|e| format!("{e} messages per second"))
 }
 
 pub async fn run(

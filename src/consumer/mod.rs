@@ -17,6 +17,9 @@
 //!
 //! A move to a dead-letter queue is acknowledged only after the broker confirmed the copy. Nothing is acknowledged
 //! before its outcome is committed or confirmed; what cannot be finished is left to the broker to deliver again.
+//!
+//! [`consume`] starts a Parcel Tracker consumer from a [`Config`] (what `inboxctl consume` and `demo` run); [`run`]
+//! is the loop beneath it, for any [`Consumer`].
 
 use std::future::Future;
 use std::sync::Arc;
@@ -30,9 +33,11 @@ mod dispatch;
 mod guard;
 mod poison;
 mod run;
+pub mod start;
 
 pub use self::guard::WorkGuard;
 pub use self::run::run;
+pub use self::start::{Config, consume, consume_guarded};
 
 use lapin::message::Delivery;
 use serde::Serialize;

@@ -52,9 +52,9 @@ impl Database {
     pub fn from_url(url: &str) -> Result<Self> {
         redact::register_url(url);
         let options = PgConnectOptions::from_str(url)
-            .map_err(|e| secret::invalid_url(crate::cli::DATABASE_URL, url, &e.to_string()))?
+            .map_err(|e| secret::invalid_url(secret::DATABASE_URL, url, &e.to_string()))?
             .application_name("inboxctl");
-        secret::warn_if_ambiguous(crate::cli::DATABASE_URL, url);
+        secret::warn_if_ambiguous(secret::DATABASE_URL, url);
         Ok(Self {
             options,
             url: url.to_owned(),

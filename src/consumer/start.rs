@@ -1,0 +1,295 @@
+//! A Parcel Tracker consumer started the way `consume` and `demo` start it: its names checked, a pool opened, the
+//! schema and the role's privileges checked before the first delivery, `/metrics` served if asked, then
+//! [`run`](super::run) until it stops.
+//!
+//! [`Config::default`] holds `consume`'s defaults: the face's flags start from the same values (a test in
+//! `cmd::consume` keeps the two equal), so `demo`, the bench and `consume` run one and the same consumer.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::{ConsumerOptions, OnConflict, RunCounts, RunSummary, WorkGuard};
+use crate::amqp::{self, Broker, topology};
+use crate::db::{self, Database, schema};
+use crate::error::{Error, Result};
+use crate::inbox::{ConsumerType, Inbox};
+use crate::metrics;
+use crate::parcel::{CarrierConsumer, Kind, NotificationConsumer, StandInCarrier, StandInSms};
+
+pub const DEFAULT_PREFETCH: u16 = 64;
+pub const DEFAULT_CONCURRENCY: u16 = 16;
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_millis(200);
+pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_BATCH_SIZE: u16 = 1;
+pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
+pub const DEFAULT_POISON_AFTER: u32 = 3;
+
+/// Everything `consume` is told; [`Default`] is `consume carrier` with no flags.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub consumer: Kind,
+    /// The queue to read; `None`: the consumer's own ([`Kind::default_queue`]).
+    pub queue: Option<String>,
+    /// The exchange the event is published to.
+    pub exchange: String,
+    /// The deduplication scope; `None`: the queue's name.
+    pub consumer_type: Option<String>,
+    pub prefetch: u16,
+    pub concurrency: u16,
+    /// Most PostgreSQL connections; `None`: `concurrency`.
+    pub pool_size: Option<u32>,
+    pub max_attempts: u32,
+    pub retry_delay: Duration,
+    /// How long a copy waits for another process's attempt at the same message (PostgreSQL's `lock_timeout`).
+    pub claim_timeout: Duration,
+    pub exit_when_idle: Option<Duration>,
+    pub shutdown_timeout: Duration,
+    pub batch_size: u16,
+    pub batch_wait: Duration,
+    pub poison_after: u32,
+    pub on_conflict: OnConflict,
+    pub metrics_addr: Option<SocketAddr>,
+    /// The stand-in carrier (or SMS gateway) fails every call for parcels to this destination.
+    pub fail_destination: Option<String>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            consumer: Kind::Carrier,
+            queue: None,
+            exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
+            consumer_type: None,
+            prefetch: DEFAULT_PREFETCH,
+            concurrency: DEFAULT_CONCURRENCY,
+            pool_size: None,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            retry_delay: DEFAULT_RETRY_DELAY,
+            claim_timeout: DEFAULT_CLAIM_TIMEOUT,
+            exit_when_idle: None,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            batch_size: DEFAULT_BATCH_SIZE,
+            batch_wait: DEFAULT_BATCH_WAIT,
+            poison_after: DEFAULT_POISON_AFTER,
+            on_conflict: OnConflict::DeadLetter,
+            metrics_addr: None,
+            fail_destination: None,
+        }
+    }
+}
+
+impl Config {
+    /// `consume <consumer>` with every default.
+    pub fn of(consumer: Kind) -> Self {
+        Self {
+            consumer,
+            ..Self::default()
+        }
+    }
+
+    pub fn queue(&self) -> &str {
+        self.queue
+            .as_deref()
+            .unwrap_or(self.consumer.default_queue())
+    }
+}
+
+/// Runs the consumer `config` describes with the claim protocol until it stops.
+pub async fn consume(
+    config: &Config,
+    db: &Database,
+    broker: &Broker,
+    shutdown: CancellationToken,
+) -> Result<RunSummary> {
+    consume_guarded(config, db, broker, shutdown, |inbox| inbox).await
+}
+
+/// The same consumer, its work guarded by what `guard` makes of the inbox it would have used (the bench's
+/// comparisons); everything else — checks, pool, retries, dead-lettering — is [`consume`]'s.
+pub async fn consume_guarded<G: WorkGuard>(
+    config: &Config,
+    db: &Database,
+    broker: &Broker,
+    shutdown: CancellationToken,
+    guard: impl FnOnce(Inbox) -> G,
+) -> Result<RunSummary> {
+    let (queue, consumer_type) = names(config)?;
+    let pool_size = config.pool_size.unwrap_or(u32::from(config.concurrency));
+    let pool = db
+        .with_lock_timeout(config.claim_timeout)
+        .pool(pool_size)
+        .await?;
+    let summary = async {
+        check_schema(&pool, db).await?;
+        check_privileges(&pool, db, config.consumer).await?;
+        let counts = Arc::new(RunCounts::default());
+        let mut inbox = Inbox::new(pool.clone(), consumer_type.clone());
+        let mut timings = None;
+        if let Some(addr) = config.metrics_addr {
+            let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));
+            let health = metrics::consume::ConsumerHealth {
+                pool: pool.clone(),
+                counts: Arc::clone(&counts),
+            };
+            metrics::serve(addr, registry, Arc::new(health), shutdown.clone()).await?;
+            inbox = inbox.with_claim_observer(Arc::new(fed.clone()));
+            timings = Some(fed);
+        }
+        let options = options(config, queue, counts, timings);
+        let guard = guard(inbox);
+        let fail_destination = config.fail_destination.clone();
+        match config.consumer {
+            Kind::Carrier => {
+                let carrier = StandInCarrier { fail_destination };
+                let consumer = CarrierConsumer { carrier };
+                super::run(guard, consumer, broker, options, shutdown).await
+            }
+            Kind::Notification => {
+                let gateway = StandInSms { fail_destination };
+                let consumer = NotificationConsumer { gateway };
+                super::run(guard, consumer, broker, options, shutdown).await
+            }
+        }
+    }
+    .await;
+    close_pool(pool).await;
+    summary
+}
+
+fn options(
+    config: &Config,
+    queue: String,
+    counts: Arc<RunCounts>,
+    timings: Option<metrics::consume::Timings>,
+) -> ConsumerOptions {
+    ConsumerOptions {
+        queue,
+        event_exchange: config.exchange.clone(),
+        prefetch: config.prefetch,
+        concurrency: usize::from(config.concurrency),
+        max_attempts: config.max_attempts,
+        retry_delay: config.retry_delay,
+        exit_when_idle: config.exit_when_idle,
+        shutdown_timeout: config.shutdown_timeout,
+        counts,
+        batch_size: usize::from(config.batch_size),
+        batch_wait: config.batch_wait,
+        poison_after: config.poison_after,
+        on_conflict: config.on_conflict,
+        timings,
+    }
+}
+
+/// The queue to consume and the consumer_type to claim under, checked: the queue and its dead-letter queues must be
+/// valid AMQP names.
+fn names(config: &Config) -> Result<(String, ConsumerType)> {
+    let queue = config.queue().to_owned();
+    amqp::validate_name("--queue", &queue)?;
+    // The dead-letter queues' names are the queue's with a suffix: they must be valid too, or the first message to
+    // move aside would find no name to go to.
+    let longest = topology::skipped_queue(&queue);
+    if longest.len() > 255 {
+        let suffix = longest.len() - queue.len();
+        return Err(Error::Usage(format!(
+            "--queue is {} bytes long; the name of its dead-letter queue <queue>_skipped would be {} bytes, past \
+             AMQP's 255: at most {} bytes",
+            queue.len(),
+            longest.len(),
+            255 - suffix
+        )));
+    }
+    let consumer_type = ConsumerType::new(
+        config
+            .consumer_type
+            .clone()
+            .unwrap_or_else(|| queue.clone()),
+    )
+    .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
+    Ok((queue, consumer_type))
+}
+
+/// Closes the pool, waiting a bounded time.
+async fn close_pool(pool: PgPool) {
+    // Bounded: a connection abandoned mid-statement at the shutdown timeout (work stuck on a lock) is never given
+    // back, and the pool would wait for it for ever. The server rolls it back when the process is gone.
+    if tokio::time::timeout(Duration::from_secs(2), pool.close())
+        .await
+        .is_err()
+    {
+        tracing::debug!(
+            "PostgreSQL connections still busy after the stop; left to the server to roll back"
+        );
+    }
+}
+
+/// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
+async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
+    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
+    for table in [
+        "inbox_messages",
+        "inboxctl_events",
+        "inboxctl_consumers",
+        "inboxctl_fingerprints",
+    ] {
+        if !schema::table_exists(&mut conn, table).await? {
+            return Err(Error::SchemaMissing {
+                database: db.name(),
+            });
+        }
+    }
+    let differences = schema::inbox_differences(&mut conn).await?;
+    if !differences.is_empty() {
+        return Err(Error::SchemaIncompatible {
+            database: db.name(),
+            differences,
+        });
+    }
+    Ok(())
+}
+
+/// Refuses to start when the role lacks a privilege the claim or the effect needs (the README's security section),
+/// naming each: otherwise every delivery would be held with the same error. A missing privilege on
+/// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
+async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
+    let needs: [(&str, &str); 6] = [
+        ("inbox_messages", "SELECT,INSERT,DELETE"),
+        ("inboxctl_fingerprints", "SELECT,INSERT,UPDATE,DELETE"),
+        (kind.effect_table(), "INSERT"),
+        ("inboxctl_events", "INSERT"),
+        ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),
+        ("inboxctl_attempts", "SELECT,INSERT,UPDATE,DELETE"),
+    ];
+    let missing = db::grants::missing_privileges(pool, &needs)
+        .await
+        .map_err(|e| match db::is_transient(&e) {
+            true => db.unavailable(e),
+            false => Error::Database(e),
+        })?;
+    let (attempts, required): (Vec<_>, Vec<_>) = missing
+        .into_iter()
+        .partition(|m| m.table == "inboxctl_attempts");
+    if let Some(db::grants::Missing { privileges, .. }) = attempts.first() {
+        tracing::warn!(
+            missing = %privileges,
+            "the role lacks privileges on inboxctl_attempts: poison-message detection is off (a message that ends \
+             the process every time will keep coming back)"
+        );
+    }
+    if required.is_empty() {
+        return Ok(());
+    }
+    Err(Error::PermissionMissing {
+        role: db.options().get_username().to_owned(),
+        command: "consume",
+        missing: required
+            .into_iter()
+            .map(|m| format!("{} on {}", m.privileges, m.table))
+            .collect(),
+    })
+}

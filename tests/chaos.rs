@@ -3,9 +3,8 @@
 //! once, half after the rest) flow through at a steady rate. The end is the same check as every fault test: exactly
 //! one effect per parcel per consumer, nothing left on the queues, nothing in the error or skipped queues. In both
 //! modes: one transaction per message, and batched.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 

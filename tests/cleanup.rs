@@ -1,8 +1,7 @@
 //! `inboxctl cleanup` against real PostgreSQL: exactly the processed rows past the window go, in batches, never an
 //! unprocessed one; two at once; a million rows while a consumer keeps working; interrupted cleanly.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,7 +1,6 @@
 //! The binary's contract with people and scripts: help, exit codes, clear errors, no passwords in any output.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -1,5 +1,4 @@
 //! The shell completion scripts in `completions/` are what the binary generates now, and the bash one parses.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use clap::ValueEnum as _;
 use clap_complete::Shell;
@@ -22,7 +21,7 @@ fn the_committed_completion_scripts_are_current() {
         let committed = std::fs::read(path(*shell)).unwrap_or_default();
         assert!(
             committed == fresh,
-            "completions/{} is stale: run `INBOXCTL_BLESS=1 cargo nextest run --test completions` and commit it",
+            "completions/{} is stale: run `INBOXCTL_BLESS=1 cargo nextest run -E 'test(/^completions::/)'` and commit it",
             file_name(*shell)
         );
     }

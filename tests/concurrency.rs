@@ -1,7 +1,6 @@
 //! Parallel copies of one message id, delivered at once to two consumer processes: one effect, every copy acked.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

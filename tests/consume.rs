@@ -1,8 +1,7 @@
 //! `inboxctl consume` against real PostgreSQL and RabbitMQ: exactly one effect per (message, consumer), MassTransit's
 //! wire format both ways, bad input to the error and skipped queues with nothing lost.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -1,8 +1,7 @@
 //! A consumer process killed with SIGKILL at fixed crash points: between commit and ack, and before the commit.
 #![cfg(feature = "failpoints")]
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,8 +1,7 @@
 //! `inboxctl demo`: one line of JSON from the database, R = S = N, also on a second run against the same database
 //! and broker.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::TestEnv;
 

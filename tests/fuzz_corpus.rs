@@ -1,10 +1,8 @@
 //! The fuzz targets' corpus (`fuzz/corpus/<target>/`) replayed through the checks the targets run
 //! (`fuzz/checks.rs`): every input a fuzzing campaign kept — and every crash it found, once fixed — is checked again
 //! at every run of the suite, without a fuzzer.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../fuzz/checks.rs"]
-mod checks;
+use crate::fuzz_checks as checks;
 
 fn replay(target: &str, check: fn(&[u8])) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -9,9 +9,8 @@
 //! Roles and users are named after the test's database (unique per run, so a leftover of a killed run never
 //! collides) and dropped with [`Principals`], also when the test fails. A `none` in the table is run against an
 //! unreachable URL for that server: the command succeeding proves it never connects there.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::Duration;

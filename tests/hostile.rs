@@ -1,9 +1,8 @@
 //! What a hostile test of `consume` found, each case against the real services: messages the broker accepts but that
 //! lost a message, crashed or stalled a consumer, or were mistaken for something else. Each test here failed against
 //! the build that had the bug (run it with `INBOXCTL_TEST_BIN=<that build's binary>` to see).
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 

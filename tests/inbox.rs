@@ -1,8 +1,7 @@
 //! The claim protocol as a library, on real PostgreSQL: a copy waiting on an in-flight attempt, and any interleaving
 //! of copies and failures giving exactly one effect.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,9 +1,8 @@
 //! Connection limits: more workers than database connections, and no connection to be had at all (a `CONNECTION
 //! LIMIT` on the test's own role, never the shared server's `max_connections`). Clear errors, no deadlock, nothing
 //! acked unprocessed, recovery once connections free up.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::Duration;

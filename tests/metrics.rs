@@ -1,7 +1,6 @@
 //! `--metrics-addr`: Prometheus counters and a health check that follows the real services.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::io::{Read as _, Write as _};
 use std::process::{Command, Stdio};

@@ -1,8 +1,7 @@
 //! `inboxctl migrate` against real PostgreSQL: a fresh database, twice, twice at once, over EF Core's table, over
 //! incompatible tables.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::TestEnv;
 use sqlx::PgPool;

@@ -1,9 +1,8 @@
 //! PostgreSQL unreachable mid-stream (through a loopback proxy the test cuts and restores) or turned read-only, and
 //! RabbitMQ's connection lost: nothing is acknowledged while it lasts, and every message is processed exactly once
 //! after.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

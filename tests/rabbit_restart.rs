@@ -1,9 +1,8 @@
 //! The real RabbitMQ restarted under a running consumer: the application stopped and started (`stop_app` /
 //! `start_app`), then the whole node stopped and started again. On a private node of the test's own (its own ports,
 //! directories and configuration), never the shared broker every other test uses.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,8 +1,7 @@
 //! `inboxctl replay` against real RabbitMQ and PostgreSQL: MassTransit error queues and dead-letter-exchange queues
 //! back to their origin, byte for byte, exactly one effect, safe to repeat and to crash.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

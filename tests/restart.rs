@@ -1,8 +1,7 @@
 //! The real PostgreSQL server stopped and started mid-stream, and a role with a password: on a private cluster of
 //! the test's own (`pg_createcluster` on a free port), never the shared server every other test uses.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::Duration;

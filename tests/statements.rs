@@ -2,7 +2,7 @@
 //! them runs for real: a misspelt column or table, a type that does not fit, fails here with the statement's name.
 //! And the list is complete: `src/db/` holds no SQL outside the `statements!` declarations that make it.
 
-mod common;
+use crate::common;
 
 use std::collections::HashSet;
 use std::path::Path;

@@ -1,7 +1,6 @@
 //! `inboxctl stats` against real PostgreSQL and RabbitMQ: the figures are what the test put there.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use common::{CARRIER_QUEUE, TestEnv};
 

@@ -1,8 +1,7 @@
 //! `inboxctl top` end to end, in a real terminal (tmux): real traffic for two consumer_types, known figures on
 //! screen, `q` quits and leaves the terminal usable.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -14,7 +14,7 @@ use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, Database, schema};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// What to clean.
 #[derive(Debug, Clone)]
@@ -83,15 +83,12 @@ pub enum Event<'a> {
 /// Refuses to clean a database `migrate` has not prepared: cleanup's batches delete fingerprints and events with their
 /// inbox rows, so a database from before those tables needs `migrate` first.
 pub async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
-    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
-    for table in ["inboxctl_events", "inboxctl_fingerprints"] {
-        if !schema::table_exists(&mut conn, table).await? {
-            return Err(Error::SchemaMissing {
-                database: db.name(),
-            });
-        }
-    }
-    Ok(())
+    schema::require_tables(
+        pool,
+        db,
+        &["inbox_messages", "inboxctl_events", "inboxctl_fingerprints"],
+    )
+    .await
 }
 
 /// Runs a cleanup once, or with `every`, again on that schedule until `shutdown`, telling `on` how each run goes.

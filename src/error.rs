@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-/// Exit codes, documented in the README. They follow sysexits(3) where one fits.
+/// Exit codes, documented in docs/commands.md. They follow sysexits(3) where one fits.
 pub mod exit {
     /// Done.
     pub const OK: u8 = 0;
@@ -16,31 +16,82 @@ pub mod exit {
     pub const NO_INPUT: u8 = 66;
     /// PostgreSQL or RabbitMQ could not be reached.
     pub const UNAVAILABLE: u8 = 69;
-    /// The role lacks privileges the command needs.
+    /// A login was refused, or the role or user lacks privileges the command needs.
     pub const NO_PERMISSION: u8 = 77;
-    /// The database is not in a state inboxctl can work with (schema missing or incompatible).
+    /// What the command was pointed at is not set up: the database, its schema or the vhost is missing, or the schema
+    /// is incompatible.
     pub const CONFIG: u8 = 78;
 }
 
+/// The library's errors. Those a user can fix name the fix: the policy is here (each kind, its exit code and the
+/// words that say what to do); the drivers' errors become these in one place each, `db::diagnose` for PostgreSQL's
+/// and `amqp::diagnose` for RabbitMQ's. No message carries a server's internal detail (PostgreSQL's source line)
+/// or a password.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("{0}")]
     Usage(String),
 
-    #[error("cannot connect to PostgreSQL at {url}: {source}")]
-    DatabaseUnavailable {
+    /// The server could not be reached (exit 69).
+    #[error("cannot connect to PostgreSQL at {url}: {reason}\n  {}", start_hint("PostgreSQL", .url))]
+    DatabaseUnavailable { url: String, reason: String },
+
+    /// The server answers, but the database is not there (exit 78).
+    #[error(
+        "database {database:?} does not exist at {url}: run `inboxctl migrate`, which creates it and the inbox schema"
+    )]
+    DatabaseMissing { database: String, url: String },
+
+    /// The server refused the role's login: a wrong password, or `pg_hba.conf` (exit 77).
+    #[error(
+        "PostgreSQL at {url} refused the login of role {role:?}: {reason}\n  check the password (in the URL, \
+         --database-password-file, PGPASSWORD or ~/.pgpass) and the server's pg_hba.conf"
+    )]
+    DatabaseLoginRefused {
         url: String,
-        #[source]
-        source: sqlx::Error,
+        role: String,
+        reason: String,
     },
 
-    #[error("cannot connect to RabbitMQ at {url}: {reason}")]
+    #[error("cannot connect to RabbitMQ at {url}: {reason}\n  {}", start_hint("RabbitMQ", .url))]
     BrokerUnavailable { url: String, reason: String },
 
+    /// The broker refused the user's login (exit 77).
     #[error(
-        "table inbox_messages does not exist in database {database:?}: run `inboxctl migrate` first"
+        "RabbitMQ at {url} refused the login of user {user:?}: {reason}\n  check the password (in the URL or \
+         --amqp-password-file); `rabbitmqctl authenticate_user {user} <password>` tells whether it is the right one"
     )]
-    SchemaMissing { database: String },
+    BrokerLoginRefused {
+        url: String,
+        user: String,
+        reason: String,
+    },
+
+    /// The broker has no such vhost (exit 78).
+    #[error(
+        "RabbitMQ at {url} has no vhost {vhost:?}: create it with `rabbitmqctl add_vhost {vhost}` and let the user \
+         in with `rabbitmqctl set_permissions -p {vhost} {user} '.*' '.*' '.*'` (or the narrower grants of \
+         docs/security.md), or point --amqp-url at another"
+    )]
+    VhostMissing {
+        url: String,
+        vhost: String,
+        user: String,
+    },
+
+    /// A server refused an operation for want of a privilege (exit 77).
+    #[error("{service} refused: {reason}\n  {fix}")]
+    PrivilegeRefused {
+        service: &'static str,
+        reason: String,
+        fix: String,
+    },
+
+    #[error(
+        "table inbox_messages does not exist in {}: run `inboxctl migrate` first",
+        .database.as_deref().map_or_else(|| "this database".to_owned(), |d| format!("database {d:?}"))
+    )]
+    SchemaMissing { database: Option<String> },
 
     #[error(
         "inbox_messages in database {database:?} is not compatible with inboxctl; nothing was changed:\n{}",
@@ -52,7 +103,8 @@ pub enum Error {
     },
 
     #[error(
-        "the PostgreSQL role {role:?} lacks privileges that {command} needs: {}; see the README's security section",
+        "the PostgreSQL role {role:?} lacks privileges that {command} needs: {}; grant them (docs/security.md \
+         lists what each command needs)",
         .missing.join("; ")
     )]
     PermissionMissing {
@@ -61,13 +113,13 @@ pub enum Error {
         missing: Vec<String>,
     },
 
-    #[error("PostgreSQL: {0}")]
-    Database(#[from] sqlx::Error),
+    #[error("PostgreSQL: {}", crate::db::describe(.0))]
+    Database(sqlx::Error),
 
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
 
-    #[error("RabbitMQ: {0}")]
+    #[error("RabbitMQ: {0}{fix}", fix = .0.fix().map(|f| format!("\n  {f}")).unwrap_or_default())]
     Broker(#[from] crate::amqp::BrokerError),
 
     #[error("RabbitMQ: {0}")]
@@ -80,6 +132,36 @@ pub enum Error {
     Io(#[from] std::io::Error),
 }
 
+/// A PostgreSQL error met anywhere, as the policy sees it (see [`crate::db::diagnose`]).
+impl From<sqlx::Error> for Error {
+    fn from(error: sqlx::Error) -> Self {
+        crate::db::diagnose(error, None)
+    }
+}
+
+/// What to do about a server that cannot be reached: on this machine, the script that starts (or installs) both;
+/// elsewhere, whether it runs and can be reached.
+fn start_hint(service: &str, url: &str) -> String {
+    let host = url::Url::parse(url)
+        .ok()
+        .and_then(|u| u.host_str().map(str::to_owned))
+        .unwrap_or_default();
+    let local = host.is_empty()
+        || host == "localhost"
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if local {
+        format!(
+            "is {service} running on this machine? `scripts/services.sh`, in inboxctl's source folder, starts \
+             PostgreSQL and RabbitMQ (and, as root on Debian or Ubuntu, installs them first)"
+        )
+    } else {
+        format!("is {service} running at {host}, and can this machine reach it?")
+    }
+}
+
 impl Error {
     /// The exit code a process ending with this error returns.
     pub fn exit_code(&self) -> u8 {
@@ -89,10 +171,17 @@ impl Error {
             Error::DatabaseUnavailable { .. } | Error::BrokerUnavailable { .. } => {
                 exit::UNAVAILABLE
             }
-            Error::SchemaMissing { .. } | Error::SchemaIncompatible { .. } => exit::CONFIG,
-            Error::PermissionMissing { .. } => exit::NO_PERMISSION,
+            Error::DatabaseMissing { .. }
+            | Error::VhostMissing { .. }
+            | Error::SchemaMissing { .. }
+            | Error::SchemaIncompatible { .. } => exit::CONFIG,
+            Error::PermissionMissing { .. }
+            | Error::PrivilegeRefused { .. }
+            | Error::DatabaseLoginRefused { .. }
+            | Error::BrokerLoginRefused { .. } => exit::NO_PERMISSION,
             Error::Database(e) if crate::db::is_transient(e) => exit::UNAVAILABLE,
             Error::Broker(e) if e.is_io_error() => exit::UNAVAILABLE,
+            Error::Broker(e) if e.is_access_refused() => exit::NO_PERMISSION,
             Error::Database(_)
             | Error::Migrate(_)
             | Error::Broker(_)

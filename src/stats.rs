@@ -143,6 +143,12 @@ pub struct Snapshot {
     pub broker_error: Option<String>,
 }
 
+/// Refuses a database without `inbox_messages` (one `migrate` has not prepared), saying so, before anything is
+/// collected; inboxctl's own tables are optional (a database only EF Core wrote has none).
+pub async fn check_schema(pool: &PgPool, db: &crate::db::Database) -> Result<()> {
+    schema::require_tables(pool, db, &["inbox_messages"]).await
+}
+
 /// Collects a snapshot. `broker` is optional: without it (or when it fails) the queue figures are `None`.
 pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -> Result<Snapshot> {
     let mut conn = pool.acquire().await?;

@@ -222,8 +222,8 @@ fn no_command_shows_a_password_on_any_error_path_or_in_its_help() {
     }
 }
 
-/// A vhost that does not exist, and a wrong broker password: each named clearly, exit 69, no password shown, nothing
-/// consumed.
+/// A vhost that does not exist (exit 78), and a wrong broker password (exit 77): each named clearly with its fix, no
+/// password shown, nothing consumed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_wrong_vhost_or_broker_password_is_named() {
     let env = common::TestEnv::migrated().await;
@@ -232,9 +232,9 @@ async fn a_wrong_vhost_or_broker_password_is_named() {
     let wrong_vhost = format!("{base}/no-such-vhost-{}", env.db_name);
     let wrong_password =
         base.replacen("guest:guest@", &format!("guest:{secret}@"), 1) + "/" + &env.vhost;
-    for (url, says) in [
-        (wrong_vhost.as_str(), "vhost no-such-vhost"),
-        (wrong_password.as_str(), "ACCESS_REFUSED"),
+    for (url, code, says) in [
+        (wrong_vhost.as_str(), 78, "has no vhost \"no-such-vhost"),
+        (wrong_password.as_str(), 77, "ACCESS_REFUSED"),
     ] {
         for args in [
             &["consume", "carrier"][..],
@@ -243,7 +243,7 @@ async fn a_wrong_vhost_or_broker_password_is_named() {
         ] {
             let out = env.cmd().env("AMQP_URL", url).args(args).output().unwrap();
             let stderr = String::from_utf8_lossy(&out.stderr);
-            assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+            assert_eq!(out.status.code(), Some(code), "{args:?}: {stderr}");
             assert!(stderr.contains(says), "{args:?}: {stderr}");
             assert!(!stderr.contains(secret), "{args:?}: {stderr}");
         }
@@ -308,7 +308,7 @@ async fn the_broker_password_can_come_from_a_file() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(77), "{args:?}: {stderr}");
         assert!(stderr.contains("ACCESS_REFUSED"), "{args:?}: {stderr}");
         assert!(!stderr.contains("Wrong-File-Pw-3"), "{args:?}: {stderr}");
     }

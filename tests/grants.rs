@@ -1,4 +1,4 @@
-//! The README's "What to grant": each command run through the binary as a PostgreSQL role and a RabbitMQ user that
+//! docs/security.md's "What to grant": each command run through the binary as a PostgreSQL role and a RabbitMQ user that
 //! have exactly the table's grants and nothing more, doing its whole job; and key grants shown necessary by taking
 //! each away alone: the command names the permission it lacks and loses nothing.
 //!
@@ -20,8 +20,8 @@ use lapin::BasicProperties;
 use sqlx::PgPool;
 use uuid::Uuid;
 
-/// The README's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
-const README_ROWS: [&str; 6] = [
+/// docs/security.md's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
+const SECURITY_ROWS: [&str; 6] = [
     "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner | none |",
     "| `consume` | `SELECT, INSERT, DELETE` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`) and `inboxctl_events`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` and `inboxctl_fingerprints` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
@@ -163,7 +163,7 @@ const MIGRATE_REFUSALS: [Refusal; 3] = [
             grant: MIGRATE_GRANTS,
         },
         args: &["migrate"],
-        code: 1,
+        code: 77,
         names: &["permission denied for schema public"],
         unchanged: Unchanged::Count(
             "SELECT count(*) FROM pg_class WHERE relnamespace = 'public'::regnamespace",
@@ -177,7 +177,7 @@ const MIGRATE_REFUSALS: [Refusal; 3] = [
             grant: "ALTER ROLE {role} CREATEDB",
         },
         args: &["migrate"],
-        code: 1,
+        code: 77,
         names: &["permission denied to create database"],
         unchanged: Unchanged::Count(
             "SELECT count(*) FROM pg_database WHERE datname = '{database}'",
@@ -191,7 +191,7 @@ const MIGRATE_REFUSALS: [Refusal; 3] = [
             grant: "ALTER TABLE inbox_messages OWNER TO {role}",
         },
         args: &["migrate"],
-        code: 1,
+        code: 77,
         names: &["must be owner of table inbox_messages"],
         unchanged: Unchanged::Count(
             "SELECT count(*) FROM pg_class WHERE relname LIKE 'ix_inbox_messages%'",
@@ -212,7 +212,7 @@ const CONSUME_REFUSALS: [Refusal; 2] = [
         code: 77,
         names: &[
             "lacks privileges that consume needs: INSERT on inbox_messages; SELECT on inboxctl_consumers",
-            "security section",
+            "docs/security.md",
         ],
         unchanged: Unchanged::Nothing,
     },
@@ -227,7 +227,7 @@ const CONSUME_REFUSALS: [Refusal; 2] = [
             after: CONSUME_PERMISSIONS,
         },
         args: &["consume", "carrier", "--exit-when-idle", "500ms"],
-        code: 1,
+        code: 77,
         names: &["ACCESS_REFUSED", "queue '{queue}'"],
         unchanged: Unchanged::Nothing,
     },
@@ -242,7 +242,7 @@ const PUBLISH_REFUSALS: [Refusal; 2] = [
             after: PUBLISH_PERMISSIONS_TO_DECLARE,
         },
         args: &["publish", "parcel-created", "--count", "3"],
-        code: 1,
+        code: 77,
         names: &["ACCESS_REFUSED", "exchange '{exchange}'"],
         unchanged: Unchanged::Nothing,
     },
@@ -253,7 +253,7 @@ const PUBLISH_REFUSALS: [Refusal; 2] = [
             after: PUBLISH_PERMISSIONS,
         },
         args: &["publish", "parcel-created", "--count", "3"],
-        code: 1,
+        code: 77,
         names: &["ACCESS_REFUSED", "exchange '{exchange}'"],
         unchanged: Unchanged::Queues(&[("{queue}", (0, 0))]),
     },
@@ -270,7 +270,7 @@ const REPLAY_REFUSALS: [Refusal; 2] = [
             after: REPLAY_PERMISSIONS,
         },
         args: &["replay", "--from", "{error_queue}", "--json"],
-        code: 1,
+        code: 77,
         names: &[
             "ACCESS_REFUSED - access to exchange 'amq.default'",
             "stopped after 1 of 3 messages (0 replayed)",
@@ -284,7 +284,7 @@ const REPLAY_REFUSALS: [Refusal; 2] = [
             after: REPLAY_PERMISSIONS,
         },
         args: &["replay", "--from", "{error_queue}", "--json"],
-        code: 1,
+        code: 77,
         names: &["ACCESS_REFUSED", "queue '{error_queue}'"],
         unchanged: Unchanged::Queues(&[("{error_queue}", (3, 0))]),
     },
@@ -299,7 +299,7 @@ const CLEANUP_REFUSALS: [Refusal; 2] = [
             grant: "GRANT DELETE ON inbox_messages TO {role}",
         },
         args: &["cleanup", "--retention", "7d", "--json"],
-        code: 1,
+        code: 77,
         names: &["permission denied for table inbox_messages"],
         unchanged: Unchanged::Census,
     },
@@ -310,7 +310,7 @@ const CLEANUP_REFUSALS: [Refusal; 2] = [
             grant: "GRANT SELECT ON inboxctl_consumers TO {role}",
         },
         args: &["cleanup", "--retention", "7d", "--json"],
-        code: 1,
+        code: 77,
         names: &["permission denied for table inboxctl_consumers"],
         unchanged: Unchanged::Census,
     },
@@ -324,7 +324,7 @@ const STATS_REFUSALS: [Refusal; 1] = [Refusal {
         grant: "GRANT SELECT ON inboxctl_events TO {role}",
     },
     args: &["stats", "--json"],
-    code: 1,
+    code: 77,
     names: &["permission denied for table inboxctl_events"],
     unchanged: Unchanged::Nothing,
 }];
@@ -701,17 +701,14 @@ fn unreadable() -> (BasicProperties, Vec<u8>) {
 }
 
 #[test]
-fn the_readme_table_is_the_one_proved_here() {
-    let readme =
-        std::fs::read_to_string(format!("{}/README.md", env!("CARGO_MANIFEST_DIR"))).unwrap();
-    let security = readme
-        .split("## Security")
-        .nth(1)
-        .expect("a Security section");
-    for row in README_ROWS {
+fn the_documented_table_is_the_one_proved_here() {
+    let security =
+        std::fs::read_to_string(format!("{}/docs/security.md", env!("CARGO_MANIFEST_DIR")))
+            .unwrap();
+    for row in SECURITY_ROWS {
         assert!(
             security.lines().any(|l| l == row),
-            "the README's table no longer has this row; prove the new one in tests/grants.rs:\n{row}"
+            "docs/security.md's table no longer has this row; prove the new one in tests/grants.rs:\n{row}"
         );
     }
     let rows = security
@@ -720,7 +717,7 @@ fn the_readme_table_is_the_one_proved_here() {
         .skip(2)
         .take_while(|l| l.starts_with('|'))
         .count();
-    assert_eq!(rows, README_ROWS.len(), "a row was added to the table");
+    assert_eq!(rows, SECURITY_ROWS.len(), "a row was added to the table");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -145,7 +145,7 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
     stream.pool.close().await;
 }
 
-/// A role with a password: a wrong one is named as such (exit 69, the password shown nowhere); the right one can come
+/// A role with a password: a wrong one is named as such (exit 77, the password shown nowhere); the right one can come
 /// from libpq's password file instead of the URL, so it need not appear on a command line.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_wrong_password_is_named_and_a_password_file_works() {
@@ -179,9 +179,11 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(69), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(77), "{args:?}: {stderr}");
         assert!(
-            stderr.contains("password authentication failed for user \"pwuser\""),
+            stderr.contains("password authentication failed for user \"pwuser\"")
+                && stderr.contains("refused the login of role \"pwuser\"")
+                && stderr.contains("--database-password-file"),
             "{args:?}: {stderr}"
         );
         assert!(!stderr.contains("Wrong-Pw-17"), "{args:?}: {stderr}");
@@ -242,7 +244,7 @@ async fn a_wrong_password_is_named_and_a_password_file_works() {
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(69), "{stderr}");
+    assert_eq!(out.status.code(), Some(77), "{stderr}");
     assert!(
         stderr.contains("password authentication failed for user \"pwuser\""),
         "{stderr}"

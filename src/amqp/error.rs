@@ -18,6 +18,23 @@ impl BrokerError {
     pub fn is_refusal(&self) -> bool {
         self.0.is_amqp_soft_error()
     }
+
+    /// The broker refused for want of a permission (`ACCESS_REFUSED` on a queue or an exchange).
+    pub fn is_access_refused(&self) -> bool {
+        matches!(
+            self.0.kind(),
+            lapin::ErrorKind::ProtocolError(e)
+                if matches!(e.kind(), lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::ACCESSREFUSED))
+        )
+    }
+
+    /// What to do about it, when there is something to say: the permission to grant.
+    pub fn fix(&self) -> Option<&'static str> {
+        self.is_access_refused().then_some(
+            "grant the user the permission with `rabbitmqctl set_permissions` (docs/security.md lists what each \
+             command needs)",
+        )
+    }
 }
 
 impl From<lapin::Error> for Error {

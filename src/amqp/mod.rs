@@ -162,10 +162,7 @@ impl Broker {
         };
         match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
             Ok(Ok(connection)) => Ok(connection),
-            Ok(Err(e)) => Err(Error::BrokerUnavailable {
-                url: self.display_url(),
-                reason: redact::text(&e.to_string()),
-            }),
+            Ok(Err(e)) => Err(self.diagnose(&e)),
             Err(_) => Err(Error::BrokerUnavailable {
                 url: self.display_url(),
                 reason: format!(
@@ -173,6 +170,50 @@ impl Broker {
                     humantime::format_duration(CONNECT_TIMEOUT)
                 ),
             }),
+        }
+    }
+}
+
+impl Broker {
+    /// The one place RabbitMQ's refusals of a connection become inboxctl's errors (the policy is in [`Error`]): a
+    /// refused login, a vhost that does not exist or is closed to the user, else a broker that cannot be used.
+    fn diagnose(&self, error: &lapin::Error) -> Error {
+        use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
+        let url = self.display_url();
+        let reason = redact::text(&error.to_string());
+        let lapin::ErrorKind::ProtocolError(refusal) = error.kind() else {
+            return Error::BrokerUnavailable { url, reason };
+        };
+        let said = redact::text(refusal.get_message().as_str());
+        match refusal.kind() {
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+                if said.contains("Login was refused") =>
+            {
+                Error::BrokerLoginRefused {
+                    url,
+                    user: self.username().to_owned(),
+                    reason: said,
+                }
+            }
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) if said.contains("not found") => {
+                Error::VhostMissing {
+                    url,
+                    vhost: self.vhost().to_owned(),
+                    user: self.username().to_owned(),
+                }
+            }
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+            | AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED) => Error::PrivilegeRefused {
+                service: "RabbitMQ",
+                reason: said,
+                fix: format!(
+                    "let the user in: `rabbitmqctl set_permissions -p {} {} '.*' '.*' '.*'` (or the narrower grants of \
+                     docs/security.md)",
+                    self.vhost(),
+                    self.username()
+                ),
+            },
+            _ => Error::BrokerUnavailable { url, reason },
         }
     }
 }

@@ -116,6 +116,14 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
                 url: broker.display_url(),
                 reason: format!("{reason}; {done}"),
             }
+        } else if report.refused {
+            crate::error::Error::PrivilegeRefused {
+                service: "RabbitMQ",
+                reason: format!("{reason}; {done}"),
+                fix: "grant the user the permission with `rabbitmqctl set_permissions` (docs/security.md lists \
+                      what each command needs)"
+                    .to_owned(),
+            }
         } else {
             crate::error::Error::Topology(format!("{reason}; {done}"))
         });

@@ -16,7 +16,7 @@ pub struct Args {
     #[arg(long, default_value = "1m", value_parser = parse_window)]
     pub window: Duration,
 
-    /// Print JSON (the shape is documented in the README and stable)
+    /// Print JSON (the shape is documented in docs/commands.md and stable)
     #[arg(long)]
     pub json: bool,
 }
@@ -25,6 +25,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let db = global.connect.database()?;
     let broker = global.connect.broker()?;
     let pool = db.pool(2).await?;
+    stats::check_schema(&pool, &db).await?;
     let connection = match broker.connect("inboxctl stats").await {
         Ok(c) => Some(c),
         Err(e) => {

@@ -18,7 +18,7 @@ pub(super) fn bookkeeping_failed(
     error: &sqlx::Error,
 ) {
     static WARNED: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
-    let text = crate::redact::text(&error.to_string());
+    let text = crate::redact::text(&crate::db::describe(error));
     let first = !crate::db::is_transient(error) && {
         let mut warned = lock(&WARNED);
         !warned.contains(&what) && {

@@ -407,17 +407,17 @@ pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error
         .database_up
         .send_if_modified(|up| std::mem::replace(up, false))
     {
-        let text = crate::redact::text(&error.to_string());
+        let text = crate::redact::text(&crate::db::describe(error));
         if crate::db::is_transient(error) {
             tracing::error!(error = %text, "PostgreSQL unavailable: holding deliveries until it is back");
         } else {
             // A missing grant or table: the inbox's own statements fail, whatever the message. Held, never acked.
             tracing::error!(
                 error = %text,
-                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding                  deliveries until they succeed; see the README's security section for the grants"
+                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding                  deliveries until they succeed; docs/security.md lists the grants"
             );
         }
     } else {
-        tracing::debug!(error = %crate::redact::text(&error.to_string()), "PostgreSQL still unavailable");
+        tracing::debug!(error = %crate::redact::text(&crate::db::describe(error)), "PostgreSQL still unavailable");
     }
 }

@@ -227,16 +227,24 @@ fn logged(text: &str) -> String {
     sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
 }
 
-/// The error and its causes, one per line.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
+/// The error and its causes, one per line; a PostgreSQL error as [`crate::db::describe`] tells it (without the
+/// server's internal source line).
+fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
+    fn told(e: &(dyn std::error::Error + 'static)) -> (String, bool) {
+        match e.downcast_ref::<sqlx::Error>() {
+            Some(db) => (crate::db::describe(db), true),
+            None => (e.to_string(), false),
+        }
+    }
+    let (mut text, mut last) = told(error);
     let mut source = error.source();
-    while let Some(cause) = source {
-        let line = cause.to_string();
+    while let (false, Some(cause)) = (last, source) {
+        let (line, db) = told(cause);
         if !text.contains(&line) {
             text.push_str("\ncaused by: ");
             text.push_str(&line);
         }
+        last = db;
         source = cause.source();
     }
     text

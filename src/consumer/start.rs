@@ -230,19 +230,14 @@ async fn close_pool(pool: PgPool) {
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
 async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
-    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
-    for table in [
+    let tables = [
         "inbox_messages",
         "inboxctl_events",
         "inboxctl_consumers",
         "inboxctl_fingerprints",
-    ] {
-        if !schema::table_exists(&mut conn, table).await? {
-            return Err(Error::SchemaMissing {
-                database: db.name(),
-            });
-        }
-    }
+    ];
+    schema::require_tables(pool, db, &tables).await?;
+    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
     let differences = schema::inbox_differences(&mut conn).await?;
     if !differences.is_empty() {
         return Err(Error::SchemaIncompatible {
@@ -253,7 +248,7 @@ async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
     Ok(())
 }
 
-/// Refuses to start when the role lacks a privilege the claim or the effect needs (the README's security section),
+/// Refuses to start when the role lacks a privilege the claim or the effect needs (docs/security.md),
 /// naming each: otherwise every delivery would be held with the same error. A missing privilege on
 /// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
 async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
@@ -269,7 +264,7 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
         .await
         .map_err(|e| match db::is_transient(&e) {
             true => db.unavailable(e),
-            false => Error::Database(e),
+            false => Error::from(e),
         })?;
     let (attempts, required): (Vec<_>, Vec<_>) = missing
         .into_iter()

@@ -167,16 +167,77 @@ impl Database {
             .connect_lazy_with(self.options.clone())
     }
 
+    /// A failure to connect or to run a statement, as the policy sees it (see [`diagnose`]).
     pub(crate) fn unavailable(&self, source: sqlx::Error) -> Error {
-        if is_transient(&source) || matches!(&source, sqlx::Error::Database(_)) {
-            Error::DatabaseUnavailable {
-                url: self.display_url(),
-                source,
-            }
-        } else {
-            Error::Database(source)
-        }
+        diagnose(source, Some(self))
     }
+}
+
+/// The one place PostgreSQL's errors become inboxctl's (the policy is in [`Error`]): a server that cannot be reached,
+/// a database that does not exist, a refused login, a missing privilege or table each say what to do. `db` is what
+/// the command was pointed at, when known, for the message. Anything else stays [`Error::Database`].
+pub fn diagnose(error: sqlx::Error, db: Option<&Database>) -> Error {
+    let url = || db.map_or_else(String::new, Database::display_url);
+    let reason = describe(&error);
+    match sqlstate(&error).as_deref() {
+        Some("3D000") => Error::DatabaseMissing {
+            database: db.map_or_else(|| quoted_name(&reason), Database::name),
+            url: url(),
+        },
+        Some("28P01" | "28000") => Error::DatabaseLoginRefused {
+            url: url(),
+            role: db.map_or_else(String::new, |d| d.options().get_username().to_owned()),
+            reason,
+        },
+        Some("42501") => Error::PrivilegeRefused {
+            service: "PostgreSQL",
+            reason,
+            fix: "grant the role what the command needs (docs/security.md lists it per command)"
+                .to_owned(),
+        },
+        Some("42P01") => Error::SchemaMissing {
+            database: db.map(Database::name),
+        },
+        // Met connecting (`db` known): whatever the server said, it could not be used.
+        _ if db.is_some()
+            && (is_transient(&error) || matches!(error, sqlx::Error::Database(_))) =>
+        {
+            Error::DatabaseUnavailable { url: url(), reason }
+        }
+        _ => Error::Database(error),
+    }
+}
+
+/// What went wrong, for a person: the server's message (with its detail), never its internal source line (which
+/// sqlx's own display of a server error appends as `at line N`).
+pub fn describe(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(e) => {
+            let mut text = e.message().to_owned();
+            if let Some(detail) = e
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .and_then(|pg| pg.detail())
+            {
+                text.push_str(" (");
+                text.push_str(detail);
+                text.push(')');
+            }
+            text
+        }
+        sqlx::Error::PoolTimedOut => format!(
+            "no connection within {} (the server does not answer, or takes no more connections)",
+            humantime::format_duration(ACQUIRE_TIMEOUT)
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// The first double-quoted name in a server message (`database "x" does not exist`).
+fn quoted_name(message: &str) -> String {
+    message
+        .split('"')
+        .nth(1)
+        .map_or_else(|| "?".to_owned(), str::to_owned)
 }
 
 statements! {

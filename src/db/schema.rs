@@ -188,7 +188,16 @@ async fn migrate_locked(
         .collect();
     if !dry_run && !pending.is_empty() {
         drop_invalid_indexes(conn).await?;
-        migrator.run_direct(None, conn, false).await?;
+        migrator
+            .run_direct(None, conn, false)
+            .await
+            .map_err(|e| match e {
+                // A statement of a migration the server refused: the same policy as any statement (a privilege
+                // missing is exit 77 and names the grant).
+                sqlx::migrate::MigrateError::Execute(e)
+                | sqlx::migrate::MigrateError::ExecuteMigration(e, _) => Error::from(e),
+                other => Error::Migrate(other),
+            })?;
     }
     Ok(MigrateReport {
         database: database.to_owned(),
@@ -243,15 +252,27 @@ pub async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool> {
         .await?)
 }
 
+/// Refuses a database that lacks any of `tables` (one `migrate` has not prepared, or one from before a table was
+/// added): [`Error::SchemaMissing`], which says to run `migrate`.
+pub async fn require_tables(pool: &sqlx::PgPool, db: &Database, tables: &[&str]) -> Result<()> {
+    let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
+    for table in tables {
+        if !table_exists(&mut conn, table).await? {
+            return Err(Error::SchemaMissing {
+                database: Some(db.name()),
+            });
+        }
+    }
+    Ok(())
+}
+
 async fn database_exists(db: &Database, name: &str) -> Result<bool> {
     match db.connect().await {
         Ok(conn) => {
             let _ = conn.close().await;
             Ok(true)
         }
-        Err(Error::DatabaseUnavailable { source, .. })
-            if super::sqlstate(&source).as_deref() == Some("3D000") =>
-        {
+        Err(Error::DatabaseMissing { .. }) => {
             let mut admin = maintenance_connection(db).await?;
             let exists = sqlx::query_scalar(DATABASE_EXISTS)
                 .bind(name)
@@ -278,7 +299,7 @@ async fn create_database(db: &Database, name: &str) -> Result<bool> {
         }
         // Another `migrate` created it first: what we wanted.
         Err(e) if matches!(super::sqlstate(&e).as_deref(), Some("42P04" | "23505")) => Ok(false),
-        Err(e) => Err(Error::Database(e)),
+        Err(e) => Err(Error::from(e)),
     }
 }
 

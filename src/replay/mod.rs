@@ -151,5 +151,8 @@ pub struct Report {
     pub stopped: Option<String>,
     /// Whether `stopped` is a lost connection (as opposed to a refusal).
     pub connection_lost: bool,
+    /// Whether `stopped` is the broker refusing for want of a permission (exit 77).
+    #[serde(skip)]
+    pub refused: bool,
     pub items: Vec<Item>,
 }

@@ -54,6 +54,7 @@ pub async fn run(
             already_replayed: 0,
             stopped: None,
             connection_lost: false,
+            refused: false,
             items: Vec::new(),
         },
     };
@@ -101,6 +102,7 @@ impl State<'_> {
                         return Err(e);
                     }
                     self.report.interrupted = true;
+                    self.report.refused = e.exit_code() == crate::error::exit::NO_PERMISSION;
                     self.report.stopped = Some(crate::redact::text(&e.to_string()));
                     return Ok(());
                 }

@@ -177,7 +177,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-passwor
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l json -d 'Print JSON (the shape is documented in the README and stable)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l json -d 'Print JSON (the shape is documented in docs/commands.md and stable)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s V -l version -d 'Print version'

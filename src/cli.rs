@@ -8,12 +8,20 @@ use crate::cmd::Command;
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/parceltracker";
 pub const DEFAULT_AMQP_URL: &str = "amqp://127.0.0.1:5672/%2f";
 
+/// `inboxctl --version`: the version and the git commit it was built from (see `build.rs`).
+pub const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("INBOXCTL_COMMIT"),
+    ")"
+);
+
 /// The operator's tool for the Inbox pattern on PostgreSQL + RabbitMQ: exactly-once consumers, the inbox schema,
 /// cleanup, replay of dead-lettered messages, and a live view of duplicates and unprocessed rows.
 #[derive(Debug, Parser)]
 #[command(
     name = "inboxctl",
-    version,
+    version = VERSION,
     propagate_version = true,
     max_term_width = 110
 )]

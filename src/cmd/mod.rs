@@ -7,6 +7,7 @@ pub mod demo;
 pub mod migrate;
 mod progress;
 pub mod publish;
+pub mod reference;
 pub mod replay;
 pub mod stats;
 pub mod top;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Makes sure the services the tests use are up: PostgreSQL on 127.0.0.1:5432 and RabbitMQ on 127.0.0.1:5672.
-# Installs them from Debian's packages if missing (as root), starts them if stopped, waits until they answer.
-# Safe to run any number of times; changes nothing about a server that is already running.
+# Makes sure the services inboxctl's demo and tests use are up: PostgreSQL on 127.0.0.1:5432 and RabbitMQ on
+# 127.0.0.1:5672. Installs them from Debian's packages if missing (as root), starts them if stopped, waits until they
+# answer. With --for-tests, also the tools the test suite calls. Safe to run any number of times; changes nothing
+# about a server that is already running.
 set -euo pipefail
 
 READY_TIMEOUT="${INBOXCTL_READY_TIMEOUT:-120}"
@@ -49,6 +50,8 @@ fi
 wait_for "RabbitMQ" timeout 30 rabbitmqctl -q await_startup
 log "RabbitMQ ready on 127.0.0.1:5672"
 
+[ "${1:-}" = "--for-tests" ] || exit 0
+
 # ---- tools the tests call ----
 command -v psql >/dev/null 2>&1 || apt_install postgresql-client
 command -v tmux >/dev/null 2>&1 || apt_install tmux
@@ -58,4 +61,7 @@ command -v openssl >/dev/null 2>&1 || apt_install openssl
 # The metrics test checks /metrics with Prometheus' own checker, promtool, from Debian's prometheus package (the
 # tests use nothing else of it).
 command -v promtool >/dev/null 2>&1 || apt_install prometheus
+# compose.yaml is validated (offline) by Debian's docker-compose; the manual page is rendered by man.
+command -v docker-compose >/dev/null 2>&1 || apt_install docker-compose
+command -v man >/dev/null 2>&1 || apt_install man-db
 command -v cargo-nextest >/dev/null 2>&1 || cargo nextest --version >/dev/null 2>&1 || fail "cargo-nextest is missing (cargo install cargo-nextest)"

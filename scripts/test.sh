@@ -4,5 +4,5 @@
 # Extra arguments go to nextest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/services.sh
+scripts/services.sh --for-tests
 exec cargo nextest run --workspace --features inboxctl/failpoints --profile ci "$@"

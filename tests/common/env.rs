@@ -7,7 +7,7 @@ use lapin::{Connection, ConnectionProperties};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use uuid::Uuid;
 
-use super::{Output, Proc, admin_pool, quote_ident, rabbitmqctl};
+use super::{Output, Proc, admin_pool, quote_ident, vhosts};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_inboxctl");
 
@@ -40,9 +40,7 @@ impl TestEnv {
     pub async fn bare() -> Self {
         let id = Uuid::new_v4().simple().to_string();
         let db_name = format!("inboxctl_test_{}", &id[..16]);
-        let vhost = format!("inboxctl-test-{}", &id[..16]);
-        rabbitmqctl(&["add_vhost", &vhost]);
-        rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
+        let vhost = fresh_vhost().await;
         Self {
             database_url: format!("{}/{db_name}", pg_base()),
             db_name,
@@ -126,6 +124,7 @@ impl Drop for TestEnv {
     fn drop(&mut self) {
         if std::env::var_os("INBOXCTL_TEST_KEEP").is_some() {
             eprintln!("kept database {} and vhost {}", self.db_name, self.vhost);
+            vhosts::give_back(&self.vhost, true);
             return;
         }
         let drop_database = format!(
@@ -143,12 +142,23 @@ impl Drop for TestEnv {
                 ])
                 .output(),
         );
-        report_cleanup(
-            &format!("rabbitmqctl delete_vhost {}", self.vhost),
-            Command::new("rabbitmqctl")
-                .args(["-q", "delete_vhost", &self.vhost])
-                .output(),
-        );
+        vhosts::give_back(&self.vhost, false);
+    }
+}
+
+/// A vhost from the pool ([`vhosts`]) that the broker knows (one made before the broker was reset is not).
+async fn fresh_vhost() -> String {
+    loop {
+        let vhost = vhosts::take();
+        let url = format!("{}/{vhost}", amqp_base());
+        match Connection::connect(&url, ConnectionProperties::default()).await {
+            Ok(connection) => {
+                let _ = connection.close(200, "OK".into()).await;
+                return vhost;
+            }
+            Err(e) if e.to_string().contains("not found") => vhosts::give_back(&vhost, false),
+            Err(e) => panic!("connect to RabbitMQ at {url}: {e}"),
+        }
     }
 }
 

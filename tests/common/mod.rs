@@ -14,6 +14,7 @@
 //! - `proxy`: [`Proxy`], a loopback TCP proxy a test cuts for an outage;
 //! - `fixtures`: captured deliveries, fresh parcel events, test-made certificates;
 //! - `modes`: the two modes every guarantee test runs in (`in_both_modes!`);
+//! - `vhosts`: the tests' RabbitMQ vhosts, made and removed in bulk (a `rabbitmqctl` call costs 1.5 s of CPU);
 //! - `wait`: [`eventually`]; `faults`: the fault tests' choreography and the exactly-once check they end with;
 //! - [`raw_amqp`]: a frame-by-frame publisher for what lapin cannot send.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -44,6 +45,8 @@ pub use process::*;
 
 mod proxy;
 pub use proxy::*;
+
+pub mod vhosts;
 
 mod wait;
 pub use wait::*;

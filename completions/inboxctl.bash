@@ -674,7 +674,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish__subcmd__parcel__subcmd__created)
-            opts="-v -h -V --count --duplicates --rate --destination --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --count --duplicates --rate --destination --id-kind --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -694,6 +694,10 @@ _inboxctl() {
                     ;;
                 --destination)
                     COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --id-kind)
+                    COMPREPLY=($(compgen -W "newid v7 v4" -- "${cur}"))
                     return 0
                     ;;
                 --exchange)

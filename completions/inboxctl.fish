@@ -67,7 +67,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l retry-dela
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l claim-timeout -d 'How long a copy waits for another process\'s in-flight attempt at the same message before it backs off (from 100ms to 24 days)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exit-when-idle -d 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l shutdown-timeout -d 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-size -d 'Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per message). At most 64' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-size -d 'Up to this many deliveries share one transaction, their effects written together (1: one transaction per message). At most 64' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l batch-wait -d 'How long a batch waits to fill, only while another batch is running (a lone message never waits)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l poison-after -d 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l on-conflict -d 'What to do with a message whose id was processed before for another event (a producer reusing ids): it is never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look, discard drops it like a duplicate' -r -f -a "dead-letter\t'Moved to <queue>_error with the reason, for someone to look at: it is a bug upstream'
@@ -141,6 +141,9 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l duplicates -d 'Fraction of them published twice with the same message id (half at once, half after the rest), 0 to 1' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l rate -d 'Messages per second, copies included, from 0.001 to 1000000 (default: as fast as the broker confirms)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l destination -d 'Every parcel\'s destination (default: a rotation of cities)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l id-kind -d 'The kind of message ids: MassTransit\'s NewId (what a MassTransit publisher sends), UUIDv7 (time first) or random v4' -r -f -a "newid\t''
+v7\t''
+v4\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r

@@ -65,6 +65,7 @@ pub async fn run(
         duplicates: demo.duplicates,
         rate: None,
         destination: None,
+        ids: Default::default(),
     };
     let published = producer::publish(
         &connection,

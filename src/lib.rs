@@ -16,6 +16,7 @@ pub mod db;
 pub mod demo;
 pub mod error;
 pub mod failpoint;
+pub mod ids;
 pub mod inbox;
 pub mod logging;
 pub mod metrics;

@@ -87,6 +87,20 @@ pub trait Carrier: Send + Sync + 'static {
         tx: &'c mut PgConnection,
         request: &'c PickupRequest,
     ) -> BoxFuture<'c, Result<PickupSlot, WorkError>>;
+
+    /// Several bookings (a batch's); all or nothing. The default books one after another.
+    fn reserve_pickups<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        requests: &'c [PickupRequest],
+    ) -> BoxFuture<'c, Result<(), WorkError>> {
+        Box::pin(async move {
+            for request in requests {
+                self.reserve_pickup(&mut *tx, request).await?;
+            }
+            Ok(())
+        })
+    }
 }
 
 /// An SMS gateway.
@@ -96,6 +110,20 @@ pub trait SmsGateway: Send + Sync + 'static {
         tx: &'c mut PgConnection,
         sms: &'c Sms,
     ) -> BoxFuture<'c, Result<(), WorkError>>;
+
+    /// Several texts (a batch's); all or nothing. The default sends one after another.
+    fn send_all<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        texts: &'c [Sms],
+    ) -> BoxFuture<'c, Result<(), WorkError>> {
+        Box::pin(async move {
+            for sms in texts {
+                self.send(&mut *tx, sms).await?;
+            }
+            Ok(())
+        })
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -116,6 +144,23 @@ pub struct StandInCarrier {
     pub fail_destination: Option<String>,
 }
 
+impl StandInCarrier {
+    /// The booking the stand-in makes for `request`, or the error of a carrier that is down for its destination.
+    async fn booking(&self, request: &PickupRequest) -> Result<effects::Reservation, WorkError> {
+        failpoint::hit_with("carrier", &request.destination).await;
+        if self.fail_destination.as_deref() == Some(request.destination.as_str()) {
+            return Err(WorkError::msg("carrier API returned 503"));
+        }
+        Ok(effects::Reservation {
+            parcel_id: request.parcel_id,
+            slot_id: Uuid::new_v4(),
+            pickup_at: next_morning(Utc::now()),
+            message_id: request.message_id,
+            idempotency_key: request.idempotency_key,
+        })
+    }
+}
+
 impl Carrier for StandInCarrier {
     fn reserve_pickup<'c>(
         &'c self,
@@ -123,23 +168,28 @@ impl Carrier for StandInCarrier {
         request: &'c PickupRequest,
     ) -> BoxFuture<'c, Result<PickupSlot, WorkError>> {
         Box::pin(async move {
-            failpoint::hit_with("carrier", &request.destination).await;
-            if self.fail_destination.as_deref() == Some(request.destination.as_str()) {
-                return Err(WorkError::msg("carrier API returned 503"));
-            }
-            let slot = PickupSlot {
-                slot_id: Uuid::new_v4(),
-                pickup_at: next_morning(Utc::now()),
-            };
-            let reservation = effects::Reservation {
-                parcel_id: request.parcel_id,
-                slot_id: slot.slot_id,
-                pickup_at: slot.pickup_at,
-                message_id: request.message_id,
-                idempotency_key: request.idempotency_key,
-            };
+            let reservation = self.booking(request).await?;
             effects::insert_carrier_reservation(tx, &reservation).await?;
-            Ok(slot)
+            Ok(PickupSlot {
+                slot_id: reservation.slot_id,
+                pickup_at: reservation.pickup_at,
+            })
+        })
+    }
+
+    /// Every booking in one statement.
+    fn reserve_pickups<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        requests: &'c [PickupRequest],
+    ) -> BoxFuture<'c, Result<(), WorkError>> {
+        Box::pin(async move {
+            let mut reservations = Vec::with_capacity(requests.len());
+            for request in requests {
+                reservations.push(self.booking(request).await?);
+            }
+            effects::insert_carrier_reservations(tx, &reservations).await?;
+            Ok(())
         })
     }
 }
@@ -151,6 +201,27 @@ pub struct StandInSms {
     pub fail_destination: Option<String>,
 }
 
+impl StandInSms {
+    /// The error of a gateway that is down for `sms`'s destination, if it is.
+    async fn check(&self, sms: &Sms) -> Result<(), WorkError> {
+        failpoint::hit_with("sms", &sms.destination).await;
+        if self.fail_destination.as_deref() == Some(sms.destination.as_str()) {
+            return Err(WorkError::msg("SMS gateway returned 503"));
+        }
+        Ok(())
+    }
+}
+
+fn notification(sms: &Sms) -> effects::Notification<'_> {
+    effects::Notification {
+        parcel_id: sms.parcel_id,
+        tracking_number: &sms.tracking_number,
+        body: &sms.body,
+        message_id: sms.message_id,
+        idempotency_key: sms.idempotency_key,
+    }
+}
+
 impl SmsGateway for StandInSms {
     fn send<'c>(
         &'c self,
@@ -158,18 +229,24 @@ impl SmsGateway for StandInSms {
         sms: &'c Sms,
     ) -> BoxFuture<'c, Result<(), WorkError>> {
         Box::pin(async move {
-            failpoint::hit_with("sms", &sms.destination).await;
-            if self.fail_destination.as_deref() == Some(sms.destination.as_str()) {
-                return Err(WorkError::msg("SMS gateway returned 503"));
+            self.check(sms).await?;
+            effects::insert_notification_sent(tx, &notification(sms)).await?;
+            Ok(())
+        })
+    }
+
+    /// Every text in one statement.
+    fn send_all<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        texts: &'c [Sms],
+    ) -> BoxFuture<'c, Result<(), WorkError>> {
+        Box::pin(async move {
+            for sms in texts {
+                self.check(sms).await?;
             }
-            let notification = effects::Notification {
-                parcel_id: sms.parcel_id,
-                tracking_number: &sms.tracking_number,
-                body: &sms.body,
-                message_id: sms.message_id,
-                idempotency_key: sms.idempotency_key,
-            };
-            effects::insert_notification_sent(tx, &notification).await?;
+            let rows: Vec<effects::Notification<'_>> = texts.iter().map(notification).collect();
+            effects::insert_notifications_sent(tx, &rows).await?;
             Ok(())
         })
     }
@@ -186,6 +263,16 @@ pub struct CarrierConsumer<K: Carrier> {
     pub carrier: K,
 }
 
+fn pickup_request(context: &MessageContext, event: &ParcelCreatedEvent) -> PickupRequest {
+    PickupRequest {
+        parcel_id: event.parcel_id,
+        tracking_number: event.tracking_number.clone(),
+        destination: event.destination.clone(),
+        message_id: context.message_id,
+        idempotency_key: context.idempotency_key(),
+    }
+}
+
 impl<K: Carrier> Consumer for CarrierConsumer<K> {
     type Message = ParcelCreatedEvent;
     const MESSAGE_TYPE: &'static str = PARCEL_CREATED_URN;
@@ -196,16 +283,24 @@ impl<K: Carrier> Consumer for CarrierConsumer<K> {
         context: &'c MessageContext,
         event: &'c ParcelCreatedEvent,
     ) -> Result<(), WorkError> {
-        let request = PickupRequest {
-            parcel_id: event.parcel_id,
-            tracking_number: event.tracking_number.clone(),
-            destination: event.destination.clone(),
-            message_id: context.message_id,
-            idempotency_key: context.idempotency_key(),
-        };
-        let slot = self.carrier.reserve_pickup(tx, &request).await?;
+        let slot = self
+            .carrier
+            .reserve_pickup(tx, &pickup_request(context, event))
+            .await?;
         tracing::debug!(parcel_id = %event.parcel_id, slot_id = %slot.slot_id, "pickup reserved");
         Ok(())
+    }
+
+    async fn consume_batch<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [&'c (MessageContext, ParcelCreatedEvent)],
+    ) -> Result<(), WorkError> {
+        let requests: Vec<PickupRequest> = batch
+            .iter()
+            .map(|(context, event)| pickup_request(context, event))
+            .collect();
+        self.carrier.reserve_pickups(tx, &requests).await
     }
 }
 
@@ -224,18 +319,33 @@ impl<G: SmsGateway> Consumer for NotificationConsumer<G> {
         context: &'c MessageContext,
         event: &'c ParcelCreatedEvent,
     ) -> Result<(), WorkError> {
-        let sms = Sms {
-            parcel_id: event.parcel_id,
-            destination: event.destination.clone(),
-            tracking_number: event.tracking_number.clone(),
-            body: format!(
-                "Your parcel {} to {} is registered.",
-                event.tracking_number, event.destination
-            ),
-            message_id: context.message_id,
-            idempotency_key: context.idempotency_key(),
-        };
-        self.gateway.send(tx, &sms).await
+        self.gateway.send(tx, &sms(context, event)).await
+    }
+
+    async fn consume_batch<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [&'c (MessageContext, ParcelCreatedEvent)],
+    ) -> Result<(), WorkError> {
+        let texts: Vec<Sms> = batch
+            .iter()
+            .map(|(context, event)| sms(context, event))
+            .collect();
+        self.gateway.send_all(tx, &texts).await
+    }
+}
+
+fn sms(context: &MessageContext, event: &ParcelCreatedEvent) -> Sms {
+    Sms {
+        parcel_id: event.parcel_id,
+        destination: event.destination.clone(),
+        tracking_number: event.tracking_number.clone(),
+        body: format!(
+            "Your parcel {} to {} is registered.",
+            event.tracking_number, event.destination
+        ),
+        message_id: context.message_id,
+        idempotency_key: context.idempotency_key(),
     }
 }
 

@@ -8,6 +8,8 @@ use chrono::Utc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::ids::IdKind;
+
 use crate::amqp::envelope::{EnvelopeOut, HostInfo, format_time, masstransit_properties};
 use crate::amqp::publish::{ConfirmChannel, Pending, PublishError, Routed};
 use crate::amqp::{BasicProperties, Broker, Connection, GaveUp, Link};
@@ -46,6 +48,8 @@ pub struct Plan {
     pub rate: Option<f64>,
     /// Every parcel's destination; a rotation of cities when `None`.
     pub destination: Option<String>,
+    /// The kind of message ids: MassTransit's NewId by default, as a MassTransit publisher sends.
+    pub ids: IdKind,
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -75,7 +79,7 @@ pub fn messages(plan: &Plan) -> Vec<Message> {
     let run = Uuid::new_v4().simple().to_string();
     (0..plan.count)
         .map(|i| Message {
-            message_id: Uuid::now_v7(),
+            message_id: plan.ids.next(),
             event: ParcelCreatedEvent {
                 parcel_id: Uuid::new_v4(),
                 tracking_number: format!("PT{}{:08}NL", &run[..4].to_uppercase(), i + 1),
@@ -456,6 +460,7 @@ mod tests {
             duplicates: 0.0,
             rate: None,
             destination: None,
+            ids: IdKind::NewId,
         };
         let message = messages(&plan).remove(0);
         let (props, body) = envelope(&message, &broker, "X:Y", &HostInfo::current());

@@ -103,34 +103,36 @@ async fn carrier_and_notification_each_take_every_message_once_in_one_transactio
         )
         .await;
         if mode == common::BATCHED {
-            // Batched: the claims of a batch commit in one transaction (the effects in its savepoints).
+            // Batched: a batch's claims and effects commit in one transaction.
             assert!(
                 transactions < 40,
                 "{consumer_type}: {transactions} transactions for 40 messages"
             );
         } else {
-            // One transaction per message (docs/architecture.md: extra transactions), holding both the inbox row and the effect (no split transaction).
+            // One transaction per message (docs/architecture.md: extra transactions).
             assert_eq!(
                 transactions, 40,
                 "{consumer_type}: one transaction per message"
             );
-            let same_transaction: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(rows(
-                "SELECT count(*) FROM inbox_messages i JOIN EFFECTS e ON e.message_id = i.id
-                 WHERE i.consumer_type = $1 AND i.xmin::text = e.xmin::text",
-            )))
-            .bind(consumer_type)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-            assert_eq!(
-                same_transaction, 40,
-                "{consumer_type}: effect and inbox row commit together"
-            );
         }
+        // The inbox row and the effect in the same transaction (no split transaction), and no savepoint between
+        // them (a savepoint's writes carry its subtransaction's xmin).
+        let same_transaction: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(rows(
+            "SELECT count(*) FROM inbox_messages i JOIN EFFECTS e ON e.message_id = i.id
+             WHERE i.consumer_type = $1 AND i.xmin::text = e.xmin::text",
+        )))
+        .bind(consumer_type)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            same_transaction, 40,
+            "{consumer_type}: effect and inbox row commit together"
+        );
 
         // In either mode, each effect commits with its own inbox row: the row of its message id and consumer_type
-        // was inserted by the same top-level transaction (in batched mode the effect's xmin is its savepoint's, so
-        // the transaction is told by `committed_in`; see `common::record_inserting_transactions`).
+        // was inserted by the same top-level transaction (told by `committed_in`, whatever a subtransaction would
+        // make of xmin; see `common::record_inserting_transactions`).
         let apart: Vec<(Uuid, Option<String>, Option<String>)> =
             sqlx::query_as(sqlx::AssertSqlSafe(rows(
                 "SELECT e.message_id, e.committed_in::text, i.committed_in::text FROM EFFECTS e

@@ -14,7 +14,7 @@ use sqlx::PgPool;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
-async fn setup() -> (TestEnv, PgPool, Inbox) {
+pub(crate) async fn setup() -> (TestEnv, PgPool, Inbox) {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     sqlx::raw_sql("CREATE TABLE effects (message_id uuid NOT NULL, label text NOT NULL)")
@@ -25,7 +25,7 @@ async fn setup() -> (TestEnv, PgPool, Inbox) {
     (env, pool, inbox)
 }
 
-async fn insert_effect(
+pub(crate) async fn insert_effect(
     tx: &mut sqlx::PgConnection,
     id: Uuid,
     label: &str,
@@ -100,7 +100,7 @@ async fn second_copy_waiting(
     task
 }
 
-async fn effects(pool: &PgPool) -> Vec<String> {
+pub(crate) async fn effects(pool: &PgPool) -> Vec<String> {
     sqlx::query_scalar("SELECT label FROM effects ORDER BY label")
         .fetch_all(pool)
         .await
@@ -448,7 +448,7 @@ fn member_of_event(id: Uuid, fingerprint: Fingerprint, label: &'static str) -> M
 }
 
 /// What became of each member, in a word.
-fn kinds(outcomes: &[MemberOutcome<()>]) -> Vec<&'static str> {
+pub(crate) fn kinds(outcomes: &[MemberOutcome<()>]) -> Vec<&'static str> {
     outcomes
         .iter()
         .map(|o| match o {

@@ -11,6 +11,7 @@ mod common;
 #[path = "../fuzz/checks.rs"]
 mod fuzz_checks;
 
+mod batch;
 mod chaos;
 mod cleanup;
 mod cli;

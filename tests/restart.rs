@@ -346,9 +346,13 @@ async fn postgres_over_tls_verified_against_a_ca_file() {
     );
     assert!(stderr.to_lowercase().contains("certificate"), "{stderr}");
 
+    // The server refuses the login itself (pg_hba.conf): a refused login, exit 77, naming pg_hba.conf.
     let (code, _, stderr) = run(&url("disable", None), &["migrate"]);
-    assert_eq!(code, Some(69), "{stderr}");
-    assert!(stderr.contains("no encryption"), "{stderr}");
+    assert_eq!(code, Some(77), "{stderr}");
+    assert!(
+        stderr.contains("no encryption") && stderr.contains("pg_hba.conf"),
+        "{stderr}"
+    );
 
     let _ = std::fs::remove_dir_all(&certs);
 }

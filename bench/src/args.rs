@@ -75,7 +75,7 @@ pub struct Args {
 
     /// The modes to measure, in this order within each repeat (peer needs Node.js and npm: it installs
     /// pg-transactional-outbox once into INBOXCTL_BENCH_PEER_DIR or the user's cache directory)
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Mode::Ceiling, Mode::Bare, Mode::Tutorial, Mode::Inbox, Mode::InboxBatched, Mode::Peer])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Mode::Ceiling, Mode::CeilingBatched, Mode::Bare, Mode::Tutorial, Mode::Inbox, Mode::InboxBatched, Mode::Peer])]
     pub modes: Vec<Mode>,
 
     /// Messages processed at once, by every mode (connections, for the ceiling)
@@ -135,6 +135,10 @@ pub struct Args {
     /// Keep the scratch databases and queues afterwards
     #[arg(long)]
     pub keep: bool,
+
+    /// The kind of message ids published: MassTransit's NewId (what a MassTransit publisher sends), UUIDv7 or v4
+    #[arg(long, value_enum, default_value_t = inboxctl::ids::IdKind::NewId)]
+    pub id_kind: inboxctl::ids::IdKind,
 }
 
 /// Runs the bench, prints its table and writes its JSON.
@@ -164,6 +168,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         duplicate_messages: args.duplicate_messages,
         duplicates: args.duplicates,
         keep: args.keep,
+        ids: args.id_kind,
         cleanup_batch_size: args.cleanup_batch_size,
         cleanup_batch_pause: args.cleanup_batch_pause,
     };

@@ -299,7 +299,7 @@ async fn stream(
     scratch: &Scratch,
     broker: &Broker,
 ) -> Result<(CancellationToken, tokio::task::JoinHandle<Result<Sent>>)> {
-    let stream = messages((RATE * 600.0) as u64);
+    let stream = messages((RATE * 600.0) as u64, inboxctl::ids::IdKind::NewId);
     let stop_stream = CancellationToken::new();
     let connection = broker.connect("inboxctl bench stream").await?;
     let broker = broker.clone();

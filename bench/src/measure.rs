@@ -23,7 +23,9 @@ use chrono::{DateTime, Utc};
 use inboxctl::amqp::Broker;
 use inboxctl::amqp::envelope::HostInfo;
 use inboxctl::db::{Database, schema};
-use inboxctl::inbox::{ConsumerType, Fingerprint, Inbox, ProcessError, Work, WorkError};
+use inboxctl::inbox::{
+    ConsumerType, Fingerprint, Inbox, Member, ProcessError, TogetherWork, Work, WorkError,
+};
 use inboxctl::parcel::{Carrier as _, PickupRequest, StandInCarrier};
 use inboxctl::producer::{self, Plan};
 use lapin::Connection;
@@ -234,18 +236,20 @@ async fn measure(
     options: &Options,
     shutdown: &CancellationToken,
 ) -> Result<Repeat> {
-    if scratch.mode == Mode::Ceiling {
-        return ceiling(scratch, options).await;
+    match scratch.mode {
+        Mode::Ceiling => return ceiling(scratch, options, 1).await,
+        Mode::CeilingBatched => return ceiling(scratch, options, options.batch_size).await,
+        _ => {}
     }
     // Warm-up: the same run, smaller, on the same database and queue; then empty tables for the measured run.
     truncate(scratch).await?;
-    let warm = messages(options.warmup);
+    let warm = messages(options.warmup, options.ids);
     publish(connection, broker, scratch.route(), &warm, None, None).await?;
     consume_until_idle(scratch, broker, options).await?;
 
     // Throughput: everything pre-loaded, first effect to last.
     truncate(scratch).await?;
-    let load = messages(options.messages);
+    let load = messages(options.messages, options.ids);
     publish(connection, broker, scratch.route(), &load, None, None).await?;
     let rss = consume_until_idle(scratch, broker, options).await?;
     let (count, seconds): (i64, Option<f64>) = sqlx::query_as(sql::EFFECT_SPAN)
@@ -276,7 +280,7 @@ async fn steady(
 ) -> Result<Vec<f64>> {
     truncate(scratch).await?;
     let count = (options.latency_rate * options.latency_seconds as f64).round() as u64;
-    let steady = messages(count);
+    let steady = messages(count, options.ids);
     let mut consumer = spawn_consumer(scratch, broker, options, false)?;
     wait_for_consumer(connection, &scratch.queue).await?;
     let rate = Some(options.latency_rate);
@@ -311,6 +315,7 @@ async fn duplicates(
         duplicates: options.duplicates,
         rate: None,
         destination: None,
+        ids: options.ids,
     };
     // A measurement with a lost connection in it would not be one: fail instead of resuming.
     producer::publish(
@@ -329,18 +334,31 @@ async fn duplicates(
     Ok((effects - parcels).unsigned_abs())
 }
 
-/// The database alone: the library's inbox with the carrier's effect, from `concurrency` tasks, as fast as they go.
-async fn ceiling(scratch: &Scratch, options: &Options) -> Result<Repeat> {
+/// The database alone: the library's inbox with the carrier's effect, as fast as it goes — one message a
+/// transaction from `concurrency` tasks, or with `batch` > 1, batches of that size from as many tasks as the batched
+/// consumer runs batch workers, each batch's bookings in one statement as the consumer writes them.
+async fn ceiling(scratch: &Scratch, options: &Options, batch: u16) -> Result<Repeat> {
     truncate(scratch).await?;
     let consumer_type = ConsumerType::new("ceiling").map_err(Error::usage)?;
     let inbox = Inbox::new(scratch.pool.clone(), consumer_type);
+    let batch = u64::from(batch.max(1));
+    let tasks = u64::from(options.concurrency).div_ceil(batch).max(1);
     let run = |count: u64| {
         let next = Arc::new(AtomicU64::new(0));
-        let workers = (0..options.concurrency).map(|_| {
+        let workers = (0..tasks).map(|_| {
             let (inbox, next) = (inbox.clone(), Arc::clone(&next));
             tokio::spawn(async move {
-                while next.fetch_add(1, Ordering::Relaxed) < count {
-                    claim_and_book(&inbox).await?;
+                loop {
+                    let first = next.fetch_add(batch, Ordering::Relaxed);
+                    if first >= count {
+                        break;
+                    }
+                    let n = batch.min(count - first);
+                    if batch == 1 {
+                        claim_and_book(&inbox).await?;
+                    } else {
+                        claim_and_book_batch(&inbox, n).await?;
+                    }
                 }
                 Ok::<(), Error>(())
             })
@@ -359,6 +377,47 @@ async fn ceiling(scratch: &Scratch, options: &Options) -> Result<Repeat> {
         throughput: options.messages as f64 / started.elapsed().as_secs_f64(),
         ..Repeat::default()
     })
+}
+
+/// `n` new messages through the batched inbox: `BEGIN`, the batch's claim, its bookings in one statement, `COMMIT`.
+async fn claim_and_book_batch(inbox: &Inbox, n: u64) -> Result<()> {
+    let requests: Vec<PickupRequest> = (0..n)
+        .map(|_| {
+            let id = Uuid::now_v7();
+            PickupRequest {
+                parcel_id: Uuid::new_v4(),
+                tracking_number: String::new(),
+                destination: String::new(),
+                message_id: id,
+                idempotency_key: id,
+            }
+        })
+        .collect();
+    let members: Vec<Member<()>> = requests
+        .iter()
+        .map(|r| Member {
+            message_id: r.message_id,
+            fingerprint: Some(Fingerprint::from_bytes(*Uuid::new_v4().as_bytes())),
+            work: Box::new(|_| {
+                Box::pin(async { Err(WorkError::msg("the ceiling books together")) })
+            }),
+        })
+        .collect();
+    let together: TogetherWork<()> = Box::new(move |tx, ids| {
+        Box::pin(async move {
+            StandInCarrier::default()
+                .reserve_pickups(tx, &requests)
+                .await?;
+            Ok(vec![(); ids.len()])
+        })
+    });
+    match inbox.process_batch_with(members, Some(together)).await {
+        Ok(_) => Ok(()),
+        Err(ProcessError::Unavailable(e) | ProcessError::Failed(WorkError::Database(e))) => {
+            Err(e.into())
+        }
+        Err(ProcessError::Failed(other)) => Err(std::io::Error::other(other.to_string()).into()),
+    }
 }
 
 /// One new message through the inbox: `BEGIN`, the claim, the stand-in carrier's booking, `COMMIT`.

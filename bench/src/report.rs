@@ -13,6 +13,7 @@ use crate::{cleanup, peer};
 #[serde(rename_all = "kebab-case")]
 pub enum Mode {
     Ceiling,
+    CeilingBatched,
     Bare,
     Tutorial,
     Inbox,
@@ -22,8 +23,9 @@ pub enum Mode {
 
 impl Mode {
     /// Every mode, in the order the tables show them.
-    pub const ALL: [Mode; 6] = [
+    pub const ALL: [Mode; 7] = [
         Mode::Ceiling,
+        Mode::CeilingBatched,
         Mode::Bare,
         Mode::Tutorial,
         Mode::Inbox,
@@ -34,6 +36,7 @@ impl Mode {
     pub fn name(self) -> &'static str {
         match self {
             Mode::Ceiling => "ceiling",
+            Mode::CeilingBatched => "ceiling-batched",
             Mode::Bare => "bare",
             Mode::Tutorial => "tutorial",
             Mode::Inbox => "inbox",
@@ -45,6 +48,7 @@ impl Mode {
     pub fn database_suffix(self) -> &'static str {
         match self {
             Mode::InboxBatched => "inbox_batched",
+            Mode::CeilingBatched => "ceiling_batched",
             other => other.name(),
         }
     }
@@ -67,6 +71,8 @@ pub struct Options {
     pub duplicates: f64,
     /// Keep the scratch databases and queues afterwards.
     pub keep: bool,
+    /// The kind of message ids published.
+    pub ids: inboxctl::ids::IdKind,
     /// The `inboxctl cleanup` settings measured at many rows.
     pub cleanup_batch_size: i64,
     pub cleanup_batch_pause: Duration,
@@ -206,6 +212,7 @@ pub fn ratios(repeats: &BTreeMap<Mode, Vec<Repeat>>) -> BTreeMap<String, Spread>
         (Mode::Inbox, Mode::Peer),
         (Mode::Inbox, Mode::Ceiling),
         (Mode::InboxBatched, Mode::Ceiling),
+        (Mode::InboxBatched, Mode::CeilingBatched),
         (Mode::Bare, Mode::Ceiling),
     ];
     let mut out = BTreeMap::new();

@@ -12,6 +12,7 @@ use inboxctl::amqp::envelope::HostInfo;
 use inboxctl::amqp::publish::{self, Routed};
 use inboxctl::amqp::{Broker, topology};
 use inboxctl::db::Database;
+use inboxctl::ids::IdKind;
 use inboxctl::producer::{self, Message, Plan};
 use lapin::Connection;
 use lapin::options::ConfirmSelectOptions;
@@ -50,13 +51,14 @@ pub async fn drop_database(db: &Database, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// `count` new parcels, each once.
-pub fn messages(count: u64) -> Vec<Message> {
+/// `count` new parcels, each once, their message ids of the kind `ids`.
+pub fn messages(count: u64, ids: IdKind) -> Vec<Message> {
     producer::messages(&Plan {
         count,
         duplicates: 0.0,
         rate: None,
         destination: None,
+        ids,
     })
 }
 
@@ -233,7 +235,7 @@ pub fn spawn_consumer(
             cmd.args(["--batch-size", &options.batch_size.to_string()]);
             "inbox"
         }
-        Mode::Inbox | Mode::Ceiling | Mode::Peer => "inbox",
+        Mode::Inbox | Mode::Ceiling | Mode::CeilingBatched | Mode::Peer => "inbox",
     };
     cmd.args(["--guard", guard]);
     if until_idle {

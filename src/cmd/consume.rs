@@ -83,7 +83,7 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
 
-    /// Up to this many deliveries share one transaction, each in a savepoint of its own (1: one transaction per
+    /// Up to this many deliveries share one transaction, their effects written together (1: one transaction per
     /// message). At most 64
     #[arg(long, default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub batch_size: u16,

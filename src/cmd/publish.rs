@@ -3,6 +3,7 @@
 use crate::amqp::topology;
 use crate::cli::{GlobalOpts, MAX_COUNT, parse_fraction, parse_rate};
 use crate::error::{Error, Outcome, Result};
+use crate::ids::IdKind;
 use crate::producer::{self, Plan};
 use crate::{output, sanitize};
 
@@ -35,6 +36,11 @@ pub struct ParcelCreated {
     /// Every parcel's destination (default: a rotation of cities)
     #[arg(long)]
     pub destination: Option<String>,
+
+    /// The kind of message ids: MassTransit's NewId (what a MassTransit publisher sends), UUIDv7 (time first) or
+    /// random v4
+    #[arg(long, value_enum, default_value_t = IdKind::NewId)]
+    pub id_kind: IdKind,
 
     /// The exchange to publish to
     #[arg(long, default_value = topology::PARCEL_CREATED_EXCHANGE)]
@@ -71,6 +77,7 @@ pub async fn run(
         duplicates: args.duplicates,
         rate: args.rate,
         destination: args.destination,
+        ids: args.id_kind,
     };
     let bar = super::progress::counter(!args.json, "copies confirmed");
     let report = producer::publish_showing(
@@ -126,4 +133,19 @@ pub async fn run(
         return Ok(Outcome::Partial);
     }
     Ok(Outcome::Done)
+}
+
+/// `--id-kind newid|v7|v4`.
+impl clap::ValueEnum for IdKind {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[IdKind::NewId, IdKind::V7, IdKind::V4]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            IdKind::NewId => clap::builder::PossibleValue::new("newid"),
+            IdKind::V7 => clap::builder::PossibleValue::new("v7"),
+            IdKind::V4 => clap::builder::PossibleValue::new("v4"),
+        })
+    }
 }

@@ -17,18 +17,19 @@ use lapin::message::Delivery;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
+use super::acks::ack_all;
 use super::dispatch::{
-    Access, Disposition, Prepared, Ready, attempts, conflict, database_back, database_gone,
-    duplicate, failed, prepare, processed, settle, settle_acker, work,
+    Access, Disposition, Prepared, Ready, attempts, conflict, context, database_back,
+    database_gone, duplicate, failed, prepare, processed, settle, settle_acker,
 };
 use super::run::Link;
 use super::{
-    Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged, panic_message,
-    sleep_or_cancel,
+    Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,
+    panic_message, sleep_or_cancel,
 };
 use crate::backoff::Backoff;
 use crate::failpoint;
-use crate::inbox::{Member, MemberOutcome, ProcessError};
+use crate::inbox::{Member, MemberOutcome, MemberWork, ProcessError, TogetherWork};
 
 /// A delivery waiting for a batch, with the broker connection it came on.
 pub(super) type Queued = (Delivery, Arc<Link>);
@@ -49,9 +50,9 @@ pub(super) async fn worker<C: Consumer>(
     while let Some(batch) = next(&shared, &queue, &running).await {
         while aside.try_join_next().is_some() {}
         running.fetch_add(1, Ordering::SeqCst);
-        let ackers: Vec<(Acker, u64)> = batch
+        let ackers: Vec<(Acker, u64, Arc<Link>)> = batch
             .iter()
-            .map(|(d, _)| (d.acker.clone(), d.delivery_tag))
+            .map(|(d, link)| (d.acker.clone(), d.delivery_tag, Arc::clone(link)))
             .collect();
         if let Err(panic) = AssertUnwindSafe(run(&shared, batch, &mut aside))
             .catch_unwind()
@@ -61,12 +62,16 @@ pub(super) async fn worker<C: Consumer>(
                 panic = %logged(&panic_message(&*panic)),
                 "handling a batch panicked; what it had not settled goes back to the queue"
             );
-            // What the batch settled, or handed to a task of its own, stays as it is.
-            for (acker, tag) in ackers.into_iter().filter(|(a, _)| a.usable()) {
+            // What the batch settled (alone, or with others by a `multiple` ack), or handed to a task of its own,
+            // stays as it is.
+            let unsettled = ackers
+                .into_iter()
+                .filter(|(a, tag, link)| a.usable() && link.outstanding.contains(*tag));
+            for (acker, tag, link) in unsettled {
                 let shared = Arc::clone(&shared);
                 aside.spawn(async move {
                     let disposition = Disposition::RequeueAfter(OUTAGE_DELAY_MAX);
-                    settle_acker(&shared, &acker, tag, disposition).await;
+                    settle_acker(&shared, &link, &acker, tag, disposition).await;
                 });
             }
         }
@@ -112,7 +117,7 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
     for (delivery, link) in batch {
         match prepare(shared, &link, &delivery).await {
             Prepared::Done(disposition) => {
-                finish(shared, aside, delivery, disposition, started).await
+                finish(shared, aside, link, delivery, disposition, started).await
             }
             Prepared::Ready(ready) if ids.insert(ready.incoming.message_id) => {
                 members.push((delivery, link, ready))
@@ -123,39 +128,12 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
 
     match commit(shared, &members).await {
         Committed::Outcomes(outcomes) => {
-            if outcomes
-                .iter()
-                .any(|o| matches!(o, MemberOutcome::Processed(())))
-            {
-                failpoint::hit("after-commit").await;
-            }
-            for ((delivery, link, ready), outcome) in members.into_iter().zip(outcomes) {
-                let id = ready.incoming.message_id;
-                let disposition = match outcome {
-                    MemberOutcome::Processed(()) => {
-                        processed(shared, id);
-                        Disposition::Ack
-                    }
-                    MemberOutcome::Duplicate => {
-                        duplicate(shared, id);
-                        Disposition::Ack
-                    }
-                    MemberOutcome::Conflict(c) => {
-                        conflict(shared, &link, &delivery, &ready, c).await
-                    }
-                    MemberOutcome::Failed(e) => {
-                        let member = (delivery, link, ready);
-                        retry_aside(shared, aside, member, error_chain(&e), started);
-                        continue;
-                    }
-                };
-                finish(shared, aside, delivery, disposition, started).await;
-            }
+            settle_outcomes(shared, aside, members, outcomes, started).await
         }
         Committed::OneByOne => later.extend(members),
         Committed::Stopped => {
-            for (delivery, _, _) in members.iter().chain(&later) {
-                settle(shared, delivery, Disposition::Requeue, started).await;
+            for (delivery, link, _) in members.iter().chain(&later) {
+                settle(shared, link, delivery, Disposition::Requeue, started).await;
             }
             return;
         }
@@ -164,8 +142,60 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
         let shared = Arc::clone(shared);
         aside.spawn(async move {
             let disposition = attempts(&shared, &link, &delivery, &ready, 1, Access::Shared).await;
-            settle(&shared, &delivery, disposition, started).await;
+            settle(&shared, &link, &delivery, disposition, started).await;
         });
+    }
+}
+
+/// Settles the members of a committed batch: the processed and the duplicates acknowledged together (see
+/// [`ack_all`]), a conflict as `--on-conflict` says, a failed member retried aside.
+async fn settle_outcomes<C: Consumer>(
+    shared: &Arc<Shared<C>>,
+    aside: &mut JoinSet<()>,
+    members: Vec<Held<C>>,
+    outcomes: Vec<MemberOutcome<()>>,
+    started: Instant,
+) {
+    let committed: Vec<uuid::Uuid> = members
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| matches!(o, MemberOutcome::Processed(())))
+        .map(|((_, _, ready), _)| ready.incoming.message_id)
+        .collect();
+    if !committed.is_empty() {
+        tracing::debug!(message_ids = ?committed, "batch committed");
+        failpoint::hit("after-commit").await;
+    }
+    // Deliveries to acknowledge, by the link they came on (all the same one, but across a reconnect).
+    let mut acks: Vec<(Arc<Link>, Vec<Delivery>)> = Vec::new();
+    for ((delivery, link, ready), outcome) in members.into_iter().zip(outcomes) {
+        let id = ready.incoming.message_id;
+        let disposition = match outcome {
+            MemberOutcome::Processed(()) => {
+                processed(shared, id);
+                Disposition::Ack
+            }
+            MemberOutcome::Duplicate => {
+                duplicate(shared, id);
+                Disposition::Ack
+            }
+            MemberOutcome::Conflict(c) => conflict(shared, &link, &delivery, &ready, c).await,
+            MemberOutcome::Failed(e) => {
+                let member = (delivery, link, ready);
+                retry_aside(shared, aside, member, error_chain(&e), started);
+                continue;
+            }
+        };
+        if !matches!(disposition, Disposition::Ack) {
+            finish(shared, aside, link, delivery, disposition, started).await;
+        } else if let Some((_, of_link)) = acks.iter_mut().find(|(l, _)| Arc::ptr_eq(l, &link)) {
+            of_link.push(delivery);
+        } else {
+            acks.push((link, vec![delivery]));
+        }
+    }
+    for (link, deliveries) in acks {
+        ack_all(shared, &link, deliveries, started).await;
     }
 }
 
@@ -184,7 +214,7 @@ fn retry_aside<C: Consumer>(
             Some(disposition) => disposition,
             None => attempts(&shared, &link, &delivery, &ready, 2, Access::Shared).await,
         };
-        settle(&shared, &delivery, disposition, started).await;
+        settle(&shared, &link, &delivery, disposition, started).await;
     });
 }
 
@@ -200,21 +230,34 @@ enum Committed {
 /// Runs the batch's transaction, waiting out outages.
 async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committed {
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
+    if members.is_empty() {
+        return Committed::Outcomes(Vec::new());
+    }
+    // What each member's work needs, shared by the member's own work and the batch's together work.
+    let items: Arc<Vec<(MessageContext, C::Message)>> = Arc::new(
+        members
+            .iter()
+            .map(|(delivery, _, ready)| {
+                (context(shared, delivery, ready, 1), ready.message.clone())
+            })
+            .collect(),
+    );
     loop {
-        if members.is_empty() {
-            return Committed::Outcomes(Vec::new());
-        }
         let batch: Vec<Member<()>> = members
             .iter()
-            .map(|(delivery, _, ready)| Member {
+            .enumerate()
+            .map(|(i, (_, _, ready))| Member {
                 message_id: ready.incoming.message_id,
                 fingerprint: Some(ready.fingerprint),
-                work: work(shared, delivery, ready, 1),
+                work: member_work(shared, &items, i),
             })
             .collect();
         let result = {
             let _shared = shared.alone.read().await;
-            shared.inbox.process_batch(batch).await
+            shared
+                .inbox
+                .process_batch(batch, Some(together_work(shared, &items)))
+                .await
         };
         match result {
             Ok(outcomes) => {
@@ -238,19 +281,58 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
     }
 }
 
+/// Member `i`'s own work: its message through [`Consumer::consume`] (it may run more than once, if the batch is done
+/// again without a member that failed).
+fn member_work<C: Consumer>(
+    shared: &Shared<C>,
+    items: &Arc<Vec<(MessageContext, C::Message)>>,
+    i: usize,
+) -> MemberWork<()> {
+    let consumer = Arc::clone(&shared.consumer);
+    let items = Arc::clone(items);
+    Box::new(move |tx| {
+        let consumer = Arc::clone(&consumer);
+        let items = Arc::clone(&items);
+        Box::pin(async move {
+            let (context, message) = &items[i];
+            consumer.consume(tx, context, message).await
+        })
+    })
+}
+
+/// The claimed members' work in one call: [`Consumer::consume_batch`] over their messages, in the batch's order.
+fn together_work<C: Consumer>(
+    shared: &Shared<C>,
+    items: &Arc<Vec<(MessageContext, C::Message)>>,
+) -> TogetherWork<()> {
+    let consumer = Arc::clone(&shared.consumer);
+    let items = Arc::clone(items);
+    Box::new(move |tx, ids| {
+        Box::pin(async move {
+            let claimed: Vec<&(MessageContext, C::Message)> = items
+                .iter()
+                .filter(|(context, _)| ids.contains(&context.message_id))
+                .collect();
+            consumer.consume_batch(tx, &claimed).await?;
+            Ok(vec![(); claimed.len()])
+        })
+    })
+}
+
 /// Settles a delivery of the batch taken up at `started` at once, or in a task of its own if it is to be given back
 /// after a pause.
 async fn finish<C: Consumer>(
     shared: &Arc<Shared<C>>,
     aside: &mut JoinSet<()>,
+    link: Arc<Link>,
     delivery: Delivery,
     disposition: Disposition,
     started: Instant,
 ) {
     if let Disposition::RequeueAfter(_) = disposition {
         let shared = Arc::clone(shared);
-        aside.spawn(async move { settle(&shared, &delivery, disposition, started).await });
+        aside.spawn(async move { settle(&shared, &link, &delivery, disposition, started).await });
     } else {
-        settle(shared, &delivery, disposition, started).await;
+        settle(shared, &link, &delivery, disposition, started).await;
     }
 }

@@ -48,7 +48,7 @@ pub(super) async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, deliver
         Ok(disposition) => disposition,
         Err(panic) => handling_panicked(&delivery, &panic_message(&*panic)),
     };
-    settle(shared, &delivery, disposition, started).await;
+    settle(shared, link, &delivery, disposition, started).await;
 }
 
 pub(super) async fn dispose<C: Consumer>(
@@ -81,6 +81,7 @@ pub(super) fn handling_panicked(delivery: &Delivery, panic: &str) -> Disposition
 /// up to its outcome committed or its copy confirmed, retries and their waits included; one given back is not.
 pub(super) async fn settle<C: Consumer>(
     shared: &Shared<C>,
+    link: &Link,
     delivery: &Delivery,
     disposition: Disposition,
     started: Instant,
@@ -88,16 +89,24 @@ pub(super) async fn settle<C: Consumer>(
     if let (Disposition::Ack, Some(timings)) = (&disposition, &shared.options.timings) {
         timings.handled(started.elapsed());
     }
-    settle_acker(shared, &delivery.acker, delivery.delivery_tag, disposition).await;
+    settle_acker(
+        shared,
+        link,
+        &delivery.acker,
+        delivery.delivery_tag,
+        disposition,
+    )
+    .await;
 }
 
 pub(super) async fn settle_acker<C: Consumer>(
     shared: &Shared<C>,
+    link: &Link,
     acker: &lapin::Acker,
     delivery_tag: u64,
     disposition: Disposition,
 ) {
-    let settled = match disposition {
+    let sent = match disposition {
         Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
         Disposition::Requeue | Disposition::RequeueAfter(_) => {
             if let Disposition::RequeueAfter(pause) = disposition {
@@ -111,15 +120,24 @@ pub(super) async fn settle_acker<C: Consumer>(
                 .await
         }
     };
-    match settled {
-        Ok(true) => {}
+    match sent {
+        Ok(true) => settled(shared, link, delivery_tag, true),
         // Settled already, by the clean-up after a panic: counted out of flight there.
-        Ok(false) => return,
-        Err(_) => tracing::debug!(
+        Ok(false) => {}
+        Err(_) => settled(shared, link, delivery_tag, false),
+    }
+}
+
+/// The bookkeeping of a delivery settled with the broker (`sent`), or not settled because its channel closed (then
+/// the broker delivers it again).
+pub(super) fn settled<C: Consumer>(shared: &Shared<C>, link: &Link, delivery_tag: u64, sent: bool) {
+    if !sent {
+        tracing::debug!(
             delivery_tag,
             "not settled (channel closed); the broker will deliver the message again"
-        ),
+        );
     }
+    link.outstanding.remove(delivery_tag);
     *lock(&shared.last_activity) = Instant::now();
     let _ = shared
         .in_flight
@@ -198,18 +216,28 @@ pub(super) async fn prepare<C: Consumer>(
 }
 
 /// The consumer's work on one message, for [`Inbox::process`] or a batch.
+/// What the consumer is told about attempt `attempt` of `delivery`.
+pub(super) fn context<C: Consumer>(
+    shared: &Shared<C>,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    attempt: u32,
+) -> MessageContext {
+    MessageContext {
+        message_id: ready.incoming.message_id,
+        consumer_type: shared.inbox.consumer_type().clone(),
+        redelivered: delivery.redelivered,
+        attempt,
+    }
+}
+
 pub(super) fn work<C: Consumer>(
     shared: &Shared<C>,
     delivery: &Delivery,
     ready: &Ready<C::Message>,
     attempt: u32,
 ) -> Work<()> {
-    let context = MessageContext {
-        message_id: ready.incoming.message_id,
-        consumer_type: shared.inbox.consumer_type().clone(),
-        redelivered: delivery.redelivered,
-        attempt,
-    };
+    let context = context(shared, delivery, ready, attempt);
     let consumer = Arc::clone(&shared.consumer);
     let message = ready.message.clone();
     Box::new(move |tx| Box::pin(async move { consumer.consume(tx, &context, &message).await }))

@@ -11,7 +11,8 @@ use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
 use crate::inbox::{
-    ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, Work,
+    ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, TogetherWork,
+    Work,
 };
 
 /// What guards a consumer's work on each message. The contract is [`Inbox::process_event`]'s and
@@ -32,10 +33,12 @@ pub trait WorkGuard: Send + Sync + 'static {
         work: Work<()>,
     ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>>;
 
-    /// Runs several deliveries' work together; see [`Inbox::process_batch`].
+    /// Runs several deliveries' work in one transaction, all of it in one call by `together` if it succeeds; see
+    /// [`Inbox::process_batch_with`].
     fn process_batch(
         &self,
         members: Vec<Member<()>>,
+        together: Option<TogetherWork<()>>,
     ) -> BoxFuture<'_, Result<Vec<MemberOutcome<()>>, ProcessError>>;
 }
 
@@ -60,7 +63,8 @@ impl WorkGuard for Inbox {
     fn process_batch(
         &self,
         members: Vec<Member<()>>,
+        together: Option<TogetherWork<()>>,
     ) -> BoxFuture<'_, Result<Vec<MemberOutcome<()>>, ProcessError>> {
-        Box::pin(Inbox::process_batch(self, members))
+        Box::pin(Inbox::process_batch_with(self, members, together))
     }
 }

@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+mod acks;
 mod batch;
 mod bookkeeping;
 mod dead_letters;
@@ -89,6 +90,23 @@ pub trait Consumer: Send + Sync + 'static {
         context: &'c MessageContext,
         message: &'c Self::Message,
     ) -> impl Future<Output = Result<(), WorkError>> + Send + 'c;
+
+    /// The work of several messages on one transaction (a batch's claimed members, in order), under the same
+    /// contract as [`Consumer::consume`]. A consumer whose effect is SQL writes them all in one statement here; the
+    /// default does each message's [`Consumer::consume`] in turn. If it fails, the batch is done again message by
+    /// message through `consume`, to find out which one failed.
+    fn consume_batch<'c>(
+        &'c self,
+        tx: &'c mut PgConnection,
+        batch: &'c [&'c (MessageContext, Self::Message)],
+    ) -> impl Future<Output = Result<(), WorkError>> + Send + 'c {
+        async move {
+            for (context, message) in batch.iter().copied() {
+                self.consume(&mut *tx, context, message).await?;
+            }
+            Ok(())
+        }
+    }
 
     /// Whether a delivery whose declared types are `types` is one this consumer handles. A plain JSON message that
     /// declares no type is assumed to be of the consumer's type (and goes to the error queue if it cannot be decoded).

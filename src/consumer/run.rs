@@ -15,6 +15,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::acks::Outstanding;
 use super::dead_letters::DeadLetters;
 use super::dispatch::handle;
 use super::{Consumer, WorkGuard};
@@ -33,6 +34,8 @@ pub(super) struct Link {
     pub(super) connection: Connection,
     pub(super) consume: Channel,
     pub(super) dead_letters: DeadLetters,
+    /// The tags of deliveries on `consume` not settled yet.
+    pub(super) outstanding: Outstanding,
 }
 
 /// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
@@ -251,7 +254,9 @@ impl Workers {
     ) -> bool {
         shared.in_flight.fetch_add(1, Ordering::SeqCst);
         *lock(&shared.last_activity) = Instant::now();
+        link.outstanding.add(delivery.delivery_tag);
         let handed = self.hand_over(shared, link, delivery).await;
+        // One not handed over stays outstanding: it is not settled, and no `multiple` ack may cover it.
         if !handed {
             shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         }
@@ -320,6 +325,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
         connection,
         consume,
         dead_letters: DeadLetters::new(broker.username().to_owned()),
+        outstanding: Outstanding::default(),
     })
 }
 

@@ -253,8 +253,8 @@ async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
 /// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
 async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
     let needs: [(&str, &str); 6] = [
-        ("inbox_messages", "SELECT,INSERT,DELETE"),
-        ("inboxctl_fingerprints", "SELECT,INSERT,UPDATE,DELETE"),
+        ("inbox_messages", "SELECT,INSERT"),
+        ("inboxctl_fingerprints", "SELECT,INSERT,UPDATE"),
         (kind.effect_table(), "INSERT"),
         ("inboxctl_events", "INSERT"),
         ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),

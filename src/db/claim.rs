@@ -1,5 +1,5 @@
-//! The claim's statements: the inbox row and its fingerprint, taken for one message or a batch, the copies recorded,
-//! a failed batch member's claim taken back. The protocol that orders them is `inbox`'s.
+//! The claim's statements: the inbox row and its fingerprint, taken for one message or a batch, and the copies
+//! recorded. The protocol that orders them is `inbox`'s.
 
 use std::collections::{HashMap, HashSet};
 
@@ -84,16 +84,6 @@ WITH c AS (
     FROM c
 )
 SELECT id, first FROM c";
-
-    /// Each member of a batch works inside this savepoint (one name, reused: a new savepoint shadows the last).
-    const SAVEPOINT = "SAVEPOINT inbox_member";
-    const ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO SAVEPOINT inbox_member";
-
-    /// Takes back the claim of a batch member whose work failed, and its fingerprint, inside the batch's transaction.
-    /// `$1` message id, `$2` consumer_type.
-    const UNCLAIM = "\
-WITH fingerprint AS (DELETE FROM inboxctl_fingerprints WHERE id = $1 AND consumer_type = $2)
-DELETE FROM inbox_messages WHERE id = $1 AND consumer_type = $2";
 }
 
 /// One key of a batch: a message id and its event's fingerprint, if known.
@@ -181,31 +171,4 @@ pub async fn record_batch_copies(
         .into_iter()
         .map(|(id, first)| (id, first.as_deref().and_then(Fingerprint::from_slice)))
         .collect())
-}
-
-/// Opens the savepoint a batch member works in (`SAVEPOINT`).
-pub async fn savepoint(conn: &mut PgConnection) -> sqlx::Result<()> {
-    sqlx::query(SAVEPOINT).execute(conn).await.map(drop)
-}
-
-/// Rolls a failed batch member back to its savepoint (`ROLLBACK_TO_SAVEPOINT`).
-pub async fn rollback_to_savepoint(conn: &mut PgConnection) -> sqlx::Result<()> {
-    sqlx::query(ROLLBACK_TO_SAVEPOINT)
-        .execute(conn)
-        .await
-        .map(drop)
-}
-
-/// Takes back a failed batch member's claim and fingerprint (`UNCLAIM`).
-pub async fn unclaim(
-    conn: &mut PgConnection,
-    message_id: Uuid,
-    consumer_type: &ConsumerType,
-) -> sqlx::Result<()> {
-    sqlx::query(UNCLAIM)
-        .bind(message_id)
-        .bind(consumer_type.as_str())
-        .execute(conn)
-        .await
-        .map(drop)
 }

@@ -19,6 +19,17 @@ VALUES ($1, $2, $3, $4, $5)";
 INSERT INTO notifications_sent (parcel_id, tracking_number, body, message_id, idempotency_key)
 VALUES ($1, $2, $3, $4, $5)";
 
+    /// Several bookings in one statement (a batch's). `$1`… `$5` the columns of `INSERT_CARRIER_RESERVATION`, as
+    /// arrays of one length.
+    const INSERT_CARRIER_RESERVATIONS = "\
+INSERT INTO carrier_reservations (parcel_id, slot_id, pickup_at, message_id, idempotency_key)
+SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::timestamptz[], $4::uuid[], $5::uuid[])";
+
+    /// Several texts in one statement (a batch's). `$1`… `$5` the columns of `INSERT_NOTIFICATION_SENT`, as arrays.
+    const INSERT_NOTIFICATIONS_SENT = "\
+INSERT INTO notifications_sent (parcel_id, tracking_number, body, message_id, idempotency_key)
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::uuid[], $5::uuid[])";
+
     /// Rows each consumer wrote for a set of parcels (the demo's tally). `$1` parcel ids.
     const COUNT_CARRIER_RESERVATIONS_FOR =
     "SELECT count(*) FROM carrier_reservations WHERE parcel_id = ANY($1)";
@@ -73,6 +84,43 @@ pub async fn insert_notification_sent(
         .bind(n.body)
         .bind(n.message_id)
         .bind(n.idempotency_key)
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Writes several bookings in one statement (`INSERT_CARRIER_RESERVATIONS`).
+pub async fn insert_carrier_reservations(
+    conn: &mut PgConnection,
+    rs: &[Reservation],
+) -> sqlx::Result<()> {
+    let column = |f: fn(&Reservation) -> Uuid| rs.iter().map(f).collect::<Vec<_>>();
+    let pickups: Vec<DateTime<Utc>> = rs.iter().map(|r| r.pickup_at).collect();
+    sqlx::query(INSERT_CARRIER_RESERVATIONS)
+        .bind(column(|r| r.parcel_id))
+        .bind(column(|r| r.slot_id))
+        .bind(pickups)
+        .bind(column(|r| r.message_id))
+        .bind(column(|r| r.idempotency_key))
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// Writes several texts in one statement (`INSERT_NOTIFICATIONS_SENT`).
+pub async fn insert_notifications_sent(
+    conn: &mut PgConnection,
+    ns: &[Notification<'_>],
+) -> sqlx::Result<()> {
+    let ids = |f: fn(&Notification<'_>) -> Uuid| ns.iter().map(f).collect::<Vec<_>>();
+    let tracking: Vec<&str> = ns.iter().map(|n| n.tracking_number).collect();
+    let bodies: Vec<&str> = ns.iter().map(|n| n.body).collect();
+    sqlx::query(INSERT_NOTIFICATIONS_SENT)
+        .bind(ids(|n| n.parcel_id))
+        .bind(tracking)
+        .bind(bodies)
+        .bind(ids(|n| n.message_id))
+        .bind(ids(|n| n.idempotency_key))
         .execute(conn)
         .await
         .map(drop)

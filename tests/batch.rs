@@ -1,0 +1,209 @@
+//! The batched claim on real PostgreSQL, without savepoints: a batch is one transaction whose rows all carry one
+//! transaction id (a savepoint would give its rows a subtransaction's); a failing member — first, in the middle, last,
+//! or two of them — costs the batch a redo without it, and it alone is left unprocessed; the members' work done
+//! together in one statement falls back to each member's own when it fails.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use inboxctl::inbox::{Member, MemberOutcome, TogetherWork, WorkError};
+use uuid::Uuid;
+
+use crate::common;
+use crate::inbox::{effects, insert_effect, kinds, setup};
+
+/// A member whose work writes its effect and then fails if `fails`; `runs` counts its runs.
+fn member(id: Uuid, label: &'static str, fails: bool, runs: &Arc<AtomicUsize>) -> Member<()> {
+    let runs = Arc::clone(runs);
+    Member {
+        message_id: id,
+        fingerprint: None,
+        work: Box::new(move |tx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                insert_effect(tx, id, label).await?;
+                if fails {
+                    Err(WorkError::msg("carrier API returned 503"))
+                } else {
+                    Ok(())
+                }
+            })
+        }),
+    }
+}
+
+/// The members' effects in one statement, failing as a whole if any of them fails (the stand-in carrier's shape).
+fn together(labels: Vec<(Uuid, &'static str, bool)>, runs: &Arc<AtomicUsize>) -> TogetherWork<()> {
+    let runs = Arc::clone(runs);
+    Box::new(move |tx, ids| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Box::pin(async move {
+            let picked: Vec<&(Uuid, &str, bool)> = labels
+                .iter()
+                .filter(|(id, _, _)| ids.contains(id))
+                .collect();
+            let (idv, labelv): (Vec<Uuid>, Vec<String>) = picked
+                .iter()
+                .map(|(id, l, _)| (*id, (*l).to_owned()))
+                .unzip();
+            sqlx::query("INSERT INTO effects SELECT * FROM unnest($1::uuid[], $2::text[])")
+                .bind(&idv)
+                .bind(&labelv)
+                .execute(&mut *tx)
+                .await?;
+            if picked.iter().any(|(_, _, fails)| *fails) {
+                return Err(WorkError::msg("one of the bookings returned 503"));
+            }
+            Ok(vec![(); ids.len()])
+        })
+    })
+}
+
+/// One transaction, no savepoint: every row the batch wrote, inbox rows and effects, has the same `xmin`.
+async fn transaction_ids(pool: &sqlx::PgPool) -> i64 {
+    common::count(
+        pool,
+        "SELECT count(DISTINCT x) FROM (SELECT xmin::text AS x FROM inbox_messages \
+         UNION ALL SELECT xmin::text FROM effects) t",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_without_failures_is_one_transaction_without_savepoints_and_its_work_runs_once() {
+    for with_together in [false, true] {
+        let (_env, pool, inbox) = setup().await;
+        let runs = Arc::new(AtomicUsize::new(0));
+        let spec: Vec<(Uuid, &'static str, bool)> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|l| (Uuid::new_v4(), *l, false))
+            .collect();
+        let members = spec
+            .iter()
+            .map(|(id, l, f)| member(*id, l, *f, &runs))
+            .collect();
+        let together_runs = Arc::new(AtomicUsize::new(0));
+        let work = with_together.then(|| together(spec.clone(), &together_runs));
+        let outcomes = inbox.process_batch_with(members, work).await.unwrap();
+        assert_eq!(kinds(&outcomes), ["processed"; 4]);
+        assert_eq!(effects(&pool).await, ["a", "b", "c", "d"]);
+        assert_eq!(
+            transaction_ids(&pool).await,
+            1,
+            "one transaction, no subtransaction"
+        );
+        if with_together {
+            assert_eq!(together_runs.load(Ordering::SeqCst), 1);
+            assert_eq!(runs.load(Ordering::SeqCst), 0, "no member's own work ran");
+        } else {
+            assert_eq!(
+                runs.load(Ordering::SeqCst),
+                4,
+                "each member's work ran once"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failing_members_first_middle_last_or_two_are_left_alone_and_the_rest_commit_together() {
+    let labels = ["m0", "m1", "m2", "m3", "m4"];
+    let (_env, pool, inbox) = setup().await;
+    for failing in [&[0][..], &[2], &[4], &[1, 3], &[0, 1, 2, 3, 4]] {
+        for with_together in [false, true] {
+            let case = format!("failing {failing:?}, together {with_together}");
+            sqlx::raw_sql(
+                "TRUNCATE inbox_messages, inboxctl_fingerprints, inboxctl_events, effects",
+            )
+            .execute(&pool)
+            .await
+            .unwrap();
+            let runs = Arc::new(AtomicUsize::new(0));
+            let spec: Vec<(Uuid, &'static str, bool)> = labels
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (Uuid::new_v4(), *l, failing.contains(&i)))
+                .collect();
+            let members = spec
+                .iter()
+                .map(|(id, l, f)| member(*id, l, *f, &runs))
+                .collect();
+            let work =
+                with_together.then(|| together(spec.clone(), &Arc::new(AtomicUsize::new(0))));
+            let outcomes = inbox.process_batch_with(members, work).await.unwrap();
+            let expected: Vec<&str> = (0..labels.len())
+                .map(|i| {
+                    if failing.contains(&i) {
+                        "failed"
+                    } else {
+                        "processed"
+                    }
+                })
+                .collect();
+            assert_eq!(kinds(&outcomes), expected, "{case}");
+            for (i, outcome) in outcomes.iter().enumerate() {
+                if let MemberOutcome::Failed(e) = outcome {
+                    assert!(e.to_string().contains("503"), "{case}: member {i}: {e}");
+                }
+            }
+            let kept: Vec<&str> = (0..labels.len())
+                .filter(|i| !failing.contains(i))
+                .map(|i| labels[i])
+                .collect();
+            assert_eq!(
+                effects(&pool).await,
+                kept,
+                "{case}: the failed members' writes are rolled back"
+            );
+            assert_eq!(
+                common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+                kept.len() as i64,
+                "{case}: and their claims"
+            );
+            if !kept.is_empty() {
+                assert_eq!(
+                    transaction_ids(&pool).await,
+                    1,
+                    "{case}: the rest in one transaction"
+                );
+            }
+            assert_eq!(
+                common::count(&pool, "SELECT count(*) FROM inboxctl_events").await,
+                0,
+                "{case}: nothing recorded for the redone tries"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_redone_batch_records_its_copies_once() {
+    let (_env, pool, inbox) = setup().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let done = Uuid::new_v4();
+    inbox
+        .process(done, move |tx| Box::pin(insert_effect(tx, done, "before")))
+        .await
+        .unwrap();
+    let fails = Uuid::new_v4();
+    let new = Uuid::new_v4();
+    let outcomes = inbox
+        .process_batch(vec![
+            member(done, "again", false, &runs),
+            member(fails, "fails", true, &runs),
+            member(new, "new", false, &runs),
+        ])
+        .await
+        .unwrap();
+    assert_eq!(kinds(&outcomes), ["duplicate", "failed", "processed"]);
+    assert_eq!(effects(&pool).await, ["before", "new"]);
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'"
+        )
+        .await,
+        1,
+        "the copy recorded once, by the try that committed"
+    );
+}

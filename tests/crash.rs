@@ -290,3 +290,53 @@ async fn poison(mode: &[&str]) {
         "no count is left behind"
     );
 }
+
+/// A batch acknowledges with one `multiple` frame only what is its own: while another batch worker still holds the
+/// first delivery (its carrier call stuck), the batches after it commit and are acknowledged, and the held one stays
+/// unacknowledged — a kill then gives it back, and it is processed once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batchs_multiple_ack_never_covers_a_delivery_another_worker_holds() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "Hold"]);
+    let mut victim = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--batch-size",
+            "4",
+            "--concurrency",
+            "16",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=pause@Hold")],
+    );
+    victim.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    common::publish_parcels(&env, &["--count", "12"]);
+    common::eventually(
+        "the batches after the held one committed",
+        Duration::from_secs(30),
+        || async { common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 12 },
+    )
+    .await;
+    common::eventually(
+        "and were acknowledged, all but the held one",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE) == (0, 1) },
+    )
+    .await;
+    victim.kill();
+    common::eventually(
+        "the held one back on the queue",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE) == (1, 0) },
+    )
+    .await;
+    common::consume_until_idle(&env, &["carrier", "--batch-size", "4"]);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        13,
+        "the held one processed, once"
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}

@@ -1142,7 +1142,7 @@ async fn a_vhost_with_a_question_mark_is_read_as_written() {
         "probe?q-{}",
         &uuid::Uuid::new_v4().simple().to_string()[..8]
     );
-    common::rabbitmqctl(&["delete_vhost", &env.vhost]);
+    common::vhosts::give_back(&env.vhost, false);
     common::rabbitmqctl(&["add_vhost", &vhost]);
     common::rabbitmqctl(&["set_permissions", "-p", &vhost, "guest", ".*", ".*", ".*"]);
     // Dropped, the environment deletes this vhost instead.

@@ -64,11 +64,13 @@ pub enum Unreadable {
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct EnvelopeIn<'a> {
-    message_id: Option<String>,
+    #[serde(borrow)]
+    message_id: Option<std::borrow::Cow<'a, str>>,
     message_type: Option<Vec<String>>,
     #[serde(borrow)]
     message: Option<&'a RawValue>,
-    sent_time: Option<String>,
+    #[serde(borrow)]
+    sent_time: Option<std::borrow::Cow<'a, str>>,
 }
 
 /// Reads a delivery's id, type and event.
@@ -85,22 +87,29 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
     if body.starts_with(b"\xEF\xBB\xBF") {
         return Err(Unreadable::ByteOrderMark);
     }
-    let property_id = properties
-        .message_id()
-        .as_ref()
-        .map(|s| s.as_str().to_owned());
+    let property_id = properties.message_id().as_ref().map(|s| s.as_str());
     let declared_masstransit = properties
         .content_type()
         .as_ref()
         .is_some_and(|ct| ct.as_str().eq_ignore_ascii_case(MASSTRANSIT_CONTENT_TYPE));
 
-    let raw: &RawValue =
-        serde_json::from_slice(body).map_err(|e| Unreadable::NotJson(e.to_string()))?;
-
-    let envelope = match serde_json::from_str::<EnvelopeIn<'_>>(raw.get()) {
+    // One pass over the body when it is an envelope (what a MassTransit publisher sends); a body that is not one is
+    // read again as plain JSON. UTF-8 first: the envelope's reader skips the fields it does not read unchecked.
+    let not_json = || match serde_json::from_slice::<&RawValue>(body) {
+        Err(e) => Unreadable::NotJson(e.to_string()),
+        Ok(_) => Unreadable::NotJson("not UTF-8".to_owned()),
+    };
+    let text = std::str::from_utf8(body).map_err(|_| not_json())?;
+    let envelope = match serde_json::from_str::<EnvelopeIn<'_>>(text) {
         Ok(envelope) => Some(envelope),
-        Err(e) if declared_masstransit => return Err(Unreadable::BadEnvelope(e.to_string())),
-        Err(_) => None,
+        Err(e) => {
+            serde_json::from_str::<&RawValue>(text)
+                .map_err(|e| Unreadable::NotJson(e.to_string()))?;
+            if declared_masstransit {
+                return Err(Unreadable::BadEnvelope(e.to_string()));
+            }
+            None
+        }
     };
     // A body with messageType and message is an envelope even if a shovel or a plugin dropped its content type.
     let envelope = envelope
@@ -111,10 +120,11 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
             let payload = envelope.message.ok_or(Unreadable::NoMessage)?.to_owned();
             let id = envelope
                 .message_id
+                .as_deref()
                 .or(property_id)
                 .ok_or(Unreadable::NoMessageId)?;
             Ok(Incoming {
-                message_id: parse_id(&id)?,
+                message_id: parse_id(id)?,
                 message_types: envelope.message_type.unwrap_or_default(),
                 payload,
                 masstransit: true,
@@ -123,8 +133,10 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
         }
         None => {
             let id = property_id.ok_or(Unreadable::NoMessageId)?;
+            let raw: &RawValue =
+                serde_json::from_str(text).map_err(|e| Unreadable::NotJson(e.to_string()))?;
             Ok(Incoming {
-                message_id: parse_id(&id)?,
+                message_id: parse_id(id)?,
                 message_types: properties
                     .kind()
                     .as_ref()

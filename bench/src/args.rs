@@ -136,6 +136,11 @@ pub struct Args {
     #[arg(long)]
     pub keep: bool,
 
+    /// Measure the inbox modes against an inbox already holding this many processed rows (e.g. 10000000, at most
+    /// 1000000000), their ids of --id-kind; 0: an empty inbox
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000))]
+    pub inbox_rows: u64,
+
     /// The kind of message ids published: MassTransit's NewId (what a MassTransit publisher sends), UUIDv7 or v4
     #[arg(long, value_enum, default_value_t = inboxctl::ids::IdKind::NewId)]
     pub id_kind: inboxctl::ids::IdKind,
@@ -169,6 +174,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         duplicates: args.duplicates,
         keep: args.keep,
         ids: args.id_kind,
+        inbox_rows: args.inbox_rows,
         cleanup_batch_size: args.cleanup_batch_size,
         cleanup_batch_pause: args.cleanup_batch_pause,
     };

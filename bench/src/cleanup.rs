@@ -232,6 +232,7 @@ async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
         queue: "inboxctl-bench-cleanup".to_owned(),
         exchange: "inboxctl-bench-cleanup-events".to_owned(),
         peer: None,
+        prefilled: false,
     })
 }
 

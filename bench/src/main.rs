@@ -9,6 +9,7 @@ mod error;
 mod guard;
 mod measure;
 mod peer;
+mod prefill;
 mod report;
 mod scratch;
 mod sql;

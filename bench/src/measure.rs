@@ -23,6 +23,7 @@ use chrono::{DateTime, Utc};
 use inboxctl::amqp::Broker;
 use inboxctl::amqp::envelope::HostInfo;
 use inboxctl::db::{Database, schema};
+use inboxctl::ids::IdKind;
 use inboxctl::inbox::{
     ConsumerType, Fingerprint, Inbox, Member, ProcessError, TogetherWork, Work, WorkError,
 };
@@ -40,7 +41,7 @@ use crate::scratch::{
     Scratch, consume_until_idle, drop_database, latencies, messages, publish, spawn_consumer, stop,
     wait_for_consumer,
 };
-use crate::{peer, sql};
+use crate::{peer, prefill, sql};
 
 pub async fn run(
     db: &Database,
@@ -174,8 +175,17 @@ async fn prepare(
     let name = format!("{}_bench_{}", db.name(), mode.database_suffix());
     drop_database(db, &name).await?;
     let scratch_db = db.with_database(&name);
-    // Every mode, the peer too, has the same effect table (`carrier_reservations`), from inboxctl's migrations.
-    schema::migrate(&scratch_db, false).await?;
+    let prefilled = options.inbox_rows > 0 && mode.claims();
+    if prefilled {
+        let template = prefill::template(db, options.inbox_rows, options.ids, &mut |l| {
+            eprintln!("{l}")
+        })
+        .await?;
+        prefill::copy(db, &template, &name).await?;
+    } else {
+        // Every mode, the peer too, has the same effect table (`carrier_reservations`), from inboxctl's migrations.
+        schema::migrate(&scratch_db, false).await?;
+    }
     let peer = match (mode, peer) {
         (Mode::Peer, Some(p)) => {
             let url = scratch_db.url();
@@ -192,6 +202,7 @@ async fn prepare(
         queue: format!("inboxctl-bench-{}", mode.name()),
         exchange: format!("inboxctl-bench-{}-events", mode.name()),
         peer,
+        prefilled,
     })
 }
 
@@ -220,7 +231,13 @@ async fn machine(pool: &PgPool) -> Result<Machine> {
 
 /// Empty tables before each run (the peer's inbox too: its polling slows with every row it keeps).
 async fn truncate(scratch: &Scratch) -> Result<()> {
-    sqlx::query(sql::TRUNCATE).execute(&scratch.pool).await?;
+    if scratch.prefilled {
+        sqlx::raw_sql(sql::TRUNCATE_KEEPING_PREFILL)
+            .execute(&scratch.pool)
+            .await?;
+    } else {
+        sqlx::query(sql::TRUNCATE).execute(&scratch.pool).await?;
+    }
     if scratch.peer.is_some() {
         sqlx::query(sql::TRUNCATE_PEER)
             .execute(&scratch.pool)
@@ -342,6 +359,7 @@ async fn ceiling(scratch: &Scratch, options: &Options, batch: u16) -> Result<Rep
     let consumer_type = ConsumerType::new("ceiling").map_err(Error::usage)?;
     let inbox = Inbox::new(scratch.pool.clone(), consumer_type);
     let batch = u64::from(batch.max(1));
+    let ids = options.ids;
     let tasks = u64::from(options.concurrency).div_ceil(batch).max(1);
     let run = |count: u64| {
         let next = Arc::new(AtomicU64::new(0));
@@ -355,9 +373,9 @@ async fn ceiling(scratch: &Scratch, options: &Options, batch: u16) -> Result<Rep
                     }
                     let n = batch.min(count - first);
                     if batch == 1 {
-                        claim_and_book(&inbox).await?;
+                        claim_and_book(&inbox, ids).await?;
                     } else {
-                        claim_and_book_batch(&inbox, n).await?;
+                        claim_and_book_batch(&inbox, n, ids).await?;
                     }
                 }
                 Ok::<(), Error>(())
@@ -380,10 +398,10 @@ async fn ceiling(scratch: &Scratch, options: &Options, batch: u16) -> Result<Rep
 }
 
 /// `n` new messages through the batched inbox: `BEGIN`, the batch's claim, its bookings in one statement, `COMMIT`.
-async fn claim_and_book_batch(inbox: &Inbox, n: u64) -> Result<()> {
+async fn claim_and_book_batch(inbox: &Inbox, n: u64, ids: IdKind) -> Result<()> {
     let requests: Vec<PickupRequest> = (0..n)
         .map(|_| {
-            let id = Uuid::now_v7();
+            let id = ids.next();
             PickupRequest {
                 parcel_id: Uuid::new_v4(),
                 tracking_number: String::new(),
@@ -421,8 +439,8 @@ async fn claim_and_book_batch(inbox: &Inbox, n: u64) -> Result<()> {
 }
 
 /// One new message through the inbox: `BEGIN`, the claim, the stand-in carrier's booking, `COMMIT`.
-async fn claim_and_book(inbox: &Inbox) -> Result<()> {
-    let id = Uuid::now_v7();
+async fn claim_and_book(inbox: &Inbox, ids: IdKind) -> Result<()> {
+    let id = ids.next();
     let request = PickupRequest {
         parcel_id: Uuid::new_v4(),
         tracking_number: String::new(),

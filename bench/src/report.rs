@@ -45,6 +45,14 @@ impl Mode {
         }
     }
 
+    /// Whether the mode claims in the inbox (and so is measured against a prefilled one with `--inbox-rows`).
+    pub fn claims(self) -> bool {
+        matches!(
+            self,
+            Mode::Inbox | Mode::InboxBatched | Mode::Ceiling | Mode::CeilingBatched
+        )
+    }
+
     pub fn database_suffix(self) -> &'static str {
         match self {
             Mode::InboxBatched => "inbox_batched",
@@ -73,6 +81,8 @@ pub struct Options {
     pub keep: bool,
     /// The kind of message ids published.
     pub ids: inboxctl::ids::IdKind,
+    /// Rows the inbox modes' inbox holds before they are measured.
+    pub inbox_rows: u64,
     /// The `inboxctl cleanup` settings measured at many rows.
     pub cleanup_batch_size: i64,
     pub cleanup_batch_pause: Duration,
@@ -165,6 +175,10 @@ pub struct Settings {
     pub latency_seconds: u64,
     pub duplicate_messages: u64,
     pub duplicates: f64,
+    /// The kind of message ids (`newid`, `v7`, `v4`).
+    pub id_kind: &'static str,
+    /// Rows the inbox modes' inbox held before they were measured.
+    pub inbox_rows: u64,
     /// The peer's configuration, when it ran.
     pub peer: Option<peer::PeerSettings>,
 }
@@ -182,6 +196,8 @@ impl Settings {
             latency_seconds: options.latency_seconds,
             duplicate_messages: options.duplicate_messages,
             duplicates: options.duplicates,
+            id_kind: crate::prefill::kind_name(options.ids),
+            inbox_rows: options.inbox_rows,
             peer: peer.map(|p| p.settings(options.concurrency)),
         }
     }

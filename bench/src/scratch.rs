@@ -32,6 +32,8 @@ pub struct Scratch {
     pub queue: String,
     pub exchange: String,
     pub peer: Option<peer::Peer>,
+    /// The inbox holds `--inbox-rows` rows that every run keeps.
+    pub prefilled: bool,
 }
 
 impl Scratch {

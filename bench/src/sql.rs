@@ -20,6 +20,31 @@ pub const TUTORIAL_INSERT: &str =
 pub const TRUNCATE: &str =
     "TRUNCATE inbox_messages, inboxctl_fingerprints, carrier_reservations, inboxctl_events";
 
+/// `TRUNCATE` for a prefilled inbox (`--inbox-rows`): the rows the runs added go, the prefilled ones (consumer_type
+/// `prefilled`) stay.
+pub const TRUNCATE_KEEPING_PREFILL: &str = "\
+DELETE FROM inbox_messages WHERE consumer_type <> 'prefilled';
+TRUNCATE inboxctl_fingerprints, carrier_reservations, inboxctl_events";
+
+/// `--inbox-rows`: `$2` processed inbox rows numbered from `$1` of `$3` in all, received over the 7 days before now in
+/// the order of their numbers, their ids of the kind `$4` (`v4`, `v7`, `newid`) made from that time as a producer
+/// would have: random; UUIDv7 (milliseconds first); MassTransit's NewId (one process's prefix, the low 16 bits of
+/// its .NET ticks, then the high 48).
+pub const PREFILL_ROWS: &str = "\
+INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+SELECT CASE $4
+         WHEN 'v4' THEN gen_random_uuid()
+         WHEN 'v7' THEN (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0')
+                         || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid
+         ELSE ('1a280000161d4c08' || lpad(to_hex(ticks & 65535), 4, '0')
+               || lpad(to_hex(ticks >> 16), 12, '0'))::uuid
+       END,
+       'prefilled', t, t
+FROM generate_series($1 + 1, $1 + $2) AS g,
+     LATERAL (SELECT now() - interval '7 days' + (g::float8 / $3::float8) * interval '7 days' AS t) AS x,
+     LATERAL (SELECT md5(g::text) AS h,
+                     (extract(epoch FROM t) * 10000000)::bigint + 621355968000000000 + g % 10000 AS ticks) AS y";
+
 /// The peer mode's own inbox table (pg-transactional-outbox's `inbox`, made by its set-up).
 pub const TRUNCATE_PEER: &str = "TRUNCATE inbox";
 

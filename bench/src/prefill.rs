@@ -1,0 +1,103 @@
+//! `--inbox-rows N`: the inbox modes measured against an inbox that already holds N processed rows, as a week of a
+//! busy service's does — with ids of the kind `--id-kind`, which decides where in the primary key's B-tree each new
+//! claim lands. The rows are made once into a template database per (N, id kind) and copied for each mode.
+
+use std::time::Instant;
+
+use inboxctl::db::{self as store, Database, schema};
+use inboxctl::ids::IdKind;
+
+use crate::error::Result;
+use crate::scratch::drop_database;
+use crate::sql;
+
+pub fn kind_name(ids: IdKind) -> &'static str {
+    match ids {
+        IdKind::NewId => "newid",
+        IdKind::V7 => "v7",
+        IdKind::V4 => "v4",
+    }
+}
+
+fn marker(rows: u64, ids: IdKind) -> String {
+    format!(
+        "inboxctl bench prefill v1: {rows} rows, {} ids",
+        kind_name(ids)
+    )
+}
+
+/// The template database holding `rows` prefilled rows of `ids`, built if it is not there yet.
+pub async fn template(
+    db: &Database,
+    rows: u64,
+    ids: IdKind,
+    say: &mut impl FnMut(&str),
+) -> Result<String> {
+    let name = format!("{}_bench_prefill_{rows}_{}", db.name(), kind_name(ids));
+    let template = db.with_database(&name);
+    if let Ok(pool) = template.pool(1).await {
+        let ready: Option<String> = sqlx::query_scalar(sql::TEMPLATE_MARKER)
+            .fetch_one(&pool)
+            .await
+            .ok()
+            .flatten();
+        pool.close().await;
+        if ready.as_deref() == Some(&marker(rows, ids)) {
+            return Ok(name);
+        }
+    }
+    say(&format!(
+        "building {rows} inbox rows with {} ids into {name} (once; later runs reuse it)",
+        kind_name(ids)
+    ));
+    drop_database(db, &name).await?;
+    schema::migrate(&template, false).await?;
+    let pool = template.pool(1).await?;
+    let started = Instant::now();
+    let chunk = 1_000_000u64;
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        sqlx::query(sql::PREFILL_ROWS)
+            .bind(i64::try_from(done).unwrap_or(i64::MAX))
+            .bind(i64::try_from(n).unwrap_or(i64::MAX))
+            .bind(i64::try_from(rows).unwrap_or(i64::MAX))
+            .bind(kind_name(ids))
+            .execute(&pool)
+            .await?;
+        done += n;
+        say(&format!(
+            "  {done} rows ({:.0}s)",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    sqlx::query("VACUUM ANALYZE inbox_messages")
+        .execute(&pool)
+        .await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "COMMENT ON TABLE inbox_messages IS '{}'",
+        marker(rows, ids)
+    )))
+    .execute(&pool)
+    .await?;
+    pool.close().await;
+    Ok(name)
+}
+
+/// Creates database `name` as a copy of `template` (its files copied, not written through the WAL), then a
+/// checkpoint (if the role may), so that each mode starts from the same clean state.
+pub async fn copy(db: &Database, template: &str, name: &str) -> Result<()> {
+    drop_database(db, name).await?;
+    let mut admin = db.with_database("postgres").connect().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE {} TEMPLATE {} STRATEGY = FILE_COPY",
+        store::sql::quote_ident(name),
+        store::sql::quote_ident(template),
+    )))
+    .execute(&mut admin)
+    .await?;
+    if let Err(e) = sqlx::query("CHECKPOINT").execute(&mut admin).await {
+        tracing::debug!(error = %e, "no checkpoint before the run");
+    }
+    Ok(())
+}

@@ -95,6 +95,10 @@ def profile(mode, extra, messages, concurrency):
     exchange = f"profile-{mode}-events"
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run(["migrate"], env, **quiet)
+    if mode == "tutorial":
+        # As the bench does (see TUTORIAL_PLANNING in bench/src/sql.rs): planned per execution, as EF Core's
+        # unprepared look-up is, not once on the empty table.
+        psql("postgres", f"ALTER DATABASE {db} SET plan_cache_mode = force_custom_plan")
     # The consumer_type is the queue's name.
     consume = ["consume", "--queue", queue, "--exchange", exchange,
                "--concurrency", str(concurrency), "--prefetch", "64", *extra]

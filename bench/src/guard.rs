@@ -127,6 +127,8 @@ impl Plain {
         work: Work<()>,
     ) -> Result<Outcome<()>, ProcessError> {
         if self.look_up_first {
+            // Planned with its values each time, as EF Core's unprepared statements through Npgsql are: the
+            // tutorial's scratch database sets `plan_cache_mode` (see `sql::TUTORIAL_PLANNING`).
             let seen: bool = sqlx::query_scalar(sql::TUTORIAL_LOOKUP)
                 .bind(message_id)
                 .bind(self.consumer_type.as_str())

@@ -186,6 +186,14 @@ async fn prepare(
         // Every mode, the peer too, has the same effect table (`carrier_reservations`), from inboxctl's migrations.
         schema::migrate(&scratch_db, false).await?;
     }
+    if mode == Mode::Tutorial {
+        let mut admin = db.with_database("postgres").connect().await?;
+        sqlx::query(sqlx::AssertSqlSafe(
+            sql::TUTORIAL_PLANNING.replace("{}", &inboxctl::db::sql::quote_ident(&name)),
+        ))
+        .execute(&mut admin)
+        .await?;
+    }
     let peer = match (mode, peer) {
         (Mode::Peer, Some(p)) => {
             let url = scratch_db.url();

@@ -12,6 +12,14 @@ pub const SERVER_VERSION_NUM: &str = "SELECT current_setting('server_version_num
 pub const TUTORIAL_LOOKUP: &str =
     "SELECT EXISTS (SELECT 1 FROM inbox_messages WHERE id = $1 AND consumer_type = $2)";
 
+/// Set on the tutorial's scratch database (`{}`: its quoted name): its sessions plan each statement with its values,
+/// as EF Core's unprepared statements through Npgsql are planned. A prepared look-up is planned once for good, and
+/// PostgreSQL keeps the plan it chose while the table was empty (just truncated, as before every run): the
+/// `(consumer_type, processed_at)` index, scanning every row of the consumer_type for each look-up, until
+/// autovacuum's ANALYZE happens to invalidate it. That plan was the tutorial mode's stall (186–1,561 msg/s over
+/// runs, its backends busy on the look-up).
+pub const TUTORIAL_PLANNING: &str = "ALTER DATABASE {} SET plan_cache_mode = force_custom_plan";
+
 /// The tutorial's plain insert of the inbox row. `$1` message id, `$2` consumer_type.
 pub const TUTORIAL_INSERT: &str =
     "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())";

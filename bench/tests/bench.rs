@@ -37,6 +37,7 @@ async fn a_small_bench_writes_every_mode_and_the_machine() {
     assert!(report["machine"]["cores"].as_u64().unwrap() >= 1);
     for mode in [
         "ceiling",
+        "ceiling-batched",
         "bare",
         "tutorial",
         "inbox",

@@ -1,0 +1,294 @@
+//! Batched processing: several messages in one transaction (see the module documentation of [`crate::inbox`]).
+
+use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
+use std::time::Instant;
+
+use futures_util::FutureExt as _;
+use futures_util::future::BoxFuture;
+use sqlx::Connection as _;
+use sqlx::postgres::PgConnection;
+use uuid::Uuid;
+
+use super::{Conflict, Fingerprint, Inbox, ProcessError, WorkError, conflict};
+use crate::db::{self, is_transient};
+use crate::failpoint;
+
+/// The most members a batch may have: a batch holds its members' keys locked until it commits, and a failing member
+/// costs the batch a redo.
+pub const MAX_BATCH: usize = 64;
+
+/// A batch member's work on the batch's transaction. It may run more than once — a batch that fails because of
+/// another member is done again without that one — and only its last run's effects commit.
+pub type MemberWork<T> =
+    Box<dyn for<'c> Fn(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send + Sync>;
+
+/// The work of a batch's claimed members in one call (one statement, say), given their ids in the batch's order; one
+/// output per id, in that order. Runs at most once: if it fails, the members' own work runs instead.
+pub type TogetherWork<T> = Box<
+    dyn for<'c> FnOnce(&'c mut PgConnection, &'c [Uuid]) -> BoxFuture<'c, Result<Vec<T>, WorkError>>
+        + Send,
+>;
+
+/// One message of a batch.
+pub struct Member<T> {
+    pub message_id: Uuid,
+    /// Its event's fingerprint, if known: kept with the claim, compared with later copies'.
+    pub fingerprint: Option<Fingerprint>,
+    pub work: MemberWork<T>,
+}
+
+/// What became of one member of a committed batch.
+#[derive(Debug)]
+pub enum MemberOutcome<T> {
+    Processed(T),
+    Duplicate,
+    Conflict(Conflict),
+    /// Its work failed: the batch was done again without it; nothing of it committed.
+    Failed(WorkError),
+}
+
+impl Inbox {
+    /// Processes `members` (distinct message ids, at most [`MAX_BATCH`]) in one transaction, each member's work in
+    /// turn; see the module documentation. `Err` means nothing committed: `Unavailable` is the database's doing;
+    /// `Failed` means the batch as a whole could not be committed (a member panicked, or the commit itself was
+    /// refused), and its members should be processed one by one.
+    pub async fn process_batch<T: Send>(
+        &self,
+        members: Vec<Member<T>>,
+    ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        self.process_batch_with(members, None).await
+    }
+
+    /// [`Inbox::process_batch`], with the claimed members' work done by `together` in one call when it succeeds.
+    pub async fn process_batch_with<T: Send>(
+        &self,
+        members: Vec<Member<T>>,
+        together: Option<TogetherWork<T>>,
+    ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(ProcessError::Unavailable)?;
+        let result = self.process_batch_on(&mut conn, members, together).await;
+        // As in `process`; and a member that panicked may have left the session mid-statement.
+        if result.is_err() {
+            conn.close_on_drop();
+        }
+        result
+    }
+
+    async fn process_batch_on<T: Send>(
+        &self,
+        conn: &mut PgConnection,
+        members: Vec<Member<T>>,
+        mut together: Option<TogetherWork<T>>,
+    ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        let mut ids: Vec<Uuid> = members.iter().map(|m| m.message_id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        if ids.len() != members.len() {
+            return Err(ProcessError::Failed(WorkError::msg(
+                "a batch must not hold one message id twice",
+            )));
+        }
+        // Members whose work failed, with the error: left out of every later round.
+        let mut failed: HashMap<Uuid, WorkError> = HashMap::new();
+        loop {
+            let round = self
+                .batch_round(conn, &members, &failed, together.take())
+                .await?;
+            match round {
+                Round::Committed {
+                    claimed,
+                    copies,
+                    mut outputs,
+                } => {
+                    return Ok(members
+                        .iter()
+                        .map(|m| {
+                            if let Some(error) = failed.remove(&m.message_id) {
+                                MemberOutcome::Failed(error)
+                            } else if claimed.contains(&m.message_id) {
+                                outputs
+                                    .remove(&m.message_id)
+                                    .map_or(MemberOutcome::Duplicate, MemberOutcome::Processed)
+                            } else {
+                                let first = copies.get(&m.message_id).copied().flatten();
+                                conflict(first, m.fingerprint)
+                                    .map_or(MemberOutcome::Duplicate, MemberOutcome::Conflict)
+                            }
+                        })
+                        .collect());
+                }
+                // The together work failed: the next round goes member by member.
+                Round::TogetherFailed => {}
+                Round::MemberFailed(id, error) => {
+                    failed.insert(id, error);
+                }
+            }
+        }
+    }
+
+    /// One try at the batch, without the members in `failed`: claim, work, commit. A failure of the work rolls the
+    /// transaction back and says what failed, for the next round.
+    async fn batch_round<T: Send>(
+        &self,
+        conn: &mut PgConnection,
+        members: &[Member<T>],
+        failed: &HashMap<Uuid, WorkError>,
+        together: Option<TogetherWork<T>>,
+    ) -> Result<Round<T>, ProcessError> {
+        let mut keys: Vec<db::claim::Key> = members
+            .iter()
+            .filter(|m| !failed.contains_key(&m.message_id))
+            .map(|m| db::claim::Key {
+                message_id: m.message_id,
+                fingerprint: m.fingerprint,
+            })
+            .collect();
+        keys.sort_unstable_by_key(|k| k.message_id);
+        let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
+        let claim_started = Instant::now();
+        let claimed = if keys.is_empty() {
+            HashSet::new()
+        } else {
+            db::claim::claim_batch(&mut tx, &keys, &self.consumer_type)
+                .await
+                .map_err(ProcessError::Unavailable)?
+        };
+        self.claim_took(claim_started);
+        let copies = self.record_batch_copies(&mut tx, &keys, &claimed).await?;
+        // The claimed members, in the batch's order.
+        let working: Vec<&Member<T>> = members
+            .iter()
+            .filter(|m| claimed.contains(&m.message_id))
+            .collect();
+
+        let outputs = match run_work(&mut tx, &working, together).await {
+            Worked::Done(outputs) => outputs,
+            Worked::Unavailable(e) => {
+                let _ = tx.rollback().await;
+                return Err(ProcessError::Unavailable(e));
+            }
+            Worked::Redo(round) => {
+                rollback(tx).await?;
+                return Ok(round);
+            }
+            Worked::Miscounted => {
+                let _ = tx.rollback().await;
+                return Err(ProcessError::Failed(WorkError::msg(
+                    "the batch's work gave another number of outputs than it had members",
+                )));
+            }
+            Worked::Panicked => return Err(panicked(tx).await),
+        };
+
+        failpoint::hit("before-commit").await;
+        tx.commit().await.map_err(|e| {
+            if is_transient(&e) {
+                ProcessError::Unavailable(e)
+            } else {
+                ProcessError::Failed(WorkError::Database(e))
+            }
+        })?;
+        Ok(Round::Committed {
+            claimed,
+            copies,
+            outputs,
+        })
+    }
+
+    /// Records the members a committed claim already held (duplicates and conflicts) in one statement, if any;
+    /// returns the fingerprint each was first claimed with.
+    async fn record_batch_copies(
+        &self,
+        conn: &mut PgConnection,
+        keys: &[db::claim::Key],
+        claimed: &HashSet<Uuid>,
+    ) -> Result<HashMap<Uuid, Option<Fingerprint>>, ProcessError> {
+        let copies: Vec<db::claim::Key> = keys
+            .iter()
+            .filter(|k| !claimed.contains(&k.message_id))
+            .copied()
+            .collect();
+        if copies.is_empty() {
+            return Ok(HashMap::new());
+        }
+        db::claim::record_batch_copies(conn, &copies, &self.consumer_type)
+            .await
+            .map_err(ProcessError::Unavailable)
+    }
+}
+
+/// Runs the claimed members' work on the batch's transaction: `together` in one call if given, else each member's in
+/// turn, stopping at the first failure.
+async fn run_work<T: Send>(
+    conn: &mut PgConnection,
+    working: &[&Member<T>],
+    together: Option<TogetherWork<T>>,
+) -> Worked<T> {
+    let mut outputs = HashMap::with_capacity(working.len());
+    if let Some(together) = together.filter(|_| !working.is_empty()) {
+        let ids: Vec<Uuid> = working.iter().map(|m| m.message_id).collect();
+        return match AssertUnwindSafe(together(conn, &ids)).catch_unwind().await {
+            Ok(Ok(out)) if out.len() == ids.len() => {
+                outputs.extend(ids.into_iter().zip(out));
+                Worked::Done(outputs)
+            }
+            Ok(Ok(_)) => Worked::Miscounted,
+            Ok(Err(WorkError::Database(e))) if is_transient(&e) => Worked::Unavailable(e),
+            Ok(Err(_)) => Worked::Redo(Round::TogetherFailed),
+            Err(_) => Worked::Panicked,
+        };
+    }
+    for member in working {
+        match AssertUnwindSafe((member.work)(conn)).catch_unwind().await {
+            Ok(Ok(output)) => {
+                outputs.insert(member.message_id, output);
+            }
+            Ok(Err(WorkError::Database(e))) if is_transient(&e) => return Worked::Unavailable(e),
+            Ok(Err(error)) => return Worked::Redo(Round::MemberFailed(member.message_id, error)),
+            Err(_) => return Worked::Panicked,
+        }
+    }
+    Worked::Done(outputs)
+}
+
+/// How the members' work ended, the transaction still open.
+enum Worked<T> {
+    Done(HashMap<Uuid, T>),
+    /// The database failed under the work.
+    Unavailable(sqlx::Error),
+    /// A failure the next round can leave out.
+    Redo(Round<T>),
+    /// `together` gave another number of outputs than it had members.
+    Miscounted,
+    Panicked,
+}
+
+/// How one try at a batch ended.
+enum Round<T> {
+    Committed {
+        claimed: HashSet<Uuid>,
+        /// The fingerprint each copy's key was first claimed with.
+        copies: HashMap<Uuid, Option<Fingerprint>>,
+        outputs: HashMap<Uuid, T>,
+    },
+    TogetherFailed,
+    MemberFailed(Uuid, WorkError),
+}
+
+/// Rolls a batch's try back, so that the next try can take the same keys: a rollback that fails is the database's
+/// doing.
+async fn rollback(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), ProcessError> {
+    tx.rollback().await.map_err(ProcessError::Unavailable)
+}
+
+/// A member's work panicked, which may have left the connection mid-statement: the whole batch is given up, and its
+/// members are processed one by one, where a panic costs one message an attempt.
+async fn panicked(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> ProcessError {
+    let _ = tx.rollback().await;
+    ProcessError::Failed(WorkError::msg("a member of the batch panicked"))
+}

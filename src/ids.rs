@@ -38,9 +38,18 @@ impl IdKind {
 /// .NET ticks between 0001-01-01 and the Unix epoch.
 const UNIX_EPOCH_TICKS: u64 = 621_355_968_000_000_000;
 
+/// This process's NewId part (bytes 0–7), chosen at random at its first NewId unless pinned.
+static PROCESS: OnceLock<[u8; 8]> = OnceLock::new();
+
+/// Makes this process's NewIds carry `process` as their first 8 bytes, as another process's would: for a benchmark
+/// that continues the ids an earlier process wrote into an inbox, so that its new ids land among them. Returns
+/// false, changing nothing, if a NewId was made or the part pinned before.
+pub fn pin_new_id_process(process: [u8; 8]) -> bool {
+    PROCESS.set(process).is_ok()
+}
+
 /// The next NewId of this process: its time in ticks, one past the last if the clock has not moved on.
 pub fn new_id() -> Uuid {
-    static PROCESS: OnceLock<[u8; 8]> = OnceLock::new();
     static LAST: Mutex<u64> = Mutex::new(0);
     let process = PROCESS.get_or_init(|| {
         let mut bytes = [0u8; 8];
@@ -127,5 +136,17 @@ mod tests {
                 b
             })
         );
+    }
+
+    /// Each test runs in a process of its own (the suite runs under nextest), so nothing made a NewId before.
+    #[test]
+    fn a_pinned_process_part_is_every_new_ids_and_cannot_be_changed_after() {
+        let part = [0x1a, 0x28, 0, 0, 0x16, 0x1d, 0x4c, 0x08];
+        assert!(pin_new_id_process(part));
+        let id = new_id();
+        assert_eq!(id.as_bytes()[..8], part);
+        assert!(id.to_string().starts_with("1a280000-161d-4c08-"));
+        assert!(!pin_new_id_process([2; 8]), "pinned once");
+        assert_eq!(new_id().as_bytes()[..8], part);
     }
 }

@@ -62,6 +62,10 @@ pub async fn run(
             BTreeMap::new(),
         ));
     }
+    if options.inbox_rows > 0 && options.ids == IdKind::NewId {
+        // The new ids continue the prefilled ones as that process's would: among them, not in a range of their own.
+        inboxctl::ids::pin_new_id_process(prefill::NEW_ID_PROCESS);
+    }
     let connection = broker.connect("inboxctl bench").await?;
     let peer = if options.modes.contains(&Mode::Peer) {
         let mut say_now = |line: &str| say(line);

@@ -29,22 +29,23 @@ pub const TRUNCATE: &str =
     "TRUNCATE inbox_messages, inboxctl_fingerprints, carrier_reservations, inboxctl_events";
 
 /// `TRUNCATE` for a prefilled inbox (`--inbox-rows`): the rows the runs added go, the prefilled ones (consumer_type
-/// `prefilled`) stay.
+/// `prefilled`) stay. Two ranges rather than `<>`, so that the `(consumer_type, processed_at)` index finds the
+/// runs' rows instead of a scan of every prefilled one.
 pub const TRUNCATE_KEEPING_PREFILL: &str = "\
-DELETE FROM inbox_messages WHERE consumer_type <> 'prefilled';
+DELETE FROM inbox_messages WHERE consumer_type < 'prefilled' OR consumer_type > 'prefilled';
 TRUNCATE inboxctl_fingerprints, carrier_reservations, inboxctl_events";
 
 /// `--inbox-rows`: `$2` processed inbox rows numbered from `$1` of `$3` in all, received over the 7 days before now in
 /// the order of their numbers, their ids of the kind `$4` (`v4`, `v7`, `newid`) made from that time as a producer
-/// would have: random; UUIDv7 (milliseconds first); MassTransit's NewId (one process's prefix, the low 16 bits of
-/// its .NET ticks, then the high 48).
+/// would have: random; UUIDv7 (milliseconds first); MassTransit's NewId (the process part `$5`, 8 bytes, then the low
+/// 16 bits of its .NET ticks, then the high 48).
 pub const PREFILL_ROWS: &str = "\
 INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
 SELECT CASE $4
          WHEN 'v4' THEN gen_random_uuid()
          WHEN 'v7' THEN (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0')
                          || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid
-         ELSE ('1a280000161d4c08' || lpad(to_hex(ticks & 65535), 4, '0')
+         ELSE (encode($5::bytea, 'hex') || lpad(to_hex(ticks & 65535), 4, '0')
                || lpad(to_hex(ticks >> 16), 12, '0'))::uuid
        END,
        'prefilled', t, t
@@ -84,6 +85,12 @@ SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
        CASE WHEN (g / cardinality($3::text[])) % 100 = 0 THEN NULL ELSE t END
 FROM generate_series($1 + 1, $1 + $2) AS g,
      LATERAL (SELECT now() - interval '14 days' + (g::float8 / $4::float8) * interval '14 days' AS t) AS x";
+
+/// After a template's rows are in: hint bits and the visibility map set, the planner's statistics fresh.
+pub const VACUUM_INBOX: &str = "VACUUM ANALYZE inbox_messages";
+
+/// Marks a template as complete (`{}`: the marker, made by the bench from a number and an id kind: no quote in it).
+pub const MARK_TEMPLATE: &str = "COMMENT ON TABLE inbox_messages IS '{}'";
 
 /// What the template's table comment says, if anything.
 pub const TEMPLATE_MARKER: &str =

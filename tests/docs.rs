@@ -164,3 +164,54 @@ fn the_compose_file_is_valid_and_offers_both_services_on_their_ports() {
         assert!(config.contains(needle), "{needle} in\n{config}");
     }
 }
+
+/// The docs stand alone: every relative link of README.md and docs/*.md names a file of this repository (the link's
+/// anchor aside), and none leaves it (`..` past the root); the web links are left alone.
+#[test]
+fn every_link_in_the_docs_points_at_a_file_of_the_repository() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .canonicalize()
+        .unwrap();
+    let mut files: Vec<PathBuf> = vec![root.join("README.md")];
+    files.extend(
+        std::fs::read_dir(root.join("docs"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "md")),
+    );
+    let mut broken = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let mut rest = line;
+            while let Some(at) = rest.find("](") {
+                rest = &rest[at + 2..];
+                let Some(end) = rest.find(')') else { break };
+                let target = &rest[..end];
+                rest = &rest[end..];
+                if target.contains("://")
+                    || target.starts_with('#')
+                    || target.starts_with("mailto:")
+                {
+                    continue;
+                }
+                let path = target.split('#').next().unwrap();
+                checked += 1;
+                let resolved = file.parent().unwrap().join(path).canonicalize();
+                if !resolved.is_ok_and(|p| p.starts_with(&root)) {
+                    broken.push(format!(
+                        "{}:{}: {target}",
+                        file.strip_prefix(&root).unwrap().display(),
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    assert!(checked > 10, "the scan found the links ({checked})");
+    assert!(
+        broken.is_empty(),
+        "links that leave the repository or name nothing: {broken:#?}"
+    );
+}

@@ -308,13 +308,7 @@ impl Inbox {
         };
 
         failpoint::hit("before-commit").await;
-        tx.commit().await.map_err(|e| {
-            if is_transient(&e) {
-                ProcessError::Unavailable(e)
-            } else {
-                ProcessError::Failed(WorkError::Database(e))
-            }
-        })?;
+        tx.commit().await.map_err(commit_error)?;
         Ok(Outcome::Processed(output))
     }
 }
@@ -334,6 +328,16 @@ impl Inbox {
                 .await
                 .map_err(ProcessError::Unavailable)?;
         Ok(conflict(first, fingerprint).map_or(Outcome::Duplicate, Outcome::Conflict))
+    }
+}
+
+/// A refused `COMMIT`: the database's doing when transient (the message is tried again), else a failure of the
+/// message (or the batch) itself.
+fn commit_error(e: sqlx::Error) -> ProcessError {
+    if is_transient(&e) {
+        ProcessError::Unavailable(e)
+    } else {
+        ProcessError::Failed(WorkError::Database(e))
     }
 }
 

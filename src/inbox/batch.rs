@@ -10,7 +10,7 @@ use sqlx::Connection as _;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
-use super::{Conflict, Fingerprint, Inbox, ProcessError, WorkError, conflict};
+use super::{Conflict, Fingerprint, Inbox, ProcessError, WorkError, commit_error, conflict};
 use crate::db::{self, is_transient};
 use crate::failpoint;
 
@@ -186,13 +186,7 @@ impl Inbox {
         };
 
         failpoint::hit("before-commit").await;
-        tx.commit().await.map_err(|e| {
-            if is_transient(&e) {
-                ProcessError::Unavailable(e)
-            } else {
-                ProcessError::Failed(WorkError::Database(e))
-            }
-        })?;
+        tx.commit().await.map_err(commit_error)?;
         Ok(Round::Committed {
             claimed,
             copies,

@@ -252,6 +252,81 @@ async fn every_masstransit_fixture_is_consumed_with_the_id_of_its_envelope_in(mo
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
+/// `publish --id-kind`: MassTransit's NewId by default (one process part, its time the envelope's `sentTime`),
+/// UUIDv7 or random v4 when asked; a kind it does not know is refused before anything is sent.
+#[tokio::test(flavor = "multi_thread")]
+async fn publish_makes_the_ids_it_is_asked_for() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    common::capture_queue(&conn, EVENT_EXCHANGE, "capture").await;
+    for (flag, kind) in [
+        (None, "newid"),
+        (Some("newid"), "newid"),
+        (Some("v7"), "v7"),
+        (Some("v4"), "v4"),
+    ] {
+        let mut args = vec!["--count", "3"];
+        if let Some(flag) = flag {
+            args.extend(["--id-kind", flag]);
+        }
+        common::publish_parcels(&env, &args);
+        let ours = common::drain(&conn, "capture").await;
+        assert_eq!(ours.len(), 3, "{kind}");
+        let ids: Vec<(Uuid, chrono::DateTime<chrono::Utc>)> = ours
+            .iter()
+            .map(|d| {
+                let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+                let sent = body["sentTime"].as_str().unwrap().parse().unwrap();
+                (body["messageId"].as_str().unwrap().parse().unwrap(), sent)
+            })
+            .collect();
+        // A NewId's time, as .NET ticks, against the envelope's sentTime (written from the same clock).
+        let ticks_apart = |(id, sent): &(Uuid, chrono::DateTime<chrono::Utc>)| {
+            let sent =
+                621_355_968_000_000_000_u64 + u64::try_from(sent.timestamp_micros()).unwrap() * 10;
+            inboxctl::ids::new_id_ticks(*id).abs_diff(sent)
+        };
+        match kind {
+            "newid" => {
+                assert!(ids.iter().all(|i| ticks_apart(i) < 10_000_000), "{ids:?}");
+                assert!(
+                    ids.iter()
+                        .all(|(id, _)| id.as_bytes()[..8] == ids[0].0.as_bytes()[..8])
+                );
+            }
+            "v7" => assert!(
+                ids.iter().all(|(id, _)| id.get_version_num() == 7),
+                "{ids:?}"
+            ),
+            _ => {
+                assert!(
+                    ids.iter().all(|(id, _)| id.get_version_num() == 4),
+                    "{ids:?}"
+                );
+                assert!(
+                    ids.iter().all(|i| ticks_apart(i) > 10_000_000),
+                    "random, not NewIds"
+                );
+            }
+        }
+    }
+    let out = env.run(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "1",
+        "--id-kind",
+        "v5",
+    ]);
+    assert_eq!(out.code, Some(64), "a bad flag: {out:?}");
+    assert!(out.stderr.contains("v5"), "{}", out.stderr);
+    assert!(
+        common::drain(&conn, "capture").await.is_empty(),
+        "nothing sent"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn publish_writes_what_masstransit_writes() {
     let env = TestEnv::migrated().await;

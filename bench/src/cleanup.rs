@@ -72,7 +72,7 @@ pub async fn run(
 ) -> Result<(CleanupReport, BTreeMap<String, Spread>)> {
     let template = format!("{}_bench_rows_{rows}", db.name());
     let template_db = db.with_database(&template);
-    if !template_ready(&template_db, rows).await {
+    if !crate::template::ready(&template_db, &marker(rows)).await {
         say(&format!(
             "building {rows} inbox rows into {template} (once; later runs reuse it)"
         ));
@@ -145,19 +145,6 @@ fn marker(rows: u64) -> String {
     format!("inboxctl bench v3: {rows} rows")
 }
 
-async fn template_ready(template: &Database, rows: u64) -> bool {
-    let Ok(pool) = template.pool(1).await else {
-        return false;
-    };
-    let ready: Option<String> = sqlx::query_scalar(sql::TEMPLATE_MARKER)
-        .fetch_one(&pool)
-        .await
-        .ok()
-        .flatten();
-    pool.close().await;
-    ready.as_deref() == Some(&marker(rows))
-}
-
 async fn build_template(
     db: &Database,
     template: &Database,
@@ -185,44 +172,14 @@ async fn build_template(
             started.elapsed().as_secs_f64()
         ));
     }
-    sqlx::query("VACUUM ANALYZE inbox_messages")
-        .execute(&pool)
-        .await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "COMMENT ON TABLE inbox_messages IS '{}'",
-        marker(rows)
-    )))
-    .execute(&pool)
-    .await?;
+    crate::template::finish(&pool, &marker(rows)).await?;
     pool.close().await;
     Ok(())
 }
 
 async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
     let name = format!("{}_bench_{purpose}", db.name());
-    drop_database(db, &name).await?;
-    let mut admin = db.with_database("postgres").connect().await?;
-    // PostgreSQL 15 copies a database by writing it all to the WAL unless told to copy the files; that would force
-    // checkpoints into the measurement that follows. Then a checkpoint of our own (if the role may), so each run
-    // starts from the same clean state.
-    let version: i32 = sqlx::query_scalar(sql::SERVER_VERSION_NUM)
-        .fetch_one(&mut admin)
-        .await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE DATABASE {} TEMPLATE {}{}",
-        store::sql::quote_ident(&name),
-        store::sql::quote_ident(template),
-        if version >= 150_000 {
-            " STRATEGY = FILE_COPY"
-        } else {
-            ""
-        }
-    )))
-    .execute(&mut admin)
-    .await?;
-    if let Err(e) = sqlx::query("CHECKPOINT").execute(&mut admin).await {
-        tracing::debug!(error = %e, "no checkpoint before the run");
-    }
+    crate::template::copy(db, template, &name).await?;
     let scratch_db = db.with_database(&name);
     let pool = scratch_db.pool(4).await?;
     Ok(Scratch {

@@ -13,6 +13,7 @@ mod prefill;
 mod report;
 mod scratch;
 mod sql;
+mod template;
 
 use std::process::ExitCode;
 

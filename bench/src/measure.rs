@@ -185,7 +185,7 @@ async fn prepare(
             eprintln!("{l}")
         })
         .await?;
-        prefill::copy(db, &template, &name).await?;
+        crate::template::copy(db, &template, &name).await?;
     } else {
         // Every mode, the peer too, has the same effect table (`carrier_reservations`), from inboxctl's migrations.
         schema::migrate(&scratch_db, false).await?;

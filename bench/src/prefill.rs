@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use inboxctl::db::{self as store, Database, schema};
+use inboxctl::db::{Database, schema};
 use inboxctl::ids::IdKind;
 
 use crate::error::Result;
@@ -40,16 +40,8 @@ pub async fn template(
 ) -> Result<String> {
     let name = format!("{}_bench_prefill_{rows}_{}", db.name(), kind_name(ids));
     let template = db.with_database(&name);
-    if let Ok(pool) = template.pool(1).await {
-        let ready: Option<String> = sqlx::query_scalar(sql::TEMPLATE_MARKER)
-            .fetch_one(&pool)
-            .await
-            .ok()
-            .flatten();
-        pool.close().await;
-        if ready.as_deref() == Some(&marker(rows, ids)) {
-            return Ok(name);
-        }
+    if crate::template::ready(&template, &marker(rows, ids)).await {
+        return Ok(name);
     }
     say(&format!(
         "building {rows} inbox rows with {} ids into {name} (once; later runs reuse it)",
@@ -77,30 +69,7 @@ pub async fn template(
             started.elapsed().as_secs_f64()
         ));
     }
-    sqlx::query(sql::VACUUM_INBOX).execute(&pool).await?;
-    sqlx::query(sqlx::AssertSqlSafe(
-        sql::MARK_TEMPLATE.replace("{}", &marker(rows, ids)),
-    ))
-    .execute(&pool)
-    .await?;
+    crate::template::finish(&pool, &marker(rows, ids)).await?;
     pool.close().await;
     Ok(name)
-}
-
-/// Creates database `name` as a copy of `template` (its files copied, not written through the WAL), then a
-/// checkpoint (if the role may), so that each mode starts from the same clean state.
-pub async fn copy(db: &Database, template: &str, name: &str) -> Result<()> {
-    drop_database(db, name).await?;
-    let mut admin = db.with_database("postgres").connect().await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE DATABASE {} TEMPLATE {} STRATEGY = FILE_COPY",
-        store::sql::quote_ident(name),
-        store::sql::quote_ident(template),
-    )))
-    .execute(&mut admin)
-    .await?;
-    if let Err(e) = sqlx::query("CHECKPOINT").execute(&mut admin).await {
-        tracing::debug!(error = %e, "no checkpoint before the run");
-    }
-    Ok(())
 }

@@ -86,6 +86,9 @@ SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
 FROM generate_series($1 + 1, $1 + $2) AS g,
      LATERAL (SELECT now() - interval '14 days' + (g::float8 / $4::float8) * interval '14 days' AS t) AS x";
 
+/// Flushes every dirty page, so that a run does not pay for what came before it (the role may not be allowed to).
+pub const CHECKPOINT: &str = "CHECKPOINT";
+
 /// After a template's rows are in: hint bits and the visibility map set, the planner's statistics fresh.
 pub const VACUUM_INBOX: &str = "VACUUM ANALYZE inbox_messages";
 

@@ -174,8 +174,10 @@ fn mask_urls(text: &str) -> String {
     while let Some(pos) = rest.find("://") {
         // The URL starts at the scheme, which runs back to the last character that cannot be in a scheme.
         let start = rest[..pos]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
-            .map_or(0, |i| i + 1);
+            .char_indices()
+            .rev()
+            .find(|&(_, c)| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
+            .map_or(0, |(i, c)| i + c.len_utf8());
         let end = rest[pos..]
             .find(|c: char| c.is_whitespace() || c == '"' || c == '\'' || c == '`' || c == '>')
             .map_or(rest.len(), |i| pos + i);

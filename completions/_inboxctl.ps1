@@ -37,10 +37,13 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('consume', 'consume', [CompletionResultType]::ParameterValue, 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)')
             [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
             [CompletionResult]::new('replay', 'replay', [CompletionResultType]::ParameterValue, 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)')
+            [CompletionResult]::new('find', 'find', [CompletionResultType]::ParameterValue, 'Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues')
+            [CompletionResult]::new('failures', 'failures', [CompletionResultType]::ParameterValue, 'A dead-letter queue''s messages grouped by the cause of their failure, as they are now (nothing is taken)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
+            [CompletionResult]::new('audit', 'audit', [CompletionResultType]::ParameterValue, 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -96,6 +99,8 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         }
         'inboxctl;cleanup' {
             [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late')
+            [CompletionResult]::new('--dlq', '--dlq', [CompletionResultType]::ParameterName, 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it older than the cutoff keeps the rows of the consumer_type it failed on')
+            [CompletionResult]::new('--audit-retention', '--audit-retention', [CompletionResultType]::ParameterName, 'Keep the audit''s rows (inboxctl audit) this long; they are deleted only with this retention of their own')
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type (default: every one)')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Rows per DELETE; each batch is a short transaction of its own')
             [CompletionResult]::new('--batch-pause', '--batch-pause', [CompletionResultType]::ParameterName, 'Rest between batches (e.g. 50ms), to leave the database room')
@@ -107,7 +112,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
             [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
-            [CompletionResult]::new('--force', '--force', [CompletionResultType]::ParameterName, 'Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is processed again')
+            [CompletionResult]::new('--force', '--force', [CompletionResultType]::ParameterName, 'Clean even where it shortens the deduplication window: accept a --retention under 1m, and clean consumer_types whose dead-letter queues hold a message that failed before the cutoff (its replay would then be processed again)')
             [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'Count what would be deleted; delete nothing')
             [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON (one line per run)')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
@@ -126,6 +131,10 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--reason', '--reason', [CompletionResultType]::ParameterName, 'Only messages whose failure reason contains this text')
             [CompletionResult]::new('--max-replays', '--max-replays', [CompletionResultType]::ParameterName, 'Leave messages that were already replayed this many times')
             [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'The inbox cleanup''s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are')
+            [CompletionResult]::new('--group', '--group', [CompletionResultType]::ParameterName, 'Only the members of this failure group (its fingerprint, or a unique prefix), as the listing of --listing holds them: messages of its cause that arrived since are left, and members gone since are reported')
+            [CompletionResult]::new('--listing', '--listing', [CompletionResultType]::ParameterName, 'The listing `inboxctl failures --from <queue> --output <file>` wrote, which --group chooses from')
+            [CompletionResult]::new('--rate', '--rate', [CompletionResultType]::ParameterName, 'Republish at most this many messages a second, so that a large replay does not flood the consumers')
+            [CompletionResult]::new('--confirm-above', '--confirm-above', [CompletionResultType]::ParameterName, 'On a terminal, ask before replaying more than this many messages, showing the count and the groups')
             [CompletionResult]::new('--reconnect-timeout', '--reconnect-timeout', [CompletionResultType]::ParameterName, 'After a lost connection, how long to keep connecting again to go on (0: stop at once, saying what was done)')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
@@ -135,8 +144,47 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
             [CompletionResult]::new('--include-expired', '--include-expired', [CompletionResultType]::ParameterName, 'Replay messages that failed before the retention window too')
             [CompletionResult]::new('--restore-expiration', '--restore-expiration', [CompletionResultType]::ParameterName, 'Give each copy back the per-message TTL (expiration) it had before it was dead-lettered; by default a replayed copy has none, so that it cannot expire on its way back')
+            [CompletionResult]::new('-y', '-y', [CompletionResultType]::ParameterName, 'Do not ask (for scripts run on a terminal; without a terminal nothing is asked)')
+            [CompletionResult]::new('--yes', '--yes', [CompletionResultType]::ParameterName, 'Do not ask (for scripts run on a terminal; without a terminal nothing is asked)')
             [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)')
             [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;find' {
+            [CompletionResult]::new('--dlq', '--dlq', [CompletionResultType]::ParameterName, 'A dead-letter-exchange queue to look in too, beside each known consumer_type''s <queue>_error and <queue>_skipped (repeatable)')
+            [CompletionResult]::new('--limit', '--limit', [CompletionResultType]::ParameterName, 'Look at no more than this many messages per dead-letter queue (the oldest)')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;failures' {
+            [CompletionResult]::new('--from', '--from', [CompletionResultType]::ParameterName, 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue')
+            [CompletionResult]::new('--limit', '--limit', [CompletionResultType]::ParameterName, 'Look at no more than this many messages (the oldest)')
+            [CompletionResult]::new('--output', '--output', [CompletionResultType]::ParameterName, 'Write the listing, with every member''s message id, to this file: `replay --group <fingerprint> --listing <file>` replays exactly those members')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the listing as JSON (without the member ids; --output has them)')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
@@ -248,6 +296,25 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
             break
         }
+        'inboxctl;audit' {
+            [CompletionResult]::new('--since', '--since', [CompletionResultType]::ParameterName, 'Actions of this last while (e.g. 90m, 24h, 30d)')
+            [CompletionResult]::new('--command', '--command', [CompletionResultType]::ParameterName, 'Only this command''s actions (migrate, cleanup, replay, consume)')
+            [CompletionResult]::new('--limit', '--limit', [CompletionResultType]::ParameterName, 'At most this many rows')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the rows as JSON')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
         'inboxctl;completions' {
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
@@ -268,10 +335,13 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('consume', 'consume', [CompletionResultType]::ParameterValue, 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)')
             [CompletionResult]::new('cleanup', 'cleanup', [CompletionResultType]::ParameterValue, 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)')
             [CompletionResult]::new('replay', 'replay', [CompletionResultType]::ParameterValue, 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)')
+            [CompletionResult]::new('find', 'find', [CompletionResultType]::ParameterValue, 'Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues')
+            [CompletionResult]::new('failures', 'failures', [CompletionResultType]::ParameterValue, 'A dead-letter queue''s messages grouped by the cause of their failure, as they are now (nothing is taken)')
             [CompletionResult]::new('publish', 'publish', [CompletionResultType]::ParameterValue, 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)')
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
+            [CompletionResult]::new('audit', 'audit', [CompletionResultType]::ParameterValue, 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -288,6 +358,12 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;help;replay' {
             break
         }
+        'inboxctl;help;find' {
+            break
+        }
+        'inboxctl;help;failures' {
+            break
+        }
         'inboxctl;help;publish' {
             [CompletionResult]::new('parcel-created', 'parcel-created', [CompletionResultType]::ParameterValue, 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel')
             break
@@ -302,6 +378,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             break
         }
         'inboxctl;help;demo' {
+            break
+        }
+        'inboxctl;help;audit' {
             break
         }
         'inboxctl;help;completions' {

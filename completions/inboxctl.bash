@@ -16,6 +16,9 @@ _inboxctl() {
             ",$1")
                 cmd="inboxctl"
                 ;;
+            inboxctl,audit)
+                cmd="inboxctl__subcmd__audit"
+                ;;
             inboxctl,cleanup)
                 cmd="inboxctl__subcmd__cleanup"
                 ;;
@@ -27,6 +30,12 @@ _inboxctl() {
                 ;;
             inboxctl,demo)
                 cmd="inboxctl__subcmd__demo"
+                ;;
+            inboxctl,failures)
+                cmd="inboxctl__subcmd__failures"
+                ;;
+            inboxctl,find)
+                cmd="inboxctl__subcmd__find"
                 ;;
             inboxctl,help)
                 cmd="inboxctl__subcmd__help"
@@ -46,6 +55,9 @@ _inboxctl() {
             inboxctl,top)
                 cmd="inboxctl__subcmd__top"
                 ;;
+            inboxctl__subcmd__help,audit)
+                cmd="inboxctl__subcmd__help__subcmd__audit"
+                ;;
             inboxctl__subcmd__help,cleanup)
                 cmd="inboxctl__subcmd__help__subcmd__cleanup"
                 ;;
@@ -57,6 +69,12 @@ _inboxctl() {
                 ;;
             inboxctl__subcmd__help,demo)
                 cmd="inboxctl__subcmd__help__subcmd__demo"
+                ;;
+            inboxctl__subcmd__help,failures)
+                cmd="inboxctl__subcmd__help__subcmd__failures"
+                ;;
+            inboxctl__subcmd__help,find)
+                cmd="inboxctl__subcmd__help__subcmd__find"
                 ;;
             inboxctl__subcmd__help,help)
                 cmd="inboxctl__subcmd__help__subcmd__help"
@@ -98,7 +116,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version migrate consume cleanup replay publish top stats demo completions help"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version migrate consume cleanup replay find failures publish top stats demo audit completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -135,14 +153,72 @@ _inboxctl() {
             COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
             return 0
             ;;
+        inboxctl__subcmd__audit)
+            opts="-v -h -V --since --command --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --since)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --command)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
         inboxctl__subcmd__cleanup)
-            opts="-v -h -V --retention --force --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --retention --force --dlq --audit-retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi
             case "${prev}" in
                 --retention)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --dlq)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --audit-retention)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -387,9 +463,119 @@ _inboxctl() {
             COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
             return 0
             ;;
-        inboxctl__subcmd__help)
-            opts="migrate consume cleanup replay publish top stats demo completions help"
+        inboxctl__subcmd__failures)
+            opts="-v -h -V --from --limit --output --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --from)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --output)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__find)
+            opts="-v -h -V --dlq --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --dlq)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help)
+            opts="migrate consume cleanup replay find failures publish top stats demo audit completions help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__audit)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi
@@ -444,6 +630,34 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help__subcmd__demo)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__failures)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__find)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -740,7 +954,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__replay)
-            opts="-v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-y -v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --group --listing --rate --confirm-above --yes --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -771,6 +985,22 @@ _inboxctl() {
                     return 0
                     ;;
                 --retention)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --group)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --listing)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --rate)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --confirm-above)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -34,10 +34,13 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+            cand find 'Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues'
+            cand failures 'A dead-letter queue''s messages grouped by the cause of their failure, as they are now (nothing is taken)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand audit 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -90,6 +93,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;cleanup'= {
             cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
+            cand --dlq 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it older than the cutoff keeps the rows of the consumer_type it failed on'
+            cand --audit-retention 'Keep the audit''s rows (inboxctl audit) this long; they are deleted only with this retention of their own'
             cand --consumer-type 'Only this consumer_type (default: every one)'
             cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'
             cand --batch-pause 'Rest between batches (e.g. 50ms), to leave the database room'
@@ -101,7 +106,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
             cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
             cand --log-format 'Log line format on stderr'
-            cand --force 'Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is processed again'
+            cand --force 'Clean even where it shortens the deduplication window: accept a --retention under 1m, and clean consumer_types whose dead-letter queues hold a message that failed before the cutoff (its replay would then be processed again)'
             cand --dry-run 'Count what would be deleted; delete nothing'
             cand --json 'Print the result as JSON (one line per run)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -119,6 +124,10 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --reason 'Only messages whose failure reason contains this text'
             cand --max-replays 'Leave messages that were already replayed this many times'
             cand --retention 'The inbox cleanup''s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are'
+            cand --group 'Only the members of this failure group (its fingerprint, or a unique prefix), as the listing of --listing holds them: messages of its cause that arrived since are left, and members gone since are reported'
+            cand --listing 'The listing `inboxctl failures --from <queue> --output <file>` wrote, which --group chooses from'
+            cand --rate 'Republish at most this many messages a second, so that a large replay does not flood the consumers'
+            cand --confirm-above 'On a terminal, ask before replaying more than this many messages, showing the count and the groups'
             cand --reconnect-timeout 'After a lost connection, how long to keep connecting again to go on (0: stop at once, saying what was done)'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
@@ -128,8 +137,45 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --log-format 'Log line format on stderr'
             cand --include-expired 'Replay messages that failed before the retention window too'
             cand --restore-expiration 'Give each copy back the per-message TTL (expiration) it had before it was dead-lettered; by default a replayed copy has none, so that it cannot expire on its way back'
+            cand -y 'Do not ask (for scripts run on a terminal; without a terminal nothing is asked)'
+            cand --yes 'Do not ask (for scripts run on a terminal; without a terminal nothing is asked)'
             cand --dry-run 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
             cand --json 'Print the result as JSON'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;find'= {
+            cand --dlq 'A dead-letter-exchange queue to look in too, beside each known consumer_type''s <queue>_error and <queue>_skipped (repeatable)'
+            cand --limit 'Look at no more than this many messages per dead-letter queue (the oldest)'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --json 'Print the result as JSON'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;failures'= {
+            cand --from 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue'
+            cand --limit 'Look at no more than this many messages (the oldest)'
+            cand --output 'Write the listing, with every member''s message id, to this file: `replay --group <fingerprint> --listing <file>` replays exactly those members'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --json 'Print the listing as JSON (without the member ids; --output has them)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand -h 'Print help'
@@ -232,6 +278,24 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand -V 'Print version'
             cand --version 'Print version'
         }
+        &'inboxctl;audit'= {
+            cand --since 'Actions of this last while (e.g. 90m, 24h, 30d)'
+            cand --command 'Only this command''s actions (migrate, cleanup, replay, consume)'
+            cand --limit 'At most this many rows'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --json 'Print the rows as JSON'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
         &'inboxctl;completions'= {
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
@@ -251,10 +315,13 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand consume 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
             cand cleanup 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
             cand replay 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+            cand find 'Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues'
+            cand failures 'A dead-letter queue''s messages grouped by the cause of their failure, as they are now (nothing is taken)'
             cand publish 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand audit 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -266,6 +333,10 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;help;replay'= {
         }
+        &'inboxctl;help;find'= {
+        }
+        &'inboxctl;help;failures'= {
+        }
         &'inboxctl;help;publish'= {
             cand parcel-created 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'
         }
@@ -276,6 +347,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;help;stats'= {
         }
         &'inboxctl;help;demo'= {
+        }
+        &'inboxctl;help;audit'= {
         }
         &'inboxctl;help;completions'= {
         }

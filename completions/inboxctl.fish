@@ -38,10 +38,13 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "migrate" -d 'Appl
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "find" -d 'Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "failures" -d 'A dead-letter queue\'s messages grouped by the cause of their failure, as they are now (nothing is taken)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "audit" -d 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
@@ -85,6 +88,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbo
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l retention -d 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dlq -d 'A dead-letter-exchange queue to look at besides each consumer_type\'s <queue>_error and <queue>_skipped (repeatable): a message in it older than the cutoff keeps the rows of the consumer_type it failed on' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l audit-retention -d 'Keep the audit\'s rows (inboxctl audit) this long; they are deleted only with this retention of their own' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l consumer-type -d 'Only this consumer_type (default: every one)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-size -d 'Rows per DELETE; each batch is a short transaction of its own' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-pause -d 'Rest between batches (e.g. 50ms), to leave the database room' -r
@@ -97,7 +102,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-passw
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l force -d 'Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is processed again'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l force -d 'Clean even where it shortens the deduplication window: accept a --retention under 1m, and clean consumer_types whose dead-letter queues hold a message that failed before the cutoff (its replay would then be processed again)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dry-run -d 'Count what would be deleted; delete nothing'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l json -d 'Print the result as JSON (one line per run)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -110,6 +115,10 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l message-id 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l reason -d 'Only messages whose failure reason contains this text' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l max-replays -d 'Leave messages that were already replayed this many times' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l retention -d 'The inbox cleanup\'s retention: a message that failed longer ago may have lost its inbox row, so replaying it could repeat its effect; such messages are left where they are' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l group -d 'Only the members of this failure group (its fingerprint, or a unique prefix), as the listing of --listing holds them: messages of its cause that arrived since are left, and members gone since are reported' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l listing -d 'The listing `inboxctl failures --from <queue> --output <file>` wrote, which --group chooses from' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l rate -d 'Republish at most this many messages a second, so that a large replay does not flood the consumers' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l confirm-above -d 'On a terminal, ask before replaying more than this many messages, showing the count and the groups' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to go on (0: stop at once, saying what was done)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
@@ -120,11 +129,39 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l log-format 
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l include-expired -d 'Replay messages that failed before the retention window too'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l restore-expiration -d 'Give each copy back the per-message TTL (expiration) it had before it was dead-lettered; by default a replayed copy has none, so that it cannot expire on its way back'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s y -l yes -d 'Do not ask (for scripts run on a terminal; without a terminal nothing is asked)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l dry-run -d 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l json -d 'Print the result as JSON'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l dlq -d 'A dead-letter-exchange queue to look in too, beside each known consumer_type\'s <queue>_error and <queue>_skipped (repeatable)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l limit -d 'Look at no more than this many messages per dead-letter queue (the oldest)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l from -d 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l limit -d 'Look at no more than this many messages (the oldest)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l output -d 'Write the listing, with every member\'s message id, to this file: `replay --group <fingerprint> --listing <file>` replays exactly those members' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l json -d 'Print the listing as JSON (without the member ids; --output has them)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -196,6 +233,20 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l since -d 'Actions of this last while (e.g. 90m, 24h, 30d)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l command -d 'Only this command\'s actions (migrate, cleanup, replay, consume)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l limit -d 'At most this many rows' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
+json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l json -d 'Print the rows as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -206,14 +257,17 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay publish top stats demo completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "migrate" -d 'Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "consume" -d 'Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "cleanup" -d 'Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "replay" -d 'Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "find" -d 'Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "failures" -d 'A dead-letter queue\'s messages grouped by the cause of their failure, as they are now (nothing is taken)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "publish" -d 'Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "top" -d 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "stats" -d 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "demo" -d 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "audit" -d 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and not __fish_seen_subcommand_from migrate consume cleanup replay find failures publish top stats demo audit completions help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand help; and __fish_seen_subcommand_from publish" -f -a "parcel-created" -d 'ParcelTracker.Domain.Events.ParcelCreatedEvent, one per new parcel'

@@ -7,6 +7,7 @@
 //! - [`cmd`]: one module per subcommand.
 
 pub mod amqp;
+pub mod audit;
 pub mod backoff;
 pub mod cleanup;
 pub mod cli;
@@ -31,6 +32,7 @@ pub mod shutdown;
 pub mod stats;
 pub mod table;
 pub mod top;
+pub mod triage;
 
 pub use cli::Cli;
 pub use error::{Error, Outcome, Result};

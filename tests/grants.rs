@@ -23,9 +23,9 @@ use uuid::Uuid;
 /// docs/security.md's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
 const SECURITY_ROWS: [&str; 6] = [
     "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner | none |",
-    "| `consume` | `SELECT, INSERT` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`) and `inboxctl_events`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers` and `inboxctl_fingerprints`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
+    "| `consume` | `SELECT, INSERT` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`), `inboxctl_events` and `inboxctl_audit`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers` and `inboxctl_fingerprints`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
-    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`; `SELECT` on `inboxctl_consumers` | none |",
+    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit` | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
     "| `replay` | none | read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
     "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure, write and read all empty (`\"\"`): the queue depths come from passive declares, which need none |",
 ];
@@ -37,7 +37,7 @@ const MIGRATE_GRANTS: &str = "GRANT CREATE ON SCHEMA public TO {role}";
 fn consume_grants(effect_table: &str) -> String {
     format!(
         "GRANT SELECT, INSERT ON inbox_messages TO {{role}};
-         GRANT INSERT ON {effect_table}, inboxctl_events TO {{role}};
+         GRANT INSERT ON {effect_table}, inboxctl_events, inboxctl_audit TO {{role}};
          GRANT SELECT, INSERT, UPDATE ON inboxctl_consumers, inboxctl_fingerprints TO {{role}};
          GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts TO {{role}};"
     )
@@ -45,8 +45,10 @@ fn consume_grants(effect_table: &str) -> String {
 
 /// `cleanup`'s row, PostgreSQL.
 const CLEANUP_GRANTS: &str = concat!(
-    "GRANT SELECT, DELETE ON inbox_messages, inboxctl_events, inboxctl_attempts, inboxctl_fingerprints TO {role};",
+    "GRANT SELECT, DELETE ON inbox_messages, inboxctl_events, inboxctl_attempts, inboxctl_fingerprints, inboxctl_audit ",
+    "TO {role};",
     "GRANT SELECT ON inboxctl_consumers TO {role};",
+    "GRANT INSERT ON inboxctl_audit TO {role};",
 );
 
 /// `stats`' row, PostgreSQL.
@@ -1256,7 +1258,7 @@ async fn census(pool: &PgPool) -> Vec<(String, i64)> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn cleanup_needs_select_and_delete_and_no_broker() {
+async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
     let env = TestEnv::migrated().await;
     let admin = env.pool().await;
     execute(
@@ -1279,10 +1281,52 @@ async fn cleanup_needs_select_and_delete_and_no_broker() {
          VALUES ('gamma', 'gamma-queue', now(), now());",
     )
     .await;
+    // gamma's error queue holds a message that failed an hour ago, well inside the window: the cleanup must look at
+    // it (read) to know that.
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, "gamma-queue_error")
+        .await
+        .unwrap();
+    let mut headers = lapin::types::FieldTable::default();
+    let an_hour_ago =
+        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::hours(1));
+    headers.insert(
+        "MT-Fault-Timestamp".into(),
+        lapin::types::AMQPValue::LongString(an_hour_ago.into_bytes().into()),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_headers(headers);
+    common::publish(&conn, "", "gamma-queue_error", props, b"{}").await;
+    let _ = conn.close(200, "OK".into()).await;
+
     let mut principals = Principals::new(&env);
     let role = principals.role(&admin, "cleanup", CLEANUP_GRANTS).await;
-    let cleanup = As::new(&role.url, NOWHERE_AMQP);
+    let user = principals.user(
+        "cleanup",
+        &permissions("", "", "^gamma-queue(_error|_skipped)$"),
+    );
+    let cleanup = As::new(&role.url, &user.url);
     let args = ["cleanup", "--retention", "7d", "--json"];
+    let before = census(&admin).await;
+
+    // Without the broker, or without read on the dead-letter queue: refused, nothing deleted; --force cleans without
+    // looking (proved on the superuser's side by tests/cleanup.rs).
+    let nowhere = As::new(&role.url, NOWHERE_AMQP).run(&env, &args);
+    assert_refused(&nowhere, 69, &["RabbitMQ".to_owned()], "a broker");
+    let unread = principals.user("cleanup-unread", &permissions("", "", ""));
+    let unread = As::new(&role.url, &unread.url).run(&env, &args);
+    assert_refused(
+        &unread,
+        77,
+        &["gamma-queue_error".to_owned()],
+        "read on gamma-queue_error",
+    );
+    assert_eq!(
+        census(&admin).await,
+        before,
+        "a refused cleanup deleted something"
+    );
 
     // Without DELETE on inbox_messages, or SELECT on inboxctl_consumers: refused, nothing deleted.
     let subject = Subject::new(&env, &principals, &cleanup).role(&role, &admin);
@@ -1290,9 +1334,12 @@ async fn cleanup_needs_select_and_delete_and_no_broker() {
         subject.refused(row).await;
     }
 
-    // Exactly the grants, and no broker: the processed rows, events and start counts past the window go.
+    // Exactly the grants: the processed rows, events and start counts past the window go; the message looked at
+    // is back in its queue, and the run is audited.
     let out = cleanup.run(&env, &args);
     assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(!out.stderr.contains("audit"), "{out:?}");
+    assert_eq!(env.queue_counts("gamma-queue_error"), (1, 0));
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!(report["deleted"], 50, "{report}");
     assert_eq!(report["events_deleted"], 8, "{report}");

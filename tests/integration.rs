@@ -37,3 +37,4 @@ mod restart;
 mod statements;
 mod stats;
 mod top;
+mod triage;

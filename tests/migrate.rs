@@ -78,6 +78,7 @@ async fn a_fresh_database_is_created_and_gets_the_schema() {
             "carrier_reservations",
             "inbox_messages",
             "inboxctl_attempts",
+            "inboxctl_audit",
             "inboxctl_consumers",
             "inboxctl_events",
             "inboxctl_fingerprints",

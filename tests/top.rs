@@ -4,54 +4,9 @@
 use crate::common;
 
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::TestEnv;
-
-struct Tmux {
-    socket: String,
-}
-
-impl Tmux {
-    fn run(&self, args: &[&str]) -> String {
-        let out = Command::new("tmux")
-            .arg("-L")
-            .arg(&self.socket)
-            .args(args)
-            .output()
-            .expect("tmux (Debian package tmux)");
-        assert!(
-            out.status.success(),
-            "tmux {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    }
-
-    fn screen(&self) -> String {
-        self.run(&["capture-pane", "-p", "-t", "top"])
-    }
-
-    fn wait_for(&self, what: &str, ok: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let screen = self.screen();
-            if ok(&screen) {
-                return screen;
-            }
-            assert!(Instant::now() < deadline, "no {what} on screen:\n{screen}");
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
-}
-
-impl Drop for Tmux {
-    fn drop(&mut self) {
-        let _ = Command::new("tmux")
-            .args(["-L", &self.socket, "kill-server"])
-            .status();
-    }
-}
+use common::{TestEnv, Tmux};
 
 /// Waits for the shell after top to report, then checks top's exit code and that the terminal was given back:
 /// canonical mode, the alternate screen gone.

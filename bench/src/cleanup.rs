@@ -295,6 +295,9 @@ async fn delete(
                 batch_size: options.cleanup_batch_size,
                 batch_pause: options.cleanup_batch_pause,
                 dry_run: false,
+                // The bench's inbox has no dead-letter queues to wait on: the cleanup's cost alone is measured.
+                guard: None,
+                audit_retention: RETENTION,
             };
             cleanup::run(&scratch.pool, &plan, shutdown, |_| {})
                 .await?

@@ -31,6 +31,10 @@ pub enum Origin {
 pub struct Failure {
     pub origin: Origin,
     pub reason: Option<String>,
+    /// What kind of failure: MassTransit's `MT-Fault-ExceptionType`, or the reason RabbitMQ dead-lettered it for
+    /// (`rejected`, `expired`, `maxlen`, `delivery_limit`) as `rabbitmq:<reason>`, or `skipped` for a message no
+    /// consumer handled.
+    pub exception_type: Option<String>,
     pub failed_at: Option<DateTime<Utc>>,
     pub replays: u32,
 }
@@ -75,6 +79,15 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
         })
         .or_else(|| value_text(death_field(0, "reason")))
         .or_else(|| text("x-first-death-reason"));
+    let exception_type = text("MT-Fault-ExceptionType")
+        .or_else(|| {
+            (text("MT-Reason").as_deref() == Some("dead-letter")).then(|| "skipped".to_owned())
+        })
+        .or_else(|| {
+            value_text(death_field(0, "reason"))
+                .or_else(|| text("x-first-death-reason"))
+                .map(|r| format!("rabbitmq:{r}"))
+        });
     let failed_at = text("MT-Fault-Timestamp")
         .as_deref()
         .and_then(envelope::parse_time)
@@ -91,6 +104,7 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
     Failure {
         origin,
         reason,
+        exception_type,
         failed_at,
         replays,
     }

@@ -1,6 +1,7 @@
 //! RabbitMQ: connecting, the MassTransit topology, envelopes and dead-letter headers.
 
 pub mod address;
+pub mod cause;
 pub mod copy;
 pub mod dead_letter;
 pub mod envelope;
@@ -9,6 +10,7 @@ pub mod failure;
 pub mod fingerprint;
 pub mod limits;
 pub mod pass;
+pub mod peek;
 pub mod publish;
 mod reconnect;
 pub mod topology;

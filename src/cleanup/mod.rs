@@ -16,6 +16,10 @@ use tokio_util::sync::CancellationToken;
 use crate::db::{self, Database, schema};
 use crate::error::Result;
 
+pub mod window;
+
+pub use window::{Guard, Refusal};
+
 /// What to clean.
 #[derive(Debug, Clone)]
 pub struct Plan {
@@ -27,6 +31,10 @@ pub struct Plan {
     pub batch_pause: Duration,
     /// Count only; delete nothing.
     pub dry_run: bool,
+    /// Where to look for dead-lettered messages older than the cutoff before cleaning (none: `--force`).
+    pub guard: Option<Guard>,
+    /// How long audit rows are kept (longer than the inbox's, as a rule).
+    pub audit_retention: Duration,
 }
 
 /// One consumer_type's share of a cleanup.
@@ -42,6 +50,9 @@ pub struct ConsumerReport {
     pub oldest_unprocessed: Option<DateTime<Utc>>,
     /// Another cleanup was cleaning this consumer_type, so this one left it alone.
     pub busy: bool,
+    /// Left alone: a dead-letter queue of its holds a message older than the cutoff, whose replay needs its row.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<Refusal>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -57,6 +68,10 @@ pub struct Report {
     /// Counts of redelivered messages' starts (see `consume --poison-after`) older than the window: left by messages
     /// that never came back.
     pub attempts_deleted: u64,
+    /// Audit rows older than the audit's own retention, deleted.
+    pub audit_deleted: u64,
+    /// Consumer_types left alone to keep the deduplication window of a waiting replay.
+    pub refused: u64,
     pub seconds: f64,
     pub rows_per_second: f64,
 }
@@ -108,7 +123,11 @@ pub async fn scheduled(
                 progress_failed.get_or_insert(e);
             }
         })
-        .await?;
+        .await;
+        if !plan.dry_run {
+            crate::audit::record(pool, &audit_entry(plan, &report)).await;
+        }
+        let report = report?;
         if let Some(e) = progress_failed {
             return Err(e);
         }
@@ -122,6 +141,53 @@ pub async fn scheduled(
         tokio::select! {
             () = shutdown.cancelled() => return Ok(false),
             () = tokio::time::sleep(every) => {}
+        }
+    }
+}
+
+/// The audit's row for one run.
+fn audit_entry(plan: &Plan, report: &Result<Report>) -> crate::audit::Entry {
+    let mut details = serde_json::json!({
+        "retention_seconds": plan.retention.as_secs(),
+        "audit_retention_seconds": plan.audit_retention.as_secs(),
+        "forced": plan.guard.is_none(),
+    });
+    if let (Ok(r), serde_json::Value::Object(map)) = (report, &mut details) {
+        let refused: Vec<_> = r
+            .consumers
+            .iter()
+            .filter_map(|c| c.refused.as_ref().map(|why| serde_json::json!({"consumer_type": c.consumer_type, "queue": why.queue, "message_id": why.message_id})))
+            .collect();
+        for (key, value) in [
+            ("cutoff", serde_json::json!(r.cutoff)),
+            ("deleted", serde_json::json!(r.deleted)),
+            ("events_deleted", serde_json::json!(r.events_deleted)),
+            ("audit_deleted", serde_json::json!(r.audit_deleted)),
+            ("interrupted", serde_json::json!(r.interrupted)),
+            (
+                "consumer_types",
+                serde_json::json!(
+                    r.consumers
+                        .iter()
+                        .map(|c| c.consumer_type.as_str())
+                        .collect::<Vec<_>>()
+                ),
+            ),
+            ("refused", serde_json::json!(refused)),
+        ] {
+            map.insert(key.to_owned(), value);
+        }
+    }
+    crate::audit::Entry::ended("cleanup", report, Report::outcome, details)
+}
+
+impl Report {
+    /// Partial when interrupted or when a consumer_type was left to keep a waiting replay's window.
+    pub fn outcome(&self) -> crate::error::Outcome {
+        if self.interrupted || self.refused > 0 {
+            crate::error::Outcome::Partial
+        } else {
+            crate::error::Outcome::Done
         }
     }
 }
@@ -141,11 +207,15 @@ pub async fn run(
     };
 
     let mut consumers = reports(pool, consumer_types, cutoff).await?;
+    if let Some(guard) = &plan.guard {
+        window::check(pool, guard, cutoff, &mut consumers).await?;
+    }
 
     let mut interrupted = false;
     let mut attempts_deleted = 0;
+    let mut audit_deleted = 0;
     if plan.dry_run {
-        for report in &mut consumers {
+        for report in consumers.iter_mut().filter(|c| c.refused.is_none()) {
             report.deleted =
                 db::cleanup::count_processed_before(pool, &report.consumer_type, cutoff).await?;
             report.events_deleted =
@@ -157,6 +227,9 @@ pub async fn run(
         let mut lock = pool.acquire().await?;
         let mut mine = Vec::with_capacity(consumers.len());
         for (i, report) in consumers.iter_mut().enumerate() {
+            if report.refused.is_some() {
+                continue;
+            }
             let locked = db::cleanup::try_lock(&mut *lock, &report.consumer_type).await?;
             if locked {
                 mine.push(i);
@@ -181,6 +254,7 @@ pub async fn run(
         interrupted = result?;
         if !interrupted {
             attempts_deleted = prune_attempts(pool, &consumers, &mine, cutoff).await?;
+            audit_deleted = prune_audit(pool, plan, shutdown).await?;
         }
     }
 
@@ -193,6 +267,8 @@ pub async fn run(
         interrupted,
         events_deleted: consumers.iter().map(|c| c.events_deleted).sum(),
         attempts_deleted,
+        audit_deleted,
+        refused: consumers.iter().filter(|c| c.refused.is_some()).count() as u64,
         consumers,
         deleted,
         seconds,
@@ -305,4 +381,20 @@ async fn prune_attempts(
             db::cleanup::delete_old_attempts(pool, &consumers[i].consumer_type, cutoff).await?;
     }
     Ok(deleted)
+}
+
+/// Deletes audit rows older than the audit's own retention, in batches, where the table exists.
+async fn prune_audit(pool: &PgPool, plan: &Plan, shutdown: &CancellationToken) -> Result<u64> {
+    if !schema::table_exists(&mut *pool.acquire().await?, "inboxctl_audit").await? {
+        return Ok(0);
+    }
+    let cutoff = db::cleanup::cutoff(pool, plan.audit_retention).await?;
+    let mut deleted = 0;
+    loop {
+        let batch = db::audit::delete_batch(pool, cutoff, plan.batch_size).await?;
+        deleted += batch;
+        if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) || shutdown.is_cancelled() {
+            return Ok(deleted);
+        }
+    }
 }

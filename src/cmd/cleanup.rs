@@ -21,10 +21,20 @@ pub struct Args {
     #[arg(long, value_parser = parse_positive_duration)]
     pub retention: Duration,
 
-    /// Accept a --retention under 1m, which leaves next to no deduplication window: a redelivery arriving after it is
-    /// processed again
+    /// Clean even where it shortens the deduplication window: accept a --retention under 1m, and clean consumer_types
+    /// whose dead-letter queues hold a message that failed before the cutoff (its replay would then be processed
+    /// again)
     #[arg(long)]
     pub force: bool,
+
+    /// A dead-letter-exchange queue to look at besides each consumer_type's <queue>_error and <queue>_skipped
+    /// (repeatable): a message in it older than the cutoff keeps the rows of the consumer_type it failed on
+    #[arg(long, value_name = "QUEUE")]
+    pub dlq: Vec<String>,
+
+    /// Keep the audit's rows (inboxctl audit) this long; they are deleted only with this retention of their own
+    #[arg(long, default_value = "90d", value_parser = parse_positive_duration)]
+    pub audit_retention: Duration,
 
     /// Only this consumer_type (default: every one)
     #[arg(long)]
@@ -72,6 +82,17 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         ConsumerType::new(consumer_type.as_str())
             .map_err(|e| Error::Usage(format!("--consumer-type: {e}")))?;
     }
+    for dlq in &args.dlq {
+        crate::amqp::validate_name("--dlq", dlq)?;
+    }
+    let guard = if args.force {
+        None
+    } else {
+        Some(cleanup::Guard {
+            broker: global.connect.broker()?,
+            dlqs: args.dlq.clone(),
+        })
+    };
     let db = global.connect.database()?;
     let pool = db.pool(3).await?;
     cleanup::check_schema(&pool, &db).await?;
@@ -81,7 +102,10 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         batch_size: args.batch_size,
         batch_pause: args.batch_pause,
         dry_run: args.dry_run,
+        guard,
+        audit_retention: args.audit_retention,
     };
+    let mut refused = false;
     let totals = Arc::new(Mutex::new(Totals::default()));
     if let Some(addr) = args.metrics_addr {
         let registry = metrics::cleanup::registry(Arc::clone(&totals));
@@ -97,6 +121,8 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
             Event::Finished(report) => {
                 meter.finish_and_clear();
                 warn_unprocessed(report, args.retention);
+                warn_refused(report);
+                refused = report.refused > 0;
                 totals.lock().unwrap_or_else(|p| p.into_inner()).add(report);
                 if args.json {
                     output::json(report)?;
@@ -108,7 +134,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         Ok(())
     })
     .await?;
-    Ok(if interrupted {
+    Ok(if interrupted || refused {
         Outcome::Partial
     } else {
         Outcome::Done
@@ -125,6 +151,18 @@ fn warn_unprocessed(report: &Report, retention: Duration) {
             c.unprocessed_older,
             humantime::format_duration(retention)
         );
+    }
+}
+
+fn warn_refused(report: &Report) {
+    for c in &report.consumers {
+        if let Some(why) = &c.refused {
+            tracing::warn!(
+                consumer_type = %sanitize::text(&c.consumer_type),
+                "not cleaned: {}",
+                why.describe()
+            );
+        }
     }
 }
 
@@ -145,6 +183,11 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
     for c in &report.consumers {
         let name = if c.busy {
             format!("{} (left to another cleanup running now)", c.consumer_type)
+        } else if c.refused.is_some() {
+            format!(
+                "{} (not cleaned: a dead-lettered message older than the cutoff waits for replay)",
+                c.consumer_type
+            )
         } else {
             c.consumer_type.clone()
         };
@@ -170,6 +213,18 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
         summary.push_str(&format!(
             " in {:.1}s ({:.0} rows/s)",
             report.seconds, report.rows_per_second
+        ));
+    }
+    if report.audit_deleted > 0 {
+        summary.push_str(&format!(
+            "; {} audit rows past the audit's retention",
+            report.audit_deleted
+        ));
+    }
+    if report.refused > 0 {
+        summary.push_str(&format!(
+            "; {} consumer_types not cleaned, to keep the window of a waiting replay (see the warnings; --force cleans them)",
+            report.refused
         ));
     }
     if report.interrupted {

@@ -3,7 +3,7 @@
 use crate::cli::GlobalOpts;
 use crate::db::schema::{self, MigrateReport};
 use crate::error::{Outcome, Result};
-use crate::output;
+use crate::{audit, output};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -18,7 +18,21 @@ pub struct Args {
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let db = global.connect.database()?;
-    let report = schema::migrate(&db, args.dry_run).await?;
+    let report = schema::migrate(&db, args.dry_run).await;
+    if !args.dry_run {
+        let details = match &report {
+            Ok(r) => serde_json::json!({
+                "database": r.database,
+                "database_created": r.database_created,
+                "adopted_existing_inbox": r.adopted_existing_inbox,
+                "applied": r.migrations.iter().map(|m| m.version).collect::<Vec<_>>(),
+            }),
+            Err(_) => serde_json::json!({ "database": db.name() }),
+        };
+        let entry = audit::Entry::ended("migrate", &report, |_| Outcome::Done, details);
+        audit::record_in(&db, &entry).await;
+    }
+    let report = report?;
     if args.json {
         output::json(&report)?;
     } else {

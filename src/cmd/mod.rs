@@ -1,9 +1,13 @@
 //! One file per subcommand, each with its `Args` and one `run`.
 
+pub mod audit;
 pub mod cleanup;
 pub mod completions;
+mod confirm;
 pub mod consume;
 pub mod demo;
+pub mod failures;
+pub mod find;
 pub mod migrate;
 mod progress;
 pub mod publish;
@@ -28,6 +32,10 @@ pub enum Command {
     Cleanup(cleanup::Args),
     /// Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)
     Replay(replay::Args),
+    /// Everything known about messages, by id: inbox rows, events, effects, copies in dead-letter queues
+    Find(find::Args),
+    /// A dead-letter queue's messages grouped by the cause of their failure, as they are now (nothing is taken)
+    Failures(failures::Args),
     /// Publish Parcel Tracker events as MassTransit 8 messages (demos, tests, load)
     Publish(publish::Args),
     /// Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues
@@ -36,6 +44,8 @@ pub enum Command {
     Stats(stats::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
     Demo(demo::Args),
+    /// The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it
+    Audit(audit::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(completions::Args),
 }
@@ -49,11 +59,14 @@ pub async fn run(
         Command::Migrate(args) => migrate::run(args, global).await,
         Command::Consume(args) => consume::run(args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
+        Command::Find(args) => find::run(args, global).await,
+        Command::Failures(args) => failures::run(args, global).await,
         Command::Publish(args) => publish::run(args, global, shutdown).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
         Command::Stats(args) => stats::run(args, global).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
+        Command::Audit(args) => audit::run(args, global).await,
         Command::Completions(args) => completions::run(&args),
     }
 }

@@ -50,6 +50,27 @@ pub struct Args {
     #[arg(long)]
     pub restore_expiration: bool,
 
+    /// Only the members of this failure group (its fingerprint, or a unique prefix), as the listing of --listing
+    /// holds them: messages of its cause that arrived since are left, and members gone since are reported
+    #[arg(long, value_name = "FINGERPRINT", requires = "listing")]
+    pub group: Option<String>,
+
+    /// The listing `inboxctl failures --from <queue> --output <file>` wrote, which --group chooses from
+    #[arg(long, value_name = "FILE", requires = "group")]
+    pub listing: Option<std::path::PathBuf>,
+
+    /// Republish at most this many messages a second, so that a large replay does not flood the consumers
+    #[arg(long, value_parser = crate::cli::parse_rate)]
+    pub rate: Option<f64>,
+
+    /// On a terminal, ask before replaying more than this many messages, showing the count and the groups
+    #[arg(long, default_value_t = 100)]
+    pub confirm_above: u64,
+
+    /// Do not ask (for scripts run on a terminal; without a terminal nothing is asked)
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+
     /// List what would be replayed; move nothing (the broker marks inspected messages redelivered)
     #[arg(long)]
     pub dry_run: bool,
@@ -68,6 +89,10 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if let Some(to) = &args.to {
         amqp::validate_name("--to", to)?;
     }
+    let group = match (&args.group, &args.listing) {
+        (Some(fingerprint), Some(path)) => Some(group_plan(&args.from, fingerprint, path)?),
+        _ => None,
+    };
     let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl replay").await?;
     let plan = Plan {
@@ -81,7 +106,25 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         include_expired: args.include_expired,
         restore_expiration: args.restore_expiration,
         dry_run: args.dry_run,
+        group,
+        rate: args.rate,
     };
+    if !args.dry_run && !args.yes {
+        match super::confirm::replay(&connection, &broker, &plan, args.confirm_above, &shutdown)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                crate::amqp::close(&connection, "OK").await;
+                output::line("nothing replayed")?;
+                return Ok(Outcome::Partial);
+            }
+            Err(e) => {
+                crate::amqp::close(&connection, "OK").await;
+                return Err(e);
+            }
+        }
+    }
     let bar = super::progress::counter(!args.json, "messages");
     let report = replay::run(
         &connection,
@@ -97,6 +140,10 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     .await;
     bar.finish_and_clear();
     crate::amqp::close(&connection, "OK").await;
+    if !args.dry_run {
+        let stopped = report.as_ref().ok().and_then(|r| stopped_error(r, &broker));
+        audit(global, &plan, &report, stopped.as_ref()).await;
+    }
     let report = report?;
 
     if args.json {
@@ -104,34 +151,10 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     } else {
         print(&report)?;
     }
-    if let Some(reason) = &report.stopped {
-        let done = format!(
-            "stopped after {} of {} messages ({} replayed); the rest are where they were: run replay again",
-            report.items.len(),
-            report.snapshot,
-            report.replayed
-        );
-        return Err(if report.connection_lost {
-            crate::error::Error::BrokerUnavailable {
-                url: broker.display_url(),
-                reason: format!("{reason}; {done}"),
-            }
-        } else if report.refused {
-            crate::error::Error::PrivilegeRefused {
-                service: "RabbitMQ",
-                reason: format!("{reason}; {done}"),
-                fix: "grant the user the permission with `rabbitmqctl set_permissions` (docs/security.md lists \
-                      what each command needs)"
-                    .to_owned(),
-            }
-        } else {
-            crate::error::Error::Topology(format!("{reason}; {done}"))
-        });
+    if let Some(e) = stopped_error(&report, &broker) {
+        return Err(e);
     }
-    if report.interrupted || report.left > 0 {
-        return Ok(Outcome::Partial);
-    }
-    Ok(Outcome::Done)
+    Ok(outcome(&report))
 }
 
 fn print(report: &Report) -> Result<()> {
@@ -205,5 +228,120 @@ fn print(report: &Report) -> Result<()> {
     if report.interrupted && report.stopped.is_none() {
         summary.push_str("; interrupted: the rest is where it was");
     }
+    if let Some(g) = &report.group {
+        summary.push_str(&format!(
+            "; group {}: {} listed, {} gone since the listing, {} now failed of another cause, {} new of its cause \
+             (left)",
+            g.fingerprint,
+            g.listed,
+            g.gone.len(),
+            g.changed.len(),
+            g.new
+        ));
+    }
     output::line(&summary)
+}
+
+/// The error a replay that stopped early ends with: what was done, and why the rest was not.
+fn stopped_error(report: &Report, broker: &crate::amqp::Broker) -> Option<crate::error::Error> {
+    let reason = report.stopped.as_ref()?;
+    let done = format!(
+        "stopped after {} of {} messages ({} replayed); the rest are where they were: run replay again",
+        report.items.len(),
+        report.snapshot,
+        report.replayed
+    );
+    Some(if report.connection_lost {
+        crate::error::Error::BrokerUnavailable {
+            url: broker.display_url(),
+            reason: format!("{reason}; {done}"),
+        }
+    } else if report.refused {
+        crate::error::Error::PrivilegeRefused {
+            service: "RabbitMQ",
+            reason: format!("{reason}; {done}"),
+            fix: "grant the user the permission with `rabbitmqctl set_permissions` (docs/security.md lists \
+                  what each command needs)"
+                .to_owned(),
+        }
+    } else {
+        crate::error::Error::Topology(format!("{reason}; {done}"))
+    })
+}
+
+/// Writes the replay to the audit: what it replayed, from where, of which group.
+async fn audit(
+    global: &GlobalOpts,
+    plan: &Plan,
+    report: &Result<Report>,
+    stopped: Option<&crate::error::Error>,
+) {
+    let mut details = serde_json::json!({
+        "from": plan.from,
+        "to": plan.to,
+        "rate": plan.rate,
+    });
+    if let (Ok(r), serde_json::Value::Object(map)) = (report, &mut details) {
+        for (key, value) in [
+            ("snapshot", serde_json::json!(r.snapshot)),
+            ("replayed", serde_json::json!(r.replayed)),
+            ("left", serde_json::json!(r.left)),
+            ("stopped", serde_json::json!(r.stopped)),
+            ("interrupted", serde_json::json!(r.interrupted)),
+            (
+                "group",
+                serde_json::json!(r.group.as_ref().map(|g| serde_json::json!({
+                    "fingerprint": g.fingerprint,
+                    "listed": g.listed,
+                    "gone": g.gone.len(),
+                    "changed": g.changed.len(),
+                    "new": g.new,
+                }))),
+            ),
+        ] {
+            map.insert(key.to_owned(), value);
+        }
+    }
+    let mut entry = crate::audit::Entry::ended("replay", report, outcome, details);
+    if let Some(e) = stopped {
+        entry.outcome = "failed";
+        entry.exit_code = Some(i32::from(e.exit_code()));
+    }
+    match global.connect.database() {
+        Ok(db) => {
+            crate::audit::record_in(&db, &entry).await;
+        }
+        Err(e) => tracing::warn!("this replay was not written to the audit: {e}"),
+    }
+}
+
+/// The exit a replay's report means.
+fn outcome(report: &Report) -> Outcome {
+    let group_drifted = report
+        .group
+        .as_ref()
+        .is_some_and(|g| !g.gone.is_empty() || !g.changed.is_empty());
+    if report.stopped.is_some() || report.interrupted || report.left > 0 || group_drifted {
+        Outcome::Partial
+    } else {
+        Outcome::Done
+    }
+}
+
+/// The group `--group` names in the listing of `--listing`, which must be a listing of `--from`.
+fn group_plan(from: &str, fingerprint: &str, path: &std::path::Path) -> Result<replay::GroupPlan> {
+    let listing = crate::triage::Listing::read(path)?;
+    if listing.queue != from {
+        return Err(crate::error::Error::Usage(format!(
+            "{} is a listing of {}, not of --from {}",
+            path.display(),
+            sanitize::text(&listing.queue),
+            sanitize::text(from)
+        )));
+    }
+    let group = listing.group(fingerprint)?;
+    Ok(replay::GroupPlan {
+        fingerprint: group.cause.fingerprint.clone(),
+        listed: group.message_ids.clone(),
+    })
 }

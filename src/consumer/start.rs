@@ -141,10 +141,28 @@ pub async fn consume_guarded<G: WorkGuard>(
             inbox = inbox.with_claim_observer(Arc::new(fed.clone()));
             timings = Some(fed);
         }
+        let about = serde_json::json!({
+            "consumer_type": consumer_type.as_str(),
+            "queue": queue,
+            "effect_table": config.consumer.effect_table(),
+            "batch_size": config.batch_size,
+            "concurrency": config.concurrency,
+            "pid": std::process::id(),
+        });
+        crate::audit::record(
+            &pool,
+            &crate::audit::Entry {
+                command: "consume",
+                outcome: "started",
+                exit_code: None,
+                details: about.clone(),
+            },
+        )
+        .await;
         let options = options(config, queue, counts, timings);
         let guard = guard(inbox);
         let fail_destination = config.fail_destination.clone();
-        match config.consumer {
+        let ran = match config.consumer {
             Kind::Carrier => {
                 let carrier = StandInCarrier { fail_destination };
                 let consumer = CarrierConsumer { carrier };
@@ -155,7 +173,18 @@ pub async fn consume_guarded<G: WorkGuard>(
                 let consumer = NotificationConsumer { gateway };
                 super::run(guard, consumer, broker, options, shutdown).await
             }
+        };
+        let mut details = about;
+        if let (Ok(summary), serde_json::Value::Object(map)) = (&ran, &mut details) {
+            map.insert("summary".to_owned(), serde_json::json!(summary));
         }
+        let mut entry =
+            crate::audit::Entry::ended("consume", &ran, |_| crate::error::Outcome::Done, details);
+        if entry.outcome == "done" {
+            entry.outcome = "stopped";
+        }
+        crate::audit::record(&pool, &entry).await;
+        ran
     }
     .await;
     close_pool(pool).await;

@@ -17,6 +17,7 @@ macro_rules! statements {
 }
 
 pub mod attempts;
+pub mod audit;
 pub mod claim;
 pub mod cleanup;
 pub mod effects;
@@ -25,6 +26,7 @@ pub mod grants;
 pub mod schema;
 pub mod sql;
 pub mod stats;
+pub mod triage;
 
 use std::borrow::Cow;
 use std::path::Path;
@@ -261,9 +263,10 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 9] = [
+    let areas: [(&str, &[(&str, &str)]); 11] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
+        ("audit", audit::STATEMENTS),
         ("claim", claim::STATEMENTS),
         ("cleanup", cleanup::STATEMENTS),
         ("effects", effects::STATEMENTS),
@@ -271,6 +274,7 @@ pub fn statements() -> Vec<Statement> {
         ("grants", grants::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("stats", stats::STATEMENTS),
+        ("triage", triage::STATEMENTS),
     ];
     let fixed = areas.into_iter().flat_map(|(area, statements)| {
         statements.iter().map(move |(name, sql)| Statement {

@@ -3,8 +3,9 @@
 
 use super::machine::{Key, Seen};
 use super::run::State;
-use super::{Action, Failure, Origin, REPLAY_RUN_HEADER, failure};
+use super::{Action, Failure, Origin, REPLAY_RUN_HEADER, canonical_id, failure};
 use crate::amqp::Delivery;
+use crate::amqp::cause::Cause;
 use crate::amqp::copy::uncopyable;
 use crate::amqp::dead_letter;
 
@@ -13,6 +14,8 @@ pub(super) struct Read {
     pub(super) seen: Seen,
     pub(super) message_id: Option<String>,
     pub(super) failure: Failure,
+    /// Its failure's cause, as `failures` groups them.
+    pub(super) fingerprint: String,
     /// Where it would go: `--to`, else its origin's queue.
     pub(super) origin: Option<String>,
     /// Why it cannot be replayed (its origin, or the message itself), for the report.
@@ -69,10 +72,21 @@ impl State<'_> {
         } else {
             origin_obstacle
         };
-        let chosen = (plan.message_ids.is_empty()
-            || message_id
-                .as_ref()
-                .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
+        let fingerprint = Cause::of(&failure).fingerprint;
+        let in_group = match (&plan.group, &self.listed) {
+            (Some(group), Some(listed)) => {
+                fingerprint == group.fingerprint
+                    && message_id
+                        .as_deref()
+                        .is_some_and(|id| listed.contains(&canonical_id(id)))
+            }
+            _ => true,
+        };
+        let chosen = in_group
+            && (plan.message_ids.is_empty()
+                || message_id
+                    .as_ref()
+                    .is_some_and(|id| plan.message_ids.iter().any(|m| same_id(m, id))))
             && plan.reason.as_ref().is_none_or(|r| {
                 failure
                     .reason
@@ -104,6 +118,7 @@ impl State<'_> {
             },
             message_id,
             failure,
+            fingerprint,
             origin,
             obstacle_error,
         }

@@ -57,6 +57,44 @@ pub struct Plan {
     /// Give each copy back the per-message TTL it had before it was dead-lettered.
     pub restore_expiration: bool,
     pub dry_run: bool,
+    /// Only the members of this group of a `failures` listing, as listed.
+    pub group: Option<GroupPlan>,
+    /// Republish at most this many messages a second.
+    pub rate: Option<f64>,
+}
+
+/// A group of a `failures` listing, to replay as it was listed.
+#[derive(Debug, Clone)]
+pub struct GroupPlan {
+    pub fingerprint: String,
+    /// The members' message ids, as listed.
+    pub listed: Vec<String>,
+}
+
+impl GroupPlan {
+    /// The listed ids, each in the one spelling [`canonical_id`] gives.
+    pub(crate) fn listed_set(&self) -> std::collections::HashSet<String> {
+        self.listed.iter().map(|id| canonical_id(id)).collect()
+    }
+}
+
+/// A message id in one spelling: a UUID as lower-case hyphenated (however it was written), anything else as it is.
+pub fn canonical_id(id: &str) -> String {
+    uuid::Uuid::parse_str(id.trim()).map_or_else(|_| id.to_owned(), |u| u.to_string())
+}
+
+/// How a group replay compares with its listing.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GroupCheck {
+    pub fingerprint: String,
+    /// Members in the listing.
+    pub listed: u64,
+    /// Listed members no longer in the queue (replayed or removed since the listing).
+    pub gone: Vec<String>,
+    /// Listed members still in the queue but failed of another cause now: left in place.
+    pub changed: Vec<String>,
+    /// Messages of the group's cause that arrived after the listing (or were not listed): left in place.
+    pub new: u64,
 }
 
 /// What became of one message of the snapshot.
@@ -125,6 +163,8 @@ pub struct Item {
     pub origin: Option<String>,
     /// Replays before this one.
     pub replays: u32,
+    /// The fingerprint of its failure's cause (as `failures` groups them).
+    pub fingerprint: String,
     pub action: Action,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -154,5 +194,45 @@ pub struct Report {
     /// Whether `stopped` is the broker refusing for want of a permission (exit 77).
     #[serde(skip)]
     pub refused: bool,
+    /// With `--group`: how the queue compared with the listing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub group: Option<GroupCheck>,
     pub items: Vec<Item>,
+}
+
+impl Report {
+    /// Compares what the replay met with the group's listing.
+    pub(crate) fn check_group(&self, group: &GroupPlan) -> GroupCheck {
+        let listed = group.listed_set();
+        let seen: std::collections::HashMap<String, &Item> = self
+            .items
+            .iter()
+            .filter_map(|i| i.message_id.as_deref().map(|id| (canonical_id(id), i)))
+            .collect();
+        let mut check = GroupCheck {
+            fingerprint: group.fingerprint.clone(),
+            listed: group.listed.len() as u64,
+            ..GroupCheck::default()
+        };
+        for id in &group.listed {
+            match seen.get(&canonical_id(id)) {
+                None => check.gone.push(id.clone()),
+                Some(item) if item.fingerprint != group.fingerprint => {
+                    check.changed.push(id.clone())
+                }
+                Some(_) => {}
+            }
+        }
+        check.new = self
+            .items
+            .iter()
+            .filter(|i| {
+                i.fingerprint == group.fingerprint
+                    && i.message_id
+                        .as_deref()
+                        .is_none_or(|id| !listed.contains(&canonical_id(id)))
+            })
+            .count() as u64;
+        check
+    }
 }

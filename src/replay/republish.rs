@@ -70,12 +70,15 @@ impl State<'_> {
     /// Publishes the copy to `origin` and reads the broker's answer. A lost connection is an error (this pass stops
     /// and the replay connects again); a refusal is an outcome, with the reason.
     async fn send(
-        &self,
+        &mut self,
         channels: &mut Channels<'_>,
         delivery: &Delivery,
         read: &Read,
         origin: &str,
     ) -> Result<Sent> {
+        if let Some(pace) = &mut self.pace {
+            pace.wait().await;
+        }
         failpoint::hit("replay-before-publish").await;
         let properties = replay_properties(
             &delivery.properties,
@@ -133,5 +136,30 @@ async fn republish(
             Err(Error::Topology("publisher confirms are off".to_owned()))
         }
         Err(PublishError::Broker(e)) => Err(e.into()),
+    }
+}
+
+/// `--rate`: copies spaced evenly. A copy late by a little (a timer's overshoot) is made up by the next, so the rate
+/// over the run holds; a long pause (a reconnect) is not made up with a burst.
+#[derive(Debug)]
+pub(super) struct Pace {
+    interval: std::time::Duration,
+    next: Option<tokio::time::Instant>,
+}
+
+impl Pace {
+    pub(super) fn new(per_second: f64) -> Self {
+        Self {
+            interval: std::time::Duration::from_secs_f64(1.0 / per_second),
+            next: None,
+        }
+    }
+
+    /// Waits for the next copy's time.
+    pub(super) async fn wait(&mut self) {
+        let now = tokio::time::Instant::now();
+        let at = self.next.map_or(now, |next| next.max(now - self.interval));
+        tokio::time::sleep_until(at).await;
+        self.next = Some(at + self.interval);
     }
 }

@@ -43,6 +43,8 @@ pub async fn run(
         run: uuid::Uuid::new_v4().to_string(),
         fingerprints: Fingerprints::new(),
         machine: Machine::new(snapshot, plan.limit),
+        listed: plan.group.as_ref().map(super::GroupPlan::listed_set),
+        pace: plan.rate.map(super::republish::Pace::new),
         report: Report {
             from: plan.from.clone(),
             dry_run: plan.dry_run,
@@ -55,6 +57,7 @@ pub async fn run(
             stopped: None,
             connection_lost: false,
             refused: false,
+            group: None,
             items: Vec::new(),
         },
     };
@@ -66,6 +69,7 @@ pub async fn run(
     report.replayed = state.machine.replayed();
     report.left = state.machine.left();
     report.already_replayed = state.machine.already_replayed();
+    report.group = plan.group.as_ref().map(|g| report.check_group(g));
     Ok(report)
 }
 
@@ -82,6 +86,10 @@ pub(super) struct State<'a> {
     pub(super) run: String,
     pub(super) fingerprints: Fingerprints,
     pub(super) machine: Machine,
+    /// With `--group`: the listed members' ids, canonical.
+    pub(super) listed: Option<std::collections::HashSet<String>>,
+    /// With `--rate`: when the next copy may go.
+    pub(super) pace: Option<super::republish::Pace>,
     pub(super) report: Report,
 }
 
@@ -205,6 +213,7 @@ impl State<'_> {
             failed_at: read.failure.failed_at,
             origin: read.origin,
             replays: read.failure.replays,
+            fingerprint: read.fingerprint,
             action,
             error,
         });

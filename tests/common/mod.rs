@@ -15,6 +15,7 @@
 //! - `fixtures`: captured deliveries, fresh parcel events, test-made certificates;
 //! - `modes`: the two modes every guarantee test runs in (`in_both_modes!`);
 //! - `vhosts`: the tests' RabbitMQ vhosts, made and removed in bulk (a `rabbitmqctl` call costs 1.5 s of CPU);
+//! - `tmux`: [`Tmux`], a real terminal;
 //! - `wait`: [`eventually`]; `faults`: the fault tests' choreography and the exactly-once check they end with;
 //! - [`raw_amqp`]: a frame-by-frame publisher for what lapin cannot send.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -45,6 +46,9 @@ pub use process::*;
 
 mod proxy;
 pub use proxy::*;
+
+mod tmux;
+pub use tmux::*;
 
 pub mod vhosts;
 

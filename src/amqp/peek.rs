@@ -1,0 +1,89 @@
+//! Looking at a queue without taking anything from it: the messages present when the look begins (their count, read
+//! first) are fetched one by one and held unacknowledged, then all given back at once, each to its place and in its
+//! order. The broker marks every message looked at this way redelivered; nothing else about it changes.
+//!
+//! Used where an operator looks at dead-letter queues (`find`, `failures`, `cleanup`'s check of the deduplication
+//! window, `top`'s detail view): the same snapshot-and-give-back as `replay --dry-run`.
+
+use lapin::Connection;
+use lapin::message::Delivery;
+use lapin::options::{BasicGetOptions, BasicNackOptions};
+
+use super::topology;
+use crate::error::Result;
+
+/// What a look at one queue saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Looked {
+    /// Messages ready in the queue when the look began.
+    pub depth: u64,
+    /// Messages looked at (at most `depth` and the limit asked for).
+    pub looked: u64,
+}
+
+/// Shows `visit` each message of `queue` present when the look begins, oldest first, up to `limit`, and gives them
+/// all back. `Ok(None)` when the queue does not exist. Messages that arrive during the look are not shown: the count
+/// is read first, so a queue filling as fast as it is read cannot keep the look going.
+pub async fn each(
+    connection: &Connection,
+    queue: &str,
+    limit: u64,
+    mut visit: impl FnMut(&Delivery),
+) -> Result<Option<Looked>> {
+    let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
+        return Ok(None);
+    };
+    let depth = u64::from(ready);
+    let channel = connection.create_channel().await?;
+    let mut looked = 0;
+    let mut last = None;
+    let outcome = async {
+        while looked < depth.min(limit) {
+            let Some(message) = channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+                .await?
+            else {
+                break;
+            };
+            last = Some(message.delivery.delivery_tag);
+            looked += 1;
+            visit(&message.delivery);
+        }
+        Ok::<_, crate::error::Error>(())
+    }
+    .await;
+    if let Some(last) = last {
+        // One nack for everything held: the broker puts each back in its place. Should it fail, closing the channel
+        // (or the connection going) gives them back all the same.
+        let _ = channel
+            .basic_nack(
+                last,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await;
+    }
+    let _ = channel.close(200, "OK".into()).await;
+    outcome?;
+    Ok(Some(Looked { depth, looked }))
+}
+
+/// What `read` makes of the message at the head of `queue` (the oldest), looked at and given back; `Ok(None)` when
+/// the queue does not exist or is empty.
+pub async fn head<T>(
+    connection: &Connection,
+    queue: &str,
+    read: impl FnOnce(&Delivery) -> T,
+) -> Result<Option<T>> {
+    let mut read = Some(read);
+    let mut first = None;
+    each(connection, queue, 1, |d| {
+        if let Some(read) = read.take() {
+            first = Some(read(d));
+        }
+    })
+    .await?;
+    Ok(first)
+}

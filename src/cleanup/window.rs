@@ -1,0 +1,175 @@
+//! The deduplication window, guarded: the inbox recognises a copy only while its message's row exists, so a message
+//! waiting in a dead-letter queue for its replay must keep its row. Before cleaning a consumer_type, the cleanup
+//! looks at the oldest message (the head) of each of its dead-letter queues, without taking it; if one failed before
+//! the cutoff, deleting that consumer_type's rows could let its replay do the work twice, and the consumer_type is
+//! left alone (unless `--force`).
+
+use std::collections::HashMap;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgPool;
+
+use super::ConsumerReport;
+use crate::amqp::failure::{Origin, failure};
+use crate::amqp::{Broker, Delivery, limits, peek, topology};
+use crate::db;
+use crate::error::Result;
+
+/// Where to look: the broker, and dead-letter-exchange queues beyond each consumer_type's own `_error`/`_skipped`.
+#[derive(Debug, Clone)]
+pub struct Guard {
+    pub broker: Broker,
+    /// Dead-letter-exchange queues (`--dlq`): a message there counts for the consumer_types whose queue it failed on
+    /// (its `x-death`), or for every one when it does not say.
+    pub dlqs: Vec<String>,
+}
+
+/// Why a consumer_type was not cleaned.
+#[derive(Debug, Clone, Serialize)]
+pub struct Refusal {
+    /// The dead-letter queue holding the message.
+    pub queue: String,
+    pub message_id: Option<String>,
+    /// When it failed, as its headers say (else when it was published); none when nothing says.
+    pub failed_at: Option<DateTime<Utc>>,
+    /// Its age, in seconds, when the cleanup looked.
+    pub age_seconds: Option<i64>,
+    pub cutoff: DateTime<Utc>,
+}
+
+impl Refusal {
+    /// One line for the operator.
+    pub fn describe(&self) -> String {
+        let id = self.message_id.as_deref().unwrap_or("(no message id)");
+        let age = match self.age_seconds {
+            Some(s) => format!(
+                "failed {} ago",
+                humantime::format_duration(std::time::Duration::from_secs(s.unsigned_abs()))
+            ),
+            None => "of an age nothing in it tells".to_owned(),
+        };
+        format!(
+            "{} holds message {} {age}, before the cutoff {}: its replay needs its inbox row; replay or remove it \
+             first, or give --force",
+            crate::sanitize::text(&self.queue),
+            crate::sanitize::text(id),
+            self.cutoff.format("%Y-%m-%d %H:%M:%S UTC")
+        )
+    }
+}
+
+/// The head of one dead-letter queue, as the guard reads it.
+struct Head {
+    message_id: Option<String>,
+    failed_at: Option<DateTime<Utc>>,
+    origin: Option<String>,
+}
+
+fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
+    let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
+    let published = delivery
+        .properties
+        .timestamp()
+        .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0));
+    Head {
+        message_id: delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| limits::truncate(id.as_str(), 255).into_owned()),
+        failed_at: failure.failed_at.or(published),
+        origin: match failure.origin {
+            Origin::Queue(q) => Some(q),
+            _ => None,
+        },
+    }
+}
+
+/// Marks the consumer_types of `consumers` whose dead-letter queues hold a message older than `cutoff` as refused.
+pub async fn check(
+    pool: &PgPool,
+    guard: &Guard,
+    cutoff: DateTime<Utc>,
+    consumers: &mut [ConsumerReport],
+) -> Result<()> {
+    if consumers.is_empty() {
+        return Ok(());
+    }
+    let queues: HashMap<String, String> = db::cleanup::consumer_queues(pool)
+        .await?
+        .into_iter()
+        .collect();
+    let connection = guard.broker.connect("inboxctl cleanup").await?;
+    let result = check_on(&connection, guard, &queues, cutoff, consumers).await;
+    crate::amqp::close(&connection, "OK").await;
+    result
+}
+
+async fn check_on(
+    connection: &crate::amqp::Connection,
+    guard: &Guard,
+    queues: &HashMap<String, String>,
+    cutoff: DateTime<Utc>,
+    consumers: &mut [ConsumerReport],
+) -> Result<()> {
+    let vhost = guard.broker.vhost();
+    let now = Utc::now();
+    let too_old = |h: &Head| h.failed_at.is_none_or(|t| t < cutoff);
+    let refusal = |queue: &str, h: Head| Refusal {
+        queue: queue.to_owned(),
+        message_id: h.message_id,
+        age_seconds: h.failed_at.map(|t| (now - t).num_seconds()),
+        failed_at: h.failed_at,
+        cutoff,
+    };
+    for report in consumers.iter_mut() {
+        // A consumer_type inboxctl never ran is taken to be named after its queue, as the .NET tutorial names them.
+        let queue = queues
+            .get(&report.consumer_type)
+            .cloned()
+            .unwrap_or_else(|| report.consumer_type.clone());
+        if crate::amqp::validate_name("queue", &queue).is_err() {
+            continue;
+        }
+        for dead_letters in [
+            topology::error_queue(&queue),
+            topology::skipped_queue(&queue),
+        ] {
+            let Some(h) =
+                peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost)).await?
+            else {
+                continue;
+            };
+            if too_old(&h) {
+                report.refused = Some(refusal(&dead_letters, h));
+                break;
+            }
+        }
+    }
+    for dlq in &guard.dlqs {
+        let Some(h) = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await? else {
+            continue;
+        };
+        if !too_old(&h) {
+            continue;
+        }
+        let origin = h.origin.clone();
+        for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+            let queue = queues
+                .get(&report.consumer_type)
+                .unwrap_or(&report.consumer_type);
+            if origin.as_ref().is_none_or(|o| o == queue) {
+                report.refused = Some(refusal(
+                    dlq,
+                    Head {
+                        message_id: h.message_id.clone(),
+                        failed_at: h.failed_at,
+                        origin: None,
+                    },
+                ));
+            }
+        }
+    }
+    Ok(())
+}

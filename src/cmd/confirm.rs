@@ -1,0 +1,81 @@
+//! Asking the operator before a large replay: on a terminal only, with the count and the groups it would replay.
+
+use std::collections::BTreeMap;
+use std::io::{IsTerminal as _, Write as _};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::amqp::{Broker, Connection};
+use crate::error::Result;
+use crate::replay::{self, Action, Plan};
+use crate::sanitize;
+
+/// Whether to go on with `plan`: asked on a terminal when it would replay more than `above` messages (found by a dry
+/// run of the same plan, which takes nothing); without a terminal there is nobody to ask, and it goes on.
+pub async fn replay(
+    connection: &Connection,
+    broker: &Broker,
+    plan: &Plan,
+    above: u64,
+    shutdown: &CancellationToken,
+) -> Result<bool> {
+    if !(std::io::stdin().is_terminal() && std::io::stderr().is_terminal()) {
+        return Ok(true);
+    }
+    let mut dry = plan.clone();
+    dry.dry_run = true;
+    dry.rate = None;
+    let report = replay::run(
+        connection,
+        broker,
+        &dry,
+        Duration::ZERO,
+        shutdown,
+        |_, _| {},
+    )
+    .await?;
+    let would: Vec<_> = report
+        .items
+        .iter()
+        .filter(|i| i.action == Action::WouldReplay)
+        .collect();
+    if would.len() as u64 <= above {
+        return Ok(true);
+    }
+    let mut groups: BTreeMap<&str, (u64, Option<&str>)> = BTreeMap::new();
+    for item in &would {
+        let entry = groups
+            .entry(item.fingerprint.as_str())
+            .or_insert((0, item.reason.as_deref()));
+        entry.0 += 1;
+    }
+    let mut groups: Vec<_> = groups.into_iter().collect();
+    groups.sort_by(|a, b| b.1.0.cmp(&a.1.0).then(a.0.cmp(b.0)));
+    let mut question = format!(
+        "replay {} messages from {} (more than --confirm-above {above})?\n",
+        would.len(),
+        sanitize::text(&plan.from)
+    );
+    for (fingerprint, (count, reason)) in &groups {
+        question.push_str(&format!(
+            "  group {fingerprint}: {count} messages, e.g. {}\n",
+            sanitize::text(&crate::amqp::limits::truncate(reason.unwrap_or("-"), 120))
+        ));
+    }
+    question.push_str("replay them? [y/N] ");
+    let mut err = std::io::stderr().lock();
+    let _ = err.write_all(question.as_bytes());
+    let _ = err.flush();
+    drop(err);
+    let answer = tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).map(|_| line)
+    })
+    .await
+    .map_err(std::io::Error::other)??;
+    Ok(matches!(
+        answer.trim().to_ascii_lowercase().as_str(),
+        "y" | "yes"
+    ))
+}

@@ -1,0 +1,217 @@
+//! `inboxctl find <message-id>…`: everything known about a message, in one view.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::cli::GlobalOpts;
+use crate::error::{Outcome, Result};
+use crate::triage::find::{self, Found, Plan, Report};
+use crate::{amqp, db, output, sanitize, table};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The message ids (UUIDs, any spelling)
+    #[arg(required = true, num_args = 1..=100, value_name = "MESSAGE_ID", value_parser = parse_id)]
+    pub ids: Vec<Uuid>,
+
+    /// A dead-letter-exchange queue to look in too, beside each known consumer_type's <queue>_error and
+    /// <queue>_skipped (repeatable)
+    #[arg(long, value_name = "QUEUE")]
+    pub dlq: Vec<String>,
+
+    /// Look at no more than this many messages per dead-letter queue (the oldest)
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    pub limit: u64,
+
+    /// Print the result as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_id(s: &str) -> std::result::Result<Uuid, String> {
+    Uuid::parse_str(s.trim()).map_err(|e| format!("{s:?} is not a message id (a UUID): {e}"))
+}
+
+pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+    for dlq in &args.dlq {
+        amqp::validate_name("--dlq", dlq)?;
+    }
+    let database = global.connect.database()?;
+    let pool = database.pool(2).await?;
+    let tables = [
+        "inbox_messages",
+        "inboxctl_events",
+        "inboxctl_attempts",
+        "inboxctl_consumers",
+        "carrier_reservations",
+        "notifications_sent",
+    ];
+    db::schema::require_tables(&pool, &database, &tables).await?;
+    let broker = global.connect.broker()?;
+    let connection = broker.connect("inboxctl find").await?;
+    let plan = Plan {
+        ids: args.ids.clone(),
+        dlqs: args.dlq.clone(),
+        limit: args.limit,
+    };
+    let report = find::find(&pool, &connection, broker.vhost(), &plan).await;
+    amqp::close(&connection, "OK").await;
+    pool.close().await;
+    let report = report?;
+    if args.json {
+        output::json(&report)?;
+    } else {
+        print(&report)?;
+    }
+    let missing: Vec<_> = report.messages.iter().filter(|m| !m.found).collect();
+    for m in &missing {
+        tracing::warn!(
+            "message {}: found nowhere (inbox, events, effects, dead-letter queues)",
+            m.message_id
+        );
+    }
+    Ok(if missing.is_empty() {
+        Outcome::Done
+    } else {
+        Outcome::Partial
+    })
+}
+
+fn time(t: Option<DateTime<Utc>>) -> String {
+    t.map_or_else(
+        || "-".to_owned(),
+        |t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
+    )
+}
+
+fn print(report: &Report) -> Result<()> {
+    for m in &report.messages {
+        output::line(&format!("message {}", m.message_id))?;
+        if !m.found {
+            output::line("  found nowhere")?;
+            continue;
+        }
+        output::line(&rows(m).to_string())?;
+        if m.events_cut {
+            output::line(&format!(
+                "  (the first {} events shown)",
+                db::triage::MAX_EVENTS
+            ))?;
+        }
+    }
+    let queues: Vec<String> = report
+        .queues
+        .iter()
+        .map(|q| match q.depth {
+            Some(depth) if q.looked < depth => format!(
+                "{} (oldest {} of {depth})",
+                sanitize::text(&q.queue),
+                q.looked
+            ),
+            Some(_) => sanitize::text(&q.queue).into_owned(),
+            None => format!("{} (absent)", sanitize::text(&q.queue)),
+        })
+        .collect();
+    output::line(&format!(
+        "dead-letter queues looked in: {}; {}",
+        if queues.is_empty() {
+            "none known".to_owned()
+        } else {
+            queues.join(", ")
+        },
+        super::failures::REDELIVERED_NOTE
+    ))
+}
+
+/// One message's findings, oldest first.
+fn rows(m: &Found) -> comfy_table::Table {
+    let mut t = table::new(&["when", "where", "consumer_type / queue", "what"]);
+    for column in [1, 2, 3] {
+        table::align_left(&mut t, column);
+    }
+    let mut lines: Vec<(Option<DateTime<Utc>>, String, String, String)> = Vec::new();
+    for r in &m.inbox {
+        lines.push((
+            Some(r.received_at),
+            "inbox".into(),
+            r.consumer_type.clone(),
+            "received".into(),
+        ));
+        if let Some(at) = r.processed_at {
+            lines.push((
+                Some(at),
+                "inbox".into(),
+                r.consumer_type.clone(),
+                "processed".into(),
+            ));
+        } else {
+            lines.push((
+                None,
+                "inbox".into(),
+                r.consumer_type.clone(),
+                "not processed".into(),
+            ));
+        }
+    }
+    for e in &m.events {
+        let what = match &e.detail {
+            Some(d) if !d.is_empty() => format!("{}: {d}", e.kind.replace('_', " ")),
+            _ => e.kind.replace('_', " "),
+        };
+        lines.push((
+            Some(e.occurred_at),
+            "event".into(),
+            e.consumer_type.clone(),
+            what,
+        ));
+    }
+    for a in &m.attempts {
+        lines.push((
+            Some(a.last_started_at),
+            "poison detection".into(),
+            a.consumer_type.clone(),
+            format!(
+                "{} starts without an outcome ({} alone)",
+                a.started, a.alone
+            ),
+        ));
+    }
+    for e in &m.effects {
+        lines.push((
+            Some(e.at),
+            "effect".into(),
+            e.table.clone(),
+            format!("parcel {}", e.parcel_id),
+        ));
+    }
+    for d in &m.dead_letters {
+        lines.push((
+            d.failed_at,
+            "dead-letter queue".into(),
+            d.queue.clone(),
+            format!(
+                "position {}; failed on {}: {} [{} {}]{}",
+                d.position,
+                d.origin,
+                d.reason.as_deref().unwrap_or("-"),
+                d.exception_type.as_deref().unwrap_or("-"),
+                d.fingerprint,
+                if d.replays > 0 {
+                    format!("; replayed {} times", d.replays)
+                } else {
+                    String::new()
+                }
+            ),
+        ));
+    }
+    lines.sort_by_key(|l| l.0.map_or(i64::MAX, |t| t.timestamp_micros()));
+    for (when, place, name, what) in lines {
+        t.add_row(vec![
+            time(when).into(),
+            table::text(&place),
+            table::text(&name),
+            table::text(&what),
+        ]);
+    }
+    t
+}

@@ -1,0 +1,138 @@
+//! `find`'s statements: everything the database knows about one message id.
+
+use chrono::{DateTime, Utc};
+use sqlx::PgExecutor;
+use uuid::Uuid;
+
+/// The most events shown per message: a message redelivered in a loop can have thousands.
+pub const MAX_EVENTS: i64 = 200;
+
+statements! {
+    /// The message's inbox rows, per consumer_type. `$1` message id.
+    const INBOX_ROWS_OF = "\
+SELECT consumer_type::text, received_at, processed_at FROM inbox_messages WHERE id = $1 ORDER BY consumer_type";
+
+    /// Its events, oldest first, at most `$2`. `$1` message id.
+    const EVENTS_OF = "\
+SELECT consumer_type::text, kind, occurred_at, detail FROM inboxctl_events
+WHERE message_id = $1 ORDER BY occurred_at, kind LIMIT $2";
+
+    /// Its poison-detection starts, per consumer_type. `$1` message id.
+    const ATTEMPTS_OF = "\
+SELECT consumer_type::text, started, alone, last_started_at FROM inboxctl_attempts
+WHERE message_id = $1 ORDER BY consumer_type";
+
+    /// Its effects in the Parcel Tracker's tables. `$1` message id.
+    const EFFECTS_OF = "\
+SELECT 'carrier_reservations', parcel_id, reserved_at FROM carrier_reservations WHERE message_id = $1
+UNION ALL
+SELECT 'notifications_sent', parcel_id, sent_at FROM notifications_sent WHERE message_id = $1
+ORDER BY 3";
+
+    /// Every registered consumer_type and its queue.
+    const CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers ORDER BY consumer_type";
+}
+
+/// A message's inbox row for one consumer_type.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InboxRow {
+    pub consumer_type: String,
+    pub received_at: DateTime<Utc>,
+    pub processed_at: Option<DateTime<Utc>>,
+}
+
+/// One of its events.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EventRow {
+    pub consumer_type: String,
+    pub kind: String,
+    pub occurred_at: DateTime<Utc>,
+    pub detail: Option<String>,
+}
+
+/// Its poison-detection starts for one consumer_type.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AttemptsRow {
+    pub consumer_type: String,
+    pub started: i32,
+    pub alone: i32,
+    pub last_started_at: DateTime<Utc>,
+}
+
+/// One of its effects.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct EffectRow {
+    pub table: String,
+    pub parcel_id: Uuid,
+    pub at: DateTime<Utc>,
+}
+
+pub async fn inbox_rows(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<InboxRow>> {
+    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(INBOX_ROWS_OF)
+        .bind(id)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(consumer_type, received_at, processed_at)| InboxRow {
+            consumer_type,
+            received_at,
+            processed_at,
+        })
+        .collect())
+}
+
+pub async fn events(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<EventRow>> {
+    let rows: Vec<(String, String, DateTime<Utc>, Option<String>)> = sqlx::query_as(EVENTS_OF)
+        .bind(id)
+        .bind(MAX_EVENTS)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(consumer_type, kind, occurred_at, detail)| EventRow {
+            consumer_type,
+            kind,
+            occurred_at,
+            detail,
+        })
+        .collect())
+}
+
+pub async fn attempts(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<AttemptsRow>> {
+    let rows: Vec<(String, i32, i32, DateTime<Utc>)> = sqlx::query_as(ATTEMPTS_OF)
+        .bind(id)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(consumer_type, started, alone, last_started_at)| AttemptsRow {
+                consumer_type,
+                started,
+                alone,
+                last_started_at,
+            },
+        )
+        .collect())
+}
+
+pub async fn effects(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<EffectRow>> {
+    let rows: Vec<(String, Uuid, DateTime<Utc>)> = sqlx::query_as(EFFECTS_OF)
+        .bind(id)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(table, parcel_id, at)| EffectRow {
+            table,
+            parcel_id,
+            at,
+        })
+        .collect())
+}
+
+/// Every registered consumer_type and the queue it reads (`CONSUMERS`).
+pub async fn consumers(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<(String, String)>> {
+    sqlx::query_as(CONSUMERS).fetch_all(executor).await
+}

@@ -1,0 +1,206 @@
+//! `failures`: the messages of a dead-letter queue grouped by the cause of their failure (see
+//! [`crate::amqp::cause`]), as they are at the moment of the listing. The listing, written to a file, is what
+//! `replay --group` replays: the members the operator saw, not whatever has arrived since.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::amqp::cause::Cause;
+use crate::amqp::failure::{Origin, failure};
+use crate::amqp::{Connection, limits, peek};
+use crate::error::{Error, Result};
+
+/// The most origins kept per group: more than a handful means the cause is not the queue's.
+const MAX_ORIGINS: usize = 16;
+
+/// The longest example reason kept per group.
+const MAX_EXAMPLE: usize = 300;
+
+/// The format of a listing file, so that a later inboxctl can tell an older one.
+pub const LISTING_FORMAT: u32 = 1;
+
+/// One cause, and the messages that failed of it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Group {
+    #[serde(flatten)]
+    pub cause: Cause,
+    /// The reason of its first member, unmasked (cut short).
+    pub example: Option<String>,
+    pub count: u64,
+    pub first_failed_at: Option<DateTime<Utc>>,
+    pub last_failed_at: Option<DateTime<Utc>>,
+    /// The queues its members failed on.
+    pub origins: Vec<String>,
+    /// Its members' message ids, in queue order (in a listing file; left out of `--json` on stdout).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub message_ids: Vec<String>,
+    /// Members without a message id: they cannot be chosen by id.
+    pub without_id: u64,
+}
+
+/// A dead-letter queue's failures, grouped, as they were when it was listed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Listing {
+    pub format: u32,
+    pub queue: String,
+    pub vhost: String,
+    pub listed_at: DateTime<Utc>,
+    /// Messages ready in the queue when the listing began.
+    pub depth: u64,
+    /// Messages looked at (the depth, or the limit).
+    pub looked: u64,
+    /// Groups, the largest first.
+    pub groups: Vec<Group>,
+}
+
+impl Listing {
+    /// The group with this fingerprint (or a unique prefix of it, of at least 4 digits).
+    pub fn group(&self, fingerprint: &str) -> Result<&Group> {
+        let fingerprint = fingerprint.trim().to_ascii_lowercase();
+        let matching: Vec<&Group> = self
+            .groups
+            .iter()
+            .filter(|g| {
+                g.cause.fingerprint == fingerprint
+                    || (fingerprint.len() >= 4 && g.cause.fingerprint.starts_with(&fingerprint))
+            })
+            .collect();
+        match matching.as_slice() {
+            [one] => Ok(one),
+            [] => Err(Error::Usage(format!(
+                "the listing of {} has no group {}; its groups: {}",
+                crate::sanitize::text(&self.queue),
+                crate::sanitize::text(&fingerprint),
+                self.groups
+                    .iter()
+                    .map(|g| g.cause.fingerprint.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))),
+            _ => Err(Error::Usage(format!(
+                "{} names more than one group of the listing; give more of the fingerprint",
+                crate::sanitize::text(&fingerprint)
+            ))),
+        }
+    }
+
+    /// Reads a listing file written by `failures --output`.
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::Usage(format!("cannot read the listing {}: {e}", path.display()))
+        })?;
+        let listing: Self = serde_json::from_str(&text).map_err(|e| {
+            Error::Usage(format!(
+                "{} is not a listing written by `inboxctl failures --output`: {e}",
+                path.display()
+            ))
+        })?;
+        if listing.format != LISTING_FORMAT {
+            return Err(Error::Usage(format!(
+                "{} is a listing of format {}; this inboxctl reads format {LISTING_FORMAT}",
+                path.display(),
+                listing.format
+            )));
+        }
+        Ok(listing)
+    }
+
+    /// Writes the listing, member ids included, for `replay --group`.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| Error::Usage(format!("cannot write the listing: {e}")))?;
+        std::fs::write(path, text)
+            .map_err(|e| Error::Usage(format!("cannot write the listing {}: {e}", path.display())))
+    }
+
+    /// The listing without member ids, for stdout.
+    pub fn without_ids(&self) -> Self {
+        let mut short = self.clone();
+        for g in &mut short.groups {
+            g.message_ids = Vec::new();
+        }
+        short
+    }
+}
+
+/// Lists the failures of `queue` (at most `limit` messages), grouped by cause; `vhost` is the one connected to, for
+/// reading origins. The queue must exist.
+pub async fn list(
+    connection: &Connection,
+    queue: &str,
+    vhost: &str,
+    limit: u64,
+) -> Result<Listing> {
+    let listed_at = Utc::now();
+    let mut groups: Vec<Group> = Vec::new();
+    let mut index: HashMap<String, usize> = HashMap::new();
+    let mut origins: Vec<BTreeSet<String>> = Vec::new();
+    let looked = peek::each(connection, queue, limit, |delivery| {
+        let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
+        let cause = Cause::of(&failure);
+        let i = *index.entry(cause.fingerprint.clone()).or_insert_with(|| {
+            groups.push(Group {
+                example: failure
+                    .reason
+                    .as_deref()
+                    .map(|r| limits::truncate(r, MAX_EXAMPLE).into_owned()),
+                cause,
+                count: 0,
+                first_failed_at: None,
+                last_failed_at: None,
+                origins: Vec::new(),
+                message_ids: Vec::new(),
+                without_id: 0,
+            });
+            origins.push(BTreeSet::new());
+            groups.len() - 1
+        });
+        let group = &mut groups[i];
+        group.count += 1;
+        if let Some(at) = failure.failed_at {
+            group.first_failed_at = Some(group.first_failed_at.map_or(at, |t| t.min(at)));
+            group.last_failed_at = Some(group.last_failed_at.map_or(at, |t| t.max(at)));
+        }
+        match delivery.properties.message_id() {
+            Some(id) => group
+                .message_ids
+                .push(limits::truncate(id.as_str(), 255).into_owned()),
+            None => group.without_id += 1,
+        }
+        if origins[i].len() < MAX_ORIGINS {
+            origins[i].insert(origin_name(&failure.origin));
+        }
+    })
+    .await?
+    .ok_or_else(|| Error::QueueNotFound(queue.to_owned()))?;
+    for (group, origins) in groups.iter_mut().zip(origins) {
+        group.origins = origins.into_iter().collect();
+    }
+    groups.sort_by(|a, b| {
+        b.count
+            .cmp(&a.count)
+            .then_with(|| a.cause.fingerprint.cmp(&b.cause.fingerprint))
+    });
+    Ok(Listing {
+        format: LISTING_FORMAT,
+        queue: queue.to_owned(),
+        vhost: vhost.to_owned(),
+        listed_at,
+        depth: looked.depth,
+        looked: looked.looked,
+        groups,
+    })
+}
+
+/// An origin as a listing shows it.
+pub fn origin_name(origin: &Origin) -> String {
+    match origin {
+        Origin::Queue(q) => q.clone(),
+        Origin::OtherVhost { vhost, queue } => format!("{queue} (vhost {vhost})"),
+        Origin::Unknown => "-".to_owned(),
+        Origin::Ambiguous { address, .. } => format!("{address} (ambiguous)"),
+    }
+}

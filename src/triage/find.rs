@@ -1,0 +1,159 @@
+//! `find`: everything known about a message, by its id — its inbox rows and events per consumer_type, its
+//! poison-detection starts, its effects, and its copies in the dead-letter queues of the consumer_types inboxctl knows
+//! (looked at, not taken: see [`crate::amqp::peek`]).
+
+use std::collections::{BTreeSet, HashMap};
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgPool;
+use uuid::Uuid;
+
+use crate::amqp::cause::Cause;
+use crate::amqp::failure::failure;
+use crate::amqp::{Connection, limits, peek, topology};
+use crate::db::{self, triage};
+use crate::error::Result;
+
+/// What to look for, and where besides the known dead-letter queues.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub ids: Vec<Uuid>,
+    /// Dead-letter-exchange queues to look in too (`--dlq`).
+    pub dlqs: Vec<String>,
+    /// Look at no more than this many messages per queue.
+    pub limit: u64,
+}
+
+/// A copy of the message in a dead-letter queue.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeadLetterCopy {
+    pub queue: String,
+    /// Its place in the queue, from 1 (the oldest).
+    pub position: u64,
+    pub reason: Option<String>,
+    pub exception_type: Option<String>,
+    pub fingerprint: String,
+    pub failed_at: Option<DateTime<Utc>>,
+    pub origin: String,
+    pub replays: u32,
+    pub redelivered: bool,
+}
+
+/// Everything known about one message.
+#[derive(Debug, Clone, Serialize)]
+pub struct Found {
+    pub message_id: Uuid,
+    /// Whether anything at all was found.
+    pub found: bool,
+    pub inbox: Vec<triage::InboxRow>,
+    pub events: Vec<triage::EventRow>,
+    /// Whether there were more events than shown.
+    pub events_cut: bool,
+    pub attempts: Vec<triage::AttemptsRow>,
+    pub effects: Vec<triage::EffectRow>,
+    pub dead_letters: Vec<DeadLetterCopy>,
+}
+
+/// One queue looked in.
+#[derive(Debug, Clone, Serialize)]
+pub struct Looked {
+    pub queue: String,
+    /// Messages ready when the look began; none when the queue does not exist.
+    pub depth: Option<u64>,
+    pub looked: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub messages: Vec<Found>,
+    pub queues: Vec<Looked>,
+}
+
+/// Looks for every id of `plan` in the database and in the dead-letter queues.
+pub async fn find(
+    pool: &PgPool,
+    connection: &Connection,
+    vhost: &str,
+    plan: &Plan,
+) -> Result<Report> {
+    let mut messages = Vec::with_capacity(plan.ids.len());
+    for &id in &plan.ids {
+        let events = triage::events(pool, id).await?;
+        messages.push(Found {
+            message_id: id,
+            found: false,
+            inbox: triage::inbox_rows(pool, id).await?,
+            events_cut: events.len() as i64 >= triage::MAX_EVENTS,
+            events,
+            attempts: triage::attempts(pool, id).await?,
+            effects: triage::effects(pool, id).await?,
+            dead_letters: Vec::new(),
+        });
+    }
+    let mut queues: BTreeSet<String> = BTreeSet::new();
+    for (_, queue) in db::triage::consumers(pool).await? {
+        queues.insert(topology::error_queue(&queue));
+        queues.insert(topology::skipped_queue(&queue));
+    }
+    queues.extend(plan.dlqs.iter().cloned());
+    let index: HashMap<Uuid, usize> = plan
+        .ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, i))
+        .collect();
+    let mut looked_in = Vec::with_capacity(queues.len());
+    for queue in queues {
+        if crate::amqp::validate_name("queue", &queue).is_err() {
+            continue;
+        }
+        let mut position = 0;
+        let looked = peek::each(connection, &queue, plan.limit, |delivery| {
+            position += 1;
+            let Some(id) = delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
+            else {
+                return;
+            };
+            let Some(&i) = index.get(&id) else {
+                return;
+            };
+            let failure = failure(delivery.properties.headers().as_ref(), &queue, vhost);
+            messages[i].dead_letters.push(DeadLetterCopy {
+                queue: queue.clone(),
+                position,
+                reason: failure
+                    .reason
+                    .as_deref()
+                    .map(|r| limits::truncate(r, 1000).into_owned()),
+                exception_type: failure.exception_type.clone(),
+                fingerprint: Cause::of(&failure).fingerprint,
+                failed_at: failure.failed_at,
+                origin: super::failures::origin_name(&failure.origin),
+                replays: failure.replays,
+                redelivered: delivery.redelivered,
+            });
+        })
+        .await?;
+        looked_in.push(Looked {
+            queue,
+            depth: looked.map(|l| l.depth),
+            looked: looked.map_or(0, |l| l.looked),
+        });
+    }
+    for m in &mut messages {
+        m.found = !(m.inbox.is_empty()
+            && m.events.is_empty()
+            && m.attempts.is_empty()
+            && m.effects.is_empty()
+            && m.dead_letters.is_empty());
+    }
+    Ok(Report {
+        messages,
+        queues: looked_in,
+    })
+}

@@ -1,0 +1,794 @@
+//! Triage against real RabbitMQ and PostgreSQL: `failures` groups a dead-letter queue by cause and `replay --group`
+//! replays the members as listed; `cleanup` keeps the window of a waiting replay; every state-changing command is
+//! audited; `find` shows one message everywhere — and looking never takes, reorders or loses a message.
+
+use crate::common;
+
+use std::time::{Duration, Instant};
+
+use chrono::{TimeDelta, Utc};
+use common::{CARRIER_QUEUE, NOTIFICATION_QUEUE, TestEnv};
+use lapin::options::{BasicGetOptions, BasicNackOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::Connection;
+use uuid::Uuid;
+
+const ERROR_QUEUE: &str = "parcel-created-carrier_error";
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Dead-letters a fresh parcel event into `queue` as MassTransit does, failed `age` ago on the carrier's queue.
+async fn fail(
+    conn: &Connection,
+    queue: &str,
+    exception: &str,
+    reason: &str,
+    age: TimeDelta,
+) -> String {
+    let id = Uuid::new_v4();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let mut headers = FieldTable::default();
+    headers.insert("MT-Reason".into(), long("fault"));
+    headers.insert("MT-Fault-ExceptionType".into(), long(exception));
+    headers.insert("MT-Fault-Message".into(), long(reason));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+    );
+    let when = inboxctl::amqp::envelope::format_time(Utc::now() - age);
+    headers.insert("MT-Fault-Timestamp".into(), long(&when));
+    common::publish(conn, "", queue, props.with_headers(headers), &body).await;
+    id.to_string()
+}
+
+/// The message ids of a queue in its order, looked at and given back.
+async fn ids_in(conn: &Connection, queue: &str) -> Vec<String> {
+    let channel = conn.create_channel().await.unwrap();
+    let mut ids = Vec::new();
+    let mut last = None;
+    while let Some(m) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+    {
+        last = Some(m.delivery.delivery_tag);
+        ids.push(
+            m.delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|s| s.to_string())
+                .unwrap_or_default(),
+        );
+    }
+    if let Some(last) = last {
+        channel
+            .basic_nack(
+                last,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "OK".into()).await;
+    ids
+}
+
+fn json(out: &common::Output) -> serde_json::Value {
+    serde_json::from_str(out.stdout.trim()).unwrap_or_else(|e| panic!("{e}: {out:?}"))
+}
+
+/// Three causes, a hundred messages each, with ids and numbers that vary from message to message.
+async fn three_causes(conn: &Connection, each: usize) -> [Vec<String>; 3] {
+    let mut out: [Vec<String>; 3] = Default::default();
+    for i in 0..each {
+        let age = TimeDelta::minutes(i64::try_from(3 * each - i).unwrap());
+        out[0].push(
+            fail(
+                conn,
+                ERROR_QUEUE,
+                "System.TimeoutException",
+                &format!("timeout after {} ms", 1000 + i * 7),
+                age,
+            )
+            .await,
+        );
+        out[1].push(
+            fail(
+                conn,
+                ERROR_QUEUE,
+                "System.InvalidOperationException",
+                &format!("carrier API returned 503 for parcel {}", Uuid::new_v4()),
+                age,
+            )
+            .await,
+        );
+        out[2].push(
+            fail(
+                conn,
+                ERROR_QUEUE,
+                "System.Collections.Generic.KeyNotFoundException",
+                &format!("destination 'Zone-{i}' of tracking number PT{i:08}NL is unknown"),
+                age,
+            )
+            .await,
+        );
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn three_causes_make_three_groups_and_a_group_replays_exactly_its_listed_members() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+        .await
+        .unwrap();
+    let causes = three_causes(&conn, 100).await;
+    let before = ids_in(&conn, ERROR_QUEUE).await;
+    assert_eq!(before.len(), 300);
+
+    let dir = tempdir();
+    let listing = dir.join("listing.json");
+    let out = env.run(&[
+        "failures",
+        "--from",
+        ERROR_QUEUE,
+        "--json",
+        "--output",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    let groups = report["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 3, "{report}");
+    let by_type = |t: &str| {
+        groups
+            .iter()
+            .find(|g| g["exception_type"] == t)
+            .unwrap_or_else(|| panic!("{t}: {report}"))
+    };
+    let timeout = by_type("System.TimeoutException");
+    assert_eq!(timeout["count"], 100);
+    assert_eq!(timeout["reason"], "timeout after # ms");
+    assert_eq!(
+        by_type("System.InvalidOperationException")["reason"],
+        "carrier API returned 503 for parcel #"
+    );
+    assert_eq!(
+        by_type("System.Collections.Generic.KeyNotFoundException")["count"],
+        100
+    );
+    assert_eq!(timeout["origins"], serde_json::json!([CARRIER_QUEUE]));
+    assert!(
+        timeout["message_ids"].is_null(),
+        "stdout leaves the ids to the file"
+    );
+    let first = timeout["first_failed_at"].as_str().unwrap();
+    let last = timeout["last_failed_at"].as_str().unwrap();
+    assert!(first < last, "{timeout}");
+    // Looking took nothing and kept the order.
+    assert_eq!(ids_in(&conn, ERROR_QUEUE).await, before);
+
+    // New failures of the same cause arrive after the listing: they are not what the operator saw.
+    let mut late = Vec::new();
+    for i in 0..10 {
+        late.push(
+            fail(
+                &conn,
+                ERROR_QUEUE,
+                "System.TimeoutException",
+                &format!("timeout after {i} ms"),
+                TimeDelta::zero(),
+            )
+            .await,
+        );
+    }
+    let fingerprint = timeout["fingerprint"].as_str().unwrap();
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--group",
+        fingerprint,
+        "--listing",
+        listing.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    assert_eq!(report["replayed"], 100, "{}", report["group"]);
+    assert_eq!(report["group"]["new"], 10, "{}", report["group"]);
+    assert_eq!(report["group"]["gone"], serde_json::json!([]));
+    let mut replayed = ids_in(&conn, CARRIER_QUEUE).await;
+    replayed.sort();
+    let mut listed = causes[0].clone();
+    listed.sort();
+    assert_eq!(replayed, listed, "exactly the listed members went back");
+    let left = ids_in(&conn, ERROR_QUEUE).await;
+    let expected: Vec<String> = before
+        .iter()
+        .filter(|id| !causes[0].contains(id))
+        .cloned()
+        .chain(late)
+        .collect();
+    assert_eq!(left, expected, "the rest stayed, in order");
+
+    // The same group again: every member is gone, and the replay says so (exit 3), replaying nothing.
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--group",
+        fingerprint,
+        "--listing",
+        listing.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    assert_eq!(report["replayed"], 0);
+    assert_eq!(report["group"]["gone"].as_array().unwrap().len(), 100);
+    // A listing of another queue, or a fingerprint it does not hold, is a usage error.
+    let out = env.run(&[
+        "replay",
+        "--from",
+        "other_error",
+        "--group",
+        fingerprint,
+        "--listing",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--group",
+        "ffffffffff",
+        "--listing",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("has no group ffffffffff"), "{out:?}");
+}
+
+fn tempdir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("inboxctl-triage-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_rate_holds_and_without_a_terminal_nothing_is_asked() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+        .await
+        .unwrap();
+    for i in 0..150 {
+        fail(
+            &conn,
+            ERROR_QUEUE,
+            "System.TimeoutException",
+            &format!("timeout after {i} ms"),
+            TimeDelta::zero(),
+        )
+        .await;
+    }
+    // 150 messages, more than --confirm-above's 100, and no terminal: nothing is asked.
+    let started = Instant::now();
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--rate",
+        "50",
+        "--limit",
+        "120",
+        "--json",
+    ]);
+    let took = started.elapsed();
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["replayed"], 120);
+    // 120 copies at 50 a second: 119 intervals of 20 ms, 2.38 s at the least.
+    assert!(took >= Duration::from_millis(2380), "{took:?}");
+    assert!(took < Duration::from_secs(12), "{took:?}");
+    let started = Instant::now();
+    let out = env.run(&["replay", "--from", ERROR_QUEUE, "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["replayed"], 30);
+    assert!(
+        started.elapsed() < took,
+        "without --rate it is not held back"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+        .await
+        .unwrap();
+    three_causes(&conn, 40).await;
+    let tmux = common::Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let replay = |extra: &str| {
+        format!(
+            "DATABASE_URL='{}' AMQP_URL='{}' '{}' replay --from {ERROR_QUEUE} {extra}; echo EXITED=$?; sleep 60",
+            env.database_url,
+            env.amqp_url,
+            common::bin()
+        )
+    };
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "50",
+        &replay(""),
+    ]);
+    let screen = tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
+    assert!(
+        screen.contains("replay 120 messages from parcel-created-carrier_error"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains(": 40 messages, e.g. timeout after"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains(": 40 messages, e.g. carrier API returned 503"),
+        "{screen}"
+    );
+    // No: nothing moves.
+    tmux.run(&["send-keys", "-t", "top", "n", "Enter"]);
+    let screen = tmux.wait_for("the refusal", |s| s.contains("EXITED="));
+    assert!(
+        screen.contains("nothing replayed") && screen.contains("EXITED=3"),
+        "{screen}"
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (120, 0));
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    tmux.run(&["kill-session", "-t", "top"]);
+
+    // Yes: all of it.
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "50",
+        &replay(""),
+    ]);
+    tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
+    tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
+    let screen = tmux.wait_for("the replay", |s| s.contains("EXITED="));
+    assert!(
+        screen.contains("replayed 120") && screen.contains("EXITED=0"),
+        "{screen}"
+    );
+    tmux.run(&["kill-session", "-t", "top"]);
+
+    // --yes on a terminal: no question.
+    three_causes(&conn, 40).await;
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "50",
+        &replay("--yes"),
+    ]);
+    let screen = tmux.wait_for("the replay", |s| s.contains("EXITED="));
+    assert!(!screen.contains("replay them?"), "{screen}");
+    assert!(
+        screen.contains("replayed 120") && screen.contains("EXITED=0"),
+        "{screen}"
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (240, 0));
+}
+
+/// Registers consumer_types as their consumers do, with processed inbox rows of the given age.
+async fn processed_rows(
+    pool: &sqlx::PgPool,
+    consumer_type: &str,
+    queue: &str,
+    rows: i64,
+    age_days: i64,
+) {
+    sqlx::query(
+        "INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
+         VALUES ($1, $2, now(), now()) ON CONFLICT (consumer_type) DO NOTHING",
+    )
+    .bind(consumer_type)
+    .bind(queue)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         SELECT gen_random_uuid(), $1, now() - make_interval(days => $3::int), now() - make_interval(days => $3::int)
+         FROM generate_series(1, $2)",
+    )
+    .bind(consumer_type)
+    .bind(rows)
+    .bind(i32::try_from(age_days).unwrap())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn rows_of(pool: &sqlx::PgPool, consumer_type: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE consumer_type = $1")
+        .bind(consumer_type)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    processed_rows(&pool, "sms", "orders-sms", 7, 8).await;
+    for q in ["orders-carrier_error", "orders-sms_error"] {
+        inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, q)
+            .await
+            .unwrap();
+    }
+    // The carrier's oldest failure is 8 days old, older than the 7-day cutoff; the SMS's is an hour old.
+    let old = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    fail(
+        &conn,
+        "orders-sms_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    let order = ids_in(&conn, "orders-carrier_error").await;
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let carrier = report["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == "carrier")
+        .unwrap();
+    assert_eq!(carrier["deleted"], 0, "{report}");
+    assert_eq!(
+        carrier["refused"]["queue"], "orders-carrier_error",
+        "{report}"
+    );
+    assert_eq!(carrier["refused"]["message_id"], old, "{report}");
+    let age = carrier["refused"]["age_seconds"].as_i64().unwrap();
+    assert!((8 * 86400 - 60..8 * 86400 + 60).contains(&age), "{report}");
+    assert_eq!(report["refused"], 1);
+    assert!(
+        out.stderr.contains("orders-carrier_error holds message"),
+        "{out:?}"
+    );
+    assert!(out.stderr.contains(&old), "{out:?}");
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+    assert_eq!(
+        rows_of(&pool, "sms").await,
+        0,
+        "the other consumer_type is cleaned"
+    );
+    assert_eq!(
+        ids_in(&conn, "orders-carrier_error").await,
+        order,
+        "looking took nothing"
+    );
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(rows_of(&pool, "carrier").await, 0, "--force cleans");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    // Rows processed two days ago; the captured fixtures failed on 2026-11-30 (MT-Fault-Timestamp).
+    processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 3, 2).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+        .await
+        .unwrap();
+    let fixture = common::fixture("error/error-01.json");
+    common::publish(
+        &conn,
+        "",
+        ERROR_QUEUE,
+        fixture.properties.clone(),
+        &fixture.body,
+    )
+    .await;
+    let stamp = fixture.json["headers"]["MT-Fault-Timestamp"]["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let failed_at = inboxctl::amqp::envelope::parse_time(&stamp).unwrap();
+
+    // A cutoff after the failure: refused, the fixture's own time named.
+    let window = (Utc::now() - failed_at).num_seconds() - 3600;
+    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let refused = &report["consumers"][0]["refused"];
+    assert_eq!(refused["message_id"], fixture.message_id, "{report}");
+    let read: chrono::DateTime<Utc> = serde_json::from_value(refused["failed_at"].clone()).unwrap();
+    assert_eq!(read, failed_at, "{report}");
+    // A cutoff before it: the window holds, nothing refused.
+    let window = (Utc::now() - failed_at).num_seconds() + 3600;
+    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["refused"], 0);
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_state_changing_command_is_audited_without_a_password_and_outlives_cleanup() {
+    let mut env = TestEnv::bare().await;
+    // Trust authentication ignores the password, so the URL can carry one for the audit to leave out.
+    env.database_url = env
+        .database_url
+        .replacen("postgres@", "postgres:Audit-Secret-77@", 1);
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "3"]);
+    common::consume_until_idle(&env, &["carrier"]);
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+        .await
+        .unwrap();
+    fail(
+        &conn,
+        ERROR_QUEUE,
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::zero(),
+    )
+    .await;
+    let out = env.run(&["replay", "--from", ERROR_QUEUE]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let out = env.run(&["cleanup", "--retention", "1s", "--force"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+
+    let out = env.run(&["audit", "--since", "1h", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(!out.stdout.contains("Audit-Secret-77"), "{out:?}");
+    let rows = json(&out);
+    let rows = rows.as_array().unwrap();
+    let commands: Vec<(&str, &str)> = rows
+        .iter()
+        .rev()
+        .map(|r| {
+            (
+                r["command"].as_str().unwrap(),
+                r["outcome"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        commands,
+        [
+            ("migrate", "done"),
+            ("consume", "started"),
+            ("consume", "stopped"),
+            ("replay", "done"),
+            ("cleanup", "done")
+        ],
+        "{rows:?}"
+    );
+    for r in rows {
+        assert_eq!(r["database_role"], "postgres", "{r}");
+        assert!(r["os_user"].as_str().is_some_and(|u| !u.is_empty()), "{r}");
+        assert!(r["host"].as_str().is_some_and(|h| !h.is_empty()), "{r}");
+        let line = r["command_line"].as_str().unwrap();
+        assert!(line.contains(r["command"].as_str().unwrap()), "{r}");
+    }
+    let replay = &rows[1];
+    assert_eq!(replay["details"]["replayed"], 1, "{replay}");
+    assert_eq!(replay["exit_code"], 0);
+    assert_eq!(rows[0]["details"]["deleted"], 3, "{}", rows[0]);
+    assert_eq!(rows[2]["details"]["summary"]["processed"], 3, "{}", rows[2]);
+    // The password of a URL typed on the command line is kept out too.
+    let url = env.database_url.clone();
+    let out = env.run(&[
+        "--database-url",
+        &url,
+        "cleanup",
+        "--retention",
+        "1s",
+        "--force",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let pool = env.pool().await;
+    let lines: Vec<String> = sqlx::query_scalar("SELECT command_line FROM inboxctl_audit")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("--database-url postgres://postgres:***@")),
+        "{lines:?}"
+    );
+    assert!(
+        lines.iter().all(|l| !l.contains("Audit-Secret-77")),
+        "{lines:?}"
+    );
+    // The audit outlives the inbox's retention: `cleanup --retention 1s` left every row.
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_audit").await,
+        6
+    );
+    // An audit that cannot be written never undoes the work, and says so.
+    sqlx::query("ALTER TABLE inboxctl_audit RENAME TO inboxctl_audit_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = env.run(&["cleanup", "--retention", "1s", "--force"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stderr.contains("not written to the audit"), "{out:?}");
+    sqlx::query("ALTER TABLE inboxctl_audit_away RENAME TO inboxctl_audit")
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    // One message, published three times: the carrier processes it once and discards two copies; the notification
+    // consumer fails it (its destination is the one it is told to fail) and dead-letters it.
+    let id = Uuid::new_v4();
+    let (props, body, parcel) = common::parcel_message(id, "FAIL");
+    common::publish_copies(&conn, common::EVENT_EXCHANGE, props, &body, 3).await;
+    common::consume_until_idle(&env, &["carrier"]);
+    // Other failures around it, so that its place and the queue's order show.
+    let notification_error = format!("{NOTIFICATION_QUEUE}_error");
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &notification_error)
+        .await
+        .unwrap();
+    fail(
+        &conn,
+        &notification_error,
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::zero(),
+    )
+    .await;
+    common::consume_until_idle(
+        &env,
+        &[
+            "notification",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "2",
+            "--retry-delay",
+            "10ms",
+        ],
+    );
+    fail(
+        &conn,
+        &notification_error,
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::zero(),
+    )
+    .await;
+    let order = ids_in(&conn, &notification_error).await;
+    assert_eq!(order.len(), 5, "{order:?}");
+
+    let out = env.run(&["find", &id.to_string(), "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    let m = &report["messages"][0];
+    let inbox = m["inbox"].as_array().unwrap();
+    assert_eq!(inbox.len(), 1, "{m}");
+    assert_eq!(inbox[0]["consumer_type"], CARRIER_QUEUE);
+    assert!(inbox[0]["processed_at"].is_string());
+    let kinds = |ct: &str| -> Vec<String> {
+        m["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["consumer_type"] == ct)
+            .map(|e| e["kind"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(kinds(CARRIER_QUEUE), ["duplicate", "duplicate"], "{m}");
+    let notification = kinds(NOTIFICATION_QUEUE);
+    assert!(notification.contains(&"failed".to_owned()), "{m}");
+    assert_eq!(
+        notification
+            .iter()
+            .filter(|k| *k == "dead_lettered")
+            .count(),
+        3,
+        "{m}"
+    );
+    assert_eq!(m["effects"].as_array().unwrap().len(), 1, "{m}");
+    assert_eq!(m["effects"][0]["table"], "carrier_reservations");
+    assert_eq!(m["effects"][0]["parcel_id"], parcel.to_string());
+    let copies = m["dead_letters"].as_array().unwrap();
+    assert_eq!(copies.len(), 3, "{m}");
+    assert!(
+        copies
+            .iter()
+            .all(|c| c["queue"] == notification_error.as_str())
+    );
+    assert_eq!(copies[0]["position"], 2, "{m}");
+    assert!(
+        copies[0]["reason"] == "SMS gateway returned 503",
+        "{m}"
+    );
+    assert_eq!(copies[0]["origin"], NOTIFICATION_QUEUE);
+    assert_eq!(
+        ids_in(&conn, &notification_error).await,
+        order,
+        "the error queue is as it was"
+    );
+
+    // On a terminal's table too, and the note that looking marks messages redelivered.
+    let out = env.run(&["find", &id.to_string()]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("duplicate"), "{}", out.stdout);
+    assert!(out.stdout.contains("redelivered"), "{}", out.stdout);
+
+    // An id that is nowhere (exit 3), and one that is no id (a usage error).
+    let nowhere = Uuid::new_v4().to_string();
+    let out = env.run(&["find", &nowhere]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(out.stdout.contains("found nowhere"), "{out:?}");
+    let out = env.run(&["find", "not-a-uuid"]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("is not a message id"), "{out:?}");
+}

@@ -247,6 +247,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;top' {
             [CompletionResult]::new('--interval', '--interval', [CompletionResultType]::ParameterName, 'How often the figures are refreshed (from 100ms to 100y)')
             [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time (from 1s to 100y)')
+            [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'The cleanup''s retention: an error queue''s oldest message nearing it is flagged (its replay needs its inbox row)')
             [CompletionResult]::new('--alert-duplicates', '--alert-duplicates', [CompletionResultType]::ParameterName, 'Highlight a duplicate ratio above this, in percent')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
@@ -264,6 +265,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         }
         'inboxctl;stats' {
             [CompletionResult]::new('--window', '--window', [CompletionResultType]::ParameterName, 'Rates are averages over this last stretch of time (from 1s to 100y)')
+            [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'The cleanup''s retention: an error queue''s oldest message nearing it is flagged (its replay needs its inbox row)')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)')
             [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')

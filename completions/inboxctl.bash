@@ -1040,13 +1040,17 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__stats)
-            opts="-v -h -V --window --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --window --retention --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi
             case "${prev}" in
                 --window)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --retention)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -1082,7 +1086,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__top)
-            opts="-v -h -V --interval --window --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --interval --window --retention --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -1093,6 +1097,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --window)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --retention)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

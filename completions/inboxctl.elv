@@ -232,6 +232,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;top'= {
             cand --interval 'How often the figures are refreshed (from 100ms to 100y)'
             cand --window 'Rates are averages over this last stretch of time (from 1s to 100y)'
+            cand --retention 'The cleanup''s retention: an error queue''s oldest message nearing it is flagged (its replay needs its inbox row)'
             cand --alert-duplicates 'Highlight a duplicate ratio above this, in percent'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
@@ -248,6 +249,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;stats'= {
             cand --window 'Rates are averages over this last stretch of time (from 1s to 100y)'
+            cand --retention 'The cleanup''s retention: an error queue''s oldest message nearing it is flagged (its replay needs its inbox row)'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'

@@ -198,6 +198,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l interval -d 'How often the figures are refreshed (from 100ms to 100y)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l window -d 'Rates are averages over this last stretch of time (from 1s to 100y)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l retention -d 'The cleanup\'s retention: an error queue\'s oldest message nearing it is flagged (its replay needs its inbox row)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l alert-duplicates -d 'Highlight a duplicate ratio above this, in percent' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
@@ -210,6 +211,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s v -l verbose -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l window -d 'Rates are averages over this last stretch of time (from 1s to 100y)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l retention -d 'The cleanup\'s retention: an error queue\'s oldest message nearing it is flagged (its replay needs its inbox row)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F

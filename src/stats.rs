@@ -22,6 +22,13 @@ use crate::error::Result;
 /// `stats` counts rows exactly up to this many per consumer_type; above, it estimates.
 pub const EXACT_BELOW: u64 = 1_000_000;
 
+/// The retention `stats` and `top` compare the oldest dead-lettered message with unless told another (`cleanup`'s
+/// usual one).
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(7 * 86_400);
+
+/// A dead-lettered message this close to the retention (as a share of it) is flagged as nearing the window.
+pub const NEAR_WINDOW: f64 = 0.8;
+
 /// `top`, refreshing every second, counts exactly only up to this many: an index-only count of a million entries
 /// takes ~65 ms on the benchmark machine, this one a quarter of that.
 pub const EXACT_BELOW_LIVE: u64 = 250_000;
@@ -99,6 +106,32 @@ pub struct ConsumerStats {
     pub series: Vec<(u64, u64)>,
     pub queue: Option<QueueDepth>,
     pub error_queue: Option<QueueDepth>,
+    /// The oldest message of the error queue (its head, looked at and given back): how long ago it failed.
+    pub oldest_dead_letter_seconds: Option<f64>,
+}
+
+/// Where the oldest dead-lettered message stands against the retention, the longest a replay may wait.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Window {
+    Ok,
+    /// Older than [`NEAR_WINDOW`] of the retention: replay it soon.
+    Near,
+    /// Older than the retention: its inbox row may be gone, so its replay may be processed again.
+    Past,
+}
+
+impl Window {
+    pub fn of(age_seconds: f64, retention: Duration) -> Self {
+        let retention = retention.as_secs_f64();
+        if age_seconds >= retention {
+            Window::Past
+        } else if age_seconds >= retention * NEAR_WINDOW {
+            Window::Near
+        } else {
+            Window::Ok
+        }
+    }
 }
 
 /// Which stretch of time the rates and the series cover, and how far counts are exact.
@@ -112,6 +145,8 @@ pub struct Range {
     pub span: Duration,
     /// One point of the series per bucket.
     pub bucket: Duration,
+    /// The oldest dead-lettered message is compared with this.
+    pub retention: Duration,
 }
 
 impl Range {
@@ -122,6 +157,7 @@ impl Range {
             window,
             span: window,
             bucket: window,
+            retention: DEFAULT_RETENTION,
         }
     }
 
@@ -139,6 +175,7 @@ pub struct Snapshot {
     pub window: Duration,
     pub bucket: Duration,
     pub consumers: Vec<ConsumerStats>,
+    pub retention: Duration,
     /// Why the broker figures are missing, when they are.
     pub broker_error: Option<String>,
 }
@@ -200,6 +237,19 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
                     }
                 }
             }
+            if let Some(q) = c
+                .error_queue
+                .as_ref()
+                .filter(|q| q.ready.is_some_and(|r| r > 0))
+            {
+                match oldest_failure(connection, &q.name).await {
+                    Ok(age) => c.oldest_dead_letter_seconds = age,
+                    Err(e) => {
+                        broker_error = Some(crate::redact::text(&e.to_string()));
+                        break 'queues;
+                    }
+                }
+            }
         }
     } else {
         broker_error = Some("RabbitMQ not reachable".to_owned());
@@ -209,9 +259,26 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         taken_at: Utc::now(),
         window: range.window,
         bucket: range.bucket,
+        retention: range.retention,
         consumers,
         broker_error,
     })
+}
+
+/// How long ago the message at the head of `queue` failed (as its headers say, else when it was published).
+async fn oldest_failure(connection: &Connection, queue: &str) -> Result<Option<f64>> {
+    let failed_at = crate::amqp::peek::head(connection, queue, |d| {
+        crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "")
+            .failed_at
+            .or_else(|| {
+                d.properties
+                    .timestamp()
+                    .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0))
+            })
+    })
+    .await?
+    .flatten();
+    Ok(failed_at.map(|t| (Utc::now() - t).num_milliseconds() as f64 / 1000.0))
 }
 
 /// One consumer_type's figures from the database; its queues' depths are left for the broker to fill in.
@@ -287,6 +354,7 @@ async fn consumer_stats(
             consumers: None,
             exists: false,
         }),
+        oldest_dead_letter_seconds: None,
     })
 }
 

@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 
 use chrono::{TimeDelta, Utc};
 use common::{CARRIER_QUEUE, NOTIFICATION_QUEUE, TestEnv};
+use lapin::Connection;
 use lapin::options::{BasicGetOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::Connection;
 use uuid::Uuid;
 
 const ERROR_QUEUE: &str = "parcel-created-carrier_error";
@@ -766,10 +766,7 @@ async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was(
             .all(|c| c["queue"] == notification_error.as_str())
     );
     assert_eq!(copies[0]["position"], 2, "{m}");
-    assert!(
-        copies[0]["reason"] == "SMS gateway returned 503",
-        "{m}"
-    );
+    assert!(copies[0]["reason"] == "SMS gateway returned 503", "{m}");
     assert_eq!(copies[0]["origin"], NOTIFICATION_QUEUE);
     assert_eq!(
         ids_in(&conn, &notification_error).await,
@@ -791,4 +788,55 @@ async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was(
     let out = env.run(&["find", "not-a-uuid"]);
     assert_eq!(out.code, Some(64), "{out:?}");
     assert!(out.stderr.contains("is not a message id"), "{out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stats_shows_the_oldest_dead_letter_beside_the_retention() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "ops", "ops-queue", 1, 0).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, "ops-queue_error")
+        .await
+        .unwrap();
+    fail(
+        &conn,
+        "ops-queue_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(2),
+    )
+    .await;
+    fail(
+        &conn,
+        "ops-queue_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::minutes(1),
+    )
+    .await;
+    let order = ids_in(&conn, "ops-queue_error").await;
+    for (retention, window) in [("1d", "ok"), ("2h10m", "near"), ("1h", "past")] {
+        let out = env.run(&["stats", "--retention", retention, "--json"]);
+        assert_eq!(out.code, Some(0), "{out:?}");
+        let report = json(&out);
+        let ops = &report["consumers"][0];
+        assert_eq!(ops["dead_letter_window"], window, "{retention}: {ops}");
+        let age = ops["oldest_dead_letter_seconds"].as_f64().unwrap();
+        assert!(
+            (7140.0..7260.0).contains(&age),
+            "the head's age, not the newest's: {ops}"
+        );
+    }
+    let out = env.run(&["stats", "--retention", "1h"]);
+    assert!(
+        out.stdout.contains("2h PAST") || out.stdout.contains("PAST"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(
+        ids_in(&conn, "ops-queue_error").await,
+        order,
+        "looking took nothing"
+    );
 }

@@ -354,6 +354,7 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
             window: Duration::from_secs(60),
             span: Duration::from_secs(120),
             bucket: Duration::from_secs(1),
+            retention: stats::DEFAULT_RETENTION,
         };
         stats::collect(pool, None, range).await?;
         timings.add("top_whole_refresh", t);

@@ -16,6 +16,10 @@ pub struct Args {
     #[arg(long, default_value = "1m", value_parser = parse_window)]
     pub window: Duration,
 
+    /// The cleanup's retention: an error queue's oldest message nearing it is flagged (its replay needs its inbox row)
+    #[arg(long, default_value = "7d", value_parser = crate::cli::parse_positive_duration)]
+    pub retention: Duration,
+
     /// Print JSON (the shape is documented in docs/commands.md and stable)
     #[arg(long)]
     pub json: bool,
@@ -36,8 +40,11 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             None
         }
     };
-    let snapshot =
-        stats::collect(&pool, connection.as_ref(), stats::Range::rates(args.window)).await?;
+    let range = stats::Range {
+        retention: args.retention,
+        ..stats::Range::rates(args.window)
+    };
+    let snapshot = stats::collect(&pool, connection.as_ref(), range).await?;
     if let Some(c) = connection {
         crate::amqp::close(&c, "OK").await;
     }
@@ -70,6 +77,7 @@ fn print(s: &Snapshot) -> Result<()> {
         "ready",
         "consumers",
         "errors",
+        "oldest error",
     ]);
     table::align_left(&mut t, 9);
     for c in &json.consumers {
@@ -87,11 +95,25 @@ fn print(s: &Snapshot) -> Result<()> {
             display::count(c.queue.ready.map(u64::from), false).into(),
             display::count(c.queue.consumers.map(u64::from), false).into(),
             display::count(c.error_queue.ready.map(u64::from), false).into(),
+            match c.dead_letter_window {
+                Some(stats::Window::Past) => {
+                    format!("{} PAST", display::age(c.oldest_dead_letter_seconds))
+                }
+                Some(stats::Window::Near) => {
+                    format!("{} near", display::age(c.oldest_dead_letter_seconds))
+                }
+                _ => display::age(c.oldest_dead_letter_seconds),
+            }
+            .into(),
         ]);
     }
     output::line(&t.to_string())?;
     let mut footer = format!(
-        "rates over the last {window}; ~ estimated from PostgreSQL's statistics; ? unknown"
+        "rates over the last {window}; ~ estimated from PostgreSQL's statistics; ? unknown; oldest error: when the \
+         error queue's oldest message failed, against the retention {} (near: past {:.0} % of it; PAST: its inbox row \
+         may be gone, so its replay may be processed again)",
+        humantime::format_duration(s.retention),
+        stats::NEAR_WINDOW * 100.0
     );
     if let Some(e) = &s.broker_error {
         footer.push_str(&format!("; RabbitMQ: {}", crate::sanitize::text(e)));
@@ -104,6 +126,7 @@ fn print(s: &Snapshot) -> Result<()> {
 pub struct Json {
     pub taken_at: DateTime<Utc>,
     pub window_seconds: f64,
+    pub retention_seconds: f64,
     pub broker_error: Option<String>,
     pub consumers: Vec<ConsumerJson>,
 }
@@ -125,6 +148,10 @@ pub struct ConsumerJson {
     pub conflicts: Option<u64>,
     pub queue: QueueJson,
     pub error_queue: QueueJson,
+    /// How long ago the error queue's oldest message failed (none: empty, or nothing says).
+    pub oldest_dead_letter_seconds: Option<f64>,
+    /// Where that stands against the retention: `ok`, `near` or `past`.
+    pub dead_letter_window: Option<stats::Window>,
 }
 
 #[derive(Debug, Serialize)]
@@ -144,6 +171,7 @@ impl From<&Snapshot> for Json {
         Json {
             taken_at: s.taken_at,
             window_seconds: s.window.as_secs_f64(),
+            retention_seconds: s.retention.as_secs_f64(),
             broker_error: s.broker_error.clone(),
             consumers: s
                 .consumers
@@ -171,6 +199,10 @@ impl From<&Snapshot> for Json {
                             q.consumers = None;
                             q
                         },
+                        oldest_dead_letter_seconds: c.oldest_dead_letter_seconds,
+                        dead_letter_window: c
+                            .oldest_dead_letter_seconds
+                            .map(|age| stats::Window::of(age, s.retention)),
                     }
                 })
                 .collect(),

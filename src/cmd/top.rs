@@ -19,6 +19,10 @@ pub struct Args {
     #[arg(long, default_value = "1m", value_parser = parse_window)]
     pub window: Duration,
 
+    /// The cleanup's retention: an error queue's oldest message nearing it is flagged (its replay needs its inbox row)
+    #[arg(long, default_value = "7d", value_parser = crate::cli::parse_positive_duration)]
+    pub retention: Duration,
+
     /// Highlight a duplicate ratio above this, in percent
     #[arg(long, default_value_t = 5.0, value_parser = parse_percent)]
     pub alert_duplicates: f64,
@@ -64,6 +68,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         interval: args.interval,
         window: args.window,
         alert_duplicates: args.alert_duplicates / 100.0,
+        retention: args.retention,
     };
     top::run(pool, broker, options, shutdown).await?;
     Ok(Outcome::Done)

@@ -73,6 +73,9 @@ pub struct Line {
     pub ready: Option<u32>,
     pub consumers: Option<u32>,
     pub errors: Option<u32>,
+    /// How long ago the error queue's oldest message failed, and where that stands against the retention.
+    pub oldest_error_seconds: Option<f64>,
+    pub error_window: Option<crate::stats::Window>,
     /// Deliveries and duplicates per bucket, oldest first.
     pub series: Vec<(u64, u64)>,
     // Highlights.
@@ -208,6 +211,10 @@ impl App {
                 ready: c.queue.as_ref().and_then(|q| q.ready),
                 consumers: c.queue.as_ref().and_then(|q| q.consumers),
                 errors,
+                oldest_error_seconds: c.oldest_dead_letter_seconds,
+                error_window: c
+                    .oldest_dead_letter_seconds
+                    .map(|age| crate::stats::Window::of(age, snapshot.retention)),
                 series: c.series.clone(),
                 duplicates_alert: ratio.is_some_and(|r| r > self.alert_duplicates),
                 unprocessed_growing: self.growing.contains(&c.consumer_type),
@@ -287,6 +294,7 @@ pub(crate) mod tests {
                 consumers: None,
                 exists: errors > 0,
             }),
+            oldest_dead_letter_seconds: (errors > 0).then_some(3600.0),
         }
     }
 
@@ -296,6 +304,7 @@ pub(crate) mod tests {
             window: Duration::from_secs(60),
             bucket: Duration::from_secs(2),
             consumers,
+            retention: Duration::from_secs(4000),
             broker_error: None,
         })
     }
@@ -344,6 +353,9 @@ pub(crate) mod tests {
         assert!(!by("calm").duplicates_alert, "5/105 is under 5 %");
         assert!(by("dupes").duplicates_alert, "10 % is over 5 %");
         assert!(by("failing").errors_alert);
+        // An hour old, against a retention of 4000 s: nearing the window.
+        assert_eq!(by("failing").error_window, Some(crate::stats::Window::Near));
+        assert_eq!(by("calm").error_window, None);
         assert!(!by("calm").errors_alert);
     }
 

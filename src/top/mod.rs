@@ -30,6 +30,8 @@ pub struct Options {
     pub interval: Duration,
     pub window: Duration,
     pub alert_duplicates: f64,
+    /// The cleanup's retention, which the oldest dead-lettered message is compared with.
+    pub retention: Duration,
 }
 
 /// Restores the terminal however the dashboard ends: return, error or panic (ratatui's panic hook), and before an
@@ -58,7 +60,7 @@ pub async fn run(
 ) -> Result<()> {
     let (tx, mut rx) = mpsc::channel(2);
     let collector_stop = shutdown.child_token();
-    let range = range(options.interval, options.window);
+    let range = range(options.interval, options.window, options.retention);
     let collector = tokio::spawn(collect(
         pool,
         broker,
@@ -105,13 +107,14 @@ pub async fn run(
 
 /// What a refresh collects: rates over `window`, and a series over at least the last two minutes in buckets of
 /// `interval` (at least a second, and at most [`MAX_BUCKETS`] of them).
-fn range(interval: Duration, window: Duration) -> Range {
+fn range(interval: Duration, window: Duration, retention: Duration) -> Range {
     let span = SERIES_SPAN.max(window);
     Range {
         exact_below: stats::EXACT_BELOW_LIVE,
         window,
         span,
         bucket: interval.max(Duration::from_secs(1)).max(span / MAX_BUCKETS),
+        retention,
     }
 }
 
@@ -178,10 +181,14 @@ mod tests {
 
     #[test]
     fn the_series_has_a_bounded_number_of_buckets_whatever_the_window() {
-        let r = range(Duration::from_millis(500), Duration::from_secs(60));
+        let r = range(
+            Duration::from_millis(500),
+            Duration::from_secs(60),
+            stats::DEFAULT_RETENTION,
+        );
         assert_eq!((r.span, r.bucket), (SERIES_SPAN, Duration::from_secs(1)));
         for window in [Duration::from_secs(86_400), crate::cli::MAX_DURATION] {
-            let r = range(Duration::from_secs(1), window);
+            let r = range(Duration::from_secs(1), window, stats::DEFAULT_RETENTION);
             assert_eq!(r.span, window);
             let buckets = r.span.as_secs_f64() / r.bucket.as_secs_f64();
             assert!(

@@ -11,7 +11,7 @@ use ratatui::widgets::{
 
 use super::app::{App, Line};
 use crate::sanitize;
-use crate::stats::display;
+use crate::stats::{Window, display};
 
 /// Below this height the sparklines give their room to the table.
 const MIN_HEIGHT_FOR_CHARTS: u16 = 16;
@@ -37,7 +37,7 @@ pub fn render(app: &App, frame: &mut Frame) {
 }
 
 /// The columns, widest first to go when the terminal is narrow: (header, width, priority).
-const COLUMNS: [(&str, u16, u8); 13] = [
+const COLUMNS: [(&str, u16, u8); 14] = [
     ("consumer_type", 28, 0),
     ("deliv/s", 8, 0),
     ("dup/s", 7, 1),
@@ -51,6 +51,7 @@ const COLUMNS: [(&str, u16, u8); 13] = [
     ("ready", 7, 1),
     ("cons", 5, 2),
     ("errors", 7, 0),
+    ("err age", 8, 1),
 ];
 
 /// Which columns fit in `width`: drop the least important first.
@@ -67,7 +68,7 @@ fn visible_columns(width: u16) -> Vec<usize> {
     Vec::new()
 }
 
-fn cells(line: &Line) -> [String; 13] {
+fn cells(line: &Line) -> [String; 14] {
     let mut unprocessed = display::count(line.unprocessed, line.unprocessed_estimated);
     if line.unprocessed_growing {
         unprocessed.push('↑');
@@ -89,6 +90,7 @@ fn cells(line: &Line) -> [String; 13] {
         display::count(line.ready.map(u64::from), false),
         display::count(line.consumers.map(u64::from), false),
         display::count(line.errors.map(u64::from), false),
+        display::age(line.oldest_error_seconds),
     ]
 }
 
@@ -111,6 +113,8 @@ fn render_table(app: &App, frame: &mut Frame, area: Rect) {
                 4 if line.conflicts.is_some_and(|n| n > 0) => cell.style(alert),
                 7 if line.unprocessed_growing => cell.style(warn),
                 12 if line.errors_alert => cell.style(alert),
+                13 if line.error_window == Some(Window::Past) => cell.style(alert),
+                13 if line.error_window == Some(Window::Near) => cell.style(warn),
                 _ => cell,
             }
         }))
@@ -247,6 +251,9 @@ fn render_help(frame: &mut Frame, area: Rect) {
         TextLine::from("~ estimated from PostgreSQL's statistics · ? unknown"),
         TextLine::from("red dup %: above --alert-duplicates · ↑ unprocessed growing"),
         TextLine::from("red errors: the error queue is not empty"),
+        TextLine::from(
+            "err age: its oldest message; yellow near the retention, red past it (a replay may repeat)",
+        ),
     ];
     let width = 66.min(area.width);
     let height = (text.len() as u16 + 2).min(area.height);

@@ -201,12 +201,7 @@ pub async fn run(
 ) -> Result<Report> {
     let started = Instant::now();
     let cutoff = db::cleanup::cutoff(pool, plan.retention).await?;
-    let consumer_types = match &plan.consumer_type {
-        Some(one) => vec![one.clone()],
-        None => db::cleanup::consumer_types(pool).await?,
-    };
-
-    let mut consumers = reports(pool, consumer_types, cutoff).await?;
+    let mut consumers = reports(pool, plan, cutoff).await?;
     if let Some(guard) = &plan.guard {
         window::check(pool, guard, cutoff, &mut consumers).await?;
     }
@@ -215,12 +210,7 @@ pub async fn run(
     let mut attempts_deleted = 0;
     let mut audit_deleted = 0;
     if plan.dry_run {
-        for report in consumers.iter_mut().filter(|c| c.refused.is_none()) {
-            report.deleted =
-                db::cleanup::count_processed_before(pool, &report.consumer_type, cutoff).await?;
-            report.events_deleted =
-                db::cleanup::count_events_before(pool, &report.consumer_type, cutoff).await?;
-        }
+        count_what_would_go(pool, &mut consumers, cutoff).await?;
     } else {
         // The locks live on a session of their own for as long as the cleanup runs, and are released however it ends
         // (a session that cannot release them is closed, which does).
@@ -280,12 +270,27 @@ pub async fn run(
     })
 }
 
-/// A report for each consumer_type, with its rows received before the cutoff and never processed.
-async fn reports(
+/// A dry run's counts: what each consumer_type not refused would lose.
+async fn count_what_would_go(
     pool: &PgPool,
-    consumer_types: Vec<String>,
+    consumers: &mut [ConsumerReport],
     cutoff: DateTime<Utc>,
-) -> Result<Vec<ConsumerReport>> {
+) -> Result<()> {
+    for report in consumers.iter_mut().filter(|c| c.refused.is_none()) {
+        report.deleted =
+            db::cleanup::count_processed_before(pool, &report.consumer_type, cutoff).await?;
+        report.events_deleted =
+            db::cleanup::count_events_before(pool, &report.consumer_type, cutoff).await?;
+    }
+    Ok(())
+}
+
+/// A report for each consumer_type the plan cleans, with its rows received before the cutoff and never processed.
+async fn reports(pool: &PgPool, plan: &Plan, cutoff: DateTime<Utc>) -> Result<Vec<ConsumerReport>> {
+    let consumer_types = match &plan.consumer_type {
+        Some(one) => vec![one.clone()],
+        None => db::cleanup::consumer_types(pool).await?,
+    };
     let mut consumers = Vec::with_capacity(consumer_types.len());
     for consumer_type in consumer_types {
         let unprocessed = db::cleanup::unprocessed_before(pool, &consumer_type, cutoff).await?;

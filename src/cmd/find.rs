@@ -123,6 +123,28 @@ fn print(report: &Report) -> Result<()> {
     ))
 }
 
+/// A copy in a dead-letter queue, as a line of the table.
+fn dead_letter_line(d: &find::DeadLetterCopy) -> (Option<DateTime<Utc>>, String, String, String) {
+    let replays = if d.replays > 0 {
+        format!("; replayed {} times", d.replays)
+    } else {
+        String::new()
+    };
+    (
+        d.failed_at,
+        "dead-letter queue".into(),
+        d.queue.clone(),
+        format!(
+            "position {}; failed on {}: {} [{} {}]{replays}",
+            d.position,
+            d.origin,
+            d.reason.as_deref().unwrap_or("-"),
+            d.exception_type.as_deref().unwrap_or("-"),
+            d.fingerprint,
+        ),
+    )
+}
+
 /// One message's findings, oldest first.
 fn rows(m: &Found) -> comfy_table::Table {
     let mut t = table::new(&["when", "where", "consumer_type / queue", "what"]);
@@ -184,26 +206,7 @@ fn rows(m: &Found) -> comfy_table::Table {
             format!("parcel {}", e.parcel_id),
         ));
     }
-    for d in &m.dead_letters {
-        lines.push((
-            d.failed_at,
-            "dead-letter queue".into(),
-            d.queue.clone(),
-            format!(
-                "position {}; failed on {}: {} [{} {}]{}",
-                d.position,
-                d.origin,
-                d.reason.as_deref().unwrap_or("-"),
-                d.exception_type.as_deref().unwrap_or("-"),
-                d.fingerprint,
-                if d.replays > 0 {
-                    format!("; replayed {} times", d.replays)
-                } else {
-                    String::new()
-                }
-            ),
-        ));
-    }
+    lines.extend(m.dead_letters.iter().map(dead_letter_line));
     lines.sort_by_key(|l| l.0.map_or(i64::MAX, |t| t.timestamp_micros()));
     for (when, place, name, what) in lines {
         t.add_row(vec![

@@ -193,6 +193,11 @@ fn print(report: &Report) -> Result<()> {
         }
         output::line(&t.to_string())?;
     }
+    output::line(&summary(report))
+}
+
+/// The line under the table: what the replay did, and what it left.
+fn summary(report: &Report) -> String {
     let from = sanitize::text(&report.from);
     let mut summary = if report.dry_run {
         let would = report
@@ -239,7 +244,7 @@ fn print(report: &Report) -> Result<()> {
             g.new
         ));
     }
-    output::line(&summary)
+    summary
 }
 
 /// The error a replay that stopped early ends with: what was done, and why the rest was not.

@@ -21,7 +21,18 @@ pub enum Action {
     Data(Box<Snapshot>),
     /// The refresh failed (PostgreSQL unreachable, …): keep the last figures, say why.
     DataError(String),
+    /// `/`: start typing a filter on the consumer_types' names.
+    FilterStart,
+    FilterChar(char),
+    FilterBackspace,
+    /// Enter: keep the filter and leave typing.
+    FilterDone,
+    /// Esc while typing: drop the filter.
+    FilterCancel,
 }
+
+/// The longest filter kept: a name is at most 500 characters.
+const MAX_FILTER: usize = 500;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SortKey {
@@ -101,6 +112,12 @@ pub struct App {
     pub error: Option<String>,
     /// Why the broker figures are missing, if they are.
     pub broker_error: Option<String>,
+    /// Only consumer_types whose name contains this are shown (empty: all).
+    pub filter: String,
+    /// Keys go to the filter.
+    pub filtering: bool,
+    /// Every line of the last figures; `lines` is those the filter lets through.
+    all: Vec<Line>,
     previous_unprocessed: HashMap<String, u64>,
     growing: HashSet<String>,
 }
@@ -120,6 +137,9 @@ impl App {
             bucket_seconds: 1.0,
             error: None,
             broker_error: None,
+            filter: String::new(),
+            filtering: false,
+            all: Vec::new(),
             previous_unprocessed: HashMap::new(),
             growing: HashSet::new(),
         }
@@ -131,7 +151,7 @@ impl App {
             Action::Down => self.step(1),
             Action::Sort => {
                 self.sort = self.sort.next();
-                self.sort_lines();
+                self.show();
             }
             Action::Pause => self.paused = !self.paused,
             Action::Help => self.show_help = !self.show_help,
@@ -142,6 +162,38 @@ impl App {
                 }
             }
             Action::DataError(reason) => self.error = Some(reason),
+            Action::FilterStart => self.filtering = true,
+            Action::FilterChar(c) => {
+                if self.filter.chars().count() < MAX_FILTER && !c.is_control() {
+                    self.filter.push(c);
+                    self.show();
+                }
+            }
+            Action::FilterBackspace => {
+                self.filter.pop();
+                self.show();
+            }
+            Action::FilterDone => self.filtering = false,
+            Action::FilterCancel => {
+                self.filtering = false;
+                self.filter.clear();
+                self.show();
+            }
+        }
+    }
+
+    /// The lines the filter lets through, sorted; the selection stays where it was if it can.
+    fn show(&mut self) {
+        let filter = self.filter.to_lowercase();
+        self.lines = self
+            .all
+            .iter()
+            .filter(|l| filter.is_empty() || l.consumer_type.to_lowercase().contains(&filter))
+            .cloned()
+            .collect();
+        self.sort_lines();
+        if self.selected_index().is_none() {
+            self.selected = self.lines.first().map(|l| l.consumer_type.clone());
         }
     }
 
@@ -221,11 +273,8 @@ impl App {
                 errors_alert: errors.is_some_and(|e| e > 0),
             });
         }
-        self.lines = lines;
-        self.sort_lines();
-        if self.selected_index().is_none() {
-            self.selected = self.lines.first().map(|l| l.consumer_type.clone());
-        }
+        self.all = lines;
+        self.show();
     }
 
     fn sort_lines(&mut self) {
@@ -307,6 +356,40 @@ pub(crate) mod tests {
             retention: Duration::from_secs(4000),
             broker_error: None,
         })
+    }
+
+    #[test]
+    fn a_filter_shows_the_matching_names_and_esc_drops_it() {
+        let mut app = App::new(0.05);
+        app.update(Action::Data(snapshot(vec![
+            consumer("orders-carrier", 1, 0, 0, 0),
+            consumer("orders-sms", 1, 0, 0, 0),
+            consumer("billing", 1, 0, 0, 0),
+        ])));
+        app.update(Action::FilterStart);
+        for c in "ORDERS".chars() {
+            app.update(Action::FilterChar(c));
+        }
+        assert_eq!(names(&app), ["orders-carrier", "orders-sms"]);
+        app.update(Action::FilterChar('\u{1b}'));
+        assert_eq!(app.filter, "ORDERS", "control characters are not typed in");
+        app.update(Action::FilterDone);
+        assert!(!app.filtering);
+        // Fresh figures keep the filter; the selection stays among what is shown.
+        app.update(Action::Data(snapshot(vec![
+            consumer("orders-carrier", 1, 0, 0, 0),
+            consumer("billing", 1, 0, 0, 0),
+        ])));
+        assert_eq!(names(&app), ["orders-carrier"]);
+        assert_eq!(app.selected.as_deref(), Some("orders-carrier"));
+        app.update(Action::FilterStart);
+        app.update(Action::FilterChar('x'));
+        assert!(names(&app).is_empty());
+        app.update(Action::FilterBackspace);
+        assert_eq!(names(&app), ["orders-carrier"]);
+        app.update(Action::FilterCancel);
+        assert_eq!(names(&app), ["billing", "orders-carrier"]);
+        assert!(app.filter.is_empty());
     }
 
     fn names(app: &App) -> Vec<&str> {

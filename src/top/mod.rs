@@ -86,7 +86,7 @@ pub async fn run(
             }
             event = events.next() => match event {
                 Some(Ok(Event::Key(key))) => {
-                    if let Some(action) = action_for(key) {
+                    if let Some(action) = action_for(key, app.filtering) {
                         app.update(action);
                     }
                 }
@@ -118,12 +118,25 @@ fn range(interval: Duration, window: Duration, retention: Duration) -> Range {
     }
 }
 
-/// The key bindings.
-pub fn action_for(key: KeyEvent) -> Option<Action> {
+/// The key bindings; while a filter is typed (`filtering`), keys go to it.
+pub fn action_for(key: KeyEvent, filtering: bool) -> Option<Action> {
     if key.kind != KeyEventKind::Press {
         return None;
     }
+    if filtering {
+        return match key.code {
+            KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
+                Some(Action::Quit)
+            }
+            KeyCode::Char(c) => Some(Action::FilterChar(c)),
+            KeyCode::Backspace => Some(Action::FilterBackspace),
+            KeyCode::Enter => Some(Action::FilterDone),
+            KeyCode::Esc => Some(Action::FilterCancel),
+            _ => None,
+        };
+    }
     match key.code {
+        KeyCode::Char('/') => Some(Action::FilterStart),
         KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::Quit),
         KeyCode::Char('q') | KeyCode::Esc => Some(Action::Quit),
         KeyCode::Up | KeyCode::Char('k') => Some(Action::Up),
@@ -175,6 +188,35 @@ async fn collect(
 mod tests {
     use super::*;
 
+    fn action_for_(key: KeyEvent) -> Option<Action> {
+        action_for(key, false)
+    }
+
+    #[test]
+    fn while_filtering_keys_are_typed_and_esc_ends_it() {
+        let none = KeyModifiers::NONE;
+        assert!(matches!(
+            action_for_(key(KeyCode::Char('/'), none)),
+            Some(Action::FilterStart)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('q'), none), true),
+            Some(Action::FilterChar('q'))
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Esc, none), true),
+            Some(Action::FilterCancel)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Enter, none), true),
+            Some(Action::FilterDone)
+        ));
+        assert!(matches!(
+            action_for(key(KeyCode::Char('c'), KeyModifiers::CONTROL), true),
+            Some(Action::Quit)
+        ));
+    }
+
     fn key(code: KeyCode, modifiers: KeyModifiers) -> KeyEvent {
         KeyEvent::new(code, modifiers)
     }
@@ -202,40 +244,40 @@ mod tests {
     fn keys() {
         let none = KeyModifiers::NONE;
         assert!(matches!(
-            action_for(key(KeyCode::Char('q'), none)),
+            action_for_(key(KeyCode::Char('q'), none)),
             Some(Action::Quit)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Esc, none)),
+            action_for_(key(KeyCode::Esc, none)),
             Some(Action::Quit)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('c'), KeyModifiers::CONTROL)),
+            action_for_(key(KeyCode::Char('c'), KeyModifiers::CONTROL)),
             Some(Action::Quit)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('j'), none)),
+            action_for_(key(KeyCode::Char('j'), none)),
             Some(Action::Down)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Up, none)),
+            action_for_(key(KeyCode::Up, none)),
             Some(Action::Up)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('s'), none)),
+            action_for_(key(KeyCode::Char('s'), none)),
             Some(Action::Sort)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('p'), none)),
+            action_for_(key(KeyCode::Char('p'), none)),
             Some(Action::Pause)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('?'), none)),
+            action_for_(key(KeyCode::Char('?'), none)),
             Some(Action::Help)
         ));
-        assert!(action_for(key(KeyCode::Char('x'), none)).is_none());
+        assert!(action_for_(key(KeyCode::Char('x'), none)).is_none());
         assert!(
-            action_for(key(KeyCode::Char('c'), none)).is_none(),
+            action_for_(key(KeyCode::Char('c'), none)).is_none(),
             "plain c does nothing"
         );
     }

@@ -236,13 +236,28 @@ fn render_status(app: &App, frame: &mut Frame, area: Rect) {
             Style::new().fg(Color::Black).bg(Color::Yellow),
         ));
     }
-    spans.push(Span::raw(" ↑↓/jk select · s sort · p pause · ? help · q quit").dim());
+    if app.filtering || !app.filter.is_empty() {
+        let cursor = if app.filtering { "▏" } else { "" };
+        spans.push(Span::styled(
+            format!(" filter: {}{cursor} ", sanitize::text(&app.filter)),
+            Style::new().fg(Color::Black).bg(Color::Cyan),
+        ));
+    }
+    if app.filtering {
+        spans.push(Span::raw(" type a name · Enter keep · Esc clear").dim());
+    } else {
+        spans
+            .push(Span::raw(" ↑↓/jk select · / filter · s sort · p pause · ? help · q quit").dim());
+    }
     frame.render_widget(Paragraph::new(TextLine::from(spans)), area);
 }
 
 fn render_help(frame: &mut Frame, area: Rect) {
     let text = vec![
         TextLine::from("↑ ↓ or j k   select a consumer_type (its charts below)"),
+        TextLine::from(
+            "/            filter consumer_types by name (Enter keeps it, Esc clears it)",
+        ),
         TextLine::from("s            sort by the next column"),
         TextLine::from("p            pause / resume the refresh"),
         TextLine::from("?            this help"),
@@ -373,6 +388,32 @@ mod tests {
         ));
         assert!(
             draw(&app, 120, 30).contains("PostgreSQL unreachable: connection refused — retrying")
+        );
+    }
+
+    #[test]
+    fn a_filter_is_shown_on_the_status_line() {
+        let mut app = App::new(0.05);
+        app.update(Action::Data(snapshot(vec![
+            consumer("orders-carrier", 1, 0, 0, 0),
+            consumer("billing", 1, 0, 0, 0),
+        ])));
+        app.update(Action::FilterStart);
+        for c in "ord".chars() {
+            app.update(Action::FilterChar(c));
+        }
+        let screen = draw(&app, 160, 30);
+        assert!(screen.contains("filter: ord"), "{screen}");
+        assert!(screen.contains("Esc clear"), "{screen}");
+        assert!(
+            screen.contains("orders-carrier") && !screen.contains("billing"),
+            "{screen}"
+        );
+        app.update(Action::FilterDone);
+        let screen = draw(&app, 160, 30);
+        assert!(
+            screen.contains("filter: ord ") && screen.contains("/ filter"),
+            "{screen}"
         );
     }
 }

@@ -70,6 +70,21 @@ pub struct Report {
     pub queues: Vec<Looked>,
 }
 
+/// What the database knows of one message.
+async fn in_database(pool: &PgPool, id: Uuid) -> Result<Found> {
+    let events = triage::events(pool, id).await?;
+    Ok(Found {
+        message_id: id,
+        found: false,
+        inbox: triage::inbox_rows(pool, id).await?,
+        events_cut: events.len() as i64 >= triage::MAX_EVENTS,
+        events,
+        attempts: triage::attempts(pool, id).await?,
+        effects: triage::effects(pool, id).await?,
+        dead_letters: Vec::new(),
+    })
+}
+
 /// Looks for every id of `plan` in the database and in the dead-letter queues.
 pub async fn find(
     pool: &PgPool,
@@ -79,17 +94,7 @@ pub async fn find(
 ) -> Result<Report> {
     let mut messages = Vec::with_capacity(plan.ids.len());
     for &id in &plan.ids {
-        let events = triage::events(pool, id).await?;
-        messages.push(Found {
-            message_id: id,
-            found: false,
-            inbox: triage::inbox_rows(pool, id).await?,
-            events_cut: events.len() as i64 >= triage::MAX_EVENTS,
-            events,
-            attempts: triage::attempts(pool, id).await?,
-            effects: triage::effects(pool, id).await?,
-            dead_letters: Vec::new(),
-        });
+        messages.push(in_database(pool, id).await?);
     }
     let mut queues: BTreeSet<String> = BTreeSet::new();
     for (_, queue) in db::triage::consumers(pool).await? {

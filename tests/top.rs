@@ -84,6 +84,31 @@ async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
 
     tmux.run(&["send-keys", "-t", "top", "s"]);
     tmux.wait_for("the sort changed", |s| s.contains("sorted by deliveries/s"));
+    // `/` filters by name; while typing, q is a letter, not quit; Esc drops the filter.
+    tmux.run(&[
+        "send-keys",
+        "-t",
+        "top",
+        "/",
+        "q",
+        "BSpace",
+        "n",
+        "o",
+        "t",
+        "i",
+        "f",
+    ]);
+    tmux.wait_for("the filter", |s| {
+        s.contains("filter: notif")
+            && s.contains("parcel-created-notification")
+            && !s.contains("parcel-created-carrier")
+    });
+    tmux.run(&["send-keys", "-t", "top", "Escape"]);
+    tmux.wait_for("the filter gone", |s| {
+        !s.contains("filter:")
+            && s.contains("parcel-created-carrier")
+            && s.contains("parcel-created-notification")
+    });
     tmux.run(&["send-keys", "-t", "top", "q"]);
     assert_exited_and_terminal_given_back(&tmux, "0");
 }

@@ -11,7 +11,7 @@ use serde::Serialize;
 use sqlx::postgres::PgPool;
 
 use super::ConsumerReport;
-use crate::amqp::failure::{Origin, failure};
+use crate::amqp::failure::failure;
 use crate::amqp::{Broker, Delivery, limits, peek, topology};
 use crate::db;
 use crate::error::Result;
@@ -20,8 +20,8 @@ use crate::error::Result;
 #[derive(Debug, Clone)]
 pub struct Guard {
     pub broker: Broker,
-    /// Dead-letter-exchange queues (`--dlq`): a message there counts for the consumer_types whose queue it failed on
-    /// (its `x-death`), or for every one when it does not say.
+    /// Dead-letter-exchange queues (`--dlq`): an old message at the head of one keeps every consumer_type's rows
+    /// (only the head is looked at, and any origin may wait behind it).
     pub dlqs: Vec<String>,
 }
 
@@ -63,7 +63,6 @@ impl Refusal {
 struct Head {
     message_id: Option<String>,
     failed_at: Option<DateTime<Utc>>,
-    origin: Option<String>,
 }
 
 fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
@@ -79,10 +78,6 @@ fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
             .as_ref()
             .map(|id| limits::truncate(id.as_str(), 255).into_owned()),
         failed_at: failure.failed_at.or(published),
-        origin: match failure.origin {
-            Origin::Queue(q) => Some(q),
-            _ => None,
-        },
     }
 }
 
@@ -154,21 +149,16 @@ async fn check_on(
         if !too_old(&h) {
             continue;
         }
-        let origin = h.origin.clone();
+        // Only the head is looked at: messages of other origins may wait behind it, so an old head keeps every
+        // consumer_type's rows, whatever queue the head itself failed on.
         for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-            let queue = queues
-                .get(&report.consumer_type)
-                .unwrap_or(&report.consumer_type);
-            if origin.as_ref().is_none_or(|o| o == queue) {
-                report.refused = Some(refusal(
-                    dlq,
-                    Head {
-                        message_id: h.message_id.clone(),
-                        failed_at: h.failed_at,
-                        origin: None,
-                    },
-                ));
-            }
+            report.refused = Some(refusal(
+                dlq,
+                Head {
+                    message_id: h.message_id.clone(),
+                    failed_at: h.failed_at,
+                },
+            ));
         }
     }
     Ok(())

@@ -12,11 +12,12 @@ use crate::replay::{self, Action, Plan};
 use crate::sanitize;
 
 /// Whether to go on with `plan`: asked on a terminal when it would replay more than `above` messages (found by a dry
-/// run of the same plan, which takes nothing); without a terminal there is nobody to ask, and it goes on.
+/// run of the same plan, which takes nothing); without a terminal there is nobody to ask, and it goes on. After a
+/// yes, `plan` is limited to the count confirmed: messages that arrive meanwhile are not replayed unseen.
 pub async fn replay(
     connection: &Connection,
     broker: &Broker,
-    plan: &Plan,
+    plan: &mut Plan,
     above: u64,
     shutdown: &CancellationToken,
 ) -> Result<bool> {

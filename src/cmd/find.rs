@@ -92,6 +92,12 @@ fn print(report: &Report) -> Result<()> {
             continue;
         }
         output::line(&rows(m).to_string())?;
+        if m.copies_cut {
+            output::line(&format!(
+                "  (the first {} dead-letter copies shown)",
+                find::MAX_COPIES
+            ))?;
+        }
         if m.events_cut {
             output::line(&format!(
                 "  (the first {} events shown)",

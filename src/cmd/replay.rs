@@ -95,7 +95,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     };
     let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl replay").await?;
-    let plan = Plan {
+    let mut plan = Plan {
         from: args.from.clone(),
         to: args.to.clone(),
         limit: args.limit,
@@ -110,8 +110,14 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         rate: args.rate,
     };
     if !args.dry_run && !args.yes {
-        match super::confirm::replay(&connection, &broker, &plan, args.confirm_above, &shutdown)
-            .await
+        match super::confirm::replay(
+            &connection,
+            &broker,
+            &mut plan,
+            args.confirm_above,
+            &shutdown,
+        )
+        .await
         {
             Ok(true) => {}
             Ok(false) => {

@@ -16,6 +16,13 @@ use crate::error::{Error, Result};
 /// The most origins kept per group: more than a handful means the cause is not the queue's.
 const MAX_ORIGINS: usize = 16;
 
+/// The most groups listed: past them, messages of further causes are counted in one group of their own (a queue of
+/// hostile messages, each with a cause of its own, must not make one group per message).
+pub const MAX_GROUPS: usize = 10_000;
+
+/// The fingerprint of that last group.
+pub const OTHER_CAUSES: &str = "other";
+
 /// The longest example reason kept per group.
 const MAX_EXAMPLE: usize = 300;
 
@@ -140,7 +147,14 @@ pub async fn list(
     let mut origins: Vec<BTreeSet<String>> = Vec::new();
     let looked = peek::each(connection, queue, limit, |delivery| {
         let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
-        let cause = Cause::of(&failure);
+        let mut cause = Cause::of(&failure);
+        if groups.len() >= MAX_GROUPS && !index.contains_key(&cause.fingerprint) {
+            cause = Cause {
+                fingerprint: OTHER_CAUSES.to_owned(),
+                exception_type: format!("(causes beyond the first {MAX_GROUPS})"),
+                reason: "-".to_owned(),
+            };
+        }
         let i = *index.entry(cause.fingerprint.clone()).or_insert_with(|| {
             groups.push(Group {
                 example: failure

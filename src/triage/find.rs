@@ -53,7 +53,12 @@ pub struct Found {
     pub attempts: Vec<triage::AttemptsRow>,
     pub effects: Vec<triage::EffectRow>,
     pub dead_letters: Vec<DeadLetterCopy>,
+    /// Whether it had more copies than shown ([`MAX_COPIES`]).
+    pub copies_cut: bool,
 }
+
+/// The most dead-letter copies shown per message: one failing in a loop can have thousands.
+pub const MAX_COPIES: usize = 100;
 
 /// One queue looked in.
 #[derive(Debug, Clone, Serialize)]
@@ -82,6 +87,7 @@ async fn in_database(pool: &PgPool, id: Uuid) -> Result<Found> {
         attempts: triage::attempts(pool, id).await?,
         effects: triage::effects(pool, id).await?,
         dead_letters: Vec::new(),
+        copies_cut: false,
     })
 }
 
@@ -127,6 +133,10 @@ pub async fn find(
             let Some(&i) = index.get(&id) else {
                 return;
             };
+            if messages[i].dead_letters.len() >= MAX_COPIES {
+                messages[i].copies_cut = true;
+                return;
+            }
             let failure = failure(delivery.properties.headers().as_ref(), &queue, vhost);
             messages[i].dead_letters.push(DeadLetterCopy {
                 queue: queue.clone(),

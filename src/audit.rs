@@ -105,6 +105,27 @@ pub async fn record_in(database: &crate::db::Database, entry: &Entry) -> bool {
     }
 }
 
+/// [`record_in`], given up after `limit` (a warning, `false`): for a process on its way out, which must not wait
+/// long on a database that is slow or gone.
+pub async fn record_within(
+    database: &crate::db::Database,
+    entry: &Entry,
+    limit: std::time::Duration,
+) -> bool {
+    match tokio::time::timeout(limit, record_in(database, entry)).await {
+        Ok(written) => written,
+        Err(_) => {
+            tracing::warn!(
+                command = entry.command,
+                outcome = entry.outcome,
+                "this action was not written to the audit (inboxctl_audit) within {}; its work stands",
+                humantime::format_duration(limit)
+            );
+            false
+        }
+    }
+}
+
 /// The command line as the audit keeps it: every URL's password masked, every password inboxctl was given removed,
 /// cut to a bound.
 pub fn command_line(args: impl Iterator<Item = String>) -> String {

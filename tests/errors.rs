@@ -101,9 +101,10 @@ const COMMANDS: [Command; 7] = [
         rabbit: Rabbit::Required,
     },
     Command {
+        // It looks at the dead-letter queues' oldest messages before deleting (the window of a waiting replay).
         args: &["cleanup", "--retention", "7d"],
         postgres: true,
-        rabbit: Rabbit::No,
+        rabbit: Rabbit::Required,
     },
     Command {
         args: &["stats"],

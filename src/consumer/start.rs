@@ -183,7 +183,9 @@ pub async fn consume_guarded<G: WorkGuard>(
         if entry.outcome == "done" {
             entry.outcome = "stopped";
         }
-        crate::audit::record(&pool, &entry).await;
+        // Over a connection of its own, briefly: the pool's may all be held by work stuck on a lock that the
+        // shutdown is leaving behind.
+        crate::audit::record_within(db, &entry, std::time::Duration::from_secs(2)).await;
         ran
     }
     .await;

@@ -255,6 +255,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
             [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--read-only', '--read-only', [CompletionResultType]::ParameterName, 'Look only: the detail view''s replay (r) is off')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')

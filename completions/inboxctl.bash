@@ -1086,7 +1086,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__top)
-            opts="-v -h -V --interval --window --retention --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --interval --window --retention --read-only --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

@@ -240,6 +240,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
             cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
             cand --log-format 'Log line format on stderr'
+            cand --read-only 'Look only: the detail view''s replay (r) is off'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand -h 'Print help'

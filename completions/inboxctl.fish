@@ -207,6 +207,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-password-
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l read-only -d 'Look only: the detail view\'s replay (r) is off'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -d 'Print version'

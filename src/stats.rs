@@ -147,6 +147,9 @@ pub struct Range {
     pub bucket: Duration,
     /// The oldest dead-lettered message is compared with this.
     pub retention: Duration,
+    /// Look at the head of each error queue that is not empty (a get and a requeue): `top` does it only now and
+    /// then, since every look counts as a delivery of that message.
+    pub look_at_heads: bool,
 }
 
 impl Range {
@@ -158,6 +161,7 @@ impl Range {
             span: window,
             bucket: window,
             retention: DEFAULT_RETENTION,
+            look_at_heads: true,
         }
     }
 
@@ -176,6 +180,8 @@ pub struct Snapshot {
     pub bucket: Duration,
     pub consumers: Vec<ConsumerStats>,
     pub retention: Duration,
+    /// Whether the error queues' heads were looked at for this snapshot (see [`Range::look_at_heads`]).
+    pub heads_looked: bool,
     /// Why the broker figures are missing, when they are.
     pub broker_error: Option<String>,
 }
@@ -237,6 +243,9 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
                     }
                 }
             }
+            if !range.look_at_heads {
+                continue;
+            }
             if let Some(q) = c
                 .error_queue
                 .as_ref()
@@ -260,6 +269,7 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         window: range.window,
         bucket: range.bucket,
         retention: range.retention,
+        heads_looked: range.look_at_heads && broker.is_some(),
         consumers,
         broker_error,
     })

@@ -60,10 +60,12 @@ async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
     ]);
 
     // 20 parcels, 10 sent twice, in the last minute: 30 deliveries (0.5/s), 10 duplicates (0.2/s), 33.3 %.
+    // The charts are part of the wait: tmux can capture a frame half written (the rows drawn, the charts below not yet).
     let screen = tmux.wait_for("both consumer_types with their figures", |s| {
         s.contains("parcel-created-carrier")
             && s.contains("parcel-created-notification")
             && s.matches("33.3%").count() == 2
+            && s.contains("deliveries, last 2m")
     });
     for name in ["parcel-created-carrier ", "parcel-created-notification "] {
         let row = screen

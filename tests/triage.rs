@@ -859,3 +859,124 @@ async fn stats_shows_the_oldest_dead_letter_beside_the_retention() {
         "looking took nothing"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn top_shows_a_consumer_types_detail_and_replays_a_group_after_a_confirmation() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 2, 0).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+        .await
+        .unwrap();
+    for i in 0..3 {
+        fail(
+            &conn,
+            ERROR_QUEUE,
+            "System.TimeoutException",
+            &format!("timeout after {i} ms"),
+            TimeDelta::zero(),
+        )
+        .await;
+    }
+    for _ in 0..2 {
+        fail(
+            &conn,
+            ERROR_QUEUE,
+            "System.InvalidOperationException",
+            "carrier API returned 503",
+            TimeDelta::zero(),
+        )
+        .await;
+    }
+    let tmux = common::Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let top = |extra: &str| {
+        format!(
+            "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms {extra}; echo EXITED=$?; sleep 60",
+            env.database_url,
+            env.amqp_url,
+            common::bin()
+        )
+    };
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "45",
+        &top(""),
+    ]);
+    tmux.wait_for("the table", |s| s.contains(CARRIER_QUEUE));
+    tmux.run(&["send-keys", "-t", "top", "Enter"]);
+    let screen = tmux.wait_for("the detail", |s| {
+        s.contains("failure groups of parcel-created-carrier_error")
+    });
+    assert!(
+        screen.contains("timeout after # ms") && screen.contains("carrier API returned 503"),
+        "{screen}"
+    );
+    assert!(
+        screen.contains("recent failures") && screen.contains("oldest unprocessed rows"),
+        "{screen}"
+    );
+    // The largest group first, selected: r asks, n moves nothing.
+    tmux.run(&["send-keys", "-t", "top", "r"]);
+    tmux.wait_for("the question", |s| s.contains("replay 3 messages of group"));
+    tmux.run(&["send-keys", "-t", "top", "n"]);
+    tmux.wait_for("the refusal", |s| s.contains("replay cancelled"));
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (5, 0));
+    tmux.run(&["send-keys", "-t", "top", "r"]);
+    tmux.wait_for("the question", |s| s.contains("replay 3 messages of group"));
+    tmux.run(&["send-keys", "-t", "top", "y"]);
+    let screen = tmux.wait_for("the replay's outcome", |s| {
+        s.contains("replayed 3 of group")
+    });
+    assert!(screen.contains("0 gone"), "{screen}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0));
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (3, 0));
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM inboxctl_audit WHERE command = 'replay' AND details->>'via' = 'top'
+           AND (details->>'replayed')::int = 3",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(audited, 1);
+    tmux.run(&["send-keys", "-t", "top", "Escape"]);
+    tmux.wait_for("the table again", |s| {
+        s.contains("deliv/s") && !s.contains("failure groups of")
+    });
+    tmux.run(&["send-keys", "-t", "top", "q"]);
+    tmux.wait_for("top to exit", |s| s.contains("EXITED=0"));
+    tmux.run(&["kill-session", "-t", "top"]);
+
+    // --read-only: the detail, but no replay.
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "45",
+        &top("--read-only"),
+    ]);
+    tmux.wait_for("the table", |s| {
+        s.contains(CARRIER_QUEUE) && s.contains("read-only")
+    });
+    tmux.run(&["send-keys", "-t", "top", "Enter"]);
+    tmux.wait_for("the detail", |s| {
+        s.contains("failure groups of parcel-created-carrier_error")
+    });
+    tmux.run(&["send-keys", "-t", "top", "r"]);
+    let screen = tmux.wait_for("the refusal", |s| s.contains("replay is off"));
+    assert!(!screen.contains("replay 2 messages of group"), "{screen}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0));
+}

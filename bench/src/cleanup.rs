@@ -355,6 +355,7 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
             span: Duration::from_secs(120),
             bucket: Duration::from_secs(1),
             retention: stats::DEFAULT_RETENTION,
+            look_at_heads: true,
         };
         stats::collect(pool, None, range).await?;
         timings.add("top_whole_refresh", t);

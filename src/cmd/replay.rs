@@ -224,6 +224,13 @@ fn summary(report: &Report) -> String {
     if report.left > 0 {
         summary.push_str(&format!("; {} left in place (see above)", report.left));
     }
+    if report.unreached > 0 {
+        summary.push_str(&format!(
+            "; {} of them were not there to take (another client took them, or holds them unacknowledged now): run \
+             replay again",
+            report.unreached
+        ));
+    }
     if report.already_replayed > 0 {
         summary.push_str(&format!(
             "; {} copies of messages it had already sent acknowledged, not sent again",
@@ -332,7 +339,12 @@ fn outcome(report: &Report) -> Outcome {
         .group
         .as_ref()
         .is_some_and(|g| !g.gone.is_empty() || !g.changed.is_empty());
-    if report.stopped.is_some() || report.interrupted || report.left > 0 || group_drifted {
+    if report.stopped.is_some()
+        || report.interrupted
+        || report.left > 0
+        || report.unreached > 0
+        || group_drifted
+    {
         Outcome::Partial
     } else {
         Outcome::Done

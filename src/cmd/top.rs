@@ -23,6 +23,10 @@ pub struct Args {
     #[arg(long, default_value = "7d", value_parser = crate::cli::parse_positive_duration)]
     pub retention: Duration,
 
+    /// Look only: the detail view's replay (r) is off
+    #[arg(long)]
+    pub read_only: bool,
+
     /// Highlight a duplicate ratio above this, in percent
     #[arg(long, default_value_t = 5.0, value_parser = parse_percent)]
     pub alert_duplicates: f64,
@@ -69,6 +73,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         window: args.window,
         alert_duplicates: args.alert_duplicates / 100.0,
         retention: args.retention,
+        read_only: args.read_only,
     };
     top::run(pool, broker, options, shutdown).await?;
     Ok(Outcome::Done)

@@ -29,6 +29,19 @@ UNION ALL
 SELECT 'notifications_sent', parcel_id, sent_at FROM notifications_sent WHERE message_id = $1
 ORDER BY 3";
 
+    /// A consumer_type's oldest unprocessed rows, through the partial index on unprocessed rows. `$1` consumer_type,
+    /// `$2` how many.
+    const OLDEST_UNPROCESSED = "\
+SELECT id, received_at FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at IS NULL ORDER BY received_at LIMIT $2";
+
+    /// A consumer_type's latest failures (failed attempts, dead-lettered, skipped, conflicts), newest first. `$1`
+    /// consumer_type, `$2` how many.
+    const RECENT_FAILURES = "\
+SELECT occurred_at, kind, detail, message_id FROM inboxctl_events
+WHERE consumer_type = $1 AND kind IN ('failed', 'dead_lettered', 'skipped', 'conflict')
+ORDER BY occurred_at DESC LIMIT $2";
+
     /// Every registered consumer_type and its queue.
     const CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers ORDER BY consumer_type";
 }
@@ -135,4 +148,50 @@ pub async fn effects(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Ve
 /// Every registered consumer_type and the queue it reads (`CONSUMERS`).
 pub async fn consumers(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<(String, String)>> {
     sqlx::query_as(CONSUMERS).fetch_all(executor).await
+}
+
+/// A consumer_type's oldest unprocessed rows: (message id, received at) (`OLDEST_UNPROCESSED`).
+pub async fn oldest_unprocessed(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    limit: i64,
+) -> sqlx::Result<Vec<(Uuid, DateTime<Utc>)>> {
+    sqlx::query_as(OLDEST_UNPROCESSED)
+        .bind(consumer_type)
+        .bind(limit)
+        .fetch_all(executor)
+        .await
+}
+
+/// One of a consumer_type's latest failures.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FailureRow {
+    pub occurred_at: DateTime<Utc>,
+    pub kind: String,
+    pub detail: Option<String>,
+    pub message_id: Option<Uuid>,
+}
+
+type RawFailure = (DateTime<Utc>, String, Option<String>, Option<Uuid>);
+
+/// A consumer_type's latest failures, newest first (`RECENT_FAILURES`).
+pub async fn recent_failures(
+    executor: impl PgExecutor<'_>,
+    consumer_type: &str,
+    limit: i64,
+) -> sqlx::Result<Vec<FailureRow>> {
+    let rows: Vec<RawFailure> = sqlx::query_as(RECENT_FAILURES)
+        .bind(consumer_type)
+        .bind(limit)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(occurred_at, kind, detail, message_id)| FailureRow {
+            occurred_at,
+            kind,
+            detail,
+            message_id,
+        })
+        .collect())
 }

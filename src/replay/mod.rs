@@ -194,6 +194,9 @@ pub struct Report {
     /// Whether `stopped` is the broker refusing for want of a permission (exit 77).
     #[serde(skip)]
     pub refused: bool,
+    /// Messages of the snapshot the replay never met: the queue ran dry before its count (another client took them,
+    /// or holds them unacknowledged — a look of `failures` or `find` running now). They were not replayed.
+    pub unreached: u64,
     /// With `--group`: how the queue compared with the listing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupCheck>,

@@ -57,6 +57,7 @@ pub async fn run(
             stopped: None,
             connection_lost: false,
             refused: false,
+            unreached: 0,
             group: None,
             items: Vec::new(),
         },
@@ -70,6 +71,9 @@ pub async fn run(
     report.left = state.machine.left();
     report.already_replayed = state.machine.already_replayed();
     report.group = plan.group.as_ref().map(|g| report.check_group(g));
+    if !report.interrupted && report.stopped.is_none() {
+        report.unreached = snapshot.saturating_sub(state.machine.decided());
+    }
     Ok(report)
 }
 

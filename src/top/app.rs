@@ -29,6 +29,27 @@ pub enum Action {
     FilterDone,
     /// Esc while typing: drop the filter.
     FilterCancel,
+    /// Enter: the selected consumer_type's detail.
+    Open,
+    /// Esc in the detail: back to the table.
+    Back,
+    /// `r` in the detail: replay the selected failure group (after a confirmation).
+    Replay,
+    /// The confirmation's answer.
+    Confirm(bool),
+    /// The detail, loaded (or why it could not be).
+    DetailLoaded(Box<Result<crate::triage::detail::Detail, String>>),
+    /// A replay started from the detail has ended: what it did.
+    ReplayDone(String),
+}
+
+/// Which keys mean what: it depends on what is open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Table,
+    Filtering,
+    Detail,
+    Confirm,
 }
 
 /// The longest filter kept: a name is at most 500 characters.
@@ -116,10 +137,20 @@ pub struct App {
     pub filter: String,
     /// Keys go to the filter.
     pub filtering: bool,
+    /// The detail view, when open.
+    pub detail: Option<super::detail::DetailState>,
+    /// `--read-only`: no action changes anything.
+    pub read_only: bool,
+    /// The outcome of the last action, on the status line.
+    pub status: Option<String>,
+    /// What the loop must fetch or do next.
+    pub request: Option<super::detail::Request>,
     /// Every line of the last figures; `lines` is those the filter lets through.
     all: Vec<Line>,
     previous_unprocessed: HashMap<String, u64>,
     growing: HashSet<String>,
+    /// The error queues' oldest messages as last looked at: (age then, when), for the refreshes between two looks.
+    heads: HashMap<String, (f64, DateTime<Utc>)>,
 }
 
 impl App {
@@ -139,16 +170,27 @@ impl App {
             broker_error: None,
             filter: String::new(),
             filtering: false,
+            detail: None,
+            read_only: false,
+            status: None,
+            request: None,
             all: Vec::new(),
             previous_unprocessed: HashMap::new(),
             growing: HashSet::new(),
+            heads: HashMap::new(),
         }
     }
 
     pub fn update(&mut self, action: Action) {
         match action {
-            Action::Up => self.step(-1),
-            Action::Down => self.step(1),
+            Action::Up => match &mut self.detail {
+                Some(d) => d.step(-1),
+                None => self.step(-1),
+            },
+            Action::Down => match &mut self.detail {
+                Some(d) => d.step(1),
+                None => self.step(1),
+            },
             Action::Sort => {
                 self.sort = self.sort.next();
                 self.show();
@@ -179,6 +221,83 @@ impl App {
                 self.filter.clear();
                 self.show();
             }
+            Action::Open
+            | Action::Back
+            | Action::Replay
+            | Action::Confirm(_)
+            | Action::DetailLoaded(_)
+            | Action::ReplayDone(_) => self.detail_action(action),
+        }
+    }
+
+    /// The detail view's actions.
+    fn detail_action(&mut self, action: Action) {
+        use super::detail::{DetailState, Request};
+        match action {
+            Action::Open => {
+                let chosen = self.selected_line().map(|line| {
+                    let queue = line
+                        .queue
+                        .clone()
+                        .unwrap_or_else(|| line.consumer_type.clone());
+                    (line.consumer_type.clone(), queue)
+                });
+                if let Some((consumer_type, queue)) = chosen {
+                    self.request = Some(Request::Load {
+                        consumer_type: consumer_type.clone(),
+                        queue: queue.clone(),
+                    });
+                    self.detail = Some(DetailState::new(consumer_type, queue));
+                }
+            }
+            Action::Back => self.detail = None,
+            Action::Replay => {
+                let Some(d) = &mut self.detail else { return };
+                if self.read_only {
+                    self.status = Some("read-only (--read-only): replay is off".to_owned());
+                } else if d.replaying {
+                    self.status = Some("a replay is running".to_owned());
+                } else if d.selected_group().is_some() {
+                    d.confirm = true;
+                }
+            }
+            Action::Confirm(yes) => {
+                let Some(d) = &mut self.detail else { return };
+                if !d.confirm {
+                    return;
+                }
+                d.confirm = false;
+                if !yes {
+                    self.status = Some("replay cancelled: nothing moved".to_owned());
+                } else if let Some(request) = d.replay_request() {
+                    let count = d.selected_group().map_or(0, |g| g.count);
+                    d.replaying = true;
+                    self.status = Some(format!("replaying {count} messages…"));
+                    self.request = Some(request);
+                }
+            }
+            Action::DetailLoaded(loaded) => {
+                if let Some(d) = &mut self.detail
+                    && loaded
+                        .as_ref()
+                        .as_ref()
+                        .map_or(true, |l| l.consumer_type == d.consumer_type)
+                {
+                    d.data = Some(*loaded);
+                    d.step(0);
+                }
+            }
+            Action::ReplayDone(what) => {
+                self.status = Some(what);
+                if let Some(d) = &mut self.detail {
+                    d.replaying = false;
+                    self.request = Some(Request::Load {
+                        consumer_type: d.consumer_type.clone(),
+                        queue: d.queue.clone(),
+                    });
+                }
+            }
+            _ => {}
         }
     }
 
@@ -194,6 +313,15 @@ impl App {
         self.sort_lines();
         if self.selected_index().is_none() {
             self.selected = self.lines.first().map(|l| l.consumer_type.clone());
+        }
+    }
+
+    pub fn mode(&self) -> Mode {
+        match &self.detail {
+            Some(d) if d.confirm => Mode::Confirm,
+            Some(_) => Mode::Detail,
+            None if self.filtering => Mode::Filtering,
+            None => Mode::Table,
         }
     }
 
@@ -247,6 +375,7 @@ impl App {
                 }
             }
             let errors = c.error_queue.as_ref().and_then(|q| q.ready);
+            let oldest_error = self.oldest_error(snapshot, c, errors);
             lines.push(Line {
                 consumer_type: c.consumer_type.clone(),
                 deliveries_per_second: rate(Counts::deliveries),
@@ -263,9 +392,8 @@ impl App {
                 ready: c.queue.as_ref().and_then(|q| q.ready),
                 consumers: c.queue.as_ref().and_then(|q| q.consumers),
                 errors,
-                oldest_error_seconds: c.oldest_dead_letter_seconds,
-                error_window: c
-                    .oldest_dead_letter_seconds
+                oldest_error_seconds: oldest_error,
+                error_window: oldest_error
                     .map(|age| crate::stats::Window::of(age, snapshot.retention)),
                 series: c.series.clone(),
                 duplicates_alert: ratio.is_some_and(|r| r > self.alert_duplicates),
@@ -275,6 +403,34 @@ impl App {
         }
         self.all = lines;
         self.show();
+    }
+
+    /// The age of an error queue's oldest message: as looked at now, or as last looked at and aged since; none once
+    /// the queue is empty.
+    fn oldest_error(
+        &mut self,
+        snapshot: &Snapshot,
+        c: &crate::stats::ConsumerStats,
+        errors: Option<u32>,
+    ) -> Option<f64> {
+        if errors == Some(0) {
+            self.heads.remove(&c.consumer_type);
+            return None;
+        }
+        if snapshot.heads_looked {
+            match c.oldest_dead_letter_seconds {
+                Some(age) => {
+                    self.heads
+                        .insert(c.consumer_type.clone(), (age, snapshot.taken_at));
+                }
+                None => {
+                    self.heads.remove(&c.consumer_type);
+                }
+            }
+            return c.oldest_dead_letter_seconds;
+        }
+        let (age, at) = self.heads.get(&c.consumer_type)?;
+        Some(age + (snapshot.taken_at - *at).num_milliseconds().max(0) as f64 / 1000.0)
     }
 
     fn sort_lines(&mut self) {
@@ -306,234 +462,4 @@ impl App {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-    use crate::stats::{ConsumerStats, QueueDepth};
-    use std::time::Duration;
-
-    pub(crate) fn consumer(
-        name: &str,
-        processed: u64,
-        duplicates: u64,
-        unprocessed: u64,
-        errors: u32,
-    ) -> ConsumerStats {
-        ConsumerStats {
-            consumer_type: name.to_owned(),
-            rows: Some(1000 + processed),
-            rows_estimated: false,
-            unprocessed: Some(unprocessed),
-            unprocessed_estimated: false,
-            oldest_unprocessed_seconds: (unprocessed > 0).then_some(75.0),
-            window: Some(Counts {
-                processed,
-                duplicates,
-                ..Counts::default()
-            }),
-            series: vec![(1, 0), (3, 1), (2, 0)],
-            queue: Some(QueueDepth {
-                name: name.to_owned(),
-                ready: Some(4),
-                consumers: Some(2),
-                exists: true,
-            }),
-            error_queue: Some(QueueDepth {
-                name: format!("{name}_error"),
-                ready: Some(errors),
-                consumers: None,
-                exists: errors > 0,
-            }),
-            oldest_dead_letter_seconds: (errors > 0).then_some(3600.0),
-        }
-    }
-
-    pub(crate) fn snapshot(consumers: Vec<ConsumerStats>) -> Box<Snapshot> {
-        Box::new(Snapshot {
-            taken_at: Utc::now(),
-            window: Duration::from_secs(60),
-            bucket: Duration::from_secs(2),
-            consumers,
-            retention: Duration::from_secs(4000),
-            broker_error: None,
-        })
-    }
-
-    #[test]
-    fn a_filter_shows_the_matching_names_and_esc_drops_it() {
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![
-            consumer("orders-carrier", 1, 0, 0, 0),
-            consumer("orders-sms", 1, 0, 0, 0),
-            consumer("billing", 1, 0, 0, 0),
-        ])));
-        app.update(Action::FilterStart);
-        for c in "ORDERS".chars() {
-            app.update(Action::FilterChar(c));
-        }
-        assert_eq!(names(&app), ["orders-carrier", "orders-sms"]);
-        app.update(Action::FilterChar('\u{1b}'));
-        assert_eq!(app.filter, "ORDERS", "control characters are not typed in");
-        app.update(Action::FilterDone);
-        assert!(!app.filtering);
-        // Fresh figures keep the filter; the selection stays among what is shown.
-        app.update(Action::Data(snapshot(vec![
-            consumer("orders-carrier", 1, 0, 0, 0),
-            consumer("billing", 1, 0, 0, 0),
-        ])));
-        assert_eq!(names(&app), ["orders-carrier"]);
-        assert_eq!(app.selected.as_deref(), Some("orders-carrier"));
-        app.update(Action::FilterStart);
-        app.update(Action::FilterChar('x'));
-        assert!(names(&app).is_empty());
-        app.update(Action::FilterBackspace);
-        assert_eq!(names(&app), ["orders-carrier"]);
-        app.update(Action::FilterCancel);
-        assert_eq!(names(&app), ["billing", "orders-carrier"]);
-        assert!(app.filter.is_empty());
-    }
-
-    fn names(app: &App) -> Vec<&str> {
-        app.lines.iter().map(|l| l.consumer_type.as_str()).collect()
-    }
-
-    #[test]
-    fn rates_come_from_the_window_counters() {
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![consumer("a", 54, 6, 0, 0)])));
-        let l = &app.lines[0];
-        assert_eq!(l.deliveries_per_second, Some(1.0));
-        assert_eq!(l.duplicates_per_second, Some(0.1));
-        assert_eq!(l.processed_per_second, Some(0.9));
-        assert_eq!(l.duplicate_ratio, Some(0.1));
-    }
-
-    #[test]
-    fn without_counters_the_rates_are_unknown_not_zero() {
-        let mut c = consumer("dotnet", 0, 0, 3, 0);
-        c.window = None;
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![c])));
-        let l = &app.lines[0];
-        assert_eq!((l.deliveries_per_second, l.duplicate_ratio), (None, None));
-        assert!(!l.duplicates_alert);
-    }
-
-    #[test]
-    fn alerts() {
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![
-            consumer("calm", 100, 5, 0, 0),
-            consumer("dupes", 90, 10, 0, 0),
-            consumer("failing", 10, 0, 0, 3),
-        ])));
-        let by = |n: &str| {
-            app.lines
-                .iter()
-                .find(|l| l.consumer_type == n)
-                .cloned()
-                .expect("line")
-        };
-        assert!(!by("calm").duplicates_alert, "5/105 is under 5 %");
-        assert!(by("dupes").duplicates_alert, "10 % is over 5 %");
-        assert!(by("failing").errors_alert);
-        // An hour old, against a retention of 4000 s: nearing the window.
-        assert_eq!(by("failing").error_window, Some(crate::stats::Window::Near));
-        assert_eq!(by("calm").error_window, None);
-        assert!(!by("calm").errors_alert);
-    }
-
-    #[test]
-    fn growing_unprocessed_rows_are_marked_until_they_shrink() {
-        let mut app = App::new(0.05);
-        for (unprocessed, growing) in [(5, false), (9, true), (9, true), (4, false)] {
-            app.update(Action::Data(snapshot(vec![consumer(
-                "a",
-                1,
-                0,
-                unprocessed,
-                0,
-            )])));
-            assert_eq!(
-                app.lines[0].unprocessed_growing, growing,
-                "at {unprocessed}"
-            );
-        }
-    }
-
-    #[test]
-    fn selection_moves_within_bounds_and_follows_the_consumer_type_across_sorts() {
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![
-            consumer("b", 10, 0, 0, 0),
-            consumer("a", 1, 0, 0, 0),
-            consumer("c", 50, 0, 0, 0),
-        ])));
-        assert_eq!(names(&app), ["a", "b", "c"]);
-        assert_eq!(app.selected.as_deref(), Some("a"));
-        app.update(Action::Up);
-        assert_eq!(app.selected.as_deref(), Some("a"), "stays at the top");
-        app.update(Action::Down);
-        app.update(Action::Down);
-        app.update(Action::Down);
-        assert_eq!(app.selected.as_deref(), Some("c"), "stays at the bottom");
-        app.update(Action::Sort);
-        assert_eq!(app.sort, SortKey::Deliveries);
-        assert_eq!(names(&app), ["c", "b", "a"]);
-        assert_eq!(
-            app.selected_index(),
-            Some(0),
-            "c is still selected, now first"
-        );
-    }
-
-    #[test]
-    fn sort_cycles_through_every_column() {
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![
-            consumer("a", 10, 5, 1, 0),
-            consumer("b", 100, 1, 7, 2),
-        ])));
-        let mut seen = Vec::new();
-        for _ in 0..5 {
-            app.update(Action::Sort);
-            seen.push((app.sort, names(&app).join("")));
-        }
-        assert_eq!(
-            seen,
-            [
-                (SortKey::Deliveries, "ba".to_owned()),
-                (SortKey::DuplicateRatio, "ab".to_owned()),
-                (SortKey::Unprocessed, "ba".to_owned()),
-                (SortKey::Errors, "ba".to_owned()),
-                (SortKey::ConsumerType, "ab".to_owned()),
-            ]
-        );
-    }
-
-    #[test]
-    fn paused_it_ignores_new_figures_and_errors_keep_the_last_ones() {
-        let mut app = App::new(0.05);
-        app.update(Action::Data(snapshot(vec![consumer("a", 60, 0, 0, 0)])));
-        app.update(Action::Pause);
-        app.update(Action::Data(snapshot(vec![consumer("a", 600, 0, 0, 0)])));
-        assert_eq!(app.lines[0].deliveries_per_second, Some(1.0));
-        app.update(Action::Pause);
-        app.update(Action::DataError("PostgreSQL unreachable".into()));
-        assert_eq!(app.lines.len(), 1, "the last figures stay");
-        assert_eq!(app.error.as_deref(), Some("PostgreSQL unreachable"));
-        app.update(Action::Data(snapshot(vec![consumer("a", 600, 0, 0, 0)])));
-        assert_eq!(app.error, None);
-        assert_eq!(app.lines[0].deliveries_per_second, Some(10.0));
-    }
-
-    #[test]
-    fn help_and_quit() {
-        let mut app = App::new(0.05);
-        app.update(Action::Help);
-        assert!(app.show_help);
-        app.update(Action::Help);
-        assert!(!app.show_help);
-        app.update(Action::Quit);
-        assert!(app.quit);
-    }
-}
+pub(crate) mod tests;

@@ -2,7 +2,10 @@
 //! the loop that merges keys, fresh figures and signals. The figures are collected by a task of their own, so a slow
 //! or unreachable database never holds up the screen.
 
+mod actions;
 pub mod app;
+pub mod detail;
+mod detail_view;
 pub mod ui;
 
 use std::time::Duration;
@@ -14,10 +17,14 @@ use sqlx::postgres::PgPool;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use self::app::{Action, App};
+use self::app::{Action, App, Mode};
 use crate::amqp::Broker;
 use crate::error::Result;
 use crate::stats::{self, Range};
+
+/// How often `top` looks at the error queues' oldest messages: each look is a get and a requeue, which a quorum queue
+/// counts as a delivery of that message (and past its `delivery-limit`, drops or dead-letters it).
+const HEADS_EVERY: Duration = Duration::from_secs(30);
 
 /// How long the series under the table reaches back.
 const SERIES_SPAN: Duration = Duration::from_secs(120);
@@ -32,6 +39,8 @@ pub struct Options {
     pub alert_duplicates: f64,
     /// The cleanup's retention, which the oldest dead-lettered message is compared with.
     pub retention: Duration,
+    /// No action that changes anything (the detail view's replay).
+    pub read_only: bool,
 }
 
 /// Restores the terminal however the dashboard ends: return, error or panic (ratatui's panic hook), and before an
@@ -61,18 +70,25 @@ pub async fn run(
     let (tx, mut rx) = mpsc::channel(2);
     let collector_stop = shutdown.child_token();
     let range = range(options.interval, options.window, options.retention);
+    let context = actions::Context {
+        pool: pool.clone(),
+        broker: broker.clone(),
+        retention: options.retention,
+        shutdown: collector_stop.clone(),
+    };
     let collector = tokio::spawn(collect(
         pool,
         broker,
         range,
         options.interval,
-        tx,
+        tx.clone(),
         collector_stop.clone(),
     ));
 
     let mut terminal = ratatui::try_init()?;
     let _restore = Restore::guard();
     let mut app = App::new(options.alert_duplicates);
+    app.read_only = options.read_only;
     let mut events = EventStream::new();
     let result = loop {
         if let Err(e) = terminal.draw(|frame| ui::render(&app, frame)) {
@@ -86,7 +102,7 @@ pub async fn run(
             }
             event = events.next() => match event {
                 Some(Ok(Event::Key(key))) => {
-                    if let Some(action) = action_for(key, app.filtering) {
+                    if let Some(action) = action_for(key, app.mode()) {
                         app.update(action);
                     }
                 }
@@ -95,6 +111,9 @@ pub async fn run(
                 None => break Ok(()),
             },
             Some(action) = rx.recv() => app.update(action),
+        }
+        if let Some(request) = app.request.take() {
+            actions::start(request, &context, &tx);
         }
         if app.quit {
             break Ok(());
@@ -115,29 +134,53 @@ fn range(interval: Duration, window: Duration, retention: Duration) -> Range {
         span,
         bucket: interval.max(Duration::from_secs(1)).max(span / MAX_BUCKETS),
         retention,
+        look_at_heads: true,
     }
 }
 
-/// The key bindings; while a filter is typed (`filtering`), keys go to it.
-pub fn action_for(key: KeyEvent, filtering: bool) -> Option<Action> {
+/// The key bindings, by what is open (`mode`): while a filter is typed, keys go to it; in the detail view, Esc goes
+/// back and `r` replays the selected group; in the confirmation, `y` or `n`.
+pub fn action_for(key: KeyEvent, mode: Mode) -> Option<Action> {
     if key.kind != KeyEventKind::Press {
         return None;
     }
-    if filtering {
-        return match key.code {
-            KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => {
-                Some(Action::Quit)
-            }
-            KeyCode::Char(c) => Some(Action::FilterChar(c)),
-            KeyCode::Backspace => Some(Action::FilterBackspace),
-            KeyCode::Enter => Some(Action::FilterDone),
-            KeyCode::Esc => Some(Action::FilterCancel),
-            _ => None,
-        };
+    let ctrl_c = key.code == KeyCode::Char('c') && key.modifiers.contains(KeyModifiers::CONTROL);
+    if ctrl_c {
+        return Some(Action::Quit);
+    }
+    match mode {
+        Mode::Filtering => {
+            return match key.code {
+                KeyCode::Char(c) => Some(Action::FilterChar(c)),
+                KeyCode::Backspace => Some(Action::FilterBackspace),
+                KeyCode::Enter => Some(Action::FilterDone),
+                KeyCode::Esc => Some(Action::FilterCancel),
+                _ => None,
+            };
+        }
+        Mode::Confirm => {
+            return match key.code {
+                KeyCode::Char('y' | 'Y') => Some(Action::Confirm(true)),
+                KeyCode::Char('n' | 'N') | KeyCode::Esc => Some(Action::Confirm(false)),
+                _ => None,
+            };
+        }
+        Mode::Detail => {
+            return match key.code {
+                KeyCode::Esc => Some(Action::Back),
+                KeyCode::Char('q') => Some(Action::Quit),
+                KeyCode::Char('r') => Some(Action::Replay),
+                KeyCode::Up | KeyCode::Char('k') => Some(Action::Up),
+                KeyCode::Down | KeyCode::Char('j') => Some(Action::Down),
+                KeyCode::Char('?') | KeyCode::Char('h') => Some(Action::Help),
+                _ => None,
+            };
+        }
+        Mode::Table => {}
     }
     match key.code {
         KeyCode::Char('/') => Some(Action::FilterStart),
-        KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => Some(Action::Quit),
+        KeyCode::Enter => Some(Action::Open),
         KeyCode::Char('q') | KeyCode::Esc => Some(Action::Quit),
         KeyCode::Up | KeyCode::Char('k') => Some(Action::Up),
         KeyCode::Down | KeyCode::Char('j') => Some(Action::Down),
@@ -159,7 +202,13 @@ async fn collect(
     stop: CancellationToken,
 ) {
     let mut connection: Option<Connection> = None;
+    let mut heads_looked_at: Option<tokio::time::Instant> = None;
     loop {
+        let look = heads_looked_at.is_none_or(|t| t.elapsed() >= HEADS_EVERY);
+        let range = Range {
+            look_at_heads: look,
+            ..range
+        };
         if connection.as_ref().is_none_or(|c| !c.status().connected()) {
             connection =
                 tokio::time::timeout(Duration::from_secs(2), broker.connect("inboxctl top"))
@@ -168,7 +217,12 @@ async fn collect(
                     .and_then(Result::ok);
         }
         let action = match stats::collect(&pool, connection.as_ref(), range).await {
-            Ok(snapshot) => Action::Data(Box::new(snapshot)),
+            Ok(snapshot) => {
+                if snapshot.heads_looked {
+                    heads_looked_at = Some(tokio::time::Instant::now());
+                }
+                Action::Data(Box::new(snapshot))
+            }
             Err(e) => Action::DataError(crate::redact::text(&e.to_string())),
         };
         if tx.send(action).await.is_err() {
@@ -189,7 +243,7 @@ mod tests {
     use super::*;
 
     fn action_for_(key: KeyEvent) -> Option<Action> {
-        action_for(key, false)
+        action_for(key, Mode::Table)
     }
 
     #[test]
@@ -200,19 +254,22 @@ mod tests {
             Some(Action::FilterStart)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('q'), none), true),
+            action_for(key(KeyCode::Char('q'), none), Mode::Filtering),
             Some(Action::FilterChar('q'))
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Esc, none), true),
+            action_for(key(KeyCode::Esc, none), Mode::Filtering),
             Some(Action::FilterCancel)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Enter, none), true),
+            action_for(key(KeyCode::Enter, none), Mode::Filtering),
             Some(Action::FilterDone)
         ));
         assert!(matches!(
-            action_for(key(KeyCode::Char('c'), KeyModifiers::CONTROL), true),
+            action_for(
+                key(KeyCode::Char('c'), KeyModifiers::CONTROL),
+                Mode::Filtering
+            ),
             Some(Action::Quit)
         ));
     }

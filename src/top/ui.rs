@@ -18,6 +18,16 @@ const MIN_HEIGHT_FOR_CHARTS: u16 = 16;
 
 pub fn render(app: &App, frame: &mut Frame) {
     let area = frame.area();
+    if let Some(detail) = &app.detail {
+        let [main, status_area] =
+            Layout::vertical([Constraint::Min(3), Constraint::Length(1)]).areas(area);
+        super::detail_view::render(detail, frame, main);
+        render_status(app, frame, status_area);
+        if app.show_help {
+            render_help(frame, area);
+        }
+        return;
+    }
     let charts = area.height >= MIN_HEIGHT_FOR_CHARTS && app.selected_line().is_some();
     let [table_area, chart_area, status_area] = Layout::vertical([
         Constraint::Min(3),
@@ -243,7 +253,26 @@ fn render_status(app: &App, frame: &mut Frame, area: Rect) {
             Style::new().fg(Color::Black).bg(Color::Cyan),
         ));
     }
-    if app.filtering {
+    if let Some(status) = &app.status {
+        spans.push(Span::styled(
+            format!(" {} ", sanitize::text(status)),
+            Style::new().fg(Color::Black).bg(Color::Green),
+        ));
+    }
+    if app.read_only {
+        spans.push(Span::styled(
+            " read-only: actions off ",
+            Style::new().fg(Color::Black).bg(Color::Yellow),
+        ));
+    }
+    if app.detail.is_some() {
+        let keys = if app.read_only {
+            " Esc back · ↑↓/jk group · q quit"
+        } else {
+            " Esc back · ↑↓/jk group · r replay group · q quit"
+        };
+        spans.push(Span::raw(keys).dim());
+    } else if app.filtering {
         spans.push(Span::raw(" type a name · Enter keep · Esc clear").dim());
     } else {
         spans

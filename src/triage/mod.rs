@@ -2,6 +2,7 @@
 //! by cause (`failures`)? Each looks at dead-letter queues without taking anything from them (see
 //! [`crate::amqp::peek`]): the broker marks what was looked at redelivered, and nothing else changes.
 
+pub mod detail;
 pub mod failures;
 pub mod find;
 

@@ -1,0 +1,150 @@
+//! What the detail view asks for, done off the drawing loop: loading a consumer_type's detail, and replaying a
+//! failure group (audited, like every replay). Each runs as a task of its own and answers with an [`Action`].
+
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::postgres::PgPool;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::app::Action;
+use super::detail::Request;
+use crate::amqp::Broker;
+use crate::replay::{self, Plan};
+
+/// What the tasks need.
+#[derive(Clone)]
+pub struct Context {
+    pub pool: PgPool,
+    pub broker: Broker,
+    /// The cleanup's retention: a replay from `top` leaves messages older than it, as `replay` does.
+    pub retention: Duration,
+    pub shutdown: CancellationToken,
+}
+
+/// Starts what `request` asks for; its answer comes back on `tx`.
+pub fn start(request: Request, context: &Context, tx: &mpsc::Sender<Action>) {
+    let (context, tx) = (context.clone(), tx.clone());
+    tokio::spawn(async move {
+        let answer = match request {
+            Request::Load {
+                consumer_type,
+                queue,
+            } => Action::DetailLoaded(Box::new(load(&context, &consumer_type, &queue).await)),
+            Request::Replay {
+                consumer_type,
+                from,
+                group,
+            } => Action::ReplayDone(
+                replay_group(&context, &consumer_type, &from, group.into()).await,
+            ),
+        };
+        let _ = tx.send(answer).await;
+    });
+}
+
+async fn connect(broker: &Broker) -> Option<crate::amqp::Connection> {
+    tokio::time::timeout(Duration::from_secs(3), broker.connect("inboxctl top"))
+        .await
+        .ok()
+        .and_then(Result::ok)
+}
+
+async fn load(
+    context: &Context,
+    consumer_type: &str,
+    queue: &str,
+) -> Result<crate::triage::detail::Detail, String> {
+    let connection = connect(&context.broker).await;
+    let detail = crate::triage::detail::load(
+        &context.pool,
+        connection.as_ref(),
+        context.broker.vhost(),
+        consumer_type,
+        queue,
+    )
+    .await
+    .map_err(|e| crate::redact::text(&e.to_string()));
+    if let Some(c) = connection {
+        crate::amqp::close(&c, "OK").await;
+    }
+    detail
+}
+
+/// Replays `group` of `from` as listed, writes the audit row, and says what came of it in a line.
+async fn replay_group(
+    context: &Context,
+    consumer_type: &str,
+    from: &str,
+    group: replay::GroupPlan,
+) -> String {
+    let Some(connection) = connect(&context.broker).await else {
+        return "replay failed: RabbitMQ not reachable; nothing moved".to_owned();
+    };
+    let plan = Plan {
+        from: from.to_owned(),
+        to: None,
+        limit: None,
+        message_ids: Vec::new(),
+        reason: None,
+        max_replays: None,
+        retention: context.retention,
+        include_expired: false,
+        restore_expiration: false,
+        dry_run: false,
+        group: Some(group),
+        rate: None,
+    };
+    let report = replay::run(
+        &connection,
+        &context.broker,
+        &plan,
+        Duration::from_secs(10),
+        &context.shutdown,
+        |_, _| {},
+    )
+    .await;
+    crate::amqp::close(&connection, "OK").await;
+    let mut details = json!({ "from": from, "consumer_type": consumer_type, "via": "top" });
+    if let (Ok(r), serde_json::Value::Object(map)) = (&report, &mut details) {
+        map.insert("replayed".to_owned(), json!(r.replayed));
+        map.insert("left".to_owned(), json!(r.left));
+        map.insert("group".to_owned(), json!(r.group));
+    }
+    let entry = crate::audit::Entry::ended(
+        "replay",
+        &report,
+        |r| {
+            if r.left > 0 || r.stopped.is_some() {
+                crate::error::Outcome::Partial
+            } else {
+                crate::error::Outcome::Done
+            }
+        },
+        details,
+    );
+    let audited = crate::audit::record(&context.pool, &entry).await;
+    let note = if audited {
+        ""
+    } else {
+        " (not audited: see the log)"
+    };
+    match report {
+        Ok(r) => {
+            let g = r.group.unwrap_or_default();
+            format!(
+                "replayed {} of group {} ({} listed, {} gone, {} new left){note}",
+                r.replayed,
+                g.fingerprint,
+                g.listed,
+                g.gone.len(),
+                g.new
+            )
+        }
+        Err(e) => format!(
+            "replay failed: {}{note}",
+            crate::redact::text(&e.to_string())
+        ),
+    }
+}

@@ -1,0 +1,99 @@
+//! The detail view's state: one consumer_type up close, its failure groups to choose from, and the confirmation before
+//! a group is replayed. Pure, like [`super::app`]: what must be fetched or done is left in [`super::app::App::request`]
+//! for the loop.
+
+use crate::replay::GroupPlan;
+use crate::triage::Group;
+use crate::triage::detail::Detail;
+
+/// What the loop is asked to do for the view.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Load (or reload) the detail of a consumer_type that reads `queue`.
+    Load {
+        consumer_type: String,
+        queue: String,
+    },
+    /// Replay one group of `from` as it was listed.
+    Replay {
+        consumer_type: String,
+        from: String,
+        group: GroupPlanEq,
+    },
+}
+
+/// A group to replay, comparable (for the tests).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupPlanEq {
+    pub fingerprint: String,
+    pub listed: Vec<String>,
+}
+
+impl From<GroupPlanEq> for GroupPlan {
+    fn from(g: GroupPlanEq) -> Self {
+        GroupPlan {
+            fingerprint: g.fingerprint,
+            listed: g.listed,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DetailState {
+    pub consumer_type: String,
+    pub queue: String,
+    /// `None` while loading.
+    pub data: Option<Result<Detail, String>>,
+    /// The failure group selected.
+    pub selected: usize,
+    /// The confirmation before a replay is open.
+    pub confirm: bool,
+    /// A replay started from here is running.
+    pub replaying: bool,
+}
+
+impl DetailState {
+    pub fn new(consumer_type: String, queue: String) -> Self {
+        Self {
+            consumer_type,
+            queue,
+            data: None,
+            selected: 0,
+            confirm: false,
+            replaying: false,
+        }
+    }
+
+    /// The error queue's groups, when they are known.
+    pub fn groups(&self) -> &[Group] {
+        match &self.data {
+            Some(Ok(d)) => d.groups.as_ref().map_or(&[], |l| l.groups.as_slice()),
+            _ => &[],
+        }
+    }
+
+    pub fn selected_group(&self) -> Option<&Group> {
+        self.groups().get(self.selected)
+    }
+
+    pub fn step(&mut self, by: isize) {
+        let last = self.groups().len().saturating_sub(1);
+        self.selected = self.selected.saturating_add_signed(by).min(last);
+    }
+
+    /// The replay the confirmation asks about.
+    pub fn replay_request(&self) -> Option<Request> {
+        let group = self.selected_group()?;
+        let Some(Ok(detail)) = &self.data else {
+            return None;
+        };
+        Some(Request::Replay {
+            consumer_type: self.consumer_type.clone(),
+            from: detail.error_queue.clone(),
+            group: GroupPlanEq {
+                fingerprint: group.cause.fingerprint.clone(),
+                listed: group.message_ids.clone(),
+            },
+        })
+    }
+}

@@ -666,6 +666,25 @@ async fn every_state_changing_command_is_audited_without_a_password_and_outlives
         common::count(&pool, "SELECT count(*) FROM inboxctl_audit").await,
         6
     );
+    // Its own retention: a row past --audit-retention (90 days) goes, one inside it stays.
+    sqlx::query(
+        "INSERT INTO inboxctl_audit (occurred_at, command, command_line, outcome)
+         VALUES (now() - interval '100 days', 'cleanup', 'old', 'done'),
+                (now() - interval '10 days', 'cleanup', 'recent', 'done')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["cleanup", "--retention", "1s", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["audit_deleted"], 1, "{out:?}");
+    let kept: Vec<String> = sqlx::query_scalar(
+        "SELECT command_line FROM inboxctl_audit WHERE command_line IN ('old', 'recent')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, ["recent"]);
     // An audit that cannot be written never undoes the work, and says so.
     sqlx::query("ALTER TABLE inboxctl_audit RENAME TO inboxctl_audit_away")
         .execute(&pool)

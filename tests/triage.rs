@@ -132,7 +132,11 @@ async fn three_causes_make_three_groups_and_a_group_replays_exactly_its_listed_m
         .unwrap();
     let causes = three_causes(&conn, 100).await;
     let before = ids_in(&conn, ERROR_QUEUE).await;
-    assert_eq!(before.len(), 300);
+    // The order they were published in, one of each cause in turn: the look below must keep it.
+    let published: Vec<String> = (0..100)
+        .flat_map(|i| causes.iter().map(move |c| c[i].clone()))
+        .collect();
+    assert_eq!(before, published);
 
     let dir = tempdir();
     let listing = dir.join("listing.json");
@@ -364,6 +368,28 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
     );
     assert_eq!(env.queue_counts(ERROR_QUEUE), (120, 0));
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    tmux.run(&["kill-session", "-t", "top"]);
+
+    // Ctrl-C at the question: a no.
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "50",
+        &replay(""),
+    ]);
+    tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
+    tmux.run(&["send-keys", "-t", "top", "C-c"]);
+    let screen = tmux.wait_for("the refusal", |s| s.contains("EXITED="));
+    assert!(
+        screen.contains("nothing replayed") && screen.contains("EXITED=3"),
+        "{screen}"
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (120, 0));
     tmux.run(&["kill-session", "-t", "top"]);
 
     // Yes: all of it.

@@ -69,12 +69,15 @@ pub async fn replay(
     let _ = err.write_all(question.as_bytes());
     let _ = err.flush();
     drop(err);
-    let answer = tokio::task::spawn_blocking(|| {
+    let read = tokio::task::spawn_blocking(|| {
         let mut line = String::new();
         std::io::stdin().read_line(&mut line).map(|_| line)
-    })
-    .await
-    .map_err(std::io::Error::other)??;
+    });
+    // Ctrl-C at the question is a no (the blocked read is left to the process's end).
+    let answer = tokio::select! {
+        () = shutdown.cancelled() => return Ok(false),
+        answer = read => answer.map_err(std::io::Error::other)??,
+    };
     Ok(matches!(
         answer.trim().to_ascii_lowercase().as_str(),
         "y" | "yes"

@@ -215,64 +215,74 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     }
     drop(conn);
 
-    let mut broker_error = None;
-    if let Some(connection) = broker {
-        'queues: for c in &mut consumers {
-            for depth in [c.queue.as_mut(), c.error_queue.as_mut()]
-                .into_iter()
-                .flatten()
-            {
-                if crate::amqp::validate_name("queue", &depth.name).is_err() {
-                    continue;
-                }
-                match topology::queue_depth(connection, &depth.name).await {
-                    Ok(Some((ready, consumers))) => {
-                        depth.ready = Some(ready);
-                        depth.consumers = Some(consumers);
-                        depth.exists = true;
-                    }
-                    Ok(None) => {
-                        // An error queue that does not exist has nothing in it: 0 is known, not assumed.
-                        if depth.name.ends_with("_error") {
-                            depth.ready = Some(0);
-                        }
-                    }
-                    Err(e) => {
-                        broker_error = Some(crate::redact::text(&e.to_string()));
-                        break 'queues;
-                    }
-                }
-            }
-            if !range.look_at_heads {
-                continue;
-            }
-            if let Some(q) = c
-                .error_queue
-                .as_ref()
-                .filter(|q| q.ready.is_some_and(|r| r > 0))
-            {
-                match oldest_failure(connection, &q.name).await {
-                    Ok(age) => c.oldest_dead_letter_seconds = age,
-                    Err(e) => {
-                        broker_error = Some(crate::redact::text(&e.to_string()));
-                        break 'queues;
-                    }
-                }
-            }
-        }
-    } else {
-        broker_error = Some("RabbitMQ not reachable".to_owned());
-    }
+    let broker_error = match broker {
+        Some(connection) => from_broker(connection, &mut consumers, range).await,
+        None => Some("RabbitMQ not reachable".to_owned()),
+    };
 
     Ok(Snapshot {
         taken_at: Utc::now(),
         window: range.window,
         bucket: range.bucket,
         retention: range.retention,
-        heads_looked: range.look_at_heads && broker.is_some(),
+        heads_looked: range.look_at_heads && broker.is_some() && broker_error.is_none(),
         consumers,
         broker_error,
     })
+}
+
+/// Fills in the queues' depths and the error queues' oldest messages; why the broker's figures are missing, if they
+/// are.
+async fn from_broker(
+    connection: &Connection,
+    consumers: &mut [ConsumerStats],
+    range: Range,
+) -> Option<String> {
+    let mut broker_error = None;
+    'queues: for c in consumers.iter_mut() {
+        for depth in [c.queue.as_mut(), c.error_queue.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            if crate::amqp::validate_name("queue", &depth.name).is_err() {
+                continue;
+            }
+            match topology::queue_depth(connection, &depth.name).await {
+                Ok(Some((ready, consumers))) => {
+                    depth.ready = Some(ready);
+                    depth.consumers = Some(consumers);
+                    depth.exists = true;
+                }
+                Ok(None) => {
+                    // An error queue that does not exist has nothing in it: 0 is known, not assumed.
+                    if depth.name.ends_with("_error") {
+                        depth.ready = Some(0);
+                    }
+                }
+                Err(e) => {
+                    broker_error = Some(crate::redact::text(&e.to_string()));
+                    break 'queues;
+                }
+            }
+        }
+        if !range.look_at_heads {
+            continue;
+        }
+        if let Some(q) = c
+            .error_queue
+            .as_ref()
+            .filter(|q| q.ready.is_some_and(|r| r > 0))
+        {
+            match oldest_failure(connection, &q.name).await {
+                Ok(age) => c.oldest_dead_letter_seconds = age,
+                Err(e) => {
+                    broker_error = Some(crate::redact::text(&e.to_string()));
+                    break 'queues;
+                }
+            }
+        }
+    }
+    broker_error
 }
 
 /// How long ago the message at the head of `queue` failed (as its headers say, else when it was published).

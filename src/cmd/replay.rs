@@ -160,7 +160,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if let Some(e) = stopped_error(&report, &broker) {
         return Err(e);
     }
-    Ok(outcome(&report))
+    Ok(report.outcome())
 }
 
 fn print(report: &Report) -> Result<()> {
@@ -320,7 +320,7 @@ async fn audit(
             map.insert(key.to_owned(), value);
         }
     }
-    let mut entry = crate::audit::Entry::ended("replay", report, outcome, details);
+    let mut entry = crate::audit::Entry::ended("replay", report, Report::outcome, details);
     if let Some(e) = stopped {
         entry.outcome = "failed";
         entry.exit_code = Some(i32::from(e.exit_code()));
@@ -330,24 +330,6 @@ async fn audit(
             crate::audit::record_in(&db, &entry).await;
         }
         Err(e) => tracing::warn!("this replay was not written to the audit: {e}"),
-    }
-}
-
-/// The exit a replay's report means.
-fn outcome(report: &Report) -> Outcome {
-    let group_drifted = report
-        .group
-        .as_ref()
-        .is_some_and(|g| !g.gone.is_empty() || !g.changed.is_empty());
-    if report.stopped.is_some()
-        || report.interrupted
-        || report.left > 0
-        || report.unreached > 0
-        || group_drifted
-    {
-        Outcome::Partial
-    } else {
-        Outcome::Done
     }
 }
 

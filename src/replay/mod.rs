@@ -204,6 +204,25 @@ pub struct Report {
 }
 
 impl Report {
+    /// Partial (exit 3) when anything of the snapshot was not replayed for a reason the operator should know: it
+    /// stopped, was interrupted, left messages, did not meet some, or the group drifted from its listing.
+    pub fn outcome(&self) -> crate::error::Outcome {
+        let group_drifted = self
+            .group
+            .as_ref()
+            .is_some_and(|g| !g.gone.is_empty() || !g.changed.is_empty());
+        if self.stopped.is_some()
+            || self.interrupted
+            || self.left > 0
+            || self.unreached > 0
+            || group_drifted
+        {
+            crate::error::Outcome::Partial
+        } else {
+            crate::error::Outcome::Done
+        }
+    }
+
     /// Compares what the replay met with the group's listing.
     pub(crate) fn check_group(&self, group: &GroupPlan) -> GroupCheck {
         let listed = group.listed_set();

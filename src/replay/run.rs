@@ -71,7 +71,13 @@ pub async fn run(
     report.left = state.machine.left();
     report.already_replayed = state.machine.already_replayed();
     report.group = plan.group.as_ref().map(|g| report.check_group(g));
-    if !report.interrupted && report.stopped.is_none() {
+    // Only a replay of everything can tell: a chosen few (ids, a reason, a group, a limit) may all have been met
+    // whatever else was held elsewhere.
+    let everything = plan.limit.is_none()
+        && plan.message_ids.is_empty()
+        && plan.reason.is_none()
+        && plan.group.is_none();
+    if everything && !report.interrupted && report.stopped.is_none() {
         report.unreached = snapshot.saturating_sub(state.machine.decided());
     }
     Ok(report)

@@ -23,8 +23,13 @@ pub struct Context {
     pub shutdown: CancellationToken,
 }
 
-/// Starts what `request` asks for; its answer comes back on `tx`.
-pub fn start(request: Request, context: &Context, tx: &mpsc::Sender<Action>) {
+/// Starts what `request` asks for; its answer comes back on `tx`. The dashboard waits for the task before it ends: a
+/// replay stopped by the shutdown gives back what it holds and writes its audit row.
+pub fn start(
+    request: Request,
+    context: &Context,
+    tx: &mpsc::Sender<Action>,
+) -> tokio::task::JoinHandle<()> {
     let (context, tx) = (context.clone(), tx.clone());
     tokio::spawn(async move {
         let answer = match request {
@@ -41,7 +46,7 @@ pub fn start(request: Request, context: &Context, tx: &mpsc::Sender<Action>) {
             ),
         };
         let _ = tx.send(answer).await;
-    });
+    })
 }
 
 async fn connect(broker: &Broker) -> Option<crate::amqp::Connection> {
@@ -112,18 +117,7 @@ async fn replay_group(
         map.insert("left".to_owned(), json!(r.left));
         map.insert("group".to_owned(), json!(r.group));
     }
-    let entry = crate::audit::Entry::ended(
-        "replay",
-        &report,
-        |r| {
-            if r.left > 0 || r.stopped.is_some() {
-                crate::error::Outcome::Partial
-            } else {
-                crate::error::Outcome::Done
-            }
-        },
-        details,
-    );
+    let entry = crate::audit::Entry::ended("replay", &report, replay::Report::outcome, details);
     let audited = crate::audit::record(&context.pool, &entry).await;
     let note = if audited {
         ""
@@ -132,13 +126,22 @@ async fn replay_group(
     };
     match report {
         Ok(r) => {
-            let g = r.group.unwrap_or_default();
+            let g = r.group.clone().unwrap_or_default();
+            let partial = if r.outcome() == crate::error::Outcome::Partial {
+                format!(
+                    "; {} left in place, {} not met — see `inboxctl replay --dry-run`",
+                    r.left, r.unreached
+                )
+            } else {
+                String::new()
+            };
             format!(
-                "replayed {} of group {} ({} listed, {} gone, {} new left){note}",
+                "replayed {} of group {} ({} listed, {} gone, {} changed, {} new left{partial}){note}",
                 r.replayed,
                 g.fingerprint,
                 g.listed,
                 g.gone.len(),
+                g.changed.len(),
                 g.new
             )
         }

@@ -141,6 +141,8 @@ pub struct App {
     pub detail: Option<super::detail::DetailState>,
     /// `--read-only`: no action changes anything.
     pub read_only: bool,
+    /// A replay started from the detail is running (one at a time, wherever the view is).
+    pub replaying: bool,
     /// The outcome of the last action, on the status line.
     pub status: Option<String>,
     /// What the loop must fetch or do next.
@@ -172,6 +174,7 @@ impl App {
             filtering: false,
             detail: None,
             read_only: false,
+            replaying: false,
             status: None,
             request: None,
             all: Vec::new(),
@@ -255,25 +258,31 @@ impl App {
                 let Some(d) = &mut self.detail else { return };
                 if self.read_only {
                     self.status = Some("read-only (--read-only): replay is off".to_owned());
-                } else if d.replaying {
+                } else if self.replaying {
                     self.status = Some("a replay is running".to_owned());
-                } else if d.selected_group().is_some() {
-                    d.confirm = true;
+                } else if let Some(pending) = d.pending() {
+                    if pending.fingerprint == crate::triage::failures::OTHER_CAUSES {
+                        self.status = Some(
+                            "this group gathers the causes past the listing's first ones: replay them with \
+                             `inboxctl replay`"
+                                .to_owned(),
+                        );
+                    } else {
+                        d.confirm = Some(pending);
+                    }
                 }
             }
             Action::Confirm(yes) => {
                 let Some(d) = &mut self.detail else { return };
-                if !d.confirm {
+                let Some(pending) = d.confirm.take() else {
                     return;
-                }
-                d.confirm = false;
-                if !yes {
+                };
+                if yes {
+                    self.replaying = true;
+                    self.status = Some(format!("replaying {} messages…", pending.count));
+                    self.request = Some(pending.request);
+                } else {
                     self.status = Some("replay cancelled: nothing moved".to_owned());
-                } else if let Some(request) = d.replay_request() {
-                    let count = d.selected_group().map_or(0, |g| g.count);
-                    d.replaying = true;
-                    self.status = Some(format!("replaying {count} messages…"));
-                    self.request = Some(request);
                 }
             }
             Action::DetailLoaded(loaded) => {
@@ -282,15 +291,15 @@ impl App {
                         .as_ref()
                         .as_ref()
                         .map_or(true, |l| l.consumer_type == d.consumer_type)
+                    && d.reloaded(*loaded)
                 {
-                    d.data = Some(*loaded);
-                    d.step(0);
+                    self.status = Some("the groups changed: press r again".to_owned());
                 }
             }
             Action::ReplayDone(what) => {
                 self.status = Some(what);
+                self.replaying = false;
                 if let Some(d) = &mut self.detail {
-                    d.replaying = false;
                     self.request = Some(Request::Load {
                         consumer_type: d.consumer_type.clone(),
                         queue: d.queue.clone(),
@@ -318,7 +327,7 @@ impl App {
 
     pub fn mode(&self) -> Mode {
         match &self.detail {
-            Some(d) if d.confirm => Mode::Confirm,
+            Some(d) if d.confirm.is_some() => Mode::Confirm,
             Some(_) => Mode::Detail,
             None if self.filtering => Mode::Filtering,
             None => Mode::Table,

@@ -46,10 +46,19 @@ pub struct DetailState {
     pub data: Option<Result<Detail, String>>,
     /// The failure group selected.
     pub selected: usize,
-    /// The confirmation before a replay is open.
-    pub confirm: bool,
-    /// A replay started from here is running.
-    pub replaying: bool,
+    /// The confirmation before a replay, when open: exactly what `y` replays (fixed when `r` was pressed).
+    pub confirm: Option<Pending>,
+}
+
+/// A replay asked about: the request and what the question shows of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending {
+    pub request: Request,
+    pub count: u64,
+    pub fingerprint: String,
+    pub exception_type: String,
+    pub reason: String,
+    pub from: String,
 }
 
 impl DetailState {
@@ -59,8 +68,7 @@ impl DetailState {
             queue,
             data: None,
             selected: 0,
-            confirm: false,
-            replaying: false,
+            confirm: None,
         }
     }
 
@@ -81,19 +89,37 @@ impl DetailState {
         self.selected = self.selected.saturating_add_signed(by).min(last);
     }
 
-    /// The replay the confirmation asks about.
-    pub fn replay_request(&self) -> Option<Request> {
+    /// The replay of the selected group, as listed now: what the confirmation asks about.
+    pub fn pending(&self) -> Option<Pending> {
         let group = self.selected_group()?;
         let Some(Ok(detail)) = &self.data else {
             return None;
         };
-        Some(Request::Replay {
-            consumer_type: self.consumer_type.clone(),
-            from: detail.error_queue.clone(),
-            group: GroupPlanEq {
-                fingerprint: group.cause.fingerprint.clone(),
-                listed: group.message_ids.clone(),
+        Some(Pending {
+            request: Request::Replay {
+                consumer_type: self.consumer_type.clone(),
+                from: detail.error_queue.clone(),
+                group: GroupPlanEq {
+                    fingerprint: group.cause.fingerprint.clone(),
+                    listed: group.message_ids.clone(),
+                },
             },
+            count: group.count,
+            fingerprint: group.cause.fingerprint.clone(),
+            exception_type: group.cause.exception_type.clone(),
+            reason: group.cause.reason.clone(),
+            from: detail.error_queue.clone(),
         })
+    }
+
+    /// Takes a fresh listing: the selection follows its group by fingerprint, and an open confirmation is closed
+    /// (what it asked about may have changed). Returns whether one was closed.
+    pub fn reloaded(&mut self, data: Result<Detail, String>) -> bool {
+        let selected = self.selected_group().map(|g| g.cause.fingerprint.clone());
+        self.data = Some(data);
+        self.selected = selected
+            .and_then(|fp| self.groups().iter().position(|g| g.cause.fingerprint == fp))
+            .unwrap_or(0);
+        self.confirm.take().is_some()
     }
 }

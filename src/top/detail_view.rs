@@ -56,10 +56,8 @@ pub fn render(d: &DetailState, frame: &mut Frame, area: Rect) {
     let queue = sanitize::text(&detail.error_queue);
     render_groups(d, detail, &name, &queue, frame, groups_area);
     render_lists(detail, frame, [failures_area, unprocessed_area, audit_area]);
-    if d.confirm
-        && let Some(g) = d.selected_group()
-    {
-        confirm(frame, area, &queue, g);
+    if let Some(pending) = &d.confirm {
+        confirm(frame, area, pending);
     }
 }
 
@@ -184,17 +182,18 @@ fn list(frame: &mut Frame, area: Rect, title: &str, lines: Vec<TextLine<'static>
 }
 
 /// The question before a group is replayed: its count, its cause, where from.
-fn confirm(frame: &mut Frame, area: Rect, queue: &str, g: &crate::triage::Group) {
+fn confirm(frame: &mut Frame, area: Rect, p: &super::detail::Pending) {
     let text = vec![
         TextLine::from(format!(
-            "replay {} messages of group {} from {queue}?",
-            g.count,
-            sanitize::text(&g.cause.fingerprint)
+            "replay {} messages of group {} from {}?",
+            p.count,
+            sanitize::text(&p.fingerprint),
+            sanitize::text(&p.from)
         )),
         TextLine::from(format!(
             "{}: {}",
-            sanitize::text(&g.cause.exception_type),
-            sanitize::text(&g.cause.reason)
+            sanitize::text(&p.exception_type),
+            sanitize::text(&p.reason)
         )),
         TextLine::from("only the members listed now; newer failures of the cause stay"),
         TextLine::from(""),

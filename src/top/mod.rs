@@ -90,6 +90,7 @@ pub async fn run(
     let mut app = App::new(options.alert_duplicates);
     app.read_only = options.read_only;
     let mut events = EventStream::new();
+    let mut tasks: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     let result = loop {
         if let Err(e) = terminal.draw(|frame| ui::render(&app, frame)) {
             break Err(e.into());
@@ -113,14 +114,21 @@ pub async fn run(
             Some(action) = rx.recv() => app.update(action),
         }
         if let Some(request) = app.request.take() {
-            actions::start(request, &context, &tx);
+            tasks.retain(|t| !t.is_finished());
+            tasks.push(actions::start(request, &context, &tx));
         }
         if app.quit {
             break Ok(());
         }
     };
     collector_stop.cancel();
+    // Nobody reads the answers any more: a sender must not wait on a full channel.
+    drop(rx);
     let _ = collector.await;
+    // A replay stopped here gives back what it holds and writes its audit row; a look just ends.
+    for task in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
+    }
     result
 }
 

@@ -367,3 +367,53 @@ fn between_two_looks_the_oldest_error_ages_and_an_empty_queue_forgets_it() {
     app.update(Action::Data(empty));
     assert_eq!(app.lines[0].oldest_error_seconds, None);
 }
+
+#[test]
+fn a_reload_under_an_open_question_closes_it_and_the_selection_follows_its_group() {
+    use crate::top::detail::Request;
+    let mut app = App::new(0.05);
+    app.update(Action::Data(snapshot(vec![consumer("orders", 1, 0, 0, 2)])));
+    app.update(Action::Open);
+    app.update(Action::DetailLoaded(Box::new(Ok(detail_of(
+        "orders",
+        &[("aaaa", 2, &["m1", "m2"]), ("bbbb", 1, &["m3"])],
+    )))));
+    app.update(Action::Down);
+    app.update(Action::Replay);
+    assert_eq!(app.mode(), Mode::Confirm);
+    // The listing changes under the question: bbbb is now first. The question closes; `y` does nothing.
+    app.update(Action::DetailLoaded(Box::new(Ok(detail_of(
+        "orders",
+        &[
+            ("bbbb", 5, &["m3", "m4", "m5", "m6", "m7"]),
+            ("aaaa", 2, &["m1", "m2"]),
+        ],
+    )))));
+    assert_eq!(app.mode(), Mode::Detail);
+    assert!(
+        app.status
+            .as_deref()
+            .is_some_and(|s| s.contains("press r again"))
+    );
+    app.update(Action::Confirm(true));
+    assert!(!matches!(app.request, Some(Request::Replay { .. })));
+    let d = app.detail.as_ref().unwrap();
+    assert_eq!(
+        d.selected_group().unwrap().cause.fingerprint,
+        "bbbb",
+        "the selection follows its group"
+    );
+    // A replay runs: leaving the detail and coming back does not allow a second one.
+    app.update(Action::Replay);
+    app.update(Action::Confirm(true));
+    assert!(matches!(app.request.take(), Some(Request::Replay { .. })));
+    app.update(Action::Back);
+    app.update(Action::Open);
+    app.update(Action::DetailLoaded(Box::new(Ok(detail_of(
+        "orders",
+        &[("bbbb", 5, &["m3"])],
+    )))));
+    app.update(Action::Replay);
+    assert_eq!(app.mode(), Mode::Detail);
+    assert_eq!(app.status.as_deref(), Some("a replay is running"));
+}

@@ -71,17 +71,19 @@ pub async fn record(pool: &PgPool, entry: &Entry) -> bool {
     };
     match db::audit::insert(pool, &row).await {
         Ok(()) => true,
-        Err(e) => {
-            let e = Error::from(e);
-            tracing::warn!(
-                command = entry.command,
-                outcome = entry.outcome,
-                "this action was not written to the audit (inboxctl_audit): {}; its work stands",
-                crate::redact::text(&e.to_string())
-            );
-            false
-        }
+        Err(e) => not_audited(entry, &Error::from(e).to_string()),
     }
+}
+
+/// Says on stderr that `entry` could not be written, and why; always `false`.
+fn not_audited(entry: &Entry, why: &str) -> bool {
+    tracing::warn!(
+        command = entry.command,
+        outcome = entry.outcome,
+        "this action was not written to the audit (inboxctl_audit): {}; its work stands",
+        crate::redact::text(why)
+    );
+    false
 }
 
 /// Writes `entry` over a connection of its own to `database` (for commands that hold no pool of their own, or whose
@@ -93,15 +95,7 @@ pub async fn record_in(database: &crate::db::Database, entry: &Entry) -> bool {
             pool.close().await;
             written
         }
-        Err(e) => {
-            tracing::warn!(
-                command = entry.command,
-                outcome = entry.outcome,
-                "this action was not written to the audit (inboxctl_audit): {}; its work stands",
-                crate::redact::text(&e.to_string())
-            );
-            false
-        }
+        Err(e) => not_audited(entry, &e.to_string()),
     }
 }
 
@@ -114,15 +108,10 @@ pub async fn record_within(
 ) -> bool {
     match tokio::time::timeout(limit, record_in(database, entry)).await {
         Ok(written) => written,
-        Err(_) => {
-            tracing::warn!(
-                command = entry.command,
-                outcome = entry.outcome,
-                "this action was not written to the audit (inboxctl_audit) within {}; its work stands",
-                humantime::format_duration(limit)
-            );
-            false
-        }
+        Err(_) => not_audited(
+            entry,
+            &format!("not done within {}", humantime::format_duration(limit)),
+        ),
     }
 }
 

@@ -324,28 +324,9 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
         .await
         .unwrap();
     three_causes(&conn, 40).await;
-    let tmux = common::Tmux {
-        socket: format!("inboxctl-{}", env.db_name),
-    };
-    let replay = |extra: &str| {
-        format!(
-            "DATABASE_URL='{}' AMQP_URL='{}' '{}' replay --from {ERROR_QUEUE} {extra}; echo EXITED=$?; sleep 60",
-            env.database_url,
-            env.amqp_url,
-            common::bin()
-        )
-    };
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "50",
-        &replay(""),
-    ]);
+    let tmux = common::Tmux::of(&env);
+    let replay = |extra: &str| format!("replay --from {ERROR_QUEUE} {extra}");
+    tmux.start(&env, &replay(""));
     let screen = tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
     assert!(
         screen.contains("replay 120 messages from parcel-created-carrier_error"),
@@ -371,17 +352,7 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
     tmux.run(&["kill-session", "-t", "top"]);
 
     // Ctrl-C at the question: a no.
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "50",
-        &replay(""),
-    ]);
+    tmux.start(&env, &replay(""));
     tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
     tmux.run(&["send-keys", "-t", "top", "C-c"]);
     let screen = tmux.wait_for("the refusal", |s| s.contains("EXITED="));
@@ -393,17 +364,7 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
     tmux.run(&["kill-session", "-t", "top"]);
 
     // Yes: all of it.
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "50",
-        &replay(""),
-    ]);
+    tmux.start(&env, &replay(""));
     tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
     tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
     let screen = tmux.wait_for("the replay", |s| s.contains("EXITED="));
@@ -415,17 +376,7 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
 
     // --yes on a terminal: no question.
     three_causes(&conn, 40).await;
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "50",
-        &replay("--yes"),
-    ]);
+    tmux.start(&env, &replay("--yes"));
     let screen = tmux.wait_for("the replay", |s| s.contains("EXITED="));
     assert!(!screen.contains("replay them?"), "{screen}");
     assert!(
@@ -935,28 +886,9 @@ async fn top_shows_a_consumer_types_detail_and_replays_a_group_after_a_confirmat
         )
         .await;
     }
-    let tmux = common::Tmux {
-        socket: format!("inboxctl-{}", env.db_name),
-    };
-    let top = |extra: &str| {
-        format!(
-            "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms {extra}; echo EXITED=$?; sleep 60",
-            env.database_url,
-            env.amqp_url,
-            common::bin()
-        )
-    };
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "45",
-        &top(""),
-    ]);
+    let tmux = common::Tmux::of(&env);
+    let top = |extra: &str| format!("top --interval 500ms {extra}");
+    tmux.start(&env, &top(""));
     tmux.wait_for("the table", |s| s.contains(CARRIER_QUEUE));
     tmux.run(&["send-keys", "-t", "top", "Enter"]);
     let screen = tmux.wait_for("the detail", |s| {
@@ -1002,17 +934,7 @@ async fn top_shows_a_consumer_types_detail_and_replays_a_group_after_a_confirmat
     tmux.run(&["kill-session", "-t", "top"]);
 
     // --read-only: the detail, but no replay.
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "45",
-        &top("--read-only"),
-    ]);
+    tmux.start(&env, &top("--read-only"));
     tmux.wait_for("the table", |s| {
         s.contains(CARRIER_QUEUE) && s.contains("read-only")
     });

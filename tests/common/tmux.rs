@@ -9,6 +9,35 @@ pub struct Tmux {
 }
 
 impl Tmux {
+    /// A tmux server of `env`'s own.
+    pub fn of(env: &super::TestEnv) -> Self {
+        Self {
+            socket: format!("inboxctl-{}", env.db_name),
+        }
+    }
+
+    /// Runs inboxctl `args` (shell words) with `env`'s URLs in a new session `top` of 200×50, then says its exit
+    /// code (`EXITED=`) and stays, for the screen to be read.
+    pub fn start(&self, env: &super::TestEnv, args: &str) {
+        let script = format!(
+            "DATABASE_URL='{}' AMQP_URL='{}' '{}' {args}; echo EXITED=$?; sleep 60",
+            env.database_url,
+            env.amqp_url,
+            super::bin()
+        );
+        self.run(&[
+            "new-session",
+            "-d",
+            "-s",
+            "top",
+            "-x",
+            "200",
+            "-y",
+            "50",
+            &script,
+        ]);
+    }
+
     pub fn run(&self, args: &[&str]) -> String {
         let out = Command::new("tmux")
             .arg("-L")

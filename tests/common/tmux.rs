@@ -36,6 +36,8 @@ impl Tmux {
             "50",
             &script,
         ]);
+        // A test that kills this session to start the next one must not race the server's exit in between.
+        self.run(&["set-option", "-g", "exit-empty", "off"]);
     }
 
     pub fn run(&self, args: &[&str]) -> String {

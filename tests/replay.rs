@@ -5,8 +5,8 @@ use crate::common;
 
 use std::time::Duration;
 
-use common::{CARRIER_QUEUE, EVENT_EXCHANGE, TestEnv};
-use lapin::options::{BasicGetOptions, BasicNackOptions, BasicRejectOptions, QueueDeclareOptions};
+use common::{CARRIER_QUEUE, EVENT_EXCHANGE, TestEnv, peek};
+use lapin::options::{BasicGetOptions, BasicRejectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};
 
@@ -18,33 +18,6 @@ async fn error_queue(conn: &Connection) {
     inboxctl::amqp::topology::ensure_dead_letter_queue(conn, ERROR_QUEUE)
         .await
         .unwrap();
-}
-
-/// Reads every message of a queue without taking it: fetched unacknowledged, then all given back.
-async fn peek(conn: &Connection, queue: &str) -> Vec<lapin::message::Delivery> {
-    let channel = conn.create_channel().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(m) = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await
-        .unwrap()
-    {
-        out.push(m.delivery);
-    }
-    if let Some(last) = out.last() {
-        channel
-            .basic_nack(
-                last.delivery_tag,
-                BasicNackOptions {
-                    multiple: true,
-                    requeue: true,
-                },
-            )
-            .await
-            .unwrap();
-    }
-    let _ = channel.close(200, "OK".into()).await;
-    out
 }
 
 fn replay_json(env: &TestEnv, args: &[&str], expected_code: i32) -> serde_json::Value {

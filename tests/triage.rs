@@ -9,7 +9,6 @@ use std::time::{Duration, Instant};
 use chrono::{TimeDelta, Utc};
 use common::{CARRIER_QUEUE, NOTIFICATION_QUEUE, TestEnv};
 use lapin::Connection;
-use lapin::options::{BasicGetOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use uuid::Uuid;
 
@@ -45,38 +44,17 @@ async fn fail(
 
 /// The message ids of a queue in its order, looked at and given back.
 async fn ids_in(conn: &Connection, queue: &str) -> Vec<String> {
-    let channel = conn.create_channel().await.unwrap();
-    let mut ids = Vec::new();
-    let mut last = None;
-    while let Some(m) = channel
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+    common::peek(conn, queue)
         .await
-        .unwrap()
-    {
-        last = Some(m.delivery.delivery_tag);
-        ids.push(
-            m.delivery
-                .properties
+        .iter()
+        .map(|m| {
+            m.properties
                 .message_id()
                 .as_ref()
                 .map(|s| s.to_string())
-                .unwrap_or_default(),
-        );
-    }
-    if let Some(last) = last {
-        channel
-            .basic_nack(
-                last,
-                BasicNackOptions {
-                    multiple: true,
-                    requeue: true,
-                },
-            )
-            .await
-            .unwrap();
-    }
-    let _ = channel.close(200, "OK".into()).await;
-    ids
+                .unwrap_or_default()
+        })
+        .collect()
 }
 
 fn json(out: &common::Output) -> serde_json::Value {

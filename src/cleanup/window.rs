@@ -91,10 +91,7 @@ pub async fn check(
     if consumers.is_empty() {
         return Ok(());
     }
-    let queues: HashMap<String, String> = db::cleanup::consumer_queues(pool)
-        .await?
-        .into_iter()
-        .collect();
+    let queues = db::stats::registered_consumers(pool).await?;
     let connection = guard.broker.connect("inboxctl cleanup").await?;
     let result = check_on(&connection, guard, &queues, cutoff, consumers).await;
     crate::amqp::close(&connection, "OK").await;

@@ -71,9 +71,6 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
 SELECT count(*), min(received_at) FROM inbox_messages
 WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
 
-    /// The queue each registered consumer_type reads: where its dead-letter queues are.
-    const CONSUMER_QUEUES = "SELECT consumer_type::text, queue FROM inboxctl_consumers";
-
     /// `cleanup`: start counts of messages that never came back. `$1` consumer_type, `$2` cutoff.
     const DELETE_OLD_ATTEMPTS =
     "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND last_started_at < $2";
@@ -223,9 +220,4 @@ pub async fn delete_old_attempts(
         .execute(executor)
         .await?
         .rows_affected())
-}
-
-/// The queue each registered consumer_type reads (`CONSUMER_QUEUES`).
-pub async fn consumer_queues(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<(String, String)>> {
-    sqlx::query_as(CONSUMER_QUEUES).fetch_all(executor).await
 }

@@ -41,9 +41,6 @@ WHERE consumer_type = $1 AND processed_at IS NULL ORDER BY received_at LIMIT $2"
 SELECT occurred_at, kind, detail, message_id FROM inboxctl_events
 WHERE consumer_type = $1 AND kind IN ('failed', 'dead_lettered', 'skipped', 'conflict')
 ORDER BY occurred_at DESC LIMIT $2";
-
-    /// Every registered consumer_type and its queue.
-    const CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers ORDER BY consumer_type";
 }
 
 /// A message's inbox row for one consumer_type.
@@ -143,11 +140,6 @@ pub async fn effects(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Ve
             at,
         })
         .collect())
-}
-
-/// Every registered consumer_type and the queue it reads (`CONSUMERS`).
-pub async fn consumers(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<(String, String)>> {
-    sqlx::query_as(CONSUMERS).fetch_all(executor).await
 }
 
 /// A consumer_type's oldest unprocessed rows: (message id, received at) (`OLDEST_UNPROCESSED`).

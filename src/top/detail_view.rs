@@ -199,14 +199,7 @@ fn confirm(frame: &mut Frame, area: Rect, p: &super::detail::Pending) {
         TextLine::from(""),
         TextLine::from("y replay · n or Esc cancel"),
     ];
-    let width = 80.min(area.width);
-    let height = 7.min(area.height);
-    let popup = Rect {
-        x: area.x + (area.width - width) / 2,
-        y: area.y + (area.height - height) / 2,
-        width,
-        height,
-    };
+    let popup = super::ui::centred(area, 80, 7);
     frame.render_widget(Clear, popup);
     frame.render_widget(
         Paragraph::new(text)

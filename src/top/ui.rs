@@ -281,6 +281,17 @@ fn render_status(app: &App, frame: &mut Frame, area: Rect) {
     frame.render_widget(Paragraph::new(TextLine::from(spans)), area);
 }
 
+/// A box of at most `width` × `height` in the middle of `area`, for a popup.
+pub(super) fn centred(area: Rect, width: u16, height: u16) -> Rect {
+    let (width, height) = (width.min(area.width), height.min(area.height));
+    Rect {
+        x: area.x + (area.width - width) / 2,
+        y: area.y + (area.height - height) / 2,
+        width,
+        height,
+    }
+}
+
 fn render_help(frame: &mut Frame, area: Rect) {
     let text = vec![
         TextLine::from("↑ ↓ or j k   select a consumer_type (its charts below)"),
@@ -299,14 +310,7 @@ fn render_help(frame: &mut Frame, area: Rect) {
             "err age: its oldest message; yellow near the retention, red past it (a replay may repeat)",
         ),
     ];
-    let width = 66.min(area.width);
-    let height = (text.len() as u16 + 2).min(area.height);
-    let popup = Rect {
-        x: area.x + (area.width - width) / 2,
-        y: area.y + (area.height - height) / 2,
-        width,
-        height,
-    };
+    let popup = centred(area, 66, text.len() as u16 + 2);
     frame.render_widget(Clear, popup);
     frame.render_widget(
         Paragraph::new(text)

@@ -103,7 +103,7 @@ pub async fn find(
         messages.push(in_database(pool, id).await?);
     }
     let mut queues: BTreeSet<String> = BTreeSet::new();
-    for (_, queue) in db::triage::consumers(pool).await? {
+    for queue in db::stats::registered_consumers(pool).await?.into_values() {
         queues.insert(topology::error_queue(&queue));
         queues.insert(topology::skipped_queue(&queue));
     }

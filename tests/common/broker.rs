@@ -4,7 +4,7 @@
 use std::process::Command;
 
 use lapin::options::{
-    BasicGetOptions, ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicGetOptions, BasicNackOptions, ConfirmSelectOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Connection};
@@ -192,4 +192,31 @@ pub fn header_text(props: &BasicProperties, key: &str) -> Option<String> {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         other => Some(format!("{other:?}")),
     }
+}
+
+/// Reads every message of a queue without taking it: fetched unacknowledged, then all given back.
+pub async fn peek(conn: &Connection, queue: &str) -> Vec<lapin::message::Delivery> {
+    let channel = conn.create_channel().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(m) = channel
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+    {
+        out.push(m.delivery);
+    }
+    if let Some(last) = out.last() {
+        channel
+            .basic_nack(
+                last.delivery_tag,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            )
+            .await
+            .unwrap();
+    }
+    let _ = channel.close(200, "OK".into()).await;
+    out
 }

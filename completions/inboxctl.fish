@@ -25,7 +25,7 @@ function __fish_inboxctl_using_subcommand
 end
 
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -48,7 +48,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "audit" -d 'The op
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -61,6 +61,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s h -l help 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l queue -d 'The queue to read (default: parcel-created-carrier or parcel-created-notification)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exchange -d 'The exchange the event is published to; the queue is bound to it through an exchange of its own name' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l queue-type -d 'What the queue and its <queue>_error and <queue>_skipped are declared as where they do not exist (an existing queue is used as it is)' -r -f -a "classic\t'On one node, as MassTransit declares by default'
+quorum\t'Replicated over the cluster\'s nodes; the broker counts each message\'s deliveries'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l consumer-type -d 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l prefetch -d 'Deliveries the broker may send ahead of acknowledgements' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l concurrency -d 'Messages processed at once' -r
@@ -78,7 +80,7 @@ discard\t'Acknowledged and dropped, like a duplicate'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-addr -d 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -96,7 +98,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-paus
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l every -d 'Keep running and clean on this schedule (e.g. 1h), as a sidecar or where there is no cron' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l metrics-addr -d 'With --every: serve Prometheus metrics on /metrics and a health check on /health at this address' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -121,7 +123,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l rate -d 'Re
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l confirm-above -d 'On a terminal, ask before replaying more than this many messages, showing the count and the groups' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to go on (0: stop at once, saying what was done)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -138,7 +140,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l versio
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l dlq -d 'A dead-letter-exchange queue to look in too, beside each known consumer_type\'s <queue>_error and <queue>_skipped (repeatable)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l limit -d 'Look at no more than this many messages per dead-letter queue (the oldest)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -152,7 +154,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l from -d '
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l limit -d 'Look at no more than this many messages (the oldest)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l output -d 'Write the listing, with every member\'s message id, to this file: `replay --group <fingerprint> --listing <file>` replays exactly those members' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -163,7 +165,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s v -l verb
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -184,7 +186,7 @@ v4\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -201,7 +203,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l window -d 'Rat
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l retention -d 'The cleanup\'s retention: an error queue\'s oldest message nearing it is flagged (its replay needs its inbox row)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l alert-duplicates -d 'Highlight a duplicate ratio above this, in percent' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -214,7 +216,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l window -d 'Rates are averages over this last stretch of time (from 1s to 100y)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l retention -d 'The cleanup\'s retention: an error queue\'s oldest message nearing it is flagged (its replay needs its inbox row)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -227,7 +229,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s V -l version
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l parcels -d 'Parcels to register (one ParcelCreatedEvent each)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l duplicates -d 'Fraction of the events delivered twice (the same message id again), 0 to 1' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -240,7 +242,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l since -d 'Ac
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l command -d 'Only this command\'s actions (migrate, cleanup, replay, consume)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l limit -d 'At most this many rows' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
@@ -251,7 +253,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s v -l verbose
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F

@@ -60,15 +60,17 @@ pub struct ConnectOpts {
     )]
     pub database_url: String,
 
-    /// RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f)
+    /// RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a
+    /// cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node
     #[arg(
         long,
         env = "AMQP_URL",
         hide_env_values = true,
         default_value = DEFAULT_AMQP_URL,
-        global = true
+        global = true,
+        action = clap::ArgAction::Append
     )]
-    pub amqp_url: String,
+    pub amqp_url: Vec<String>,
 
     /// File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment
     #[arg(
@@ -99,10 +101,39 @@ impl ConnectOpts {
         crate::db::Database::new(&self.database_url, self.database_password_file.as_deref())
     }
 
+    /// Notes which URLs were given a password in the command line itself (`matches`: the parsed command line).
+    pub fn note_passwords_in_arguments(&mut self, matches: &clap::ArgMatches) {
+        let amqp_urls = self.amqp_url.join(" ");
+        for (id, url, flag) in [
+            ("database_url", &self.database_url, DATABASE_URL),
+            ("amqp_url", &amqp_urls, AMQP_URL),
+        ] {
+            if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
+                && crate::redact::has_password(url)
+            {
+                self.passwords_in_arguments.push(flag);
+            }
+        }
+    }
+
+    /// Registers the URLs' passwords for redaction, before anything can print them.
+    pub fn register_secrets(&self) {
+        crate::redact::register_url(&self.database_url);
+        for url in &self.amqp_url {
+            crate::redact::register_url(url);
+        }
+    }
+
+    /// `--amqp-url` as one URL: given more than once, the host list of every node.
+    pub fn amqp_url(&self) -> crate::Result<String> {
+        crate::amqp::nodes::join(&self.amqp_url)
+            .map_err(|e| crate::Error::Usage(format!("--amqp-url: {e}")))
+    }
+
     /// The broker of the command line: `--amqp-url`, with `--amqp-ca-file` and `--amqp-password-file` if given.
     pub fn broker(&self) -> crate::Result<crate::amqp::Broker> {
         crate::amqp::Broker::new(&crate::amqp::BrokerOptions {
-            url: self.amqp_url.clone(),
+            url: self.amqp_url()?,
             ca_file: self.amqp_ca_file.clone(),
             password_file: self.amqp_password_file.clone(),
         })
@@ -116,17 +147,7 @@ pub fn parse() -> Result<Cli, clap::Error> {
     use clap::{CommandFactory as _, FromArgMatches as _};
     let matches = Cli::command().try_get_matches()?;
     let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut Cli::command()))?;
-    let connect = &mut cli.global.connect;
-    for (id, url, flag) in [
-        ("database_url", &connect.database_url, DATABASE_URL),
-        ("amqp_url", &connect.amqp_url, AMQP_URL),
-    ] {
-        if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
-            && crate::redact::has_password(url)
-        {
-            connect.passwords_in_arguments.push(flag);
-        }
-    }
+    cli.global.connect.note_passwords_in_arguments(&matches);
     Ok(cli)
 }
 

@@ -57,6 +57,7 @@ pub async fn run(
             &connection,
             topology::PARCEL_CREATED_EXCHANGE,
             kind.default_queue(),
+            topology::QueueType::Classic,
         )
         .await?;
     }

@@ -39,8 +39,7 @@ pub use error::{Error, Outcome, Result};
 
 /// Runs a parsed command line to its end.
 pub fn run(cli: Cli) -> Result<Outcome> {
-    redact::register_url(&cli.global.connect.database_url);
-    redact::register_url(&cli.global.connect.amqp_url);
+    cli.global.connect.register_secrets();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

@@ -204,6 +204,7 @@ pub async fn publish_showing(
         progress: &mut progress,
         sent: 0,
         prefix_broken: false,
+        nacked: false,
         report: Report {
             exchange: exchange.to_owned(),
             duplicates: (order.len() - messages.len()) as u64,
@@ -258,16 +259,39 @@ struct Run<'a> {
     sent: usize,
     /// Set when a confirm was taken from the window and failed: the copies after it are no longer a prefix.
     prefix_broken: bool,
+    /// Set when the broker refused a copy (a nack): a quorum queue without a leader for a moment (its node lost,
+    /// the election running) refuses what is routed to it, and takes it again once one is elected.
+    nacked: bool,
     report: Report,
 }
 
 impl Run<'_> {
     /// Sends every copy, connecting again after a lost connection (and sending again what was not confirmed).
     async fn send_all(&mut self, link: &mut Link<'_>, shutdown: &CancellationToken) -> Result<()> {
+        let mut refusals = Refusals::new(link.within());
         loop {
             let confirmed_before = self.confirmed;
+            self.nacked = false;
             let e = match self.send_rest(link.current(), shutdown).await {
                 Ok(()) => return Ok(()),
+                Err(e) if self.nacked => {
+                    if !refusals
+                        .again(self.confirmed > confirmed_before, shutdown)
+                        .await
+                    {
+                        return Err(e);
+                    }
+                    tracing::warn!(
+                        error = %e,
+                        confirmed = self.confirmed,
+                        of = self.order.len(),
+                        "RabbitMQ refused a copy (a quorum queue electing a leader?); sending the unconfirmed rest \
+                         again"
+                    );
+                    self.report.resent += (self.sent - self.confirmed) as u64;
+                    self.sent = self.confirmed;
+                    continue;
+                }
                 Err(e) if !link.is_lost(&e) => return Err(e),
                 Err(e) => e,
             };
@@ -351,7 +375,10 @@ impl Run<'_> {
     async fn settle(&mut self, confirm: Pending) -> Result<()> {
         let settled = settle(confirm, &mut self.report).await;
         self.prefix_broken |= settled.is_err();
-        settled
+        if let Err(Settled::Nacked(_)) = &settled {
+            self.nacked = true;
+        }
+        settled.map_err(Settled::into_error)
     }
 
     async fn send_rest_on(
@@ -410,18 +437,71 @@ impl Run<'_> {
     }
 }
 
+/// How a copy's confirm failed.
+enum Settled {
+    /// The broker refused the copy: sending it again later may succeed.
+    Nacked(Error),
+    Failed(Error),
+}
+
+impl Settled {
+    fn into_error(self) -> Error {
+        match self {
+            Self::Nacked(e) | Self::Failed(e) => e,
+        }
+    }
+}
+
 /// Waits for a copy's confirm: a copy no queue received is counted, one the broker refused fails the run.
-async fn settle(confirm: Pending, report: &mut Report) -> Result<()> {
+async fn settle(confirm: Pending, report: &mut Report) -> std::result::Result<(), Settled> {
     match confirm.confirmed().await {
         Ok(Routed::Queued) => Ok(()),
         Ok(Routed::Returned) => {
             report.unroutable += 1;
             Ok(())
         }
-        Err(PublishError::Broker(e)) => Err(e.into()),
-        Err(refused) => Err(Error::Topology(format!(
+        Err(PublishError::Broker(e)) => Err(Settled::Failed(e.into())),
+        Err(refused @ PublishError::Nacked) => Err(Settled::Nacked(Error::Topology(format!(
             "the broker refused a message: {refused}"
-        ))),
+        )))),
+        Err(refused) => Err(Settled::Failed(Error::Topology(format!(
+            "the broker refused a message: {refused}"
+        )))),
+    }
+}
+
+/// Refused copies sent again: with a backoff (0.1 s doubling to 2 s), for as long as a lost connection is tried
+/// again; a refusal after some progress starts the wait afresh.
+struct Refusals {
+    within: Duration,
+    deadline: tokio::time::Instant,
+    backoff: crate::backoff::Backoff,
+}
+
+impl Refusals {
+    fn new(within: Duration) -> Self {
+        Self {
+            within,
+            deadline: tokio::time::Instant::now() + within,
+            backoff: Self::backoff(),
+        }
+    }
+
+    fn backoff() -> crate::backoff::Backoff {
+        crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(2))
+    }
+
+    /// Waits before the next try; false when the time is up (or the run is stopped).
+    async fn again(&mut self, progressed: bool, shutdown: &CancellationToken) -> bool {
+        if progressed {
+            self.deadline = tokio::time::Instant::now() + self.within;
+            self.backoff = Self::backoff();
+        }
+        let delay = self.backoff.next_delay();
+        if tokio::time::Instant::now() + delay > self.deadline {
+            return false;
+        }
+        !crate::backoff::sleep_or_cancel(delay, shutdown).await
     }
 }
 

@@ -1284,9 +1284,13 @@ async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
     // gamma's error queue holds a message that failed an hour ago, well inside the window: the cleanup must look at
     // it (read) to know that.
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, "gamma-queue_error")
-        .await
-        .unwrap();
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "gamma-queue_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
     let mut headers = lapin::types::FieldTable::default();
     let an_hour_ago =
         inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::hours(1));

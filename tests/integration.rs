@@ -15,6 +15,7 @@ mod batch;
 mod chaos;
 mod cleanup;
 mod cli;
+mod cluster;
 mod completions;
 mod concurrency;
 mod consume;

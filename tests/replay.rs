@@ -15,7 +15,7 @@ const ERROR_QUEUE: &str = "parcel-created-carrier_error";
 const FIXTURE_RETENTION: &str = "36500d";
 
 async fn error_queue(conn: &Connection) {
-    inboxctl::amqp::topology::ensure_dead_letter_queue(conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
 }
@@ -1071,7 +1071,7 @@ async fn the_consumers_error_copies_of_a_queue_with_a_slash_go_back_to_it() {
     let conn = env.amqp().await;
     let queue = "eu/parcel-created-carrier";
     let error_queue = format!("{queue}_error");
-    inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue)
+    inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue, common::queue_type())
         .await
         .unwrap();
     declare(&conn, &[CARRIER_QUEUE], FieldTable::default()).await;

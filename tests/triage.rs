@@ -105,7 +105,7 @@ async fn three_causes_make_three_groups_and_a_group_replays_exactly_its_listed_m
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
     let causes = three_causes(&conn, 100).await;
@@ -252,7 +252,7 @@ async fn a_rate_holds_and_without_a_terminal_nothing_is_asked() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
     for i in 0..150 {
@@ -298,7 +298,7 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
     three_causes(&conn, 40).await;
@@ -410,7 +410,7 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
     processed_rows(&pool, "sms", "orders-sms", 7, 8).await;
     for q in ["orders-carrier_error", "orders-sms_error"] {
-        inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, q)
+        inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, q, common::queue_type())
             .await
             .unwrap();
     }
@@ -488,7 +488,7 @@ async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
     let conn = env.amqp().await;
     // Rows processed two days ago; the captured fixtures failed on 2026-11-30 (MT-Fault-Timestamp).
     processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 3, 2).await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
     let fixture = common::fixture("error/error-01.json");
@@ -536,7 +536,7 @@ async fn every_state_changing_command_is_audited_without_a_password_and_outlives
     common::publish_parcels(&env, &["--count", "3"]);
     common::consume_until_idle(&env, &["carrier"]);
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
     fail(
@@ -667,9 +667,13 @@ async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was(
     common::consume_until_idle(&env, &["carrier"]);
     // Other failures around it, so that its place and the queue's order show.
     let notification_error = format!("{NOTIFICATION_QUEUE}_error");
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &notification_error)
-        .await
-        .unwrap();
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        &notification_error,
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
     fail(
         &conn,
         &notification_error,
@@ -770,9 +774,13 @@ async fn stats_shows_the_oldest_dead_letter_beside_the_retention() {
     let pool = env.pool().await;
     let conn = env.amqp().await;
     processed_rows(&pool, "ops", "ops-queue", 1, 0).await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, "ops-queue_error")
-        .await
-        .unwrap();
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "ops-queue_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
     fail(
         &conn,
         "ops-queue_error",
@@ -841,7 +849,7 @@ async fn top_shows_a_consumer_types_detail_and_replays_a_group_after_a_confirmat
     let pool = env.pool().await;
     processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 2, 0).await;
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE)
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
     for i in 0..3 {

@@ -45,21 +45,7 @@ pub enum Child {
 pub fn parse() -> Result<Cli, clap::Error> {
     let matches = Cli::command().try_get_matches()?;
     let mut cli = Cli::from_arg_matches(&matches).map_err(|e| e.format(&mut Cli::command()))?;
-    let connect = &mut cli.global.connect;
-    for (id, url, flag) in [
-        (
-            "database_url",
-            &connect.database_url,
-            inboxctl::cli::DATABASE_URL,
-        ),
-        ("amqp_url", &connect.amqp_url, inboxctl::cli::AMQP_URL),
-    ] {
-        if matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
-            && inboxctl::redact::has_password(url)
-        {
-            connect.passwords_in_arguments.push(flag);
-        }
-    }
+    cli.global.connect.note_passwords_in_arguments(&matches);
     Ok(cli)
 }
 

@@ -203,8 +203,13 @@ async fn under_load(
     shutdown: &CancellationToken,
 ) -> Result<CleanupRun> {
     let mut consumer = spawn_consumer(scratch, broker, options, false)?;
-    inboxctl::amqp::topology::ensure_endpoint(connection, &scratch.exchange, &scratch.queue)
-        .await?;
+    inboxctl::amqp::topology::ensure_endpoint(
+        connection,
+        &scratch.exchange,
+        &scratch.queue,
+        inboxctl::amqp::topology::QueueType::Classic,
+    )
+    .await?;
     wait_for_consumer(connection, &scratch.queue).await?;
     let (stop_stream, publisher) = stream(scratch, broker).await?;
     // Let the stream settle before measuring.

@@ -44,8 +44,7 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: args::Cli) -> error::Result<()> {
-    inboxctl::redact::register_url(&cli.global.connect.database_url);
-    inboxctl::redact::register_url(&cli.global.connect.amqp_url);
+    cli.global.connect.register_secrets();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

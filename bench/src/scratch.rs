@@ -74,7 +74,7 @@ pub async fn publish(
     rate: Option<f64>,
     stop: Option<&CancellationToken>,
 ) -> Result<BTreeMap<Uuid, DateTime<Utc>>> {
-    topology::ensure_endpoint(connection, exchange, queue).await?;
+    topology::ensure_endpoint(connection, exchange, queue, topology::QueueType::Classic).await?;
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())

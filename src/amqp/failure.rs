@@ -152,6 +152,16 @@ fn origin_of_address(input_address: String, vhost: &str) -> Origin {
     }
 }
 
+/// How many times a quorum queue delivered the message before (its `x-delivery-count`); `None` on a classic queue
+/// or a first delivery.
+pub fn delivery_count(headers: Option<&FieldTable>) -> Option<u32> {
+    as_u32(
+        headers?
+            .inner()
+            .get(super::topology::DELIVERY_COUNT_HEADER)?,
+    )
+}
+
 fn as_u32(value: &AMQPValue) -> Option<u32> {
     match *value {
         AMQPValue::LongInt(v) => u32::try_from(v).ok(),

@@ -9,6 +9,7 @@ mod error;
 pub mod failure;
 pub mod fingerprint;
 pub mod limits;
+pub mod nodes;
 pub mod pass;
 pub mod peek;
 pub mod publish;
@@ -45,11 +46,14 @@ pub struct BrokerOptions {
     pub password_file: Option<std::path::PathBuf>,
 }
 
-/// Connection settings parsed from an `amqp://` or `amqps://` URL.
+/// Connection settings parsed from an `amqp://` or `amqps://` URL: one node, or several (see [`nodes`]).
 #[derive(Clone, Debug)]
 pub struct Broker {
     url: String,
-    uri: AMQPUri,
+    /// One per node, in the order given; never empty. They differ only in host and port.
+    nodes: Vec<AMQPUri>,
+    /// The node the next connection is tried at first: the last one that answered.
+    next: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     /// A CA file for amqps://, and its PEM text.
     ca: Option<(std::path::PathBuf, String)>,
 }
@@ -58,24 +62,50 @@ impl Broker {
     /// Parses a broker URL. Its password is registered for redaction before anything can print it.
     pub fn from_url(url: &str) -> Result<Self> {
         redact::register_url(url);
-        let uri =
-            AMQPUri::from_str(url).map_err(|e| secret::invalid_url(secret::AMQP_URL, url, &e))?;
         secret::warn_if_ambiguous(secret::AMQP_URL, url);
+        let nodes = nodes::split(url)
+            .map_err(|e| {
+                Error::Usage(format!(
+                    "invalid {} {}: {e}",
+                    secret::AMQP_URL.flag,
+                    redact::url(url)
+                ))
+            })?
+            .iter()
+            .map(|node| Self::node(url, node))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            url: url.to_owned(),
+            nodes,
+            next: std::sync::Arc::default(),
+            ca: None,
+        })
+    }
+
+    /// Parses the URL of one node of `url`.
+    fn node(url: &str, node: &str) -> Result<AMQPUri> {
+        let mut uri =
+            AMQPUri::from_str(node).map_err(|e| secret::invalid_url(secret::AMQP_URL, url, &e))?;
         if uri.authority.userinfo.password.len() >= 3 {
             redact::register(&uri.authority.userinfo.password);
         }
-        let mut uri = uri;
         if uri.query.heartbeat.is_none() {
             // RabbitMQ's default is 60 s, and a connection whose end is never seen (a node stopped under it, a
             // network gone) is given up only after two: two minutes of a consumer holding nothing. `?heartbeat=`
             // in the URL sets another.
             uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
         }
-        Ok(Self {
-            url: url.to_owned(),
-            uri,
-            ca: None,
-        })
+        Ok(uri)
+    }
+
+    /// The first node's settings: the user, the vhost and the options are every node's.
+    fn uri(&self) -> &AMQPUri {
+        &self.nodes[0]
+    }
+
+    /// How many nodes the URL names.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
     }
 
     /// The broker `options` describe: the URL, with a CA file and a password file if given.
@@ -97,12 +127,16 @@ impl Broker {
             if redact::has_password(&options.url) {
                 return Err(secret::given_twice("--amqp-url", "--amqp-password-file"));
             }
-            broker.url = secret::url_with_password(
-                &broker.url,
-                &broker.uri.authority.userinfo.username,
-                &password,
-            );
-            broker.uri.authority.userinfo.password = password;
+            let user = broker.uri().authority.userinfo.username.clone();
+            let urls: Vec<String> = nodes::split(&broker.url)
+                .map_err(Error::Usage)?
+                .iter()
+                .map(|node| secret::url_with_password(node, &user, &password))
+                .collect();
+            broker.url = nodes::join(&urls).map_err(Error::Usage)?;
+            for node in &mut broker.nodes {
+                node.authority.userinfo.password.clone_from(&password);
+            }
         }
         Ok(broker)
     }
@@ -123,32 +157,84 @@ impl Broker {
     }
 
     pub fn vhost(&self) -> &str {
-        &self.uri.vhost
+        &self.uri().vhost
     }
 
     /// The user inboxctl connects as.
     pub fn username(&self) -> &str {
-        &self.uri.authority.userinfo.username
+        &self.uri().authority.userinfo.username
     }
 
     /// The address MassTransit writes for a queue of this broker, `rabbitmq://host[:port]/[vhost/]queue`, escaped so
     /// that `replay` reads back exactly this queue (see [`address`]).
     pub fn queue_address(&self, queue: &str) -> String {
-        let port = self.uri.authority.port;
+        let uri = self.uri();
+        let port = uri.authority.port;
         address::write(
-            &self.uri.authority.host,
-            (port != self.uri.scheme.default_port()).then_some(port),
-            self.uri.scheme == lapin::uri::AMQPScheme::AMQPS,
-            &self.uri.vhost,
+            &uri.authority.host,
+            (port != uri.scheme.default_port()).then_some(port),
+            uri.scheme == lapin::uri::AMQPScheme::AMQPS,
+            &uri.vhost,
             queue,
         )
     }
 
-    /// Opens a connection, named so that `rabbitmqctl list_connections` shows who it is.
+    /// Opens a connection, named so that `rabbitmqctl list_connections` shows who it is. With several nodes, the
+    /// one that answered last is tried first, then each of the others in turn; a node that refuses the login or the
+    /// vhost refuses for all of them (they share users and vhosts), so that ends the tries.
     pub async fn connect(&self, name: &str) -> Result<Connection> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let first = self.next.load(Relaxed) % self.nodes.len();
+        let mut unavailable = Error::BrokerUnavailable {
+            url: self.display_url(),
+            reason: "no node to connect to".to_owned(),
+        };
+        for k in 0..self.nodes.len() {
+            let node = (first + k) % self.nodes.len();
+            match self.connect_node(node, name).await {
+                Ok(connection) => {
+                    self.next.store(node, Relaxed);
+                    if k > 0 {
+                        tracing::info!(node = %self.node_display(node), "connected to another RabbitMQ node");
+                    }
+                    return Ok(connection);
+                }
+                Err(e @ Error::BrokerUnavailable { .. }) => {
+                    if self.nodes.len() > 1 {
+                        tracing::warn!(node = %self.node_display(node), error = %e, "RabbitMQ node unavailable");
+                    }
+                    unavailable = e;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // The next try starts past the node that failed last.
+        self.next.store(first + 1, Relaxed);
+        Err(match unavailable {
+            Error::BrokerUnavailable { url, reason } if self.nodes.len() > 1 => {
+                Error::BrokerUnavailable {
+                    url,
+                    reason: format!(
+                        "none of its {} nodes answered; the last: {reason}",
+                        self.nodes.len()
+                    ),
+                }
+            }
+            e => e,
+        })
+    }
+
+    /// Where node `node` is, for messages: `host:port`.
+    fn node_display(&self, node: usize) -> String {
+        let uri = &self.nodes[node];
+        format!("{}:{}", uri.authority.host, uri.authority.port)
+    }
+
+    /// Opens a connection to node `node`.
+    async fn connect_node(&self, node: usize, name: &str) -> Result<Connection> {
         let properties =
             ConnectionProperties::default().with_connection_name(name.to_owned().into());
-        let uri = self.uri.clone();
+        let uri = self.nodes[node].clone();
         let connect = async {
             match &self.ca {
                 None => Connection::connect_uri(uri, properties).await,
@@ -270,9 +356,47 @@ mod tests {
     #[test]
     fn a_heartbeat_of_ten_seconds_unless_the_url_says_otherwise() {
         let broker = Broker::from_url("amqp://127.0.0.1:5672/%2f").expect("valid");
-        assert_eq!(broker.uri.query.heartbeat, Some(DEFAULT_HEARTBEAT_SECS));
+        assert_eq!(broker.uri().query.heartbeat, Some(DEFAULT_HEARTBEAT_SECS));
         let broker = Broker::from_url("amqp://127.0.0.1:5672/%2f?heartbeat=30").expect("valid");
-        assert_eq!(broker.uri.query.heartbeat, Some(30));
+        assert_eq!(broker.uri().query.heartbeat, Some(30));
+    }
+
+    #[test]
+    fn a_host_list_is_one_node_per_host_sharing_user_vhost_and_options() {
+        let broker =
+            Broker::from_url("amqp://u:secret@a:5672,b:5673,c/shop?heartbeat=4").expect("valid");
+        assert_eq!(broker.node_count(), 3);
+        let hosts: Vec<_> = (0..3).map(|n| broker.node_display(n)).collect();
+        assert_eq!(hosts, ["a:5672", "b:5673", "c:5672"]);
+        for node in &broker.nodes {
+            assert_eq!(node.vhost, "shop");
+            assert_eq!(node.authority.userinfo.username, "u");
+            assert_eq!(node.query.heartbeat, Some(4));
+        }
+        assert!(!broker.display_url().contains("secret"));
+        assert!(Broker::from_url("amqp://a,,b/").is_err());
+    }
+
+    #[test]
+    fn a_password_file_gives_every_node_its_password() {
+        let dir = std::env::temp_dir().join(format!("inboxctl-nodes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let file = dir.join("password");
+        std::fs::write(&file, "s3cret-pw\n").expect("written");
+        let broker = Broker::new(&BrokerOptions {
+            url: "amqp://u@a:1,b:2/v".to_owned(),
+            ca_file: None,
+            password_file: Some(file),
+        })
+        .expect("valid");
+        assert!(
+            broker
+                .nodes
+                .iter()
+                .all(|n| n.authority.userinfo.password == "s3cret-pw")
+        );
+        assert_eq!(broker.url(), "amqp://u:s3cret-pw@a:1,b:2/v");
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

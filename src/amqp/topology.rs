@@ -9,12 +9,13 @@
 //!
 //! An entity that already exists is used as it is, whatever its arguments (a quorum queue, a TTL): inboxctl checks
 //! for it passively first and declares only what is missing, so it never fails on, or changes, a topology a .NET
-//! service declared.
+//! service declared. A queue it declares is a classic one, or with `--queue-type quorum` a quorum queue (replicated
+//! over a cluster's nodes; see docs/scaling.md): the queue and its `_error` and `_skipped` alike.
 
 use lapin::options::{
     ExchangeBindOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ExchangeKind};
 
 use super::is_not_found;
@@ -22,6 +23,34 @@ use crate::error::Result;
 
 /// The exchange MassTransit publishes `ParcelTracker.Domain.Events.ParcelCreatedEvent` to.
 pub const PARCEL_CREATED_EXCHANGE: &str = "ParcelTracker.Domain.Events:ParcelCreatedEvent";
+
+/// The kind of queue inboxctl declares where none exists.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum QueueType {
+    /// RabbitMQ's classic queue: on one node (MassTransit's default too).
+    #[default]
+    Classic,
+    /// A quorum queue: replicated over the cluster's nodes, the broker counting each message's deliveries in
+    /// `x-delivery-count`.
+    Quorum,
+}
+
+impl QueueType {
+    /// The declare arguments that make a queue of this type.
+    fn arguments(self) -> FieldTable {
+        let mut arguments = FieldTable::default();
+        if self == Self::Quorum {
+            arguments.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        arguments
+    }
+}
+
+/// The header a quorum queue counts a message's earlier deliveries in (absent on a first delivery).
+pub const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 
 /// The queue (and exchange) a failed message of `queue` is moved to.
 pub fn error_queue(queue: &str) -> String {
@@ -40,10 +69,15 @@ pub async fn ensure_event_exchange(conn: &Connection, exchange: &str) -> Result<
 
 /// Makes sure a receive endpoint exists and is fed by the event exchange: exchange and queue named `queue`, the queue
 /// bound to its exchange, the endpoint exchange bound to the event exchange.
-pub async fn ensure_endpoint(conn: &Connection, event_exchange: &str, queue: &str) -> Result<()> {
+pub async fn ensure_endpoint(
+    conn: &Connection,
+    event_exchange: &str,
+    queue: &str,
+    queue_type: QueueType,
+) -> Result<()> {
     ensure_exchange(conn, event_exchange).await?;
     ensure_exchange(conn, queue).await?;
-    ensure_queue(conn, queue).await?;
+    ensure_queue(conn, queue, queue_type).await?;
     let channel = conn.create_channel().await?;
     channel
         .queue_bind(
@@ -69,9 +103,13 @@ pub async fn ensure_endpoint(conn: &Connection, event_exchange: &str, queue: &st
 
 /// Makes sure a dead-letter destination (`<queue>_error` or `<queue>_skipped`) exists: an exchange and a queue of that
 /// name, bound.
-pub async fn ensure_dead_letter_queue(conn: &Connection, name: &str) -> Result<()> {
+pub async fn ensure_dead_letter_queue(
+    conn: &Connection,
+    name: &str,
+    queue_type: QueueType,
+) -> Result<()> {
     ensure_exchange(conn, name).await?;
-    ensure_queue(conn, name).await?;
+    ensure_queue(conn, name, queue_type).await?;
     let channel = conn.create_channel().await?;
     channel
         .queue_bind(
@@ -147,8 +185,8 @@ async fn ensure_exchange(conn: &Connection, name: &str) -> Result<()> {
     Ok(())
 }
 
-/// Declares a durable queue without arguments, as MassTransit does — unless one of that name exists.
-async fn ensure_queue(conn: &Connection, name: &str) -> Result<()> {
+/// Declares a durable queue of `queue_type`, as MassTransit does — unless one of that name exists.
+async fn ensure_queue(conn: &Connection, name: &str, queue_type: QueueType) -> Result<()> {
     if queue_depth(conn, name).await?.is_some() {
         return Ok(());
     }
@@ -157,10 +195,10 @@ async fn ensure_queue(conn: &Connection, name: &str) -> Result<()> {
         .queue_declare(
             name.into(),
             QueueDeclareOptions::durable(),
-            FieldTable::default(),
+            queue_type.arguments(),
         )
         .await?;
-    tracing::debug!(queue = name, "declared queue");
+    tracing::debug!(queue = name, ?queue_type, "declared queue");
     let _ = channel.close(200, "OK".into()).await;
     Ok(())
 }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::amqp::topology;
+use crate::amqp::topology::{self, QueueType};
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
 use crate::consumer::OnConflict;
 use crate::consumer::start::{
@@ -44,6 +44,11 @@ pub struct Args {
     /// The exchange the event is published to; the queue is bound to it through an exchange of its own name
     #[arg(long, default_value = topology::PARCEL_CREATED_EXCHANGE)]
     pub exchange: String,
+
+    /// What the queue and its <queue>_error and <queue>_skipped are declared as where they do not exist (an existing
+    /// queue is used as it is)
+    #[arg(long, value_enum, default_value_t = QueueType::Classic)]
+    pub queue_type: QueueType,
 
     /// The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET
     /// tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)
@@ -113,6 +118,23 @@ pub struct Args {
     pub fail_destination: Option<String>,
 }
 
+/// `--queue-type classic|quorum`.
+impl clap::ValueEnum for QueueType {
+    fn value_variants<'a>() -> &'a [Self] {
+        &[QueueType::Classic, QueueType::Quorum]
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            QueueType::Classic => clap::builder::PossibleValue::new("classic")
+                .help("On one node, as MassTransit declares by default"),
+            QueueType::Quorum => clap::builder::PossibleValue::new("quorum").help(
+                "Replicated over the cluster's nodes; the broker counts each message's deliveries",
+            ),
+        })
+    }
+}
+
 /// `--on-conflict dead-letter|discard`.
 impl clap::ValueEnum for OnConflict {
     fn value_variants<'a>() -> &'a [Self] {
@@ -137,6 +159,7 @@ impl Args {
             consumer: self.consumer,
             queue: self.queue.clone(),
             exchange: self.exchange.clone(),
+            queue_type: self.queue_type,
             consumer_type: self.consumer_type.clone(),
             prefetch: self.prefetch,
             concurrency: self.concurrency,
@@ -195,6 +218,7 @@ mod tests {
             "notification",
             "--queue=q",
             "--exchange=e",
+            "--queue-type=quorum",
             "--consumer-type=t",
             "--prefetch=7",
             "--concurrency=3",
@@ -216,6 +240,7 @@ mod tests {
             consumer: Kind::Notification,
             queue: Some("q".into()),
             exchange: "e".into(),
+            queue_type: QueueType::Quorum,
             consumer_type: Some("t".into()),
             prefetch: 7,
             concurrency: 3,

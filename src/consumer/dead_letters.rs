@@ -53,14 +53,17 @@ pub(super) struct DeadLetters {
     declared: std::sync::Mutex<HashSet<String>>,
     /// The user inboxctl publishes as: a copy may carry no other `user_id`.
     publisher: String,
+    /// What a dead-letter queue that does not exist yet is declared as (the consumed queue's type).
+    queue_type: topology::QueueType,
 }
 
 impl DeadLetters {
-    pub(super) fn new(publisher: String) -> Self {
+    pub(super) fn new(publisher: String, queue_type: topology::QueueType) -> Self {
         Self {
             channel: tokio::sync::Mutex::new(None),
             declared: std::sync::Mutex::new(HashSet::new()),
             publisher,
+            queue_type,
         }
     }
 
@@ -142,7 +145,7 @@ impl DeadLetters {
     /// The copy channel, opened if there is none or it failed; `destination` declared if it was not on this connection.
     async fn ready(&self, connection: &Connection, destination: &str) -> crate::Result<Channel> {
         if !self.is_declared(destination) {
-            topology::ensure_dead_letter_queue(connection, destination).await?;
+            topology::ensure_dead_letter_queue(connection, destination, self.queue_type).await?;
             self.declared_now(destination);
         }
         let mut slot = self.channel.lock().await;

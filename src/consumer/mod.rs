@@ -127,6 +127,8 @@ pub trait Consumer: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct ConsumerOptions {
     pub queue: String,
+    /// What the queue and its dead-letter queues are declared as where they do not exist.
+    pub queue_type: crate::amqp::topology::QueueType,
     /// The exchange the message type is published to; the queue is bound to it through an endpoint exchange.
     pub event_exchange: String,
     pub prefetch: u16,

@@ -35,7 +35,7 @@ pub(super) async fn redelivered<C: Consumer>(
     // Registered before the count, so that a stop can never miss a start it counted.
     lock(&shared.starts.0).insert(id, false);
     let counted = redelivered_start(shared, id).await;
-    let disposition = match counted {
+    let disposition = match counted.or_else(|| broker_count(delivery)) {
         // It ended its process this many times while it was the only work in flight: it is the cause.
         Some((_, alone)) if alone >= shared.options.poison_after => {
             poison(shared, link, delivery, ready, alone).await
@@ -90,6 +90,14 @@ pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {
             "PostgreSQL did not answer in time: the starts abandoned by the stop count towards --poison-after"
         ),
     }
+}
+
+/// Where the starts cannot be counted, a quorum queue's own count of the message's deliveries (`x-delivery-count`,
+/// this one included) stands in for them: enough to try a message delivered again and again alone, never to call it
+/// the poison (the broker counts every return, a clean stop's and another message's crash alike).
+fn broker_count(delivery: &Delivery) -> Option<(u32, u32)> {
+    let earlier = crate::amqp::failure::delivery_count(delivery.properties.headers().as_ref())?;
+    Some((earlier.saturating_add(1), 0))
 }
 
 /// Counts a start of a redelivered message: its starts without an outcome so far (this one included), and those of

@@ -315,6 +315,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
         &connection,
         &shared.options.event_exchange,
         &shared.options.queue,
+        shared.options.queue_type,
     )
     .await?;
     let consume = connection.create_channel().await?;
@@ -324,7 +325,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
     Ok(Link {
         connection,
         consume,
-        dead_letters: DeadLetters::new(broker.username().to_owned()),
+        dead_letters: DeadLetters::new(broker.username().to_owned(), shared.options.queue_type),
         outstanding: Outstanding::default(),
     })
 }

@@ -38,6 +38,8 @@ pub struct Config {
     pub queue: Option<String>,
     /// The exchange the event is published to.
     pub exchange: String,
+    /// What the queue and its dead-letter queues are declared as where they do not exist.
+    pub queue_type: topology::QueueType,
     /// The deduplication scope; `None`: the queue's name.
     pub consumer_type: Option<String>,
     pub prefetch: u16,
@@ -65,6 +67,7 @@ impl Default for Config {
             consumer: Kind::Carrier,
             queue: None,
             exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
+            queue_type: topology::QueueType::Classic,
             consumer_type: None,
             prefetch: DEFAULT_PREFETCH,
             concurrency: DEFAULT_CONCURRENCY,
@@ -201,6 +204,7 @@ fn options(
 ) -> ConsumerOptions {
     ConsumerOptions {
         queue,
+        queue_type: config.queue_type,
         event_exchange: config.exchange.clone(),
         prefetch: config.prefetch,
         concurrency: usize::from(config.concurrency),

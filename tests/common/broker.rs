@@ -29,8 +29,14 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
 }
 
 impl TestEnv {
-    /// `(ready, unacknowledged)` of a queue, from the broker's own books.
+    /// `(ready, unacknowledged)` of a queue, from the broker's own books. A quorum queue's are read from its
+    /// leader: `list_queues` shows a quorum queue's counts as of the last statistics tick, up to seconds old.
     pub fn queue_counts(&self, queue: &str) -> (u64, u64) {
+        if super::queue_type() == inboxctl::amqp::topology::QueueType::Quorum
+            && let Some(counts) = quorum_counts(&self.vhost, queue)
+        {
+            return counts;
+        }
         let out = rabbitmqctl(&[
             "-q",
             "list_queues",
@@ -63,13 +69,41 @@ impl TestEnv {
     }
 }
 
+/// `(ready, unacknowledged)` of a quorum queue, asked of its leader; `None` for a queue of another type (or none).
+fn quorum_counts(vhost: &str, queue: &str) -> Option<(u64, u64)> {
+    let binary = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
+    let expression = format!(
+        "case rabbit_amqqueue:lookup(rabbit_misc:r(<<\"{}\">>, queue, <<\"{}\">>)) of \
+           {{ok, Q}} -> case amqqueue:get_type(Q) of \
+             rabbit_quorum_queue -> \
+               {{ok, {{_, O}}, _}} = ra:leader_query(amqqueue:get_pid(Q), fun rabbit_fifo:overview/1), \
+               {{maps:get(num_ready_messages, O), maps:get(num_checked_out, O)}}; \
+             _ -> other end; \
+           _ -> other end.",
+        binary(vhost),
+        binary(queue)
+    );
+    let out = rabbitmqctl(&["-q", "eval", &expression]);
+    let (ready, unacked) = out
+        .trim()
+        .strip_prefix('{')?
+        .strip_suffix('}')?
+        .split_once(',')?;
+    Some((ready.parse().ok()?, unacked.parse().ok()?))
+}
+
 /// Declares the MassTransit topology of both Parcel Tracker endpoints in the test's vhost.
 pub async fn ensure_endpoints(env: &TestEnv) {
     let conn = env.amqp().await;
     for queue in [CARRIER_QUEUE, NOTIFICATION_QUEUE] {
-        inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue)
-            .await
-            .unwrap();
+        inboxctl::amqp::topology::ensure_endpoint(
+            &conn,
+            EVENT_EXCHANGE,
+            queue,
+            super::queue_type(),
+        )
+        .await
+        .unwrap();
     }
     let _ = conn.close(200, "OK".into()).await;
 }

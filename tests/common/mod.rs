@@ -15,6 +15,7 @@
 //! - `fixtures`: captured deliveries, fresh parcel events, test-made certificates;
 //! - `modes`: the two modes every guarantee test runs in (`in_both_modes!`);
 //! - `vhosts`: the tests' RabbitMQ vhosts, made and removed in bulk (a `rabbitmqctl` call costs 1.5 s of CPU);
+//! - `cluster`: [`Cluster`], three private RabbitMQ nodes clustered on loopback;
 //! - `tmux`: [`Tmux`], a real terminal;
 //! - `wait`: [`eventually`]; `faults`: the fault tests' choreography and the exactly-once check they end with;
 //! - [`raw_amqp`]: a frame-by-frame publisher for what lapin cannot send.
@@ -24,6 +25,9 @@ pub mod raw_amqp;
 
 mod broker;
 pub use broker::*;
+
+mod cluster;
+pub use cluster::*;
 
 mod db;
 pub use db::*;

@@ -1,10 +1,31 @@
-//! The two modes every guarantee test runs in: one transaction per message, and batched.
+//! The modes every guarantee test runs in: one transaction per message and batched, on classic queues; and one
+//! transaction per message on quorum queues (a single-node quorum queue on the shared broker: the queue type's
+//! own behaviour — its delivery count, its redeliveries — without a cluster; the cluster tests add the nodes).
 
-/// `consume` flags of the two modes every guarantee test runs in: one transaction per message, and batched.
+use std::sync::OnceLock;
+
+use inboxctl::amqp::topology::QueueType;
+
+/// `consume` flags of the modes every guarantee test runs in.
 pub const ONE_BY_ONE: &[&str] = &[];
 pub const BATCHED: &[&str] = &["--batch-size", "32"];
+pub const QUORUM: &[&str] = &["--queue-type", "quorum"];
 
-/// Declares a test that runs `$body(mode)` once per mode, as `$name::one_by_one` and `$name::batched`.
+/// The type of the queues this test process declares (each test runs in a process of its own).
+static QUEUE_TYPE: OnceLock<QueueType> = OnceLock::new();
+
+/// What the test's helpers declare queues as: quorum in the quorum mode, else classic.
+pub fn queue_type() -> QueueType {
+    QUEUE_TYPE.get().copied().unwrap_or_default()
+}
+
+/// Makes this test process's queues quorum queues; the test's consumers get `--queue-type quorum` from the mode.
+pub fn on_quorum_queues() {
+    let _ = QUEUE_TYPE.set(QueueType::Quorum);
+}
+
+/// Declares a test that runs `$body(mode)` once per mode, as `$name::one_by_one`, `$name::batched` and
+/// `$name::quorum`.
 #[macro_export]
 macro_rules! in_both_modes {
     ($name:ident, $body:ident) => {
@@ -17,6 +38,12 @@ macro_rules! in_both_modes {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn batched() {
                 super::$body(super::common::BATCHED).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn quorum() {
+                super::common::on_quorum_queues();
+                super::$body(super::common::QUORUM).await;
             }
         }
     };

@@ -312,7 +312,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --fail-destination --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -383,6 +383,14 @@ _inboxctl() {
                     return 0
                     ;;
                 --metrics-addr)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --partitions)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --partition-key)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -892,7 +900,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish__subcmd__parcel__subcmd__created)
-            opts="-v -h -V --count --duplicates --rate --destination --id-kind --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --count --duplicates --rate --destination --id-kind --events-per-parcel --partition-key --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -916,6 +924,14 @@ _inboxctl() {
                     ;;
                 --id-kind)
                     COMPREPLY=($(compgen -W "newid v7 v4" -- "${cur}"))
+                    return 0
+                    ;;
+                --events-per-parcel)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --partition-key)
+                    COMPREPLY=($(compgen -W "parcelId trackingNumber destination" -- "${cur}"))
                     return 0
                     ;;
                 --exchange)

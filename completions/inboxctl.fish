@@ -78,6 +78,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l poison-aft
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l on-conflict -d 'What to do with a message whose id was processed before for another event (a producer reusing ids): it is never processed, and always counted and logged as a conflict; dead-letter moves it to <queue>_error for a look, discard drops it like a duplicate' -r -f -a "dead-letter\t'Moved to <queue>_error with the reason, for someone to look at: it is a bug upstream'
 discard\t'Acknowledged and dropped, like a duplicate'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l metrics-addr -d 'Serve Prometheus metrics on /metrics and a health check on /health at this address (e.g. 127.0.0.1:9464)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l partitions -d 'Spread the queue over this many partition queues (<queue>.0 …) fed by a consistent-hash exchange (<queue>.partitions) on the routing key, each read by one active consumer one message at a time: messages of one key are processed in the order they were published, N keys at once. Needs --partition-key' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l partition-key -d 'The message field publishers set as the routing key (e.g. parcelId): the consumer checks each message against it and says when a publisher did not' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l fail-destination -d 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
@@ -183,6 +185,10 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l id-kind -d 'The kind of message ids: MassTransit\'s NewId (what a MassTransit publisher sends), UUIDv7 (time first) or random v4' -r -f -a "newid\t''
 v7\t''
 v4\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l events-per-parcel -d 'Events per parcel, published one after another, each with its own message id (what a partitioned consumer keeps in order); --count counts parcels' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l partition-key -d 'Set each message\'s routing key to this field of the event (what a consistent-hash exchange spreads on, see consume --partitions); default: no routing key, as MassTransit publishes' -r -f -a "parcelId\t''
+trackingNumber\t''
+destination\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l exchange -d 'The exchange to publish to' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l reconnect-timeout -d 'After a lost connection, how long to keep connecting again to send the unconfirmed rest (0: fail at once)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r

@@ -48,6 +48,12 @@ if ! timeout 20 rabbitmqctl -q status >/dev/null 2>&1; then
 fi
 # await_startup returns at once while the node is still booting and not yet reachable: poll it.
 wait_for "RabbitMQ" timeout 30 rabbitmqctl -q await_startup
+# `consume --partitions` spreads a queue over partition queues with a consistent-hash exchange, from a plugin that
+# ships with RabbitMQ; enabling it again is a no-op.
+if ! rabbitmq-plugins -q is_enabled rabbitmq_consistent_hash_exchange >/dev/null 2>&1; then
+  log "enabling RabbitMQ's consistent-hash exchange plugin"
+  rabbitmq-plugins -q enable rabbitmq_consistent_hash_exchange >/dev/null || fail "could not enable rabbitmq_consistent_hash_exchange"
+fi
 log "RabbitMQ ready on 127.0.0.1:5672"
 
 [ "${1:-}" = "--for-tests" ] || exit 0

@@ -62,11 +62,8 @@ pub async fn run(
         .await?;
     }
     let plan = Plan {
-        count: demo.parcels,
         duplicates: demo.duplicates,
-        rate: None,
-        destination: None,
-        ids: Default::default(),
+        ..Plan::parcels(demo.parcels)
     };
     let published = producer::publish(
         &connection,

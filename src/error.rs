@@ -125,6 +125,11 @@ pub enum Error {
     #[error("RabbitMQ: {0}")]
     Topology(String),
 
+    /// The broker's topology is not what the command needs, and cannot be made so without someone deciding (an
+    /// entity declared otherwise, a plugin not enabled).
+    #[error("RabbitMQ: {0}")]
+    TopologyConflict(String),
+
     #[error("queue {0:?} does not exist in this vhost")]
     QueueNotFound(String),
 
@@ -174,7 +179,8 @@ impl Error {
             Error::DatabaseMissing { .. }
             | Error::VhostMissing { .. }
             | Error::SchemaMissing { .. }
-            | Error::SchemaIncompatible { .. } => exit::CONFIG,
+            | Error::SchemaIncompatible { .. }
+            | Error::TopologyConflict(_) => exit::CONFIG,
             Error::PermissionMissing { .. }
             | Error::PrivilegeRefused { .. }
             | Error::DatabaseLoginRefused { .. }

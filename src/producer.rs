@@ -50,6 +50,61 @@ pub struct Plan {
     pub destination: Option<String>,
     /// The kind of message ids: MassTransit's NewId by default, as a MassTransit publisher sends.
     pub ids: IdKind,
+    /// Events per parcel, published one after another (each its own message id): the ordered events a partitioned
+    /// consumer keeps in order. `count` counts parcels.
+    pub events_per_parcel: u32,
+    /// The event field each copy's routing key is set to (a consistent-hash exchange spreads on it); none: `""`, as
+    /// MassTransit publishes by default.
+    pub routing_key: Option<ParcelField>,
+}
+
+/// A field of [`ParcelCreatedEvent`], by its name in the message (camelCase, as MassTransit writes it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParcelField {
+    ParcelId,
+    TrackingNumber,
+    Destination,
+}
+
+impl ParcelField {
+    pub const ALL: [ParcelField; 3] = [
+        ParcelField::ParcelId,
+        ParcelField::TrackingNumber,
+        ParcelField::Destination,
+    ];
+
+    /// Its name in the message.
+    pub fn name(self) -> &'static str {
+        match self {
+            ParcelField::ParcelId => "parcelId",
+            ParcelField::TrackingNumber => "trackingNumber",
+            ParcelField::Destination => "destination",
+        }
+    }
+
+    /// Its value in `event`, as a routing key carries it.
+    pub fn of(self, event: &ParcelCreatedEvent) -> String {
+        match self {
+            ParcelField::ParcelId => event.parcel_id.to_string(),
+            ParcelField::TrackingNumber => event.tracking_number.clone(),
+            ParcelField::Destination => event.destination.clone(),
+        }
+    }
+}
+
+impl Plan {
+    /// `count` parcels, one event each, no copies, at full speed, MassTransit's ids, no routing key.
+    pub fn parcels(count: u64) -> Self {
+        Self {
+            count,
+            duplicates: 0.0,
+            rate: None,
+            destination: None,
+            ids: IdKind::NewId,
+            events_per_parcel: 1,
+            routing_key: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -74,20 +129,24 @@ pub struct Report {
     pub messages: Vec<Message>,
 }
 
-/// The messages of a plan, each a new parcel.
+/// The messages of a plan: for each new parcel, `events_per_parcel` events one after another.
 pub fn messages(plan: &Plan) -> Vec<Message> {
     let run = Uuid::new_v4().simple().to_string();
+    let events = u64::from(plan.events_per_parcel.max(1));
     (0..plan.count)
-        .map(|i| Message {
-            message_id: plan.ids.next(),
-            event: ParcelCreatedEvent {
+        .flat_map(|i| {
+            let event = ParcelCreatedEvent {
                 parcel_id: Uuid::new_v4(),
                 tracking_number: format!("PT{}{:08}NL", &run[..4].to_uppercase(), i + 1),
                 destination: plan.destination.clone().unwrap_or_else(|| {
                     DESTINATIONS[usize::try_from(i).unwrap_or_default() % DESTINATIONS.len()]
                         .to_owned()
                 }),
-            },
+            };
+            (0..events).map(move |_| Message {
+                message_id: plan.ids.next(),
+                event: event.clone(),
+            })
         })
         .collect()
 }
@@ -195,6 +254,7 @@ pub async fn publish_showing(
         broker,
         exchange,
         host: &host,
+        routing_key: plan.routing_key,
         ticker: plan.rate.map(|rate| {
             let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -252,6 +312,7 @@ struct Run<'a> {
     broker: &'a Broker,
     exchange: &'a str,
     host: &'a HostInfo,
+    routing_key: Option<ParcelField>,
     ticker: Option<tokio::time::Interval>,
     confirmed: usize,
     /// Told (confirmed, planned) after each confirm.
@@ -407,7 +468,14 @@ impl Run<'_> {
             }
             let message = &self.messages[self.order[self.sent]];
             let (properties, body) = envelope(message, self.broker, self.exchange, self.host);
-            match channel.publish(self.exchange, "", &body, properties).await {
+            let routing_key = self
+                .routing_key
+                .map(|field| field.of(&message.event))
+                .unwrap_or_default();
+            match channel
+                .publish(self.exchange, &routing_key, &body, properties)
+                .await
+            {
                 Ok(confirm) => pending.push_back(confirm),
                 Err(e) => {
                     // A channel the broker closed (a publish it refused, say for want of a permission) fails every
@@ -533,15 +601,28 @@ mod tests {
     }
 
     #[test]
+    fn a_parcels_events_go_out_one_after_another_each_with_its_own_id() {
+        let plan = Plan {
+            events_per_parcel: 3,
+            ..Plan::parcels(2)
+        };
+        let all = messages(&plan);
+        assert_eq!(all.len(), 6);
+        assert!(all[..3].iter().all(|m| m.event == all[0].event));
+        assert!(all[3..].iter().all(|m| m.event == all[3].event));
+        assert_ne!(all[0].event.parcel_id, all[3].event.parcel_id);
+        let ids: std::collections::HashSet<_> = all.iter().map(|m| m.message_id).collect();
+        assert_eq!(ids.len(), 6);
+        assert_eq!(
+            ParcelField::ParcelId.of(&all[0].event),
+            all[0].event.parcel_id.to_string()
+        );
+    }
+
+    #[test]
     fn an_envelope_reads_back_with_the_same_id_and_event() {
         let broker = Broker::from_url("amqp://127.0.0.1:5672/%2f").expect("url");
-        let plan = Plan {
-            count: 1,
-            duplicates: 0.0,
-            rate: None,
-            destination: None,
-            ids: IdKind::NewId,
-        };
+        let plan = Plan::parcels(1);
         let message = messages(&plan).remove(0);
         let (props, body) = envelope(&message, &broker, "X:Y", &HostInfo::current());
         let incoming = crate::amqp::envelope::parse(&props, &body).expect("readable");

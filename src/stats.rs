@@ -85,10 +85,28 @@ pub fn per_second(count: u64, window: Duration) -> f64 {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct QueueDepth {
     pub name: String,
+    /// Spread over this many partition queues (`<name>.0` …): `ready` is their sum, `consumers` the most any has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u16>,
     /// `None` when the broker could not be asked or the queue does not exist.
     pub ready: Option<u32>,
     pub consumers: Option<u32>,
     pub exists: bool,
+}
+
+impl QueueDepth {
+    /// Its name for a person: spread over partitions, with how many.
+    pub fn label(&self) -> String {
+        queue_label(&self.name, self.partitions)
+    }
+}
+
+/// A queue's name for a person: spread over `partitions` queues, their range and number.
+pub fn queue_label(name: &str, partitions: Option<u16>) -> String {
+    match partitions {
+        Some(n) => format!("{name}.0–{} ({n} partitions)", n.saturating_sub(1)),
+        None => name.to_owned(),
+    }
 }
 
 /// One consumer_type's figures.
@@ -197,10 +215,13 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     let mut conn = pool.acquire().await?;
     let ours = schema::table_exists(&mut conn, "inboxctl_events").await?
         && schema::table_exists(&mut conn, "inboxctl_consumers").await?;
-    let registered: HashMap<String, String> = if ours {
-        db::stats::registered_consumers(&mut *conn).await?
+    let (registered, partitioned): (HashMap<String, String>, HashMap<String, u16>) = if ours {
+        (
+            db::stats::registered_consumers(&mut *conn).await?,
+            db::stats::registered_partitions(&mut *conn).await?,
+        )
     } else {
-        HashMap::new()
+        Default::default()
     };
     let mut types = db::stats::inbox_consumer_types(&mut *conn).await?;
     types.extend(registered.keys().cloned());
@@ -210,8 +231,12 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     let estimates = Estimates::read(&mut conn).await?;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
-        consumers
-            .push(consumer_stats(&mut conn, consumer_type, &registered, &estimates, range).await?);
+        let mut stats =
+            consumer_stats(&mut conn, consumer_type, &registered, &estimates, range).await?;
+        if let Some(queue) = stats.queue.as_mut() {
+            queue.partitions = partitioned.get(&stats.consumer_type).copied();
+        }
+        consumers.push(stats);
     }
     drop(conn);
 
@@ -247,7 +272,7 @@ async fn from_broker(
             if crate::amqp::validate_name("queue", &depth.name).is_err() {
                 continue;
             }
-            match topology::queue_depth(connection, &depth.name).await {
+            match queue_depth(connection, &depth.name, depth.partitions).await {
                 Ok(Some((ready, consumers))) => {
                     depth.ready = Some(ready);
                     depth.consumers = Some(consumers);
@@ -283,6 +308,27 @@ async fn from_broker(
         }
     }
     broker_error
+}
+
+/// Ready messages and consumers of `queue`, or spread over `partitions` queues, their ready messages summed and the
+/// most consumers any of them has; `None` when no such queue exists.
+async fn queue_depth(
+    connection: &Connection,
+    queue: &str,
+    partitions: Option<u16>,
+) -> Result<Option<(u32, u32)>> {
+    let Some(count) = partitions else {
+        return topology::queue_depth(connection, queue).await;
+    };
+    let mut total: Option<(u32, u32)> = None;
+    for index in 0..count {
+        let partition = topology::partition_queue(queue, index);
+        if let Some((ready, consumers)) = topology::queue_depth(connection, &partition).await? {
+            let (r, c) = total.unwrap_or_default();
+            total = Some((r.saturating_add(ready), c.max(consumers)));
+        }
+    }
+    Ok(total)
 }
 
 /// How long ago the message at the head of `queue` failed (as its headers say, else when it was published).
@@ -364,12 +410,14 @@ async fn consumer_stats(
         series,
         queue: Some(QueueDepth {
             name: queue_name.clone(),
+            partitions: None,
             ready: None,
             consumers: None,
             exists: false,
         }),
         error_queue: Some(QueueDepth {
             name: topology::error_queue(&queue_name),
+            partitions: None,
             ready: None,
             consumers: None,
             exists: false,

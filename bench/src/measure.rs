@@ -340,11 +340,9 @@ async fn duplicates(
 ) -> Result<u64> {
     truncate(scratch).await?;
     let plan = Plan {
-        count: options.duplicate_messages,
         duplicates: options.duplicates,
-        rate: None,
-        destination: None,
         ids: options.ids,
+        ..Plan::parcels(options.duplicate_messages)
     };
     // A measurement with a lost connection in it would not be one: fail instead of resuming.
     producer::publish(

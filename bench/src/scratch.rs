@@ -56,11 +56,8 @@ pub async fn drop_database(db: &Database, name: &str) -> Result<()> {
 /// `count` new parcels, each once, their message ids of the kind `ids`.
 pub fn messages(count: u64, ids: IdKind) -> Vec<Message> {
     producer::messages(&Plan {
-        count,
-        duplicates: 0.0,
-        rate: None,
-        destination: None,
         ids,
+        ..Plan::parcels(count)
     })
 }
 

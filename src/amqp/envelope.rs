@@ -219,6 +219,21 @@ fn write_scalar(value: &serde_json::Value, out: &mut Vec<u8>) {
 }
 
 /// MassTransit writes `sentTime` in UTC with 0 to 7 fractional digits.
+/// The value of the top-level field `name` of an event, as a publisher would write it into a routing key: a string's
+/// text, a number's or a boolean's JSON; `None` when the event is not an object, lacks the field, or holds an
+/// object, an array or null there.
+pub fn field_text(event: &RawValue, name: &str) -> Option<String> {
+    let fields: std::collections::HashMap<std::borrow::Cow<'_, str>, &RawValue> =
+        serde_json::from_str(event.get()).ok()?;
+    let value = fields.get(name)?;
+    match serde_json::from_str::<serde_json::Value>(value.get()).ok()? {
+        serde_json::Value::String(text) => Some(text),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        serde_json::Value::Bool(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
 pub fn parse_time(s: &str) -> Option<DateTime<Utc>> {
     DateTime::parse_from_rfc3339(s)
         .ok()

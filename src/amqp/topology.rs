@@ -19,7 +19,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ExchangeKind};
 
 use super::is_not_found;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The exchange MassTransit publishes `ParcelTracker.Domain.Events.ParcelCreatedEvent` to.
 pub const PARCEL_CREATED_EXCHANGE: &str = "ParcelTracker.Domain.Events:ParcelCreatedEvent";
@@ -36,6 +36,14 @@ pub enum QueueType {
 }
 
 impl QueueType {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Classic => "classic",
+            Self::Quorum => "quorum",
+        }
+    }
+
     /// The declare arguments that make a queue of this type.
     fn arguments(self) -> FieldTable {
         let mut arguments = FieldTable::default();
@@ -47,6 +55,20 @@ impl QueueType {
         }
         arguments
     }
+}
+
+/// The type of exchange that spreads messages over a partitioned consumer's queues by a hash of their routing key
+/// (RabbitMQ's `rabbitmq_consistent_hash_exchange` plugin).
+pub const CONSISTENT_HASH: &str = "x-consistent-hash";
+
+/// The exchange that spreads the event over the `partitions` queues of the partitioned consumer of `queue`.
+pub fn partition_exchange(queue: &str) -> String {
+    format!("{queue}.partitions")
+}
+
+/// The `index`th (from 0) of the queues a partitioned consumer of `queue` reads.
+pub fn partition_queue(queue: &str, index: u16) -> String {
+    format!("{queue}.{index}")
 }
 
 /// The header a quorum queue counts a message's earlier deliveries in (absent on a first delivery).
@@ -122,6 +144,145 @@ pub async fn ensure_dead_letter_queue(
         .await?;
     let _ = channel.close(200, "OK".into()).await;
     Ok(())
+}
+
+/// Makes sure the partitioned topology of `queue` exists and is fed by the event exchange:
+///
+/// ```text
+/// exchange <event type> ──▶ exchange <queue>.partitions (x-consistent-hash) ──▶ queue <queue>.0 … <queue>.<n-1>
+/// ```
+///
+/// Each partition queue is bound with the same weight and declared with `x-single-active-consumer`, so that the broker
+/// delivers it to one consumer at a time and hands it to a standby when that consumer goes. Unlike the plain
+/// endpoint, these are declared with their exact arguments, not only checked for: a partition queue that exists
+/// without a single active consumer would give up the order it is there for, and the broker refuses the declare
+/// (said, with what to do). A queue `<queue>.<n>` that exists means an earlier run had more partitions: the exchange
+/// still routes a share of the messages to it, where nobody reads them, so the consumer refuses to start.
+pub async fn ensure_partitioned_endpoint(
+    conn: &Connection,
+    event_exchange: &str,
+    queue: &str,
+    partitions: u16,
+    queue_type: QueueType,
+) -> Result<()> {
+    ensure_exchange(conn, event_exchange).await?;
+    let beyond = partition_queue(queue, partitions);
+    if queue_depth(conn, &beyond).await?.is_some() {
+        return Err(Error::TopologyConflict(format!(
+            "queue {beyond:?} exists: an earlier run spread {queue:?} over more than {partitions} partitions, and \
+             {:?} still routes a share of the messages to it; run with the earlier --partitions, or drain and delete \
+             the queues past {:?}",
+            partition_exchange(queue),
+            partition_queue(queue, partitions.saturating_sub(1)),
+        )));
+    }
+    let exchange = partition_exchange(queue);
+    declare_consistent_hash_exchange(conn, &exchange).await?;
+    let channel = conn.create_channel().await?;
+    for index in 0..partitions {
+        let name = partition_queue(queue, index);
+        let mut arguments = queue_type.arguments();
+        arguments.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        let declared = channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::durable(),
+                arguments,
+            )
+            .await;
+        if let Err(e) = declared {
+            return Err(refused_declare(
+                e,
+                &format!(
+                    "queue {name:?} exists, declared otherwise than as a {} queue with a single active consumer (the \
+                 broker said: {{reason}}); delete it once it is drained, or give the --queue-type it was declared with",
+                    queue_type.name()
+                ),
+            ));
+        }
+        // The weight of each queue on the hash ring: all equal.
+        channel
+            .queue_bind(
+                name.as_str().into(),
+                exchange.as_str().into(),
+                "1".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    channel
+        .exchange_bind(
+            exchange.as_str().into(),
+            event_exchange.into(),
+            "".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let _ = channel.close(200, "OK".into()).await;
+    Ok(())
+}
+
+/// Declares `name` as a durable consistent-hash exchange (the same declare again is a no-op; one of another type is
+/// refused by the broker, and said).
+async fn declare_consistent_hash_exchange(conn: &Connection, name: &str) -> Result<()> {
+    let channel = conn.create_channel().await?;
+    let declared = channel
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Custom(CONSISTENT_HASH.to_owned()),
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match declared {
+        Ok(()) => {
+            let _ = channel.close(200, "OK".into()).await;
+            Ok(())
+        }
+        Err(e) if is_unknown_exchange_type(&e) => Err(Error::TopologyConflict(format!(
+            "the broker does not know the exchange type {CONSISTENT_HASH} that partitions need: enable its plugin \
+             with `rabbitmq-plugins enable rabbitmq_consistent_hash_exchange` (on every node of a cluster)"
+        ))),
+        Err(e) => Err(refused_declare(
+            e,
+            &format!(
+                "exchange {name:?} exists with another type than {CONSISTENT_HASH} (the broker said: {{reason}}); delete it \
+             or consume another --queue"
+            ),
+        )),
+    }
+}
+
+/// A declare the broker refused as inequivalent to what exists (406), said with `what` (in which `{reason}` stands
+/// for the broker's words); any other failure as it is.
+fn refused_declare(error: lapin::Error, what: &str) -> Error {
+    if let lapin::ErrorKind::ProtocolError(e) = error.kind()
+        && matches!(
+            e.kind(),
+            lapin::protocol::AMQPErrorKind::Soft(
+                lapin::protocol::AMQPSoftError::PRECONDITIONFAILED
+            )
+        )
+    {
+        let reason = crate::sanitize::text(&e.to_string()).into_owned();
+        return Error::TopologyConflict(what.replace("{reason}", &reason));
+    }
+    error.into()
+}
+
+/// Whether the broker refused a declare for an exchange type it does not know (a hard error: it closes the
+/// connection).
+fn is_unknown_exchange_type(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(e)
+            if matches!(e.kind(), lapin::protocol::AMQPErrorKind::Hard(lapin::protocol::AMQPHardError::COMMANDINVALID))
+    )
 }
 
 /// Ready messages and consumers of a queue, or `None` when it does not exist.

@@ -112,6 +112,18 @@ pub struct Args {
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
 
+    /// Spread the queue over this many partition queues (<queue>.0 …) fed by a consistent-hash exchange
+    /// (<queue>.partitions) on the routing key, each read by one active consumer one message at a time: messages of
+    /// one key are processed in the order they were published, N keys at once. Needs --partition-key
+    #[arg(long, value_name = "N", requires = "partition_key", conflicts_with_all = ["concurrency", "batch_size"],
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub partitions: Option<u16>,
+
+    /// The message field publishers set as the routing key (e.g. parcelId): the consumer checks each message
+    /// against it and says when a publisher did not
+    #[arg(long, value_name = "FIELD", requires = "partitions")]
+    pub partition_key: Option<String>,
+
     /// Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that
     /// is down: shows retries and the error queue
     #[arg(long, value_name = "DESTINATION")]
@@ -175,6 +187,10 @@ impl Args {
             on_conflict: self.on_conflict,
             metrics_addr: self.metrics_addr,
             fail_destination: self.fail_destination.clone(),
+            partitions: self
+                .partitions
+                .zip(self.partition_key.clone())
+                .map(|(count, key)| crate::consumer::Partitions { count, key }),
         }
     }
 }
@@ -256,7 +272,47 @@ mod tests {
             on_conflict: OnConflict::Discard,
             metrics_addr: Some("127.0.0.1:9".parse().expect("address")),
             fail_destination: Some("FAIL".into()),
+            partitions: None,
         };
         assert_eq!(parsed.args.config(), expected);
+    }
+
+    #[test]
+    fn partitions_take_a_key_and_exclude_concurrency_and_batches() {
+        let parsed = Consume::try_parse_from([
+            "consume",
+            "carrier",
+            "--partitions=8",
+            "--partition-key=parcelId",
+        ])
+        .expect("flags parse");
+        assert_eq!(
+            parsed.args.config().partitions,
+            Some(crate::consumer::Partitions {
+                count: 8,
+                key: "parcelId".into()
+            })
+        );
+        for refused in [
+            &["consume", "carrier", "--partitions=8"][..],
+            &["consume", "carrier", "--partition-key=parcelId"],
+            &["consume", "carrier", "--partitions=0", "--partition-key=p"],
+            &[
+                "consume",
+                "carrier",
+                "--partitions=8",
+                "--partition-key=p",
+                "--concurrency=4",
+            ],
+            &[
+                "consume",
+                "carrier",
+                "--partitions=8",
+                "--partition-key=p",
+                "--batch-size=4",
+            ],
+        ] {
+            assert!(Consume::try_parse_from(refused).is_err(), "{refused:?}");
+        }
     }
 }

@@ -4,7 +4,7 @@ use crate::amqp::topology;
 use crate::cli::{GlobalOpts, MAX_COUNT, parse_fraction, parse_rate};
 use crate::error::{Error, Outcome, Result};
 use crate::ids::IdKind;
-use crate::producer::{self, Plan};
+use crate::producer::{self, ParcelField, Plan};
 use crate::{output, sanitize};
 
 #[derive(Debug, clap::Args)]
@@ -42,6 +42,16 @@ pub struct ParcelCreated {
     #[arg(long, value_enum, default_value_t = IdKind::NewId)]
     pub id_kind: IdKind,
 
+    /// Events per parcel, published one after another, each with its own message id (what a partitioned consumer
+    /// keeps in order); --count counts parcels
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub events_per_parcel: u32,
+
+    /// Set each message's routing key to this field of the event (what a consistent-hash exchange spreads on, see
+    /// consume --partitions); default: no routing key, as MassTransit publishes
+    #[arg(long, value_enum, value_name = "FIELD")]
+    pub partition_key: Option<ParcelField>,
+
     /// The exchange to publish to
     #[arg(long, default_value = topology::PARCEL_CREATED_EXCHANGE)]
     pub exchange: String,
@@ -53,6 +63,17 @@ pub struct ParcelCreated {
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--partition-key parcelId|trackingNumber|destination`.
+impl clap::ValueEnum for ParcelField {
+    fn value_variants<'a>() -> &'a [Self] {
+        &ParcelField::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(clap::builder::PossibleValue::new(self.name()))
+    }
 }
 
 pub async fn run(
@@ -69,6 +90,13 @@ pub async fn run(
             "--destination must not contain control characters".to_owned(),
         ));
     }
+    if args.count.saturating_mul(u64::from(args.events_per_parcel)) > MAX_COUNT {
+        return Err(Error::Usage(format!(
+            "--count {} × --events-per-parcel {} is more than {MAX_COUNT} messages (each is held until the broker \
+             confirmed it)",
+            args.count, args.events_per_parcel
+        )));
+    }
     let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl publish").await?;
     topology::ensure_event_exchange(&connection, &args.exchange).await?;
@@ -78,6 +106,8 @@ pub async fn run(
         rate: args.rate,
         destination: args.destination,
         ids: args.id_kind,
+        events_per_parcel: args.events_per_parcel,
+        routing_key: args.partition_key,
     };
     let bar = super::progress::counter(!args.json, "copies confirmed");
     let report = producer::publish_showing(

@@ -91,7 +91,10 @@ fn print(s: &Snapshot) -> Result<()> {
             display::percent(c.duplicate_ratio).into(),
             display::count(c.conflicts, false).into(),
             display::rate(c.processed_per_second).into(),
-            table::text(c.queue.name.as_deref().unwrap_or(display::UNKNOWN)),
+            table::text(&c.queue.name.as_deref().map_or_else(
+                || display::UNKNOWN.to_owned(),
+                |name| stats::queue_label(name, c.queue.partitions),
+            )),
             display::count(c.queue.ready.map(u64::from), false).into(),
             display::count(c.queue.consumers.map(u64::from), false).into(),
             display::count(c.error_queue.ready.map(u64::from), false).into(),
@@ -157,6 +160,9 @@ pub struct ConsumerJson {
 #[derive(Debug, Serialize)]
 pub struct QueueJson {
     pub name: Option<String>,
+    /// Spread over this many partition queues (`<name>.0` …): `ready` sums them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<u16>,
     pub ready: Option<u32>,
     pub consumers: Option<u32>,
 }
@@ -165,6 +171,7 @@ impl From<&Snapshot> for Json {
     fn from(s: &Snapshot) -> Self {
         let queue = |q: &Option<QueueDepth>| QueueJson {
             name: q.as_ref().map(|q| q.name.clone()),
+            partitions: q.as_ref().and_then(|q| q.partitions),
             ready: q.as_ref().and_then(|q| q.ready),
             consumers: q.as_ref().and_then(|q| q.consumers),
         };

@@ -193,6 +193,9 @@ pub(super) async fn prepare<C: Consumer>(
     if !C::handles(&incoming.message_types) {
         return Prepared::Done(skip(shared, link, delivery, &incoming).await);
     }
+    if let Some(partitions) = &shared.options.partitions {
+        check_routing_key(shared, delivery, &incoming, &partitions.key);
+    }
     match serde_json::from_str(incoming.payload.get()) {
         Ok(message) => Prepared::Ready(Ready {
             fingerprint: envelope::fingerprint(&incoming.payload),
@@ -215,7 +218,33 @@ pub(super) async fn prepare<C: Consumer>(
     }
 }
 
-/// The consumer's work on one message, for [`Inbox::process`] or a batch.
+/// Partitioned: says (once per partition queue) that a message came with another routing key than its partition
+/// key. The exchange hashed that routing key, so such messages may sit in other partitions than the other messages of
+/// their key, and their order among them is not kept. It is processed all the same: what counts is exactly once.
+fn check_routing_key<C: Consumer>(
+    shared: &Shared<C>,
+    delivery: &Delivery,
+    incoming: &Incoming,
+    key: &str,
+) {
+    let value = envelope::field_text(&incoming.payload, key);
+    if value.as_deref() == Some(delivery.routing_key.as_str())
+        || shared.routing_key_warned.swap(true, Ordering::Relaxed)
+    {
+        return;
+    }
+    tracing::warn!(
+        queue = %shared.queue,
+        message_id = %incoming.message_id,
+        routing_key = %logged(delivery.routing_key.as_str()),
+        partition_key = %logged(key),
+        value = %logged(value.as_deref().unwrap_or("(none)")),
+        "a message was published with another routing key than its partition key: the exchange spreads messages by \
+         routing key, so the order of such messages among the others of their key is not kept; publishers must set the \
+         routing key to the partition key (said once per partition queue)"
+    );
+}
+
 /// What the consumer is told about attempt `attempt` of `delivery`.
 pub(super) fn context<C: Consumer>(
     shared: &Shared<C>,

@@ -154,6 +154,18 @@ pub struct ConsumerOptions {
     pub on_conflict: OnConflict,
     /// Where the time each delivery took to reach its outcome goes (`--metrics-addr`), if anywhere.
     pub timings: Option<Timings>,
+    /// Spread over partition queues, each read one message at a time, for per-key order.
+    pub partitions: Option<Partitions>,
+}
+
+/// A consumer spread over `count` queues by a consistent-hash exchange (see `docs/scaling.md`, "Per-key order").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partitions {
+    /// How many partition queues (`<queue>.0` …).
+    pub count: u16,
+    /// The field of the message whose value publishers give as the routing key, the exchange hashing it: messages
+    /// with the same value go to the same queue, in the order they were published.
+    pub key: String,
 }
 
 /// What becomes of a message whose id was processed before for another event (a producer that reused an id): it is
@@ -216,7 +228,10 @@ impl RunCounts {
 /// Everything a delivery's task shares with the others.
 struct Shared<C: Consumer> {
     /// The [`Inbox`](crate::inbox::Inbox), unless the caller guards the work otherwise.
-    inbox: Box<dyn WorkGuard>,
+    inbox: Arc<dyn WorkGuard>,
+    /// The queue this loop reads: `options.queue`, or one of its partitions (the dead-letter queues are named after
+    /// `options.queue` either way).
+    queue: String,
     consumer: Arc<C>,
     options: ConsumerOptions,
     input_address: String,
@@ -232,6 +247,8 @@ struct Shared<C: Consumer> {
     alone: tokio::sync::RwLock<()>,
     /// Redelivered messages whose start is counted and not yet through (see [`poison`]).
     starts: poison::Starts,
+    /// Partitioned: whether a message published without its partition key as routing key was said already.
+    routing_key_warned: std::sync::atomic::AtomicBool,
 }
 
 fn property_id(delivery: &Delivery) -> Option<Uuid> {

@@ -40,6 +40,9 @@ pub(super) struct Link {
 
 /// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
 /// empty). Fails at start if PostgreSQL or RabbitMQ cannot be reached; after that, outages are waited out.
+///
+/// Partitioned (`options.partitions`), it reads each of the partition queues in a loop of its own, one message at a
+/// time: the broker keeps each queue's order, and one message at a time per queue keeps it in the effects.
 pub async fn run<C: Consumer>(
     inbox: impl WorkGuard,
     consumer: C,
@@ -47,20 +50,71 @@ pub async fn run<C: Consumer>(
     options: ConsumerOptions,
     shutdown: CancellationToken,
 ) -> Result<RunSummary> {
-    db::events::register_consumer(inbox.pool(), inbox.consumer_type(), &options.queue).await?;
-    let shared = Arc::new(Shared {
-        input_address: broker.queue_address(&options.queue),
-        inbox: Box::new(inbox),
-        consumer: Arc::new(consumer),
-        counts: Arc::clone(&options.counts),
-        options,
-        database_up: watch::Sender::new(true),
-        shutdown: shutdown.clone(),
-        in_flight: AtomicUsize::new(0),
-        last_activity: std::sync::Mutex::new(Instant::now()),
-        alone: tokio::sync::RwLock::new(()),
-        starts: poison::Starts::default(),
+    let partitions = options.partitions.clone();
+    db::events::register_consumer(
+        inbox.pool(),
+        inbox.consumer_type(),
+        &options.queue,
+        partitions.as_ref().map(|p| p.count),
+    )
+    .await?;
+    let inbox: Arc<dyn WorkGuard> = Arc::new(inbox);
+    let consumer = Arc::new(consumer);
+    let counts = Arc::clone(&options.counts);
+    let queues: Vec<String> = match &partitions {
+        None => vec![options.queue.clone()],
+        Some(p) => {
+            tracing::info!(
+                queue = %options.queue,
+                partitions = p.count,
+                queues = %format!("{}..{}", topology::partition_queue(&options.queue, 0),
+                    topology::partition_queue(&options.queue, p.count.saturating_sub(1))),
+                exchange = %topology::partition_exchange(&options.queue),
+                partition_key = %p.key,
+                "partitioned: each queue read by one active consumer, one message at a time; the exchange hashes the \
+                 routing key, which publishers set to the partition key"
+            );
+            (0..p.count)
+                .map(|i| topology::partition_queue(&options.queue, i))
+                .collect()
+        }
+    };
+    let runs = queues.into_iter().map(|queue| {
+        let shared = Arc::new(Shared {
+            input_address: broker.queue_address(&queue),
+            queue,
+            inbox: Arc::clone(&inbox),
+            consumer: Arc::clone(&consumer),
+            counts: Arc::clone(&counts),
+            options: options.clone(),
+            database_up: watch::Sender::new(true),
+            shutdown: shutdown.clone(),
+            in_flight: AtomicUsize::new(0),
+            last_activity: std::sync::Mutex::new(Instant::now()),
+            alone: tokio::sync::RwLock::new(()),
+            starts: poison::Starts::default(),
+            routing_key_warned: std::sync::atomic::AtomicBool::new(false),
+        });
+        run_queue(shared, broker)
     });
+    futures_util::future::try_join_all(runs).await?;
+    let summary = counts.summary();
+    tracing::info!(
+        consumer_type = %inbox.consumer_type(),
+        processed = summary.processed,
+        duplicates = summary.duplicates,
+        failed_attempts = summary.failed_attempts,
+        dead_lettered = summary.dead_lettered,
+        skipped = summary.skipped,
+        conflicts = summary.conflicts,
+        "consumer stopped"
+    );
+    Ok(summary)
+}
+
+/// Reads one queue until the stop: one broker connection after another.
+async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Result<()> {
+    let shutdown = shared.shutdown.clone();
     let mut workers = Workers::start(&shared);
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     let mut first = true;
@@ -92,18 +146,7 @@ pub async fn run<C: Consumer>(
         }
     }
     workers.finish(&shared).await;
-    let summary = shared.counts.summary();
-    tracing::info!(
-        consumer_type = %shared.inbox.consumer_type(),
-        processed = summary.processed,
-        duplicates = summary.duplicates,
-        failed_attempts = summary.failed_attempts,
-        dead_lettered = summary.dead_lettered,
-        skipped = summary.skipped,
-        conflicts = summary.conflicts,
-        "consumer stopped"
-    );
-    Ok(summary)
+    Ok(())
 }
 
 /// Why consuming on one connection ended.
@@ -124,7 +167,7 @@ async fn start_consuming<C: Consumer>(
     let consumed = link
         .consume
         .basic_consume(
-            shared.options.queue.as_str().into(),
+            shared.queue.as_str().into(),
             tag.into(),
             BasicConsumeOptions::default(),
             FieldTable::default(),
@@ -138,7 +181,7 @@ async fn start_consuming<C: Consumer>(
         }
     };
     tracing::info!(
-        queue = %shared.options.queue,
+        queue = %shared.queue,
         consumer_type = %shared.inbox.consumer_type(),
         "consuming"
     );
@@ -191,7 +234,7 @@ async fn consume_on<C: Consumer>(
             }
             _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
                 if is_idle(shared, link).await {
-                    tracing::info!(queue = %shared.options.queue, "queue idle; stopping");
+                    tracing::info!(queue = %shared.queue, "queue idle; stopping");
                     cancel().await;
                     return LinkEnd::Stop;
                 }
@@ -207,7 +250,7 @@ async fn consume_on<C: Consumer>(
                     return LinkEnd::Reconnect;
                 }
                 None => {
-                    tracing::warn!(queue = %shared.options.queue, "the broker cancelled the consumer; reconnecting");
+                    tracing::warn!(queue = %shared.queue, "the broker cancelled the consumer; reconnecting");
                     return LinkEnd::Reconnect;
                 }
             }
@@ -311,13 +354,27 @@ impl Workers {
 pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {
     let name = format!("inboxctl consume {}", shared.inbox.consumer_type());
     let connection = broker.connect(&name).await?;
-    topology::ensure_endpoint(
-        &connection,
-        &shared.options.event_exchange,
-        &shared.options.queue,
-        shared.options.queue_type,
-    )
-    .await?;
+    match &shared.options.partitions {
+        None => {
+            topology::ensure_endpoint(
+                &connection,
+                &shared.options.event_exchange,
+                &shared.options.queue,
+                shared.options.queue_type,
+            )
+            .await?;
+        }
+        Some(p) => {
+            topology::ensure_partitioned_endpoint(
+                &connection,
+                &shared.options.event_exchange,
+                &shared.options.queue,
+                p.count,
+                shared.options.queue_type,
+            )
+            .await?;
+        }
+    }
     let consume = connection.create_channel().await?;
     consume
         .basic_qos(shared.options.prefetch, BasicQosOptions::default())
@@ -349,7 +406,7 @@ pub(super) async fn is_idle<C: Consumer>(shared: &Shared<C>, link: &Link) -> boo
         return false;
     }
     matches!(
-        topology::queue_depth(&link.connection, &shared.options.queue).await,
+        topology::queue_depth(&link.connection, &shared.queue).await,
         Ok(Some((0, _)))
     )
 }

@@ -12,7 +12,7 @@ use std::time::Duration;
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::{ConsumerOptions, OnConflict, RunCounts, RunSummary, WorkGuard};
+use super::{ConsumerOptions, OnConflict, Partitions, RunCounts, RunSummary, WorkGuard};
 use crate::amqp::{self, Broker, topology};
 use crate::db::{self, Database, schema};
 use crate::error::{Error, Result};
@@ -59,6 +59,8 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     /// The stand-in carrier (or SMS gateway) fails every call for parcels to this destination.
     pub fail_destination: Option<String>,
+    /// Spread over partition queues, one message at a time in each (`concurrency` and `batch_size` do not apply).
+    pub partitions: Option<Partitions>,
 }
 
 impl Default for Config {
@@ -83,6 +85,7 @@ impl Default for Config {
             on_conflict: OnConflict::DeadLetter,
             metrics_addr: None,
             fail_destination: None,
+            partitions: None,
         }
     }
 }
@@ -94,6 +97,13 @@ impl Config {
             consumer,
             ..Self::default()
         }
+    }
+
+    /// Messages worked on at once: `concurrency`, or partitioned, one per partition.
+    pub fn workers(&self) -> u16 {
+        self.partitions
+            .as_ref()
+            .map_or(self.concurrency, |p| p.count)
     }
 
     pub fn queue(&self) -> &str {
@@ -123,7 +133,7 @@ pub async fn consume_guarded<G: WorkGuard>(
     guard: impl FnOnce(Inbox) -> G,
 ) -> Result<RunSummary> {
     let (queue, consumer_type) = names(config)?;
-    let pool_size = config.pool_size.unwrap_or(u32::from(config.concurrency));
+    let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
     let pool = db
         .with_lock_timeout(config.claim_timeout)
         .pool(pool_size)
@@ -150,6 +160,7 @@ pub async fn consume_guarded<G: WorkGuard>(
             "effect_table": config.consumer.effect_table(),
             "batch_size": config.batch_size,
             "concurrency": config.concurrency,
+            "partitions": config.partitions.as_ref().map(|p| p.count),
             "pid": std::process::id(),
         });
         crate::audit::record(
@@ -207,17 +218,25 @@ fn options(
         queue_type: config.queue_type,
         event_exchange: config.exchange.clone(),
         prefetch: config.prefetch,
-        concurrency: usize::from(config.concurrency),
+        // Partitioned, each partition's loop takes one message at a time: its queue's order is the effects' order.
+        concurrency: match config.partitions {
+            Some(_) => 1,
+            None => usize::from(config.concurrency),
+        },
         max_attempts: config.max_attempts,
         retry_delay: config.retry_delay,
         exit_when_idle: config.exit_when_idle,
         shutdown_timeout: config.shutdown_timeout,
         counts,
-        batch_size: usize::from(config.batch_size),
+        batch_size: match config.partitions {
+            Some(_) => 1,
+            None => usize::from(config.batch_size),
+        },
         batch_wait: config.batch_wait,
         poison_after: config.poison_after,
         on_conflict: config.on_conflict,
         timings,
+        partitions: config.partitions.clone(),
     }
 }
 
@@ -226,14 +245,22 @@ fn options(
 fn names(config: &Config) -> Result<(String, ConsumerType)> {
     let queue = config.queue().to_owned();
     amqp::validate_name("--queue", &queue)?;
-    // The dead-letter queues' names are the queue's with a suffix: they must be valid too, or the first message to
-    // move aside would find no name to go to.
-    let longest = topology::skipped_queue(&queue);
+    // The dead-letter queues' (and partitioned, the partitions' exchange's) names are the queue's with a suffix:
+    // they must be valid too, or the first message to move aside would find no name to go to.
+    let (longest, what) = match config.partitions {
+        Some(_) => (
+            topology::partition_exchange(&queue),
+            "its partitions' exchange <queue>.partitions",
+        ),
+        None => (
+            topology::skipped_queue(&queue),
+            "its dead-letter queue <queue>_skipped",
+        ),
+    };
     if longest.len() > 255 {
         let suffix = longest.len() - queue.len();
         return Err(Error::Usage(format!(
-            "--queue is {} bytes long; the name of its dead-letter queue <queue>_skipped would be {} bytes, past \
-             AMQP's 255: at most {} bytes",
+            "--queue is {} bytes long; the name of {what} would be {} bytes, past AMQP's 255: at most {} bytes",
             queue.len(),
             longest.len(),
             255 - suffix

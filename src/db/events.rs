@@ -13,11 +13,11 @@ statements! {
 INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1, $2, $3, $4)";
 
     /// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters
-    /// and which queue each reads. `$1` consumer_type, `$2` queue.
+    /// and which queue each reads. `$1` consumer_type, `$2` queue, `$3` its partitions (null: not partitioned).
     pub const REGISTER_CONSUMER = "\
-INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
-VALUES ($1, $2, now(), now())
-ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, last_seen_at = now()";
+INSERT INTO inboxctl_consumers (consumer_type, queue, partitions, first_seen_at, last_seen_at)
+VALUES ($1, $2, $3, now(), now())
+ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, last_seen_at = now()";
 
     /// Duplicates discarded for a set of message ids (the demo's tally). `$1` message ids.
     const COUNT_DUPLICATES_FOR =
@@ -42,15 +42,18 @@ pub async fn record(
         .map(drop)
 }
 
-/// Registers a consumer process's consumer_type and the queue it reads (`REGISTER_CONSUMER`).
+/// Registers a consumer process's consumer_type, the queue it reads and into how many partition queues that is
+/// spread, if it is (`REGISTER_CONSUMER`).
 pub async fn register_consumer(
     executor: impl PgExecutor<'_>,
     consumer_type: &ConsumerType,
     queue: &str,
+    partitions: Option<u16>,
 ) -> sqlx::Result<()> {
     sqlx::query(REGISTER_CONSUMER)
         .bind(consumer_type.as_str())
         .bind(queue)
+        .bind(partitions.map(i32::from))
         .execute(executor)
         .await
         .map(drop)

@@ -21,6 +21,12 @@ SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
     /// The consumer_types inboxctl consumers ran as, with their queue.
     const REGISTERED_CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers";
 
+    /// The registered consumer_types whose queue is spread over partitions, with how many. Read through `to_jsonb`
+    /// so that a database migrated before the column existed answers "none" rather than failing.
+    const REGISTERED_PARTITIONS = "\
+SELECT consumer_type::text, (to_jsonb(c) ->> 'partitions')::int FROM inboxctl_consumers c
+WHERE to_jsonb(c) ->> 'partitions' IS NOT NULL";
+
     /// The planner's statistics of the inbox: total rows, rows of the unprocessed index, and the most common
     /// consumer_types with their frequencies (nothing is counted).
     pub const INBOX_ESTIMATES = "\
@@ -75,6 +81,19 @@ pub async fn registered_consumers(
         .fetch_all(executor)
         .await?;
     Ok(rows.into_iter().collect())
+}
+
+/// Each registered consumer_type whose queue is spread over partitions, with their number (`REGISTERED_PARTITIONS`).
+pub async fn registered_partitions(
+    executor: impl PgExecutor<'_>,
+) -> sqlx::Result<HashMap<String, u16>> {
+    let rows: Vec<(String, i32)> = sqlx::query_as(REGISTERED_PARTITIONS)
+        .fetch_all(executor)
+        .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(consumer_type, n)| Some((consumer_type, u16::try_from(n).ok()?)))
+        .collect())
 }
 
 /// The planner's statistics of the inbox (`INBOX_ESTIMATES`).

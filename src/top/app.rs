@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 
-use crate::stats::{Counts, Snapshot, per_second};
+use crate::stats::{Counts, QueueDepth, Snapshot, per_second};
 
 /// What can happen to the dashboard.
 #[derive(Debug, Clone)]
@@ -397,7 +397,7 @@ impl App {
                 unprocessed: c.unprocessed,
                 unprocessed_estimated: c.unprocessed_estimated,
                 oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
-                queue: c.queue.as_ref().map(|q| q.name.clone()),
+                queue: c.queue.as_ref().map(QueueDepth::label),
                 ready: c.queue.as_ref().and_then(|q| q.ready),
                 consumers: c.queue.as_ref().and_then(|q| q.consumers),
                 errors,

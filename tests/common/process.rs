@@ -74,7 +74,7 @@ impl Proc {
     }
 
     /// Whether a stderr line so far contains `needle`.
-    fn has_said(&self, needle: &str) -> bool {
+    pub fn has_said(&self, needle: &str) -> bool {
         self.lines
             .lock()
             .unwrap()
@@ -119,6 +119,11 @@ impl Proc {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Sends SIGTERM.

@@ -25,12 +25,14 @@ pub(crate) fn consumer(
         series: vec![(1, 0), (3, 1), (2, 0)],
         queue: Some(QueueDepth {
             name: name.to_owned(),
+            partitions: None,
             ready: Some(4),
             consumers: Some(2),
             exists: true,
         }),
         error_queue: Some(QueueDepth {
             name: format!("{name}_error"),
+            partitions: None,
             ready: Some(errors),
             consumers: None,
             exists: errors > 0,

@@ -6,6 +6,7 @@ use std::collections::{HashMap, HashSet};
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
+use super::sql;
 use crate::inbox::{ConsumerType, Fingerprint};
 
 statements! {
@@ -101,12 +102,11 @@ pub async fn claim(
     consumer_type: &ConsumerType,
     fingerprint: Option<&Fingerprint>,
 ) -> sqlx::Result<bool> {
-    sqlx::query_scalar(CLAIM)
+    unit!(conn, |conn| sql::query_scalar(CLAIM)
         .bind(message_id)
         .bind(consumer_type.as_str())
         .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-        .fetch_one(conn)
-        .await
+        .fetch_one(conn))
 }
 
 /// Records a copy whose key a committed claim holds (`RECORD_COPY`); returns the fingerprint the key was claimed
@@ -117,12 +117,11 @@ pub async fn record_copy(
     consumer_type: &ConsumerType,
     fingerprint: Option<&Fingerprint>,
 ) -> sqlx::Result<Option<Fingerprint>> {
-    let first: Option<Vec<u8>> = sqlx::query_scalar(RECORD_COPY)
+    let first: Option<Vec<u8>> = unit!(conn, |conn| sql::query_scalar(RECORD_COPY)
         .bind(message_id)
         .bind(consumer_type.as_str())
         .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-        .fetch_one(conn)
-        .await?;
+        .fetch_one(conn))?;
     Ok(first.as_deref().and_then(Fingerprint::from_slice))
 }
 
@@ -143,14 +142,13 @@ pub async fn claim_batch(
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<HashSet<Uuid>> {
     let (ids, fingerprints) = arrays(keys);
-    Ok(sqlx::query_scalar(CLAIM_BATCH)
+    Ok(unit!(conn, |conn| sql::query_scalar(CLAIM_BATCH)
         .bind(&ids)
         .bind(consumer_type.as_str())
         .bind(&fingerprints)
-        .fetch_all(conn)
-        .await?
-        .into_iter()
-        .collect())
+        .fetch_all(conn))?
+    .into_iter()
+    .collect())
 }
 
 /// Records the members of a batch whose keys a committed claim held (`RECORD_BATCH_COPIES`); returns the
@@ -161,12 +159,12 @@ pub async fn record_batch_copies(
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<HashMap<Uuid, Option<Fingerprint>>> {
     let (ids, fingerprints) = arrays(copies);
-    let rows: Vec<(Uuid, Option<Vec<u8>>)> = sqlx::query_as(RECORD_BATCH_COPIES)
-        .bind(&ids)
-        .bind(consumer_type.as_str())
-        .bind(&fingerprints)
-        .fetch_all(conn)
-        .await?;
+    let rows: Vec<(Uuid, Option<Vec<u8>>)> =
+        unit!(conn, |conn| sql::query_as(RECORD_BATCH_COPIES)
+            .bind(&ids)
+            .bind(consumer_type.as_str())
+            .bind(&fingerprints)
+            .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(id, first)| (id, first.as_deref().and_then(Fingerprint::from_slice)))

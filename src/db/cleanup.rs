@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
+
+use super::{Exec, sql};
 
 statements! {
     /// The cleanup's cutoff, on the database's clock. `$1` retention in seconds.
@@ -60,6 +61,7 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
     /// Releases the cleanup's locks: every advisory lock of the session, which holds nothing else.
     const CLEANUP_UNLOCK_ALL = "SELECT pg_advisory_unlock_all()";
 
+
     /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
     const COUNT_PROCESSED_BEFORE =
     "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < $2";
@@ -78,18 +80,18 @@ WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
 
 /// `now() - retention` on the database's clock (`CUTOFF`).
 pub async fn cutoff(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     retention: Duration,
 ) -> sqlx::Result<DateTime<Utc>> {
-    sqlx::query_scalar(CUTOFF)
+    unit!(executor, |conn| sql::query_scalar(CUTOFF)
         .bind(retention.as_secs_f64())
-        .fetch_one(executor)
-        .await
+        .fetch_one(conn))
 }
 
 /// Every consumer_type with inbox rows, events or a registration, in order (`CONSUMER_TYPES`).
-pub async fn consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
-    sqlx::query_scalar(CONSUMER_TYPES).fetch_all(executor).await
+pub async fn consumer_types(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<String>> {
+    unit!(executor, |conn| sql::query_scalar(CONSUMER_TYPES)
+        .fetch_all(conn))
 }
 
 /// Rows of a consumer_type received before the cutoff and never processed.
@@ -101,15 +103,15 @@ pub struct Unprocessed {
 
 /// The unprocessed rows received before `cutoff` (`UNPROCESSED_BEFORE`).
 pub async fn unprocessed_before(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<Unprocessed> {
-    let (count, oldest): (i64, Option<DateTime<Utc>>) = sqlx::query_as(UNPROCESSED_BEFORE)
-        .bind(consumer_type)
-        .bind(cutoff)
-        .fetch_one(executor)
-        .await?;
+    let (count, oldest): (i64, Option<DateTime<Utc>>) =
+        unit!(executor, |conn| sql::query_as(UNPROCESSED_BEFORE)
+            .bind(consumer_type)
+            .bind(cutoff)
+            .fetch_one(conn))?;
     Ok(Unprocessed {
         count: count.unsigned_abs(),
         oldest,
@@ -118,7 +120,7 @@ pub async fn unprocessed_before(
 
 /// Processed rows older than `cutoff`: what a cleanup deletes (`COUNT_PROCESSED_BEFORE`).
 pub async fn count_processed_before(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
@@ -127,7 +129,7 @@ pub async fn count_processed_before(
 
 /// Event rows older than `cutoff` (`COUNT_EVENTS_BEFORE`).
 pub async fn count_events_before(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
@@ -135,39 +137,36 @@ pub async fn count_events_before(
 }
 
 async fn count(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     statement: &'static str,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
-    let n: i64 = sqlx::query_scalar(statement)
+    let n: i64 = unit!(executor, |conn| sql::query_scalar(statement)
         .bind(consumer_type)
         .bind(cutoff)
-        .fetch_one(executor)
-        .await?;
+        .fetch_one(conn))?;
     Ok(n.unsigned_abs())
 }
 
 /// Takes the consumer_type's cleanup lock on this session if no other session holds it (`CLEANUP_TRY_LOCK`).
-pub async fn try_lock(executor: impl PgExecutor<'_>, consumer_type: &str) -> sqlx::Result<bool> {
-    sqlx::query_scalar(CLEANUP_TRY_LOCK)
+pub async fn try_lock(executor: impl Into<Exec<'_>>, consumer_type: &str) -> sqlx::Result<bool> {
+    unit!(executor, |conn| sql::query_scalar(CLEANUP_TRY_LOCK)
         .bind(consumer_type)
-        .fetch_one(executor)
-        .await
+        .fetch_one(conn))
 }
 
 /// Releases every advisory lock of the session (`CLEANUP_UNLOCK_ALL`).
-pub async fn unlock_all(executor: impl PgExecutor<'_>) -> sqlx::Result<()> {
-    sqlx::query(CLEANUP_UNLOCK_ALL)
-        .execute(executor)
-        .await
-        .map(drop)
+pub async fn unlock_all(executor: impl Into<Exec<'_>>) -> sqlx::Result<()> {
+    unit!(executor, |conn| sql::query(CLEANUP_UNLOCK_ALL)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`);
 /// returns the rows deleted.
 pub async fn delete_processed_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
@@ -184,7 +183,7 @@ pub async fn delete_processed_batch(
 
 /// Deletes at most `limit` event rows older than `cutoff` (`DELETE_EVENTS_BATCH`); returns the rows deleted.
 pub async fn delete_events_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
@@ -193,31 +192,29 @@ pub async fn delete_events_batch(
 }
 
 async fn delete_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     statement: &'static str,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
 ) -> sqlx::Result<u64> {
-    Ok(sqlx::query(statement)
+    Ok(unit!(executor, |conn| sql::query(statement)
         .bind(consumer_type)
         .bind(cutoff)
         .bind(limit)
-        .execute(executor)
-        .await?
-        .rows_affected())
+        .execute(conn))?
+    .rows_affected())
 }
 
 /// Deletes the start counts last started before `cutoff` (`DELETE_OLD_ATTEMPTS`); returns how many.
 pub async fn delete_old_attempts(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
-    Ok(sqlx::query(DELETE_OLD_ATTEMPTS)
+    Ok(unit!(executor, |conn| sql::query(DELETE_OLD_ATTEMPTS)
         .bind(consumer_type)
         .bind(cutoff)
-        .execute(executor)
-        .await?
-        .rows_affected())
+        .execute(conn))?
+    .rows_affected())
 }

@@ -16,13 +16,33 @@ macro_rules! statements {
     };
 }
 
+/// Runs a store function's statements (`$body`, a future, with `$conn` the `&mut PgConnection` to send them on) on a
+/// connection from `$executor` (a pool, a connection or a transaction), inside a [`Unit`]: through a
+/// transaction pooler, in a transaction of their own unless the connection is in one already. Returns `$body`'s
+/// result.
+macro_rules! unit {
+    ($executor:expr, |$conn:ident| $body:expr) => {{
+        let mut held = Into::<$crate::db::Exec<'_>>::into($executor)
+            .connection()
+            .await?;
+        let mut unit = $crate::db::Unit::of(&mut held).await?;
+        let result = {
+            let $conn = unit.conn();
+            $body.await
+        };
+        unit.end(result).await
+    }};
+}
+
 pub mod attempts;
 pub mod audit;
 pub mod claim;
 pub mod cleanup;
 pub mod effects;
 pub mod events;
+mod exec;
 pub mod grants;
+pub mod pooler;
 pub mod schema;
 pub mod sql;
 pub mod stats;
@@ -38,6 +58,9 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 
 use crate::error::{Error, Result};
 use crate::{redact, secret};
+
+pub use exec::Exec;
+pub(crate) use exec::Unit;
 
 /// How long a caller waits for a pooled connection before the wait counts as an outage.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -249,7 +272,7 @@ statements! {
 
 /// `SELECT 1`: the server answers with 1 when it is up.
 pub async fn ping(pool: &PgPool) -> sqlx::Result<i32> {
-    sqlx::query_scalar(PING).fetch_one(pool).await
+    unit!(pool, |conn| sql::query_scalar(PING).fetch_one(conn))
 }
 
 /// One statement of the store, by area and name.

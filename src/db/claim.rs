@@ -2,8 +2,10 @@
 //! recorded. The protocol that orders them is `inbox`'s.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
-use sqlx::postgres::PgConnection;
+use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{AssertSqlSafe, Connection as _, Transaction};
 use uuid::Uuid;
 
 use super::sql;
@@ -85,6 +87,38 @@ WITH c AS (
     FROM c
 )
 SELECT id, first FROM c";
+}
+
+/// `BEGIN` and the transaction's own `lock_timeout`, in one round trip: for connections that keep no session setting
+/// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
+fn begin_with_lock_timeout(timeout: Duration) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = {}",
+        timeout.as_millis().max(1)
+    )
+}
+
+/// The statements built around a value, each with a sample one, for [`super::statements`]; simple queries.
+pub(super) fn built_statements() -> Vec<(&'static str, String)> {
+    vec![(
+        "begin_with_lock_timeout",
+        begin_with_lock_timeout(Duration::from_secs(30)),
+    )]
+}
+
+/// Begins a claim's transaction: with `lock_timeout` set for it alone (`SET LOCAL`) when given, else bounded by the
+/// session's own (`Database::with_lock_timeout`).
+pub async fn begin(
+    conn: &mut PgConnection,
+    lock_timeout: Option<Duration>,
+) -> sqlx::Result<Transaction<'_, Postgres>> {
+    match lock_timeout {
+        None => conn.begin().await,
+        Some(timeout) => {
+            conn.begin_with(AssertSqlSafe(begin_with_lock_timeout(timeout)))
+                .await
+        }
+    }
 }
 
 /// One key of a batch: a message id and its event's fingerprint, if known.

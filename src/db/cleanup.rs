@@ -1,9 +1,10 @@
 //! The cleanup's statements: its cutoff, the consumer_types to clean, the counts of a dry run, the per-consumer_type
-//! lock, and the batched deletes.
+//! lock (of the session, or through a transaction pooler of each batch's transaction), and the batched deletes.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use sqlx::postgres::PgPool;
 
 use super::{Exec, sql};
 
@@ -61,6 +62,11 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
     /// Releases the cleanup's locks: every advisory lock of the session, which holds nothing else.
     const CLEANUP_UNLOCK_ALL = "SELECT pg_advisory_unlock_all()";
 
+    /// The same lock for one transaction, taken by each batch through a transaction pooler, where no session (and no
+    /// session lock) lasts beyond a transaction. The same key: it excludes a cleanup holding the session lock too.
+    /// `$1` consumer_type.
+    const CLEANUP_TRY_XACT_LOCK =
+    "SELECT pg_try_advisory_xact_lock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
 
     /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
     const COUNT_PROCESSED_BEFORE =
@@ -161,6 +167,43 @@ pub async fn unlock_all(executor: impl Into<Exec<'_>>) -> sqlx::Result<()> {
     unit!(executor, |conn| sql::query(CLEANUP_UNLOCK_ALL)
         .execute(conn))
     .map(drop)
+}
+
+/// What a cleanup batch deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// Processed inbox rows, with their fingerprints (`DELETE_PROCESSED_BATCH`).
+    Processed,
+    /// inboxctl's own event rows (`DELETE_EVENTS_BATCH`).
+    Events,
+}
+
+/// One batch in a transaction of its own that first takes the consumer_type's lock for that transaction
+/// (`CLEANUP_TRY_XACT_LOCK`): a cleanup's batch through a transaction pooler. `None`: another cleanup holds the
+/// consumer_type, and nothing was deleted.
+pub async fn delete_batch_locked(
+    pool: &PgPool,
+    rows: Rows,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> sqlx::Result<Option<u64>> {
+    let mut tx = pool.begin().await?;
+    let locked: bool = sql::query_scalar(CLEANUP_TRY_XACT_LOCK)
+        .bind(consumer_type)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !locked {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let statement = match rows {
+        Rows::Processed => DELETE_PROCESSED_BATCH,
+        Rows::Events => DELETE_EVENTS_BATCH,
+    };
+    let deleted = delete_batch(&mut *tx, statement, consumer_type, cutoff, limit).await?;
+    tx.commit().await?;
+    Ok(Some(deleted))
 }
 
 /// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`);

@@ -70,6 +70,8 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Database {
     options: PgConnectOptions,
     url: String,
+    /// Reached through a transaction pooler (`--transaction-pooling`): see [`pooler`].
+    transaction_pooling: bool,
 }
 
 impl Database {
@@ -83,7 +85,25 @@ impl Database {
         Ok(Self {
             options,
             url: url.to_owned(),
+            transaction_pooling: false,
         })
+    }
+
+    /// The same database, reached through a transaction pooler (`--transaction-pooling`) or not. Through one, the
+    /// connections send no startup parameter a pooler refuses (`extra_float_digits`, `options`), every statement of the
+    /// store goes unnamed and inside a transaction, and `migrate` is refused (see [`pooler`]).
+    pub fn with_transaction_pooling(&self, on: bool) -> Self {
+        let mut db = self.clone();
+        db.transaction_pooling = on;
+        if on {
+            db.options = db.options.extra_float_digits(None);
+        }
+        db
+    }
+
+    /// Whether the database is reached through a transaction pooler (`--transaction-pooling`).
+    pub fn transaction_pooling(&self) -> bool {
+        self.transaction_pooling
     }
 
     /// A database URL, with the password read from `password_file` if given (`--database-password-file`).
@@ -132,6 +152,7 @@ impl Database {
         Self {
             options: self.options.clone().database(name),
             url,
+            ..self.clone()
         }
     }
 
@@ -141,23 +162,45 @@ impl Database {
     }
 
     /// Bounds how long any statement waits for a row lock; a claim that waits longer gives up and is retried later.
+    /// Set for the session at its start (the startup parameter `options`); through a transaction pooler, which keeps
+    /// no session setting, not at all: the claim sets it in each of its transactions
+    /// ([`Database::lock_timeout_per_transaction`]).
     pub fn with_lock_timeout(&self, timeout: Duration) -> Self {
+        if self.transaction_pooling {
+            return self.clone();
+        }
         let millis = timeout.as_millis().max(1).to_string();
         Self {
             options: self
                 .options
                 .clone()
                 .options([("lock_timeout", millis.as_str())]),
-            url: self.url.clone(),
+            ..self.clone()
         }
+    }
+
+    /// `timeout`, for a claim transaction to set for itself, where it cannot be the session's
+    /// ([`Database::with_lock_timeout`]): through a transaction pooler. `None` elsewhere.
+    pub fn lock_timeout_per_transaction(&self, timeout: Duration) -> Option<Duration> {
+        self.transaction_pooling.then_some(timeout)
     }
 
     /// One connection, now. Fails with [`Error::DatabaseUnavailable`] when the server cannot be reached.
     pub async fn connect(&self) -> Result<PgConnection> {
-        self.options
+        let conn = self
+            .options
             .connect()
             .await
-            .map_err(|e| self.unavailable(e))
+            .map_err(|e| self.unavailable(e))?;
+        self.opened();
+        Ok(conn)
+    }
+
+    /// After a first connection: through a transaction pooler, this process speaks as through one from now on.
+    fn opened(&self) {
+        if self.transaction_pooling {
+            pooler::enable();
+        }
     }
 
     /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
@@ -170,7 +213,10 @@ impl Database {
             .connect_with(self.options.clone())
             .await
         {
-            Ok(pool) => Ok(pool),
+            Ok(pool) => {
+                self.opened();
+                Ok(pool)
+            }
             // The pool retries a failing connect until its timeout and then only says that it timed out (a role or
             // database at its CONNECTION LIMIT, a server refusing connections): one direct attempt names the cause.
             Err(sqlx::Error::PoolTimedOut) => match self.connect().await {
@@ -186,6 +232,7 @@ impl Database {
 
     /// A pool that connects on first use (and again after an outage), for callers that must start regardless.
     pub fn lazy_pool(&self, size: u32) -> PgPool {
+        self.opened();
         PgPoolOptions::new()
             .max_connections(size.max(1))
             .acquire_timeout(ACQUIRE_TIMEOUT)
@@ -281,6 +328,8 @@ pub struct Statement {
     /// `area::NAME`, e.g. `claim::CLAIM`.
     pub name: String,
     pub sql: Cow<'static, str>,
+    /// Sent as a simple query, several commands in one (the claim's `BEGIN; SET LOCAL …`): it cannot be prepared.
+    pub simple_query: bool,
 }
 
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
@@ -303,14 +352,21 @@ pub fn statements() -> Vec<Statement> {
         statements.iter().map(move |(name, sql)| Statement {
             name: format!("{area}::{name}"),
             sql: Cow::Borrowed(*sql),
+            simple_query: false,
         })
     });
-    let built = schema::built_statements()
-        .into_iter()
-        .map(|(name, sql)| Statement {
-            name: format!("schema::{name}"),
+    let built = [
+        ("schema", schema::built_statements(), false),
+        ("claim", claim::built_statements(), true),
+    ]
+    .into_iter()
+    .flat_map(|(area, statements, simple_query)| {
+        statements.into_iter().map(move |(name, sql)| Statement {
+            name: format!("{area}::{name}"),
             sql: Cow::Owned(sql),
-        });
+            simple_query,
+        })
+    });
     fixed.chain(built).collect()
 }
 

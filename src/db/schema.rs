@@ -123,6 +123,15 @@ pub struct MigrateReport {
 /// Creates the database if needed and applies the pending migrations; with `dry_run`, reports what that would do and
 /// changes nothing. An incompatible `inbox_messages` stops it before anything is changed.
 pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
+    if db.transaction_pooling() {
+        return Err(Error::Usage(
+            "migrate needs a session of its own, which a transaction pooler does not keep: it holds an advisory lock \
+             from its first statement to its last, and builds indexes with CREATE INDEX CONCURRENTLY outside any \
+             transaction; run it against PostgreSQL itself (a --database-url that does not go through the pooler), \
+             without --transaction-pooling"
+                .to_owned(),
+        ));
+    }
     let database = db.name();
     let exists = database_exists(db, &database).await?;
     let migrator = migrator();

@@ -72,6 +72,8 @@ pub struct Database {
     url: String,
     /// Reached through a transaction pooler (`--transaction-pooling`): see [`pooler`].
     transaction_pooling: bool,
+    /// The `lock_timeout` every session is given at its start ([`Database::with_lock_timeout`]).
+    session_lock_timeout: Option<Duration>,
 }
 
 impl Database {
@@ -86,6 +88,7 @@ impl Database {
             options,
             url: url.to_owned(),
             transaction_pooling: false,
+            session_lock_timeout: None,
         })
     }
 
@@ -104,6 +107,11 @@ impl Database {
     /// Whether the database is reached through a transaction pooler (`--transaction-pooling`).
     pub fn transaction_pooling(&self) -> bool {
         self.transaction_pooling
+    }
+
+    /// The `lock_timeout` given to every session at its start, if any ([`Database::with_lock_timeout`]).
+    pub fn session_lock_timeout(&self) -> Option<Duration> {
+        self.session_lock_timeout
     }
 
     /// A database URL, with the password read from `password_file` if given (`--database-password-file`).
@@ -175,6 +183,7 @@ impl Database {
                 .options
                 .clone()
                 .options([("lock_timeout", millis.as_str())]),
+            session_lock_timeout: Some(timeout),
             ..self.clone()
         }
     }
@@ -187,20 +196,34 @@ impl Database {
 
     /// One connection, now. Fails with [`Error::DatabaseUnavailable`] when the server cannot be reached.
     pub async fn connect(&self) -> Result<PgConnection> {
-        let conn = self
-            .options
-            .connect()
-            .await
-            .map_err(|e| self.unavailable(e))?;
-        self.opened();
+        let conn = self.connect_only().await?;
+        self.opened().await?;
         Ok(conn)
     }
 
-    /// After a first connection: through a transaction pooler, this process speaks as through one from now on.
-    fn opened(&self) {
+    /// [`Database::connect`] without what follows a first connection.
+    async fn connect_only(&self) -> Result<PgConnection> {
+        self.options
+            .connect()
+            .await
+            .map_err(|e| self.unavailable(e))
+    }
+
+    /// After a first connection: through a declared transaction pooler, this process speaks as through one from now
+    /// on; without the flag, refuses an undeclared one ([`pooler::check`], once per process).
+    async fn opened(&self) -> Result<()> {
         if self.transaction_pooling {
             pooler::enable();
+            Ok(())
+        } else {
+            pooler::check(self).await
         }
+    }
+
+    /// Refuses a database reached through a transaction pooler without `--transaction-pooling` ([`pooler::check`]), for
+    /// a command that opens its pool lazily: an unreachable database lets it go on.
+    pub async fn check_pooler(&self) -> Result<()> {
+        self.opened().await
     }
 
     /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
@@ -214,12 +237,15 @@ impl Database {
             .await
         {
             Ok(pool) => {
-                self.opened();
+                if let Err(e) = self.opened().await {
+                    pool.close().await;
+                    return Err(e);
+                }
                 Ok(pool)
             }
             // The pool retries a failing connect until its timeout and then only says that it timed out (a role or
             // database at its CONNECTION LIMIT, a server refusing connections): one direct attempt names the cause.
-            Err(sqlx::Error::PoolTimedOut) => match self.connect().await {
+            Err(sqlx::Error::PoolTimedOut) => match self.connect_only().await {
                 Err(cause) => Err(cause),
                 Ok(conn) => {
                     let _ = sqlx::Connection::close(conn).await;
@@ -230,9 +256,12 @@ impl Database {
         }
     }
 
-    /// A pool that connects on first use (and again after an outage), for callers that must start regardless.
+    /// A pool that connects on first use (and again after an outage), for callers that must start regardless (and call
+    /// [`Database::check_pooler`] themselves).
     pub fn lazy_pool(&self, size: u32) -> PgPool {
-        self.opened();
+        if self.transaction_pooling {
+            pooler::enable();
+        }
         PgPoolOptions::new()
             .max_connections(size.max(1))
             .acquire_timeout(ACQUIRE_TIMEOUT)
@@ -251,6 +280,15 @@ impl Database {
 pub fn diagnose(error: sqlx::Error, db: Option<&Database>) -> Error {
     let url = || db.map_or_else(String::new, Database::display_url);
     let reason = describe(&error);
+    if let sqlx::Error::Database(e) = &error
+        && !pooler::active()
+        && pooler::is_pooler_error(&error)
+    {
+        return Error::PoolerNotDeclared {
+            url: url(),
+            reason: e.message().to_owned(),
+        };
+    }
     match sqlstate(&error).as_deref() {
         Some("3D000") => Error::DatabaseMissing {
             database: db.map_or_else(|| quoted_name(&reason), Database::name),
@@ -294,6 +332,9 @@ pub fn describe(error: &sqlx::Error) -> String {
                 text.push_str(detail);
                 text.push(')');
             }
+            if !pooler::active() && pooler::is_pooler_error(error) {
+                text.push_str(POOLER_HINT);
+            }
             text
         }
         sqlx::Error::PoolTimedOut => format!(
@@ -303,6 +344,11 @@ pub fn describe(error: &sqlx::Error) -> String {
         other => other.to_string(),
     }
 }
+
+/// What a pooler's error means, said after it where it is not turned into [`Error::PoolerNotDeclared`] (a consumer's
+/// log lines).
+const POOLER_HINT: &str = " (a connection pooler in transaction mode between inboxctl and PostgreSQL, such as \
+                           PgBouncer? give --transaction-pooling: docs/scaling.md, PgBouncer)";
 
 /// The first double-quoted name in a server message (`database "x" does not exist`).
 fn quoted_name(message: &str) -> String {
@@ -335,7 +381,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 11] = [
+    let areas: [(&str, &[(&str, &str)]); 12] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -344,6 +390,7 @@ pub fn statements() -> Vec<Statement> {
         ("effects", effects::STATEMENTS),
         ("events", events::STATEMENTS),
         ("grants", grants::STATEMENTS),
+        ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("stats", stats::STATEMENTS),
         ("triage", triage::STATEMENTS),
@@ -357,6 +404,7 @@ pub fn statements() -> Vec<Statement> {
     });
     let built = [
         ("schema", schema::built_statements(), false),
+        ("pooler", pooler::built_statements(), false),
         ("claim", claim::built_statements(), true),
     ]
     .into_iter()
@@ -382,6 +430,8 @@ pub fn is_transient(error: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::BeginFailed => true,
+        // A pooler's doing (see `pooler`): not the statement's, and never a message's.
+        sqlx::Error::Database(_) if pooler::is_pooler_error(error) => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| is_transient_sqlstate(&code)),
         _ => false,
     }

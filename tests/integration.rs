@@ -31,6 +31,7 @@ mod limits;
 mod metrics;
 mod migrate;
 mod outage;
+mod pgbouncer;
 mod rabbit_restart;
 mod reference;
 mod replay;

@@ -439,6 +439,38 @@ async fn without_the_flag_every_command_is_refused_and_names_it() {
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (20, 0), "nothing taken");
 }
 
+/// In session pooling a client keeps its server connection, so without the flag `stats` works; but a PgBouncer told
+/// to ignore the startup parameter `options` drops `consume`'s claim timeout, which `consume` sees and refuses, naming
+/// the flag (with which it sets the timeout in each claim transaction, and consumes).
+#[tokio::test(flavor = "multi_thread")]
+async fn in_session_pooling_a_lost_claim_timeout_is_refused() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "20"]);
+    let session = PgBouncer::start(
+        &env,
+        4,
+        &[
+            "pool_mode = session",
+            "ignore_startup_parameters = extra_float_digits, options",
+        ],
+    );
+    let out = through(&env, &session, false, &["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let consume = ["consume", "carrier", "--exit-when-idle", "1s"];
+    let out = through(&env, &session, false, &consume);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    for words in ["lock_timeout", "did not arrive", "--transaction-pooling"] {
+        assert!(out.stderr.contains(words), "{words:?} in {}", out.stderr);
+    }
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (20, 0), "nothing taken");
+    // Session pooling gives each client connection a server connection for its life: a pool within its four.
+    let flagged = [&consume[..], &["--concurrency", "2"]].concat();
+    let out = through(&env, &session, true, &flagged);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    common::assert_carrier_exactly_once(&observer(&env).await, 20).await;
+}
+
 /// The errors a pooler causes a client that prepares named statements are reported as the pooler's, naming the flag:
 /// sqlx's own named statements through a PgBouncer that hands consecutive transactions to alternate server
 /// connections (`server_round_robin`), and the error it gets, as inboxctl's diagnosis says it.

@@ -67,8 +67,8 @@ pub(super) fn enable() {
     ACTIVE.store(true, Ordering::SeqCst);
 }
 
-/// How long the probe waits for its first session's second statement: a pooler whose every server connection is busy
-/// would make it wait, and the probe only tells, never holds a command up.
+/// How long the probe waits for its second connection's look: a pooler whose every server connection is busy would
+/// make it wait, and the probe only tells, never holds a command up.
 const PROBE_WAIT: Duration = Duration::from_secs(2);
 
 /// How long the whole probe may take (two connections and four statements): a server that does not answer is met by
@@ -103,7 +103,8 @@ pub(crate) async fn check(db: &Database) -> Result<()> {
 
 /// What a pooler did that PostgreSQL never does, if anything: one session sets a random token; a second connection's
 /// transaction reads it (a pooler hands out the server connection released last, the first session's, to the next
-/// transaction); then the first session reads its own token back. Every statement goes by the simple protocol, which a
+/// transaction); then the first session reads its own token back. Then, if that told nothing, whether the first
+/// session has the `lock_timeout` it was given at its start. Every statement goes by the simple protocol, which a
 /// pooler forwards whole.
 async fn probe(db: &Database) -> sqlx::Result<Option<String>> {
     let mut first = db.options().connect().await?;
@@ -111,28 +112,46 @@ async fn probe(db: &Database) -> sqlx::Result<Option<String>> {
     sqlx::raw_sql(AssertSqlSafe(probe_set(&token)))
         .execute(&mut first)
         .await?;
+    // Bounded: a pooler with no server connection free (session pooling, a small pool) keeps the second one waiting.
+    let shared = tokio::time::timeout(PROBE_WAIT, shared_out(db, &mut first, &token)).await;
+    let verdict = match shared {
+        Ok(verdict) => verdict?,
+        Err(_) => None,
+    };
+    let verdict = match verdict {
+        Some(verdict) => Some(verdict),
+        None => lost_lock_timeout(db, &mut first).await?,
+    };
+    let _ = first.close().await;
+    Ok(verdict)
+}
+
+/// Whether the session `first`, which set `token`, is shared out transaction by transaction: its token seen by
+/// another connection's transaction, or gone at its own next statement.
+async fn shared_out(
+    db: &Database,
+    first: &mut PgConnection,
+    token: &str,
+) -> sqlx::Result<Option<String>> {
     let mut second = db.options().connect().await?;
     let mut tx = second.begin().await?;
-    let verdict = if read_probe(&mut tx).await?.as_deref() == Some(token.as_str()) {
+    let verdict = if read_probe(&mut tx).await?.as_deref() == Some(token) {
         Some(
             "another connection's transaction saw a setting of this session: sessions are shared out \
              transaction by transaction"
                 .to_owned(),
         )
+    } else if read_probe(first).await?.as_deref() != Some(token) {
+        Some(
+            "a setting this session made was gone at its next statement: its transactions go to other server \
+             connections"
+                .to_owned(),
+        )
     } else {
-        match tokio::time::timeout(PROBE_WAIT, read_probe(&mut first)).await {
-            Ok(own) if own.as_ref().map_or(true, |own| own.as_deref() != Some(token.as_str())) => Some(
-                "a setting this session made was gone at its next statement: its transactions go to other \
-                 server connections"
-                    .to_owned(),
-            ),
-            Ok(_) => lost_lock_timeout(db, &mut first).await?,
-            Err(_) => None,
-        }
+        None
     };
     let _ = tx.rollback().await;
     let _ = second.close().await;
-    let _ = first.close().await;
     Ok(verdict)
 }
 

@@ -20,7 +20,7 @@ pub struct PgBouncer {
 
 impl PgBouncer {
     /// Starts one for `env`'s database with `pool_size` server connections (`default_pool_size`), and `extra` lines
-    /// for its `[pgbouncer]` section (`ignore_startup_parameters = …`, say).
+    /// for its `[pgbouncer]` section (`ignore_startup_parameters = …`, say; a later line wins: `pool_mode = session`).
     pub fn start(env: &TestEnv, pool_size: u32, extra: &[&str]) -> Self {
         let server = url::Url::parse(&pg_base()).expect("INBOXCTL_TEST_PG is a URL");
         let user = server.username().to_owned();

@@ -116,7 +116,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version migrate consume cleanup replay find failures publish top stats demo audit completions help"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version migrate consume cleanup replay find failures publish top stats demo audit completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -154,7 +154,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__audit)
-            opts="-v -h -V --since --command --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --since --command --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -204,7 +204,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__cleanup)
-            opts="-v -h -V --retention --force --dlq --audit-retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --retention --force --dlq --audit-retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -274,7 +274,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__completions)
-            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version bash elvish fish powershell zsh"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version bash elvish fish powershell zsh"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -312,7 +312,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -430,7 +430,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__demo)
-            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -476,7 +476,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__failures)
-            opts="-v -h -V --from --limit --output --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --from --limit --output --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -526,7 +526,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__find)
-            opts="-v -h -V --dlq --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --dlq --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -782,7 +782,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__migrate)
-            opts="-v -h -V --dry-run --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --dry-run --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -820,7 +820,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish)
-            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version parcel-created help"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version parcel-created help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -900,7 +900,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish__subcmd__parcel__subcmd__created)
-            opts="-v -h -V --count --duplicates --rate --destination --id-kind --events-per-parcel --partition-key --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --count --duplicates --rate --destination --id-kind --events-per-parcel --partition-key --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -974,7 +974,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__replay)
-            opts="-y -v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --group --listing --rate --confirm-above --yes --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-y -v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --group --listing --rate --confirm-above --yes --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -1060,7 +1060,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__stats)
-            opts="-v -h -V --window --retention --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --window --retention --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -1106,7 +1106,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__top)
-            opts="-v -h -V --interval --window --retention --read-only --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --verbose --log-format --help --version"
+            opts="-v -h -V --interval --window --retention --read-only --alert-duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

@@ -1,6 +1,6 @@
 # Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
 function __fish_inboxctl_global_optspecs
-    string join \n database-url= amqp-url= database-password-file= amqp-password-file= amqp-ca-file= v/verbose log-format= h/help V/version
+    string join \n database-url= amqp-url= database-password-file= amqp-password-file= amqp-ca-file= transaction-pooling v/verbose log-format= h/help V/version
 end
 
 function __fish_inboxctl_needs_command
@@ -31,6 +31,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-password-file -d
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -s V -l version -d 'Print version'
@@ -56,6 +57,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l log-format
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l dry-run -d 'Show what would be created and run, SQL included, and change nothing'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s V -l version -d 'Print version'
@@ -88,6 +90,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-passw
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
@@ -109,6 +112,7 @@ json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l force -d 'Clean even where it shortens the deduplication window: accept a --retention under 1m, and clean consumer_types whose dead-letter queues hold a message that failed before the cutoff (its replay would then be processed again)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dry-run -d 'Count what would be deleted; delete nothing'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l json -d 'Print the result as JSON (one line per run)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -s V -l version -d 'Print version'
@@ -136,6 +140,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l restore-exp
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s y -l yes -d 'Do not ask (for scripts run on a terminal; without a terminal nothing is asked)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l dry-run -d 'List what would be replayed; move nothing (the broker marks inspected messages redelivered)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l version -d 'Print version'
@@ -149,6 +154,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-ca-file 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s V -l version -d 'Print version'
@@ -163,6 +169,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-ca-f
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l json -d 'Print the listing as JSON (without the member ids; --output has them)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -s V -l version -d 'Print version'
@@ -173,6 +180,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fis
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -s V -l version -d 'Print version'
@@ -199,6 +207,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l json -d 'Print the result as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -s V -l version -d 'Print version'
@@ -216,6 +225,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l read-only -d 'Look only: the detail view\'s replay (r) is off'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -s V -l version -d 'Print version'
@@ -229,6 +239,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l json -d 'Print JSON (the shape is documented in docs/commands.md and stable)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s V -l version -d 'Print version'
@@ -241,6 +252,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-password
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
@@ -255,6 +267,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-ca-file
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l json -d 'Print the rows as JSON'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -s V -l version -d 'Print version'
@@ -265,6 +278,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-p
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -s V -l version -d 'Print version'

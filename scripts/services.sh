@@ -70,4 +70,16 @@ command -v promtool >/dev/null 2>&1 || apt_install prometheus
 # compose.yaml is validated (offline) by Debian's docker-compose; the manual page is rendered by man.
 command -v docker-compose >/dev/null 2>&1 || apt_install docker-compose
 command -v man >/dev/null 2>&1 || apt_install man-db
+# The pooler tests (tests/pgbouncer.rs) run a PgBouncer of their own, each on a port of its own, from Debian's package.
+# The package's own service (127.0.0.1:6432) is not wanted: where installing it started it, it is stopped and kept from
+# starting at boot. A PgBouncer the machine had before is left as it is.
+if [ ! -x /usr/sbin/pgbouncer ] && ! command -v pgbouncer >/dev/null 2>&1; then
+  apt_install pgbouncer
+  if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+    systemctl disable --now pgbouncer >/dev/null 2>&1 || true
+  else
+    invoke-rc.d pgbouncer stop >/dev/null 2>&1 || true
+    update-rc.d pgbouncer disable >/dev/null 2>&1 || true
+  fi
+fi
 command -v cargo-nextest >/dev/null 2>&1 || cargo nextest --version >/dev/null 2>&1 || fail "cargo-nextest is missing (cargo install cargo-nextest)"

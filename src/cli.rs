@@ -89,6 +89,17 @@ pub struct ConnectOpts {
     #[arg(long, env = "AMQP_CA_FILE", value_name = "PATH", global = true)]
     pub amqp_ca_file: Option<std::path::PathBuf>,
 
+    /// PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer's pool_mode = transaction):
+    /// every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against
+    /// PostgreSQL itself)
+    #[arg(
+        long,
+        env = "INBOXCTL_TRANSACTION_POOLING",
+        value_parser = clap::builder::BoolishValueParser::new(),
+        global = true
+    )]
+    pub transaction_pooling: bool,
+
     /// The URLs whose password was typed in the command line itself, where `ps` shows it to every user of the
     /// machine (found by [`parse`]; a URL from the environment is not among them).
     #[arg(skip)]
@@ -98,7 +109,9 @@ pub struct ConnectOpts {
 impl ConnectOpts {
     /// The database of the command line: `--database-url`, with the password of `--database-password-file` if given.
     pub fn database(&self) -> crate::Result<crate::db::Database> {
-        crate::db::Database::new(&self.database_url, self.database_password_file.as_deref())
+        let db =
+            crate::db::Database::new(&self.database_url, self.database_password_file.as_deref())?;
+        Ok(db.with_transaction_pooling(self.transaction_pooling))
     }
 
     /// Notes which URLs were given a password in the command line itself (`matches`: the parsed command line).

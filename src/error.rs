@@ -113,6 +113,17 @@ pub enum Error {
         missing: Vec<String>,
     },
 
+    /// PostgreSQL is reached through a connection pooler (PgBouncer) that refuses what inboxctl sends without
+    /// `--transaction-pooling`, or shares sessions out transaction by transaction, and inboxctl was not told (exit 78).
+    #[error(
+        "PostgreSQL{} is reached through a connection pooler (PgBouncer?) that inboxctl was not told about: \
+         {reason}\n  give --transaction-pooling (or INBOXCTL_TRANSACTION_POOLING=true) to every inboxctl command that \
+         connects through it (it works in session pooling too), and run `inboxctl migrate` against PostgreSQL itself \
+         (docs/scaling.md, PgBouncer)",
+        if .url.is_empty() { String::new() } else { format!(" at {}", .url) }
+    )]
+    PoolerNotDeclared { url: String, reason: String },
+
     #[error("PostgreSQL: {}", crate::db::describe(.0))]
     Database(sqlx::Error),
 
@@ -180,7 +191,8 @@ impl Error {
             | Error::VhostMissing { .. }
             | Error::SchemaMissing { .. }
             | Error::SchemaIncompatible { .. }
-            | Error::TopologyConflict(_) => exit::CONFIG,
+            | Error::TopologyConflict(_)
+            | Error::PoolerNotDeclared { .. } => exit::CONFIG,
             Error::PermissionMissing { .. }
             | Error::PrivilegeRefused { .. }
             | Error::DatabaseLoginRefused { .. }

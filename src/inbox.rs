@@ -34,7 +34,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
-use sqlx::Connection as _;
 use sqlx::postgres::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -193,6 +192,8 @@ pub struct Inbox {
     pool: PgPool,
     consumer_type: ConsumerType,
     observer: Option<Arc<dyn ClaimObserver>>,
+    /// The `lock_timeout` each claim transaction sets for itself, where the sessions keep none of their own.
+    claim_timeout: Option<Duration>,
 }
 
 impl Inbox {
@@ -201,7 +202,16 @@ impl Inbox {
             pool,
             consumer_type,
             observer: None,
+            claim_timeout: None,
         }
+    }
+
+    /// The same inbox, each claim transaction bounding its own wait for a copy's other attempt (`SET LOCAL
+    /// lock_timeout`) when `timeout` is given: for connections that keep no session setting, a transaction pooler's,
+    /// where the bound cannot be given at connection start (`Database::lock_timeout_per_transaction`).
+    pub fn with_claim_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.claim_timeout = timeout;
+        self
     }
 
     /// The same inbox, telling `observer` how long each claim took.
@@ -274,7 +284,9 @@ impl Inbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
     {
-        let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
+        let mut tx = db::claim::begin(conn, self.claim_timeout)
+            .await
+            .map_err(ProcessError::Unavailable)?;
 
         let claim_started = Instant::now();
         // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.

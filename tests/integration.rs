@@ -32,6 +32,7 @@ mod metrics;
 mod migrate;
 mod outage;
 mod partitions;
+mod pgbouncer;
 mod rabbit_restart;
 mod reference;
 mod replay;

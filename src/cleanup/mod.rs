@@ -4,13 +4,16 @@
 //! transaction of its own: consumers never wait on a cleanup for longer than one batch, and an interrupted cleanup
 //! leaves every batch either done or not begun. Two cleanups at once never clean the same consumer_type together: an
 //! advisory lock per consumer_type makes the second one skip it (and say so), so neither waits on the other, deletes a
-//! row twice, or deadlocks.
+//! row twice, or deadlocks. Through a transaction pooler (`--transaction-pooling`), where no session lasts, each batch
+//! takes that lock for its own transaction: a second cleanup skips a consumer_type from the first batch it finds
+//! locked, so two cleanups may take turns on one consumer_type, but never delete from it at the same time.
 
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
-use sqlx::postgres::PgPool;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 
 use crate::db::{self, Database, schema};
@@ -48,7 +51,8 @@ pub struct ConsumerReport {
     /// Rows received before the cutoff and never processed: kept, and a warning.
     pub unprocessed_older: u64,
     pub oldest_unprocessed: Option<DateTime<Utc>>,
-    /// Another cleanup was cleaning this consumer_type, so this one left it alone.
+    /// Another cleanup was cleaning this consumer_type, so this one left it to that one (through a transaction pooler,
+    /// perhaps after batches of its own).
     pub busy: bool,
     /// Left alone: a dead-letter queue of its holds a message older than the cutoff, whose replay needs its row.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -212,21 +216,7 @@ pub async fn run(
     if plan.dry_run {
         count_what_would_go(pool, &mut consumers, cutoff).await?;
     } else {
-        // The locks live on a session of their own for as long as the cleanup runs, and are released however it ends
-        // (a session that cannot release them is closed, which does).
-        let mut lock = pool.acquire().await?;
-        let mut mine = Vec::with_capacity(consumers.len());
-        for (i, report) in consumers.iter_mut().enumerate() {
-            if report.refused.is_some() {
-                continue;
-            }
-            let locked = db::cleanup::try_lock(&mut *lock, &report.consumer_type).await?;
-            if locked {
-                mine.push(i);
-            } else {
-                report.busy = true;
-            }
-        }
+        let (lock, mine) = take_locks(pool, &mut consumers).await?;
         let result = delete_in_turns(
             pool,
             plan,
@@ -238,7 +228,9 @@ pub async fn run(
             started,
         )
         .await;
-        if db::cleanup::unlock_all(&mut *lock).await.is_err() {
+        if let Some(mut lock) = lock
+            && db::cleanup::unlock_all(&mut *lock).await.is_err()
+        {
             lock.close_on_drop();
         }
         interrupted = result?;
@@ -268,6 +260,65 @@ pub async fn run(
             deleted as f64 / seconds
         },
     })
+}
+
+/// The consumer_types this cleanup cleans (indexes into `consumers`, those not refused), each locked for the whole run
+/// on a session of its own, returned with them: the locks live as long as it, and are released however the cleanup
+/// ends (a session that cannot release them is closed, which does). Another cleanup's consumer_types are marked busy.
+/// Through a transaction pooler, where no session lasts, no session: each batch takes its consumer_type's lock for its
+/// own transaction ([`db::cleanup::delete_batch_locked`]).
+async fn take_locks(
+    pool: &PgPool,
+    consumers: &mut [ConsumerReport],
+) -> Result<(Option<PoolConnection<Postgres>>, Vec<usize>)> {
+    let candidates = consumers
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.refused.is_none())
+        .map(|(i, _)| i);
+    if db::pooler::active() {
+        return Ok((None, candidates.collect()));
+    }
+    let candidates: Vec<usize> = candidates.collect();
+    let mut lock = pool.acquire().await?;
+    let mut mine = Vec::with_capacity(candidates.len());
+    for i in candidates {
+        let report = &mut consumers[i];
+        if db::cleanup::try_lock(&mut *lock, &report.consumer_type).await? {
+            mine.push(i);
+        } else {
+            report.busy = true;
+        }
+    }
+    Ok((Some(lock), mine))
+}
+
+/// One batch of a consumer_type's processed rows (phase 0) or event rows (phase 1); `None` when, through a transaction
+/// pooler, another cleanup holds the consumer_type's lock.
+async fn one_batch(
+    pool: &PgPool,
+    phase: u8,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> Result<Option<u64>> {
+    let rows = if phase == 0 {
+        db::cleanup::Rows::Processed
+    } else {
+        db::cleanup::Rows::Events
+    };
+    if db::pooler::active() {
+        let batch = db::cleanup::delete_batch_locked(pool, rows, consumer_type, cutoff, limit);
+        return Ok(batch.await?);
+    }
+    Ok(Some(match rows {
+        db::cleanup::Rows::Processed => {
+            db::cleanup::delete_processed_batch(pool, consumer_type, cutoff, limit).await?
+        }
+        db::cleanup::Rows::Events => {
+            db::cleanup::delete_events_batch(pool, consumer_type, cutoff, limit).await?
+        }
+    }))
 }
 
 /// A dry run's counts: what each consumer_type not refused would lose.
@@ -337,10 +388,11 @@ async fn delete_in_turns(
             }
             let report = &mut consumers[i];
             let (consumer_type, limit) = (&report.consumer_type, plan.batch_size);
-            let batch = if phase[i] == 0 {
-                db::cleanup::delete_processed_batch(pool, consumer_type, cutoff, limit).await?
-            } else {
-                db::cleanup::delete_events_batch(pool, consumer_type, cutoff, limit).await?
+            let Some(batch) = one_batch(pool, phase[i], consumer_type, cutoff, limit).await? else {
+                // Another cleanup is deleting from it: left to that one from here on.
+                report.busy = true;
+                phase[i] = 2;
+                continue;
             };
             if phase[i] == 0 {
                 report.deleted += batch;

@@ -66,7 +66,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     }
     let db = global.connect.database()?;
     let broker = global.connect.broker()?;
-    // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start.
+    // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start. A pooler
+    // that was not declared is one.
+    db.check_pooler().await?;
     let pool = db.lazy_pool(2);
     let options = top::Options {
         interval: args.interval,

@@ -142,7 +142,8 @@ pub async fn consume_guarded<G: WorkGuard>(
         check_schema(&pool, db).await?;
         check_privileges(&pool, db, config.consumer).await?;
         let counts = Arc::new(RunCounts::default());
-        let mut inbox = Inbox::new(pool.clone(), consumer_type.clone());
+        let mut inbox = Inbox::new(pool.clone(), consumer_type.clone())
+            .with_claim_timeout(db.lock_timeout_per_transaction(config.claim_timeout));
         let mut timings = None;
         if let Some(addr) = config.metrics_addr {
             let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));

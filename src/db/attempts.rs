@@ -1,9 +1,9 @@
 //! The redelivery count of poison-message detection (`inboxctl_attempts`): starts of redelivered messages that have
 //! not reached an outcome, and those of them made alone.
 
-use sqlx::PgExecutor;
 use uuid::Uuid;
 
+use super::{Exec, sql};
 use crate::inbox::ConsumerType;
 
 statements! {
@@ -43,15 +43,14 @@ pub struct Starts {
 
 /// Counts a start of a redelivered message (`REDELIVERED_START`).
 pub async fn start(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     message_id: Uuid,
 ) -> sqlx::Result<Starts> {
-    let (started, alone): (i32, i32) = sqlx::query_as(REDELIVERED_START)
+    let (started, alone): (i32, i32) = unit!(executor, |conn| sql::query_as(REDELIVERED_START)
         .bind(consumer_type.as_str())
         .bind(message_id)
-        .fetch_one(executor)
-        .await?;
+        .fetch_one(conn))?;
     Ok(Starts {
         started: u32::try_from(started).unwrap_or(0),
         alone: u32::try_from(alone).unwrap_or(0),
@@ -60,36 +59,34 @@ pub async fn start(
 
 /// Counts the current start of a redelivered message as made alone (`REDELIVERED_ALONE`).
 pub async fn started_alone(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     message_id: Uuid,
 ) -> sqlx::Result<()> {
-    sqlx::query(REDELIVERED_ALONE)
+    unit!(executor, |conn| sql::query(REDELIVERED_ALONE)
         .bind(consumer_type.as_str())
         .bind(message_id)
-        .execute(executor)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Forgets a redelivered message's count: it came through an attempt alive (`REDELIVERED_DONE`).
 pub async fn done(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     message_id: Uuid,
 ) -> sqlx::Result<()> {
-    sqlx::query(REDELIVERED_DONE)
+    unit!(executor, |conn| sql::query(REDELIVERED_DONE)
         .bind(consumer_type.as_str())
         .bind(message_id)
-        .execute(executor)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Takes back the starts a clean stop abandoned (`REDELIVERED_ABANDONED`): each message id, and whether its start
 /// was also counted as made alone.
 pub async fn abandoned(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     starts: &[(Uuid, bool)],
 ) -> sqlx::Result<()> {
@@ -97,11 +94,10 @@ pub async fn abandoned(
         .iter()
         .map(|(id, alone)| (*id, i32::from(*alone)))
         .unzip();
-    sqlx::query(REDELIVERED_ABANDONED)
+    unit!(executor, |conn| sql::query(REDELIVERED_ABANDONED)
         .bind(consumer_type.as_str())
         .bind(&ids)
         .bind(&alone)
-        .execute(executor)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }

@@ -1,7 +1,8 @@
 //! The audit of operator actions (`inboxctl_audit`): one row per action that changed state.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
+
+use super::{Exec, sql};
 
 statements! {
     /// One action. `$1` command, `$2` OS user, `$3` host, `$4` command line (masked), `$5` outcome, `$6` exit code,
@@ -60,8 +61,8 @@ pub struct NewRow<'a> {
 }
 
 /// Writes one action (`INSERT_AUDIT`).
-pub async fn insert(executor: impl PgExecutor<'_>, row: &NewRow<'_>) -> sqlx::Result<()> {
-    sqlx::query(INSERT_AUDIT)
+pub async fn insert(executor: impl Into<Exec<'_>>, row: &NewRow<'_>) -> sqlx::Result<()> {
+    unit!(executor, |conn| sql::query(INSERT_AUDIT)
         .bind(row.command)
         .bind(row.os_user)
         .bind(row.host)
@@ -69,9 +70,8 @@ pub async fn insert(executor: impl PgExecutor<'_>, row: &NewRow<'_>) -> sqlx::Re
         .bind(row.outcome)
         .bind(row.exit_code)
         .bind(row.details)
-        .execute(executor)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 type Raw = (
@@ -113,44 +113,41 @@ fn row(raw: Raw) -> Row {
 
 /// The actions of the last `since`, newest first, at most `limit` (`LIST_AUDIT`).
 pub async fn list(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     since: std::time::Duration,
     command: Option<&str>,
     limit: i64,
 ) -> sqlx::Result<Vec<Row>> {
-    let rows: Vec<Raw> = sqlx::query_as(LIST_AUDIT)
+    let rows: Vec<Raw> = unit!(executor, |conn| sql::query_as(LIST_AUDIT)
         .bind(since.as_secs_f64())
         .bind(limit)
         .bind(command)
-        .fetch_all(executor)
-        .await?;
+        .fetch_all(conn))?;
     Ok(rows.into_iter().map(row).collect())
 }
 
 /// The last `limit` actions naming `consumer_type`, newest first (`LIST_AUDIT_FOR`).
 pub async fn list_for(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     limit: i64,
 ) -> sqlx::Result<Vec<Row>> {
-    let rows: Vec<Raw> = sqlx::query_as(LIST_AUDIT_FOR)
+    let rows: Vec<Raw> = unit!(executor, |conn| sql::query_as(LIST_AUDIT_FOR)
         .bind(consumer_type)
         .bind(limit)
-        .fetch_all(executor)
-        .await?;
+        .fetch_all(conn))?;
     Ok(rows.into_iter().map(row).collect())
 }
 
 /// Deletes at most `limit` audit rows older than `cutoff`; returns how many (`DELETE_AUDIT_BATCH`).
 pub async fn delete_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     cutoff: DateTime<Utc>,
     limit: i64,
 ) -> sqlx::Result<u64> {
-    Ok(sqlx::query(DELETE_AUDIT_BATCH)
+    Ok(unit!(executor, |conn| sql::query(DELETE_AUDIT_BATCH)
         .bind(cutoff)
         .bind(limit)
-        .execute(executor)
-        .await?
-        .rows_affected())
+        .execute(conn))?
+    .rows_affected())
 }

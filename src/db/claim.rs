@@ -2,10 +2,13 @@
 //! recorded. The protocol that orders them is `inbox`'s.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
-use sqlx::postgres::PgConnection;
+use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{AssertSqlSafe, Connection as _, Transaction};
 use uuid::Uuid;
 
+use super::sql;
 use crate::inbox::{ConsumerType, Fingerprint};
 
 statements! {
@@ -86,6 +89,38 @@ WITH c AS (
 SELECT id, first FROM c";
 }
 
+/// `BEGIN` and the transaction's own `lock_timeout`, in one round trip: for connections that keep no session setting
+/// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
+fn begin_with_lock_timeout(timeout: Duration) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = {}",
+        timeout.as_millis().max(1)
+    )
+}
+
+/// The statements built around a value, each with a sample one, for [`super::statements`]; simple queries.
+pub(super) fn built_statements() -> Vec<(&'static str, String)> {
+    vec![(
+        "begin_with_lock_timeout",
+        begin_with_lock_timeout(Duration::from_secs(30)),
+    )]
+}
+
+/// Begins a claim's transaction: with `lock_timeout` set for it alone (`SET LOCAL`) when given, else bounded by the
+/// session's own (`Database::with_lock_timeout`).
+pub async fn begin(
+    conn: &mut PgConnection,
+    lock_timeout: Option<Duration>,
+) -> sqlx::Result<Transaction<'_, Postgres>> {
+    match lock_timeout {
+        None => conn.begin().await,
+        Some(timeout) => {
+            conn.begin_with(AssertSqlSafe(begin_with_lock_timeout(timeout)))
+                .await
+        }
+    }
+}
+
 /// One key of a batch: a message id and its event's fingerprint, if known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Key {
@@ -101,12 +136,11 @@ pub async fn claim(
     consumer_type: &ConsumerType,
     fingerprint: Option<&Fingerprint>,
 ) -> sqlx::Result<bool> {
-    sqlx::query_scalar(CLAIM)
+    unit!(conn, |conn| sql::query_scalar(CLAIM)
         .bind(message_id)
         .bind(consumer_type.as_str())
         .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-        .fetch_one(conn)
-        .await
+        .fetch_one(conn))
 }
 
 /// Records a copy whose key a committed claim holds (`RECORD_COPY`); returns the fingerprint the key was claimed
@@ -117,12 +151,11 @@ pub async fn record_copy(
     consumer_type: &ConsumerType,
     fingerprint: Option<&Fingerprint>,
 ) -> sqlx::Result<Option<Fingerprint>> {
-    let first: Option<Vec<u8>> = sqlx::query_scalar(RECORD_COPY)
+    let first: Option<Vec<u8>> = unit!(conn, |conn| sql::query_scalar(RECORD_COPY)
         .bind(message_id)
         .bind(consumer_type.as_str())
         .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-        .fetch_one(conn)
-        .await?;
+        .fetch_one(conn))?;
     Ok(first.as_deref().and_then(Fingerprint::from_slice))
 }
 
@@ -143,14 +176,13 @@ pub async fn claim_batch(
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<HashSet<Uuid>> {
     let (ids, fingerprints) = arrays(keys);
-    Ok(sqlx::query_scalar(CLAIM_BATCH)
+    Ok(unit!(conn, |conn| sql::query_scalar(CLAIM_BATCH)
         .bind(&ids)
         .bind(consumer_type.as_str())
         .bind(&fingerprints)
-        .fetch_all(conn)
-        .await?
-        .into_iter()
-        .collect())
+        .fetch_all(conn))?
+    .into_iter()
+    .collect())
 }
 
 /// Records the members of a batch whose keys a committed claim held (`RECORD_BATCH_COPIES`); returns the
@@ -161,12 +193,12 @@ pub async fn record_batch_copies(
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<HashMap<Uuid, Option<Fingerprint>>> {
     let (ids, fingerprints) = arrays(copies);
-    let rows: Vec<(Uuid, Option<Vec<u8>>)> = sqlx::query_as(RECORD_BATCH_COPIES)
-        .bind(&ids)
-        .bind(consumer_type.as_str())
-        .bind(&fingerprints)
-        .fetch_all(conn)
-        .await?;
+    let rows: Vec<(Uuid, Option<Vec<u8>>)> =
+        unit!(conn, |conn| sql::query_as(RECORD_BATCH_COPIES)
+            .bind(&ids)
+            .bind(consumer_type.as_str())
+            .bind(&fingerprints)
+            .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(id, first)| (id, first.as_deref().and_then(Fingerprint::from_slice)))

@@ -1,10 +1,12 @@
 //! The cleanup's statements: its cutoff, the consumer_types to clean, the counts of a dry run, the per-consumer_type
-//! lock, and the batched deletes.
+//! lock (of the session, or through a transaction pooler of each batch's transaction), and the batched deletes.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
+use sqlx::postgres::PgPool;
+
+use super::{Exec, sql};
 
 statements! {
     /// The cleanup's cutoff, on the database's clock. `$1` retention in seconds.
@@ -60,6 +62,12 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
     /// Releases the cleanup's locks: every advisory lock of the session, which holds nothing else.
     const CLEANUP_UNLOCK_ALL = "SELECT pg_advisory_unlock_all()";
 
+    /// The same lock for one transaction, taken by each batch through a transaction pooler, where no session (and no
+    /// session lock) lasts beyond a transaction. The same key: it excludes a cleanup holding the session lock too.
+    /// `$1` consumer_type.
+    const CLEANUP_TRY_XACT_LOCK =
+    "SELECT pg_try_advisory_xact_lock(hashtextextended('inboxctl cleanup: ' || $1, 0))";
+
     /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
     const COUNT_PROCESSED_BEFORE =
     "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < $2";
@@ -78,18 +86,18 @@ WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
 
 /// `now() - retention` on the database's clock (`CUTOFF`).
 pub async fn cutoff(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     retention: Duration,
 ) -> sqlx::Result<DateTime<Utc>> {
-    sqlx::query_scalar(CUTOFF)
+    unit!(executor, |conn| sql::query_scalar(CUTOFF)
         .bind(retention.as_secs_f64())
-        .fetch_one(executor)
-        .await
+        .fetch_one(conn))
 }
 
 /// Every consumer_type with inbox rows, events or a registration, in order (`CONSUMER_TYPES`).
-pub async fn consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
-    sqlx::query_scalar(CONSUMER_TYPES).fetch_all(executor).await
+pub async fn consumer_types(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<String>> {
+    unit!(executor, |conn| sql::query_scalar(CONSUMER_TYPES)
+        .fetch_all(conn))
 }
 
 /// Rows of a consumer_type received before the cutoff and never processed.
@@ -101,15 +109,15 @@ pub struct Unprocessed {
 
 /// The unprocessed rows received before `cutoff` (`UNPROCESSED_BEFORE`).
 pub async fn unprocessed_before(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<Unprocessed> {
-    let (count, oldest): (i64, Option<DateTime<Utc>>) = sqlx::query_as(UNPROCESSED_BEFORE)
-        .bind(consumer_type)
-        .bind(cutoff)
-        .fetch_one(executor)
-        .await?;
+    let (count, oldest): (i64, Option<DateTime<Utc>>) =
+        unit!(executor, |conn| sql::query_as(UNPROCESSED_BEFORE)
+            .bind(consumer_type)
+            .bind(cutoff)
+            .fetch_one(conn))?;
     Ok(Unprocessed {
         count: count.unsigned_abs(),
         oldest,
@@ -118,7 +126,7 @@ pub async fn unprocessed_before(
 
 /// Processed rows older than `cutoff`: what a cleanup deletes (`COUNT_PROCESSED_BEFORE`).
 pub async fn count_processed_before(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
@@ -127,7 +135,7 @@ pub async fn count_processed_before(
 
 /// Event rows older than `cutoff` (`COUNT_EVENTS_BEFORE`).
 pub async fn count_events_before(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
@@ -135,39 +143,73 @@ pub async fn count_events_before(
 }
 
 async fn count(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     statement: &'static str,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
-    let n: i64 = sqlx::query_scalar(statement)
+    let n: i64 = unit!(executor, |conn| sql::query_scalar(statement)
         .bind(consumer_type)
         .bind(cutoff)
-        .fetch_one(executor)
-        .await?;
+        .fetch_one(conn))?;
     Ok(n.unsigned_abs())
 }
 
 /// Takes the consumer_type's cleanup lock on this session if no other session holds it (`CLEANUP_TRY_LOCK`).
-pub async fn try_lock(executor: impl PgExecutor<'_>, consumer_type: &str) -> sqlx::Result<bool> {
-    sqlx::query_scalar(CLEANUP_TRY_LOCK)
+pub async fn try_lock(executor: impl Into<Exec<'_>>, consumer_type: &str) -> sqlx::Result<bool> {
+    unit!(executor, |conn| sql::query_scalar(CLEANUP_TRY_LOCK)
         .bind(consumer_type)
-        .fetch_one(executor)
-        .await
+        .fetch_one(conn))
 }
 
 /// Releases every advisory lock of the session (`CLEANUP_UNLOCK_ALL`).
-pub async fn unlock_all(executor: impl PgExecutor<'_>) -> sqlx::Result<()> {
-    sqlx::query(CLEANUP_UNLOCK_ALL)
-        .execute(executor)
-        .await
-        .map(drop)
+pub async fn unlock_all(executor: impl Into<Exec<'_>>) -> sqlx::Result<()> {
+    unit!(executor, |conn| sql::query(CLEANUP_UNLOCK_ALL)
+        .execute(conn))
+    .map(drop)
+}
+
+/// What a cleanup batch deletes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// Processed inbox rows, with their fingerprints (`DELETE_PROCESSED_BATCH`).
+    Processed,
+    /// inboxctl's own event rows (`DELETE_EVENTS_BATCH`).
+    Events,
+}
+
+/// One batch in a transaction of its own that first takes the consumer_type's lock for that transaction
+/// (`CLEANUP_TRY_XACT_LOCK`): a cleanup's batch through a transaction pooler. `None`: another cleanup holds the
+/// consumer_type, and nothing was deleted.
+pub async fn delete_batch_locked(
+    pool: &PgPool,
+    rows: Rows,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> sqlx::Result<Option<u64>> {
+    let mut tx = pool.begin().await?;
+    let locked: bool = sql::query_scalar(CLEANUP_TRY_XACT_LOCK)
+        .bind(consumer_type)
+        .fetch_one(&mut *tx)
+        .await?;
+    if !locked {
+        tx.rollback().await?;
+        return Ok(None);
+    }
+    let statement = match rows {
+        Rows::Processed => DELETE_PROCESSED_BATCH,
+        Rows::Events => DELETE_EVENTS_BATCH,
+    };
+    let deleted = delete_batch(&mut *tx, statement, consumer_type, cutoff, limit).await?;
+    tx.commit().await?;
+    Ok(Some(deleted))
 }
 
 /// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`);
 /// returns the rows deleted.
 pub async fn delete_processed_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
@@ -184,7 +226,7 @@ pub async fn delete_processed_batch(
 
 /// Deletes at most `limit` event rows older than `cutoff` (`DELETE_EVENTS_BATCH`); returns the rows deleted.
 pub async fn delete_events_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
@@ -193,31 +235,29 @@ pub async fn delete_events_batch(
 }
 
 async fn delete_batch(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     statement: &'static str,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
 ) -> sqlx::Result<u64> {
-    Ok(sqlx::query(statement)
+    Ok(unit!(executor, |conn| sql::query(statement)
         .bind(consumer_type)
         .bind(cutoff)
         .bind(limit)
-        .execute(executor)
-        .await?
-        .rows_affected())
+        .execute(conn))?
+    .rows_affected())
 }
 
 /// Deletes the start counts last started before `cutoff` (`DELETE_OLD_ATTEMPTS`); returns how many.
 pub async fn delete_old_attempts(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
-    Ok(sqlx::query(DELETE_OLD_ATTEMPTS)
+    Ok(unit!(executor, |conn| sql::query(DELETE_OLD_ATTEMPTS)
         .bind(consumer_type)
         .bind(cutoff)
-        .execute(executor)
-        .await?
-        .rows_affected())
+        .execute(conn))?
+    .rows_affected())
 }

@@ -2,9 +2,10 @@
 //! the demo's count of it.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
+
+use super::{Exec, sql};
 
 statements! {
     /// The carrier stand-in's booking. `$1` parcel id, `$2` slot id, `$3` pickup time, `$4` message id,
@@ -62,15 +63,14 @@ pub async fn insert_carrier_reservation(
     conn: &mut PgConnection,
     r: &Reservation,
 ) -> sqlx::Result<()> {
-    sqlx::query(INSERT_CARRIER_RESERVATION)
+    unit!(conn, |conn| sql::query(INSERT_CARRIER_RESERVATION)
         .bind(r.parcel_id)
         .bind(r.slot_id)
         .bind(r.pickup_at)
         .bind(r.message_id)
         .bind(r.idempotency_key)
-        .execute(conn)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Writes a text sent (`INSERT_NOTIFICATION_SENT`).
@@ -78,15 +78,14 @@ pub async fn insert_notification_sent(
     conn: &mut PgConnection,
     n: &Notification<'_>,
 ) -> sqlx::Result<()> {
-    sqlx::query(INSERT_NOTIFICATION_SENT)
+    unit!(conn, |conn| sql::query(INSERT_NOTIFICATION_SENT)
         .bind(n.parcel_id)
         .bind(n.tracking_number)
         .bind(n.body)
         .bind(n.message_id)
         .bind(n.idempotency_key)
-        .execute(conn)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Writes several bookings in one statement (`INSERT_CARRIER_RESERVATIONS`).
@@ -96,15 +95,14 @@ pub async fn insert_carrier_reservations(
 ) -> sqlx::Result<()> {
     let column = |f: fn(&Reservation) -> Uuid| rs.iter().map(f).collect::<Vec<_>>();
     let pickups: Vec<DateTime<Utc>> = rs.iter().map(|r| r.pickup_at).collect();
-    sqlx::query(INSERT_CARRIER_RESERVATIONS)
+    unit!(conn, |conn| sql::query(INSERT_CARRIER_RESERVATIONS)
         .bind(column(|r| r.parcel_id))
         .bind(column(|r| r.slot_id))
         .bind(pickups)
         .bind(column(|r| r.message_id))
         .bind(column(|r| r.idempotency_key))
-        .execute(conn)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Writes several texts in one statement (`INSERT_NOTIFICATIONS_SENT`).
@@ -115,35 +113,30 @@ pub async fn insert_notifications_sent(
     let ids = |f: fn(&Notification<'_>) -> Uuid| ns.iter().map(f).collect::<Vec<_>>();
     let tracking: Vec<&str> = ns.iter().map(|n| n.tracking_number).collect();
     let bodies: Vec<&str> = ns.iter().map(|n| n.body).collect();
-    sqlx::query(INSERT_NOTIFICATIONS_SENT)
+    unit!(conn, |conn| sql::query(INSERT_NOTIFICATIONS_SENT)
         .bind(ids(|n| n.parcel_id))
         .bind(tracking)
         .bind(bodies)
         .bind(ids(|n| n.message_id))
         .bind(ids(|n| n.idempotency_key))
-        .execute(conn)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Bookings written for these parcels (`COUNT_CARRIER_RESERVATIONS_FOR`).
 pub async fn count_carrier_reservations_for(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     parcel_ids: &[Uuid],
 ) -> sqlx::Result<i64> {
-    sqlx::query_scalar(COUNT_CARRIER_RESERVATIONS_FOR)
-        .bind(parcel_ids)
-        .fetch_one(executor)
-        .await
+    let query = sql::query_scalar(COUNT_CARRIER_RESERVATIONS_FOR).bind(parcel_ids);
+    unit!(executor, |conn| query.fetch_one(conn))
 }
 
 /// Texts written for these parcels (`COUNT_NOTIFICATIONS_SENT_FOR`).
 pub async fn count_notifications_sent_for(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     parcel_ids: &[Uuid],
 ) -> sqlx::Result<i64> {
-    sqlx::query_scalar(COUNT_NOTIFICATIONS_SENT_FOR)
-        .bind(parcel_ids)
-        .fetch_one(executor)
-        .await
+    let query = sql::query_scalar(COUNT_NOTIFICATIONS_SENT_FOR).bind(parcel_ids);
+    unit!(executor, |conn| query.fetch_one(conn))
 }

@@ -1,9 +1,9 @@
 //! inboxctl's own bookkeeping beside the inbox: the events of its consumers (`inboxctl_events`) and the consumers
 //! that ran (`inboxctl_consumers`), which `stats` and `top` read.
 
-use sqlx::PgExecutor;
 use uuid::Uuid;
 
+use super::{Exec, sql};
 use crate::inbox::ConsumerType;
 
 statements! {
@@ -26,46 +26,43 @@ ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, partitions = E
 
 /// Records one event of a consumer (`RECORD_EVENT`): its kind, the message's id if it had one, a detail.
 pub async fn record(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     kind: &str,
     message_id: Option<Uuid>,
     detail: &str,
 ) -> sqlx::Result<()> {
-    sqlx::query(RECORD_EVENT)
+    unit!(executor, |conn| sql::query(RECORD_EVENT)
         .bind(consumer_type.as_str())
         .bind(kind)
         .bind(message_id)
         .bind(detail)
-        .execute(executor)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Registers a consumer process's consumer_type, the queue it reads and into how many partition queues that is
 /// spread, if it is (`REGISTER_CONSUMER`).
 pub async fn register_consumer(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     queue: &str,
     partitions: Option<u16>,
 ) -> sqlx::Result<()> {
-    sqlx::query(REGISTER_CONSUMER)
+    unit!(executor, |conn| sql::query(REGISTER_CONSUMER)
         .bind(consumer_type.as_str())
         .bind(queue)
         .bind(partitions.map(i32::from))
-        .execute(executor)
-        .await
-        .map(drop)
+        .execute(conn))
+    .map(drop)
 }
 
 /// Duplicates discarded for these message ids (`COUNT_DUPLICATES_FOR`).
 pub async fn count_duplicates_for(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     message_ids: &[Uuid],
 ) -> sqlx::Result<i64> {
-    sqlx::query_scalar(COUNT_DUPLICATES_FOR)
+    unit!(executor, |conn| sql::query_scalar(COUNT_DUPLICATES_FOR)
         .bind(message_ids)
-        .fetch_one(executor)
-        .await
+        .fetch_one(conn))
 }

@@ -1,6 +1,6 @@
 //! Privilege checks: what the current role lacks on the tables a command needs, asked before it starts.
 
-use sqlx::PgExecutor;
+use super::{Exec, sql};
 
 statements! {
     /// The privileges of `$1` (tables) × `$2` (privileges, comma-separated, per table) the current role lacks, per
@@ -25,15 +25,14 @@ pub struct Missing {
 /// Of `needs` (a table and the privileges it needs, comma-separated), what the current role lacks, per table, in the
 /// order of `needs` (`MISSING_PRIVILEGES`). Tables that do not exist are left out.
 pub async fn missing_privileges(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     needs: &[(&str, &str)],
 ) -> sqlx::Result<Vec<Missing>> {
     let (tables, privileges): (Vec<&str>, Vec<&str>) = needs.iter().copied().unzip();
-    let rows: Vec<(String, String)> = sqlx::query_as(MISSING_PRIVILEGES)
+    let rows: Vec<(String, String)> = unit!(executor, |conn| sql::query_as(MISSING_PRIVILEGES)
         .bind(&tables)
         .bind(&privileges)
-        .fetch_all(executor)
-        .await?;
+        .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(table, privileges)| Missing { table, privileges })

@@ -16,13 +16,33 @@ macro_rules! statements {
     };
 }
 
+/// Runs a store function's statements (`$body`, a future, with `$conn` the `&mut PgConnection` to send them on) on a
+/// connection from `$executor` (a pool, a connection or a transaction), inside a [`Unit`]: through a
+/// transaction pooler, in a transaction of their own unless the connection is in one already. Returns `$body`'s
+/// result.
+macro_rules! unit {
+    ($executor:expr, |$conn:ident| $body:expr) => {{
+        let mut held = Into::<$crate::db::Exec<'_>>::into($executor)
+            .connection()
+            .await?;
+        let mut unit = $crate::db::Unit::of(&mut held).await?;
+        let result = {
+            let $conn = unit.conn();
+            $body.await
+        };
+        unit.end(result).await
+    }};
+}
+
 pub mod attempts;
 pub mod audit;
 pub mod claim;
 pub mod cleanup;
 pub mod effects;
 pub mod events;
+mod exec;
 pub mod grants;
+pub mod pooler;
 pub mod schema;
 pub mod sql;
 pub mod stats;
@@ -39,6 +59,9 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use crate::error::{Error, Result};
 use crate::{redact, secret};
 
+pub use exec::Exec;
+pub(crate) use exec::Unit;
+
 /// How long a caller waits for a pooled connection before the wait counts as an outage.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -47,6 +70,10 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct Database {
     options: PgConnectOptions,
     url: String,
+    /// Reached through a transaction pooler (`--transaction-pooling`): see [`pooler`].
+    transaction_pooling: bool,
+    /// The `lock_timeout` every session is given at its start ([`Database::with_lock_timeout`]).
+    session_lock_timeout: Option<Duration>,
 }
 
 impl Database {
@@ -60,7 +87,31 @@ impl Database {
         Ok(Self {
             options,
             url: url.to_owned(),
+            transaction_pooling: false,
+            session_lock_timeout: None,
         })
+    }
+
+    /// The same database, reached through a transaction pooler (`--transaction-pooling`) or not. Through one, the
+    /// connections send no startup parameter a pooler refuses (`extra_float_digits`, `options`), every statement of the
+    /// store goes unnamed and inside a transaction, and `migrate` is refused (see [`pooler`]).
+    pub fn with_transaction_pooling(&self, on: bool) -> Self {
+        let mut db = self.clone();
+        db.transaction_pooling = on;
+        if on {
+            db.options = db.options.extra_float_digits(None);
+        }
+        db
+    }
+
+    /// Whether the database is reached through a transaction pooler (`--transaction-pooling`).
+    pub fn transaction_pooling(&self) -> bool {
+        self.transaction_pooling
+    }
+
+    /// The `lock_timeout` given to every session at its start, if any ([`Database::with_lock_timeout`]).
+    pub fn session_lock_timeout(&self) -> Option<Duration> {
+        self.session_lock_timeout
     }
 
     /// A database URL, with the password read from `password_file` if given (`--database-password-file`).
@@ -109,6 +160,7 @@ impl Database {
         Self {
             options: self.options.clone().database(name),
             url,
+            ..self.clone()
         }
     }
 
@@ -118,23 +170,60 @@ impl Database {
     }
 
     /// Bounds how long any statement waits for a row lock; a claim that waits longer gives up and is retried later.
+    /// Set for the session at its start (the startup parameter `options`); through a transaction pooler, which keeps
+    /// no session setting, not at all: the claim sets it in each of its transactions
+    /// ([`Database::lock_timeout_per_transaction`]).
     pub fn with_lock_timeout(&self, timeout: Duration) -> Self {
+        if self.transaction_pooling {
+            return self.clone();
+        }
         let millis = timeout.as_millis().max(1).to_string();
         Self {
             options: self
                 .options
                 .clone()
                 .options([("lock_timeout", millis.as_str())]),
-            url: self.url.clone(),
+            session_lock_timeout: Some(timeout),
+            ..self.clone()
         }
+    }
+
+    /// `timeout`, for a claim transaction to set for itself, where it cannot be the session's
+    /// ([`Database::with_lock_timeout`]): through a transaction pooler. `None` elsewhere.
+    pub fn lock_timeout_per_transaction(&self, timeout: Duration) -> Option<Duration> {
+        self.transaction_pooling.then_some(timeout)
     }
 
     /// One connection, now. Fails with [`Error::DatabaseUnavailable`] when the server cannot be reached.
     pub async fn connect(&self) -> Result<PgConnection> {
+        let conn = self.connect_only().await?;
+        self.opened().await?;
+        Ok(conn)
+    }
+
+    /// [`Database::connect`] without what follows a first connection.
+    async fn connect_only(&self) -> Result<PgConnection> {
         self.options
             .connect()
             .await
             .map_err(|e| self.unavailable(e))
+    }
+
+    /// After a first connection: through a declared transaction pooler, this process speaks as through one from now
+    /// on; without the flag, refuses an undeclared one ([`pooler::check`], once per process).
+    async fn opened(&self) -> Result<()> {
+        if self.transaction_pooling {
+            pooler::enable();
+            Ok(())
+        } else {
+            pooler::check(self).await
+        }
+    }
+
+    /// Refuses a database reached through a transaction pooler without `--transaction-pooling` ([`pooler::check`]), for
+    /// a command that opens its pool lazily: an unreachable database lets it go on.
+    pub async fn check_pooler(&self) -> Result<()> {
+        self.opened().await
     }
 
     /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
@@ -147,10 +236,16 @@ impl Database {
             .connect_with(self.options.clone())
             .await
         {
-            Ok(pool) => Ok(pool),
+            Ok(pool) => {
+                if let Err(e) = self.opened().await {
+                    pool.close().await;
+                    return Err(e);
+                }
+                Ok(pool)
+            }
             // The pool retries a failing connect until its timeout and then only says that it timed out (a role or
             // database at its CONNECTION LIMIT, a server refusing connections): one direct attempt names the cause.
-            Err(sqlx::Error::PoolTimedOut) => match self.connect().await {
+            Err(sqlx::Error::PoolTimedOut) => match self.connect_only().await {
                 Err(cause) => Err(cause),
                 Ok(conn) => {
                     let _ = sqlx::Connection::close(conn).await;
@@ -161,8 +256,12 @@ impl Database {
         }
     }
 
-    /// A pool that connects on first use (and again after an outage), for callers that must start regardless.
+    /// A pool that connects on first use (and again after an outage), for callers that must start regardless (and call
+    /// [`Database::check_pooler`] themselves).
     pub fn lazy_pool(&self, size: u32) -> PgPool {
+        if self.transaction_pooling {
+            pooler::enable();
+        }
         PgPoolOptions::new()
             .max_connections(size.max(1))
             .acquire_timeout(ACQUIRE_TIMEOUT)
@@ -181,6 +280,15 @@ impl Database {
 pub fn diagnose(error: sqlx::Error, db: Option<&Database>) -> Error {
     let url = || db.map_or_else(String::new, Database::display_url);
     let reason = describe(&error);
+    if let sqlx::Error::Database(e) = &error
+        && !pooler::active()
+        && pooler::is_pooler_error(&error)
+    {
+        return Error::PoolerNotDeclared {
+            url: url(),
+            reason: e.message().to_owned(),
+        };
+    }
     match sqlstate(&error).as_deref() {
         Some("3D000") => Error::DatabaseMissing {
             database: db.map_or_else(|| quoted_name(&reason), Database::name),
@@ -224,6 +332,9 @@ pub fn describe(error: &sqlx::Error) -> String {
                 text.push_str(detail);
                 text.push(')');
             }
+            if !pooler::active() && pooler::is_pooler_error(error) {
+                text.push_str(POOLER_HINT);
+            }
             text
         }
         sqlx::Error::PoolTimedOut => format!(
@@ -233,6 +344,11 @@ pub fn describe(error: &sqlx::Error) -> String {
         other => other.to_string(),
     }
 }
+
+/// What a pooler's error means, said after it where it is not turned into [`Error::PoolerNotDeclared`] (a consumer's
+/// log lines).
+const POOLER_HINT: &str = " (a connection pooler in transaction mode between inboxctl and PostgreSQL, such as \
+                           PgBouncer? give --transaction-pooling: docs/scaling.md, PgBouncer)";
 
 /// The first double-quoted name in a server message (`database "x" does not exist`).
 fn quoted_name(message: &str) -> String {
@@ -249,7 +365,7 @@ statements! {
 
 /// `SELECT 1`: the server answers with 1 when it is up.
 pub async fn ping(pool: &PgPool) -> sqlx::Result<i32> {
-    sqlx::query_scalar(PING).fetch_one(pool).await
+    unit!(pool, |conn| sql::query_scalar(PING).fetch_one(conn))
 }
 
 /// One statement of the store, by area and name.
@@ -258,12 +374,14 @@ pub struct Statement {
     /// `area::NAME`, e.g. `claim::CLAIM`.
     pub name: String,
     pub sql: Cow<'static, str>,
+    /// Sent as a simple query, several commands in one (the claim's `BEGIN; SET LOCAL …`): it cannot be prepared.
+    pub simple_query: bool,
 }
 
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 11] = [
+    let areas: [(&str, &[(&str, &str)]); 12] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -272,6 +390,7 @@ pub fn statements() -> Vec<Statement> {
         ("effects", effects::STATEMENTS),
         ("events", events::STATEMENTS),
         ("grants", grants::STATEMENTS),
+        ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("stats", stats::STATEMENTS),
         ("triage", triage::STATEMENTS),
@@ -280,14 +399,22 @@ pub fn statements() -> Vec<Statement> {
         statements.iter().map(move |(name, sql)| Statement {
             name: format!("{area}::{name}"),
             sql: Cow::Borrowed(*sql),
+            simple_query: false,
         })
     });
-    let built = schema::built_statements()
-        .into_iter()
-        .map(|(name, sql)| Statement {
-            name: format!("schema::{name}"),
+    let built = [
+        ("schema", schema::built_statements(), false),
+        ("pooler", pooler::built_statements(), false),
+        ("claim", claim::built_statements(), true),
+    ]
+    .into_iter()
+    .flat_map(|(area, statements, simple_query)| {
+        statements.into_iter().map(move |(name, sql)| Statement {
+            name: format!("{area}::{name}"),
             sql: Cow::Owned(sql),
-        });
+            simple_query,
+        })
+    });
     fixed.chain(built).collect()
 }
 
@@ -303,6 +430,8 @@ pub fn is_transient(error: &sqlx::Error) -> bool {
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
         | sqlx::Error::BeginFailed => true,
+        // A pooler's doing (see `pooler`): not the statement's, and never a message's.
+        sqlx::Error::Database(_) if pooler::is_pooler_error(error) => true,
         sqlx::Error::Database(db) => db.code().is_some_and(|code| is_transient_sqlstate(&code)),
         _ => false,
     }

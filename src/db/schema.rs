@@ -7,7 +7,8 @@ use sqlx::postgres::PgConnection;
 use sqlx::{AssertSqlSafe, Connection as _};
 
 use super::Database;
-use super::sql::quote_ident;
+use super::Unit;
+use super::sql::{self, quote_ident};
 use crate::error::{Error, Result};
 
 statements! {
@@ -122,6 +123,15 @@ pub struct MigrateReport {
 /// Creates the database if needed and applies the pending migrations; with `dry_run`, reports what that would do and
 /// changes nothing. An incompatible `inbox_messages` stops it before anything is changed.
 pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
+    if db.transaction_pooling() {
+        return Err(Error::Usage(
+            "migrate needs a session of its own, which a transaction pooler does not keep: it holds an advisory lock \
+             from its first statement to its last, and builds indexes with CREATE INDEX CONCURRENTLY outside any \
+             transaction; run it against PostgreSQL itself (a --database-url that does not go through the pooler), \
+             without --transaction-pooling"
+                .to_owned(),
+        ));
+    }
     let database = db.name();
     let exists = database_exists(db, &database).await?;
     let migrator = migrator();
@@ -139,7 +149,7 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
 
     let mut conn = db.connect().await?;
     let mut waiting = false;
-    while !sqlx::query_scalar::<_, bool>(MIGRATE_TRY_LOCK)
+    while !sql::query_scalar::<bool>(MIGRATE_TRY_LOCK)
         .bind(MIGRATE_LOCK_KEY)
         .fetch_one(&mut conn)
         .await?
@@ -152,7 +162,7 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
     }
     let result = migrate_locked(&mut conn, &migrator, &database, dry_run).await;
     // The lock is released with the connection too; unlocking explicitly just frees it sooner.
-    let _ = sqlx::query(MIGRATE_UNLOCK)
+    let _ = sql::query(MIGRATE_UNLOCK)
         .bind(MIGRATE_LOCK_KEY)
         .execute(&mut conn)
         .await;
@@ -209,13 +219,13 @@ async fn migrate_locked(
 }
 
 async fn drop_invalid_indexes(conn: &mut PgConnection) -> Result<()> {
-    let invalid: Vec<String> = sqlx::query_scalar(INVALID_INBOX_INDEXES)
+    let invalid: Vec<String> = sql::query_scalar(INVALID_INBOX_INDEXES)
         .bind(&CONCURRENT_INDEXES[..])
         .fetch_all(&mut *conn)
         .await?;
     for name in invalid {
         tracing::warn!(index = %name, "dropping an invalid index left by an interrupted build");
-        sqlx::query(AssertSqlSafe(drop_index_concurrently(&name)))
+        sql::query(AssertSqlSafe(drop_index_concurrently(&name)))
             .execute(&mut *conn)
             .await?;
     }
@@ -239,17 +249,16 @@ async fn applied_versions(conn: &mut PgConnection) -> Result<HashSet<i64>> {
     if !table_exists(conn, MIGRATIONS_TABLE).await? {
         return Ok(HashSet::new());
     }
-    let versions: Vec<i64> = sqlx::query_scalar(APPLIED_MIGRATIONS)
+    let versions: Vec<i64> = sql::query_scalar(APPLIED_MIGRATIONS)
         .fetch_all(&mut *conn)
         .await?;
     Ok(versions.into_iter().collect())
 }
 
 pub async fn table_exists(conn: &mut PgConnection, name: &str) -> Result<bool> {
-    Ok(sqlx::query_scalar(TABLE_EXISTS)
+    Ok(unit!(&mut *conn, |conn| sql::query_scalar(TABLE_EXISTS)
         .bind(name)
-        .fetch_one(&mut *conn)
-        .await?)
+        .fetch_one(conn))?)
 }
 
 /// Refuses a database that lacks any of `tables` (one `migrate` has not prepared, or one from before a table was
@@ -274,7 +283,7 @@ async fn database_exists(db: &Database, name: &str) -> Result<bool> {
         }
         Err(Error::DatabaseMissing { .. }) => {
             let mut admin = maintenance_connection(db).await?;
-            let exists = sqlx::query_scalar(DATABASE_EXISTS)
+            let exists = sql::query_scalar(DATABASE_EXISTS)
                 .bind(name)
                 .fetch_one(&mut admin)
                 .await?;
@@ -288,7 +297,7 @@ async fn database_exists(db: &Database, name: &str) -> Result<bool> {
 /// Creates the database; `false` when another `migrate` created it first.
 async fn create_database(db: &Database, name: &str) -> Result<bool> {
     let mut admin = maintenance_connection(db).await?;
-    let created = sqlx::query(AssertSqlSafe(create_database_statement(name)))
+    let created = sql::query(AssertSqlSafe(create_database_statement(name)))
         .execute(&mut admin)
         .await;
     let _ = admin.close().await;
@@ -318,11 +327,14 @@ async fn maintenance_connection(db: &Database) -> Result<PgConnection> {
 /// What an existing `inbox_messages` has that inboxctl cannot work with. Empty means compatible: the four columns
 /// with their types, the key on (id, consumer_type) under any name, and no extra column the claim would have to fill.
 pub async fn inbox_differences(conn: &mut PgConnection) -> Result<Vec<String>> {
-    let columns: Vec<(String, String, bool, bool)> =
-        sqlx::query_as(INBOX_COLUMNS).fetch_all(&mut *conn).await?;
-    let key: Option<(String, Vec<String>)> = sqlx::query_as(INBOX_PRIMARY_KEY)
-        .fetch_optional(&mut *conn)
-        .await?;
+    let mut unit = Unit::of(conn).await?;
+    let columns = sql::query_as(INBOX_COLUMNS).fetch_all(unit.conn()).await;
+    let columns: Vec<(String, String, bool, bool)> = unit.end(columns).await?;
+    let mut unit = Unit::of(conn).await?;
+    let key = sql::query_as(INBOX_PRIMARY_KEY)
+        .fetch_optional(unit.conn())
+        .await;
+    let key: Option<(String, Vec<String>)> = unit.end(key).await?;
     Ok(compare_inbox(&columns, key.as_ref()))
 }
 

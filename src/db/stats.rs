@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use sqlx::PgExecutor;
+use super::{Exec, sql};
 
 statements! {
     /// consumer_types with inbox rows, by a loose index scan on `(consumer_type, processed_at)`.
@@ -67,29 +67,26 @@ GROUP BY 1, 2";
 }
 
 /// consumer_types with inbox rows (`INBOX_CONSUMER_TYPES`).
-pub async fn inbox_consumer_types(executor: impl PgExecutor<'_>) -> sqlx::Result<Vec<String>> {
-    sqlx::query_scalar(INBOX_CONSUMER_TYPES)
-        .fetch_all(executor)
-        .await
+pub async fn inbox_consumer_types(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<String>> {
+    unit!(executor, |conn| sql::query_scalar(INBOX_CONSUMER_TYPES)
+        .fetch_all(conn))
 }
 
 /// Each consumer_type an inboxctl consumer ran as, with the queue it read (`REGISTERED_CONSUMERS`).
 pub async fn registered_consumers(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
 ) -> sqlx::Result<HashMap<String, String>> {
-    let rows: Vec<(String, String)> = sqlx::query_as(REGISTERED_CONSUMERS)
-        .fetch_all(executor)
-        .await?;
+    let rows: Vec<(String, String)> = unit!(executor, |conn| sql::query_as(REGISTERED_CONSUMERS)
+        .fetch_all(conn))?;
     Ok(rows.into_iter().collect())
 }
 
 /// Each registered consumer_type whose queue is spread over partitions, with their number (`REGISTERED_PARTITIONS`).
 pub async fn registered_partitions(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
 ) -> sqlx::Result<HashMap<String, u16>> {
-    let rows: Vec<(String, i32)> = sqlx::query_as(REGISTERED_PARTITIONS)
-        .fetch_all(executor)
-        .await?;
+    let rows: Vec<(String, i32)> = unit!(executor, |conn| sql::query_as(REGISTERED_PARTITIONS)
+        .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .filter_map(|(consumer_type, n)| Some((consumer_type, u16::try_from(n).ok()?)))
@@ -120,10 +117,9 @@ type EstimateRow = (
 );
 
 /// The planner's statistics of the inbox; `None` when there is no `inbox_messages`.
-pub async fn estimates(executor: impl PgExecutor<'_>) -> sqlx::Result<Option<Estimates>> {
-    let row: Option<EstimateRow> = sqlx::query_as(INBOX_ESTIMATES)
-        .fetch_optional(executor)
-        .await?;
+pub async fn estimates(executor: impl Into<Exec<'_>>) -> sqlx::Result<Option<Estimates>> {
+    let row: Option<EstimateRow> = unit!(executor, |conn| sql::query_as(INBOX_ESTIMATES)
+        .fetch_optional(conn))?;
     Ok(row.map(
         |(rows, unprocessed, common_values, common_freqs, null_frac, n_distinct)| Estimates {
             rows,
@@ -139,7 +135,7 @@ pub async fn estimates(executor: impl PgExecutor<'_>) -> sqlx::Result<Option<Est
 /// Rows of a consumer_type, counted up to `cap + 1` (more than `cap` means at least that many)
 /// (`COUNT_ROWS_CAPPED`).
 pub async fn count_rows_capped(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cap: u64,
 ) -> sqlx::Result<u64> {
@@ -148,7 +144,7 @@ pub async fn count_rows_capped(
 
 /// Unprocessed rows of a consumer_type, counted up to `cap + 1` (`COUNT_UNPROCESSED_CAPPED`).
 pub async fn count_unprocessed_capped(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cap: u64,
 ) -> sqlx::Result<u64> {
@@ -156,29 +152,27 @@ pub async fn count_unprocessed_capped(
 }
 
 async fn capped(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     statement: &'static str,
     consumer_type: &str,
     cap: u64,
 ) -> sqlx::Result<u64> {
-    let n: i64 = sqlx::query_scalar(statement)
+    let n: i64 = unit!(executor, |conn| sql::query_scalar(statement)
         .bind(consumer_type)
         .bind(i64::try_from(cap + 1).unwrap_or(i64::MAX))
-        .fetch_one(executor)
-        .await?;
+        .fetch_one(conn))?;
     Ok(n.unsigned_abs())
 }
 
 /// Seconds since the oldest unprocessed row of a consumer_type was received; `None` when there is none
 /// (`OLDEST_UNPROCESSED_AGE`).
 pub async fn oldest_unprocessed_age(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
 ) -> sqlx::Result<Option<f64>> {
-    sqlx::query_scalar(OLDEST_UNPROCESSED_AGE)
+    unit!(executor, |conn| sql::query_scalar(OLDEST_UNPROCESSED_AGE)
         .bind(consumer_type)
-        .fetch_optional(executor)
-        .await
+        .fetch_optional(conn))
 }
 
 /// Rows in one bucket of time: bucket 0 is the newest.
@@ -192,17 +186,16 @@ pub struct Bucket {
 
 /// Processed rows of a consumer_type over the last `span`, per `bucket` (`PROCESSED_SERIES`).
 pub async fn processed_series(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     span: Duration,
     bucket: Duration,
 ) -> sqlx::Result<Vec<Bucket>> {
-    let rows: Vec<(i32, i64)> = sqlx::query_as(PROCESSED_SERIES)
+    let rows: Vec<(i32, i64)> = unit!(executor, |conn| sql::query_as(PROCESSED_SERIES)
         .bind(consumer_type)
         .bind(span.as_secs_f64())
         .bind(bucket.as_secs_f64())
-        .fetch_all(executor)
-        .await?;
+        .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(age, count)| Bucket {
@@ -215,17 +208,16 @@ pub async fn processed_series(
 
 /// Events of a consumer_type over the last `span`, per kind and `bucket` (`EVENT_SERIES`).
 pub async fn event_series(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     span: Duration,
     bucket: Duration,
 ) -> sqlx::Result<Vec<Bucket>> {
-    let rows: Vec<(String, i32, i64)> = sqlx::query_as(EVENT_SERIES)
+    let rows: Vec<(String, i32, i64)> = unit!(executor, |conn| sql::query_as(EVENT_SERIES)
         .bind(consumer_type)
         .bind(span.as_secs_f64())
         .bind(bucket.as_secs_f64())
-        .fetch_all(executor)
-        .await?;
+        .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(kind, age, count)| Bucket { kind, age, count })

@@ -1,8 +1,9 @@
 //! `find`'s statements: everything the database knows about one message id.
 
 use chrono::{DateTime, Utc};
-use sqlx::PgExecutor;
 use uuid::Uuid;
+
+use super::{Exec, sql};
 
 /// The most events shown per message: a message redelivered in a loop can have thousands.
 pub const MAX_EVENTS: i64 = 200;
@@ -77,11 +78,11 @@ pub struct EffectRow {
     pub at: DateTime<Utc>,
 }
 
-pub async fn inbox_rows(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<InboxRow>> {
-    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> = sqlx::query_as(INBOX_ROWS_OF)
-        .bind(id)
-        .fetch_all(executor)
-        .await?;
+pub async fn inbox_rows(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<InboxRow>> {
+    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> =
+        unit!(executor, |conn| sql::query_as(INBOX_ROWS_OF)
+            .bind(id)
+            .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(consumer_type, received_at, processed_at)| InboxRow {
@@ -92,12 +93,12 @@ pub async fn inbox_rows(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result
         .collect())
 }
 
-pub async fn events(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<EventRow>> {
-    let rows: Vec<(String, String, DateTime<Utc>, Option<String>)> = sqlx::query_as(EVENTS_OF)
-        .bind(id)
-        .bind(MAX_EVENTS)
-        .fetch_all(executor)
-        .await?;
+pub async fn events(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<EventRow>> {
+    let rows: Vec<(String, String, DateTime<Utc>, Option<String>)> =
+        unit!(executor, |conn| sql::query_as(EVENTS_OF)
+            .bind(id)
+            .bind(MAX_EVENTS)
+            .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(consumer_type, kind, occurred_at, detail)| EventRow {
@@ -109,11 +110,11 @@ pub async fn events(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec
         .collect())
 }
 
-pub async fn attempts(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<AttemptsRow>> {
-    let rows: Vec<(String, i32, i32, DateTime<Utc>)> = sqlx::query_as(ATTEMPTS_OF)
-        .bind(id)
-        .fetch_all(executor)
-        .await?;
+pub async fn attempts(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<AttemptsRow>> {
+    let rows: Vec<(String, i32, i32, DateTime<Utc>)> =
+        unit!(executor, |conn| sql::query_as(ATTEMPTS_OF)
+            .bind(id)
+            .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(
@@ -127,11 +128,11 @@ pub async fn attempts(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<V
         .collect())
 }
 
-pub async fn effects(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Vec<EffectRow>> {
-    let rows: Vec<(String, Uuid, DateTime<Utc>)> = sqlx::query_as(EFFECTS_OF)
-        .bind(id)
-        .fetch_all(executor)
-        .await?;
+pub async fn effects(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<EffectRow>> {
+    let rows: Vec<(String, Uuid, DateTime<Utc>)> =
+        unit!(executor, |conn| sql::query_as(EFFECTS_OF)
+            .bind(id)
+            .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(table, parcel_id, at)| EffectRow {
@@ -144,15 +145,14 @@ pub async fn effects(executor: impl PgExecutor<'_>, id: Uuid) -> sqlx::Result<Ve
 
 /// A consumer_type's oldest unprocessed rows: (message id, received at) (`OLDEST_UNPROCESSED`).
 pub async fn oldest_unprocessed(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     limit: i64,
 ) -> sqlx::Result<Vec<(Uuid, DateTime<Utc>)>> {
-    sqlx::query_as(OLDEST_UNPROCESSED)
+    unit!(executor, |conn| sql::query_as(OLDEST_UNPROCESSED)
         .bind(consumer_type)
         .bind(limit)
-        .fetch_all(executor)
-        .await
+        .fetch_all(conn))
 }
 
 /// One of a consumer_type's latest failures.
@@ -168,15 +168,14 @@ type RawFailure = (DateTime<Utc>, String, Option<String>, Option<Uuid>);
 
 /// A consumer_type's latest failures, newest first (`RECENT_FAILURES`).
 pub async fn recent_failures(
-    executor: impl PgExecutor<'_>,
+    executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     limit: i64,
 ) -> sqlx::Result<Vec<FailureRow>> {
-    let rows: Vec<RawFailure> = sqlx::query_as(RECENT_FAILURES)
+    let rows: Vec<RawFailure> = unit!(executor, |conn| sql::query_as(RECENT_FAILURES)
         .bind(consumer_type)
         .bind(limit)
-        .fetch_all(executor)
-        .await?;
+        .fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(occurred_at, kind, detail, message_id)| FailureRow {

@@ -6,7 +6,6 @@ use std::time::Instant;
 
 use futures_util::FutureExt as _;
 use futures_util::future::BoxFuture;
-use sqlx::Connection as _;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
@@ -149,7 +148,9 @@ impl Inbox {
             })
             .collect();
         keys.sort_unstable_by_key(|k| k.message_id);
-        let mut tx = conn.begin().await.map_err(ProcessError::Unavailable)?;
+        let mut tx = db::claim::begin(conn, self.claim_timeout)
+            .await
+            .map_err(ProcessError::Unavailable)?;
         let claim_started = Instant::now();
         let claimed = if keys.is_empty() {
             HashSet::new()

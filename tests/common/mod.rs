@@ -16,6 +16,7 @@
 //! - `modes`: the two modes every guarantee test runs in (`in_both_modes!`);
 //! - `vhosts`: the tests' RabbitMQ vhosts, made and removed in bulk (a `rabbitmqctl` call costs 1.5 s of CPU);
 //! - `cluster`: [`Cluster`], three private RabbitMQ nodes clustered on loopback;
+//! - `pgbouncer`: [`PgBouncer`], a private PgBouncer in transaction pooling in front of the test's database;
 //! - `tmux`: [`Tmux`], a real terminal;
 //! - `wait`: [`eventually`]; `faults`: the fault tests' choreography and the exactly-once check they end with;
 //! - [`raw_amqp`]: a frame-by-frame publisher for what lapin cannot send.
@@ -44,6 +45,9 @@ pub use fixtures::*;
 #[macro_use]
 mod modes;
 pub use modes::*;
+
+mod pgbouncer;
+pub use pgbouncer::*;
 
 mod process;
 pub use process::*;

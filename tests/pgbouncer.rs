@@ -1,0 +1,517 @@
+//! Through a real PgBouncer (Debian's, 1.18) in transaction pooling, in front of the shared PostgreSQL: `consume`,
+//! `cleanup`, `stats` and `top` with `--transaction-pooling` (eight consumer processes of sixteen workers on ten server
+//! connections, every parcel once), and every command refused, naming the flag, without it.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{CARRIER_QUEUE, Output, PgBouncer, Proc, TestEnv, Tmux};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+
+const PARCELS: i64 = 3_000;
+const PROCESSES: usize = 8;
+const SERVER_CONNECTIONS: u32 = 10;
+
+/// The test's own look at its database, directly (not through the pooler), under a name the count of the pooler's
+/// sessions leaves out.
+const OBSERVER: &str = "inboxctl-test-observer";
+
+async fn observer(env: &TestEnv) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&format!("{}?application_name={OBSERVER}", env.database_url))
+        .await
+        .expect("connect to the test database")
+}
+
+/// Runs inboxctl `args` through `bouncer`, `pooling` saying whether it is told (by the flag's environment variable,
+/// which `consume` below gives as the flag itself).
+fn through(env: &TestEnv, bouncer: &PgBouncer, pooling: bool, args: &[&str]) -> Output {
+    let mut cmd = env.cmd();
+    cmd.env("DATABASE_URL", bouncer.url()).args(args);
+    if pooling {
+        cmd.env("INBOXCTL_TRANSACTION_POOLING", "true");
+    }
+    Output::of(cmd.output().expect("run inboxctl"))
+}
+
+/// The most sessions PostgreSQL had on the test's database other than the observer's (pg_stat_activity) and the most
+/// server connections pgbouncer held for it (its admin console), sampled until `stop`.
+struct Peak {
+    sessions: Arc<AtomicI64>,
+    pooled: Arc<AtomicI64>,
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Peak {
+    fn watch(env: &TestEnv, bouncer: &PgBouncer, pool: PgPool) -> Self {
+        let (sessions, pooled, stop) = (
+            Arc::new(AtomicI64::new(0)),
+            Arc::new(AtomicI64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let db = env.db_name.clone();
+        let (s, p, halt) = (sessions.clone(), pooled.clone(), stop.clone());
+        let console = bouncer.console();
+        let task = tokio::spawn(async move {
+            let mut round = 0u32;
+            while !halt.load(Ordering::SeqCst) {
+                let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND backend_type = 'client backend' \
+                     AND application_name <> $2",
+                )
+                .bind(&db)
+                .bind(OBSERVER)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                s.fetch_max(n, Ordering::SeqCst);
+                if round.is_multiple_of(5) {
+                    let console = console.clone();
+                    let held = tokio::task::spawn_blocking(move || console.server_connections());
+                    let held = i64::try_from(held.await.unwrap()).unwrap();
+                    p.fetch_max(held, Ordering::SeqCst);
+                }
+                round += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+        Self {
+            sessions,
+            pooled,
+            stop,
+            task,
+        }
+    }
+
+    /// (PostgreSQL's sessions, pgbouncer's server connections), at their most.
+    async fn end(self) -> (i64, i64) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.task.await.unwrap();
+        (
+            self.sessions.load(Ordering::SeqCst),
+            self.pooled.load(Ordering::SeqCst),
+        )
+    }
+}
+
+fn consumers(env: &TestEnv, bouncer: &PgBouncer) -> Vec<Proc> {
+    let url = bouncer.url();
+    let consumers: Vec<Proc> = (0..PROCESSES)
+        .map(|_| {
+            env.spawn_with(
+                &[
+                    "consume",
+                    "carrier",
+                    "--transaction-pooling",
+                    "--concurrency",
+                    "16",
+                ],
+                &[("DATABASE_URL", url.as_str())],
+            )
+        })
+        .collect();
+    for c in &consumers {
+        c.wait_for_stderr("consuming", Duration::from_secs(60));
+    }
+    consumers
+}
+
+/// The acceptance test: eight consumer processes of sixteen workers each (128 client connections) through a PgBouncer
+/// with ten server connections, 3,000 parcels and 600 copies: every parcel's effect once, every copy discarded, never
+/// more than ten sessions on PostgreSQL; then `stats`, `top` and `cleanup` through the same PgBouncer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_consumers_of_sixteen_through_ten_server_connections_every_parcel_once() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let bouncer = PgBouncer::start(&env, SERVER_CONNECTIONS, &[]);
+    let pool = observer(&env).await;
+    let mut consumers = consumers(&env, &bouncer);
+    let peak = Peak::watch(&env, &bouncer, pool.clone());
+    let started = Instant::now();
+    common::publish_parcels(
+        &env,
+        &["--count", &PARCELS.to_string(), "--duplicates", "0.2"],
+    );
+    common::eventually(
+        "every parcel's effect, and an empty queue",
+        Duration::from_secs(240),
+        || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= PARCELS
+                && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
+    .await;
+    let seconds = started.elapsed().as_secs_f64();
+    let (sessions, pooled) = peak.end().await;
+    for c in &mut consumers {
+        c.terminate();
+        assert_eq!(c.wait(Duration::from_secs(60)), Some(0), "{}", c.stderr());
+        assert!(!c.stderr().contains("ERROR"), "{}", c.stderr());
+    }
+    common::assert_carrier_exactly_once(&pool, PARCELS).await;
+    let discarded = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'",
+    )
+    .await;
+    assert!(
+        discarded >= PARCELS / 5,
+        "every copy discarded: {discarded}"
+    );
+    assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
+    eprintln!(
+        "{PROCESSES} consumers × 16 through {SERVER_CONNECTIONS} server connections: {PARCELS} parcels and {} copies \
+         in {seconds:.1} s ({:.0} deliveries/s), {discarded} copies discarded; at most {sessions} sessions on \
+         PostgreSQL, {pooled} server connections in pgbouncer",
+        PARCELS / 5,
+        (PARCELS + PARCELS / 5) as f64 / seconds
+    );
+    assert!(
+        (1..=i64::from(SERVER_CONNECTIONS)).contains(&sessions),
+        "PostgreSQL saw {sessions} sessions"
+    );
+    assert!(
+        (1..=i64::from(SERVER_CONNECTIONS)).contains(&pooled),
+        "pgbouncer held {pooled} server connections"
+    );
+    stats_and_top(&env, &bouncer);
+    cleanup(&env, &bouncer, &pool).await;
+}
+
+/// `stats --json` and `top` through the pooler show the run's figures.
+fn stats_and_top(env: &TestEnv, bouncer: &PgBouncer) {
+    let out = through(env, bouncer, true, &["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let carrier = report["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+        .unwrap_or_else(|| panic!("{report}"));
+    assert_eq!(carrier["rows"], PARCELS, "{carrier}");
+    assert_eq!(carrier["unprocessed"], 0, "{carrier}");
+
+    let tmux = Tmux::of(env);
+    let script = format!(
+        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --transaction-pooling --interval 500ms; echo EXITED=$?; sleep 60",
+        bouncer.url(),
+        env.amqp_url,
+        common::bin()
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "160",
+        "-y",
+        "40",
+        &script,
+    ]);
+    tmux.wait_for("the carrier's row with its 3,000 rows", |s| {
+        s.lines()
+            .any(|l| l.contains(CARRIER_QUEUE) && l.contains(&PARCELS.to_string()))
+    });
+    tmux.run(&["send-keys", "-t", "top", "q"]);
+    let after = tmux.wait_for("top to exit", |s| s.contains("EXITED="));
+    assert!(after.contains("EXITED=0"), "{after}");
+}
+
+/// `cleanup` through the pooler: a run that finds nothing past its window, then one that takes every row.
+async fn cleanup(env: &TestEnv, bouncer: &PgBouncer, pool: &PgPool) {
+    let report = |out: Output| -> serde_json::Value {
+        assert_eq!(out.code, Some(0), "{out:?}");
+        serde_json::from_str(out.stdout.trim()).unwrap()
+    };
+    let nothing = report(through(
+        env,
+        bouncer,
+        true,
+        &["cleanup", "--retention", "1h", "--json"],
+    ));
+    assert_eq!(nothing["deleted"], 0, "{nothing}");
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let all = report(through(
+        env,
+        bouncer,
+        true,
+        &[
+            "cleanup",
+            "--retention",
+            "1s",
+            "--force",
+            "--batch-size",
+            "500",
+            "--json",
+        ],
+    ));
+    assert_eq!(all["deleted"], PARCELS, "{all}");
+    assert_eq!(
+        common::count(pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert_eq!(
+        common::count(pool, "SELECT count(*) FROM inboxctl_fingerprints").await,
+        0
+    );
+}
+
+/// Seeds `n` processed rows of each of three consumer_types, ten days old.
+async fn seed_old_rows(pool: &PgPool, n: i64) {
+    for ct in ["alpha", "beta", "gamma"] {
+        sqlx::query(
+            "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+             SELECT gen_random_uuid(), $1, now() - interval '10 days', now() - interval '10 days'
+             FROM generate_series(1, $2)",
+        )
+        .bind(ct)
+        .bind(n)
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}
+
+/// Two cleanups at once through the pooler, whose locks are each batch's (no session lasts): together they delete
+/// exactly the old rows, none twice, and neither fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_cleanups_at_once_through_the_pooler_delete_exactly_the_old_rows() {
+    let env = TestEnv::migrated().await;
+    let bouncer = PgBouncer::start(&env, 4, &[]);
+    let pool = observer(&env).await;
+    seed_old_rows(&pool, 10_000).await;
+    let args = [
+        "cleanup",
+        "--retention",
+        "7d",
+        "--batch-size",
+        "200",
+        "--json",
+    ];
+    let spawn = || {
+        env.spawn_with(
+            &args,
+            &[
+                ("DATABASE_URL", bouncer.url().as_str()),
+                ("INBOXCTL_TRANSACTION_POOLING", "1"),
+            ],
+        )
+    };
+    let (mut a, mut b) = (spawn(), spawn());
+    assert_eq!(a.wait(Duration::from_secs(120)), Some(0), "{}", a.stderr());
+    assert_eq!(b.wait(Duration::from_secs(120)), Some(0), "{}", b.stderr());
+    let deleted = |out: String| -> u64 {
+        serde_json::from_str::<serde_json::Value>(out.trim()).unwrap()["deleted"]
+            .as_u64()
+            .unwrap()
+    };
+    let (da, db) = (deleted(a.stdout()), deleted(b.stdout()));
+    eprintln!("two cleanups through the pooler: {da} + {db} rows");
+    assert_eq!(
+        da + db,
+        30_000,
+        "together every old row, none twice ({da} + {db})"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+}
+
+/// A consumer_type whose cleanup lock another cleanup holds (here the test's own session, directly on PostgreSQL, as
+/// a cleanup without the pooler holds it) is left alone by a cleanup through the pooler, whose batches take the same
+/// lock for their transaction, and cleaned once it is free.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_type_another_cleanup_holds_is_left_to_it_through_the_pooler() {
+    let env = TestEnv::migrated().await;
+    let bouncer = PgBouncer::start(&env, 2, &[]);
+    let pool = observer(&env).await;
+    seed_old_rows(&pool, 100).await;
+    let mut other = pool.acquire().await.unwrap();
+    assert!(
+        inboxctl::db::cleanup::try_lock(&mut *other, "alpha")
+            .await
+            .unwrap()
+    );
+    let run = || {
+        let out = through(
+            &env,
+            &bouncer,
+            true,
+            &["cleanup", "--retention", "7d", "--json"],
+        );
+        assert_eq!(out.code, Some(0), "{out:?}");
+        serde_json::from_str::<serde_json::Value>(out.stdout.trim()).unwrap()
+    };
+    let consumer = |report: &serde_json::Value, ct: &str| {
+        report["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["consumer_type"] == ct)
+            .cloned()
+            .unwrap_or_else(|| panic!("{ct} in {report}"))
+    };
+    let report = run();
+    let alpha = consumer(&report, "alpha");
+    assert_eq!(
+        (&alpha["busy"], &alpha["deleted"]),
+        (&true.into(), &0.into()),
+        "{report}"
+    );
+    for ct in ["beta", "gamma"] {
+        let c = consumer(&report, ct);
+        assert_eq!(
+            (&c["busy"], &c["deleted"]),
+            (&false.into(), &100.into()),
+            "{report}"
+        );
+    }
+    inboxctl::db::cleanup::unlock_all(&mut *other)
+        .await
+        .unwrap();
+    let alpha = consumer(&run(), "alpha");
+    assert_eq!(
+        (&alpha["busy"], &alpha["deleted"]),
+        (&false.into(), &100.into()),
+        "{alpha}"
+    );
+}
+
+/// Without `--transaction-pooling`, every command is refused before it does anything, and says to give it: by a
+/// PgBouncer as configured out of the box, which refuses the startup parameters inboxctl sends; and by one told to
+/// ignore them, where the pooler is seen at connection start (a session's setting seen by another connection's
+/// transaction). Nothing consumed, nothing acknowledged. `migrate` refuses the flag.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_the_flag_every_command_is_refused_and_names_it() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "20"]);
+    let strict = PgBouncer::start(&env, 2, &[]);
+    let lenient = PgBouncer::start(
+        &env,
+        2,
+        &["ignore_startup_parameters = extra_float_digits, options"],
+    );
+    for (bouncer, cause) in [
+        (&strict, "unsupported startup parameter"),
+        (
+            &lenient,
+            "another connection's transaction saw a setting of this session",
+        ),
+    ] {
+        for args in [
+            &["consume", "carrier", "--exit-when-idle", "1s"][..],
+            &["stats", "--json"],
+            &["cleanup", "--retention", "7d", "--force"],
+            &["audit"],
+        ] {
+            let out = through(&env, bouncer, false, args);
+            assert_eq!(out.code, Some(78), "{args:?}: {out:?}");
+            for words in [cause, "--transaction-pooling", "docs/scaling.md"] {
+                assert!(
+                    out.stderr.contains(words),
+                    "{args:?}: {words:?} in {}",
+                    out.stderr
+                );
+            }
+        }
+        let out = through(&env, bouncer, true, &["migrate"]);
+        assert_eq!(out.code, Some(64), "{out:?}");
+        assert!(
+            out.stderr.contains("run it against PostgreSQL itself"),
+            "{}",
+            out.stderr
+        );
+    }
+    let pool = observer(&env).await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        0
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (20, 0), "nothing taken");
+}
+
+/// In session pooling a client keeps its server connection, so without the flag `stats` works; but a PgBouncer told
+/// to ignore the startup parameter `options` drops `consume`'s claim timeout, which `consume` sees and refuses, naming
+/// the flag (with which it sets the timeout in each claim transaction, and consumes).
+#[tokio::test(flavor = "multi_thread")]
+async fn in_session_pooling_a_lost_claim_timeout_is_refused() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "20"]);
+    let session = PgBouncer::start(
+        &env,
+        4,
+        &[
+            "pool_mode = session",
+            "ignore_startup_parameters = extra_float_digits, options",
+        ],
+    );
+    let out = through(&env, &session, false, &["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let consume = ["consume", "carrier", "--exit-when-idle", "1s"];
+    let out = through(&env, &session, false, &consume);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    for words in ["lock_timeout", "did not arrive", "--transaction-pooling"] {
+        assert!(out.stderr.contains(words), "{words:?} in {}", out.stderr);
+    }
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (20, 0), "nothing taken");
+    // Session pooling gives each client connection a server connection for its life: a pool within its four.
+    let flagged = [&consume[..], &["--concurrency", "2"]].concat();
+    let out = through(&env, &session, true, &flagged);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    common::assert_carrier_exactly_once(&observer(&env).await, 20).await;
+}
+
+/// The errors a pooler causes a client that prepares named statements are reported as the pooler's, naming the flag:
+/// sqlx's own named statements through a PgBouncer that hands consecutive transactions to alternate server
+/// connections (`server_round_robin`), and the error it gets, as inboxctl's diagnosis says it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_prepared_statement_lost_by_the_pooler_is_reported_as_the_poolers() {
+    let env = TestEnv::migrated().await;
+    let bouncer = PgBouncer::start(
+        &env,
+        2,
+        &[
+            "server_round_robin = 1",
+            "min_pool_size = 2",
+            "ignore_startup_parameters = extra_float_digits",
+        ],
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&bouncer.url())
+        .await
+        .unwrap();
+    let mut lost = None;
+    for i in 0..50 {
+        // min_pool_size brings the second server connection in a moment after the first.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if let Err(e) = sqlx::query_scalar::<_, i64>("SELECT $1::int8 + 1")
+            .bind(i64::from(i))
+            .fetch_one(&pool)
+            .await
+        {
+            lost = Some(e);
+            break;
+        }
+    }
+    let error = lost.expect("a named statement lost between two server connections in 50 tries");
+    assert!(inboxctl::db::pooler::is_pooler_error(&error), "{error}");
+    let said = inboxctl::db::diagnose(error, None).to_string();
+    for words in [
+        "prepared statement",
+        "--transaction-pooling",
+        "docs/scaling.md",
+    ] {
+        assert!(said.contains(words), "{words:?} in {said}");
+    }
+}

@@ -46,6 +46,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand help 'Print this message or the help of the given subcommand(s)'
         }
         &'inboxctl;migrate'= {
+            cand --partitioned 'Partition inbox_messages by range, one partition per this interval (1h to 31d), on a time every copy of a message carries (--partition-time), so that cleanup drops whole partitions instead of deleting rows. An existing inbox_messages is converted in place: its rows are not copied, and consumers go on (docs/scaling.md)'
+            cand --partition-time 'The time a partitioned inbox keys each message on: one that every copy of it carries. Chosen once: it cannot be changed afterwards'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
@@ -57,8 +59,8 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
-            cand -h 'Print help'
-            cand --help 'Print help'
+            cand -h 'Print help (see more with ''--help'')'
+            cand --help 'Print help (see more with ''--help'')'
             cand -V 'Print version'
             cand --version 'Print version'
         }

@@ -48,6 +48,10 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "demo" -d 'The who
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "audit" -d 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "completions" -d 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l partitioned -d 'Partition inbox_messages by range, one partition per this interval (1h to 31d), on a time every copy of a message carries (--partition-time), so that cleanup drops whole partitions instead of deleting rows. An existing inbox_messages is converted in place: its rows are not copied, and consumers go on (docs/scaling.md)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l partition-time -d 'The time a partitioned inbox keys each message on: one that every copy of it carries. Chosen once: it cannot be changed afterwards' -r -f -a "id\t'The time inside the message id: UUIDv7, else MassTransit\'s NewId (what MassTransit sends)'
+sent-time\t'The envelope\'s sentTime, else the AMQP timestamp: for ids without a time (random v4)'
+timestamp\t'The AMQP timestamp property'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -59,7 +63,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l dry-run -d
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l json -d 'Print the result as JSON'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l queue -d 'The queue to read (default: parcel-created-carrier or parcel-created-notification)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exchange -d 'The exchange the event is published to; the queue is bound to it through an exchange of its own name' -r

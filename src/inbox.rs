@@ -41,8 +41,10 @@ use crate::db::{self, is_transient};
 use crate::failpoint;
 
 mod batch;
+pub mod time;
 
 pub use batch::{MAX_BATCH, Member, MemberOutcome, MemberWork, TogetherWork};
+pub use time::{Carried, TimeSource};
 
 /// The longest consumer_type the seed schema stores (`VARCHAR(500)`).
 pub const MAX_CONSUMER_TYPE_CHARS: usize = 500;
@@ -170,6 +172,10 @@ pub enum ProcessError {
     /// The consumer's own work failed. Counts as a failed attempt of the message.
     #[error("{0}")]
     Failed(#[source] WorkError),
+    /// The message cannot be claimed in this inbox, now or later: a partitioned inbox keys messages on a time this
+    /// one does not carry, or whose time no partition holds. Trying again cannot help; nothing ran.
+    #[error("{0}")]
+    Unclaimable(String),
 }
 
 /// A consumer's work on one message, run on the transaction that holds the message's inbox row.
@@ -194,6 +200,19 @@ pub struct Inbox {
     observer: Option<Arc<dyn ClaimObserver>>,
     /// The `lock_timeout` each claim transaction sets for itself, where the sessions keep none of their own.
     claim_timeout: Option<Duration>,
+    /// How the claim keys a message: shared by the inbox's clones, and learnt again when the inbox is partitioned
+    /// under a running consumer.
+    keying: Arc<std::sync::RwLock<Keying>>,
+}
+
+/// How the claim keys messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Keying {
+    /// By `(id, consumer_type)`: the schema every user has.
+    #[default]
+    Plain,
+    /// Also by a time every copy carries, read from this source: a partitioned inbox (`migrate --partitioned`).
+    Timed(TimeSource),
 }
 
 impl Inbox {
@@ -203,6 +222,93 @@ impl Inbox {
             consumer_type,
             observer: None,
             claim_timeout: None,
+            keying: Arc::default(),
+        }
+    }
+
+    /// The same inbox, keying messages as `keying` says (what `db::partitions::layout` found).
+    pub fn with_keying(self, keying: Keying) -> Self {
+        *self.keying.write().unwrap_or_else(|p| p.into_inner()) = keying;
+        self
+    }
+
+    /// How the claim keys messages now.
+    pub fn keying(&self) -> Keying {
+        *self.keying.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the inbox's layout again, after a claim met another than it expected (the inbox partitioned under a
+    /// running consumer): the next attempt keys the message the new way. A failure to read is left to that attempt.
+    async fn learn_keying(&self) {
+        match db::partitions::layout(&self.pool).await {
+            Ok(Some(layout)) => {
+                let keying = Keying::of(layout);
+                if keying != self.keying() {
+                    tracing::warn!(
+                        ?keying,
+                        "inbox_messages changed its layout; claiming the new way"
+                    );
+                    *self.keying.write().unwrap_or_else(|p| p.into_inner()) = keying;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "could not read the inbox's layout"),
+        }
+    }
+
+    /// The claim's key of a message: on a partitioned inbox with its time, refused when it has no usable one.
+    fn key(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        carried: &Carried,
+    ) -> Result<db::claim::Key, ProcessError> {
+        let time = match self.keying() {
+            Keying::Plain => None,
+            Keying::Timed(source) => match source.time_of(message_id, carried) {
+                None => {
+                    return Err(ProcessError::Unclaimable(format!(
+                        "the inbox is partitioned on {}, which this message does not carry",
+                        source.describe()
+                    )));
+                }
+                Some(t) if t < time::earliest() => {
+                    return Err(ProcessError::Unclaimable(format!(
+                        "its time {} ({}) is before 2000: no partition of the inbox holds it",
+                        t.to_rfc3339(),
+                        source.describe()
+                    )));
+                }
+                Some(t) => Some(t),
+            },
+        };
+        Ok(db::claim::Key {
+            message_id,
+            fingerprint,
+            time,
+        })
+    }
+
+    /// What a failed claim statement means: the inbox's layout changed (learnt again; tried again), a time no
+    /// partition holds (unclaimable), else the database's doing.
+    async fn claim_error(&self, e: sqlx::Error, key: &db::claim::Key) -> ProcessError {
+        match db::sqlstate(&e).as_deref() {
+            // ON CONFLICT (id, consumer_type) on a partitioned inbox, or message_time on an unpartitioned one.
+            Some("42P10" | "42703") => {
+                self.learn_keying().await;
+                ProcessError::Unavailable(e)
+            }
+            // No partition for the row's time.
+            Some("23514") if key.time.is_some() => ProcessError::Unclaimable(format!(
+                "its time {} is in no partition of the inbox: its producer's clock is off, or its id carries no \
+                 time (the inbox is partitioned on {}); `inboxctl cleanup` makes the partitions ahead",
+                key.time.map(|t| t.to_rfc3339()).unwrap_or_default(),
+                match self.keying() {
+                    Keying::Timed(source) => source.describe(),
+                    Keying::Plain => "a time",
+                }
+            )),
+            _ => ProcessError::Unavailable(e),
         }
     }
 
@@ -257,14 +363,30 @@ impl Inbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
     {
+        self.process_carried(message_id, fingerprint, &Carried::default(), work)
+            .await
+    }
+
+    /// Like [`Inbox::process_event`], with the times the delivery carries besides its id, which a partitioned inbox
+    /// may key the message on (see [`time`]).
+    pub async fn process_carried<T, F>(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        carried: &Carried,
+        work: F,
+    ) -> Result<Outcome<T>, ProcessError>
+    where
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
+        T: Send,
+    {
+        let key = self.key(message_id, fingerprint, carried)?;
         let mut conn = self
             .pool
             .acquire()
             .await
             .map_err(ProcessError::Unavailable)?;
-        let result = self
-            .process_on(&mut conn, message_id, fingerprint, work)
-            .await;
+        let result = self.process_on(&mut conn, &key, work).await;
         if matches!(result, Err(ProcessError::Unavailable(_))) {
             // The session itself may be what failed (made read-only by a failover or by
             // default_transaction_read_only, terminated by an administrator): never hand it out again.
@@ -276,8 +398,7 @@ impl Inbox {
     async fn process_on<T, F>(
         &self,
         conn: &mut PgConnection,
-        message_id: Uuid,
-        fingerprint: Option<Fingerprint>,
+        key: &db::claim::Key,
         work: F,
     ) -> Result<Outcome<T>, ProcessError>
     where
@@ -289,19 +410,19 @@ impl Inbox {
             .map_err(ProcessError::Unavailable)?;
 
         let claim_started = Instant::now();
-        // Whatever goes wrong with the claim is the database's doing: the statement depends on nothing but the key.
-        let claimed = db::claim::claim(
-            &mut tx,
-            message_id,
-            &self.consumer_type,
-            fingerprint.as_ref(),
-        )
-        .await
-        .map_err(ProcessError::Unavailable)?;
+        // Whatever goes wrong with the claim is the database's doing (the statement depends on nothing but the key),
+        // or, partitioned, the key's time's.
+        let claimed = match db::claim::claim(&mut tx, key, &self.consumer_type).await {
+            Ok(claimed) => claimed,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(self.claim_error(e, key).await);
+            }
+        };
         self.claim_took(claim_started);
 
         if !claimed {
-            let outcome = self.record_copy(&mut tx, message_id, fingerprint).await?;
+            let outcome = self.record_copy(&mut tx, key).await?;
             tx.commit().await.map_err(ProcessError::Unavailable)?;
             return Ok(outcome);
         }
@@ -332,14 +453,22 @@ impl Inbox {
     async fn record_copy<T>(
         &self,
         conn: &mut PgConnection,
-        message_id: Uuid,
-        fingerprint: Option<Fingerprint>,
+        key: &db::claim::Key,
     ) -> Result<Outcome<T>, ProcessError> {
-        let first =
-            db::claim::record_copy(conn, message_id, &self.consumer_type, fingerprint.as_ref())
-                .await
-                .map_err(ProcessError::Unavailable)?;
-        Ok(conflict(first, fingerprint).map_or(Outcome::Duplicate, Outcome::Conflict))
+        let first = db::claim::record_copy(conn, key, &self.consumer_type)
+            .await
+            .map_err(ProcessError::Unavailable)?;
+        Ok(conflict(first, key.fingerprint).map_or(Outcome::Duplicate, Outcome::Conflict))
+    }
+}
+
+impl Keying {
+    /// How to key messages in an inbox laid out as `layout`.
+    pub fn of(layout: db::partitions::Layout) -> Self {
+        match layout {
+            db::partitions::Layout::Plain => Keying::Plain,
+            db::partitions::Layout::Partitioned(settings) => Keying::Timed(settings.source),
+        }
     }
 }
 

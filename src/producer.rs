@@ -174,25 +174,54 @@ pub fn schedule(count: usize, duplicates: f64) -> Vec<usize> {
     order
 }
 
-/// The AMQP properties and body MassTransit would write for `message` published to `exchange` on `broker`.
+/// What differs between two sends of one message by MassTransit but not between the copies of one send (its
+/// redeliveries, a retry, its dead-letter copy, the outbox's re-send): when it was sent and in which conversation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    pub sent_time: chrono::DateTime<Utc>,
+    pub conversation_id: Uuid,
+}
+
+impl Stamp {
+    pub fn now() -> Self {
+        Self {
+            sent_time: Utc::now(),
+            conversation_id: Uuid::now_v7(),
+        }
+    }
+}
+
+/// The AMQP properties and body MassTransit would write for `message` published to `exchange` on `broker`, now.
 pub fn envelope(
     message: &Message,
     broker: &Broker,
     exchange: &str,
     host: &HostInfo,
 ) -> (BasicProperties, Vec<u8>) {
+    envelope_stamped(message, broker, exchange, host, Stamp::now())
+}
+
+/// [`envelope`], sent at `stamp`'s time in its conversation: the copies of a message `publish` sends again carry its
+/// first copy's, as MassTransit's copies do (a partitioned inbox may key a message on its `sentTime`).
+pub fn envelope_stamped(
+    message: &Message,
+    broker: &Broker,
+    exchange: &str,
+    host: &HostInfo,
+    stamp: Stamp,
+) -> (BasicProperties, Vec<u8>) {
     let body = EnvelopeOut {
         message_id: message.message_id.to_string(),
         request_id: None,
         correlation_id: None,
-        conversation_id: Some(Uuid::now_v7().to_string()),
+        conversation_id: Some(stamp.conversation_id.to_string()),
         initiator_id: None,
         source_address: Some(format!(
             "{}?temporary=true",
             broker.queue_address(&format!(
                 "{}_inboxctl_bus_{}",
                 host.machine_name,
-                Uuid::new_v4().simple()
+                host.bus_id.simple()
             ))
         )),
         destination_address: Some(broker.queue_address(exchange)),
@@ -201,7 +230,7 @@ pub fn envelope(
         message_type: vec![PARCEL_CREATED_URN.to_owned()],
         message: &message.event,
         expiration_time: None,
-        sent_time: format_time(Utc::now()),
+        sent_time: format_time(stamp.sent_time),
         headers: serde_json::Map::new(),
         host,
     }
@@ -254,6 +283,7 @@ pub async fn publish_showing(
         broker,
         exchange,
         host: &host,
+        stamps: vec![None; messages.len()],
         routing_key: plan.routing_key,
         ticker: plan.rate.map(|rate| {
             let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
@@ -312,6 +342,8 @@ struct Run<'a> {
     broker: &'a Broker,
     exchange: &'a str,
     host: &'a HostInfo,
+    /// Each message's stamp, taken at its first send: its copies (and what a reconnect sends again) carry the same.
+    stamps: Vec<Option<Stamp>>,
     routing_key: Option<ParcelField>,
     ticker: Option<tokio::time::Interval>,
     confirmed: usize,
@@ -466,8 +498,11 @@ impl Run<'_> {
                 // Stop sending; what was sent is confirmed below, and the report says how far it got.
                 break;
             }
-            let message = &self.messages[self.order[self.sent]];
-            let (properties, body) = envelope(message, self.broker, self.exchange, self.host);
+            let index = self.order[self.sent];
+            let message = &self.messages[index];
+            let stamp = *self.stamps[index].get_or_insert_with(Stamp::now);
+            let (properties, body) =
+                envelope_stamped(message, self.broker, self.exchange, self.host, stamp);
             let routing_key = self
                 .routing_key
                 .map(|field| field.of(&message.event))

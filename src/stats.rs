@@ -470,9 +470,15 @@ async fn counters(
     Ok((total, series))
 }
 
-/// The planner's statistics: total rows, unprocessed rows, and each consumer_type's share.
+/// The planner's statistics: per table holding the inbox's rows (the table, or each partition), its rows, its
+/// unprocessed rows, and each consumer_type's share of it.
 #[derive(Debug, Default)]
 struct Estimates {
+    parts: Vec<Part>,
+}
+
+#[derive(Debug, Default)]
+struct Part {
     rows: Option<f64>,
     unprocessed: Option<f64>,
     shares: HashMap<String, f64>,
@@ -480,54 +486,72 @@ struct Estimates {
     other_share: Option<f64>,
 }
 
-impl Estimates {
-    async fn read(conn: &mut sqlx::PgConnection) -> Result<Self> {
-        let Some(db::stats::Estimates {
-            rows,
-            unprocessed,
-            common_values: values,
-            common_freqs: freqs,
-            null_frac,
-            n_distinct,
-        }) = db::stats::estimates(&mut *conn).await?
-        else {
-            return Ok(Self::default());
-        };
+impl Part {
+    fn of(e: db::stats::Estimates) -> Self {
         // reltuples is -1 until the table was first vacuumed or analyzed: no estimate then.
         let known = |v: f64| (v >= 0.0).then_some(v);
         let mut shares = HashMap::new();
         let mut common = 0.0;
-        if let (Some(values), Some(freqs)) = (values, freqs) {
+        if let (Some(values), Some(freqs)) = (e.common_values, e.common_freqs) {
             for (v, f) in values.into_iter().zip(freqs) {
                 common += f64::from(f);
                 shares.insert(v, f64::from(f));
             }
         }
-        let rest = (1.0 - common - f64::from(null_frac.unwrap_or(0.0))).max(0.0);
-        let distinct = f64::from(n_distinct.unwrap_or(0.0));
+        let rest = (1.0 - common - f64::from(e.null_frac.unwrap_or(0.0))).max(0.0);
+        let distinct = f64::from(e.n_distinct.unwrap_or(0.0));
         let others = if distinct > 0.0 {
             distinct - shares.len() as f64
         } else {
             0.0
         };
-        Ok(Self {
-            rows: known(rows),
-            unprocessed: unprocessed.and_then(known),
+        Self {
+            rows: known(e.rows),
+            unprocessed: e.unprocessed.and_then(known),
             other_share: (others >= 1.0).then(|| rest / others),
             shares,
+        }
+    }
+
+    /// The consumer_type's share; an empty table's is 0 whatever its statistics say.
+    fn share(&self, consumer_type: &str) -> Option<f64> {
+        if self.rows == Some(0.0) {
+            return Some(0.0);
+        }
+        self.shares.get(consumer_type).copied().or(self.other_share)
+    }
+}
+
+impl Estimates {
+    async fn read(conn: &mut sqlx::PgConnection) -> Result<Self> {
+        let parts = db::stats::estimates(&mut *conn).await?;
+        Ok(Self {
+            parts: parts.into_iter().map(Part::of).collect(),
         })
     }
 
-    fn share(&self, consumer_type: &str) -> Option<f64> {
-        self.shares.get(consumer_type).copied().or(self.other_share)
+    /// The sum over the parts whose figure is known of figure × share; unknown when no part's is known, or a part
+    /// with rows has no share to tell. Parts never analyzed (a partition made a moment ago) are left out.
+    fn sum(&self, consumer_type: &str, figure: impl Fn(&Part) -> Option<f64>) -> Option<u64> {
+        let mut total = None;
+        for part in &self.parts {
+            let Some(n) = figure(part) else { continue };
+            let share = if n == 0.0 {
+                0.0
+            } else {
+                part.share(consumer_type)?
+            };
+            total = Some(total.unwrap_or(0.0) + n * share);
+        }
+        total.map(|t: f64| t.round() as u64)
     }
 
     fn rows(&self, consumer_type: &str) -> Option<u64> {
-        Some((self.rows? * self.share(consumer_type)?).round() as u64)
+        self.sum(consumer_type, |p| p.rows)
     }
 
     fn unprocessed(&self, consumer_type: &str) -> Option<u64> {
-        Some((self.unprocessed? * self.share(consumer_type)?).round() as u64)
+        self.sum(consumer_type, |p| p.unprocessed)
     }
 }
 
@@ -561,18 +585,45 @@ mod tests {
     #[test]
     fn estimates_share_the_table_by_the_most_common_values() {
         let e = Estimates {
-            rows: Some(10_000_000.0),
-            unprocessed: Some(1000.0),
-            shares: [("a".to_owned(), 0.5), ("b".to_owned(), 0.3)]
-                .into_iter()
-                .collect(),
-            other_share: Some(0.1),
+            parts: vec![Part {
+                rows: Some(10_000_000.0),
+                unprocessed: Some(1000.0),
+                shares: [("a".to_owned(), 0.5), ("b".to_owned(), 0.3)]
+                    .into_iter()
+                    .collect(),
+                other_share: Some(0.1),
+            }],
         };
         assert_eq!(e.rows("a"), Some(5_000_000));
         assert_eq!(e.rows("b"), Some(3_000_000));
         assert_eq!(e.rows("zzz"), Some(1_000_000));
         assert_eq!(e.unprocessed("a"), Some(500));
         assert_eq!(Estimates::default().rows("a"), None);
+    }
+
+    #[test]
+    fn a_partitioned_inboxs_estimates_add_up_its_partitions() {
+        let part = |rows: Option<f64>, a: f64| Part {
+            rows,
+            unprocessed: Some(0.0),
+            shares: [("a".to_owned(), a)].into_iter().collect(),
+            other_share: None,
+        };
+        let e = Estimates {
+            parts: vec![
+                part(Some(1_000_000.0), 0.5),
+                part(Some(3_000_000.0), 1.0),
+                // A partition never analyzed, and an empty one without statistics: left out, and 0.
+                part(None, 0.0),
+                Part {
+                    rows: Some(0.0),
+                    ..Part::default()
+                },
+            ],
+        };
+        assert_eq!(e.rows("a"), Some(3_500_000));
+        assert_eq!(e.rows("b"), None, "a part with rows and no share for b");
+        assert_eq!(e.unprocessed("a"), Some(0));
     }
 }
 

@@ -18,6 +18,7 @@ fn member(id: Uuid, label: &'static str, fails: bool, runs: &Arc<AtomicUsize>) -
     Member {
         message_id: id,
         fingerprint: None,
+        carried: Default::default(),
         work: Box::new(move |tx| {
             runs.fetch_add(1, Ordering::SeqCst);
             Box::pin(async move {

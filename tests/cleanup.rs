@@ -369,7 +369,7 @@ async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
             .unwrap();
         assert_eq!(stuck.count, n, "{unprocessed}");
         assert_eq!(
-            store::delete_processed_batch(&pool, consumer_type, cutoff, 100)
+            store::delete_processed_batch(&pool, consumer_type, cutoff, 100, false)
                 .await
                 .unwrap(),
             n,

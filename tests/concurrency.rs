@@ -36,7 +36,7 @@ async fn sixteen_copies(mode: &[&str]) {
     let conn = env.amqp().await;
     let pool = env.pool().await;
     for round in 1..=ROUNDS {
-        let (props, body, parcel) = common::parcel_message(Uuid::new_v4(), "Berlin");
+        let (props, body, parcel) = common::parcel_message(Uuid::now_v7(), "Berlin");
         common::publish_copies(&conn, CARRIER_QUEUE, props, &body, COPIES as usize).await;
         common::eventually(
             &format!("round {round}: one effect and 15 duplicates"),

@@ -452,13 +452,13 @@ async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothi
         },
         Bad {
             label: "not JSON",
-            properties: plain(Some(&Uuid::new_v4().to_string())),
+            properties: plain(Some(&Uuid::now_v7().to_string())),
             body: b"PT1;Berlin".to_vec(),
             reason: "is not JSON",
         },
         Bad {
             label: "empty",
-            properties: plain(Some(&Uuid::new_v4().to_string())),
+            properties: plain(Some(&Uuid::now_v7().to_string())),
             body: Vec::new(),
             reason: "body is empty",
         },
@@ -470,47 +470,47 @@ async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothi
         },
         Bad {
             label: "parcelId not a UUID",
-            properties: mt(Uuid::new_v4()),
+            properties: mt(Uuid::now_v7()),
             body: mt_envelope(
-                Uuid::new_v4(),
+                Uuid::now_v7(),
                 r#"{"parcelId": "nope", "trackingNumber": "PT2", "destination": "Rome"}"#,
             ),
             reason: "cannot be read as ParcelTracker.Domain.Events.ParcelCreatedEvent",
         },
         Bad {
             label: "parcelId missing",
-            properties: mt(Uuid::new_v4()),
+            properties: mt(Uuid::now_v7()),
             body: mt_envelope(
-                Uuid::new_v4(),
+                Uuid::now_v7(),
                 r#"{"trackingNumber": "PT3", "destination": "Rome"}"#,
             ),
             reason: "missing field `parcelId`",
         },
         Bad {
             label: "invalid UTF-8",
-            properties: mt(Uuid::new_v4()),
+            properties: mt(Uuid::now_v7()),
             body: b"{\"messageId\": \"\xff\xfe\"}".to_vec(),
             reason: "not JSON",
         },
         Bad {
             label: "JSON that is not an envelope nor an event",
-            properties: plain(Some(&Uuid::new_v4().to_string())),
+            properties: plain(Some(&Uuid::now_v7().to_string())),
             body: br#"[{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad"}]"#.to_vec(),
             reason: "cannot be read as ParcelTracker.Domain.Events.ParcelCreatedEvent",
         },
         Bad {
             label: "duplicate keys",
-            properties: plain(Some(&Uuid::new_v4().to_string())),
+            properties: plain(Some(&Uuid::now_v7().to_string())),
             body: br#"{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "parcelId": "1ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT4", "destination": "Oslo"}"#.to_vec(),
             reason: "duplicate field `parcelId`",
         },
         Bad {
             label: "envelope with duplicate message ids",
-            properties: mt(Uuid::new_v4()),
+            properties: mt(Uuid::now_v7()),
             body: format!(
                 r#"{{"messageId": "{}", "messageId": "{}", "messageType": ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"], "message": {good_parcel}}}"#,
-                Uuid::new_v4(),
-                Uuid::new_v4()
+                Uuid::now_v7(),
+                Uuid::now_v7()
             )
             .into_bytes(),
             reason: "duplicate field `messageId`",
@@ -519,7 +519,7 @@ async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothi
     for b in &bad {
         common::publish(&conn, CARRIER_QUEUE, "", b.properties.clone(), &b.body).await;
     }
-    let good_id = Uuid::new_v4();
+    let good_id = Uuid::now_v7();
     common::publish(
         &conn,
         CARRIER_QUEUE,
@@ -781,13 +781,13 @@ async fn a_ten_megabyte_message_is_processed_once() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    let id = Uuid::new_v4();
+    let id = Uuid::now_v7();
     let destination = "x".repeat(10 * 1024 * 1024);
     let body = mt_envelope(
         id,
         &format!(
             r#"{{"parcelId": "{}", "trackingNumber": "PT10MB", "destination": "{destination}"}}"#,
-            Uuid::new_v4()
+            Uuid::now_v7()
         ),
     );
     assert!(body.len() > 10 * 1024 * 1024);
@@ -1021,7 +1021,7 @@ async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(
     let skipped_queue = format!("{CARRIER_QUEUE}_skipped");
     common::declare_queue_that_refuses_everything(&conn, &error_queue).await;
     common::declare_queue_that_refuses_everything(&conn, &skipped_queue).await;
-    let id = Uuid::new_v4();
+    let id = Uuid::now_v7();
     let body = b"PT1;Berlin".to_vec();
     common::publish(
         &conn,

@@ -59,7 +59,7 @@ async fn copies_do_not_expire(mode: &[&str]) {
     );
     let conn = env.amqp().await;
     // A message whose work fails, and one that cannot be read, each with a per-message TTL of 4 s.
-    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
     common::publish(
         &conn,
         EVENT_EXCHANGE,
@@ -69,7 +69,7 @@ async fn copies_do_not_expire(mode: &[&str]) {
     )
     .await;
     let unreadable = BasicProperties::default()
-        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_message_id(Uuid::now_v7().to_string().into())
         .with_expiration("4000".into());
     common::publish(&conn, "", CARRIER_QUEUE, unreadable, b"not json").await;
     common::eventually(
@@ -125,11 +125,11 @@ async fn a_body_with_a_byte_order_mark_is_dead_lettered_saying_so() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "Berlin");
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "Berlin");
     let mut marked = vec![0xEF, 0xBB, 0xBF];
     marked.extend_from_slice(&body);
     common::publish(&conn, EVENT_EXCHANGE, "", props, &marked).await;
-    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "Paris");
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "Paris");
     common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
     common::consume_until_idle(&env, &["carrier"]);
     let pool = env.pool().await;
@@ -170,8 +170,8 @@ async fn reused_id(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    let id = Uuid::new_v4();
-    let (first, second) = (Uuid::new_v4(), Uuid::new_v4());
+    let id = Uuid::now_v7();
+    let (first, second) = (Uuid::now_v7(), Uuid::now_v7());
     let props = inboxctl::amqp::envelope::masstransit_properties(id);
     let send = |body: Vec<u8>| {
         let conn = &conn;
@@ -238,7 +238,7 @@ async fn reused_id(mode: &[&str]) {
     // Discarding conflicts is the operator's choice; they are counted all the same.
     send(envelope(
         id,
-        Uuid::new_v4(),
+        Uuid::now_v7(),
         "Rome",
         "2026-12-01T10:07:00Z",
         false,
@@ -279,7 +279,7 @@ async fn a_message_from_another_user_is_moved_aside_without_its_user_id() {
         .await
         .unwrap();
     let unreadable = BasicProperties::default()
-        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_message_id(Uuid::now_v7().to_string().into())
         .with_user_id(user.as_str().into());
     common::publish(&producer, "", CARRIER_QUEUE, unreadable, b"not json").await;
     common::publish_parcels(&env, &["--count", "5"]);
@@ -347,7 +347,7 @@ async fn deep_header(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     // Written frame by frame: a client library's recursive writer would overflow its own stack first.
-    let (_, body, _) = common::parcel_message(Uuid::new_v4(), "Berlin");
+    let (_, body, _) = common::parcel_message(Uuid::now_v7(), "Berlin");
     let headers = raw_amqp::table(&[
         ("deep", raw_amqp::nested_table_value("k", 1000)),
         ("tenant", raw_amqp::long_string("acme")),
@@ -357,7 +357,7 @@ async fn deep_header(mode: &[&str]) {
         &env.vhost,
         EVENT_EXCHANGE,
         "",
-        &Uuid::new_v4().to_string(),
+        &Uuid::now_v7().to_string(),
         inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
         &headers,
         &body,
@@ -381,7 +381,7 @@ async fn deep_header(mode: &[&str]) {
         &env.vhost,
         "",
         dlq,
-        &Uuid::new_v4().to_string(),
+        &Uuid::now_v7().to_string(),
         inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
         &headers,
         &body,
@@ -424,7 +424,7 @@ async fn huge_values(mode: &[&str]) {
     let huge_id = "x".repeat(70_000);
     let body = format!(
         r#"{{"messageId": "{huge_id}", "messageType": ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"], "message": {{"parcelId": "{}", "trackingNumber": "PT1", "destination": "Berlin"}}}}"#,
-        Uuid::new_v4()
+        Uuid::now_v7()
     );
     common::publish(
         &conn,
@@ -439,7 +439,7 @@ async fn huge_values(mode: &[&str]) {
     for i in 0..12 {
         headers.insert(format!("h{i}").into(), long(&"v".repeat(10_000)));
     }
-    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
     common::publish(
         &conn,
         EVENT_EXCHANGE,
@@ -500,7 +500,7 @@ async fn a_copy_that_cannot_fit_a_frame_is_held_not_looped_on() {
     }
     headers.insert("pad".into(), long(&"p".repeat(780)));
     let unreadable = BasicProperties::default()
-        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_message_id(Uuid::now_v7().to_string().into())
         .with_headers(headers);
     common::publish(&conn, "", CARRIER_QUEUE, unreadable, b"not json").await;
     common::publish_parcels(&env, &["--count", "50"]);
@@ -557,7 +557,7 @@ async fn panic_in_handling(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
-    let id = Uuid::new_v4();
+    let id = Uuid::now_v7();
     let (props, body, _) = common::parcel_message(id, "Berlin");
     common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
     common::publish_parcels(&env, &["--count", "10"]);
@@ -629,7 +629,7 @@ async fn a_suspect_waits_for_work_in_progress_not_for_a_retry_backoff() {
     // S was in flight when a process ended before: a suspect, redelivered. F fails every time (a long backoff ahead
     // of it) and is a first delivery, so its attempt starts at once, while S's start is being counted: F is in its
     // backoff when S asks to run alone.
-    let s_id = Uuid::new_v4();
+    let s_id = Uuid::now_v7();
     let (s_props, s_body, _) = common::parcel_message(s_id, "Berlin");
     common::publish(&conn, EVENT_EXCHANGE, "", s_props, &s_body).await;
     let channel = conn.create_channel().await.unwrap();
@@ -648,7 +648,7 @@ async fn a_suspect_waits_for_work_in_progress_not_for_a_retry_backoff() {
         )
         .await
         .unwrap();
-    let (f_props, f_body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    let (f_props, f_body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
     common::publish(&conn, EVENT_EXCHANGE, "", f_props, &f_body).await;
     let pool = env.pool().await;
     sqlx::query(
@@ -701,7 +701,7 @@ async fn a_deleted_error_queue_or_exchange_is_declared_again() {
     let conn = env.amqp().await;
     let mut consumer = consumer(&env, &[]);
     let unreadable =
-        || BasicProperties::default().with_message_id(Uuid::new_v4().to_string().into());
+        || BasicProperties::default().with_message_id(Uuid::now_v7().to_string().into());
     common::publish(&conn, "", CARRIER_QUEUE, unreadable(), b"not json").await;
     common::eventually("the first copy", Duration::from_secs(30), || async {
         env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 1

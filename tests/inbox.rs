@@ -284,6 +284,7 @@ fn member(id: Uuid, label: &'static str, fails: bool) -> Member<()> {
     Member {
         message_id: id,
         fingerprint: None,
+        carried: Default::default(),
         work: Box::new(move |tx| {
             Box::pin(async move {
                 insert_effect(tx, id, label).await?;
@@ -315,6 +316,7 @@ async fn a_batch_commits_once_and_a_failing_member_is_rolled_back_alone() {
             MemberOutcome::Duplicate => "duplicate",
             MemberOutcome::Conflict(_) => "conflict",
             MemberOutcome::Failed(_) => "failed",
+            MemberOutcome::Unclaimable(_) => "unclaimable",
         })
         .collect();
     assert_eq!(
@@ -443,6 +445,7 @@ fn member_of_event(id: Uuid, fingerprint: Fingerprint, label: &'static str) -> M
     Member {
         message_id: id,
         fingerprint: Some(fingerprint),
+        carried: Default::default(),
         work: Box::new(move |tx| Box::pin(insert_effect(tx, id, label))),
     }
 }
@@ -456,6 +459,7 @@ pub(crate) fn kinds(outcomes: &[MemberOutcome<()>]) -> Vec<&'static str> {
             MemberOutcome::Duplicate => "duplicate",
             MemberOutcome::Conflict(_) => "conflict",
             MemberOutcome::Failed(_) => "failed",
+            MemberOutcome::Unclaimable(_) => "unclaimable",
         })
         .collect()
 }

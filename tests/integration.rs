@@ -31,6 +31,7 @@ mod limits;
 mod metrics;
 mod migrate;
 mod outage;
+mod partitioned_inbox;
 mod partitions;
 mod pgbouncer;
 mod rabbit_restart;

@@ -16,8 +16,8 @@ use inboxctl::cli::ConnectOpts;
 use inboxctl::consumer::{self, Config, WorkGuard};
 use inboxctl::db::is_transient;
 use inboxctl::inbox::{
-    ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, TogetherWork,
-    Work, WorkError,
+    Carried, ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError,
+    TogetherWork, Work, WorkError,
 };
 use inboxctl::parcel::Kind;
 use sqlx::Connection as _;
@@ -180,6 +180,7 @@ impl WorkGuard for Plain {
         &self,
         message_id: Uuid,
         _fingerprint: Option<Fingerprint>,
+        _carried: Carried,
         work: Work<()>,
     ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
         Box::pin(async move {

@@ -426,6 +426,7 @@ async fn claim_and_book_batch(inbox: &Inbox, n: u64, ids: IdKind) -> Result<()> 
         .map(|r| Member {
             message_id: r.message_id,
             fingerprint: Some(Fingerprint::from_bytes(*Uuid::new_v4().as_bytes())),
+            carried: Default::default(),
             work: Box::new(|_| {
                 Box::pin(async { Err(WorkError::msg("the ceiling books together")) })
             }),
@@ -445,6 +446,7 @@ async fn claim_and_book_batch(inbox: &Inbox, n: u64, ids: IdKind) -> Result<()> 
             Err(e.into())
         }
         Err(ProcessError::Failed(other)) => Err(std::io::Error::other(other.to_string()).into()),
+        Err(ProcessError::Unclaimable(reason)) => Err(std::io::Error::other(reason).into()),
     }
 }
 
@@ -471,5 +473,6 @@ async fn claim_and_book(inbox: &Inbox, ids: IdKind) -> Result<()> {
             Err(e.into())
         }
         Err(ProcessError::Failed(other)) => Err(std::io::Error::other(other.to_string()).into()),
+        Err(ProcessError::Unclaimable(reason)) => Err(std::io::Error::other(reason).into()),
     }
 }

@@ -268,6 +268,10 @@ pub struct HostInfo {
     pub framework_version: String,
     pub mass_transit_version: Option<String>,
     pub operating_system_version: String,
+    /// The bus this process publishes as: a temporary endpoint of its own, in the envelope's `sourceAddress` (not
+    /// part of `host`).
+    #[serde(skip, default = "Uuid::new_v4")]
+    pub bus_id: Uuid,
 }
 
 impl HostInfo {
@@ -275,6 +279,7 @@ impl HostInfo {
     pub fn current() -> Self {
         Self {
             machine_name: machine_name(),
+            bus_id: Uuid::new_v4(),
             process_name: "inboxctl".to_owned(),
             process_id: std::process::id(),
             assembly: "inboxctl".to_owned(),

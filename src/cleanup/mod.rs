@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use crate::db::{self, Database, schema};
 use crate::error::Result;
 
+pub mod partitions;
 pub mod window;
 
 pub use window::{Guard, Refusal};
@@ -76,6 +77,9 @@ pub struct Report {
     pub audit_deleted: u64,
     /// Consumer_types left alone to keep the deduplication window of a waiting replay.
     pub refused: u64,
+    /// A partitioned inbox: the partitions made ahead, and those dropped whole (their rows not counted in `deleted`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<partitions::PartitionWork>,
     pub seconds: f64,
     pub rows_per_second: f64,
 }
@@ -178,6 +182,15 @@ fn audit_entry(plan: &Plan, report: &Result<Report>) -> crate::audit::Entry {
                 ),
             ),
             ("refused", serde_json::json!(refused)),
+            (
+                "partitions_dropped",
+                serde_json::json!(r.partitions.as_ref().map(|p| {
+                    p.dropped
+                        .iter()
+                        .map(|d| d.partition.as_str())
+                        .collect::<Vec<_>>()
+                })),
+            ),
         ] {
             map.insert(key.to_owned(), value);
         }
@@ -213,21 +226,44 @@ pub async fn run(
     let mut interrupted = false;
     let mut attempts_deleted = 0;
     let mut audit_deleted = 0;
+    let partitions;
     if plan.dry_run {
+        let cleanable = consumers
+            .iter()
+            .filter(|c| c.refused.is_none())
+            .map(|c| c.consumer_type.clone())
+            .collect();
+        partitions = partitions::maintain(pool, cutoff, &cleanable, true).await?;
         count_what_would_go(pool, &mut consumers, cutoff).await?;
     } else {
         let (lock, mine) = take_locks(pool, &mut consumers).await?;
-        let result = delete_in_turns(
-            pool,
-            plan,
-            cutoff,
-            &mut consumers,
-            &mine,
-            shutdown,
-            &mut progress,
-            started,
-        )
-        .await;
+        let cleanable = mine
+            .iter()
+            .map(|&i| consumers[i].consumer_type.clone())
+            .collect();
+        let maintained = partitions::maintain(pool, cutoff, &cleanable, false).await;
+        let result = match maintained {
+            Ok(work) => {
+                let partitioned = work.is_some();
+                partitions = work;
+                delete_in_turns(
+                    pool,
+                    plan,
+                    cutoff,
+                    &mut consumers,
+                    &mine,
+                    shutdown,
+                    &mut progress,
+                    started,
+                    partitioned,
+                )
+                .await
+            }
+            Err(e) => {
+                partitions = None;
+                Err(e)
+            }
+        };
         if let Some(mut lock) = lock
             && db::cleanup::unlock_all(&mut *lock).await.is_err()
         {
@@ -251,6 +287,7 @@ pub async fn run(
         attempts_deleted,
         audit_deleted,
         refused: consumers.iter().filter(|c| c.refused.is_some()).count() as u64,
+        partitions,
         consumers,
         deleted,
         seconds,
@@ -301,19 +338,21 @@ async fn one_batch(
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
+    partitioned: bool,
 ) -> Result<Option<u64>> {
-    let rows = if phase == 0 {
-        db::cleanup::Rows::Processed
-    } else {
-        db::cleanup::Rows::Events
+    let rows = match (phase, partitioned) {
+        (0, false) => db::cleanup::Rows::Processed,
+        (0, true) => db::cleanup::Rows::ProcessedPartitioned,
+        _ => db::cleanup::Rows::Events,
     };
     if db::pooler::active() {
         let batch = db::cleanup::delete_batch_locked(pool, rows, consumer_type, cutoff, limit);
         return Ok(batch.await?);
     }
     Ok(Some(match rows {
-        db::cleanup::Rows::Processed => {
-            db::cleanup::delete_processed_batch(pool, consumer_type, cutoff, limit).await?
+        db::cleanup::Rows::Processed | db::cleanup::Rows::ProcessedPartitioned => {
+            db::cleanup::delete_processed_batch(pool, consumer_type, cutoff, limit, partitioned)
+                .await?
         }
         db::cleanup::Rows::Events => {
             db::cleanup::delete_events_batch(pool, consumer_type, cutoff, limit).await?
@@ -372,6 +411,7 @@ async fn delete_in_turns(
     shutdown: &CancellationToken,
     progress: &mut impl FnMut(Progress<'_>),
     started: Instant,
+    partitioned: bool,
 ) -> Result<bool> {
     // Per consumer_type: 0 deletes inbox rows, 1 event rows, 2 is done.
     let mut phase = vec![0u8; consumers.len()];
@@ -388,7 +428,9 @@ async fn delete_in_turns(
             }
             let report = &mut consumers[i];
             let (consumer_type, limit) = (&report.consumer_type, plan.batch_size);
-            let Some(batch) = one_batch(pool, phase[i], consumer_type, cutoff, limit).await? else {
+            let Some(batch) =
+                one_batch(pool, phase[i], consumer_type, cutoff, limit, partitioned).await?
+            else {
                 // Another cleanup is deleting from it: left to that one from here on.
                 report.busy = true;
                 phase[i] = 2;

@@ -203,6 +203,15 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
         ]);
     }
     output::line(&t.to_string())?;
+    if let Some(p) = &report.partitions {
+        for kept in &p.kept {
+            output::line(&format!(
+                "partition {} kept: {}",
+                sanitize::text(&kept.partition),
+                sanitize::text(&kept.why)
+            ))?;
+        }
+    }
     let mut summary = format!(
         "cutoff {} (retention {window}): {verb} {} rows and {} events",
         report.cutoff.format("%Y-%m-%d %H:%M:%S UTC"),
@@ -213,6 +222,20 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
         summary.push_str(&format!(
             " in {:.1}s ({:.0} rows/s)",
             report.seconds, report.rows_per_second
+        ));
+    }
+    if let Some(p) = &report.partitions {
+        let dropped = if report.dry_run {
+            "would drop"
+        } else {
+            "dropped"
+        };
+        summary.push_str(&format!(
+            "; partitions: {dropped} {} (~{} rows), kept {} older than the cutoff, created {} ahead",
+            p.dropped.len(),
+            p.rows_dropped(),
+            p.kept.len(),
+            p.created.len()
         ));
     }
     if report.audit_deleted > 0 {

@@ -1,8 +1,10 @@
 //! `inboxctl migrate`: creates the database if needed, checks an existing `inbox_messages`, applies what is pending.
 
-use crate::cli::GlobalOpts;
+use crate::cli::{GlobalOpts, duration_between};
+use crate::db::partitions::{self, Settings};
 use crate::db::schema::{self, MigrateReport};
 use crate::error::{Outcome, Result};
+use crate::inbox::TimeSource;
 use crate::{audit, output};
 
 #[derive(Debug, clap::Args)]
@@ -11,14 +13,50 @@ pub struct Args {
     #[arg(long)]
     pub dry_run: bool,
 
+    /// Partition inbox_messages by range, one partition per this interval (1h to 31d), on a time every copy of a
+    /// message carries (--partition-time), so that cleanup drops whole partitions instead of deleting rows. An existing
+    /// inbox_messages is converted in place: its rows are not copied, and consumers go on (docs/scaling.md)
+    #[arg(long, value_name = "INTERVAL",
+          value_parser = duration_between(std::time::Duration::from_secs(3600), std::time::Duration::from_secs(31 * 86400)))]
+    pub partitioned: Option<std::time::Duration>,
+
+    /// The time a partitioned inbox keys each message on: one that every copy of it carries. Chosen once: it cannot
+    /// be changed afterwards
+    #[arg(long, value_enum, default_value_t = TimeSource::Id, requires = "partitioned")]
+    pub partition_time: TimeSource,
+
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
 }
 
+/// `--partition-time id|sent-time|timestamp`.
+impl clap::ValueEnum for TimeSource {
+    fn value_variants<'a>() -> &'a [Self] {
+        &TimeSource::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        let help = match self {
+            TimeSource::Id => {
+                "The time inside the message id: UUIDv7, else MassTransit's NewId (what MassTransit sends)"
+            }
+            TimeSource::SentTime => {
+                "The envelope's sentTime, else the AMQP timestamp: for ids without a time (random v4)"
+            }
+            TimeSource::Timestamp => "The AMQP timestamp property",
+        };
+        Some(clap::builder::PossibleValue::new(self.name()).help(help))
+    }
+}
+
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let db = global.connect.database()?;
-    let report = schema::migrate(&db, args.dry_run).await;
+    let partitioning = args.partitioned.map(|interval| Settings {
+        interval: chrono::TimeDelta::from_std(interval).unwrap_or(partitions::MIN_INTERVAL),
+        source: args.partition_time,
+    });
+    let report = schema::migrate_partitioned(&db, args.dry_run, partitioning).await;
     if !args.dry_run {
         let details = match &report {
             Ok(r) => serde_json::json!({
@@ -26,6 +64,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
                 "database_created": r.database_created,
                 "adopted_existing_inbox": r.adopted_existing_inbox,
                 "applied": r.migrations.iter().map(|m| m.version).collect::<Vec<_>>(),
+                "partitioning": r.partitioning,
             }),
             Err(_) => serde_json::json!({ "database": db.name() }),
         };
@@ -59,6 +98,9 @@ fn print(report: &MigrateReport) -> Result<()> {
     if report.migrations.is_empty() {
         output::line(&format!("database {db}: up to date, nothing to apply"))?;
     }
+    if let Some(p) = &report.partitioning {
+        print_partitioning(db, p, report.dry_run)?;
+    }
     for m in &report.migrations {
         let outside = if m.no_transaction {
             " (outside a transaction)"
@@ -73,4 +115,28 @@ fn print(report: &MigrateReport) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_partitioning(db: &str, p: &partitions::PartitionReport, dry_run: bool) -> Result<()> {
+    let Some(settings) = p.settings else {
+        return Ok(());
+    };
+    let every = humantime::format_duration(settings.interval.to_std().unwrap_or_default());
+    let how = format!(
+        "partitioned every {every} on {}",
+        settings.source.describe()
+    );
+    if dry_run {
+        return output::line(&format!("database {db}: inbox_messages would be {how}"));
+    }
+    if p.converted {
+        output::line(&format!(
+            "database {db}: inbox_messages converted in place: its rows are now partition {}, below every time",
+            partitions::UNTIMED
+        ))?;
+    }
+    output::line(&format!(
+        "database {db}: inbox_messages is {how}; {} partitions created",
+        p.created.len()
+    ))
 }

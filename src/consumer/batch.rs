@@ -20,7 +20,7 @@ use tokio::task::JoinSet;
 use super::acks::ack_all;
 use super::dispatch::{
     Access, Disposition, Prepared, Ready, attempts, conflict, context, database_back,
-    database_gone, duplicate, failed, prepare, processed, settle, settle_acker,
+    database_gone, duplicate, failed, prepare, processed, settle, settle_acker, unclaimable,
 };
 use super::run::Link;
 use super::{
@@ -180,6 +180,9 @@ async fn settle_outcomes<C: Consumer>(
                 Disposition::Ack
             }
             MemberOutcome::Conflict(c) => conflict(shared, &link, &delivery, &ready, c).await,
+            MemberOutcome::Unclaimable(reason) => {
+                unclaimable(shared, &link, &delivery, &ready, &reason).await
+            }
             MemberOutcome::Failed(e) => {
                 let member = (delivery, link, ready);
                 retry_aside(shared, aside, member, error_chain(&e), started);
@@ -249,6 +252,7 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             .map(|(i, (_, _, ready))| Member {
                 message_id: ready.incoming.message_id,
                 fingerprint: Some(ready.fingerprint),
+                carried: ready.carried,
                 work: member_work(shared, &items, i),
             })
             .collect();
@@ -269,6 +273,13 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
                 if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
                     return Committed::Stopped;
                 }
+            }
+            Err(ProcessError::Unclaimable(reason)) => {
+                tracing::warn!(
+                    reason = %logged(&reason),
+                    "batch could not be claimed; processing its messages one by one"
+                );
+                return Committed::OneByOne;
             }
             Err(ProcessError::Failed(e)) => {
                 tracing::warn!(

@@ -23,7 +23,7 @@ use super::{
 use crate::amqp::envelope::{self, Incoming};
 use crate::backoff::Backoff;
 use crate::failpoint;
-use crate::inbox::{Conflict, Fingerprint, Outcome, ProcessError, Work};
+use crate::inbox::{Carried, Conflict, Fingerprint, Outcome, ProcessError, Work};
 
 /// What to do with a delivery once its handling ended.
 pub(super) enum Disposition {
@@ -150,6 +150,8 @@ pub(super) struct Ready<M> {
     pub(super) message: M,
     pub(super) message_type: Option<String>,
     pub(super) fingerprint: Fingerprint,
+    /// The times it carries besides its id (a partitioned inbox keys it on one of them).
+    pub(super) carried: Carried,
 }
 
 pub(super) enum Prepared<M> {
@@ -199,6 +201,13 @@ pub(super) async fn prepare<C: Consumer>(
     match serde_json::from_str(incoming.payload.get()) {
         Ok(message) => Prepared::Ready(Ready {
             fingerprint: envelope::fingerprint(&incoming.payload),
+            carried: Carried {
+                sent_time: incoming.sent_time,
+                timestamp: delivery
+                    .properties
+                    .timestamp()
+                    .and_then(|t| chrono::DateTime::from_timestamp(i64::try_from(t).ok()?, 0)),
+            },
             incoming,
             message,
             message_type,
@@ -313,6 +322,7 @@ pub(super) async fn attempts<C: Consumer>(
             let work = shared.inbox.process_event(
                 id,
                 Some(ready.fingerprint),
+                ready.carried,
                 work(shared, delivery, ready, attempt),
             );
             AssertUnwindSafe(work).catch_unwind().await
@@ -340,6 +350,9 @@ pub(super) async fn attempts<C: Consumer>(
                 continue;
             }
             Ok(Err(ProcessError::Failed(e))) => error_chain(&e),
+            Ok(Err(ProcessError::Unclaimable(reason))) => {
+                return unclaimable(shared, link, delivery, ready, &reason).await;
+            }
             Err(panic) => format!("panicked: {}", panic_message(&*panic)),
         };
         if let Some(disposition) = failed(shared, link, delivery, ready, attempt, failure).await {
@@ -398,6 +411,25 @@ pub(super) async fn failed<C: Consumer>(
     sleep_or_cancel(delay, &shared.shutdown)
         .await
         .then_some(Disposition::Requeue)
+}
+
+/// A message the inbox cannot claim (a partitioned inbox, and no usable time): never processed, moved to the error
+/// queue at once with the reason — retrying cannot give it a time.
+pub(super) async fn unclaimable<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    reason: &str,
+) -> Disposition {
+    tracing::warn!(
+        message_id = %ready.incoming.message_id,
+        reason = %logged(reason),
+        "the inbox cannot claim this message; moving it to the error queue"
+    );
+    let text = format!("the inbox cannot claim this message: {reason}");
+    let fault = ("inboxctl::UnclaimableMessage", text.clone(), text);
+    error_queue(shared, link, delivery, ready, &fault, 0).await
 }
 
 pub(super) fn processed<C: Consumer>(shared: &Shared<C>, id: Uuid) {

@@ -11,8 +11,8 @@ use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
 use crate::inbox::{
-    ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError, TogetherWork,
-    Work,
+    Carried, ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError,
+    TogetherWork, Work,
 };
 
 /// What guards a consumer's work on each message. The contract is [`Inbox::process_event`]'s and
@@ -30,6 +30,7 @@ pub trait WorkGuard: Send + Sync + 'static {
         &self,
         message_id: Uuid,
         fingerprint: Option<Fingerprint>,
+        carried: Carried,
         work: Work<()>,
     ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>>;
 
@@ -55,9 +56,12 @@ impl WorkGuard for Inbox {
         &self,
         message_id: Uuid,
         fingerprint: Option<Fingerprint>,
+        carried: Carried,
         work: Work<()>,
     ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
-        Box::pin(Inbox::process_event(self, message_id, fingerprint, work))
+        Box::pin(async move {
+            Inbox::process_carried(self, message_id, fingerprint, &carried, work).await
+        })
     }
 
     fn process_batch(

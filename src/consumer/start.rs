@@ -16,7 +16,7 @@ use super::{ConsumerOptions, OnConflict, Partitions, RunCounts, RunSummary, Work
 use crate::amqp::{self, Broker, topology};
 use crate::db::{self, Database, schema};
 use crate::error::{Error, Result};
-use crate::inbox::{ConsumerType, Inbox};
+use crate::inbox::{ConsumerType, Inbox, Keying};
 use crate::metrics;
 use crate::parcel::{CarrierConsumer, Kind, NotificationConsumer, StandInCarrier, StandInSms};
 
@@ -143,7 +143,8 @@ pub async fn consume_guarded<G: WorkGuard>(
         check_privileges(&pool, db, config.consumer).await?;
         let counts = Arc::new(RunCounts::default());
         let mut inbox = Inbox::new(pool.clone(), consumer_type.clone())
-            .with_claim_timeout(db.lock_timeout_per_transaction(config.claim_timeout));
+            .with_claim_timeout(db.lock_timeout_per_transaction(config.claim_timeout))
+            .with_keying(keying(&pool, db).await?);
         let mut timings = None;
         if let Some(addr) = config.metrics_addr {
             let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));
@@ -289,6 +290,28 @@ async fn close_pool(pool: PgPool) {
             "PostgreSQL connections still busy after the stop; left to the server to roll back"
         );
     }
+}
+
+/// How the inbox keys messages, said when it is partitioned: which time each message is claimed on.
+async fn keying(pool: &PgPool, db: &Database) -> Result<Keying> {
+    let layout = db::partitions::layout(pool).await.map_err(|e| match e {
+        Error::SchemaIncompatible { differences, .. } => Error::SchemaIncompatible {
+            database: db.name(),
+            differences,
+        },
+        other => other,
+    })?;
+    let keying = layout.map_or(Keying::Plain, Keying::of);
+    if let Some(db::partitions::Layout::Partitioned(settings)) = layout {
+        tracing::info!(
+            every = %humantime::format_duration(settings.interval.to_std().unwrap_or_default()),
+            time = settings.source.name(),
+            "partitioned inbox: each message is claimed on {}; one that carries none, or whose time no partition \
+             holds, goes to the error queue with the reason",
+            settings.source.describe()
+        );
+    }
+    Ok(keying)
 }
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.

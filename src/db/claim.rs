@@ -4,6 +4,8 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
+
 use sqlx::postgres::{PgConnection, Postgres};
 use sqlx::{AssertSqlSafe, Connection as _, Transaction};
 use uuid::Uuid;
@@ -70,6 +72,83 @@ WITH m AS (
 )
 SELECT id FROM claim";
 
+    /// The claim on a partitioned inbox (`db::partitions`): the same, keyed on `(id, consumer_type, message_time)`
+    /// with the message's time, which routes the row to its partition, and the fingerprint kept in the inbox row
+    /// itself (dropped with its partition). A key's untimed row (written before the inbox was partitioned, or by a
+    /// service that sets no time) is its claim too: never inserted anew by a claim, so read, not waited on.
+    /// `$1` message id, `$2` consumer_type, `$3` fingerprint (null: unknown), `$4` the message's time.
+    pub const CLAIM_TIMED = "\
+WITH claim AS (
+    INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)
+    SELECT $1::uuid, $2::varchar, now(), now(), $4::timestamptz, $3::bytea
+    WHERE NOT EXISTS (SELECT 1 FROM inbox_messages
+                      WHERE id = $1 AND consumer_type = $2 AND message_time = '-infinity')
+    ON CONFLICT (id, consumer_type, message_time) DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM claim)";
+
+    /// `RECORD_COPY` on a partitioned inbox: the first fingerprint is the inbox row's, or, for a row from before the
+    /// inbox was partitioned, the one kept beside it then. `$1` message id, `$2` consumer_type, `$3` this copy's
+    /// fingerprint, `$4` the message's time.
+    const RECORD_COPY_TIMED = "\
+WITH first AS (
+    SELECT coalesce(
+               (SELECT fingerprint FROM inbox_messages
+                WHERE id = $1 AND consumer_type = $2 AND message_time IN ($4::timestamptz, '-infinity')
+                  AND fingerprint IS NOT NULL
+                LIMIT 1),
+               (SELECT fingerprint FROM inboxctl_fingerprints WHERE id = $1 AND consumer_type = $2)) AS first,
+           $3::bytea AS this
+), event AS (
+    INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail)
+    SELECT $2,
+           CASE WHEN first <> this THEN 'conflict' ELSE 'duplicate' END,
+           $1,
+           CASE WHEN first <> this
+                THEN 'first event ' || encode(first, 'hex') || ', this one ' || encode(this, 'hex') END
+    FROM first
+)
+SELECT first FROM first";
+
+    /// `CLAIM_BATCH` on a partitioned inbox. `$4` the messages' times.
+    const CLAIM_BATCH_TIMED = "\
+WITH m AS (
+    SELECT id, NULLIF(fingerprint, ''::bytea) AS fingerprint, message_time, n
+    FROM unnest($1::uuid[], $3::bytea[], $4::timestamptz[]) WITH ORDINALITY AS m(id, fingerprint, message_time, n)
+), claim AS (
+    INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)
+    SELECT m.id, $2::varchar, now(), now(), m.message_time, m.fingerprint FROM m
+    WHERE NOT EXISTS (SELECT 1 FROM inbox_messages u
+                      WHERE u.id = m.id AND u.consumer_type = $2::varchar AND u.message_time = '-infinity')
+    ORDER BY n
+    ON CONFLICT (id, consumer_type, message_time) DO NOTHING
+    RETURNING id
+)
+SELECT id FROM claim";
+
+    /// `RECORD_BATCH_COPIES` on a partitioned inbox. `$4` the messages' times.
+    const RECORD_BATCH_COPIES_TIMED = "\
+WITH c AS (
+    SELECT m.id, NULLIF(m.fingerprint, ''::bytea) AS this,
+           coalesce(
+               (SELECT i.fingerprint FROM inbox_messages i
+                WHERE i.id = m.id AND i.consumer_type = $2 AND i.message_time IN (m.message_time, '-infinity')
+                  AND i.fingerprint IS NOT NULL
+                LIMIT 1),
+               (SELECT f.fingerprint FROM inboxctl_fingerprints f WHERE f.id = m.id AND f.consumer_type = $2)) AS first
+    FROM unnest($1::uuid[], $3::bytea[], $4::timestamptz[]) AS m(id, fingerprint, message_time)
+), event AS (
+    INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail)
+    SELECT $2,
+           CASE WHEN first <> this THEN 'conflict' ELSE 'duplicate' END,
+           id,
+           CASE WHEN first <> this
+                THEN 'first event ' || encode(first, 'hex') || ', this one ' || encode(this, 'hex') END
+    FROM c
+)
+SELECT id, first FROM c";
+
     /// `RECORD_COPY` for the members of a batch whose keys a committed claim held. Returns each id with the
     /// fingerprint it was claimed with. `$1` message ids, `$2` consumer_type, `$3` their fingerprints (empty: unknown).
     const RECORD_BATCH_COPIES = "\
@@ -121,84 +200,134 @@ pub async fn begin(
     }
 }
 
-/// One key of a batch: a message id and its event's fingerprint, if known.
+/// One message's key: its id, its event's fingerprint if known, and on a partitioned inbox its time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Key {
     pub message_id: Uuid,
     pub fingerprint: Option<Fingerprint>,
+    /// The time the partitioned inbox keys the message on; `None` on an unpartitioned inbox.
+    pub time: Option<DateTime<Utc>>,
 }
 
-/// Claims `(message_id, consumer_type)` and keeps `fingerprint` beside it (`CLAIM`); `false`: a committed claim
-/// holds the key (after waiting for an uncommitted one to end).
+/// Claims `(message_id, consumer_type)` — on a partitioned inbox with the key's time — and keeps the fingerprint
+/// beside it (`CLAIM`, `CLAIM_TIMED`); `false`: a committed claim holds the key (after waiting for an uncommitted one
+/// to end).
 pub async fn claim(
     conn: &mut PgConnection,
-    message_id: Uuid,
+    key: &Key,
     consumer_type: &ConsumerType,
-    fingerprint: Option<&Fingerprint>,
 ) -> sqlx::Result<bool> {
-    unit!(conn, |conn| sql::query_scalar(CLAIM)
-        .bind(message_id)
+    let statement = if key.time.is_some() {
+        CLAIM_TIMED
+    } else {
+        CLAIM
+    };
+    let query = sql::query_scalar(statement)
+        .bind(key.message_id)
         .bind(consumer_type.as_str())
-        .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-        .fetch_one(conn))
+        .bind(key.fingerprint.map(|f| f.as_bytes().to_vec()));
+    let query = match key.time {
+        Some(time) => query.bind(time),
+        None => query,
+    };
+    unit!(conn, |conn| query.fetch_one(conn))
 }
 
-/// Records a copy whose key a committed claim holds (`RECORD_COPY`); returns the fingerprint the key was claimed
-/// with, if known.
+/// Records a copy whose key a committed claim holds (`RECORD_COPY`, `RECORD_COPY_TIMED`); returns the fingerprint
+/// the key was claimed with, if known.
 pub async fn record_copy(
     conn: &mut PgConnection,
-    message_id: Uuid,
+    key: &Key,
     consumer_type: &ConsumerType,
-    fingerprint: Option<&Fingerprint>,
 ) -> sqlx::Result<Option<Fingerprint>> {
-    let first: Option<Vec<u8>> = unit!(conn, |conn| sql::query_scalar(RECORD_COPY)
-        .bind(message_id)
+    let statement = if key.time.is_some() {
+        RECORD_COPY_TIMED
+    } else {
+        RECORD_COPY
+    };
+    let query = sql::query_scalar(statement)
+        .bind(key.message_id)
         .bind(consumer_type.as_str())
-        .bind(fingerprint.map(|f| f.as_bytes().as_slice()))
-        .fetch_one(conn))?;
+        .bind(key.fingerprint.map(|f| f.as_bytes().to_vec()));
+    let query = match key.time {
+        Some(time) => query.bind(time),
+        None => query,
+    };
+    let first: Option<Vec<u8>> = unit!(conn, |conn| query.fetch_one(conn))?;
     Ok(first.as_deref().and_then(Fingerprint::from_slice))
 }
 
-/// Ids and fingerprints as the batch statements take them: two arrays, an unknown fingerprint as an empty one.
-fn arrays(keys: &[Key]) -> (Vec<Uuid>, Vec<Vec<u8>>) {
-    keys.iter()
-        .map(|k| {
-            let fingerprint = k.fingerprint.map(|f| f.as_bytes().to_vec());
-            (k.message_id, fingerprint.unwrap_or_default())
-        })
-        .unzip()
+/// A batch's keys as the batch statements take them: arrays of ids, fingerprints (unknown: empty) and, on a
+/// partitioned inbox, times.
+struct Arrays {
+    ids: Vec<Uuid>,
+    fingerprints: Vec<Vec<u8>>,
+    times: Option<Vec<DateTime<Utc>>>,
 }
 
-/// Claims every key of a batch in one statement, in the order of `keys` (`CLAIM_BATCH`); returns the ids claimed.
+fn arrays(keys: &[Key]) -> Arrays {
+    let times: Option<Vec<DateTime<Utc>>> = keys.iter().map(|k| k.time).collect();
+    Arrays {
+        ids: keys.iter().map(|k| k.message_id).collect(),
+        fingerprints: keys
+            .iter()
+            .map(|k| {
+                k.fingerprint
+                    .map(|f| f.as_bytes().to_vec())
+                    .unwrap_or_default()
+            })
+            .collect(),
+        times: times.filter(|_| keys.first().is_some_and(|k| k.time.is_some())),
+    }
+}
+
+/// Claims every key of a batch in one statement, in the order of `keys` (`CLAIM_BATCH`, `CLAIM_BATCH_TIMED`);
+/// returns the ids claimed. The keys are all timed (a partitioned inbox) or none.
 pub async fn claim_batch(
     conn: &mut PgConnection,
     keys: &[Key],
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<HashSet<Uuid>> {
-    let (ids, fingerprints) = arrays(keys);
-    Ok(unit!(conn, |conn| sql::query_scalar(CLAIM_BATCH)
-        .bind(&ids)
+    let a = arrays(keys);
+    let statement = if a.times.is_some() {
+        CLAIM_BATCH_TIMED
+    } else {
+        CLAIM_BATCH
+    };
+    let query = sql::query_scalar(statement)
+        .bind(a.ids)
         .bind(consumer_type.as_str())
-        .bind(&fingerprints)
-        .fetch_all(conn))?
-    .into_iter()
-    .collect())
+        .bind(a.fingerprints);
+    let query = match a.times {
+        Some(times) => query.bind(times),
+        None => query,
+    };
+    let claimed: Vec<Uuid> = unit!(conn, |conn| query.fetch_all(conn))?;
+    Ok(claimed.into_iter().collect())
 }
 
-/// Records the members of a batch whose keys a committed claim held (`RECORD_BATCH_COPIES`); returns the
-/// fingerprint each was first claimed with, if known.
+/// Records the members of a batch whose keys a committed claim held (`RECORD_BATCH_COPIES`,
+/// `RECORD_BATCH_COPIES_TIMED`); returns the fingerprint each was first claimed with, if known.
 pub async fn record_batch_copies(
     conn: &mut PgConnection,
     copies: &[Key],
     consumer_type: &ConsumerType,
 ) -> sqlx::Result<HashMap<Uuid, Option<Fingerprint>>> {
-    let (ids, fingerprints) = arrays(copies);
-    let rows: Vec<(Uuid, Option<Vec<u8>>)> =
-        unit!(conn, |conn| sql::query_as(RECORD_BATCH_COPIES)
-            .bind(&ids)
-            .bind(consumer_type.as_str())
-            .bind(&fingerprints)
-            .fetch_all(conn))?;
+    let a = arrays(copies);
+    let statement = if a.times.is_some() {
+        RECORD_BATCH_COPIES_TIMED
+    } else {
+        RECORD_BATCH_COPIES
+    };
+    let query = sql::query_as(statement)
+        .bind(a.ids)
+        .bind(consumer_type.as_str())
+        .bind(a.fingerprints);
+    let query = match a.times {
+        Some(times) => query.bind(times),
+        None => query,
+    };
+    let rows: Vec<(Uuid, Option<Vec<u8>>)> = unit!(conn, |conn| query.fetch_all(conn))?;
     Ok(rows
         .into_iter()
         .map(|(id, first)| (id, first.as_deref().and_then(Fingerprint::from_slice)))

@@ -48,6 +48,19 @@ WITH batch AS (
 )
 DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch))";
 
+    /// `DELETE_PROCESSED_BATCH` on a partitioned inbox, where a tuple id names a row only within its partition: the
+    /// batch's rows are deleted by their key, each found in its partition through its key's time.
+    const DELETE_PROCESSED_BATCH_TIMED = "\
+WITH batch AS (
+    SELECT id, message_time FROM inbox_messages
+    WHERE consumer_type = $1 AND processed_at < $2
+    LIMIT $3
+), fingerprints AS (
+    DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = batch.id
+)
+DELETE FROM inbox_messages i USING batch
+WHERE i.id = batch.id AND i.consumer_type = $1 AND i.message_time = batch.message_time";
+
     /// The same for inboxctl's own event rows.
     const DELETE_EVENTS_BATCH = "\
 DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
@@ -174,6 +187,8 @@ pub async fn unlock_all(executor: impl Into<Exec<'_>>) -> sqlx::Result<()> {
 pub enum Rows {
     /// Processed inbox rows, with their fingerprints (`DELETE_PROCESSED_BATCH`).
     Processed,
+    /// The same on a partitioned inbox (`DELETE_PROCESSED_BATCH_TIMED`).
+    ProcessedPartitioned,
     /// inboxctl's own event rows (`DELETE_EVENTS_BATCH`).
     Events,
 }
@@ -199,6 +214,7 @@ pub async fn delete_batch_locked(
     }
     let statement = match rows {
         Rows::Processed => DELETE_PROCESSED_BATCH,
+        Rows::ProcessedPartitioned => DELETE_PROCESSED_BATCH_TIMED,
         Rows::Events => DELETE_EVENTS_BATCH,
     };
     let deleted = delete_batch(&mut *tx, statement, consumer_type, cutoff, limit).await?;
@@ -206,22 +222,21 @@ pub async fn delete_batch_locked(
     Ok(Some(deleted))
 }
 
-/// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`);
-/// returns the rows deleted.
+/// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`, or
+/// on a partitioned inbox `DELETE_PROCESSED_BATCH_TIMED`); returns the rows deleted.
 pub async fn delete_processed_batch(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
+    partitioned: bool,
 ) -> sqlx::Result<u64> {
-    delete_batch(
-        executor,
-        DELETE_PROCESSED_BATCH,
-        consumer_type,
-        cutoff,
-        limit,
-    )
-    .await
+    let statement = if partitioned {
+        DELETE_PROCESSED_BATCH_TIMED
+    } else {
+        DELETE_PROCESSED_BATCH
+    };
+    delete_batch(executor, statement, consumer_type, cutoff, limit).await
 }
 
 /// Deletes at most `limit` event rows older than `cutoff` (`DELETE_EVENTS_BATCH`); returns the rows deleted.

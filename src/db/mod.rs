@@ -42,6 +42,7 @@ pub mod effects;
 pub mod events;
 mod exec;
 pub mod grants;
+pub mod partitions;
 pub mod pooler;
 pub mod schema;
 pub mod sql;
@@ -381,7 +382,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 12] = [
+    let areas: [(&str, &[(&str, &str)]); 13] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -390,6 +391,7 @@ pub fn statements() -> Vec<Statement> {
         ("effects", effects::STATEMENTS),
         ("events", events::STATEMENTS),
         ("grants", grants::STATEMENTS),
+        ("partitions", partitions::STATEMENTS),
         ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("stats", stats::STATEMENTS),
@@ -405,6 +407,7 @@ pub fn statements() -> Vec<Statement> {
     let built = [
         ("schema", schema::built_statements(), false),
         ("pooler", pooler::built_statements(), false),
+        ("partitions", partitions::built_statements(), false),
         ("claim", claim::built_statements(), true),
     ]
     .into_iter()

@@ -118,11 +118,24 @@ pub struct MigrateReport {
     /// Applied by this run (or, with `dry_run`, pending).
     pub migrations: Vec<MigrationInfo>,
     pub dry_run: bool,
+    /// `--partitioned`: what was done to partition the inbox (with `dry_run`: nothing yet; the settings only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitioning: Option<super::partitions::PartitionReport>,
 }
 
 /// Creates the database if needed and applies the pending migrations; with `dry_run`, reports what that would do and
 /// changes nothing. An incompatible `inbox_messages` stops it before anything is changed.
 pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
+    migrate_partitioned(db, dry_run, None).await
+}
+
+/// [`migrate`], and then, with `partitioning`, the inbox partitioned with those settings (see
+/// [`super::partitions::partition`]).
+pub async fn migrate_partitioned(
+    db: &Database,
+    dry_run: bool,
+    partitioning: Option<super::partitions::Settings>,
+) -> Result<MigrateReport> {
     if db.transaction_pooling() {
         return Err(Error::Usage(
             "migrate needs a session of its own, which a transaction pooler does not keep: it holds an advisory lock \
@@ -143,6 +156,7 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
             adopted_existing_inbox: false,
             migrations: migrator.iter().map(info).collect(),
             dry_run,
+            partitioning: partitioning.map(planned),
         });
     }
     let created = !exists && create_database(db, &database).await?;
@@ -160,7 +174,22 @@ pub async fn migrate(db: &Database, dry_run: bool) -> Result<MigrateReport> {
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let result = migrate_locked(&mut conn, &migrator, &database, dry_run).await;
+    let result = match migrate_locked(&mut conn, &migrator, &database, dry_run).await {
+        Ok(mut report) => match partitioning {
+            Some(settings) if dry_run => {
+                report.partitioning = Some(planned(settings));
+                Ok(report)
+            }
+            Some(settings) => super::partitions::partition(&mut conn, settings)
+                .await
+                .map(|done| {
+                    report.partitioning = Some(done);
+                    report
+                }),
+            None => Ok(report),
+        },
+        Err(e) => Err(e),
+    };
     // The lock is released with the connection too; unlocking explicitly just frees it sooner.
     let _ = sql::query(MIGRATE_UNLOCK)
         .bind(MIGRATE_LOCK_KEY)
@@ -215,7 +244,16 @@ async fn migrate_locked(
         adopted_existing_inbox,
         migrations: pending,
         dry_run,
+        partitioning: None,
     })
+}
+
+/// What a dry run says of `--partitioned`: the settings, nothing done.
+fn planned(settings: super::partitions::Settings) -> super::partitions::PartitionReport {
+    super::partitions::PartitionReport {
+        settings: Some(settings),
+        ..Default::default()
+    }
 }
 
 async fn drop_invalid_indexes(conn: &mut PgConnection) -> Result<()> {
@@ -338,6 +376,16 @@ pub async fn inbox_differences(conn: &mut PgConnection) -> Result<Vec<String>> {
     Ok(compare_inbox(&columns, key.as_ref()))
 }
 
+/// The name of `inbox_messages`' primary key, if it has one.
+pub async fn inbox_primary_key(conn: &mut PgConnection) -> Result<Option<String>> {
+    let mut unit = Unit::of(conn).await?;
+    let key = sql::query_as(INBOX_PRIMARY_KEY)
+        .fetch_optional(unit.conn())
+        .await;
+    let key: Option<(String, Vec<String>)> = unit.end(key).await?;
+    Ok(key.map(|(name, _)| name))
+}
+
 const EXPECTED_COLUMNS: [(&str, &str); 4] = [
     ("id", "uuid"),
     ("consumer_type", "character varying(500)"),
@@ -373,7 +421,10 @@ fn compare_inbox(
         Some((name, key_columns)) => {
             let mut sorted = key_columns.clone();
             sorted.sort();
-            if sorted != ["consumer_type", "id"] {
+            // A partitioned inbox (`migrate --partitioned`) has the partitioning time in its key too.
+            if sorted != ["consumer_type", "id"]
+                && sorted != ["consumer_type", "id", "message_time"]
+            {
                 differences.push(format!(
                     "primary key {name} is on ({}), expected (id, consumer_type)",
                     key_columns.join(", ")

@@ -27,16 +27,28 @@ SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
 SELECT consumer_type::text, (to_jsonb(c) ->> 'partitions')::int FROM inboxctl_consumers c
 WHERE to_jsonb(c) ->> 'partitions' IS NOT NULL";
 
-    /// The planner's statistics of the inbox: total rows, rows of the unprocessed index, and the most common
-    /// consumer_types with their frequencies (nothing is counted).
+    /// The planner's statistics of the inbox, one row per table holding its rows — the table itself, or each
+    /// partition of a partitioned inbox: rows, rows of the unprocessed index, and the most common consumer_types with
+    /// their frequencies (nothing is counted).
     pub const INBOX_ESTIMATES = "\
-SELECT c.reltuples::float8,
-       (SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass('ix_inbox_messages_unprocessed')),
+WITH parts AS (
+    SELECT c.oid, c.relname, c.relnamespace, c.reltuples FROM pg_class c
+    WHERE c.oid = to_regclass('inbox_messages') AND c.relkind <> 'p'
+    UNION ALL
+    SELECT c.oid, c.relname, c.relnamespace, c.reltuples
+    FROM pg_partition_tree(to_regclass('inbox_messages')) t JOIN pg_class c ON c.oid = t.relid
+    WHERE t.isleaf AND t.level > 0
+)
+SELECT p.reltuples::float8,
+       (SELECT ic.reltuples::float8 FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid
+        WHERE i.indrelid = p.oid
+          AND (i.indexrelid = to_regclass('ix_inbox_messages_unprocessed')
+               OR i.indexrelid IN (SELECT relid FROM pg_partition_tree(to_regclass('ix_inbox_messages_unprocessed'))))
+        LIMIT 1),
        s.most_common_vals::text::text[], s.most_common_freqs, s.null_frac, s.n_distinct
-FROM pg_class c
-LEFT JOIN pg_stats s ON s.schemaname = c.relnamespace::regnamespace::text
-                    AND s.tablename = 'inbox_messages' AND s.attname = 'consumer_type'
-WHERE c.oid = to_regclass('inbox_messages')";
+FROM parts p
+LEFT JOIN pg_stats s ON s.schemaname = p.relnamespace::regnamespace::text
+                    AND s.tablename = p.relname AND s.attname = 'consumer_type' AND NOT s.inherited";
 
     /// Rows of a consumer_type, counted through the index and never past `$2`. `$1` consumer_type.
     pub const COUNT_ROWS_CAPPED =
@@ -116,20 +128,24 @@ type EstimateRow = (
     Option<f32>,
 );
 
-/// The planner's statistics of the inbox; `None` when there is no `inbox_messages`.
-pub async fn estimates(executor: impl Into<Exec<'_>>) -> sqlx::Result<Option<Estimates>> {
-    let row: Option<EstimateRow> = unit!(executor, |conn| sql::query_as(INBOX_ESTIMATES)
-        .fetch_optional(conn))?;
-    Ok(row.map(
-        |(rows, unprocessed, common_values, common_freqs, null_frac, n_distinct)| Estimates {
-            rows,
-            unprocessed,
-            common_values,
-            common_freqs,
-            null_frac,
-            n_distinct,
-        },
-    ))
+/// The planner's statistics of the inbox, one for each table holding its rows (the table itself, or each partition of a
+/// partitioned inbox); empty when there is no `inbox_messages`.
+pub async fn estimates(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Estimates>> {
+    let rows: Vec<EstimateRow> = unit!(executor, |conn| sql::query_as(INBOX_ESTIMATES)
+        .fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(rows, unprocessed, common_values, common_freqs, null_frac, n_distinct)| Estimates {
+                rows,
+                unprocessed,
+                common_values,
+                common_freqs,
+                null_frac,
+                n_distinct,
+            },
+        )
+        .collect())
 }
 
 /// Rows of a consumer_type, counted up to `cap + 1` (more than `cap` means at least that many)

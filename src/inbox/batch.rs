@@ -9,7 +9,9 @@ use futures_util::future::BoxFuture;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
-use super::{Conflict, Fingerprint, Inbox, ProcessError, WorkError, commit_error, conflict};
+use super::{
+    Carried, Conflict, Fingerprint, Inbox, ProcessError, WorkError, commit_error, conflict,
+};
 use crate::db::{self, is_transient};
 use crate::failpoint;
 
@@ -34,6 +36,8 @@ pub struct Member<T> {
     pub message_id: Uuid,
     /// Its event's fingerprint, if known: kept with the claim, compared with later copies'.
     pub fingerprint: Option<Fingerprint>,
+    /// The times its delivery carries, one of which a partitioned inbox keys it on.
+    pub carried: Carried,
     pub work: MemberWork<T>,
 }
 
@@ -45,6 +49,8 @@ pub enum MemberOutcome<T> {
     Conflict(Conflict),
     /// Its work failed: the batch was done again without it; nothing of it committed.
     Failed(WorkError),
+    /// It cannot be claimed in this inbox (see [`ProcessError::Unclaimable`]): left out of the batch; nothing ran.
+    Unclaimable(String),
 }
 
 impl Inbox {
@@ -92,11 +98,25 @@ impl Inbox {
                 "a batch must not hold one message id twice",
             )));
         }
+        // Each member's key; one that cannot be claimed is left out of every round.
+        let mut keys: HashMap<Uuid, db::claim::Key> = HashMap::with_capacity(members.len());
+        let mut unclaimable: HashMap<Uuid, String> = HashMap::new();
+        for m in &members {
+            match self.key(m.message_id, m.fingerprint, &m.carried) {
+                Ok(key) => {
+                    keys.insert(m.message_id, key);
+                }
+                Err(ProcessError::Unclaimable(reason)) => {
+                    unclaimable.insert(m.message_id, reason);
+                }
+                Err(other) => return Err(other),
+            }
+        }
         // Members whose work failed, with the error: left out of every later round.
         let mut failed: HashMap<Uuid, WorkError> = HashMap::new();
         loop {
             let round = self
-                .batch_round(conn, &members, &failed, together.take())
+                .batch_round(conn, &members, &keys, &failed, together.take())
                 .await?;
             match round {
                 Round::Committed {
@@ -107,7 +127,9 @@ impl Inbox {
                     return Ok(members
                         .iter()
                         .map(|m| {
-                            if let Some(error) = failed.remove(&m.message_id) {
+                            if let Some(reason) = unclaimable.remove(&m.message_id) {
+                                MemberOutcome::Unclaimable(reason)
+                            } else if let Some(error) = failed.remove(&m.message_id) {
                                 MemberOutcome::Failed(error)
                             } else if claimed.contains(&m.message_id) {
                                 outputs
@@ -136,16 +158,14 @@ impl Inbox {
         &self,
         conn: &mut PgConnection,
         members: &[Member<T>],
+        all_keys: &HashMap<Uuid, db::claim::Key>,
         failed: &HashMap<Uuid, WorkError>,
         together: Option<TogetherWork<T>>,
     ) -> Result<Round<T>, ProcessError> {
         let mut keys: Vec<db::claim::Key> = members
             .iter()
             .filter(|m| !failed.contains_key(&m.message_id))
-            .map(|m| db::claim::Key {
-                message_id: m.message_id,
-                fingerprint: m.fingerprint,
-            })
+            .filter_map(|m| all_keys.get(&m.message_id).copied())
             .collect();
         keys.sort_unstable_by_key(|k| k.message_id);
         let mut tx = db::claim::begin(conn, self.claim_timeout)
@@ -155,9 +175,20 @@ impl Inbox {
         let claimed = if keys.is_empty() {
             HashSet::new()
         } else {
-            db::claim::claim_batch(&mut tx, &keys, &self.consumer_type)
-                .await
-                .map_err(ProcessError::Unavailable)?
+            match db::claim::claim_batch(&mut tx, &keys, &self.consumer_type).await {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return Err(match self.claim_error(e, &keys[0]).await {
+                        // Which member's time no partition holds, the statement does not say: one by one, it is
+                        // found and moved aside, and the others go on.
+                        ProcessError::Unclaimable(_) => ProcessError::Failed(WorkError::msg(
+                            "a member's time is in no partition of the inbox",
+                        )),
+                        other => other,
+                    });
+                }
+            }
         };
         self.claim_took(claim_started);
         let copies = self.record_batch_copies(&mut tx, &keys, &claimed).await?;

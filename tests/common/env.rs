@@ -68,9 +68,22 @@ impl TestEnv {
     pub async fn migrated() -> Self {
         let env = Self::bare().await;
         let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
-        inboxctl::db::schema::migrate(&db, false)
+        let partitioning = super::partitioning();
+        inboxctl::db::schema::migrate_partitioned(&db, false, partitioning)
             .await
             .expect("migrate");
+        if let Some(settings) = partitioning {
+            let mut conn = db.connect().await.unwrap();
+            let now = chrono::Utc::now();
+            inboxctl::db::partitions::ensure_partitions(
+                &mut conn,
+                settings,
+                now - chrono::TimeDelta::days(400),
+                now,
+            )
+            .await
+            .expect("partitions back");
+        }
         env
     }
 

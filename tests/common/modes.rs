@@ -24,8 +24,29 @@ pub fn on_quorum_queues() {
     let _ = QUEUE_TYPE.set(QueueType::Quorum);
 }
 
-/// Declares a test that runs `$body(mode)` once per mode, as `$name::one_by_one`, `$name::batched` and
-/// `$name::quorum`.
+/// Whether this test process's database has a partitioned inbox (each test runs in a process of its own).
+static PARTITIONED_INBOX: OnceLock<()> = OnceLock::new();
+
+/// Makes this test process's databases partitioned inboxes ([`partitioning`]).
+pub fn on_partitioned_inbox() {
+    let _ = PARTITIONED_INBOX.set(());
+}
+
+/// The partitioning of this test process's inboxes, if it runs on a partitioned one: on the time inside the message
+/// ids (what inboxctl publishes and MassTransit sends are NewIds; the tests' own are UUIDv7), a month a partition and
+/// a year and more of them back, so that the captured fixtures' ids (November 2026) find their partition for a
+/// year.
+pub fn partitioning() -> Option<inboxctl::db::partitions::Settings> {
+    PARTITIONED_INBOX
+        .get()
+        .map(|()| inboxctl::db::partitions::Settings {
+            interval: chrono::TimeDelta::days(31),
+            source: inboxctl::inbox::TimeSource::Id,
+        })
+}
+
+/// Declares a test that runs `$body(mode)` once per mode, as `$name::one_by_one`, `$name::batched`, `$name::quorum`
+/// and `$name::partitioned_inbox` (one by one, the inbox partitioned on the time inside the message ids).
 #[macro_export]
 macro_rules! in_both_modes {
     ($name:ident, $body:ident) => {
@@ -44,6 +65,12 @@ macro_rules! in_both_modes {
             async fn quorum() {
                 super::common::on_quorum_queues();
                 super::$body(super::common::QUORUM).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn partitioned_inbox() {
+                super::common::on_partitioned_inbox();
+                super::$body(super::common::ONE_BY_ONE).await;
             }
         }
     };

@@ -1,0 +1,185 @@
+//! Cleanup on a partitioned inbox (`migrate --partitioned`): partitions made ahead, and every partition wholly older
+//! than the cutoff — nothing unprocessed in it, nothing processed within the window, nothing of a consumer_type this
+//! run does not clean — detached without stopping the consumers (`DETACH PARTITION … CONCURRENTLY`) and dropped,
+//! instead of its rows deleted one batch at a time. What is left (the untimed partition, a partition kept for one of
+//! those reasons) goes through the batched delete as ever.
+
+use std::collections::HashSet;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sqlx::postgres::PgPool;
+
+use crate::db::{self, partitions::Layout};
+use crate::error::Result;
+
+/// What a cleanup did to the partitions of a partitioned inbox.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PartitionWork {
+    /// Partitions made ahead of time.
+    pub created: Vec<String>,
+    /// Partitions wholly older than the cutoff, dropped (with `dry_run`: that would be).
+    pub dropped: Vec<Dropped>,
+    /// Partitions wholly older than the cutoff and kept, with why; their old rows go by the batched delete.
+    pub kept: Vec<Kept>,
+    /// Tables a stopped drop had left detached, dropped now.
+    pub leftovers: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Dropped {
+    pub partition: String,
+    pub from: Option<DateTime<Utc>>,
+    pub to: Option<DateTime<Utc>>,
+    /// Its rows as the planner counted them at its last analyze (none: never analyzed): an estimate.
+    pub rows_estimated: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Kept {
+    pub partition: String,
+    pub why: String,
+}
+
+impl PartitionWork {
+    /// The rows the dropped partitions held, as estimated.
+    pub fn rows_dropped(&self) -> u64 {
+        self.dropped.iter().filter_map(|d| d.rows_estimated).sum()
+    }
+}
+
+/// Makes the partitions of the next days and drops the old ones `cleanable` allows (the consumer_types this run
+/// cleans); `None` when the inbox is not partitioned. With `dry_run`, changes nothing and says what it would drop.
+pub async fn maintain(
+    pool: &PgPool,
+    cutoff: DateTime<Utc>,
+    cleanable: &HashSet<String>,
+    dry_run: bool,
+) -> Result<Option<PartitionWork>> {
+    let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
+        return Ok(None);
+    };
+    let mut work = PartitionWork::default();
+    let mut conn = pool.acquire().await?;
+    if !dry_run {
+        work.leftovers = db::partitions::drop_leftovers(&mut conn).await?;
+        let now = Utc::now();
+        work.created = db::partitions::ensure_partitions(
+            &mut conn,
+            settings,
+            now,
+            now + db::partitions::AHEAD,
+        )
+        .await?;
+    }
+    for partition in db::partitions::partitions(&mut *conn).await? {
+        let (Some(from), Some(to)) = (partition.from, partition.to) else {
+            continue; // the untimed partition: its rows go by the batched delete
+        };
+        if to > cutoff {
+            break; // oldest first: the rest are younger
+        }
+        let contents = db::partitions::contents(&mut *conn, from, to).await?;
+        if let Some(why) = why_kept(&contents, cutoff, cleanable) {
+            work.kept.push(Kept {
+                partition: partition.name,
+                why,
+            });
+            continue;
+        }
+        let rows_estimated = db::partitions::rows_estimate(&mut *conn, &partition.name).await?;
+        if !dry_run && !db::partitions::detach_and_drop(&mut conn, &partition).await? {
+            continue; // another cleanup dropped it first
+        }
+        tracing::info!(partition = %partition.name, ?rows_estimated, dry_run, "dropped a partition older than the cutoff");
+        work.dropped.push(Dropped {
+            partition: partition.name,
+            from: Some(from),
+            to: Some(to),
+            rows_estimated,
+        });
+    }
+    Ok(Some(work))
+}
+
+/// Why a partition wholly older than the cutoff cannot go whole, if it cannot.
+fn why_kept(
+    contents: &db::partitions::Contents,
+    cutoff: DateTime<Utc>,
+    cleanable: &HashSet<String>,
+) -> Option<String> {
+    if contents.unprocessed {
+        return Some(
+            "it holds unprocessed rows (a consumer that never sets processed_at, or work in flight)".to_owned(),
+        );
+    }
+    for (consumer_type, newest) in &contents.consumer_types {
+        if !cleanable.contains(consumer_type) {
+            return Some(format!(
+                "it holds rows of consumer_type {consumer_type:?}, which this cleanup leaves (refused, busy or not \
+                 chosen)"
+            ));
+        }
+        if newest.is_some_and(|t| t >= cutoff) {
+            return Some(format!(
+                "rows of consumer_type {consumer_type:?} in it were processed within the window (late copies or \
+                 replays of old messages)"
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s)
+            .expect("time")
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn a_partition_goes_whole_only_when_every_row_of_it_may_go() {
+        let cutoff = t("2026-12-01T00:00:00Z");
+        let cleanable: HashSet<String> = ["a".to_owned(), "b".to_owned()].into();
+        let contents = |unprocessed, types: &[(&str, &str)]| db::partitions::Contents {
+            unprocessed,
+            consumer_types: types
+                .iter()
+                .map(|(c, at)| ((*c).to_owned(), Some(t(at))))
+                .collect(),
+        };
+        let old = "2026-11-20T00:00:00Z";
+        assert_eq!(
+            why_kept(
+                &contents(false, &[("a", old), ("b", old)]),
+                cutoff,
+                &cleanable
+            ),
+            None
+        );
+        assert_eq!(why_kept(&contents(false, &[]), cutoff, &cleanable), None);
+        assert!(
+            why_kept(&contents(true, &[("a", old)]), cutoff, &cleanable)
+                .is_some_and(|w| w.contains("unprocessed"))
+        );
+        assert!(
+            why_kept(
+                &contents(false, &[("a", old), ("c", old)]),
+                cutoff,
+                &cleanable
+            )
+            .is_some_and(|w| w.contains("\"c\""))
+        );
+        assert!(
+            why_kept(
+                &contents(false, &[("a", "2026-12-01T00:00:00Z")]),
+                cutoff,
+                &cleanable
+            )
+            .is_some_and(|w| w.contains("within the window"))
+        );
+    }
+}

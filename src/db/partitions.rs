@@ -1,0 +1,713 @@
+//! The partitioned inbox: `inbox_messages` range-partitioned on `message_time`, a time every copy of a message
+//! carries (`inbox::time`), with one partition per interval and an `untimed` partition below them all.
+//!
+//! ```text
+//! inbox_messages (partitioned on message_time; key (id, consumer_type, message_time); + fingerprint)
+//! ├── inbox_messages_untimed   FROM (MINVALUE) TO ('2000-01-01')   the rows from before, and rows written with no time
+//! ├── inbox_messages_p20261201_000000   one interval each, created ahead by `migrate` and `cleanup`
+//! └── …
+//! ```
+//!
+//! An existing `inbox_messages` is converted without copying a row ([`partition`]): it gets the two new columns (a
+//! constant default, so no rewrite), a unique index on the new key built concurrently, and a validated check that
+//! places it below every time; then, in one short transaction, it is renamed `inbox_messages_untimed` and attached to
+//! a new partitioned `inbox_messages` as its untimed partition — its indexes attached, not rebuilt. Its rows keep
+//! `message_time = '-infinity'`, and the claim treats an untimed row of a key as that key's claim (see
+//! `claim::CLAIM_TIMED`), so that a copy of a message processed before the conversion is still a duplicate.
+//!
+//! The interval and the time source are kept in the table's comment (`inboxctl {"interval_seconds":…}`), where every
+//! role that can see the table can read them, and no second table needs grants.
+
+use chrono::{DateTime, TimeDelta, Utc};
+use sqlx::postgres::PgConnection;
+use sqlx::{AssertSqlSafe, Connection as _};
+
+use super::Exec;
+use super::sql::{self, quote_ident};
+use crate::error::{Error, Result};
+use crate::inbox::time::{TimeSource, earliest};
+
+statements! {
+    /// Whether `inbox_messages` is partitioned, and its comment (where the partitioning's settings are kept).
+    const INBOX_LAYOUT = "\
+SELECT c.relkind = 'p', obj_description(c.oid, 'pg_class') FROM pg_class c WHERE c.oid = to_regclass('inbox_messages')";
+
+    /// The inbox's partitions: name, bounds (null for MINVALUE), whether a concurrent detach of it was interrupted.
+    /// The bounds are read back from the text PostgreSQL writes them as, in this session's time zone.
+    const PARTITIONS = "\
+SELECT c.relname::text,
+       substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)')::timestamptz,
+       substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)')::timestamptz,
+       i.inhdetachpending
+FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass('inbox_messages')
+ORDER BY 2 NULLS FIRST";
+
+    /// Tables left by a drop that stopped between its detach and its drop: partitions of ours no longer attached.
+    const DETACHED_LEFTOVERS = "\
+SELECT c.relname::text FROM pg_class c
+WHERE c.relname LIKE 'inbox\\_messages\\_p%' AND c.relkind = 'r' AND NOT c.relispartition
+  AND c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('inbox_messages'))";
+
+    /// Whether the rows of `[$1, $2)` include an unprocessed one (found through the unprocessed index).
+    const UNPROCESSED_BETWEEN = "\
+SELECT EXISTS (SELECT 1 FROM inbox_messages
+               WHERE message_time >= $1 AND message_time < $2 AND processed_at IS NULL)";
+
+    /// Each consumer_type with rows in `[$1, $2)` and its newest processed_at there: a loose index scan of the
+    /// partition's `(consumer_type, processed_at)` index, one probe per consumer_type, not a scan of its rows.
+    const CONSUMER_TYPES_BETWEEN = "\
+WITH RECURSIVE t AS (
+    (SELECT consumer_type FROM inbox_messages
+     WHERE message_time >= $1 AND message_time < $2 ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT i.consumer_type FROM inbox_messages i
+            WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type > t.consumer_type
+            ORDER BY i.consumer_type LIMIT 1)
+    FROM t WHERE t.consumer_type IS NOT NULL
+)
+SELECT t.consumer_type::text,
+       (SELECT max(i.processed_at) FROM inbox_messages i
+        WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type = t.consumer_type)
+FROM t WHERE t.consumer_type IS NOT NULL";
+
+    /// The planner's row count of a relation (-1: never analyzed). `$1` its name.
+    const ROWS_ESTIMATE = "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)";
+
+    /// The privileges granted on `inbox_messages`: grantee (null: PUBLIC) and privilege, to grant the same on the
+    /// partitioned table that takes its name.
+    const INBOX_GRANTS = "\
+SELECT CASE WHEN a.grantee = 0 THEN NULL ELSE a.grantee::regrole::text END, a.privilege_type
+FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+WHERE c.oid = to_regclass('inbox_messages') AND a.grantee <> c.relowner";
+
+    /// Whether a constraint of that name exists on `inbox_messages`. `$1` name.
+    const INBOX_CONSTRAINT_EXISTS = "\
+SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass('inbox_messages') AND conname = $1)";
+
+    /// Whether an index of that name exists and is valid (a concurrent build that stopped leaves it invalid). `$1`.
+    const INDEX_STATE = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
+}
+
+/// The name of the partition below every time: the inbox's rows from before it was partitioned, and rows written by
+/// a service that sets no `message_time`.
+pub const UNTIMED: &str = "inbox_messages_untimed";
+
+/// The indexes the migrations put on `inbox_messages`: the partitioned table gets the same, and the converted
+/// table's are renamed (`inbox_messages_untimed…`) and attached to them.
+const INBOX_INDEXES: [(&str, &str); 3] = [
+    (
+        "ix_inbox_messages_unprocessed",
+        "(received_at) WHERE processed_at IS NULL",
+    ),
+    (
+        "ix_inbox_messages_consumer_type_processed_at",
+        "(consumer_type, processed_at)",
+    ),
+    (
+        "ix_inbox_messages_unprocessed_by_consumer_type",
+        "(consumer_type, received_at) WHERE processed_at IS NULL",
+    ),
+];
+
+/// The smallest and largest interval of one partition.
+pub const MIN_INTERVAL: TimeDelta = TimeDelta::hours(1);
+pub const MAX_INTERVAL: TimeDelta = TimeDelta::days(31);
+/// How far back `migrate` creates partitions (copies of older messages, replays), and how far ahead it and `cleanup`
+/// keep them (clocks ahead; the time to the next cleanup).
+pub const BACK: TimeDelta = TimeDelta::days(7);
+pub const AHEAD: TimeDelta = TimeDelta::days(3);
+/// At most this many partitions are created at once.
+const MAX_NEW_PARTITIONS: usize = 1000;
+
+/// How `inbox_messages` is laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// One table, keyed on (id, consumer_type): the schema every user has.
+    Plain,
+    /// Partitioned on a message time read from `source`, one partition per `interval`.
+    Partitioned(Settings),
+}
+
+/// A partitioned inbox's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Settings {
+    #[serde(with = "seconds")]
+    #[serde(rename = "interval_seconds")]
+    pub interval: TimeDelta,
+    #[serde(rename = "time_source")]
+    pub source: TimeSource,
+}
+
+mod seconds {
+    use chrono::TimeDelta;
+
+    pub fn serialize<S: serde::Serializer>(d: &TimeDelta, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_i64(d.num_seconds())
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<TimeDelta, D::Error> {
+        let n: i64 = serde::Deserialize::deserialize(d)?;
+        TimeDelta::try_seconds(n).ok_or_else(|| serde::de::Error::custom("interval out of range"))
+    }
+}
+
+/// How the settings are written into the table's comment.
+const COMMENT_PREFIX: &str = "inboxctl ";
+
+impl Settings {
+    fn comment(&self) -> String {
+        format!(
+            "{COMMENT_PREFIX}{}",
+            serde_json::to_string(self).unwrap_or_default()
+        )
+    }
+
+    fn from_comment(comment: &str) -> Option<Self> {
+        serde_json::from_str(comment.strip_prefix(COMMENT_PREFIX)?).ok()
+    }
+
+    /// The start of the interval holding `t` (intervals counted from the Unix epoch, in UTC).
+    pub fn floor(&self, t: DateTime<Utc>) -> DateTime<Utc> {
+        let step = self.interval.num_seconds().max(1);
+        let s = t.timestamp().div_euclid(step) * step;
+        DateTime::from_timestamp(s, 0).unwrap_or(t)
+    }
+}
+
+/// How `inbox_messages` is laid out; `None` when there is none.
+pub async fn layout(executor: impl Into<Exec<'_>>) -> Result<Option<Layout>> {
+    let row: Option<(bool, Option<String>)> = unit!(executor, |conn| sql::query_as(INBOX_LAYOUT)
+        .fetch_optional(conn))?;
+    let Some((partitioned, comment)) = row else {
+        return Ok(None);
+    };
+    if !partitioned {
+        return Ok(Some(Layout::Plain));
+    }
+    match comment.as_deref().and_then(Settings::from_comment) {
+        Some(settings) => Ok(Some(Layout::Partitioned(settings))),
+        None => Err(Error::SchemaIncompatible {
+            database: String::new(),
+            differences: vec![
+                "inbox_messages is partitioned, but its comment does not hold inboxctl's settings (the time its \
+                 partitions are keyed on): it was partitioned by someone else, or its comment was changed; run \
+                 `inboxctl migrate --partitioned <interval> --partition-time <source>` with the settings it was \
+                 partitioned with to write them again"
+                    .to_owned(),
+            ],
+        }),
+    }
+}
+
+/// One partition of the inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Partition {
+    pub name: String,
+    /// `None`: from MINVALUE (the untimed partition).
+    pub from: Option<DateTime<Utc>>,
+    pub to: Option<DateTime<Utc>>,
+    /// A `DETACH … CONCURRENTLY` of it stopped half way.
+    pub detach_pending: bool,
+}
+
+/// The inbox's partitions, oldest first (the untimed one first).
+pub async fn partitions(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Partition>> {
+    type Row = (String, Option<DateTime<Utc>>, Option<DateTime<Utc>>, bool);
+    let rows: Vec<Row> = unit!(executor, |conn| sql::query_as(PARTITIONS).fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, from, to, detach_pending)| Partition {
+            name,
+            from,
+            to,
+            detach_pending,
+        })
+        .collect())
+}
+
+/// The name of the partition starting at `from`.
+pub fn partition_name(from: DateTime<Utc>) -> String {
+    format!("inbox_messages_p{}", from.format("%Y%m%d_%H%M%S"))
+}
+
+/// A timestamp as a literal of PostgreSQL's, for the statements that cannot take parameters (DDL): written by us from
+/// a time, never from input.
+fn literal(t: DateTime<Utc>) -> String {
+    format!("'{}'", t.format("%Y-%m-%d %H:%M:%S+00"))
+}
+
+/// The partition `[from, to)` made as a table of its own first: `CREATE TABLE … PARTITION OF` would wait for every
+/// transaction that writes the inbox (it locks the parent exclusively), and hold every claim behind it meanwhile.
+fn create_table_statement(from: DateTime<Utc>) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} (LIKE inbox_messages INCLUDING DEFAULTS)",
+        quote_ident(&partition_name(from))
+    )
+}
+
+/// …then attached, which locks the parent only against other schema changes (`SHARE UPDATE EXCLUSIVE`): the claims
+/// go on. Its indexes are made as it is attached (it is empty).
+fn attach_statement(from: DateTime<Utc>, to: DateTime<Utc>) -> String {
+    format!(
+        "ALTER TABLE inbox_messages ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})",
+        quote_ident(&partition_name(from)),
+        literal(from),
+        literal(to)
+    )
+}
+
+/// `DETACH PARTITION … CONCURRENTLY`: the consumers' inserts go on meanwhile (it waits for the transactions that
+/// could see the partition, in two steps). `FINALIZE` ends one that stopped half way.
+fn detach_statement(name: &str, finalize: bool) -> String {
+    format!(
+        "ALTER TABLE inbox_messages DETACH PARTITION {} {}",
+        quote_ident(name),
+        if finalize { "FINALIZE" } else { "CONCURRENTLY" }
+    )
+}
+
+fn drop_statement(name: &str) -> String {
+    format!("DROP TABLE IF EXISTS {}", quote_ident(name))
+}
+
+fn comment_statement(settings: &Settings) -> String {
+    format!(
+        "COMMENT ON TABLE inbox_messages IS '{}'",
+        settings.comment().replace('\'', "''")
+    )
+}
+
+fn grant_statement(privilege: &str, grantee: Option<&str>) -> String {
+    let privilege = privilege.to_ascii_uppercase();
+    let privilege = match privilege.as_str() {
+        p @ ("SELECT" | "INSERT" | "UPDATE" | "DELETE" | "TRUNCATE" | "REFERENCES" | "TRIGGER") => {
+            p
+        }
+        _ => "SELECT",
+    };
+    format!(
+        "GRANT {privilege} ON inbox_messages TO {}",
+        grantee.map_or_else(|| "PUBLIC".to_owned(), quote_ident)
+    )
+}
+
+/// The conversion's steps before its one short transaction, each safe to run again.
+const ADD_COLUMNS: &str = "ALTER TABLE inbox_messages \
+     ADD COLUMN IF NOT EXISTS message_time timestamptz NOT NULL DEFAULT '-infinity', \
+     ADD COLUMN IF NOT EXISTS fingerprint bytea NULL";
+const DROP_UNTIMED_KEY: &str = "DROP INDEX CONCURRENTLY IF EXISTS inbox_messages_untimed_key";
+const BUILD_UNTIMED_KEY: &str = "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS inbox_messages_untimed_key \
+     ON inbox_messages (id, consumer_type, message_time)";
+const ADD_UNTIMED_CHECK: &str = "ALTER TABLE inbox_messages ADD CONSTRAINT inbox_messages_untimed_time \
+     CHECK (message_time < '2000-01-01 00:00:00+00') NOT VALID";
+const VALIDATE_UNTIMED_CHECK: &str =
+    "ALTER TABLE inbox_messages VALIDATE CONSTRAINT inbox_messages_untimed_time";
+/// How long the conversion's steps wait for a lock the consumers' transactions hold before trying again: never
+/// long enough to stall the claims queued behind it.
+const SET_LOCK_TIMEOUT: &str = "SET lock_timeout = '2s'";
+const RESET_LOCK_TIMEOUT: &str = "RESET lock_timeout";
+const SET_LOCAL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
+const LOCK_INBOX: &str = "LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE";
+const RENAME_TO_UNTIMED: &str = "ALTER TABLE inbox_messages RENAME TO inbox_messages_untimed";
+const UNTIMED_KEY_CONSTRAINT: &str = "ALTER TABLE inbox_messages_untimed \
+     ADD CONSTRAINT inbox_messages_untimed_key UNIQUE USING INDEX inbox_messages_untimed_key";
+const ATTACH_UNTIMED: &str = "ALTER TABLE inbox_messages ATTACH PARTITION inbox_messages_untimed \
+     FOR VALUES FROM (MINVALUE) TO ('2000-01-01 00:00:00+00')";
+
+fn rename_key_statement(key: &str) -> String {
+    format!(
+        "ALTER TABLE inbox_messages_untimed RENAME CONSTRAINT {} TO inbox_messages_untimed_pk",
+        quote_ident(key)
+    )
+}
+
+fn rename_index_statement(index: &str) -> String {
+    format!(
+        "ALTER INDEX IF EXISTS {} RENAME TO {}",
+        quote_ident(index),
+        quote_ident(&index.replace("inbox_messages", "inbox_messages_untimed"))
+    )
+}
+
+fn create_partitioned_statement(key: &str) -> String {
+    format!(
+        "CREATE TABLE inbox_messages (\
+             id uuid NOT NULL, \
+             consumer_type character varying(500) NOT NULL, \
+             received_at timestamp with time zone NOT NULL, \
+             processed_at timestamp with time zone, \
+             message_time timestamp with time zone NOT NULL DEFAULT '-infinity', \
+             fingerprint bytea, \
+             CONSTRAINT {} PRIMARY KEY (id, consumer_type, message_time)\
+         ) PARTITION BY RANGE (message_time)",
+        quote_ident(key)
+    )
+}
+
+fn create_index_statement(name: &str, definition: &str) -> String {
+    format!(
+        "CREATE INDEX {} ON inbox_messages {definition}",
+        quote_ident(name)
+    )
+}
+
+/// The statements built around a name or a time, each with a sample one, for [`super::statements`].
+pub(super) fn built_statements() -> Vec<(&'static str, String)> {
+    let t = earliest() + TimeDelta::days(10_000);
+    let settings = Settings {
+        interval: TimeDelta::days(1),
+        source: TimeSource::Id,
+    };
+    vec![
+        ("create_table_statement", create_table_statement(t)),
+        (
+            "attach_statement",
+            attach_statement(t, t + TimeDelta::days(1)),
+        ),
+        (
+            "detach_statement",
+            detach_statement("inbox_messages_p20270519_000000", false),
+        ),
+        (
+            "drop_statement",
+            drop_statement("inbox_messages_p20270519_000000"),
+        ),
+        ("comment_statement", comment_statement(&settings)),
+        (
+            "grant_statement",
+            grant_statement("select", Some("inboxctl")),
+        ),
+        (
+            "rename_key_statement",
+            rename_key_statement("pk_inbox_messages"),
+        ),
+        (
+            "rename_index_statement",
+            rename_index_statement(INBOX_INDEXES[0].0),
+        ),
+        (
+            "create_partitioned_statement",
+            create_partitioned_statement("pk_inbox_messages"),
+        ),
+        (
+            "create_index_statement",
+            create_index_statement(INBOX_INDEXES[0].0, INBOX_INDEXES[0].1),
+        ),
+        ("ADD_COLUMNS", ADD_COLUMNS.to_owned()),
+        ("DROP_UNTIMED_KEY", DROP_UNTIMED_KEY.to_owned()),
+        ("BUILD_UNTIMED_KEY", BUILD_UNTIMED_KEY.to_owned()),
+        ("ADD_UNTIMED_CHECK", ADD_UNTIMED_CHECK.to_owned()),
+        ("VALIDATE_UNTIMED_CHECK", VALIDATE_UNTIMED_CHECK.to_owned()),
+        ("SET_LOCK_TIMEOUT", SET_LOCK_TIMEOUT.to_owned()),
+        ("RESET_LOCK_TIMEOUT", RESET_LOCK_TIMEOUT.to_owned()),
+        ("SET_LOCAL_LOCK_TIMEOUT", SET_LOCAL_LOCK_TIMEOUT.to_owned()),
+        ("LOCK_INBOX", LOCK_INBOX.to_owned()),
+        ("RENAME_TO_UNTIMED", RENAME_TO_UNTIMED.to_owned()),
+        ("UNTIMED_KEY_CONSTRAINT", UNTIMED_KEY_CONSTRAINT.to_owned()),
+        ("ATTACH_UNTIMED", ATTACH_UNTIMED.to_owned()),
+    ]
+}
+
+/// Runs a statement built or declared here, by the simple protocol (DDL takes no parameters).
+async fn run(conn: &mut PgConnection, statement: &str) -> sqlx::Result<()> {
+    let statement = statement.to_owned();
+    sqlx::raw_sql(AssertSqlSafe(statement))
+        .execute(conn)
+        .await
+        .map(drop)
+}
+
+/// What [`partition`] did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PartitionReport {
+    /// An unpartitioned `inbox_messages` was converted (its rows now in `inbox_messages_untimed`).
+    pub converted: bool,
+    /// Partitions created, by name.
+    pub created: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub settings: Option<Settings>,
+}
+
+/// Makes `inbox_messages` partitioned with `settings` — converting an unpartitioned one in place, or checking that a
+/// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]`. Safe to repeat, and to
+/// run again after it stopped half way. The caller holds the migrate lock and has applied the migrations.
+pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<PartitionReport> {
+    let mut report = PartitionReport {
+        settings: Some(settings),
+        ..PartitionReport::default()
+    };
+    match layout(&mut *conn).await? {
+        Some(Layout::Partitioned(existing)) if existing != settings => {
+            return Err(Error::Usage(format!(
+                "inbox_messages is partitioned every {} on {}; it cannot be changed to every {} on {}: copies of \
+                 the messages in the window would be keyed on another time than their originals and processed again",
+                humantime::format_duration(existing.interval.to_std().unwrap_or_default()),
+                existing.source.name(),
+                humantime::format_duration(settings.interval.to_std().unwrap_or_default()),
+                settings.source.name(),
+            )));
+        }
+        Some(Layout::Partitioned(_)) => {}
+        Some(Layout::Plain) => {
+            convert(conn, settings).await?;
+            report.converted = true;
+        }
+        None => return Err(Error::SchemaMissing { database: None }),
+    }
+    let now = Utc::now();
+    report.created = ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?;
+    Ok(report)
+}
+
+/// The conversion (see the module documentation): every step but the last takes no lock that stops the consumers.
+async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
+    with_lock_retries(conn, ADD_COLUMNS).await?;
+    if index_state(conn, "inbox_messages_untimed_key").await? == Some(false) {
+        run(conn, DROP_UNTIMED_KEY).await?;
+    }
+    run(conn, BUILD_UNTIMED_KEY).await?;
+    let exists: bool = sql::query_scalar(INBOX_CONSTRAINT_EXISTS)
+        .bind("inbox_messages_untimed_time")
+        .fetch_one(&mut *conn)
+        .await?;
+    if !exists {
+        with_lock_retries(conn, ADD_UNTIMED_CHECK).await?;
+    }
+    run(conn, VALIDATE_UNTIMED_CHECK).await?;
+    let key = super::schema::inbox_primary_key(conn)
+        .await?
+        .ok_or_else(|| Error::SchemaIncompatible {
+            database: String::new(),
+            differences: vec!["inbox_messages has no primary key".to_owned()],
+        })?;
+    let grants: Vec<(Option<String>, String)> =
+        sql::query_as(INBOX_GRANTS).fetch_all(&mut *conn).await?;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match swap(conn, &key, &grants, settings).await {
+            Ok(()) => return Ok(()),
+            Err(e) if tries < 30 && super::sqlstate(&e).as_deref() == Some("55P03") => {
+                tracing::info!(
+                    "inbox_messages is busy (a long transaction holds it); trying again"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The conversion's one transaction: the table renamed `inbox_messages_untimed`, a partitioned `inbox_messages` made
+/// in its place with the same grants, the old table attached below every time. The lock is waited for at most
+/// `SET_LOCK_TIMEOUT`, so the claims queued behind it never wait longer.
+async fn swap(
+    conn: &mut PgConnection,
+    key: &str,
+    grants: &[(Option<String>, String)],
+    settings: Settings,
+) -> sqlx::Result<()> {
+    let mut tx = conn.begin().await?;
+    run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
+    run(&mut tx, LOCK_INBOX).await?;
+    run(&mut tx, RENAME_TO_UNTIMED).await?;
+    run(&mut tx, &rename_key_statement(key)).await?;
+    for (index, _) in INBOX_INDEXES {
+        run(&mut tx, &rename_index_statement(index)).await?;
+    }
+    run(&mut tx, UNTIMED_KEY_CONSTRAINT).await?;
+    run(&mut tx, &create_partitioned_statement(key)).await?;
+    for (index, definition) in INBOX_INDEXES {
+        run(&mut tx, &create_index_statement(index, definition)).await?;
+    }
+    for (grantee, privilege) in grants {
+        run(&mut tx, &grant_statement(privilege, grantee.as_deref())).await?;
+    }
+    run(&mut tx, ATTACH_UNTIMED).await?;
+    run(&mut tx, &comment_statement(&settings)).await?;
+    tx.commit().await
+}
+
+/// Runs `statement` with a short lock timeout, trying again while the consumers' transactions hold the table.
+async fn with_lock_retries(conn: &mut PgConnection, statement: &str) -> Result<()> {
+    run(conn, SET_LOCK_TIMEOUT).await?;
+    let mut tries = 0;
+    let result = loop {
+        tries += 1;
+        match run(conn, statement).await {
+            Err(e) if tries < 30 && super::sqlstate(&e).as_deref() == Some("55P03") => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            other => break other,
+        }
+    };
+    run(conn, RESET_LOCK_TIMEOUT).await?;
+    Ok(result?)
+}
+
+async fn index_state(conn: &mut PgConnection, name: &str) -> sqlx::Result<Option<bool>> {
+    sql::query_scalar(INDEX_STATE)
+        .bind(name)
+        .fetch_optional(conn)
+        .await
+}
+
+/// Creates the partitions missing between `from` and `to` (whole intervals), after the newest one there is; returns
+/// their names. Another process creating the same partition at once is no error.
+pub async fn ensure_partitions(
+    conn: &mut PgConnection,
+    settings: Settings,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> Result<Vec<String>> {
+    let existing = partitions(&mut *conn).await?;
+    let mut start = settings.floor(from.max(earliest()));
+    let mut created = Vec::new();
+    while start <= to && created.len() < MAX_NEW_PARTITIONS {
+        let end = start + settings.interval;
+        let covered = existing
+            .iter()
+            .any(|p| p.from.is_some_and(|f| f < end) && p.to.is_some_and(|t| t > start));
+        if !covered {
+            // One transaction: no other process sees the table before it is a partition (and takes it for the
+            // leftover of a drop).
+            let made = async {
+                let mut tx = conn.begin().await?;
+                run(&mut tx, &create_table_statement(start)).await?;
+                run(&mut tx, &attach_statement(start, end)).await?;
+                tx.commit().await
+            }
+            .await;
+            match made {
+                Ok(()) => created.push(partition_name(start)),
+                // Attached by another process in between (already a partition, or a range overlapping now), or
+                // its table dropped as a leftover before it was attached: the next run makes it.
+                Err(e)
+                    if matches!(
+                        super::sqlstate(&e).as_deref(),
+                        Some("42P07" | "42P17" | "42P01" | "42710")
+                    ) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        start = end;
+    }
+    Ok(created)
+}
+
+/// What keeps a partition from being dropped whole.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Contents {
+    pub unprocessed: bool,
+    /// Each consumer_type with rows in it, and the newest `processed_at` of its rows there.
+    pub consumer_types: Vec<(String, Option<DateTime<Utc>>)>,
+}
+
+/// What the partition `[from, to)` holds, as far as dropping it goes: read through its indexes.
+pub async fn contents(
+    executor: impl Into<Exec<'_>>,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> sqlx::Result<Contents> {
+    unit!(executor, |conn| async move {
+        let unprocessed: bool = sql::query_scalar(UNPROCESSED_BETWEEN)
+            .bind(from)
+            .bind(to)
+            .fetch_one(&mut *conn)
+            .await?;
+        let consumer_types = sql::query_as(CONSUMER_TYPES_BETWEEN)
+            .bind(from)
+            .bind(to)
+            .fetch_all(&mut *conn)
+            .await?;
+        Ok(Contents {
+            unprocessed,
+            consumer_types,
+        })
+    })
+}
+
+/// The planner's row count of a partition (none: never analyzed).
+pub async fn rows_estimate(executor: impl Into<Exec<'_>>, name: &str) -> sqlx::Result<Option<u64>> {
+    let rows: Option<f64> = unit!(executor, |conn| sql::query_scalar(ROWS_ESTIMATE)
+        .bind(name)
+        .fetch_optional(conn))?;
+    Ok(rows.filter(|r| *r >= 0.0).map(|r| r.round() as u64))
+}
+
+/// Detaches a partition without stopping the consumers' inserts (`DETACH … CONCURRENTLY`, or `FINALIZE` for one a
+/// stopped detach left pending) and drops it. `false` when another process detached it first.
+pub async fn detach_and_drop(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<bool> {
+    let detached = run(
+        conn,
+        &detach_statement(&partition.name, partition.detach_pending),
+    )
+    .await;
+    match detached {
+        Ok(()) => {}
+        // Not a partition (any more), or no such table: another cleanup got there first.
+        Err(e)
+            if matches!(
+                super::sqlstate(&e).as_deref(),
+                Some("42P01" | "42809" | "55000")
+            ) =>
+        {
+            return Ok(false);
+        }
+        Err(e) => return Err(e),
+    }
+    run(conn, &drop_statement(&partition.name)).await?;
+    Ok(true)
+}
+
+/// Drops the tables a drop left detached and not dropped (stopped between the two); returns their names.
+pub async fn drop_leftovers(conn: &mut PgConnection) -> sqlx::Result<Vec<String>> {
+    let names: Vec<String> = sql::query_scalar(DETACHED_LEFTOVERS)
+        .fetch_all(&mut *conn)
+        .await?;
+    for name in &names {
+        run(conn, &drop_statement(name)).await?;
+    }
+    Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_survive_the_comment_and_other_comments_are_not_settings() {
+        let settings = Settings {
+            interval: TimeDelta::hours(6),
+            source: TimeSource::SentTime,
+        };
+        assert_eq!(Settings::from_comment(&settings.comment()), Some(settings));
+        assert!(settings.comment().contains("\"interval_seconds\":21600"));
+        assert!(settings.comment().contains("\"time_source\":\"sent-time\""));
+        assert_eq!(Settings::from_comment("the inbox of the EU shop"), None);
+        assert_eq!(
+            Settings::from_comment("inboxctl {\"interval_seconds\":1}"),
+            None
+        );
+    }
+
+    #[test]
+    fn partitions_are_aligned_to_their_interval_and_named_by_their_start() {
+        let settings = Settings {
+            interval: TimeDelta::days(1),
+            source: TimeSource::Id,
+        };
+        let t = DateTime::parse_from_rfc3339("2026-12-02T13:45:10Z")
+            .expect("time")
+            .with_timezone(&Utc);
+        let start = settings.floor(t);
+        assert_eq!(start.to_rfc3339(), "2026-12-02T00:00:00+00:00");
+        assert_eq!(partition_name(start), "inbox_messages_p20261202_000000");
+        assert_eq!(
+            attach_statement(start, start + settings.interval),
+            "ALTER TABLE inbox_messages ATTACH PARTITION \"inbox_messages_p20261202_000000\" FOR VALUES FROM \
+             ('2026-12-02 00:00:00+00') TO ('2026-12-03 00:00:00+00')"
+        );
+    }
+}

@@ -1,0 +1,491 @@
+//! A partitioned inbox (`migrate --partitioned`): keyed on a time every copy of a message carries, so that a copy
+//! arriving days later meets its original in its partition; messages without a usable time moved aside with the
+//! reason; an inbox with rows converted in place under a running consumer; retention by dropping whole partitions.
+//! (Every guarantee test of `in_both_modes!` also runs on a partitioned inbox: `…::partitioned_inbox`.)
+
+use crate::common;
+
+use std::time::Duration;
+
+use chrono::{TimeDelta, Utc};
+use common::{CARRIER_QUEUE, EVENT_EXCHANGE, TestEnv};
+use uuid::Uuid;
+
+/// A UUIDv7 whose time is `ago` before now.
+fn v7_ago(ago: TimeDelta) -> Uuid {
+    let at = Utc::now() - ago;
+    Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        u64::try_from(at.timestamp()).unwrap(),
+        at.timestamp_subsec_nanos(),
+    ))
+}
+
+fn migrate_partitioned(env: &TestEnv, args: &[&str]) -> common::Output {
+    let mut all = vec!["migrate", "--partitioned", "1d"];
+    all.extend_from_slice(args);
+    env.run(&all)
+}
+
+/// Publishes a MassTransit `ParcelCreatedEvent` with message id `id` (the same bytes each time for the same `body`).
+async fn send(env: &TestEnv, id: Uuid) -> (lapin::BasicProperties, Vec<u8>) {
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    common::publish(&env.amqp().await, EVENT_EXCHANGE, "", props.clone(), &body).await;
+    (props, body)
+}
+
+/// Which partition holds each id's carrier row.
+async fn partition_of(pool: &sqlx::PgPool, id: Uuid) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT tableoid::regclass::text FROM inbox_messages WHERE id = $1 AND consumer_type = $2",
+    )
+    .bind(id)
+    .bind(CARRIER_QUEUE)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_late_copy_meets_its_original_in_its_messages_partition_one_by_one_and_batched() {
+    let env = TestEnv::bare().await;
+    let out = migrate_partitioned(&env, &[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("partitioned every 1day on the time inside the message id"),
+        "{}",
+        out.stdout
+    );
+    // Settings once chosen stay: another time would key the copies in the window elsewhere than their originals.
+    let out = env.run(&[
+        "migrate",
+        "--partitioned",
+        "1d",
+        "--partition-time",
+        "sent-time",
+    ]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("cannot be changed"), "{}", out.stderr);
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+
+    for mode in [common::ONE_BY_ONE, common::BATCHED] {
+        // Messages sent three and six days ago, an hour ago, and a NewId of now.
+        let ids = [
+            v7_ago(TimeDelta::days(6)),
+            v7_ago(TimeDelta::days(3)),
+            v7_ago(TimeDelta::hours(1)),
+            inboxctl::ids::new_id(),
+        ];
+        let mut sent = Vec::new();
+        for id in ids {
+            sent.push(send(&env, id).await);
+        }
+        let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
+        assert!(
+            out.stderr
+                .contains("each message is claimed on the time inside the message id"),
+            "the consumer says which time it uses: {}",
+            out.stderr
+        );
+        for id in ids {
+            let expected = inboxctl::db::partitions::partition_name(
+                inboxctl::db::partitions::Settings {
+                    interval: TimeDelta::days(1),
+                    source: inboxctl::inbox::TimeSource::Id,
+                }
+                .floor(inboxctl::inbox::time::id_time(id)),
+            );
+            assert_eq!(
+                partition_of(&pool, id).await,
+                vec![expected],
+                "{id}: the row is in the partition of the message's own time, not of when it arrived"
+            );
+        }
+        // Copies arriving now (every one received today, days after three of the originals): all duplicates.
+        let conn = env.amqp().await;
+        for (props, body) in &sent {
+            common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), body).await;
+        }
+        let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
+        assert!(
+            out.stderr.contains("processed=0 duplicates=4"),
+            "{mode:?}: {}",
+            out.stderr
+        );
+    }
+    let (effects, parcels): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((effects, parcels), (8, 8), "each message once");
+    let fingerprints: i64 = sqlx::query_scalar("SELECT count(fingerprint) FROM inbox_messages")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        fingerprints, 8,
+        "the fingerprint is kept in the inbox row itself"
+    );
+    let out = env.run(&["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let carrier = json["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+        .unwrap()
+        .clone();
+    assert_eq!(carrier["rows"], 8);
+}
+
+#[tokio::test]
+async fn a_message_without_a_usable_time_is_moved_aside_with_the_reason_and_the_rest_flow() {
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    common::ensure_endpoints(&env).await;
+    // A random id read as a NewId: its "time" in the year 58000; a UUIDv7 of 2099; one of 1990.
+    let random = Uuid::from_u128(0x0123_4567_89ab_4cde_8f01_ffff_ffff_ffff);
+    let future = Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        4_070_908_800,
+        0,
+    ));
+    let ancient = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, 631_152_000, 0));
+    for id in [random, future, ancient, Uuid::now_v7()] {
+        send(&env, id).await;
+    }
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert!(out.stderr.contains("processed=1"), "{}", out.stderr);
+    let conn = env.amqp().await;
+    let dead = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    let mut reasons: Vec<(String, String)> = dead
+        .iter()
+        .map(|d| {
+            (
+                d.properties.message_id().as_ref().unwrap().to_string(),
+                common::header_text(&d.properties, "MT-Fault-Message").unwrap(),
+            )
+        })
+        .collect();
+    reasons.sort();
+    assert_eq!(reasons.len(), 3, "{reasons:#?}");
+    for (id, reason) in &reasons {
+        assert!(
+            reason.starts_with("the inbox cannot claim this message"),
+            "{id}: {reason}"
+        );
+        let expected = if *id == ancient.to_string() {
+            "is before 2000"
+        } else {
+            "is in no partition of the inbox"
+        };
+        assert!(reason.contains(expected), "{id}: {reason}");
+    }
+    assert_eq!(
+        common::header_text(&dead[0].properties, "MT-Fault-ExceptionType").as_deref(),
+        Some("inboxctl::UnclaimableMessage")
+    );
+
+    // Partitioned on the sent time: a plain JSON message carries none.
+    let env = TestEnv::bare().await;
+    assert_eq!(
+        migrate_partitioned(&env, &["--partition-time", "sent-time"]).code,
+        Some(0)
+    );
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let plain =
+        lapin::BasicProperties::default().with_message_id(Uuid::new_v4().to_string().into());
+    let body = br#"{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT1", "destination": "Berlin"}"#;
+    common::publish(&conn, EVENT_EXCHANGE, "", plain, body).await;
+    send(&env, Uuid::new_v4()).await;
+    let out = common::consume_until_idle(&env, &["carrier", "--batch-size", "8"]);
+    assert!(out.stderr.contains("processed=1"), "{}", out.stderr);
+    let dead = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(dead.len(), 1);
+    let reason = common::header_text(&dead[0].properties, "MT-Fault-Message").unwrap();
+    assert!(
+        reason.contains("partitioned on the envelope's sentTime, else the AMQP timestamp, which this message does not carry"),
+        "{reason}"
+    );
+}
+
+#[tokio::test]
+async fn an_inbox_with_rows_is_converted_in_place_under_a_running_consumer_and_old_copies_stay_duplicates()
+ {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    // 200 messages processed before the conversion, their rows in the unpartitioned table.
+    let mut before = Vec::new();
+    for _ in 0..200 {
+        before.push(send(&env, Uuid::now_v7()).await);
+    }
+    common::consume_until_idle(&env, &["carrier"]);
+    let table: (i64, i64) = sqlx::query_as(
+        "SELECT relfilenode::int8, (SELECT count(*) FROM inbox_messages) FROM pg_class \
+         WHERE oid = 'inbox_messages'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(table.1, 200);
+
+    // A consumer running through the conversion, with messages flowing.
+    let mut consumer = env.spawn(&["consume", "carrier", "--concurrency", "8"]);
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "2000",
+        "--duplicates",
+        "0.1",
+        "--rate",
+        "400",
+    ]);
+    common::eventually("a stream under way", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 600
+    })
+    .await;
+    let out = migrate_partitioned(&env, &[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("converted in place"), "{}", out.stdout);
+    assert_eq!(publisher.wait(Duration::from_secs(60)), Some(0));
+
+    // Copies of the messages processed before the conversion: their rows are untimed, and still their claims.
+    let conn = env.amqp().await;
+    for (props, body) in &before {
+        common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), body).await;
+    }
+    common::eventually("every parcel's effect", Duration::from_secs(60), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 2200
+            && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    let (effects, parcels): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (effects, parcels),
+        (2200, 2200),
+        "every parcel once, across the conversion"
+    );
+    assert!(
+        !env.queue_exists(&format!("{CARRIER_QUEUE}_error"))
+            || env.queue_counts(&format!("{CARRIER_QUEUE}_error")) == (0, 0),
+        "nothing dead-lettered by the conversion"
+    );
+    // The old table is the untimed partition, the same file: not a row was copied.
+    let untimed: (i64, i64) = sqlx::query_as(
+        "SELECT relfilenode::int8, (SELECT count(*) FROM inbox_messages_untimed) FROM pg_class \
+         WHERE oid = 'inbox_messages_untimed'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        untimed.0, table.0,
+        "the unpartitioned table became the untimed partition as it was"
+    );
+    assert!(
+        untimed.1 >= 200,
+        "its rows, and those written before the swap: {}",
+        untimed.1
+    );
+    let stderr = consumer.stderr();
+    let copies = stderr.matches("duplicate discarded").count();
+    assert!(
+        copies >= 200 + 200,
+        "the old copies and the published ones were discarded: {copies}"
+    );
+}
+
+#[tokio::test]
+async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must() {
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let pool = env.pool().await;
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let mut conn = db.connect().await.unwrap();
+    inboxctl::db::partitions::ensure_partitions(
+        &mut conn,
+        settings,
+        Utc::now() - TimeDelta::days(14),
+        Utc::now(),
+    )
+    .await
+    .unwrap();
+    let day = |n: i64| settings.floor(Utc::now() - TimeDelta::days(n)) + TimeDelta::hours(12);
+    let name = |n: i64| inboxctl::db::partitions::partition_name(settings.floor(day(n)));
+    // Rows: (message day, consumer_type, processed how long ago; None: unprocessed).
+    let rows: Vec<(i64, &str, Option<i64>)> = vec![
+        (12, "a", Some(12)),
+        (12, "b", Some(12)),
+        (11, "a", Some(11)),
+        (10, "a", None),   // unprocessed: its partition stays
+        (9, "a", Some(0)), // a late copy processed now: its partition stays
+        (8, "c", Some(8)), // a consumer_type the run below leaves: its partition stays
+        (3, "a", Some(3)), // inside the window
+    ];
+    for (message_day, consumer_type, processed) in &rows {
+        sqlx::query(
+            "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+             VALUES ($1, $2, now(), now() - make_interval(days => $3), $4)",
+        )
+        .bind(Uuid::new_v4())
+        .bind(consumer_type)
+        .bind(processed.map(|d| d as i32))
+        .bind(day(*message_day))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    // A row from before the partitioning (untimed), processed long ago: deleted by batch.
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
+         VALUES ($1, 'a', now() - interval '20 days', now() - interval '20 days')",
+    )
+    .bind(Uuid::new_v4())
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The leftover of a drop that stopped between its detach and its drop.
+    sqlx::query("CREATE TABLE inbox_messages_p19990101_000000 (LIKE inbox_messages)")
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let cleanup = |args: &[&str]| {
+        let mut all = vec!["cleanup", "--retention", "7d", "--force", "--json"];
+        all.extend_from_slice(args);
+        let out = env.run(&all);
+        assert!(matches!(out.code, Some(0 | 3)), "{out:?}");
+        serde_json::from_str::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let dropped = |report: &serde_json::Value| -> Vec<String> {
+        report["partitions"]["dropped"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["partition"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let exists = |table: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
+                .bind(table)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+
+    // A dry run drops nothing and says what it would.
+    let report = cleanup(&["--dry-run"]);
+    let would: Vec<String> = dropped(&report);
+    assert!(
+        would.contains(&name(12)) && would.contains(&name(11)),
+        "{report:#}"
+    );
+    assert!(exists(name(12)).await);
+
+    // Only "a" cleaned: the partitions holding "b" or "c" stay.
+    let report = cleanup(&["--consumer-type", "a"]);
+    let gone = dropped(&report);
+    assert!(
+        gone.contains(&name(11)) && gone.contains(&name(13)),
+        "and the empty ones: {report:#}"
+    );
+    assert!(
+        !gone.contains(&name(12)) && !gone.contains(&name(8)),
+        "{report:#}"
+    );
+    assert!(
+        report["partitions"]["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["partition"] == name(12) && k["why"].as_str().unwrap().contains("\"b\"")),
+        "{report:#}"
+    );
+    let report = cleanup(&[]);
+    let gone = dropped(&report);
+    for dropped in [name(12), name(8)] {
+        assert!(gone.contains(&dropped), "{dropped} dropped: {report:#}");
+    }
+    for kept in [name(10), name(9)] {
+        assert!(!gone.contains(&kept), "{kept} kept: {report:#}");
+    }
+    assert!(!exists(name(12)).await && !exists(name(11)).await && !exists(name(8)).await);
+    assert!(exists(name(10)).await && exists(name(9)).await && exists(name(3)).await);
+    let kept: Vec<String> = report["partitions"]["kept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| format!("{} {}", k["partition"], k["why"]))
+        .collect();
+    assert!(
+        kept.iter()
+            .any(|k| k.contains(&name(10)) && k.contains("unprocessed")),
+        "{kept:#?}"
+    );
+    assert!(
+        kept.iter()
+            .any(|k| k.contains(&name(9)) && k.contains("within the window")),
+        "{kept:#?}"
+    );
+    assert!(
+        !exists("inbox_messages_p19990101_000000".to_owned()).await,
+        "the leftover was dropped"
+    );
+    // The untimed row went by the batched delete.
+    let left: Vec<(String, String)> = sqlx::query_as(
+        "SELECT tableoid::regclass::text, consumer_type::text FROM inbox_messages ORDER BY message_time",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(
+        !left.iter().any(|(t, _)| t == "inbox_messages_untimed"),
+        "{left:?}"
+    );
+    assert!(
+        left.contains(&(name(10), "a".to_owned())),
+        "the unprocessed row stays: {left:?}"
+    );
+    assert!(
+        left.contains(&(name(9), "a".to_owned())),
+        "the late copy's row stays: {left:?}"
+    );
+    assert!(
+        left.contains(&(name(3), "a".to_owned())),
+        "the row inside the window stays: {left:?}"
+    );
+    let audited: serde_json::Value = sqlx::query_scalar(
+        "SELECT details FROM inboxctl_audit WHERE command = 'cleanup' ORDER BY id DESC LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        audited["partitions_dropped"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty()),
+        "{audited:#}"
+    );
+}

@@ -22,10 +22,10 @@ use uuid::Uuid;
 
 /// docs/security.md's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
 const SECURITY_ROWS: [&str; 6] = [
-    "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner | none |",
+    "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner; with `--partitioned`, the table's owner (it renames the table and makes the partitioned one, owned by this role, granting it what the old table granted) | none |",
     "| `consume` | `SELECT, INSERT` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`), `inboxctl_events` and `inboxctl_audit`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers` and `inboxctl_fingerprints`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
-    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit` | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
+    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit`; on a partitioned inbox, to make and drop its partitions, the table's owner and `CREATE` on its schema (without them it deletes in batches, and says so) | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
     "| `replay` | none | read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
     "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure, write and read all empty (`\"\"`): the queue depths come from passive declares, which need none |",
 ];
@@ -720,6 +720,83 @@ fn the_documented_table_is_the_one_proved_here() {
         .take_while(|l| l.starts_with('|'))
         .count();
     assert_eq!(rows, SECURITY_ROWS.len(), "a row was added to the table");
+}
+
+/// `migrate --partitioned` needs the table's owner; the partitioned table keeps the old one's grants (a cleanup role
+/// granted on the unpartitioned table goes on working); a cleanup that is not the owner cannot make or drop partitions
+/// and deletes in batches instead, saying so.
+#[tokio::test(flavor = "multi_thread")]
+async fn partitioning_needs_the_tables_owner_and_keeps_its_grants() {
+    let env = TestEnv::migrated().await;
+    let admin = env.pool().await;
+    let mut principals = Principals::new(&env);
+    // Everything but the table's ownership: the migrations it finds applied, readable.
+    let migrate_role = principals
+        .role(
+            &admin,
+            "migrate",
+            &format!("{MIGRATE_GRANTS}; GRANT SELECT ON inboxctl_migrations TO {{role}}"),
+        )
+        .await;
+    let cleanup_role = principals.role(&admin, "cleanup", CLEANUP_GRANTS).await;
+
+    let out =
+        As::new(&migrate_role.url, NOWHERE_AMQP).run(&env, &["migrate", "--partitioned", "1d"]);
+    assert_refused(&out, 77, &["owner".to_owned()], "the table's ownership");
+    let layout: String = sqlx::query_scalar(
+        "SELECT relkind::text FROM pg_class WHERE oid = 'inbox_messages'::regclass",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(layout, "r", "nothing was converted");
+
+    // The owner partitions it; a row of nine days ago in its own partition, processed then.
+    let out = env.run(&["migrate", "--partitioned", "1d"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    let now = chrono::Utc::now();
+    inboxctl::db::partitions::ensure_partitions(
+        &mut db.connect().await.unwrap(),
+        inboxctl::db::partitions::Settings {
+            interval: chrono::TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        },
+        now - chrono::TimeDelta::days(10),
+        now,
+    )
+    .await
+    .unwrap();
+    execute(
+        &admin,
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time)
+         VALUES (gen_random_uuid(), 'alpha', now() - interval '9 days', now() - interval '9 days',
+                 now() - interval '9 days')",
+    )
+    .await;
+    let out = As::new(&cleanup_role.url, NOWHERE_AMQP)
+        .run(&env, &["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(
+        out.code,
+        Some(0),
+        "the grants on the old table carried over: {out:?}"
+    );
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(
+        report["partitions"]["refused"]
+            .as_str()
+            .is_some_and(|r| r.contains("must be owner")),
+        "{report:#}"
+    );
+    assert_eq!(
+        report["deleted"], 1,
+        "deleted in batches instead: {report:#}"
+    );
+    assert!(
+        out.stderr
+            .contains("deleting the old rows in batches instead"),
+        "{out:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

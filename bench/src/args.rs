@@ -130,6 +130,11 @@ pub struct Args {
     /// The kind of message ids published: MassTransit's NewId (what a MassTransit publisher sends), UUIDv7 or v4
     #[arg(long, value_enum, default_value_t = inboxctl::ids::IdKind::NewId)]
     pub id_kind: inboxctl::ids::IdKind,
+
+    /// What the modes' queues are declared as: classic, or quorum (replicated; on one node here, its cost without
+    /// the network)
+    #[arg(long, value_enum, default_value_t = inboxctl::amqp::topology::QueueType::Classic)]
+    pub queue_type: inboxctl::amqp::topology::QueueType,
 }
 
 /// Runs the bench, prints its table and writes its JSON.
@@ -163,6 +168,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         inbox_rows: args.inbox_rows,
         cleanup_batch_size: args.cleanup_batch_size,
         cleanup_batch_pause: args.cleanup_batch_pause,
+        queue_type: args.queue_type,
     };
     let say = |line: &str| eprintln!("{line}");
     let mut report = measure::run(&db, &broker, &options, &shutdown, say).await?;

@@ -60,6 +60,12 @@ pub struct CleanupReport {
     pub baseline: CleanupRun,
     pub inboxctl: CleanupRun,
     pub plain_delete: CleanupRun,
+    /// The same rows in a partitioned inbox (`migrate --partitioned 1d`): the consumer without a cleanup, and during
+    /// `inboxctl cleanup`, which drops the partitions past the window whole (rows counted from the planner's
+    /// statistics of the partitions dropped).
+    pub partitioned_baseline: CleanupRun,
+    pub partition_drop: CleanupRun,
+    pub partitions_dropped: usize,
 }
 
 pub async fn run(
@@ -88,12 +94,49 @@ pub async fn run(
         n
     };
 
+    let partitioned = format!("{template}_partitioned");
+    let partitioned_db = db.with_database(&partitioned);
+    if !crate::template::ready(&partitioned_db, &marker(rows)).await {
+        say(&format!(
+            "building {rows} inbox rows into {partitioned}, partitioned by day (once; later runs reuse it)"
+        ));
+        build_partitioned_template(db, &partitioned_db, rows, &mut say).await?;
+    }
+
     let connection = broker.connect("inboxctl bench cleanup").await?;
     let mut runs = BTreeMap::new();
-    for variant in ["baseline", "inboxctl", "plain-delete"] {
-        let scratch = copy(db, &template, "cleanup").await?;
-        let measured =
+    let mut partitions_dropped = 0;
+    for variant in [
+        "baseline",
+        "inboxctl",
+        "plain-delete",
+        "partitioned-baseline",
+        "partition-drop",
+    ] {
+        let from = match variant {
+            "partitioned-baseline" | "partition-drop" => &partitioned,
+            _ => &template,
+        };
+        let scratch = copy(db, from, "cleanup").await?;
+        if from == &partitioned {
+            // A template built days ago: the partitions of today and the next days, for the stream's messages.
+            let mut conn = scratch.db.connect().await?;
+            let settings = store::partitions::Settings {
+                interval: chrono::TimeDelta::days(1),
+                source: inboxctl::inbox::TimeSource::Id,
+            };
+            let now = Utc::now();
+            store::partitions::ensure_partitions(
+                &mut conn,
+                settings,
+                now,
+                now + store::partitions::AHEAD,
+            )
+            .await?;
+        }
+        let (measured, dropped) =
             under_load(&scratch, broker, &connection, options, variant, shutdown).await?;
+        partitions_dropped += dropped;
         say(&format!(
             "cleanup at {rows} rows, {variant}: {:.1}s, {} rows ({:.0} rows/s); consumer p50 {} p99 {}; WAL {:.0} MB, {} checkpoints",
             measured.seconds,
@@ -135,6 +178,9 @@ pub async fn run(
             baseline: take("baseline")?,
             inboxctl: take("inboxctl")?,
             plain_delete: take("plain-delete")?,
+            partitioned_baseline: take("partitioned-baseline")?,
+            partition_drop: take("partition-drop")?,
+            partitions_dropped,
         },
         refresh,
     ))
@@ -177,6 +223,52 @@ async fn build_template(
     Ok(())
 }
 
+/// The template's rows in a partitioned inbox, a partition a day from 15 days back.
+async fn build_partitioned_template(
+    db: &Database,
+    template: &Database,
+    rows: u64,
+    say: &mut impl FnMut(&str),
+) -> Result<()> {
+    drop_database(db, &template.name()).await?;
+    let settings = store::partitions::Settings {
+        interval: chrono::TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    schema::migrate_partitioned(template, false, Some(settings)).await?;
+    let mut conn = template.connect().await?;
+    let now = Utc::now();
+    store::partitions::ensure_partitions(
+        &mut conn,
+        settings,
+        now - chrono::TimeDelta::days(15),
+        now,
+    )
+    .await?;
+    let pool = template.pool(1).await?;
+    let chunk = 1_000_000u64;
+    let started = Instant::now();
+    let mut done = 0;
+    while done < rows {
+        let n = chunk.min(rows - done);
+        sqlx::query(sql::SEED_ROWS_PARTITIONED)
+            .bind(i64::try_from(done).unwrap_or(i64::MAX))
+            .bind(i64::try_from(n).unwrap_or(i64::MAX))
+            .bind(&CONSUMER_TYPES[..])
+            .bind(i64::try_from(rows).unwrap_or(i64::MAX))
+            .execute(&pool)
+            .await?;
+        done += n;
+        say(&format!(
+            "  {done} rows ({:.0}s)",
+            started.elapsed().as_secs_f64()
+        ));
+    }
+    crate::template::finish(&pool, &marker(rows)).await?;
+    pool.close().await;
+    Ok(())
+}
+
 async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
     let name = format!("{}_bench_{purpose}", db.name());
     crate::template::copy(db, template, &name).await?;
@@ -190,6 +282,7 @@ async fn copy(db: &Database, template: &str, purpose: &str) -> Result<Scratch> {
         exchange: "inboxctl-bench-cleanup-events".to_owned(),
         peer: None,
         prefilled: false,
+        queue_type: inboxctl::amqp::topology::QueueType::Classic,
     })
 }
 
@@ -201,7 +294,7 @@ async fn under_load(
     options: &Options,
     variant: &str,
     shutdown: &CancellationToken,
-) -> Result<CleanupRun> {
+) -> Result<(CleanupRun, usize)> {
     let mut consumer = spawn_consumer(scratch, broker, options, false)?;
     inboxctl::amqp::topology::ensure_endpoint(
         connection,
@@ -220,7 +313,7 @@ async fn under_load(
         .await?;
     let window_start: DateTime<Utc> = Utc::now();
     let started = Instant::now();
-    let deleted = delete(scratch, options, variant, shutdown).await?;
+    let (deleted, dropped) = delete(scratch, options, variant, shutdown).await?;
     let seconds = started.elapsed().as_secs_f64();
     let window_end: DateTime<Utc> = Utc::now();
     let (wal_after, checkpoints_after): (f64, i64) = sqlx::query_as(sql::WAL_AND_CHECKPOINTS)
@@ -238,7 +331,7 @@ async fn under_load(
         .map(|(id, _)| *id)
         .collect();
     let latencies = latencies(&scratch.pool, &sent, &in_window).await?;
-    Ok(CleanupRun {
+    let run = CleanupRun {
         seconds,
         rows_deleted: deleted,
         rows_per_second: if seconds > 0.0 {
@@ -251,7 +344,8 @@ async fn under_load(
         consumer_messages: latencies.len(),
         wal_mb: (wal_after - wal_before) / 1_048_576.0,
         checkpoints_requested: checkpoints_after - checkpoints_before,
-    })
+    };
+    Ok((run, dropped))
 }
 
 type Sent = BTreeMap<Uuid, DateTime<Utc>>;
@@ -269,7 +363,11 @@ async fn stream(
     let (exchange, queue) = (scratch.exchange.clone(), scratch.queue.clone());
     let stop = stop_stream.clone();
     let publisher = tokio::spawn(async move {
-        let route = (exchange.as_str(), queue.as_str());
+        let route = (
+            exchange.as_str(),
+            queue.as_str(),
+            inboxctl::amqp::topology::QueueType::Classic,
+        );
         let sent = publish(
             &connection,
             &broker,
@@ -285,15 +383,16 @@ async fn stream(
     Ok((stop_stream, publisher))
 }
 
-/// What `variant` deletes: `inboxctl cleanup`, one plain `DELETE`, or nothing for a while (the baseline).
+/// What `variant` deletes — `inboxctl cleanup` (on the partitioned inbox, dropping partitions), one plain `DELETE`, or
+/// nothing for a while (the baselines) —: the rows, and the partitions dropped.
 async fn delete(
     scratch: &Scratch,
     options: &Options,
     variant: &str,
     shutdown: &CancellationToken,
-) -> Result<u64> {
+) -> Result<(u64, usize)> {
     Ok(match variant {
-        "inboxctl" => {
+        "inboxctl" | "partition-drop" => {
             let plan = Plan {
                 retention: RETENTION,
                 consumer_type: None,
@@ -304,18 +403,24 @@ async fn delete(
                 guard: None,
                 audit_retention: RETENTION,
             };
-            cleanup::run(&scratch.pool, &plan, shutdown, |_| {})
-                .await?
-                .deleted
+            let report = cleanup::run(&scratch.pool, &plan, shutdown, |_| {}).await?;
+            let partitions = report.partitions.as_ref();
+            (
+                report.deleted + partitions.map_or(0, |p| p.rows_dropped()),
+                partitions.map_or(0, |p| p.dropped.len()),
+            )
         }
-        "plain-delete" => sqlx::query(sql::PLAIN_DELETE)
-            .bind(RETENTION.as_secs_f64())
-            .execute(&scratch.pool)
-            .await?
-            .rows_affected(),
+        "plain-delete" => (
+            sqlx::query(sql::PLAIN_DELETE)
+                .bind(RETENTION.as_secs_f64())
+                .execute(&scratch.pool)
+                .await?
+                .rows_affected(),
+            0,
+        ),
         _ => {
             tokio::time::sleep(BASELINE).await;
-            0
+            (0, 0)
         }
     })
 }

@@ -54,6 +54,8 @@ pub struct ConsumeArgs {
     pub batch_size: u16,
     #[arg(long, value_parser = inboxctl::cli::parse_positive_duration)]
     pub exit_when_idle: Option<Duration>,
+    #[arg(long, value_enum, default_value_t = inboxctl::amqp::topology::QueueType::Classic)]
+    pub queue_type: inboxctl::amqp::topology::QueueType,
 }
 
 /// Runs the consumer until it stops: `inboxctl consume carrier`'s start, checks and defaults for everything the bench
@@ -75,6 +77,7 @@ pub async fn consume(
         concurrency: args.concurrency,
         batch_size: args.batch_size,
         exit_when_idle: args.exit_when_idle,
+        queue_type: args.queue_type,
         ..Config::of(Kind::Carrier)
     };
     let run = match args.guard {

@@ -215,6 +215,7 @@ async fn prepare(
         exchange: format!("inboxctl-bench-{}-events", mode.name()),
         peer,
         prefilled,
+        queue_type: options.queue_type,
     })
 }
 

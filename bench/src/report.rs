@@ -86,6 +86,8 @@ pub struct Options {
     /// The `inboxctl cleanup` settings measured at many rows.
     pub cleanup_batch_size: i64,
     pub cleanup_batch_pause: Duration,
+    /// What the modes' queues are declared as.
+    pub queue_type: inboxctl::amqp::topology::QueueType,
 }
 
 /// One measurement of one mode.
@@ -179,6 +181,8 @@ pub struct Settings {
     pub id_kind: &'static str,
     /// Rows the inbox modes' inbox held before they were measured.
     pub inbox_rows: u64,
+    /// What the modes' queues were declared as (`classic`, `quorum`).
+    pub queue_type: &'static str,
     /// The peer's configuration, when it ran.
     pub peer: Option<peer::PeerSettings>,
 }
@@ -198,6 +202,7 @@ impl Settings {
             duplicates: options.duplicates,
             id_kind: crate::prefill::kind_name(options.ids),
             inbox_rows: options.inbox_rows,
+            queue_type: options.queue_type.name(),
             peer: peer.map(|p| p.settings(options.concurrency)),
         }
     }

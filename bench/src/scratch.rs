@@ -34,11 +34,13 @@ pub struct Scratch {
     pub peer: Option<peer::Peer>,
     /// The inbox holds `--inbox-rows` rows that every run keeps.
     pub prefilled: bool,
+    /// What its queue is declared as.
+    pub queue_type: topology::QueueType,
 }
 
 impl Scratch {
-    pub fn route(&self) -> (&str, &str) {
-        (&self.exchange, &self.queue)
+    pub fn route(&self) -> (&str, &str, topology::QueueType) {
+        (&self.exchange, &self.queue, self.queue_type)
     }
 }
 
@@ -66,12 +68,12 @@ pub fn messages(count: u64, ids: IdKind) -> Vec<Message> {
 pub async fn publish(
     connection: &Connection,
     broker: &Broker,
-    (exchange, queue): (&str, &str),
+    (exchange, queue, queue_type): (&str, &str, topology::QueueType),
     messages: &[Message],
     rate: Option<f64>,
     stop: Option<&CancellationToken>,
 ) -> Result<BTreeMap<Uuid, DateTime<Utc>>> {
-    topology::ensure_endpoint(connection, exchange, queue, topology::QueueType::Classic).await?;
+    topology::ensure_endpoint(connection, exchange, queue, queue_type).await?;
     let channel = connection.create_channel().await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
@@ -213,6 +215,7 @@ pub fn spawn_consumer(
     }
     let mut cmd = Command::new(std::env::current_exe()?);
     cmd.args(["consume", "--queue", &scratch.queue])
+        .args(["--queue-type", scratch.queue_type.name()])
         .args(["--exchange", &scratch.exchange])
         .args(["--concurrency", &options.concurrency.to_string()])
         .args(["--prefetch", &options.prefetch.to_string()])

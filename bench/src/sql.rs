@@ -86,6 +86,21 @@ SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
 FROM generate_series($1 + 1, $1 + $2) AS g,
      LATERAL (SELECT now() - interval '14 days' + (g::float8 / $4::float8) * interval '14 days' AS t) AS x";
 
+/// The same rows for a partitioned inbox (`migrate --partitioned 1d`): each keyed on its time `t` (`message_time`)
+/// and kept in that day's partition, its fingerprint in the row; rows never processed only in the last day (work in
+/// flight: inboxctl's consumers set `processed_at`, so no older partition holds one, and every partition past the
+/// window can go whole).
+pub const SEED_ROWS_PARTITIONED: &str = "\
+INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)
+SELECT ('00000000-0000-7000-8000-' || lpad(to_hex(g), 12, '0'))::uuid,
+       ($3::text[])[1 + g % cardinality($3::text[])],
+       t,
+       CASE WHEN (g / cardinality($3::text[])) % 100 = 0 AND t > now() - interval '1 day' THEN NULL ELSE t END,
+       t,
+       decode(md5(g::text), 'hex')
+FROM generate_series($1 + 1, $1 + $2) AS g,
+     LATERAL (SELECT now() - interval '14 days' + (g::float8 / $4::float8) * interval '14 days' AS t) AS x";
+
 /// Flushes every dirty page, so that a run does not pay for what came before it (the role may not be allowed to).
 pub const CHECKPOINT: &str = "CHECKPOINT";
 

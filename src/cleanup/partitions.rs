@@ -24,6 +24,10 @@ pub struct PartitionWork {
     pub kept: Vec<Kept>,
     /// Tables a stopped drop had left detached, dropped now.
     pub leftovers: Vec<String>,
+    /// Why no partition could be made or dropped (the role is not the table's owner, say): the old rows went by the
+    /// batched delete instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refused: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -60,6 +64,31 @@ pub async fn maintain(
         return Ok(None);
     };
     let mut work = PartitionWork::default();
+    match drop_and_make(pool, settings, cutoff, cleanable, dry_run, &mut work).await {
+        Ok(()) => Ok(Some(work)),
+        // Making, attaching, detaching and dropping a partition are the table owner's: a role that may only delete
+        // rows still cleans, by the batched delete.
+        Err(crate::error::Error::PrivilegeRefused { reason, .. }) => {
+            tracing::warn!(
+                reason = %crate::redact::text(&reason),
+                "this role may not make or drop the inbox's partitions (only its owner may); deleting the old rows \
+                 in batches instead"
+            );
+            work.refused = Some(reason);
+            Ok(Some(work))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+async fn drop_and_make(
+    pool: &PgPool,
+    settings: db::partitions::Settings,
+    cutoff: DateTime<Utc>,
+    cleanable: &HashSet<String>,
+    dry_run: bool,
+    work: &mut PartitionWork,
+) -> Result<()> {
     let mut conn = pool.acquire().await?;
     if !dry_run {
         work.leftovers = db::partitions::drop_leftovers(&mut conn).await?;
@@ -99,7 +128,7 @@ pub async fn maintain(
             rows_estimated,
         });
     }
-    Ok(Some(work))
+    Ok(())
 }
 
 /// Why a partition wholly older than the cutoff cannot go whole, if it cannot.

@@ -15,8 +15,9 @@
 //! `message_time = '-infinity'`, and the claim treats an untimed row of a key as that key's claim (see
 //! `claim::CLAIM_TIMED`), so that a copy of a message processed before the conversion is still a duplicate.
 //!
-//! The interval and the time source are kept in the table's comment (`inboxctl {"interval_seconds":…}`), where every
-//! role that can see the table can read them, and no second table needs grants.
+//! The interval and the time source are kept in the comment of the untimed partition (`inboxctl
+//! {"interval_seconds":…}`) — a table inboxctl made, so the comment is nobody else's — where every role can read them,
+//! and no second table needs grants.
 
 use chrono::{DateTime, TimeDelta, Utc};
 use sqlx::postgres::PgConnection;
@@ -28,9 +29,11 @@ use crate::error::{Error, Result};
 use crate::inbox::time::{TimeSource, earliest};
 
 statements! {
-    /// Whether `inbox_messages` is partitioned, and its comment (where the partitioning's settings are kept).
+    /// Whether `inbox_messages` is partitioned, and the comment of its untimed partition (where the partitioning's
+    /// settings are kept).
     const INBOX_LAYOUT = "\
-SELECT c.relkind = 'p', obj_description(c.oid, 'pg_class') FROM pg_class c WHERE c.oid = to_regclass('inbox_messages')";
+SELECT c.relkind = 'p', obj_description(to_regclass('inbox_messages_untimed'), 'pg_class')
+FROM pg_class c WHERE c.oid = to_regclass('inbox_messages')";
 
     /// The inbox's partitions: name, bounds (null for MINVALUE), whether a concurrent detach of it was interrupted.
     /// The bounds are read back from the text PostgreSQL writes them as, in this session's time zone.
@@ -177,27 +180,33 @@ impl Settings {
 
 /// How `inbox_messages` is laid out; `None` when there is none.
 pub async fn layout(executor: impl Into<Exec<'_>>) -> Result<Option<Layout>> {
-    let row: Option<(bool, Option<String>)> = unit!(executor, |conn| sql::query_as(INBOX_LAYOUT)
-        .fetch_optional(conn))?;
-    let Some((partitioned, comment)) = row else {
-        return Ok(None);
-    };
-    if !partitioned {
-        return Ok(Some(Layout::Plain));
-    }
-    match comment.as_deref().and_then(Settings::from_comment) {
-        Some(settings) => Ok(Some(Layout::Partitioned(settings))),
-        None => Err(Error::SchemaIncompatible {
+    match read_layout(executor).await? {
+        None => Ok(None),
+        Some(None) => Err(Error::SchemaIncompatible {
             database: String::new(),
             differences: vec![
-                "inbox_messages is partitioned, but its comment does not hold inboxctl's settings (the time its \
-                 partitions are keyed on): it was partitioned by someone else, or its comment was changed; run \
-                 `inboxctl migrate --partitioned <interval> --partition-time <source>` with the settings it was \
-                 partitioned with to write them again"
+                "inbox_messages is partitioned, but the comment of inbox_messages_untimed does not hold inboxctl's \
+                 settings (the time its partitions are keyed on): it was partitioned by someone else, or the comment \
+                 was changed; run `inboxctl migrate --partitioned <interval> --partition-time <source>` with the \
+                 settings it was partitioned with to write them again"
                     .to_owned(),
             ],
         }),
+        Some(Some(layout)) => Ok(Some(layout)),
     }
+}
+
+/// The layout, `Some(None)` for a partitioned inbox whose settings are not to be found.
+async fn read_layout(executor: impl Into<Exec<'_>>) -> Result<Option<Option<Layout>>> {
+    let row: Option<(bool, Option<String>)> = unit!(executor, |conn| sql::query_as(INBOX_LAYOUT)
+        .fetch_optional(conn))?;
+    Ok(row.map(|(partitioned, comment)| match partitioned {
+        false => Some(Layout::Plain),
+        true => comment
+            .as_deref()
+            .and_then(Settings::from_comment)
+            .map(Layout::Partitioned),
+    }))
 }
 
 /// One partition of the inbox.
@@ -273,7 +282,7 @@ fn drop_statement(name: &str) -> String {
 
 fn comment_statement(settings: &Settings) -> String {
     format!(
-        "COMMENT ON TABLE inbox_messages IS '{}'",
+        "COMMENT ON TABLE inbox_messages_untimed IS '{}'",
         settings.comment().replace('\'', "''")
     )
 }
@@ -437,8 +446,16 @@ pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<Pa
         settings: Some(settings),
         ..PartitionReport::default()
     };
-    match layout(&mut *conn).await? {
-        Some(Layout::Partitioned(existing)) if existing != settings => {
+    match read_layout(&mut *conn).await? {
+        // Partitioned, its settings lost: written again, as the operator gives them.
+        Some(None) => {
+            tracing::warn!(
+                "inbox_messages is partitioned but its settings were gone; writing the ones given, which must be \
+                 those it was partitioned with"
+            );
+            run(conn, &comment_statement(&settings)).await?;
+        }
+        Some(Some(Layout::Partitioned(existing))) if existing != settings => {
             return Err(Error::Usage(format!(
                 "inbox_messages is partitioned every {} on {}; it cannot be changed to every {} on {}: copies of \
                  the messages in the window would be keyed on another time than their originals and processed again",
@@ -448,8 +465,8 @@ pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<Pa
                 settings.source.name(),
             )));
         }
-        Some(Layout::Partitioned(_)) => {}
-        Some(Layout::Plain) => {
+        Some(Some(Layout::Partitioned(_))) => {}
+        Some(Some(Layout::Plain)) => {
             convert(conn, settings).await?;
             report.converted = true;
         }

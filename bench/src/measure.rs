@@ -215,7 +215,10 @@ async fn prepare(
         exchange: format!("inboxctl-bench-{}-events", mode.name()),
         peer,
         prefilled,
-        queue_type: options.queue_type,
+        queue_type: match mode {
+            Mode::InboxQuorum => inboxctl::amqp::topology::QueueType::Quorum,
+            _ => options.queue_type,
+        },
     })
 }
 

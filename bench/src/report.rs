@@ -18,18 +18,21 @@ pub enum Mode {
     Tutorial,
     Inbox,
     InboxBatched,
+    /// `inbox` on a quorum queue: what replicating the queue costs (on one node here: the cost without the network).
+    InboxQuorum,
     Peer,
 }
 
 impl Mode {
     /// Every mode, in the order the tables show them.
-    pub const ALL: [Mode; 7] = [
+    pub const ALL: [Mode; 8] = [
         Mode::Ceiling,
         Mode::CeilingBatched,
         Mode::Bare,
         Mode::Tutorial,
         Mode::Inbox,
         Mode::InboxBatched,
+        Mode::InboxQuorum,
         Mode::Peer,
     ];
 
@@ -41,6 +44,7 @@ impl Mode {
             Mode::Tutorial => "tutorial",
             Mode::Inbox => "inbox",
             Mode::InboxBatched => "inbox-batched",
+            Mode::InboxQuorum => "inbox-quorum",
             Mode::Peer => "peer",
         }
     }
@@ -49,13 +53,18 @@ impl Mode {
     pub fn claims(self) -> bool {
         matches!(
             self,
-            Mode::Inbox | Mode::InboxBatched | Mode::Ceiling | Mode::CeilingBatched
+            Mode::Inbox
+                | Mode::InboxBatched
+                | Mode::InboxQuorum
+                | Mode::Ceiling
+                | Mode::CeilingBatched
         )
     }
 
     pub fn database_suffix(self) -> &'static str {
         match self {
             Mode::InboxBatched => "inbox_batched",
+            Mode::InboxQuorum => "inbox_quorum",
             Mode::CeilingBatched => "ceiling_batched",
             other => other.name(),
         }
@@ -235,6 +244,7 @@ pub fn ratios(repeats: &BTreeMap<Mode, Vec<Repeat>>) -> BTreeMap<String, Spread>
         (Mode::InboxBatched, Mode::Ceiling),
         (Mode::InboxBatched, Mode::CeilingBatched),
         (Mode::Bare, Mode::Ceiling),
+        (Mode::InboxQuorum, Mode::Inbox),
     ];
     let mut out = BTreeMap::new();
     for (a, b) in pairs {

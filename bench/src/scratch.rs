@@ -237,7 +237,9 @@ pub fn spawn_consumer(
             cmd.args(["--batch-size", &options.batch_size.to_string()]);
             "inbox"
         }
-        Mode::Inbox | Mode::Ceiling | Mode::CeilingBatched | Mode::Peer => "inbox",
+        Mode::Inbox | Mode::InboxQuorum | Mode::Ceiling | Mode::CeilingBatched | Mode::Peer => {
+            "inbox"
+        }
     };
     cmd.args(["--guard", guard]);
     if until_idle {

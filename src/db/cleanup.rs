@@ -49,17 +49,21 @@ WITH batch AS (
 DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch))";
 
     /// `DELETE_PROCESSED_BATCH` on a partitioned inbox, where a tuple id names a row only within its partition: the
-    /// batch's rows are deleted by their key, each found in its partition through its key's time.
+    /// batch's rows are deleted by their key, each found in its partition through its key's time. The keys travel as
+    /// two arrays unnested in the join, so that the planner probes the primary key once per row (a nested loop,
+    /// pruned to one partition per probe); joined to the batch itself, it hashed every row of the consumer_type in
+    /// every partition, 1.3 s a batch at 10M rows instead of 25 ms (measured by the bench's partition-drop run).
     const DELETE_PROCESSED_BATCH_TIMED = "\
 WITH batch AS (
-    SELECT id, message_time FROM inbox_messages
-    WHERE consumer_type = $1 AND processed_at < $2
-    LIMIT $3
+    SELECT array_agg(id) AS ids, array_agg(message_time) AS times FROM (
+        SELECT id, message_time FROM inbox_messages
+        WHERE consumer_type = $1 AND processed_at < $2
+        LIMIT $3) AS picked
 ), fingerprints AS (
-    DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = batch.id
+    DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = ANY (batch.ids)
 )
-DELETE FROM inbox_messages i USING batch
-WHERE i.id = batch.id AND i.consumer_type = $1 AND i.message_time = batch.message_time";
+DELETE FROM inbox_messages i USING batch, unnest(batch.ids, batch.times) AS b(id, message_time)
+WHERE i.id = b.id AND i.consumer_type = $1 AND i.message_time = b.message_time";
 
     /// The same for inboxctl's own event rows.
     const DELETE_EVENTS_BATCH = "\

@@ -36,11 +36,16 @@ async fn send(env: &TestEnv, id: Uuid) -> (lapin::BasicProperties, Vec<u8>) {
 
 /// Which partition holds each id's carrier row.
 async fn partition_of(pool: &sqlx::PgPool, id: Uuid) -> Vec<String> {
+    partition_of_key(pool, id, CARRIER_QUEUE).await
+}
+
+/// Which partitions hold `id`'s rows of `consumer_type`.
+async fn partition_of_key(pool: &sqlx::PgPool, id: Uuid, consumer_type: &str) -> Vec<String> {
     sqlx::query_scalar(
         "SELECT tableoid::regclass::text FROM inbox_messages WHERE id = $1 AND consumer_type = $2",
     )
     .bind(id)
-    .bind(CARRIER_QUEUE)
+    .bind(consumer_type)
     .fetch_all(pool)
     .await
     .unwrap()
@@ -354,12 +359,24 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
         .await
         .unwrap();
     }
-    // A row from before the partitioning (untimed), processed long ago: deleted by batch.
+    // A row from before the partitioning (untimed), processed long ago: deleted by batch. Its id has a timed row
+    // too, processed yesterday (a writer that keys by another time, a re-send with another sentTime): another key,
+    // which the batched delete must leave (it deletes by the whole key, not by the id).
+    let shared = Uuid::new_v4();
     sqlx::query(
         "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
          VALUES ($1, 'a', now() - interval '20 days', now() - interval '20 days')",
     )
-    .bind(Uuid::new_v4())
+    .bind(shared)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+         VALUES ($1, 'a', now(), now() - interval '1 day', $2)",
+    )
+    .bind(shared)
+    .bind(day(1))
     .execute(&pool)
     .await
     .unwrap();
@@ -467,6 +484,11 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
     assert!(
         left.contains(&(name(10), "a".to_owned())),
         "the unprocessed row stays: {left:?}"
+    );
+    assert_eq!(
+        partition_of_key(&pool, shared, "a").await,
+        vec![name(1)],
+        "the untimed row went, its id's timed row stays"
     );
     assert!(
         left.contains(&(name(9), "a".to_owned())),

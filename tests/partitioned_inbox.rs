@@ -260,17 +260,21 @@ async fn an_inbox_with_rows_is_converted_in_place_under_a_running_consumer_and_o
     let out = migrate_partitioned(&env, &[]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.contains("converted in place"), "{}", out.stdout);
-    assert_eq!(publisher.wait(Duration::from_secs(60)), Some(0));
+    assert_eq!(publisher.wait(Duration::from_secs(180)), Some(0));
 
     // Copies of the messages processed before the conversion: their rows are untimed, and still their claims.
     let conn = env.amqp().await;
     for (props, body) in &before {
         common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), body).await;
     }
-    common::eventually("every parcel's effect", Duration::from_secs(60), || async {
-        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 2200
-            && env.queue_counts(CARRIER_QUEUE) == (0, 0)
-    })
+    common::eventually(
+        "every parcel's effect",
+        Duration::from_secs(180),
+        || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 2200
+                && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     consumer.terminate();

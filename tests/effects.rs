@@ -357,6 +357,17 @@ async fn a_connection_dropped_after_booking() {
         );
     }
     let id = message_of(&pool, "dropped-at-most-once").await;
+    let stats = env.run(&["stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(&stats.stdout).unwrap();
+    let carrier = stats["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+        .unwrap();
+    assert_eq!(carrier["effects_in_doubt"], 1, "{carrier}");
+    assert_eq!(carrier["effects_pending"], 0, "{carrier}");
+    assert!(carrier["oldest_effect_in_doubt_seconds"].as_f64().unwrap() >= 0.0);
     let listed = env.run(&["effects", "--in-doubt"]);
     assert!(listed.stdout.contains(&id.to_string()), "{listed:?}");
     assert!(listed.stdout.contains("answer was lost"), "{listed:?}");
@@ -592,4 +603,32 @@ async fn chaos_after_commit_with_a_lookup_books_every_parcel_once() {
             .unwrap();
     assert_eq!((rows, parcels), (PARCELS as i64, PARCELS as i64));
     assert!(kills >= 4, "only {kills} kills");
+}
+
+/// `replay` warns about messages that failed longer ago than a keyed consumer's carrier keeps its keys.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_warns_past_the_key_lifetime_of_a_keyed_consumer() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let stub = Stub::start(&env, &["--fail-always"]);
+    publish_to(&env, "down", 1);
+    common::consume_until_idle(
+        &env,
+        &consume_args(
+            &stub,
+            "keyed",
+            &["--max-attempts", "1", "--effect-key-ttl", "3s"],
+        )[1..],
+    );
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    assert_eq!(env.queue_counts(&error_queue), (1, 0));
+    let fresh = env.run(&["replay", "--from", &error_queue, "--dry-run"]);
+    assert!(
+        !fresh.stderr.contains("keeps idempotency keys"),
+        "{fresh:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let old = env.run(&["replay", "--from", &error_queue, "--dry-run"]);
+    assert!(old.stderr.contains("keeps idempotency keys"), "{old:?}");
+    assert!(old.stderr.contains("messages=1"), "{old:?}");
 }

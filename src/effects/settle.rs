@@ -192,3 +192,63 @@ async fn settle_booked(
     tx.commit().await?;
     Ok(true)
 }
+
+/// Messages of a replay (replayed, or to be replayed on a dry run) older than the idempotency-key lifetime of a keyed
+/// consumer of their origin queue: its carrier may have forgotten the key, and a message whose call had in fact been
+/// made could book again. One warning per consumer_type; nothing said when PostgreSQL cannot be asked (replay needs
+/// none).
+pub async fn warn_past_key_lifetime(
+    database: &crate::db::Database,
+    report: &crate::replay::Report,
+) {
+    use crate::replay::Action;
+    let chosen: Vec<_> = report
+        .items
+        .iter()
+        .filter(|i| matches!(i.action, Action::Replayed | Action::WouldReplay))
+        .collect();
+    if chosen.is_empty() {
+        return;
+    }
+    let pool = match database.pool(1).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            tracing::debug!(error = %e, "could not look for keyed consumers");
+            return;
+        }
+    };
+    let mut origins: Vec<&str> = chosen.iter().filter_map(|i| i.origin.as_deref()).collect();
+    origins.sort_unstable();
+    origins.dedup();
+    let now = chrono::Utc::now();
+    for origin in origins {
+        let keyed = match crate::db::events::keyed_consumers_of(&pool, origin).await {
+            Ok(keyed) => keyed,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not look for keyed consumers");
+                break;
+            }
+        };
+        for (consumer_type, ttl) in keyed {
+            let older = chosen
+                .iter()
+                .filter(|i| i.origin.as_deref() == Some(origin))
+                .filter(|i| {
+                    i.failed_at
+                        .is_some_and(|t| (now - t).to_std().is_ok_and(|age| age > ttl))
+                })
+                .count();
+            if older > 0 {
+                tracing::warn!(
+                    consumer_type = %crate::sanitize::text(&consumer_type),
+                    queue = %crate::sanitize::text(origin),
+                    messages = older,
+                    key_lifetime = %humantime::format_duration(ttl),
+                    "messages failed longer ago than the carrier keeps idempotency keys (--effect-key-ttl of this keyed \
+                     consumer): one whose call had in fact been made may book again"
+                );
+            }
+        }
+    }
+    pool.close().await;
+}

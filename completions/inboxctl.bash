@@ -552,7 +552,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__demo)
-            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --parcels --duplicates --carrier --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -564,6 +564,10 @@ _inboxctl() {
                     ;;
                 --duplicates)
                     COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --carrier)
+                    COMPREPLY=($(compgen -W "stand-in http" -- "${cur}"))
                     return 0
                     ;;
                 --database-url)

@@ -260,6 +260,8 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s h -l help -d
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l parcels -d 'Parcels to register (one ParcelCreatedEvent each)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l duplicates -d 'Fraction of the events delivered twice (the same message id again), 0 to 1' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l carrier -d 'The carrier the carrier consumer books with: the stand-in that writes a row, or the stand-in carrier API on HTTP, started in this process on loopback and called keyed (the JSON line then adds the bookings it counted)' -r -f -a "stand-in\t'Writes carrier_reservations in the consumer\'s transaction'
+http\t'Books over HTTP with an idempotency key, against a stand-in carrier API on loopback'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -269,7 +271,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l log-format -d
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l consumer-type -d 'Only this consumer_type\'s' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l limit -d 'At most this many, the oldest first' -r

@@ -111,13 +111,33 @@ fn ledger(shared: &Shared) -> std::sync::MutexGuard<'_, Ledger> {
     shared.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A stand-in being served.
+#[derive(Debug, Clone)]
+pub struct Serving {
+    /// The address bound (the port the system chose for port 0).
+    pub addr: SocketAddr,
+    ledger: Shared,
+}
+
+impl Serving {
+    /// Its base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every booking it made so far.
+    pub fn bookings(&self) -> Vec<Booking> {
+        ledger(&self.ledger).bookings.clone()
+    }
+}
+
 /// Binds `addr` (so a bad or busy address is an error at once) and serves the stand-in with `behaviour` until
-/// `shutdown`, in a task of its own; returns the address bound (the port the system chose for port 0).
+/// `shutdown`, in a task of its own.
 pub async fn serve(
     addr: SocketAddr,
     behaviour: Behaviour,
     shutdown: CancellationToken,
-) -> Result<SocketAddr> {
+) -> Result<Serving> {
     let listener = TcpListener::bind(addr)
         .await
         .map_err(|e| Error::Usage(format!("--listen {addr}: {e}")))?;
@@ -132,7 +152,7 @@ pub async fn serve(
         .route("/_stub/bookings", get(bookings))
         .route("/_stub/behaviour", get(behaviour_now).post(set_behaviour))
         .layer(DefaultBodyLimit::max(MAX_BODY))
-        .with_state(shared);
+        .with_state(Arc::clone(&shared));
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
@@ -141,7 +161,10 @@ pub async fn serve(
             tracing::warn!(error = %e, "the stand-in carrier stopped serving");
         }
     });
-    Ok(bound)
+    Ok(Serving {
+        addr: bound,
+        ledger: shared,
+    })
 }
 
 fn bad_request(reason: impl Into<String>) -> Response {

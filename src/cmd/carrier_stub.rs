@@ -62,9 +62,9 @@ pub async fn run(args: Args, _global: &GlobalOpts, shutdown: CancellationToken) 
              its behaviour"
         );
     }
-    let bound = carrier_stub::serve(args.listen, args.behaviour(), shutdown.clone()).await?;
-    output::line(&format!("http://{bound}"))?;
-    tracing::info!(%bound, "stand-in carrier listening");
+    let serving = carrier_stub::serve(args.listen, args.behaviour(), shutdown.clone()).await?;
+    output::line(&serving.url())?;
+    tracing::info!(bound = %serving.addr, "stand-in carrier listening");
     shutdown.cancelled().await;
     Ok(Outcome::Done)
 }

@@ -344,6 +344,45 @@ mod tests {
     }
 
     #[test]
+    fn the_carrier_flags_reach_the_config_and_need_a_url() {
+        let parsed = Consume::try_parse_from([
+            "consume",
+            "carrier",
+            "--carrier-url=http://127.0.0.1:8089",
+            "--carrier-timeout=4s",
+            "--carrier-connect-timeout=1s",
+            "--effect-mode=after-commit",
+            "--effect-key-ttl=2h",
+            "--effect-lease=9s",
+            "--lookup-url=http://127.0.0.1:8090",
+        ])
+        .expect("flags parse");
+        let api = parsed.args.config().carrier_api.expect("an API");
+        assert_eq!(api.url.as_str(), "http://127.0.0.1:8089/");
+        assert_eq!(api.timeout, Duration::from_secs(4));
+        assert_eq!(api.connect_timeout, Duration::from_secs(1));
+        assert_eq!(api.mode, EffectMode::AfterCommit);
+        assert_eq!(api.key_ttl, Duration::from_secs(7200));
+        assert_eq!(api.lease, Duration::from_secs(9));
+        assert_eq!(
+            api.lookup_url.map(String::from).as_deref(),
+            Some("http://127.0.0.1:8090/")
+        );
+        for refused in [
+            &["consume", "carrier", "--effect-mode=at-most-once"][..],
+            &["consume", "carrier", "--lookup-url=http://x"],
+            &[
+                "consume",
+                "carrier",
+                "--carrier-url=http://x",
+                "--fail-destination=A",
+            ],
+        ] {
+            assert!(Consume::try_parse_from(refused).is_err(), "{refused:?}");
+        }
+    }
+
+    #[test]
     fn partitions_take_a_key_and_exclude_concurrency_and_batches() {
         let parsed = Consume::try_parse_from([
             "consume",

@@ -468,3 +468,38 @@ async fn check_privileges(pool: &PgPool, db: &Database, config: &Config) -> Resu
             .collect(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_api(consumer: Kind, mode: EffectMode) -> Config {
+        let mut api = CarrierApi::new(url::Url::parse("http://127.0.0.1:1").expect("url"));
+        api.mode = mode;
+        Config {
+            carrier_api: Some(api),
+            ..Config::of(consumer)
+        }
+    }
+
+    #[test]
+    fn a_carrier_api_is_refused_where_it_cannot_apply() {
+        assert!(check_carrier_api(&with_api(Kind::Carrier, EffectMode::Keyed)).is_ok());
+        assert!(check_carrier_api(&with_api(Kind::Notification, EffectMode::Keyed)).is_err());
+        let mut short = with_api(Kind::Carrier, EffectMode::AfterCommit);
+        assert!(check_carrier_api(&short).is_ok(), "the defaults fit");
+        if let Some(api) = short.carrier_api.as_mut() {
+            api.lease = api.timeout;
+        }
+        let err = check_carrier_api(&short).expect_err("a lease no longer than a call");
+        assert!(err.to_string().contains("--effect-lease"), "{err}");
+        let mut lookup = with_api(Kind::Carrier, EffectMode::AtMostOnce);
+        if let Some(api) = lookup.carrier_api.as_mut() {
+            api.lookup_url = Some(api.url.clone());
+        }
+        assert!(
+            check_carrier_api(&lookup).is_err(),
+            "at-most-once takes no look-up"
+        );
+    }
+}

@@ -632,3 +632,138 @@ async fn replay_warns_past_the_key_lifetime_of_a_keyed_consumer() {
     assert!(old.stderr.contains("keeps idempotency keys"), "{old:?}");
     assert!(old.stderr.contains("messages=1"), "{old:?}");
 }
+
+/// A login role with nothing but `grants` (`{role}` standing for it); dropped with what it was granted at the end.
+struct Role {
+    name: String,
+    url: String,
+    admin: PgPool,
+}
+
+impl Role {
+    async fn new(env: &TestEnv, admin: &PgPool, what: &str, grants: &str) -> Self {
+        let name = format!("{}_{what}", env.db_name);
+        let quoted = common::quote_ident(&name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE {quoted} LOGIN; {}",
+            grants.replace("{role}", &quoted)
+        )))
+        .execute(admin)
+        .await
+        .unwrap();
+        let mut url = url::Url::parse(&common::pg_base()).unwrap();
+        url.set_username(&name).unwrap();
+        url.set_path(&format!("/{}", env.db_name));
+        Self {
+            name,
+            url: url.to_string(),
+            admin: admin.clone(),
+        }
+    }
+
+    fn run(&self, env: &TestEnv, args: &[&str]) -> common::Output {
+        common::Output::of(
+            env.cmd()
+                .env("DATABASE_URL", &self.url)
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    }
+
+    async fn grant(&self, grants: &str) {
+        let sql = grants.replace("{role}", &common::quote_ident(&self.name));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&self.admin)
+            .await
+            .unwrap();
+    }
+
+    async fn drop_it(self) {
+        let quoted = common::quote_ident(&self.name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP OWNED BY {quoted}; DROP ROLE {quoted}"
+        )))
+        .execute(&self.admin)
+        .await
+        .unwrap();
+    }
+}
+
+/// docs/security.md's grants for calls outside the database, each command run under exactly them: `consume
+/// --carrier-url` refused at start without those on inboxctl_effects, naming them, and working with them; `effects`
+/// with SELECT; `effects resolve` with UPDATE and the audit's INSERT; `stats` under its own grants leaves the effect
+/// counts out.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_grants_written_for_calls_outside_the_database_suffice() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let admin = env.pool().await;
+    let stub = Stub::start(&env, &["--drop-next", "1"]);
+    let consume = Role::new(
+        &env,
+        &admin,
+        "effects_consume",
+        "GRANT SELECT, INSERT ON inbox_messages TO {role};
+         GRANT INSERT ON carrier_reservations, inboxctl_events, inboxctl_audit TO {role};
+         GRANT SELECT, INSERT, UPDATE ON inboxctl_consumers, inboxctl_fingerprints TO {role};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts TO {role};",
+    )
+    .await;
+    let args = consume_args(&stub, "at-most-once", &[]);
+    let refused = consume.run(&env, &args);
+    assert_eq!(refused.code, Some(77), "{refused:?}");
+    assert!(
+        refused
+            .stderr
+            .contains("SELECT, INSERT, UPDATE on inboxctl_effects"),
+        "{refused:?}"
+    );
+    consume
+        .grant("GRANT SELECT, INSERT, UPDATE ON inboxctl_effects TO {role}")
+        .await;
+    publish_to(&env, "granted", 1);
+    let mut consumer = env.spawn_with(&args, &[("DATABASE_URL", consume.url.as_str())]);
+    common::eventually("the call in doubt", Duration::from_secs(30), || async {
+        state_of(&admin, "granted").await.as_deref() == Some("in_doubt")
+    })
+    .await;
+    consumer.terminate();
+    consumer.wait(Duration::from_secs(30));
+
+    let list = Role::new(
+        &env,
+        &admin,
+        "effects_list",
+        "GRANT SELECT ON inboxctl_effects TO {role}",
+    )
+    .await;
+    let listed = list.run(&env, &["effects", "--in-doubt", "--json"]);
+    assert_eq!(listed.code, Some(0), "{listed:?}");
+    let id = message_of(&admin, "granted").await;
+    assert!(listed.stdout.contains(&id.to_string()), "{listed:?}");
+    let not_allowed = list.run(&env, &["effects", "resolve", &id.to_string(), "--done"]);
+    assert_ne!(not_allowed.code, Some(0), "{not_allowed:?}");
+    list.grant(
+        "GRANT UPDATE ON inboxctl_effects TO {role}; GRANT INSERT ON inboxctl_audit TO {role}",
+    )
+    .await;
+    let resolved = list.run(&env, &["effects", "resolve", &id.to_string(), "--done"]);
+    assert_eq!(resolved.code, Some(0), "{resolved:?}");
+    assert!(!resolved.stderr.contains("not audited"), "{resolved:?}");
+
+    let stats = Role::new(
+        &env,
+        &admin,
+        "effects_stats",
+        "GRANT SELECT ON inbox_messages, inboxctl_events, inboxctl_consumers TO {role}",
+    )
+    .await;
+    let out = stats.run(&env, &["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(json["consumers"][0]["effects_in_doubt"].is_null(), "{json}");
+    for role in [consume, list, stats] {
+        role.drop_it().await;
+    }
+}

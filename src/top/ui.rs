@@ -412,6 +412,38 @@ mod tests {
     }
 
     #[test]
+    fn effects_in_doubt_are_shown_in_red() {
+        let mut carrier = consumer("parcel-created-carrier", 1, 0, 0, 0);
+        carrier.effects = Some(crate::stats::EffectCounts {
+            pending: 2,
+            oldest_pending_seconds: Some(30.0),
+            in_doubt: 1,
+            oldest_in_doubt_seconds: Some(90.0),
+            failed: 0,
+        });
+        let mut app = App::new(0.05);
+        app.update(Action::Data(snapshot(vec![carrier])));
+        let mut terminal = Terminal::new(TestBackend::new(200, 30)).expect("terminal");
+        terminal.draw(|f| render(&app, f)).expect("draw");
+        let buffer = terminal.backend().buffer().clone();
+        let row = (0..buffer.area.height)
+            .find(|&y| {
+                (0..buffer.area.width)
+                    .map(|x| buffer[(x, y)].symbol())
+                    .collect::<String>()
+                    .contains("parcel-created-carrier ")
+            })
+            .expect("carrier row");
+        let text: String = (0..buffer.area.width)
+            .map(|x| buffer[(x, row)].symbol())
+            .collect();
+        assert!(text.contains("2 30s") && text.contains("1 90s"), "{text}");
+        let at = text.find("1 90s").expect("doubt cell");
+        let x = u16::try_from(text[..at].chars().count()).expect("column");
+        assert_eq!(buffer[(x, row)].fg, Color::Red, "{text}");
+    }
+
+    #[test]
     fn a_small_terminal_degrades_gracefully() {
         let screen = draw(&app(), 50, 10);
         assert!(screen.contains("parcel-creat"), "{screen}");

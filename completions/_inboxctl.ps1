@@ -44,7 +44,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
+            [CompletionResult]::new('effects', 'effects', [CompletionResultType]::ParameterValue, 'Calls to the outside world not done (owed, in doubt, failed), and settling them')
             [CompletionResult]::new('audit', 'audit', [CompletionResultType]::ParameterValue, 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it')
+            [CompletionResult]::new('carrier-stub', 'carrier-stub', [CompletionResultType]::ParameterValue, 'A stand-in carrier API on HTTP for demos and tests: books pickup slots, counts them, misbehaves on request')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -90,6 +92,13 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--partitions', '--partitions', [CompletionResultType]::ParameterName, 'Spread the queue over this many partition queues (<queue>.0 …) fed by a consistent-hash exchange (<queue>.partitions) on the routing key, each read by one active consumer one message at a time: messages of one key are processed in the order they were published, N keys at once. Needs --partition-key')
             [CompletionResult]::new('--partition-key', '--partition-key', [CompletionResultType]::ParameterName, 'The message field publishers set as the routing key (e.g. parcelId): the consumer checks each message against it and says when a publisher did not')
             [CompletionResult]::new('--fail-destination', '--fail-destination', [CompletionResultType]::ParameterName, 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue')
+            [CompletionResult]::new('--carrier-url', '--carrier-url', [CompletionResultType]::ParameterName, 'Book pickups with the carrier''s HTTP API at this base URL (POST <url>/pickups, with an Idempotency-Key) instead of the stand-in that writes a row. Carrier consumer only')
+            [CompletionResult]::new('--carrier-timeout', '--carrier-timeout', [CompletionResultType]::ParameterName, 'The longest a call to the carrier may take, its answer included')
+            [CompletionResult]::new('--carrier-connect-timeout', '--carrier-connect-timeout', [CompletionResultType]::ParameterName, 'The longest connecting to the carrier may take')
+            [CompletionResult]::new('--effect-mode', '--effect-mode', [CompletionResultType]::ParameterName, 'How the call to the carrier is made (see the README''s "Effects outside the database")')
+            [CompletionResult]::new('--effect-key-ttl', '--effect-key-ttl', [CompletionResultType]::ParameterName, 'How long the carrier keeps idempotency keys (keyed): `replay` warns about messages older than this')
+            [CompletionResult]::new('--effect-lease', '--effect-lease', [CompletionResultType]::ParameterName, 'How long a process holds an effect while it calls (after-commit, at-most-once): past it, another process may take the effect over. Longer than --carrier-timeout plus --carrier-connect-timeout')
+            [CompletionResult]::new('--lookup-url', '--lookup-url', [CompletionResultType]::ParameterName, 'after-commit: where to ask the carrier what it booked under a key (GET <url>/pickups/by-key/{key}) before calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
             [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
@@ -303,6 +312,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;demo' {
             [CompletionResult]::new('--parcels', '--parcels', [CompletionResultType]::ParameterName, 'Parcels to register (one ParcelCreatedEvent each)')
             [CompletionResult]::new('--duplicates', '--duplicates', [CompletionResultType]::ParameterName, 'Fraction of the events delivered twice (the same message id again), 0 to 1')
+            [CompletionResult]::new('--carrier', '--carrier', [CompletionResultType]::ParameterName, 'The carrier the carrier consumer books with: the stand-in that writes a row, or the stand-in carrier API on HTTP, started in this process on loopback and called keyed (the JSON line then adds the bookings it counted)')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
             [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
@@ -312,10 +322,90 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help (see more with ''--help'')')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help (see more with ''--help'')')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;effects' {
+            [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type''s')
+            [CompletionResult]::new('--limit', '--limit', [CompletionResultType]::ParameterName, 'At most this many, the oldest first')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--in-doubt', '--in-doubt', [CompletionResultType]::ParameterName, 'Only the effects in doubt: the call may or may not have been made (at-most-once)')
+            [CompletionResult]::new('--pending', '--pending', [CompletionResultType]::ParameterName, 'Only the effects owed: not called yet, or being called')
+            [CompletionResult]::new('--failed', '--failed', [CompletionResultType]::ParameterName, 'Only the effects that failed every attempt')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print them as JSON')
+            [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
             [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
             [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
             [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('resolve', 'resolve', [CompletionResultType]::ParameterValue, 'Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)')
+            [CompletionResult]::new('reconcile', 'reconcile', [CompletionResultType]::ParameterValue, 'Ask the carrier what it booked under each unknown effect''s key and settle it: done with the slot found, or pending (made again by a consumer) when the carrier has none')
+            [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
+            break
+        }
+        'inboxctl;effects;resolve' {
+            [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Its consumer_type (needed when the message has effects for several)')
+            [CompletionResult]::new('--reference', '--reference', [CompletionResultType]::ParameterName, 'The carrier''s reference for it (e.g. the slot id), kept with it')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--done', '--done', [CompletionResultType]::ParameterName, 'The call was made: mark the effect done')
+            [CompletionResult]::new('--retry', '--retry', [CompletionResultType]::ParameterName, 'The call was not made: owe it again (a running consumer makes it)')
+            [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;effects;reconcile' {
+            [CompletionResult]::new('--lookup-url', '--lookup-url', [CompletionResultType]::ParameterName, 'The carrier''s base URL for look-ups: GET <url>/pickups/by-key/{key}')
+            [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type''s')
+            [CompletionResult]::new('--timeout', '--timeout', [CompletionResultType]::ParameterName, 'The longest one look-up may take')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print what was done as JSON')
+            [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;effects;help' {
+            [CompletionResult]::new('resolve', 'resolve', [CompletionResultType]::ParameterValue, 'Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)')
+            [CompletionResult]::new('reconcile', 'reconcile', [CompletionResultType]::ParameterValue, 'Ask the carrier what it booked under each unknown effect''s key and settle it: done with the slot found, or pending (made again by a consumer) when the carrier has none')
+            [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
+            break
+        }
+        'inboxctl;effects;help;resolve' {
+            break
+        }
+        'inboxctl;effects;help;reconcile' {
+            break
+        }
+        'inboxctl;effects;help;help' {
             break
         }
         'inboxctl;audit' {
@@ -329,6 +419,29 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
             [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the rows as JSON')
+            [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
+            [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
+            [CompletionResult]::new('-h', '-h', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('--help', '--help', [CompletionResultType]::ParameterName, 'Print help')
+            [CompletionResult]::new('-V', '-V ', [CompletionResultType]::ParameterName, 'Print version')
+            [CompletionResult]::new('--version', '--version', [CompletionResultType]::ParameterName, 'Print version')
+            break
+        }
+        'inboxctl;carrier-stub' {
+            [CompletionResult]::new('--listen', '--listen', [CompletionResultType]::ParameterName, 'The address to listen on (port 0: one the system chooses); the first line printed is its URL')
+            [CompletionResult]::new('--delay', '--delay', [CompletionResultType]::ParameterName, 'Answer this late, after booking')
+            [CompletionResult]::new('--delay-destination', '--delay-destination', [CompletionResultType]::ParameterName, 'Only bookings to this destination are answered late')
+            [CompletionResult]::new('--fail-next', '--fail-next', [CompletionResultType]::ParameterName, 'Answer 503 to this many requests, booking nothing')
+            [CompletionResult]::new('--drop-next', '--drop-next', [CompletionResultType]::ParameterName, 'Book, then drop the connection without answering, for this many requests')
+            [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
+            [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
+            [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-password-file', '--amqp-password-file', [CompletionResultType]::ParameterName, 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment')
+            [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots')
+            [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
+            [CompletionResult]::new('--ignore-keys', '--ignore-keys', [CompletionResultType]::ParameterName, 'Book again for a repeated Idempotency-Key, as a carrier that does not honour keys does')
+            [CompletionResult]::new('--fail-always', '--fail-always', [CompletionResultType]::ParameterName, 'Answer 503 to every request')
             [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
             [CompletionResult]::new('--verbose', '--verbose', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')
@@ -365,7 +478,9 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('top', 'top', [CompletionResultType]::ParameterValue, 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues')
             [CompletionResult]::new('stats', 'stats', [CompletionResultType]::ParameterValue, 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON')
             [CompletionResult]::new('demo', 'demo', [CompletionResultType]::ParameterValue, 'The whole story in one command: migrate, publish with duplicates, consume, count the effects')
+            [CompletionResult]::new('effects', 'effects', [CompletionResultType]::ParameterValue, 'Calls to the outside world not done (owed, in doubt, failed), and settling them')
             [CompletionResult]::new('audit', 'audit', [CompletionResultType]::ParameterValue, 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it')
+            [CompletionResult]::new('carrier-stub', 'carrier-stub', [CompletionResultType]::ParameterValue, 'A stand-in carrier API on HTTP for demos and tests: books pickup slots, counts them, misbehaves on request')
             [CompletionResult]::new('completions', 'completions', [CompletionResultType]::ParameterValue, 'Print a shell completion script (bash, zsh, fish, elvish, powershell)')
             [CompletionResult]::new('help', 'help', [CompletionResultType]::ParameterValue, 'Print this message or the help of the given subcommand(s)')
             break
@@ -404,7 +519,21 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;help;demo' {
             break
         }
+        'inboxctl;help;effects' {
+            [CompletionResult]::new('resolve', 'resolve', [CompletionResultType]::ParameterValue, 'Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)')
+            [CompletionResult]::new('reconcile', 'reconcile', [CompletionResultType]::ParameterValue, 'Ask the carrier what it booked under each unknown effect''s key and settle it: done with the slot found, or pending (made again by a consumer) when the carrier has none')
+            break
+        }
+        'inboxctl;help;effects;resolve' {
+            break
+        }
+        'inboxctl;help;effects;reconcile' {
+            break
+        }
         'inboxctl;help;audit' {
+            break
+        }
+        'inboxctl;help;carrier-stub' {
             break
         }
         'inboxctl;help;completions' {

@@ -19,6 +19,9 @@ _inboxctl() {
             inboxctl,audit)
                 cmd="inboxctl__subcmd__audit"
                 ;;
+            inboxctl,carrier-stub)
+                cmd="inboxctl__subcmd__carrier__subcmd__stub"
+                ;;
             inboxctl,cleanup)
                 cmd="inboxctl__subcmd__cleanup"
                 ;;
@@ -30,6 +33,9 @@ _inboxctl() {
                 ;;
             inboxctl,demo)
                 cmd="inboxctl__subcmd__demo"
+                ;;
+            inboxctl,effects)
+                cmd="inboxctl__subcmd__effects"
                 ;;
             inboxctl,failures)
                 cmd="inboxctl__subcmd__failures"
@@ -55,8 +61,29 @@ _inboxctl() {
             inboxctl,top)
                 cmd="inboxctl__subcmd__top"
                 ;;
+            inboxctl__subcmd__effects,help)
+                cmd="inboxctl__subcmd__effects__subcmd__help"
+                ;;
+            inboxctl__subcmd__effects,reconcile)
+                cmd="inboxctl__subcmd__effects__subcmd__reconcile"
+                ;;
+            inboxctl__subcmd__effects,resolve)
+                cmd="inboxctl__subcmd__effects__subcmd__resolve"
+                ;;
+            inboxctl__subcmd__effects__subcmd__help,help)
+                cmd="inboxctl__subcmd__effects__subcmd__help__subcmd__help"
+                ;;
+            inboxctl__subcmd__effects__subcmd__help,reconcile)
+                cmd="inboxctl__subcmd__effects__subcmd__help__subcmd__reconcile"
+                ;;
+            inboxctl__subcmd__effects__subcmd__help,resolve)
+                cmd="inboxctl__subcmd__effects__subcmd__help__subcmd__resolve"
+                ;;
             inboxctl__subcmd__help,audit)
                 cmd="inboxctl__subcmd__help__subcmd__audit"
+                ;;
+            inboxctl__subcmd__help,carrier-stub)
+                cmd="inboxctl__subcmd__help__subcmd__carrier__subcmd__stub"
                 ;;
             inboxctl__subcmd__help,cleanup)
                 cmd="inboxctl__subcmd__help__subcmd__cleanup"
@@ -69,6 +96,9 @@ _inboxctl() {
                 ;;
             inboxctl__subcmd__help,demo)
                 cmd="inboxctl__subcmd__help__subcmd__demo"
+                ;;
+            inboxctl__subcmd__help,effects)
+                cmd="inboxctl__subcmd__help__subcmd__effects"
                 ;;
             inboxctl__subcmd__help,failures)
                 cmd="inboxctl__subcmd__help__subcmd__failures"
@@ -94,6 +124,12 @@ _inboxctl() {
             inboxctl__subcmd__help,top)
                 cmd="inboxctl__subcmd__help__subcmd__top"
                 ;;
+            inboxctl__subcmd__help__subcmd__effects,reconcile)
+                cmd="inboxctl__subcmd__help__subcmd__effects__subcmd__reconcile"
+                ;;
+            inboxctl__subcmd__help__subcmd__effects,resolve)
+                cmd="inboxctl__subcmd__help__subcmd__effects__subcmd__resolve"
+                ;;
             inboxctl__subcmd__help__subcmd__publish,parcel-created)
                 cmd="inboxctl__subcmd__help__subcmd__publish__subcmd__parcel__subcmd__created"
                 ;;
@@ -116,7 +152,7 @@ _inboxctl() {
 
     case "${cmd}" in
         inboxctl)
-            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version migrate consume cleanup replay find failures publish top stats demo audit completions help"
+            opts="-v -h -V --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version migrate consume cleanup replay find failures publish top stats demo effects audit carrier-stub completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -169,6 +205,64 @@ _inboxctl() {
                     return 0
                     ;;
                 --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__carrier__subcmd__stub)
+            opts="-v -h -V --listen --ignore-keys --delay --delay-destination --fail-next --fail-always --drop-next --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --listen)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --delay)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --delay-destination)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --fail-next)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --drop-next)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -312,7 +406,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --exit-when-idle --shutdown-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --carrier-url --carrier-timeout --carrier-connect-timeout --effect-mode --effect-key-ttl --effect-lease --lookup-url --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -398,6 +492,34 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --carrier-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --carrier-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --carrier-connect-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --effect-mode)
+                    COMPREPLY=($(compgen -W "keyed after-commit at-most-once" -- "${cur}"))
+                    return 0
+                    ;;
+                --effect-key-ttl)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --effect-lease)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lookup-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --database-url)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -430,7 +552,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__demo)
-            opts="-v -h -V --parcels --duplicates --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --parcels --duplicates --carrier --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -441,6 +563,208 @@ _inboxctl() {
                     return 0
                     ;;
                 --duplicates)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --carrier)
+                    COMPREPLY=($(compgen -W "stand-in http" -- "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects)
+            opts="-v -h -V --in-doubt --pending --failed --consumer-type --limit --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version resolve reconcile help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --consumer-type)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --limit)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects__subcmd__help)
+            opts="resolve reconcile help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects__subcmd__help__subcmd__help)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects__subcmd__help__subcmd__reconcile)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects__subcmd__help__subcmd__resolve)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects__subcmd__reconcile)
+            opts="-v -h -V --lookup-url --consumer-type --timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --lookup-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --consumer-type)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-password-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --amqp-ca-file)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__effects__subcmd__resolve)
+            opts="-v -h -V --consumer-type --done --reference --retry --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --consumer-type)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --reference)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -572,7 +896,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help)
-            opts="migrate consume cleanup replay find failures publish top stats demo audit completions help"
+            opts="migrate consume cleanup replay find failures publish top stats demo effects audit carrier-stub completions help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -586,6 +910,20 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__help__subcmd__audit)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__carrier__subcmd__stub)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -644,6 +982,48 @@ _inboxctl() {
         inboxctl__subcmd__help__subcmd__demo)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__effects)
+            opts="resolve reconcile"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__effects__subcmd__reconcile)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        inboxctl__subcmd__help__subcmd__effects__subcmd__resolve)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi

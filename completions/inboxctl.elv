@@ -41,7 +41,9 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand effects 'Calls to the outside world not done (owed, in doubt, failed), and settling them'
             cand audit 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
+            cand carrier-stub 'A stand-in carrier API on HTTP for demos and tests: books pickup slots, counts them, misbehaves on request'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -85,6 +87,13 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --partitions 'Spread the queue over this many partition queues (<queue>.0 …) fed by a consistent-hash exchange (<queue>.partitions) on the routing key, each read by one active consumer one message at a time: messages of one key are processed in the order they were published, N keys at once. Needs --partition-key'
             cand --partition-key 'The message field publishers set as the routing key (e.g. parcelId): the consumer checks each message against it and says when a publisher did not'
             cand --fail-destination 'Make the stand-in carrier (or SMS gateway) fail every call for parcels to this destination, like an API that is down: shows retries and the error queue'
+            cand --carrier-url 'Book pickups with the carrier''s HTTP API at this base URL (POST <url>/pickups, with an Idempotency-Key) instead of the stand-in that writes a row. Carrier consumer only'
+            cand --carrier-timeout 'The longest a call to the carrier may take, its answer included'
+            cand --carrier-connect-timeout 'The longest connecting to the carrier may take'
+            cand --effect-mode 'How the call to the carrier is made (see the README''s "Effects outside the database")'
+            cand --effect-key-ttl 'How long the carrier keeps idempotency keys (keyed): `replay` warns about messages older than this'
+            cand --effect-lease 'How long a process holds an effect while it calls (after-commit, at-most-once): past it, another process may take the effect over. Longer than --carrier-timeout plus --carrier-connect-timeout'
+            cand --lookup-url 'after-commit: where to ask the carrier what it booked under a key (GET <url>/pickups/by-key/{key}) before calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
@@ -286,6 +295,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;demo'= {
             cand --parcels 'Parcels to register (one ParcelCreatedEvent each)'
             cand --duplicates 'Fraction of the events delivered twice (the same message id again), 0 to 1'
+            cand --carrier 'The carrier the carrier consumer books with: the stand-in that writes a row, or the stand-in carrier API on HTTP, started in this process on loopback and called keyed (the JSON line then adds the bookings it counted)'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
@@ -295,10 +305,83 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help (see more with ''--help'')'
+            cand --help 'Print help (see more with ''--help'')'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;effects'= {
+            cand --consumer-type 'Only this consumer_type''s'
+            cand --limit 'At most this many, the oldest first'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --in-doubt 'Only the effects in doubt: the call may or may not have been made (at-most-once)'
+            cand --pending 'Only the effects owed: not called yet, or being called'
+            cand --failed 'Only the effects that failed every attempt'
+            cand --json 'Print them as JSON'
+            cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand -h 'Print help'
             cand --help 'Print help'
             cand -V 'Print version'
             cand --version 'Print version'
+            cand resolve 'Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)'
+            cand reconcile 'Ask the carrier what it booked under each unknown effect''s key and settle it: done with the slot found, or pending (made again by a consumer) when the carrier has none'
+            cand help 'Print this message or the help of the given subcommand(s)'
+        }
+        &'inboxctl;effects;resolve'= {
+            cand --consumer-type 'Its consumer_type (needed when the message has effects for several)'
+            cand --reference 'The carrier''s reference for it (e.g. the slot id), kept with it'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --done 'The call was made: mark the effect done'
+            cand --retry 'The call was not made: owe it again (a running consumer makes it)'
+            cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;effects;reconcile'= {
+            cand --lookup-url 'The carrier''s base URL for look-ups: GET <url>/pickups/by-key/{key}'
+            cand --consumer-type 'Only this consumer_type''s'
+            cand --timeout 'The longest one look-up may take'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --json 'Print what was done as JSON'
+            cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;effects;help'= {
+            cand resolve 'Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)'
+            cand reconcile 'Ask the carrier what it booked under each unknown effect''s key and settle it: done with the slot found, or pending (made again by a consumer) when the carrier has none'
+            cand help 'Print this message or the help of the given subcommand(s)'
+        }
+        &'inboxctl;effects;help;resolve'= {
+        }
+        &'inboxctl;effects;help;reconcile'= {
+        }
+        &'inboxctl;effects;help;help'= {
         }
         &'inboxctl;audit'= {
             cand --since 'Actions of this last while (e.g. 90m, 24h, 30d)'
@@ -311,6 +394,28 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
             cand --log-format 'Log line format on stderr'
             cand --json 'Print the rows as JSON'
+            cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
+            cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
+            cand -h 'Print help'
+            cand --help 'Print help'
+            cand -V 'Print version'
+            cand --version 'Print version'
+        }
+        &'inboxctl;carrier-stub'= {
+            cand --listen 'The address to listen on (port 0: one the system chooses); the first line printed is its URL'
+            cand --delay 'Answer this late, after booking'
+            cand --delay-destination 'Only bookings to this destination are answered late'
+            cand --fail-next 'Answer 503 to this many requests, booking nothing'
+            cand --drop-next 'Book, then drop the connection without answering, for this many requests'
+            cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
+            cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
+            cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-password-file 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment'
+            cand --amqp-ca-file 'CA certificate (PEM) that an amqps:// broker''s certificate must chain to, instead of the system''s roots'
+            cand --log-format 'Log line format on stderr'
+            cand --ignore-keys 'Book again for a repeated Idempotency-Key, as a carrier that does not honour keys does'
+            cand --fail-always 'Answer 503 to every request'
             cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
             cand --verbose 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'
@@ -345,7 +450,9 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand top 'Live dashboard per consumer_type: duplicate rate, unprocessed rows, queues'
             cand stats 'Per consumer_type: inbox rows, unprocessed rows, duplicate rate, queues — once, as a table or JSON'
             cand demo 'The whole story in one command: migrate, publish with duplicates, consume, count the effects'
+            cand effects 'Calls to the outside world not done (owed, in doubt, failed), and settling them'
             cand audit 'The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it'
+            cand carrier-stub 'A stand-in carrier API on HTTP for demos and tests: books pickup slots, counts them, misbehaves on request'
             cand completions 'Print a shell completion script (bash, zsh, fish, elvish, powershell)'
             cand help 'Print this message or the help of the given subcommand(s)'
         }
@@ -372,7 +479,17 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;help;demo'= {
         }
+        &'inboxctl;help;effects'= {
+            cand resolve 'Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)'
+            cand reconcile 'Ask the carrier what it booked under each unknown effect''s key and settle it: done with the slot found, or pending (made again by a consumer) when the carrier has none'
+        }
+        &'inboxctl;help;effects;resolve'= {
+        }
+        &'inboxctl;help;effects;reconcile'= {
+        }
         &'inboxctl;help;audit'= {
+        }
+        &'inboxctl;help;carrier-stub'= {
         }
         &'inboxctl;help;completions'= {
         }

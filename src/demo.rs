@@ -7,8 +7,10 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::amqp::{self, Broker, topology};
+use crate::carrier_stub;
 use crate::consumer::{self, Config};
 use crate::db::{self, Database, schema};
+use crate::effects::CarrierApi;
 use crate::error::Result;
 use crate::parcel::Kind;
 use crate::producer::{self, Plan};
@@ -20,6 +22,19 @@ pub struct Demo {
     pub parcels: u64,
     /// Fraction of the events delivered twice, with the same message id.
     pub duplicates: f64,
+    /// Which carrier the carrier consumer books with.
+    pub carrier: DemoCarrier,
+}
+
+/// The carrier of a demo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DemoCarrier {
+    /// The stand-in that writes a row in the consumer's transaction.
+    #[default]
+    StandIn,
+    /// The stand-in carrier API on HTTP ([`crate::carrier_stub`]), started in this process on loopback and called
+    /// keyed.
+    Http,
 }
 
 /// The demo's verdict.
@@ -33,6 +48,9 @@ pub struct Tally {
     pub notifications_sent: i64,
     /// Copies the two consumers recognised and discarded (each consumer discards each duplicate copy once).
     pub duplicates_discarded: i64,
+    /// With the carrier on HTTP: the bookings the stand-in carrier counted for those parcels.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub carrier_bookings: Option<u64>,
     pub seconds: f64,
 }
 
@@ -81,14 +99,33 @@ pub async fn run(
         "published; consuming until both queues are idle"
     );
 
-    let [carrier, notification] = Kind::ALL.map(|kind| Config {
+    let stub_stop = CancellationToken::new();
+    let stub = match demo.carrier {
+        DemoCarrier::StandIn => None,
+        DemoCarrier::Http => Some(
+            carrier_stub::serve(
+                std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                carrier_stub::Behaviour::default(),
+                stub_stop.clone(),
+            )
+            .await?,
+        ),
+    };
+    let [mut carrier, notification] = Kind::ALL.map(|kind| Config {
         exit_when_idle: Some(IDLE),
         ..Config::of(kind)
     });
+    if let Some(stub) = &stub {
+        let url = url::Url::parse(&stub.url())
+            .map_err(|e| crate::error::Error::Usage(format!("the stand-in's URL: {e}")))?;
+        carrier.carrier_api = Some(CarrierApi::new(url));
+    }
     let (carrier, notification) = tokio::join!(
         consumer::consume(&carrier, db, broker, shutdown.clone()),
         consumer::consume(&notification, db, broker, shutdown.clone()),
     );
+    let bookings = stub.map(|stub| stub.bookings());
+    stub_stop.cancel();
     let (carrier, notification) = (carrier?, notification?);
     tracing::info!(
         processed = carrier.processed + notification.processed,
@@ -110,6 +147,13 @@ pub async fn run(
         notifications_sent: db::effects::count_notifications_sent_for(&mut conn, &parcel_ids)
             .await?,
         duplicates_discarded: db::events::count_duplicates_for(&mut conn, &message_ids).await?,
+        carrier_bookings: bookings.map(|bookings| {
+            let ours: std::collections::HashSet<Uuid> = parcel_ids.iter().copied().collect();
+            bookings
+                .iter()
+                .filter(|b| ours.contains(&b.parcel_id))
+                .count() as u64
+        }),
         seconds: (started.elapsed().as_secs_f64() * 100.0).round() / 100.0,
     })
 }

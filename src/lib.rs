@@ -9,12 +9,14 @@
 pub mod amqp;
 pub mod audit;
 pub mod backoff;
+pub mod carrier_stub;
 pub mod cleanup;
 pub mod cli;
 pub mod cmd;
 pub mod consumer;
 pub mod db;
 pub mod demo;
+pub mod effects;
 pub mod error;
 pub mod failpoint;
 pub mod ids;

@@ -253,7 +253,7 @@ impl SmsGateway for StandInSms {
 }
 
 /// 09:00 UTC of the day after `now`.
-fn next_morning(now: DateTime<Utc>) -> DateTime<Utc> {
+pub(crate) fn next_morning(now: DateTime<Utc>) -> DateTime<Utc> {
     let midnight = now.duration_trunc(TimeDelta::days(1)).unwrap_or(now);
     midnight + TimeDelta::days(1) + TimeDelta::hours(9)
 }

@@ -126,6 +126,20 @@ pub struct ConsumerStats {
     pub error_queue: Option<QueueDepth>,
     /// The oldest message of the error queue (its head, looked at and given back): how long ago it failed.
     pub oldest_dead_letter_seconds: Option<f64>,
+    /// Its calls outside the database not done (`inboxctl_effects`); `None` where that table is absent or unreadable.
+    pub effects: Option<EffectCounts>,
+}
+
+/// One consumer_type's calls outside the database that are not done.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EffectCounts {
+    /// Owed: not called yet, or being called.
+    pub pending: u64,
+    pub oldest_pending_seconds: Option<f64>,
+    /// In doubt: made or not, nobody knows (at-most-once).
+    pub in_doubt: u64,
+    pub oldest_in_doubt_seconds: Option<f64>,
+    pub failed: u64,
 }
 
 /// Where the oldest dead-lettered message stands against the retention, the longest a replay may wait.
@@ -228,6 +242,7 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     types.sort();
     types.dedup();
 
+    let open_effects = open_effects(&mut conn).await?;
     let estimates = Estimates::read(&mut conn).await?;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
@@ -236,6 +251,9 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         if let Some(queue) = stats.queue.as_mut() {
             queue.partitions = partitioned.get(&stats.consumer_type).copied();
         }
+        stats.effects = open_effects
+            .as_ref()
+            .map(|open| open.get(&stats.consumer_type).copied().unwrap_or_default());
         consumers.push(stats);
     }
     drop(conn);
@@ -254,6 +272,37 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         consumers,
         broker_error,
     })
+}
+
+/// Per consumer_type, the calls outside the database not done: one statement over the partial index of the rows not
+/// done. `None` on a database without `inboxctl_effects`, or for a role that may not read it.
+async fn open_effects(
+    conn: &mut sqlx::PgConnection,
+) -> Result<Option<HashMap<String, EffectCounts>>> {
+    if !schema::table_exists(&mut *conn, "inboxctl_effects").await? {
+        return Ok(None);
+    }
+    let open = match db::external::open(&mut *conn).await {
+        Ok(open) => open,
+        Err(e) if db::sqlstate(&e).as_deref() == Some("42501") => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let now = Utc::now();
+    let age = |t: Option<DateTime<Utc>>| t.map(|t| (now - t).as_seconds_f64().max(0.0));
+    Ok(Some(
+        open.into_iter()
+            .map(|o| {
+                let counts = EffectCounts {
+                    pending: u64::try_from(o.pending).unwrap_or(0),
+                    oldest_pending_seconds: age(o.oldest_pending),
+                    in_doubt: u64::try_from(o.in_doubt).unwrap_or(0),
+                    oldest_in_doubt_seconds: age(o.oldest_in_doubt),
+                    failed: u64::try_from(o.failed).unwrap_or(0),
+                };
+                (o.consumer_type, counts)
+            })
+            .collect(),
+    ))
 }
 
 /// Fills in the queues' depths and the error queues' oldest messages; why the broker's figures are missing, if they
@@ -423,6 +472,7 @@ async fn consumer_stats(
             exists: false,
         }),
         oldest_dead_letter_seconds: None,
+        effects: None,
     })
 }
 

@@ -35,3 +35,34 @@ async fn demo_ends_with_one_effect_per_parcel_twice_in_a_row() {
         120
     );
 }
+
+/// `demo --carrier http`: the carrier consumer books with a stand-in carrier API on loopback; the JSON line adds the
+/// bookings it counted, one per parcel.
+#[tokio::test(flavor = "multi_thread")]
+async fn demo_against_a_carrier_on_http_counts_its_bookings() {
+    let env = TestEnv::bare().await;
+    let out = env.run(&[
+        "demo",
+        "--parcels",
+        "40",
+        "--duplicates",
+        "0.25",
+        "--carrier",
+        "http",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let tally: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(tally["parcels"], 40, "{tally}");
+    assert_eq!(tally["carrier_bookings"], 40, "{tally}");
+    assert_eq!(tally["carrier_reservations"], 40, "{tally}");
+    assert_eq!(tally["notifications_sent"], 40, "{tally}");
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_effects WHERE mode = 'keyed' AND state = 'done'"
+        )
+        .await,
+        40
+    );
+}

@@ -22,6 +22,7 @@ mod consume;
 mod crash;
 mod demo;
 mod docs;
+mod effects;
 mod errors;
 mod fuzz_corpus;
 mod grants;

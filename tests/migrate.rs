@@ -80,6 +80,7 @@ async fn a_fresh_database_is_created_and_gets_the_schema() {
             "inboxctl_attempts",
             "inboxctl_audit",
             "inboxctl_consumers",
+            "inboxctl_effects",
             "inboxctl_events",
             "inboxctl_fingerprints",
             "inboxctl_migrations",

@@ -11,6 +11,7 @@ use crate::consumer::start::{
     self, Config, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS,
     DEFAULT_POISON_AFTER, DEFAULT_PREFETCH,
 };
+use crate::effects::{CarrierApi, EffectMode};
 use crate::error::{Outcome, Result};
 use crate::parcel::Kind;
 
@@ -128,6 +129,61 @@ pub struct Args {
     /// is down: shows retries and the error queue
     #[arg(long, value_name = "DESTINATION")]
     pub fail_destination: Option<String>,
+
+    /// Book pickups with the carrier's HTTP API at this base URL (POST <url>/pickups, with an Idempotency-Key)
+    /// instead of the stand-in that writes a row. Carrier consumer only
+    #[arg(long, value_name = "URL", conflicts_with = "fail_destination")]
+    pub carrier_url: Option<url::Url>,
+
+    /// The longest a call to the carrier may take, its answer included
+    #[arg(long, default_value = "10s", requires = "carrier_url", value_parser = crate::cli::duration_between(Duration::from_millis(100), Duration::from_secs(600)))]
+    pub carrier_timeout: Duration,
+
+    /// The longest connecting to the carrier may take
+    #[arg(long, default_value = "3s", requires = "carrier_url", value_parser = crate::cli::duration_between(Duration::from_millis(100), Duration::from_secs(600)))]
+    pub carrier_connect_timeout: Duration,
+
+    /// How the call to the carrier is made (see the README's "Effects outside the database")
+    #[arg(long, value_enum, default_value_t = EffectMode::Keyed, requires = "carrier_url")]
+    pub effect_mode: EffectMode,
+
+    /// How long the carrier keeps idempotency keys (keyed): `replay` warns about messages older than this
+    #[arg(long, default_value = "24h", requires = "carrier_url", value_parser = parse_positive_duration)]
+    pub effect_key_ttl: Duration,
+
+    /// How long a process holds an effect while it calls (after-commit, at-most-once): past it, another process may
+    /// take the effect over. Longer than --carrier-timeout plus --carrier-connect-timeout
+    #[arg(long, default_value = "30s", requires = "carrier_url", value_parser = parse_positive_duration)]
+    pub effect_lease: Duration,
+
+    /// after-commit: where to ask the carrier what it booked under a key (GET <url>/pickups/by-key/{key}) before
+    /// calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again
+    #[arg(long, value_name = "URL", requires = "carrier_url")]
+    pub lookup_url: Option<url::Url>,
+}
+
+/// `--effect-mode keyed|after-commit|at-most-once`.
+impl clap::ValueEnum for EffectMode {
+    fn value_variants<'a>() -> &'a [Self] {
+        &EffectMode::ALL
+    }
+
+    fn to_possible_value(&self) -> Option<clap::builder::PossibleValue> {
+        Some(match self {
+            EffectMode::Keyed => clap::builder::PossibleValue::new("keyed").help(
+                "Call inside the claim's transaction with the idempotency key; a failure or crash rolls back and the \
+                 redelivery calls again with the same key. For APIs that honour keys",
+            ),
+            EffectMode::AfterCommit => clap::builder::PossibleValue::new("after-commit").help(
+                "Commit the claim with the call owed, then call (with the key), retrying until done; a process that \
+                 dies leaves it to the next. Exactly once with keyed APIs, at least once otherwise",
+            ),
+            EffectMode::AtMostOnce => clap::builder::PossibleValue::new("at-most-once").help(
+                "Commit the intent, call once, commit the outcome; a call whose outcome is unknown is never made \
+                 again but listed in doubt (`inboxctl effects --in-doubt`)",
+            ),
+        })
+    }
 }
 
 /// `--queue-type classic|quorum`.
@@ -191,6 +247,15 @@ impl Args {
                 .partitions
                 .zip(self.partition_key.clone())
                 .map(|(count, key)| crate::consumer::Partitions { count, key }),
+            carrier_api: self.carrier_url.clone().map(|url| CarrierApi {
+                url,
+                timeout: self.carrier_timeout,
+                connect_timeout: self.carrier_connect_timeout,
+                mode: self.effect_mode,
+                key_ttl: self.effect_key_ttl,
+                lease: self.effect_lease,
+                lookup_url: self.lookup_url.clone(),
+            }),
         }
     }
 }
@@ -273,8 +338,48 @@ mod tests {
             metrics_addr: Some("127.0.0.1:9".parse().expect("address")),
             fail_destination: Some("FAIL".into()),
             partitions: None,
+            carrier_api: None,
         };
         assert_eq!(parsed.args.config(), expected);
+    }
+
+    #[test]
+    fn the_carrier_flags_reach_the_config_and_need_a_url() {
+        let parsed = Consume::try_parse_from([
+            "consume",
+            "carrier",
+            "--carrier-url=http://127.0.0.1:8089",
+            "--carrier-timeout=4s",
+            "--carrier-connect-timeout=1s",
+            "--effect-mode=after-commit",
+            "--effect-key-ttl=2h",
+            "--effect-lease=9s",
+            "--lookup-url=http://127.0.0.1:8090",
+        ])
+        .expect("flags parse");
+        let api = parsed.args.config().carrier_api.expect("an API");
+        assert_eq!(api.url.as_str(), "http://127.0.0.1:8089/");
+        assert_eq!(api.timeout, Duration::from_secs(4));
+        assert_eq!(api.connect_timeout, Duration::from_secs(1));
+        assert_eq!(api.mode, EffectMode::AfterCommit);
+        assert_eq!(api.key_ttl, Duration::from_secs(7200));
+        assert_eq!(api.lease, Duration::from_secs(9));
+        assert_eq!(
+            api.lookup_url.map(String::from).as_deref(),
+            Some("http://127.0.0.1:8090/")
+        );
+        for refused in [
+            &["consume", "carrier", "--effect-mode=at-most-once"][..],
+            &["consume", "carrier", "--lookup-url=http://x"],
+            &[
+                "consume",
+                "carrier",
+                "--carrier-url=http://x",
+                "--fail-destination=A",
+            ],
+        ] {
+            assert!(Consume::try_parse_from(refused).is_err(), "{refused:?}");
+        }
     }
 
     #[test]

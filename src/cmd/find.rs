@@ -212,6 +212,24 @@ fn rows(m: &Found) -> comfy_table::Table {
             format!("parcel {}", e.parcel_id),
         ));
     }
+    for c in &m.calls {
+        let mut what = format!(
+            "{} call ({}), key {}, {} attempt(s)",
+            c.state, c.mode, c.idempotency_key, c.attempts
+        );
+        if let Some(reference) = &c.reference {
+            what.push_str(&format!(", reference {reference}"));
+        }
+        if let Some(error) = &c.last_error {
+            what.push_str(&format!(", last error: {error}"));
+        }
+        lines.push((
+            Some(c.updated_at),
+            "call".into(),
+            c.consumer_type.clone(),
+            what,
+        ));
+    }
     lines.extend(m.dead_letters.iter().map(dead_letter_line));
     lines.sort_by_key(|l| l.0.map_or(i64::MAX, |t| t.timestamp_micros()));
     for (when, place, name, what) in lines {

@@ -1,11 +1,13 @@
 //! One file per subcommand, each with its `Args` and one `run`.
 
 pub mod audit;
+pub mod carrier_stub;
 pub mod cleanup;
 pub mod completions;
 mod confirm;
 pub mod consume;
 pub mod demo;
+pub mod effects;
 pub mod failures;
 pub mod find;
 pub mod migrate;
@@ -27,7 +29,7 @@ pub enum Command {
     /// Apply the inbox schema (creates the database if needed; safe to repeat, safe to run twice at once)
     Migrate(migrate::Args),
     /// Run a Parcel Tracker consumer in the foreground, exactly once per (message id, consumer_type)
-    Consume(consume::Args),
+    Consume(Box<consume::Args>),
     /// Purge processed inbox rows older than the retention window, in small batches (never an unprocessed row)
     Cleanup(cleanup::Args),
     /// Move dead-lettered messages back to the queue they failed on, safely (the inbox absorbs what was done)
@@ -44,8 +46,12 @@ pub enum Command {
     Stats(stats::Args),
     /// The whole story in one command: migrate, publish with duplicates, consume, count the effects
     Demo(demo::Args),
+    /// Calls to the outside world not done (owed, in doubt, failed), and settling them
+    Effects(effects::Args),
     /// The operator actions that changed state (migrate, cleanup, replay, consume), who did them and what came of it
     Audit(audit::Args),
+    /// A stand-in carrier API on HTTP for demos and tests: books pickup slots, counts them, misbehaves on request
+    CarrierStub(carrier_stub::Args),
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell)
     Completions(completions::Args),
 }
@@ -57,7 +63,7 @@ pub async fn run(
 ) -> Result<Outcome> {
     match command {
         Command::Migrate(args) => migrate::run(args, global).await,
-        Command::Consume(args) => consume::run(args, global, shutdown).await,
+        Command::Consume(args) => consume::run(*args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
         Command::Find(args) => find::run(args, global).await,
         Command::Failures(args) => failures::run(args, global).await,
@@ -66,7 +72,9 @@ pub async fn run(
         Command::Stats(args) => stats::run(args, global).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
+        Command::Effects(args) => effects::run(args, global).await,
         Command::Audit(args) => audit::run(args, global).await,
+        Command::CarrierStub(args) => carrier_stub::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }
 }

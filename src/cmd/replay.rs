@@ -151,6 +151,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         audit(global, &plan, &report, stopped.as_ref()).await;
     }
     let report = report?;
+    if let Ok(database) = global.connect.database() {
+        crate::effects::settle::warn_past_key_lifetime(&database, &report).await;
+    }
 
     if args.json {
         output::json(&report)?;

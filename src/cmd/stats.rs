@@ -78,6 +78,8 @@ fn print(s: &Snapshot) -> Result<()> {
         "consumers",
         "errors",
         "oldest error",
+        "calls owed",
+        "in doubt",
     ]);
     table::align_left(&mut t, 9);
     for c in &json.consumers {
@@ -108,6 +110,12 @@ fn print(s: &Snapshot) -> Result<()> {
                 _ => display::age(c.oldest_dead_letter_seconds),
             }
             .into(),
+            effect_cell(c.effects_pending, c.oldest_effect_pending_seconds, ""),
+            effect_cell(
+                c.effects_in_doubt,
+                c.oldest_effect_in_doubt_seconds,
+                " IN DOUBT",
+            ),
         ]);
     }
     output::line(&t.to_string())?;
@@ -122,6 +130,14 @@ fn print(s: &Snapshot) -> Result<()> {
         footer.push_str(&format!("; RabbitMQ: {}", crate::sanitize::text(e)));
     }
     output::line(&footer)
+}
+
+/// A count of calls outside the database and the age of the oldest (`-` where nothing says), marked when non-zero.
+fn effect_cell(count: Option<u64>, oldest: Option<f64>, mark: &str) -> comfy_table::Cell {
+    match count {
+        Some(n) if n > 0 => format!("{n} ({}){mark}", display::age(oldest)).into(),
+        other => display::count(other, false).into(),
+    }
 }
 
 /// The documented JSON of `stats --json`.
@@ -155,6 +171,15 @@ pub struct ConsumerJson {
     pub oldest_dead_letter_seconds: Option<f64>,
     /// Where that stands against the retention: `ok`, `near` or `past`.
     pub dead_letter_window: Option<stats::Window>,
+    /// Calls outside the database owed (pending or being made), and how old the oldest is (none: no
+    /// `inboxctl_effects` to read).
+    pub effects_pending: Option<u64>,
+    pub oldest_effect_pending_seconds: Option<f64>,
+    /// Calls in doubt (made or not, nobody knows), and how old the oldest is.
+    pub effects_in_doubt: Option<u64>,
+    pub oldest_effect_in_doubt_seconds: Option<f64>,
+    /// Calls that failed every attempt.
+    pub effects_failed: Option<u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -210,6 +235,15 @@ impl From<&Snapshot> for Json {
                         dead_letter_window: c
                             .oldest_dead_letter_seconds
                             .map(|age| stats::Window::of(age, s.retention)),
+                        effects_pending: c.effects.map(|e| e.pending),
+                        oldest_effect_pending_seconds: c
+                            .effects
+                            .and_then(|e| e.oldest_pending_seconds),
+                        effects_in_doubt: c.effects.map(|e| e.in_doubt),
+                        oldest_effect_in_doubt_seconds: c
+                            .effects
+                            .and_then(|e| e.oldest_in_doubt_seconds),
+                        effects_failed: c.effects.map(|e| e.failed),
                     }
                 })
                 .collect(),

@@ -260,7 +260,7 @@ fn property_id(delivery: &Delivery) -> Option<Uuid> {
 }
 
 /// Text from a message or an error about it, for a log field: bounded and with control characters escaped.
-fn logged(text: &str) -> String {
+pub(crate) fn logged(text: &str) -> String {
     sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
 }
 

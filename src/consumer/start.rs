@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::{ConsumerOptions, OnConflict, Partitions, RunCounts, RunSummary, WorkGuard};
 use crate::amqp::{self, Broker, topology};
 use crate::db::{self, Database, schema};
+use crate::effects::{self, CarrierApi, CarrierClient, EffectMode};
 use crate::error::{Error, Result};
 use crate::inbox::{ConsumerType, Inbox, Keying};
 use crate::metrics;
@@ -61,6 +62,8 @@ pub struct Config {
     pub fail_destination: Option<String>,
     /// Spread over partition queues, one message at a time in each (`concurrency` and `batch_size` do not apply).
     pub partitions: Option<Partitions>,
+    /// The carrier as an HTTP API (the carrier consumer only); `None`: the stand-in that writes a row.
+    pub carrier_api: Option<CarrierApi>,
 }
 
 impl Default for Config {
@@ -86,6 +89,7 @@ impl Default for Config {
             metrics_addr: None,
             fail_destination: None,
             partitions: None,
+            carrier_api: None,
         }
     }
 }
@@ -133,14 +137,15 @@ pub async fn consume_guarded<G: WorkGuard>(
     guard: impl FnOnce(Inbox) -> G,
 ) -> Result<RunSummary> {
     let (queue, consumer_type) = names(config)?;
+    check_carrier_api(config)?;
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
     let pool = db
         .with_lock_timeout(config.claim_timeout)
         .pool(pool_size)
         .await?;
     let summary = async {
-        check_schema(&pool, db).await?;
-        check_privileges(&pool, db, config.consumer).await?;
+        check_schema(&pool, db, config.carrier_api.is_some()).await?;
+        check_privileges(&pool, db, config).await?;
         let counts = Arc::new(RunCounts::default());
         let mut inbox = Inbox::new(pool.clone(), consumer_type.clone())
             .with_claim_timeout(db.lock_timeout_per_transaction(config.claim_timeout))
@@ -178,13 +183,66 @@ pub async fn consume_guarded<G: WorkGuard>(
         let options = options(config, queue, counts, timings);
         let guard = guard(inbox);
         let fail_destination = config.fail_destination.clone();
-        let ran = match config.consumer {
-            Kind::Carrier => {
+        let ran = match (config.consumer, &config.carrier_api) {
+            (Kind::Carrier, Some(api)) => {
+                db::events::register_effect_mode(
+                    &pool,
+                    &consumer_type,
+                    &options.queue,
+                    api.mode.name(),
+                    api.key_ttl,
+                )
+                .await?;
+                let client = CarrierClient::new(&api.url, api.timeout, api.connect_timeout)?;
+                match api.mode {
+                    EffectMode::Keyed => {
+                        let carrier = effects::HttpCarrier {
+                            client,
+                            consumer_type: consumer_type.clone(),
+                        };
+                        let consumer = CarrierConsumer { carrier };
+                        super::run(guard, consumer, broker, options, shutdown).await
+                    }
+                    mode => {
+                        let wake = Arc::new(tokio::sync::Notify::new());
+                        let lookup = api
+                            .lookup_url
+                            .as_ref()
+                            .map(|u| CarrierClient::new(u, api.timeout, api.connect_timeout))
+                            .transpose()?;
+                        let worker = effects::worker::Worker {
+                            pool: pool.clone(),
+                            consumer_type: consumer_type.clone(),
+                            client,
+                            lookup,
+                            lease: api.lease,
+                            max_attempts: config.max_attempts,
+                            retry_delay: config.retry_delay,
+                            concurrency: usize::from(config.workers()),
+                            wake: Arc::clone(&wake),
+                        };
+                        // The worker goes on making the calls owed until the consumer has stopped.
+                        let stop_worker = CancellationToken::new();
+                        let working = tokio::spawn(worker.run(stop_worker.clone()));
+                        let carrier = effects::DeferredCarrier {
+                            mode,
+                            consumer_type: consumer_type.clone(),
+                            wake,
+                        };
+                        let consumer = CarrierConsumer { carrier };
+                        let ran = super::run(guard, consumer, broker, options, shutdown).await;
+                        stop_worker.cancel();
+                        let _ = working.await;
+                        ran
+                    }
+                }
+            }
+            (Kind::Carrier, None) => {
                 let carrier = StandInCarrier { fail_destination };
                 let consumer = CarrierConsumer { carrier };
                 super::run(guard, consumer, broker, options, shutdown).await
             }
-            Kind::Notification => {
+            (Kind::Notification, _) => {
                 let gateway = StandInSms { fail_destination };
                 let consumer = NotificationConsumer { gateway };
                 super::run(guard, consumer, broker, options, shutdown).await
@@ -278,6 +336,35 @@ fn names(config: &Config) -> Result<(String, ConsumerType)> {
     Ok((queue, consumer_type))
 }
 
+/// Refuses a carrier API where it cannot apply: on the notification consumer, and with a lease no longer than a call
+/// may take (another process could take over an effect whose call is still in flight).
+fn check_carrier_api(config: &Config) -> Result<()> {
+    let Some(api) = &config.carrier_api else {
+        return Ok(());
+    };
+    if config.consumer != Kind::Carrier {
+        return Err(Error::Usage(
+            "--carrier-url applies to the carrier consumer only".to_owned(),
+        ));
+    }
+    if api.mode != EffectMode::Keyed && api.lease <= api.timeout + api.connect_timeout {
+        return Err(Error::Usage(format!(
+            "--effect-lease ({}) must be longer than --carrier-timeout plus the connect timeout ({}): a call must have \
+             ended before another process may take its effect over",
+            crate::cli::show(api.lease),
+            crate::cli::show(api.timeout + api.connect_timeout)
+        )));
+    }
+    if api.lookup_url.is_some() && api.mode != EffectMode::AfterCommit {
+        return Err(Error::Usage(
+            "--lookup-url applies to --effect-mode after-commit (an at-most-once effect in doubt is settled by \
+             `inboxctl effects reconcile`)"
+                .to_owned(),
+        ));
+    }
+    Ok(())
+}
+
 /// Closes the pool, waiting a bounded time.
 async fn close_pool(pool: PgPool) {
     // Bounded: a connection abandoned mid-statement at the shutdown timeout (work stuck on a lock) is never given
@@ -315,13 +402,16 @@ async fn keying(pool: &PgPool, db: &Database) -> Result<Keying> {
 }
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
-async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
-    let tables = [
+async fn check_schema(pool: &PgPool, db: &Database, calls_outside: bool) -> Result<()> {
+    let mut tables = vec![
         "inbox_messages",
         "inboxctl_events",
         "inboxctl_consumers",
         "inboxctl_fingerprints",
     ];
+    if calls_outside {
+        tables.push("inboxctl_effects");
+    }
     schema::require_tables(pool, db, &tables).await?;
     let mut conn = pool.acquire().await.map_err(|e| db.unavailable(e))?;
     let differences = schema::inbox_differences(&mut conn).await?;
@@ -337,8 +427,9 @@ async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
 /// Refuses to start when the role lacks a privilege the claim or the effect needs (docs/security.md),
 /// naming each: otherwise every delivery would be held with the same error. A missing privilege on
 /// `inboxctl_attempts` turns off only the poison-message guard: said, not refused.
-async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()> {
-    let needs: [(&str, &str); 6] = [
+async fn check_privileges(pool: &PgPool, db: &Database, config: &Config) -> Result<()> {
+    let kind = config.consumer;
+    let mut needs: Vec<(&str, &str)> = vec![
         ("inbox_messages", "SELECT,INSERT"),
         ("inboxctl_fingerprints", "SELECT,INSERT,UPDATE"),
         (kind.effect_table(), "INSERT"),
@@ -346,6 +437,9 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
         ("inboxctl_consumers", "SELECT,INSERT,UPDATE"),
         ("inboxctl_attempts", "SELECT,INSERT,UPDATE,DELETE"),
     ];
+    if config.carrier_api.is_some() {
+        needs.push(("inboxctl_effects", "SELECT,INSERT,UPDATE"));
+    }
     let missing = db::grants::missing_privileges(pool, &needs)
         .await
         .map_err(|e| match db::is_transient(&e) {
@@ -373,4 +467,39 @@ async fn check_privileges(pool: &PgPool, db: &Database, kind: Kind) -> Result<()
             .map(|m| format!("{} on {}", m.privileges, m.table))
             .collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with_api(consumer: Kind, mode: EffectMode) -> Config {
+        let mut api = CarrierApi::new(url::Url::parse("http://127.0.0.1:1").expect("url"));
+        api.mode = mode;
+        Config {
+            carrier_api: Some(api),
+            ..Config::of(consumer)
+        }
+    }
+
+    #[test]
+    fn a_carrier_api_is_refused_where_it_cannot_apply() {
+        assert!(check_carrier_api(&with_api(Kind::Carrier, EffectMode::Keyed)).is_ok());
+        assert!(check_carrier_api(&with_api(Kind::Notification, EffectMode::Keyed)).is_err());
+        let mut short = with_api(Kind::Carrier, EffectMode::AfterCommit);
+        assert!(check_carrier_api(&short).is_ok(), "the defaults fit");
+        if let Some(api) = short.carrier_api.as_mut() {
+            api.lease = api.timeout;
+        }
+        let err = check_carrier_api(&short).expect_err("a lease no longer than a call");
+        assert!(err.to_string().contains("--effect-lease"), "{err}");
+        let mut lookup = with_api(Kind::Carrier, EffectMode::AtMostOnce);
+        if let Some(api) = lookup.carrier_api.as_mut() {
+            api.lookup_url = Some(api.url.clone());
+        }
+        assert!(
+            check_carrier_api(&lookup).is_err(),
+            "at-most-once takes no look-up"
+        );
+    }
 }

@@ -19,6 +19,18 @@ INSERT INTO inboxctl_consumers (consumer_type, queue, partitions, first_seen_at,
 VALUES ($1, $2, $3, now(), now())
 ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, last_seen_at = now()";
 
+    /// Records how a consumer_type calls the outside world: `$1` consumer_type, `$2` its queue, `$3` effect mode,
+    /// `$4` how long its API keeps idempotency keys, in seconds.
+    const REGISTER_EFFECT_MODE = "\
+INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at, effect_mode, effect_key_ttl)
+VALUES ($1, $2, now(), now(), $3, make_interval(secs => $4))
+ON CONFLICT (consumer_type) DO UPDATE SET effect_mode = EXCLUDED.effect_mode, effect_key_ttl = EXCLUDED.effect_key_ttl";
+
+    /// The keyed consumers reading queue `$1` and how long their APIs keep keys, in seconds (`replay`'s warning).
+    const KEYED_CONSUMERS_OF = "\
+SELECT consumer_type::text, extract(epoch FROM effect_key_ttl)::float8 FROM inboxctl_consumers
+WHERE queue = $1 AND effect_mode = 'keyed' AND effect_key_ttl IS NOT NULL";
+
     /// Duplicates discarded for a set of message ids (the demo's tally). `$1` message ids.
     const COUNT_DUPLICATES_FOR =
     "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = ANY($1)";
@@ -55,6 +67,41 @@ pub async fn register_consumer(
         .bind(partitions.map(i32::from))
         .execute(conn))
     .map(drop)
+}
+
+/// Records a consumer_type's effect mode and key lifetime (`REGISTER_EFFECT_MODE`).
+pub async fn register_effect_mode(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &ConsumerType,
+    queue: &str,
+    mode: &str,
+    key_ttl: std::time::Duration,
+) -> sqlx::Result<()> {
+    unit!(executor, |conn| sql::query(REGISTER_EFFECT_MODE)
+        .bind(consumer_type.as_str())
+        .bind(queue)
+        .bind(mode)
+        .bind(key_ttl.as_secs_f64())
+        .execute(conn))
+    .map(drop)
+}
+
+/// The keyed consumer_types reading `queue`, each with its API's key lifetime (`KEYED_CONSUMERS_OF`).
+pub async fn keyed_consumers_of(
+    executor: impl Into<Exec<'_>>,
+    queue: &str,
+) -> sqlx::Result<Vec<(String, std::time::Duration)>> {
+    let query = sql::query_as::<(String, f64)>(KEYED_CONSUMERS_OF).bind(queue);
+    let rows = unit!(executor, |conn| query.fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(|(c, secs)| {
+            (
+                c,
+                std::time::Duration::try_from_secs_f64(secs).unwrap_or_default(),
+            )
+        })
+        .collect())
 }
 
 /// Duplicates discarded for these message ids (`COUNT_DUPLICATES_FOR`).

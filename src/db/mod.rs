@@ -41,6 +41,7 @@ pub mod cleanup;
 pub mod effects;
 pub mod events;
 mod exec;
+pub mod external;
 pub mod grants;
 pub mod partitions;
 pub mod pooler;
@@ -382,7 +383,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 13] = [
+    let areas: [(&str, &[(&str, &str)]); 14] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -390,6 +391,7 @@ pub fn statements() -> Vec<Statement> {
         ("cleanup", cleanup::STATEMENTS),
         ("effects", effects::STATEMENTS),
         ("events", events::STATEMENTS),
+        ("external", external::STATEMENTS),
         ("grants", grants::STATEMENTS),
         ("partitions", partitions::STATEMENTS),
         ("pooler", pooler::STATEMENTS),

@@ -108,6 +108,11 @@ pub struct Line {
     /// How long ago the error queue's oldest message failed, and where that stands against the retention.
     pub oldest_error_seconds: Option<f64>,
     pub error_window: Option<crate::stats::Window>,
+    /// Calls outside the database owed and in doubt, each with the age of its oldest.
+    pub effects_pending: Option<u64>,
+    pub oldest_effect_pending_seconds: Option<f64>,
+    pub effects_in_doubt: Option<u64>,
+    pub oldest_effect_in_doubt_seconds: Option<f64>,
     /// Deliveries and duplicates per bucket, oldest first.
     pub series: Vec<(u64, u64)>,
     // Highlights.
@@ -404,6 +409,10 @@ impl App {
                 oldest_error_seconds: oldest_error,
                 error_window: oldest_error
                     .map(|age| crate::stats::Window::of(age, snapshot.retention)),
+                effects_pending: c.effects.map(|e| e.pending),
+                oldest_effect_pending_seconds: c.effects.and_then(|e| e.oldest_pending_seconds),
+                effects_in_doubt: c.effects.map(|e| e.in_doubt),
+                oldest_effect_in_doubt_seconds: c.effects.and_then(|e| e.oldest_in_doubt_seconds),
                 series: c.series.clone(),
                 duplicates_alert: ratio.is_some_and(|r| r > self.alert_duplicates),
                 unprocessed_growing: self.growing.contains(&c.consumer_type),

@@ -47,7 +47,7 @@ pub fn render(app: &App, frame: &mut Frame) {
 }
 
 /// The columns, widest first to go when the terminal is narrow: (header, width, priority).
-const COLUMNS: [(&str, u16, u8); 14] = [
+const COLUMNS: [(&str, u16, u8); 16] = [
     ("consumer_type", 28, 0),
     ("deliv/s", 8, 0),
     ("dup/s", 7, 1),
@@ -62,6 +62,8 @@ const COLUMNS: [(&str, u16, u8); 14] = [
     ("cons", 5, 2),
     ("errors", 7, 0),
     ("err age", 8, 1),
+    ("owed", 7, 3),
+    ("doubt", 7, 2),
 ];
 
 /// Which columns fit in `width`: drop the least important first.
@@ -78,7 +80,7 @@ fn visible_columns(width: u16) -> Vec<usize> {
     Vec::new()
 }
 
-fn cells(line: &Line) -> [String; 14] {
+fn cells(line: &Line) -> [String; 16] {
     let mut unprocessed = display::count(line.unprocessed, line.unprocessed_estimated);
     if line.unprocessed_growing {
         unprocessed.push('↑');
@@ -101,7 +103,17 @@ fn cells(line: &Line) -> [String; 14] {
         display::count(line.consumers.map(u64::from), false),
         display::count(line.errors.map(u64::from), false),
         display::age(line.oldest_error_seconds),
+        effects(line.effects_pending, line.oldest_effect_pending_seconds),
+        effects(line.effects_in_doubt, line.oldest_effect_in_doubt_seconds),
     ]
+}
+
+/// A count of calls outside the database, with the age of the oldest when there are any.
+fn effects(count: Option<u64>, oldest: Option<f64>) -> String {
+    match count {
+        Some(n) if n > 0 => format!("{n} {}", display::age(oldest)),
+        other => display::count(other, false),
+    }
 }
 
 fn render_table(app: &App, frame: &mut Frame, area: Rect) {
@@ -125,6 +137,8 @@ fn render_table(app: &App, frame: &mut Frame, area: Rect) {
                 12 if line.errors_alert => cell.style(alert),
                 13 if line.error_window == Some(Window::Past) => cell.style(alert),
                 13 if line.error_window == Some(Window::Near) => cell.style(warn),
+                14 if line.effects_pending.is_some_and(|n| n > 0) => cell.style(warn),
+                15 if line.effects_in_doubt.is_some_and(|n| n > 0) => cell.style(alert),
                 _ => cell,
             }
         }))
@@ -395,6 +409,38 @@ mod tests {
             "{screen}"
         );
         assert!(!screen.contains('\u{1b}') && !screen.contains('\u{7}'));
+    }
+
+    #[test]
+    fn effects_in_doubt_are_shown_in_red() {
+        let mut carrier = consumer("parcel-created-carrier", 1, 0, 0, 0);
+        carrier.effects = Some(crate::stats::EffectCounts {
+            pending: 2,
+            oldest_pending_seconds: Some(30.0),
+            in_doubt: 1,
+            oldest_in_doubt_seconds: Some(90.0),
+            failed: 0,
+        });
+        let mut app = App::new(0.05);
+        app.update(Action::Data(snapshot(vec![carrier])));
+        let mut terminal = Terminal::new(TestBackend::new(200, 30)).expect("terminal");
+        terminal.draw(|f| render(&app, f)).expect("draw");
+        let buffer = terminal.backend().buffer().clone();
+        let row = (0..buffer.area.height)
+            .find(|&y| {
+                (0..buffer.area.width)
+                    .map(|x| buffer[(x, y)].symbol())
+                    .collect::<String>()
+                    .contains("parcel-created-carrier ")
+            })
+            .expect("carrier row");
+        let text: String = (0..buffer.area.width)
+            .map(|x| buffer[(x, row)].symbol())
+            .collect();
+        assert!(text.contains("2 30s") && text.contains("1 90s"), "{text}");
+        let at = text.find("1 90s").expect("doubt cell");
+        let x = u16::try_from(text[..at].chars().count()).expect("column");
+        assert_eq!(buffer[(x, row)].fg, Color::Red, "{text}");
     }
 
     #[test]

@@ -52,6 +52,8 @@ pub struct Found {
     pub events_cut: bool,
     pub attempts: Vec<triage::AttemptsRow>,
     pub effects: Vec<triage::EffectRow>,
+    /// Its calls to the outside world (`inboxctl_effects`): the state each is in, its key, its attempts.
+    pub calls: Vec<crate::db::external::Row>,
     pub dead_letters: Vec<DeadLetterCopy>,
     /// Whether it had more copies than shown ([`MAX_COPIES`]).
     pub copies_cut: bool,
@@ -86,9 +88,18 @@ async fn in_database(pool: &PgPool, id: Uuid) -> Result<Found> {
         events,
         attempts: triage::attempts(pool, id).await?,
         effects: triage::effects(pool, id).await?,
+        calls: calls(pool, id).await?,
         dead_letters: Vec::new(),
         copies_cut: false,
     })
+}
+
+/// Its calls to the outside world; none on a database from before `inboxctl_effects`.
+async fn calls(pool: &PgPool, id: Uuid) -> Result<Vec<crate::db::external::Row>> {
+    match crate::db::external::of_message(pool, id, None).await {
+        Err(e) if crate::db::sqlstate(&e).as_deref() == Some("42P01") => Ok(Vec::new()),
+        other => Ok(other?),
+    }
 }
 
 /// Looks for every id of `plan` in the database and in the dead-letter queues.
@@ -165,6 +176,7 @@ pub async fn find(
             && m.events.is_empty()
             && m.attempts.is_empty()
             && m.effects.is_empty()
+            && m.calls.is_empty()
             && m.dead_letters.is_empty());
     }
     Ok(Report {

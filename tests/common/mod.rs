@@ -55,6 +55,12 @@ pub use process::*;
 mod proxy;
 pub use proxy::*;
 
+// Used by tests/effects.rs, which needs the failpoints.
+#[cfg(feature = "failpoints")]
+mod stub;
+#[cfg(feature = "failpoints")]
+pub use stub::*;
+
 mod tmux;
 pub use tmux::*;
 

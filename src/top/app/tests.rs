@@ -38,6 +38,7 @@ pub(crate) fn consumer(
             exists: errors > 0,
         }),
         oldest_dead_letter_seconds: (errors > 0).then_some(3600.0),
+        effects: None,
     }
 }
 

@@ -1,0 +1,235 @@
+//! `inboxctl effects`: the calls to the outside world not done — owed, in doubt, failed — and settling them.
+
+use uuid::Uuid;
+
+use crate::cli::GlobalOpts;
+use crate::db::{self, external};
+use crate::effects::CarrierClient;
+use crate::effects::settle::{self, OPEN, Resolution};
+use crate::error::{Outcome, Result};
+use crate::{output, sanitize, table};
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct Args {
+    #[command(subcommand)]
+    pub action: Option<Action>,
+
+    /// Only the effects in doubt: the call may or may not have been made (at-most-once)
+    #[arg(long, group = "state")]
+    pub in_doubt: bool,
+
+    /// Only the effects owed: not called yet, or being called
+    #[arg(long, group = "state")]
+    pub pending: bool,
+
+    /// Only the effects that failed every attempt
+    #[arg(long, group = "state")]
+    pub failed: bool,
+
+    /// Only this consumer_type's
+    #[arg(long)]
+    pub consumer_type: Option<String>,
+
+    /// At most this many, the oldest first
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+    pub limit: i64,
+
+    /// Print them as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Action {
+    /// Settle one effect after checking with the carrier: --done (it was made) or --retry (it was not: make it again)
+    Resolve(ResolveArgs),
+    /// Ask the carrier what it booked under each unknown effect's key and settle it: done with the slot found, or
+    /// pending (made again by a consumer) when the carrier has none
+    Reconcile(ReconcileArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ResolveArgs {
+    /// The message whose effect to settle
+    #[arg(value_parser = parse_id)]
+    pub message_id: Uuid,
+
+    /// Its consumer_type (needed when the message has effects for several)
+    #[arg(long)]
+    pub consumer_type: Option<String>,
+
+    /// The call was made: mark the effect done
+    #[arg(long, required_unless_present = "retry", conflicts_with = "retry")]
+    pub done: bool,
+
+    /// The carrier's reference for it (e.g. the slot id), kept with it
+    #[arg(long, requires = "done")]
+    pub reference: Option<String>,
+
+    /// The call was not made: owe it again (a running consumer makes it)
+    #[arg(long)]
+    pub retry: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ReconcileArgs {
+    /// The carrier's base URL for look-ups: GET <url>/pickups/by-key/{key}
+    #[arg(long, value_name = "URL")]
+    pub lookup_url: url::Url,
+
+    /// Only this consumer_type's
+    #[arg(long)]
+    pub consumer_type: Option<String>,
+
+    /// The longest one look-up may take
+    #[arg(long, default_value = "10s", value_parser = crate::cli::parse_positive_duration)]
+    pub timeout: std::time::Duration,
+
+    /// Print what was done as JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn parse_id(s: &str) -> std::result::Result<Uuid, String> {
+    Uuid::parse_str(s.trim()).map_err(|e| format!("{s:?} is not a message id (a UUID): {e}"))
+}
+
+pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+    let database = global.connect.database()?;
+    let pool = database.pool(2).await?;
+    db::schema::require_tables(&pool, &database, &["inboxctl_effects"]).await?;
+    let ran = match args.action {
+        Some(Action::Resolve(r)) => resolve(&pool, &r).await,
+        Some(Action::Reconcile(r)) => reconcile(&pool, &r).await,
+        None => list(&pool, &args).await,
+    };
+    pool.close().await;
+    ran
+}
+
+async fn list(pool: &sqlx::PgPool, args: &Args) -> Result<Outcome> {
+    let states: &[&str] = if args.in_doubt {
+        &["in_doubt"]
+    } else if args.pending {
+        &["pending", "started"]
+    } else if args.failed {
+        &["failed"]
+    } else {
+        &OPEN
+    };
+    let rows = external::list(pool, states, args.consumer_type.as_deref(), args.limit).await?;
+    if args.json {
+        return output::json(&rows).map(|()| Outcome::Done);
+    }
+    let mut t = table::new(&[
+        "message id",
+        "consumer_type",
+        "idempotency key",
+        "mode",
+        "state",
+        "attempts",
+        "since",
+        "last error",
+    ]);
+    for column in [1, 3, 4, 7] {
+        table::align_left(&mut t, column);
+    }
+    for r in &rows {
+        t.add_row(vec![
+            r.message_id.to_string().into(),
+            table::text(&r.consumer_type),
+            r.idempotency_key.to_string().into(),
+            r.mode.clone().into(),
+            r.state.clone().into(),
+            r.attempts.to_string().into(),
+            r.created_at.format("%Y-%m-%d %H:%M:%S").to_string().into(),
+            table::text(r.last_error.as_deref().unwrap_or("")),
+        ]);
+    }
+    output::line(&t.to_string())?;
+    output::line(&format!("{} effects", rows.len()))?;
+    Ok(Outcome::Done)
+}
+
+async fn resolve(pool: &sqlx::PgPool, args: &ResolveArgs) -> Result<Outcome> {
+    let resolution = match args.done {
+        true => Resolution::Done {
+            reference: args.reference.clone(),
+        },
+        false => Resolution::Retry,
+    };
+    let result = settle::resolve(
+        pool,
+        args.message_id,
+        args.consumer_type.as_deref(),
+        &resolution,
+    )
+    .await;
+    let now = if args.done { "done" } else { "pending" };
+    let details = serde_json::json!({
+        "message_id": args.message_id,
+        "consumer_type": result.as_ref().ok().map(|r| r.consumer_type.clone()),
+        "was": result.as_ref().ok().map(|r| r.state.clone()),
+        "now": now,
+        "reference": args.reference,
+    });
+    let entry = crate::audit::Entry::ended("effects resolve", &result, |_| Outcome::Done, details);
+    crate::audit::record(pool, &entry).await;
+    let before = result?;
+    output::line(&format!(
+        "effect of message {} ({}): {} → {now}",
+        args.message_id,
+        sanitize::text(&before.consumer_type),
+        before.state
+    ))?;
+    Ok(Outcome::Done)
+}
+
+async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome> {
+    let client = CarrierClient::new(&args.lookup_url, args.timeout, args.timeout)?;
+    let result = settle::reconcile(pool, &client, args.consumer_type.as_deref()).await;
+    let details = match &result {
+        Ok(done) => serde_json::json!({
+            "consumer_type": args.consumer_type,
+            "done": done.iter().filter(|r| r.now == "done").count(),
+            "pending": done.iter().filter(|r| r.now == "pending").count(),
+            "unknown": done.iter().filter(|r| r.now == "unknown").count(),
+        }),
+        Err(_) => serde_json::json!({"consumer_type": args.consumer_type}),
+    };
+    let unknown = |done: &Vec<settle::Reconciled>| done.iter().any(|r| r.now == "unknown");
+    let entry = crate::audit::Entry::ended(
+        "effects reconcile",
+        &result,
+        |done| match unknown(done) {
+            true => Outcome::Partial,
+            false => Outcome::Done,
+        },
+        details,
+    );
+    crate::audit::record(pool, &entry).await;
+    let done = result?;
+    if args.json {
+        output::json(&done)?;
+    } else {
+        for r in &done {
+            output::line(&format!(
+                "{} ({}): {} → {}{}",
+                r.message_id,
+                sanitize::text(&r.consumer_type),
+                r.was,
+                r.now,
+                r.error
+                    .as_deref()
+                    .map_or(String::new(), |e| format!(" ({})", sanitize::text(e)))
+            ))?;
+        }
+        output::line(&format!("{} effects reconciled", done.len()))?;
+    }
+    if unknown(&done) {
+        tracing::warn!("some look-ups failed; their effects are left as they were");
+        return Ok(Outcome::Partial);
+    }
+    Ok(Outcome::Done)
+}

@@ -1,0 +1,338 @@
+//! Calls to the outside world (`inboxctl_effects`): the intent written with the claim, the lease a consumer process
+//! takes before it calls, the outcome it records after, and what operators list and settle.
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgConnection;
+use uuid::Uuid;
+
+use super::{Exec, sql};
+
+statements! {
+    /// An effect owed, written in the claim's transaction. `$1` message id, `$2` consumer_type, `$3` idempotency key,
+    /// `$4` mode, `$5` state (`pending`, or `done` for a keyed call made inside the transaction), `$6` request (JSON
+    /// text), `$7` attempts so far, `$8` reference (the slot id of a call made).
+    const INSERT_EFFECT = "\
+INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts, reference)
+VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8)
+ON CONFLICT (message_id, consumer_type) DO NOTHING";
+
+    /// Leases up to `$3` effects of consumer_type `$1` that are due, for `$2` seconds: pending ones whose wait has
+    /// passed, and after-commit ones whose process's lease ran out (that process died, or its call's outcome was
+    /// unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
+    /// started; `was` says what it was before. Rows another process is leasing are skipped, not waited for.
+    const LEASE_DUE = "\
+WITH due AS (
+    SELECT message_id, consumer_type, state FROM inboxctl_effects
+    WHERE consumer_type = $1
+      AND (state = 'pending' OR (state = 'started' AND mode = 'after-commit'))
+      AND (lease_until IS NULL OR lease_until < now())
+    ORDER BY created_at
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED)
+UPDATE inboxctl_effects e
+SET state = 'started', lease_until = now() + make_interval(secs => $2), attempts = e.attempts + 1, updated_at = now()
+FROM due
+WHERE e.message_id = due.message_id AND e.consumer_type = due.consumer_type
+RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, due.state";
+
+    /// At-most-once effects of consumer_type `$1` started by a process whose lease ran out: in doubt.
+    const MARK_IN_DOUBT = "\
+UPDATE inboxctl_effects
+SET state = 'in_doubt', updated_at = now(),
+    last_error = coalesce(last_error, 'the process making the call ended before its outcome was recorded')
+WHERE consumer_type = $1 AND mode = 'at-most-once' AND state = 'started' AND lease_until < now()";
+
+    /// Records the outcome of attempt `$3` of effect (`$1` message id, `$2` consumer_type), if that attempt still
+    /// holds it (started, same attempt count): `$4` new state, `$5` seconds until it is due again (null: never),
+    /// `$6` last error, `$7` reference. Answers whether it still held it.
+    const RECORD_OUTCOME = "\
+UPDATE inboxctl_effects
+SET state = $4, lease_until = now() + make_interval(secs => $5), last_error = coalesce($6, last_error),
+    reference = coalesce($7, reference), updated_at = now()
+WHERE message_id = $1 AND consumer_type = $2 AND state = 'started' AND attempts = $3";
+
+    /// The effects in states `$1` (an array), of consumer_type `$2` (null: all), oldest first, at most `$3`. An
+    /// at-most-once effect started by a process whose lease ran out is shown in doubt.
+    const LIST_EFFECTS = "\
+SELECT message_id, consumer_type::text, idempotency_key, mode, state, attempts, created_at, updated_at, lease_until,
+       last_error, reference, request::text
+FROM (SELECT *, CASE WHEN state = 'started' AND mode = 'at-most-once' AND lease_until < now() THEN 'in_doubt'
+                     ELSE state END AS shown
+      FROM inboxctl_effects
+      WHERE state IN ('pending', 'started', 'in_doubt', 'failed')) e
+WHERE shown = ANY($1) AND ($2::text IS NULL OR consumer_type = $2)
+ORDER BY created_at
+LIMIT $3";
+
+    /// One message's effects, for `find` and `effects resolve`. `$1` message id, `$2` consumer_type (null: all).
+    const EFFECTS_OF = "\
+SELECT message_id, consumer_type::text, idempotency_key, mode,
+       CASE WHEN state = 'started' AND mode = 'at-most-once' AND lease_until < now() THEN 'in_doubt' ELSE state END,
+       attempts, created_at, updated_at, lease_until, last_error, reference, request::text
+FROM inboxctl_effects
+WHERE message_id = $1 AND ($2::text IS NULL OR consumer_type = $2)
+ORDER BY consumer_type";
+
+    /// Settles an effect that is not running now (not leased by a live process): `$3` new state (`done` or
+    /// `pending`, its attempts counted afresh), `$4` reference, `$5` note kept as its last error. `$1` message id, `$2` consumer_type. Answers the
+    /// state it had.
+    const SETTLE = "\
+UPDATE inboxctl_effects e
+SET state = $3, reference = coalesce($4, e.reference), last_error = coalesce($5, e.last_error), lease_until = NULL,
+    attempts = CASE WHEN $3 = 'pending' THEN 0 ELSE e.attempts END, updated_at = now()
+FROM (SELECT message_id, consumer_type, state FROM inboxctl_effects
+      WHERE message_id = $1 AND consumer_type = $2
+        AND state <> 'done' AND (state <> 'started' OR lease_until < now())
+      FOR UPDATE) old
+WHERE e.message_id = old.message_id AND e.consumer_type = old.consumer_type
+RETURNING old.state";
+
+    /// Per consumer_type, effects owed and in doubt, and the oldest of each (`stats`, `top`).
+    const OPEN_EFFECTS = "\
+SELECT consumer_type::text,
+       count(*) FILTER (WHERE state = 'pending' OR (state = 'started' AND NOT (mode = 'at-most-once' AND lease_until < now()))),
+       min(created_at) FILTER (WHERE state = 'pending' OR (state = 'started' AND NOT (mode = 'at-most-once' AND lease_until < now()))),
+       count(*) FILTER (WHERE state = 'in_doubt' OR (state = 'started' AND mode = 'at-most-once' AND lease_until < now())),
+       min(created_at) FILTER (WHERE state = 'in_doubt' OR (state = 'started' AND mode = 'at-most-once' AND lease_until < now())),
+       count(*) FILTER (WHERE state = 'failed')
+FROM inboxctl_effects
+WHERE state IN ('pending', 'started', 'in_doubt', 'failed')
+GROUP BY consumer_type";
+}
+
+/// An effect to write with the claim.
+#[derive(Debug, Clone)]
+pub struct NewEffect<'a> {
+    pub message_id: Uuid,
+    pub consumer_type: &'a str,
+    pub idempotency_key: Uuid,
+    pub mode: &'a str,
+    pub state: &'a str,
+    pub request: &'a str,
+    pub attempts: i32,
+    pub reference: Option<&'a str>,
+}
+
+/// Writes an effect in the claim's transaction (`INSERT_EFFECT`).
+pub async fn insert(conn: &mut PgConnection, e: &NewEffect<'_>) -> sqlx::Result<()> {
+    unit!(conn, |conn| sql::query(INSERT_EFFECT)
+        .bind(e.message_id)
+        .bind(e.consumer_type)
+        .bind(e.idempotency_key)
+        .bind(e.mode)
+        .bind(e.state)
+        .bind(e.request)
+        .bind(e.attempts)
+        .bind(e.reference)
+        .execute(conn))
+    .map(drop)
+}
+
+/// An effect a process leased to make its call.
+#[derive(Debug, Clone)]
+pub struct Leased {
+    pub message_id: Uuid,
+    pub idempotency_key: Uuid,
+    pub mode: String,
+    pub request: String,
+    /// This attempt's number: the fence its outcome is recorded under.
+    pub attempts: i32,
+    /// What it was before: `started` if an earlier attempt's outcome is unknown.
+    pub was: String,
+}
+
+/// Leases up to `limit` due effects for `lease` (`LEASE_DUE`).
+pub async fn lease_due(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &str,
+    lease: std::time::Duration,
+    limit: i64,
+) -> sqlx::Result<Vec<Leased>> {
+    let query = sql::query_as::<(Uuid, Uuid, String, String, i32, String)>(LEASE_DUE)
+        .bind(consumer_type)
+        .bind(lease.as_secs_f64())
+        .bind(limit);
+    let rows = unit!(executor, |conn| query.fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(message_id, idempotency_key, mode, request, attempts, was)| Leased {
+                message_id,
+                idempotency_key,
+                mode,
+                request,
+                attempts,
+                was,
+            },
+        )
+        .collect())
+}
+
+/// Marks at-most-once effects whose process's lease ran out in doubt (`MARK_IN_DOUBT`); how many.
+pub async fn mark_in_doubt(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &str,
+) -> sqlx::Result<u64> {
+    let query = sql::query(MARK_IN_DOUBT).bind(consumer_type);
+    unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected())
+}
+
+/// The outcome of one attempt at an effect.
+#[derive(Debug, Clone)]
+pub struct Outcome<'a> {
+    pub state: &'a str,
+    /// Due again after this long (pending, or started with its outcome unknown); `None`: not due again.
+    pub due_in: Option<std::time::Duration>,
+    pub last_error: Option<&'a str>,
+    pub reference: Option<&'a str>,
+}
+
+/// Records attempt `attempts`'s outcome if that attempt still holds the effect (`RECORD_OUTCOME`).
+pub async fn record_outcome(
+    executor: impl Into<Exec<'_>>,
+    message_id: Uuid,
+    consumer_type: &str,
+    attempts: i32,
+    outcome: &Outcome<'_>,
+) -> sqlx::Result<bool> {
+    let query = sql::query(RECORD_OUTCOME)
+        .bind(message_id)
+        .bind(consumer_type)
+        .bind(attempts)
+        .bind(outcome.state)
+        .bind(outcome.due_in.map(|d| d.as_secs_f64()))
+        .bind(outcome.last_error)
+        .bind(outcome.reference);
+    unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected() == 1)
+}
+
+/// An effect as listed.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Row {
+    pub message_id: Uuid,
+    pub consumer_type: String,
+    pub idempotency_key: Uuid,
+    pub mode: String,
+    pub state: String,
+    pub attempts: i32,
+    pub created_at: DateTime<Utc>,
+    pub updated_at: DateTime<Utc>,
+    pub lease_until: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+    pub reference: Option<String>,
+    pub request: serde_json::Value,
+}
+
+type Raw = (
+    Uuid,
+    String,
+    Uuid,
+    String,
+    String,
+    i32,
+    DateTime<Utc>,
+    DateTime<Utc>,
+    Option<DateTime<Utc>>,
+    Option<String>,
+    Option<String>,
+    String,
+);
+
+fn row(r: Raw) -> Row {
+    Row {
+        message_id: r.0,
+        consumer_type: r.1,
+        idempotency_key: r.2,
+        mode: r.3,
+        state: r.4,
+        attempts: r.5,
+        created_at: r.6,
+        updated_at: r.7,
+        lease_until: r.8,
+        last_error: r.9,
+        reference: r.10,
+        request: serde_json::from_str(&r.11).unwrap_or(serde_json::Value::Null),
+    }
+}
+
+/// The effects in `states`, of `consumer_type` (or all), oldest first (`LIST_EFFECTS`).
+pub async fn list(
+    executor: impl Into<Exec<'_>>,
+    states: &[&str],
+    consumer_type: Option<&str>,
+    limit: i64,
+) -> sqlx::Result<Vec<Row>> {
+    let query = sql::query_as::<Raw>(LIST_EFFECTS)
+        .bind(states)
+        .bind(consumer_type)
+        .bind(limit);
+    let rows = unit!(executor, |conn| query.fetch_all(conn))?;
+    Ok(rows.into_iter().map(row).collect())
+}
+
+/// One message's effects (`EFFECTS_OF`).
+pub async fn of_message(
+    executor: impl Into<Exec<'_>>,
+    message_id: Uuid,
+    consumer_type: Option<&str>,
+) -> sqlx::Result<Vec<Row>> {
+    let query = sql::query_as::<Raw>(EFFECTS_OF)
+        .bind(message_id)
+        .bind(consumer_type);
+    let rows = unit!(executor, |conn| query.fetch_all(conn))?;
+    Ok(rows.into_iter().map(row).collect())
+}
+
+/// Settles an effect no live process holds (`SETTLE`): the state it had, or `None` if there was none to settle.
+pub async fn settle(
+    executor: impl Into<Exec<'_>>,
+    message_id: Uuid,
+    consumer_type: &str,
+    state: &str,
+    reference: Option<&str>,
+    note: Option<&str>,
+) -> sqlx::Result<Option<String>> {
+    let query = sql::query_scalar::<String>(SETTLE)
+        .bind(message_id)
+        .bind(consumer_type)
+        .bind(state)
+        .bind(reference)
+        .bind(note);
+    unit!(executor, |conn| query.fetch_optional(conn))
+}
+
+/// Per consumer_type: effects owed and in doubt, the oldest of each, and those failed.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Open {
+    pub consumer_type: String,
+    pub pending: i64,
+    pub oldest_pending: Option<DateTime<Utc>>,
+    pub in_doubt: i64,
+    pub oldest_in_doubt: Option<DateTime<Utc>>,
+    pub failed: i64,
+}
+
+/// `OPEN_EFFECTS`.
+pub async fn open(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Open>> {
+    type OpenRaw = (
+        String,
+        i64,
+        Option<DateTime<Utc>>,
+        i64,
+        Option<DateTime<Utc>>,
+        i64,
+    );
+    let query = sql::query_as::<OpenRaw>(OPEN_EFFECTS);
+    let rows = unit!(executor, |conn| query.fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Open {
+            consumer_type: r.0,
+            pending: r.1,
+            oldest_pending: r.2,
+            in_doubt: r.3,
+            oldest_in_doubt: r.4,
+            failed: r.5,
+        })
+        .collect())
+}

@@ -1,0 +1,187 @@
+//! The carrier's booking API over HTTP (reqwest with rustls): a booking, sent with its idempotency key, and the
+//! look-up of what was booked under a key. What the server says is sanitised and bounded before anyone sees it.
+
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use uuid::Uuid;
+
+use crate::carrier_stub::{PickupBody, SlotAnswer};
+use crate::error::{Error, Result};
+use crate::failpoint;
+use crate::parcel::PickupRequest;
+use crate::{redact, sanitize};
+
+/// The most of a server's error text kept.
+const MAX_ERROR_TEXT: usize = 300;
+
+/// Why a call did not give a slot.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CallError {
+    /// The carrier answered with an error, or the request never reached it: nothing was booked.
+    #[error("{0}")]
+    Refused(String),
+    /// The request may have reached the carrier, and no answer came (a timeout, a connection dropped, an answer that
+    /// cannot be read): it may or may not have booked.
+    #[error("{0}")]
+    Unknown(String),
+}
+
+/// A carrier's HTTP API at a base URL.
+#[derive(Debug, Clone)]
+pub struct CarrierClient {
+    http: reqwest::Client,
+    base: url::Url,
+}
+
+impl CarrierClient {
+    pub fn new(base: &url::Url, timeout: Duration, connect_timeout: Duration) -> Result<Self> {
+        if !matches!(base.scheme(), "http" | "https") {
+            return Err(Error::Usage(format!(
+                "the carrier URL must be http:// or https://, not {}://",
+                base.scheme()
+            )));
+        }
+        redact::register_url(base.as_str());
+        let http = reqwest::Client::builder()
+            .timeout(timeout)
+            .connect_timeout(connect_timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| Error::Usage(format!("the carrier's HTTP client: {e}")))?;
+        let mut base = base.clone();
+        if !base.path().ends_with('/') {
+            base.set_path(&format!("{}/", base.path()));
+        }
+        Ok(Self { http, base })
+    }
+
+    fn url(&self, path: &str) -> std::result::Result<url::Url, CallError> {
+        self.base
+            .join(path)
+            .map_err(|e| CallError::Refused(format!("carrier URL: {e}")))
+    }
+
+    /// Books a pickup with the request's idempotency key.
+    pub async fn book(
+        &self,
+        request: &PickupRequest,
+    ) -> std::result::Result<SlotAnswer, CallError> {
+        failpoint::hit_with("effect-after-intent", &request.destination).await;
+        let body = PickupBody {
+            parcel_id: request.parcel_id,
+            tracking_number: request.tracking_number.clone(),
+            destination: request.destination.clone(),
+        };
+        let sent = self
+            .http
+            .post(self.url("pickups")?)
+            .header("Idempotency-Key", request.idempotency_key.to_string())
+            .json(&body)
+            .send()
+            .await;
+        let answer = answer(sent).await?;
+        failpoint::hit_with("effect-after-response", &request.destination).await;
+        Ok(answer)
+    }
+
+    /// What was booked under `key`, if anything.
+    pub async fn lookup(&self, key: Uuid) -> std::result::Result<Option<SlotAnswer>, CallError> {
+        let sent = self
+            .http
+            .get(self.url(&format!("pickups/by-key/{key}"))?)
+            .send()
+            .await;
+        match sent {
+            Ok(response) if response.status() == StatusCode::NOT_FOUND => Ok(None),
+            other => answer(other).await.map(Some),
+        }
+    }
+}
+
+/// A slot from a response, or why there is none.
+async fn answer(
+    sent: reqwest::Result<reqwest::Response>,
+) -> std::result::Result<SlotAnswer, CallError> {
+    let response = match sent {
+        Ok(response) => response,
+        // Never connected: the request cannot have reached the carrier.
+        Err(e) if e.is_connect() => {
+            return Err(CallError::Refused(bounded(&format!(
+                "carrier unreachable: {}",
+                chain(&e)
+            ))));
+        }
+        Err(e) if e.is_timeout() => {
+            return Err(CallError::Unknown(
+                "no answer from the carrier within --carrier-timeout".to_owned(),
+            ));
+        }
+        Err(e) => {
+            return Err(CallError::Unknown(bounded(&format!(
+                "the carrier's answer was lost: {}",
+                chain(&e)
+            ))));
+        }
+    };
+    let status = response.status();
+    if !status.is_success() {
+        let text = response.text().await.unwrap_or_default();
+        return Err(CallError::Refused(bounded(&format!(
+            "carrier API returned {status}: {}",
+            text.trim()
+        ))));
+    }
+    response.json::<SlotAnswer>().await.map_err(|e| {
+        CallError::Unknown(bounded(&format!(
+            "the carrier answered {status} with no slot it could read: {}",
+            chain(&e)
+        )))
+    })
+}
+
+/// An error and its causes on one line, without the URL (which may hold a password).
+fn chain(e: &reqwest::Error) -> String {
+    let mut text = String::new();
+    let mut source: Option<&dyn std::error::Error> = Some(e);
+    while let Some(cause) = source {
+        let line = cause.to_string();
+        if !text.contains(&line) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&line);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+/// Server or network text made safe for a terminal and a log: no control characters, no password, and at most
+/// [`MAX_ERROR_TEXT`] characters.
+fn bounded(text: &str) -> String {
+    let safe = sanitize::text(&redact::text(text)).into_owned();
+    match safe.char_indices().nth(MAX_ERROR_TEXT) {
+        Some((at, _)) => format!("{}…", &safe[..at]),
+        None => safe,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_text_is_bounded_and_sanitised() {
+        let long = format!("bad\u{1b}[2J{}", "x".repeat(1000));
+        let out = bounded(&long);
+        assert!(!out.contains('\u{1b}'));
+        assert!(out.chars().count() <= MAX_ERROR_TEXT + 1);
+    }
+
+    #[test]
+    fn only_http_urls() {
+        let url = url::Url::parse("ftp://example.invalid/").expect("url");
+        assert!(CarrierClient::new(&url, Duration::from_secs(1), Duration::from_secs(1)).is_err());
+    }
+}

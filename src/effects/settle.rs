@@ -1,0 +1,254 @@
+//! What operators do with effects (`inboxctl effects`): list those owed, in doubt or failed; settle one by hand after
+//! checking with the carrier; or have the carrier's look-up by key settle those whose outcome is unknown.
+
+use uuid::Uuid;
+
+use super::CarrierClient;
+use crate::db::{effects, external};
+use crate::error::{Error, Result};
+
+/// The states `effects` lists by default: everything not done.
+pub const OPEN: [&str; 4] = ["pending", "started", "in_doubt", "failed"];
+
+/// How an operator settles one effect.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolution {
+    /// The carrier did book it (the operator checked): done, with the carrier's reference if given.
+    Done { reference: Option<String> },
+    /// It was not booked: owed again, its attempts counted afresh; a consumer makes the call.
+    Retry,
+}
+
+/// The effect of `message_id` to settle: the one of `consumer_type`, or the message's only one.
+async fn one_effect(
+    pool: &sqlx::PgPool,
+    message_id: Uuid,
+    consumer_type: Option<&str>,
+) -> Result<external::Row> {
+    let mut rows = external::of_message(pool, message_id, consumer_type).await?;
+    match rows.len() {
+        0 => Err(Error::Usage(format!(
+            "message {message_id} has no effect{}",
+            consumer_type.map_or(String::new(), |c| format!(" for consumer_type {c:?}"))
+        ))),
+        1 => Ok(rows.remove(0)),
+        _ => Err(Error::Usage(format!(
+            "message {message_id} has effects for several consumer_types ({}): say which with --consumer-type",
+            rows.iter()
+                .map(|r| crate::sanitize::text(&r.consumer_type).into_owned())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+/// Settles one effect; returns it as it was. Refused for an effect done already or leased by a live process.
+pub async fn resolve(
+    pool: &sqlx::PgPool,
+    message_id: Uuid,
+    consumer_type: Option<&str>,
+    resolution: &Resolution,
+) -> Result<external::Row> {
+    let before = one_effect(pool, message_id, consumer_type).await?;
+    let (state, reference, note) = match resolution {
+        Resolution::Done { reference } => {
+            ("done", reference.as_deref(), "settled by an operator: done")
+        }
+        Resolution::Retry => ("pending", None, "settled by an operator: to be made again"),
+    };
+    let settled = external::settle(
+        pool,
+        message_id,
+        &before.consumer_type,
+        state,
+        reference,
+        Some(note),
+    )
+    .await?;
+    if settled.is_none() {
+        return Err(Error::Usage(format!(
+            "the effect of message {message_id} is {} and cannot be settled now{}",
+            before.state,
+            if before.state == "started" {
+                " (a consumer process is making the call; wait for its lease to end)"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(before)
+}
+
+/// What `reconcile` did with one effect.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Reconciled {
+    pub message_id: Uuid,
+    pub consumer_type: String,
+    pub was: String,
+    /// `done` (the carrier has a booking under its key), `pending` (it has none: to be made), or `unknown` (the
+    /// look-up failed; left as it was).
+    pub now: String,
+    pub reference: Option<String>,
+    pub error: Option<String>,
+}
+
+/// Asks the carrier's look-up about every effect whose outcome is unknown — in doubt, started by a process whose
+/// lease ran out, or failed — and settles it: done (with its slot, and the reservation written) if the carrier has a
+/// booking under its key, pending (to be made again) if it has none.
+pub async fn reconcile(
+    pool: &sqlx::PgPool,
+    lookup: &CarrierClient,
+    consumer_type: Option<&str>,
+) -> Result<Vec<Reconciled>> {
+    let candidates = external::list(
+        pool,
+        &["in_doubt", "started", "failed"],
+        consumer_type,
+        100_000,
+    )
+    .await?;
+    let now = chrono::Utc::now();
+    let mut out = Vec::new();
+    for effect in candidates {
+        if effect.state == "started" && effect.lease_until.is_none_or(|l| l > now) {
+            continue;
+        }
+        let mut done = Reconciled {
+            message_id: effect.message_id,
+            consumer_type: effect.consumer_type.clone(),
+            was: effect.state.clone(),
+            now: "unknown".to_owned(),
+            reference: None,
+            error: None,
+        };
+        match lookup.lookup(effect.idempotency_key).await {
+            Ok(Some(slot)) => {
+                let reference = slot.slot_id.to_string();
+                if settle_booked(pool, &effect, slot).await? {
+                    done.now = "done".to_owned();
+                    done.reference = Some(reference);
+                }
+            }
+            Ok(None) => {
+                let settled = external::settle(
+                    pool,
+                    effect.message_id,
+                    &effect.consumer_type,
+                    "pending",
+                    None,
+                    Some("reconciled: the carrier has no booking under its key; to be made again"),
+                )
+                .await?;
+                if settled.is_some() {
+                    done.now = "pending".to_owned();
+                }
+            }
+            Err(e) => done.error = Some(e.to_string()),
+        }
+        out.push(done);
+    }
+    Ok(out)
+}
+
+/// Marks an effect done with the carrier's slot and writes its reservation, in one transaction; false if it could
+/// not be settled (done meanwhile, or leased again).
+async fn settle_booked(
+    pool: &sqlx::PgPool,
+    effect: &external::Row,
+    slot: crate::carrier_stub::SlotAnswer,
+) -> Result<bool> {
+    let reference = slot.slot_id.to_string();
+    let mut tx = pool.begin().await?;
+    let settled = external::settle(
+        &mut *tx,
+        effect.message_id,
+        &effect.consumer_type,
+        "done",
+        Some(&reference),
+        Some("reconciled: the carrier has a booking under its key"),
+    )
+    .await?;
+    if settled.is_none() {
+        return Ok(false);
+    }
+    let parcel_id = effect
+        .request
+        .get("parcelId")
+        .and_then(|p| p.as_str())
+        .and_then(|p| Uuid::parse_str(p).ok());
+    if let Some(parcel_id) = parcel_id {
+        effects::insert_carrier_reservation(
+            &mut tx,
+            &effects::Reservation {
+                parcel_id,
+                slot_id: slot.slot_id,
+                pickup_at: slot.pickup_at,
+                message_id: effect.message_id,
+                idempotency_key: effect.idempotency_key,
+            },
+        )
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Messages of a replay (replayed, or to be replayed on a dry run) older than the idempotency-key lifetime of a keyed
+/// consumer of their origin queue: its carrier may have forgotten the key, and a message whose call had in fact been
+/// made could book again. One warning per consumer_type; nothing said when PostgreSQL cannot be asked (replay needs
+/// none).
+pub async fn warn_past_key_lifetime(
+    database: &crate::db::Database,
+    report: &crate::replay::Report,
+) {
+    use crate::replay::Action;
+    let chosen: Vec<_> = report
+        .items
+        .iter()
+        .filter(|i| matches!(i.action, Action::Replayed | Action::WouldReplay))
+        .collect();
+    if chosen.is_empty() {
+        return;
+    }
+    let pool = match database.pool(1).await {
+        Ok(pool) => pool,
+        Err(e) => {
+            tracing::debug!(error = %e, "could not look for keyed consumers");
+            return;
+        }
+    };
+    let mut origins: Vec<&str> = chosen.iter().filter_map(|i| i.origin.as_deref()).collect();
+    origins.sort_unstable();
+    origins.dedup();
+    let now = chrono::Utc::now();
+    for origin in origins {
+        let keyed = match crate::db::events::keyed_consumers_of(&pool, origin).await {
+            Ok(keyed) => keyed,
+            Err(e) => {
+                tracing::debug!(error = %e, "could not look for keyed consumers");
+                break;
+            }
+        };
+        for (consumer_type, ttl) in keyed {
+            let older = chosen
+                .iter()
+                .filter(|i| i.origin.as_deref() == Some(origin))
+                .filter(|i| {
+                    i.failed_at
+                        .is_some_and(|t| (now - t).to_std().is_ok_and(|age| age > ttl))
+                })
+                .count();
+            if older > 0 {
+                tracing::warn!(
+                    consumer_type = %crate::sanitize::text(&consumer_type),
+                    queue = %crate::sanitize::text(origin),
+                    messages = older,
+                    key_lifetime = %humantime::format_duration(ttl),
+                    "messages failed longer ago than the carrier keeps idempotency keys (--effect-key-ttl of this keyed \
+                     consumer): one whose call had in fact been made may book again"
+                );
+            }
+        }
+    }
+    pool.close().await;
+}

@@ -1,0 +1,257 @@
+//! The worker that makes the calls a consumer owes after its commits (after-commit, at-most-once): it leases due
+//! effects (`db::external::lease_due`, `FOR UPDATE SKIP LOCKED`, so two processes never hold one at once), calls
+//! with the key, and records each outcome under its attempt's number, so an attempt whose lease was taken over
+//! records nothing. Up to `concurrency` calls at once; a slow carrier holds up only those.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::PgPool;
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::{CallError, CarrierClient, EffectMode};
+use crate::carrier_stub::{PickupBody, SlotAnswer};
+use crate::consumer::logged;
+use crate::db::{effects, external};
+use crate::inbox::ConsumerType;
+use crate::parcel::PickupRequest;
+
+/// How often the worker looks for due effects when nothing woke it.
+const POLL: Duration = Duration::from_millis(200);
+/// The longest wait before a failed call is tried again.
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(30);
+
+/// What the worker needs.
+#[derive(Debug, Clone)]
+pub struct Worker {
+    pub pool: PgPool,
+    pub consumer_type: ConsumerType,
+    pub client: CarrierClient,
+    /// Asked first when an after-commit effect's earlier call has an unknown outcome.
+    pub lookup: Option<CarrierClient>,
+    pub lease: Duration,
+    pub max_attempts: u32,
+    pub retry_delay: Duration,
+    pub concurrency: usize,
+    pub wake: Arc<Notify>,
+}
+
+impl Worker {
+    /// Makes the calls owed until `shutdown`; then waits for those in flight (each bounded by the carrier timeout).
+    pub async fn run(self, shutdown: CancellationToken) {
+        let this = Arc::new(self);
+        let slots = Arc::new(Semaphore::new(this.concurrency.max(1)));
+        let mut calls = JoinSet::new();
+        while !shutdown.is_cancelled() {
+            if let Err(e) = external::mark_in_doubt(&this.pool, this.consumer_type.as_str()).await {
+                tracing::debug!(error = %e, "could not look for effects in doubt");
+            }
+            let free = slots.available_permits();
+            if free > 0 {
+                let limit = i64::try_from(free).unwrap_or(i64::MAX);
+                match external::lease_due(
+                    &this.pool,
+                    this.consumer_type.as_str(),
+                    this.lease,
+                    limit,
+                )
+                .await
+                {
+                    Ok(leased) => {
+                        for effect in leased {
+                            let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
+                                break;
+                            };
+                            let this = Arc::clone(&this);
+                            calls.spawn(async move {
+                                this.call(effect).await;
+                                drop(slot);
+                            });
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "could not lease effects; trying again"),
+                }
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = this.wake.notified() => {}
+                () = tokio::time::sleep(POLL) => {}
+                Some(_) = calls.join_next(), if !calls.is_empty() => {}
+            }
+        }
+        while calls.join_next().await.is_some() {}
+    }
+
+    /// One leased effect: its call (or, for an unknown earlier outcome, the look-up first) and its outcome recorded.
+    async fn call(&self, effect: external::Leased) {
+        let Some(request) = self.request(&effect) else {
+            self.record(
+                &effect,
+                "failed",
+                None,
+                Some("its stored request cannot be read"),
+                None,
+            )
+            .await;
+            return;
+        };
+        let mode = match effect.mode.as_str() {
+            "at-most-once" => EffectMode::AtMostOnce,
+            _ => EffectMode::AfterCommit,
+        };
+        if effect.was == "started"
+            && let Some(lookup) = &self.lookup
+        {
+            match lookup.lookup(effect.idempotency_key).await {
+                Ok(Some(slot)) => return self.done(&effect, &request, slot).await,
+                Ok(None) => {}
+                Err(e) => {
+                    // Still unknown: left started, due again after the retry delay.
+                    let error = format!("look-up failed: {e}");
+                    let due = Some(self.retry_after(effect.attempts));
+                    self.record(&effect, "started", due, Some(&error), None)
+                        .await;
+                    return;
+                }
+            }
+        }
+        match self.client.book(&request).await {
+            Ok(slot) => self.done(&effect, &request, slot).await,
+            Err(e) => self.failed(&effect, mode, &e).await,
+        }
+    }
+
+    fn request(&self, effect: &external::Leased) -> Option<PickupRequest> {
+        let body: PickupBody = serde_json::from_str(&effect.request).ok()?;
+        Some(PickupRequest {
+            parcel_id: body.parcel_id,
+            tracking_number: body.tracking_number,
+            destination: body.destination,
+            message_id: effect.message_id,
+            idempotency_key: effect.idempotency_key,
+        })
+    }
+
+    /// Doubling from `--retry-delay`, per attempt made.
+    fn retry_after(&self, attempts: i32) -> Duration {
+        let doublings = u32::try_from(attempts.saturating_sub(1))
+            .unwrap_or(0)
+            .min(16);
+        self.retry_delay
+            .saturating_mul(1 << doublings)
+            .min(MAX_RETRY_DELAY)
+    }
+
+    async fn failed(&self, effect: &external::Leased, mode: EffectMode, error: &CallError) {
+        let text = error.to_string();
+        let last = u32::try_from(effect.attempts).unwrap_or(u32::MAX) >= self.max_attempts;
+        let (state, due) = match (error, mode) {
+            (CallError::Unknown(_), EffectMode::AtMostOnce) => ("in_doubt", None),
+            (_, _) if last => ("failed", None),
+            // Nothing booked: owed again after the delay.
+            (CallError::Refused(_), _) => ("pending", Some(self.retry_after(effect.attempts))),
+            // May have booked: started, so the next attempt asks the look-up first if there is one.
+            (CallError::Unknown(_), _) => ("started", Some(self.retry_after(effect.attempts))),
+        };
+        tracing::warn!(
+            message_id = %effect.message_id,
+            attempt = effect.attempts,
+            state,
+            reason = %logged(&text),
+            "the carrier call failed"
+        );
+        self.record(effect, state, due, Some(&text), None).await;
+    }
+
+    /// Records the slot, with its reservation, in one transaction.
+    async fn done(&self, effect: &external::Leased, request: &PickupRequest, slot: SlotAnswer) {
+        let reference = slot.slot_id.to_string();
+        let recorded = async {
+            let mut tx = self.pool.begin().await?;
+            let held = external::record_outcome(
+                &mut *tx,
+                effect.message_id,
+                self.consumer_type.as_str(),
+                effect.attempts,
+                &external::Outcome {
+                    state: "done",
+                    due_in: None,
+                    last_error: None,
+                    reference: Some(&reference),
+                },
+            )
+            .await?;
+            if held {
+                effects::insert_carrier_reservation(
+                    &mut tx,
+                    &effects::Reservation {
+                        parcel_id: request.parcel_id,
+                        slot_id: slot.slot_id,
+                        pickup_at: slot.pickup_at,
+                        message_id: request.message_id,
+                        idempotency_key: request.idempotency_key,
+                    },
+                )
+                .await?;
+            }
+            tx.commit().await?;
+            Ok::<bool, sqlx::Error>(held)
+        }
+        .await;
+        match recorded {
+            Ok(true) => {
+                tracing::debug!(message_id = %effect.message_id, slot_id = %reference, "carrier call done")
+            }
+            Ok(false) => lost_lease(effect),
+            Err(e) => tracing::warn!(
+                message_id = %effect.message_id,
+                slot_id = %reference,
+                error = %e,
+                "the carrier booked, and its outcome could not be recorded: the effect stays started"
+            ),
+        }
+    }
+
+    async fn record(
+        &self,
+        effect: &external::Leased,
+        state: &str,
+        due_in: Option<Duration>,
+        last_error: Option<&str>,
+        reference: Option<&str>,
+    ) {
+        let outcome = external::Outcome {
+            state,
+            due_in,
+            last_error,
+            reference,
+        };
+        match external::record_outcome(
+            &self.pool,
+            effect.message_id,
+            self.consumer_type.as_str(),
+            effect.attempts,
+            &outcome,
+        )
+        .await
+        {
+            Ok(true) => {}
+            Ok(false) => lost_lease(effect),
+            Err(e) => tracing::warn!(
+                message_id = %effect.message_id,
+                error = %e,
+                "the outcome of a carrier call could not be recorded: the effect stays started"
+            ),
+        }
+    }
+}
+
+fn lost_lease(effect: &external::Leased) {
+    tracing::warn!(
+        message_id = %effect.message_id,
+        attempt = effect.attempts,
+        "the effect's lease ran out before its outcome was recorded (a call longer than --effect-lease)"
+    );
+}

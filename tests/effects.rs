@@ -1,0 +1,769 @@
+//! Effects outside the database: the carrier as a real HTTP API (`inboxctl carrier-stub` on loopback), called keyed,
+//! after the commit or at most once, with consumer processes killed with SIGKILL at each crash point; the stand-in's
+//! own count of bookings per parcel is what each test checks.
+#![cfg(feature = "failpoints")]
+
+use crate::common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use common::{CARRIER_QUEUE, Proc, Stub, TestEnv};
+
+/// Timeouts short enough for the tests, and a lease just past them (a call has ended before its lease does).
+const QUICK: &[&str] = &[
+    "--carrier-timeout",
+    "2s",
+    "--carrier-connect-timeout",
+    "500ms",
+    "--effect-lease",
+    "3s",
+    "--retry-delay",
+    "100ms",
+    "--concurrency",
+    "4",
+];
+
+fn consume_args<'a>(stub: &'a Stub, mode: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "consume",
+        "carrier",
+        "--carrier-url",
+        &stub.url,
+        "--effect-mode",
+        mode,
+    ];
+    // A flag in `extra` replaces QUICK's.
+    for pair in QUICK.chunks(2) {
+        if !extra.contains(&pair[0]) {
+            args.extend_from_slice(pair);
+        }
+    }
+    args.extend_from_slice(extra);
+    args
+}
+
+/// The state of the effect of the parcel sent to `destination`, as `effects` shows it.
+async fn state_of(pool: &PgPool, destination: &str) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT CASE WHEN state = 'started' AND mode = 'at-most-once' AND lease_until < now() THEN 'in_doubt'
+                     ELSE state END
+         FROM inboxctl_effects WHERE request->>'destination' = $1",
+    )
+    .bind(destination)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+async fn message_of(pool: &PgPool, destination: &str) -> Uuid {
+    sqlx::query_scalar("SELECT message_id FROM inboxctl_effects WHERE request->>'destination' = $1")
+        .bind(destination)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn publish_to(env: &TestEnv, destination: &str, count: u32) {
+    common::publish_parcels(
+        env,
+        &["--count", &count.to_string(), "--destination", destination],
+    );
+}
+
+/// Runs a consumer until the effect for `destination` is settled (done, in doubt or failed) and the queue is empty.
+async fn settle(env: &TestEnv, pool: &PgPool, args: &[&str], destination: &str) -> String {
+    let mut consumer = env.spawn(args);
+    let mut state = None;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        state = state_of(pool, destination).await;
+        if state
+            .as_deref()
+            .is_some_and(|s| ["done", "in_doubt", "failed"].contains(&s))
+            && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumer.terminate();
+    consumer.wait(Duration::from_secs(30));
+    state.unwrap_or_else(|| panic!("no effect for {destination}: {}", consumer.stderr()))
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Point {
+    /// `effect-after-intent`: the intent is on record (keyed: claimed, not committed), the request not sent.
+    Intent,
+    /// The request reached the carrier, which booked and holds the answer back; SIGKILL meanwhile.
+    Request,
+    /// `effect-after-response`: the answer arrived; its outcome not committed.
+    Response,
+    /// `after-commit`: the claim committed, the delivery not acknowledged (and, after-commit or at-most-once, the
+    /// worker held before its request, so the kill lands at the same place each time).
+    Commit,
+}
+
+const POINTS: [Point; 4] = [
+    Point::Intent,
+    Point::Request,
+    Point::Response,
+    Point::Commit,
+];
+
+/// One crash: a parcel to its own destination, a consumer killed at `point`, then a consumer that runs until its
+/// effect is settled. Returns the bookings the stand-in made for it and the effect's state.
+async fn crash_case(
+    env: &TestEnv,
+    pool: &PgPool,
+    stub: &Stub,
+    mode: &str,
+    point: Point,
+    behaviour: serde_json::Value,
+    extra: &[&str],
+) -> (usize, String) {
+    let destination = format!("{mode}-{point:?}-{}", Uuid::new_v4().simple());
+    let mut held = behaviour.clone();
+    if let Point::Request = point {
+        held["delayMs"] = json!(60_000);
+    }
+    stub.behave(held).await;
+    publish_to(env, &destination, 1);
+    let failpoints = match (point, mode) {
+        (Point::Intent, _) => format!("effect-after-intent@{destination}"),
+        (Point::Request, _) => String::new(),
+        (Point::Response, _) => format!("effect-after-response@{destination}"),
+        (Point::Commit, "keyed") => "after-commit".to_owned(),
+        (Point::Commit, _) => format!("after-commit,effect-after-intent@{destination}"),
+    };
+    let mut victim: Proc = env.spawn_with(
+        &consume_args(stub, mode, extra),
+        &[("INBOXCTL_FAILPOINTS", &failpoints)],
+    );
+    match point {
+        Point::Request => {
+            common::eventually(
+                "the stand-in booked and holds its answer",
+                Duration::from_secs(30),
+                || async { stub.bookings_to(&destination).await == 1 },
+            )
+            .await;
+        }
+        Point::Commit => {
+            victim.wait_for_stderr("failpoint after-commit reached", Duration::from_secs(30));
+            if mode != "keyed" {
+                victim.wait_for_stderr(
+                    "failpoint effect-after-intent reached",
+                    Duration::from_secs(30),
+                );
+            }
+        }
+        Point::Intent => victim.wait_for_stderr(
+            "failpoint effect-after-intent reached",
+            Duration::from_secs(30),
+        ),
+        Point::Response => victim.wait_for_stderr(
+            "failpoint effect-after-response reached",
+            Duration::from_secs(30),
+        ),
+    }
+    victim.kill();
+    stub.behave(behaviour).await;
+    let state = settle(env, pool, &consume_args(stub, mode, extra), &destination).await;
+    (stub.bookings_to(&destination).await, state)
+}
+
+/// Runs every crash point for `mode` against a stand-in that honours keys or not; checks each outcome against
+/// `expected(point)` (bookings, state).
+async fn matrix(
+    mode: &str,
+    honour: bool,
+    extra: &[&str],
+    expected: impl Fn(Point) -> (usize, &'static str),
+) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let behaviour = json!({"honourKeys": honour});
+    let started = Instant::now();
+    let mut outcomes = Vec::new();
+    for point in POINTS {
+        let case = Instant::now();
+        let got = crash_case(&env, &pool, &stub, mode, point, behaviour.clone(), extra).await;
+        let want = expected(point);
+        eprintln!(
+            "{mode} honour={honour} {extra:?} {point:?}: {} booking(s), {} ({:.1} s)",
+            got.0,
+            got.1,
+            case.elapsed().as_secs_f64()
+        );
+        outcomes.push((point, got.clone(), want));
+    }
+    let wrong: Vec<_> = outcomes
+        .iter()
+        .filter(|(_, got, want)| got.0 != want.0 || got.1 != want.1)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "{mode} honour={honour}: (point, got, expected) {wrong:?}"
+    );
+    eprintln!(
+        "{mode} honour={honour}: {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    if mode == "at-most-once" {
+        reconcile_in_doubt(&env, &pool, &stub, mode).await;
+    }
+}
+
+/// At-most-once leaves its effects in doubt; `effects reconcile` asks the stand-in about each: the booked ones are
+/// done, the others owed again and made once by the next consumer. Every parcel ends booked exactly once.
+async fn reconcile_in_doubt(env: &TestEnv, pool: &PgPool, stub: &Stub, mode: &str) {
+    let listed = env.run(&["effects", "--in-doubt", "--json"]);
+    assert_eq!(listed.code, Some(0), "{listed:?}");
+    let in_doubt: Vec<serde_json::Value> = serde_json::from_str(&listed.stdout).unwrap();
+    assert_eq!(in_doubt.len(), POINTS.len(), "{}", listed.stdout);
+    let out = env.run(&["effects", "reconcile", "--lookup-url", &stub.url, "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let mut consumer = env.spawn(&consume_args(stub, mode, &[]));
+    common::eventually("every effect done", Duration::from_secs(30), || async {
+        common::count(
+            pool,
+            "SELECT count(*) FROM inboxctl_effects WHERE state <> 'done'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    consumer.terminate();
+    consumer.wait(Duration::from_secs(30));
+    let mut per_destination: HashMap<String, usize> = HashMap::new();
+    for b in stub.bookings().await {
+        *per_destination
+            .entry(b["destination"].as_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    assert_eq!(per_destination.len(), POINTS.len());
+    assert!(
+        per_destination.values().all(|&n| n == 1),
+        "{per_destination:?}"
+    );
+    assert_eq!(
+        common::count(pool, "SELECT count(*) FROM carrier_reservations").await,
+        POINTS.len() as i64
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keyed_crash_matrix_honouring_keys_books_once() {
+    matrix("keyed", true, &[], |_| (1, "done")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn keyed_crash_matrix_ignoring_keys_books_again_after_a_call_was_made() {
+    matrix("keyed", false, &[], |p| match p {
+        Point::Request | Point::Response => (2, "done"),
+        Point::Intent | Point::Commit => (1, "done"),
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_commit_crash_matrix_honouring_keys_books_once() {
+    matrix("after-commit", true, &[], |_| (1, "done")).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_commit_crash_matrix_ignoring_keys_is_at_least_once() {
+    matrix("after-commit", false, &[], |p| match p {
+        Point::Request | Point::Response => (2, "done"),
+        Point::Intent | Point::Commit => (1, "done"),
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn after_commit_crash_matrix_ignoring_keys_with_a_lookup_books_once() {
+    // The look-up is the same stand-in's: it ignores keys when booking, and finds a booking by the key it was sent.
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let url = stub.url.clone();
+    let extra = ["--lookup-url", url.as_str()];
+    for point in POINTS {
+        let got = crash_case(
+            &env,
+            &pool,
+            &stub,
+            "after-commit",
+            point,
+            json!({"honourKeys": false}),
+            &extra,
+        )
+        .await;
+        eprintln!("after-commit with a look-up, ignoring keys, {point:?}: {got:?}");
+        assert_eq!(got, (1, "done".to_owned()), "{point:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_most_once_crash_matrix_books_at_most_once_and_lists_the_doubt() {
+    matrix("at-most-once", false, &[], |p| match p {
+        Point::Request | Point::Response => (1, "in_doubt"),
+        Point::Intent | Point::Commit => (0, "in_doubt"),
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_most_once_crash_matrix_honouring_keys_is_the_same() {
+    matrix("at-most-once", true, &[], |p| match p {
+        Point::Request | Point::Response => (1, "in_doubt"),
+        Point::Intent | Point::Commit => (0, "in_doubt"),
+    })
+    .await;
+}
+
+/// The stand-in books and drops the connection without answering: keyed and after-commit call again with the key
+/// (one booking, the carrier honouring it); at-most-once never calls again, lists the effect in doubt, and an
+/// operator settles it with `effects resolve --done`, audited.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_dropped_after_booking() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    for (mode, state) in [
+        ("keyed", "done"),
+        ("after-commit", "done"),
+        ("at-most-once", "in_doubt"),
+    ] {
+        let destination = format!("dropped-{mode}");
+        stub.behave(json!({"honourKeys": true, "dropNext": 1}))
+            .await;
+        publish_to(&env, &destination, 1);
+        let got = settle(&env, &pool, &consume_args(&stub, mode, &[]), &destination).await;
+        assert_eq!(
+            (stub.bookings_to(&destination).await, got.as_str()),
+            (1, state),
+            "{mode}"
+        );
+    }
+    let id = message_of(&pool, "dropped-at-most-once").await;
+    let stats = env.run(&["stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(&stats.stdout).unwrap();
+    let carrier = stats["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+        .unwrap();
+    assert_eq!(carrier["effects_in_doubt"], 1, "{carrier}");
+    assert_eq!(carrier["effects_pending"], 0, "{carrier}");
+    assert!(carrier["oldest_effect_in_doubt_seconds"].as_f64().unwrap() >= 0.0);
+    let listed = env.run(&["effects", "--in-doubt"]);
+    assert!(listed.stdout.contains(&id.to_string()), "{listed:?}");
+    assert!(listed.stdout.contains("answer was lost"), "{listed:?}");
+    let slot = stub.bookings().await.last().unwrap()["slotId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let out = env.run(&[
+        "effects",
+        "resolve",
+        &id.to_string(),
+        "--done",
+        "--reference",
+        &slot,
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(
+        state_of(&pool, "dropped-at-most-once").await.as_deref(),
+        Some("done")
+    );
+    let again = env.run(&["effects", "resolve", &id.to_string(), "--retry"]);
+    assert_ne!(
+        again.code,
+        Some(0),
+        "a done effect is not settled again: {again:?}"
+    );
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_audit WHERE command = 'effects resolve' AND outcome = 'done'"
+        )
+        .await,
+        1
+    );
+    let found = env.run(&["find", &id.to_string(), "--json"]);
+    assert!(
+        found.stdout.contains(&slot),
+        "find shows the effect: {found:?}"
+    );
+}
+
+/// 503s are retried with the consumer's backoff; past --max-attempts the message goes to the error queue, nothing
+/// booked. After-commit: the effect fails after as many calls, and is listed.
+#[tokio::test(flavor = "multi_thread")]
+async fn unavailable_carriers_are_retried_then_dead_lettered() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+
+    stub.behave(json!({"failNext": 2})).await;
+    publish_to(&env, "flaky", 1);
+    common::consume_until_idle(
+        &env,
+        &consume_args(&stub, "keyed", &["--max-attempts", "5"])[1..],
+    );
+    assert_eq!(stub.bookings_to("flaky").await, 1);
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'"
+        )
+        .await,
+        2,
+        "two 503s, each a failed attempt"
+    );
+
+    stub.behave(json!({"failAlways": true})).await;
+    publish_to(&env, "down", 1);
+    let out = common::consume_until_idle(
+        &env,
+        &consume_args(&stub, "keyed", &["--max-attempts", "3"])[1..],
+    );
+    assert!(out.stderr.contains("503"), "{}", out.stderr);
+    assert_eq!(env.queue_counts(&format!("{CARRIER_QUEUE}_error")), (1, 0));
+    assert_eq!(stub.bookings_to("down").await, 0);
+
+    publish_to(&env, "down-later", 1);
+    let state = settle(
+        &env,
+        &pool,
+        &consume_args(&stub, "after-commit", &["--max-attempts", "3"]),
+        "down-later",
+    )
+    .await;
+    assert_eq!(state, "failed");
+    let listed = env.run(&["effects", "--failed", "--json"]);
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&listed.stdout).unwrap();
+    assert_eq!(rows.len(), 1, "{listed:?}");
+    assert_eq!(rows[0]["attempts"], 3);
+    assert!(
+        rows[0]["last_error"].as_str().unwrap().contains("503"),
+        "{rows:?}"
+    );
+}
+
+/// One destination's calls take five seconds: with four at once, the other parcels are booked meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slow_carrier_holds_up_only_its_own_calls() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"delayMs": 5000, "delayDestination": "Slow"}))
+        .await;
+    publish_to(&env, "Slow", 1);
+    common::publish_parcels(&env, &["--count", "40"]);
+    let started = Instant::now();
+    let mut consumer = env.spawn(&consume_args(
+        &stub,
+        "keyed",
+        &["--carrier-timeout", "10s", "--effect-lease", "20s"],
+    ));
+    common::eventually("the 40 others booked", Duration::from_secs(30), || async {
+        stub.bookings()
+            .await
+            .iter()
+            .filter(|b| b["destination"] != "Slow")
+            .count()
+            == 40
+    })
+    .await;
+    let others = started.elapsed();
+    assert!(
+        others < Duration::from_secs(5),
+        "the others waited for the slow call: {others:?}"
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        40,
+        "the slow one still in flight"
+    );
+    common::eventually("the slow one booked", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 41
+    })
+    .await;
+    consumer.terminate();
+    consumer.wait(Duration::from_secs(30));
+}
+
+/// 2,000 parcels with 30 % duplicates, after-commit against a stand-in that ignores keys, with its look-up; one of
+/// two consumers killed every two seconds. Then `effects reconcile`: every parcel booked exactly once.
+#[tokio::test(flavor = "multi_thread")]
+async fn chaos_after_commit_with_a_lookup_books_every_parcel_once() {
+    const PARCELS: usize = 2_000;
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &["--ignore-keys"]);
+    let url = stub.url.clone();
+    let args = consume_args(
+        &stub,
+        "after-commit",
+        &["--lookup-url", &url, "--prefetch", "16"],
+    );
+    let started = Instant::now();
+    let mut consumers: Vec<Proc> = (0..2).map(|_| env.spawn(&args)).collect();
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        &PARCELS.to_string(),
+        "--duplicates",
+        "0.3",
+        "--rate",
+        "250",
+    ]);
+    let mut kills = 0;
+    loop {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let victim = kills % consumers.len();
+        consumers[victim].kill();
+        kills += 1;
+        consumers[victim] = env.spawn(&args);
+        if publisher.try_wait().is_some() {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the publisher did not finish"
+        );
+    }
+    assert_eq!(publisher.wait(Duration::from_secs(10)), Some(0));
+    common::eventually(
+        "the queue drained, every effect settled",
+        Duration::from_secs(60),
+        || async {
+            env.queue_counts(CARRIER_QUEUE) == (0, 0)
+                && common::count(
+                    &pool,
+                    "SELECT count(*) FROM inboxctl_effects WHERE state = 'done'",
+                )
+                .await
+                    == PARCELS as i64
+        },
+    )
+    .await;
+    for mut c in consumers {
+        c.terminate();
+        c.wait(Duration::from_secs(30));
+    }
+    let out = env.run(&["effects", "reconcile", "--lookup-url", &url, "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let seconds = started.elapsed().as_secs_f64();
+    let bookings = stub.bookings().await;
+    let mut per_parcel: HashMap<String, usize> = HashMap::new();
+    for b in &bookings {
+        *per_parcel
+            .entry(b["parcelId"].as_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    let doubled = per_parcel.values().filter(|&&n| n > 1).count();
+    let duplicates = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'",
+    )
+    .await;
+    eprintln!(
+        "effects chaos: {PARCELS} parcels, {} bookings, {doubled} parcels booked twice, {duplicates} duplicates \
+         discarded, {kills} kills, {seconds:.1} s",
+        bookings.len()
+    );
+    assert_eq!(
+        (per_parcel.len(), doubled),
+        (PARCELS, 0),
+        "every parcel booked exactly once"
+    );
+    assert_eq!(bookings.len(), PARCELS);
+    let (rows, parcels): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, parcels), (PARCELS as i64, PARCELS as i64));
+    assert!(kills >= 4, "only {kills} kills");
+}
+
+/// `replay` warns about messages that failed longer ago than a keyed consumer's carrier keeps its keys.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_warns_past_the_key_lifetime_of_a_keyed_consumer() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let stub = Stub::start(&env, &["--fail-always"]);
+    publish_to(&env, "down", 1);
+    common::consume_until_idle(
+        &env,
+        &consume_args(
+            &stub,
+            "keyed",
+            &["--max-attempts", "1", "--effect-key-ttl", "3s"],
+        )[1..],
+    );
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    assert_eq!(env.queue_counts(&error_queue), (1, 0));
+    let fresh = env.run(&["replay", "--from", &error_queue, "--dry-run"]);
+    assert!(
+        !fresh.stderr.contains("keeps idempotency keys"),
+        "{fresh:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let old = env.run(&["replay", "--from", &error_queue, "--dry-run"]);
+    assert!(old.stderr.contains("keeps idempotency keys"), "{old:?}");
+    assert!(old.stderr.contains("messages=1"), "{old:?}");
+}
+
+/// A login role with nothing but `grants` (`{role}` standing for it); dropped with what it was granted at the end.
+struct Role {
+    name: String,
+    url: String,
+    admin: PgPool,
+}
+
+impl Role {
+    async fn new(env: &TestEnv, admin: &PgPool, what: &str, grants: &str) -> Self {
+        let name = format!("{}_{what}", env.db_name);
+        let quoted = common::quote_ident(&name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE {quoted} LOGIN; {}",
+            grants.replace("{role}", &quoted)
+        )))
+        .execute(admin)
+        .await
+        .unwrap();
+        let mut url = url::Url::parse(&common::pg_base()).unwrap();
+        url.set_username(&name).unwrap();
+        url.set_path(&format!("/{}", env.db_name));
+        Self {
+            name,
+            url: url.to_string(),
+            admin: admin.clone(),
+        }
+    }
+
+    fn run(&self, env: &TestEnv, args: &[&str]) -> common::Output {
+        common::Output::of(
+            env.cmd()
+                .env("DATABASE_URL", &self.url)
+                .args(args)
+                .output()
+                .unwrap(),
+        )
+    }
+
+    async fn grant(&self, grants: &str) {
+        let sql = grants.replace("{role}", &common::quote_ident(&self.name));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(&self.admin)
+            .await
+            .unwrap();
+    }
+
+    async fn drop_it(self) {
+        let quoted = common::quote_ident(&self.name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP OWNED BY {quoted}; DROP ROLE {quoted}"
+        )))
+        .execute(&self.admin)
+        .await
+        .unwrap();
+    }
+}
+
+/// docs/security.md's grants for calls outside the database, each command run under exactly them: `consume
+/// --carrier-url` refused at start without those on inboxctl_effects, naming them, and working with them; `effects`
+/// with SELECT; `effects resolve` with UPDATE and the audit's INSERT; `stats` under its own grants leaves the effect
+/// counts out.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_grants_written_for_calls_outside_the_database_suffice() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let admin = env.pool().await;
+    let stub = Stub::start(&env, &["--drop-next", "1"]);
+    let consume = Role::new(
+        &env,
+        &admin,
+        "effects_consume",
+        "GRANT SELECT, INSERT ON inbox_messages TO {role};
+         GRANT INSERT ON carrier_reservations, inboxctl_events, inboxctl_audit TO {role};
+         GRANT SELECT, INSERT, UPDATE ON inboxctl_consumers, inboxctl_fingerprints TO {role};
+         GRANT SELECT, INSERT, UPDATE, DELETE ON inboxctl_attempts TO {role};",
+    )
+    .await;
+    let args = consume_args(&stub, "at-most-once", &[]);
+    let refused = consume.run(&env, &args);
+    assert_eq!(refused.code, Some(77), "{refused:?}");
+    assert!(
+        refused
+            .stderr
+            .contains("SELECT, INSERT, UPDATE on inboxctl_effects"),
+        "{refused:?}"
+    );
+    consume
+        .grant("GRANT SELECT, INSERT, UPDATE ON inboxctl_effects TO {role}")
+        .await;
+    publish_to(&env, "granted", 1);
+    let mut consumer = env.spawn_with(&args, &[("DATABASE_URL", consume.url.as_str())]);
+    common::eventually("the call in doubt", Duration::from_secs(30), || async {
+        state_of(&admin, "granted").await.as_deref() == Some("in_doubt")
+    })
+    .await;
+    consumer.terminate();
+    consumer.wait(Duration::from_secs(30));
+
+    let list = Role::new(
+        &env,
+        &admin,
+        "effects_list",
+        "GRANT SELECT ON inboxctl_effects TO {role}",
+    )
+    .await;
+    let listed = list.run(&env, &["effects", "--in-doubt", "--json"]);
+    assert_eq!(listed.code, Some(0), "{listed:?}");
+    let id = message_of(&admin, "granted").await;
+    assert!(listed.stdout.contains(&id.to_string()), "{listed:?}");
+    let not_allowed = list.run(&env, &["effects", "resolve", &id.to_string(), "--done"]);
+    assert_ne!(not_allowed.code, Some(0), "{not_allowed:?}");
+    list.grant(
+        "GRANT UPDATE ON inboxctl_effects TO {role}; GRANT INSERT ON inboxctl_audit TO {role}",
+    )
+    .await;
+    let resolved = list.run(&env, &["effects", "resolve", &id.to_string(), "--done"]);
+    assert_eq!(resolved.code, Some(0), "{resolved:?}");
+    assert!(!resolved.stderr.contains("not audited"), "{resolved:?}");
+
+    let stats = Role::new(
+        &env,
+        &admin,
+        "effects_stats",
+        "GRANT SELECT ON inbox_messages, inboxctl_events, inboxctl_consumers TO {role}",
+    )
+    .await;
+    let out = stats.run(&env, &["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert!(json["consumers"][0]["effects_in_doubt"].is_null(), "{json}");
+    for role in [consume, list, stats] {
+        role.drop_it().await;
+    }
+}

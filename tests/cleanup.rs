@@ -747,3 +747,89 @@ async fn a_retention_past_the_bounds_is_refused_and_names_them() {
     let out = env.run(&["cleanup", "--retention", "1ms", "--force", "--json"]);
     assert_eq!(json(&out)["deleted"], 3, "{out:?}");
 }
+
+/// The records of calls made outside the database (`inboxctl_effects`) go with the window once done: a done call
+/// settled before the cutoff is deleted (in batches), one settled inside it stays, and a call owed, started, in
+/// doubt or failed stays however old, until it is settled. A dry run counts without deleting.
+#[tokio::test(flavor = "multi_thread")]
+async fn records_of_done_calls_past_the_window_go_and_unsettled_ones_stay() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    // (consumer_type, state, settled how long ago)
+    let rows = [
+        ("alpha", "done", "8 days"),
+        ("alpha", "done", "9 days"),
+        ("alpha", "done", "10 days"),
+        ("alpha", "done", "1 hour"),
+        ("alpha", "pending", "8 days"),
+        ("alpha", "started", "8 days"),
+        ("alpha", "in_doubt", "8 days"),
+        ("alpha", "failed", "8 days"),
+        ("beta", "done", "8 days"),
+    ];
+    for (consumer_type, state, age) in rows {
+        sqlx::query(
+            "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request,
+                                           created_at, updated_at)
+             VALUES (gen_random_uuid(), $1, gen_random_uuid(), 'after-commit', $2, '{}',
+                     now() - $3::interval, now() - $3::interval)",
+        )
+        .bind(consumer_type)
+        .bind(state)
+        .bind(age)
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    seed(&pool, "alpha", 1, "8 days", false).await;
+    seed(&pool, "beta", 1, "8 days", false).await;
+    let states = || async {
+        let left: Vec<(String, String)> = sqlx::query_as(
+            "SELECT consumer_type::text, state FROM inboxctl_effects ORDER BY consumer_type, state, updated_at",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        left
+    };
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--dry-run", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["effects_deleted"], 4, "{report}");
+    assert_eq!(states().await.len(), 9, "a dry run deletes nothing");
+
+    let out = env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--batch-size",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["effects_deleted"], 4, "{report}");
+    assert!(report.get("effects_left").is_none(), "{report}");
+    let left: Vec<(String, String)> = states().await;
+    let expected: Vec<(String, String)> = [
+        ("alpha", "done"),
+        ("alpha", "failed"),
+        ("alpha", "in_doubt"),
+        ("alpha", "pending"),
+        ("alpha", "started"),
+    ]
+    .iter()
+    .map(|(c, s)| ((*c).to_owned(), (*s).to_owned()))
+    .collect();
+    assert_eq!(left, expected);
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_effects WHERE state = 'done' AND updated_at > now() - interval '1 day'"
+        )
+        .await,
+        1,
+        "the call done inside the window stays"
+    );
+}

@@ -1425,6 +1425,13 @@ async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
     assert_eq!(report["deleted"], 50, "{report}");
     assert_eq!(report["events_deleted"], 8, "{report}");
     assert_eq!(report["attempts_deleted"], 2, "{report}");
+    // The row's grants hold none on inboxctl_effects: the records of done calls are left, and the report says so.
+    assert!(
+        report["effects_left"]
+            .as_str()
+            .is_some_and(|why| why.contains("SELECT, DELETE")),
+        "{report}"
+    );
     let after: Vec<(String, i64)> = census(&admin).await;
     assert_eq!(
         after,

@@ -75,6 +75,12 @@ pub struct Report {
     pub attempts_deleted: u64,
     /// Audit rows older than the audit's own retention, deleted.
     pub audit_deleted: u64,
+    /// Records of calls made outside the database (`inboxctl_effects`) that were done before the cutoff, deleted
+    /// (a dry run: that would be). Calls owed, started, in doubt or failed stay until settled.
+    pub effects_deleted: u64,
+    /// Why the records of done calls were left, when they were (the role may not delete them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub effects_left: Option<String>,
     /// Consumer_types left alone to keep the deduplication window of a waiting replay.
     pub refused: u64,
     /// A partitioned inbox: the partitions made ahead, and those dropped whole (their rows not counted in `deleted`).
@@ -171,6 +177,7 @@ fn audit_entry(plan: &Plan, report: &Result<Report>) -> crate::audit::Entry {
             ("deleted", serde_json::json!(r.deleted)),
             ("events_deleted", serde_json::json!(r.events_deleted)),
             ("audit_deleted", serde_json::json!(r.audit_deleted)),
+            ("effects_deleted", serde_json::json!(r.effects_deleted)),
             ("interrupted", serde_json::json!(r.interrupted)),
             (
                 "consumer_types",
@@ -226,6 +233,7 @@ pub async fn run(
     let mut interrupted = false;
     let mut attempts_deleted = 0;
     let mut audit_deleted = 0;
+    let mut effects = EffectsPruned::default();
     let partitions;
     if plan.dry_run {
         let cleanable = consumers
@@ -235,6 +243,10 @@ pub async fn run(
             .collect();
         partitions = partitions::maintain(pool, cutoff, &cleanable, true).await?;
         count_what_would_go(pool, &mut consumers, cutoff).await?;
+        let order: Vec<usize> = (0..consumers.len())
+            .filter(|&i| consumers[i].refused.is_none())
+            .collect();
+        effects = prune_effects(pool, plan, &consumers, &order, cutoff, shutdown).await?;
     } else {
         let (lock, mine) = take_locks(pool, &mut consumers).await?;
         let cleanable = mine
@@ -272,6 +284,7 @@ pub async fn run(
         interrupted = result?;
         if !interrupted {
             attempts_deleted = prune_attempts(pool, &consumers, &mine, cutoff).await?;
+            effects = prune_effects(pool, plan, &consumers, &mine, cutoff, shutdown).await?;
             audit_deleted = prune_audit(pool, plan, shutdown).await?;
         }
     }
@@ -286,6 +299,8 @@ pub async fn run(
         events_deleted: consumers.iter().map(|c| c.events_deleted).sum(),
         attempts_deleted,
         audit_deleted,
+        effects_deleted: effects.deleted,
+        effects_left: effects.left,
         refused: consumers.iter().filter(|c| c.refused.is_some()).count() as u64,
         partitions,
         consumers,
@@ -480,6 +495,64 @@ async fn prune_attempts(
             db::cleanup::delete_old_attempts(pool, &consumers[i].consumer_type, cutoff).await?;
     }
     Ok(deleted)
+}
+
+/// What became of the records of done calls.
+#[derive(Debug, Default)]
+struct EffectsPruned {
+    deleted: u64,
+    left: Option<String>,
+}
+
+/// Deletes (a dry run: counts) the records of calls made outside the database that were done before the cutoff, of
+/// the consumer_types this cleanup cleaned (`order`), in batches, where the table exists (a schema from before it
+/// did is not an error). A role that may not delete them leaves them, and the report says why.
+async fn prune_effects(
+    pool: &PgPool,
+    plan: &Plan,
+    consumers: &[ConsumerReport],
+    order: &[usize],
+    cutoff: DateTime<Utc>,
+    shutdown: &CancellationToken,
+) -> Result<EffectsPruned> {
+    if !schema::table_exists(&mut *pool.acquire().await?, "inboxctl_effects").await? {
+        return Ok(EffectsPruned::default());
+    }
+    if !db::cleanup::may_delete_effects(pool).await? {
+        return Ok(EffectsPruned {
+            deleted: 0,
+            left: Some(
+                "this role may not read and delete inboxctl_effects (SELECT, DELETE): the records of done calls stay"
+                    .to_owned(),
+            ),
+        });
+    }
+    let mut deleted = 0;
+    for &i in order {
+        let consumer_type = &consumers[i].consumer_type;
+        if plan.dry_run {
+            deleted += db::cleanup::count_done_effects_before(pool, consumer_type, cutoff).await?;
+            continue;
+        }
+        loop {
+            let batch = db::cleanup::delete_done_effects_batch(
+                pool,
+                consumer_type,
+                cutoff,
+                plan.batch_size,
+            )
+            .await?;
+            deleted += batch;
+            if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) || shutdown.is_cancelled()
+            {
+                break;
+            }
+        }
+    }
+    Ok(EffectsPruned {
+        deleted,
+        left: None,
+    })
 }
 
 /// Deletes audit rows older than the audit's own retention, in batches, where the table exists.

@@ -238,6 +238,15 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
             p.created.len()
         ));
     }
+    if report.effects_deleted > 0 {
+        summary.push_str(&format!(
+            "; {} records of calls done outside the database",
+            report.effects_deleted
+        ));
+    }
+    if let Some(why) = &report.effects_left {
+        summary.push_str(&format!("; {why}"));
+    }
     if report.audit_deleted > 0 {
         summary.push_str(&format!(
             "; {} audit rows past the audit's retention",

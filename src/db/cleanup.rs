@@ -99,6 +99,21 @@ WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
     /// `cleanup`: start counts of messages that never came back. `$1` consumer_type, `$2` cutoff.
     const DELETE_OLD_ATTEMPTS =
     "DELETE FROM inboxctl_attempts WHERE consumer_type = $1 AND last_started_at < $2";
+
+    /// One batch of calls made outside the database (`inboxctl_effects`) that are done and were settled before the
+    /// cutoff: at most `$3` of consumer_type `$1` older than `$2`. Calls owed, started, in doubt or failed never match.
+    const DELETE_DONE_EFFECTS_BATCH = "\
+DELETE FROM inboxctl_effects WHERE ctid = ANY (ARRAY (
+    SELECT ctid FROM inboxctl_effects
+    WHERE consumer_type = $1 AND state = 'done' AND updated_at < $2
+    LIMIT $3))";
+    const COUNT_DONE_EFFECTS_BEFORE =
+    "SELECT count(*) FROM inboxctl_effects WHERE consumer_type = $1 AND state = 'done' AND updated_at < $2";
+
+    /// Whether this role may read and delete the calls' records (both: `has_table_privilege` with a list answers
+    /// whether it holds any of them).
+    const MAY_DELETE_EFFECTS = "\
+SELECT has_table_privilege('inboxctl_effects', 'SELECT') AND has_table_privilege('inboxctl_effects', 'DELETE')";
 }
 
 /// `now() - retention` on the database's clock (`CUTOFF`).
@@ -279,4 +294,36 @@ pub async fn delete_old_attempts(
         .bind(cutoff)
         .execute(conn))?
     .rows_affected())
+}
+
+/// Deletes at most `limit` done calls of `consumer_type` settled before `cutoff` (`DELETE_DONE_EFFECTS_BATCH`).
+pub async fn delete_done_effects_batch(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+    limit: i64,
+) -> sqlx::Result<u64> {
+    delete_batch(
+        executor,
+        DELETE_DONE_EFFECTS_BATCH,
+        consumer_type,
+        cutoff,
+        limit,
+    )
+    .await
+}
+
+/// What a cleanup would delete of the calls' records (`--dry-run`, `COUNT_DONE_EFFECTS_BEFORE`).
+pub async fn count_done_effects_before(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &str,
+    cutoff: DateTime<Utc>,
+) -> sqlx::Result<u64> {
+    count(executor, COUNT_DONE_EFFECTS_BEFORE, consumer_type, cutoff).await
+}
+
+/// Whether this role may delete the calls' records (`MAY_DELETE_EFFECTS`).
+pub async fn may_delete_effects(executor: impl Into<Exec<'_>>) -> sqlx::Result<bool> {
+    unit!(executor, |conn| sql::query_scalar(MAY_DELETE_EFFECTS)
+        .fetch_one(conn))
 }

@@ -767,3 +767,68 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
         role.drop_it().await;
     }
 }
+
+/// Batched consumers (`--batch-size`) call the carrier too, with one call refused (503): keyed, the calls inside the
+/// batch's transaction, made again with the same keys (which the carrier honours) when the batch is redone; after
+/// the commit, the calls a whole batch owes, against a carrier that ignores keys, the refused one made again by the
+/// worker. Every parcel booked once, every call done.
+#[tokio::test(flavor = "multi_thread")]
+async fn batched_consumers_book_every_parcel_once_in_both_modes_with_a_refusal() {
+    for (mode, ignore_keys) in [("keyed", false), ("after-commit", true)] {
+        let env = TestEnv::migrated().await;
+        common::ensure_endpoints(&env).await;
+        let pool = env.pool().await;
+        let stub = Stub::start(&env, &[]);
+        common::publish_parcels(&env, &["--count", "200", "--duplicates", "0.3"]);
+        stub.behave(json!({"failNext": 1, "honourKeys": !ignore_keys}))
+            .await;
+        let args = consume_args(&stub, mode, &["--batch-size", "16", "--max-attempts", "5"]);
+        let out = common::consume_until_idle(&env, &args[1..]);
+        common::eventually("every call done", Duration::from_secs(30), || async {
+            common::count(
+                &pool,
+                "SELECT count(*) FROM inboxctl_effects WHERE state = 'done'",
+            )
+            .await
+                == 200
+        })
+        .await;
+        assert_eq!(
+            stub.behaviour().await["failNext"],
+            0,
+            "{mode}: the carrier refused a call: {}",
+            out.stderr
+        );
+        if mode == "after-commit" {
+            let retried = "SELECT count(*) FROM inboxctl_effects WHERE attempts = 2";
+            assert_eq!(
+                common::count(&pool, retried).await,
+                1,
+                "the refused call made again"
+            );
+        }
+        let mut per_parcel: HashMap<String, usize> = HashMap::new();
+        for booking in stub.bookings().await {
+            *per_parcel
+                .entry(booking["parcelId"].as_str().unwrap().to_owned())
+                .or_default() += 1;
+        }
+        assert_eq!(per_parcel.len(), 200, "{mode}");
+        let twice: Vec<_> = per_parcel.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "{mode}: booked more than once: {twice:?}");
+        assert_eq!(
+            common::count(
+                &pool,
+                "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
+            )
+            .await,
+            200,
+            "{mode}"
+        );
+        assert_eq!(
+            env.queue_counts(CARRIER_QUEUE),
+            (0, 0),
+            "{mode}: nothing left, nothing held"
+        );
+    }
+}

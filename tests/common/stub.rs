@@ -62,6 +62,18 @@ impl Stub {
             .count()
     }
 
+    /// Its behaviour now (what is left of `failNext`, say).
+    pub async fn behaviour(&self) -> Value {
+        self.http
+            .get(format!("{}/_stub/behaviour", self.url))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
     /// Sets its behaviour (fields left out take their defaults: honouring keys, prompt, no failures).
     pub async fn behave(&self, behaviour: Value) {
         let response = self

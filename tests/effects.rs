@@ -769,7 +769,7 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
 }
 
 /// Batched consumers (`--batch-size`) call the carrier too, with one call refused (503): keyed, the calls inside the
-/// batch's transaction, made again with the same keys (which the carrier honours) when the batch is redone; after
+/// batch's transaction (all or nothing), made again with the same keys (which the carrier honours); after
 /// the commit, the calls a whole batch owes, against a carrier that ignores keys, the refused one made again by the
 /// worker. Every parcel booked once, every call done.
 #[tokio::test(flavor = "multi_thread")]

@@ -43,8 +43,13 @@ impl Stub {
 
     /// Every booking it made.
     pub async fn bookings(&self) -> Vec<Value> {
+        serde_json::from_value(self.get("/_stub/bookings").await).unwrap()
+    }
+
+    /// What it answers to `GET <path>`, as JSON.
+    async fn get(&self, path: &str) -> Value {
         self.http
-            .get(format!("{}/_stub/bookings", self.url))
+            .get(format!("{}{path}", self.url))
             .send()
             .await
             .unwrap()
@@ -64,14 +69,7 @@ impl Stub {
 
     /// Its behaviour now (what is left of `failNext`, say).
     pub async fn behaviour(&self) -> Value {
-        self.http
-            .get(format!("{}/_stub/behaviour", self.url))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        self.get("/_stub/behaviour").await
     }
 
     /// Sets its behaviour (fields left out take their defaults: honouring keys, prompt, no failures).

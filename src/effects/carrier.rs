@@ -8,6 +8,7 @@ use sqlx::postgres::PgConnection;
 use tokio::sync::Notify;
 
 use super::{CarrierClient, EffectMode};
+use crate::carrier_stub::SlotAnswer;
 use crate::db::{effects, external};
 use crate::inbox::{ConsumerType, WorkError};
 use crate::parcel::{Carrier, PickupRequest, PickupSlot};
@@ -20,6 +21,17 @@ pub(crate) fn request_json(request: &PickupRequest) -> String {
         "destination": request.destination,
     })
     .to_string()
+}
+
+/// The `carrier_reservations` row of the slot the carrier booked for `request`.
+pub(crate) fn reservation(request: &PickupRequest, slot: &SlotAnswer) -> effects::Reservation {
+    effects::Reservation {
+        parcel_id: request.parcel_id,
+        slot_id: slot.slot_id,
+        pickup_at: slot.pickup_at,
+        message_id: request.message_id,
+        idempotency_key: request.idempotency_key,
+    }
 }
 
 /// Keyed: books inside the claim's transaction, with the key; records the slot in `carrier_reservations` and the call
@@ -42,17 +54,7 @@ impl Carrier for HttpCarrier {
                 .book(request)
                 .await
                 .map_err(|e| WorkError::msg(e.to_string()))?;
-            effects::insert_carrier_reservation(
-                &mut *tx,
-                &effects::Reservation {
-                    parcel_id: request.parcel_id,
-                    slot_id: slot.slot_id,
-                    pickup_at: slot.pickup_at,
-                    message_id: request.message_id,
-                    idempotency_key: request.idempotency_key,
-                },
-            )
-            .await?;
+            effects::insert_carrier_reservation(&mut *tx, &reservation(request, &slot)).await?;
             let reference = slot.slot_id.to_string();
             external::insert(
                 tx,

@@ -4,7 +4,7 @@
 //! records nothing. Up to `concurrency` calls at once; a slow carrier holds up only those.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::postgres::PgPool;
 use tokio::sync::{Notify, Semaphore};
@@ -44,9 +44,16 @@ impl Worker {
         let this = Arc::new(self);
         let slots = Arc::new(Semaphore::new(this.concurrency.max(1)));
         let mut calls = JoinSet::new();
+        // The sweep for calls in doubt runs at the poll's pace, not at each wake (a wake comes with every message).
+        let mut swept: Option<Instant> = None;
         while !shutdown.is_cancelled() {
-            if let Err(e) = external::mark_in_doubt(&this.pool, this.consumer_type.as_str()).await {
-                tracing::debug!(error = %e, "could not look for effects in doubt");
+            if swept.is_none_or(|at| at.elapsed() >= POLL) {
+                swept = Some(Instant::now());
+                if let Err(e) =
+                    external::mark_in_doubt(&this.pool, this.consumer_type.as_str()).await
+                {
+                    tracing::debug!(error = %e, "could not look for effects in doubt");
+                }
             }
             let free = slots.available_permits();
             if free > 0 {
@@ -186,13 +193,7 @@ impl Worker {
             if held {
                 effects::insert_carrier_reservation(
                     &mut tx,
-                    &effects::Reservation {
-                        parcel_id: request.parcel_id,
-                        slot_id: slot.slot_id,
-                        pickup_at: slot.pickup_at,
-                        message_id: request.message_id,
-                        idempotency_key: request.idempotency_key,
-                    },
+                    &super::carrier::reservation(request, &slot),
                 )
                 .await?;
             }

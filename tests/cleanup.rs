@@ -351,7 +351,7 @@ async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
         ("earlier", "earlier-unprocessed", 1),
     ] {
         assert_eq!(
-            store::count_processed_before(&pool, consumer_type, cutoff)
+            store::count_processed_before(&pool, store::Rows::Processed, consumer_type, cutoff)
                 .await
                 .unwrap(),
             n,
@@ -369,9 +369,15 @@ async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
             .unwrap();
         assert_eq!(stuck.count, n, "{unprocessed}");
         assert_eq!(
-            store::delete_processed_batch(&pool, consumer_type, cutoff, 100, false)
-                .await
-                .unwrap(),
+            store::delete_processed_batch(
+                &pool,
+                store::Rows::Processed,
+                consumer_type,
+                cutoff,
+                100
+            )
+            .await
+            .unwrap(),
             n,
             "{consumer_type}"
         );

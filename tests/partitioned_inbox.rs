@@ -345,10 +345,11 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
         (12, "a", Some(12)),
         (12, "b", Some(12)),
         (11, "a", Some(11)),
-        (10, "a", None),   // unprocessed: its partition stays
-        (9, "a", Some(0)), // a late copy processed now: its partition stays
-        (8, "c", Some(8)), // a consumer_type the run below leaves: its partition stays
-        (3, "a", Some(3)), // inside the window
+        (10, "a", None),     // unprocessed: its partition stays
+        (10, "a", Some(10)), // beside it, processed long ago: deleted by batch
+        (9, "a", Some(0)),   // a late copy processed now: its partition stays
+        (8, "c", Some(8)),   // a consumer_type the run below leaves: its partition stays
+        (3, "a", Some(3)),   // inside the window
     ];
     for (message_day, consumer_type, processed) in &rows {
         sqlx::query(
@@ -381,6 +382,18 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
     )
     .bind(shared)
     .bind(day(1))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A row past the window in the partition that holds the cutoff: it waits for its partition to go whole.
+    let holds_cutoff = settings.floor(Utc::now() - TimeDelta::days(7));
+    let waiting = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+         VALUES ($1, 'a', $2, $2, $2)",
+    )
+    .bind(waiting)
+    .bind(holds_cutoff)
     .execute(&pool)
     .await
     .unwrap();
@@ -485,9 +498,23 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
         !left.iter().any(|(t, _)| t == "inbox_messages_untimed"),
         "{left:?}"
     );
-    assert!(
-        left.contains(&(name(10), "a".to_owned())),
-        "the unprocessed row stays: {left:?}"
+    assert_eq!(
+        left.iter()
+            .filter(|row| **row == (name(10), "a".to_owned()))
+            .count(),
+        1,
+        "the unprocessed row stays, and the processed one beside it in its kept partition went by batch: {left:?}"
+    );
+    let next = inboxctl::db::partitions::partition_name(holds_cutoff);
+    assert_eq!(
+        partition_of_key(&pool, waiting, "a").await,
+        vec![next.clone()],
+        "the row past the window in the partition holding the cutoff waits for the partition: {report:#}"
+    );
+    assert_eq!(
+        report["partitions"]["next"]["partition"],
+        next.as_str(),
+        "{report:#}"
     );
     assert_eq!(
         partition_of_key(&pool, shared, "a").await,

@@ -225,6 +225,10 @@ pub async fn run(
 ) -> Result<Report> {
     let started = Instant::now();
     let cutoff = db::cleanup::cutoff(pool, plan.retention).await?;
+    let window = partitions::Window {
+        cutoff,
+        retention: plan.retention,
+    };
     let mut consumers = reports(pool, plan, cutoff).await?;
     if let Some(guard) = &plan.guard {
         window::check(pool, guard, cutoff, &mut consumers).await?;
@@ -241,8 +245,8 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        partitions = partitions::maintain(pool, cutoff, &cleanable, true).await?;
-        count_what_would_go(pool, &mut consumers, cutoff).await?;
+        partitions = partitions::maintain(pool, window, &cleanable, true).await?;
+        count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
         let order: Vec<usize> = (0..consumers.len())
             .filter(|&i| consumers[i].refused.is_none())
             .collect();
@@ -253,10 +257,9 @@ pub async fn run(
             .iter()
             .map(|&i| consumers[i].consumer_type.clone())
             .collect();
-        let maintained = partitions::maintain(pool, cutoff, &cleanable, false).await;
+        let maintained = partitions::maintain(pool, window, &cleanable, false).await;
         let result = match maintained {
             Ok(work) => {
-                let partitioned = work.is_some();
                 partitions = work;
                 delete_in_turns(
                     pool,
@@ -267,7 +270,7 @@ pub async fn run(
                     shutdown,
                     &mut progress,
                     started,
-                    partitioned,
+                    processed_rows(&partitions),
                 )
                 .await
             }
@@ -353,11 +356,10 @@ async fn one_batch(
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
-    partitioned: bool,
+    processed: db::cleanup::Rows,
 ) -> Result<Option<u64>> {
-    let rows = match (phase, partitioned) {
-        (0, false) => db::cleanup::Rows::Processed,
-        (0, true) => db::cleanup::Rows::ProcessedPartitioned,
+    let rows = match phase {
+        0 => processed,
         _ => db::cleanup::Rows::Events,
     };
     if db::pooler::active() {
@@ -365,14 +367,25 @@ async fn one_batch(
         return Ok(batch.await?);
     }
     Ok(Some(match rows {
-        db::cleanup::Rows::Processed | db::cleanup::Rows::ProcessedPartitioned => {
-            db::cleanup::delete_processed_batch(pool, consumer_type, cutoff, limit, partitioned)
-                .await?
-        }
         db::cleanup::Rows::Events => {
             db::cleanup::delete_events_batch(pool, consumer_type, cutoff, limit).await?
         }
+        processed => {
+            db::cleanup::delete_processed_batch(pool, processed, consumer_type, cutoff, limit)
+                .await?
+        }
     }))
+}
+
+/// Which processed inbox rows the batched delete takes: on a partitioned inbox, only those of the partitions wholly
+/// past the window (`partitions::PartitionWork::batched_below`).
+fn processed_rows(partitions: &Option<partitions::PartitionWork>) -> db::cleanup::Rows {
+    match partitions {
+        None => db::cleanup::Rows::Processed,
+        Some(work) => db::cleanup::Rows::ProcessedPartitioned {
+            below: work.batched_below(),
+        },
+    }
 }
 
 /// A dry run's counts: what each consumer_type not refused would lose.
@@ -380,10 +393,12 @@ async fn count_what_would_go(
     pool: &PgPool,
     consumers: &mut [ConsumerReport],
     cutoff: DateTime<Utc>,
+    processed: db::cleanup::Rows,
 ) -> Result<()> {
     for report in consumers.iter_mut().filter(|c| c.refused.is_none()) {
         report.deleted =
-            db::cleanup::count_processed_before(pool, &report.consumer_type, cutoff).await?;
+            db::cleanup::count_processed_before(pool, processed, &report.consumer_type, cutoff)
+                .await?;
         report.events_deleted =
             db::cleanup::count_events_before(pool, &report.consumer_type, cutoff).await?;
     }
@@ -426,7 +441,7 @@ async fn delete_in_turns(
     shutdown: &CancellationToken,
     progress: &mut impl FnMut(Progress<'_>),
     started: Instant,
-    partitioned: bool,
+    processed: db::cleanup::Rows,
 ) -> Result<bool> {
     // Per consumer_type: 0 deletes inbox rows, 1 event rows, 2 is done.
     let mut phase = vec![0u8; consumers.len()];
@@ -444,7 +459,7 @@ async fn delete_in_turns(
             let report = &mut consumers[i];
             let (consumer_type, limit) = (&report.consumer_type, plan.batch_size);
             let Some(batch) =
-                one_batch(pool, phase[i], consumer_type, cutoff, limit, partitioned).await?
+                one_batch(pool, phase[i], consumer_type, cutoff, limit, processed).await?
             else {
                 // Another cleanup is deleting from it: left to that one from here on.
                 report.busy = true;

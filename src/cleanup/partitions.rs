@@ -1,8 +1,11 @@
 //! Cleanup on a partitioned inbox (`migrate --partitioned`): partitions made ahead, and every partition wholly older
 //! than the cutoff — nothing unprocessed in it, nothing processed within the window, nothing of a consumer_type this
 //! run does not clean — detached without stopping the consumers (`DETACH PARTITION … CONCURRENTLY`) and dropped,
-//! instead of its rows deleted one batch at a time. What is left (the untimed partition, a partition kept for one of
-//! those reasons) goes through the batched delete as ever.
+//! instead of its rows deleted one batch at a time. What is left in partitions wholly older than the cutoff (the
+//! untimed partition, a partition kept for one of those reasons) goes through the batched delete as ever. The
+//! partition that holds the cutoff is not touched: its rows past the window go with it, whole, once all of it is past
+//! the window — an interval later at most. Deleting them row by row first would cost the consumers the batched
+//! delete's WAL and CPU for rows whose partition goes anyway (measured in docs/performance.md).
 
 use std::collections::HashSet;
 
@@ -24,6 +27,9 @@ pub struct PartitionWork {
     pub kept: Vec<Kept>,
     /// Tables a stopped drop had left detached, dropped now.
     pub leftovers: Vec<String>,
+    /// The partition that holds the cutoff, if one does: its rows past the window wait for it to go whole.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<Next>,
     /// Why no partition could be made or dropped (the role is not the table's owner, say): the old rows went by the
     /// batched delete instead.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -39,6 +45,15 @@ pub struct Dropped {
     pub rows_estimated: Option<u64>,
 }
 
+/// The partition that holds the cutoff, and when all of it is past the window (a cleanup after that drops it).
+#[derive(Debug, Clone, Serialize)]
+pub struct Next {
+    pub partition: String,
+    pub from: DateTime<Utc>,
+    pub to: DateTime<Utc>,
+    pub whole_past_window_at: DateTime<Utc>,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Kept {
     pub partition: String,
@@ -50,13 +65,22 @@ impl PartitionWork {
     pub fn rows_dropped(&self) -> u64 {
         self.dropped.iter().filter_map(|d| d.rows_estimated).sum()
     }
+
+    /// Which old rows the batched delete takes: those whose message time is below this (none: all of them). All of
+    /// them when partitions cannot be dropped (`refused`): nothing else would ever remove them.
+    pub fn batched_below(&self) -> Option<DateTime<Utc>> {
+        if self.refused.is_some() {
+            return None;
+        }
+        self.next.as_ref().map(|n| n.from)
+    }
 }
 
 /// Makes the partitions of the next days and drops the old ones `cleanable` allows (the consumer_types this run
 /// cleans); `None` when the inbox is not partitioned. With `dry_run`, changes nothing and says what it would drop.
 pub async fn maintain(
     pool: &PgPool,
-    cutoff: DateTime<Utc>,
+    window: Window,
     cleanable: &HashSet<String>,
     dry_run: bool,
 ) -> Result<Option<PartitionWork>> {
@@ -64,7 +88,7 @@ pub async fn maintain(
         return Ok(None);
     };
     let mut work = PartitionWork::default();
-    match drop_and_make(pool, settings, cutoff, cleanable, dry_run, &mut work).await {
+    match drop_and_make(pool, settings, window, cleanable, dry_run, &mut work).await {
         Ok(()) => Ok(Some(work)),
         // Making, attaching, detaching and dropping a partition are the table owner's: a role that may only delete
         // rows still cleans, by the batched delete.
@@ -81,14 +105,22 @@ pub async fn maintain(
     }
 }
 
+/// The cleanup's window: rows processed before `cutoff` may go; `retention` is how far back it lies.
+#[derive(Debug, Clone, Copy)]
+pub struct Window {
+    pub cutoff: DateTime<Utc>,
+    pub retention: std::time::Duration,
+}
+
 async fn drop_and_make(
     pool: &PgPool,
     settings: db::partitions::Settings,
-    cutoff: DateTime<Utc>,
+    window: Window,
     cleanable: &HashSet<String>,
     dry_run: bool,
     work: &mut PartitionWork,
 ) -> Result<()> {
+    let cutoff = window.cutoff;
     let mut conn = pool.acquire().await?;
     if !dry_run {
         work.leftovers = db::partitions::drop_leftovers(&mut conn).await?;
@@ -106,7 +138,18 @@ async fn drop_and_make(
             continue; // the untimed partition: its rows go by the batched delete
         };
         if to > cutoff {
-            break; // oldest first: the rest are younger
+            // Oldest first: this one holds the cutoff, and the rest are younger.
+            let retention =
+                chrono::TimeDelta::from_std(window.retention).unwrap_or(chrono::TimeDelta::MAX);
+            work.next = Some(Next {
+                partition: partition.name,
+                from,
+                to,
+                whole_past_window_at: to
+                    .checked_add_signed(retention)
+                    .unwrap_or(DateTime::<Utc>::MAX_UTC),
+            });
+            break;
         }
         let contents = db::partitions::contents(&mut *conn, from, to).await?;
         if let Some(why) = why_kept(&contents, cutoff, cleanable) {

@@ -211,6 +211,13 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
                 sanitize::text(&kept.why)
             ))?;
         }
+        if let (Some(next), None) = (&p.next, &p.refused) {
+            output::line(&format!(
+                "partition {} holds the cutoff: its rows past the window go with it, whole, after {}",
+                sanitize::text(&next.partition),
+                next.whole_past_window_at.format("%Y-%m-%d %H:%M:%S UTC")
+            ))?;
+        }
     }
     let mut summary = format!(
         "cutoff {} (retention {window}): {verb} {} rows and {} events",

@@ -53,11 +53,14 @@ DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch))";
     /// two arrays unnested in the join, so that the planner probes the primary key once per row (a nested loop,
     /// pruned to one partition per probe); joined to the batch itself, it hashed every row of the consumer_type in
     /// every partition, 1.3 s a batch at 10M rows instead of 25 ms (measured by the bench's partition-drop run).
+    /// Only rows whose message time is below `$4` (none: all): the untimed partition's and those of partitions kept
+    /// whole; a partition that holds the cutoff is dropped whole once it is wholly past the window
+    /// (`cleanup::partitions`), and freeing its rows one by one first would be work done twice.
     const DELETE_PROCESSED_BATCH_TIMED = "\
 WITH batch AS (
     SELECT array_agg(id) AS ids, array_agg(message_time) AS times FROM (
         SELECT id, message_time FROM inbox_messages
-        WHERE consumer_type = $1 AND processed_at < $2
+        WHERE consumer_type = $1 AND processed_at < $2 AND ($4::timestamptz IS NULL OR message_time < $4)
         LIMIT $3) AS picked
 ), fingerprints AS (
     DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = ANY (batch.ids)
@@ -88,6 +91,10 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
     /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
     const COUNT_PROCESSED_BEFORE =
     "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < $2";
+    /// The same on a partitioned inbox, below `$3` as `DELETE_PROCESSED_BATCH_TIMED`.
+    const COUNT_PROCESSED_BEFORE_TIMED = "\
+SELECT count(*) FROM inbox_messages
+WHERE consumer_type = $1 AND processed_at < $2 AND ($3::timestamptz IS NULL OR message_time < $3)";
     const COUNT_EVENTS_BEFORE =
     "SELECT count(*) FROM inboxctl_events WHERE consumer_type = $1 AND occurred_at < $2";
 
@@ -156,13 +163,25 @@ pub async fn unprocessed_before(
     })
 }
 
-/// Processed rows older than `cutoff`: what a cleanup deletes (`COUNT_PROCESSED_BEFORE`).
+/// Processed rows older than `cutoff`: what a cleanup deletes in batches (`COUNT_PROCESSED_BEFORE`, on a
+/// partitioned inbox `COUNT_PROCESSED_BEFORE_TIMED`).
 pub async fn count_processed_before(
     executor: impl Into<Exec<'_>>,
+    rows: Rows,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
 ) -> sqlx::Result<u64> {
-    count(executor, COUNT_PROCESSED_BEFORE, consumer_type, cutoff).await
+    let Rows::ProcessedPartitioned { below } = rows else {
+        return count(executor, COUNT_PROCESSED_BEFORE, consumer_type, cutoff).await;
+    };
+    let n: i64 = unit!(executor, |conn| sql::query_scalar(
+        COUNT_PROCESSED_BEFORE_TIMED
+    )
+    .bind(consumer_type)
+    .bind(cutoff)
+    .bind(below)
+    .fetch_one(conn))?;
+    Ok(n.unsigned_abs())
 }
 
 /// Event rows older than `cutoff` (`COUNT_EVENTS_BEFORE`).
@@ -206,8 +225,9 @@ pub async fn unlock_all(executor: impl Into<Exec<'_>>) -> sqlx::Result<()> {
 pub enum Rows {
     /// Processed inbox rows, with their fingerprints (`DELETE_PROCESSED_BATCH`).
     Processed,
-    /// The same on a partitioned inbox (`DELETE_PROCESSED_BATCH_TIMED`).
-    ProcessedPartitioned,
+    /// The same on a partitioned inbox (`DELETE_PROCESSED_BATCH_TIMED`), of the rows whose message time is below
+    /// `below` (none: all).
+    ProcessedPartitioned { below: Option<DateTime<Utc>> },
     /// inboxctl's own event rows (`DELETE_EVENTS_BATCH`).
     Events,
 }
@@ -231,31 +251,44 @@ pub async fn delete_batch_locked(
         tx.rollback().await?;
         return Ok(None);
     }
-    let statement = match rows {
-        Rows::Processed => DELETE_PROCESSED_BATCH,
-        Rows::ProcessedPartitioned => DELETE_PROCESSED_BATCH_TIMED,
-        Rows::Events => DELETE_EVENTS_BATCH,
+    let deleted = match rows {
+        Rows::Events => delete_events_batch(&mut *tx, consumer_type, cutoff, limit).await?,
+        processed => {
+            delete_processed_batch(&mut *tx, processed, consumer_type, cutoff, limit).await?
+        }
     };
-    let deleted = delete_batch(&mut *tx, statement, consumer_type, cutoff, limit).await?;
     tx.commit().await?;
     Ok(Some(deleted))
 }
 
 /// Deletes at most `limit` processed rows older than `cutoff`, with their fingerprints (`DELETE_PROCESSED_BATCH`, or
-/// on a partitioned inbox `DELETE_PROCESSED_BATCH_TIMED`); returns the rows deleted.
+/// on a partitioned inbox `DELETE_PROCESSED_BATCH_TIMED`); returns the rows deleted. `rows` is not `Rows::Events`.
 pub async fn delete_processed_batch(
     executor: impl Into<Exec<'_>>,
+    rows: Rows,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
     limit: i64,
-    partitioned: bool,
 ) -> sqlx::Result<u64> {
-    let statement = if partitioned {
-        DELETE_PROCESSED_BATCH_TIMED
-    } else {
-        DELETE_PROCESSED_BATCH
+    let Rows::ProcessedPartitioned { below } = rows else {
+        return delete_batch(
+            executor,
+            DELETE_PROCESSED_BATCH,
+            consumer_type,
+            cutoff,
+            limit,
+        )
+        .await;
     };
-    delete_batch(executor, statement, consumer_type, cutoff, limit).await
+    Ok(
+        unit!(executor, |conn| sql::query(DELETE_PROCESSED_BATCH_TIMED)
+            .bind(consumer_type)
+            .bind(cutoff)
+            .bind(limit)
+            .bind(below)
+            .execute(conn))?
+        .rows_affected(),
+    )
 }
 
 /// Deletes at most `limit` event rows older than `cutoff` (`DELETE_EVENTS_BATCH`); returns the rows deleted.

@@ -752,6 +752,56 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
     assert_eq!(resolved.code, Some(0), "{resolved:?}");
     assert!(!resolved.stderr.contains("not audited"), "{resolved:?}");
 
+    // Another call in doubt, settled by `effects reconcile` under exactly its grants: without INSERT on
+    // carrier_reservations it fails and the call stays in doubt (its settling rolled back); with it, done.
+    stub.behave(json!({"dropNext": 1})).await;
+    publish_to(&env, "reconciled", 1);
+    let mut consumer = env.spawn_with(&args, &[("DATABASE_URL", consume.url.as_str())]);
+    common::eventually(
+        "the second call in doubt",
+        Duration::from_secs(30),
+        || async { state_of(&admin, "reconciled").await.as_deref() == Some("in_doubt") },
+    )
+    .await;
+    consumer.terminate();
+    consumer.wait(Duration::from_secs(30));
+    let reconcile = Role::new(
+        &env,
+        &admin,
+        "effects_reconcile",
+        "GRANT SELECT, UPDATE ON inboxctl_effects TO {role}; GRANT INSERT ON inboxctl_audit TO {role}",
+    )
+    .await;
+    let reconcile_args = ["effects", "reconcile", "--lookup-url", &stub.url, "--json"];
+    let refused = reconcile.run(&env, &reconcile_args);
+    assert_ne!(refused.code, Some(0), "{refused:?}");
+    assert!(
+        refused.stderr.contains("carrier_reservations"),
+        "{refused:?}"
+    );
+    assert_eq!(
+        state_of(&admin, "reconciled").await.as_deref(),
+        Some("in_doubt"),
+        "{refused:?}"
+    );
+    reconcile
+        .grant("GRANT INSERT ON carrier_reservations TO {role}")
+        .await;
+    let reconciled = reconcile.run(&env, &reconcile_args);
+    assert_eq!(reconciled.code, Some(0), "{reconciled:?}");
+    assert!(!reconciled.stderr.contains("not audited"), "{reconciled:?}");
+    assert_eq!(
+        state_of(&admin, "reconciled").await.as_deref(),
+        Some("done")
+    );
+    let reserved: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
+            .bind(message_of(&admin, "reconciled").await)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert_eq!(reserved, 1, "the booking's reservation written");
+
     let stats = Role::new(
         &env,
         &admin,
@@ -763,7 +813,7 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
     assert_eq!(out.code, Some(0), "{out:?}");
     let json: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
     assert!(json["consumers"][0]["effects_in_doubt"].is_null(), "{json}");
-    for role in [consume, list, stats] {
+    for role in [consume, list, reconcile, stats] {
         role.drop_it().await;
     }
 }

@@ -1,6 +1,6 @@
 //! Through a real PgBouncer (Debian's, 1.18) in transaction pooling, in front of the shared PostgreSQL: `consume`,
-//! `cleanup`, `stats` and `top` with `--transaction-pooling` (eight consumer processes of sixteen workers on ten server
-//! connections, every parcel once), and every command refused, naming the flag, without it.
+//! `cleanup`, `stats`, `top` and the triage commands with `--transaction-pooling` (eight consumer processes of sixteen
+//! workers on ten server connections, every parcel once), and every command refused, naming the flag, without it.
 
 use crate::common;
 
@@ -514,4 +514,56 @@ async fn a_prepared_statement_lost_by_the_pooler_is_reported_as_the_poolers() {
     ] {
         assert!(said.contains(words), "{words:?} in {said}");
     }
+}
+
+/// The triage commands through the pooler with the flag: a message that cannot be read is dead-lettered by a consumer
+/// going through it; `failures` groups it, `find` traces it, `replay` moves it back (its audit row written through the
+/// pooler too), and `audit` lists the replay.
+#[tokio::test(flavor = "multi_thread")]
+async fn triage_find_replay_and_audit_through_the_pooler() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let bouncer = PgBouncer::start(&env, 2, &[]);
+    common::publish_parcels(&env, &["--count", "5"]);
+    let unreadable = uuid::Uuid::now_v7();
+    let conn = env.amqp().await;
+    let props = lapin::BasicProperties::default().with_message_id(unreadable.to_string().into());
+    common::publish(&conn, "", CARRIER_QUEUE, props, b"not json").await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    let run = |args: &[&str]| {
+        let out = through(&env, &bouncer, true, args);
+        assert_eq!(out.code, Some(0), "{args:?}: {out:?}");
+        out
+    };
+    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    assert_eq!(env.queue_counts(&error_queue), (1, 0), "dead-lettered");
+
+    let failures = run(&["failures", "--from", &error_queue, "--json"]);
+    assert!(
+        failures.stdout.contains("inboxctl::UnreadableMessage"),
+        "{failures:?}"
+    );
+    let found = run(&["find", &unreadable.to_string(), "--json"]);
+    let found: serde_json::Value = serde_json::from_str(found.stdout.trim()).unwrap();
+    assert!(
+        found.to_string().contains("dead_lettered"),
+        "its dead-lettering found in the events: {found:#}"
+    );
+    let replayed = run(&["replay", "--from", &error_queue, "--json"]);
+    assert_eq!(env.queue_counts(&error_queue), (0, 0), "{replayed:?}");
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (1, 0), "{replayed:?}");
+    assert!(!replayed.stderr.contains("not audited"), "{replayed:?}");
+    let audit = run(&["audit", "--command", "replay", "--json"]);
+    assert!(
+        audit.stdout.contains(&error_queue),
+        "the replay audited through the pooler: {audit:?}"
+    );
+    assert_eq!(
+        common::count(
+            &observer(&env).await,
+            "SELECT count(*) FROM carrier_reservations"
+        )
+        .await,
+        5
+    );
 }

@@ -19,6 +19,9 @@ use crate::amqp::topology;
 use crate::db::{self, schema};
 use crate::error::Result;
 
+mod broker;
+pub use broker::{QueueDepth, Window, queue_label};
+
 /// `stats` counts rows exactly up to this many per consumer_type; above, it estimates.
 pub const EXACT_BELOW: u64 = 1_000_000;
 
@@ -81,34 +84,6 @@ pub fn per_second(count: u64, window: Duration) -> f64 {
     }
 }
 
-/// A queue's depth, as the broker reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct QueueDepth {
-    pub name: String,
-    /// Spread over this many partition queues (`<name>.0` …): `ready` is their sum, `consumers` the most any has.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub partitions: Option<u16>,
-    /// `None` when the broker could not be asked or the queue does not exist.
-    pub ready: Option<u32>,
-    pub consumers: Option<u32>,
-    pub exists: bool,
-}
-
-impl QueueDepth {
-    /// Its name for a person: spread over partitions, with how many.
-    pub fn label(&self) -> String {
-        queue_label(&self.name, self.partitions)
-    }
-}
-
-/// A queue's name for a person: spread over `partitions` queues, their range and number.
-pub fn queue_label(name: &str, partitions: Option<u16>) -> String {
-    match partitions {
-        Some(n) => format!("{name}.0–{} ({n} partitions)", n.saturating_sub(1)),
-        None => name.to_owned(),
-    }
-}
-
 /// One consumer_type's figures.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConsumerStats {
@@ -140,30 +115,6 @@ pub struct EffectCounts {
     pub in_doubt: u64,
     pub oldest_in_doubt_seconds: Option<f64>,
     pub failed: u64,
-}
-
-/// Where the oldest dead-lettered message stands against the retention, the longest a replay may wait.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Window {
-    Ok,
-    /// Older than [`NEAR_WINDOW`] of the retention: replay it soon.
-    Near,
-    /// Older than the retention: its inbox row may be gone, so its replay may be processed again.
-    Past,
-}
-
-impl Window {
-    pub fn of(age_seconds: f64, retention: Duration) -> Self {
-        let retention = retention.as_secs_f64();
-        if age_seconds >= retention {
-            Window::Past
-        } else if age_seconds >= retention * NEAR_WINDOW {
-            Window::Near
-        } else {
-            Window::Ok
-        }
-    }
 }
 
 /// Which stretch of time the rates and the series cover, and how far counts are exact.
@@ -259,7 +210,7 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     drop(conn);
 
     let broker_error = match broker {
-        Some(connection) => from_broker(connection, &mut consumers, range).await,
+        Some(connection) => broker::from_broker(connection, &mut consumers, range).await,
         None => Some("RabbitMQ not reachable".to_owned()),
     };
 
@@ -303,97 +254,6 @@ async fn open_effects(
             })
             .collect(),
     ))
-}
-
-/// Fills in the queues' depths and the error queues' oldest messages; why the broker's figures are missing, if they
-/// are.
-async fn from_broker(
-    connection: &Connection,
-    consumers: &mut [ConsumerStats],
-    range: Range,
-) -> Option<String> {
-    let mut broker_error = None;
-    'queues: for c in consumers.iter_mut() {
-        for depth in [c.queue.as_mut(), c.error_queue.as_mut()]
-            .into_iter()
-            .flatten()
-        {
-            if crate::amqp::validate_name("queue", &depth.name).is_err() {
-                continue;
-            }
-            match queue_depth(connection, &depth.name, depth.partitions).await {
-                Ok(Some((ready, consumers))) => {
-                    depth.ready = Some(ready);
-                    depth.consumers = Some(consumers);
-                    depth.exists = true;
-                }
-                Ok(None) => {
-                    // An error queue that does not exist has nothing in it: 0 is known, not assumed.
-                    if depth.name.ends_with("_error") {
-                        depth.ready = Some(0);
-                    }
-                }
-                Err(e) => {
-                    broker_error = Some(crate::redact::text(&e.to_string()));
-                    break 'queues;
-                }
-            }
-        }
-        if !range.look_at_heads {
-            continue;
-        }
-        if let Some(q) = c
-            .error_queue
-            .as_ref()
-            .filter(|q| q.ready.is_some_and(|r| r > 0))
-        {
-            match oldest_failure(connection, &q.name).await {
-                Ok(age) => c.oldest_dead_letter_seconds = age,
-                Err(e) => {
-                    broker_error = Some(crate::redact::text(&e.to_string()));
-                    break 'queues;
-                }
-            }
-        }
-    }
-    broker_error
-}
-
-/// Ready messages and consumers of `queue`, or spread over `partitions` queues, their ready messages summed and the
-/// most consumers any of them has; `None` when no such queue exists.
-async fn queue_depth(
-    connection: &Connection,
-    queue: &str,
-    partitions: Option<u16>,
-) -> Result<Option<(u32, u32)>> {
-    let Some(count) = partitions else {
-        return topology::queue_depth(connection, queue).await;
-    };
-    let mut total: Option<(u32, u32)> = None;
-    for index in 0..count {
-        let partition = topology::partition_queue(queue, index);
-        if let Some((ready, consumers)) = topology::queue_depth(connection, &partition).await? {
-            let (r, c) = total.unwrap_or_default();
-            total = Some((r.saturating_add(ready), c.max(consumers)));
-        }
-    }
-    Ok(total)
-}
-
-/// How long ago the message at the head of `queue` failed (as its headers say, else when it was published).
-async fn oldest_failure(connection: &Connection, queue: &str) -> Result<Option<f64>> {
-    let failed_at = crate::amqp::peek::head(connection, queue, |d| {
-        crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "")
-            .failed_at
-            .or_else(|| {
-                d.properties
-                    .timestamp()
-                    .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0))
-            })
-    })
-    .await?
-    .flatten();
-    Ok(failed_at.map(|t| (Utc::now() - t).num_milliseconds() as f64 / 1000.0))
 }
 
 /// One consumer_type's figures from the database; its queues' depths are left for the broker to fill in.

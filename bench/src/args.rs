@@ -110,6 +110,21 @@ pub struct Args {
     #[arg(long, default_value = "0s", value_parser = inboxctl::cli::parse_duration)]
     pub cleanup_batch_pause: std::time::Duration,
 
+    /// Which cleanup runs to measure (each with its baseline: `baseline` for `inboxctl` and `plain-delete`,
+    /// `partitioned-baseline` for `partition-drop`)
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "baseline,inboxctl,plain-delete,partitioned-baseline,partition-drop"
+    )]
+    pub cleanup_variants: Vec<crate::cleanup::Variant>,
+
+    /// How many times the cleanup runs are measured, each on fresh copies; their p99 ratios are reported as median,
+    /// min and max
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub cleanup_repeats: u32,
+
     /// Measure only the cleanup and the refresh queries (with --cleanup-rows), no consumer modes
     #[arg(long, requires = "cleanup_rows")]
     pub cleanup_only: bool,
@@ -168,6 +183,8 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         inbox_rows: args.inbox_rows,
         cleanup_batch_size: args.cleanup_batch_size,
         cleanup_batch_pause: args.cleanup_batch_pause,
+        cleanup_variants: crate::cleanup::Variant::checked(&args.cleanup_variants)?,
+        cleanup_repeats: args.cleanup_repeats,
         queue_type: args.queue_type,
     };
     let say = |line: &str| eprintln!("{line}");

@@ -57,15 +57,73 @@ pub struct CleanupReport {
     pub batch_size: i64,
     pub batch_pause_ms: f64,
     pub consumer_rate: f64,
-    pub baseline: CleanupRun,
-    pub inboxctl: CleanupRun,
-    pub plain_delete: CleanupRun,
-    /// The same rows in a partitioned inbox (`migrate --partitioned 1d`): the consumer without a cleanup, and during
-    /// `inboxctl cleanup`, which drops the partitions past the window whole (rows counted from the planner's
-    /// statistics of the partitions dropped).
-    pub partitioned_baseline: CleanupRun,
-    pub partition_drop: CleanupRun,
+    /// Each repeat's runs, by variant (`partition_drop`: the same rows in a partitioned inbox, `migrate --partitioned
+    /// 1d`, during `inboxctl cleanup`, which drops the partitions past the window whole; its rows counted from the
+    /// planner's statistics of the partitions dropped).
+    pub repeats: Vec<BTreeMap<Variant, CleanupRun>>,
+    /// Each cleanup's consumer p99 over its baseline's in the same repeat: median, min and max over the repeats.
+    pub p99_ratios: BTreeMap<Variant, Spread>,
     pub partitions_dropped: usize,
+}
+
+/// One of the cleanup measurement's runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Variant {
+    /// The consumer alone, on the unpartitioned inbox.
+    Baseline,
+    /// During `inboxctl cleanup`.
+    Inboxctl,
+    /// During one plain `DELETE`.
+    PlainDelete,
+    /// The consumer alone, on the partitioned inbox.
+    PartitionedBaseline,
+    /// During `inboxctl cleanup` on the partitioned inbox.
+    PartitionDrop,
+}
+
+impl Variant {
+    /// The baseline a cleanup's p99 is set against; `None` for a baseline.
+    fn baseline(self) -> Option<Variant> {
+        match self {
+            Variant::Inboxctl | Variant::PlainDelete => Some(Variant::Baseline),
+            Variant::PartitionDrop => Some(Variant::PartitionedBaseline),
+            Variant::Baseline | Variant::PartitionedBaseline => None,
+        }
+    }
+
+    fn partitioned(self) -> bool {
+        matches!(self, Variant::PartitionedBaseline | Variant::PartitionDrop)
+    }
+
+    /// The chosen runs in their order, each cleanup with its baseline.
+    pub fn checked(chosen: &[Variant]) -> Result<Vec<Variant>> {
+        let mut variants = chosen.to_vec();
+        variants.sort();
+        variants.dedup();
+        for v in &variants {
+            if let Some(base) = v.baseline()
+                && !variants.contains(&base)
+            {
+                return Err(Error::usage(format!(
+                    "--cleanup-variants: {} is measured against {}; add it",
+                    v.name(),
+                    base.name()
+                )));
+            }
+        }
+        Ok(variants)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Baseline => "baseline",
+            Variant::Inboxctl => "inboxctl",
+            Variant::PlainDelete => "plain-delete",
+            Variant::PartitionedBaseline => "partitioned-baseline",
+            Variant::PartitionDrop => "partition-drop",
+        }
+    }
 }
 
 pub async fn run(
@@ -104,54 +162,65 @@ pub async fn run(
     }
 
     let connection = broker.connect("inboxctl bench cleanup").await?;
-    let mut runs = BTreeMap::new();
+    let mut repeats = Vec::new();
     let mut partitions_dropped = 0;
-    for variant in [
-        "baseline",
-        "inboxctl",
-        "plain-delete",
-        "partitioned-baseline",
-        "partition-drop",
-    ] {
-        let from = match variant {
-            "partitioned-baseline" | "partition-drop" => &partitioned,
-            _ => &template,
-        };
-        let scratch = copy(db, from, "cleanup").await?;
-        if from == &partitioned {
-            // A template built days ago: the partitions of today and the next days, for the stream's messages.
-            let mut conn = scratch.db.connect().await?;
-            let settings = store::partitions::Settings {
-                interval: chrono::TimeDelta::days(1),
-                source: inboxctl::inbox::TimeSource::Id,
+    for repeat in 1..=options.cleanup_repeats {
+        let mut runs = BTreeMap::new();
+        for &variant in &options.cleanup_variants {
+            let from = if variant.partitioned() {
+                &partitioned
+            } else {
+                &template
             };
-            let now = Utc::now();
-            store::partitions::ensure_partitions(
-                &mut conn,
-                settings,
-                now,
-                now + store::partitions::AHEAD,
-            )
-            .await?;
+            let scratch = copy(db, from, "cleanup").await?;
+            if variant.partitioned() {
+                // A template built days ago: the partitions of today and the next days, for the stream's messages.
+                let mut conn = scratch.db.connect().await?;
+                let settings = store::partitions::Settings {
+                    interval: chrono::TimeDelta::days(1),
+                    source: inboxctl::inbox::TimeSource::Id,
+                };
+                let now = Utc::now();
+                store::partitions::ensure_partitions(
+                    &mut conn,
+                    settings,
+                    now,
+                    now + store::partitions::AHEAD,
+                )
+                .await?;
+            }
+            let (measured, dropped) =
+                under_load(&scratch, broker, &connection, options, variant, shutdown).await?;
+            partitions_dropped = partitions_dropped.max(dropped);
+            say(&format!(
+                "cleanup at {rows} rows, {} (repeat {repeat}): {:.1}s, {} rows ({:.0} rows/s); consumer p50 {} p99 {}; WAL {:.0} MB, {} checkpoints",
+                variant.name(),
+                measured.seconds,
+                measured.rows_deleted,
+                measured.rows_per_second,
+                ms(measured.consumer_p50_ms),
+                ms(measured.consumer_p99_ms),
+                measured.wal_mb,
+                measured.checkpoints_requested
+            ));
+            scratch.pool.close().await;
+            drop_database(db, &scratch.db.name()).await?;
+            runs.insert(variant, measured);
         }
-        let (measured, dropped) =
-            under_load(&scratch, broker, &connection, options, variant, shutdown).await?;
-        partitions_dropped += dropped;
-        say(&format!(
-            "cleanup at {rows} rows, {variant}: {:.1}s, {} rows ({:.0} rows/s); consumer p50 {} p99 {}; WAL {:.0} MB, {} checkpoints",
-            measured.seconds,
-            measured.rows_deleted,
-            measured.rows_per_second,
-            ms(measured.consumer_p50_ms),
-            ms(measured.consumer_p99_ms),
-            measured.wal_mb,
-            measured.checkpoints_requested
-        ));
-        scratch.pool.close().await;
-        drop_database(db, &scratch.db.name()).await?;
-        runs.insert(variant, measured);
+        repeats.push(runs);
     }
     inboxctl::amqp::close(&connection, "OK").await;
+    let p99_ratios = p99_ratios(&repeats);
+    for (variant, spread) in &p99_ratios {
+        say(&format!(
+            "cleanup at {rows} rows, {}: consumer p99 {:.2}× its baseline (median of {}; {:.2}–{:.2})",
+            variant.name(),
+            spread.median,
+            repeats.len(),
+            spread.min,
+            spread.max
+        ));
+    }
 
     let scratch = copy(db, &template, "refresh").await?;
     let refresh = refresh_timings(&scratch.pool).await?;
@@ -164,10 +233,6 @@ pub async fn run(
     scratch.pool.close().await;
     drop_database(db, &scratch.db.name()).await?;
 
-    let mut take = |k: &str| {
-        runs.remove(k)
-            .ok_or_else(|| Error::usage(format!("missing {k}")))
-    };
     Ok((
         CleanupReport {
             rows,
@@ -175,15 +240,32 @@ pub async fn run(
             batch_size: options.cleanup_batch_size,
             batch_pause_ms: options.cleanup_batch_pause.as_secs_f64() * 1000.0,
             consumer_rate: RATE,
-            baseline: take("baseline")?,
-            inboxctl: take("inboxctl")?,
-            plain_delete: take("plain-delete")?,
-            partitioned_baseline: take("partitioned-baseline")?,
-            partition_drop: take("partition-drop")?,
+            repeats,
+            p99_ratios,
             partitions_dropped,
         },
         refresh,
     ))
+}
+
+/// Each cleanup's p99 over its baseline's, repeat by repeat, as a spread.
+fn p99_ratios(repeats: &[BTreeMap<Variant, CleanupRun>]) -> BTreeMap<Variant, Spread> {
+    let mut ratios: BTreeMap<Variant, Vec<f64>> = BTreeMap::new();
+    for runs in repeats {
+        for (variant, run) in runs {
+            let base = variant.baseline().and_then(|b| runs.get(&b));
+            if let (Some(during), Some(without)) =
+                (run.consumer_p99_ms, base.and_then(|b| b.consumer_p99_ms))
+                && without > 0.0
+            {
+                ratios.entry(*variant).or_default().push(during / without);
+            }
+        }
+    }
+    ratios
+        .into_iter()
+        .filter_map(|(v, r)| Spread::of(&r).map(|s| (v, s)))
+        .collect()
 }
 
 /// What the template's table comment says when it is complete and of the current shape.
@@ -292,7 +374,7 @@ async fn under_load(
     broker: &Broker,
     connection: &lapin::Connection,
     options: &Options,
-    variant: &str,
+    variant: Variant,
     shutdown: &CancellationToken,
 ) -> Result<(CleanupRun, usize)> {
     let mut consumer = spawn_consumer(scratch, broker, options, false)?;
@@ -394,11 +476,11 @@ async fn stream(
 async fn delete(
     scratch: &Scratch,
     options: &Options,
-    variant: &str,
+    variant: Variant,
     shutdown: &CancellationToken,
 ) -> Result<(u64, usize)> {
     Ok(match variant {
-        "inboxctl" | "partition-drop" => {
+        Variant::Inboxctl | Variant::PartitionDrop => {
             let plan = Plan {
                 retention: RETENTION,
                 consumer_type: None,
@@ -416,7 +498,7 @@ async fn delete(
                 partitions.map_or(0, |p| p.dropped.len()),
             )
         }
-        "plain-delete" => (
+        Variant::PlainDelete => (
             sqlx::query(sql::PLAIN_DELETE)
                 .bind(RETENTION.as_secs_f64())
                 .execute(&scratch.pool)
@@ -424,7 +506,7 @@ async fn delete(
                 .rows_affected(),
             0,
         ),
-        _ => {
+        Variant::Baseline | Variant::PartitionedBaseline => {
             tokio::time::sleep(BASELINE).await;
             (0, 0)
         }

@@ -95,6 +95,9 @@ pub struct Options {
     /// The `inboxctl cleanup` settings measured at many rows.
     pub cleanup_batch_size: i64,
     pub cleanup_batch_pause: Duration,
+    /// The cleanup runs measured, and how many times.
+    pub cleanup_variants: Vec<crate::cleanup::Variant>,
+    pub cleanup_repeats: u32,
     /// What the modes' queues are declared as.
     pub queue_type: inboxctl::amqp::topology::QueueType,
 }

@@ -164,6 +164,7 @@ fn no_hostile_flag_value_makes_the_bench_panic() {
         "--cleanup-rows",
         "--cleanup-batch-size",
         "--cleanup-batch-pause",
+        "--cleanup-repeats",
     ];
     // What makes a run end by itself.
     let ends = ["--modes", "ceiling", "--messages", "10", "--repeats", "1"];
@@ -220,6 +221,8 @@ fn values_that_cannot_work_are_refused_at_once() {
         &["--latency-rate=1e10"],
         &["--latency-seconds=18446744073709551615"],
         &["--latency-rate=1000000", "--latency-seconds=86400"],
+        // A cleanup measured without the baseline its p99 is set against.
+        &["--cleanup-rows=1000", "--cleanup-variants=partition-drop"],
     ] {
         let out = common::run_for(args, &refused, 30);
         assert_eq!(out.code, Some(64), "{args:?}: {out:?}");

@@ -617,7 +617,7 @@ async fn replay_warns_past_the_key_lifetime_of_a_keyed_consumer() {
         &consume_args(
             &stub,
             "keyed",
-            &["--max-attempts", "1", "--effect-key-ttl", "3s"],
+            &["--max-attempts", "1", "--effect-key-ttl", "8s"],
         )[1..],
     );
     let error_queue = format!("{CARRIER_QUEUE}_error");
@@ -627,7 +627,8 @@ async fn replay_warns_past_the_key_lifetime_of_a_keyed_consumer() {
         !fresh.stderr.contains("keeps idempotency keys"),
         "{fresh:?}"
     );
-    tokio::time::sleep(Duration::from_millis(3500)).await;
+    // The key lifetime is well past what the consume and the first dry run take on a loaded machine (3 s was not).
+    tokio::time::sleep(Duration::from_millis(8500)).await;
     let old = env.run(&["replay", "--from", &error_queue, "--dry-run"]);
     assert!(old.stderr.contains("keeps idempotency keys"), "{old:?}");
     assert!(old.stderr.contains("messages=1"), "{old:?}");

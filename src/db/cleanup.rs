@@ -174,13 +174,12 @@ pub async fn count_processed_before(
     let Rows::ProcessedPartitioned { below } = rows else {
         return count(executor, COUNT_PROCESSED_BEFORE, consumer_type, cutoff).await;
     };
-    let n: i64 = unit!(executor, |conn| sql::query_scalar(
-        COUNT_PROCESSED_BEFORE_TIMED
-    )
-    .bind(consumer_type)
-    .bind(cutoff)
-    .bind(below)
-    .fetch_one(conn))?;
+    let counted = sql::query_scalar(COUNT_PROCESSED_BEFORE_TIMED);
+    let n: i64 = unit!(executor, |conn| counted
+        .bind(consumer_type)
+        .bind(cutoff)
+        .bind(below)
+        .fetch_one(conn))?;
     Ok(n.unsigned_abs())
 }
 

@@ -383,7 +383,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 14] = [
+    let areas: [(&str, &[(&str, &str)]); 15] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -394,6 +394,7 @@ pub fn statements() -> Vec<Statement> {
         ("external", external::STATEMENTS),
         ("grants", grants::STATEMENTS),
         ("partitions", partitions::STATEMENTS),
+        ("partitions", partitions::CONVERT_STATEMENTS),
         ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("stats", stats::STATEMENTS),

@@ -1,0 +1,302 @@
+//! Converting an unpartitioned `inbox_messages` in place (see the parent module): two columns added, a unique index
+//! on the new key built concurrently, a validated check, then one short transaction that renames the table, makes the
+//! partitioned one in its place with the same indexes and grants, and attaches the old table as the untimed
+//! partition.
+
+use chrono::Utc;
+use sqlx::Connection as _;
+use sqlx::postgres::PgConnection;
+
+use super::{
+    AHEAD, BACK, Layout, Settings, comment_statement, ensure_partitions, read_layout, run,
+};
+use crate::db::sql::{self, quote_ident};
+use crate::error::{Error, Result};
+
+statements! {
+    /// The privileges granted on `inbox_messages`: grantee (null: PUBLIC) and privilege, to grant the same on the
+    /// partitioned table that takes its name.
+    const INBOX_GRANTS = "\
+SELECT CASE WHEN a.grantee = 0 THEN NULL ELSE a.grantee::regrole::text END, a.privilege_type
+FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
+WHERE c.oid = to_regclass('inbox_messages') AND a.grantee <> c.relowner";
+
+    /// Whether a constraint of that name exists on `inbox_messages`. `$1` name.
+    const INBOX_CONSTRAINT_EXISTS = "\
+SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass('inbox_messages') AND conname = $1)";
+
+    /// Whether an index of that name exists and is valid (a concurrent build that stopped leaves it invalid). `$1`.
+    const INDEX_STATE = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
+}
+
+/// The indexes the migrations put on `inbox_messages`: the partitioned table gets the same, and the converted
+/// table's are renamed (`inbox_messages_untimed…`) and attached to them.
+const INBOX_INDEXES: [(&str, &str); 3] = [
+    (
+        "ix_inbox_messages_unprocessed",
+        "(received_at) WHERE processed_at IS NULL",
+    ),
+    (
+        "ix_inbox_messages_consumer_type_processed_at",
+        "(consumer_type, processed_at)",
+    ),
+    (
+        "ix_inbox_messages_unprocessed_by_consumer_type",
+        "(consumer_type, received_at) WHERE processed_at IS NULL",
+    ),
+];
+
+/// The conversion's steps before its one short transaction, each safe to run again.
+const ADD_COLUMNS: &str = "ALTER TABLE inbox_messages \
+     ADD COLUMN IF NOT EXISTS message_time timestamptz NOT NULL DEFAULT '-infinity', \
+     ADD COLUMN IF NOT EXISTS fingerprint bytea NULL";
+const DROP_UNTIMED_KEY: &str = "DROP INDEX CONCURRENTLY IF EXISTS inbox_messages_untimed_key";
+const BUILD_UNTIMED_KEY: &str = "CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS inbox_messages_untimed_key \
+     ON inbox_messages (id, consumer_type, message_time)";
+const ADD_UNTIMED_CHECK: &str = "ALTER TABLE inbox_messages ADD CONSTRAINT inbox_messages_untimed_time \
+     CHECK (message_time < '2000-01-01 00:00:00+00') NOT VALID";
+const VALIDATE_UNTIMED_CHECK: &str =
+    "ALTER TABLE inbox_messages VALIDATE CONSTRAINT inbox_messages_untimed_time";
+/// How long the conversion's steps wait for a lock the consumers' transactions hold before trying again: never
+/// long enough to stall the claims queued behind it.
+const SET_LOCK_TIMEOUT: &str = "SET lock_timeout = '2s'";
+const RESET_LOCK_TIMEOUT: &str = "RESET lock_timeout";
+const SET_LOCAL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
+const LOCK_INBOX: &str = "LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE";
+const RENAME_TO_UNTIMED: &str = "ALTER TABLE inbox_messages RENAME TO inbox_messages_untimed";
+const UNTIMED_KEY_CONSTRAINT: &str = "ALTER TABLE inbox_messages_untimed \
+     ADD CONSTRAINT inbox_messages_untimed_key UNIQUE USING INDEX inbox_messages_untimed_key";
+const ATTACH_UNTIMED: &str = "ALTER TABLE inbox_messages ATTACH PARTITION inbox_messages_untimed \
+     FOR VALUES FROM (MINVALUE) TO ('2000-01-01 00:00:00+00')";
+
+fn rename_key_statement(key: &str) -> String {
+    format!(
+        "ALTER TABLE inbox_messages_untimed RENAME CONSTRAINT {} TO inbox_messages_untimed_pk",
+        quote_ident(key)
+    )
+}
+
+fn rename_index_statement(index: &str) -> String {
+    format!(
+        "ALTER INDEX IF EXISTS {} RENAME TO {}",
+        quote_ident(index),
+        quote_ident(&index.replace("inbox_messages", "inbox_messages_untimed"))
+    )
+}
+
+fn create_partitioned_statement(key: &str) -> String {
+    format!(
+        "CREATE TABLE inbox_messages (\
+             id uuid NOT NULL, \
+             consumer_type character varying(500) NOT NULL, \
+             received_at timestamp with time zone NOT NULL, \
+             processed_at timestamp with time zone, \
+             message_time timestamp with time zone NOT NULL DEFAULT '-infinity', \
+             fingerprint bytea, \
+             CONSTRAINT {} PRIMARY KEY (id, consumer_type, message_time)\
+         ) PARTITION BY RANGE (message_time)",
+        quote_ident(key)
+    )
+}
+
+fn create_index_statement(name: &str, definition: &str) -> String {
+    format!(
+        "CREATE INDEX {} ON inbox_messages {definition}",
+        quote_ident(name)
+    )
+}
+
+fn grant_statement(privilege: &str, grantee: Option<&str>) -> String {
+    let privilege = privilege.to_ascii_uppercase();
+    let privilege = match privilege.as_str() {
+        p @ ("SELECT" | "INSERT" | "UPDATE" | "DELETE" | "TRUNCATE" | "REFERENCES" | "TRIGGER") => {
+            p
+        }
+        _ => "SELECT",
+    };
+    format!(
+        "GRANT {privilege} ON inbox_messages TO {}",
+        grantee.map_or_else(|| "PUBLIC".to_owned(), quote_ident)
+    )
+}
+
+/// The conversion's statements built around a name, each with a sample one.
+pub(super) fn built_statements() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "grant_statement",
+            grant_statement("select", Some("inboxctl")),
+        ),
+        (
+            "rename_key_statement",
+            rename_key_statement("pk_inbox_messages"),
+        ),
+        (
+            "rename_index_statement",
+            rename_index_statement(INBOX_INDEXES[0].0),
+        ),
+        (
+            "create_partitioned_statement",
+            create_partitioned_statement("pk_inbox_messages"),
+        ),
+        (
+            "create_index_statement",
+            create_index_statement(INBOX_INDEXES[0].0, INBOX_INDEXES[0].1),
+        ),
+        ("ADD_COLUMNS", ADD_COLUMNS.to_owned()),
+        ("DROP_UNTIMED_KEY", DROP_UNTIMED_KEY.to_owned()),
+        ("BUILD_UNTIMED_KEY", BUILD_UNTIMED_KEY.to_owned()),
+        ("ADD_UNTIMED_CHECK", ADD_UNTIMED_CHECK.to_owned()),
+        ("VALIDATE_UNTIMED_CHECK", VALIDATE_UNTIMED_CHECK.to_owned()),
+        ("SET_LOCK_TIMEOUT", SET_LOCK_TIMEOUT.to_owned()),
+        ("RESET_LOCK_TIMEOUT", RESET_LOCK_TIMEOUT.to_owned()),
+        ("SET_LOCAL_LOCK_TIMEOUT", SET_LOCAL_LOCK_TIMEOUT.to_owned()),
+        ("LOCK_INBOX", LOCK_INBOX.to_owned()),
+        ("RENAME_TO_UNTIMED", RENAME_TO_UNTIMED.to_owned()),
+        ("UNTIMED_KEY_CONSTRAINT", UNTIMED_KEY_CONSTRAINT.to_owned()),
+        ("ATTACH_UNTIMED", ATTACH_UNTIMED.to_owned()),
+    ]
+}
+
+/// What [`partition`] did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct PartitionReport {
+    /// An unpartitioned `inbox_messages` was converted (its rows now in `inbox_messages_untimed`).
+    pub converted: bool,
+    /// Partitions created, by name.
+    pub created: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub settings: Option<Settings>,
+}
+
+/// Makes `inbox_messages` partitioned with `settings` — converting an unpartitioned one in place, or checking that a
+/// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]`. Safe to repeat, and to
+/// run again after it stopped half way. The caller holds the migrate lock and has applied the migrations.
+pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<PartitionReport> {
+    let mut report = PartitionReport {
+        settings: Some(settings),
+        ..PartitionReport::default()
+    };
+    match read_layout(&mut *conn).await? {
+        // Partitioned, its settings lost: written again, as the operator gives them.
+        Some(None) => {
+            tracing::warn!(
+                "inbox_messages is partitioned but its settings were gone; writing the ones given, which must be \
+                 those it was partitioned with"
+            );
+            run(conn, &comment_statement(&settings)).await?;
+        }
+        Some(Some(Layout::Partitioned(existing))) if existing != settings => {
+            return Err(Error::Usage(format!(
+                "inbox_messages is partitioned every {} on {}; it cannot be changed to every {} on {}: copies of \
+                 the messages in the window would be keyed on another time than their originals and processed again",
+                humantime::format_duration(existing.interval.to_std().unwrap_or_default()),
+                existing.source.name(),
+                humantime::format_duration(settings.interval.to_std().unwrap_or_default()),
+                settings.source.name(),
+            )));
+        }
+        Some(Some(Layout::Partitioned(_))) => {}
+        Some(Some(Layout::Plain)) => {
+            convert(conn, settings).await?;
+            report.converted = true;
+        }
+        None => return Err(Error::SchemaMissing { database: None }),
+    }
+    let now = Utc::now();
+    report.created = ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?;
+    Ok(report)
+}
+
+/// The conversion (see the module documentation): every step but the last takes no lock that stops the consumers.
+async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
+    with_lock_retries(conn, ADD_COLUMNS).await?;
+    if index_state(conn, "inbox_messages_untimed_key").await? == Some(false) {
+        run(conn, DROP_UNTIMED_KEY).await?;
+    }
+    run(conn, BUILD_UNTIMED_KEY).await?;
+    let exists: bool = sql::query_scalar(INBOX_CONSTRAINT_EXISTS)
+        .bind("inbox_messages_untimed_time")
+        .fetch_one(&mut *conn)
+        .await?;
+    if !exists {
+        with_lock_retries(conn, ADD_UNTIMED_CHECK).await?;
+    }
+    run(conn, VALIDATE_UNTIMED_CHECK).await?;
+    let key = crate::db::schema::inbox_primary_key(conn)
+        .await?
+        .ok_or_else(|| Error::SchemaIncompatible {
+            database: String::new(),
+            differences: vec!["inbox_messages has no primary key".to_owned()],
+        })?;
+    let grants: Vec<(Option<String>, String)> =
+        sql::query_as(INBOX_GRANTS).fetch_all(&mut *conn).await?;
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match swap(conn, &key, &grants, settings).await {
+            Ok(()) => return Ok(()),
+            Err(e) if tries < 30 && crate::db::sqlstate(&e).as_deref() == Some("55P03") => {
+                tracing::info!(
+                    "inbox_messages is busy (a long transaction holds it); trying again"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The conversion's one transaction: the table renamed `inbox_messages_untimed`, a partitioned `inbox_messages` made
+/// in its place with the same grants, the old table attached below every time. The lock is waited for at most
+/// `SET_LOCK_TIMEOUT`, so the claims queued behind it never wait longer.
+async fn swap(
+    conn: &mut PgConnection,
+    key: &str,
+    grants: &[(Option<String>, String)],
+    settings: Settings,
+) -> sqlx::Result<()> {
+    let mut tx = conn.begin().await?;
+    run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
+    run(&mut tx, LOCK_INBOX).await?;
+    run(&mut tx, RENAME_TO_UNTIMED).await?;
+    run(&mut tx, &rename_key_statement(key)).await?;
+    for (index, _) in INBOX_INDEXES {
+        run(&mut tx, &rename_index_statement(index)).await?;
+    }
+    run(&mut tx, UNTIMED_KEY_CONSTRAINT).await?;
+    run(&mut tx, &create_partitioned_statement(key)).await?;
+    for (index, definition) in INBOX_INDEXES {
+        run(&mut tx, &create_index_statement(index, definition)).await?;
+    }
+    for (grantee, privilege) in grants {
+        run(&mut tx, &grant_statement(privilege, grantee.as_deref())).await?;
+    }
+    run(&mut tx, ATTACH_UNTIMED).await?;
+    run(&mut tx, &comment_statement(&settings)).await?;
+    tx.commit().await
+}
+
+/// Runs `statement` with a short lock timeout, trying again while the consumers' transactions hold the table.
+async fn with_lock_retries(conn: &mut PgConnection, statement: &str) -> Result<()> {
+    run(conn, SET_LOCK_TIMEOUT).await?;
+    let mut tries = 0;
+    let result = loop {
+        tries += 1;
+        match run(conn, statement).await {
+            Err(e) if tries < 30 && crate::db::sqlstate(&e).as_deref() == Some("55P03") => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            other => break other,
+        }
+    };
+    run(conn, RESET_LOCK_TIMEOUT).await?;
+    Ok(result?)
+}
+
+async fn index_state(conn: &mut PgConnection, name: &str) -> sqlx::Result<Option<bool>> {
+    sql::query_scalar(INDEX_STATE)
+        .bind(name)
+        .fetch_optional(conn)
+        .await
+}

@@ -210,21 +210,29 @@ async fn rabbitmq_restarted_twice_mid_stream_every_message_once() {
     rabbit.ctl(&["stop"]).unwrap();
     rabbit.wait_until("the node gone", |r| r.ctl(&["status"]).is_err());
     rabbit.boot();
-    let report = async {
-        eprintln!(
-            "effects {}, queue {:?}, consumer stderr:\n{}",
-            effects().await,
-            rabbit.queue(CARRIER_QUEUE),
-            consumer.stderr()
-        );
-    };
-    report.await;
-    common::eventually(
-        "all 2,600 after the restart",
-        Duration::from_secs(120),
-        || async { effects().await >= 2_600 && rabbit.queue(CARRIER_QUEUE) == Some((0, 0)) },
-    )
-    .await;
+    // This wait fails about once in ten runs (see .config/nextest.toml); when it does, what the consumer said until
+    // then, without its duplicate lines, is the evidence of why.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let (done, queue) = (effects().await, rabbit.queue(CARRIER_QUEUE));
+        if done >= 2_600 && queue == Some((0, 0)) {
+            break;
+        }
+        if Instant::now() > deadline {
+            let said: Vec<String> = consumer
+                .stderr()
+                .lines()
+                .filter(|l| !l.contains("duplicate discarded"))
+                .map(str::to_owned)
+                .collect();
+            panic!(
+                "timed out after 120 s waiting for all 2,600 after the restart: effects {done}, queue {queue:?}, \
+                 consumer stderr without its duplicates:\n{}",
+                said.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     common::assert_carrier_exactly_once(&pool, 2_600).await;
     let error_queue = format!("{CARRIER_QUEUE}_error");

@@ -66,12 +66,10 @@ impl PartitionWork {
         self.dropped.iter().filter_map(|d| d.rows_estimated).sum()
     }
 
-    /// Which old rows the batched delete takes: those whose message time is below this (none: all of them). All of
-    /// them when partitions cannot be dropped (`refused`): nothing else would ever remove them.
+    /// Which old rows the batched delete takes: those whose message time is below this (none: all of them). A drop
+    /// refused (`refused`) ends the look at the partitions before it reaches the one holding the cutoff, so that run
+    /// deletes every row past the window by batch: nothing else would remove them.
     pub fn batched_below(&self) -> Option<DateTime<Utc>> {
-        if self.refused.is_some() {
-            return None;
-        }
         self.next.as_ref().map(|n| n.from)
     }
 }

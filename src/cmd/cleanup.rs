@@ -211,7 +211,7 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
                 sanitize::text(&kept.why)
             ))?;
         }
-        if let (Some(next), None) = (&p.next, &p.refused) {
+        if let Some(next) = &p.next {
             output::line(&format!(
                 "partition {} holds the cutoff: its rows past the window go with it, whole, after {}",
                 sanitize::text(&next.partition),

@@ -340,3 +340,76 @@ async fn a_batchs_multiple_ack_never_covers_a_delivery_another_worker_holds() {
     );
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
+
+/// A broker call that never answers (the failpoint holds the first call of its kind for ten minutes: what a
+/// connection whose socket died without lapin noticing looks like) must not hold the consumer. With one worker, an
+/// ack waited on for ever held it all: the loop waited for a free worker and looked at nothing else. Past
+/// `--broker-timeout` the connection is given up and opened again; the held message comes back, and is discarded as
+/// a duplicate if it had committed.
+async fn unanswered(call: &str, mode: &[&str]) -> String {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "40"]);
+    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+    let args = [
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "1",
+            "--broker-timeout",
+            "2s",
+        ][..],
+        &["--fail-destination", "FAIL", "--max-attempts", "1"],
+    ]
+    .concat();
+    let consumer = env.spawn_with(
+        &common::with_mode(&args, mode),
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!("broker-answer=sleep-once-600000@{call}"),
+        )],
+    );
+    consumer.wait_for_stderr("failpoint broker-answer reached", Duration::from_secs(30));
+    let pool = env.pool().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::eventually(
+        &format!("every parcel processed or moved aside, though {call} was never answered"),
+        Duration::from_secs(60),
+        || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 40
+                && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+                && env.queue_counts(&error_queue).0 == 1
+        },
+    )
+    .await;
+    let said = consumer.stderr();
+    assert!(
+        said.contains(&format!("RabbitMQ did not answer {call} in time")),
+        "{said}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        40,
+        "each once"
+    );
+    assert_eq!(env.queue_counts(&error_queue), (1, 0), "moved aside once");
+    said
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_one_by_one() {
+    let said = unanswered("an ack", common::ONE_BY_ONE).await;
+    assert!(said.contains("duplicate discarded"), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_batched() {
+    let said = unanswered("an ack", common::BATCHED).await;
+    assert!(said.contains("duplicate discarded"), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_the_connection_up() {
+    unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
+}

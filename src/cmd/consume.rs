@@ -89,6 +89,11 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
 
+    /// How long to wait for RabbitMQ to answer an ack or confirm a dead-letter copy; past it the connection is
+    /// dropped and opened again, and what was not settled comes back as duplicates
+    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
+    pub broker_timeout: Duration,
+
     /// Up to this many deliveries share one transaction, their effects written together (1: one transaction per
     /// message). At most 64
     #[arg(long, default_value_t = DEFAULT_BATCH_SIZE, value_parser = clap::value_parser!(u16).range(1..=64))]
@@ -237,6 +242,7 @@ impl Args {
             claim_timeout: self.claim_timeout,
             exit_when_idle: self.exit_when_idle,
             shutdown_timeout: self.shutdown_timeout,
+            broker_timeout: self.broker_timeout,
             batch_size: self.batch_size,
             batch_wait: self.batch_wait,
             poison_after: self.poison_after,
@@ -309,6 +315,7 @@ mod tests {
             "--claim-timeout=2s",
             "--exit-when-idle=3s",
             "--shutdown-timeout=4s",
+            "--broker-timeout=5s",
             "--batch-size=8",
             "--batch-wait=6ms",
             "--poison-after=2",
@@ -331,6 +338,7 @@ mod tests {
             claim_timeout: Duration::from_secs(2),
             exit_when_idle: Some(Duration::from_secs(3)),
             shutdown_timeout: Duration::from_secs(4),
+            broker_timeout: Duration::from_secs(5),
             batch_size: 8,
             batch_wait: Duration::from_millis(6),
             poison_after: 2,

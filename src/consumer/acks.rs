@@ -73,12 +73,15 @@ pub(super) async fn ack_all<C: Consumer>(
         .find(|d| d.delivery_tag == up_to)
         .map(|d| d.acker.clone());
     if let Some(acker) = last {
-        let sent = acker.ack(BasicAckOptions { multiple: true }).await;
+        let sent = link
+            .answer("an ack", acker.ack(BasicAckOptions { multiple: true }))
+            .await;
+        let sent = matches!(sent, Some(Ok(_)));
         for delivery in &covered {
             if let Some(timings) = &shared.options.timings {
                 timings.handled(started.elapsed());
             }
-            settled(shared, link, delivery.delivery_tag, sent.is_ok());
+            settled(shared, link, delivery.delivery_tag, sent);
         }
     }
     for delivery in &rest {

@@ -173,6 +173,29 @@ impl DeadLetters {
     }
 }
 
+impl Link {
+    /// Publishes a dead-letter copy of `delivery` to `destination` and waits for its confirm, for at most the broker
+    /// timeout (see [`Link::answer`]).
+    async fn copy(
+        &self,
+        destination: &str,
+        delivery: &Delivery,
+        headers: FieldTable,
+    ) -> Result<(), CopyError> {
+        let published = self
+            .dead_letters
+            .publish(&self.connection, destination, delivery, headers);
+        self.answer("a dead-letter copy", published)
+            .await
+            .unwrap_or_else(|| {
+                Err(CopyError::Refused(
+                    "RabbitMQ did not confirm the copy in time; the connection is given up"
+                        .to_owned(),
+                ))
+            })
+    }
+}
+
 pub(super) async fn skip<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
@@ -187,10 +210,7 @@ pub(super) async fn skip<C: Consumer>(
         "message type not handled here; moving it to {destination}"
     );
     let headers = dead_letter::skipped_headers(delivery.properties.headers().as_ref());
-    let moved = link
-        .dead_letters
-        .publish(&link.connection, &destination, delivery, headers)
-        .await;
+    let moved = link.copy(&destination, delivery, headers).await;
     match moved {
         Ok(()) => {
             shared.counts.skipped.fetch_add(1, Ordering::Relaxed);
@@ -251,10 +271,7 @@ pub(super) async fn dead_letter_error<C: Consumer>(
     };
     let headers =
         dead_letter::error_headers(delivery.properties.headers().as_ref(), &fault_headers);
-    let moved = link
-        .dead_letters
-        .publish(&link.connection, &destination, delivery, headers)
-        .await;
+    let moved = link.copy(&destination, delivery, headers).await;
     match moved {
         Ok(()) => {
             if fault.0 != CONFLICT_FAULT {

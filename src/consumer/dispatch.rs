@@ -107,24 +107,28 @@ pub(super) async fn settle_acker<C: Consumer>(
     disposition: Disposition,
 ) {
     let sent = match disposition {
-        Disposition::Ack => acker.ack(BasicAckOptions::default()).await,
+        Disposition::Ack => {
+            link.answer("an ack", acker.ack(BasicAckOptions::default()))
+                .await
+        }
         Disposition::Requeue | Disposition::RequeueAfter(_) => {
-            if let Disposition::RequeueAfter(pause) = disposition {
+            // The pause keeps a message that cannot be settled now from coming round in a tight loop; on a link
+            // given up it comes round on the next connection anyway.
+            if let (Disposition::RequeueAfter(pause), false) = (disposition, link.is_given_up()) {
                 sleep_or_cancel(pause, &shared.shutdown).await;
             }
-            acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await
+            let nack = acker.nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            });
+            link.answer("a nack", nack).await
         }
     };
     match sent {
-        Ok(true) => settled(shared, link, delivery_tag, true),
+        Some(Ok(true)) => settled(shared, link, delivery_tag, true),
         // Settled already, by the clean-up after a panic: counted out of flight there.
-        Ok(false) => {}
-        Err(_) => settled(shared, link, delivery_tag, false),
+        Some(Ok(false)) => {}
+        Some(Err(_)) | None => settled(shared, link, delivery_tag, false),
     }
 }
 

@@ -36,6 +36,62 @@ pub(super) struct Link {
     pub(super) dead_letters: DeadLetters,
     /// The tags of deliveries on `consume` not settled yet.
     pub(super) outstanding: Outstanding,
+    /// Cancelled when RabbitMQ did not answer within `broker_timeout`: the run loop then drops the connection.
+    given_up: CancellationToken,
+    broker_timeout: Duration,
+}
+
+impl Link {
+    /// Awaits RabbitMQ's answer to `op` (an ack, a nack, a dead-letter copy and its confirm) for at most the broker
+    /// timeout; `None` if it did not come, or the link was given up already.
+    ///
+    /// Past the timeout the link is given up. A broker that does not answer keeps the deliveries it holds unsettled,
+    /// and a connection whose socket died without lapin noticing (seen after a node restart) would hold the worker
+    /// waiting on it for ever — and once every worker is held, the whole consumer, whose loop waits for a free one.
+    /// The run loop closes a given-up connection (the broker then delivers again whatever was not settled, and the
+    /// inbox absorbs the copies) and opens a new one.
+    pub(super) async fn answer<T>(
+        &self,
+        what: &'static str,
+        op: impl Future<Output = T>,
+    ) -> Option<T> {
+        if self.given_up.is_cancelled() {
+            return None;
+        }
+        let op = async {
+            crate::failpoint::hit_with("broker-answer", what).await;
+            op.await
+        };
+        if let Ok(answer) = tokio::time::timeout(self.broker_timeout, op).await {
+            return Some(answer);
+        }
+        if !self.given_up.is_cancelled() {
+            tracing::warn!(
+                waited = %humantime::format_duration(self.broker_timeout),
+                "RabbitMQ did not answer {what} in time (--broker-timeout); giving the connection up: what it did not \
+                 settle is delivered again"
+            );
+            self.given_up.cancel();
+        }
+        None
+    }
+
+    pub(super) fn is_given_up(&self) -> bool {
+        self.given_up.is_cancelled()
+    }
+
+    /// Resolves once the link is given up or its connection is seen lost (its state is looked at every second).
+    async fn lost(&self) {
+        let mut check = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                () = self.given_up.cancelled() => return,
+                _ = check.tick() => if !self.connection.status().connected() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 /// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
@@ -213,10 +269,10 @@ async fn consume_on<C: Consumer>(
     // waited on forever.
     let mut connection_check = tokio::time::interval(Duration::from_secs(1));
     let cancel = || async {
-        let _ = link
+        let cancelled = link
             .consume
-            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-            .await;
+            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default());
+        let _ = link.answer("the consumer's cancel", cancelled).await;
     };
     loop {
         tokio::select! {
@@ -226,6 +282,7 @@ async fn consume_on<C: Consumer>(
                 return LinkEnd::Stop;
             }
             Some(_) = workers.tasks.join_next(), if !workers.tasks.is_empty() => {}
+            () = link.given_up.cancelled() => return LinkEnd::Reconnect,
             _ = connection_check.tick() => {
                 if !link.connection.status().connected() {
                     tracing::warn!("RabbitMQ connection lost (seen in its state); reconnecting");
@@ -240,11 +297,14 @@ async fn consume_on<C: Consumer>(
                 }
             }
             delivery = deliveries.next() => match delivery {
-                Some(Ok(delivery)) => {
-                    if !workers.dispatch(shared, link, delivery).await {
-                        return LinkEnd::Stop;
+                Some(Ok(delivery)) => match workers.dispatch(shared, link, delivery).await {
+                    Handover::Handed => {}
+                    Handover::Stop => return LinkEnd::Stop,
+                    Handover::Lost => {
+                        tracing::warn!("RabbitMQ connection lost while waiting for a free worker; reconnecting");
+                        return LinkEnd::Reconnect;
                     }
-                }
+                },
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "RabbitMQ connection lost; reconnecting");
                     return LinkEnd::Reconnect;
@@ -256,6 +316,17 @@ async fn consume_on<C: Consumer>(
             }
         }
     }
+}
+
+/// What became of a delivery the consume loop received.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Handover {
+    /// A worker has it.
+    Handed,
+    /// A stop was asked for first.
+    Stop,
+    /// The link was lost first.
+    Lost,
 }
 
 /// Who handles the deliveries: a task each (at most `concurrency` at once), or, batched, a few batch workers fed
@@ -288,19 +359,27 @@ impl Workers {
         }
     }
 
-    /// Hands a delivery to a worker once PostgreSQL is up and a worker is free; `false` if a stop came first.
+    /// Hands a delivery to a worker once PostgreSQL is up and a worker is free. While it waits, the consume loop
+    /// waits too: a stop, or the link lost (a worker's broker call given up, or the connection seen closed), ends
+    /// the wait, and the delivery, not handed over, comes again on a new connection.
     async fn dispatch<C: Consumer>(
         &mut self,
         shared: &Arc<Shared<C>>,
         link: &Arc<Link>,
         delivery: lapin::message::Delivery,
-    ) -> bool {
+    ) -> Handover {
         shared.in_flight.fetch_add(1, Ordering::SeqCst);
         *lock(&shared.last_activity) = Instant::now();
         link.outstanding.add(delivery.delivery_tag);
-        let handed = self.hand_over(shared, link, delivery).await;
+        // The hand-over first: when a worker is free it is done at its first poll, and nothing else is set up.
+        let handed = tokio::select! {
+            biased;
+            handed = self.hand_over(shared, link, delivery) => handed,
+            () = shared.shutdown.cancelled() => Handover::Stop,
+            () = link.lost() => Handover::Lost,
+        };
         // One not handed over stays outstanding: it is not settled, and no `multiple` ack may cover it.
-        if !handed {
+        if handed != Handover::Handed {
             shared.in_flight.fetch_sub(1, Ordering::SeqCst);
         }
         handed
@@ -311,25 +390,20 @@ impl Workers {
         shared: &Arc<Shared<C>>,
         link: &Arc<Link>,
         delivery: lapin::message::Delivery,
-    ) -> bool {
+    ) -> Handover {
         if !wait_for_database(shared).await {
-            return false;
+            return Handover::Stop;
         }
         // A redelivered message is processed on its own: if it is what ended a process, it must not take a batch's
         // healthy members down with it again.
         if let Some(queue) = self.batches.as_ref().filter(|_| !delivery.redelivered) {
-            let queued = (delivery, Arc::clone(link));
-            return tokio::select! {
-                () = shared.shutdown.cancelled() => false,
-                sent = queue.send(queued) => sent.is_ok(),
+            return match queue.send((delivery, Arc::clone(link))).await {
+                Ok(()) => Handover::Handed,
+                Err(_) => Handover::Stop,
             };
         }
-        let permit = tokio::select! {
-            () = shared.shutdown.cancelled() => None,
-            permit = Arc::clone(&self.permits).acquire_owned() => permit.ok(),
-        };
-        let Some(permit) = permit else {
-            return false;
+        let Ok(permit) = Arc::clone(&self.permits).acquire_owned().await else {
+            return Handover::Stop;
         };
         let shared = Arc::clone(shared);
         let link = Arc::clone(link);
@@ -337,7 +411,7 @@ impl Workers {
             handle(&shared, &link, delivery).await;
             drop(permit);
         });
-        true
+        Handover::Handed
     }
 
     /// The batch workers end once the deliveries queued for them are done; then everything in flight is drained.
@@ -384,6 +458,8 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
         consume,
         dead_letters: DeadLetters::new(broker.username().to_owned(), shared.options.queue_type),
         outstanding: Outstanding::default(),
+        given_up: CancellationToken::new(),
+        broker_timeout: shared.options.broker_timeout,
     })
 }
 
@@ -405,9 +481,10 @@ pub(super) async fn is_idle<C: Consumer>(shared: &Shared<C>, link: &Link) -> boo
     {
         return false;
     }
+    let depth = topology::queue_depth(&link.connection, &shared.queue);
     matches!(
-        topology::queue_depth(&link.connection, &shared.queue).await,
-        Ok(Some((0, _)))
+        link.answer("the queue's depth", depth).await,
+        Some(Ok(Some((0, _))))
     )
 }
 

@@ -27,6 +27,7 @@ pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_millis(200);
 pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+pub const DEFAULT_BROKER_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_BATCH_SIZE: u16 = 1;
 pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
 pub const DEFAULT_POISON_AFTER: u32 = 3;
@@ -53,6 +54,8 @@ pub struct Config {
     pub claim_timeout: Duration,
     pub exit_when_idle: Option<Duration>,
     pub shutdown_timeout: Duration,
+    /// How long a worker waits for RabbitMQ's answer to an ack or a confirm before giving the connection up.
+    pub broker_timeout: Duration,
     pub batch_size: u16,
     pub batch_wait: Duration,
     pub poison_after: u32,
@@ -82,6 +85,7 @@ impl Default for Config {
             claim_timeout: DEFAULT_CLAIM_TIMEOUT,
             exit_when_idle: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            broker_timeout: DEFAULT_BROKER_TIMEOUT,
             batch_size: DEFAULT_BATCH_SIZE,
             batch_wait: DEFAULT_BATCH_WAIT,
             poison_after: DEFAULT_POISON_AFTER,
@@ -287,6 +291,7 @@ fn options(
         retry_delay: config.retry_delay,
         exit_when_idle: config.exit_when_idle,
         shutdown_timeout: config.shutdown_timeout,
+        broker_timeout: config.broker_timeout,
         counts,
         batch_size: match config.partitions {
             Some(_) => 1,

@@ -79,7 +79,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off (from 100ms to 24 days)'
             cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)'
             cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
-            cand --broker-timeout 'How long to wait for RabbitMQ to answer an ack or confirm a dead-letter copy; past it the connection is dropped and opened again, and what was not settled comes back as duplicates'
+            cand --broker-timeout 'How long any call to RabbitMQ may take (an ack or nack, a dead-letter copy''s confirm, setting a connection up); past it the connection is dropped and opened again, and what was not settled comes back as duplicates'
             cand --batch-size 'Up to this many deliveries share one transaction, their effects written together (1: one transaction per message). At most 64'
             cand --batch-wait 'How long a batch waits to fill, only while another batch is running (a lone message never waits)'
             cand --poison-after 'A redelivered message that started this many times without an outcome, each start ending the consumer process (an abort, a crash, a kill), goes to <queue>_error at its next delivery'

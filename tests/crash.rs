@@ -385,7 +385,7 @@ async fn unanswered(call: &str, mode: &[&str]) -> String {
     .await;
     let said = consumer.stderr();
     assert!(
-        said.contains(&format!("RabbitMQ did not answer {call} in time")),
+        said.contains(&format!("RabbitMQ did not complete {call} in time")),
         "{said}"
     );
     assert_eq!(
@@ -405,11 +405,53 @@ async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_one_by_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_batched() {
-    let said = unanswered("an ack", common::BATCHED).await;
+    // A batch's members acknowledged with one frame (`multiple`): the first batch of the 40 queued is the lone first
+    // message, the next ones are many.
+    let said = unanswered("a multiple ack", common::BATCHED).await;
     assert!(said.contains("duplicate discarded"), "{said}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_the_connection_up() {
     unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
+}
+
+/// An ack on a connection the broker has closed meanwhile: lapin answers `Ok(false)` (its acker poisoned), which the
+/// consumer took for "settled before" and never counted out of flight, so `--exit-when-idle` waited for ever. The
+/// failpoint holds the first message between its commit and its ack while the broker closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "3"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "1",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "after-commit=sleep-once-3000")],
+    );
+    consumer.wait_for_stderr("failpoint after-commit reached", Duration::from_secs(30));
+    common::close_connection(&env.vhost, "inboxctl consume");
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        3
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    assert!(
+        consumer.stderr().contains("duplicate discarded"),
+        "{}",
+        consumer.stderr()
+    );
 }

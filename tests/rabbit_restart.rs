@@ -210,8 +210,8 @@ async fn rabbitmq_restarted_twice_mid_stream_every_message_once() {
     rabbit.ctl(&["stop"]).unwrap();
     rabbit.wait_until("the node gone", |r| r.ctl(&["status"]).is_err());
     rabbit.boot();
-    // This wait fails about once in ten runs (see .config/nextest.toml); when it does, what the consumer said until
-    // then, without its duplicate lines, is the evidence of why.
+    // This wait failed about once in ten runs until the consumer bounded its broker calls (see .config/nextest.toml);
+    // should it fail again, what the consumer said until then, without its duplicate lines, is the evidence of why.
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let (done, queue) = (effects().await, rabbit.queue(CARRIER_QUEUE));

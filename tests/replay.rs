@@ -635,26 +635,6 @@ async fn dead_letter(conn: &Connection, queue: &str, id: &str, body: &[u8], inpu
     common::publish(conn, "", queue, props, body).await;
 }
 
-/// Closes the connection the replay running in `vhost` made (it names itself "inboxctl replay"), from the broker's
-/// side, as `rabbitmqctl close_connection` does for an operator.
-#[cfg(feature = "failpoints")]
-fn close_replay_connection(vhost: &str) {
-    let listing = common::rabbitmqctl(&[
-        "-q",
-        "list_connections",
-        "pid",
-        "vhost",
-        "client_properties",
-    ]);
-    let pid = listing
-        .lines()
-        .find(|l| l.split('\t').nth(1) == Some(vhost) && l.contains("inboxctl replay"))
-        .and_then(|l| l.split('\t').next())
-        .unwrap_or_else(|| panic!("no replay connection in {vhost}:\n{listing}"))
-        .to_owned();
-    common::rabbitmqctl(&["close_connection", &pid, "cut by the test"]);
-}
-
 #[cfg(feature = "failpoints")]
 fn items_with<'r>(report: &'r serde_json::Value, action: &str) -> Vec<&'r serde_json::Value> {
     report["items"]
@@ -725,7 +705,7 @@ async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection
         "failpoint replay-before-get reached",
         Duration::from_secs(30),
     );
-    close_replay_connection(&env.vhost);
+    common::close_connection(&env.vhost, "inboxctl replay");
     assert_eq!(
         replay.wait(Duration::from_secs(60)),
         Some(3),

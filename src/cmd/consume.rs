@@ -89,8 +89,8 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub shutdown_timeout: Duration,
 
-    /// How long to wait for RabbitMQ to answer an ack or confirm a dead-letter copy; past it the connection is
-    /// dropped and opened again, and what was not settled comes back as duplicates
+    /// How long any call to RabbitMQ may take (an ack or nack, a dead-letter copy's confirm, setting a connection
+    /// up); past it the connection is dropped and opened again, and what was not settled comes back as duplicates
     #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
     pub broker_timeout: Duration,
 

@@ -23,9 +23,9 @@ impl Outstanding {
         lock(&self.0).insert(tag);
     }
 
-    /// A delivery is settled (its ack or nack sent).
-    pub(super) fn remove(&self, tag: u64) {
-        lock(&self.0).remove(&tag);
+    /// A delivery is settled (its ack or nack sent, or its channel gone); `false` if it was settled before.
+    pub(super) fn remove(&self, tag: u64) -> bool {
+        lock(&self.0).remove(&tag)
     }
 
     pub(super) fn contains(&self, tag: u64) -> bool {
@@ -74,7 +74,10 @@ pub(super) async fn ack_all<C: Consumer>(
         .map(|d| d.acker.clone());
     if let Some(acker) = last {
         let sent = link
-            .answer("an ack", acker.ack(BasicAckOptions { multiple: true }))
+            .answer(
+                "a multiple ack",
+                acker.ack(BasicAckOptions { multiple: true }),
+            )
             .await;
         let sent = matches!(sent, Some(Ok(_)));
         for delivery in &covered {

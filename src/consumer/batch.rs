@@ -20,7 +20,8 @@ use tokio::task::JoinSet;
 use super::acks::ack_all;
 use super::dispatch::{
     Access, Disposition, Prepared, Ready, attempts, conflict, context, database_back,
-    database_gone, duplicate, failed, prepare, processed, settle, settle_acker, unclaimable,
+    database_gone, duplicate, failed, prepare, processed, settle, settle_acker, settled,
+    unclaimable,
 };
 use super::run::Link;
 use super::{
@@ -64,9 +65,13 @@ pub(super) async fn worker<C: Consumer>(
             );
             // What the batch settled (alone, or with others by a `multiple` ack), or handed to a task of its own,
             // stays as it is.
-            let unsettled = ackers
-                .into_iter()
-                .filter(|(a, tag, link)| a.usable() && link.outstanding.contains(*tag));
+            // One whose channel closed is counted out of flight here: the broker delivers it again.
+            let unsettled = ackers.into_iter().filter(|(a, tag, link)| {
+                if a.poisoned() {
+                    settled(&shared, link, *tag, false);
+                }
+                a.usable() && link.outstanding.contains(*tag)
+            });
             for (acker, tag, link) in unsettled {
                 let shared = Arc::clone(&shared);
                 aside.spawn(async move {

@@ -114,8 +114,11 @@ pub(super) async fn settle_acker<C: Consumer>(
         Disposition::Requeue | Disposition::RequeueAfter(_) => {
             // The pause keeps a message that cannot be settled now from coming round in a tight loop; on a link
             // given up it comes round on the next connection anyway.
-            if let (Disposition::RequeueAfter(pause), false) = (disposition, link.is_given_up()) {
-                sleep_or_cancel(pause, &shared.shutdown).await;
+            if let Disposition::RequeueAfter(pause) = disposition {
+                tokio::select! {
+                    _ = sleep_or_cancel(pause, &shared.shutdown) => {}
+                    () = link.given_up() => {}
+                }
             }
             let nack = acker.nack(BasicNackOptions {
                 multiple: false,
@@ -124,25 +127,25 @@ pub(super) async fn settle_acker<C: Consumer>(
             link.answer("a nack", nack).await
         }
     };
-    match sent {
-        Some(Ok(true)) => settled(shared, link, delivery_tag, true),
-        // Settled already, by the clean-up after a panic: counted out of flight there.
-        Some(Ok(false)) => {}
-        Some(Err(_)) | None => settled(shared, link, delivery_tag, false),
-    }
+    // `Ok(false)`: settled already (by the clean-up after a panic), or its channel closed (lapin's acker poisoned);
+    // `settled` counts a delivery out of flight once either way.
+    let sent = matches!(sent, Some(Ok(true)));
+    settled(shared, link, delivery_tag, sent);
 }
 
-/// The bookkeeping of a delivery settled with the broker (`sent`), or not settled because its channel closed (then
-/// the broker delivers it again).
+/// The bookkeeping of a delivery settled with the broker (`sent`), or not settled because its channel closed or its
+/// link was given up (then the broker delivers it again). Counted out of flight once, however often it is called.
 pub(super) fn settled<C: Consumer>(shared: &Shared<C>, link: &Link, delivery_tag: u64, sent: bool) {
+    *lock(&shared.last_activity) = Instant::now();
+    if !link.outstanding.remove(delivery_tag) {
+        return;
+    }
     if !sent {
         tracing::debug!(
             delivery_tag,
-            "not settled (channel closed); the broker will deliver the message again"
+            "not settled (channel closed or connection given up); the broker will deliver the message again"
         );
     }
-    link.outstanding.remove(delivery_tag);
-    *lock(&shared.last_activity) = Instant::now();
     let _ = shared
         .in_flight
         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));

@@ -141,8 +141,8 @@ pub struct ConsumerOptions {
     pub exit_when_idle: Option<Duration>,
     /// How long in-flight messages may take to finish after a stop was asked for.
     pub shutdown_timeout: Duration,
-    /// How long a worker waits for RabbitMQ to answer an ack, a nack or a dead-letter copy's confirm; past it the
-    /// connection is given up and opened again (see [`run::Link::answer`]).
+    /// How long a call to RabbitMQ may take (an ack, a nack, a dead-letter copy's confirm, setting a connection up);
+    /// past it the connection is given up and opened again (see `run::Link::answer`).
     pub broker_timeout: Duration,
     /// Where the run counts what it does (shared with `--metrics-addr`).
     pub counts: Arc<RunCounts>,

@@ -42,8 +42,9 @@ pub(super) struct Link {
 }
 
 impl Link {
-    /// Awaits RabbitMQ's answer to `op` (an ack, a nack, a dead-letter copy and its confirm) for at most the broker
-    /// timeout; `None` if it did not come, or the link was given up already.
+    /// Awaits `op` on RabbitMQ (an ack, a nack, a dead-letter copy and its confirm, the consumer's cancel, a look at
+    /// the queue's depth) for at most the broker timeout; `None` if it did not complete, or the link was given up
+    /// already. (An ack has no reply: lapin's completes once the frame is handed to the connection.)
     ///
     /// Past the timeout the link is given up. A broker that does not answer keeps the deliveries it holds unsettled,
     /// and a connection whose socket died without lapin noticing (seen after a node restart) would hold the worker
@@ -68,16 +69,17 @@ impl Link {
         if !self.given_up.is_cancelled() {
             tracing::warn!(
                 waited = %humantime::format_duration(self.broker_timeout),
-                "RabbitMQ did not answer {what} in time (--broker-timeout); giving the connection up: what it did not \
-                 settle is delivered again"
+                "RabbitMQ did not complete {what} in time (--broker-timeout); giving the connection up: what it did \
+                 not settle is delivered again"
             );
             self.given_up.cancel();
         }
         None
     }
 
-    pub(super) fn is_given_up(&self) -> bool {
-        self.given_up.is_cancelled()
+    /// Resolves once the link is given up.
+    pub(super) async fn given_up(&self) {
+        self.given_up.cancelled().await;
     }
 
     /// Resolves once the link is given up or its connection is seen lost (its state is looked at every second).
@@ -175,7 +177,21 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     let mut first = true;
     while !shutdown.is_cancelled() {
-        let link = match open_link(broker, &shared).await {
+        // Bounded like any broker call: a node that takes the connection and then says nothing must not hold the
+        // consumer, nor its stop.
+        let opened = tokio::select! {
+            () = shutdown.cancelled() => break,
+            opened = tokio::time::timeout(shared.options.broker_timeout, open_link(broker, &shared)) => {
+                opened.unwrap_or_else(|_| Err(crate::error::Error::BrokerUnavailable {
+                    url: broker.display_url(),
+                    reason: format!(
+                        "it did not set the connection up within {} (--broker-timeout)",
+                        humantime::format_duration(shared.options.broker_timeout)
+                    ),
+                }))
+            }
+        };
+        let link = match opened {
             Ok(link) => Arc::new(link),
             Err(e) if first => return Err(e),
             Err(e) => {
@@ -220,16 +236,13 @@ async fn start_consuming<C: Consumer>(
     link: &Arc<Link>,
     tag: &str,
 ) -> Option<lapin::Consumer> {
-    let consumed = link
-        .consume
-        .basic_consume(
-            shared.queue.as_str().into(),
-            tag.into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await;
-    let deliveries = match consumed {
+    let consumed = link.consume.basic_consume(
+        shared.queue.as_str().into(),
+        tag.into(),
+        BasicConsumeOptions::default(),
+        FieldTable::default(),
+    );
+    let deliveries = match link.answer("the start of consuming", consumed).await? {
         Ok(deliveries) => deliveries,
         Err(e) => {
             tracing::warn!(error = %e, "could not start consuming; reconnecting");
@@ -483,7 +496,7 @@ pub(super) async fn is_idle<C: Consumer>(shared: &Shared<C>, link: &Link) -> boo
     }
     let depth = topology::queue_depth(&link.connection, &shared.queue);
     matches!(
-        link.answer("the queue's depth", depth).await,
+        link.answer("a look at the queue's depth", depth).await,
         Some(Ok(Some((0, _))))
     )
 }

@@ -54,7 +54,7 @@ pub struct Config {
     pub claim_timeout: Duration,
     pub exit_when_idle: Option<Duration>,
     pub shutdown_timeout: Duration,
-    /// How long a worker waits for RabbitMQ's answer to an ack or a confirm before giving the connection up.
+    /// How long a call to RabbitMQ may take before the connection is given up (`--broker-timeout`).
     pub broker_timeout: Duration,
     pub batch_size: u16,
     pub batch_wait: Duration,

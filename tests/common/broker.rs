@@ -15,6 +15,27 @@ pub const CARRIER_QUEUE: &str = "parcel-created-carrier";
 pub const NOTIFICATION_QUEUE: &str = "parcel-created-notification";
 pub const EVENT_EXCHANGE: &str = "ParcelTracker.Domain.Events:ParcelCreatedEvent";
 
+/// Closes the connection in `vhost` whose client properties name `client` (inboxctl names each, e.g. "inboxctl
+/// replay", "inboxctl consume carrier"), from the broker's side, as `rabbitmqctl close_connection` does for an
+/// operator.
+#[cfg(feature = "failpoints")]
+pub fn close_connection(vhost: &str, client: &str) {
+    let listing = rabbitmqctl(&[
+        "-q",
+        "list_connections",
+        "pid",
+        "vhost",
+        "client_properties",
+    ]);
+    let pid = listing
+        .lines()
+        .find(|l| l.split('\t').nth(1) == Some(vhost) && l.contains(client))
+        .and_then(|l| l.split('\t').next())
+        .unwrap_or_else(|| panic!("no {client:?} connection in {vhost}:\n{listing}"))
+        .to_owned();
+    rabbitmqctl(&["close_connection", &pid, "cut by the test"]);
+}
+
 pub fn rabbitmqctl(args: &[&str]) -> String {
     let out = Command::new("rabbitmqctl")
         .args(args)

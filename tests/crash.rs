@@ -455,3 +455,43 @@ async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
         consumer.stderr()
     );
 }
+
+/// The consume loop waiting for a free worker (the only one busy for 8 s, held by a failpoint) still sees its
+/// connection closed under it, and connects again at once rather than when the worker is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_while_waiting_for_a_free_worker_is_seen_at_once() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "Slow"]);
+    common::publish_parcels(&env, &["--count", "5"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "1",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-8000@Slow")],
+    );
+    consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    common::close_connection(&env.vhost, "inboxctl consume");
+    // Well before the worker is free again.
+    consumer.wait_for_stderr(
+        "RabbitMQ connection lost while waiting for a free worker",
+        Duration::from_secs(4),
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        6
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}

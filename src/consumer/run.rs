@@ -42,8 +42,8 @@ pub(super) struct Link {
 }
 
 impl Link {
-    /// Awaits `op` on RabbitMQ (an ack, a nack, a dead-letter copy and its confirm, the consumer's cancel, a look at
-    /// the queue's depth) for at most the broker timeout; `None` if it did not complete, or the link was given up
+    /// Awaits `op` on RabbitMQ (an ack, a nack, a dead-letter copy and its confirm, the start of consuming, a look
+    /// at the queue's depth) for at most the broker timeout; `None` if it did not complete, or the link was given up
     /// already. (An ack has no reply: lapin's completes once the frame is handed to the connection.)
     ///
     /// Past the timeout the link is given up. A broker that does not answer keeps the deliveries it holds unsettled,
@@ -281,11 +281,13 @@ async fn consume_on<C: Consumer>(
     // restart is where they showed): the connection's own state is watched too, so a lost connection is never
     // waited on forever.
     let mut connection_check = tokio::time::interval(Duration::from_secs(1));
+    // At a stop or when idle, the connection is closed next anyway: the cancel only spares the broker deliveries
+    // that would come back, and is not waited on for long.
     let cancel = || async {
         let cancelled = link
             .consume
             .basic_cancel(tag.as_str().into(), BasicCancelOptions::default());
-        let _ = link.answer("the consumer's cancel", cancelled).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), cancelled).await;
     };
     loop {
         tokio::select! {

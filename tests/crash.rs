@@ -416,15 +416,10 @@ async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_the_connection_up() {
     unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
 }
 
-/// An ack on a connection the broker has closed meanwhile: lapin answers `Ok(false)` (its acker poisoned), which the
-/// consumer took for "settled before" and never counted out of flight, so `--exit-when-idle` waited for ever. The
-/// failpoint holds the first message between its commit and its ack while the broker closes the connection.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
-    let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
-    common::publish_parcels(&env, &["--count", "3"]);
-    let mut consumer = env.spawn_with(
+/// One worker consuming until idle, with `point` armed; returns once the point is reached and the broker has closed
+/// the consumer's connection under it.
+fn one_worker_cut_at(env: &TestEnv, point: &str) -> common::Proc {
+    let consumer = env.spawn_with(
         &[
             "consume",
             "carrier",
@@ -433,22 +428,43 @@ async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
             "--exit-when-idle",
             "1s",
         ],
-        &[("INBOXCTL_FAILPOINTS", "after-commit=sleep-once-3000")],
+        &[("INBOXCTL_FAILPOINTS", point)],
     );
-    consumer.wait_for_stderr("failpoint after-commit reached", Duration::from_secs(30));
+    let name = point.split('=').next().unwrap_or(point);
+    consumer.wait_for_stderr(
+        &format!("failpoint {name} reached"),
+        Duration::from_secs(30),
+    );
     common::close_connection(&env.vhost, "inboxctl consume");
-    assert_eq!(
-        consumer.wait(Duration::from_secs(30)),
-        Some(0),
-        "{}",
-        consumer.stderr()
-    );
+    consumer
+}
+
+/// The consumer ended by itself (idle) `within`, and every parcel has its one effect, nothing left on the queue.
+async fn ends_with_each_once(
+    env: &TestEnv,
+    consumer: &mut common::Proc,
+    parcels: i64,
+    within: Duration,
+) {
+    assert_eq!(consumer.wait(within), Some(0), "{}", consumer.stderr());
     let pool = env.pool().await;
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
-        3
+        parcels
     );
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}
+
+/// An ack on a connection the broker has closed meanwhile: lapin answers `Ok(false)` (its acker poisoned), which the
+/// consumer took for "settled before" and never counted out of flight, so `--exit-when-idle` waited for ever. The
+/// failpoint holds the first message between its commit and its ack while the broker closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "3"]);
+    let mut consumer = one_worker_cut_at(&env, "after-commit=sleep-once-3000");
+    ends_with_each_once(&env, &mut consumer, 3, Duration::from_secs(30)).await;
     assert!(
         consumer.stderr().contains("duplicate discarded"),
         "{}",
@@ -464,34 +480,11 @@ async fn a_connection_lost_while_waiting_for_a_free_worker_is_seen_at_once() {
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "1", "--destination", "Slow"]);
     common::publish_parcels(&env, &["--count", "5"]);
-    let mut consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--concurrency",
-            "1",
-            "--exit-when-idle",
-            "1s",
-        ],
-        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-8000@Slow")],
-    );
-    consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
-    common::close_connection(&env.vhost, "inboxctl consume");
+    let mut consumer = one_worker_cut_at(&env, "carrier=sleep-once-8000@Slow");
     // Well before the worker is free again.
     consumer.wait_for_stderr(
         "RabbitMQ connection lost while waiting for a free worker",
         Duration::from_secs(4),
     );
-    assert_eq!(
-        consumer.wait(Duration::from_secs(60)),
-        Some(0),
-        "{}",
-        consumer.stderr()
-    );
-    let pool = env.pool().await;
-    assert_eq!(
-        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
-        6
-    );
-    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    ends_with_each_once(&env, &mut consumer, 6, Duration::from_secs(60)).await;
 }

@@ -77,7 +77,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --max-attempts 'Attempts of a message whose processing fails, before it moves to <queue>_error'
             cand --retry-delay 'Delay before the second attempt; doubles for each further one, up to 30s'
             cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off (from 100ms to 24 days)'
-            cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)'
+            cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long, the queue is empty and no call to the carrier is owed (scripts, tests)'
             cand --shutdown-timeout 'After SIGINT/SIGTERM, how long in-flight messages may take; past it they are rolled back and redelivered'
             cand --broker-timeout 'How long any call to RabbitMQ may take (an ack or nack, a dead-letter copy''s confirm, setting a connection up); past it the connection is dropped and opened again, and what was not settled comes back as duplicates'
             cand --batch-size 'Up to this many deliveries share one transaction, their effects written together (1: one transaction per message). At most 64'

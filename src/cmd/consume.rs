@@ -81,7 +81,8 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = crate::cli::parse_lock_timeout)]
     pub claim_timeout: Duration,
 
-    /// End once nothing arrived and nothing was in flight for this long and the queue is empty (scripts, tests)
+    /// End once nothing arrived and nothing was in flight for this long, the queue is empty and no call to the
+    /// carrier is owed (scripts, tests)
     #[arg(long, value_parser = parse_positive_duration)]
     pub exit_when_idle: Option<Duration>,
 

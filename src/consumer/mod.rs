@@ -159,6 +159,16 @@ pub struct ConsumerOptions {
     pub timings: Option<Timings>,
     /// Spread over partition queues, each read one message at a time, for per-key order.
     pub partitions: Option<Partitions>,
+    /// The calls this consumer owes after its commits, made by an effect worker in this process: `--exit-when-idle`
+    /// waits until none is owed, so that a run that ends idle has made every call it could.
+    pub owed_effects: Option<OwedEffects>,
+}
+
+/// Where the calls a consumer owes after its commits are written (`inboxctl_effects`, under its consumer_type).
+#[derive(Debug, Clone)]
+pub struct OwedEffects {
+    pub pool: sqlx::PgPool,
+    pub consumer_type: crate::inbox::ConsumerType,
 }
 
 /// A consumer spread over `count` queues by a consistent-hash exchange (see `docs/scaling.md`, "Per-key order").

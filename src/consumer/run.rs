@@ -281,6 +281,8 @@ async fn consume_on<C: Consumer>(
     // restart is where they showed): the connection's own state is watched too, so a lost connection is never
     // waited on forever.
     let mut connection_check = tokio::time::interval(Duration::from_secs(1));
+    // Idle with calls still owed: said once, then waited for quietly.
+    let mut owed_said = false;
     // At a stop or when idle, the connection is closed next anyway: the cancel only spares the broker deliveries
     // that would come back, and is not waited on for long.
     let cancel = || async {
@@ -305,7 +307,7 @@ async fn consume_on<C: Consumer>(
                 }
             }
             _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
-                if is_idle(shared, link).await {
+                if is_idle(shared, link, &mut owed_said).await {
                     tracing::info!(queue = %shared.queue, "queue idle; stopping");
                     cancel().await;
                     return LinkEnd::Stop;
@@ -487,7 +489,14 @@ pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
     }
 }
 
-pub(super) async fn is_idle<C: Consumer>(shared: &Shared<C>, link: &Link) -> bool {
+/// Idle: nothing in flight, nothing arrived for `--exit-when-idle`, the queue empty, and no call owed after a commit
+/// (an effect worker in this process makes them; a call that keeps failing ends pending or failed after its
+/// attempts, so the wait is bounded).
+pub(super) async fn is_idle<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    owed_said: &mut bool,
+) -> bool {
     let Some(idle_after) = shared.options.exit_when_idle else {
         return false;
     };
@@ -497,10 +506,28 @@ pub(super) async fn is_idle<C: Consumer>(shared: &Shared<C>, link: &Link) -> boo
         return false;
     }
     let depth = topology::queue_depth(&link.connection, &shared.queue);
-    matches!(
+    if !matches!(
         link.answer("a look at the queue's depth", depth).await,
         Some(Ok(Some((0, _))))
-    )
+    ) {
+        return false;
+    }
+    let Some(effects) = &shared.options.owed_effects else {
+        return true;
+    };
+    match crate::db::external::owed(&effects.pool, effects.consumer_type.as_str()).await {
+        Ok(0) => true,
+        Ok(owed) => {
+            if !std::mem::replace(owed_said, true) {
+                tracing::info!(owed, "queue idle; waiting for the calls owed after commits");
+            }
+            false
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "could not count the calls owed; not idle yet");
+            false
+        }
+    }
 }
 
 /// Waits for in-flight deliveries up to the shutdown timeout; past it, abandons them: their transactions roll back

@@ -234,6 +234,13 @@ pub async fn consume_guarded<G: WorkGuard>(
                             wake,
                         };
                         let consumer = CarrierConsumer { carrier };
+                        let options = ConsumerOptions {
+                            owed_effects: Some(super::OwedEffects {
+                                pool: pool.clone(),
+                                consumer_type: consumer_type.clone(),
+                            }),
+                            ..options
+                        };
                         let ran = super::run(guard, consumer, broker, options, shutdown).await;
                         stop_worker.cancel();
                         let _ = working.await;
@@ -302,6 +309,7 @@ fn options(
         on_conflict: config.on_conflict,
         timings,
         partitions: config.partitions.clone(),
+        owed_effects: None,
     }
 }
 

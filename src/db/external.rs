@@ -42,6 +42,13 @@ SET state = 'in_doubt', updated_at = now(),
     last_error = coalesce(last_error, 'the process making the call ended before its outcome was recorded')
 WHERE consumer_type = $1 AND mode = 'at-most-once' AND state = 'started' AND lease_until < now()";
 
+    /// How many effects of consumer_type `$1` are still owed: pending, or started and not yet settled (a call in
+    /// flight, an after-commit call whose outcome is unknown, an at-most-once call the worker has yet to mark in
+    /// doubt). Counted up to 1000.
+    const OWED = "\
+SELECT count(*) FROM (
+    SELECT 1 FROM inboxctl_effects WHERE consumer_type = $1 AND state IN ('pending', 'started') LIMIT 1000) owed";
+
     /// Records the outcome of attempt `$3` of effect (`$1` message id, `$2` consumer_type), if that attempt still
     /// holds it (started, same attempt count): `$4` new state, `$5` seconds until it is due again (null: never),
     /// `$6` last error, `$7` reference. Answers whether it still held it.
@@ -175,6 +182,12 @@ pub async fn mark_in_doubt(
 ) -> sqlx::Result<u64> {
     let query = sql::query(MARK_IN_DOUBT).bind(consumer_type);
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected())
+}
+
+/// How many effects of `consumer_type` are still owed (`OWED`), up to 1000.
+pub async fn owed(executor: impl Into<Exec<'_>>, consumer_type: &str) -> sqlx::Result<i64> {
+    let query = sql::query_scalar::<i64>(OWED).bind(consumer_type);
+    unit!(executor, |conn| query.fetch_one(conn))
 }
 
 /// The outcome of one attempt at an effect.

@@ -142,6 +142,12 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=1_000_000_000))]
     pub inbox_rows: u64,
 
+    /// With --inbox-rows: the inbox partitioned by day on the time inside the ids (`inboxctl migrate --partitioned
+    /// 1d`), the rows in the partitions of their days; inbox and inbox-batched modes only (not v4 ids, which carry no
+    /// time)
+    #[arg(long, requires = "inbox_rows")]
+    pub inbox_partitioned: bool,
+
     /// The kind of message ids published: MassTransit's NewId (what a MassTransit publisher sends), UUIDv7 or v4
     #[arg(long, value_enum, default_value_t = inboxctl::ids::IdKind::NewId)]
     pub id_kind: inboxctl::ids::IdKind,
@@ -159,6 +165,17 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         return Err(Error::usage(format!(
             "--latency-rate × --latency-seconds is more than {MAX_COUNT} messages"
         )));
+    }
+    if args.inbox_partitioned
+        && args
+            .modes
+            .iter()
+            .any(|m| matches!(m, Mode::Ceiling | Mode::CeilingBatched))
+    {
+        return Err(Error::usage(
+            "--inbox-partitioned measures the consumer's modes (inbox, inbox-batched, inbox-quorum): the ceilings \
+             claim without the partition key",
+        ));
     }
     let db = global.connect.database()?;
     let broker = global.connect.broker()?;
@@ -181,6 +198,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         keep: args.keep,
         ids: args.id_kind,
         inbox_rows: args.inbox_rows,
+        inbox_partitioned: args.inbox_partitioned,
         cleanup_batch_size: args.cleanup_batch_size,
         cleanup_batch_pause: args.cleanup_batch_pause,
         cleanup_variants: crate::cleanup::Variant::checked(&args.cleanup_variants)?,

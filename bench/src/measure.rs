@@ -181,10 +181,12 @@ async fn prepare(
     let scratch_db = db.with_database(&name);
     let prefilled = options.inbox_rows > 0 && mode.claims();
     if prefilled {
-        let template = prefill::template(db, options.inbox_rows, options.ids, &mut |l| {
-            eprintln!("{l}")
-        })
-        .await?;
+        let shape = prefill::Shape {
+            rows: options.inbox_rows,
+            ids: options.ids,
+            partitioned: options.inbox_partitioned,
+        };
+        let template = prefill::template(db, shape, &mut |l| eprintln!("{l}")).await?;
         crate::template::copy(db, &template, &name).await?;
     } else {
         // Every mode, the peer too, has the same effect table (`carrier_reservations`), from inboxctl's migrations.

@@ -24,23 +24,37 @@ pub fn kind_name(ids: IdKind) -> &'static str {
     }
 }
 
-fn marker(rows: u64, ids: IdKind) -> String {
-    format!(
-        "inboxctl bench prefill v1: {rows} rows, {} ids",
-        kind_name(ids)
-    )
+/// What the prefilled inbox holds: how many rows, of which ids, partitioned by day or not.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub rows: u64,
+    pub ids: IdKind,
+    pub partitioned: bool,
 }
 
-/// The template database holding `rows` prefilled rows of `ids`, built if it is not there yet.
-pub async fn template(
-    db: &Database,
-    rows: u64,
-    ids: IdKind,
-    say: &mut impl FnMut(&str),
-) -> Result<String> {
-    let name = format!("{}_bench_prefill_{rows}_{}", db.name(), kind_name(ids));
+impl Shape {
+    fn marker(self) -> String {
+        format!(
+            "inboxctl bench prefill v1: {} rows, {} ids{}",
+            self.rows,
+            kind_name(self.ids),
+            if self.partitioned { ", partitioned by day" } else { "" }
+        )
+    }
+}
+
+/// The template database holding the rows of `shape`, built if it is not there yet.
+pub async fn template(db: &Database, shape: Shape, say: &mut impl FnMut(&str)) -> Result<String> {
+    let Shape { rows, ids, partitioned } = shape;
+    if partitioned && ids == IdKind::V4 {
+        return Err(crate::error::Error::usage(
+            "--inbox-partitioned keys the rows on the time inside their ids, and v4 ids carry none: use newid or v7",
+        ));
+    }
+    let suffix = if partitioned { "_partitioned" } else { "" };
+    let name = format!("{}_bench_prefill_{rows}_{}{suffix}", db.name(), kind_name(ids));
     let template = db.with_database(&name);
-    if crate::template::ready(&template, &marker(rows, ids)).await {
+    if crate::template::ready(&template, &shape.marker()).await {
         return Ok(name);
     }
     say(&format!(
@@ -48,14 +62,34 @@ pub async fn template(
         kind_name(ids)
     ));
     drop_database(db, &name).await?;
-    schema::migrate(&template, false).await?;
+    let statement = if partitioned {
+        // A partition a day, from before the oldest row to past today (where the runs' claims land).
+        let settings = inboxctl::db::partitions::Settings {
+            interval: chrono::TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        };
+        schema::migrate_partitioned(&template, false, Some(settings)).await?;
+        let mut conn = template.connect().await?;
+        let now = chrono::Utc::now();
+        inboxctl::db::partitions::ensure_partitions(
+            &mut conn,
+            settings,
+            now - chrono::TimeDelta::days(8),
+            now + chrono::TimeDelta::days(2),
+        )
+        .await?;
+        sql::PREFILL_ROWS_PARTITIONED
+    } else {
+        schema::migrate(&template, false).await?;
+        sql::PREFILL_ROWS
+    };
     let pool = template.pool(1).await?;
     let started = Instant::now();
     let chunk = 1_000_000u64;
     let mut done = 0;
     while done < rows {
         let n = chunk.min(rows - done);
-        sqlx::query(sql::PREFILL_ROWS)
+        sqlx::query(statement)
             .bind(i64::try_from(done).unwrap_or(i64::MAX))
             .bind(i64::try_from(n).unwrap_or(i64::MAX))
             .bind(i64::try_from(rows).unwrap_or(i64::MAX))
@@ -69,7 +103,7 @@ pub async fn template(
             started.elapsed().as_secs_f64()
         ));
     }
-    crate::template::finish(&pool, &marker(rows, ids)).await?;
+    crate::template::finish(&pool, &shape.marker()).await?;
     pool.close().await;
     Ok(name)
 }

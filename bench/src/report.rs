@@ -92,6 +92,8 @@ pub struct Options {
     pub ids: inboxctl::ids::IdKind,
     /// Rows the inbox modes' inbox holds before they are measured.
     pub inbox_rows: u64,
+    /// That inbox partitioned by day on the time inside the ids.
+    pub inbox_partitioned: bool,
     /// The `inboxctl cleanup` settings measured at many rows.
     pub cleanup_batch_size: i64,
     pub cleanup_batch_pause: Duration,
@@ -193,6 +195,8 @@ pub struct Settings {
     pub id_kind: &'static str,
     /// Rows the inbox modes' inbox held before they were measured.
     pub inbox_rows: u64,
+    /// That inbox partitioned by day on the time inside the ids.
+    pub inbox_partitioned: bool,
     /// What the modes' queues were declared as (`classic`, `quorum`).
     pub queue_type: &'static str,
     /// The peer's configuration, when it ran.
@@ -214,6 +218,7 @@ impl Settings {
             duplicates: options.duplicates,
             id_kind: crate::prefill::kind_name(options.ids),
             inbox_rows: options.inbox_rows,
+            inbox_partitioned: options.inbox_partitioned,
             queue_type: options.queue_type.name(),
             peer: peer.map(|p| p.settings(options.concurrency)),
         }

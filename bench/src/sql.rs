@@ -54,6 +54,23 @@ FROM generate_series($1 + 1, $1 + $2) AS g,
      LATERAL (SELECT md5(g::text) AS h,
                      (extract(epoch FROM t) * 10000000)::bigint + 621355968000000000 + g % 10000 AS ticks) AS y";
 
+/// The same rows in a partitioned inbox (`--inbox-partitioned`): each also keyed on its time (`message_time`, the
+/// time inside its id; kept in that day's partition) with a fingerprint in the row, as inboxctl's claim writes them.
+pub const PREFILL_ROWS_PARTITIONED: &str = "\
+INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)
+SELECT CASE $4
+         WHEN 'v4' THEN gen_random_uuid()
+         WHEN 'v7' THEN (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0')
+                         || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid
+         ELSE (encode($5::bytea, 'hex') || lpad(to_hex(ticks & 65535), 4, '0')
+               || lpad(to_hex(ticks >> 16), 12, '0'))::uuid
+       END,
+       'prefilled', t, t, t, decode(h, 'hex')
+FROM generate_series($1 + 1, $1 + $2) AS g,
+     LATERAL (SELECT now() - interval '7 days' + (g::float8 / $3::float8) * interval '7 days' AS t) AS x,
+     LATERAL (SELECT md5(g::text) AS h,
+                     (extract(epoch FROM t) * 10000000)::bigint + 621355968000000000 + g % 10000 AS ticks) AS y";
+
 /// The peer mode's own inbox table (pg-transactional-outbox's `inbox`, made by its set-up).
 pub const TRUNCATE_PEER: &str = "TRUNCATE inbox";
 

@@ -38,21 +38,33 @@ impl Shape {
             "inboxctl bench prefill v1: {} rows, {} ids{}",
             self.rows,
             kind_name(self.ids),
-            if self.partitioned { ", partitioned by day" } else { "" }
+            if self.partitioned {
+                ", partitioned by day"
+            } else {
+                ""
+            }
         )
     }
 }
 
 /// The template database holding the rows of `shape`, built if it is not there yet.
 pub async fn template(db: &Database, shape: Shape, say: &mut impl FnMut(&str)) -> Result<String> {
-    let Shape { rows, ids, partitioned } = shape;
+    let Shape {
+        rows,
+        ids,
+        partitioned,
+    } = shape;
     if partitioned && ids == IdKind::V4 {
         return Err(crate::error::Error::usage(
             "--inbox-partitioned keys the rows on the time inside their ids, and v4 ids carry none: use newid or v7",
         ));
     }
     let suffix = if partitioned { "_partitioned" } else { "" };
-    let name = format!("{}_bench_prefill_{rows}_{}{suffix}", db.name(), kind_name(ids));
+    let name = format!(
+        "{}_bench_prefill_{rows}_{}{suffix}",
+        db.name(),
+        kind_name(ids)
+    );
     let template = db.with_database(&name);
     if crate::template::ready(&template, &shape.marker()).await {
         return Ok(name);

@@ -60,6 +60,14 @@ async fn state_of(pool: &PgPool, destination: &str) -> Option<String> {
     .unwrap()
 }
 
+/// How many effects are in each state, by state.
+async fn effect_states(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT state, count(*) FROM inboxctl_effects GROUP BY state ORDER BY state")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
 async fn message_of(pool: &PgPool, destination: &str) -> Uuid {
     sqlx::query_scalar("SELECT message_id FROM inboxctl_effects WHERE request->>'destination' = $1")
         .bind(destination)
@@ -832,12 +840,7 @@ async fn an_idle_consumer_ends_only_once_every_call_owed_after_its_commits_is_ma
     let args = consume_args(&stub, "after-commit", &["--concurrency", "1"]);
     let started = Instant::now();
     let out = common::consume_until_idle(&env, &args[1..]);
-    let states: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT state, count(*) FROM inboxctl_effects GROUP BY state ORDER BY state",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
+    let states = effect_states(&pool).await;
     assert!(
         states == vec![("done".to_owned(), 12)],
         "every call made before the run ended, yet the effects are {states:?}; the consumer said: {}",
@@ -888,12 +891,7 @@ async fn batched_consumers_book_every_parcel_once_in_both_modes_with_a_refusal()
         );
         let out = common::consume_until_idle(&env, &args[1..]);
         // The consumer has stopped: every call it owed is done by now, or it is not and never will be.
-        let states: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT state, count(*) FROM inboxctl_effects GROUP BY state ORDER BY state",
-        )
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+        let states = effect_states(&pool).await;
         // The states first: a long log is cut at its end when CI shows it.
         assert!(
             states == vec![("done".to_owned(), 200)],

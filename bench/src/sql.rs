@@ -35,41 +35,50 @@ pub const TRUNCATE_KEEPING_PREFILL: &str = "\
 DELETE FROM inbox_messages WHERE consumer_type < 'prefilled' OR consumer_type > 'prefilled';
 TRUNCATE inboxctl_fingerprints, carrier_reservations, inboxctl_events";
 
+/// The prefilled rows' id, of the kind `$4` made from the row's time `t`, its hash `h` and its .NET `ticks` (see
+/// `PREFILL_ROWS`).
+macro_rules! prefill_id {
+    () => {
+        "SELECT CASE $4
+         WHEN 'v4' THEN gen_random_uuid()
+         WHEN 'v7' THEN (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0')
+                         || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid
+         ELSE (encode($5::bytea, 'hex') || lpad(to_hex(ticks & 65535), 4, '0')
+               || lpad(to_hex(ticks >> 16), 12, '0'))::uuid
+       END,
+"
+    };
+}
+
+/// The prefilled rows `$1 + 1` to `$1 + $2` of `$3`, with their time `t` over the 7 days before now, hash and ticks.
+macro_rules! prefill_rows {
+    () => {
+        "FROM generate_series($1 + 1, $1 + $2) AS g,
+     LATERAL (SELECT now() - interval '7 days' + (g::float8 / $3::float8) * interval '7 days' AS t) AS x,
+     LATERAL (SELECT md5(g::text) AS h,
+                     (extract(epoch FROM t) * 10000000)::bigint + 621355968000000000 + g % 10000 AS ticks) AS y"
+    };
+}
+
 /// `--inbox-rows`: `$2` processed inbox rows numbered from `$1` of `$3` in all, received over the 7 days before now in
 /// the order of their numbers, their ids of the kind `$4` (`v4`, `v7`, `newid`) made from that time as a producer
 /// would have: random; UUIDv7 (milliseconds first); MassTransit's NewId (the process part `$5`, 8 bytes, then the low
 /// 16 bits of its .NET ticks, then the high 48).
-pub const PREFILL_ROWS: &str = "\
-INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
-SELECT CASE $4
-         WHEN 'v4' THEN gen_random_uuid()
-         WHEN 'v7' THEN (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0')
-                         || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid
-         ELSE (encode($5::bytea, 'hex') || lpad(to_hex(ticks & 65535), 4, '0')
-               || lpad(to_hex(ticks >> 16), 12, '0'))::uuid
-       END,
-       'prefilled', t, t
-FROM generate_series($1 + 1, $1 + $2) AS g,
-     LATERAL (SELECT now() - interval '7 days' + (g::float8 / $3::float8) * interval '7 days' AS t) AS x,
-     LATERAL (SELECT md5(g::text) AS h,
-                     (extract(epoch FROM t) * 10000000)::bigint + 621355968000000000 + g % 10000 AS ticks) AS y";
+pub const PREFILL_ROWS: &str = concat!(
+    "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)\n",
+    prefill_id!(),
+    "       'prefilled', t, t\n",
+    prefill_rows!()
+);
 
 /// The same rows in a partitioned inbox (`--inbox-partitioned`): each also keyed on its time (`message_time`, the
 /// time inside its id; kept in that day's partition) with a fingerprint in the row, as inboxctl's claim writes them.
-pub const PREFILL_ROWS_PARTITIONED: &str = "\
-INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)
-SELECT CASE $4
-         WHEN 'v4' THEN gen_random_uuid()
-         WHEN 'v7' THEN (lpad(to_hex((extract(epoch FROM t) * 1000)::bigint), 12, '0')
-                         || '7' || substr(h, 1, 3) || '8' || substr(h, 4, 15))::uuid
-         ELSE (encode($5::bytea, 'hex') || lpad(to_hex(ticks & 65535), 4, '0')
-               || lpad(to_hex(ticks >> 16), 12, '0'))::uuid
-       END,
-       'prefilled', t, t, t, decode(h, 'hex')
-FROM generate_series($1 + 1, $1 + $2) AS g,
-     LATERAL (SELECT now() - interval '7 days' + (g::float8 / $3::float8) * interval '7 days' AS t) AS x,
-     LATERAL (SELECT md5(g::text) AS h,
-                     (extract(epoch FROM t) * 10000000)::bigint + 621355968000000000 + g % 10000 AS ticks) AS y";
+pub const PREFILL_ROWS_PARTITIONED: &str = concat!(
+    "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)\n",
+    prefill_id!(),
+    "       'prefilled', t, t, t, decode(h, 'hex')\n",
+    prefill_rows!()
+);
 
 /// The peer mode's own inbox table (pg-transactional-outbox's `inbox`, made by its set-up).
 pub const TRUNCATE_PEER: &str = "TRUNCATE inbox";

@@ -20,3 +20,22 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Polls `f` until it returns `true` or `timeout` passes; says whether it came true (for a test that has more to say
+/// than `eventually` when it does not).
+pub async fn within<F, Fut>(timeout: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -8,7 +8,8 @@ use sqlx::Connection as _;
 use sqlx::postgres::PgConnection;
 
 use super::{
-    AHEAD, BACK, Layout, Settings, comment_statement, ensure_partitions, read_layout, run,
+    AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
+    create_table_statement, ensure_partitions, read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -235,7 +236,11 @@ async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
     loop {
         tries += 1;
         match swap(conn, &key, &grants, settings).await {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                // Between the swap and what `partition` does next (a test holds the conversion here).
+                crate::failpoint::hit("partitioned-swapped").await;
+                return Ok(());
+            }
             Err(e) if tries < 30 && crate::db::sqlstate(&e).as_deref() == Some("55P03") => {
                 tracing::info!(
                     "inbox_messages is busy (a long transaction holds it); trying again"
@@ -273,6 +278,19 @@ async fn swap(
         run(&mut tx, &grant_statement(privilege, grantee.as_deref())).await?;
     }
     run(&mut tx, ATTACH_UNTIMED).await?;
+    // The window's time partitions in the same transaction: once the partitioned layout is seen, a consumer claims
+    // with the message's time, and a time no partition held yet would be refused as unclaimable (seen: messages of a
+    // consumer running through the conversion dead-lettered in the moment between this commit and the partitions).
+    let now = Utc::now();
+    let mut start = settings.floor((now - BACK).max(crate::inbox::time::earliest()));
+    let mut made = 0;
+    while start <= now + AHEAD && made < MAX_NEW_PARTITIONS {
+        let end = start + settings.interval;
+        run(&mut tx, &create_table_statement(start)).await?;
+        run(&mut tx, &attach_statement(start, end)).await?;
+        start = end;
+        made += 1;
+    }
     run(&mut tx, &comment_statement(&settings)).await?;
     tx.commit().await
 }

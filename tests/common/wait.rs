@@ -3,22 +3,15 @@
 use std::time::{Duration, Instant};
 
 /// Polls `f` until it returns `true`; panics with `what` after `timeout`.
-pub async fn eventually<F, Fut>(what: &str, timeout: Duration, mut f: F)
+pub async fn eventually<F, Fut>(what: &str, timeout: Duration, f: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
 {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f().await {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    assert!(
+        within(timeout, f).await,
+        "timed out after {timeout:?} waiting for: {what}"
+    );
 }
 
 /// Polls `f` until it returns `true` or `timeout` passes; says whether it came true (for a test that has more to say

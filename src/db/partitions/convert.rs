@@ -9,7 +9,7 @@ use sqlx::postgres::PgConnection;
 
 use super::{
     AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
-    create_table_statement, ensure_partitions, read_layout, run,
+    create_table_statement, ensure_partitions, intervals, read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -282,14 +282,9 @@ async fn swap(
     // with the message's time, and a time no partition held yet would be refused as unclaimable (seen: messages of a
     // consumer running through the conversion dead-lettered in the moment between this commit and the partitions).
     let now = Utc::now();
-    let mut start = settings.floor((now - BACK).max(crate::inbox::time::earliest()));
-    let mut made = 0;
-    while start <= now + AHEAD && made < MAX_NEW_PARTITIONS {
-        let end = start + settings.interval;
+    for (start, end) in intervals(settings, now - BACK, now + AHEAD).take(MAX_NEW_PARTITIONS) {
         run(&mut tx, &create_table_statement(start)).await?;
         run(&mut tx, &attach_statement(start, end)).await?;
-        start = end;
-        made += 1;
     }
     run(&mut tx, &comment_statement(&settings)).await?;
     tx.commit().await

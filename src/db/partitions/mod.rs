@@ -307,10 +307,11 @@ pub async fn ensure_partitions(
     to: DateTime<Utc>,
 ) -> Result<Vec<String>> {
     let existing = partitions(&mut *conn).await?;
-    let mut start = settings.floor(from.max(earliest()));
     let mut created = Vec::new();
-    while start <= to && created.len() < MAX_NEW_PARTITIONS {
-        let end = start + settings.interval;
+    for (start, end) in intervals(settings, from, to) {
+        if created.len() >= MAX_NEW_PARTITIONS {
+            break;
+        }
         let covered = existing
             .iter()
             .any(|p| p.from.is_some_and(|f| f < end) && p.to.is_some_and(|t| t > start));
@@ -336,9 +337,20 @@ pub async fn ensure_partitions(
                 Err(e) => return Err(e.into()),
             }
         }
-        start = end;
     }
     Ok(created)
+}
+
+/// The intervals `[start, end)` of `settings` from the one holding `from` (none before 2000) to the one holding `to`.
+fn intervals(
+    settings: Settings,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> impl Iterator<Item = (DateTime<Utc>, DateTime<Utc>)> {
+    let first = settings.floor(from.max(earliest()));
+    std::iter::successors(Some(first), move |start| Some(*start + settings.interval))
+        .take_while(move |start| *start <= to)
+        .map(move |start| (start, start + settings.interval))
 }
 
 /// What keeps a partition from being dropped whole.

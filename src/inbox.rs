@@ -16,6 +16,11 @@
 //! 5. `COMMIT`: one transaction per message (no extra transactions). Any failure before it rolls everything back,
 //!    claim included, so a failed attempt leaves no trace and the message can be processed again.
 //!
+//! **One statement** ([`Inbox::process_effect`]): when the work is one SQL statement that writes only through the
+//! claim's row ([`Effect`]), steps 1–5 are one statement — the claim and the effect as one, its own transaction —
+//! sent in one round trip. The order and the waits are the same; any failure of the statement but the database's
+//! sends the message the usual way, which tells the work's failure from the claim's.
+//!
 //! The caller acknowledges the delivery only after `process` returned: a crash between the commit and the ack makes
 //! the broker deliver the message again, and that delivery is then a duplicate.
 //!
@@ -41,9 +46,11 @@ use crate::db::{self, is_transient};
 use crate::failpoint;
 
 mod batch;
+mod effect;
 pub mod time;
 
 pub use batch::{MAX_BATCH, Member, MemberOutcome, MemberWork, TogetherWork};
+pub use effect::Effect;
 pub use time::{Carried, TimeSource};
 
 /// The longest consumer_type the seed schema stores (`VARCHAR(500)`).

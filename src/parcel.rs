@@ -7,6 +7,8 @@
 //! carries — the same for every delivery of a message to a consumer — lets an API that honours keys recognise the
 //! repeat; one that does not will act twice. See the README's guarantees.
 
+use std::future::Future;
+
 use chrono::{DateTime, DurationRound as _, TimeDelta, Utc};
 use futures_util::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -16,7 +18,7 @@ use uuid::Uuid;
 use crate::consumer::{Consumer, MessageContext};
 use crate::db::effects;
 use crate::failpoint;
-use crate::inbox::WorkError;
+use crate::inbox::{Effect, WorkError};
 
 /// The MassTransit message type of [`ParcelCreatedEvent`].
 pub const PARCEL_CREATED_URN: &str = "urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent";
@@ -88,6 +90,16 @@ pub trait Carrier: Send + Sync + 'static {
         request: &'c PickupRequest,
     ) -> BoxFuture<'c, Result<PickupSlot, WorkError>>;
 
+    /// The booking as one statement the inbox sends with its claim ([`Effect`]), when it is one: the booking
+    /// `reserve_pickup` would record. `None` (the default): `reserve_pickup` books.
+    fn pickup_effect<'c>(
+        &'c self,
+        request: &'c PickupRequest,
+    ) -> impl Future<Output = Result<Option<Effect>, WorkError>> + Send + 'c {
+        let _ = request;
+        async { Ok(None) }
+    }
+
     /// Several bookings (a batch's); all or nothing. The default books one after another.
     fn reserve_pickups<'c>(
         &'c self,
@@ -110,6 +122,16 @@ pub trait SmsGateway: Send + Sync + 'static {
         tx: &'c mut PgConnection,
         sms: &'c Sms,
     ) -> BoxFuture<'c, Result<(), WorkError>>;
+
+    /// The text as one statement the inbox sends with its claim ([`Effect`]), when it is one. `None` (the
+    /// default): `send` sends it.
+    fn text_effect<'c>(
+        &'c self,
+        sms: &'c Sms,
+    ) -> impl Future<Output = Result<Option<Effect>, WorkError>> + Send + 'c {
+        let _ = sms;
+        async { Ok(None) }
+    }
 
     /// Several texts (a batch's); all or nothing. The default sends one after another.
     fn send_all<'c>(
@@ -177,6 +199,15 @@ impl Carrier for StandInCarrier {
         })
     }
 
+    /// The booking written through the claim: one statement for claim and booking.
+    async fn pickup_effect<'c>(
+        &'c self,
+        request: &'c PickupRequest,
+    ) -> Result<Option<Effect>, WorkError> {
+        let reservation = self.booking(request).await?;
+        Ok(Some(effects::carrier_reservation_effect(&reservation)))
+    }
+
     /// Every booking in one statement.
     fn reserve_pickups<'c>(
         &'c self,
@@ -235,6 +266,12 @@ impl SmsGateway for StandInSms {
         })
     }
 
+    /// The text written through the claim: one statement for claim and text.
+    async fn text_effect<'c>(&'c self, sms: &'c Sms) -> Result<Option<Effect>, WorkError> {
+        self.check(sms).await?;
+        Ok(Some(effects::notification_sent_effect(&notification(sms))))
+    }
+
     /// Every text in one statement.
     fn send_all<'c>(
         &'c self,
@@ -291,6 +328,16 @@ impl<K: Carrier> Consumer for CarrierConsumer<K> {
         Ok(())
     }
 
+    async fn effect<'c>(
+        &'c self,
+        context: &'c MessageContext,
+        event: &'c ParcelCreatedEvent,
+    ) -> Result<Option<Effect>, WorkError> {
+        self.carrier
+            .pickup_effect(&pickup_request(context, event))
+            .await
+    }
+
     async fn consume_batch<'c>(
         &'c self,
         tx: &'c mut PgConnection,
@@ -320,6 +367,14 @@ impl<G: SmsGateway> Consumer for NotificationConsumer<G> {
         event: &'c ParcelCreatedEvent,
     ) -> Result<(), WorkError> {
         self.gateway.send(tx, &sms(context, event)).await
+    }
+
+    async fn effect<'c>(
+        &'c self,
+        context: &'c MessageContext,
+        event: &'c ParcelCreatedEvent,
+    ) -> Result<Option<Effect>, WorkError> {
+        self.gateway.text_effect(&sms(context, event)).await
     }
 
     async fn consume_batch<'c>(

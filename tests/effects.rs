@@ -937,3 +937,38 @@ async fn batched_consumers_book_every_parcel_once_in_both_modes_with_a_refusal()
         );
     }
 }
+
+/// The stand-in carrier's booking is one statement, which the consumer sends with the claim: stopped just before that
+/// statement (the `before-commit` point), the consumer holds no transaction open. A carrier called over HTTP is no
+/// statement: its consumer is stopped there inside the claim's transaction (the control, which shows the look
+/// would see one).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_stand_in_carriers_claim_and_booking_go_as_one_statement() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    for (name, args, open) in [
+        ("the stand-in", vec!["consume", "carrier"], 0),
+        ("over HTTP, keyed", consume_args(&stub, "keyed", &[]), 1),
+    ] {
+        common::publish_parcels(&env, &["--count", "1"]);
+        let mut consumer = env.spawn_with(&args, &[("INBOXCTL_FAILPOINTS", "before-commit")]);
+        consumer.wait_for_stderr("failpoint before-commit reached", Duration::from_secs(30));
+        let in_transaction: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND state LIKE 'idle in transaction%'",
+        )
+        .bind(&env.db_name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        consumer.kill();
+        assert_eq!(in_transaction, open, "{name}: {}", consumer.stderr());
+        // Nothing of the killed attempt remains; the next run (no failpoint) books the parcel.
+        common::consume_until_idle(&env, &args[1..]);
+    }
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        2
+    );
+}

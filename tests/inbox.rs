@@ -40,7 +40,7 @@ pub(crate) async fn insert_effect(
 
 /// Starts a first attempt that claims `id`, writes its effect, and then holds its transaction open until told how
 /// to end: `true` to succeed, `false` to fail.
-async fn hold_first_attempt(
+pub(crate) async fn hold_first_attempt(
     inbox: &Inbox,
     id: Uuid,
 ) -> (
@@ -607,4 +607,252 @@ async fn a_batch_waiting_on_a_key_holds_none_after_it() {
     let outcomes = batch.await.unwrap().unwrap();
     assert_eq!(kinds(&outcomes), ["duplicate", "processed"]);
     assert_eq!(effects(&pool).await, ["batch low", "copy"]);
+}
+
+/// The test's effect written through the claim: one row of `effects`, only for the delivery that claims the message.
+const EFFECT: &str =
+    "INSERT INTO effects (message_id, label) SELECT $1::uuid, $2::text FROM claimed";
+
+fn one_statement(id: Uuid, label: &str) -> inboxctl::inbox::Effect {
+    inboxctl::inbox::Effect::new(EFFECT).bind(id).bind(label)
+}
+
+/// The same effect the usual way, counting its runs: with a statement that succeeds it never runs.
+fn usual(
+    id: Uuid,
+    label: &'static str,
+    runs: &std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> impl for<'c> FnOnce(
+    &'c mut sqlx::PgConnection,
+) -> futures_util::future::BoxFuture<'c, Result<(), WorkError>>
++ Send
++ 'static {
+    let runs = std::sync::Arc::clone(runs);
+    move |tx| {
+        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(insert_effect(tx, id, label))
+    }
+}
+
+/// Sixteen copies of each of ten messages at once, each claim and effect in one statement: one effect a message, made
+/// by the statement (the usual way never ran), and fifteen duplicates counted — outside a transaction, and in the
+/// `BEGIN`/`COMMIT` a claim timeout per transaction needs (a transaction pooler's connections).
+#[tokio::test(flavor = "multi_thread")]
+async fn copies_at_once_in_one_statement_give_one_effect_each() {
+    let (_env, pool, plain) = setup().await;
+    let timed_out = plain
+        .clone()
+        .with_claim_timeout(Some(Duration::from_secs(30)));
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for (name, inbox) in [
+        ("one statement", &plain),
+        ("between BEGIN and COMMIT", &timed_out),
+    ] {
+        for _ in 0..10 {
+            let id = Uuid::new_v4();
+            let fingerprint = Fingerprint::from_bytes(*id.as_bytes());
+            let copies: Vec<_> = (0..16)
+                .map(|_| {
+                    let (inbox, runs) = (inbox.clone(), runs.clone());
+                    tokio::spawn(async move {
+                        inbox
+                            .process_effect(
+                                id,
+                                Some(fingerprint),
+                                &Default::default(),
+                                one_statement(id, "statement"),
+                                usual(id, "usual", &runs),
+                            )
+                            .await
+                    })
+                })
+                .collect();
+            let mut outcomes = Vec::new();
+            for copy in copies {
+                outcomes.push(copy.await.unwrap().unwrap());
+            }
+            let processed = outcomes
+                .iter()
+                .filter(|o| **o == Outcome::Processed(()))
+                .count();
+            let duplicates = outcomes
+                .iter()
+                .filter(|o| **o == Outcome::Duplicate)
+                .count();
+            assert_eq!((processed, duplicates), (1, 15), "{name}: {outcomes:?}");
+            let made: Vec<String> =
+                sqlx::query_scalar("SELECT label FROM effects WHERE message_id = $1")
+                    .bind(id)
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+            assert_eq!(made, ["statement"], "{name}");
+            let counted: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            assert_eq!(counted, 15, "{name}");
+        }
+    }
+    assert_eq!(
+        runs.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the usual way ran though every statement succeeded"
+    );
+}
+
+/// A copy sent as one statement while an attempt holds the key waits for it, as the usual claim does: it takes the
+/// key and makes its effect if that attempt rolls back, and is a duplicate if it commits.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_in_one_statement_waits_for_the_attempt_in_flight() {
+    let (env, pool, inbox) = setup().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for commits in [false, true] {
+        sqlx::raw_sql("TRUNCATE effects")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let id = Uuid::new_v4();
+        let (end_first, first) = hold_first_attempt(&inbox, id).await;
+        let second = {
+            let (inbox, runs) = (inbox.clone(), runs.clone());
+            tokio::spawn(async move {
+                inbox
+                    .process_effect(
+                        id,
+                        None,
+                        &Default::default(),
+                        one_statement(id, "second"),
+                        usual(id, "usual", &runs),
+                    )
+                    .await
+            })
+        };
+        wait_for_a_lock(&env, &pool).await;
+        end_first.send(commits).unwrap();
+        let first = first.await.unwrap();
+        let second = second.await.unwrap().unwrap();
+        if commits {
+            assert_eq!(first.unwrap(), Outcome::Processed(()));
+            assert_eq!(second, Outcome::Duplicate);
+            assert_eq!(effects(&pool).await, ["first"]);
+        } else {
+            assert!(matches!(first, Err(ProcessError::Failed(_))));
+            assert_eq!(second, Outcome::Processed(()), "not dropped too early");
+            assert_eq!(effects(&pool).await, ["second"]);
+        }
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+async fn wait_for_a_lock(env: &TestEnv, pool: &PgPool) {
+    let db = env.db_name.clone();
+    common::eventually("a copy waits on the other attempt's lock", Duration::from_secs(10), || {
+        let db = db.clone();
+        async move {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+            )
+            .bind(db)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            waiting == 1
+        }
+    })
+    .await;
+}
+
+/// A statement that fails for a reason of its own (here the effect breaks a NOT NULL) leaves nothing and sends the
+/// message the usual way: a failure there is the work's (`Failed`, nothing committed, the claim included), and a
+/// usual way that succeeds commits claim and effect.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_that_fails_is_done_again_the_usual_way() {
+    let (_env, pool, inbox) = setup().await;
+    let id = Uuid::new_v4();
+    let broken = || {
+        inboxctl::inbox::Effect::new(EFFECT)
+            .bind(id)
+            .bind(None::<String>)
+    };
+    let failed = inbox
+        .process_effect(id, None, &Default::default(), broken(), move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, id, "usual, failing").await?;
+                Err::<(), _>(WorkError::msg("carrier API returned 503"))
+            })
+        })
+        .await;
+    assert!(
+        matches!(&failed, Err(ProcessError::Failed(e)) if e.to_string().contains("503")),
+        "{failed:?}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert!(effects(&pool).await.is_empty());
+
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let done = inbox
+        .process_effect(
+            id,
+            None,
+            &Default::default(),
+            broken(),
+            usual(id, "usual", &runs),
+        )
+        .await
+        .unwrap();
+    assert_eq!(done, Outcome::Processed(()));
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(effects(&pool).await, ["usual"]);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        1
+    );
+    // And a copy of it now, in one statement, is a duplicate.
+    let copy = inbox
+        .process_effect(
+            id,
+            None,
+            &Default::default(),
+            one_statement(id, "copy"),
+            usual(id, "copy", &runs),
+        )
+        .await
+        .unwrap();
+    assert_eq!(copy, Outcome::Duplicate);
+    assert_eq!(effects(&pool).await, ["usual"]);
+}
+
+/// The fingerprint goes with the claim in one statement as in the usual way: a later copy of another event under the
+/// same id is a conflict, a copy of the same event a duplicate, and neither writes.
+#[tokio::test(flavor = "multi_thread")]
+async fn in_one_statement_a_copy_of_another_event_is_a_conflict() {
+    let (_env, pool, inbox) = setup().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let id = Uuid::new_v4();
+    let [first, other] = [1u8, 2].map(|b| Fingerprint::from_bytes([b; 16]));
+    let carried = inboxctl::inbox::Carried::default();
+    let send = |fingerprint: Fingerprint, label: &'static str| {
+        inbox.process_effect(
+            id,
+            Some(fingerprint),
+            &carried,
+            one_statement(id, label),
+            usual(id, label, &runs),
+        )
+    };
+    assert_eq!(send(first, "first").await.unwrap(), Outcome::Processed(()));
+    assert_eq!(send(first, "same").await.unwrap(), Outcome::Duplicate);
+    assert!(matches!(
+        send(other, "other").await.unwrap(),
+        Outcome::Conflict(_)
+    ));
+    assert_eq!(effects(&pool).await, ["first"]);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
 }

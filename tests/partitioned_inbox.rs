@@ -606,3 +606,85 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
         "{audited:#}"
     );
 }
+
+/// On a partitioned inbox the claim sent with its effect as one statement keys the message on its time: sixteen
+/// copies at once meet in their partition and give one effect; a time no partition holds fails the statement, which
+/// sends the message the usual way, and that refuses it as unclaimable, nothing written.
+#[tokio::test(flavor = "multi_thread")]
+async fn in_one_statement_copies_meet_in_their_partition_and_a_time_without_one_is_refused() {
+    let env = TestEnv::migrated().await;
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    inboxctl::db::schema::migrate_partitioned(
+        &db,
+        false,
+        Some(inboxctl::db::partitions::Settings {
+            interval: TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        }),
+    )
+    .await
+    .unwrap();
+    let pool = env.pool().await;
+    sqlx::raw_sql("CREATE TABLE effects (message_id uuid NOT NULL, label text NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let inbox = inboxctl::inbox::Inbox::new(
+        pool.clone(),
+        inboxctl::inbox::ConsumerType::new("partitioned").unwrap(),
+    )
+    .with_keying(inboxctl::inbox::Keying::Timed(
+        inboxctl::inbox::TimeSource::Id,
+    ));
+    let effect = |id: Uuid| {
+        inboxctl::inbox::Effect::new(
+            "INSERT INTO effects (message_id, label) SELECT $1::uuid, 'statement' FROM claimed",
+        )
+        .bind(id)
+    };
+    let send = |id: Uuid| {
+        let inbox = inbox.clone();
+        async move {
+            inbox
+                .process_effect(id, None, &Default::default(), effect(id), move |tx| {
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effects VALUES ($1, 'usual')")
+                            .bind(id)
+                            .execute(tx)
+                            .await?;
+                        Ok(())
+                    })
+                })
+                .await
+        }
+    };
+    let id = v7_ago(TimeDelta::hours(1));
+    let copies: Vec<_> = (0..16).map(|_| tokio::spawn(send(id))).collect();
+    let mut processed = 0;
+    for copy in copies {
+        match copy.await.unwrap().unwrap() {
+            inboxctl::inbox::Outcome::Processed(()) => processed += 1,
+            inboxctl::inbox::Outcome::Duplicate => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(processed, 1);
+    let made: Vec<String> = sqlx::query_scalar("SELECT label FROM effects WHERE message_id = $1")
+        .bind(id)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(made, ["statement"]);
+
+    let future = v7_ago(-TimeDelta::days(400));
+    let refused = send(future).await;
+    assert!(
+        matches!(&refused, Err(inboxctl::inbox::ProcessError::Unclaimable(why)) if why.contains("no partition")),
+        "{refused:?}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM effects").await,
+        1,
+        "nothing written for the refused one"
+    );
+}

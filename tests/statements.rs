@@ -30,7 +30,7 @@ async fn every_statement_of_the_store_prepares_against_the_migrated_schema() {
             let timed = statement.name.ends_with("_TIMED") || statement.name.ends_with("_BETWEEN");
             let plain_only = matches!(
                 statement.name.as_str(),
-                "claim::CLAIM" | "claim::CLAIM_BATCH"
+                "claim::CLAIM" | "claim::CLAIM_BATCH" | "claim::claim_with_effect"
             );
             if (layout == "unpartitioned" && timed) || (layout == "partitioned" && plain_only) {
                 continue;
@@ -315,7 +315,10 @@ fn query_arguments(source: &str) -> Vec<(usize, String)> {
             .min()
         {
             rest = &rest[at..];
-            let call = rest.trim_start_matches("_as").trim_start_matches("_scalar");
+            let call = rest
+                .trim_start_matches("_as")
+                .trim_start_matches("_scalar")
+                .trim_start_matches("_with");
             let call = match call.strip_prefix("::<") {
                 Some(generic) => generic.split_once(">(").map_or("", |(_, after)| after),
                 None => call.strip_prefix('(').unwrap_or(""),

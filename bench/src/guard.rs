@@ -3,7 +3,10 @@
 //! same for every mode — the queue, prefetch, concurrency, envelope reading, retries, effect and ack after the commit
 //! — except for what guards each message's work:
 //!
-//! - `inbox` (and `inbox-batched`): the library's [`Inbox`], the claim protocol;
+//! - `inbox` (and `inbox-batched`): the library's [`Inbox`], the claim protocol, a message's claim and effect sent as
+//!   one statement;
+//! - `inbox-transaction`: the same [`Inbox`] made to take the usual way, [`Usual`]: `BEGIN`, the claim, the effect,
+//!   `COMMIT`, as it does for an effect that is not one statement;
 //! - `bare`: [`Plain::bare`], no inbox at all: a transaction with the work, nothing else (at-least-once);
 //! - `tutorial`: [`Plain::lookup_first`], the tutorial's shape: look the id up first, then a transaction with a plain insert
 //!   of the inbox row and the work. Two first copies both pass the look-up; the second one's insert then fails on
@@ -16,8 +19,8 @@ use inboxctl::cli::ConnectOpts;
 use inboxctl::consumer::{self, Config, WorkGuard};
 use inboxctl::db::is_transient;
 use inboxctl::inbox::{
-    Carried, ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError,
-    TogetherWork, Work, WorkError,
+    Carried, ConsumerType, Effect, Fingerprint, Inbox, Member, MemberOutcome, Outcome,
+    ProcessError, TogetherWork, Work, WorkError,
 };
 use inboxctl::parcel::Kind;
 use sqlx::Connection as _;
@@ -32,6 +35,7 @@ use crate::sql;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Guard {
     Inbox,
+    InboxTransaction,
     Bare,
     LookupFirst,
 }
@@ -82,6 +86,9 @@ pub async fn consume(
     };
     let run = match args.guard {
         Guard::Inbox => consumer::consume(&config, &db, &broker, shutdown).await,
+        Guard::InboxTransaction => {
+            consumer::consume_guarded(&config, &db, &broker, shutdown, Usual).await
+        }
         Guard::Bare => {
             consumer::consume_guarded(&config, &db, &broker, shutdown, Plain::bare).await
         }
@@ -90,6 +97,38 @@ pub async fn consume(
         }
     };
     run.map(drop).map_err(Error::from)
+}
+
+/// The inbox, made to take the usual way for every message: an effect given as one statement is ignored
+/// ([`WorkGuard::process_effect`]'s default), and the consumer's work runs after the claim in the claim's transaction.
+pub struct Usual(Inbox);
+
+impl WorkGuard for Usual {
+    fn consumer_type(&self) -> &ConsumerType {
+        self.0.consumer_type()
+    }
+
+    fn pool(&self) -> &PgPool {
+        self.0.pool()
+    }
+
+    fn process_event(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        carried: Carried,
+        work: Work<()>,
+    ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
+        WorkGuard::process_event(&self.0, message_id, fingerprint, carried, work)
+    }
+
+    fn process_batch(
+        &self,
+        members: Vec<Member<()>>,
+        together: Option<TogetherWork<()>>,
+    ) -> BoxFuture<'_, Result<Vec<MemberOutcome<()>>, ProcessError>> {
+        WorkGuard::process_batch(&self.0, members, together)
+    }
 }
 
 /// The consumers without the claim protocol: each message's work in a transaction of its own.
@@ -198,6 +237,36 @@ impl WorkGuard for Plain {
                 conn.close_on_drop();
             }
             result
+        })
+    }
+
+    /// `bare` makes the effect as the inbox sends it, one statement, without the claim: `inbox/bare` is the price of
+    /// the claim alone. The tutorial's shape has no such statement: it looks up and inserts as it always does.
+    fn process_effect(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        carried: Carried,
+        effect: Effect,
+        work: Work<()>,
+    ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
+        if self.look_up_first {
+            return self.process_event(message_id, fingerprint, carried, work);
+        }
+        Box::pin(async move {
+            let mut conn = self
+                .pool
+                .acquire()
+                .await
+                .map_err(ProcessError::Unavailable)?;
+            match effect.make_unguarded(&mut conn).await {
+                Ok(()) => Ok(Outcome::Processed(())),
+                Err(WorkError::Database(e)) if is_transient(&e) => {
+                    conn.close_on_drop();
+                    Err(ProcessError::Unavailable(e))
+                }
+                Err(other) => Err(ProcessError::Failed(other)),
+            }
         })
     }
 

@@ -456,7 +456,8 @@ async fn claim_and_book_batch(inbox: &Inbox, n: u64, ids: IdKind) -> Result<()> 
     }
 }
 
-/// One new message through the inbox: `BEGIN`, the claim, the stand-in carrier's booking, `COMMIT`.
+/// One new message through the inbox as `inboxctl consume` sends it: the claim and the stand-in carrier's booking in
+/// one statement (`Inbox::process_effect`).
 async fn claim_and_book(inbox: &Inbox, ids: IdKind) -> Result<()> {
     let id = ids.next();
     let request = PickupRequest {
@@ -467,13 +468,22 @@ async fn claim_and_book(inbox: &Inbox, ids: IdKind) -> Result<()> {
         idempotency_key: id,
     };
     let fingerprint = Fingerprint::from_bytes(*Uuid::new_v4().as_bytes());
+    let effect = StandInCarrier::default()
+        .pickup_effect(&request)
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))?
+        .ok_or_else(|| std::io::Error::other("the stand-in carrier books in one statement"))?;
     let work: Work<()> = Box::new(move |tx| {
         Box::pin(async move {
             let carrier = StandInCarrier::default();
             carrier.reserve_pickup(tx, &request).await.map(drop)
         })
     });
-    match inbox.process_event(id, Some(fingerprint), work).await {
+    let carried = Default::default();
+    match inbox
+        .process_effect(id, Some(fingerprint), &carried, effect, work)
+        .await
+    {
         Ok(_) => Ok(()),
         Err(ProcessError::Unavailable(e) | ProcessError::Failed(WorkError::Database(e))) => {
             Err(e.into())

@@ -17,6 +17,9 @@ pub enum Mode {
     Bare,
     Tutorial,
     Inbox,
+    /// `inbox` with the claim and the effect as statements of their own between `BEGIN` and `COMMIT` (four round
+    /// trips), as an effect that is not one statement is made: what sending them as one statement saves.
+    InboxTransaction,
     InboxBatched,
     /// `inbox` on a quorum queue: what replicating the queue costs (on one node here: the cost without the network).
     InboxQuorum,
@@ -25,12 +28,13 @@ pub enum Mode {
 
 impl Mode {
     /// Every mode, in the order the tables show them.
-    pub const ALL: [Mode; 8] = [
+    pub const ALL: [Mode; 9] = [
         Mode::Ceiling,
         Mode::CeilingBatched,
         Mode::Bare,
         Mode::Tutorial,
         Mode::Inbox,
+        Mode::InboxTransaction,
         Mode::InboxBatched,
         Mode::InboxQuorum,
         Mode::Peer,
@@ -43,6 +47,7 @@ impl Mode {
             Mode::Bare => "bare",
             Mode::Tutorial => "tutorial",
             Mode::Inbox => "inbox",
+            Mode::InboxTransaction => "inbox-transaction",
             Mode::InboxBatched => "inbox-batched",
             Mode::InboxQuorum => "inbox-quorum",
             Mode::Peer => "peer",
@@ -54,6 +59,7 @@ impl Mode {
         matches!(
             self,
             Mode::Inbox
+                | Mode::InboxTransaction
                 | Mode::InboxBatched
                 | Mode::InboxQuorum
                 | Mode::Ceiling
@@ -64,6 +70,7 @@ impl Mode {
     pub fn database_suffix(self) -> &'static str {
         match self {
             Mode::InboxBatched => "inbox_batched",
+            Mode::InboxTransaction => "inbox_transaction",
             Mode::InboxQuorum => "inbox_quorum",
             Mode::CeilingBatched => "ceiling_batched",
             other => other.name(),
@@ -253,6 +260,8 @@ pub fn ratios(repeats: &BTreeMap<Mode, Vec<Repeat>>) -> BTreeMap<String, Spread>
         (Mode::InboxBatched, Mode::CeilingBatched),
         (Mode::Bare, Mode::Ceiling),
         (Mode::InboxQuorum, Mode::Inbox),
+        (Mode::Inbox, Mode::InboxTransaction),
+        (Mode::InboxTransaction, Mode::Bare),
     ];
     let mut out = BTreeMap::new();
     for (a, b) in pairs {

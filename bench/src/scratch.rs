@@ -233,6 +233,7 @@ pub fn spawn_consumer(
     let guard = match scratch.mode {
         Mode::Bare => "bare",
         Mode::Tutorial => "lookup-first",
+        Mode::InboxTransaction => "inbox-transaction",
         Mode::InboxBatched => {
             cmd.args(["--batch-size", &options.batch_size.to_string()]);
             "inbox"

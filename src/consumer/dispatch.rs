@@ -326,12 +326,25 @@ pub(super) async fn attempts<C: Consumer>(
                     guard
                 }
             };
-            let work = shared.inbox.process_event(
-                id,
-                Some(ready.fingerprint),
-                ready.carried,
-                work(shared, delivery, ready, attempt),
-            );
+            let work = async {
+                let usual = work(shared, delivery, ready, attempt);
+                // The work as one statement, sent with the claim, when the consumer writes it so; an error here is
+                // its `consume`'s to tell, after the claim (a copy of a message done is then still a copy).
+                let context = context(shared, delivery, ready, attempt);
+                match shared.consumer.effect(&context, &ready.message).await {
+                    Ok(Some(effect)) => {
+                        let fingerprint = Some(ready.fingerprint);
+                        (shared.inbox)
+                            .process_effect(id, fingerprint, ready.carried, effect, usual)
+                            .await
+                    }
+                    Ok(None) | Err(_) => {
+                        (shared.inbox)
+                            .process_event(id, Some(ready.fingerprint), ready.carried, usual)
+                            .await
+                    }
+                }
+            };
             AssertUnwindSafe(work).catch_unwind().await
         };
         let failure = match result {

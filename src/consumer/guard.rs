@@ -11,8 +11,8 @@ use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
 use crate::inbox::{
-    Carried, ConsumerType, Fingerprint, Inbox, Member, MemberOutcome, Outcome, ProcessError,
-    TogetherWork, Work,
+    Carried, ConsumerType, Effect, Fingerprint, Inbox, Member, MemberOutcome, Outcome,
+    ProcessError, TogetherWork, Work,
 };
 
 /// What guards a consumer's work on each message. The contract is [`Inbox::process_event`]'s and
@@ -33,6 +33,20 @@ pub trait WorkGuard: Send + Sync + 'static {
         carried: Carried,
         work: Work<()>,
     ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>>;
+
+    /// Runs one delivery's work written as one statement, `effect`, with `work` the same effect made the usual way;
+    /// see [`Inbox::process_effect`]. The default ignores `effect` and runs `work` ([`WorkGuard::process_event`]).
+    fn process_effect(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        carried: Carried,
+        effect: Effect,
+        work: Work<()>,
+    ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
+        drop(effect);
+        self.process_event(message_id, fingerprint, carried, work)
+    }
 
     /// Runs several deliveries' work in one transaction, all of it in one call by `together` if it succeeds; see
     /// [`Inbox::process_batch_with`].
@@ -61,6 +75,19 @@ impl WorkGuard for Inbox {
     ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
         Box::pin(async move {
             Inbox::process_carried(self, message_id, fingerprint, &carried, work).await
+        })
+    }
+
+    fn process_effect(
+        &self,
+        message_id: Uuid,
+        fingerprint: Option<Fingerprint>,
+        carried: Carried,
+        effect: Effect,
+        work: Work<()>,
+    ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
+        Box::pin(async move {
+            Inbox::process_effect(self, message_id, fingerprint, &carried, effect, work).await
         })
     }
 

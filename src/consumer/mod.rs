@@ -52,7 +52,7 @@ use crate::amqp::envelope;
 use crate::amqp::limits::{self, MAX_LOGGED_TEXT};
 use crate::backoff::sleep_or_cancel;
 use crate::error::Result;
-use crate::inbox::{ConsumerType, WorkError};
+use crate::inbox::{ConsumerType, Effect, WorkError};
 use crate::metrics::consume::Timings;
 use crate::sanitize;
 
@@ -106,6 +106,20 @@ pub trait Consumer: Send + Sync + 'static {
             }
             Ok(())
         }
+    }
+
+    /// The work of one message as one SQL statement, when it is one ([`Effect`]): the inbox then sends the claim and
+    /// the effect as one statement, in one round trip ([`Inbox::process_effect`](crate::inbox::Inbox::process_effect)).
+    /// The effect must be the one [`Consumer::consume`] makes, which still runs when the statement fails for a reason
+    /// of its own (to tell the work's failure from the claim's), and in place of it when this returns `None` (the
+    /// default) or an error.
+    fn effect<'c>(
+        &'c self,
+        context: &'c MessageContext,
+        message: &'c Self::Message,
+    ) -> impl Future<Output = Result<Option<Effect>, WorkError>> + Send + 'c {
+        let _ = (context, message);
+        async { Ok(None) }
     }
 
     /// Whether a delivery whose declared types are `types` is one this consumer handles. A plain JSON message that

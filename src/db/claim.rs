@@ -2,12 +2,13 @@
 //! recorded. The protocol that orders them is `inbox`'s.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use sqlx::postgres::{PgConnection, Postgres};
-use sqlx::{AssertSqlSafe, Connection as _, Transaction};
+use sqlx::postgres::{PgArguments, PgConnection, Postgres};
+use sqlx::{Arguments as _, AssertSqlSafe, Connection as _, Transaction};
 use uuid::Uuid;
 
 use super::sql;
@@ -168,6 +169,115 @@ WITH c AS (
 SELECT id, first FROM c";
 }
 
+/// The claim and a message's whole effect in one statement (`Inbox::process_effect`): one round trip, and, outside
+/// a transaction, its own transaction. The claim is `CLAIM`'s (`CLAIM_TIMED`'s when `timed`) as the relation
+/// `claimed`, one row when this delivery takes the key and none for a copy; `effect` writes only through it (`INSERT
+/// … SELECT … FROM claimed`), so a copy writes nothing. The effect's own parameters are `$1`…`$own`; the claim's
+/// follow: message id, consumer_type, fingerprint (null: unknown), and when `timed` the message's time.
+/// Returns whether the key was claimed.
+fn claim_with_effect(effect: &str, own: usize, timed: bool) -> String {
+    let [id, consumer_type, fingerprint, time] = [1, 2, 3, 4].map(|n| format!("${}", own + n));
+    let claim = if timed {
+        format!(
+            "\
+claimed AS (
+    INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time, fingerprint)
+    SELECT {id}::uuid, {consumer_type}::varchar, now(), now(), {time}::timestamptz, {fingerprint}::bytea
+    WHERE NOT EXISTS (SELECT 1 FROM inbox_messages
+                      WHERE id = {id}::uuid AND consumer_type = {consumer_type}::varchar
+                        AND message_time = '-infinity')
+    ON CONFLICT (id, consumer_type, message_time) DO NOTHING
+    RETURNING 1
+)"
+        )
+    } else {
+        format!(
+            "\
+claimed AS (
+    INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+    SELECT {id}::uuid, {consumer_type}::varchar, now(), now()
+    ON CONFLICT (id, consumer_type) DO NOTHING
+    RETURNING 1
+), fingerprint AS (
+    INSERT INTO inboxctl_fingerprints (id, consumer_type, fingerprint)
+    SELECT {id}::uuid, {consumer_type}::varchar, {fingerprint}::bytea FROM claimed WHERE {fingerprint}::bytea IS NOT NULL
+    ON CONFLICT (id, consumer_type) DO UPDATE SET fingerprint = EXCLUDED.fingerprint
+)"
+        )
+    };
+    format!("WITH {claim}, effect AS (\n{effect}\n)\nSELECT EXISTS (SELECT 1 FROM claimed)")
+}
+
+/// A message's effect with no claim around it (`Effect::make_unguarded`): `claimed` is one row, always. At least
+/// once: what a consumer without an inbox does, which the bench measures the claim against.
+pub(super) fn effect_alone(effect: &str) -> String {
+    format!("WITH claimed AS (SELECT), effect AS (\n{effect}\n)\nSELECT true")
+}
+
+/// The statements `claim_with_effect` and `effect_alone` built, once each per effect, kept for the process: one per
+/// effect statement the program has (they are `'static`), so the cache is bounded.
+static BUILT: std::sync::LazyLock<std::sync::Mutex<HashMap<BuiltKey, Arc<str>>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// An effect statement, its parameter count, and what is built around it.
+type BuiltKey = (&'static str, usize, Build);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Build {
+    Claim,
+    ClaimTimed,
+    Alone,
+}
+
+fn built(effect: &'static str, own: usize, build: Build) -> Arc<str> {
+    let mut cache = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    Arc::clone(cache.entry((effect, own, build)).or_insert_with(|| {
+        match build {
+            Build::Claim => claim_with_effect(effect, own, false),
+            Build::ClaimTimed => claim_with_effect(effect, own, true),
+            Build::Alone => effect_alone(effect),
+        }
+        .into()
+    }))
+}
+
+/// Claims `key` and makes the effect `effect` (its statement, with its own arguments bound) in one statement
+/// (`claim_with_effect`); whether the key was claimed, and so the effect made.
+pub async fn claim_with(
+    conn: &mut PgConnection,
+    key: &Key,
+    consumer_type: &ConsumerType,
+    effect: &'static str,
+    mut args: PgArguments,
+) -> sqlx::Result<bool> {
+    let own = args.len();
+    let build = if key.time.is_some() {
+        Build::ClaimTimed
+    } else {
+        Build::Claim
+    };
+    let statement = built(effect, own, build);
+    let encoded = args
+        .add(key.message_id)
+        .and_then(|()| args.add(consumer_type.as_str()))
+        .and_then(|()| args.add(key.fingerprint.map(|f| f.as_bytes().to_vec())))
+        .and_then(|()| key.time.map_or(Ok(()), |time| args.add(time)));
+    encoded.map_err(sqlx::Error::Encode)?;
+    let query = sql::query_scalar_with(AssertSqlSafe(statement), args);
+    unit!(conn, |conn| query.fetch_one(conn))
+}
+
+/// Makes the effect `effect` with no claim (`effect_alone`): at least once.
+pub async fn effect_alone_with(
+    conn: &mut PgConnection,
+    effect: &'static str,
+    args: PgArguments,
+) -> sqlx::Result<()> {
+    let statement = built(effect, args.len(), Build::Alone);
+    let query = sql::query_scalar_with::<bool>(AssertSqlSafe(statement), args);
+    unit!(conn, |conn| query.fetch_one(conn)).map(drop)
+}
+
 /// `BEGIN` and the transaction's own `lock_timeout`, in one round trip: for connections that keep no session setting
 /// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
 fn begin_with_lock_timeout(timeout: Duration) -> String {
@@ -183,6 +293,19 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
         "begin_with_lock_timeout",
         begin_with_lock_timeout(Duration::from_secs(30)),
     )]
+}
+
+/// The claim built around an effect, with the carrier's as the sample, plain and timed; and an effect alone.
+pub(super) fn built_with_effect() -> Vec<(&'static str, String)> {
+    let sample = super::effects::CARRIER_RESERVATION_EFFECT;
+    vec![
+        ("claim_with_effect", claim_with_effect(sample, 5, false)),
+        (
+            "claim_with_effect_TIMED",
+            claim_with_effect(sample, 5, true),
+        ),
+        ("effect_alone", effect_alone(sample)),
+    ]
 }
 
 /// Begins a claim's transaction: with `lock_timeout` set for it alone (`SET LOCAL`) when given, else bounded by the

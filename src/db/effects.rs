@@ -6,6 +6,7 @@ use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
 use super::{Exec, sql};
+use crate::inbox::Effect;
 
 statements! {
     /// The carrier stand-in's booking. `$1` parcel id, `$2` slot id, `$3` pickup time, `$4` message id,
@@ -36,6 +37,53 @@ SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::uuid[], $5::uuid[])
     "SELECT count(*) FROM carrier_reservations WHERE parcel_id = ANY($1)";
     const COUNT_NOTIFICATIONS_SENT_FOR =
     "SELECT count(*) FROM notifications_sent WHERE parcel_id = ANY($1)";
+}
+
+/// The carrier stand-in's booking as an effect written through the claim ([`Effect`]): a row only for a delivery
+/// that claims its message. `$1` parcel id, `$2` slot id, `$3` pickup time, `$4` message id, `$5` idempotency key.
+pub const CARRIER_RESERVATION_EFFECT: &str = "\
+INSERT INTO carrier_reservations (parcel_id, slot_id, pickup_at, message_id, idempotency_key)
+SELECT $1::uuid, $2::uuid, $3::timestamptz, $4::uuid, $5::uuid FROM claimed";
+
+/// The SMS stand-in's record as an effect written through the claim. `$1` parcel id, `$2` tracking number, `$3`
+/// text, `$4` message id, `$5` idempotency key.
+pub const NOTIFICATION_SENT_EFFECT: &str = "\
+INSERT INTO notifications_sent (parcel_id, tracking_number, body, message_id, idempotency_key)
+SELECT $1::uuid, $2::text, $3::text, $4::uuid, $5::uuid FROM claimed";
+
+/// The effects written through the claim, each alone (see `claim::built_with_effect` for them with the claim), for
+/// [`super::statements`].
+pub(super) fn built_statements() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "CARRIER_RESERVATION_EFFECT",
+            super::claim::effect_alone(CARRIER_RESERVATION_EFFECT),
+        ),
+        (
+            "NOTIFICATION_SENT_EFFECT",
+            super::claim::effect_alone(NOTIFICATION_SENT_EFFECT),
+        ),
+    ]
+}
+
+/// A booking as one statement the inbox runs with its claim (`CARRIER_RESERVATION_EFFECT`).
+pub fn carrier_reservation_effect(r: &Reservation) -> Effect {
+    Effect::new(CARRIER_RESERVATION_EFFECT)
+        .bind(r.parcel_id)
+        .bind(r.slot_id)
+        .bind(r.pickup_at)
+        .bind(r.message_id)
+        .bind(r.idempotency_key)
+}
+
+/// A text sent as one statement the inbox runs with its claim (`NOTIFICATION_SENT_EFFECT`).
+pub fn notification_sent_effect(n: &Notification<'_>) -> Effect {
+    Effect::new(NOTIFICATION_SENT_EFFECT)
+        .bind(n.parcel_id)
+        .bind(n.tracking_number.to_owned())
+        .bind(n.body.to_owned())
+        .bind(n.message_id)
+        .bind(n.idempotency_key)
 }
 
 /// A booked pickup, as the carrier stand-in records it.

@@ -412,6 +412,8 @@ pub fn statements() -> Vec<Statement> {
         ("pooler", pooler::built_statements(), false),
         ("partitions", partitions::built_statements(), false),
         ("claim", claim::built_statements(), true),
+        ("claim", claim::built_with_effect(), false),
+        ("effects", effects::built_statements(), false),
     ]
     .into_iter()
     .flat_map(|(area, statements, simple_query)| {

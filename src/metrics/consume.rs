@@ -70,8 +70,8 @@ pub fn registry(consumer_type: &ConsumerType, counts: Arc<RunCounts>) -> (Regist
         ),
         claim_wait: histogram(
             "inbox_claim_wait_seconds",
-            "Time the claim statement took (one per message, or per batch): how long a copy waited on another \
-             attempt at its message",
+            "Time the claim statement took (one per message, or per batch; with the effect when the two go as one \
+             statement): how long a copy waited on another attempt at its message",
         ),
     };
     registry.register_collector(Box::new(Counts { label, counts }));

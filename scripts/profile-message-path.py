@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where a message's time goes: CPU per message of the consumer, PostgreSQL and RabbitMQ, per consume mode.
 
-For each mode (bare, tutorial, inbox, inbox batched) it pre-loads N messages into a queue of its own, runs the mode's
+For each mode (bare, tutorial, inbox, inbox with the usual transaction, inbox batched) it pre-loads N messages into a queue of its own, runs the mode's
 consumer until the queue is idle — inboxctl's consumer operation, as the bench runs it (`inboxctl-bench consume`,
 the same for every mode but for what guards each message's work) — and reads the CPU time each party spent meanwhile:
   - the consumer: its own rusage (user + system);
@@ -32,6 +32,7 @@ MODES = {
     "bare": ["--guard", "bare"],
     "tutorial": ["--guard", "lookup-first"],
     "inbox": ["--guard", "inbox"],
+    "inbox-transaction": ["--guard", "inbox-transaction"],
     "inbox-batched": ["--guard", "inbox", "--batch-size", "32"],
 }
 

@@ -856,3 +856,37 @@ async fn in_one_statement_a_copy_of_another_event_is_a_conflict() {
     assert_eq!(effects(&pool).await, ["first"]);
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
+
+/// An effect whose statement does not read `claimed` would write for every copy, claimed or not: it is never sent
+/// with the claim. The message goes the usual way (its work after the claim), and a copy writes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_effect_that_does_not_read_claimed_is_never_sent_with_the_claim() {
+    let (_env, pool, inbox) = setup().await;
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let id = Uuid::new_v4();
+    let unguarded = || {
+        inboxctl::inbox::Effect::new(
+            "INSERT INTO effects (message_id, label) VALUES ($1::uuid, $2::text)",
+        )
+        .bind(id)
+        .bind("unguarded")
+    };
+    let mut outcomes = Vec::new();
+    for _ in 0..2 {
+        outcomes.push(
+            inbox
+                .process_effect(
+                    id,
+                    None,
+                    &Default::default(),
+                    unguarded(),
+                    usual(id, "usual", &runs),
+                )
+                .await
+                .unwrap(),
+        );
+    }
+    assert_eq!(outcomes, [Outcome::Processed(()), Outcome::Duplicate]);
+    assert_eq!(effects(&pool).await, ["usual"]);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

@@ -19,8 +19,13 @@ use crate::failpoint;
 /// one row when this delivery takes the message and none for a copy. **It must write only through `claimed`**: a
 /// statement that writes without it writes for copies too. Its parameters are `$1`, `$2`, … in the order of
 /// [`Effect::bind`]; give each one a cast (`$1::uuid`), as PostgreSQL cannot always infer a type in a select list.
+///
+/// A statement that does not name `claimed` at all cannot be one that writes only through it: it is never sent with
+/// the claim; the message goes the usual way, and the inbox says so (once a process).
 pub struct Effect {
     sql: &'static str,
+    /// Whether `sql` names `claimed` (as a word): else it cannot be guarded by the claim.
+    reads_claimed: bool,
     arguments: PgArguments,
     /// The first value that could not be encoded: the effect then goes the usual way (see
     /// [`Inbox::process_effect`]), where its work tells the error.
@@ -42,6 +47,7 @@ impl Effect {
     pub fn new(sql: &'static str) -> Self {
         Self {
             sql,
+            reads_claimed: names_claimed(sql),
             arguments: PgArguments::default(),
             unencodable: None,
         }
@@ -132,6 +138,17 @@ impl Inbox {
         key: &db::claim::Key,
         effect: Effect,
     ) -> Sent {
+        if !effect.reads_claimed {
+            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(
+                    statement = %crate::sanitize::text(effect.sql),
+                    "an effect statement that does not read `claimed` would write for copies too: such messages go \
+                     the usual way (said once)"
+                );
+            }
+            return Sent::Redo("the effect does not read `claimed`".to_owned());
+        }
         if let Some(e) = effect.unencodable {
             return Sent::Redo(format!(
                 "a parameter of the effect could not be encoded: {e}"
@@ -195,5 +212,32 @@ impl Inbox {
             ),
             Err(e) => Sent::Unavailable(e),
         }
+    }
+}
+
+/// Whether `sql` names `claimed` as a word (not inside `unclaimed` or `claimed_at`).
+fn names_claimed(sql: &str) -> bool {
+    let word = |c: char| c.is_alphanumeric() || c == '_';
+    sql.match_indices("claimed").any(|(at, found)| {
+        let before = sql[..at].chars().next_back();
+        let after = sql[at + found.len()..].chars().next();
+        !before.is_some_and(word) && !after.is_some_and(word)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_claimed;
+
+    #[test]
+    fn an_effect_reads_claimed_only_where_it_names_it_as_a_word() {
+        assert!(names_claimed("INSERT INTO t SELECT $1 FROM claimed"));
+        assert!(names_claimed(
+            "UPDATE t SET n = n + 1 FROM claimed WHERE t.id = $1"
+        ));
+        assert!(names_claimed("DELETE FROM t USING claimed WHERE t.id = $1"));
+        assert!(!names_claimed("INSERT INTO t VALUES ($1)"));
+        assert!(!names_claimed("INSERT INTO unclaimed SELECT $1"));
+        assert!(!names_claimed("INSERT INTO t (claimed_at) VALUES (now())"));
     }
 }

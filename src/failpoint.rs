@@ -24,6 +24,16 @@ pub async fn hit_with(name: &str, label: &str) {
     armed::hit(name, label).await;
 }
 
+/// Whether the failpoint `name` is armed for `label` (or for every label): a caller with a faster way around the point
+/// takes the way through it instead, so that the test holding it there sees what it means to.
+#[cfg_attr(not(feature = "failpoints"), allow(unused_variables))]
+pub fn armed(name: &str, label: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    return armed::is_armed(name, label);
+    #[cfg(not(feature = "failpoints"))]
+    false
+}
+
 #[cfg(feature = "failpoints")]
 mod armed {
     use std::io::Write;
@@ -56,6 +66,12 @@ mod armed {
                 })
                 .collect()
         })
+    }
+
+    pub fn is_armed(name: &str, label: &str) -> bool {
+        points()
+            .iter()
+            .any(|p| p.name == name && p.label.as_deref().is_none_or(|l| l == label))
     }
 
     pub async fn hit(name: &str, label: &str) {

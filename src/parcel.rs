@@ -170,18 +170,30 @@ impl StandInCarrier {
     /// The booking the stand-in makes for `request`, or the error of a carrier that is down for its destination.
     async fn booking(&self, request: &PickupRequest) -> Result<effects::Reservation, WorkError> {
         failpoint::hit_with("carrier", &request.destination).await;
-        if self.fail_destination.as_deref() == Some(request.destination.as_str()) {
+        if self.fails_for(&request.destination) {
             return Err(WorkError::msg("carrier API returned 503"));
         }
-        Ok(effects::Reservation {
-            parcel_id: request.parcel_id,
-            slot_id: Uuid::new_v4(),
-            pickup_at: next_morning(Utc::now()),
-            message_id: request.message_id,
-            idempotency_key: request.idempotency_key,
-        })
+        Ok(reservation(request))
+    }
+
+    /// Whether a booking to `destination` is made to fail (`fail_destination`).
+    fn fails_for(&self, destination: &str) -> bool {
+        self.fail_destination.as_deref() == Some(destination)
     }
 }
+
+/// The booking the stand-in records for `request`: a slot the next morning.
+fn reservation(request: &PickupRequest) -> effects::Reservation {
+    effects::Reservation {
+        parcel_id: request.parcel_id,
+        slot_id: Uuid::new_v4(),
+        pickup_at: next_morning(Utc::now()),
+        message_id: request.message_id,
+        idempotency_key: request.idempotency_key,
+    }
+}
+
+impl StandInCarrier {}
 
 impl Carrier for StandInCarrier {
     fn reserve_pickup<'c>(
@@ -199,13 +211,19 @@ impl Carrier for StandInCarrier {
         })
     }
 
-    /// The booking written through the claim: one statement for claim and booking.
+    /// The booking written through the claim: one statement for claim and booking — unless the booking is made to
+    /// fail or held by a test, which then happens where a real carrier's call would, after the claim.
     async fn pickup_effect<'c>(
         &'c self,
         request: &'c PickupRequest,
     ) -> Result<Option<Effect>, WorkError> {
-        let reservation = self.booking(request).await?;
-        Ok(Some(effects::carrier_reservation_effect(&reservation)))
+        if self.fails_for(&request.destination) || failpoint::armed("carrier", &request.destination)
+        {
+            return Ok(None);
+        }
+        Ok(Some(effects::carrier_reservation_effect(&reservation(
+            request,
+        ))))
     }
 
     /// Every booking in one statement.
@@ -266,9 +284,14 @@ impl SmsGateway for StandInSms {
         })
     }
 
-    /// The text written through the claim: one statement for claim and text.
+    /// The text written through the claim: one statement for claim and text — unless the gateway is made to fail
+    /// for its destination or a test holds it, which then happens after the claim.
     async fn text_effect<'c>(&'c self, sms: &'c Sms) -> Result<Option<Effect>, WorkError> {
-        self.check(sms).await?;
+        if self.fail_destination.as_deref() == Some(sms.destination.as_str())
+            || failpoint::armed("sms", &sms.destination)
+        {
+            return Ok(None);
+        }
         Ok(Some(effects::notification_sent_effect(&notification(sms))))
     }
 

@@ -857,36 +857,62 @@ async fn in_one_statement_a_copy_of_another_event_is_a_conflict() {
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
 
-/// An effect whose statement does not read `claimed` would write for every copy, claimed or not: it is never sent
-/// with the claim. The message goes the usual way (its work after the claim), and a copy writes nothing.
+/// An effect that cannot be guarded by the claim is never sent with it: a statement that does not read `claimed`
+/// (it would write for every copy), a `SELECT` (inside `WITH` it would never run, and the message would count as done
+/// with nothing written), one that uses more parameters than it was given (it would read the claim's own). The
+/// message goes the usual way (its work after the claim), and a copy writes nothing.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_effect_that_does_not_read_claimed_is_never_sent_with_the_claim() {
+async fn an_effect_the_claim_cannot_guard_is_never_sent_with_it() {
     let (_env, pool, inbox) = setup().await;
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let id = Uuid::new_v4();
-    let unguarded = || {
-        inboxctl::inbox::Effect::new(
-            "INSERT INTO effects (message_id, label) VALUES ($1::uuid, $2::text)",
-        )
-        .bind(id)
-        .bind("unguarded")
-    };
-    let mut outcomes = Vec::new();
-    for _ in 0..2 {
-        outcomes.push(
-            inbox
-                .process_effect(
-                    id,
-                    None,
-                    &Default::default(),
-                    unguarded(),
-                    usual(id, "usual", &runs),
-                )
-                .await
-                .unwrap(),
+    type Make = fn(Uuid) -> inboxctl::inbox::Effect;
+    let unfit: [(&str, Make); 3] = [
+        ("no claimed", |id| {
+            inboxctl::inbox::Effect::new(
+                "INSERT INTO effects (message_id, label) VALUES ($1::uuid, $2::text)",
+            )
+            .bind(id)
+            .bind("unguarded")
+        }),
+        ("a SELECT", |id| {
+            inboxctl::inbox::Effect::new("SELECT $1::uuid, $2::text FROM claimed")
+                .bind(id)
+                .bind("selected")
+        }),
+        ("a parameter unbound", |id| {
+            inboxctl::inbox::Effect::new(
+                "INSERT INTO effects (message_id, label) SELECT $1::uuid, $2::text FROM claimed",
+            )
+            .bind(id)
+        }),
+    ];
+    for (name, effect) in unfit {
+        sqlx::raw_sql("TRUNCATE effects")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let id = Uuid::new_v4();
+        let mut outcomes = Vec::new();
+        for _ in 0..2 {
+            outcomes.push(
+                inbox
+                    .process_effect(
+                        id,
+                        None,
+                        &Default::default(),
+                        effect(id),
+                        usual(id, "usual", &runs),
+                    )
+                    .await
+                    .unwrap(),
+            );
+        }
+        assert_eq!(
+            outcomes,
+            [Outcome::Processed(()), Outcome::Duplicate],
+            "{name}"
         );
+        assert_eq!(effects(&pool).await, ["usual"], "{name}");
     }
-    assert_eq!(outcomes, [Outcome::Processed(()), Outcome::Duplicate]);
-    assert_eq!(effects(&pool).await, ["usual"]);
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
 }

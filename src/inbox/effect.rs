@@ -20,12 +20,16 @@ use crate::failpoint;
 /// statement that writes without it writes for copies too. Its parameters are `$1`, `$2`, … in the order of
 /// [`Effect::bind`]; give each one a cast (`$1::uuid`), as PostgreSQL cannot always infer a type in a select list.
 ///
-/// A statement that does not name `claimed` at all cannot be one that writes only through it: it is never sent with
-/// the claim; the message goes the usual way, and the inbox says so (once a process).
+/// Never sent with the claim (the message goes the usual way, and the inbox says why, once a process): a statement
+/// that is not an `INSERT`, `UPDATE` or `DELETE` (PostgreSQL runs a `SELECT` inside `WITH` only if something reads
+/// it, and nothing does), one that does not name `claimed` at all (it cannot write only through it), and one that
+/// uses a parameter beyond those bound (it would read the claim's own).
 pub struct Effect {
     sql: &'static str,
-    /// Whether `sql` names `claimed` (as a word): else it cannot be guarded by the claim.
-    reads_claimed: bool,
+    /// Why `sql` cannot go with the claim, if it cannot.
+    unfit: Option<&'static str>,
+    /// The highest `$n` the statement uses.
+    highest_parameter: usize,
     arguments: PgArguments,
     /// The first value that could not be encoded: the effect then goes the usual way (see
     /// [`Inbox::process_effect`]), where its work tells the error.
@@ -47,7 +51,8 @@ impl Effect {
     pub fn new(sql: &'static str) -> Self {
         Self {
             sql,
-            reads_claimed: names_claimed(sql),
+            unfit: unfit(sql),
+            highest_parameter: highest_parameter(sql),
             arguments: PgArguments::default(),
             unencodable: None,
         }
@@ -86,7 +91,7 @@ enum Sent {
 
 impl Inbox {
     /// Like [`Inbox::process_carried`], with the message's work written as one statement, `effect`: the claim and the
-    /// effect go to PostgreSQL as one statement, on its own its own transaction — one round trip where the usual way
+    /// effect go to PostgreSQL as one statement, its own transaction — one round trip where the usual way
     /// takes four (`BEGIN`, the claim, the work, `COMMIT`). A copy's claim takes no row, so its effect writes nothing;
     /// a copy of an attempt in flight waits for it in the claim, as the usual way does. Where each claim must bound
     /// its own wait (`with_claim_timeout`: connections through a transaction pooler), the statement runs between a
@@ -138,16 +143,14 @@ impl Inbox {
         key: &db::claim::Key,
         effect: Effect,
     ) -> Sent {
-        if !effect.reads_claimed {
-            static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-            if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                tracing::warn!(
-                    statement = %crate::sanitize::text(effect.sql),
-                    "an effect statement that does not read `claimed` would write for copies too: such messages go \
-                     the usual way (said once)"
-                );
-            }
-            return Sent::Redo("the effect does not read `claimed`".to_owned());
+        let unfit = effect.unfit.or_else(|| {
+            (effect.highest_parameter > effect.arguments.len()).then_some(
+                "it uses more parameters than are bound to it, and would read the claim's own",
+            )
+        });
+        if let Some(why) = unfit {
+            say_once(why, effect.sql);
+            return Sent::Redo(format!("the effect cannot go with the claim: {why}"));
         }
         if let Some(e) = effect.unencodable {
             return Sent::Redo(format!(
@@ -215,19 +218,80 @@ impl Inbox {
     }
 }
 
-/// Whether `sql` names `claimed` as a word (not inside `unclaimed` or `claimed_at`).
+/// Says once a process, for each reason, that effects go the usual way because of it.
+fn say_once(why: &'static str, sql: &str) {
+    static SAID: std::sync::Mutex<Vec<&'static str>> = std::sync::Mutex::new(Vec::new());
+    let mut said = SAID.lock().unwrap_or_else(|p| p.into_inner());
+    if !said.contains(&why) {
+        said.push(why);
+        tracing::warn!(
+            statement = %crate::sanitize::text(sql),
+            "an effect statement cannot go with its claim: {why}; such messages go the usual way (said once)"
+        );
+    }
+}
+
+/// Why `sql` cannot be sent inside the claim's statement, if it cannot: not a data-modifying statement, or one that
+/// does not name `claimed`.
+fn unfit(sql: &str) -> Option<&'static str> {
+    let first = sql
+        .trim_start()
+        .split(|c: char| !c.is_alphanumeric())
+        .next()
+        .unwrap_or_default();
+    if !["insert", "update", "delete"]
+        .iter()
+        .any(|k| first.eq_ignore_ascii_case(k))
+    {
+        return Some(
+            "it is not an INSERT, UPDATE or DELETE (a SELECT inside WITH runs only if something reads it)",
+        );
+    }
+    if !names_claimed(sql) {
+        return Some("it does not name `claimed`, and would write for copies too");
+    }
+    None
+}
+
+/// The highest `$n` in `sql`, outside string literals (`'…'`; a dollar-quoted string's tag cannot start with a digit).
+fn highest_parameter(sql: &str) -> usize {
+    let (mut highest, mut quoted) = (0, false);
+    let bytes = sql.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'\'' => quoted = !quoted,
+            b'$' if !quoted => {
+                let digits = bytes[i + 1..]
+                    .iter()
+                    .take_while(|b| b.is_ascii_digit())
+                    .count();
+                if let Ok(n) = sql[i + 1..i + 1 + digits].parse::<usize>() {
+                    highest = highest.max(n);
+                }
+                i += digits;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    highest
+}
+
+/// Whether `sql` names `claimed` as a word, in any case (not inside `unclaimed` or `claimed_at`).
 fn names_claimed(sql: &str) -> bool {
     let word = |c: char| c.is_alphanumeric() || c == '_';
-    sql.match_indices("claimed").any(|(at, found)| {
-        let before = sql[..at].chars().next_back();
-        let after = sql[at + found.len()..].chars().next();
+    let lower = sql.to_ascii_lowercase();
+    lower.match_indices("claimed").any(|(at, found)| {
+        let before = lower[..at].chars().next_back();
+        let after = lower[at + found.len()..].chars().next();
         !before.is_some_and(word) && !after.is_some_and(word)
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::names_claimed;
+    use super::{highest_parameter, names_claimed, unfit};
 
     #[test]
     fn an_effect_reads_claimed_only_where_it_names_it_as_a_word() {
@@ -239,5 +303,24 @@ mod tests {
         assert!(!names_claimed("INSERT INTO t VALUES ($1)"));
         assert!(!names_claimed("INSERT INTO unclaimed SELECT $1"));
         assert!(!names_claimed("INSERT INTO t (claimed_at) VALUES (now())"));
+        assert!(names_claimed("insert into t select $1 from CLAIMED"));
+    }
+
+    #[test]
+    fn only_a_data_modifying_statement_naming_claimed_goes_with_the_claim() {
+        assert_eq!(unfit("  INSERT INTO t SELECT $1 FROM claimed"), None);
+        assert_eq!(unfit("update t set n = 1 from claimed"), None);
+        assert_eq!(unfit("DELETE FROM t USING claimed"), None);
+        assert!(unfit("SELECT book($1) FROM claimed").is_some());
+        assert!(unfit("WITH x AS (SELECT 1) INSERT INTO t SELECT 1 FROM claimed").is_some());
+        assert!(unfit("INSERT INTO t VALUES ($1)").is_some());
+    }
+
+    #[test]
+    fn the_highest_parameter_is_read_outside_string_literals() {
+        assert_eq!(highest_parameter("SELECT $1, $12, $3 FROM claimed"), 12);
+        assert_eq!(highest_parameter("SELECT '$9', $2 FROM claimed"), 2);
+        assert_eq!(highest_parameter("SELECT $$x$$, 1"), 0);
+        assert_eq!(highest_parameter("SELECT 1"), 0);
     }
 }

@@ -20,6 +20,10 @@ use crate::failpoint;
 /// statement that writes without it writes for copies too. Its parameters are `$1`, `$2`, … in the order of
 /// [`Effect::bind`]; give each one a cast (`$1::uuid`), as PostgreSQL cannot always infer a type in a select list.
 ///
+/// The effect runs on the snapshot its statement took before the claim waited on another attempt at the message, if
+/// it had to: have it read its parameters and `claimed`, not other tables that may have changed meanwhile (the usual
+/// way's later statements would see those changes).
+///
 /// Never sent with the claim (the message goes the usual way, and the inbox says why, once a process): a statement
 /// that is not an `INSERT`, `UPDATE` or `DELETE` (PostgreSQL runs a `SELECT` inside `WITH` only if something reads
 /// it, and nothing does), one that does not name `claimed` at all (it cannot write only through it), and one that
@@ -126,7 +130,7 @@ impl Inbox {
             Sent::Done(outcome) => Ok(outcome),
             Sent::Unavailable(e) => Err(ProcessError::Unavailable(e)),
             Sent::Redo(why) => {
-                tracing::debug!(%message_id, error = %why, "the claim with its effect failed; done again the usual way");
+                tracing::debug!(%message_id, error = %crate::sanitize::text(&why), "the claim with its effect failed; done again the usual way");
                 self.process_on(&mut conn, &key, work).await
             }
         };
@@ -161,6 +165,17 @@ impl Inbox {
             if is_transient(&e) {
                 Sent::Unavailable(e)
             } else {
+                // A statement wrong for every message would be redone for every message: say it once.
+                static SAID: std::sync::atomic::AtomicBool =
+                    std::sync::atomic::AtomicBool::new(false);
+                if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
+                        statement = %crate::sanitize::text(effect.sql),
+                        error = %crate::sanitize::text(&e.to_string()),
+                        "a claim with its effect failed; the message went the usual way, which tells whose failure \
+                         it was (said once; a statement that fails for every message costs each a second try)"
+                    );
+                }
                 Sent::Redo(e.to_string())
             }
         };

@@ -82,21 +82,7 @@ async fn second_copy_waiting(
             .process(id, move |tx| Box::pin(insert_effect(tx, id, "second")))
             .await
     });
-    let db = env.db_name.clone();
-    common::eventually("the second copy waits on the first one's lock", Duration::from_secs(10), || {
-        let db = db.clone();
-        async move {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
-            )
-            .bind(db)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-            waiting == 1
-        }
-    })
-    .await;
+    wait_for_a_lock(env, pool).await;
     task
 }
 

@@ -902,3 +902,86 @@ async fn an_effect_the_claim_cannot_guard_is_never_sent_with_it() {
     }
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
 }
+
+/// Ends every session of inboxctl's own on the test's database and waits until PostgreSQL shows none left.
+async fn end_inboxctl_sessions(env: &TestEnv, admin: &PgPool) {
+    const INBOXCTL_SESSIONS: &str =
+        "FROM pg_stat_activity WHERE datname = $1 AND application_name = 'inboxctl'";
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_terminate_backend(pid) {INBOXCTL_SESSIONS}"
+    )))
+    .bind(&env.db_name)
+    .execute(admin)
+    .await
+    .unwrap();
+    for _ in 0..200 {
+        let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) {INBOXCTL_SESSIONS}"
+        )))
+        .bind(&env.db_name)
+        .fetch_one(admin)
+        .await
+        .unwrap();
+        if left == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("inboxctl's sessions did not end");
+}
+
+/// A pooled connection used a moment ago is handed out without a ping first (a round trip a message, saved); one that
+/// died meanwhile fails its message as the database unavailable — nothing claimed, nothing written, so the retry the
+/// consumer makes of it does the work — and is not handed out again. A connection idle for longer is pinged first,
+/// and one found dead is replaced before anyone sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_replaced() {
+    let (env, admin, _) = setup().await;
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    let inbox = Inbox::new(
+        db.pool(1).await.unwrap(),
+        ConsumerType::new("trap-5").unwrap(),
+    );
+    let process = |id: Uuid| {
+        let inbox = inbox.clone();
+        async move {
+            inbox
+                .process(id, move |tx| Box::pin(insert_effect(tx, id, "effect")))
+                .await
+        }
+    };
+    let [first, second, third] = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()];
+    assert!(matches!(process(first).await, Ok(Outcome::Processed(()))));
+
+    // Used a moment ago: not pinged, so its death is the message's to see.
+    end_inboxctl_sessions(&env, &admin).await;
+    let outcome = process(second).await;
+    assert!(
+        matches!(outcome, Err(ProcessError::Unavailable(_))),
+        "a dead connection used a moment ago: {outcome:?}"
+    );
+    let written: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM effects WHERE message_id = $1) \
+              + (SELECT count(*) FROM inbox_messages WHERE id = $1)",
+    )
+    .bind(second)
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    assert_eq!(written, 0, "the failed attempt left nothing behind");
+    assert!(matches!(process(second).await, Ok(Outcome::Processed(()))));
+
+    // Idle for longer: pinged, found dead, replaced before the message sees it.
+    end_inboxctl_sessions(&env, &admin).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let outcome = process(third).await;
+    assert!(
+        matches!(outcome, Ok(Outcome::Processed(()))),
+        "a dead connection idle for long: {outcome:?}"
+    );
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+    assert_eq!(effects, 3);
+}

@@ -67,6 +67,30 @@ pub(crate) use exec::Unit;
 /// How long a caller waits for a pooled connection before the wait counts as an outage.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A pooled connection used within this long is handed out without a ping first. sqlx pings every idle connection on
+/// every acquire by default: a whole round trip before each message's one statement, measured at a fifth of a
+/// message's CPU (consumer and PostgreSQL together, `docs/performance.md`). A connection that died meanwhile fails its
+/// next statement instead, which every caller takes as the database unavailable (retried, nothing acked) — as it must
+/// anyway, since a connection can die between a ping and the statement after it.
+const TRUSTED_WHILE_IDLE: Duration = Duration::from_secs(1);
+
+/// The options every pool of inboxctl's shares: up to `size` connections, a bounded wait for one, and a ping only
+/// for a connection idle longer than [`TRUSTED_WHILE_IDLE`].
+fn pool_options(size: u32) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(size.max(1))
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for > TRUSTED_WHILE_IDLE {
+                    sqlx::Connection::ping(conn).await?;
+                }
+                Ok(true)
+            })
+        })
+}
+
 /// Connection settings parsed from a `postgres://` URL, with inboxctl's own additions.
 #[derive(Clone, Debug)]
 pub struct Database {
@@ -231,10 +255,8 @@ impl Database {
     /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
     /// reported at start rather than at the first message.
     pub async fn pool(&self, size: u32) -> Result<PgPool> {
-        match PgPoolOptions::new()
-            .max_connections(size.max(1))
+        match pool_options(size)
             .min_connections(0)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_with(self.options.clone())
             .await
         {
@@ -264,10 +286,7 @@ impl Database {
         if self.transaction_pooling {
             pooler::enable();
         }
-        PgPoolOptions::new()
-            .max_connections(size.max(1))
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_lazy_with(self.options.clone())
+        pool_options(size).connect_lazy_with(self.options.clone())
     }
 
     /// A failure to connect or to run a statement, as the policy sees it (see [`diagnose`]).

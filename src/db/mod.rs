@@ -68,10 +68,10 @@ pub(crate) use exec::Unit;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A pooled connection used within this long is handed out without a ping first. sqlx pings every idle connection on
-/// every acquire by default: a whole round trip before each message's one statement, measured at a fifth of a
-/// message's CPU (consumer and PostgreSQL together, `docs/performance.md`). A connection that died meanwhile fails its
-/// next statement instead, which every caller takes as the database unavailable (retried, nothing acked) — as it must
-/// anyway, since a connection can die between a ping and the statement after it.
+/// every acquire by default: a whole round trip before each message's one statement, measured at about an eighth of
+/// an inbox message's CPU (consumer and PostgreSQL together, `docs/performance.md`). A connection that died meanwhile
+/// fails its next statement instead, which the message path takes as the database unavailable (retried, nothing
+/// acked) — as it must anyway, since a connection can die between a ping and the statement after it.
 const TRUSTED_WHILE_IDLE: Duration = Duration::from_secs(1);
 
 /// The options every pool of inboxctl's shares: up to `size` connections, a bounded wait for one, and a ping only

@@ -175,7 +175,7 @@ impl Worker {
     /// Records the slot, with its reservation, in one transaction.
     async fn done(&self, effect: &external::Leased, request: &PickupRequest, slot: SlotAnswer) {
         let reference = slot.slot_id.to_string();
-        let recorded = async {
+        let recorded = transient_retried(|| async {
             let mut tx = self.pool.begin().await?;
             let held = external::record_outcome(
                 &mut *tx,
@@ -199,7 +199,7 @@ impl Worker {
             }
             tx.commit().await?;
             Ok::<bool, sqlx::Error>(held)
-        }
+        })
         .await;
         match recorded {
             Ok(true) => {
@@ -229,15 +229,17 @@ impl Worker {
             last_error,
             reference,
         };
-        match external::record_outcome(
-            &self.pool,
-            effect.message_id,
-            self.consumer_type.as_str(),
-            effect.attempts,
-            &outcome,
-        )
-        .await
-        {
+        let recorded = transient_retried(|| {
+            external::record_outcome(
+                &self.pool,
+                effect.message_id,
+                self.consumer_type.as_str(),
+                effect.attempts,
+                &outcome,
+            )
+        })
+        .await;
+        match recorded {
             Ok(true) => {}
             Ok(false) => lost_lease(effect),
             Err(e) => tracing::warn!(
@@ -249,10 +251,89 @@ impl Worker {
     }
 }
 
+/// How many times a call's outcome is tried before it is left `started` (the lease then makes it due, or in doubt).
+const RECORD_TRIES: u32 = 6;
+
+/// Runs `record` again while it fails for a reason that passes (a pooled connection that died, a restart), a few
+/// times with backoff: a carrier's answer lives only in memory until it is recorded, and a record is guarded by its
+/// attempt (`attempts = $n AND state = 'started'`), so trying it again never records it twice.
+async fn transient_retried<T, F, Fut>(mut record: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
+    let mut tries = 1;
+    loop {
+        match record().await {
+            Err(e) if tries < RECORD_TRIES && crate::db::is_transient(&e) => {
+                tracing::debug!(error = %e, tries, "recording a carrier call's outcome failed; trying again");
+                tokio::time::sleep(backoff.next_delay()).await;
+                tries += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
 fn lost_lease(effect: &external::Leased) {
     tracing::warn!(
         message_id = %effect.message_id,
         attempt = effect.attempts,
         "the effect's lease ran out before its outcome was recorded (a call longer than --effect-lease)"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    fn dead_connection() -> sqlx::Error {
+        sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset))
+    }
+
+    /// Calls `transient_retried` with a record that fails `failures` times with `error` before it succeeds; returns
+    /// the result and how many times the record ran.
+    async fn record_failing(
+        failures: u32,
+        error: fn() -> sqlx::Error,
+    ) -> (Result<(), sqlx::Error>, u32) {
+        let runs = AtomicU32::new(0);
+        let result = transient_retried(|| {
+            let run = runs.fetch_add(1, Ordering::Relaxed) + 1;
+            async move {
+                if run <= failures {
+                    Err(error())
+                } else {
+                    Ok(())
+                }
+            }
+        })
+        .await;
+        (result, runs.load(Ordering::Relaxed))
+    }
+
+    #[tokio::test]
+    async fn an_outcome_is_recorded_again_while_its_connection_was_dead() {
+        let (result, runs) = record_failing(2, dead_connection).await;
+        assert!(result.is_ok());
+        assert_eq!(runs, 3);
+    }
+
+    #[tokio::test]
+    async fn an_outcome_is_tried_a_bounded_number_of_times() {
+        let (result, runs) = record_failing(u32::MAX, dead_connection).await;
+        assert!(matches!(result, Err(sqlx::Error::Io(_))));
+        assert_eq!(runs, RECORD_TRIES);
+    }
+
+    #[tokio::test]
+    async fn an_error_that_does_not_pass_is_not_tried_again() {
+        let (result, runs) = record_failing(u32::MAX, || sqlx::Error::RowNotFound).await;
+        assert!(matches!(result, Err(sqlx::Error::RowNotFound)));
+        assert_eq!(runs, 1);
+    }
 }

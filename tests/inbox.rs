@@ -938,7 +938,7 @@ async fn end_inboxctl_sessions(env: &TestEnv, admin: &PgPool) {
 async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_replaced() {
     let (env, admin, _) = setup().await;
     let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
-    let pool = db.pool(1).await.unwrap();
+    let pool = db.message_pool(1).await.unwrap();
     let inbox = Inbox::new(pool.clone(), ConsumerType::new("trap-5").unwrap());
     let process = |id: Uuid| {
         let inbox = inbox.clone();
@@ -986,10 +986,17 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
     assert!(matches!(process(second).await, Ok(Outcome::Processed(()))));
 
     // Idle for longer: pinged, found dead, replaced before the message sees it.
+    // (A connection goes back to the pool after the message's outcome is returned, with a ping of its own.)
+    for _ in 0..100 {
+        if pool.num_idle() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(
         pool.num_idle(),
         1,
-        "the pool holds the connection that is about to die"
+        "the pool holds the connection about to die"
     );
     end_inboxctl_sessions(&env, &admin).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -1005,4 +1012,27 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
             .await
             .unwrap();
     assert_eq!(effects, 2);
+
+    // Every other command's pool pings each time, so a connection that died is never its statement's to see.
+    let pinged = Inbox::new(
+        db.pool(1).await.unwrap(),
+        ConsumerType::new("trap-5").unwrap(),
+    );
+    let fourth = Uuid::new_v4();
+    let before = pinged
+        .process(Uuid::new_v4(), move |tx| {
+            Box::pin(insert_effect(tx, fourth, "before"))
+        })
+        .await;
+    assert!(matches!(before, Ok(Outcome::Processed(()))));
+    end_inboxctl_sessions(&env, &admin).await;
+    let outcome = pinged
+        .process(fourth, move |tx| {
+            Box::pin(insert_effect(tx, fourth, "effect"))
+        })
+        .await;
+    assert!(
+        matches!(outcome, Ok(Outcome::Processed(()))),
+        "a command's pool, a dead connection used a moment ago: {outcome:?}"
+    );
 }

@@ -208,7 +208,9 @@ async fn prepare(
         }
         _ => None,
     };
-    let pool = scratch_db.pool(u32::from(options.concurrency) + 2).await?;
+    let pool = scratch_db
+        .message_pool(u32::from(options.concurrency) + 2)
+        .await?;
     Ok(Scratch {
         mode,
         db: scratch_db,

@@ -145,7 +145,7 @@ pub async fn consume_guarded<G: WorkGuard>(
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
     let pool = db
         .with_lock_timeout(config.claim_timeout)
-        .pool(pool_size)
+        .message_pool(pool_size)
         .await?;
     let summary = async {
         check_schema(&pool, db, config.carrier_api.is_some()).await?;

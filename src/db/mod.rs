@@ -67,28 +67,40 @@ pub(crate) use exec::Unit;
 /// How long a caller waits for a pooled connection before the wait counts as an outage.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A pooled connection used within this long is handed out without a ping first. sqlx pings every idle connection on
-/// every acquire by default: a whole round trip before each message's one statement, measured at about an eighth of
+/// In a pool for messages ([`Database::message_pool`]), a connection used within this long is handed out without a
+/// ping first. sqlx pings every idle connection on every acquire by default: a whole round trip before each message's one statement, measured at about an eighth of
 /// an inbox message's CPU (consumer and PostgreSQL together, `docs/performance.md`). A connection that died meanwhile
 /// fails its next statement instead, which the message path takes as the database unavailable (retried, nothing
 /// acked) — as it must anyway, since a connection can die between a ping and the statement after it.
 const TRUSTED_WHILE_IDLE: Duration = Duration::from_secs(1);
 
-/// The options every pool of inboxctl's shares: up to `size` connections, a bounded wait for one, and a ping only
-/// for a connection idle longer than [`TRUSTED_WHILE_IDLE`].
-fn pool_options(size: u32) -> PgPoolOptions {
-    PgPoolOptions::new()
+/// When a pooled connection is pinged before it is handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ping {
+    /// Every time (sqlx's default): for commands whose every statement error ends them, or shows as an error.
+    Always,
+    /// Only after [`TRUSTED_WHILE_IDLE`]: for a consumer, whose every statement's failure is retried.
+    WhenIdle,
+}
+
+/// The options every pool of inboxctl's shares: up to `size` connections, a bounded wait for one, and the ping.
+fn pool_options(size: u32, ping: Ping) -> PgPoolOptions {
+    let options = PgPoolOptions::new()
         .max_connections(size.max(1))
-        .acquire_timeout(ACQUIRE_TIMEOUT)
-        .test_before_acquire(false)
-        .before_acquire(|conn, meta| {
-            Box::pin(async move {
-                if meta.idle_for > TRUSTED_WHILE_IDLE {
-                    sqlx::Connection::ping(conn).await?;
-                }
-                Ok(true)
-            })
-        })
+        .acquire_timeout(ACQUIRE_TIMEOUT);
+    match ping {
+        Ping::Always => options,
+        Ping::WhenIdle => options
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > TRUSTED_WHILE_IDLE {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            }),
+    }
 }
 
 /// Connection settings parsed from a `postgres://` URL, with inboxctl's own additions.
@@ -255,7 +267,18 @@ impl Database {
     /// A pool of up to `size` connections, with one connection opened at once so a bad URL or a down server is
     /// reported at start rather than at the first message.
     pub async fn pool(&self, size: u32) -> Result<PgPool> {
-        match pool_options(size)
+        self.open_pool(size, Ping::Always).await
+    }
+
+    /// [`Database::pool`] for a consumer's messages: a connection used within the last second is handed out without a
+    /// ping (a round trip a message saved). One that died meanwhile fails its next statement, which the caller must
+    /// take as the database unavailable and try again — as the inbox and the consumer do.
+    pub async fn message_pool(&self, size: u32) -> Result<PgPool> {
+        self.open_pool(size, Ping::WhenIdle).await
+    }
+
+    async fn open_pool(&self, size: u32, ping: Ping) -> Result<PgPool> {
+        match pool_options(size, ping)
             .min_connections(0)
             .connect_with(self.options.clone())
             .await
@@ -286,7 +309,7 @@ impl Database {
         if self.transaction_pooling {
             pooler::enable();
         }
-        pool_options(size).connect_lazy_with(self.options.clone())
+        pool_options(size, Ping::Always).connect_lazy_with(self.options.clone())
     }
 
     /// A failure to connect or to run a statement, as the policy sees it (see [`diagnose`]).

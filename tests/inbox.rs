@@ -930,6 +930,25 @@ async fn end_inboxctl_sessions(env: &TestEnv, admin: &PgPool) {
     panic!("inboxctl's sessions did not end");
 }
 
+/// Processes `id` with an effect of its own.
+async fn process_on(inbox: &Inbox, id: Uuid) -> Result<Outcome<()>, ProcessError> {
+    inbox
+        .process(id, move |tx| Box::pin(insert_effect(tx, id, "effect")))
+        .await
+}
+
+/// Waits until the one connection of `pool` is back in it (it goes back after the outcome is returned, with a ping of
+/// its own), so that the connection a test ends is the pooled one.
+async fn back_in(pool: &PgPool) {
+    for _ in 0..100 {
+        if pool.num_idle() == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the connection did not go back to its pool");
+}
+
 /// A pooled connection used a moment ago is handed out without a ping first (a round trip a message, saved); one that
 /// died meanwhile fails its message as the database unavailable — nothing claimed, nothing written, so the retry the
 /// consumer makes of it does the work — and is not handed out again. A connection idle for longer is pinged first,
@@ -940,14 +959,7 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
     let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
     let pool = db.message_pool(1).await.unwrap();
     let inbox = Inbox::new(pool.clone(), ConsumerType::new("trap-5").unwrap());
-    let process = |id: Uuid| {
-        let inbox = inbox.clone();
-        async move {
-            inbox
-                .process(id, move |tx| Box::pin(insert_effect(tx, id, "effect")))
-                .await
-        }
-    };
+    let process = |id: Uuid| process_on(&inbox, id);
     let [second, third] = [Uuid::new_v4(), Uuid::new_v4()];
 
     // Used a moment ago: not pinged, so its death is the message's to see. (Ending the session must take less than
@@ -986,18 +998,7 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
     assert!(matches!(process(second).await, Ok(Outcome::Processed(()))));
 
     // Idle for longer: pinged, found dead, replaced before the message sees it.
-    // (A connection goes back to the pool after the message's outcome is returned, with a ping of its own.)
-    for _ in 0..100 {
-        if pool.num_idle() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert_eq!(
-        pool.num_idle(),
-        1,
-        "the pool holds the connection about to die"
-    );
+    back_in(&pool).await;
     end_inboxctl_sessions(&env, &admin).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let outcome = process(third).await;
@@ -1014,23 +1015,13 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
     assert_eq!(effects, 2);
 
     // Every other command's pool pings each time, so a connection that died is never its statement's to see.
-    let pinged = Inbox::new(
-        db.pool(1).await.unwrap(),
-        ConsumerType::new("trap-5").unwrap(),
-    );
-    let fourth = Uuid::new_v4();
-    let before = pinged
-        .process(Uuid::new_v4(), move |tx| {
-            Box::pin(insert_effect(tx, fourth, "before"))
-        })
-        .await;
+    let pool = db.pool(1).await.unwrap();
+    let pinged = Inbox::new(pool.clone(), ConsumerType::new("trap-5").unwrap());
+    let before = process_on(&pinged, Uuid::new_v4()).await;
     assert!(matches!(before, Ok(Outcome::Processed(()))));
+    back_in(&pool).await;
     end_inboxctl_sessions(&env, &admin).await;
-    let outcome = pinged
-        .process(fourth, move |tx| {
-            Box::pin(insert_effect(tx, fourth, "effect"))
-        })
-        .await;
+    let outcome = process_on(&pinged, Uuid::new_v4()).await;
     assert!(
         matches!(outcome, Ok(Outcome::Processed(()))),
         "a command's pool, a dead connection used a moment ago: {outcome:?}"

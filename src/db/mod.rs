@@ -68,14 +68,15 @@ pub(crate) use exec::Unit;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// In a pool for messages ([`Database::message_pool`]), a connection used within this long is handed out without a
-/// ping first. sqlx pings every idle connection on every acquire by default: a whole round trip before each message's one statement, measured at about an eighth of
-/// an inbox message's CPU (consumer and PostgreSQL together, `docs/performance.md`). A connection that died meanwhile
-/// fails its next statement instead, which the message path takes as the database unavailable (retried, nothing
-/// acked) — as it must anyway, since a connection can die between a ping and the statement after it.
+/// ping first. sqlx pings every idle connection on every acquire by default: a whole round trip before each message's
+/// one statement, measured at about an eighth of an inbox message's CPU (consumer and PostgreSQL together,
+/// `docs/performance.md`). A connection that died meanwhile fails its next statement instead, which the message path
+/// takes as the database unavailable (retried, nothing acked) — as it must anyway, since a connection can die between
+/// a ping and the statement after it.
 const TRUSTED_WHILE_IDLE: Duration = Duration::from_secs(1);
 
 /// When a pooled connection is pinged before it is handed out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy)]
 enum Ping {
     /// Every time (sqlx's default): for commands whose every statement error ends them, or shows as an error.
     Always,

@@ -968,6 +968,7 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
     for _ in 0..5 {
         let first = Uuid::new_v4();
         assert!(matches!(process(first).await, Ok(Outcome::Processed(()))));
+        back_in(&pool).await;
         let used = std::time::Instant::now();
         end_inboxctl_sessions(&env, &admin).await;
         if used.elapsed() < Duration::from_millis(700) {

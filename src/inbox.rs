@@ -207,6 +207,8 @@ pub struct Inbox {
     observer: Option<Arc<dyn ClaimObserver>>,
     /// The `lock_timeout` each claim transaction sets for itself, where the sessions keep none of their own.
     claim_timeout: Option<Duration>,
+    /// How long one attempt (or one batch) may hold its connection before it is given up (`with_attempt_timeout`).
+    attempt_timeout: Option<Duration>,
     /// How the claim keys a message: shared by the inbox's clones, and learnt again when the inbox is partitioned
     /// under a running consumer.
     keying: Arc<std::sync::RwLock<Keying>>,
@@ -229,6 +231,7 @@ impl Inbox {
             consumer_type,
             observer: None,
             claim_timeout: None,
+            attempt_timeout: None,
             keying: Arc::default(),
         }
     }
@@ -327,6 +330,34 @@ impl Inbox {
         self
     }
 
+    /// The same inbox, giving up an attempt — one message's transaction, or one batch's — that has not ended within
+    /// `timeout`: its connection is dropped (and never handed out again) and the attempt is
+    /// [`ProcessError::Unavailable`], to be tried again like any other lost connection. A connection that dies without
+    /// a word (a host lost, a network cut: no FIN, no RST) otherwise holds its statement until the kernel's TCP
+    /// timeout, a quarter of an hour by default, and its message with it. Giving up is safe at any point: a `COMMIT`
+    /// that did land makes the next attempt a duplicate. `None` (the default): no bound.
+    ///
+    /// The bound must be longer than anything an attempt waits for on purpose: the claim's wait for another attempt
+    /// (`lock_timeout`), and the work's own.
+    pub fn with_attempt_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.attempt_timeout = timeout;
+        self
+    }
+
+    /// Runs `attempt` (one attempt's work on its connection) within [`Inbox::with_attempt_timeout`]'s bound; past it,
+    /// the attempt is dropped where it stands and is `Unavailable` (its caller then closes the connection).
+    async fn bounded<T>(
+        &self,
+        attempt: impl Future<Output = Result<T, ProcessError>>,
+    ) -> Result<T, ProcessError> {
+        match self.attempt_timeout {
+            None => attempt.await,
+            Some(limit) => tokio::time::timeout(limit, attempt)
+                .await
+                .unwrap_or_else(|_| Err(ProcessError::Unavailable(db::no_answer(limit)))),
+        }
+    }
+
     /// The same inbox, telling `observer` how long each claim took.
     pub fn with_claim_observer(mut self, observer: Arc<dyn ClaimObserver>) -> Self {
         self.observer = Some(observer);
@@ -393,7 +424,7 @@ impl Inbox {
             .acquire()
             .await
             .map_err(ProcessError::Unavailable)?;
-        let result = self.process_on(&mut conn, &key, work).await;
+        let result = self.bounded(self.process_on(&mut conn, &key, work)).await;
         if matches!(result, Err(ProcessError::Unavailable(_))) {
             // The session itself may be what failed (made read-only by a failover or by
             // default_transaction_read_only, terminated by an administrator): never hand it out again.

@@ -937,11 +937,11 @@ async fn process_on(inbox: &Inbox, id: Uuid) -> Result<Outcome<()>, ProcessError
         .await
 }
 
-/// Waits until the one connection of `pool` is back in it (it goes back after the outcome is returned, with a ping of
-/// its own), so that the connection a test ends is the pooled one.
+/// Waits until a connection of `pool` is back in it (it goes back after the outcome is returned, with a ping of its
+/// own), so that the connection a test ends is the pooled one.
 async fn back_in(pool: &PgPool) {
     for _ in 0..100 {
-        if pool.num_idle() == 1 {
+        if pool.num_idle() >= 1 {
             return;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -1027,4 +1027,139 @@ async fn a_pooled_connection_that_died_fails_its_message_as_unavailable_and_is_r
         matches!(outcome, Ok(Outcome::Processed(()))),
         "a command's pool, a dead connection used a moment ago: {outcome:?}"
     );
+}
+
+/// `attempt`'s outcome, failing the test if there is none within 15 s (a wait without a bound).
+async fn not_forever<T>(attempt: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(15), attempt)
+        .await
+        .expect("no outcome within 15s: the wait has no bound")
+}
+
+/// That an attempt was given up, as the database unavailable, after about `bound` (it took `took`).
+fn given_up_in_time<T: std::fmt::Debug>(
+    what: &str,
+    outcome: &Result<T, ProcessError>,
+    bound: Duration,
+    took: Duration,
+) {
+    match outcome {
+        Err(ProcessError::Unavailable(e)) => assert!(
+            e.to_string().contains("did not answer within 2s"),
+            "{what}: {e}"
+        ),
+        other => panic!("{what}: given up as the database unavailable, not {other:?}"),
+    }
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(3),
+        "{what}: given up after {took:?}"
+    );
+}
+
+/// A connection that dies without a word (a host lost, a network cut: no FIN, no RST) is given up after the attempt's
+/// bound, on every way of processing — nothing else would end the wait before the kernel's TCP timeout. And the
+/// transaction it left open on the server, holding its claim, is ended by the server (`idle in transaction` for as
+/// long), so that the message's next attempt, on a new connection, takes the key instead of waiting on it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_attempt_whose_connection_goes_silent_is_given_up_and_its_claim_released() {
+    const BOUND: Duration = Duration::from_secs(2);
+    let (env, admin, _) = setup().await;
+    let proxy = std::sync::Arc::new(common::Proxy::start("127.0.0.1:5432").await);
+    let proxied = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port, env.db_name
+    );
+    let db = inboxctl::db::Database::from_url(&proxied)
+        .unwrap()
+        .with_idle_in_transaction_timeout(BOUND);
+    let pool = db.message_pool(2).await.unwrap();
+    let inbox = Inbox::new(pool.clone(), ConsumerType::new("trap-5").unwrap())
+        .with_attempt_timeout(Some(BOUND));
+
+    // The usual way, silenced after the claim and the effect: the server holds the transaction open.
+    let id = Uuid::new_v4();
+    let silencer = std::sync::Arc::clone(&proxy);
+    let started = std::time::Instant::now();
+    let outcome = not_forever(inbox.process(id, move |tx| {
+        Box::pin(async move {
+            insert_effect(tx, id, "silenced").await?;
+            silencer.silence();
+            sqlx::query("SELECT 1").execute(&mut *tx).await?;
+            Ok(())
+        })
+    }))
+    .await;
+    given_up_in_time("the usual way", &outcome, BOUND, started.elapsed());
+    let started = std::time::Instant::now();
+    let retried = not_forever(process_on(&inbox, id)).await;
+    assert!(
+        matches!(retried, Ok(Outcome::Processed(()))),
+        "the retry takes the key the silent attempt held: {retried:?}"
+    );
+    assert!(
+        started.elapsed() < BOUND + Duration::from_secs(3),
+        "the retry waited {:?}",
+        started.elapsed()
+    );
+    let labels: Vec<String> = sqlx::query_scalar("SELECT label FROM effects WHERE message_id = $1")
+        .bind(id)
+        .fetch_all(&admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        labels,
+        ["effect"],
+        "the silenced attempt's effect rolled back"
+    );
+
+    // One statement: silenced before it is sent, on the pooled connection the retry used.
+    let id = Uuid::new_v4();
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    back_in(&pool).await;
+    proxy.silence();
+    let started = std::time::Instant::now();
+    let outcome = not_forever(inbox.process_effect(
+        id,
+        None,
+        &Default::default(),
+        one_statement(id, "one"),
+        usual(id, "one", &runs),
+    ))
+    .await;
+    given_up_in_time("one statement", &outcome, BOUND, started.elapsed());
+
+    // A batch: silenced before it starts, on a pooled connection.
+    assert!(matches!(
+        process_on(&inbox, Uuid::new_v4()).await,
+        Ok(Outcome::Processed(()))
+    ));
+    back_in(&pool).await;
+    proxy.silence();
+    let started = std::time::Instant::now();
+    let outcome = not_forever(inbox.process_batch(vec![member(Uuid::new_v4(), "b0", false)])).await;
+    given_up_in_time("a batch", &outcome, BOUND, started.elapsed());
+}
+
+/// The server's half of the bound is what PostgreSQL can hold: a longer one (`--claim-timeout` at its 24 days, plus
+/// the margin) is clamped, not a connection refused for an invalid setting.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_servers_bound_on_a_silent_transaction_is_set_and_clamped() {
+    let env = TestEnv::migrated().await;
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    for (bound, shown) in [
+        (Duration::from_secs(63), "63s"),
+        (Duration::from_secs(25 * 24 * 3600), "2147483647ms"),
+    ] {
+        let pool = db
+            .with_idle_in_transaction_timeout(bound)
+            .message_pool(1)
+            .await
+            .unwrap();
+        let set: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(set, shown);
+        pool.close().await;
+    }
 }

@@ -75,6 +75,50 @@ async fn postgres_down(mode: &[&str]) {
         .await;
 }
 
+// The consumer's connections to PostgreSQL go silent mid-stream (a host lost, a network cut: no FIN, no RST, no answer
+// ever), while new connections go through: each attempt on a silent connection is given up after --attempt-timeout
+// and tried again on a new one, and every message is processed exactly once. Without the bound, the messages in
+// flight on the silent connections would wait for the kernel's TCP timeout (here, behind a proxy that swallows what
+// it is sent, for ever). The spare pool connections are for those being given back when the silence came: sqlx pings
+// each on its way back with no bound of its own, which on a real network ends at the TCP timeout.
+in_both_modes!(
+    connections_silent_mid_stream_are_given_up_and_every_message_is_processed_once,
+    connections_silent
+);
+
+async fn connections_silent(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let proxied = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port, env.db_name
+    );
+    let mut args = mode.to_vec();
+    args.extend([
+        "--attempt-timeout",
+        "3s",
+        "--claim-timeout",
+        "1s",
+        "--pool-size",
+        "6",
+    ]);
+    let stream = FaultStream {
+        consumer_env: &[("DATABASE_URL", proxied.as_str())],
+        ..FaultStream::new(MESSAGES, &args)
+    }
+    .start(&env, env.pool().await)
+    .await;
+
+    proxy.silence();
+    stream
+        .consumer
+        .wait_for_stderr("did not answer within 3s", Duration::from_secs(30));
+    stream
+        .end("every message processed after the consumer's connections went silent")
+        .await;
+}
+
 /// Asserts that the broker holds every message of [`MESSAGES`] not yet committed: acknowledged (no longer ready or
 /// unacknowledged on the queue) is at most committed (effects). The broker is read before the database. Returns what
 /// it read: the queue's `(ready, unacknowledged)` and the effects.

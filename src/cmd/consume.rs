@@ -81,6 +81,15 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = crate::cli::parse_lock_timeout)]
     pub claim_timeout: Duration,
 
+    /// How long one attempt at a message (a batch, batched) may wait on PostgreSQL before it is given up: its
+    /// connection is dropped and the message tried again, never counted against it. Bounds a connection that died
+    /// without a word (a host lost, a network cut), which would otherwise hold its message until the kernel's TCP
+    /// timeout; the server also ends a consumer's session idle inside a transaction for this long. Longer than
+    /// --claim-timeout (plus --carrier-timeout and its connect timeout with --effect-mode keyed) [default: 30s more
+    /// than that, 60s with the other defaults]
+    #[arg(long, value_parser = crate::cli::parse_lock_timeout)]
+    pub attempt_timeout: Option<Duration>,
+
     /// End once nothing arrived and nothing was in flight for this long, the queue is empty and no call to the
     /// carrier is owed (scripts, tests)
     #[arg(long, value_parser = parse_positive_duration)]
@@ -241,6 +250,7 @@ impl Args {
             max_attempts: self.max_attempts,
             retry_delay: self.retry_delay,
             claim_timeout: self.claim_timeout,
+            attempt_timeout: self.attempt_timeout,
             exit_when_idle: self.exit_when_idle,
             shutdown_timeout: self.shutdown_timeout,
             broker_timeout: self.broker_timeout,
@@ -314,6 +324,7 @@ mod tests {
             "--max-attempts=9",
             "--retry-delay=1s",
             "--claim-timeout=2s",
+            "--attempt-timeout=7s",
             "--exit-when-idle=3s",
             "--shutdown-timeout=4s",
             "--broker-timeout=5s",
@@ -337,6 +348,7 @@ mod tests {
             max_attempts: 9,
             retry_delay: Duration::from_secs(1),
             claim_timeout: Duration::from_secs(2),
+            attempt_timeout: Some(Duration::from_secs(7)),
             exit_when_idle: Some(Duration::from_secs(3)),
             shutdown_timeout: Duration::from_secs(4),
             broker_timeout: Duration::from_secs(5),

@@ -33,18 +33,34 @@ pub(super) fn bookkeeping_failed(
     }
 }
 
+/// Runs a bookkeeping statement within the consumer's `--attempt-timeout`: a connection that died without a word
+/// must not hold up the message the statement is about, any more than its attempt may.
+pub(super) async fn bounded<C: Consumer, T>(
+    shared: &Shared<C>,
+    statement: impl Future<Output = sqlx::Result<T>>,
+) -> sqlx::Result<T> {
+    let limit = shared.options.attempt_timeout;
+    tokio::time::timeout(limit, statement)
+        .await
+        .unwrap_or_else(|_| Err(db::no_answer(limit)))
+}
+
 pub(super) async fn record_event<C: Consumer>(
     shared: &Shared<C>,
     kind: &str,
     message_id: Option<Uuid>,
     detail: &str,
 ) {
-    let recorded = db::events::record(
-        shared.inbox.pool(),
-        shared.inbox.consumer_type(),
-        kind,
-        message_id,
-        limits::truncate(detail, MAX_HEADER_TEXT).as_ref(),
+    let detail = limits::truncate(detail, MAX_HEADER_TEXT);
+    let recorded = bounded(
+        shared,
+        db::events::record(
+            shared.inbox.pool(),
+            shared.inbox.consumer_type(),
+            kind,
+            message_id,
+            detail.as_ref(),
+        ),
     )
     .await;
     if let Err(e) = recorded {

@@ -158,6 +158,9 @@ pub struct ConsumerOptions {
     /// How long a call to RabbitMQ may take (an ack, a nack, a dead-letter copy's confirm, setting a connection up);
     /// past it the connection is given up and opened again (see `run::Link::answer`).
     pub broker_timeout: Duration,
+    /// How long one attempt (or a batch) may wait on PostgreSQL; also bounds the bookkeeping beside a message (see
+    /// `bookkeeping::bounded`).
+    pub attempt_timeout: Duration,
     /// Where the run counts what it does (shared with `--metrics-addr`).
     pub counts: Arc<RunCounts>,
     /// More than 1: up to this many deliveries share one transaction (see [`Inbox::process_batch`](crate::inbox::Inbox::process_batch)).

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use lapin::message::Delivery;
 use uuid::Uuid;
 
-use super::bookkeeping::bookkeeping_failed;
+use super::bookkeeping::{bookkeeping_failed, bounded};
 use super::dead_letters::error_queue;
 use super::dispatch::{Access, Disposition, Ready, attempts};
 use super::run::Link;
@@ -48,7 +48,8 @@ pub(super) async fn redelivered<C: Consumer>(
     };
     // Alive after this start, whatever its outcome: the message is not what ends processes.
     if counted.is_some() {
-        let kept = attempts::done(shared.inbox.pool(), shared.inbox.consumer_type(), id).await;
+        let done = attempts::done(shared.inbox.pool(), shared.inbox.consumer_type(), id);
+        let kept = bounded(shared, done).await;
         redelivery_count(id, kept);
     }
     lock(&shared.starts.0).remove(&id);
@@ -60,7 +61,8 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
     if let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
         *alone = true;
     }
-    let kept = attempts::started_alone(shared.inbox.pool(), shared.inbox.consumer_type(), id).await;
+    let alone = attempts::started_alone(shared.inbox.pool(), shared.inbox.consumer_type(), id);
+    let kept = bounded(shared, alone).await;
     redelivery_count(id, kept);
 }
 
@@ -104,7 +106,8 @@ fn broker_count(delivery: &Delivery) -> Option<(u32, u32)> {
 /// them made alone. `None` when it cannot be counted (the database down, or a schema from before the count existed),
 /// and the message is then processed as usual.
 async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<(u32, u32)> {
-    match attempts::start(shared.inbox.pool(), shared.inbox.consumer_type(), id).await {
+    let start = attempts::start(shared.inbox.pool(), shared.inbox.consumer_type(), id);
+    match bounded(shared, start).await {
         Ok(attempts::Starts { started, alone }) => Some((started, alone)),
         Err(e) => {
             bookkeeping_failed(

@@ -26,6 +26,9 @@ pub const DEFAULT_CONCURRENCY: u16 = 16;
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_millis(200);
 pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(30);
+/// What an attempt's bound allows beyond its longest wait on purpose, when `--attempt-timeout` is not given: with the
+/// default `--claim-timeout`, 60s.
+pub const ATTEMPT_MARGIN: Duration = Duration::from_secs(30);
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_BROKER_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_BATCH_SIZE: u16 = 1;
@@ -52,6 +55,9 @@ pub struct Config {
     pub retry_delay: Duration,
     /// How long a copy waits for another process's attempt at the same message (PostgreSQL's `lock_timeout`).
     pub claim_timeout: Duration,
+    /// How long one attempt at a message (or a batch) may wait on PostgreSQL before its connection is given up
+    /// (`--attempt-timeout`); `None`: [`Config::attempt_timeout`]'s default, from the waits an attempt makes.
+    pub attempt_timeout: Option<Duration>,
     pub exit_when_idle: Option<Duration>,
     pub shutdown_timeout: Duration,
     /// How long a call to RabbitMQ may take before the connection is given up (`--broker-timeout`).
@@ -83,6 +89,7 @@ impl Default for Config {
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             retry_delay: DEFAULT_RETRY_DELAY,
             claim_timeout: DEFAULT_CLAIM_TIMEOUT,
+            attempt_timeout: None,
             exit_when_idle: None,
             shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
             broker_timeout: DEFAULT_BROKER_TIMEOUT,
@@ -142,9 +149,11 @@ pub async fn consume_guarded<G: WorkGuard>(
 ) -> Result<RunSummary> {
     let (queue, consumer_type) = names(config)?;
     check_carrier_api(config)?;
+    check_attempt_timeout(config)?;
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
     let pool = db
         .with_lock_timeout(config.claim_timeout)
+        .with_idle_in_transaction_timeout(config.attempt_timeout())
         .message_pool(pool_size)
         .await?;
     let summary = async {
@@ -153,6 +162,7 @@ pub async fn consume_guarded<G: WorkGuard>(
         let counts = Arc::new(RunCounts::default());
         let mut inbox = Inbox::new(pool.clone(), consumer_type.clone())
             .with_claim_timeout(db.lock_timeout_per_transaction(config.claim_timeout))
+            .with_attempt_timeout(Some(config.attempt_timeout()))
             .with_keying(keying(&pool, db).await?);
         let mut timings = None;
         if let Some(addr) = config.metrics_addr {
@@ -299,6 +309,7 @@ fn options(
         exit_when_idle: config.exit_when_idle,
         shutdown_timeout: config.shutdown_timeout,
         broker_timeout: config.broker_timeout,
+        attempt_timeout: config.attempt_timeout(),
         counts,
         batch_size: match config.partitions {
             Some(_) => 1,
@@ -351,6 +362,50 @@ fn names(config: &Config) -> Result<(String, ConsumerType)> {
 
 /// Refuses a carrier API where it cannot apply: on the notification consumer, and with a lease no longer than a call
 /// may take (another process could take over an effect whose call is still in flight).
+impl Config {
+    /// The longest an attempt waits on purpose: up to `--claim-timeout` for another attempt at its message before its
+    /// own work starts, and keyed, a call to the carrier inside its transaction (`--carrier-timeout`, after a connect
+    /// of up to its own timeout).
+    fn attempt_waits(&self) -> Duration {
+        let keyed_call = self
+            .carrier_api
+            .as_ref()
+            .filter(|api| api.mode == EffectMode::Keyed)
+            .map(|api| api.timeout + api.connect_timeout);
+        self.claim_timeout + keyed_call.unwrap_or_default()
+    }
+
+    /// The bound on one attempt: `--attempt-timeout` when given, else [`ATTEMPT_MARGIN`] beyond what the attempt
+    /// waits for on purpose (60s with the defaults), so that a longer `--claim-timeout` or `--carrier-timeout` never
+    /// needs a second flag.
+    pub fn attempt_timeout(&self) -> Duration {
+        self.attempt_timeout
+            .unwrap_or_else(|| self.attempt_waits() + ATTEMPT_MARGIN)
+    }
+}
+
+/// A bound on the whole attempt no longer than what it waits for on purpose would give up attempts that are only
+/// waiting their turn, or a call in progress — as the database unavailable, tried again for ever, never counted
+/// against the message.
+fn check_attempt_timeout(config: &Config) -> Result<()> {
+    let waits = config.attempt_waits();
+    let limit = config.attempt_timeout();
+    if limit <= waits {
+        return Err(Error::Usage(format!(
+            "--attempt-timeout ({}) must be longer than --claim-timeout{} ({}): an attempt may wait that long before \
+             it is done",
+            crate::cli::show(limit),
+            if waits > config.claim_timeout {
+                " plus a keyed call to the carrier with its connect"
+            } else {
+                ""
+            },
+            crate::cli::show(waits),
+        )));
+    }
+    Ok(())
+}
+
 fn check_carrier_api(config: &Config) -> Result<()> {
     let Some(api) = &config.carrier_api else {
         return Ok(());
@@ -493,6 +548,56 @@ mod tests {
             carrier_api: Some(api),
             ..Config::of(consumer)
         }
+    }
+
+    #[test]
+    fn an_attempt_timeout_outlasts_what_an_attempt_waits_for() {
+        let default = Config::default();
+        assert_eq!(default.attempt_timeout(), Duration::from_secs(60));
+        assert!(check_attempt_timeout(&default).is_ok());
+        // A longer claim wait, or a keyed call, moves the default along: no second flag needed.
+        let long_claim = Config {
+            claim_timeout: Duration::from_secs(600),
+            ..Config::default()
+        };
+        assert_eq!(long_claim.attempt_timeout(), Duration::from_secs(630));
+        assert!(check_attempt_timeout(&long_claim).is_ok());
+        let keyed = with_api(Kind::Carrier, EffectMode::Keyed);
+        assert_eq!(
+            keyed.attempt_timeout(),
+            Duration::from_secs(30 + 10 + 3 + 30)
+        );
+        // After commit, the call is outside the attempt.
+        let after_commit = with_api(Kind::Carrier, EffectMode::AfterCommit);
+        assert_eq!(after_commit.attempt_timeout(), Duration::from_secs(60));
+
+        // Given, it must be longer than those waits.
+        for (config, given, named) in [
+            (Config::default(), 30, "--claim-timeout (30s)"),
+            (Config::default(), 10, "--claim-timeout (30s)"),
+            (
+                keyed.clone(),
+                40,
+                "keyed call to the carrier with its connect (43s)",
+            ),
+        ] {
+            let short = Config {
+                attempt_timeout: Some(Duration::from_secs(given)),
+                ..config
+            };
+            let err = check_attempt_timeout(&short).expect_err("no longer than the waits");
+            assert!(matches!(err, Error::Usage(_)), "{err}");
+            assert!(
+                err.to_string().contains("--attempt-timeout") && err.to_string().contains(named),
+                "{err}"
+            );
+        }
+        let given = Config {
+            attempt_timeout: Some(Duration::from_secs(44)),
+            ..keyed
+        };
+        assert!(check_attempt_timeout(&given).is_ok());
+        assert_eq!(given.attempt_timeout(), Duration::from_secs(44));
     }
 
     #[test]

@@ -75,6 +75,19 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// a ping and the statement after it.
 const TRUSTED_WHILE_IDLE: Duration = Duration::from_secs(1);
 
+/// The error of a unit of work that PostgreSQL did not answer within `limit` (its connection died without a word, or
+/// the server hangs): transient, like any lost connection, so the work is tried again and never counted against its
+/// message.
+pub fn no_answer(limit: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "PostgreSQL did not answer within {}; the connection is dropped",
+            humantime::format_duration(limit)
+        ),
+    ))
+}
+
 /// When a pooled connection is pinged before it is handed out.
 #[derive(Debug, Clone, Copy)]
 enum Ping {
@@ -223,6 +236,29 @@ impl Database {
                 .clone()
                 .options([("lock_timeout", millis.as_str())]),
             session_lock_timeout: Some(timeout),
+            ..self.clone()
+        }
+    }
+
+    /// Ends, on the server, a session that sits inside a transaction without sending anything for longer than
+    /// `timeout` (`idle_in_transaction_session_timeout`): a consumer whose connection died without a word (a host
+    /// lost, a network cut) leaves its transaction open on the server, holding its claims' row locks, until the
+    /// server's TCP keepalive notices, hours later by default; with this, the server rolls it back and the copies
+    /// waiting on those keys proceed. A consumer's attempt never pauses inside its transaction for that long: it gives
+    /// up first (`Inbox::with_attempt_timeout`). Set for the session at its start, as `with_lock_timeout`; through a
+    /// transaction pooler, not at all.
+    pub fn with_idle_in_transaction_timeout(&self, timeout: Duration) -> Self {
+        if self.transaction_pooling {
+            return self.clone();
+        }
+        // At most what the setting holds (2^31 − 1 ms, about 24 days): a longer bound is none at all in practice.
+        let most = u128::from(i32::MAX.unsigned_abs());
+        let millis = timeout.as_millis().clamp(1, most).to_string();
+        Self {
+            options: self
+                .options
+                .clone()
+                .options([("idle_in_transaction_session_timeout", millis.as_str())]),
             ..self.clone()
         }
     }

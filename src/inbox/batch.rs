@@ -76,7 +76,9 @@ impl Inbox {
             .acquire()
             .await
             .map_err(ProcessError::Unavailable)?;
-        let result = self.process_batch_on(&mut conn, members, together).await;
+        let result = self
+            .bounded(self.process_batch_on(&mut conn, members, together))
+            .await;
         // As in `process`; and a member that panicked may have left the session mid-statement.
         if result.is_err() {
             conn.close_on_drop();

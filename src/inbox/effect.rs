@@ -126,14 +126,17 @@ impl Inbox {
             .acquire()
             .await
             .map_err(ProcessError::Unavailable)?;
-        let result = match self.send_effect(&mut conn, &key, effect).await {
-            Sent::Done(outcome) => Ok(outcome),
-            Sent::Unavailable(e) => Err(ProcessError::Unavailable(e)),
-            Sent::Redo(why) => {
-                tracing::debug!(%message_id, error = %crate::sanitize::text(&why), "the claim with its effect failed; done again the usual way");
-                self.process_on(&mut conn, &key, work).await
+        let attempt = async {
+            match self.send_effect(&mut conn, &key, effect).await {
+                Sent::Done(outcome) => Ok(outcome),
+                Sent::Unavailable(e) => Err(ProcessError::Unavailable(e)),
+                Sent::Redo(why) => {
+                    tracing::debug!(%message_id, error = %crate::sanitize::text(&why), "the claim with its effect failed; done again the usual way");
+                    self.process_on(&mut conn, &key, work).await
+                }
             }
         };
+        let result = self.bounded(attempt).await;
         if matches!(result, Err(ProcessError::Unavailable(_))) {
             // As `process_carried`: a session that failed is never handed out again.
             conn.close_on_drop();

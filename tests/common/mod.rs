@@ -11,7 +11,7 @@
 //!   `consume_until_idle`;
 //! - `db`: the superuser's pool, counts, identifier quoting; `broker`: topology, publishing with confirms, draining,
 //!   the broker's queue counts;
-//! - `proxy`: [`Proxy`], a loopback TCP proxy a test cuts for an outage;
+//! - `proxy`: [`Proxy`], a loopback TCP proxy a test cuts for an outage, or whose connections it silences;
 //! - `fixtures`: captured deliveries, fresh parcel events, test-made certificates;
 //! - `modes`: the two modes every guarantee test runs in (`in_both_modes!`);
 //! - `vhosts`: the tests' RabbitMQ vhosts, made and removed in bulk (a `rabbitmqctl` call costs 1.5 s of CPU);

@@ -1,9 +1,13 @@
-//! A loopback TCP proxy that a test cuts and restores, for a server's outage without touching the server.
+//! A loopback TCP proxy that a test cuts and restores, for a server's outage without touching the server, or whose
+//! connections it silences, for connections that die without a word.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
 /// A loopback TCP proxy to `upstream` that a test can cut (every connection dropped, new ones refused by closing
-/// them at once) and restore.
+/// them at once) and restore, or whose open connections it can silence ([`Proxy::silence`]).
 pub struct Proxy {
     pub port: u16,
     state: Arc<Mutex<ProxyState>>,
@@ -12,7 +16,13 @@ pub struct Proxy {
 
 struct ProxyState {
     open: bool,
-    connections: Vec<tokio::task::AbortHandle>,
+    connections: Vec<Relayed>,
+}
+
+/// One connection through the proxy: its relay, and whether it is silenced.
+struct Relayed {
+    task: tokio::task::AbortHandle,
+    silent: Arc<AtomicBool>,
 }
 
 impl Proxy {
@@ -27,7 +37,7 @@ impl Proxy {
         let shared = Arc::clone(&state);
         let task = tokio::spawn(async move {
             loop {
-                let Ok((mut inbound, _)) = listener.accept().await else {
+                let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
                 if !shared.lock().unwrap().open {
@@ -35,14 +45,26 @@ impl Proxy {
                     continue;
                 }
                 let upstream = upstream.clone();
+                let silent = Arc::new(AtomicBool::new(false));
+                let relayed = Arc::clone(&silent);
                 let handle = tokio::spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    if let Ok(outbound) = tokio::net::TcpStream::connect(&upstream).await {
+                        let _ = inbound.set_nodelay(true);
+                        let _ = outbound.set_nodelay(true);
+                        let (in_read, in_write) = inbound.into_split();
+                        let (out_read, out_write) = outbound.into_split();
+                        tokio::join!(
+                            relay(in_read, out_write, &relayed),
+                            relay(out_read, in_write, &relayed)
+                        );
                     }
                 });
                 let mut s = shared.lock().unwrap();
-                s.connections.retain(|h| !h.is_finished());
-                s.connections.push(handle.abort_handle());
+                s.connections.retain(|c| !c.task.is_finished());
+                s.connections.push(Relayed {
+                    task: handle.abort_handle(),
+                    silent,
+                });
             }
         });
         Self { port, state, task }
@@ -53,7 +75,16 @@ impl Proxy {
         let mut s = self.state.lock().unwrap();
         s.open = false;
         for c in s.connections.drain(..) {
-            c.abort();
+            c.task.abort();
+        }
+    }
+
+    /// Every connection open now passes nothing more, either way, and stays open — neither end hears a close — as
+    /// when a host is lost or a network cut: what was sent is swallowed, and an answer never comes. New connections
+    /// go through as before.
+    pub fn silence(&self) {
+        for c in &self.state.lock().unwrap().connections {
+            c.silent.store(true, Ordering::SeqCst);
         }
     }
 
@@ -67,4 +98,29 @@ impl Drop for Proxy {
         self.cut();
         self.task.abort();
     }
+}
+
+/// Copies one direction of a connection until either end closes it, or, once `silent`, holds both ends open and
+/// passes nothing (an end closing included).
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    silent: &AtomicBool,
+) {
+    let mut buf = vec![0_u8; 64 * 1024];
+    loop {
+        let read = from.read(&mut buf).await;
+        if silent.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        match read {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown().await;
 }

@@ -330,8 +330,8 @@ impl Inbox {
         self
     }
 
-    /// The same inbox, giving up an attempt — one message's transaction, or one batch's — that has not ended within
-    /// `timeout`: its connection is dropped (and never handed out again) and the attempt is
+    /// The same inbox, giving up an attempt — one message's transaction, or one round of a batch's — that has not
+    /// ended within `timeout`: its connection is dropped (and never handed out again) and the attempt is
     /// [`ProcessError::Unavailable`], to be tried again like any other lost connection. A connection that dies without
     /// a word (a host lost, a network cut: no FIN, no RST) otherwise holds its statement until the kernel's TCP
     /// timeout, a quarter of an hour by default, and its message with it. Giving up is safe at any point: a `COMMIT`

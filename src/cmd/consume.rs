@@ -81,12 +81,12 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = crate::cli::parse_lock_timeout)]
     pub claim_timeout: Duration,
 
-    /// How long one attempt at a message (a batch, batched) may wait on PostgreSQL before it is given up: its
+    /// How long one attempt at a message (a batch, batched) may take before it is given up: its
     /// connection is dropped and the message tried again, never counted against it. Bounds a connection that died
     /// without a word (a host lost, a network cut), which would otherwise hold its message until the kernel's TCP
     /// timeout; the server also ends a consumer's session idle inside a transaction for this long. Longer than
-    /// --claim-timeout (plus --carrier-timeout and its connect timeout with --effect-mode keyed) [default: 30s more
-    /// than that, 60s with the other defaults]
+    /// --claim-timeout (plus, with --effect-mode keyed, --carrier-timeout and its connect timeout for each member of a
+    /// batch) [default: 30s more than that, 60s with the other defaults]
     #[arg(long, value_parser = crate::cli::parse_lock_timeout)]
     pub attempt_timeout: Option<Duration>,
 

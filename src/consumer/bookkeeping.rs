@@ -33,17 +33,28 @@ pub(super) fn bookkeeping_failed(
     }
 }
 
-/// Runs a bookkeeping statement within the consumer's `--attempt-timeout`: a connection that died without a word
-/// must not hold up the message the statement is about, any more than its attempt may.
-pub(super) async fn bounded<C: Consumer, T>(
-    shared: &Shared<C>,
-    statement: impl Future<Output = sqlx::Result<T>>,
-) -> sqlx::Result<T> {
-    let limit = shared.options.attempt_timeout;
-    tokio::time::timeout(limit, statement)
-        .await
-        .unwrap_or_else(|_| Err(db::no_answer(limit)))
+/// Runs one bookkeeping statement (written `bounded!(shared, |conn| statement(conn, …))`) on a connection of the
+/// consumer's pool, within `--attempt-timeout`: a connection that died without a word must not hold up the message
+/// the statement is about, any more than its attempt may. Past the bound the connection is dropped, never given back
+/// (sqlx would ping it on its way back, with no bound of its own), and the statement has failed as the database
+/// unavailable.
+macro_rules! bounded {
+    ($shared:expr, |$conn:ident| $statement:expr) => {
+        async {
+            let limit = $shared.options.attempt_timeout;
+            let mut held = $shared.inbox.pool().acquire().await?;
+            let $conn = &mut *held;
+            match tokio::time::timeout(limit, $statement).await {
+                Ok(result) => result,
+                Err(_) => {
+                    held.close_on_drop();
+                    Err($crate::db::no_answer(limit))
+                }
+            }
+        }
+    };
 }
+pub(super) use bounded;
 
 pub(super) async fn record_event<C: Consumer>(
     shared: &Shared<C>,
@@ -52,16 +63,13 @@ pub(super) async fn record_event<C: Consumer>(
     detail: &str,
 ) {
     let detail = limits::truncate(detail, MAX_HEADER_TEXT);
-    let recorded = bounded(
-        shared,
-        db::events::record(
-            shared.inbox.pool(),
-            shared.inbox.consumer_type(),
-            kind,
-            message_id,
-            detail.as_ref(),
-        ),
-    )
+    let recorded = bounded!(shared, |conn| db::events::record(
+        conn,
+        shared.inbox.consumer_type(),
+        kind,
+        message_id,
+        detail.as_ref(),
+    ))
     .await;
     if let Err(e) = recorded {
         bookkeeping_failed(

@@ -48,8 +48,12 @@ pub(super) async fn redelivered<C: Consumer>(
     };
     // Alive after this start, whatever its outcome: the message is not what ends processes.
     if counted.is_some() {
-        let done = attempts::done(shared.inbox.pool(), shared.inbox.consumer_type(), id);
-        let kept = bounded(shared, done).await;
+        let kept = bounded!(shared, |conn| attempts::done(
+            conn,
+            shared.inbox.consumer_type(),
+            id
+        ))
+        .await;
         redelivery_count(id, kept);
     }
     lock(&shared.starts.0).remove(&id);
@@ -61,8 +65,12 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
     if let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
         *alone = true;
     }
-    let alone = attempts::started_alone(shared.inbox.pool(), shared.inbox.consumer_type(), id);
-    let kept = bounded(shared, alone).await;
+    let kept = bounded!(shared, |conn| attempts::started_alone(
+        conn,
+        shared.inbox.consumer_type(),
+        id
+    ))
+    .await;
     redelivery_count(id, kept);
 }
 
@@ -106,8 +114,12 @@ fn broker_count(delivery: &Delivery) -> Option<(u32, u32)> {
 /// them made alone. `None` when it cannot be counted (the database down, or a schema from before the count existed),
 /// and the message is then processed as usual.
 async fn redelivered_start<C: Consumer>(shared: &Shared<C>, id: Uuid) -> Option<(u32, u32)> {
-    let start = attempts::start(shared.inbox.pool(), shared.inbox.consumer_type(), id);
-    match bounded(shared, start).await {
+    let start = bounded!(shared, |conn| attempts::start(
+        conn,
+        shared.inbox.consumer_type(),
+        id
+    ));
+    match start.await {
         Ok(attempts::Starts { started, alone }) => Some((started, alone)),
         Err(e) => {
             bookkeeping_failed(

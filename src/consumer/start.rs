@@ -360,19 +360,21 @@ fn names(config: &Config) -> Result<(String, ConsumerType)> {
     Ok((queue, consumer_type))
 }
 
-/// Refuses a carrier API where it cannot apply: on the notification consumer, and with a lease no longer than a call
-/// may take (another process could take over an effect whose call is still in flight).
 impl Config {
     /// The longest an attempt waits on purpose: up to `--claim-timeout` for another attempt at its message before its
     /// own work starts, and keyed, a call to the carrier inside its transaction (`--carrier-timeout`, after a connect
-    /// of up to its own timeout).
+    /// of up to its own timeout) — batched, one for each member of the batch, in turn.
     fn attempt_waits(&self) -> Duration {
-        let keyed_call = self
+        let members = match self.partitions {
+            Some(_) => 1,
+            None => u32::from(self.batch_size.max(1)),
+        };
+        let keyed_calls = self
             .carrier_api
             .as_ref()
             .filter(|api| api.mode == EffectMode::Keyed)
-            .map(|api| api.timeout + api.connect_timeout);
-        self.claim_timeout + keyed_call.unwrap_or_default()
+            .map(|api| (api.timeout + api.connect_timeout) * members);
+        self.claim_timeout + keyed_calls.unwrap_or_default()
     }
 
     /// The bound on one attempt: `--attempt-timeout` when given, else [`ATTEMPT_MARGIN`] beyond what the attempt
@@ -396,7 +398,7 @@ fn check_attempt_timeout(config: &Config) -> Result<()> {
              it is done",
             crate::cli::show(limit),
             if waits > config.claim_timeout {
-                " plus a keyed call to the carrier with its connect"
+                " plus the keyed calls to the carrier a batch makes, with their connects"
             } else {
                 ""
             },
@@ -406,6 +408,8 @@ fn check_attempt_timeout(config: &Config) -> Result<()> {
     Ok(())
 }
 
+/// Refuses a carrier API where it cannot apply: on the notification consumer, and with a lease no longer than a call
+/// may take (another process could take over an effect whose call is still in flight).
 fn check_carrier_api(config: &Config) -> Result<()> {
     let Some(api) = &config.carrier_api else {
         return Ok(());
@@ -567,6 +571,15 @@ mod tests {
             keyed.attempt_timeout(),
             Duration::from_secs(30 + 10 + 3 + 30)
         );
+        // Batched, keyed: a call for each member, in turn, in one transaction.
+        let keyed_batches = Config {
+            batch_size: 8,
+            ..keyed.clone()
+        };
+        assert_eq!(
+            keyed_batches.attempt_timeout(),
+            Duration::from_secs(30 + 8 * 13 + 30)
+        );
         // After commit, the call is outside the attempt.
         let after_commit = with_api(Kind::Carrier, EffectMode::AfterCommit);
         assert_eq!(after_commit.attempt_timeout(), Duration::from_secs(60));
@@ -578,7 +591,7 @@ mod tests {
             (
                 keyed.clone(),
                 40,
-                "keyed call to the carrier with its connect (43s)",
+                "keyed calls to the carrier a batch makes, with their connects (43s)",
             ),
         ] {
             let short = Config {

@@ -534,6 +534,7 @@ fn is_transient_sqlstate(code: &str) -> bool {
             "40001" // serialization failure
                 | "40P01" // deadlock detected
                 | "55P03" // lock not available (lock_timeout)
+                | "25P03" // idle_in_transaction_session_timeout: the session was silent, not the statement wrong
                 | "25006" // read-only transaction (a replica, or default_transaction_read_only)
                 | "3D000" // database does not exist (dropped under us)
                 | "28000" // invalid authorization (the role lost its login)
@@ -561,7 +562,7 @@ mod tests {
         ))));
         assert!(!is_transient(&sqlx::Error::RowNotFound));
         for code in [
-            "08006", "57P01", "53300", "40001", "40P01", "55P03", "25006",
+            "08006", "57P01", "53300", "40001", "40P01", "55P03", "25P03", "25006",
         ] {
             assert!(is_transient_sqlstate(code), "{code}");
         }

@@ -76,9 +76,7 @@ impl Inbox {
             .acquire()
             .await
             .map_err(ProcessError::Unavailable)?;
-        let result = self
-            .bounded(self.process_batch_on(&mut conn, members, together))
-            .await;
+        let result = self.process_batch_on(&mut conn, members, together).await;
         // As in `process`; and a member that panicked may have left the session mid-statement.
         if result.is_err() {
             conn.close_on_drop();
@@ -117,8 +115,10 @@ impl Inbox {
         // Members whose work failed, with the error: left out of every later round.
         let mut failed: HashMap<Uuid, WorkError> = HashMap::new();
         loop {
+            // Each round is an attempt of its own, bounded as one (`with_attempt_timeout`): a batch redone without a
+            // failing member waits again, for its claim and its work.
             let round = self
-                .batch_round(conn, &members, &keys, &failed, together.take())
+                .bounded(self.batch_round(conn, &members, &keys, &failed, together.take()))
                 .await?;
             match round {
                 Round::Committed {

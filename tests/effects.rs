@@ -972,3 +972,69 @@ async fn the_stand_in_carriers_claim_and_booking_go_as_one_statement() {
         2
     );
 }
+
+/// The consumer's connections to PostgreSQL go silent (a host lost, a network cut: no close, no answer) while the
+/// worker of an after-commit consumer leases calls and records their outcomes: each of its statements on a silent
+/// connection is given up after `--attempt-timeout` and made again on a new one, so every call owed is made and
+/// recorded once. Without the bound, the worker's leasing and records would wait for the TCP timeout (behind this
+/// proxy, for ever).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_worker_goes_on_past_connections_gone_silent() {
+    const PARCELS: i64 = 30;
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"delayMs": 200})).await;
+    let proxy = common::Proxy::start("127.0.0.1:5432").await;
+    let proxied = format!(
+        "postgres://postgres@127.0.0.1:{}/{}",
+        proxy.port, env.db_name
+    );
+    common::publish_parcels(&env, &["--count", &PARCELS.to_string()]);
+    let args = consume_args(
+        &stub,
+        "after-commit",
+        &[
+            "--concurrency",
+            "2",
+            "--pool-size",
+            "8",
+            "--attempt-timeout",
+            "3s",
+            "--claim-timeout",
+            "1s",
+        ],
+    );
+    let consumer = env.spawn_with(&args, &[("DATABASE_URL", proxied.as_str())]);
+    common::eventually("a first call recorded", Duration::from_secs(60), || async {
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_effects WHERE state = 'done'",
+        )
+        .await
+            >= 3
+    })
+    .await;
+
+    proxy.silence();
+    let done_then = common::count(
+        &pool,
+        "SELECT count(*) FROM inboxctl_effects WHERE state = 'done'",
+    )
+    .await;
+    assert!(done_then < PARCELS, "the silence must come mid-stream");
+    common::eventually(
+        "every call owed made and recorded",
+        Duration::from_secs(90),
+        || async { effect_states(&pool).await == vec![("done".to_owned(), PARCELS)] },
+    )
+    .await;
+    let (rows, parcels): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, parcels), (PARCELS, PARCELS), "{}", consumer.stderr());
+    consumer.terminate();
+}

@@ -33,25 +33,16 @@ pub(super) fn bookkeeping_failed(
     }
 }
 
-/// Runs one bookkeeping statement (written `bounded!(shared, |conn| statement(conn, …))`) on a connection of the
-/// consumer's pool, within `--attempt-timeout`: a connection that died without a word must not hold up the message
-/// the statement is about, any more than its attempt may. Past the bound the connection is dropped, never given back
-/// (sqlx would ping it on its way back, with no bound of its own), and the statement has failed as the database
-/// unavailable.
+/// Runs one bookkeeping statement (written `bounded!(shared, |conn| statement(conn, …))`) within `--attempt-timeout`
+/// ([`db::bounded`]): a connection that died without a word must not hold up the message the statement is about,
+/// any more than its attempt may.
 macro_rules! bounded {
     ($shared:expr, |$conn:ident| $statement:expr) => {
-        async {
-            let limit = $shared.options.attempt_timeout;
-            let mut held = $shared.inbox.pool().acquire().await?;
-            let $conn = &mut *held;
-            match tokio::time::timeout(limit, $statement).await {
-                Ok(result) => result,
-                Err(_) => {
-                    held.close_on_drop();
-                    Err($crate::db::no_answer(limit))
-                }
-            }
-        }
+        $crate::db::bounded!(
+            $shared.inbox.pool(),
+            $shared.options.attempt_timeout,
+            |$conn| $statement
+        )
     };
 }
 pub(super) use bounded;

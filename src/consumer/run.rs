@@ -515,7 +515,11 @@ pub(super) async fn is_idle<C: Consumer>(
     let Some(effects) = &shared.options.owed_effects else {
         return true;
     };
-    match crate::db::external::owed(&effects.pool, effects.consumer_type.as_str()).await {
+    let ct = effects.consumer_type.as_str();
+    let owed = crate::db::bounded!(&effects.pool, shared.options.attempt_timeout, |conn| {
+        crate::db::external::owed(conn, ct)
+    });
+    match owed.await {
         Ok(0) => true,
         Ok(owed) => {
             if !std::mem::replace(owed_said, true) {

@@ -234,6 +234,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                             retry_delay: config.retry_delay,
                             concurrency: usize::from(config.workers()),
                             wake: Arc::clone(&wake),
+                            bound: config.attempt_timeout(),
                         };
                         // The worker goes on making the calls owed until the consumer has stopped.
                         let stop_worker = CancellationToken::new();

@@ -34,6 +34,29 @@ macro_rules! unit {
     }};
 }
 
+/// Runs `statement` (written `bounded!(pool, limit, |conn| statement(conn, …))`) on a connection of `pool` taken for
+/// it alone, within `limit`: past it, the connection is closed rather than given back — sqlx pings a connection on its
+/// way back to the pool, with no bound of its own, so a connection that went silent would keep its pool slot until
+/// the kernel's TCP timeout — and the result is [`no_answer`]. For statements that must not wait on a connection
+/// that died without a word (a consumer's, `consume --attempt-timeout`).
+macro_rules! bounded {
+    ($pool:expr, $limit:expr, |$conn:ident| $statement:expr) => {
+        async {
+            let limit: std::time::Duration = $limit;
+            let mut held = $pool.acquire().await?;
+            let $conn = &mut *held;
+            match tokio::time::timeout(limit, $statement).await {
+                Ok(result) => result,
+                Err(_) => {
+                    held.close_on_drop();
+                    Err($crate::db::no_answer(limit))
+                }
+            }
+        }
+    };
+}
+pub(crate) use bounded;
+
 pub mod attempts;
 pub mod audit;
 pub mod claim;

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::{CallError, CarrierClient, EffectMode};
 use crate::carrier_stub::{PickupBody, SlotAnswer};
 use crate::consumer::logged;
-use crate::db::{effects, external};
+use crate::db::{bounded, effects, external};
 use crate::inbox::ConsumerType;
 use crate::parcel::PickupRequest;
 
@@ -36,6 +36,10 @@ pub struct Worker {
     pub retry_delay: Duration,
     pub concurrency: usize,
     pub wake: Arc<Notify>,
+    /// How long one of its statements (or an outcome's transaction) may wait on PostgreSQL before its connection is
+    /// dropped: the consumer's `--attempt-timeout`. A connection that died without a word holds up no leasing and no
+    /// record for longer.
+    pub bound: Duration,
 }
 
 impl Worker {
@@ -49,23 +53,22 @@ impl Worker {
         while !shutdown.is_cancelled() {
             if swept.is_none_or(|at| at.elapsed() >= POLL) {
                 swept = Some(Instant::now());
-                if let Err(e) =
-                    external::mark_in_doubt(&this.pool, this.consumer_type.as_str()).await
-                {
+                let ct = this.consumer_type.as_str();
+                let marked = bounded!(&this.pool, this.bound, |conn| external::mark_in_doubt(
+                    conn, ct
+                ));
+                if let Err(e) = marked.await {
                     tracing::debug!(error = %e, "could not look for effects in doubt");
                 }
             }
             let free = slots.available_permits();
             if free > 0 {
                 let limit = i64::try_from(free).unwrap_or(i64::MAX);
-                match external::lease_due(
-                    &this.pool,
-                    this.consumer_type.as_str(),
-                    this.lease,
-                    limit,
-                )
-                .await
-                {
+                let ct = this.consumer_type.as_str();
+                let leased = bounded!(&this.pool, this.bound, |conn| external::lease_due(
+                    conn, ct, this.lease, limit
+                ));
+                match leased.await {
                     Ok(leased) => {
                         for effect in leased {
                             let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
@@ -175,30 +178,9 @@ impl Worker {
     /// Records the slot, with its reservation, in one transaction.
     async fn done(&self, effect: &external::Leased, request: &PickupRequest, slot: SlotAnswer) {
         let reference = slot.slot_id.to_string();
-        let recorded = transient_retried(|| async {
-            let mut tx = self.pool.begin().await?;
-            let held = external::record_outcome(
-                &mut *tx,
-                effect.message_id,
-                self.consumer_type.as_str(),
-                effect.attempts,
-                &external::Outcome {
-                    state: "done",
-                    due_in: None,
-                    last_error: None,
-                    reference: Some(&reference),
-                },
-            )
-            .await?;
-            if held {
-                effects::insert_carrier_reservation(
-                    &mut tx,
-                    &super::carrier::reservation(request, &slot),
-                )
-                .await?;
-            }
-            tx.commit().await?;
-            Ok::<bool, sqlx::Error>(held)
+        let recorded = transient_retried(|| {
+            bounded!(&self.pool, self.bound, |conn| self
+                .record_done(conn, effect, request, &slot, &reference))
         })
         .await;
         match recorded {
@@ -213,6 +195,40 @@ impl Worker {
                 "the carrier booked, and its outcome could not be recorded: the effect stays started"
             ),
         }
+    }
+
+    /// The slot's record and reservation, in one transaction on `conn`; whether the lease still held.
+    async fn record_done(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        effect: &external::Leased,
+        request: &PickupRequest,
+        slot: &SlotAnswer,
+        reference: &str,
+    ) -> sqlx::Result<bool> {
+        let mut tx = sqlx::Connection::begin(conn).await?;
+        let held = external::record_outcome(
+            &mut *tx,
+            effect.message_id,
+            self.consumer_type.as_str(),
+            effect.attempts,
+            &external::Outcome {
+                state: "done",
+                due_in: None,
+                last_error: None,
+                reference: Some(reference),
+            },
+        )
+        .await?;
+        if held {
+            effects::insert_carrier_reservation(
+                &mut tx,
+                &super::carrier::reservation(request, slot),
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(held)
     }
 
     async fn record(
@@ -230,13 +246,13 @@ impl Worker {
             reference,
         };
         let recorded = transient_retried(|| {
-            external::record_outcome(
-                &self.pool,
+            bounded!(&self.pool, self.bound, |conn| external::record_outcome(
+                conn,
                 effect.message_id,
                 self.consumer_type.as_str(),
                 effect.attempts,
                 &outcome,
-            )
+            ))
         })
         .await;
         match recorded {

@@ -207,7 +207,8 @@ pub struct Inbox {
     observer: Option<Arc<dyn ClaimObserver>>,
     /// The `lock_timeout` each claim transaction sets for itself, where the sessions keep none of their own.
     claim_timeout: Option<Duration>,
-    /// How long one attempt (or one batch) may hold its connection before it is given up (`with_attempt_timeout`).
+    /// How long one attempt (or one round of a batch) may hold its connection before it is given up
+    /// (`with_attempt_timeout`).
     attempt_timeout: Option<Duration>,
     /// How the claim keys a message: shared by the inbox's clones, and learnt again when the inbox is partitioned
     /// under a running consumer.

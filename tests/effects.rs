@@ -987,10 +987,7 @@ async fn the_worker_goes_on_past_connections_gone_silent() {
     let stub = Stub::start(&env, &[]);
     stub.behave(json!({"delayMs": 200})).await;
     let proxy = common::Proxy::start("127.0.0.1:5432").await;
-    let proxied = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port, env.db_name
-    );
+    let proxied = proxy.postgres_url(&env.db_name);
     common::publish_parcels(&env, &["--count", &PARCELS.to_string()]);
     let args = consume_args(
         &stub,

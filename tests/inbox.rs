@@ -1069,10 +1069,7 @@ async fn an_attempt_whose_connection_goes_silent_is_given_up_and_its_claim_relea
     const BOUND: Duration = Duration::from_secs(2);
     let (env, admin, _) = setup().await;
     let proxy = std::sync::Arc::new(common::Proxy::start("127.0.0.1:5432").await);
-    let proxied = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port, env.db_name
-    );
+    let proxied = proxy.postgres_url(&env.db_name);
     let db = inboxctl::db::Database::from_url(&proxied)
         .unwrap()
         .with_idle_in_transaction_timeout(BOUND);

@@ -42,10 +42,7 @@ async fn a_consumer_exports_its_counters_and_its_health_follows_the_database() {
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "10", "--duplicates", "0.5"]);
     let proxy = Proxy::start("127.0.0.1:5432").await;
-    let proxied = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port, env.db_name
-    );
+    let proxied = proxy.postgres_url(&env.db_name);
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let consumer = env.spawn_with(

@@ -19,10 +19,7 @@ async fn postgres_down(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let proxy = Proxy::start("127.0.0.1:5432").await;
-    let proxied = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port, env.db_name
-    );
+    let proxied = proxy.postgres_url(&env.db_name);
     let stream = FaultStream {
         consumer_env: &[("DATABASE_URL", proxied.as_str())],
         ..FaultStream::new(MESSAGES, mode)
@@ -90,10 +87,7 @@ async fn connections_silent(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let proxy = Proxy::start("127.0.0.1:5432").await;
-    let proxied = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port, env.db_name
-    );
+    let proxied = proxy.postgres_url(&env.db_name);
     let mut args = mode.to_vec();
     args.extend([
         "--attempt-timeout",
@@ -155,10 +149,7 @@ async fn stop_during_outage(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let proxy = Proxy::start("127.0.0.1:5432").await;
-    let proxied = format!(
-        "postgres://postgres@127.0.0.1:{}/{}",
-        proxy.port, env.db_name
-    );
+    let proxied = proxy.postgres_url(&env.db_name);
     let mut consumer = env.spawn_with(
         &common::with_mode(
             &[

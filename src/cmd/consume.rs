@@ -7,10 +7,11 @@ use tokio_util::sync::CancellationToken;
 use crate::amqp::topology::{self, QueueType};
 use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
 use crate::consumer::OnConflict;
-use crate::consumer::start::{
-    self, Config, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS,
-    DEFAULT_POISON_AFTER, DEFAULT_PREFETCH,
+use crate::consumer::config::{
+    Config, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS, DEFAULT_POISON_AFTER,
+    DEFAULT_PREFETCH,
 };
+use crate::consumer::start;
 use crate::effects::{CarrierApi, EffectMode};
 use crate::error::{Outcome, Result};
 use crate::parcel::Kind;

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 mod acks;
 mod batch;
 mod bookkeeping;
+pub mod config;
 mod dead_letters;
 mod dispatch;
 mod guard;
@@ -36,9 +37,10 @@ mod poison;
 mod run;
 pub mod start;
 
+pub use self::config::Config;
 pub use self::guard::WorkGuard;
 pub use self::run::run;
-pub use self::start::{Config, consume, consume_guarded};
+pub use self::start::{consume, consume_guarded};
 
 use lapin::message::Delivery;
 use serde::Serialize;
@@ -158,7 +160,7 @@ pub struct ConsumerOptions {
     /// How long a call to RabbitMQ may take (an ack, a nack, a dead-letter copy's confirm, setting a connection up);
     /// past it the connection is given up and opened again (see `run::Link::answer`).
     pub broker_timeout: Duration,
-    /// How long one attempt (or a batch) may wait on PostgreSQL; also bounds the bookkeeping beside a message (see
+    /// How long one attempt (or one round of a batch) may take; also bounds the bookkeeping beside a message (see
     /// `bookkeeping::bounded`).
     pub attempt_timeout: Duration,
     /// Where the run counts what it does (shared with `--metrics-addr`).

@@ -88,6 +88,11 @@ impl Proxy {
         }
     }
 
+    /// A URL to the database `name` of the local PostgreSQL through this proxy (the proxy started to port 5432).
+    pub fn postgres_url(&self, name: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
+    }
+
     pub fn restore(&self) {
         self.state.lock().unwrap().open = true;
     }

@@ -1131,3 +1131,49 @@ async fn a_dead_letter_copy_the_broker_nacks_leaves_the_message_on_its_queue_in(
         "the unhandled message itself, byte for byte"
     );
 }
+
+// A stop that comes while a message's work is under way: the work finishes within the shutdown timeout, commits, and
+// its delivery is acknowledged before the connection closes. Given back instead, every message in flight at every
+// deploy would come round again as a duplicate (the inbox would absorb it, but the duplicate rate would say
+// something that did not happen, and a slow effect would be looked up again).
+in_both_modes!(
+    a_stop_lets_the_work_in_flight_finish_and_acknowledges_it,
+    a_stop_lets_the_work_in_flight_finish_and_acknowledges_it_in
+);
+
+async fn a_stop_lets_the_work_in_flight_finish_and_acknowledges_it_in(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "Slow"]);
+    let mut consumer = env.spawn_with(
+        &common::with_mode(&["consume", "carrier", "--shutdown-timeout", "60s"], mode),
+        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-2000@Slow")],
+    );
+    consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        1,
+        "the work in flight finished:\n{}",
+        consumer.stderr()
+    );
+    common::eventually(
+        "no delivery left unsettled once the process is gone",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
+    )
+    .await;
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (0, 0),
+        "what was processed was acknowledged, not given back:\n{}",
+        consumer.stderr()
+    );
+}

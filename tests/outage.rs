@@ -172,11 +172,19 @@ async fn stop_during_outage(mode: &[&str]) {
     assert!(unacked > 0, "some deliveries held by the consumer");
     assert_eq!(ready + unacked, HELD, "nothing acked while it is down");
 
+    let asked = std::time::Instant::now();
     consumer.terminate();
     assert_eq!(
         consumer.wait(Duration::from_secs(30)),
         Some(0),
         "{}",
+        consumer.stderr()
+    );
+    // The nacks go out on a connection that is still open: none waits out `--broker-timeout` (30 s).
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "stopped in {:?}:\n{}",
+        asked.elapsed(),
         consumer.stderr()
     );
     common::eventually(

@@ -206,6 +206,14 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
         first = false;
         backoff.reset();
         let end = consume_on(&shared, &link, &mut workers).await;
+        if end == LinkEnd::Stop {
+            // The work in flight finishes on this connection, which stays open until it has: what it commits is
+            // acknowledged, and what it gives back is given back by a nack that goes out, not by a close racing it.
+            // Closed first, every message in flight at a stop would come round again as a duplicate.
+            workers.finish(&shared).await;
+            crate::amqp::close(&link.connection, "stopped").await;
+            return Ok(());
+        }
         // Deliveries in flight on a lost connection finish their database work; their acks fail and the broker
         // delivers them again, as duplicates.
         shared
@@ -213,9 +221,6 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
             .broker_connected
             .store(false, Ordering::Relaxed);
         crate::amqp::close(&link.connection, "reconnecting").await;
-        if end == LinkEnd::Stop {
-            break;
-        }
     }
     workers.finish(&shared).await;
     Ok(())

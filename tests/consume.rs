@@ -1177,3 +1177,64 @@ async fn a_stop_lets_the_work_in_flight_finish_and_acknowledges_it_in(mode: &[&s
         consumer.stderr()
     );
 }
+
+/// A stop while one message is worked on and 19 more wait in the consumer (`--concurrency 1`, prefetch 20): the 19
+/// go back to the queue at once, for the other consumers, not after the drain (here 5 s of work) when the connection
+/// closes. The one in the consume loop's hand waiting for a worker is given back too, and the one under way finishes
+/// and is acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "20"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "1",
+            "--prefetch",
+            "20",
+            "--shutdown-timeout",
+            "60s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-5000")],
+    );
+    consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    common::eventually("all 20 with it", Duration::from_secs(5), || async {
+        env.queue_counts(CARRIER_QUEUE) == (0, 20)
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    consumer.terminate();
+    common::eventually(
+        "the 19 not taken given back while the first is still worked on",
+        Duration::from_secs(3),
+        || async { env.queue_counts(CARRIER_QUEUE) == (19, 1) },
+    )
+    .await;
+    assert_eq!(consumer.try_wait(), None, "still draining");
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() >= Duration::from_secs(3),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (19, 0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        1,
+        "the one under way finished"
+    );
+}

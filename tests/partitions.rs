@@ -373,3 +373,72 @@ async fn a_partition_left_over_from_more_partitions_or_a_plain_queue_in_the_way_
         out.stderr
     );
 }
+
+/// A clean stop (SIGTERM) of the active consumer while it works on a parcel's first event, a standby waiting: the
+/// standby takes the partition only once the stopping process has finished that event and closed its connection, so
+/// the parcel's 30 effects land in the order its events were published. (A cancel sent before the drain made the
+/// standby active at once: it took the later events while the first was still being worked on, and the first effect
+/// landed last.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_of_the_active_consumer_keeps_each_parcels_order() {
+    let env = TestEnv::migrated().await;
+    let args = [
+        "consume",
+        "carrier",
+        "--queue",
+        QUEUE,
+        "--partitions",
+        "1",
+        "--partition-key",
+        "parcelId",
+        "--prefetch",
+        "16",
+    ];
+    let mut active = env.spawn_with(&args, &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-3000")]);
+    active.wait_for_stderr("consuming", Duration::from_secs(30));
+    let mut standby = env.spawn(&args);
+    standby.wait_for_stderr("consuming", Duration::from_secs(30));
+    common::capture_queue(&env.amqp().await, EVENT_EXCHANGE, "capture").await;
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "1",
+        "--events-per-parcel",
+        "30",
+        "--partition-key",
+        "parcelId",
+        "--rate",
+        "10",
+    ]);
+    active.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    active.terminate();
+    assert_eq!(
+        active.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        active.stderr()
+    );
+    assert_eq!(publisher.wait(Duration::from_secs(60)), Some(0));
+    let pool = env.pool().await;
+    common::eventually("every event's effect", Duration::from_secs(60), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 30
+    })
+    .await;
+    let published: Vec<Uuid> = published_order(&env, "capture")
+        .await
+        .into_iter()
+        .map(|(message, _)| message)
+        .collect();
+    let processed: Vec<Uuid> =
+        sqlx::query_scalar("SELECT message_id FROM carrier_reservations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    standby.terminate();
+    assert_eq!(standby.wait(Duration::from_secs(30)), Some(0));
+    assert_eq!(
+        processed, published,
+        "the parcel's effects in the order its events were published"
+    );
+}

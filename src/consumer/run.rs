@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
 use tokio::sync::{Semaphore, mpsc, watch};
@@ -207,11 +207,7 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
         backoff.reset();
         let end = consume_on(&shared, &link, &mut workers).await;
         if end == LinkEnd::Stop {
-            // The work in flight finishes on this connection, which stays open until it has: what it commits is
-            // acknowledged, and what it gives back is given back by a nack that goes out, not by a close racing it.
-            // Closed first, every message in flight at a stop would come round again as a duplicate.
-            workers.finish(&shared).await;
-            crate::amqp::close(&link.connection, "stopped").await;
+            // Drained and closed already ([`stopping`]).
             return Ok(());
         }
         // Deliveries in flight on a lost connection finish their database work; their acks fail and the broker
@@ -288,19 +284,22 @@ async fn consume_on<C: Consumer>(
     let mut connection_check = tokio::time::interval(Duration::from_secs(1));
     // Idle with calls still owed: said once, then waited for quietly.
     let mut owed_said = false;
-    // At a stop or when idle, the connection is closed next anyway: the cancel only spares the broker deliveries
-    // that would come back, and is not waited on for long.
+    // At a stop or when idle, the connection is closed once the work in flight is done: the cancel only spares the
+    // broker deliveries that would come back, and is not waited on for long. `true` once the broker confirmed it.
     let cancel = || async {
         let cancelled = link
             .consume
             .basic_cancel(tag.as_str().into(), BasicCancelOptions::default());
-        let _ = tokio::time::timeout(Duration::from_secs(2), cancelled).await;
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), cancelled).await,
+            Ok(Ok(()))
+        )
     };
     loop {
         tokio::select! {
             biased;
             () = shared.shutdown.cancelled() => {
-                cancel().await;
+                stopping(shared, link, deliveries, workers, cancel).await;
                 return LinkEnd::Stop;
             }
             Some(_) = workers.tasks.join_next(), if !workers.tasks.is_empty() => {}
@@ -315,13 +314,18 @@ async fn consume_on<C: Consumer>(
                 if is_idle(shared, link, &mut owed_said).await {
                     tracing::info!(queue = %shared.queue, "queue idle; stopping");
                     cancel().await;
+                    workers.finish(shared).await;
+                    crate::amqp::close(&link.connection, "idle").await;
                     return LinkEnd::Stop;
                 }
             }
             delivery = deliveries.next() => match delivery {
                 Some(Ok(delivery)) => match workers.dispatch(shared, link, delivery).await {
                     Handover::Handed => {}
-                    Handover::Stop => return LinkEnd::Stop,
+                    Handover::Stop => {
+                        stopping(shared, link, deliveries, workers, cancel).await;
+                        return LinkEnd::Stop;
+                    }
                     Handover::Lost => {
                         tracing::warn!("RabbitMQ connection lost while waiting for a free worker; reconnecting");
                         return LinkEnd::Reconnect;
@@ -337,6 +341,52 @@ async fn consume_on<C: Consumer>(
                 }
             }
         }
+    }
+}
+
+/// A stop: the work in flight finishes on this connection, which stays open until it has, and then closes. What the
+/// work commits is acknowledged, and what it gives back goes by a nack that is sent, not by a close racing it; closed
+/// first, every message in flight at a stop came round again as a duplicate.
+///
+/// Before the drain: a partition queue has one active consumer, and a cancel (lapin sends one when its consumer is
+/// dropped, too) makes a standby active at once, which would take the partition's later messages while this process
+/// still finishes an earlier one. So the consumer is kept until the connection closes, and the partition's messages
+/// go back, in order, with the close. Any other queue's deliveries prefetched but not taken go back now, for the
+/// other consumers, not after the drain.
+async fn stopping<C: Consumer, F: Future<Output = bool>>(
+    shared: &Shared<C>,
+    link: &Link,
+    mut deliveries: lapin::Consumer,
+    workers: &mut Workers,
+    cancel: impl FnOnce() -> F,
+) {
+    if shared.options.partitions.is_none() && cancel().await {
+        give_back_prefetched(link, &mut deliveries).await;
+    }
+    workers.finish(shared).await;
+    crate::amqp::close(&link.connection, "stopped").await;
+    drop(deliveries);
+}
+
+/// After a confirmed cancel: the deliveries the broker had sent before it that no worker took (lapin keeps them, then
+/// ends the stream) go back to the queue now. Bounded: a stream that does not end is left to the connection's close.
+async fn give_back_prefetched(link: &Link, deliveries: &mut lapin::Consumer) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    let mut given_back = 0_usize;
+    while let Ok(Some(Ok(delivery))) = tokio::time::timeout_at(deadline, deliveries.next()).await {
+        let nack = delivery.acker.nack(BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        });
+        if matches!(link.answer("a nack", nack).await, Some(Ok(true))) {
+            given_back += 1;
+        }
+    }
+    if given_back > 0 {
+        tracing::info!(
+            given_back,
+            "stopping: prefetched deliveries given back to the queue"
+        );
     }
 }
 
@@ -393,6 +443,7 @@ impl Workers {
         shared.in_flight.fetch_add(1, Ordering::SeqCst);
         *lock(&shared.last_activity) = Instant::now();
         link.outstanding.add(delivery.delivery_tag);
+        let acker = delivery.acker.clone();
         // The hand-over first: when a worker is free it is done at its first poll, and nothing else is set up.
         let handed = tokio::select! {
             biased;
@@ -400,9 +451,18 @@ impl Workers {
             () = shared.shutdown.cancelled() => Handover::Stop,
             () = link.lost() => Handover::Lost,
         };
-        // One not handed over stays outstanding: it is not settled, and no `multiple` ack may cover it.
+        // One not handed over stays outstanding: no `multiple` ack may cover it.
         if handed != Handover::Handed {
             shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        }
+        // At a stop it goes back now, for the other consumers, rather than at the close after the drain; a partition
+        // queue's goes back at the close, in order ([`stopping`]).
+        if handed == Handover::Stop && shared.options.partitions.is_none() {
+            let nack = acker.nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            });
+            let _ = link.answer("a nack", nack).await;
         }
         handed
     }
@@ -437,7 +497,7 @@ impl Workers {
     }
 
     /// The batch workers end once the deliveries queued for them are done; then everything in flight is drained.
-    async fn finish<C: Consumer>(mut self, shared: &Shared<C>) {
+    async fn finish<C: Consumer>(&mut self, shared: &Shared<C>) {
         self.batches.take();
         drain(shared, &mut self.tasks).await;
         shared

@@ -1035,3 +1035,51 @@ async fn the_worker_goes_on_past_connections_gone_silent() {
     assert_eq!((rows, parcels), (PARCELS, PARCELS), "{}", consumer.stderr());
     consumer.terminate();
 }
+
+/// A stop while the effects worker has a carrier call in flight (the stub answers in 8 s; `--shutdown-timeout 1s`):
+/// the process ends within the timeout and a little more, not when the call ends. The call is given up like a crash's:
+/// it stays `started` for the next run (what that run does with it is the crash matrices' to prove).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_with_a_call_in_flight_ends_within_the_shutdown_timeout() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"delayMs": 8000, "delayDestination": "Slow"}))
+        .await;
+    publish_to(&env, "Slow", 1);
+    let mut consumer = env.spawn(&consume_args(
+        &stub,
+        "after-commit",
+        &[
+            "--carrier-timeout",
+            "10s",
+            "--effect-lease",
+            "20s",
+            "--shutdown-timeout",
+            "1s",
+        ],
+    ));
+    let pool = env.pool().await;
+    common::eventually("the call under way", Duration::from_secs(30), || async {
+        state_of(&pool, "Slow").await.as_deref() == Some("started")
+    })
+    .await;
+    let asked = Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let took = asked.elapsed();
+    assert!(took < Duration::from_secs(5), "stopped in {took:?}");
+    assert!(
+        consumer
+            .stderr()
+            .contains("abandoning the carrier calls in flight"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(state_of(&pool, "Slow").await.as_deref(), Some("started"));
+}

@@ -126,9 +126,12 @@ pub async fn consume_guarded<G: WorkGuard>(
                             wake: Arc::clone(&wake),
                             bound: config.attempt_timeout(),
                         };
-                        // The worker goes on making the calls owed until the consumer has stopped.
-                        let stop_worker = CancellationToken::new();
+                        // The worker makes the calls owed until a stop is asked for (then it starts no new call)
+                        // or the consumer stops on its own (idle, with no call owed).
+                        let stop_worker = shutdown.child_token();
                         let working = tokio::spawn(worker.run(stop_worker.clone()));
+                        let deadline =
+                            effects::worker::stop_deadline(&shutdown, options.shutdown_timeout);
                         let carrier = effects::DeferredCarrier {
                             mode,
                             consumer_type: consumer_type.clone(),
@@ -144,7 +147,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                         };
                         let ran = super::run(guard, consumer, broker, options, shutdown).await;
                         stop_worker.cancel();
-                        let _ = working.await;
+                        effects::worker::finish(working, &deadline).await;
                         ran
                     }
                 }

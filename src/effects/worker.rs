@@ -42,6 +42,47 @@ pub struct Worker {
     pub bound: Duration,
 }
 
+/// When the calls still in flight at a stop are given up: `shutdown_timeout` after the stop was asked for, as for the
+/// consumer's own work in flight. Set when the stop comes; until then, unset.
+pub fn stop_deadline(
+    shutdown: &CancellationToken,
+    shutdown_timeout: Duration,
+) -> Arc<std::sync::OnceLock<tokio::time::Instant>> {
+    let deadline = Arc::new(std::sync::OnceLock::new());
+    let set = Arc::clone(&deadline);
+    let shutdown = shutdown.clone();
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        let _ = set.set(tokio::time::Instant::now() + shutdown_timeout);
+    });
+    deadline
+}
+
+/// Waits for a stopped worker's calls in flight until `deadline` (none set: the consumer stopped on its own, and the
+/// calls are waited for; each is bounded by the carrier's timeout). Past it they are given up like a crash's: each
+/// stays `started` under its lease, and the next run looks it up or makes it again with the same key (at most once: it
+/// is listed in doubt).
+pub async fn finish(
+    mut working: tokio::task::JoinHandle<()>,
+    deadline: &std::sync::OnceLock<tokio::time::Instant>,
+) {
+    let Some(deadline) = deadline.get().copied() else {
+        let _ = working.await;
+        return;
+    };
+    if tokio::time::timeout_at(deadline, &mut working)
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "shutdown timeout reached: abandoning the carrier calls in flight; each stays started, and the next run \
+             looks it up or makes it again with the same key"
+        );
+        working.abort();
+        let _ = working.await;
+    }
+}
+
 impl Worker {
     /// Makes the calls owed until `shutdown`; then waits for those in flight (each bounded by the carrier timeout).
     pub async fn run(self, shutdown: CancellationToken) {

@@ -1238,3 +1238,32 @@ async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
         "the one under way finished"
     );
 }
+
+/// `--exit-when-idle`: a message that arrives between the look at the queue that finds it idle and the cancel (the
+/// window held open 3 s by a failpoint) is delivered to the stopping consumer. It is processed before the process
+/// ends, not left on the queue for the next run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_arriving_as_the_queue_is_found_idle_is_processed_before_the_exit() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier", "--exit-when-idle", "200ms"],
+        &[("INBOXCTL_FAILPOINTS", "idle-stopping=sleep-once-3000")],
+    );
+    consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
+    common::publish_parcels(&env, &["--count", "1"]);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        1,
+        "processed before the exit:\n{}",
+        consumer.stderr()
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}

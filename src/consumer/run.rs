@@ -313,7 +313,20 @@ async fn consume_on<C: Consumer>(
             _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
                 if is_idle(shared, link, &mut owed_said).await {
                     tracing::info!(queue = %shared.queue, "queue idle; stopping");
-                    cancel().await;
+                    crate::failpoint::hit("idle-stopping").await;
+                    // What the broker sent before the cancel took effect (arrived since the queue was looked at) is
+                    // this consumer's: it is processed before the process ends, not left behind for the next run. A
+                    // partition queue is not cancelled (a standby would take the partition's later messages at once,
+                    // [`stopping`]): what it sent goes back, in order, with the close.
+                    if shared.options.partitions.is_none() && cancel().await {
+                        while let Ok(Some(Ok(delivery))) =
+                            tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await
+                        {
+                            if workers.dispatch(shared, link, delivery).await != Handover::Handed {
+                                break;
+                            }
+                        }
+                    }
                     workers.finish(shared).await;
                     crate::amqp::close(&link.connection, "idle").await;
                     return LinkEnd::Stop;

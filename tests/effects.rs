@@ -1083,3 +1083,33 @@ async fn a_stop_with_a_call_in_flight_ends_within_the_shutdown_timeout() {
     );
     assert_eq!(state_of(&pool, "Slow").await.as_deref(), Some("started"));
 }
+
+/// `--exit-when-idle` after commit: a parcel published between the look at the queue that finds it idle and the
+/// cancel (held open 3 s by a failpoint) is processed before the exit, and so is the carrier call its commit owes:
+/// the process ends with no call owed, as idle means.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_parcel_arriving_as_the_queue_is_found_idle_has_its_call_made_before_the_exit() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let stub = Stub::start(&env, &[]);
+    let mut consumer = env.spawn_with(
+        &consume_args(&stub, "after-commit", &["--exit-when-idle", "200ms"]),
+        &[("INBOXCTL_FAILPOINTS", "idle-stopping=sleep-once-3000")],
+    );
+    consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
+    publish_to(&env, "Late", 1);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        state_of(&pool, "Late").await.as_deref(),
+        Some("done"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(env.queue_counts(common::CARRIER_QUEUE), (0, 0));
+}

@@ -120,11 +120,18 @@ pub(super) async fn settle_acker<C: Consumer>(
                     () = link.given_up() => {}
                 }
             }
-            let nack = acker.nack(BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            });
-            link.answer("a nack", nack).await
+            if shared.options.partitions.is_some() && shared.shutdown.is_cancelled() {
+                // A partition queue at a stop: its consumer stays active until the connection closes, so a nack would
+                // hand the message straight back to it, behind the partition's later messages it holds. The close
+                // gives them all back, in order.
+                None
+            } else {
+                let nack = acker.nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                });
+                link.answer("a nack", nack).await
+            }
         }
     };
     // `Ok(false)`: settled already (by the clean-up after a panic), or its channel closed (lapin's acker poisoned);

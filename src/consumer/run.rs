@@ -218,8 +218,13 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
             .store(false, Ordering::Relaxed);
         crate::amqp::close(&link.connection, "reconnecting").await;
     }
-    workers.finish(&shared).await;
+    workers.finish(&shared, stop_deadline(&shared)).await;
     Ok(())
+}
+
+/// When the work in flight at a stop is given up: the shutdown timeout from now (the stop has just been seen).
+fn stop_deadline<C: Consumer>(shared: &Shared<C>) -> tokio::time::Instant {
+    tokio::time::Instant::now() + shared.options.shutdown_timeout
 }
 
 /// Why consuming on one connection ended.
@@ -318,6 +323,7 @@ async fn consume_on<C: Consumer>(
                     // this consumer's: it is processed before the process ends, not left behind for the next run. A
                     // partition queue is not cancelled (a standby would take the partition's later messages at once,
                     // [`stopping`]): what it sent goes back, in order, with the close.
+                    let mut late = 0_usize;
                     if shared.options.partitions.is_none() && cancel().await {
                         while let Ok(Some(Ok(delivery))) =
                             tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await
@@ -325,9 +331,20 @@ async fn consume_on<C: Consumer>(
                             if workers.dispatch(shared, link, delivery).await != Handover::Handed {
                                 break;
                             }
+                            late += 1;
                         }
                     }
-                    workers.finish(shared).await;
+                    workers.finish(shared, stop_deadline(shared)).await;
+                    // Those may have left calls owed after their commits: idle means none owed, as before.
+                    if late > 0 {
+                        while !shared.shutdown.is_cancelled()
+                            && owed_calls(shared).await.is_none_or(|owed| owed > 0)
+                        {
+                            if sleep_or_cancel(Duration::from_millis(100), &shared.shutdown).await {
+                                break;
+                            }
+                        }
+                    }
                     crate::amqp::close(&link.connection, "idle").await;
                     return LinkEnd::Stop;
                 }
@@ -373,10 +390,12 @@ async fn stopping<C: Consumer, F: Future<Output = bool>>(
     workers: &mut Workers,
     cancel: impl FnOnce() -> F,
 ) {
+    // Counted from the stop, not from the end of what comes before the drain.
+    let deadline = stop_deadline(shared);
     if shared.options.partitions.is_none() && cancel().await {
         give_back_prefetched(link, &mut deliveries).await;
     }
-    workers.finish(shared).await;
+    workers.finish(shared, deadline).await;
     crate::amqp::close(&link.connection, "stopped").await;
     drop(deliveries);
 }
@@ -391,7 +410,12 @@ async fn give_back_prefetched(link: &Link, deliveries: &mut lapin::Consumer) {
             multiple: false,
             requeue: true,
         });
-        if matches!(link.answer("a nack", nack).await, Some(Ok(true))) {
+        // A nack has no reply: it is done once its frame is handed to the connection. Bounded all the same, by the
+        // give-back's deadline rather than the broker timeout.
+        if matches!(
+            tokio::time::timeout_at(deadline, link.answer("a nack", nack)).await,
+            Ok(Some(Ok(true)))
+        ) {
             given_back += 1;
         }
     }
@@ -475,7 +499,7 @@ impl Workers {
                 multiple: false,
                 requeue: true,
             });
-            let _ = link.answer("a nack", nack).await;
+            let _ = tokio::time::timeout(Duration::from_secs(2), link.answer("a nack", nack)).await;
         }
         handed
     }
@@ -510,9 +534,9 @@ impl Workers {
     }
 
     /// The batch workers end once the deliveries queued for them are done; then everything in flight is drained.
-    async fn finish<C: Consumer>(&mut self, shared: &Shared<C>) {
+    async fn finish<C: Consumer>(&mut self, shared: &Shared<C>, deadline: tokio::time::Instant) {
         self.batches.take();
-        drain(shared, &mut self.tasks).await;
+        drain(shared, &mut self.tasks, deadline).await;
         shared
             .counts
             .broker_connected
@@ -590,36 +614,49 @@ pub(super) async fn is_idle<C: Consumer>(
     ) {
         return false;
     }
+    match owed_calls(shared).await {
+        Some(0) => true,
+        Some(owed) => {
+            if !std::mem::replace(owed_said, true) {
+                tracing::info!(owed, "queue idle; waiting for the calls owed after commits");
+            }
+            false
+        }
+        None => false,
+    }
+}
+
+/// How many calls this consumer type still owes after commits (an effects worker in this process makes them): 0 when
+/// it has no such worker; `None` if they could not be counted.
+async fn owed_calls<C: Consumer>(shared: &Shared<C>) -> Option<i64> {
     let Some(effects) = &shared.options.owed_effects else {
-        return true;
+        return Some(0);
     };
     let ct = effects.consumer_type.as_str();
     let owed = crate::db::bounded!(&effects.pool, shared.options.attempt_timeout, |conn| {
         crate::db::external::owed(conn, ct)
     });
     match owed.await {
-        Ok(0) => true,
-        Ok(owed) => {
-            if !std::mem::replace(owed_said, true) {
-                tracing::info!(owed, "queue idle; waiting for the calls owed after commits");
-            }
-            false
-        }
+        Ok(owed) => Some(owed),
         Err(e) => {
             tracing::debug!(error = %e, "could not count the calls owed; not idle yet");
-            false
+            None
         }
     }
 }
 
-/// Waits for in-flight deliveries up to the shutdown timeout; past it, abandons them: their transactions roll back
+/// Waits for in-flight deliveries until `deadline` (the shutdown timeout after the stop was asked for); past it, abandons them: their transactions roll back
 /// with their connections and the broker delivers the messages again.
-pub(super) async fn drain<C: Consumer>(shared: &Shared<C>, tasks: &mut JoinSet<()>) {
+pub(super) async fn drain<C: Consumer>(
+    shared: &Shared<C>,
+    tasks: &mut JoinSet<()>,
+    deadline: tokio::time::Instant,
+) {
     if tasks.is_empty() {
         return;
     }
     tracing::info!(in_flight = tasks.len(), "waiting for in-flight messages");
-    let finished = tokio::time::timeout(shared.options.shutdown_timeout, async {
+    let finished = tokio::time::timeout_at(deadline, async {
         while tasks.join_next().await.is_some() {}
     })
     .await;

@@ -130,8 +130,8 @@ pub async fn consume_guarded<G: WorkGuard>(
                         // or the consumer stops on its own (idle, with no call owed).
                         let stop_worker = shutdown.child_token();
                         let working = tokio::spawn(worker.run(stop_worker.clone()));
-                        let deadline =
-                            effects::worker::stop_deadline(&shutdown, options.shutdown_timeout);
+                        let shutdown_timeout = options.shutdown_timeout;
+                        let deadline = effects::worker::stop_deadline(&shutdown, shutdown_timeout);
                         let carrier = effects::DeferredCarrier {
                             mode,
                             consumer_type: consumer_type.clone(),
@@ -145,9 +145,11 @@ pub async fn consume_guarded<G: WorkGuard>(
                             }),
                             ..options
                         };
-                        let ran = super::run(guard, consumer, broker, options, shutdown).await;
+                        let ran =
+                            super::run(guard, consumer, broker, options, shutdown.clone()).await;
                         stop_worker.cancel();
-                        effects::worker::finish(working, &deadline).await;
+                        effects::worker::finish(working, &shutdown, shutdown_timeout, &deadline)
+                            .await;
                         ran
                     }
                 }

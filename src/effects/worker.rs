@@ -64,9 +64,17 @@ pub fn stop_deadline(
 /// is listed in doubt).
 pub async fn finish(
     mut working: tokio::task::JoinHandle<()>,
+    shutdown: &CancellationToken,
+    shutdown_timeout: Duration,
     deadline: &std::sync::OnceLock<tokio::time::Instant>,
 ) {
-    let Some(deadline) = deadline.get().copied() else {
+    // A stop asked for whose deadline's task has not run yet: counted from now.
+    let deadline = deadline.get().copied().or_else(|| {
+        shutdown
+            .is_cancelled()
+            .then(|| tokio::time::Instant::now() + shutdown_timeout)
+    });
+    let Some(deadline) = deadline else {
         let _ = working.await;
         return;
     };

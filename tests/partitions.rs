@@ -442,3 +442,101 @@ async fn a_clean_stop_of_the_active_consumer_keeps_each_parcels_order() {
         "the parcel's effects in the order its events were published"
     );
 }
+
+/// A stop while the active consumer of a partition waits to retry a parcel's first event (its carrier fails for the
+/// destination; the next attempt 30 s away), the parcel's later events held by it meanwhile, a standby waiting. The
+/// wait is cut short, and the event is not nacked: the consumer is still the partition's active one, so a nack would
+/// hand the event straight back to it, behind the later ones. The close gives all five back in order, and the
+/// standby (whose carrier does not fail) books them in the order they were published. On both queue types.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_retry_wait_keeps_the_partitions_order() {
+    for queue_type in ["classic", "quorum"] {
+        stop_during_a_retry_wait_keeps_order(queue_type).await;
+    }
+}
+
+async fn stop_during_a_retry_wait_keeps_order(queue_type: &str) {
+    let env = TestEnv::migrated().await;
+    let args = [
+        "consume",
+        "carrier",
+        "--queue",
+        QUEUE,
+        "--partitions",
+        "1",
+        "--partition-key",
+        "parcelId",
+        "--prefetch",
+        "16",
+        "--queue-type",
+        queue_type,
+    ];
+    let failing: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain([
+            "--fail-destination",
+            "Late",
+            "--retry-delay",
+            "30s",
+            "--max-attempts",
+            "5",
+        ])
+        .collect();
+    let mut active = env.spawn(&failing);
+    active.wait_for_stderr("consuming", Duration::from_secs(30));
+    let mut standby = env.spawn(&args);
+    standby.wait_for_stderr("consuming", Duration::from_secs(30));
+    common::capture_queue(&env.amqp().await, EVENT_EXCHANGE, "capture").await;
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "1",
+        "--events-per-parcel",
+        "5",
+        "--partition-key",
+        "parcelId",
+        "--destination",
+        "Late",
+    ]);
+    assert_eq!(publisher.wait(Duration::from_secs(60)), Some(0));
+    active.wait_for_stderr("attempt failed", Duration::from_secs(30));
+    // The later four reach the active consumer's prefetch meanwhile.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    active.terminate();
+    assert_eq!(
+        active.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        active.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "the retry's wait cut short by the stop"
+    );
+    let pool = env.pool().await;
+    common::eventually(
+        "every event's effect, by the standby",
+        Duration::from_secs(60),
+        || async { common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 5 },
+    )
+    .await;
+    let published: Vec<Uuid> = published_order(&env, "capture")
+        .await
+        .into_iter()
+        .map(|(message, _)| message)
+        .collect();
+    let processed: Vec<Uuid> =
+        sqlx::query_scalar("SELECT message_id FROM carrier_reservations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    standby.terminate();
+    assert_eq!(standby.wait(Duration::from_secs(30)), Some(0));
+    assert_eq!(
+        processed, published,
+        "on {queue_type} queues, the parcel's effects in the order its events were published"
+    );
+}

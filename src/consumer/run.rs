@@ -318,34 +318,7 @@ async fn consume_on<C: Consumer>(
             _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
                 if is_idle(shared, link, &mut owed_said).await {
                     tracing::info!(queue = %shared.queue, "queue idle; stopping");
-                    crate::failpoint::hit("idle-stopping").await;
-                    // What the broker sent before the cancel took effect (arrived since the queue was looked at) is
-                    // this consumer's: it is processed before the process ends, not left behind for the next run. A
-                    // partition queue is not cancelled (a standby would take the partition's later messages at once,
-                    // [`stopping`]): what it sent goes back, in order, with the close.
-                    let mut late = 0_usize;
-                    if shared.options.partitions.is_none() && cancel().await {
-                        while let Ok(Some(Ok(delivery))) =
-                            tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await
-                        {
-                            if workers.dispatch(shared, link, delivery).await != Handover::Handed {
-                                break;
-                            }
-                            late += 1;
-                        }
-                    }
-                    workers.finish(shared, stop_deadline(shared)).await;
-                    // Those may have left calls owed after their commits: idle means none owed, as before.
-                    if late > 0 {
-                        while !shared.shutdown.is_cancelled()
-                            && owed_calls(shared).await.is_none_or(|owed| owed > 0)
-                        {
-                            if sleep_or_cancel(Duration::from_millis(100), &shared.shutdown).await {
-                                break;
-                            }
-                        }
-                    }
-                    crate::amqp::close(&link.connection, "idle").await;
+                    idle_stop(shared, link, deliveries, workers, cancel).await;
                     return LinkEnd::Stop;
                 }
             }
@@ -397,6 +370,44 @@ async fn stopping<C: Consumer, F: Future<Output = bool>>(
     }
     workers.finish(shared, deadline).await;
     crate::amqp::close(&link.connection, "stopped").await;
+    drop(deliveries);
+}
+
+/// `--exit-when-idle`, the queue found idle. What the broker sent before the cancel took effect (arrived since the
+/// queue was looked at) is this consumer's: it is processed before the process ends, not left behind for the next
+/// run, and so are the calls its commits owe. A partition queue is not cancelled (a standby would take the
+/// partition's later messages at once, [`stopping`]): what it sent goes back, in order, with the close.
+async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
+    shared: &Arc<Shared<C>>,
+    link: &Arc<Link>,
+    mut deliveries: lapin::Consumer,
+    workers: &mut Workers,
+    cancel: impl FnOnce() -> F,
+) {
+    crate::failpoint::hit("idle-stopping").await;
+    let mut late = 0_usize;
+    if shared.options.partitions.is_none() && cancel().await {
+        while let Ok(Some(Ok(delivery))) =
+            tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await
+        {
+            if workers.dispatch(shared, link, delivery).await != Handover::Handed {
+                break;
+            }
+            late += 1;
+        }
+    }
+    workers.finish(shared, stop_deadline(shared)).await;
+    // Idle means no call owed, as [`is_idle`] found before these came.
+    if late > 0 {
+        while !shared.shutdown.is_cancelled()
+            && owed_calls(shared).await.is_none_or(|owed| owed > 0)
+        {
+            if sleep_or_cancel(Duration::from_millis(100), &shared.shutdown).await {
+                break;
+            }
+        }
+    }
+    crate::amqp::close(&link.connection, "idle").await;
     drop(deliveries);
 }
 

@@ -1267,3 +1267,34 @@ async fn a_message_arriving_as_the_queue_is_found_idle_is_processed_before_the_e
     );
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
+
+/// `--exit-when-idle`: a stop (SIGTERM) that comes while the idle check waits on the broker's answer about the queue's
+/// depth (held for ever by a failpoint, as by a broker that stopped answering) ends the process at once, not after
+/// `--broker-timeout` (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_is_not_held_by_the_idle_checks_look_at_the_queue() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier", "--exit-when-idle", "200ms"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=pause@a look at the queue's depth",
+        )],
+    );
+    consumer.wait_for_stderr("failpoint broker-answer reached", Duration::from_secs(30));
+    let asked = std::time::Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "stopped in {:?}:\n{}",
+        asked.elapsed(),
+        consumer.stderr()
+    );
+}

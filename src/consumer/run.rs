@@ -316,10 +316,24 @@ async fn consume_on<C: Consumer>(
                 }
             }
             _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
-                if is_idle(shared, link, &mut owed_said).await {
-                    tracing::info!(queue = %shared.queue, "queue idle; stopping");
-                    idle_stop(shared, link, deliveries, workers, cancel).await;
-                    return LinkEnd::Stop;
+                // The look at the queue waits on the broker (up to `--broker-timeout`) and the count of calls owed on
+                // the database: a stop meanwhile is not held by either.
+                let idle = tokio::select! {
+                    biased;
+                    () = shared.shutdown.cancelled() => None,
+                    idle = is_idle(shared, link, &mut owed_said) => Some(idle),
+                };
+                match idle {
+                    None => {
+                        stopping(shared, link, deliveries, workers, cancel).await;
+                        return LinkEnd::Stop;
+                    }
+                    Some(true) => {
+                        tracing::info!(queue = %shared.queue, "queue idle; stopping");
+                        idle_stop(shared, link, deliveries, workers, cancel).await;
+                        return LinkEnd::Stop;
+                    }
+                    Some(false) => {}
                 }
             }
             delivery = deliveries.next() => match delivery {

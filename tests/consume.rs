@@ -1298,3 +1298,34 @@ async fn a_stop_is_not_held_by_the_idle_checks_look_at_the_queue() {
         consumer.stderr()
     );
 }
+
+/// A stop (SIGTERM) that comes while the consumer waits for the broker to start its consuming (`basic.consume`, held
+/// for ever by a failpoint, as by a broker that stopped answering) ends the process at once, not after
+/// `--broker-timeout` (30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_is_not_held_by_the_start_of_consuming() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=pause@the start of consuming",
+        )],
+    );
+    consumer.wait_for_stderr("failpoint broker-answer reached", Duration::from_secs(30));
+    let asked = std::time::Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "stopped in {:?}:\n{}",
+        asked.elapsed(),
+        consumer.stderr()
+    );
+}

@@ -278,7 +278,18 @@ async fn consume_on<C: Consumer>(
         std::process::id(),
         Uuid::new_v4().simple()
     );
-    let Some(mut deliveries) = start_consuming(shared, link, &tag).await else {
+    // Waits on the broker (up to `--broker-timeout`): a stop meanwhile is not held by it. Work from an earlier
+    // connection may still be in flight: drained as at any stop.
+    let started = tokio::select! {
+        biased;
+        () = shared.shutdown.cancelled() => {
+            workers.finish(shared, stop_deadline(shared)).await;
+            crate::amqp::close(&link.connection, "stopped").await;
+            return LinkEnd::Stop;
+        }
+        started = start_consuming(shared, link, &tag) => started,
+    };
+    let Some(mut deliveries) = started else {
         return LinkEnd::Reconnect;
     };
     *lock(&shared.last_activity) = Instant::now();

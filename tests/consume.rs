@@ -1273,30 +1273,11 @@ async fn a_message_arriving_as_the_queue_is_found_idle_is_processed_before_the_e
 /// `--broker-timeout` (30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_is_not_held_by_the_idle_checks_look_at_the_queue() {
-    let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
-    let mut consumer = env.spawn_with(
+    a_stop_is_not_held_by_the_broker_answering(
         &["consume", "carrier", "--exit-when-idle", "200ms"],
-        &[(
-            "INBOXCTL_FAILPOINTS",
-            "broker-answer=pause@a look at the queue's depth",
-        )],
-    );
-    consumer.wait_for_stderr("failpoint broker-answer reached", Duration::from_secs(30));
-    let asked = std::time::Instant::now();
-    consumer.terminate();
-    assert_eq!(
-        consumer.wait(Duration::from_secs(60)),
-        Some(0),
-        "{}",
-        consumer.stderr()
-    );
-    assert!(
-        asked.elapsed() < Duration::from_secs(10),
-        "stopped in {:?}:\n{}",
-        asked.elapsed(),
-        consumer.stderr()
-    );
+        "a look at the queue's depth",
+    )
+    .await;
 }
 
 /// A stop (SIGTERM) that comes while the consumer waits for the broker to start its consuming (`basic.consume`, held
@@ -1304,15 +1285,16 @@ async fn a_stop_is_not_held_by_the_idle_checks_look_at_the_queue() {
 /// `--broker-timeout` (30 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_is_not_held_by_the_start_of_consuming() {
+    a_stop_is_not_held_by_the_broker_answering(&["consume", "carrier"], "the start of consuming")
+        .await;
+}
+
+/// Runs `args` with the broker's answer to `call` held for ever, then stops it: it must end at once.
+async fn a_stop_is_not_held_by_the_broker_answering(args: &[&str], call: &str) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
-    let mut consumer = env.spawn_with(
-        &["consume", "carrier"],
-        &[(
-            "INBOXCTL_FAILPOINTS",
-            "broker-answer=pause@the start of consuming",
-        )],
-    );
+    let held = format!("broker-answer=pause@{call}");
+    let mut consumer = env.spawn_with(args, &[("INBOXCTL_FAILPOINTS", held.as_str())]);
     consumer.wait_for_stderr("failpoint broker-answer reached", Duration::from_secs(30));
     let asked = std::time::Instant::now();
     consumer.terminate();

@@ -36,6 +36,7 @@ mod guard;
 mod poison;
 mod run;
 pub mod start;
+mod stop;
 
 pub use self::config::Config;
 pub use self::guard::WorkGuard;

@@ -1,6 +1,5 @@
 //! The run loop: one broker connection after another (reconnecting with backoff), deliveries handed to workers —
-//! a task per delivery, or batch workers — while PostgreSQL is up, and at a stop, the work in flight drained within
-//! the shutdown timeout.
+//! a task per delivery, or batch workers — while PostgreSQL is up. How it ends (a stop, or idle) is in `stop.rs`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,6 +17,7 @@ use uuid::Uuid;
 use super::acks::Outstanding;
 use super::dead_letters::DeadLetters;
 use super::dispatch::handle;
+use super::stop::{drain, idle_stop, is_idle, stop_deadline, stopping};
 use super::{Consumer, WorkGuard};
 use super::{
     ConsumerOptions, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, RunSummary, Shared, lock, sleep_or_cancel,
@@ -37,7 +37,7 @@ pub(super) struct Link {
     /// The tags of deliveries on `consume` not settled yet.
     pub(super) outstanding: Outstanding,
     /// Cancelled when RabbitMQ did not answer within `broker_timeout`: the run loop then drops the connection.
-    given_up: CancellationToken,
+    pub(super) given_up: CancellationToken,
     broker_timeout: Duration,
 }
 
@@ -222,11 +222,6 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
     Ok(())
 }
 
-/// When the work in flight at a stop is given up: the shutdown timeout from now (the stop has just been seen).
-fn stop_deadline<C: Consumer>(shared: &Shared<C>) -> tokio::time::Instant {
-    tokio::time::Instant::now() + shared.options.shutdown_timeout
-}
-
 /// Why consuming on one connection ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LinkEnd {
@@ -372,100 +367,9 @@ async fn consume_on<C: Consumer>(
     }
 }
 
-/// A stop: the work in flight finishes on this connection, which stays open until it has, and then closes. What the
-/// work commits is acknowledged, and what it gives back goes by a nack that is sent, not by a close racing it; closed
-/// first, every message in flight at a stop came round again as a duplicate.
-///
-/// Before the drain: a partition queue has one active consumer, and a cancel (lapin sends one when its consumer is
-/// dropped, too) makes a standby active at once, which would take the partition's later messages while this process
-/// still finishes an earlier one. So the consumer is kept until the connection closes, and the partition's messages
-/// go back, in order, with the close. Any other queue's deliveries prefetched but not taken go back now, for the
-/// other consumers, not after the drain.
-async fn stopping<C: Consumer, F: Future<Output = bool>>(
-    shared: &Shared<C>,
-    link: &Link,
-    mut deliveries: lapin::Consumer,
-    workers: &mut Workers,
-    cancel: impl FnOnce() -> F,
-) {
-    // Counted from the stop, not from the end of what comes before the drain.
-    let deadline = stop_deadline(shared);
-    if shared.options.partitions.is_none() && cancel().await {
-        give_back_prefetched(link, &mut deliveries).await;
-    }
-    workers.finish(shared, deadline).await;
-    crate::amqp::close(&link.connection, "stopped").await;
-    drop(deliveries);
-}
-
-/// `--exit-when-idle`, the queue found idle. What the broker sent before the cancel took effect (arrived since the
-/// queue was looked at) is this consumer's: it is processed before the process ends, not left behind for the next
-/// run, and so are the calls its commits owe. A partition queue is not cancelled (a standby would take the
-/// partition's later messages at once, [`stopping`]): what it sent goes back, in order, with the close.
-async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
-    shared: &Arc<Shared<C>>,
-    link: &Arc<Link>,
-    mut deliveries: lapin::Consumer,
-    workers: &mut Workers,
-    cancel: impl FnOnce() -> F,
-) {
-    crate::failpoint::hit("idle-stopping").await;
-    let mut late = 0_usize;
-    if shared.options.partitions.is_none() && cancel().await {
-        while let Ok(Some(Ok(delivery))) =
-            tokio::time::timeout(Duration::from_secs(2), deliveries.next()).await
-        {
-            if workers.dispatch(shared, link, delivery).await != Handover::Handed {
-                break;
-            }
-            late += 1;
-        }
-    }
-    workers.finish(shared, stop_deadline(shared)).await;
-    // Idle means no call owed, as [`is_idle`] found before these came.
-    if late > 0 {
-        while !shared.shutdown.is_cancelled()
-            && owed_calls(shared).await.is_none_or(|owed| owed > 0)
-        {
-            if sleep_or_cancel(Duration::from_millis(100), &shared.shutdown).await {
-                break;
-            }
-        }
-    }
-    crate::amqp::close(&link.connection, "idle").await;
-    drop(deliveries);
-}
-
-/// After a confirmed cancel: the deliveries the broker had sent before it that no worker took (lapin keeps them, then
-/// ends the stream) go back to the queue now. Bounded: a stream that does not end is left to the connection's close.
-async fn give_back_prefetched(link: &Link, deliveries: &mut lapin::Consumer) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-    let mut given_back = 0_usize;
-    while let Ok(Some(Ok(delivery))) = tokio::time::timeout_at(deadline, deliveries.next()).await {
-        let nack = delivery.acker.nack(BasicNackOptions {
-            multiple: false,
-            requeue: true,
-        });
-        // A nack has no reply: it is done once its frame is handed to the connection. Bounded all the same, by the
-        // give-back's deadline rather than the broker timeout.
-        if matches!(
-            tokio::time::timeout_at(deadline, link.answer("a nack", nack)).await,
-            Ok(Some(Ok(true)))
-        ) {
-            given_back += 1;
-        }
-    }
-    if given_back > 0 {
-        tracing::info!(
-            given_back,
-            "stopping: prefetched deliveries given back to the queue"
-        );
-    }
-}
-
 /// What became of a delivery the consume loop received.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Handover {
+pub(super) enum Handover {
     /// A worker has it.
     Handed,
     /// A stop was asked for first.
@@ -476,8 +380,8 @@ enum Handover {
 
 /// Who handles the deliveries: a task each (at most `concurrency` at once), or, batched, a few batch workers fed
 /// through a queue.
-struct Workers {
-    tasks: JoinSet<()>,
+pub(super) struct Workers {
+    pub(super) tasks: JoinSet<()>,
     permits: Arc<Semaphore>,
     batches: Option<mpsc::Sender<batch::Queued>>,
 }
@@ -507,7 +411,7 @@ impl Workers {
     /// Hands a delivery to a worker once PostgreSQL is up and a worker is free. While it waits, the consume loop
     /// waits too: a stop, or the link lost (a worker's broker call given up, or the connection seen closed), ends
     /// the wait, and the delivery, not handed over, comes again on a new connection.
-    async fn dispatch<C: Consumer>(
+    pub(super) async fn dispatch<C: Consumer>(
         &mut self,
         shared: &Arc<Shared<C>>,
         link: &Arc<Link>,
@@ -516,8 +420,8 @@ impl Workers {
         shared.in_flight.fetch_add(1, Ordering::SeqCst);
         *lock(&shared.last_activity) = Instant::now();
         link.outstanding.add(delivery.delivery_tag);
-        let acker = delivery.acker.clone();
         // The hand-over first: when a worker is free it is done at its first poll, and nothing else is set up.
+        let tag = delivery.delivery_tag;
         let handed = tokio::select! {
             biased;
             handed = self.hand_over(shared, link, delivery) => handed,
@@ -531,10 +435,12 @@ impl Workers {
         // At a stop it goes back now, for the other consumers, rather than at the close after the drain; a partition
         // queue's goes back at the close, in order ([`stopping`]).
         if handed == Handover::Stop && shared.options.partitions.is_none() {
-            let nack = acker.nack(BasicNackOptions {
+            // Its acker went with the hand-over, unused: the nack goes by its tag.
+            let options = BasicNackOptions {
                 multiple: false,
                 requeue: true,
-            });
+            };
+            let nack = link.consume.basic_nack(tag, options);
             let _ = tokio::time::timeout(Duration::from_secs(2), link.answer("a nack", nack)).await;
         }
         handed
@@ -570,7 +476,11 @@ impl Workers {
     }
 
     /// The batch workers end once the deliveries queued for them are done; then everything in flight is drained.
-    async fn finish<C: Consumer>(&mut self, shared: &Shared<C>, deadline: tokio::time::Instant) {
+    pub(super) async fn finish<C: Consumer>(
+        &mut self,
+        shared: &Shared<C>,
+        deadline: tokio::time::Instant,
+    ) {
         self.batches.take();
         drain(shared, &mut self.tasks, deadline).await;
         shared
@@ -624,86 +534,5 @@ pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
     tokio::select! {
         () = shared.shutdown.cancelled() => false,
         result = up.wait_for(|up| *up) => result.is_ok(),
-    }
-}
-
-/// Idle: nothing in flight, nothing arrived for `--exit-when-idle`, the queue empty, and no call owed after a commit
-/// (an effect worker in this process makes them; a call that keeps failing ends pending or failed after its
-/// attempts, so the wait is bounded).
-pub(super) async fn is_idle<C: Consumer>(
-    shared: &Shared<C>,
-    link: &Link,
-    owed_said: &mut bool,
-) -> bool {
-    let Some(idle_after) = shared.options.exit_when_idle else {
-        return false;
-    };
-    if shared.in_flight.load(Ordering::SeqCst) > 0
-        || lock(&shared.last_activity).elapsed() < idle_after
-    {
-        return false;
-    }
-    let depth = topology::queue_depth(&link.connection, &shared.queue);
-    if !matches!(
-        link.answer("a look at the queue's depth", depth).await,
-        Some(Ok(Some((0, _))))
-    ) {
-        return false;
-    }
-    match owed_calls(shared).await {
-        Some(0) => true,
-        Some(owed) => {
-            if !std::mem::replace(owed_said, true) {
-                tracing::info!(owed, "queue idle; waiting for the calls owed after commits");
-            }
-            false
-        }
-        None => false,
-    }
-}
-
-/// How many calls this consumer type still owes after commits (an effects worker in this process makes them): 0 when
-/// it has no such worker; `None` if they could not be counted.
-async fn owed_calls<C: Consumer>(shared: &Shared<C>) -> Option<i64> {
-    let Some(effects) = &shared.options.owed_effects else {
-        return Some(0);
-    };
-    let ct = effects.consumer_type.as_str();
-    let owed = crate::db::bounded!(&effects.pool, shared.options.attempt_timeout, |conn| {
-        crate::db::external::owed(conn, ct)
-    });
-    match owed.await {
-        Ok(owed) => Some(owed),
-        Err(e) => {
-            tracing::debug!(error = %e, "could not count the calls owed; not idle yet");
-            None
-        }
-    }
-}
-
-/// Waits for in-flight deliveries until `deadline` (the shutdown timeout after the stop was asked for); past it, abandons them: their transactions roll back
-/// with their connections and the broker delivers the messages again.
-pub(super) async fn drain<C: Consumer>(
-    shared: &Shared<C>,
-    tasks: &mut JoinSet<()>,
-    deadline: tokio::time::Instant,
-) {
-    if tasks.is_empty() {
-        return;
-    }
-    tracing::info!(in_flight = tasks.len(), "waiting for in-flight messages");
-    let finished = tokio::time::timeout_at(deadline, async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
-    if finished.is_err() {
-        tracing::warn!(
-            abandoned = tasks.len(),
-            "shutdown timeout reached: abandoning in-flight messages, uncommitted and unacknowledged, for redelivery"
-        );
-        tasks.abort_all();
-        while tasks.join_next().await.is_some() {}
-        // Abandoned by a clean stop, not ended by a crash: their starts must not count towards --poison-after.
-        poison::abandoned(shared).await;
     }
 }

@@ -152,9 +152,5 @@ async fn close_connection(mut response: Response) -> Response {
 
 /// Whether PostgreSQL answers within two seconds.
 pub async fn database_up(pool: &sqlx::PgPool) -> bool {
-    let ping = crate::db::ping(pool);
-    matches!(
-        tokio::time::timeout(Duration::from_secs(2), ping).await,
-        Ok(Ok(1))
-    )
+    crate::db::answers_within(pool, Duration::from_secs(2)).await
 }

@@ -252,3 +252,34 @@ async fn a_cleanup_sidecar_exports_what_it_deleted() {
     assert_eq!(get(port, "/health").0, "HTTP/1.1 200 OK");
     sidecar.terminate();
 }
+
+/// `/health`'s look at the database is bounded, and a connection that took it and then went silent (a host lost, a
+/// network cut: no FIN, no RST) is closed, not given back: given back, sqlx's unbounded ping on its return would hold
+/// the pool's slot until the kernel's TCP timeout, and every later look would report the database down while it is up.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_health_look_on_a_silent_connection_gives_its_pool_slot_back() {
+    let env = TestEnv::migrated().await;
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let db = inboxctl::db::Database::from_url(&proxy.postgres_url(&env.db_name)).unwrap();
+    let pool = db.message_pool(1).await.unwrap();
+    assert!(inboxctl::metrics::database_up(&pool).await, "up at first");
+    // Its connection back in the pool first: sqlx pings a connection on its way back, a ping nothing of inboxctl's
+    // can bound, and one silenced during it is out of every caller's reach (docs/reliability.md).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.silence();
+    let started = std::time::Instant::now();
+    assert!(
+        !inboxctl::metrics::database_up(&pool).await,
+        "a silent connection is not an answer"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "the look is bounded: {:?}",
+        started.elapsed()
+    );
+    // New connections go through the proxy: the database is up, and the next look must say so on one of them.
+    assert!(
+        inboxctl::metrics::database_up(&pool).await,
+        "the silent connection still holds the pool's only slot"
+    );
+}

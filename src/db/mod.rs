@@ -372,9 +372,24 @@ statements! {
     const PING = "SELECT 1";
 }
 
-/// `SELECT 1`: the server answers with 1 when it is up.
-pub async fn ping(pool: &PgPool) -> sqlx::Result<i32> {
-    unit!(pool, |conn| sql::query_scalar(PING).fetch_one(conn))
+/// Whether the server answers `SELECT 1` within `limit`, a connection to wait for included. A connection that took
+/// the statement and never answered is dropped at once, neither given back nor closed politely: sqlx pings a
+/// connection on its way back to the pool with no bound of its own, so a silent one would hold its pool slot until
+/// the kernel's TCP timeout, and a polite close holds it up to five seconds more; every check meanwhile would find
+/// the pool full and report the database down.
+pub async fn answers_within(pool: &PgPool, limit: std::time::Duration) -> bool {
+    let started = tokio::time::Instant::now();
+    let Ok(Ok(mut held)) = tokio::time::timeout(limit, pool.acquire()).await else {
+        return false;
+    };
+    let left = limit.saturating_sub(started.elapsed());
+    match tokio::time::timeout(left, sql::query_scalar::<i32>(PING).fetch_one(&mut *held)).await {
+        Ok(answer) => matches!(answer, Ok(1)),
+        Err(_) => {
+            drop(held.detach());
+            false
+        }
+    }
 }
 
 /// One statement of the store, by area and name.

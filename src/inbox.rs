@@ -32,8 +32,13 @@
 //! When a member's work fails, the whole transaction is rolled back and the batch done again without it (claim
 //! included), so the failing member alone is left unprocessed, to be retried alone, and the others commit together;
 //! when the `together` work fails, the batch is done again member by member to find out which failed. With
-//! `together`, a batch of n messages costs four round trips (`BEGIN`, the claim, the effects, `COMMIT`) instead of
-//! four per message.
+//! `together`, a batch of n messages costs five round trips (`BEGIN`, the claim, the effects, a look that the
+//! transaction is not aborted, `COMMIT`) instead of five per message.
+//!
+//! **An aborted transaction is never taken for committed.** A work whose statement fails and that goes on, its error
+//! caught ("the row may exist: fine"), leaves the transaction aborted, and PostgreSQL answers its `COMMIT` with
+//! `ROLLBACK` and no error. Before each commit the transaction is looked at ([`db::claim::still_open`]): aborted, it is
+//! the work's failure — in a batch, the member whose work did it is found and left out.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -479,6 +484,13 @@ impl Inbox {
             }
         };
 
+        if let Err(e) = db::claim::still_open(&mut tx).await {
+            let _ = tx.rollback().await;
+            return Err(match aborted(e) {
+                WorkError::Database(e) => ProcessError::Unavailable(e),
+                other => ProcessError::Failed(other),
+            });
+        }
         failpoint::hit("before-commit").await;
         tx.commit().await.map_err(commit_error)?;
         Ok(Outcome::Processed(output))
@@ -513,6 +525,21 @@ impl Keying {
 
 /// A refused `COMMIT`: the database's doing when transient (the message is tried again), else a failure of the
 /// message (or the batch) itself.
+/// What the last look at a transaction before its commit found ([`db::claim::still_open`]): the database's doing
+/// (returned as [`WorkError::Database`]), or a statement of the work that failed while the work went on, its error
+/// caught — the transaction aborted, and nothing of it can commit.
+fn aborted(e: sqlx::Error) -> WorkError {
+    if is_transient(&e) {
+        return WorkError::Database(e);
+    }
+    WorkError::msg(format!(
+        "a statement of the work failed and the work went on as if it had not: the transaction was aborted, and \
+         nothing of it can commit (return the statement's error, or write it so that it cannot fail: ON CONFLICT …): \
+         {}",
+        crate::sanitize::text(&e.to_string())
+    ))
+}
+
 fn commit_error(e: sqlx::Error) -> ProcessError {
     if is_transient(&e) {
         ProcessError::Unavailable(e)

@@ -208,3 +208,121 @@ async fn a_redone_batch_records_its_copies_once() {
         "the copy recorded once, by the try that committed"
     );
 }
+
+/// A member's work whose statement fails and that goes on as if it had not (the "ignore a duplicate key" idiom) leaves
+/// the transaction aborted. PostgreSQL answers the `COMMIT` of an aborted transaction with `ROLLBACK` and no error,
+/// and sqlx's commit does not look: the batch was reported committed — every member processed, so acknowledged —
+/// while nothing had committed, and the healthy member after it was blamed for the refusal its first statement met.
+/// Now the member that aborted the transaction alone fails, and the others commit; with the members' work done
+/// together, too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_commit() {
+    for with_together in [false, true] {
+        let (_env, pool, inbox) = setup().await;
+        sqlx::raw_sql(
+            "CREATE TABLE customers (email text PRIMARY KEY); INSERT INTO customers VALUES ('a@b.c')",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let runs = Arc::new(AtomicUsize::new(0));
+        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let swallowing = Member {
+            message_id: b,
+            fingerprint: None,
+            carried: Default::default(),
+            work: Box::new(move |tx| {
+                Box::pin(async move {
+                    insert_effect(tx, b, "b").await?;
+                    // "The customer may exist already: fine, carry on."
+                    let _ = sqlx::query("INSERT INTO customers VALUES ('a@b.c')")
+                        .execute(&mut *tx)
+                        .await;
+                    Ok(())
+                })
+            }),
+        };
+        let members = vec![
+            member(a, "a", false, &runs),
+            swallowing,
+            member(c, "c", false, &runs),
+        ];
+        // Done together, the swallowing happens in the statement for all: the members one by one find whose it is.
+        let together = with_together.then(swallowing_together);
+        let outcomes = inbox
+            .process_batch_with(members, together)
+            .await
+            .expect("the batch commits without its failing member");
+        assert_eq!(
+            kinds(&outcomes),
+            ["processed", "failed", "processed"],
+            "together: {with_together}"
+        );
+        let MemberOutcome::Failed(error) = &outcomes[1] else {
+            unreachable!()
+        };
+        assert!(
+            error.to_string().contains("the transaction was aborted"),
+            "{error}"
+        );
+        let mut rows: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM inbox_messages")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+        rows.sort();
+        let mut expected = vec![a, c];
+        expected.sort();
+        assert_eq!(rows, expected, "together: {with_together}");
+        assert_eq!(
+            effects(&pool).await,
+            ["a", "c"],
+            "together: {with_together}"
+        );
+    }
+}
+
+/// The members' work done together, its statement's error swallowed.
+fn swallowing_together() -> TogetherWork<()> {
+    Box::new(|tx, ids| {
+        Box::pin(async move {
+            let _ = sqlx::query("INSERT INTO customers VALUES ('a@b.c')")
+                .execute(&mut *tx)
+                .await;
+            Ok(vec![(); ids.len()])
+        })
+    })
+}
+
+/// The same one message at a time: a failed attempt (retried, never acknowledged), not a message reported processed
+/// whose claim and effect rolled back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_whose_work_swallows_a_statement_error_is_a_failed_attempt() {
+    let (_env, pool, inbox) = setup().await;
+    sqlx::raw_sql(
+        "CREATE TABLE customers (email text PRIMARY KEY); INSERT INTO customers VALUES ('a@b.c')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let id = Uuid::new_v4();
+    let outcome = inbox
+        .process(id, move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, id, "one").await?;
+                let _ = sqlx::query("INSERT INTO customers VALUES ('a@b.c')")
+                    .execute(&mut *tx)
+                    .await;
+                Ok(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(&outcome, Err(inboxctl::inbox::ProcessError::Failed(e)) if e.to_string().contains("aborted")),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert!(effects(&pool).await.is_empty());
+}

@@ -167,6 +167,17 @@ WITH c AS (
     FROM c
 )
 SELECT id, first FROM c";
+
+    /// Whether the transaction can still commit: it fails (25P02) once a statement in it failed, even one whose error
+    /// the work caught and did not return. PostgreSQL answers a `COMMIT` of such a transaction with `ROLLBACK` and
+    /// no error, and sqlx's commit does not look at the answer: without this, a message whose work swallowed a
+    /// statement's error would be taken as committed, acknowledged, and lost.
+    pub const STILL_OPEN = "SELECT 1";
+}
+
+/// Fails with 25P02 if a statement of the transaction on `conn` failed: see [`STILL_OPEN`].
+pub async fn still_open(conn: &mut PgConnection) -> sqlx::Result<()> {
+    sql::query(STILL_OPEN).execute(conn).await.map(drop)
 }
 
 /// The claim and a message's whole effect in one statement (`Inbox::process_effect`): one round trip, and, outside

@@ -114,11 +114,20 @@ impl Inbox {
         }
         // Members whose work failed, with the error: left out of every later round.
         let mut failed: HashMap<Uuid, WorkError> = HashMap::new();
+        // Once a round was aborted under a member's caught error: each member's work is looked at after it.
+        let mut check_each = false;
         loop {
             // Each round is an attempt of its own, bounded as one (`with_attempt_timeout`): a batch redone without a
             // failing member waits again, for its claim and its work.
             let round = self
-                .bounded(self.batch_round(conn, &members, &keys, &failed, together.take()))
+                .bounded(self.batch_round(
+                    conn,
+                    &members,
+                    &keys,
+                    &failed,
+                    together.take(),
+                    check_each,
+                ))
                 .await?;
             match round {
                 Round::Committed {
@@ -147,6 +156,7 @@ impl Inbox {
                 }
                 // The together work failed: the next round goes member by member.
                 Round::TogetherFailed => {}
+                Round::Aborted => check_each = true,
                 Round::MemberFailed(id, error) => {
                     failed.insert(id, error);
                 }
@@ -163,6 +173,7 @@ impl Inbox {
         all_keys: &HashMap<Uuid, db::claim::Key>,
         failed: &HashMap<Uuid, WorkError>,
         together: Option<TogetherWork<T>>,
+        check_each: bool,
     ) -> Result<Round<T>, ProcessError> {
         let mut keys: Vec<db::claim::Key> = members
             .iter()
@@ -200,7 +211,7 @@ impl Inbox {
             .filter(|m| claimed.contains(&m.message_id))
             .collect();
 
-        let outputs = match run_work(&mut tx, &working, together).await {
+        let outputs = match run_work(&mut tx, &working, together, check_each).await {
             Worked::Done(outputs) => outputs,
             Worked::Unavailable(e) => {
                 let _ = tx.rollback().await;
@@ -256,15 +267,23 @@ async fn run_work<T: Send>(
     conn: &mut PgConnection,
     working: &[&Member<T>],
     together: Option<TogetherWork<T>>,
+    check_each: bool,
 ) -> Worked<T> {
     let mut outputs = HashMap::with_capacity(working.len());
     if let Some(together) = together.filter(|_| !working.is_empty()) {
         let ids: Vec<Uuid> = working.iter().map(|m| m.message_id).collect();
         return match AssertUnwindSafe(together(conn, &ids)).catch_unwind().await {
-            Ok(Ok(out)) if out.len() == ids.len() => {
-                outputs.extend(ids.into_iter().zip(out));
-                Worked::Done(outputs)
-            }
+            Ok(Ok(out)) if out.len() == ids.len() => match db::claim::still_open(conn).await {
+                Ok(()) => {
+                    outputs.extend(ids.into_iter().zip(out));
+                    Worked::Done(outputs)
+                }
+                // Member by member, looking at each, the next round finds whose work it was.
+                Err(e) => match super::aborted(e) {
+                    WorkError::Database(e) => Worked::Unavailable(e),
+                    _ => Worked::Redo(Round::Aborted),
+                },
+            },
             Ok(Ok(_)) => Worked::Miscounted,
             Ok(Err(WorkError::Database(e))) if is_transient(&e) => Worked::Unavailable(e),
             Ok(Err(_)) => Worked::Redo(Round::TogetherFailed),
@@ -274,14 +293,37 @@ async fn run_work<T: Send>(
     for member in working {
         match AssertUnwindSafe((member.work)(conn)).catch_unwind().await {
             Ok(Ok(output)) => {
+                // Looking for the member whose caught error aborted an earlier round: each one's transaction looked
+                // at after its work, so that it is the one left out, not the next, whose first statement is refused.
+                if check_each && let Err(e) = db::claim::still_open(conn).await {
+                    return match super::aborted(e) {
+                        WorkError::Database(e) => Worked::Unavailable(e),
+                        error => Worked::Redo(Round::MemberFailed(member.message_id, error)),
+                    };
+                }
                 outputs.insert(member.message_id, output);
             }
             Ok(Err(WorkError::Database(e))) if is_transient(&e) => return Worked::Unavailable(e),
+            // Refused because an earlier member's caught error aborted the transaction: not this member's failure.
+            Ok(Err(WorkError::Database(e))) if !check_each && is_aborted(&e) => {
+                return Worked::Redo(Round::Aborted);
+            }
             Ok(Err(error)) => return Worked::Redo(Round::MemberFailed(member.message_id, error)),
             Err(_) => return Worked::Panicked,
         }
     }
+    if !check_each && let Err(e) = db::claim::still_open(conn).await {
+        return match super::aborted(e) {
+            WorkError::Database(e) => Worked::Unavailable(e),
+            _ => Worked::Redo(Round::Aborted),
+        };
+    }
     Worked::Done(outputs)
+}
+
+/// Whether a statement was refused because an earlier statement of its transaction failed (25P02).
+fn is_aborted(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"))
 }
 
 /// How the members' work ended, the transaction still open.
@@ -305,6 +347,9 @@ enum Round<T> {
         outputs: HashMap<Uuid, T>,
     },
     TogetherFailed,
+    /// A statement of the work failed and the work went on, its error caught: the transaction was aborted, and it is
+    /// not known whose work it was. The next round goes member by member, looking at the transaction after each.
+    Aborted,
     MemberFailed(Uuid, WorkError),
 }
 

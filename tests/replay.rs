@@ -1158,3 +1158,176 @@ async fn a_death_queue_name_longer_than_amqp_allows_is_left_and_reported() {
     assert_eq!(env.queue_counts("odd.dlq"), (1, 0));
     assert_eq!(env.queue_counts("odd.origin"), (1, 0));
 }
+
+/// A dead-lettered message whose own headers fill most of a frame: the broker took it, but the copy a replay sends
+/// adds `inboxctl-replay-count` and `inboxctl-replay-run` (~88 bytes) and would no longer fit. Sent, it made the
+/// broker close the connection, for ever at that message: every replay of the queue reconnected until it gave up,
+/// and nothing behind it was replayed. It is left with the reason, and the healthy message behind it replayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_whose_replayed_copy_would_not_fit_a_frame_is_left_and_the_rest_replayed() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    let mut headers = FieldTable::default();
+    for i in 0..13 {
+        headers.insert(format!("h{i:02}").into(), long(&"v".repeat(10_000)));
+    }
+    headers.insert("pad".into(), long(&"p".repeat(830)));
+    let big = BasicProperties::default()
+        .with_message_id(uuid::Uuid::now_v7().to_string().into())
+        .with_headers(headers);
+    let frame_max = usize::try_from(conn.configuration().frame_max()).unwrap();
+    let len = inboxctl::amqp::limits::content_header_len(&big);
+    assert!(
+        len <= frame_max && len + 88 > frame_max,
+        "{len} of {frame_max}"
+    );
+    common::publish(&conn, ERROR_QUEUE, "", big, b"{}").await;
+    let healthy = failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+
+    let out = env.run(&[
+        "replay",
+        "--json",
+        "--from",
+        ERROR_QUEUE,
+        "--reconnect-timeout",
+        "5s",
+    ]);
+    eprintln!("{out:?}");
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(action_of(&report, &healthy), "replayed", "{report}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
+}
+
+/// A yes confirms what the question counted: three messages asked about, two more dead-lettered while the question
+/// is on screen, `y`: the three go back, the two stay (before, all five went back unseen).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confirmed_replay_moves_only_the_count_confirmed() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    for _ in 0..3 {
+        failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+    }
+    let tmux = common::Tmux::of(&env);
+    tmux.start(
+        &env,
+        &format!("replay --from {ERROR_QUEUE} --confirm-above 1"),
+    );
+    tmux.wait_for("the question", |s| s.contains("replay 3 messages"));
+    // Two more fail while the operator reads the question.
+    for _ in 0..2 {
+        failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+    }
+    tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
+    let screen = tmux.wait_for("the end", |s| s.contains("EXITED="));
+    eprintln!("{screen}");
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (3, 0),
+        "only the 3 confirmed went back:\n{screen}"
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0), "{screen}");
+}
+
+/// The cleanup's guard looks at the head of each error queue, and a running replay holds every message it leaves
+/// (not selected, expired) unacknowledged, out of sight. X was processed (its row 3 days old) and a copy of it waits
+/// in the error queue, failed 4 days ago (a replay that crashed between the confirm and the ack). Alone,
+/// `cleanup --retention 2d` is refused for the carrier (exit 3). While a `replay --reason 503 --rate 1` of other
+/// messages runs, holding X as not selected, the same cleanup must be refused too: before, it deleted X's row, and
+/// X's later replay was processed again (two reservations for one message). A second replay of the same queue is
+/// refused while the first runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let pool = env.pool().await;
+    error_queue(&conn).await;
+    let x = uuid::Uuid::new_v4();
+    let (props, body, _) = common::parcel_message(x, "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), &body).await;
+    common::consume_until_idle(&env, &["carrier"]);
+    sqlx::query(
+        "UPDATE inbox_messages SET received_at = now() - interval '3 days', processed_at = now() - interval '3 days'
+         WHERE id = $1",
+    )
+    .bind(x)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert("MT-Reason".into(), long("fault"));
+    headers.insert("MT-Fault-Message".into(), long("timeout after 30000 ms"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+    );
+    let when =
+        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::days(4));
+    headers.insert("MT-Fault-Timestamp".into(), long(&when));
+    common::publish(&conn, ERROR_QUEUE, "", props.with_headers(headers), &body).await;
+    for _ in 0..6 {
+        failed_message(
+            &conn,
+            "carrier API returned 503",
+            chrono::TimeDelta::zero(),
+            0,
+        )
+        .await;
+    }
+
+    // Alone, the guard keeps X's row.
+    let out = env.run(&["cleanup", "--retention", "2d", "--dry-run", "--json"]);
+    assert_eq!(out.code, Some(3), "the guard refuses: {out:?}");
+
+    let mut replay = env.spawn(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--reason",
+        "503",
+        "--rate",
+        "1",
+    ]);
+    common::eventually("the replay holding X", Duration::from_secs(20), || async {
+        env.queue_counts(ERROR_QUEUE).1 >= 1
+    })
+    .await;
+    let out = env.run(&["cleanup", "--retention", "2d", "--json"]);
+    let second = env.run(&["replay", "--from", ERROR_QUEUE, "--dry-run"]);
+    assert_eq!(second.code, Some(1), "a second replay at once: {second:?}");
+    assert!(
+        second.stderr.contains("another replay of"),
+        "{}",
+        second.stderr
+    );
+    let row: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE id = $1")
+        .bind(x)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(replay.wait(Duration::from_secs(60)), Some(0));
+    // Then X is replayed (it failed 4 days ago, within replay's default 7 days) and consumed.
+    replay_json(
+        &env,
+        &["--from", ERROR_QUEUE, "--message-id", &x.to_string()],
+        0,
+    );
+    common::consume_until_idle(&env, &["carrier"]);
+    let reservations: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
+            .bind(x)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (out.code, row, reservations),
+        (Some(3), 1, 1),
+        "cleanup refused, X's row kept, one reservation: {out:?}"
+    );
+}

@@ -306,6 +306,15 @@ impl Broker {
     }
 }
 
+/// Whether a broker error means "another connection's exclusive queue" (405, `RESOURCE_LOCKED`).
+pub fn is_locked(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(e)
+            if matches!(e.kind(), lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::RESOURCELOCKED))
+    )
+}
+
 /// Whether a broker error means "this entity does not exist" (a passive declare's 404).
 pub fn is_not_found(error: &lapin::Error) -> bool {
     matches!(

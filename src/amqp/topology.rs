@@ -79,6 +79,68 @@ pub fn error_queue(queue: &str) -> String {
     format!("{queue}_error")
 }
 
+/// The queue that says a replay of `queue` is running: exclusive to the replay's connection, so that it goes when the
+/// replay ends, however it ends (a crash, a lost connection). The messages a replay holds unacknowledged cannot be
+/// seen by anyone else, and the cleanup's guard must know they are there ([`replay_running`]).
+pub fn replay_marker(queue: &str) -> String {
+    let name = format!("inboxctl.replaying.{queue}");
+    if name.len() <= 255 {
+        return name;
+    }
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(queue.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("inboxctl.replaying.sha256.{hex}")
+}
+
+/// Says, for as long as `conn` is open, that a replay of `queue` is running. Another open connection's marker (a
+/// replay of the same queue already running) is the broker's `RESOURCE_LOCKED`: `Ok(false)`.
+pub async fn mark_replay(conn: &Connection, queue: &str) -> Result<bool> {
+    let channel = conn.create_channel().await?;
+    let options = QueueDeclareOptions {
+        exclusive: true,
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    match channel
+        .queue_declare(
+            replay_marker(queue).as_str().into(),
+            options,
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(_) => {
+            let _ = channel.close(200, "OK".into()).await;
+            Ok(true)
+        }
+        Err(e) if super::is_locked(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether a replay of `queue` is running ([`mark_replay`]): its marker exists (or is locked, the broker's answer
+/// to a passive declare of another connection's exclusive queue).
+pub async fn replay_running(conn: &Connection, queue: &str) -> Result<bool> {
+    let channel = conn.create_channel().await?;
+    match channel
+        .queue_declare(
+            replay_marker(queue).as_str().into(),
+            QueueDeclareOptions::default().passive(),
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(_) => {
+            let _ = channel.close(200, "OK".into()).await;
+            Ok(true)
+        }
+        Err(e) if super::is_locked(&e) => Ok(true),
+        Err(e) if is_not_found(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// The queue (and exchange) a message of a type the consumer of `queue` does not handle is moved to.
 pub fn skipped_queue(queue: &str) -> String {
     format!("{queue}_skipped")

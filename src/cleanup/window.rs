@@ -36,11 +36,19 @@ pub struct Refusal {
     /// Its age, in seconds, when the cleanup looked.
     pub age_seconds: Option<i64>,
     pub cutoff: DateTime<Utc>,
+    /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
+    pub replay_running: bool,
 }
 
 impl Refusal {
     /// One line for the operator.
     pub fn describe(&self) -> String {
+        if self.replay_running {
+            return format!(
+                "a replay of {} is running, and the messages it holds cannot be looked at: their replay may need                  their inbox rows; clean again when it has ended, or give --force",
+                crate::sanitize::text(&self.queue)
+            );
+        }
         let id = self.message_id.as_deref().unwrap_or("(no message id)");
         let age = match self.age_seconds {
             Some(s) => format!(
@@ -114,6 +122,15 @@ async fn check_on(
         age_seconds: h.failed_at.map(|t| (now - t).num_seconds()),
         failed_at: h.failed_at,
         cutoff,
+        replay_running: false,
+    };
+    let replaying = |queue: &str| Refusal {
+        queue: queue.to_owned(),
+        message_id: None,
+        failed_at: None,
+        age_seconds: None,
+        cutoff,
+        replay_running: true,
     };
     for report in consumers.iter_mut() {
         // A consumer_type inboxctl never ran is taken to be named after its queue, as the .NET tutorial names them.
@@ -128,6 +145,10 @@ async fn check_on(
             topology::error_queue(&queue),
             topology::skipped_queue(&queue),
         ] {
+            if topology::replay_running(connection, &dead_letters).await? {
+                report.refused = Some(replaying(&dead_letters));
+                break;
+            }
             let Some(h) =
                 peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost)).await?
             else {
@@ -140,6 +161,12 @@ async fn check_on(
         }
     }
     for dlq in &guard.dlqs {
+        if topology::replay_running(connection, dlq).await? {
+            for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                report.refused = Some(replaying(dlq));
+            }
+            continue;
+        }
         let Some(h) = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await? else {
             continue;
         };

@@ -38,6 +38,10 @@ pub async fn run(
         plan,
         vhost: broker.vhost().to_owned(),
         user: broker.username().to_owned(),
+        frame_max: match usize::try_from(connection.configuration().frame_max()) {
+            Ok(0) | Err(_) => usize::MAX,
+            Ok(n) => n,
+        },
         now: Utc::now(),
         window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
         run: uuid::Uuid::new_v4().to_string(),
@@ -90,6 +94,8 @@ pub(super) struct State<'a> {
     pub(super) vhost: String,
     /// The user it publishes as.
     pub(super) user: String,
+    /// The connection's frame size: a copy whose properties do not fit one frame would make the broker close it.
+    pub(super) frame_max: usize,
     pub(super) now: DateTime<Utc>,
     pub(super) window: TimeDelta,
     /// This run's tag, in [`super::REPLAY_RUN_HEADER`] of every copy it sends.
@@ -171,12 +177,35 @@ impl State<'_> {
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
         self.machine.pass_started();
+        self.mark(connection).await?;
         let mut channels = Channels::open(connection).await?;
         self.take(&mut channels, shutdown, progress).await?;
         if channels.finish().await? {
             // Answered after every acknowledgement sent on the channel: they all arrived.
             self.machine.settled();
         }
+        Ok(())
+    }
+
+    /// Says on the broker, for as long as this pass's connection is open, that a replay of the queue is running: the
+    /// messages it holds unacknowledged cannot be seen by the cleanup's guard, which keeps the inbox rows their replay
+    /// needs, and which refuses to clean while the marker stands. A second replay of the same queue is refused at its
+    /// start. After a lost connection, the broker may not yet have closed the old one, whose marker then still
+    /// stands: the replay goes on under it.
+    async fn mark(&self, connection: &Connection) -> Result<()> {
+        if topology::mark_replay(connection, &self.plan.from).await? {
+            return Ok(());
+        }
+        if self.report.reconnects == 0 && self.report.items.is_empty() {
+            return Err(Error::Topology(format!(
+                "another replay of {} is running: wait for it to end (two at once would hold each other's messages                  out of sight)",
+                crate::sanitize::text(&self.plan.from)
+            )));
+        }
+        tracing::warn!(
+            queue = %crate::sanitize::text(&self.plan.from),
+            "the marker of this replay's lost connection still stands; going on under it"
+        );
         Ok(())
     }
 

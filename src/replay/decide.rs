@@ -3,11 +3,11 @@
 
 use super::machine::{Key, Seen};
 use super::run::State;
-use super::{Action, Failure, Origin, REPLAY_RUN_HEADER, canonical_id, failure};
-use crate::amqp::Delivery;
+use super::{Action, Failure, Origin, REPLAY_RUN_HEADER, canonical_id, failure, replay_properties};
 use crate::amqp::cause::Cause;
 use crate::amqp::copy::uncopyable;
 use crate::amqp::dead_letter;
+use crate::amqp::{Delivery, limits};
 
 /// What one delivery says, for the machine and for the report.
 pub(super) struct Read {
@@ -57,7 +57,24 @@ impl State<'_> {
             .map(|s| s.as_str().to_owned());
         let failure = failure(headers, &plan.from, &self.vhost);
         let (origin, origin_obstacle, mut obstacle_error) = self.destination(&failure.origin);
-        let uncopyable = uncopyable(&delivery.properties, &self.user);
+        let uncopyable = uncopyable(&delivery.properties, &self.user).or_else(|| {
+            // The broker took the original, but the copy carries the replay's headers too: sent, a copy past the
+            // frame would close the connection, at this message every time, and nothing behind it would be replayed.
+            let copy = replay_properties(
+                &delivery.properties,
+                failure.replays,
+                &self.run,
+                plan.restore_expiration,
+            );
+            let needed = limits::content_header_len(&copy);
+            (needed > self.frame_max).then(|| {
+                format!(
+                    "its replayed copy needs a {needed}-byte header frame (its headers and the replay's), more than \
+                     the connection's {}-byte frames",
+                    self.frame_max
+                )
+            })
+        });
         let obstacle = if let Some(why) = uncopyable {
             obstacle_error = Some(why);
             Some(Action::Uncopyable)

@@ -78,8 +78,11 @@ pub async fn replay(
         () = shutdown.cancelled() => return Ok(false),
         answer = read => answer.map_err(std::io::Error::other)??,
     };
-    Ok(matches!(
-        answer.trim().to_ascii_lowercase().as_str(),
-        "y" | "yes"
-    ))
+    let yes = matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
+    if yes {
+        // Messages that failed while the question was read come after these, at the queue's tail.
+        let confirmed = would.len() as u64;
+        plan.limit = Some(plan.limit.map_or(confirmed, |l| l.min(confirmed)));
+    }
+    Ok(yes)
 }

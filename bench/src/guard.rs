@@ -11,8 +11,12 @@
 //! - `tutorial`: [`Plain::lookup_first`], the tutorial's shape: look the id up first, then a transaction with a plain insert
 //!   of the inbox row and the work. Two first copies both pass the look-up; the second one's insert then fails on
 //!   the key.
+//! - `broker` (and `broker-batched`): [`Nothing`], no work at all: each delivery read, parsed and acknowledged,
+//!   nothing written for it — the broker's and the consumer's own part of every other mode.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use inboxctl::cli::ConnectOpts;
@@ -38,6 +42,7 @@ pub enum Guard {
     InboxTransaction,
     Bare,
     LookupFirst,
+    Nothing,
 }
 
 /// `inboxctl-bench consume`: one mode's consumer, run by the bench itself (the carrier consumer, its consumer_type the
@@ -60,6 +65,10 @@ pub struct ConsumeArgs {
     pub exit_when_idle: Option<Duration>,
     #[arg(long, value_enum, default_value_t = inboxctl::amqp::topology::QueueType::Classic)]
     pub queue_type: inboxctl::amqp::topology::QueueType,
+    /// With `--guard nothing`: where to write, at the end, how many deliveries it took and the seconds from the
+    /// first to the last ([`Span`]).
+    #[arg(long)]
+    pub span_file: Option<std::path::PathBuf>,
 }
 
 /// Runs the consumer until it stops: `inboxctl consume carrier`'s start, checks and defaults for everything the bench
@@ -69,7 +78,7 @@ pub async fn consume(
     connect: &ConnectOpts,
     shutdown: CancellationToken,
 ) -> Result<()> {
-    if args.guard != Guard::Inbox && args.batch_size > 1 {
+    if !matches!(args.guard, Guard::Inbox | Guard::Nothing) && args.batch_size > 1 {
         return Err(Error::usage("--batch-size needs the inbox"));
     }
     let db = connect.database()?;
@@ -95,8 +104,103 @@ pub async fn consume(
         Guard::LookupFirst => {
             consumer::consume_guarded(&config, &db, &broker, shutdown, Plain::lookup_first).await
         }
+        Guard::Nothing => {
+            let span = Arc::new(Span::default());
+            let run = consumer::consume_guarded(&config, &db, &broker, shutdown, |inbox| Nothing {
+                pool: inbox.pool().clone(),
+                consumer_type: inbox.consumer_type().clone(),
+                span: Arc::clone(&span),
+            })
+            .await;
+            if let Some(path) = &args.span_file {
+                std::fs::write(path, span.line())?;
+            }
+            run
+        }
     };
     run.map(drop).map_err(Error::from)
+}
+
+/// What a consumer that writes nothing took: how many deliveries, and when the first and the last were done (the
+/// other modes' throughput comes from their effects' times, first to last).
+#[derive(Default)]
+pub struct Span {
+    taken: AtomicU64,
+    /// Microseconds since `origin`, of the first and the last.
+    first: AtomicU64,
+    last: AtomicU64,
+    origin: std::sync::OnceLock<Instant>,
+}
+
+impl Span {
+    fn took(&self, n: u64) {
+        let origin = *self.origin.get_or_init(Instant::now);
+        let at = u64::try_from(origin.elapsed().as_micros()).unwrap_or(u64::MAX);
+        if self.taken.fetch_add(n, Ordering::Relaxed) == 0 {
+            self.first.store(at, Ordering::Relaxed);
+        }
+        self.last.fetch_max(at, Ordering::Relaxed);
+    }
+
+    /// `<deliveries> <seconds from the first to the last>`.
+    fn line(&self) -> String {
+        let seconds = self
+            .last
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.first.load(Ordering::Relaxed)) as f64
+            / 1e6;
+        format!("{} {seconds}\n", self.taken.load(Ordering::Relaxed))
+    }
+
+    /// Reads [`Span::line`]: the throughput it says, counted as the effects' spans are (first to last).
+    pub fn throughput(line: &str) -> Option<f64> {
+        let mut parts = line.split_whitespace();
+        let taken: u64 = parts.next()?.parse().ok()?;
+        let seconds: f64 = parts.next()?.parse().ok()?;
+        (taken > 1 && seconds > 0.0).then(|| (taken - 1) as f64 / seconds)
+    }
+}
+
+/// No work and no guard: every delivery is done as soon as it is read, and nothing is written for it.
+pub struct Nothing {
+    pool: PgPool,
+    consumer_type: ConsumerType,
+    span: Arc<Span>,
+}
+
+impl WorkGuard for Nothing {
+    fn consumer_type(&self) -> &ConsumerType {
+        &self.consumer_type
+    }
+
+    fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn process_event(
+        &self,
+        _message_id: Uuid,
+        _fingerprint: Option<Fingerprint>,
+        _carried: Carried,
+        _work: Work<()>,
+    ) -> BoxFuture<'_, Result<Outcome<()>, ProcessError>> {
+        self.span.took(1);
+        Box::pin(async { Ok(Outcome::Processed(())) })
+    }
+
+    fn process_batch(
+        &self,
+        members: Vec<Member<()>>,
+        _together: Option<TogetherWork<()>>,
+    ) -> BoxFuture<'_, Result<Vec<MemberOutcome<()>>, ProcessError>> {
+        self.span.took(members.len() as u64);
+        Box::pin(async move {
+            Ok(members
+                .iter()
+                .map(|_| MemberOutcome::Processed(()))
+                .collect())
+        })
+    }
 }
 
 /// The inbox, made to take the usual way for every message: an effect given as one statement is ignored

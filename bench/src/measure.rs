@@ -289,6 +289,17 @@ async fn measure(
     let load = messages(options.messages, options.ids);
     publish(connection, broker, scratch.route(), &load, None, None).await?;
     let rss = consume_until_idle(scratch, broker, options).await?;
+    if scratch.mode.writes_nothing() {
+        // No effect to time, and none to count copies of: the consumer's own count of what it acknowledged.
+        let path = crate::scratch::span_file(scratch);
+        let line = std::fs::read_to_string(&path)?;
+        let _ = std::fs::remove_file(&path);
+        return Ok(Repeat {
+            throughput: crate::guard::Span::throughput(&line).unwrap_or(0.0),
+            rss_mb: rss,
+            ..Repeat::default()
+        });
+    }
     let (count, seconds): (i64, Option<f64>) = sqlx::query_as(sql::EFFECT_SPAN)
         .fetch_one(&scratch.pool)
         .await?;

@@ -23,12 +23,17 @@ pub enum Mode {
     InboxBatched,
     /// `inbox` on a quorum queue: what replicating the queue costs (on one node here: the cost without the network).
     InboxQuorum,
+    /// The same consumer with no work and no inbox: every delivery read, its envelope parsed, acknowledged, nothing
+    /// written for it. The broker's and the consumer's own part: the most this consumer does on this machine.
+    Broker,
+    /// `broker` in batches of the `inbox-batched` size, each acknowledged with one `basic.ack multiple`.
+    BrokerBatched,
     Peer,
 }
 
 impl Mode {
     /// Every mode, in the order the tables show them.
-    pub const ALL: [Mode; 9] = [
+    pub const ALL: [Mode; 11] = [
         Mode::Ceiling,
         Mode::CeilingBatched,
         Mode::Bare,
@@ -37,6 +42,8 @@ impl Mode {
         Mode::InboxTransaction,
         Mode::InboxBatched,
         Mode::InboxQuorum,
+        Mode::Broker,
+        Mode::BrokerBatched,
         Mode::Peer,
     ];
 
@@ -50,6 +57,8 @@ impl Mode {
             Mode::InboxTransaction => "inbox-transaction",
             Mode::InboxBatched => "inbox-batched",
             Mode::InboxQuorum => "inbox-quorum",
+            Mode::Broker => "broker",
+            Mode::BrokerBatched => "broker-batched",
             Mode::Peer => "peer",
         }
     }
@@ -67,12 +76,19 @@ impl Mode {
         )
     }
 
+    /// Whether the mode does no work for a message: nothing written, so its throughput is the consumer's own count
+    /// of what it acknowledged ([`crate::guard::Span`]), not the effects' times.
+    pub fn writes_nothing(self) -> bool {
+        matches!(self, Mode::Broker | Mode::BrokerBatched)
+    }
+
     pub fn database_suffix(self) -> &'static str {
         match self {
             Mode::InboxBatched => "inbox_batched",
             Mode::InboxTransaction => "inbox_transaction",
             Mode::InboxQuorum => "inbox_quorum",
             Mode::CeilingBatched => "ceiling_batched",
+            Mode::BrokerBatched => "broker_batched",
             other => other.name(),
         }
     }
@@ -262,6 +278,9 @@ pub fn ratios(repeats: &BTreeMap<Mode, Vec<Repeat>>) -> BTreeMap<String, Spread>
         (Mode::InboxQuorum, Mode::Inbox),
         (Mode::Inbox, Mode::InboxTransaction),
         (Mode::InboxTransaction, Mode::Bare),
+        (Mode::Inbox, Mode::Broker),
+        (Mode::Bare, Mode::Broker),
+        (Mode::InboxBatched, Mode::BrokerBatched),
     ];
     let mut out = BTreeMap::new();
     for (a, b) in pairs {

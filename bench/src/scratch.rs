@@ -238,6 +238,11 @@ pub fn spawn_consumer(
             cmd.args(["--batch-size", &options.batch_size.to_string()]);
             "inbox"
         }
+        Mode::Broker => "nothing",
+        Mode::BrokerBatched => {
+            cmd.args(["--batch-size", &options.batch_size.to_string()]);
+            "nothing"
+        }
         Mode::Inbox | Mode::InboxQuorum | Mode::Ceiling | Mode::CeilingBatched | Mode::Peer => {
             "inbox"
         }
@@ -245,6 +250,9 @@ pub fn spawn_consumer(
     cmd.args(["--guard", guard]);
     if until_idle {
         cmd.args(["--exit-when-idle", "1s"]);
+        if scratch.mode.writes_nothing() {
+            cmd.arg("--span-file").arg(span_file(scratch));
+        }
     }
     // A binary rebuilt while the bench runs is gone from the path it started from: say which file is missing.
     cmd.spawn().map_err(|e| {
@@ -253,6 +261,11 @@ pub fn spawn_consumer(
             inboxctl::sanitize::text(&cmd.get_program().to_string_lossy())
         ))
     })
+}
+
+/// Where a mode that writes nothing says what it took ([`crate::guard::Span`]).
+pub fn span_file(scratch: &Scratch) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("{}-{}.span", scratch.queue, std::process::id()))
 }
 
 /// Waits until the queue has a consumer.

@@ -326,3 +326,55 @@ async fn a_message_whose_work_swallows_a_statement_error_is_a_failed_attempt() {
     );
     assert!(effects(&pool).await.is_empty());
 }
+
+/// An id reused for another event whose only difference is a number beyond what a double holds exactly (a .NET
+/// `decimal` of 20 digits): both once rounded to one double in the fingerprint's canonical form, and the second
+/// event was discarded as a duplicate, silently. It is a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_id_whose_events_differ_in_a_long_number_is_a_conflict() {
+    use common::{EVENT_EXCHANGE, TestEnv};
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let id = Uuid::now_v7();
+    let parcel = Uuid::now_v7();
+    let props = inboxctl::amqp::envelope::masstransit_properties(id);
+    let body = |amount: &str| {
+        format!(
+            r#"{{"messageId": "{id}", "messageType": ["urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"], "message": {{"parcelId": "{parcel}", "trackingNumber": "PT1", "destination": "Berlin", "declaredValue": {amount}}}, "sentTime": "2026-12-01T10:00:00Z", "headers": {{}}}}"#
+        )
+        .into_bytes()
+    };
+    common::publish(
+        &conn,
+        EVENT_EXCHANGE,
+        "",
+        props.clone(),
+        &body("1234567890.1234567891"),
+    )
+    .await;
+    common::consume_until_idle(&env, &common::with_mode(&["carrier"], common::BATCHED));
+    // The same id, another event: the declared value differs in its 20th digit.
+    common::publish(
+        &conn,
+        EVENT_EXCHANGE,
+        "",
+        props,
+        &body("1234567890.1234567899"),
+    )
+    .await;
+    let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], common::BATCHED));
+    let pool = env.pool().await;
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM inboxctl_events WHERE kind IN ('duplicate', 'conflict') ORDER BY kind",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        kinds,
+        ["conflict"],
+        "another event under a reused id must be reported as a conflict, not dropped as a duplicate:\n{}",
+        out.stderr
+    );
+}

@@ -163,11 +163,13 @@ fn parse_id(id: &str) -> Result<Uuid, Unreadable> {
 /// The fingerprint of an event, to tell a copy of a message from another message reusing its id: SHA-256 (first 16
 /// bytes) of its canonical form — parsed, object keys sorted, no whitespace — so that a legitimate re-send that
 /// differs in key order, whitespace or the envelope around it (`sentTime`, headers) has the same fingerprint. An
-/// event larger than [`MAX_CANONICAL_EVENT`], or deeper than the JSON parser's bound, is fingerprinted over its
-/// bytes as they are.
+/// event larger than [`MAX_CANONICAL_EVENT`], deeper than the JSON parser's bound, or holding a number the parse
+/// would round (more digits than a double holds exactly: a .NET `decimal`, an amount past 2^64), is fingerprinted
+/// over its bytes as they are: two events that differ only in such a number's last digits are two events, not a
+/// copy and its original.
 pub fn fingerprint(event: &RawValue) -> Fingerprint {
     let text = event.get();
-    let canonical = (text.len() <= MAX_CANONICAL_EVENT)
+    let canonical = (text.len() <= MAX_CANONICAL_EVENT && !has_rounded_number(text))
         .then(|| serde_json::from_str::<serde_json::Value>(text).ok())
         .flatten()
         .map(|value| {
@@ -179,6 +181,54 @@ pub fn fingerprint(event: &RawValue) -> Fingerprint {
     let mut bytes = [0u8; 16];
     bytes.copy_from_slice(&digest[..16]);
     Fingerprint::from_bytes(bytes)
+}
+
+/// Whether `json` holds a number that parsing would not keep exactly: an integer beyond 64 bits, or a decimal with
+/// more significant digits than a double holds (15) or an exponent near its limits. Strings are skipped.
+fn has_rounded_number(json: &str) -> bool {
+    let bytes = json.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'"' => {
+                i += 1;
+                while i < bytes.len() && bytes[i] != b'"' {
+                    i += if bytes[i] == b'\\' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'-' | b'0'..=b'9' => {
+                let start = i;
+                while i < bytes.len()
+                    && matches!(bytes[i], b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
+                {
+                    i += 1;
+                }
+                if rounded(&json[start..i]) {
+                    return true;
+                }
+            }
+            _ => i += 1,
+        }
+    }
+    false
+}
+
+/// Whether one JSON number's text would be rounded by parsing it (see [`has_rounded_number`]).
+fn rounded(number: &str) -> bool {
+    let (mantissa, exponent) = match number.find(['e', 'E']) {
+        Some(at) => (
+            &number[..at],
+            number[at + 1..].parse::<i32>().unwrap_or(i32::MAX),
+        ),
+        None => (number, 0),
+    };
+    if exponent == 0 && !mantissa.contains('.') {
+        return number.parse::<i64>().is_err() && number.parse::<u64>().is_err();
+    }
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let significant = digits.trim_start_matches('0').trim_end_matches('0');
+    significant.len() > 15 || exponent.unsigned_abs() > 290
 }
 
 /// `value` as compact JSON with every object's keys sorted, whatever order the map type keeps them in. Its depth is
@@ -522,6 +572,41 @@ mod tests {
             r#"{"parcelId": "p1", "destination": "Berlin", "n": [{"b": 2, "a": 1}, 1]}"#,
         ));
         assert_ne!(a, swapped_array, "array order is content");
+    }
+
+    #[test]
+    fn a_fingerprint_tells_numbers_apart_past_a_doubles_precision() {
+        let with = |amount: &str| fingerprint(&event(&format!(r#"{{"a": "x", "v": {amount}}}"#)));
+        // A .NET decimal's 20 digits, and integers past 64 bits: once rounded to one double, now told apart.
+        assert_ne!(with("1234567890.1234567891"), with("1234567890.1234567899"));
+        assert_ne!(with("18446744073709551616"), with("18446744073709551617"));
+        assert_ne!(with("1e-400"), with("2e-400"));
+        // Numbers a double holds keep the canonical form of before: the same fingerprints as stored ones.
+        let spaced =
+            |amount: &str| fingerprint(&event(&format!(r#"{{ "v" : {amount}, "a":"x" }}"#)));
+        for n in [
+            "1",
+            "-7",
+            "1.5",
+            "1.50",
+            "123456789012345",
+            "0.000001",
+            "18446744073709551615",
+            "-9223372036854775808",
+        ] {
+            assert_eq!(with(n), spaced(n), "{n}");
+        }
+        assert_eq!(with("1.5"), with("1.50"), "the same value");
+        // Digits inside a string are not a number.
+        assert!(!has_rounded_number(
+            r#"{"id": "123456789012345678901234567890"}"#
+        ));
+        assert!(!has_rounded_number(
+            r#"{"id": "a\"123456789012345678901234567890"}"#
+        ));
+        assert!(has_rounded_number(
+            r#"{"id": "a\"", "n": 123456789012345678901234567890}"#
+        ));
     }
 
     #[test]

@@ -26,7 +26,7 @@ const SECURITY_ROWS: [&str; 6] = [
     "| `consume` | `SELECT, INSERT` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`), `inboxctl_events` and `inboxctl_audit`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers` and `inboxctl_fingerprints`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
     "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit`; on a partitioned inbox, to make and drop its partitions, the table's owner and `CREATE` on its schema (without them it deletes in batches, and says so) | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
-    "| `replay` | none | read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
+    "| `replay` | none | configure `^inboxctl\\.replaying\\.<dead-letter queue>$` (the marker that keeps `cleanup` off the rows of what it holds; without it the replay goes on and says it is not marked), read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
     "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure, write and read all empty (`\"\"`): the queue depths come from passive declares, which need none |",
 ];
 
@@ -89,7 +89,11 @@ const PUBLISH_PERMISSIONS: PermissionTemplates = ["", "^{x}$", ""];
 const PUBLISH_PERMISSIONS_TO_DECLARE: PermissionTemplates = ["^{x}$", "^{x}$", ""];
 
 /// `replay`'s row, RabbitMQ.
-const REPLAY_PERMISSIONS: PermissionTemplates = ["", "^amq\\.default$", "^{dlq}$"];
+const REPLAY_PERMISSIONS: PermissionTemplates = [
+    "^inboxctl\\.replaying\\.{dlq}$",
+    "^amq\\.default$",
+    "^{dlq}$",
+];
 
 /// `consume`'s row, RabbitMQ, for `queue` fed by the Parcel Tracker's event exchange.
 fn consume_permissions(queue: &str) -> Permissions {
@@ -1304,9 +1308,18 @@ async fn replay_needs_read_on_the_dead_letter_queue_and_write_on_the_default_exc
         "{report}"
     );
 
-    // Exactly the grants: all three go back to their queue, and the consumer takes each once.
+    // Exactly the grants: all three go back to their queue, and the consumer takes each once; the replay marked on
+    // the broker (without configure on the marker, the refusals above went on, saying so).
+    for out in &refused {
+        assert!(
+            out.stderr.contains("not marked on the broker"),
+            "{}",
+            out.stderr
+        );
+    }
     let out = replay.run(&env, &args);
     assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(!out.stderr.contains("not marked"), "{}", out.stderr);
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!(report["replayed"], 3, "{report}");
     assert_eq!(env.queue_counts(&error_queue), (0, 0));

@@ -93,9 +93,19 @@ pub fn replay_marker(queue: &str) -> String {
     format!("inboxctl.replaying.sha256.{hex}")
 }
 
-/// Says, for as long as `conn` is open, that a replay of `queue` is running. Another open connection's marker (a
-/// replay of the same queue already running) is the broker's `RESOURCE_LOCKED`: `Ok(false)`.
-pub async fn mark_replay(conn: &Connection, queue: &str) -> Result<bool> {
+/// What became of a replay's marker ([`mark_replay`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Marker {
+    /// Set, for as long as the connection is open.
+    Set,
+    /// Another open connection's: a replay of the same queue is running (the broker's `RESOURCE_LOCKED`).
+    Held,
+    /// The user may not declare it (no configure permission on its name).
+    Refused,
+}
+
+/// Says, for as long as `conn` is open, that a replay of `queue` is running.
+pub async fn mark_replay(conn: &Connection, queue: &str) -> Result<Marker> {
     let channel = conn.create_channel().await?;
     let options = QueueDeclareOptions {
         exclusive: true,
@@ -112,10 +122,17 @@ pub async fn mark_replay(conn: &Connection, queue: &str) -> Result<bool> {
     {
         Ok(_) => {
             let _ = channel.close(200, "OK".into()).await;
-            Ok(true)
+            Ok(Marker::Set)
         }
-        Err(e) if super::is_locked(&e) => Ok(false),
-        Err(e) => Err(e.into()),
+        Err(e) if super::is_locked(&e) => Ok(Marker::Held),
+        Err(e) => {
+            let e = crate::amqp::BrokerError::from(e);
+            if e.is_access_refused() {
+                Ok(Marker::Refused)
+            } else {
+                Err(e.into())
+            }
+        }
     }
 }
 

@@ -193,10 +193,24 @@ impl State<'_> {
     /// start. After a lost connection, the broker may not yet have closed the old one, whose marker then still
     /// stands: the replay goes on under it.
     async fn mark(&self, connection: &Connection) -> Result<()> {
-        if topology::mark_replay(connection, &self.plan.from).await? {
-            return Ok(());
+        let first_pass = self.report.reconnects == 0 && self.report.items.is_empty();
+        match topology::mark_replay(connection, &self.plan.from).await? {
+            topology::Marker::Set => return Ok(()),
+            topology::Marker::Refused => {
+                // Refusing to replay would break every role granted before the marker existed: said, and gone on.
+                if first_pass {
+                    tracing::warn!(
+                        marker = %crate::sanitize::text(&topology::replay_marker(&self.plan.from)),
+                        "this replay is not marked on the broker (the user may not configure the marker queue; \
+                         docs/security.md): a cleanup meanwhile cannot see the messages it holds, and may delete the \
+                         inbox rows their replay needs"
+                    );
+                }
+                return Ok(());
+            }
+            topology::Marker::Held => {}
         }
-        if self.report.reconnects == 0 && self.report.items.is_empty() {
+        if first_pass {
             return Err(Error::Topology(format!(
                 "another replay of {} is running: wait for it to end (two at once would hold each other's messages                  out of sight)",
                 crate::sanitize::text(&self.plan.from)

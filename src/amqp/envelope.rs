@@ -214,21 +214,42 @@ fn has_rounded_number(json: &str) -> bool {
     false
 }
 
-/// Whether one JSON number's text would be rounded by parsing it (see [`has_rounded_number`]).
+/// Whether one JSON number's text would be rounded by parsing it (see [`has_rounded_number`]): the value serde_json
+/// writes back after parsing it — what the canonical form holds — is not the value written. A double written
+/// shortest-round-trip (`0.30000000000000004`, as JavaScript, .NET and Python write them) comes back as it was.
 fn rounded(number: &str) -> bool {
-    let (mantissa, exponent) = match number.find(['e', 'E']) {
-        Some(at) => (
-            &number[..at],
-            number[at + 1..].parse::<i32>().unwrap_or(i32::MAX),
-        ),
-        None => (number, 0),
+    let Ok(parsed) = serde_json::from_str::<serde_json::Number>(number) else {
+        return true;
     };
-    if exponent == 0 && !mantissa.contains('.') {
-        return number.parse::<i64>().is_err() && number.parse::<u64>().is_err();
+    match (decimal(number), decimal(&parsed.to_string())) {
+        (Some(a), Some(b)) => a != b,
+        _ => true,
     }
-    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
-    let significant = digits.trim_start_matches('0').trim_end_matches('0');
-    significant.len() > 15 || exponent.unsigned_abs() > 290
+}
+
+/// A JSON number's value as (negative, significant digits, exponent of the first digit); zero as `(false, "", 0)`.
+fn decimal(number: &str) -> Option<(bool, String, i64)> {
+    let (negative, rest) = match number.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, number),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(at) => (&rest[..at], rest[at + 1..].parse::<i64>().ok()?),
+        None => (rest, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits: String = int.chars().chain(frac.chars()).collect();
+    let leading = digits.len() - digits.trim_start_matches('0').len();
+    let significant = digits.trim_matches('0');
+    if significant.is_empty() {
+        return Some((false, String::new(), 0));
+    }
+    let point = i64::try_from(int.len()).ok()? - i64::try_from(leading).ok()?;
+    Some((
+        negative,
+        significant.to_owned(),
+        exponent.checked_add(point)?,
+    ))
 }
 
 /// `value` as compact JSON with every object's keys sorted, whatever order the map type keeps them in. Its depth is
@@ -623,5 +644,95 @@ mod tests {
             dotnet_type_name("urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"),
             "ParcelTracker.Domain.Events.ParcelCreatedEvent"
         );
+    }
+
+    /// The fingerprint as stored before this change: always the canonical form (size permitting).
+    fn old(text: &str) -> Fingerprint {
+        let value: serde_json::Value = serde_json::from_str(text).unwrap();
+        let mut out = Vec::new();
+        write_canonical(&value, &mut out);
+        let digest = sha2::Sha256::digest(&out);
+        let mut bytes = [0u8; 16];
+        bytes.copy_from_slice(&digest[..16]);
+        Fingerprint::from_bytes(bytes)
+    }
+
+    #[test]
+    fn ordinary_numbers_keep_their_stored_fingerprint() {
+        let mut changed = Vec::new();
+        for n in [
+            "0",
+            "-0",
+            "1e5",
+            "1E+2",
+            "0.1",
+            "123.456e-7",
+            "-0.0",
+            "1.5e10",
+            // doubles written shortest-round-trip (JS, .NET Core, Python): the double holds them exactly
+            "0.30000000000000004",
+            "52.52000659999999",
+            "33.333333333333336",
+            "1.0e308",
+            "1e300",
+            "-2.5e-300",
+            "1e0",
+            "1234567890123456.0",
+            "100000000000000000000",
+            "0.1234567890123456",
+            "1.2345678901234567",
+            "3.141592653589793",
+            "-0.0",
+            "0e999",
+        ] {
+            let text = format!(r#"{{ "v": {n}, "a": "x" }}"#);
+            let value: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let back = value["v"].to_string();
+            let new = fingerprint(&RawValue::from_string(text.clone()).unwrap());
+            if new != old(&text) {
+                changed.push(format!("{n} (serde writes it back as {back})"));
+            }
+        }
+        assert!(
+            changed.is_empty(),
+            "stored fingerprints changed for: {changed:#?}"
+        );
+        // What serde_json's parse does lose stays apart.
+        for n in [
+            "19.990000000000002",
+            "9007199254740993.5",
+            "1234567890.1234567891",
+            "18446744073709551617",
+            "1e-400",
+            "1e400",
+        ] {
+            assert!(has_rounded_number(&format!("[{n}]")), "{n}");
+        }
+    }
+
+    #[test]
+    fn the_number_scan_never_panics() {
+        for s in [
+            "",
+            "-",
+            "--",
+            "1e",
+            "1e+",
+            "é1",
+            "\"",
+            "\"\\",
+            "\"\\é\"1",
+            "é\"\\\"",
+            "1.2.3e-e",
+            "\"é",
+            "-é",
+            "9e99999999999999999",
+            "\u{10FFFF}-1",
+            "\"\\\u{10FFFF}\"12345678901234567890",
+        ] {
+            let _ = has_rounded_number(s);
+        }
+        let long = format!("{}e{}", "9".repeat(100_000), "9".repeat(100));
+        assert!(has_rounded_number(&long));
     }
 }

@@ -80,8 +80,14 @@ pub async fn replay(
     };
     let yes = matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
     if yes {
-        // Messages that failed while the question was read come after these, at the queue's tail.
-        let confirmed = would.len() as u64;
+        // Messages that failed while the question was read come after these, at the queue's tail. `--limit` counts
+        // every message the selection chose, those left for an obstacle (expired, replayed too often, no origin)
+        // too: the limit is what the dry run chose, not only what it would replay.
+        let confirmed = report
+            .items
+            .iter()
+            .filter(|i| !matches!(i.action, Action::NotSelected | Action::CopyOfReplayed))
+            .count() as u64;
         plan.limit = Some(plan.limit.map_or(confirmed, |l| l.min(confirmed)));
     }
     Ok(yes)

@@ -1331,3 +1331,133 @@ async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
         "cleanup refused, X's row kept, one reservation: {out:?}"
     );
 }
+
+/// A yes moves the messages the question counted. Two expired messages (failed 8 days ago, past the default 7 days)
+/// at the head, three fresh ones behind: the question counts 3 (the expired are not "would replay"), and `--limit`
+/// counts every chosen message, one left for an obstacle too: a limit of 3 was spent on the expired ones, and only 1
+/// of the 3 confirmed went back. The limit is what the dry run chose.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confirmed_replay_moves_every_message_counted_when_expired_ones_lead() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    for _ in 0..2 {
+        failed_message(&conn, "boom", chrono::TimeDelta::days(8), 0).await;
+    }
+    for _ in 0..3 {
+        failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+    }
+    let tmux = common::Tmux::of(&env);
+    tmux.start(
+        &env,
+        &format!("replay --from {ERROR_QUEUE} --confirm-above 1"),
+    );
+    tmux.wait_for("the question", |s| s.contains("replay 3 messages"));
+    tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
+    let screen = tmux.wait_for("the end", |s| s.contains("EXITED="));
+    eprintln!("{screen}");
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (3, 0),
+        "the 3 confirmed went back:\n{screen}"
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0), "{screen}");
+}
+
+/// After a reconnect, the lost connection's marker may still stand (the broker has not yet closed that connection;
+/// played here by the test's own connection holding the exclusive marker). The replay went on unmarked for the rest
+/// of its pass: once the stale marker went, the cleanup's guard no longer saw it, and deleted the row of the message
+/// it held. It now takes nothing until the stale marker has gone and it has marked the queue again.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_that_reconnected_under_a_stale_marker_is_still_seen_by_the_cleanup() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let pool = env.pool().await;
+    error_queue(&conn).await;
+    let x = uuid::Uuid::new_v4();
+    let (props, body, _) = common::parcel_message(x, "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), &body).await;
+    common::consume_until_idle(&env, &["carrier"]);
+    sqlx::query(
+        "UPDATE inbox_messages SET received_at = now() - interval '3 days', processed_at = now() - interval '3 days'
+         WHERE id = $1",
+    )
+    .bind(x)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert("MT-Reason".into(), long("fault"));
+    headers.insert("MT-Fault-Message".into(), long("timeout after 30000 ms"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+    );
+    let when =
+        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::days(4));
+    headers.insert("MT-Fault-Timestamp".into(), long(&when));
+    common::publish(&conn, ERROR_QUEUE, "", props.with_headers(headers), &body).await;
+    for _ in 0..40 {
+        failed_message(
+            &conn,
+            "carrier API returned 503",
+            chrono::TimeDelta::zero(),
+            0,
+        )
+        .await;
+    }
+
+    let mut replay = env.spawn_with(
+        &[
+            "replay",
+            "--from",
+            ERROR_QUEUE,
+            "--reason",
+            "503",
+            "--rate",
+            "2",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "replay-before-get=sleep-once-8000@2")],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-get reached",
+        Duration::from_secs(30),
+    );
+    common::close_connection(&env.vhost, "inboxctl replay");
+    // The lost connection's marker, still standing at the broker a while (here: the test's connection holds it).
+    let stale = env.amqp().await;
+    let channel = stale.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            inboxctl::amqp::topology::replay_marker(ERROR_QUEUE)
+                .as_str()
+                .into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    replay.wait_for_stderr("still stands", Duration::from_secs(40));
+    // The broker closes the stale connection at last (its heartbeat missed): its marker goes.
+    stale.close(200, "OK".into()).await.unwrap();
+    common::eventually(
+        "the replay holding X again",
+        Duration::from_secs(20),
+        || async { env.queue_counts(ERROR_QUEUE).1 >= 1 },
+    )
+    .await;
+    let out = env.run(&["cleanup", "--retention", "2d", "--dry-run", "--json"]);
+    let _ = replay.wait(Duration::from_secs(90));
+    assert_eq!(
+        out.code,
+        Some(3),
+        "the replay still holds X: the cleanup must be refused: {out:?}"
+    );
+}

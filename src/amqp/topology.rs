@@ -136,6 +136,23 @@ pub async fn mark_replay(conn: &Connection, queue: &str) -> Result<Marker> {
     }
 }
 
+/// Takes a replay's marker down before its connection closes (a confirmation's dry run, whose connection the replay
+/// goes on with after a question that may wait long): best effort, within 2 s; the close takes it down anyway.
+pub async fn unmark_replay(conn: &Connection, queue: &str) {
+    let unmark = async {
+        let channel = conn.create_channel().await?;
+        channel
+            .queue_delete(
+                replay_marker(queue).as_str().into(),
+                lapin::options::QueueDeleteOptions::default(),
+            )
+            .await?;
+        let _ = channel.close(200, "OK".into()).await;
+        Ok::<(), lapin::Error>(())
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), unmark).await;
+}
+
 /// Whether a replay of `queue` is running ([`mark_replay`]): its marker exists (or is locked, the broker's answer
 /// to a passive declare of another connection's exclusive queue).
 pub async fn replay_running(conn: &Connection, queue: &str) -> Result<bool> {

@@ -45,7 +45,8 @@ impl Refusal {
     pub fn describe(&self) -> String {
         if self.replay_running {
             return format!(
-                "a replay of {} is running, and the messages it holds cannot be looked at: their replay may need                  their inbox rows; clean again when it has ended, or give --force",
+                "a replay of {} is running, and the messages it holds cannot be looked at: their replay may need \
+                 their inbox rows; clean again when it has ended, or give --force",
                 crate::sanitize::text(&self.queue)
             );
         }

@@ -68,6 +68,7 @@ pub async fn run(
     };
     let mut link = Link::new(broker, "inboxctl replay", connection, reconnect_for);
     let passes = state.run_passes(&mut link, shutdown, &mut progress).await;
+    topology::unmark_replay(link.current(), &plan.from).await;
     link.close().await;
     passes?;
     let mut report = state.report;
@@ -86,6 +87,11 @@ pub async fn run(
     }
     Ok(report)
 }
+
+/// How long a replay that connected again waits for the broker to close its lost connection, whose marker stands
+/// until then: RabbitMQ closes a connection whose client went silent after two missed heartbeats (60 s each, by
+/// default).
+const STALE_MARKER_WAIT: Duration = Duration::from_secs(150);
 
 /// A replay's progress, kept across reconnects.
 pub(super) struct State<'a> {
@@ -177,7 +183,7 @@ impl State<'_> {
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
         self.machine.pass_started();
-        self.mark(connection).await?;
+        self.mark(connection, shutdown).await?;
         let mut channels = Channels::open(connection).await?;
         self.take(&mut channels, shutdown, progress).await?;
         if channels.finish().await? {
@@ -191,8 +197,9 @@ impl State<'_> {
     /// messages it holds unacknowledged cannot be seen by the cleanup's guard, which keeps the inbox rows their replay
     /// needs, and which refuses to clean while the marker stands. A second replay of the same queue is refused at its
     /// start. After a lost connection, the broker may not yet have closed the old one, whose marker then still
-    /// stands: the replay goes on under it.
-    async fn mark(&self, connection: &Connection) -> Result<()> {
+    /// stands, and which still holds what the replay had taken: the replay takes nothing until the broker has closed
+    /// it (the marker and those messages go together) and it has marked the queue again.
+    async fn mark(&self, connection: &Connection, shutdown: &CancellationToken) -> Result<()> {
         let first_pass = self.report.reconnects == 0 && self.report.items.is_empty();
         match topology::mark_replay(connection, &self.plan.from).await? {
             topology::Marker::Set => return Ok(()),
@@ -210,17 +217,33 @@ impl State<'_> {
             }
             topology::Marker::Held => {}
         }
-        if first_pass {
+        if !first_pass {
+            tracing::warn!(
+                queue = %crate::sanitize::text(&self.plan.from),
+                "the marker of this replay's lost connection still stands: waiting for the broker to close that \
+                 connection (it gives back what it held) before taking anything"
+            );
+            let deadline = tokio::time::Instant::now() + STALE_MARKER_WAIT;
+            while tokio::time::Instant::now() < deadline && !shutdown.is_cancelled() {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                if topology::mark_replay(connection, &self.plan.from).await?
+                    != topology::Marker::Held
+                {
+                    return Ok(());
+                }
+            }
             return Err(Error::Topology(format!(
-                "another replay of {} is running: wait for it to end (two at once would hold each other's messages                  out of sight)",
-                crate::sanitize::text(&self.plan.from)
+                "the marker of this replay's lost connection to {} still stood after {}: is another replay of the \
+                 queue running?",
+                crate::sanitize::text(&self.plan.from),
+                humantime::format_duration(STALE_MARKER_WAIT)
             )));
         }
-        tracing::warn!(
-            queue = %crate::sanitize::text(&self.plan.from),
-            "the marker of this replay's lost connection still stands; going on under it"
-        );
-        Ok(())
+        Err(Error::Topology(format!(
+            "another replay of {} is running: wait for it to end (two at once would hold each other's messages \
+             out of sight)",
+            crate::sanitize::text(&self.plan.from)
+        )))
     }
 
     async fn take(

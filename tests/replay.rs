@@ -1210,6 +1210,13 @@ async fn a_confirmed_replay_moves_only_the_count_confirmed() {
     common::ensure_endpoints(&env).await;
     let conn = env.amqp().await;
     error_queue(&conn).await;
+    // A processed message past a 2-day window, for the cleanup below to find.
+    common::publish_parcels(&env, &["--count", "1"]);
+    common::consume_until_idle(&env, &["carrier"]);
+    sqlx::query("UPDATE inbox_messages SET received_at = now() - interval '3 days', processed_at = now() - interval '3 days'")
+        .execute(&env.pool().await)
+        .await
+        .unwrap();
     for _ in 0..3 {
         failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
     }
@@ -1219,6 +1226,11 @@ async fn a_confirmed_replay_moves_only_the_count_confirmed() {
         &format!("replay --from {ERROR_QUEUE} --confirm-above 1"),
     );
     tmux.wait_for("the question", |s| s.contains("replay 3 messages"));
+    // The dry run's marker is down while the question waits (for as long as the operator leaves it open): a cleanup
+    // meanwhile is not refused for a running replay (the dead-lettered messages are fresh: nothing else refuses it).
+    let cleanup = env.run(&["cleanup", "--retention", "2d", "--dry-run", "--json"]);
+    assert_eq!(cleanup.code, Some(0), "{cleanup:?}");
+    assert!(cleanup.stdout.contains("\"deleted\":1"), "{cleanup:?}");
     // Two more fail while the operator reads the question.
     for _ in 0..2 {
         failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;

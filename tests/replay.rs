@@ -1256,33 +1256,7 @@ async fn a_confirmed_replay_moves_only_the_count_confirmed() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
     let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
-    let conn = env.amqp().await;
-    let pool = env.pool().await;
-    error_queue(&conn).await;
-    let x = uuid::Uuid::new_v4();
-    let (props, body, _) = common::parcel_message(x, "Berlin");
-    common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), &body).await;
-    common::consume_until_idle(&env, &["carrier"]);
-    sqlx::query(
-        "UPDATE inbox_messages SET received_at = now() - interval '3 days', processed_at = now() - interval '3 days'
-         WHERE id = $1",
-    )
-    .bind(x)
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut headers = FieldTable::default();
-    headers.insert("MT-Reason".into(), long("fault"));
-    headers.insert("MT-Fault-Message".into(), long("timeout after 30000 ms"));
-    headers.insert(
-        "MT-Fault-InputAddress".into(),
-        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
-    );
-    let when =
-        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::days(4));
-    headers.insert("MT-Fault-Timestamp".into(), long(&when));
-    common::publish(&conn, ERROR_QUEUE, "", props.with_headers(headers), &body).await;
+    let (conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env).await;
     for _ in 0..6 {
         failed_message(
             &conn,
@@ -1385,33 +1359,7 @@ async fn a_confirmed_replay_moves_every_message_counted_when_expired_ones_lead()
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_that_reconnected_under_a_stale_marker_is_still_seen_by_the_cleanup() {
     let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
-    let conn = env.amqp().await;
-    let pool = env.pool().await;
-    error_queue(&conn).await;
-    let x = uuid::Uuid::new_v4();
-    let (props, body, _) = common::parcel_message(x, "Berlin");
-    common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), &body).await;
-    common::consume_until_idle(&env, &["carrier"]);
-    sqlx::query(
-        "UPDATE inbox_messages SET received_at = now() - interval '3 days', processed_at = now() - interval '3 days'
-         WHERE id = $1",
-    )
-    .bind(x)
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut headers = FieldTable::default();
-    headers.insert("MT-Reason".into(), long("fault"));
-    headers.insert("MT-Fault-Message".into(), long("timeout after 30000 ms"));
-    headers.insert(
-        "MT-Fault-InputAddress".into(),
-        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
-    );
-    let when =
-        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::days(4));
-    headers.insert("MT-Fault-Timestamp".into(), long(&when));
-    common::publish(&conn, ERROR_QUEUE, "", props.with_headers(headers), &body).await;
+    let (conn, _, _) = processed_long_ago_and_waiting_in_the_error_queue(&env).await;
     for _ in 0..40 {
         failed_message(
             &conn,
@@ -1472,4 +1420,39 @@ async fn a_replay_that_reconnected_under_a_stale_marker_is_still_seen_by_the_cle
         Some(3),
         "the replay still holds X: the cleanup must be refused: {out:?}"
     );
+}
+
+/// X processed 3 days ago (its inbox row backdated) and a copy of it waiting in the error queue, failed 4 days ago (a
+/// replay that crashed between the confirm and the ack): `cleanup --retention 2d` alone is refused for the carrier.
+async fn processed_long_ago_and_waiting_in_the_error_queue(
+    env: &TestEnv,
+) -> (lapin::Connection, sqlx::PgPool, uuid::Uuid) {
+    common::ensure_endpoints(env).await;
+    let conn = env.amqp().await;
+    let pool = env.pool().await;
+    error_queue(&conn).await;
+    let x = uuid::Uuid::new_v4();
+    let (props, body, _) = common::parcel_message(x, "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props.clone(), &body).await;
+    common::consume_until_idle(env, &["carrier"]);
+    sqlx::query(
+        "UPDATE inbox_messages SET received_at = now() - interval '3 days', processed_at = now() - interval '3 days'
+         WHERE id = $1",
+    )
+    .bind(x)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert("MT-Reason".into(), long("fault"));
+    headers.insert("MT-Fault-Message".into(), long("timeout after 30000 ms"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+    );
+    let when =
+        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::days(4));
+    headers.insert("MT-Fault-Timestamp".into(), long(&when));
+    common::publish(&conn, ERROR_QUEUE, "", props.with_headers(headers), &body).await;
+    (conn, pool, x)
 }

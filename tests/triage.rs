@@ -523,6 +523,45 @@ async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
     assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
 }
 
+/// A failure time years ahead (a host's clock far off, a header written by hand) tells nothing of a dead-lettered
+/// message's age. Read as it is, the message looked young, and the rows its replay needs were deleted; it is now of
+/// an unknown age, which keeps them.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_takes_a_failure_time_in_the_future_as_unknown() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 3, 2).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    let fixture = common::fixture("error/error-01.json");
+    let mut headers = fixture.properties.headers().clone().unwrap_or_default();
+    let ahead = inboxctl::amqp::envelope::format_time(Utc::now() + chrono::TimeDelta::days(3650));
+    headers.insert(
+        "MT-Fault-Timestamp".into(),
+        lapin::types::AMQPValue::LongString(ahead.into()),
+    );
+    common::publish(
+        &conn,
+        "",
+        ERROR_QUEUE,
+        fixture.properties.clone().with_headers(headers),
+        &fixture.body,
+    )
+    .await;
+    let out = env.run(&["cleanup", "--retention", "1d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let refused = &report["consumers"][0]["refused"];
+    assert_eq!(refused["message_id"], fixture.message_id, "{report}");
+    assert!(refused["failed_at"].is_null(), "{report}");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        3
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_state_changing_command_is_audited_without_a_password_and_outlives_cleanup() {
     let mut env = TestEnv::bare().await;

@@ -86,7 +86,12 @@ fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
             .message_id()
             .as_ref()
             .map(|id| limits::truncate(id.as_str(), 255).into_owned()),
-        failed_at: failure.failed_at.or(published),
+        // A time ahead of this machine's by more than a day (a host's clock far off, a header written by hand) tells
+        // nothing of the message's age: taken as young, its row could go while its replay still needs it.
+        failed_at: failure
+            .failed_at
+            .or(published)
+            .filter(|t| *t <= Utc::now() + chrono::TimeDelta::days(1)),
     }
 }
 

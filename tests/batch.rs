@@ -218,13 +218,7 @@ async fn a_redone_batch_records_its_copies_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_commit() {
     for with_together in [false, true] {
-        let (_env, pool, inbox) = setup().await;
-        sqlx::raw_sql(
-            "CREATE TABLE customers (email text PRIMARY KEY); INSERT INTO customers VALUES ('a@b.c')",
-        )
-        .execute(&pool)
-        .await
-        .unwrap();
+        let (_env, pool, inbox) = with_a_customer().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
         let swallowing = Member {
@@ -281,6 +275,18 @@ async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_com
     }
 }
 
+/// `setup`, with a customer whose insert a work may meet again: the statement whose error it swallows.
+async fn with_a_customer() -> (common::TestEnv, sqlx::PgPool, inboxctl::inbox::Inbox) {
+    let (env, pool, inbox) = setup().await;
+    sqlx::raw_sql(
+        "CREATE TABLE customers (email text PRIMARY KEY); INSERT INTO customers VALUES ('a@b.c')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    (env, pool, inbox)
+}
+
 /// The members' work done together, its statement's error swallowed.
 fn swallowing_together() -> TogetherWork<()> {
     Box::new(|tx, ids| {
@@ -297,13 +303,7 @@ fn swallowing_together() -> TogetherWork<()> {
 /// whose claim and effect rolled back.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_message_whose_work_swallows_a_statement_error_is_a_failed_attempt() {
-    let (_env, pool, inbox) = setup().await;
-    sqlx::raw_sql(
-        "CREATE TABLE customers (email text PRIMARY KEY); INSERT INTO customers VALUES ('a@b.c')",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    let (_env, pool, inbox) = with_a_customer().await;
     let id = Uuid::new_v4();
     let outcome = inbox
         .process(id, move |tx| {

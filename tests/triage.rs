@@ -481,16 +481,22 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     assert_eq!(rows_of(&pool, "carrier").await, 0, "--force cleans");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
+/// Three carrier rows processed two days ago, and the carrier's error queue, empty.
+async fn rows_two_days_old_and_an_error_queue() -> (TestEnv, sqlx::PgPool, lapin::Connection) {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let conn = env.amqp().await;
-    // Rows processed two days ago; the captured fixtures failed on 2026-11-30 (MT-Fault-Timestamp).
     processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 3, 2).await;
     inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
+    (env, pool, conn)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
+    // Rows processed two days ago; the captured fixtures failed on 2026-11-30 (MT-Fault-Timestamp).
+    let (env, _, conn) = rows_two_days_old_and_an_error_queue().await;
     let fixture = common::fixture("error/error-01.json");
     common::publish(
         &conn,
@@ -528,13 +534,7 @@ async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
 /// an unknown age, which keeps them.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_guard_takes_a_failure_time_in_the_future_as_unknown() {
-    let env = TestEnv::migrated().await;
-    let pool = env.pool().await;
-    let conn = env.amqp().await;
-    processed_rows(&pool, CARRIER_QUEUE, CARRIER_QUEUE, 3, 2).await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
-        .await
-        .unwrap();
+    let (env, pool, conn) = rows_two_days_old_and_an_error_queue().await;
     let fixture = common::fixture("error/error-01.json");
     let mut headers = fixture.properties.headers().clone().unwrap_or_default();
     let ahead = inboxctl::amqp::envelope::format_time(Utc::now() + chrono::TimeDelta::days(3650));

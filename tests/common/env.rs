@@ -99,7 +99,12 @@ impl TestEnv {
 
     /// Runs inboxctl to its end.
     pub fn run(&self, args: &[&str]) -> Output {
-        Output::of(self.cmd().args(args).output().expect("run inboxctl"))
+        Output::of(
+            self.cmd()
+                .args(within_budget(args))
+                .output()
+                .expect("run inboxctl"),
+        )
     }
 
     /// Starts inboxctl in the background, its stderr collected.
@@ -109,7 +114,9 @@ impl TestEnv {
 
     pub fn spawn_with(&self, args: &[&str], env: &[(&str, &str)]) -> Proc {
         let mut cmd = self.cmd();
-        cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.args(within_budget(args))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -157,6 +164,30 @@ impl Drop for TestEnv {
         );
         vhosts::give_back(&self.vhost, false);
     }
+}
+
+/// The most PostgreSQL connections a consumer of a test opens when the test does not say (`--pool-size`).
+///
+/// The tests run four at a time against the shared server, whose `max_connections` is PostgreSQL's default of 100. A
+/// consumer left at its defaults opens as many connections as it has workers (16), and a test that runs two of them
+/// holds 32 with its own; four such tests at once (one test in each of its four modes) took every connection, and
+/// the tests started meanwhile failed to connect at all. Six connections a consumer keeps four of the largest tests
+/// at once under 100, and still lets as many messages be claimed at once as the races under test need.
+pub const POOL_BUDGET: &str = "6";
+
+/// `args`, with `--pool-size` [`POOL_BUDGET`] added to a `consume` (the command, perhaps after global options) that
+/// does not set its own.
+fn within_budget<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    let mut args = args.to_vec();
+    let command = args
+        .first()
+        .is_some_and(|a| *a == "consume" || a.starts_with("--"));
+    let consume = command && args.contains(&"consume");
+    let sized = args.iter().any(|a| a.starts_with("--pool-size"));
+    if consume && !sized {
+        args.extend(["--pool-size", POOL_BUDGET]);
+    }
+    args
 }
 
 /// A vhost from the pool ([`vhosts`]) that the broker knows (one made before the broker was reset is not).

@@ -939,8 +939,9 @@ async fn batched_consumers_book_every_parcel_once_in_both_modes_with_a_refusal()
 }
 
 /// The stand-in carrier's booking is one statement, which the consumer sends with the claim: stopped just before that
-/// statement (the `before-commit` point), the consumer holds no transaction open. A carrier called over HTTP is no
-/// statement: its consumer is stopped there inside the claim's transaction (the control, which shows the look
+/// statement (the `before-commit` point), the consumer holds no transaction open. So does a batched consumer with a
+/// message alone: a batch of one goes as the one statement, not as a batch's transaction. A carrier called over HTTP
+/// is no statement: its consumer is stopped there inside the claim's transaction (the control, which shows the look
 /// would see one).
 #[tokio::test(flavor = "multi_thread")]
 async fn the_stand_in_carriers_claim_and_booking_go_as_one_statement() {
@@ -950,6 +951,11 @@ async fn the_stand_in_carriers_claim_and_booking_go_as_one_statement() {
     let stub = Stub::start(&env, &[]);
     for (name, args, open) in [
         ("the stand-in", vec!["consume", "carrier"], 0),
+        (
+            "the stand-in, batched, a message alone",
+            vec!["consume", "carrier", "--batch-size", "32"],
+            0,
+        ),
         ("over HTTP, keyed", consume_args(&stub, "keyed", &[]), 1),
     ] {
         common::publish_parcels(&env, &["--count", "1"]);
@@ -969,7 +975,7 @@ async fn the_stand_in_carriers_claim_and_booking_go_as_one_statement() {
     }
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
-        2
+        3
     );
 }
 

@@ -21,7 +21,7 @@ use super::acks::ack_all;
 use super::dispatch::{
     Access, Disposition, Prepared, Ready, attempts, conflict, context, database_back,
     database_gone, duplicate, failed, prepare, processed, settle, settle_acker, settled,
-    unclaimable,
+    unclaimable, work,
 };
 use super::run::Link;
 use super::{
@@ -30,7 +30,7 @@ use super::{
 };
 use crate::backoff::Backoff;
 use crate::failpoint;
-use crate::inbox::{Member, MemberOutcome, MemberWork, ProcessError, TogetherWork};
+use crate::inbox::{Member, MemberOutcome, MemberWork, Outcome, ProcessError, TogetherWork};
 
 /// A delivery waiting for a batch, with the broker connection it came on.
 pub(super) type Queued = (Delivery, Arc<Link>);
@@ -251,22 +251,32 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             .collect(),
     );
     loop {
-        let batch: Vec<Member<()>> = members
-            .iter()
-            .enumerate()
-            .map(|(i, (_, _, ready))| Member {
-                message_id: ready.incoming.message_id,
-                fingerprint: Some(ready.fingerprint),
-                carried: ready.carried,
-                work: member_work(shared, &items, i),
-            })
-            .collect();
-        let result = {
-            let _shared = shared.alone.read().await;
-            shared
-                .inbox
-                .process_batch(batch, Some(together_work(shared, &items)))
-                .await
+        let result = match alone(shared, members, &items).await {
+            Some(Ok(result)) => result,
+            Some(Err(panic)) => {
+                tracing::warn!(
+                    panic = %logged(&panic_message(&*panic)),
+                    "a batch of one panicked; processing it one by one"
+                );
+                return Committed::OneByOne;
+            }
+            None => {
+                let batch: Vec<Member<()>> = members
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, _, ready))| Member {
+                        message_id: ready.incoming.message_id,
+                        fingerprint: Some(ready.fingerprint),
+                        carried: ready.carried,
+                        work: member_work(shared, &items, i),
+                    })
+                    .collect();
+                let _shared = shared.alone.read().await;
+                shared
+                    .inbox
+                    .process_batch(batch, Some(together_work(shared, &items)))
+                    .await
+            }
         };
         match result {
             Ok(outcomes) => {
@@ -295,6 +305,46 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             }
         }
     }
+}
+
+/// A batch of one whose work the consumer writes as one SQL statement ([`Consumer::effect`]) goes with its claim as
+/// that one statement ([`Inbox::process_effect`](crate::inbox::Inbox::process_effect)), as it would one by one: one
+/// round trip where the batch's transaction takes five (`BEGIN`, the claim, the work, the look before the commit,
+/// `COMMIT`). A message that arrives alone — every message, at a low rate — then waits no longer for its commit than
+/// it would without `--batch-size`. Its outcome is a member's, settled as any batch's; `None` when the batch is not
+/// one such member, `Err` with the panic of its work (done the usual way when the statement failed).
+async fn alone<C: Consumer>(
+    shared: &Shared<C>,
+    members: &[Held<C>],
+    items: &[(MessageContext, C::Message)],
+) -> Option<std::thread::Result<Result<Vec<MemberOutcome<()>>, ProcessError>>> {
+    let ([(delivery, _, ready)], [(context, message)]) = (members, items) else {
+        return None;
+    };
+    let Ok(Some(effect)) = shared.consumer.effect(context, message).await else {
+        return None;
+    };
+    let id = ready.incoming.message_id;
+    let usual = work(shared, delivery, ready, 1);
+    let attempt = async {
+        let _shared = shared.alone.read().await;
+        shared
+            .inbox
+            .process_effect(id, Some(ready.fingerprint), ready.carried, effect, usual)
+            .await
+    };
+    let result = AssertUnwindSafe(attempt).catch_unwind().await;
+    Some(result.map(|result| {
+        let outcome = match result {
+            Ok(Outcome::Processed(())) => MemberOutcome::Processed(()),
+            Ok(Outcome::Duplicate) => MemberOutcome::Duplicate,
+            Ok(Outcome::Conflict(conflict)) => MemberOutcome::Conflict(conflict),
+            Err(ProcessError::Failed(e)) => MemberOutcome::Failed(e),
+            Err(ProcessError::Unclaimable(reason)) => MemberOutcome::Unclaimable(reason),
+            Err(unavailable @ ProcessError::Unavailable(_)) => return Err(unavailable),
+        };
+        Ok(vec![outcome])
+    }))
 }
 
 /// Member `i`'s own work: its message through [`Consumer::consume`] (it may run more than once, if the batch is done

@@ -217,6 +217,7 @@ impl Carrier for StandInCarrier {
         &'c self,
         request: &'c PickupRequest,
     ) -> Result<Option<Effect>, WorkError> {
+        failpoint::hit_with("carrier-effect", &request.destination).await;
         if self.fails_for(&request.destination) || failpoint::armed("carrier", &request.destination)
         {
             return Ok(None);

@@ -744,6 +744,77 @@ async fn a_panic_fails_its_message_not_the_process_in(mode: &[&str]) {
     );
 }
 
+/// A batched consumer's message alone goes as one statement; a panic of the consumer's code there (its `effect`) is a
+/// failed attempt of that message, counted as one by one counts it: retried to `--max-attempts` and moved aside with
+/// its retry count. Were the panic to escape it (or send the batch one by one from its first attempt), the worker's
+/// last resort would give the message back after a pause, uncounted, and the work would run once more than allowed.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_of_a_batched_message_alone_is_a_counted_attempt() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "PANIC"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--batch-size",
+            "8",
+            "--max-attempts",
+            "3",
+            "--retry-delay",
+            "10ms",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier-effect=panic@PANIC")],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert!(!stderr.contains("handling a batch panicked"), "{stderr}");
+    assert_eq!(
+        stderr.matches("attempt failed").count(),
+        2,
+        "two retries, then moved aside: {stderr}"
+    );
+
+    let conn = env.amqp().await;
+    let errors = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(errors.len(), 1);
+    let p = &errors[0].properties;
+    let reason = common::header_text(p, "MT-Fault-Message").unwrap();
+    assert!(
+        reason.contains("panicked: failpoint carrier-effect"),
+        "{reason}"
+    );
+    assert_eq!(
+        p.headers()
+            .as_ref()
+            .unwrap()
+            .inner()
+            .get("MT-Fault-RetryCount"),
+        Some(&AMQPValue::LongInt(2))
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'"
+        )
+        .await,
+        3
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        0
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_ef_core_inbox_is_claimed_through_its_own_key() {
     let env = TestEnv::empty().await;

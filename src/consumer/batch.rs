@@ -30,7 +30,9 @@ use super::{
 };
 use crate::backoff::Backoff;
 use crate::failpoint;
-use crate::inbox::{Member, MemberOutcome, MemberWork, Outcome, ProcessError, TogetherWork};
+use crate::inbox::{
+    Member, MemberOutcome, MemberWork, Outcome, ProcessError, TogetherWork, WorkError,
+};
 
 /// A delivery waiting for a batch, with the broker connection it came on.
 pub(super) type Queued = (Delivery, Arc<Link>);
@@ -252,14 +254,7 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
     );
     loop {
         let result = match alone(shared, members, &items).await {
-            Some(Ok(result)) => result,
-            Some(Err(panic)) => {
-                tracing::warn!(
-                    panic = %logged(&panic_message(&*panic)),
-                    "a batch of one panicked; processing it one by one"
-                );
-                return Committed::OneByOne;
-            }
+            Some(result) => result,
             None => {
                 let batch: Vec<Member<()>> = members
                     .iter()
@@ -311,40 +306,49 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
 /// that one statement ([`Inbox::process_effect`](crate::inbox::Inbox::process_effect)), as it would one by one: one
 /// round trip where the batch's transaction takes five (`BEGIN`, the claim, the work, the look before the commit,
 /// `COMMIT`). A message that arrives alone — every message, at a low rate — then waits no longer for its commit than
-/// it would without `--batch-size`. Its outcome is a member's, settled as any batch's; `None` when the batch is not
-/// one such member, `Err` with the panic of its work (done the usual way when the statement failed).
+/// it would without `--batch-size`. Its outcome is a member's, settled as any batch's; a panic of the consumer's code
+/// (its `effect`, or its work, done the usual way when the statement failed) is a failed attempt of it, as one by one.
+/// `None` when the batch is not one such member.
 async fn alone<C: Consumer>(
     shared: &Shared<C>,
     members: &[Held<C>],
     items: &[(MessageContext, C::Message)],
-) -> Option<std::thread::Result<Result<Vec<MemberOutcome<()>>, ProcessError>>> {
+) -> Option<Result<Vec<MemberOutcome<()>>, ProcessError>> {
     let ([(delivery, _, ready)], [(context, message)]) = (members, items) else {
         return None;
     };
-    let Ok(Some(effect)) = shared.consumer.effect(context, message).await else {
-        return None;
-    };
     let id = ready.incoming.message_id;
-    let usual = work(shared, delivery, ready, 1);
+    // The consumer's code runs under the shared hold, as every attempt's does: a suspect tried alone meanwhile is.
     let attempt = async {
         let _shared = shared.alone.read().await;
-        shared
-            .inbox
-            .process_effect(id, Some(ready.fingerprint), ready.carried, effect, usual)
-            .await
-    };
-    let result = AssertUnwindSafe(attempt).catch_unwind().await;
-    Some(result.map(|result| {
-        let outcome = match result {
-            Ok(Outcome::Processed(())) => MemberOutcome::Processed(()),
-            Ok(Outcome::Duplicate) => MemberOutcome::Duplicate,
-            Ok(Outcome::Conflict(conflict)) => MemberOutcome::Conflict(conflict),
-            Err(ProcessError::Failed(e)) => MemberOutcome::Failed(e),
-            Err(ProcessError::Unclaimable(reason)) => MemberOutcome::Unclaimable(reason),
-            Err(unavailable @ ProcessError::Unavailable(_)) => return Err(unavailable),
+        let Ok(Some(effect)) = shared.consumer.effect(context, message).await else {
+            return None;
         };
-        Ok(vec![outcome])
-    }))
+        let usual = work(shared, delivery, ready, 1);
+        let fingerprint = Some(ready.fingerprint);
+        let inbox = &shared.inbox;
+        Some(
+            inbox
+                .process_effect(id, fingerprint, ready.carried, effect, usual)
+                .await,
+        )
+    };
+    let outcome = match AssertUnwindSafe(attempt).catch_unwind().await {
+        Ok(None) => return None,
+        Ok(Some(Ok(Outcome::Processed(())))) => MemberOutcome::Processed(()),
+        Ok(Some(Ok(Outcome::Duplicate))) => MemberOutcome::Duplicate,
+        Ok(Some(Ok(Outcome::Conflict(conflict)))) => MemberOutcome::Conflict(conflict),
+        Ok(Some(Err(ProcessError::Failed(e)))) => MemberOutcome::Failed(e),
+        Ok(Some(Err(ProcessError::Unclaimable(reason)))) => MemberOutcome::Unclaimable(reason),
+        Ok(Some(Err(unavailable @ ProcessError::Unavailable(_)))) => {
+            return Some(Err(unavailable));
+        }
+        Err(panic) => MemberOutcome::Failed(WorkError::msg(format!(
+            "panicked: {}",
+            panic_message(&*panic)
+        ))),
+    };
+    Some(Ok(vec![outcome]))
 }
 
 /// Member `i`'s own work: its message through [`Consumer::consume`] (it may run more than once, if the batch is done

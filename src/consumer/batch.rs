@@ -19,9 +19,9 @@ use tokio::task::JoinSet;
 
 use super::acks::ack_all;
 use super::dispatch::{
-    Access, Disposition, Prepared, Ready, attempts, conflict, context, database_back,
-    database_gone, duplicate, failed, prepare, processed, settle, settle_acker, settled,
-    unclaimable, work,
+    Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context,
+    database_back, database_gone, duplicate, failed, prepare, processed, settle, settle_acker,
+    settled, unclaimable,
 };
 use super::run::Link;
 use super::{
@@ -253,7 +253,7 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             .collect(),
     );
     loop {
-        let result = match alone(shared, members, &items).await {
+        let result = match alone(shared, members).await {
             Some(result) => result,
             None => {
                 let batch: Vec<Member<()>> = members
@@ -303,35 +303,23 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
 }
 
 /// A batch of one whose work the consumer writes as one SQL statement ([`Consumer::effect`]) goes with its claim as
-/// that one statement ([`Inbox::process_effect`](crate::inbox::Inbox::process_effect)), as it would one by one: one
-/// round trip where the batch's transaction takes five (`BEGIN`, the claim, the work, the look before the commit,
-/// `COMMIT`). A message that arrives alone — every message, at a low rate — then waits no longer for its commit than
-/// it would without `--batch-size`. Its outcome is a member's, settled as any batch's; a panic of the consumer's code
-/// (its `effect`, or its work, done the usual way when the statement failed) is a failed attempt of it, as one by one.
-/// `None` when the batch is not one such member.
+/// that one statement ([`as_one_statement`]), as it would one by one: one round trip where the batch's transaction
+/// takes five (`BEGIN`, the claim, the work, the look before the commit, `COMMIT`). A message that arrives alone —
+/// every message, at a low rate — then waits no longer for its commit than it would without `--batch-size`. Its
+/// outcome is a member's, settled as any batch's; a panic of the consumer's code (its `effect`, or its work, done the
+/// usual way when the statement failed) is a failed attempt of it, as one by one. `None` when the batch is not one
+/// such member.
 async fn alone<C: Consumer>(
     shared: &Shared<C>,
     members: &[Held<C>],
-    items: &[(MessageContext, C::Message)],
 ) -> Option<Result<Vec<MemberOutcome<()>>, ProcessError>> {
-    let ([(delivery, _, ready)], [(context, message)]) = (members, items) else {
+    let [(delivery, _, ready)] = members else {
         return None;
     };
-    let id = ready.incoming.message_id;
     // The consumer's code runs under the shared hold, as every attempt's does: a suspect tried alone meanwhile is.
     let attempt = async {
         let _shared = shared.alone.read().await;
-        let Ok(Some(effect)) = shared.consumer.effect(context, message).await else {
-            return None;
-        };
-        let usual = work(shared, delivery, ready, 1);
-        let fingerprint = Some(ready.fingerprint);
-        let inbox = &shared.inbox;
-        Some(
-            inbox
-                .process_effect(id, fingerprint, ready.carried, effect, usual)
-                .await,
-        )
+        as_one_statement(shared, delivery, ready, 1).await
     };
     let outcome = match AssertUnwindSafe(attempt).catch_unwind().await {
         Ok(None) => return None,

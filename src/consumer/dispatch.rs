@@ -295,6 +295,29 @@ pub(super) fn work<C: Consumer>(
     Box::new(move |tx| Box::pin(async move { consumer.consume(tx, &context, &message).await }))
 }
 
+/// Attempt `attempt` of the message with its work as one statement sent with the claim
+/// ([`Inbox::process_effect`](crate::inbox::Inbox::process_effect)), when the consumer writes it so; `None` when it
+/// does not (or cannot tell: an error of its `effect` is its `consume`'s to tell, after the claim, where a copy of a
+/// message done is still a copy).
+pub(super) async fn as_one_statement<C: Consumer>(
+    shared: &Shared<C>,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    attempt: u32,
+) -> Option<Result<Outcome<()>, ProcessError>> {
+    let context = context(shared, delivery, ready, attempt);
+    let Ok(Some(effect)) = shared.consumer.effect(&context, &ready.message).await else {
+        return None;
+    };
+    let usual = work(shared, delivery, ready, attempt);
+    let (id, fingerprint) = (ready.incoming.message_id, Some(ready.fingerprint));
+    Some(
+        (shared.inbox)
+            .process_effect(id, fingerprint, ready.carried, effect, usual)
+            .await,
+    )
+}
+
 /// Whether an attempt may run beside others.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Access {
@@ -334,18 +357,10 @@ pub(super) async fn attempts<C: Consumer>(
                 }
             };
             let work = async {
-                let usual = work(shared, delivery, ready, attempt);
-                // The work as one statement, sent with the claim, when the consumer writes it so; an error here is
-                // its `consume`'s to tell, after the claim (a copy of a message done is then still a copy).
-                let context = context(shared, delivery, ready, attempt);
-                match shared.consumer.effect(&context, &ready.message).await {
-                    Ok(Some(effect)) => {
-                        let fingerprint = Some(ready.fingerprint);
-                        (shared.inbox)
-                            .process_effect(id, fingerprint, ready.carried, effect, usual)
-                            .await
-                    }
-                    Ok(None) | Err(_) => {
+                match as_one_statement(shared, delivery, ready, attempt).await {
+                    Some(result) => result,
+                    None => {
+                        let usual = work(shared, delivery, ready, attempt);
                         (shared.inbox)
                             .process_event(id, Some(ready.fingerprint), ready.carried, usual)
                             .await

@@ -1256,16 +1256,7 @@ async fn a_confirmed_replay_moves_only_the_count_confirmed() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
     let env = TestEnv::migrated().await;
-    let (conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env).await;
-    for _ in 0..6 {
-        failed_message(
-            &conn,
-            "carrier API returned 503",
-            chrono::TimeDelta::zero(),
-            0,
-        )
-        .await;
-    }
+    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 6).await;
 
     // Alone, the guard keeps X's row.
     let out = env.run(&["cleanup", "--retention", "2d", "--dry-run", "--json"]);
@@ -1359,16 +1350,7 @@ async fn a_confirmed_replay_moves_every_message_counted_when_expired_ones_lead()
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_that_reconnected_under_a_stale_marker_is_still_seen_by_the_cleanup() {
     let env = TestEnv::migrated().await;
-    let (conn, _, _) = processed_long_ago_and_waiting_in_the_error_queue(&env).await;
-    for _ in 0..40 {
-        failed_message(
-            &conn,
-            "carrier API returned 503",
-            chrono::TimeDelta::zero(),
-            0,
-        )
-        .await;
-    }
+    let (_conn, _, _) = processed_long_ago_and_waiting_in_the_error_queue(&env, 40).await;
 
     let mut replay = env.spawn_with(
         &[
@@ -1424,8 +1406,10 @@ async fn a_replay_that_reconnected_under_a_stale_marker_is_still_seen_by_the_cle
 
 /// X processed 3 days ago (its inbox row backdated) and a copy of it waiting in the error queue, failed 4 days ago (a
 /// replay that crashed between the confirm and the ack): `cleanup --retention 2d` alone is refused for the carrier.
+/// Behind X, `others` messages that failed just now with a 503, for a replay to take.
 async fn processed_long_ago_and_waiting_in_the_error_queue(
     env: &TestEnv,
+    others: usize,
 ) -> (lapin::Connection, sqlx::PgPool, uuid::Uuid) {
     common::ensure_endpoints(env).await;
     let conn = env.amqp().await;
@@ -1454,5 +1438,14 @@ async fn processed_long_ago_and_waiting_in_the_error_queue(
         inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::days(4));
     headers.insert("MT-Fault-Timestamp".into(), long(&when));
     common::publish(&conn, ERROR_QUEUE, "", props.with_headers(headers), &body).await;
+    for _ in 0..others {
+        failed_message(
+            &conn,
+            "carrier API returned 503",
+            chrono::TimeDelta::zero(),
+            0,
+        )
+        .await;
+    }
     (conn, pool, x)
 }

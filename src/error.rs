@@ -56,6 +56,16 @@ pub enum Error {
     #[error("cannot connect to RabbitMQ at {url}: {reason}\n  {}", start_hint("RabbitMQ", .url))]
     BrokerUnavailable { url: String, reason: String },
 
+    /// RabbitMQ did not answer a call within `--broker-timeout`: its connection counts as lost.
+    #[error(
+        "RabbitMQ did not answer {what} within {} (--broker-timeout): the connection is given up",
+        humantime::format_duration(*.within)
+    )]
+    BrokerSilent {
+        what: &'static str,
+        within: std::time::Duration,
+    },
+
     /// The broker refused the user's login (exit 77).
     #[error(
         "RabbitMQ at {url} refused the login of user {user:?}: {reason}\n  check the password (in the URL or \
@@ -184,9 +194,9 @@ impl Error {
         match self {
             Error::Usage(_) => exit::USAGE,
             Error::QueueNotFound(_) => exit::NO_INPUT,
-            Error::DatabaseUnavailable { .. } | Error::BrokerUnavailable { .. } => {
-                exit::UNAVAILABLE
-            }
+            Error::DatabaseUnavailable { .. }
+            | Error::BrokerUnavailable { .. }
+            | Error::BrokerSilent { .. } => exit::UNAVAILABLE,
             Error::DatabaseMissing { .. }
             | Error::VhostMissing { .. }
             | Error::SchemaMissing { .. }

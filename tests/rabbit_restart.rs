@@ -508,3 +508,118 @@ async fn replay_resumes_across_a_broker_restart_or_stops_saying_what_was_done() 
     run(&["consume", "carrier", "--exit-when-idle", "1s"]);
     common::assert_carrier_exactly_once(&pool, 8000).await;
 }
+
+/// `replay` and `publish` into a node in a memory alarm: RabbitMQ blocks every connection that publishes, for as long
+/// as the alarm lasts, and its heartbeats go on, so nothing but a bound on the confirm notices. With
+/// `--broker-timeout 2s` each gives up the confirm it waits for and, told not to connect again, stops (exit 69)
+/// saying why. Nothing is acknowledged unconfirmed: once the alarm ends, every message is back in the error queue, and
+/// the one copy the blocked connection had sent may be on the origin queue too, where the inbox discards it.
+#[tokio::test(flavor = "multi_thread")]
+async fn replay_and_publish_into_a_node_in_a_memory_alarm_give_up_the_confirm() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start();
+    let amqp = rabbit.url();
+    let run = |args: &[&str]| run_ok(&env, &amqp, args);
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    run(&[
+        "publish",
+        "parcel-created",
+        "--exchange",
+        "dead-letter-filler",
+        "--count",
+        "0",
+    ]);
+    {
+        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
+            .await
+            .unwrap();
+        common::capture_queue(&conn, "dead-letter-filler", &error_queue).await;
+        let _ = conn.close(200, "OK".into()).await;
+    }
+    run(&[
+        "publish",
+        "parcel-created",
+        "--exchange",
+        "dead-letter-filler",
+        "--count",
+        "5",
+    ]);
+    assert_eq!(rabbit.queue(&error_queue), Some((5, 0)));
+
+    rabbit
+        .ctl(&["set_vm_memory_high_watermark", "absolute", "1"])
+        .unwrap();
+    let started = Instant::now();
+    let mut replaying = env.spawn_with(
+        &[
+            "replay",
+            "--from",
+            &error_queue,
+            "--json",
+            "--broker-timeout",
+            "2s",
+            "--reconnect-timeout",
+            "0s",
+        ],
+        &[("AMQP_URL", amqp.as_str())],
+    );
+    let code = replaying.wait(Duration::from_secs(60));
+    let said = replaying.stderr();
+    assert_eq!(code, Some(69), "{said}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(
+        said.contains("RabbitMQ did not answer a copy's confirm within 2s"),
+        "{said}"
+    );
+    let report: serde_json::Value = serde_json::from_str(&replaying.stdout()).unwrap();
+    assert_eq!(report["replayed"], 0, "{report}");
+    assert_eq!(report["connection_lost"], true, "{report}");
+
+    // To an exchange bound to nothing, so that the copies the blocked connection sent go nowhere once it ends.
+    let started = Instant::now();
+    let mut publishing = env.spawn_with(
+        &[
+            "publish",
+            "parcel-created",
+            "--exchange",
+            "bound-to-nothing",
+            "--count",
+            "3",
+            "--broker-timeout",
+            "2s",
+            "--reconnect-timeout",
+            "0s",
+        ],
+        &[("AMQP_URL", amqp.as_str())],
+    );
+    let code = publishing.wait(Duration::from_secs(60));
+    let said = publishing.stderr();
+    assert_eq!(code, Some(69), "{said}");
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        started.elapsed()
+    );
+    // The publish itself is held (lapin keeps to the broker's `connection.blocked`), or else its confirm.
+    assert!(
+        said.contains("error: cannot connect to RabbitMQ")
+            && said.contains("RabbitMQ did not answer a")
+            && said.contains("within 2s (--broker-timeout)"),
+        "{said}"
+    );
+    assert!(said.contains("confirmed 0 of 3 copies"), "{said}");
+
+    rabbit
+        .ctl(&["set_vm_memory_high_watermark", "0.4"])
+        .unwrap();
+    rabbit.wait_until("every message back in the error queue", |r| {
+        r.queue(&error_queue) == Some((5, 0))
+    });
+    let (copies, _) = rabbit.queue(CARRIER_QUEUE).unwrap();
+    assert!(copies <= 1, "{copies} copies on the origin queue");
+}

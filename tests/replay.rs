@@ -1449,3 +1449,88 @@ async fn processed_long_ago_and_waiting_in_the_error_queue(
     }
     (conn, pool, x)
 }
+
+/// A broker that never answers a call — a node in a memory or disk alarm holds every publish and its confirm for as
+/// long as the alarm lasts, its heartbeats still flowing, so nothing else notices — must not hold the replay. The
+/// failpoint holds the first copy's confirm for ten minutes. Past `--broker-timeout` the replay gives the connection
+/// up; the message it held goes back to the dead-letter queue with the connection, and the replay either connects
+/// again and sends every message once, or, told not to (`--reconnect-timeout 0`), stops saying why, with every
+/// message still in the dead-letter queue.
+#[cfg(feature = "failpoints")]
+async fn confirm_never_comes(reconnect: &str) -> serde_json::Value {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["silent-a", "silent.dlq"], FieldTable::default()).await;
+    for i in 0..10 {
+        let id = uuid::Uuid::new_v4().to_string();
+        let body = format!("{{\"n\": {i}}}");
+        dead_letter(
+            &conn,
+            "silent.dlq",
+            &id,
+            body.as_bytes(),
+            "rabbitmq://localhost/silent-a",
+        )
+        .await;
+    }
+    let mut replay = env.spawn_with(
+        &[
+            "replay",
+            "--from",
+            "silent.dlq",
+            "--json",
+            "--broker-timeout",
+            "2s",
+            "--reconnect-timeout",
+            reconnect,
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=sleep-once-600000@a copy's confirm",
+        )],
+    );
+    let code = replay.wait(Duration::from_secs(60));
+    let said = replay.stderr();
+    assert!(
+        said.contains("RabbitMQ did not answer a copy's confirm within 2s (--broker-timeout)"),
+        "{said}"
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    if reconnect == "0s" {
+        assert_eq!(code, Some(69), "{said}");
+        assert_eq!(report["connection_lost"], true, "{report}");
+        assert_eq!(report["replayed"], 0, "{report}");
+        common::eventually(
+            "the held message back in the dead-letter queue",
+            Duration::from_secs(10),
+            || async { env.queue_counts("silent.dlq") == (10, 0) },
+        )
+        .await;
+        assert_eq!(env.queue_counts("silent-a"), (0, 0));
+    } else {
+        assert_eq!(code, Some(0), "{said}");
+        assert_eq!(report["replayed"], 10, "{report}");
+        assert_eq!(report["reconnects"], 1, "{report}");
+        assert_eq!(env.queue_counts("silent-a"), (10, 0), "each once");
+        assert_eq!(env.queue_counts("silent.dlq"), (0, 0));
+    }
+    report
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confirm_that_never_comes_gives_the_connection_up_and_the_replay_goes_on() {
+    confirm_never_comes("60s").await;
+}
+
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confirm_that_never_comes_without_reconnecting_stops_and_moves_nothing() {
+    let report = confirm_never_comes("0s").await;
+    assert!(
+        report["stopped"]
+            .as_str()
+            .is_some_and(|s| s.contains("did not answer a copy's confirm")),
+        "{report}"
+    );
+}

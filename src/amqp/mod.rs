@@ -35,6 +35,27 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The heartbeat asked for unless the URL says otherwise, in seconds: a dead connection is noticed within two.
 pub const DEFAULT_HEARTBEAT_SECS: u16 = 10;
 
+/// How long a call to RabbitMQ may take before its connection is given up (`--broker-timeout`).
+pub const DEFAULT_BROKER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Waits for RabbitMQ's answer to `call` (`what`: "a copy's confirm", say) at most `within`. Heartbeats find a
+/// connection that went silent, but not one that stays alive and never answers: a node in a memory or disk alarm
+/// holds every publish, and its confirm, for as long as the alarm lasts. Past `within` the answer is
+/// [`Error::BrokerSilent`], which counts as the connection lost ([`is_connection_lost`]).
+pub async fn answered<F: std::future::Future>(
+    what: &'static str,
+    within: Duration,
+    call: F,
+) -> Result<F::Output> {
+    let call = async {
+        crate::failpoint::hit_with("broker-answer", what).await;
+        call.await
+    };
+    tokio::time::timeout(within, call)
+        .await
+        .map_err(|_| Error::BrokerSilent { what, within })
+}
+
 /// Where the broker is, and how to trust it and log in: what `--amqp-url`, `--amqp-ca-file` and
 /// `--amqp-password-file` give.
 #[derive(Clone, Debug, Default)]

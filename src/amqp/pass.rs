@@ -1,7 +1,9 @@
 //! The channels `replay` works through over one connection (a pass): one takes the dead-letter copies and settles
-//! them, one republishes with publisher confirms, and one asks whether origin queues exist.
+//! them, one republishes with publisher confirms, and one asks whether origin queues exist. Every call waits for its
+//! answer at most the pass's bound ([`super::answered`]).
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
@@ -9,7 +11,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
 use super::publish::{ConfirmChannel, PublishError, Routed};
-use super::{is_connection_lost, is_not_found};
+use super::{answered, is_connection_lost, is_not_found};
 use crate::error::{Error, Result};
 
 /// The channels of one pass.
@@ -22,12 +24,20 @@ pub struct Channels<'c> {
     probe: Probe<'c>,
     /// The last delivery tag held, to give everything held back at once.
     held: Option<u64>,
+    /// How long a call may wait for the broker's answer (`--broker-timeout`).
+    within: Duration,
 }
 
 impl<'c> Channels<'c> {
-    pub async fn open(connection: &'c Connection) -> Result<Self> {
-        let inbound = connection.create_channel().await?;
-        let outbound = ConfirmChannel::open(connection).await?;
+    /// Opens the pass's channels; each call on them waits for the broker's answer at most `within`.
+    pub async fn open(connection: &'c Connection, within: Duration) -> Result<Self> {
+        let inbound = answered("a new channel", within, connection.create_channel()).await??;
+        let outbound = answered(
+            "a new channel in confirm mode",
+            within,
+            ConfirmChannel::open(connection),
+        )
+        .await??;
         Ok(Self {
             connection,
             inbound,
@@ -36,18 +46,20 @@ impl<'c> Channels<'c> {
                 connection,
                 channel: None,
                 known: HashMap::new(),
+                within,
             },
             held: None,
+            within,
         })
     }
 
     /// Takes the next message of `queue`, unacknowledged. The answer comes after every acknowledgement sent before it
     /// on this channel: those arrived.
     pub async fn get(&self, queue: &str) -> Result<Option<Delivery>> {
-        let got = self
+        let get = self
             .inbound
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await?;
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false });
+        let got = answered("a get", self.within, get).await??;
         Ok(got.map(|message| message.delivery))
     }
 
@@ -57,9 +69,10 @@ impl<'c> Channels<'c> {
     }
 
     pub async fn ack(&self, delivery_tag: u64) -> Result<()> {
-        self.inbound
-            .basic_ack(delivery_tag, BasicAckOptions::default())
-            .await?;
+        let ack = self
+            .inbound
+            .basic_ack(delivery_tag, BasicAckOptions::default());
+        answered("an ack", self.within, ack).await??;
         Ok(())
     }
 
@@ -73,16 +86,18 @@ impl<'c> Channels<'c> {
         self.probe.known.insert(queue.to_owned(), false);
     }
 
-    /// Publishes a copy of `delivery` to `queue` through the default exchange and waits for the broker's confirm.
+    /// Publishes a copy of `delivery` to `queue` through the default exchange and waits for the broker's confirm. The
+    /// outer error is the confirm not coming in time.
     pub async fn republish(
         &self,
         delivery: &Delivery,
         queue: &str,
         properties: BasicProperties,
-    ) -> Result<Routed, PublishError> {
-        self.outbound
-            .publish_confirmed("", queue, &delivery.data, properties)
-            .await
+    ) -> Result<Result<Routed, PublishError>> {
+        let publish = self
+            .outbound
+            .publish_confirmed("", queue, &delivery.data, properties);
+        answered("a copy's confirm", self.within, publish).await
     }
 
     /// Gives back everything held and not acknowledged, at once (the broker puts each back in its place, in order),
@@ -90,17 +105,17 @@ impl<'c> Channels<'c> {
     /// arrived. A lost connection is an error; another failure to close is not.
     pub async fn finish(self) -> Result<bool> {
         if let Some(last) = self.held {
-            self.inbound
-                .basic_nack(
-                    last,
-                    BasicNackOptions {
-                        multiple: true,
-                        requeue: true,
-                    },
-                )
-                .await?;
+            let nack = self.inbound.basic_nack(
+                last,
+                BasicNackOptions {
+                    multiple: true,
+                    requeue: true,
+                },
+            );
+            answered("the nack of what was held", self.within, nack).await??;
         }
-        let settled = match self.inbound.close(200, "OK".into()).await {
+        let close = self.inbound.close(200, "OK".into());
+        let settled = match answered("a channel's close", self.within, close).await? {
             Ok(()) => true,
             Err(e) => {
                 let e = Error::from(e);
@@ -110,8 +125,9 @@ impl<'c> Channels<'c> {
                 false
             }
         };
-        self.outbound.close().await;
-        self.probe.close().await;
+        // Whether these two close in time changes nothing: they hold no message.
+        let _ = answered("a channel's close", self.within, self.outbound.close()).await;
+        let _ = answered("a channel's close", self.within, self.probe.close()).await;
         Ok(settled)
     }
 }
@@ -122,6 +138,7 @@ struct Probe<'c> {
     /// A failed passive declare closes its channel: a new one is made for the next.
     channel: Option<Channel>,
     known: HashMap<String, bool>,
+    within: Duration,
 }
 
 impl Probe<'_> {
@@ -131,16 +148,21 @@ impl Probe<'_> {
         }
         let channel = match self.channel.take() {
             Some(channel) if channel.status().connected() => channel,
-            _ => self.connection.create_channel().await?,
+            _ => {
+                answered(
+                    "a new channel",
+                    self.within,
+                    self.connection.create_channel(),
+                )
+                .await??
+            }
         };
-        let exists = match channel
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions::default().passive(),
-                FieldTable::default(),
-            )
-            .await
-        {
+        let declare = channel.queue_declare(
+            queue.into(),
+            QueueDeclareOptions::default().passive(),
+            FieldTable::default(),
+        );
+        let exists = match answered("a look at a queue", self.within, declare).await? {
             Ok(_) => {
                 self.channel = Some(channel);
                 true

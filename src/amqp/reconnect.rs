@@ -90,7 +90,7 @@ pub fn is_connection_lost(connection: &Connection, error: &Error) -> bool {
                         | lapin::ErrorKind::MissingHeartbeatError
                 )
         }
-        Error::BrokerUnavailable { .. } => true,
+        Error::BrokerUnavailable { .. } | Error::BrokerSilent { .. } => true,
         _ => false,
     }
 }

@@ -60,6 +60,12 @@ pub struct ParcelCreated {
     #[arg(long, default_value = "60s", value_parser = crate::cli::parse_duration)]
     pub reconnect_timeout: std::time::Duration,
 
+    /// How long any call to RabbitMQ may wait for its answer (a copy's confirm above all: a node in a memory or disk
+    /// alarm holds every publish); past it the connection is given up and made again as after a loss, and what was
+    /// not confirmed is sent again
+    #[arg(long, default_value = "30s", value_parser = crate::cli::parse_positive_duration)]
+    pub broker_timeout: std::time::Duration,
+
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -108,6 +114,7 @@ pub async fn run(
         ids: args.id_kind,
         events_per_parcel: args.events_per_parcel,
         routing_key: args.partition_key,
+        broker_timeout: args.broker_timeout,
     };
     let bar = super::progress::counter(!args.json, "copies confirmed");
     let report = producer::publish_showing(

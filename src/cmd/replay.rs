@@ -79,6 +79,12 @@ pub struct Args {
     #[arg(long, default_value = "60s", value_parser = crate::cli::parse_duration)]
     pub reconnect_timeout: Duration,
 
+    /// How long any call to RabbitMQ may wait for its answer (a copy's confirm, a get, an ack); past it the
+    /// connection is given up and made again as after a loss (--reconnect-timeout), and what it held goes back to the
+    /// dead-letter queue
+    #[arg(long, default_value = "30s", value_parser = crate::cli::parse_positive_duration)]
+    pub broker_timeout: Duration,
+
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -108,6 +114,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         dry_run: args.dry_run,
         group,
         rate: args.rate,
+        broker_timeout: args.broker_timeout,
     };
     if !args.dry_run && !args.yes {
         match super::confirm::replay(

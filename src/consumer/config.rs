@@ -23,7 +23,7 @@ pub const DEFAULT_CLAIM_TIMEOUT: Duration = Duration::from_secs(30);
 /// default `--claim-timeout`, 60s.
 pub const ATTEMPT_MARGIN: Duration = Duration::from_secs(30);
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
-pub const DEFAULT_BROKER_TIMEOUT: Duration = Duration::from_secs(30);
+pub use crate::amqp::DEFAULT_BROKER_TIMEOUT;
 pub const DEFAULT_BATCH_SIZE: u16 = 1;
 pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
 pub const DEFAULT_POISON_AFTER: u32 = 3;

@@ -59,11 +59,7 @@ impl Link {
         if self.given_up.is_cancelled() {
             return None;
         }
-        let op = async {
-            crate::failpoint::hit_with("broker-answer", what).await;
-            op.await
-        };
-        if let Ok(answer) = tokio::time::timeout(self.broker_timeout, op).await {
+        if let Ok(answer) = crate::amqp::answered(what, self.broker_timeout, op).await {
             return Some(answer);
         }
         if !self.given_up.is_cancelled() {

@@ -51,6 +51,9 @@ pub struct Plan {
     /// The event field each copy's routing key is set to (a consistent-hash exchange spreads on it); none: `""`, as
     /// MassTransit publishes by default.
     pub routing_key: Option<ParcelField>,
+    /// How long a call to the broker (a copy's confirm above all) may wait for its answer before the connection is
+    /// given up and made again.
+    pub broker_timeout: std::time::Duration,
 }
 
 /// A field of [`ParcelCreatedEvent`], by its name in the message (camelCase, as MassTransit writes it).
@@ -88,7 +91,8 @@ impl ParcelField {
 }
 
 impl Plan {
-    /// `count` parcels, one event each, no copies, at full speed, MassTransit's ids, no routing key.
+    /// `count` parcels, one event each, no copies, at full speed, MassTransit's ids, no routing key, the default bound
+    /// on a broker call.
     pub fn parcels(count: u64) -> Self {
         Self {
             count,
@@ -98,6 +102,7 @@ impl Plan {
             ids: IdKind::NewId,
             events_per_parcel: 1,
             routing_key: None,
+            broker_timeout: crate::amqp::DEFAULT_BROKER_TIMEOUT,
         }
     }
 }

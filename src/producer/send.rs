@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Message, ParcelField, Plan, Report, Stamp, envelope_stamped, messages, schedule};
 use crate::amqp::envelope::HostInfo;
 use crate::amqp::publish::{ConfirmChannel, Pending, PublishError, Routed};
-use crate::amqp::{Broker, Connection, GaveUp, Link};
+use crate::amqp::{Broker, Connection, GaveUp, Link, answered};
 use crate::error::{Error, Result};
 
 /// Confirms awaited in flight at most; bounds memory on large runs without waiting on each publish.
@@ -62,6 +62,7 @@ pub async fn publish_showing(
         host: &host,
         stamps: vec![None; messages.len()],
         routing_key: plan.routing_key,
+        broker_timeout: plan.broker_timeout,
         ticker: plan.rate.map(|rate| {
             let mut t = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
             t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -122,6 +123,8 @@ struct Run<'a> {
     /// Each message's stamp, taken at its first send: its copies (and what a reconnect sends again) carry the same.
     stamps: Vec<Option<Stamp>>,
     routing_key: Option<ParcelField>,
+    /// How long a call to the broker may wait for its answer.
+    broker_timeout: Duration,
     ticker: Option<tokio::time::Interval>,
     confirmed: usize,
     /// Told (confirmed, planned) after each confirm.
@@ -192,6 +195,8 @@ impl Run<'_> {
                 "the connection was lost {times} times in a row without a confirm in between ({})",
                 crate::redact::text(&lost.to_string())
             ),
+            // Not connecting again at all (`--reconnect-timeout 0`): `last` says only that; why it was lost says more.
+            GaveUp::NotBack(_) if reconnect_for.is_zero() => unavailable_reason(lost),
             GaveUp::NotBack(last) => unavailable_reason(&last),
         };
         Error::BrokerUnavailable {
@@ -241,9 +246,19 @@ impl Run<'_> {
         (self.progress)(self.confirmed as u64, self.order.len() as u64);
     }
 
-    /// Waits for the oldest confirm in the window; a failure breaks the confirmed prefix.
+    /// Waits for the oldest confirm in the window, at most `--broker-timeout`; a failure breaks the confirmed prefix,
+    /// and so does a confirm that did not come: the copy may or may not have arrived.
     async fn settle(&mut self, confirm: Pending) -> Result<()> {
-        let settled = settle(confirm, &mut self.report).await;
+        let waited = answered(
+            "a copy's confirm",
+            self.broker_timeout,
+            settle(confirm, &mut self.report),
+        )
+        .await;
+        let settled = match waited {
+            Ok(settled) => settled,
+            Err(silent) => Err(Settled::Failed(silent)),
+        };
         self.prefix_broken |= settled.is_err();
         if let Err(Settled::Nacked(_)) = &settled {
             self.nacked = true;
@@ -260,9 +275,12 @@ impl Run<'_> {
         if self.report.reconnects > 0 {
             // After a reconnect, as at the start: the exchange exists (inside the retry, so a second loss here is
             // handled like any other).
-            crate::amqp::topology::ensure_event_exchange(connection, self.exchange).await?;
+            let ensure = crate::amqp::topology::ensure_event_exchange(connection, self.exchange);
+            answered("the exchange's declaration", self.broker_timeout, ensure).await??;
         }
-        let channel = ConfirmChannel::open(connection).await?;
+        let open = ConfirmChannel::open(connection);
+        let channel =
+            answered("a new channel in confirm mode", self.broker_timeout, open).await??;
         // Confirms arrive in order, so the confirmed copies are always a prefix of the order.
         while self.sent < self.order.len() {
             if let Some(ticker) = self.ticker.as_mut() {
@@ -284,10 +302,8 @@ impl Run<'_> {
                 .routing_key
                 .map(|field| field.of(&message.event))
                 .unwrap_or_default();
-            match channel
-                .publish(self.exchange, &routing_key, &body, properties)
-                .await
-            {
+            let publish = channel.publish(self.exchange, &routing_key, &body, properties);
+            match answered("a publish", self.broker_timeout, publish).await? {
                 Ok(confirm) => pending.push_back(confirm),
                 Err(e) => {
                     // A channel the broker closed (a publish it refused, say for want of a permission) fails every
@@ -312,7 +328,8 @@ impl Run<'_> {
             self.settle(confirm).await?;
             self.confirmed_one();
         }
-        channel.close().await;
+        // Every copy is confirmed: whether the close is answered changes nothing.
+        let _ = answered("a channel's close", self.broker_timeout, channel.close()).await;
         Ok(())
     }
 }

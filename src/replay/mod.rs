@@ -61,6 +61,8 @@ pub struct Plan {
     pub group: Option<GroupPlan>,
     /// Republish at most this many messages a second.
     pub rate: Option<f64>,
+    /// How long a call to the broker may wait for its answer before the connection is given up (and made again).
+    pub broker_timeout: Duration,
 }
 
 /// A group of a `failures` listing, to replay as it was listed.

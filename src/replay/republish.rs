@@ -112,8 +112,8 @@ impl State<'_> {
                         refused: Some(Error::Broker(e)),
                     }
                 }
-                // The connection failed: stop this pass (and connect again).
-                Err(e @ Error::Broker(_)) => return Err(e),
+                // The connection failed, or the confirm did not come in time: stop this pass (and connect again).
+                Err(e @ (Error::Broker(_) | Error::BrokerSilent { .. })) => return Err(e),
                 Err(e) => Sent::outcome(Outcome::Failed, Some(crate::redact::text(&e.to_string()))),
             },
         )
@@ -128,7 +128,7 @@ async fn republish(
     queue: &str,
     properties: crate::amqp::BasicProperties,
 ) -> Result<Outcome> {
-    match channels.republish(delivery, queue, properties).await {
+    match channels.republish(delivery, queue, properties).await? {
         Ok(Routed::Queued) => Ok(Outcome::Confirmed),
         Ok(Routed::Returned) => Ok(Outcome::Missing),
         Err(PublishError::Nacked) => Ok(Outcome::Failed),

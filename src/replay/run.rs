@@ -10,7 +10,7 @@ use super::machine::{Machine, Step};
 use super::{Action, Item, Plan, Report};
 use crate::amqp::fingerprint::Fingerprints;
 use crate::amqp::pass::Channels;
-use crate::amqp::{Broker, Connection, GaveUp, Link, topology};
+use crate::amqp::{Broker, Connection, GaveUp, Link, answered, topology};
 use crate::error::{Error, Result};
 use crate::failpoint;
 
@@ -30,7 +30,8 @@ pub async fn run(
     shutdown: &CancellationToken,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<Report> {
-    let snapshot = match topology::queue_depth(connection, &plan.from).await? {
+    let depth = topology::queue_depth(connection, &plan.from);
+    let snapshot = match answered("a look at the queue", plan.broker_timeout, depth).await?? {
         Some((ready, _)) => u64::from(ready),
         None => return Err(Error::QueueNotFound(plan.from.clone())),
     };
@@ -156,11 +157,13 @@ impl State<'_> {
                     ));
                     return Ok(());
                 }
+                // Why the connection was lost comes first: with `--reconnect-timeout 0`, `last` says only that.
                 Err(GaveUp::NotBack(last)) => {
                     self.stop_lost(format!(
-                        "{} (not back within {})",
-                        crate::redact::text(&last.to_string()),
-                        humantime::format_duration(link.within())
+                        "{}; not back within {}: {}",
+                        crate::redact::text(&e.to_string()),
+                        humantime::format_duration(link.within()),
+                        crate::redact::text(&last.to_string())
                     ));
                     return Ok(());
                 }
@@ -184,7 +187,7 @@ impl State<'_> {
     ) -> Result<()> {
         self.machine.pass_started();
         self.mark(connection, shutdown).await?;
-        let mut channels = Channels::open(connection).await?;
+        let mut channels = Channels::open(connection, self.plan.broker_timeout).await?;
         self.take(&mut channels, shutdown, progress).await?;
         if channels.finish().await? {
             // Answered after every acknowledgement sent on the channel: they all arrived.
@@ -201,7 +204,7 @@ impl State<'_> {
     /// it (the marker and those messages go together) and it has marked the queue again.
     async fn mark(&self, connection: &Connection, shutdown: &CancellationToken) -> Result<()> {
         let first_pass = self.report.reconnects == 0 && self.report.items.is_empty();
-        match topology::mark_replay(connection, &self.plan.from).await? {
+        match self.marked(connection).await? {
             topology::Marker::Set => return Ok(()),
             topology::Marker::Refused => {
                 // Refusing to replay would break every role granted before the marker existed: said, and gone on.
@@ -226,9 +229,7 @@ impl State<'_> {
             let deadline = tokio::time::Instant::now() + STALE_MARKER_WAIT;
             while tokio::time::Instant::now() < deadline && !shutdown.is_cancelled() {
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                if topology::mark_replay(connection, &self.plan.from).await?
-                    != topology::Marker::Held
-                {
+                if self.marked(connection).await? != topology::Marker::Held {
                     return Ok(());
                 }
             }
@@ -244,6 +245,12 @@ impl State<'_> {
              out of sight)",
             crate::sanitize::text(&self.plan.from)
         )))
+    }
+
+    /// Marks the queue ([`topology::mark_replay`]), waiting for the broker's answer at most `--broker-timeout`.
+    async fn marked(&self, connection: &Connection) -> Result<topology::Marker> {
+        let mark = topology::mark_replay(connection, &self.plan.from);
+        answered("the replay's marker", self.plan.broker_timeout, mark).await?
     }
 
     async fn take(

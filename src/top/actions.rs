@@ -100,6 +100,7 @@ async fn replay_group(
         dry_run: false,
         group: Some(group),
         rate: None,
+        broker_timeout: crate::amqp::DEFAULT_BROKER_TIMEOUT,
     };
     let report = replay::run(
         &connection,

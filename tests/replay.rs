@@ -1450,12 +1450,12 @@ async fn processed_long_ago_and_waiting_in_the_error_queue(
     (conn, pool, x)
 }
 
-/// A broker that never answers a call — a node in a memory or disk alarm holds every publish and its confirm for as
-/// long as the alarm lasts, its heartbeats still flowing, so nothing else notices — must not hold the replay. The
-/// failpoint holds the first copy's confirm for ten minutes. Past `--broker-timeout` the replay gives the connection
-/// up; the message it held goes back to the dead-letter queue with the connection, and the replay either connects
-/// again and sends every message once, or, told not to (`--reconnect-timeout 0`), stops saying why, with every
-/// message still in the dead-letter queue.
+/// A confirm that never comes must not hold the replay. The failpoint holds the wait for the first copy's confirm for
+/// ten minutes, the copy itself sent and queued: a confirm lost on its way. Past `--broker-timeout` the replay gives
+/// the connection up; the message it held goes back to the dead-letter queue with the connection, and the replay
+/// either connects again and sends every message — that one a second time, since its first copy was never
+/// confirmed: the inbox discards the second — or, told not to (`--reconnect-timeout 0`), stops saying why, with
+/// every message still in the dead-letter queue and the one unconfirmed copy on its origin.
 #[cfg(feature = "failpoints")]
 async fn confirm_never_comes(reconnect: &str) -> serde_json::Value {
     let env = TestEnv::bare().await;
@@ -1506,13 +1506,22 @@ async fn confirm_never_comes(reconnect: &str) -> serde_json::Value {
             || async { env.queue_counts("silent.dlq") == (10, 0) },
         )
         .await;
-        assert_eq!(env.queue_counts("silent-a"), (0, 0));
+        assert_eq!(env.queue_counts("silent-a"), (1, 0), "the unconfirmed copy");
     } else {
         assert_eq!(code, Some(0), "{said}");
         assert_eq!(report["replayed"], 10, "{report}");
         assert_eq!(report["reconnects"], 1, "{report}");
-        assert_eq!(env.queue_counts("silent-a"), (10, 0), "each once");
         assert_eq!(env.queue_counts("silent.dlq"), (0, 0));
+        let copies = peek(&conn, "silent-a").await;
+        let ids: std::collections::HashSet<_> = copies
+            .iter()
+            .map(|d| d.properties.message_id().clone())
+            .collect();
+        assert_eq!(
+            (copies.len(), ids.len()),
+            (11, 10),
+            "every message, the unconfirmed one twice"
+        );
     }
     report
 }
@@ -1533,4 +1542,60 @@ async fn a_confirm_that_never_comes_without_reconnecting_stops_and_moves_nothing
             .is_some_and(|s| s.contains("did not answer a copy's confirm")),
         "{report}"
     );
+}
+
+/// The close of the replay's channel, after its last acknowledgement, is never answered (a failpoint holds it for ten
+/// minutes): nothing tells whether that acknowledgement arrived. Told not to connect again, the replay stops (exit 69)
+/// and says so — the report counts the acknowledgement in doubt and the error says what it means — instead of only
+/// "the rest are where they were", which a message left in both queues would belie.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acknowledgement_in_doubt_when_the_replay_stops_is_counted_and_said() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["doubt-a", "doubt.dlq"], FieldTable::default()).await;
+    for i in 0..3 {
+        let id = uuid::Uuid::new_v4().to_string();
+        let body = format!("{{\"n\": {i}}}");
+        dead_letter(
+            &conn,
+            "doubt.dlq",
+            &id,
+            body.as_bytes(),
+            "rabbitmq://localhost/doubt-a",
+        )
+        .await;
+    }
+    let mut replay = env.spawn_with(
+        &[
+            "replay",
+            "--from",
+            "doubt.dlq",
+            "--json",
+            "--broker-timeout",
+            "2s",
+            "--reconnect-timeout",
+            "0s",
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=sleep-once-600000@a channel's close",
+        )],
+    );
+    let code = replay.wait(Duration::from_secs(60));
+    let said = replay.stderr();
+    assert_eq!(code, Some(69), "{said}");
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(report["connection_lost"], true, "{report}");
+    assert_eq!(report["acks_in_doubt"], 1, "{report}");
+    assert!(
+        said.contains(
+            "the acknowledgement of 1 replayed message(s) went out on the lost connection"
+        ),
+        "{said}"
+    );
+    // Here it did arrive: the connection itself was sound.
+    assert_eq!(env.queue_counts("doubt-a"), (3, 0));
+    assert_eq!(env.queue_counts("doubt.dlq"), (0, 0));
 }

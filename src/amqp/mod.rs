@@ -19,7 +19,9 @@ pub mod topology;
 pub use error::BrokerError;
 pub use lapin::message::Delivery;
 pub use lapin::{BasicProperties, Connection};
-pub use reconnect::{GaveUp, Link, MAX_FRUITLESS_RECONNECTS, close, is_connection_lost};
+pub use reconnect::{
+    BLOCKED_HINT, GaveUp, Link, MAX_FRUITLESS_RECONNECTS, close, is_blocked, is_connection_lost,
+};
 
 use std::str::FromStr;
 use std::time::Duration;

@@ -87,17 +87,17 @@ impl<'c> Channels<'c> {
     }
 
     /// Publishes a copy of `delivery` to `queue` through the default exchange and waits for the broker's confirm. The
-    /// outer error is the confirm not coming in time.
+    /// outer error is the connection's: lost, or not answering in time (the publish itself, which lapin holds while
+    /// the broker blocks the connection, or the confirm).
     pub async fn republish(
         &self,
         delivery: &Delivery,
         queue: &str,
         properties: BasicProperties,
     ) -> Result<Result<Routed, PublishError>> {
-        let publish = self
-            .outbound
-            .publish_confirmed("", queue, &delivery.data, properties);
-        answered("a copy's confirm", self.within, publish).await
+        let publish = self.outbound.publish("", queue, &delivery.data, properties);
+        let pending = answered("a publish", self.within, publish).await??;
+        answered("a copy's confirm", self.within, pending.confirmed()).await
     }
 
     /// Gives back everything held and not acknowledged, at once (the broker puts each back in its place, in order),

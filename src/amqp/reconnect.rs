@@ -95,6 +95,19 @@ pub fn is_connection_lost(connection: &Connection, error: &Error) -> bool {
     }
 }
 
+/// Whether `error` is a call not answered in time on a connection the broker blocks: a memory or disk alarm, in which
+/// RabbitMQ holds the publishes of every connection that publishes until the alarm ends. lapin then writes nothing
+/// more on it, not even a close, so the connection cannot be given up and what it holds stays held: connecting again
+/// would only leave more such connections behind. Such an operation stops instead; the process's exit closes the
+/// socket, and the broker takes what it held back once the alarm ends.
+pub fn is_blocked(connection: &Connection, error: &Error) -> bool {
+    matches!(error, Error::BrokerSilent { .. }) && connection.status().blocked()
+}
+
+/// What an operation stopped by [`is_blocked`] says after the error.
+pub const BLOCKED_HINT: &str = "RabbitMQ is blocking this connection's publishes (a memory or disk alarm: `rabbitmqctl \
+     status` shows it); what the connection holds goes back to its queue once the alarm ends";
+
 /// Why a [`Link`] stopped connecting again.
 #[derive(Debug)]
 pub enum GaveUp {

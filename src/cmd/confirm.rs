@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::amqp::{Broker, Connection};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::replay::{self, Action, Plan};
 use crate::sanitize;
 
@@ -36,6 +36,15 @@ pub async fn replay(
         |_, _| {},
     )
     .await?;
+    if let Some(why) = report.stopped {
+        // A count that did not finish would ask about part of the replay.
+        return Err(Error::BrokerUnavailable {
+            url: broker.display_url(),
+            reason: format!(
+                "counting what would be replayed, before asking, did not finish: {why}"
+            ),
+        });
+    }
     let would: Vec<_> = report
         .items
         .iter()

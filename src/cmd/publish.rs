@@ -60,9 +60,9 @@ pub struct ParcelCreated {
     #[arg(long, default_value = "60s", value_parser = crate::cli::parse_duration)]
     pub reconnect_timeout: std::time::Duration,
 
-    /// How long any call to RabbitMQ may wait for its answer (a copy's confirm above all: a node in a memory or disk
-    /// alarm holds every publish); past it the connection is given up and made again as after a loss, and what was
-    /// not confirmed is sent again
+    /// How long any call to RabbitMQ may wait for its answer (a publish or its confirm); past it the connection is
+    /// given up and made again as after a loss, and what was not confirmed is sent again. On a connection the broker
+    /// blocks (a memory or disk alarm) it stops instead, saying how many copies were confirmed
     #[arg(long, default_value = "30s", value_parser = crate::cli::parse_positive_duration)]
     pub broker_timeout: std::time::Duration,
 
@@ -105,7 +105,8 @@ pub async fn run(
     }
     let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl publish").await?;
-    topology::ensure_event_exchange(&connection, &args.exchange).await?;
+    let ensure = topology::ensure_event_exchange(&connection, &args.exchange);
+    crate::amqp::answered("the exchange's declaration", args.broker_timeout, ensure).await??;
     let plan = Plan {
         count: args.count,
         duplicates: args.duplicates,

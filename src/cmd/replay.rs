@@ -81,7 +81,7 @@ pub struct Args {
 
     /// How long any call to RabbitMQ may wait for its answer (a copy's confirm, a get, an ack); past it the
     /// connection is given up and made again as after a loss (--reconnect-timeout), and what it held goes back to the
-    /// dead-letter queue
+    /// dead-letter queue. On a connection the broker blocks (a memory or disk alarm) the replay stops instead
     #[arg(long, default_value = "30s", value_parser = crate::cli::parse_positive_duration)]
     pub broker_timeout: Duration,
 
@@ -273,12 +273,20 @@ fn summary(report: &Report) -> String {
 /// The error a replay that stopped early ends with: what was done, and why the rest was not.
 fn stopped_error(report: &Report, broker: &crate::amqp::Broker) -> Option<crate::error::Error> {
     let reason = report.stopped.as_ref()?;
-    let done = format!(
+    let mut done = format!(
         "stopped after {} of {} messages ({} replayed); the rest are where they were: run replay again",
         report.items.len(),
         report.snapshot,
         report.replayed
     );
+    if report.acks_in_doubt > 0 {
+        done.push_str(&format!(
+            "; the acknowledgement of {} replayed message(s) went out on the lost connection and may not have \
+             arrived: such a message may still be in the dead-letter queue beside its copy, and a second replay sends \
+             it again (the inbox discards the copy)",
+            report.acks_in_doubt
+        ));
+    }
     Some(if report.connection_lost {
         crate::error::Error::BrokerUnavailable {
             url: broker.display_url(),

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Message, ParcelField, Plan, Report, Stamp, envelope_stamped, messages, schedule};
 use crate::amqp::envelope::HostInfo;
 use crate::amqp::publish::{ConfirmChannel, Pending, PublishError, Routed};
-use crate::amqp::{Broker, Connection, GaveUp, Link, answered};
+use crate::amqp::{BLOCKED_HINT, Broker, Connection, GaveUp, Link, answered, is_blocked};
 use crate::error::{Error, Result};
 
 /// Confirms awaited in flight at most; bounds memory on large runs without waiting on each publish.
@@ -166,6 +166,20 @@ impl Run<'_> {
                     continue;
                 }
                 Err(e) if !link.is_lost(&e) => return Err(e),
+                Err(e) if is_blocked(link.current(), &e) => {
+                    return Err(Error::BrokerUnavailable {
+                        url: self.broker.display_url(),
+                        reason: format!(
+                            "{}: {BLOCKED_HINT}; the broker had confirmed {} of {} copies (the first {} in the run's \
+                             order): the rest may not have arrived; publishing them again is safe for an inbox (same \
+                             message ids)",
+                            crate::redact::text(&e.to_string()),
+                            self.confirmed,
+                            self.order.len(),
+                            self.confirmed
+                        ),
+                    });
+                }
                 Err(e) => e,
             };
             let in_flight = self.sent - self.confirmed;
@@ -328,7 +342,7 @@ impl Run<'_> {
             self.settle(confirm).await?;
             self.confirmed_one();
         }
-        // Every copy is confirmed: whether the close is answered changes nothing.
+        // What was sent is confirmed: whether the close is answered changes nothing.
         let _ = answered("a channel's close", self.broker_timeout, channel.close()).await;
         Ok(())
     }

@@ -243,6 +243,12 @@ impl Machine {
     pub fn already_replayed(&self) -> u64 {
         self.already_replayed
     }
+
+    /// Acknowledgements of confirmed republishes that went out on a lost connection and were not made again: each
+    /// may or may not have arrived.
+    pub fn acks_in_doubt(&self) -> u64 {
+        self.owed.values().map(|&n| u64::from(n)).sum()
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use super::machine::{Machine, Step};
 use super::{Action, Item, Plan, Report};
 use crate::amqp::fingerprint::Fingerprints;
 use crate::amqp::pass::Channels;
-use crate::amqp::{Broker, Connection, GaveUp, Link, answered, topology};
+use crate::amqp::{BLOCKED_HINT, Broker, Connection, GaveUp, Link, answered, is_blocked, topology};
 use crate::error::{Error, Result};
 use crate::failpoint;
 
@@ -61,6 +61,7 @@ pub async fn run(
             already_replayed: 0,
             stopped: None,
             connection_lost: false,
+            acks_in_doubt: 0,
             refused: false,
             unreached: 0,
             group: None,
@@ -76,6 +77,9 @@ pub async fn run(
     report.replayed = state.machine.replayed();
     report.left = state.machine.left();
     report.already_replayed = state.machine.already_replayed();
+    if report.connection_lost {
+        report.acks_in_doubt = state.machine.acks_in_doubt();
+    }
     report.group = plan.group.as_ref().map(|g| report.check_group(g));
     // Only a replay of everything can tell: a chosen few (ids, a reason, a group, a limit) may all have been met
     // whatever else was held elsewhere.
@@ -140,6 +144,14 @@ impl State<'_> {
                 Err(e) => e,
             };
             self.machine.connection_lost();
+            if is_blocked(link.current(), &e) {
+                self.stop_lost(format!(
+                    "{}: {}; run replay again after",
+                    crate::redact::text(&e.to_string()),
+                    BLOCKED_HINT
+                ));
+                return Ok(());
+            }
             tracing::warn!(
                 error = %e,
                 done = self.report.items.len(),

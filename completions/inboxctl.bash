@@ -1296,7 +1296,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__publish__subcmd__parcel__subcmd__created)
-            opts="-v -h -V --count --duplicates --rate --destination --id-kind --events-per-parcel --partition-key --exchange --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --count --duplicates --rate --destination --id-kind --events-per-parcel --partition-key --exchange --reconnect-timeout --broker-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -1338,6 +1338,10 @@ _inboxctl() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --broker-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --database-url)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -1370,7 +1374,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__replay)
-            opts="-y -v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --group --listing --rate --confirm-above --yes --dry-run --reconnect-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-y -v -h -V --from --to --limit --message-id --reason --max-replays --retention --include-expired --restore-expiration --group --listing --rate --confirm-above --yes --dry-run --reconnect-timeout --broker-timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -1421,6 +1425,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --reconnect-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --broker-timeout)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

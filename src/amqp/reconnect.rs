@@ -101,7 +101,10 @@ pub fn is_connection_lost(connection: &Connection, error: &Error) -> bool {
 /// would only leave more such connections behind. Such an operation stops instead; the process's exit closes the
 /// socket, and the broker takes what it held back once the alarm ends.
 pub fn is_blocked(connection: &Connection, error: &Error) -> bool {
-    matches!(error, Error::BrokerSilent { .. }) && connection.status().blocked()
+    // lapin clears `blocked` only when it reconnects: a connection that failed while blocked still says so, and is
+    // given up as any lost one.
+    let status = connection.status();
+    matches!(error, Error::BrokerSilent { .. }) && status.connected() && status.blocked()
 }
 
 /// What an operation stopped by [`is_blocked`] says after the error.

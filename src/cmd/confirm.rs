@@ -36,12 +36,15 @@ pub async fn replay(
         |_, _| {},
     )
     .await?;
-    if let Some(why) = report.stopped {
-        // A count that did not finish would ask about part of the replay.
+    if report.connection_lost {
+        // The count lost its connection, the one the replay would go on with: it was closed on the way, and a count
+        // cut short would ask about part of the replay. (A refusal leaves it open: the replay meets it again and
+        // reports it with its own exit code.)
         return Err(Error::BrokerUnavailable {
             url: broker.display_url(),
             reason: format!(
-                "counting what would be replayed, before asking, did not finish: {why}"
+                "counting what would be replayed, before asking, lost the connection: {}",
+                report.stopped.unwrap_or_default()
             ),
         });
     }

@@ -102,6 +102,8 @@ pub struct Machine {
     unsettled: Vec<(Content, bool)>,
     /// The copy being republished.
     pending: Option<(Content, Key)>,
+    /// Acknowledgements not known to have arrived when the last connection was lost.
+    unsettled_at_loss: u64,
 }
 
 impl Machine {
@@ -121,6 +123,7 @@ impl Machine {
             owed: HashMap::new(),
             unsettled: Vec::new(),
             pending: None,
+            unsettled_at_loss: 0,
         }
     }
 
@@ -218,6 +221,7 @@ impl Machine {
         if self.pending.take().is_some() {
             self.selected -= 1;
         }
+        self.unsettled_at_loss = self.unsettled.len() as u64;
         for (content, _) in self.unsettled.drain(..) {
             *self.owed.entry(content).or_default() += 1;
         }
@@ -244,10 +248,11 @@ impl Machine {
         self.already_replayed
     }
 
-    /// Acknowledgements of confirmed republishes that went out on a lost connection and were not made again: each
-    /// may or may not have arrived.
+    /// Acknowledgements not known to have arrived when the last connection was lost (those of earlier losses were
+    /// made again, or the next connection showed them arrived): for a replay that stopped there, each may or may not
+    /// have arrived.
     pub fn acks_in_doubt(&self) -> u64 {
-        self.owed.values().map(|&n| u64::from(n)).sum()
+        self.unsettled_at_loss
     }
 }
 

@@ -193,9 +193,9 @@ pub struct Report {
     pub stopped: Option<String>,
     /// Whether `stopped` is a lost connection (as opposed to a refusal).
     pub connection_lost: bool,
-    /// When it stopped on a lost connection: replayed messages whose dead-letter copy's acknowledgement went out on
-    /// that connection and is not known to have arrived. Each may still be in the dead-letter queue beside its
-    /// replayed copy; a second replay sends it again, and the inbox discards the copy.
+    /// When it stopped on a lost connection: replayed messages whose dead-letter copy's acknowledgement is not known
+    /// to have arrived before it was lost. Each may still be in the dead-letter queue beside its replayed copy; a
+    /// second replay sends it again, and the inbox discards the copy.
     pub acks_in_doubt: u64,
     /// Whether `stopped` is the broker refusing for want of a permission (exit 77).
     #[serde(skip)]

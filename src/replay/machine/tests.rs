@@ -531,3 +531,37 @@ fn a_republish_lost_with_the_connection_does_not_count_against_the_limit() {
     assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
     assert_eq!((m.replayed(), m.decided()), (1, 1));
 }
+
+/// Only the acknowledgements in flight at the last loss are in doubt: one lost at an earlier loss was either made
+/// again or, the next connection going on past it, arrived.
+#[test]
+fn only_the_acknowledgements_in_flight_at_the_last_loss_are_in_doubt() {
+    let seen = |content| Seen {
+        content,
+        key: Key::Body {
+            body: content,
+            origin: Some("q".to_owned()),
+        },
+        redelivered: false,
+        from_this_run: false,
+        chosen: true,
+        obstacle: None,
+    };
+    let mut m = Machine::new(3, None);
+    m.pass_started();
+    assert_eq!(m.delivered(&seen(1)), Step::Publish);
+    assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
+    m.connection_lost();
+    assert_eq!(m.acks_in_doubt(), 1);
+    m.pass_started();
+    assert_eq!(m.delivered(&seen(2)), Step::Publish);
+    assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
+    m.settled();
+    m.connection_lost();
+    assert_eq!(m.acks_in_doubt(), 0, "the first one's is not counted again");
+    m.pass_started();
+    assert_eq!(m.delivered(&seen(3)), Step::Publish);
+    assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
+    m.connection_lost();
+    assert_eq!(m.acks_in_doubt(), 1);
+}

@@ -167,18 +167,8 @@ impl Run<'_> {
                 }
                 Err(e) if !link.is_lost(&e) => return Err(e),
                 Err(e) if is_blocked(link.current(), &e) => {
-                    return Err(Error::BrokerUnavailable {
-                        url: self.broker.display_url(),
-                        reason: format!(
-                            "{}: {BLOCKED_HINT}; the broker had confirmed {} of {} copies (the first {} in the run's \
-                             order): the rest may not have arrived; publishing them again is safe for an inbox (same \
-                             message ids)",
-                            crate::redact::text(&e.to_string()),
-                            self.confirmed,
-                            self.order.len(),
-                            self.confirmed
-                        ),
-                    });
+                    let why = format!("{}: {BLOCKED_HINT}", crate::redact::text(&e.to_string()));
+                    return Err(self.stopped_unconfirmed(why));
                 }
                 Err(e) => e,
             };
@@ -202,7 +192,7 @@ impl Run<'_> {
         }
     }
 
-    /// The error a run that lost its connection for good ends with: how far it got, and that sending again is safe.
+    /// The error a run that lost its connection for good ends with.
     fn gave_up(&self, gave_up: GaveUp, lost: &Error, reconnect_for: Duration) -> Error {
         let last = match gave_up {
             GaveUp::Fruitless(times) => format!(
@@ -213,16 +203,23 @@ impl Run<'_> {
             GaveUp::NotBack(_) if reconnect_for.is_zero() => unavailable_reason(lost),
             GaveUp::NotBack(last) => unavailable_reason(&last),
         };
+        self.stopped_unconfirmed(format!(
+            "{last}; the connection was lost and did not come back within {}",
+            humantime::format_duration(reconnect_for)
+        ))
+    }
+
+    /// The error a run that stops before every copy was confirmed ends with: `why`, how far it got, and that sending
+    /// again is safe.
+    fn stopped_unconfirmed(&self, why: String) -> Error {
         Error::BrokerUnavailable {
             url: self.broker.display_url(),
             reason: format!(
-                "{last}; the connection was lost after the broker had confirmed {} of {} copies (the first {} in the \
-                 run's order) and did not come back within {}: the rest may not have arrived; publishing them again \
-                 is safe for an inbox (same message ids)",
+                "{why}; the broker had confirmed {} of {} copies (the first {} in the run's order): the rest may not \
+                 have arrived; publishing them again is safe for an inbox (same message ids)",
                 self.confirmed,
                 self.order.len(),
-                self.confirmed,
-                humantime::format_duration(reconnect_for)
+                self.confirmed
             ),
         }
     }

@@ -129,6 +129,49 @@ impl Drop for PrivateRabbit {
     }
 }
 
+/// The carrier's endpoints on the private node at `amqp`, and an exchange, `dead-letter-filler`, bound to their error
+/// queue (see [`fill_error_queue`]); returns the error queue's name.
+async fn error_queue_with_a_filler(env: &TestEnv, amqp: &str) -> String {
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    run_ok(env, amqp, &["consume", "carrier", "--exit-when-idle", "1s"]);
+    run_ok(
+        env,
+        amqp,
+        &[
+            "publish",
+            "parcel-created",
+            "--exchange",
+            "dead-letter-filler",
+            "--count",
+            "0",
+        ],
+    );
+    let conn = lapin::Connection::connect(amqp, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    common::capture_queue(&conn, "dead-letter-filler", &error_queue).await;
+    let _ = conn.close(200, "OK".into()).await;
+    error_queue
+}
+
+/// `count` parcel events straight into the error queue of [`error_queue_with_a_filler`]: replay finds their origin
+/// from its name.
+fn fill_error_queue(env: &TestEnv, amqp: &str, count: u32) {
+    let count = count.to_string();
+    run_ok(
+        env,
+        amqp,
+        &[
+            "publish",
+            "parcel-created",
+            "--exchange",
+            "dead-letter-filler",
+            "--count",
+            &count,
+        ],
+    );
+}
+
 /// Runs inboxctl against the private node; asserts it succeeded and returns its stdout.
 fn run_ok(env: &TestEnv, amqp: &str, args: &[&str]) -> String {
     let out = env.cmd().env("AMQP_URL", amqp).args(args).output().unwrap();
@@ -419,34 +462,8 @@ async fn replay_resumes_across_a_broker_restart_or_stops_saying_what_was_done() 
     let amqp = rabbit.url();
     let amqp_env = [("AMQP_URL", amqp.as_str())];
     let run = |args: &[&str]| run_ok(&env, &amqp, args);
-    let error_queue = format!("{CARRIER_QUEUE}_error");
-    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
-    run(&[
-        "publish",
-        "parcel-created",
-        "--exchange",
-        "dead-letter-filler",
-        "--count",
-        "0",
-    ]);
-    {
-        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        common::capture_queue(&conn, "dead-letter-filler", &error_queue).await;
-        let _ = conn.close(200, "OK".into()).await;
-    }
-    // Parcel events straight into the error queue: replay finds their origin from its name.
-    let fill = || {
-        run(&[
-            "publish",
-            "parcel-created",
-            "--exchange",
-            "dead-letter-filler",
-            "--count",
-            "4000",
-        ]);
-    };
+    let error_queue = error_queue_with_a_filler(&env, &amqp).await;
+    let fill = || fill_error_queue(&env, &amqp, 4000);
     let pool = env.pool().await;
 
     // 1. The whole node restarted: resumes.
@@ -521,32 +538,8 @@ async fn replay_and_publish_into_a_node_in_a_memory_alarm_give_up_the_confirm() 
     let env = TestEnv::migrated().await;
     let rabbit = PrivateRabbit::start();
     let amqp = rabbit.url();
-    let run = |args: &[&str]| run_ok(&env, &amqp, args);
-    let error_queue = format!("{CARRIER_QUEUE}_error");
-    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
-    run(&[
-        "publish",
-        "parcel-created",
-        "--exchange",
-        "dead-letter-filler",
-        "--count",
-        "0",
-    ]);
-    {
-        let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
-            .await
-            .unwrap();
-        common::capture_queue(&conn, "dead-letter-filler", &error_queue).await;
-        let _ = conn.close(200, "OK".into()).await;
-    }
-    run(&[
-        "publish",
-        "parcel-created",
-        "--exchange",
-        "dead-letter-filler",
-        "--count",
-        "5",
-    ]);
+    let error_queue = error_queue_with_a_filler(&env, &amqp).await;
+    fill_error_queue(&env, &amqp, 5);
     assert_eq!(rabbit.queue(&error_queue), Some((5, 0)));
 
     rabbit

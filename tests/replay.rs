@@ -623,6 +623,16 @@ async fn declare(conn: &Connection, queues: &[&str], first_args: FieldTable) {
     let _ = channel.close(200, "OK".into()).await;
 }
 
+/// `n` dead-lettered messages in `queue`, each its own id and body (`{"n": i}`), all failed on `input_address`.
+#[cfg(feature = "failpoints")]
+async fn dead_letters(conn: &Connection, queue: &str, n: usize, input_address: &str) {
+    for i in 0..n {
+        let id = uuid::Uuid::new_v4().to_string();
+        let body = format!("{{\"n\": {i}}}");
+        dead_letter(conn, queue, &id, body.as_bytes(), input_address).await;
+    }
+}
+
 /// A dead-lettered message as MassTransit leaves it in an error queue: `MT-Fault-InputAddress` and a reason.
 async fn dead_letter(conn: &Connection, queue: &str, id: &str, body: &[u8], input_address: &str) {
     let mut headers = FieldTable::default();
@@ -680,17 +690,7 @@ async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection
     let shared = uuid::Uuid::new_v4().to_string();
     dead_letter(&conn, "cut.dlq", &shared, b"{\"copy\": \"A\"}", address).await;
     dead_letter(&conn, "cut.dlq", &shared, b"{\"copy\": \"B\"}", address).await;
-    for i in 0..30 {
-        let id = uuid::Uuid::new_v4().to_string();
-        dead_letter(
-            &conn,
-            "cut.dlq",
-            &id,
-            format!("{{\"n\": {i}}}").as_bytes(),
-            address,
-        )
-        .await;
-    }
+    dead_letters(&conn, "cut.dlq", 30, address).await;
 
     let mut replay = env.spawn_with(
         &["replay", "--from", "cut.dlq", "--json"],
@@ -1450,6 +1450,33 @@ async fn processed_long_ago_and_waiting_in_the_error_queue(
     (conn, pool, x)
 }
 
+/// `replay --from dlq --json --broker-timeout 2s --reconnect-timeout reconnect`, the first broker call of the kind
+/// `call` held for ten minutes by a failpoint.
+#[cfg(feature = "failpoints")]
+fn replay_with_an_answer_held(
+    env: &TestEnv,
+    dlq: &str,
+    reconnect: &str,
+    call: &str,
+) -> common::Proc {
+    env.spawn_with(
+        &[
+            "replay",
+            "--from",
+            dlq,
+            "--json",
+            "--broker-timeout",
+            "2s",
+            "--reconnect-timeout",
+            reconnect,
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!("broker-answer=sleep-once-600000@{call}"),
+        )],
+    )
+}
+
 /// A confirm that never comes must not hold the replay. The failpoint holds the wait for the first copy's confirm for
 /// ten minutes, the copy itself sent and queued: a confirm lost on its way. Past `--broker-timeout` the replay gives
 /// the connection up; the message it held goes back to the dead-letter queue with the connection, and the replay
@@ -1461,34 +1488,8 @@ async fn confirm_never_comes(reconnect: &str) -> serde_json::Value {
     let env = TestEnv::bare().await;
     let conn = env.amqp().await;
     declare(&conn, &["silent-a", "silent.dlq"], FieldTable::default()).await;
-    for i in 0..10 {
-        let id = uuid::Uuid::new_v4().to_string();
-        let body = format!("{{\"n\": {i}}}");
-        dead_letter(
-            &conn,
-            "silent.dlq",
-            &id,
-            body.as_bytes(),
-            "rabbitmq://localhost/silent-a",
-        )
-        .await;
-    }
-    let mut replay = env.spawn_with(
-        &[
-            "replay",
-            "--from",
-            "silent.dlq",
-            "--json",
-            "--broker-timeout",
-            "2s",
-            "--reconnect-timeout",
-            reconnect,
-        ],
-        &[(
-            "INBOXCTL_FAILPOINTS",
-            "broker-answer=sleep-once-600000@a copy's confirm",
-        )],
-    );
+    dead_letters(&conn, "silent.dlq", 10, "rabbitmq://localhost/silent-a").await;
+    let mut replay = replay_with_an_answer_held(&env, "silent.dlq", reconnect, "a copy's confirm");
     let code = replay.wait(Duration::from_secs(60));
     let said = replay.stderr();
     assert!(
@@ -1555,34 +1556,8 @@ async fn an_acknowledgement_in_doubt_when_the_replay_stops_is_counted_and_said()
     let env = TestEnv::bare().await;
     let conn = env.amqp().await;
     declare(&conn, &["doubt-a", "doubt.dlq"], FieldTable::default()).await;
-    for i in 0..3 {
-        let id = uuid::Uuid::new_v4().to_string();
-        let body = format!("{{\"n\": {i}}}");
-        dead_letter(
-            &conn,
-            "doubt.dlq",
-            &id,
-            body.as_bytes(),
-            "rabbitmq://localhost/doubt-a",
-        )
-        .await;
-    }
-    let mut replay = env.spawn_with(
-        &[
-            "replay",
-            "--from",
-            "doubt.dlq",
-            "--json",
-            "--broker-timeout",
-            "2s",
-            "--reconnect-timeout",
-            "0s",
-        ],
-        &[(
-            "INBOXCTL_FAILPOINTS",
-            "broker-answer=sleep-once-600000@a channel's close",
-        )],
-    );
+    dead_letters(&conn, "doubt.dlq", 3, "rabbitmq://localhost/doubt-a").await;
+    let mut replay = replay_with_an_answer_held(&env, "doubt.dlq", "0s", "a channel's close");
     let code = replay.wait(Duration::from_secs(60));
     let said = replay.stderr();
     assert_eq!(code, Some(69), "{said}");

@@ -412,7 +412,8 @@ async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_batched() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_the_connection_up() {
+/// The copy goes out on a connection of its own: that one is given up, and the message goes back to its queue.
+async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_its_connection_up() {
     unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
 }
 

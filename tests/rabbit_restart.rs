@@ -619,3 +619,138 @@ async fn replay_and_publish_into_a_node_in_a_memory_alarm_give_up_the_confirm() 
     let (copies, _) = rabbit.queue(CARRIER_QUEUE).unwrap();
     assert!(copies <= 1, "{copies} copies on the origin queue");
 }
+
+/// `consume` on a node in a memory alarm. RabbitMQ blocks a connection as soon as it publishes, and lapin then writes
+/// nothing more on it, acks included. So the dead-letter copies go out on a connection of their own: while the alarm
+/// lasts, the failing messages wait unacknowledged, and every other message is processed and acknowledged. With the
+/// copies on the consuming connection, the first failure stopped every ack; past `--broker-timeout` the consumer
+/// connected again, and every connection it gave up stayed open, holding its deliveries, until the alarm ended.
+/// A stop during the alarm gives the held messages back at once. A copy the connection had written before RabbitMQ
+/// blocked it may still arrive once the alarm ends: a copy more in the error queue, never a message less.
+#[tokio::test(flavor = "multi_thread")]
+async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_copies_wait() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start();
+    let amqp = rabbit.url();
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    run_ok(
+        &env,
+        &amqp,
+        &["consume", "carrier", "--exit-when-idle", "1s"],
+    );
+    run_ok(
+        &env,
+        &amqp,
+        &[
+            "publish",
+            "parcel-created",
+            "--count",
+            "3",
+            "--destination",
+            "FAIL",
+        ],
+    );
+    run_ok(&env, &amqp, &["publish", "parcel-created", "--count", "40"]);
+    assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((43, 0)));
+
+    rabbit
+        .ctl(&["set_vm_memory_high_watermark", "absolute", "1"])
+        .unwrap();
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+            "--broker-timeout",
+            "2s",
+        ],
+        &[("AMQP_URL", amqp.as_str())],
+    );
+    let pool = env.pool().await;
+    common::eventually(
+        "the 40 processed and acknowledged, the 3 failing ones held",
+        Duration::from_secs(60),
+        || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 40
+                && rabbit.queue(CARRIER_QUEUE) == Some((0, 3))
+        },
+    )
+    .await;
+    consumer.wait_for_stderr(
+        "RabbitMQ is blocking the dead-letter copy",
+        Duration::from_secs(30),
+    );
+    // Past the broker timeout more than twice over: still held, and no connection given up and left behind.
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((0, 3)));
+    assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
+    let connections = rabbit
+        .ctl(&["list_connections", "client_properties"])
+        .unwrap();
+    let consumers = connections
+        .lines()
+        .filter(|l| l.contains("inboxctl consume"))
+        .count();
+    assert_eq!(consumers, 2, "{connections}");
+
+    // A stop does not wait for the alarm to end: the held messages go back to the queue.
+    let asked = Instant::now();
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((3, 0)));
+
+    rabbit
+        .ctl(&["set_vm_memory_high_watermark", "0.4"])
+        .unwrap();
+    run_ok(
+        &env,
+        &amqp,
+        &[
+            "consume",
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+            "--exit-when-idle",
+            "1s",
+        ],
+    );
+    assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((0, 0)));
+    let (copies, _) = rabbit.queue(&error_queue).unwrap();
+    // One more in the runs so far: the first copy, written before the broker blocked the connection.
+    assert!(
+        (3..=6).contains(&copies),
+        "{copies} copies in the error queue"
+    );
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, distinct), (40, 40));
+    // Each failing message failed once under the alarm, and again, moved aside, under the second consumer.
+    let events: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT kind, count(*) FROM inboxctl_events WHERE kind <> 'duplicate' GROUP BY kind ORDER BY kind",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        events,
+        [("dead_lettered".to_owned(), 3), ("failed".to_owned(), 6)]
+    );
+}

@@ -1,16 +1,24 @@
 //! Moving a message aside: to `<queue>_error` (unreadable, failed too often, poison, a conflict) or `<queue>_skipped`
-//! (a type the consumer does not handle), its copy published with publisher confirms on a channel of its own, the
-//! destination declared on first use — and again when it was deleted under a running consumer, so that a deleted
-//! error queue does not turn every later failure into a message sent back round until a restart. The original is
-//! acknowledged only once the copy is confirmed; a copy the broker refuses leaves it on its queue.
+//! (a type the consumer does not handle), its copy published with publisher confirms, the destination declared on
+//! first use — and again when it was deleted under a running consumer, so that a deleted error queue does not turn
+//! every later failure into a message sent back round until a restart. The original is acknowledged only once the
+//! copy is confirmed; a copy the broker refuses leaves it on its queue.
+//!
+//! Copies go out on a connection of their own, opened on the first one. A node in a memory or disk alarm blocks every
+//! connection that publishes until the alarm ends, and lapin then writes nothing more on it, acks included: were the
+//! copies sent on the consuming connection, the first failure during an alarm would stop every ack, and the
+//! connection could not even be closed. On its own connection a copy waits for the alarm to end, its message
+//! unacknowledged, while the other messages are processed and acknowledged as usual.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use lapin::message::Delivery;
 use lapin::options::ConfirmSelectOptions;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection, ConnectionStatus};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::Consumer;
@@ -18,6 +26,7 @@ use super::bookkeeping::record_event;
 use super::dispatch::{Disposition, Ready};
 use super::run::Link;
 use super::{HOLD_IMPOSSIBLE, OUTAGE_DELAY_MAX, Shared, lock, logged};
+use crate::amqp::Broker;
 use crate::amqp::dead_letter::{self, Fault};
 use crate::amqp::envelope::{Incoming, Unreadable};
 use crate::amqp::publish::{self, PublishError, Routed};
@@ -45,11 +54,16 @@ enum Sent {
     Failed(Error),
 }
 
-/// The dead-letter side of one broker connection.
+/// The dead-letter side of one consuming connection: a publishing connection of its own.
 pub(super) struct DeadLetters {
-    /// The confirm-mode channel copies go out on; opened again after a channel error.
-    channel: tokio::sync::Mutex<Option<Channel>>,
-    /// Destinations declared on this connection.
+    broker: Broker,
+    /// The name the publishing connection is made with, for `rabbitmqctl list_connections`.
+    name: String,
+    /// The publishing connection and its confirm-mode channel, opened on the first copy and again after a failure.
+    publishing: tokio::sync::Mutex<Option<Publishing>>,
+    /// The publishing connection's state, read without waiting for `publishing`.
+    status: std::sync::Mutex<Option<ConnectionStatus>>,
+    /// Destinations declared since this consuming connection was opened.
     declared: std::sync::Mutex<HashSet<String>>,
     /// The user inboxctl publishes as: a copy may carry no other `user_id`.
     publisher: String,
@@ -57,12 +71,23 @@ pub(super) struct DeadLetters {
     queue_type: topology::QueueType,
 }
 
+/// How long closing the publishing connection waits for a copy that holds it.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+struct Publishing {
+    connection: Arc<Connection>,
+    channel: Option<Channel>,
+}
+
 impl DeadLetters {
-    pub(super) fn new(publisher: String, queue_type: topology::QueueType) -> Self {
+    pub(super) fn new(broker: &Broker, name: String, queue_type: topology::QueueType) -> Self {
         Self {
-            channel: tokio::sync::Mutex::new(None),
+            publisher: broker.username().to_owned(),
+            broker: broker.clone(),
+            name,
+            publishing: tokio::sync::Mutex::new(None),
+            status: std::sync::Mutex::new(None),
             declared: std::sync::Mutex::new(HashSet::new()),
-            publisher,
             queue_type,
         }
     }
@@ -72,11 +97,14 @@ impl DeadLetters {
     /// declaring the destination again.
     pub(super) async fn publish(
         &self,
-        connection: &Connection,
         destination: &str,
         delivery: &Delivery,
         headers: FieldTable,
     ) -> Result<(), CopyError> {
+        let connection = self
+            .connection()
+            .await
+            .map_err(|e| CopyError::Refused(crate::redact::text(&e.to_string())))?;
         let frame_max = usize::try_from(connection.configuration().frame_max()).unwrap_or(0);
         let properties =
             dead_letter::copy_properties(&delivery.properties, headers, &self.publisher, frame_max)
@@ -91,7 +119,7 @@ impl DeadLetters {
                 self.forget(destination);
             }
             match self
-                .send(connection, destination, delivery, &properties)
+                .send(&connection, destination, delivery, &properties)
                 .await
             {
                 Sent::Confirmed => return Ok(()),
@@ -142,22 +170,69 @@ impl DeadLetters {
         }
     }
 
-    /// The copy channel, opened if there is none or it failed; `destination` declared if it was not on this connection.
+    /// The publishing connection, opened if there is none or it was lost.
+    async fn connection(&self) -> crate::Result<Arc<Connection>> {
+        let mut slot = self.publishing.lock().await;
+        if let Some(publishing) = slot.as_ref().filter(|p| p.connection.status().connected()) {
+            return Ok(Arc::clone(&publishing.connection));
+        }
+        let connection = Arc::new(self.broker.connect(&self.name).await?);
+        *lock(&self.status) = Some(connection.status().clone());
+        *slot = Some(Publishing {
+            connection: Arc::clone(&connection),
+            channel: None,
+        });
+        Ok(connection)
+    }
+
+    /// The copy channel, opened if there is none or it failed; `destination` declared if it was not since the
+    /// consuming connection was opened.
     async fn ready(&self, connection: &Connection, destination: &str) -> crate::Result<Channel> {
         if !self.is_declared(destination) {
             topology::ensure_dead_letter_queue(connection, destination, self.queue_type).await?;
             self.declared_now(destination);
         }
-        let mut slot = self.channel.lock().await;
-        if let Some(channel) = slot.as_ref().filter(|c| c.status().connected()) {
+        let mut slot = self.publishing.lock().await;
+        let Some(publishing) = slot
+            .as_mut()
+            .filter(|p| std::ptr::eq(Arc::as_ptr(&p.connection), connection))
+        else {
+            return Err(Error::Topology(
+                "the dead-letter connection was given up meanwhile".to_owned(),
+            ));
+        };
+        if let Some(channel) = publishing
+            .channel
+            .as_ref()
+            .filter(|c| c.status().connected())
+        {
             return Ok(channel.clone());
         }
         let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        *slot = Some(channel.clone());
+        publishing.channel = Some(channel.clone());
         Ok(channel)
+    }
+
+    /// Whether RabbitMQ blocks the publishing connection (a memory or disk alarm).
+    fn blocked(&self) -> bool {
+        lock(&self.status)
+            .as_ref()
+            .is_some_and(|s| s.connected() && s.blocked())
+    }
+
+    /// Closes the publishing connection, if it is open; the next copy opens another. A copy that holds the slot
+    /// while it waits on the broker holds the close no longer than the close's own bound.
+    pub(super) async fn close(&self, reason: &str) {
+        let Ok(mut slot) = tokio::time::timeout(CLOSE_WAIT, self.publishing.lock()).await else {
+            return;
+        };
+        if let Some(publishing) = slot.take() {
+            drop(slot);
+            crate::amqp::close(&publishing.connection, reason).await;
+        }
     }
 
     fn is_declared(&self, destination: &str) -> bool {
@@ -174,25 +249,74 @@ impl DeadLetters {
 }
 
 impl Link {
-    /// Publishes a dead-letter copy of `delivery` to `destination` and waits for its confirm, for at most the broker
-    /// timeout (see [`Link::answer`]).
+    /// Publishes a dead-letter copy of `delivery` to `destination` and waits for its confirm.
+    ///
+    /// While RabbitMQ blocks the publishing connection (an alarm), the copy waits for the alarm to end, or for a
+    /// stop, or for the consuming connection to be lost; its message stays unacknowledged. Otherwise the wait is
+    /// bounded by the broker timeout, past which the publishing connection is given up (see [`Link::answer`]) and the
+    /// message goes back to its queue.
     async fn copy(
         &self,
         destination: &str,
         delivery: &Delivery,
         headers: FieldTable,
+        shutdown: &CancellationToken,
     ) -> Result<(), CopyError> {
-        let published = self
-            .dead_letters
-            .publish(&self.connection, destination, delivery, headers);
-        self.answer("a dead-letter copy", published)
-            .await
-            .unwrap_or_else(|| {
-                Err(CopyError::Refused(
-                    "RabbitMQ did not confirm the copy in time; the connection is given up"
-                        .to_owned(),
-                ))
-            })
+        if self.given_up.is_cancelled() {
+            // The message's ack could not go out: it comes back on the next connection, and a copy now would be a
+            // second one then.
+            return Err(CopyError::Refused(
+                "the consuming connection was given up; the message comes back on the next one"
+                    .to_owned(),
+            ));
+        }
+        let published = self.dead_letters.publish(destination, delivery, headers);
+        let mut published = std::pin::pin!(published);
+        let mut blocked = false;
+        loop {
+            let bounded = crate::amqp::answered(
+                "a dead-letter copy",
+                self.broker_timeout,
+                published.as_mut(),
+            );
+            let answer = if blocked {
+                tokio::select! {
+                    answer = bounded => answer,
+                    () = shutdown.cancelled() => return Err(CopyError::Refused(
+                        "a stop came while RabbitMQ blocked the copy (an alarm)".to_owned())),
+                    () = self.given_up() => return Err(CopyError::Refused(
+                        "the consuming connection was given up while RabbitMQ blocked the copy (an alarm)"
+                            .to_owned())),
+                }
+            } else {
+                bounded.await
+            };
+            match answer {
+                Ok(copied) => return copied,
+                Err(_) if self.dead_letters.blocked() => {
+                    if !blocked {
+                        tracing::warn!(
+                            "RabbitMQ is blocking the dead-letter copy (a memory or disk alarm: `rabbitmqctl \
+                             status` shows it); it waits for the alarm to end, its message unacknowledged, while the \
+                             consumer goes on"
+                        );
+                    }
+                    blocked = true;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        waited = %humantime::format_duration(self.broker_timeout),
+                        "RabbitMQ did not complete a dead-letter copy in time (--broker-timeout); giving the \
+                         dead-letter connection up: the message goes back to its queue"
+                    );
+                    self.dead_letters.close("given up").await;
+                    return Err(CopyError::Refused(
+                        "RabbitMQ did not confirm the copy in time; its connection is given up"
+                            .to_owned(),
+                    ));
+                }
+            }
+        }
     }
 }
 
@@ -210,7 +334,9 @@ pub(super) async fn skip<C: Consumer>(
         "message type not handled here; moving it to {destination}"
     );
     let headers = dead_letter::skipped_headers(delivery.properties.headers().as_ref());
-    let moved = link.copy(&destination, delivery, headers).await;
+    let moved = link
+        .copy(&destination, delivery, headers, &shared.shutdown)
+        .await;
     match moved {
         Ok(()) => {
             shared.counts.skipped.fetch_add(1, Ordering::Relaxed);
@@ -271,7 +397,9 @@ pub(super) async fn dead_letter_error<C: Consumer>(
     };
     let headers =
         dead_letter::error_headers(delivery.properties.headers().as_ref(), &fault_headers);
-    let moved = link.copy(&destination, delivery, headers).await;
+    let moved = link
+        .copy(&destination, delivery, headers, &shared.shutdown)
+        .await;
     match moved {
         Ok(()) => {
             if fault.0 != CONFLICT_FAULT {

@@ -29,7 +29,7 @@ use crate::backoff::Backoff;
 use crate::db;
 use crate::error::Result;
 
-/// One broker connection: deliveries come in on one channel, dead-letter copies go out on another.
+/// One broker connection that deliveries come in on, and the connection their dead-letter copies go out on.
 pub(super) struct Link {
     pub(super) connection: Connection,
     pub(super) consume: Channel,
@@ -38,7 +38,7 @@ pub(super) struct Link {
     pub(super) outstanding: Outstanding,
     /// Cancelled when RabbitMQ did not answer within `broker_timeout`: the run loop then drops the connection.
     pub(super) given_up: CancellationToken,
-    broker_timeout: Duration,
+    pub(super) broker_timeout: Duration,
 }
 
 impl Link {
@@ -71,6 +71,14 @@ impl Link {
             self.given_up.cancel();
         }
         None
+    }
+
+    /// Closes the consuming connection (the broker gives back what it did not settle) and the dead-letter one.
+    pub(super) async fn close(&self, reason: &str) {
+        tokio::join!(
+            crate::amqp::close(&self.connection, reason),
+            self.dead_letters.close(reason)
+        );
     }
 
     /// Resolves once the link is given up.
@@ -212,7 +220,7 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
             .counts
             .broker_connected
             .store(false, Ordering::Relaxed);
-        crate::amqp::close(&link.connection, "reconnecting").await;
+        link.close("reconnecting").await;
     }
     workers.finish(&shared, stop_deadline(&shared)).await;
     Ok(())
@@ -275,7 +283,7 @@ async fn consume_on<C: Consumer>(
         biased;
         () = shared.shutdown.cancelled() => {
             workers.finish(shared, stop_deadline(shared)).await;
-            crate::amqp::close(&link.connection, "stopped").await;
+            link.close("stopped").await;
             return LinkEnd::Stop;
         }
         started = start_consuming(shared, link, &tag) => started,
@@ -517,7 +525,11 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
     Ok(Link {
         connection,
         consume,
-        dead_letters: DeadLetters::new(broker.username().to_owned(), shared.options.queue_type),
+        dead_letters: DeadLetters::new(
+            broker,
+            format!("{name} (dead letters)"),
+            shared.options.queue_type,
+        ),
         outstanding: Outstanding::default(),
         given_up: CancellationToken::new(),
         broker_timeout: shared.options.broker_timeout,

@@ -41,7 +41,7 @@ pub(super) async fn stopping<C: Consumer, F: Future<Output = bool>>(
         give_back_prefetched(link, &mut deliveries).await;
     }
     workers.finish(shared, deadline).await;
-    crate::amqp::close(&link.connection, "stopped").await;
+    link.close("stopped").await;
     drop(deliveries);
 }
 
@@ -79,7 +79,7 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
             }
         }
     }
-    crate::amqp::close(&link.connection, "idle").await;
+    link.close("idle").await;
     drop(deliveries);
 }
 

@@ -412,7 +412,8 @@ async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_batched() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-/// The copy goes out on a connection of its own: that one is given up, and the message goes back to its queue.
+/// The copy goes out on a connection of its own: the copy is given up (and that connection, had it one yet: the
+/// failpoint holds the call before it is opened), and the message goes back to its queue.
 async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_its_connection_up() {
     unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
 }

@@ -754,3 +754,83 @@ async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_c
         [("dead_lettered".to_owned(), 3), ("failed".to_owned(), 6)]
     );
 }
+
+/// The same alarm under a batched consumer, with messages that cannot be read: the batch worker moves those aside
+/// itself, before the batch's transaction. A copy there does not wait for the alarm to end, which would hold the
+/// batch's other members and every batch behind it: the message goes back to its queue, and comes round again until
+/// the alarm ends. The 40 are processed and acknowledged meanwhile.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batched_consume_in_a_memory_alarm_gives_back_what_it_cannot_copy_and_goes_on() {
+    let env = TestEnv::migrated().await;
+    let rabbit = PrivateRabbit::start();
+    let amqp = rabbit.url();
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    run_ok(
+        &env,
+        &amqp,
+        &["consume", "carrier", "--exit-when-idle", "1s"],
+    );
+    let conn = lapin::Connection::connect(&amqp, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let unreadable = lapin::BasicProperties::default()
+            .with_message_id(uuid::Uuid::now_v7().to_string().into());
+        common::publish(&conn, "", CARRIER_QUEUE, unreadable, b"not json").await;
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    run_ok(&env, &amqp, &["publish", "parcel-created", "--count", "40"]);
+    assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((43, 0)));
+
+    rabbit
+        .ctl(&["set_vm_memory_high_watermark", "absolute", "1"])
+        .unwrap();
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--batch-size",
+            "8",
+            "--broker-timeout",
+            "2s",
+        ],
+        &[("AMQP_URL", amqp.as_str())],
+    );
+    let pool = env.pool().await;
+    common::eventually(
+        "the 40 processed and acknowledged, the 3 unreadable ones left",
+        Duration::from_secs(60),
+        || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 40
+                && rabbit.queue(CARRIER_QUEUE).is_some_and(|(r, u)| r + u == 3)
+        },
+    )
+    .await;
+    assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
+
+    rabbit
+        .ctl(&["set_vm_memory_high_watermark", "0.4"])
+        .unwrap();
+    rabbit.wait_until("the unreadable messages moved aside", |r| {
+        r.queue(CARRIER_QUEUE) == Some((0, 0)) && r.queue(&error_queue).is_some_and(|(n, _)| n >= 3)
+    });
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    // The copy the connection had written before the broker blocked it arrives once the alarm ends: a copy more.
+    let (copies, _) = rabbit.queue(&error_queue).unwrap();
+    assert!(
+        (3..=6).contains(&copies),
+        "{copies} copies in the error queue"
+    );
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((rows, distinct), (40, 40));
+}

@@ -101,7 +101,8 @@ pub struct Args {
     pub shutdown_timeout: Duration,
 
     /// How long any call to RabbitMQ may take (an ack or nack, a dead-letter copy's confirm, setting a connection
-    /// up); past it the connection is dropped and opened again, and what was not settled comes back as duplicates
+    /// up); past it the connection is dropped and opened again, and what was not settled comes back as duplicates. A
+    /// dead-letter copy the broker blocks (a memory or disk alarm) waits for the alarm to end
     #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
     pub broker_timeout: Duration,
 

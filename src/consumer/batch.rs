@@ -57,10 +57,8 @@ pub(super) async fn worker<C: Consumer>(
             .iter()
             .map(|(d, link)| (d.acker.clone(), d.delivery_tag, Arc::clone(link)))
             .collect();
-        if let Err(panic) = AssertUnwindSafe(run(&shared, batch, &mut aside))
-            .catch_unwind()
-            .await
-        {
+        let ran = super::dead_letters::in_a_batch(run(&shared, batch, &mut aside));
+        if let Err(panic) = AssertUnwindSafe(ran).catch_unwind().await {
             tracing::error!(
                 panic = %logged(&panic_message(&*panic)),
                 "handling a batch panicked; what it had not settled goes back to the queue"

@@ -63,6 +63,8 @@ pub(super) struct DeadLetters {
     publishing: tokio::sync::Mutex<Option<Publishing>>,
     /// The publishing connection's state, read without waiting for `publishing`.
     status: std::sync::Mutex<Option<ConnectionStatus>>,
+    /// Set once the consuming connection is closed: no connection is opened any more.
+    closed: std::sync::atomic::AtomicBool,
     /// Destinations declared since this consuming connection was opened.
     declared: std::sync::Mutex<HashSet<String>>,
     /// The user inboxctl publishes as: a copy may carry no other `user_id`.
@@ -87,6 +89,7 @@ impl DeadLetters {
             name,
             publishing: tokio::sync::Mutex::new(None),
             status: std::sync::Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
             declared: std::sync::Mutex::new(HashSet::new()),
             queue_type,
         }
@@ -173,6 +176,11 @@ impl DeadLetters {
     /// The publishing connection, opened if there is none or it was lost.
     async fn connection(&self) -> crate::Result<Arc<Connection>> {
         let mut slot = self.publishing.lock().await;
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(Error::Topology(
+                "the consuming connection is closed: no more dead-letter copies for it".to_owned(),
+            ));
+        }
         if let Some(publishing) = slot.as_ref().filter(|p| p.connection.status().connected()) {
             return Ok(Arc::clone(&publishing.connection));
         }
@@ -223,9 +231,19 @@ impl DeadLetters {
             .is_some_and(|s| s.connected() && s.blocked())
     }
 
-    /// Closes the publishing connection, if it is open; the next copy opens another. A copy that holds the slot
-    /// while it waits on the broker holds the close no longer than the close's own bound.
+    /// Closes the publishing connection, which did not answer; the next copy opens another.
+    async fn give_up(&self) {
+        self.close_connection("given up").await;
+    }
+
+    /// Closes the publishing connection, if it is open, for good: the consuming connection is closed.
     pub(super) async fn close(&self, reason: &str) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.close_connection(reason).await;
+    }
+
+    /// A copy that holds the slot while it waits on the broker holds the close no longer than the close's own bound.
+    async fn close_connection(&self, reason: &str) {
         let Ok(mut slot) = tokio::time::timeout(CLOSE_WAIT, self.publishing.lock()).await else {
             return;
         };
@@ -252,9 +270,10 @@ impl Link {
     /// Publishes a dead-letter copy of `delivery` to `destination` and waits for its confirm.
     ///
     /// While RabbitMQ blocks the publishing connection (an alarm), the copy waits for the alarm to end, or for a
-    /// stop, or for the consuming connection to be lost; its message stays unacknowledged. Otherwise the wait is
-    /// bounded by the broker timeout, past which the publishing connection is given up (see [`Link::answer`]) and the
-    /// message goes back to its queue.
+    /// stop, or for the consuming connection to be lost; its message stays unacknowledged (in a batch worker's own
+    /// work, see [`in_a_batch`], it goes back to its queue instead). Otherwise the wait is bounded by the broker
+    /// timeout, past which the publishing connection is given up (see [`Link::answer`]) and the message goes back to
+    /// its queue.
     async fn copy(
         &self,
         destination: &str,
@@ -270,54 +289,82 @@ impl Link {
                     .to_owned(),
             ));
         }
-        let published = self.dead_letters.publish(destination, delivery, headers);
-        let mut published = std::pin::pin!(published);
+        let may_wait = IN_A_BATCH.try_with(|()| ()).is_err();
+        if !may_wait && self.dead_letters.blocked() {
+            return Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned()));
+        }
+        let mut published = Box::pin(self.dead_letters.publish(destination, delivery, headers));
+        // Whether the broker blocked the connection at the last look. A copy it blocked is waited for while the alarm
+        // lasts, and a whole bound more once it ended, for the confirm to come.
         let mut blocked = false;
-        loop {
+        let mut waiting = false;
+        let silent = loop {
             let bounded = crate::amqp::answered(
                 "a dead-letter copy",
                 self.broker_timeout,
                 published.as_mut(),
             );
-            let answer = if blocked {
+            let answer = if waiting {
                 tokio::select! {
                     answer = bounded => answer,
                     () = shutdown.cancelled() => return Err(CopyError::Refused(
                         "a stop came while RabbitMQ blocked the copy (an alarm)".to_owned())),
-                    () = self.given_up() => return Err(CopyError::Refused(
-                        "the consuming connection was given up while RabbitMQ blocked the copy (an alarm)"
+                    () = self.lost() => return Err(CopyError::Refused(
+                        "the consuming connection was lost while RabbitMQ blocked the copy (an alarm)"
                             .to_owned())),
                 }
             } else {
                 bounded.await
             };
-            match answer {
-                Ok(copied) => return copied,
-                Err(_) if self.dead_letters.blocked() => {
-                    if !blocked {
-                        tracing::warn!(
-                            "RabbitMQ is blocking the dead-letter copy (a memory or disk alarm: `rabbitmqctl \
-                             status` shows it); it waits for the alarm to end, its message unacknowledged, while the \
-                             consumer goes on"
-                        );
-                    }
-                    blocked = true;
-                }
-                Err(_) => {
-                    tracing::warn!(
-                        waited = %humantime::format_duration(self.broker_timeout),
-                        "RabbitMQ did not complete a dead-letter copy in time (--broker-timeout); giving the \
-                         dead-letter connection up: the message goes back to its queue"
-                    );
-                    self.dead_letters.close("given up").await;
-                    return Err(CopyError::Refused(
-                        "RabbitMQ did not confirm the copy in time; its connection is given up"
-                            .to_owned(),
-                    ));
-                }
+            if let Ok(copied) = answer {
+                return copied;
             }
+            let was_blocked = std::mem::replace(&mut blocked, self.dead_letters.blocked());
+            if !blocked && !was_blocked {
+                break true;
+            }
+            if !may_wait {
+                break false;
+            }
+            if !waiting {
+                tracing::warn!(
+                    "RabbitMQ is blocking the dead-letter copy (a memory or disk alarm: `rabbitmqctl status` shows \
+                     it); it waits for the alarm to end, its message unacknowledged, while the consumer goes on"
+                );
+                waiting = true;
+            }
+        };
+        // A copy still holding the connection's slot would hold its close.
+        drop(published);
+        if !silent {
+            return Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned()));
         }
+        tracing::warn!(
+            waited = %humantime::format_duration(self.broker_timeout),
+            "RabbitMQ did not complete a dead-letter copy in time (--broker-timeout); giving the dead-letter \
+             connection up: the message goes back to its queue"
+        );
+        self.dead_letters.give_up().await;
+        Err(CopyError::Refused(
+            "RabbitMQ did not confirm the copy in time; its connection is given up".to_owned(),
+        ))
     }
+}
+
+/// Why a batch worker's copy gave its message back.
+const GIVEN_BACK_IN_AN_ALARM: &str = "RabbitMQ blocks the dead-letter connection (a memory or disk alarm); in a \
+     batch the copy does not wait for the alarm to end, and the message goes back to its queue";
+
+tokio::task_local! {
+    /// Set while a batch worker runs a batch (see [`in_a_batch`]).
+    static IN_A_BATCH: ();
+}
+
+/// Runs `work` as a batch worker's own. A dead-letter copy made there does not wait for an alarm to end, which would
+/// hold every member of the batch and the batches behind it: its message goes back to its queue. The tasks beside the
+/// worker (a failed member's retries) are not the worker's, and their copies wait as one by one.
+pub(super) async fn in_a_batch<F: Future>(work: F) -> F::Output {
+    IN_A_BATCH.scope((), work).await
 }
 
 pub(super) async fn skip<C: Consumer>(

@@ -73,8 +73,10 @@ impl Link {
         None
     }
 
-    /// Closes the consuming connection (the broker gives back what it did not settle) and the dead-letter one.
+    /// Closes the consuming connection (the broker gives back what it did not settle) and the dead-letter one. The
+    /// link is given up: work of it still in flight settles nothing more on it, and makes no more copies.
     pub(super) async fn close(&self, reason: &str) {
+        self.given_up.cancel();
         tokio::join!(
             crate::amqp::close(&self.connection, reason),
             self.dead_letters.close(reason)
@@ -87,7 +89,7 @@ impl Link {
     }
 
     /// Resolves once the link is given up or its connection is seen lost (its state is looked at every second).
-    async fn lost(&self) {
+    pub(super) async fn lost(&self) {
         let mut check = tokio::time::interval(Duration::from_secs(1));
         loop {
             tokio::select! {

@@ -196,30 +196,36 @@ fn no_command_shows_a_password_on_any_error_path_or_in_its_help() {
         &["stats"],
         &["demo"],
     ];
-    for args in commands {
-        for format in ["text", "json"] {
-            let mut all = vec!["-vv", "--log-format", format];
-            all.extend_from_slice(args);
-            let out = run(&all, &env);
-            assert_ne!(out.code, Some(0), "{all:?} must fail: {out:?}");
-            for secret in [db_secret, mq_secret] {
-                assert!(
-                    !out.stdout.contains(secret) && !out.stderr.contains(secret),
-                    "{all:?} showed a password: {out:?}"
-                );
-            }
+    // Most runs wait for PostgreSQL to refuse them for seconds: the commands run side by side.
+    std::thread::scope(|scope| {
+        for args in commands {
+            let env = &env;
+            scope.spawn(move || {
+                for format in ["text", "json"] {
+                    let mut all = vec!["-vv", "--log-format", format];
+                    all.extend_from_slice(args);
+                    let out = run(&all, env);
+                    assert_ne!(out.code, Some(0), "{all:?} must fail: {out:?}");
+                    for secret in [db_secret, mq_secret] {
+                        assert!(
+                            !out.stdout.contains(secret) && !out.stderr.contains(secret),
+                            "{all:?} showed a password: {out:?}"
+                        );
+                    }
+                }
+                let mut help = vec![args[0]];
+                if args[0] == "consume" || args[0] == "publish" {
+                    help.push(args[1]);
+                }
+                help.push("--help");
+                let out = run(&help, env);
+                assert_eq!(out.code, Some(0), "{help:?}: {out:?}");
+                for secret in [db_secret, mq_secret] {
+                    assert!(!out.stdout.contains(secret), "{help:?} showed a password");
+                }
+            });
         }
-        let mut help = vec![args[0]];
-        if args[0] == "consume" || args[0] == "publish" {
-            help.push(args[1]);
-        }
-        help.push("--help");
-        let out = run(&help, &env);
-        assert_eq!(out.code, Some(0), "{help:?}: {out:?}");
-        for secret in [db_secret, mq_secret] {
-            assert!(!out.stdout.contains(secret), "{help:?} showed a password");
-        }
-    }
+    });
 }
 
 /// A vhost that does not exist (exit 78), and a wrong broker password (exit 77): each named clearly with its fix, no

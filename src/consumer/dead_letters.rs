@@ -185,6 +185,13 @@ impl DeadLetters {
             return Ok(Arc::clone(&publishing.connection));
         }
         let connection = Arc::new(self.broker.connect(&self.name).await?);
+        if self.closed.load(Ordering::SeqCst) {
+            // Closed while connecting (the close waits for the slot only so long).
+            crate::amqp::close(&connection, "closed").await;
+            return Err(Error::Topology(
+                "the consuming connection is closed: no more dead-letter copies for it".to_owned(),
+            ));
+        }
         *lock(&self.status) = Some(connection.status().clone());
         *slot = Some(Publishing {
             connection: Arc::clone(&connection),
@@ -280,31 +287,37 @@ impl Link {
         delivery: &Delivery,
         headers: FieldTable,
         shutdown: &CancellationToken,
+        waits: &AlarmWaits,
     ) -> Result<(), CopyError> {
-        if self.given_up.is_cancelled() {
+        if self.given_up.is_cancelled() || !self.connection.status().connected() {
             // The message's ack could not go out: it comes back on the next connection, and a copy now would be a
             // second one then.
             return Err(CopyError::Refused(
-                "the consuming connection was given up; the message comes back on the next one"
+                "the consuming connection was lost; the message comes back on the next one"
                     .to_owned(),
             ));
         }
         let may_wait = IN_A_BATCH.try_with(|()| ()).is_err();
-        if !may_wait && self.dead_letters.blocked() {
-            return Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned()));
+        // A place among the copies waiting out an alarm. Known blocked already, a copy that may not wait is not even
+        // sent: lapin would hold it, and send it once the alarm ends, when its message may have been given back.
+        let mut waiting: Option<AlarmWait<'_>> = None;
+        if self.dead_letters.blocked() {
+            waiting = waits.enter_if(may_wait);
+            if waiting.is_none() {
+                return Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned()));
+            }
         }
         let mut published = Box::pin(self.dead_letters.publish(destination, delivery, headers));
         // Whether the broker blocked the connection at the last look. A copy it blocked is waited for while the alarm
         // lasts, and a whole bound more once it ended, for the confirm to come.
-        let mut blocked = false;
-        let mut waiting = false;
+        let mut blocked = waiting.is_some();
         let silent = loop {
             let bounded = crate::amqp::answered(
                 "a dead-letter copy",
                 self.broker_timeout,
                 published.as_mut(),
             );
-            let answer = if waiting {
+            let answer = if waiting.is_some() {
                 tokio::select! {
                     answer = bounded => answer,
                     () = shutdown.cancelled() => return Err(CopyError::Refused(
@@ -323,15 +336,11 @@ impl Link {
             if !blocked && !was_blocked {
                 break true;
             }
-            if !may_wait {
-                break false;
-            }
-            if !waiting {
-                tracing::warn!(
-                    "RabbitMQ is blocking the dead-letter copy (a memory or disk alarm: `rabbitmqctl status` shows \
-                     it); it waits for the alarm to end, its message unacknowledged, while the consumer goes on"
-                );
-                waiting = true;
+            if waiting.is_none() {
+                waiting = waits.enter_if(may_wait);
+                if waiting.is_none() {
+                    break false;
+                }
             }
         };
         // A copy still holding the connection's slot would hold its close.
@@ -351,9 +360,57 @@ impl Link {
     }
 }
 
-/// Why a batch worker's copy gave its message back.
-const GIVEN_BACK_IN_AN_ALARM: &str = "RabbitMQ blocks the dead-letter connection (a memory or disk alarm); in a \
-     batch the copy does not wait for the alarm to end, and the message goes back to its queue";
+/// Why a copy that did not wait out an alarm gave its message back.
+const GIVEN_BACK_IN_AN_ALARM: &str = "RabbitMQ blocks the dead-letter connection (a memory or disk alarm); the \
+     copy does not wait for the alarm to end (made by the batch worker, or half the workers wait already), and the \
+     message goes back to its queue";
+
+/// The copies waiting out an alarm, and how many may: each holds a worker (`--concurrency`), and the workers left
+/// go on with the other messages. A partition queue's copy always waits: given back, its message would come straight
+/// back, ahead of the partition's later ones, and be tried again and again.
+pub(super) struct AlarmWaits {
+    waiting: std::sync::atomic::AtomicUsize,
+    most: usize,
+}
+
+impl AlarmWaits {
+    pub(super) fn new(options: &super::ConsumerOptions) -> Self {
+        Self {
+            waiting: std::sync::atomic::AtomicUsize::new(0),
+            most: if options.partitions.is_some() {
+                usize::MAX
+            } else {
+                options.concurrency / 2
+            },
+        }
+    }
+
+    /// A place among the copies waiting, if the copy may wait (it is not the batch worker's own) and one is left.
+    fn enter_if(&self, may_wait: bool) -> Option<AlarmWait<'_>> {
+        if !may_wait {
+            return None;
+        }
+        self.waiting
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < self.most).then_some(n + 1)
+            })
+            .ok()?;
+        tracing::warn!(
+            "RabbitMQ is blocking the dead-letter copy (a memory or disk alarm: `rabbitmqctl status` shows it); it \
+             waits for the alarm to end, its message unacknowledged, while the consumer goes on"
+        );
+        Some(AlarmWait(self))
+    }
+}
+
+/// A copy's place among those waiting out an alarm, given up when dropped.
+struct AlarmWait<'a>(&'a AlarmWaits);
+
+impl Drop for AlarmWait<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
 
 tokio::task_local! {
     /// Set while a batch worker runs a batch (see [`in_a_batch`]).
@@ -382,7 +439,13 @@ pub(super) async fn skip<C: Consumer>(
     );
     let headers = dead_letter::skipped_headers(delivery.properties.headers().as_ref());
     let moved = link
-        .copy(&destination, delivery, headers, &shared.shutdown)
+        .copy(
+            &destination,
+            delivery,
+            headers,
+            &shared.shutdown,
+            &shared.alarm_waits,
+        )
         .await;
     match moved {
         Ok(()) => {
@@ -445,7 +508,13 @@ pub(super) async fn dead_letter_error<C: Consumer>(
     let headers =
         dead_letter::error_headers(delivery.properties.headers().as_ref(), &fault_headers);
     let moved = link
-        .copy(&destination, delivery, headers, &shared.shutdown)
+        .copy(
+            &destination,
+            delivery,
+            headers,
+            &shared.shutdown,
+            &shared.alarm_waits,
+        )
         .await;
     match moved {
         Ok(()) => {

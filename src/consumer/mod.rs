@@ -282,6 +282,8 @@ struct Shared<C: Consumer> {
     starts: poison::Starts,
     /// Partitioned: whether a message published without its partition key as routing key was said already.
     routing_key_warned: std::sync::atomic::AtomicBool,
+    /// The dead-letter copies waiting for a broker alarm to end, each holding a worker.
+    alarm_waits: dead_letters::AlarmWaits,
 }
 
 fn property_id(delivery: &Delivery) -> Option<Uuid> {

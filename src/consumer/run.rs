@@ -158,6 +158,7 @@ pub async fn run<C: Consumer>(
             alone: tokio::sync::RwLock::new(()),
             starts: poison::Starts::default(),
             routing_key_warned: std::sync::atomic::AtomicBool::new(false),
+            alarm_waits: super::dead_letters::AlarmWaits::new(&options),
         });
         run_queue(shared, broker)
     });

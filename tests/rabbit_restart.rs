@@ -626,8 +626,9 @@ async fn replay_and_publish_into_a_node_in_a_memory_alarm_give_up_the_confirm() 
 /// copies on the consuming connection, the first failure stopped every ack; past `--broker-timeout` the consumer
 /// connected again, and every connection it gave up stayed open, holding its deliveries, until the alarm ended.
 /// At most half the workers wait so (`--concurrency 3`: one); a failing message beyond them goes back to its queue and
-/// comes round again until the alarm ends. A stop during the alarm gives the held messages back at once. A copy the connection had written before RabbitMQ
-/// blocked it may still arrive once the alarm ends: a copy more in the error queue, never a message less.
+/// comes round again until the alarm ends. A stop during the alarm gives the held messages back at once. A copy the
+/// connection had written before RabbitMQ blocked it may still arrive once the alarm ends: a copy more in the error
+/// queue, never a message less.
 #[tokio::test(flavor = "multi_thread")]
 async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_copies_wait() {
     let env = TestEnv::migrated().await;
@@ -739,7 +740,8 @@ async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_c
     );
     assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((0, 0)));
     let (copies, _) = rabbit.queue(&error_queue).unwrap();
-    // One more in the runs so far: the first copy, written before the broker blocked the connection.
+    // A copy handed to the connection before its message was given back may arrive once the alarm ends: at most one
+    // more per message.
     assert!(
         (3..=6).contains(&copies),
         "{copies} copies in the error queue"
@@ -836,7 +838,8 @@ async fn a_batched_consume_in_a_memory_alarm_gives_back_what_it_cannot_copy_and_
         "{}",
         consumer.stderr()
     );
-    // The copy the connection had written before the broker blocked it arrives once the alarm ends: a copy more.
+    // A copy handed to the connection before its message was given back may arrive once the alarm ends: at most one
+    // more per message.
     let (copies, _) = rabbit.queue(&error_queue).unwrap();
     assert!(
         (3..=6).contains(&copies),

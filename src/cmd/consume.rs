@@ -103,7 +103,7 @@ pub struct Args {
     /// How long any call to RabbitMQ may take (an ack or nack, a dead-letter copy's confirm, setting a connection
     /// up); past it the connection is dropped and opened again, and what was not settled comes back as duplicates. A
     /// dead-letter copy the broker blocks (a memory or disk alarm) may wait for the alarm to end, in at most half the
-    /// workers
+    /// workers (on a partition queue, always)
     #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
     pub broker_timeout: Duration,
 

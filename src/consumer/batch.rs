@@ -57,7 +57,7 @@ pub(super) async fn worker<C: Consumer>(
             .iter()
             .map(|(d, link)| (d.acker.clone(), d.delivery_tag, Arc::clone(link)))
             .collect();
-        let ran = super::dead_letters::in_a_batch(run(&shared, batch, &mut aside));
+        let ran = super::alarm::in_a_batch(run(&shared, batch, &mut aside));
         if let Err(panic) = AssertUnwindSafe(ran).catch_unwind().await {
             tracing::error!(
                 panic = %logged(&panic_message(&*panic)),

@@ -7,12 +7,13 @@
 //! Copies go out on a connection of their own, opened on the first one. A node in a memory or disk alarm blocks every
 //! connection that publishes until the alarm ends, and lapin then writes nothing more on it, acks included: were the
 //! copies sent on the consuming connection, the first failure during an alarm would stop every ack, and the
-//! connection could not even be closed. On its own connection a copy waits for the alarm to end, its message
-//! unacknowledged, while the other messages are processed and acknowledged as usual.
+//! connection could not even be closed. On its own connection a copy may wait for the alarm to end, its message
+//! unacknowledged, while the other messages are processed and acknowledged as usual; how many may wait so is
+//! bounded ([`AlarmWaits`]), and the others give their message back.
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use lapin::message::Delivery;
 use lapin::options::ConfirmSelectOptions;
@@ -22,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::Consumer;
+use super::alarm::{AlarmWait, AlarmWaits};
 use super::bookkeeping::record_event;
 use super::dispatch::{Disposition, Ready};
 use super::run::Link;
@@ -64,7 +66,7 @@ pub(super) struct DeadLetters {
     /// The publishing connection's state, read without waiting for `publishing`.
     status: std::sync::Mutex<Option<ConnectionStatus>>,
     /// Set once the consuming connection is closed: no connection is opened any more.
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
     /// Destinations declared since this consuming connection was opened.
     declared: std::sync::Mutex<HashSet<String>>,
     /// The user inboxctl publishes as: a copy may carry no other `user_id`.
@@ -89,7 +91,7 @@ impl DeadLetters {
             name,
             publishing: tokio::sync::Mutex::new(None),
             status: std::sync::Mutex::new(None),
-            closed: std::sync::atomic::AtomicBool::new(false),
+            closed: AtomicBool::new(false),
             declared: std::sync::Mutex::new(HashSet::new()),
             queue_type,
         }
@@ -276,11 +278,11 @@ impl DeadLetters {
 impl Link {
     /// Publishes a dead-letter copy of `delivery` to `destination` and waits for its confirm.
     ///
-    /// While RabbitMQ blocks the publishing connection (an alarm), the copy waits for the alarm to end, or for a
-    /// stop, or for the consuming connection to be lost; its message stays unacknowledged (in a batch worker's own
-    /// work, see [`in_a_batch`], it goes back to its queue instead). Otherwise the wait is bounded by the broker
-    /// timeout, past which the publishing connection is given up (see [`Link::answer`]) and the message goes back to
-    /// its queue.
+    /// While RabbitMQ blocks the publishing connection (an alarm), the copy may wait for the alarm to end, or for a
+    /// stop, or for the consuming connection to be lost, its message unacknowledged: if it has a place among the
+    /// copies allowed to wait ([`AlarmWaits`]) and is not the batch worker's own ([`in_a_batch`](super::alarm::in_a_batch)). Otherwise it gives
+    /// its message back. Not blocked, the wait is bounded by the broker timeout, past which the publishing connection
+    /// is given up (see [`Link::answer`]) and the message goes back to its queue.
     async fn copy(
         &self,
         destination: &str,
@@ -289,6 +291,30 @@ impl Link {
         shutdown: &CancellationToken,
         waits: &AlarmWaits,
     ) -> Result<(), CopyError> {
+        let place = self.admit(waits)?;
+        let published = Box::pin(self.dead_letters.publish(destination, delivery, headers));
+        match self.confirmed(published, place, waits, shutdown).await {
+            Waited::Answered(copied) => copied,
+            Waited::GivenBack => Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned())),
+            Waited::Silent => {
+                tracing::warn!(
+                    waited = %humantime::format_duration(self.broker_timeout),
+                    "RabbitMQ did not complete a dead-letter copy in time (--broker-timeout); giving the dead-letter \
+                     connection up: the message goes back to its queue"
+                );
+                self.dead_letters.give_up().await;
+                Err(CopyError::Refused(
+                    "RabbitMQ did not confirm the copy in time; its connection is given up"
+                        .to_owned(),
+                ))
+            }
+        }
+    }
+
+    /// Whether a copy may be sent at all, and, the dead-letter connection known blocked already, its place among the
+    /// copies waiting out the alarm. A copy that may not wait then is not sent: lapin would hold it, and send it once
+    /// the alarm ends, when its message may have been given back.
+    fn admit<'w>(&self, waits: &'w AlarmWaits) -> Result<Option<AlarmWait<'w>>, CopyError> {
         if self.given_up.is_cancelled() || !self.connection.status().connected() {
             // The message's ack could not go out: it comes back on the next connection, and a copy now would be a
             // second one then.
@@ -297,132 +323,75 @@ impl Link {
                     .to_owned(),
             ));
         }
-        let may_wait = IN_A_BATCH.try_with(|()| ()).is_err();
-        // A place among the copies waiting out an alarm. Known blocked already, a copy that may not wait is not even
-        // sent: lapin would hold it, and send it once the alarm ends, when its message may have been given back.
-        let mut waiting: Option<AlarmWait<'_>> = None;
-        if self.dead_letters.blocked() {
-            waiting = waits.enter_if(may_wait);
-            if waiting.is_none() {
-                return Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned()));
-            }
+        if !self.dead_letters.blocked() {
+            return Ok(None);
         }
-        let mut published = Box::pin(self.dead_letters.publish(destination, delivery, headers));
-        // Whether the broker blocked the connection at the last look. A copy it blocked is waited for while the alarm
-        // lasts, and a whole bound more once it ended, for the confirm to come.
-        let mut blocked = waiting.is_some();
-        let silent = loop {
+        match waits.enter() {
+            Some(place) => Ok(Some(place)),
+            None => Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned())),
+        }
+    }
+
+    /// Waits for `published` (the copy and its confirm): a bound at a time while the connection is not blocked, and
+    /// for as long as the alarm lasts once the copy has a place among those waiting (and a whole bound more after the
+    /// block ends, for the confirm to come).
+    async fn confirmed<'w, F: Future<Output = Result<(), CopyError>>>(
+        &self,
+        mut published: std::pin::Pin<Box<F>>,
+        mut place: Option<AlarmWait<'w>>,
+        waits: &'w AlarmWaits,
+        shutdown: &CancellationToken,
+    ) -> Waited {
+        let mut blocked = place.is_some();
+        loop {
             let bounded = crate::amqp::answered(
                 "a dead-letter copy",
                 self.broker_timeout,
                 published.as_mut(),
             );
-            let answer = if waiting.is_some() {
+            let answer = if place.is_some() {
                 tokio::select! {
                     answer = bounded => answer,
-                    () = shutdown.cancelled() => return Err(CopyError::Refused(
-                        "a stop came while RabbitMQ blocked the copy (an alarm)".to_owned())),
-                    () = self.lost() => return Err(CopyError::Refused(
+                    () = shutdown.cancelled() => return Waited::Answered(Err(CopyError::Refused(
+                        "a stop came while RabbitMQ blocked the copy (an alarm)".to_owned()))),
+                    () = self.lost() => return Waited::Answered(Err(CopyError::Refused(
                         "the consuming connection was lost while RabbitMQ blocked the copy (an alarm)"
-                            .to_owned())),
+                            .to_owned()))),
                 }
             } else {
                 bounded.await
             };
             if let Ok(copied) = answer {
-                return copied;
+                return Waited::Answered(copied);
             }
             let was_blocked = std::mem::replace(&mut blocked, self.dead_letters.blocked());
             if !blocked && !was_blocked {
-                break true;
+                return Waited::Silent;
             }
-            if waiting.is_none() {
-                waiting = waits.enter_if(may_wait);
-                if waiting.is_none() {
-                    break false;
+            if place.is_none() {
+                place = waits.enter();
+                if place.is_none() {
+                    return Waited::GivenBack;
                 }
             }
-        };
-        // A copy still holding the connection's slot would hold its close.
-        drop(published);
-        if !silent {
-            return Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned()));
         }
-        tracing::warn!(
-            waited = %humantime::format_duration(self.broker_timeout),
-            "RabbitMQ did not complete a dead-letter copy in time (--broker-timeout); giving the dead-letter \
-             connection up: the message goes back to its queue"
-        );
-        self.dead_letters.give_up().await;
-        Err(CopyError::Refused(
-            "RabbitMQ did not confirm the copy in time; its connection is given up".to_owned(),
-        ))
     }
+}
+
+/// How the wait for a copy's confirm ended. Either way the copy's future is dropped before anything else is done: a
+/// copy still holding the connection's slot would hold its close.
+enum Waited {
+    Answered(Result<(), CopyError>),
+    /// Blocked, and no place to wait.
+    GivenBack,
+    /// Not blocked, and no answer within the bound.
+    Silent,
 }
 
 /// Why a copy that did not wait out an alarm gave its message back.
 const GIVEN_BACK_IN_AN_ALARM: &str = "RabbitMQ blocks the dead-letter connection (a memory or disk alarm); the \
-     copy does not wait for the alarm to end (made by the batch worker, or half the workers wait already), and the \
-     message goes back to its queue";
-
-/// The copies waiting out an alarm, and how many may: each holds a worker (`--concurrency`), and the workers left
-/// go on with the other messages. A partition queue's copy always waits: given back, its message would come straight
-/// back, ahead of the partition's later ones, and be tried again and again.
-pub(super) struct AlarmWaits {
-    waiting: std::sync::atomic::AtomicUsize,
-    most: usize,
-}
-
-impl AlarmWaits {
-    pub(super) fn new(options: &super::ConsumerOptions) -> Self {
-        Self {
-            waiting: std::sync::atomic::AtomicUsize::new(0),
-            most: if options.partitions.is_some() {
-                usize::MAX
-            } else {
-                options.concurrency / 2
-            },
-        }
-    }
-
-    /// A place among the copies waiting, if the copy may wait (it is not the batch worker's own) and one is left.
-    fn enter_if(&self, may_wait: bool) -> Option<AlarmWait<'_>> {
-        if !may_wait {
-            return None;
-        }
-        self.waiting
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < self.most).then_some(n + 1)
-            })
-            .ok()?;
-        tracing::warn!(
-            "RabbitMQ is blocking the dead-letter copy (a memory or disk alarm: `rabbitmqctl status` shows it); it \
-             waits for the alarm to end, its message unacknowledged, while the consumer goes on"
-        );
-        Some(AlarmWait(self))
-    }
-}
-
-/// A copy's place among those waiting out an alarm, given up when dropped.
-struct AlarmWait<'a>(&'a AlarmWaits);
-
-impl Drop for AlarmWait<'_> {
-    fn drop(&mut self) {
-        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-tokio::task_local! {
-    /// Set while a batch worker runs a batch (see [`in_a_batch`]).
-    static IN_A_BATCH: ();
-}
-
-/// Runs `work` as a batch worker's own. A dead-letter copy made there does not wait for an alarm to end, which would
-/// hold every member of the batch and the batches behind it: its message goes back to its queue. The tasks beside the
-/// worker (a failed member's retries) are not the worker's, and their copies wait as one by one.
-pub(super) async fn in_a_batch<F: Future>(work: F) -> F::Output {
-    IN_A_BATCH.scope((), work).await
-}
+     copy does not wait for the alarm to end (it is the batch worker's, or as many copies wait as may: half the \
+     workers, rounded down), and the message goes back to its queue";
 
 pub(super) async fn skip<C: Consumer>(
     shared: &Shared<C>,

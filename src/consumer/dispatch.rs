@@ -39,7 +39,16 @@ pub(super) enum Disposition {
 /// Handles one delivery on its own (not batched) and settles it with the broker. A panic anywhere in its handling
 /// (not only in the consumer's work, which counts as a failed attempt) gives the delivery back, never leaves it
 /// unsettled.
-pub(super) async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, delivery: Delivery) {
+///
+/// It holds `worker` (a place among `--concurrency`) until it is settled, but for the pause before a message given
+/// back goes back: waiting takes no worker, and the broker's prefetch bounds how many wait. On a partition queue it
+/// holds it throughout: the partition's next message must not overtake the one going back.
+pub(super) async fn handle<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: Delivery,
+    worker: tokio::sync::OwnedSemaphorePermit,
+) {
     let started = Instant::now();
     let disposition = match AssertUnwindSafe(dispose(shared, link, &delivery))
         .catch_unwind()
@@ -48,6 +57,9 @@ pub(super) async fn handle<C: Consumer>(shared: &Shared<C>, link: &Link, deliver
         Ok(disposition) => disposition,
         Err(panic) => handling_panicked(&delivery, &panic_message(&*panic)),
     };
+    if matches!(disposition, Disposition::RequeueAfter(_)) && shared.options.partitions.is_none() {
+        drop(worker);
+    }
     settle(shared, link, &delivery, disposition, started).await;
 }
 

@@ -13,7 +13,8 @@
 //!
 //! Batched (`batch_size` > 1, [`batch`]): deliveries that arrive together share one transaction; a member whose work
 //! fails is retried alone, one message per transaction, as above, beside the batches. Redelivered messages, which may
-//! be what ends a process, go through [`poison`]. Dead-letter copies go out through [`dead_letters`].
+//! be what ends a process, go through [`poison`]. Dead-letter copies go out through [`dead_letters`], on a
+//! connection of their own; those a broker alarm blocks wait it out as [`alarm`] allows.
 //!
 //! A move to a dead-letter queue is acknowledged only after the broker confirmed the copy. Nothing is acknowledged
 //! before its outcome is committed or confirmed; what cannot be finished is left to the broker to deliver again.
@@ -27,6 +28,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 mod acks;
+mod alarm;
 mod batch;
 mod bookkeeping;
 pub mod config;
@@ -283,7 +285,7 @@ struct Shared<C: Consumer> {
     /// Partitioned: whether a message published without its partition key as routing key was said already.
     routing_key_warned: std::sync::atomic::AtomicBool,
     /// The dead-letter copies waiting for a broker alarm to end, each holding a worker.
-    alarm_waits: dead_letters::AlarmWaits,
+    alarm_waits: alarm::AlarmWaits,
 }
 
 fn property_id(delivery: &Delivery) -> Option<Uuid> {

@@ -158,7 +158,7 @@ pub async fn run<C: Consumer>(
             alone: tokio::sync::RwLock::new(()),
             starts: poison::Starts::default(),
             routing_key_warned: std::sync::atomic::AtomicBool::new(false),
-            alarm_waits: super::dead_letters::AlarmWaits::new(&options),
+            alarm_waits: super::alarm::AlarmWaits::new(&options),
         });
         run_queue(shared, broker)
     });
@@ -476,8 +476,7 @@ impl Workers {
         let shared = Arc::clone(shared);
         let link = Arc::clone(link);
         self.tasks.spawn(async move {
-            handle(&shared, &link, delivery).await;
-            drop(permit);
+            handle(&shared, &link, delivery, permit).await;
         });
         Handover::Handed
     }

@@ -93,6 +93,13 @@ impl PrivateRabbit {
         }
     }
 
+    /// Sets off a memory alarm (a watermark of one byte), or ends it.
+    fn alarm(&self, on: bool) {
+        let watermark: &[&str] = if on { &["absolute", "1"] } else { &["0.4"] };
+        let args = [&["set_vm_memory_high_watermark"][..], watermark].concat();
+        self.ctl(&args).unwrap();
+    }
+
     fn url(&self) -> String {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
     }
@@ -542,9 +549,7 @@ async fn replay_and_publish_into_a_node_in_a_memory_alarm_give_up_the_confirm() 
     fill_error_queue(&env, &amqp, 5);
     assert_eq!(rabbit.queue(&error_queue), Some((5, 0)));
 
-    rabbit
-        .ctl(&["set_vm_memory_high_watermark", "absolute", "1"])
-        .unwrap();
+    rabbit.alarm(true);
     let started = Instant::now();
     let mut replaying = env.spawn_with(
         &[
@@ -610,9 +615,7 @@ async fn replay_and_publish_into_a_node_in_a_memory_alarm_give_up_the_confirm() 
     );
     assert!(said.contains("confirmed 0 of 3 copies"), "{said}");
 
-    rabbit
-        .ctl(&["set_vm_memory_high_watermark", "0.4"])
-        .unwrap();
+    rabbit.alarm(false);
     rabbit.wait_until("every message back in the error queue", |r| {
         r.queue(&error_queue) == Some((5, 0))
     });
@@ -655,40 +658,21 @@ async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_c
     run_ok(&env, &amqp, &["publish", "parcel-created", "--count", "40"]);
     assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((43, 0)));
 
-    rabbit
-        .ctl(&["set_vm_memory_high_watermark", "absolute", "1"])
-        .unwrap();
-    let mut consumer = env.spawn_with(
+    let (mut consumer, pool) = consume_through_an_alarm(
+        &env,
+        &rabbit,
         &[
-            "consume",
-            "carrier",
             "--fail-destination",
             "FAIL",
             "--max-attempts",
             "1",
-            "--broker-timeout",
-            "2s",
             "--concurrency",
             "3",
         ],
-        &[("AMQP_URL", amqp.as_str())],
-    );
-    let pool = env.pool().await;
-    common::eventually(
-        "the 40 processed and acknowledged, the 3 failing ones held or coming round",
-        Duration::from_secs(60),
-        || async {
-            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 40
-                && rabbit.queue(CARRIER_QUEUE).is_some_and(|(r, u)| r + u == 3)
-        },
     )
     .await;
     consumer.wait_for_stderr(
         "RabbitMQ is blocking the dead-letter copy",
-        Duration::from_secs(30),
-    );
-    consumer.wait_for_stderr(
-        "the copy does not wait for the alarm to end",
         Duration::from_secs(30),
     );
     // Past the broker timeout more than twice over: still there, and no connection given up and left behind.
@@ -721,9 +705,7 @@ async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_c
     );
     assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((3, 0)));
 
-    rabbit
-        .ctl(&["set_vm_memory_high_watermark", "0.4"])
-        .unwrap();
+    rabbit.alarm(false);
     run_ok(
         &env,
         &amqp,
@@ -739,19 +721,7 @@ async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_c
         ],
     );
     assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((0, 0)));
-    let (copies, _) = rabbit.queue(&error_queue).unwrap();
-    // A copy handed to the connection before its message was given back may arrive once the alarm ends: at most one
-    // more per message.
-    assert!(
-        (3..=6).contains(&copies),
-        "{copies} copies in the error queue"
-    );
-    let (rows, distinct): (i64, i64) =
-        sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!((rows, distinct), (40, 40));
+    moved_aside_after_the_alarm(&rabbit, &pool).await;
     // Each failing message moved aside once, by the second consumer; those that came round failed again each time.
     let events: Vec<(String, i64)> = sqlx::query_as(
         "SELECT kind, count(*) FROM inboxctl_events WHERE kind <> 'duplicate' GROUP BY kind ORDER BY kind",
@@ -793,25 +763,39 @@ async fn a_batched_consume_in_a_memory_alarm_gives_back_what_it_cannot_copy_and_
     run_ok(&env, &amqp, &["publish", "parcel-created", "--count", "20"]);
     assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((43, 0)));
 
-    rabbit
-        .ctl(&["set_vm_memory_high_watermark", "absolute", "1"])
-        .unwrap();
-    let mut consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--batch-size",
-            "8",
-            "--concurrency",
-            "8",
-            "--broker-timeout",
-            "2s",
-        ],
-        &[("AMQP_URL", amqp.as_str())],
+    let (mut consumer, pool) =
+        consume_through_an_alarm(&env, &rabbit, &["--batch-size", "8", "--concurrency", "8"]).await;
+    assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
+
+    rabbit.alarm(false);
+    rabbit.wait_until("the unreadable messages moved aside", |r| {
+        r.queue(CARRIER_QUEUE) == Some((0, 0)) && r.queue(&error_queue).is_some_and(|(n, _)| n >= 3)
+    });
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
     );
+    moved_aside_after_the_alarm(&rabbit, &pool).await;
+}
+
+/// Starts a memory alarm on `rabbit`, then a consumer (`--broker-timeout 2s` and `args`) of its 40 parcels and 3
+/// messages to be moved aside; returns once the 40 are processed and acknowledged, the 3 still on the queue, and a
+/// copy has given its message back rather than wait.
+async fn consume_through_an_alarm(
+    env: &TestEnv,
+    rabbit: &PrivateRabbit,
+    args: &[&str],
+) -> (common::Proc, sqlx::PgPool) {
+    rabbit.alarm(true);
+    let amqp = rabbit.url();
+    let args = [&["consume", "carrier", "--broker-timeout", "2s"][..], args].concat();
+    let consumer = env.spawn_with(&args, &[("AMQP_URL", amqp.as_str())]);
     let pool = env.pool().await;
     common::eventually(
-        "the 40 processed and acknowledged, the 3 unreadable ones left",
+        "the 40 processed and acknowledged, the 3 to be moved aside still on the queue",
         Duration::from_secs(60),
         || async {
             common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 40
@@ -823,31 +807,20 @@ async fn a_batched_consume_in_a_memory_alarm_gives_back_what_it_cannot_copy_and_
         "the copy does not wait for the alarm to end",
         Duration::from_secs(30),
     );
-    assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
+    (consumer, pool)
+}
 
-    rabbit
-        .ctl(&["set_vm_memory_high_watermark", "0.4"])
-        .unwrap();
-    rabbit.wait_until("the unreadable messages moved aside", |r| {
-        r.queue(CARRIER_QUEUE) == Some((0, 0)) && r.queue(&error_queue).is_some_and(|(n, _)| n >= 3)
-    });
-    consumer.terminate();
-    assert_eq!(
-        consumer.wait(Duration::from_secs(30)),
-        Some(0),
-        "{}",
-        consumer.stderr()
-    );
-    // A copy handed to the connection before its message was given back may arrive once the alarm ends: at most one
-    // more per message.
-    let (copies, _) = rabbit.queue(&error_queue).unwrap();
+/// After the alarm: the 3 in the error queue, and one effect per parcel. A copy handed to the dead-letter connection
+/// before its message was given back may arrive once the alarm ends: at most one more per message.
+async fn moved_aside_after_the_alarm(rabbit: &PrivateRabbit, pool: &sqlx::PgPool) {
+    let (copies, _) = rabbit.queue(&format!("{CARRIER_QUEUE}_error")).unwrap();
     assert!(
         (3..=6).contains(&copies),
         "{copies} copies in the error queue"
     );
     let (rows, distinct): (i64, i64) =
         sqlx::query_as("SELECT count(*), count(DISTINCT parcel_id) FROM carrier_reservations")
-            .fetch_one(&pool)
+            .fetch_one(pool)
             .await
             .unwrap();
     assert_eq!((rows, distinct), (40, 40));

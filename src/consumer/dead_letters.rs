@@ -407,15 +407,7 @@ pub(super) async fn skip<C: Consumer>(
         "message type not handled here; moving it to {destination}"
     );
     let headers = dead_letter::skipped_headers(delivery.properties.headers().as_ref());
-    let moved = link
-        .copy(
-            &destination,
-            delivery,
-            headers,
-            &shared.shutdown,
-            &shared.alarm_waits,
-        )
-        .await;
+    let moved = copy(shared, link, &destination, delivery, headers).await;
     match moved {
         Ok(()) => {
             shared.counts.skipped.fetch_add(1, Ordering::Relaxed);
@@ -424,6 +416,24 @@ pub(super) async fn skip<C: Consumer>(
         }
         Err(e) => copy_refused(Some(incoming.message_id), &destination, e),
     }
+}
+
+/// [`Link::copy`], with the consumer's stop and its limit on the copies that wait out an alarm.
+async fn copy<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    destination: &str,
+    delivery: &Delivery,
+    headers: FieldTable,
+) -> Result<(), CopyError> {
+    link.copy(
+        destination,
+        delivery,
+        headers,
+        &shared.shutdown,
+        &shared.alarm_waits,
+    )
+    .await
 }
 
 /// `(exception type, one-line message, full description)`.
@@ -476,15 +486,7 @@ pub(super) async fn dead_letter_error<C: Consumer>(
     };
     let headers =
         dead_letter::error_headers(delivery.properties.headers().as_ref(), &fault_headers);
-    let moved = link
-        .copy(
-            &destination,
-            delivery,
-            headers,
-            &shared.shutdown,
-            &shared.alarm_waits,
-        )
-        .await;
+    let moved = copy(shared, link, &destination, delivery, headers).await;
     match moved {
         Ok(()) => {
             if fault.0 != CONFLICT_FAULT {

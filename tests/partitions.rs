@@ -300,12 +300,18 @@ async fn stats_sums_the_partitions_and_a_replay_goes_back_to_the_messages_partit
     );
     let out = env.run(&["replay", "--from", &format!("{QUEUE}_error"), "--json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
-    let total: u64 = (0..PARTITIONS)
-        .map(|i| env.queue_counts(&format!("{QUEUE}.{i}")).0)
-        .sum();
+    let counts: Vec<(u64, u64)> = (0..PARTITIONS)
+        .map(|i| env.queue_counts(&format!("{QUEUE}.{i}")))
+        .collect();
+    let total: u64 = counts.iter().map(|(ready, _)| ready).sum();
+    // What the replay said and what each queue held, should this fail: it did once under a loaded CI run (49), and
+    // never alone.
     assert_eq!(
-        total, 50,
-        "the 30 waiting and the 20 replayed, in the partition queues"
+        total,
+        50,
+        "the 30 waiting and the 20 replayed, in the partition queues: {counts:?}, error queue {:?}, replay {}",
+        env.queue_counts(&format!("{QUEUE}_error")),
+        out.stdout
     );
 }
 

@@ -388,6 +388,9 @@ enum Waited {
     Silent,
 }
 
+/// How often a copy given back in an alarm is said at warning level.
+const GIVEN_BACK_SAID_EVERY: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Why a copy that did not wait out an alarm gave its message back.
 const GIVEN_BACK_IN_AN_ALARM: &str = "RabbitMQ blocks the dead-letter connection (a memory or disk alarm); the \
      copy does not wait for the alarm to end (it is the batch worker's, or as many copies wait as may: half the \
@@ -507,6 +510,24 @@ pub(super) fn copy_refused(
     error: CopyError,
 ) -> Disposition {
     let pause = match error {
+        CopyError::Refused(reason) if reason == GIVEN_BACK_IN_AN_ALARM => {
+            // Every few seconds for each such message while the alarm lasts: said once a minute, the rest at -v.
+            static SAID: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
+            let now = std::time::Instant::now();
+            let mut said = lock(&SAID);
+            if said.is_none_or(|at| now.duration_since(at) >= GIVEN_BACK_SAID_EVERY) {
+                *said = Some(now);
+                tracing::warn!(
+                    message_id = ?message_id,
+                    error = %reason,
+                    "could not move a message to {destination}; it stays on the queue (said once a minute while \
+                     the alarm lasts, the rest at -v)"
+                );
+            } else {
+                tracing::debug!(message_id = ?message_id, error = %reason, "could not move a message to {destination}");
+            }
+            OUTAGE_DELAY_MAX
+        }
         CopyError::Refused(reason) => {
             tracing::error!(
                 message_id = ?message_id,

@@ -44,6 +44,9 @@ pub(super) enum CopyError {
     /// The broker refused it or could not take it now (a nack, no queue to route to even after declaring one again,
     /// the channel or the connection gone): to be tried again later.
     Refused(String),
+    /// RabbitMQ blocks the dead-letter connection (an alarm) and the copy did not wait for the alarm to end: to be
+    /// tried again later, as `Refused`, but said less often, since it comes round for as long as the alarm lasts.
+    GivenBackInAnAlarm,
 }
 
 /// What one publish of a copy came to.
@@ -295,7 +298,7 @@ impl Link {
         let published = Box::pin(self.dead_letters.publish(destination, delivery, headers));
         match self.confirmed(published, place, waits, shutdown).await {
             Waited::Answered(copied) => copied,
-            Waited::GivenBack => Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned())),
+            Waited::GivenBack => Err(CopyError::GivenBackInAnAlarm),
             Waited::Silent => {
                 tracing::warn!(
                     waited = %humantime::format_duration(self.broker_timeout),
@@ -328,7 +331,7 @@ impl Link {
         }
         match waits.enter() {
             Some(place) => Ok(Some(place)),
-            None => Err(CopyError::Refused(GIVEN_BACK_IN_AN_ALARM.to_owned())),
+            None => Err(CopyError::GivenBackInAnAlarm),
         }
     }
 
@@ -510,7 +513,7 @@ pub(super) fn copy_refused(
     error: CopyError,
 ) -> Disposition {
     let pause = match error {
-        CopyError::Refused(reason) if reason == GIVEN_BACK_IN_AN_ALARM => {
+        CopyError::GivenBackInAnAlarm => {
             // Every few seconds for each such message while the alarm lasts: said once a minute, the rest at -v.
             static SAID: std::sync::Mutex<Option<std::time::Instant>> = std::sync::Mutex::new(None);
             let now = std::time::Instant::now();
@@ -519,12 +522,16 @@ pub(super) fn copy_refused(
                 *said = Some(now);
                 tracing::warn!(
                     message_id = ?message_id,
-                    error = %reason,
+                    error = GIVEN_BACK_IN_AN_ALARM,
                     "could not move a message to {destination}; it stays on the queue (said once a minute while \
                      the alarm lasts, the rest at -v)"
                 );
             } else {
-                tracing::debug!(message_id = ?message_id, error = %reason, "could not move a message to {destination}");
+                tracing::debug!(
+                    message_id = ?message_id,
+                    error = GIVEN_BACK_IN_AN_ALARM,
+                    "could not move a message to {destination}"
+                );
             }
             OUTAGE_DELAY_MAX
         }

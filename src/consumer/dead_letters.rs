@@ -26,6 +26,7 @@ use super::Consumer;
 use super::alarm::{AlarmWait, AlarmWaits};
 use super::bookkeeping::record_event;
 use super::dispatch::{Disposition, Ready};
+use super::owed::Owed;
 use super::run::Link;
 use super::{HOLD_IMPOSSIBLE, OUTAGE_DELAY_MAX, Shared, lock, logged};
 use crate::amqp::Broker;
@@ -457,7 +458,8 @@ pub(super) fn unreadable_fault(unreadable: &Unreadable) -> FaultText {
     )
 }
 
-/// Moves a message that could be read to the error queue.
+/// Moves a message that could be read to the error queue. A copy the broker does not take is owed to the message
+/// when it comes round ([`owed`](super::owed)).
 pub(super) async fn error_queue<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
@@ -466,9 +468,26 @@ pub(super) async fn error_queue<C: Consumer>(
     fault: &FaultText,
     retry_count: i32,
 ) -> Disposition {
-    let id = Some(ready.incoming.message_id);
+    let id = ready.incoming.message_id;
     let message_type = ready.message_type.clone();
-    dead_letter_error(shared, link, delivery, id, message_type, fault, retry_count).await
+    let disposition = dead_letter_error(
+        shared,
+        link,
+        delivery,
+        Some(id),
+        message_type,
+        fault,
+        retry_count,
+    )
+    .await;
+    if let Disposition::RequeueAfter(_) = disposition {
+        let owed = Owed {
+            fault: fault.clone(),
+            retry_count,
+        };
+        shared.owed.remember(id, ready.fingerprint, owed);
+    }
+    disposition
 }
 
 pub(super) async fn dead_letter_error<C: Consumer>(

@@ -71,6 +71,23 @@ pub(super) async fn dispose<C: Consumer>(
     match prepare(shared, link, delivery).await {
         Prepared::Done(disposition) => disposition,
         Prepared::Ready(ready) if delivery.redelivered => {
+            let id = ready.incoming.message_id;
+            if let Some(owed) = shared.owed.take(id, ready.fingerprint) {
+                tracing::debug!(
+                    message_id = %id,
+                    "its move to the error queue was decided before and its copy not taken; moving it without trying \
+                     it again"
+                );
+                return error_queue(
+                    shared,
+                    link,
+                    delivery,
+                    &ready,
+                    &owed.fault,
+                    owed.retry_count,
+                )
+                .await;
+            }
             poison::redelivered(shared, link, delivery, &ready).await
         }
         Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,

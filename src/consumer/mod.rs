@@ -35,6 +35,7 @@ pub mod config;
 mod dead_letters;
 mod dispatch;
 mod guard;
+mod owed;
 mod poison;
 mod run;
 pub mod start;
@@ -286,6 +287,8 @@ struct Shared<C: Consumer> {
     routing_key_warned: std::sync::atomic::AtomicBool,
     /// The dead-letter copies waiting for a broker alarm to end, each holding a worker.
     alarm_waits: alarm::AlarmWaits,
+    /// Messages gone back to the queue whose copy to the error queue was decided and not made.
+    owed: owed::OwedCopies,
 }
 
 fn property_id(delivery: &Delivery) -> Option<Uuid> {

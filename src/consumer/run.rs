@@ -159,6 +159,7 @@ pub async fn run<C: Consumer>(
             starts: poison::Starts::default(),
             routing_key_warned: std::sync::atomic::AtomicBool::new(false),
             alarm_waits: super::alarm::AlarmWaits::new(&options),
+            owed: super::owed::OwedCopies::default(),
         });
         run_queue(shared, broker)
     });

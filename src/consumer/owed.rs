@@ -1,0 +1,144 @@
+//! Copies owed: messages whose move to the error queue was decided (their attempts spent, a conflict, no time to
+//! claim them by) but whose copy the broker did not take — a node in an alarm, a nack, a copy that can never be made.
+//! The message went back to its queue. When it comes round, it goes straight to its copy with the reason decided
+//! before, instead of being tried again: its attempts, their waits and any call they make outside the database are
+//! not run again for every round of an alarm, and its failures are counted once.
+//!
+//! Kept by the process, keyed on the message id and the event's fingerprint (an id reused for another event is tried
+//! as any message), bounded in number and forgotten when not renewed for a while: a message forgotten, or taken by
+//! another process, is tried again, as it would be without this.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+
+use super::dead_letters::FaultText;
+use super::lock;
+use crate::amqp::limits;
+use crate::inbox::Fingerprint;
+
+/// How many messages may be owed a copy at once. A fault is kept as its copy's headers carry it (at most 10 KB), so
+/// this bounds the memory to a few MB; beyond it the one owed longest is forgotten.
+const MOST: usize = 512;
+
+/// How long a copy stays owed without its message coming round: long enough for a message given back every few
+/// seconds during an alarm, short enough that a message gone elsewhere is soon forgotten.
+const KEPT_FOR: Duration = Duration::from_secs(600);
+
+/// The copy owed to one message: why, and how many retries it had spent.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Owed {
+    pub(super) fault: FaultText,
+    pub(super) retry_count: i32,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct OwedCopies(std::sync::Mutex<HashMap<(Uuid, Fingerprint), (Owed, Instant)>>);
+
+impl OwedCopies {
+    /// The message's copy was decided and not made; it goes back to its queue owed it.
+    pub(super) fn remember(&self, id: Uuid, fingerprint: Fingerprint, owed: Owed) {
+        self.remember_at(id, fingerprint, owed, Instant::now());
+    }
+
+    fn remember_at(&self, id: Uuid, fingerprint: Fingerprint, owed: Owed, now: Instant) {
+        // Cut as the copy's headers cut them (so the copy made later is the same); cut again, they do not change.
+        let (kind, message, description) = owed.fault;
+        let owed = Owed {
+            fault: (
+                kind,
+                limits::truncate(&message, limits::MAX_HEADER_TEXT).into_owned(),
+                limits::truncate(&description, limits::MAX_STACK_TRACE).into_owned(),
+            ),
+            retry_count: owed.retry_count,
+        };
+        let mut map = lock(&self.0);
+        if map.len() >= MOST && !map.contains_key(&(id, fingerprint)) {
+            map.retain(|_, (_, at)| now.duration_since(*at) < KEPT_FOR);
+            if map.len() >= MOST
+                && let Some(oldest) = map.iter().min_by_key(|(_, (_, at))| *at).map(|(k, _)| *k)
+            {
+                map.remove(&oldest);
+            }
+        }
+        map.insert((id, fingerprint), (owed, now));
+    }
+
+    /// The copy owed to this message, if any, taken: made again and refused again, it is remembered again.
+    pub(super) fn take(&self, id: Uuid, fingerprint: Fingerprint) -> Option<Owed> {
+        self.take_at(id, fingerprint, Instant::now())
+    }
+
+    fn take_at(&self, id: Uuid, fingerprint: Fingerprint, now: Instant) -> Option<Owed> {
+        let (owed, at) = lock(&self.0).remove(&(id, fingerprint))?;
+        (now.duration_since(at) < KEPT_FOR).then_some(owed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn owed(reason: &str) -> Owed {
+        Owed {
+            fault: (
+                "inboxctl::ConsumerFailed",
+                reason.to_owned(),
+                reason.to_owned(),
+            ),
+            retry_count: 2,
+        }
+    }
+
+    #[test]
+    fn a_copy_owed_is_taken_once_for_the_same_event_only() {
+        let copies = OwedCopies::default();
+        let (id, event, other) = (
+            Uuid::now_v7(),
+            Fingerprint::from_bytes([1; 16]),
+            Fingerprint::from_bytes([2; 16]),
+        );
+        copies.remember(id, event, owed("boom"));
+        assert_eq!(
+            copies.take(id, other),
+            None,
+            "an id reused for another event"
+        );
+        assert_eq!(copies.take(id, event), Some(owed("boom")));
+        assert_eq!(copies.take(id, event), None, "taken");
+    }
+
+    #[test]
+    fn a_copy_owed_too_long_or_beyond_the_bound_is_forgotten() {
+        let copies = OwedCopies::default();
+        let start = Instant::now();
+        let event = Fingerprint::from_bytes([1; 16]);
+        let stale = Uuid::now_v7();
+        copies.remember_at(stale, event, owed("old"), start);
+        assert_eq!(copies.take_at(stale, event, start + KEPT_FOR), None);
+
+        let ids: Vec<Uuid> = (0..=MOST).map(|_| Uuid::now_v7()).collect();
+        for (i, id) in ids.iter().enumerate() {
+            let at = start + Duration::from_millis(u64::try_from(i).unwrap());
+            copies.remember_at(*id, event, owed("boom"), at);
+        }
+        let now = start + Duration::from_secs(1);
+        assert_eq!(lock(&copies.0).len(), MOST);
+        assert_eq!(copies.take_at(ids[0], event, now), None, "the oldest went");
+        assert!(copies.take_at(ids[MOST], event, now).is_some());
+        assert!(copies.take_at(ids[1], event, now).is_some());
+    }
+
+    #[test]
+    fn a_fault_is_kept_as_its_copys_headers_would_carry_it() {
+        let copies = OwedCopies::default();
+        let (id, event) = (Uuid::now_v7(), Fingerprint::from_bytes([1; 16]));
+        let long = "x".repeat(100_000);
+        copies.remember(id, event, owed(&long));
+        let kept = copies.take(id, event).unwrap().fault;
+        assert_eq!(kept.1, limits::truncate(&long, limits::MAX_HEADER_TEXT));
+        assert_eq!(kept.2, limits::truncate(&long, limits::MAX_STACK_TRACE));
+        assert_eq!(limits::truncate(&kept.2, limits::MAX_STACK_TRACE), kept.2);
+    }
+}

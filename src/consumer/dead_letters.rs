@@ -35,6 +35,7 @@ use crate::amqp::envelope::{Incoming, Unreadable};
 use crate::amqp::publish::{self, PublishError, Routed};
 use crate::amqp::topology;
 use crate::error::Error;
+use crate::failpoint;
 
 /// Why a copy was not published; either way the original stays where it is, unacknowledged.
 #[derive(Debug)]
@@ -73,6 +74,14 @@ pub(super) struct DeadLetters {
     closed: AtomicBool,
     /// Destinations declared since this consuming connection was opened.
     declared: std::sync::Mutex<HashSet<String>>,
+    /// Held by the copy in flight: one at a time on the channel. lapin hands a returned message to whichever confirm
+    /// on the channel completes next, not to the publish it belongs to; with two copies in flight, an unroutable
+    /// copy's return could be taken for the other's, and the unroutable copy taken for confirmed: its message
+    /// acknowledged, and lost.
+    sending: tokio::sync::Mutex<()>,
+    /// Set when a copy was abandoned before its answer (given back in an alarm, say): its confirm or its return may
+    /// still come on the channel, to be taken for the next copy's, so the next copy opens another channel.
+    abandoned: AtomicBool,
     /// The user inboxctl publishes as: a copy may carry no other `user_id`.
     publisher: String,
     /// What a dead-letter queue that does not exist yet is declared as (the consumed queue's type).
@@ -81,6 +90,24 @@ pub(super) struct DeadLetters {
 
 /// How long closing the publishing connection waits for a copy that holds it.
 const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A copy in flight: dropped before [`Unanswered::answered`] (its future dropped: given back, a stop), it marks the
+/// channel abandoned.
+struct Unanswered<'a>(Option<&'a AtomicBool>);
+
+impl Unanswered<'_> {
+    fn answered(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if let Some(abandoned) = self.0.take() {
+            abandoned.store(true, Ordering::SeqCst);
+        }
+    }
+}
 
 struct Publishing {
     connection: Arc<Connection>,
@@ -97,6 +124,8 @@ impl DeadLetters {
             status: std::sync::Mutex::new(None),
             closed: AtomicBool::new(false),
             declared: std::sync::Mutex::new(HashSet::new()),
+            sending: tokio::sync::Mutex::new(()),
+            abandoned: AtomicBool::new(false),
             queue_type,
         }
     }
@@ -118,6 +147,25 @@ impl DeadLetters {
         let properties =
             dead_letter::copy_properties(&delivery.properties, headers, &self.publisher, frame_max)
                 .map_err(|e| CopyError::Impossible(e.to_string()))?;
+        let _one_at_a_time = self.sending.lock().await;
+        let unanswered = Unanswered(Some(&self.abandoned));
+        let published = self
+            .publish_on(&connection, destination, delivery, &properties)
+            .await;
+        unanswered.answered();
+        published
+    }
+
+    /// [`DeadLetters::publish`] on `connection`, the copy's properties made.
+    async fn publish_on(
+        &self,
+        connection: &Connection,
+        destination: &str,
+        delivery: &Delivery,
+        properties: &BasicProperties,
+    ) -> Result<(), CopyError> {
+        let label = delivery.properties.message_id().as_ref();
+        failpoint::hit_with("dead-letter-publish", label.map_or("", |id| id.as_str())).await;
         let mut last = String::new();
         for attempt in 0..2 {
             if attempt > 0 {
@@ -128,7 +176,7 @@ impl DeadLetters {
                 self.forget(destination);
             }
             match self
-                .send(&connection, destination, delivery, &properties)
+                .send(connection, destination, delivery, properties)
                 .await
             {
                 Sent::Confirmed => return Ok(()),
@@ -222,6 +270,12 @@ impl DeadLetters {
                 "the dead-letter connection was given up meanwhile".to_owned(),
             ));
         };
+        if self.abandoned.swap(false, Ordering::SeqCst)
+            && let Some(old) = publishing.channel.take()
+        {
+            // Closed aside: on a connection the broker blocks, even the close waits for the alarm to end.
+            tokio::spawn(async move { drop(old.close(200, "replaced".into()).await) });
+        }
         if let Some(channel) = publishing
             .channel
             .as_ref()

@@ -870,3 +870,78 @@ async fn burst(
     .await;
     (unreadable, unhandled)
 }
+
+// ---- a dead-letter copy the broker refuses ----
+
+/// A message whose copy to the error queue the broker refuses (a nack: the queue full) goes back to its queue, owed
+/// its copy: each time it comes round it goes straight to the copy, its work not tried again. Processed meanwhile by
+/// another process (its inbox row committed there, its ack lost), it is a copy like any other when it comes round:
+/// acknowledged as a duplicate, not moved aside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_processed_elsewhere() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let mut full = FieldTable::default();
+    full.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    full.insert("x-overflow".into(), long("reject-publish"));
+    channel
+        .queue_declare(
+            ERROR_QUEUE.into(),
+            lapin::options::QueueDeclareOptions::durable(),
+            full,
+        )
+        .await
+        .unwrap();
+    let mut consumer = consumer(&env, &["--fail-destination", "FAIL", "--max-attempts", "1"]);
+    let out = env.run(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "1",
+        "--destination",
+        "FAIL",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    consumer.wait_for_stderr("could not move a message", Duration::from_secs(30));
+    let pool = env.pool().await;
+    let failed = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
+    // Given back after a pause of 5 s: round at least twice in 12 s, and not tried again.
+    std::thread::sleep(Duration::from_secs(12));
+    assert_eq!(
+        common::count(&pool, failed).await,
+        1,
+        "{}",
+        consumer.stderr()
+    );
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 1);
+
+    let (id, consumer_type): (Uuid, String) = sqlx::query_as(
+        "SELECT message_id, consumer_type FROM inboxctl_events WHERE kind = 'failed'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) VALUES ($1, $2, now(), now())",
+    )
+    .bind(id)
+    .bind(&consumer_type)
+    .execute(&pool)
+    .await
+    .unwrap();
+    common::eventually(
+        "the message acknowledged as a copy",
+        Duration::from_secs(20),
+        || async { env.queue_counts(CARRIER_QUEUE) == (0, 0) },
+    )
+    .await;
+    let duplicates = "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'";
+    assert_eq!(common::count(&pool, duplicates).await, 1);
+    assert_eq!(common::count(&pool, failed).await, 1);
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0));
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

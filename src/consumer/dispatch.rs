@@ -23,7 +23,7 @@ use super::{
 use crate::amqp::envelope::{self, Incoming};
 use crate::backoff::Backoff;
 use crate::failpoint;
-use crate::inbox::{Carried, Conflict, Fingerprint, Outcome, ProcessError, Work};
+use crate::inbox::{Carried, Conflict, Fingerprint, Outcome, ProcessError, Work, WorkError};
 
 /// What to do with a delivery once its handling ended.
 pub(super) enum Disposition {
@@ -71,28 +71,59 @@ pub(super) async fn dispose<C: Consumer>(
     match prepare(shared, link, delivery).await {
         Prepared::Done(disposition) => disposition,
         Prepared::Ready(ready) if delivery.redelivered => {
-            let id = ready.incoming.message_id;
-            if let Some(owed) = shared.owed.take(id, ready.fingerprint) {
-                tracing::debug!(
-                    message_id = %id,
-                    "its move to the error queue was decided before and its copy not taken; moving it without trying \
-                     it again"
-                );
-                return error_queue(
-                    shared,
-                    link,
-                    delivery,
-                    &ready,
-                    &owed.fault,
-                    owed.retry_count,
-                )
-                .await;
+            if let Some(owed) = shared
+                .owed
+                .take(ready.incoming.message_id, ready.fingerprint)
+            {
+                return owed_copy(shared, link, delivery, &ready, owed).await;
             }
             poison::redelivered(shared, link, delivery, &ready).await
         }
         Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,
     }
 }
+
+/// A message that came round owed its copy to the error queue ([`owed`](super::owed)) goes straight to it, its work
+/// not tried again — unless another process processed it meanwhile (it went back to the queue, and an ack can be lost
+/// after a commit): the inbox is asked first, by a claim whose transaction is rolled back, which waits for an attempt
+/// in flight elsewhere as any claim does. Processed, it is a copy like any other. A conflict stays one: it goes
+/// straight to its copy.
+async fn owed_copy<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    owed: super::owed::Owed,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    if owed.fault.0 != CONFLICT_FAULT {
+        let look: Work<()> = Box::new(|_| Box::pin(async { Err(WorkError::msg(NOT_PROCESSED)) }));
+        let looked = {
+            let _shared = shared.alone.read().await;
+            (shared.inbox)
+                .process_event(id, Some(ready.fingerprint), ready.carried, look)
+                .await
+        };
+        match looked {
+            Err(ProcessError::Failed(e)) if e.to_string() == NOT_PROCESSED => {}
+            Ok(Outcome::Duplicate) => {
+                database_back(shared);
+                duplicate(shared, id);
+                return Disposition::Ack;
+            }
+            // Anything else (the database gone, a conflict): the usual way, which tells each apart.
+            _ => return poison::redelivered(shared, link, delivery, ready).await,
+        }
+    }
+    tracing::debug!(
+        message_id = %id,
+        "its move to the error queue was decided before and its copy not taken; moving it without trying it again"
+    );
+    error_queue(shared, link, delivery, ready, &owed.fault, owed.retry_count).await
+}
+
+/// What the look at an owed message's claim returns to roll its transaction back.
+const NOT_PROCESSED: &str = "not processed: a look at the claim only";
 
 /// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,
 /// and the delivery given back after a pause, so that it cannot come round in a tight loop.

@@ -6,6 +6,8 @@ use crate::common;
 use std::time::Duration;
 
 use common::{CARRIER_QUEUE, TestEnv};
+use lapin::BasicProperties;
+use uuid::Uuid;
 
 /// Publishes `parcels` parcels and kills a consumer at `point`; returns once every one is ready on the queue again.
 async fn crash_at(point: &str, mode: &[&str], parcels: u64) -> (TestEnv, sqlx::PgPool) {
@@ -416,6 +418,86 @@ async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_batched() {
 /// failpoint holds the call before it is opened), and the message goes back to its queue.
 async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_its_connection_up() {
     unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
+}
+
+/// A copy unanswered on a dead-letter connection that is open and not blocked gives that connection up, not only the
+/// copy: a connection whose socket died silently would otherwise be used for every later copy, each waiting out the
+/// broker timeout and going back, none ever moved aside. The first unreadable message's copy opens the connection; the
+/// second's is held past `--broker-timeout` on it; the second comes round and is moved aside on a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_copy_unanswered_on_an_open_connection_replaces_that_connection() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let held = Uuid::now_v7();
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "1",
+            "--broker-timeout",
+            "2s",
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!("dead-letter-publish=sleep-once-600000@{held}"),
+        )],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let conn = env.amqp().await;
+    let unreadable = |id: Uuid| BasicProperties::default().with_message_id(id.to_string().into());
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::publish(
+        &conn,
+        "",
+        CARRIER_QUEUE,
+        unreadable(Uuid::now_v7()),
+        b"not json",
+    )
+    .await;
+    common::eventually("the first copy", Duration::from_secs(30), || async {
+        env.queue_exists(&error_queue) && env.queue_counts(&error_queue).0 == 1
+    })
+    .await;
+    let first = dead_letter_connections(&env);
+    assert_eq!(first.len(), 1, "{first:?}");
+
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable(held), b"not json").await;
+    common::eventually(
+        "the second copy, after its first was given up",
+        Duration::from_secs(30),
+        || async {
+            env.queue_counts(&error_queue).0 == 2 && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
+    .await;
+    assert!(consumer.has_said("failpoint dead-letter-publish reached"));
+    assert!(consumer.has_said("RabbitMQ did not complete a dead-letter copy in time"));
+    let then = dead_letter_connections(&env);
+    assert_eq!(then.len(), 1, "the one given up closed: {then:?}");
+    assert_ne!(then, first, "a new dead-letter connection");
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
+/// The client ports of the consumer's dead-letter connections.
+/// (`list_connections` lists every vhost's: those of the tests running beside this one are told apart by theirs.)
+fn dead_letter_connections(env: &TestEnv) -> Vec<String> {
+    common::rabbitmqctl(&[
+        "-q",
+        "list_connections",
+        "vhost",
+        "peer_port",
+        "client_properties",
+    ])
+    .lines()
+    .filter(|l| l.contains("(dead letters)"))
+    .filter_map(|l| {
+        let mut cols = l.split('\t');
+        (cols.next() == Some(env.vhost.as_str()))
+            .then(|| cols.next().unwrap_or_default().to_owned())
+    })
+    .collect()
 }
 
 /// One worker consuming until idle, with `point` armed; returns once the point is reached and the broker has closed

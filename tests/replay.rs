@@ -1573,3 +1573,72 @@ async fn an_acknowledgement_in_doubt_when_the_replay_stops_is_counted_and_said()
     assert_eq!(env.queue_counts("doubt-a"), (3, 0));
     assert_eq!(env.queue_counts("doubt.dlq"), (0, 0));
 }
+
+/// A replay sees only what is ready when it begins: what another client holds unacknowledged then (a `find` or
+/// `failures` look, a consumer of the dead-letter queue) is not in its count, and is not replayed. Given back while
+/// the replay runs, it is in the queue when the replay ends, and the report says how many are there now
+/// (`in_queue_after`), with the advice to run it again.
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_after_it() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    let origin = written_address(&env, CARRIER_QUEUE);
+    for i in 0..5 {
+        let id = uuid::Uuid::new_v4().to_string();
+        dead_letter(
+            &conn,
+            ERROR_QUEUE,
+            &id,
+            format!("{{\"n\": {i}}}").as_bytes(),
+            &origin,
+        )
+        .await;
+    }
+    let holder = conn.create_channel().await.unwrap();
+    let mut last = 0;
+    for _ in 0..2 {
+        let got = holder
+            .basic_get(ERROR_QUEUE.into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .expect("a message to hold");
+        last = got.delivery.delivery_tag;
+    }
+    let mut replay = env.spawn(&["replay", "--from", ERROR_QUEUE, "--json", "--rate", "1"]);
+    // Its count taken (the marker comes after it), the two go back while it runs.
+    let marker = inboxctl::amqp::topology::replay_marker(ERROR_QUEUE);
+    common::eventually("the replay under way", Duration::from_secs(20), || async {
+        env.queue_exists(&marker)
+    })
+    .await;
+    holder
+        .basic_nack(
+            last,
+            lapin::options::BasicNackOptions {
+                multiple: true,
+                requeue: true,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        replay.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(
+        (
+            &report["snapshot"],
+            &report["replayed"],
+            &report["in_queue_after"]
+        ),
+        (&3.into(), &3.into(), &2.into()),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0));
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (3, 0));
+}

@@ -241,6 +241,12 @@ fn summary(report: &Report) -> String {
             report.unreached
         ));
     }
+    if let Some(after) = report.in_queue_after.filter(|after| *after > report.left) {
+        summary.push_str(&format!(
+            "; {after} in the queue now (what arrived since it began, or another client held unacknowledged when it \
+             began, which it could not see; and what it left): run replay again to take them"
+        ));
+    }
     if report.already_replayed > 0 {
         summary.push_str(&format!(
             "; {} copies of messages it had already sent acknowledged, not sent again",
@@ -367,4 +373,43 @@ fn group_plan(from: &str, fingerprint: &str, path: &std::path::Path) -> Result<r
         fingerprint: group.cause.fingerprint.clone(),
         listed: group.message_ids.clone(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(left: u64, in_queue_after: Option<u64>) -> Report {
+        Report {
+            from: "orders_error".to_owned(),
+            dry_run: false,
+            snapshot: 5,
+            replayed: 5 - left,
+            left,
+            interrupted: false,
+            reconnects: 0,
+            already_replayed: 0,
+            stopped: None,
+            connection_lost: false,
+            acks_in_doubt: 0,
+            refused: false,
+            unreached: 0,
+            in_queue_after,
+            group: None,
+            items: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_summary_says_what_is_in_the_queue_after_beyond_what_the_replay_left() {
+        let said = "in the queue now";
+        assert!(summary(&report(0, Some(2))).contains("; 2 in the queue now"));
+        assert!(summary(&report(1, Some(3))).contains("; 3 in the queue now"));
+        assert!(
+            !summary(&report(2, Some(2))).contains(said),
+            "only what it left"
+        );
+        assert!(!summary(&report(0, Some(0))).contains(said));
+        assert!(!summary(&report(0, None)).contains(said), "not looked at");
+    }
 }

@@ -203,6 +203,11 @@ pub struct Report {
     /// Messages of the snapshot the replay never met: the queue ran dry before its count (another client took them,
     /// or holds them unacknowledged — a look of `failures` or `find` running now). They were not replayed.
     pub unreached: u64,
+    /// Messages ready in the queue once the replay ended (not counted on a dry run, or when the look failed): what it
+    /// left, what arrived since it began, and what another client held unacknowledged when it began — which the
+    /// replay could not see, and did not replay. The messages it left may not be back yet when it looks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_queue_after: Option<u64>,
     /// With `--group`: how the queue compared with the listing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupCheck>,

@@ -64,12 +64,27 @@ pub async fn run(
             acks_in_doubt: 0,
             refused: false,
             unreached: 0,
+            in_queue_after: None,
             group: None,
             items: Vec::new(),
         },
     };
     let mut link = Link::new(broker, "inboxctl replay", connection, reconnect_for);
     let passes = state.run_passes(&mut link, shutdown, &mut progress).await;
+    // Only a replay of everything can tell: a chosen few (ids, a reason, a group, a limit) may all have been met
+    // whatever else was held elsewhere, and leave the rest in the queue.
+    let everything = plan.limit.is_none()
+        && plan.message_ids.is_empty()
+        && plan.reason.is_none()
+        && plan.group.is_none();
+    if everything && passes.is_ok() && !plan.dry_run {
+        let depth = topology::queue_depth(link.current(), &plan.from);
+        if let Ok(Ok(Some((ready, _)))) =
+            answered("a look at the queue", plan.broker_timeout, depth).await
+        {
+            state.report.in_queue_after = Some(u64::from(ready));
+        }
+    }
     topology::unmark_replay(link.current(), &plan.from).await;
     link.close().await;
     passes?;
@@ -81,12 +96,6 @@ pub async fn run(
         report.acks_in_doubt = state.machine.acks_in_doubt();
     }
     report.group = plan.group.as_ref().map(|g| report.check_group(g));
-    // Only a replay of everything can tell: a chosen few (ids, a reason, a group, a limit) may all have been met
-    // whatever else was held elsewhere.
-    let everything = plan.limit.is_none()
-        && plan.message_ids.is_empty()
-        && plan.reason.is_none()
-        && plan.group.is_none();
     if everything && !report.interrupted && report.stopped.is_none() {
         report.unreached = snapshot.saturating_sub(state.machine.decided());
     }

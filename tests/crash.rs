@@ -349,6 +349,16 @@ async fn a_batchs_multiple_ack_never_covers_a_delivery_another_worker_holds() {
 /// `--broker-timeout` the connection is given up and opened again; the held message comes back, and is discarded as
 /// a duplicate if it had committed.
 async fn unanswered(call: &str, mode: &[&str]) -> String {
+    unanswered_at(
+        call,
+        &format!("broker-answer=sleep-once-600000@{call}"),
+        mode,
+    )
+    .await
+}
+
+/// [`unanswered`] with the call held at `failpoint`.
+async fn unanswered_at(call: &str, failpoint: &str, mode: &[&str]) -> String {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "40"]);
@@ -367,12 +377,13 @@ async fn unanswered(call: &str, mode: &[&str]) -> String {
     .concat();
     let consumer = env.spawn_with(
         &common::with_mode(&args, mode),
-        &[(
-            "INBOXCTL_FAILPOINTS",
-            &format!("broker-answer=sleep-once-600000@{call}"),
-        )],
+        &[("INBOXCTL_FAILPOINTS", failpoint)],
     );
-    consumer.wait_for_stderr("failpoint broker-answer reached", Duration::from_secs(30));
+    let name = failpoint.split('=').next().unwrap_or(failpoint);
+    consumer.wait_for_stderr(
+        &format!("failpoint {name} reached"),
+        Duration::from_secs(30),
+    );
     let pool = env.pool().await;
     let error_queue = format!("{CARRIER_QUEUE}_error");
     common::eventually(
@@ -414,10 +425,16 @@ async fn an_ack_rabbitmq_never_answers_gives_the_connection_up_batched() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-/// The copy goes out on a connection of its own: the copy is given up (and that connection, had it one yet: the
-/// failpoint holds the call before it is opened), and the message goes back to its queue.
+/// The copy goes out on a connection of its own: the copy is given up, and that connection, and the message goes back
+/// to its queue. Held once the copy has its turn on the connection (one copy in flight at a time there): a copy held
+/// before it, waiting for the copies ahead, would give its message back and leave the connection be.
 async fn a_dead_letter_copy_rabbitmq_never_confirms_gives_its_connection_up() {
-    unanswered("a dead-letter copy", common::ONE_BY_ONE).await;
+    unanswered_at(
+        "a dead-letter copy",
+        "dead-letter-publish=sleep-once-600000",
+        common::ONE_BY_ONE,
+    )
+    .await;
 }
 
 /// A copy unanswered on a dead-letter connection that is open and not blocked gives that connection up, not only the

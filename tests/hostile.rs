@@ -894,7 +894,10 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
         )
         .await
         .unwrap();
-    let mut consumer = consumer(&env, &["--fail-destination", "FAIL", "--max-attempts", "1"]);
+    let mut consumer = consumer(
+        &env,
+        &["--fail-destination", "FAIL", "--max-attempts", "1", "-v"],
+    );
     let out = env.run(&[
         "publish",
         "parcel-created",
@@ -907,8 +910,19 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
     consumer.wait_for_stderr("could not move a message", Duration::from_secs(30));
     let pool = env.pool().await;
     let failed = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
-    // Given back after a pause of 5 s: round at least twice in 12 s, and not tried again.
-    std::thread::sleep(Duration::from_secs(12));
+    // Given back after a pause of 5 s each time: round twice, and not tried again.
+    common::eventually(
+        "the message round twice",
+        Duration::from_secs(40),
+        || async {
+            consumer
+                .stderr()
+                .matches("moving it without trying it again")
+                .count()
+                >= 2
+        },
+    )
+    .await;
     assert_eq!(
         common::count(&pool, failed).await,
         1,

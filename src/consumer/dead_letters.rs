@@ -133,12 +133,18 @@ impl DeadLetters {
     /// Publishes the delivery's body and properties, with `headers`, to the exchange `destination` and waits for the
     /// broker's confirm. A copy that comes back unroutable, or whose channel failed, is tried once more after
     /// declaring the destination again.
+    ///
+    /// It waits its turn first (one copy in flight at a time) and sets `turn` once it has it: a copy still waiting
+    /// when its bound passes was held up by the copies before it, not by the broker.
     pub(super) async fn publish(
         &self,
         destination: &str,
         delivery: &Delivery,
         headers: FieldTable,
+        turn: &AtomicBool,
     ) -> Result<(), CopyError> {
+        let _one_at_a_time = self.sending.lock().await;
+        turn.store(true, Ordering::SeqCst);
         let connection = self
             .connection()
             .await
@@ -147,7 +153,6 @@ impl DeadLetters {
         let properties =
             dead_letter::copy_properties(&delivery.properties, headers, &self.publisher, frame_max)
                 .map_err(|e| CopyError::Impossible(e.to_string()))?;
-        let _one_at_a_time = self.sending.lock().await;
         let unanswered = Unanswered(Some(&self.abandoned));
         let published = self
             .publish_on(&connection, destination, delivery, &properties)
@@ -350,10 +355,19 @@ impl Link {
         waits: &AlarmWaits,
     ) -> Result<(), CopyError> {
         let place = self.admit(waits)?;
-        let published = Box::pin(self.dead_letters.publish(destination, delivery, headers));
+        let turn = AtomicBool::new(false);
+        let published = Box::pin(
+            self.dead_letters
+                .publish(destination, delivery, headers, &turn),
+        );
         match self.confirmed(published, place, waits, shutdown).await {
             Waited::Answered(copied) => copied,
             Waited::GivenBack => Err(CopyError::GivenBackInAnAlarm),
+            Waited::Silent if !turn.load(Ordering::SeqCst) => Err(CopyError::Refused(
+                "the dead-letter copies before it took longer than --broker-timeout; the message goes back to its \
+                 queue"
+                    .to_owned(),
+            )),
             Waited::Silent => {
                 tracing::warn!(
                     waited = %humantime::format_duration(self.broker_timeout),

@@ -96,23 +96,42 @@ async fn owed_copy<C: Consumer>(
     owed: super::owed::Owed,
 ) -> Disposition {
     let id = ready.incoming.message_id;
+    let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     if owed.fault.0 != CONFLICT_FAULT {
-        let look: Work<()> = Box::new(|_| Box::pin(async { Err(WorkError::msg(NOT_PROCESSED)) }));
-        let looked = {
-            let _shared = shared.alone.read().await;
-            (shared.inbox)
-                .process_event(id, Some(ready.fingerprint), ready.carried, look)
-                .await
-        };
-        match looked {
-            Err(ProcessError::Failed(e)) if e.to_string() == NOT_PROCESSED => {}
-            Ok(Outcome::Duplicate) => {
-                database_back(shared);
-                duplicate(shared, id);
-                return Disposition::Ack;
+        loop {
+            let look: Work<()> =
+                Box::new(|_| Box::pin(async { Err(WorkError::msg(NOT_PROCESSED)) }));
+            let looked = {
+                let _shared = shared.alone.read().await;
+                (shared.inbox)
+                    .process_event(id, Some(ready.fingerprint), ready.carried, look)
+                    .await
+            };
+            match looked {
+                Err(ProcessError::Failed(e)) if e.to_string() == NOT_PROCESSED => {
+                    database_back(shared);
+                    break;
+                }
+                Ok(Outcome::Duplicate) => {
+                    database_back(shared);
+                    duplicate(shared, id);
+                    return Disposition::Ack;
+                }
+                // The claim recorded it: moved aside as a conflict.
+                Ok(Outcome::Conflict(c)) => {
+                    return conflict(shared, link, delivery, ready, c).await;
+                }
+                // Waited out as any attempt's outage, still owed.
+                Err(ProcessError::Unavailable(e)) => {
+                    database_gone(shared, &e);
+                    if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
+                        shared.owed.remember(id, ready.fingerprint, owed);
+                        return Disposition::Requeue;
+                    }
+                }
+                // Anything else (no time to claim it by): the usual way, which tells it apart.
+                _ => return poison::redelivered(shared, link, delivery, ready).await,
             }
-            // Anything else (the database gone, a conflict): the usual way, which tells each apart.
-            _ => return poison::redelivered(shared, link, delivery, ready).await,
         }
     }
     tracing::debug!(

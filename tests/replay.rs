@@ -1585,7 +1585,7 @@ async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_a
     let conn = env.amqp().await;
     error_queue(&conn).await;
     let origin = written_address(&env, CARRIER_QUEUE);
-    for i in 0..5 {
+    for i in 0..10 {
         let id = uuid::Uuid::new_v4().to_string();
         dead_letter(
             &conn,
@@ -1606,7 +1606,8 @@ async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_a
             .expect("a message to hold");
         last = got.delivery.delivery_tag;
     }
-    let mut replay = env.spawn(&["replay", "--from", ERROR_QUEUE, "--json", "--rate", "1"]);
+    // Paced, so that it runs for 3.5 s at least: long enough to see it under way and give the two back meanwhile.
+    let mut replay = env.spawn(&["replay", "--from", ERROR_QUEUE, "--json", "--rate", "2"]);
     // Its count taken (the marker comes after it), the two go back while it runs.
     let marker = inboxctl::amqp::topology::replay_marker(ERROR_QUEUE);
     common::eventually("the replay under way", Duration::from_secs(20), || async {
@@ -1636,9 +1637,9 @@ async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_a
             &report["replayed"],
             &report["in_queue_after"]
         ),
-        (&3.into(), &3.into(), &2.into()),
+        (&8.into(), &8.into(), &2.into()),
         "{report}"
     );
     assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0));
-    assert_eq!(env.queue_counts(CARRIER_QUEUE), (3, 0));
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (8, 0));
 }

@@ -243,8 +243,9 @@ fn summary(report: &Report) -> String {
     }
     if let Some(after) = report.in_queue_after.filter(|after| *after > report.left) {
         summary.push_str(&format!(
-            "; {after} in the queue now (what arrived since it began, or another client held unacknowledged when it \
-             began, which it could not see; and what it left): run replay again to take them"
+            "; {after} in the queue now: new failures since it began (its own replayed messages failing again among \
+             them), messages another client held unacknowledged when it began, which it could not see, and what it \
+             left; look at them (failures --from) before replaying again"
         ));
     }
     if report.already_replayed > 0 {

@@ -497,6 +497,68 @@ async fn a_dead_letter_copy_unanswered_on_an_open_connection_replaces_that_conne
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
 
+/// One dead-letter copy in flight at a time on the channel: lapin hands a returned message to whichever confirm
+/// completes next, so with two in flight an unroutable copy could be taken for confirmed (see
+/// `hostile::copies_at_once_to_an_unbound_error_queue_and_the_skipped_queue_each_arrive_and_none_is_lost`, which shows
+/// the loss, but only by chance). Here the first copy is held for 8 s once it has its turn; the second, another
+/// worker's, waits behind it and reaches the error queue only after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_copy_waits_for_the_one_in_flight_on_its_channel() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    let unreadable = |id: Uuid| BasicProperties::default().with_message_id(id.to_string().into());
+    // The error queue declared, so that neither copy waits on a declaration.
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &error_queue, common::queue_type())
+        .await
+        .unwrap();
+    let held = Uuid::now_v7();
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier", "--concurrency", "4"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!("dead-letter-publish=sleep-once-8000@{held}"),
+        )],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    common::publish(&conn, "", CARRIER_QUEUE, unreadable(held), b"not json").await;
+    consumer.wait_for_stderr(
+        "failpoint dead-letter-publish reached",
+        Duration::from_secs(30),
+    );
+    common::publish(
+        &conn,
+        "",
+        CARRIER_QUEUE,
+        unreadable(Uuid::now_v7()),
+        b"not json",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        env.queue_counts(&error_queue),
+        (0, 0),
+        "the second copy went out beside the first"
+    );
+    common::eventually("both copies, in turn", Duration::from_secs(30), || async {
+        env.queue_counts(&error_queue).0 == 2 && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+    })
+    .await;
+    let copies = common::drain(&conn, &error_queue).await;
+    assert_eq!(
+        copies[0]
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string()),
+        Some(held.to_string()),
+        "the held copy first"
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
 /// The client ports of the consumer's dead-letter connections.
 /// (`list_connections` lists every vhost's: those of the tests running beside this one are told apart by theirs.)
 fn dead_letter_connections(env: &TestEnv) -> Vec<String> {

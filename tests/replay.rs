@@ -1606,12 +1606,24 @@ async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_a
             .expect("a message to hold");
         last = got.delivery.delivery_tag;
     }
-    // Paced, so that it runs for 3.5 s at least: long enough to see it under way and give the two back meanwhile.
-    let mut replay = env.spawn(&["replay", "--from", ERROR_QUEUE, "--json", "--rate", "2"]);
-    // Its count taken (the marker comes after it), the two go back while it runs.
+    // Paced, so that it runs for 7 s at least: long enough to see it under way and give the two back meanwhile.
+    let mut replay = env.spawn(&["replay", "--from", ERROR_QUEUE, "--json", "--rate", "1"]);
+    // Its count taken (the marker comes after it), the two go back while it runs. The marker is another
+    // connection's exclusive queue: a passive declare of it is refused as locked once it exists.
     let marker = inboxctl::amqp::topology::replay_marker(ERROR_QUEUE);
     common::eventually("the replay under way", Duration::from_secs(20), || async {
-        env.queue_exists(&marker)
+        let channel = conn.create_channel().await.unwrap();
+        let declared = channel
+            .queue_declare(
+                marker.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        matches!(&declared, Err(e) if e.to_string().contains("RESOURCE_LOCKED"))
     })
     .await;
     holder

@@ -404,7 +404,13 @@ mod tests {
     #[test]
     fn the_summary_says_what_is_in_the_queue_after_beyond_what_the_replay_left() {
         let said = "in the queue now";
-        assert!(summary(&report(0, Some(2))).contains("; 2 in the queue now"));
+        let two = summary(&report(0, Some(2)));
+        assert!(two.contains("; 2 in the queue now"), "{two}");
+        assert!(
+            two.contains("its own replayed messages failing again")
+                && two.contains("failures --from"),
+            "what they may be, and to look before replaying: {two}"
+        );
         assert!(summary(&report(1, Some(3))).contains("; 3 in the queue now"));
         assert!(
             !summary(&report(2, Some(2))).contains(said),

@@ -12,8 +12,9 @@
 //! bounded ([`AlarmWaits`]), and the others give their message back.
 
 use std::collections::HashSet;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use lapin::message::Delivery;
 use lapin::options::ConfirmSelectOptions;
@@ -134,17 +135,17 @@ impl DeadLetters {
     /// broker's confirm. A copy that comes back unroutable, or whose channel failed, is tried once more after
     /// declaring the destination again.
     ///
-    /// It waits its turn first (one copy in flight at a time) and sets `turn` once it has it: a copy still waiting
+    /// It waits its turn first (one copy in flight at a time) and sets `turn` when it has it: a copy still waiting
     /// when its bound passes was held up by the copies before it, not by the broker.
     pub(super) async fn publish(
         &self,
         destination: &str,
         delivery: &Delivery,
         headers: FieldTable,
-        turn: &AtomicBool,
+        turn: &OnceLock<Instant>,
     ) -> Result<(), CopyError> {
         let _one_at_a_time = self.sending.lock().await;
-        turn.store(true, Ordering::SeqCst);
+        let _ = turn.set(Instant::now());
         let connection = self
             .connection()
             .await
@@ -355,15 +356,15 @@ impl Link {
         waits: &AlarmWaits,
     ) -> Result<(), CopyError> {
         let place = self.admit(waits)?;
-        let turn = AtomicBool::new(false);
+        let turn = OnceLock::new();
         let published = Box::pin(
             self.dead_letters
                 .publish(destination, delivery, headers, &turn),
         );
-        match self.confirmed(published, place, waits, shutdown).await {
+        match self.confirmed(published, &turn, place, waits, shutdown).await {
             Waited::Answered(copied) => copied,
             Waited::GivenBack => Err(CopyError::GivenBackInAnAlarm),
-            Waited::Silent if !turn.load(Ordering::SeqCst) => Err(CopyError::Refused(
+            Waited::Behind => Err(CopyError::Refused(
                 "the dead-letter copies before it took longer than --broker-timeout; the message goes back to its \
                  queue"
                     .to_owned(),
@@ -404,12 +405,14 @@ impl Link {
         }
     }
 
-    /// Waits for `published` (the copy and its confirm): a bound at a time while the connection is not blocked, and
+    /// Waits for `published` (the copy and its confirm, once it has its `turn`): a bound at a time while the
+    /// connection is not blocked — the last a whole bound from its turn —, and
     /// for as long as the alarm lasts once the copy has a place among those waiting (and a whole bound more after the
     /// block ends, for the confirm to come).
     async fn confirmed<'w, F: Future<Output = Result<(), CopyError>>>(
         &self,
         mut published: std::pin::Pin<Box<F>>,
+        turn: &OnceLock<Instant>,
         mut place: Option<AlarmWait<'w>>,
         waits: &'w AlarmWaits,
         shutdown: &CancellationToken,
@@ -438,7 +441,12 @@ impl Link {
             }
             let was_blocked = std::mem::replace(&mut blocked, self.dead_letters.blocked());
             if !blocked && !was_blocked {
-                return Waited::Silent;
+                match turn.get() {
+                    None => return Waited::Behind,
+                    // Its turn came late in the bound: it gets a whole bound of its own.
+                    Some(at) if at.elapsed() < self.broker_timeout => continue,
+                    Some(_) => return Waited::Silent,
+                }
             }
             if place.is_none() {
                 place = waits.enter();
@@ -456,8 +464,10 @@ enum Waited {
     Answered(Result<(), CopyError>),
     /// Blocked, and no place to wait.
     GivenBack,
-    /// Not blocked, and no answer within the bound.
+    /// Not blocked, and no answer within a bound from its turn.
     Silent,
+    /// Not blocked, and still waiting for its turn behind other copies when the bound passed.
+    Behind,
 }
 
 /// How often a copy given back in an alarm is said at warning level.

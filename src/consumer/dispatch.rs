@@ -119,13 +119,19 @@ async fn owed_copy<C: Consumer>(
                 }
                 // The claim recorded it: moved aside as a conflict.
                 Ok(Outcome::Conflict(c)) => {
+                    database_back(shared);
                     return conflict(shared, link, delivery, ready, c).await;
                 }
-                // Waited out as any attempt's outage, still owed.
+                // Waited out as any attempt's outage, still owed meanwhile: the message may come back on another
+                // connection while this one waits.
                 Err(ProcessError::Unavailable(e)) => {
                     database_gone(shared, &e);
+                    shared.owed.remember(id, ready.fingerprint, owed.clone());
                     if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
-                        shared.owed.remember(id, ready.fingerprint, owed);
+                        return Disposition::Requeue;
+                    }
+                    if shared.owed.take(id, ready.fingerprint).is_none() {
+                        // Taken by its delivery on a new connection: this one goes back, not acknowledged.
                         return Disposition::Requeue;
                     }
                 }
@@ -472,6 +478,7 @@ pub(super) async fn attempts<C: Consumer>(
             }
             Ok(Err(ProcessError::Failed(e))) => error_chain(&e),
             Ok(Err(ProcessError::Unclaimable(reason))) => {
+                database_back(shared);
                 return unclaimable(shared, link, delivery, ready, &reason).await;
             }
             Err(panic) => format!("panicked: {}", panic_message(&*panic)),

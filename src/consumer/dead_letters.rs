@@ -110,6 +110,13 @@ impl Drop for Unanswered<'_> {
     }
 }
 
+/// When a copy had its turn on the dead-letter channel, and the connection it went out on.
+#[derive(Default)]
+pub(super) struct Turn {
+    at: OnceLock<Instant>,
+    on: OnceLock<Arc<Connection>>,
+}
+
 struct Publishing {
     connection: Arc<Connection>,
     channel: Option<Channel>,
@@ -135,21 +142,22 @@ impl DeadLetters {
     /// broker's confirm. A copy that comes back unroutable, or whose channel failed, is tried once more after
     /// declaring the destination again.
     ///
-    /// It waits its turn first (one copy in flight at a time) and sets `turn` when it has it: a copy still waiting
-    /// when its bound passes was held up by the copies before it, not by the broker.
+    /// It waits its turn first (one copy in flight at a time) and notes in `turn` when it has it, and the connection it
+    /// goes out on: a copy still waiting when its bound passes was held up by the copies before it, not by the broker.
     pub(super) async fn publish(
         &self,
         destination: &str,
         delivery: &Delivery,
         headers: FieldTable,
-        turn: &OnceLock<Instant>,
+        turn: &Turn,
     ) -> Result<(), CopyError> {
         let _one_at_a_time = self.sending.lock().await;
-        let _ = turn.set(Instant::now());
+        let _ = turn.at.set(Instant::now());
         let connection = self
             .connection()
             .await
             .map_err(|e| CopyError::Refused(crate::redact::text(&e.to_string())))?;
+        let _ = turn.on.set(Arc::clone(&connection));
         let frame_max = usize::try_from(connection.configuration().frame_max()).unwrap_or(0);
         let properties =
             dead_letter::copy_properties(&delivery.properties, headers, &self.publisher, frame_max)
@@ -304,23 +312,27 @@ impl DeadLetters {
             .is_some_and(|s| s.connected() && s.blocked())
     }
 
-    /// Closes the publishing connection, which did not answer; the next copy opens another.
-    async fn give_up(&self) {
-        self.close_connection("given up").await;
+    /// Closes the publishing connection `on`, which did not answer, unless another replaced it meanwhile; the next
+    /// copy opens another.
+    async fn give_up(&self, on: &Connection) {
+        self.close_connection("given up", Some(on)).await;
     }
 
     /// Closes the publishing connection, if it is open, for good: the consuming connection is closed.
     pub(super) async fn close(&self, reason: &str) {
         self.closed.store(true, Ordering::SeqCst);
-        self.close_connection(reason).await;
+        self.close_connection(reason, None).await;
     }
 
-    /// A copy that holds the slot while it waits on the broker holds the close no longer than the close's own bound.
-    async fn close_connection(&self, reason: &str) {
+    /// Closes the publishing connection (`only` that one, if given). A copy that holds the slot while it waits on the
+    /// broker holds the close no longer than the close's own bound.
+    async fn close_connection(&self, reason: &str, only: Option<&Connection>) {
         let Ok(mut slot) = tokio::time::timeout(CLOSE_WAIT, self.publishing.lock()).await else {
             return;
         };
-        if let Some(publishing) = slot.take() {
+        let this =
+            |p: &Publishing| only.is_none_or(|c| std::ptr::eq(Arc::as_ptr(&p.connection), c));
+        if let Some(publishing) = slot.take_if(|p| this(p)) {
             drop(slot);
             crate::amqp::close(&publishing.connection, reason).await;
         }
@@ -356,12 +368,12 @@ impl Link {
         waits: &AlarmWaits,
     ) -> Result<(), CopyError> {
         let place = self.admit(waits)?;
-        let turn = OnceLock::new();
+        let turn = Turn::default();
         let published = Box::pin(
             self.dead_letters
                 .publish(destination, delivery, headers, &turn),
         );
-        match self.confirmed(published, &turn, place, waits, shutdown).await {
+        match self.confirmed(published, &turn.at, place, waits, shutdown).await {
             Waited::Answered(copied) => copied,
             Waited::GivenBack => Err(CopyError::GivenBackInAnAlarm),
             Waited::Behind => Err(CopyError::Refused(
@@ -375,7 +387,9 @@ impl Link {
                     "RabbitMQ did not complete a dead-letter copy in time (--broker-timeout); giving the dead-letter \
                      connection up: the message goes back to its queue"
                 );
-                self.dead_letters.give_up().await;
+                if let Some(on) = turn.on.get() {
+                    self.dead_letters.give_up(on).await;
+                }
                 Err(CopyError::Refused(
                     "RabbitMQ did not confirm the copy in time; its connection is given up"
                         .to_owned(),

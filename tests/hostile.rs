@@ -911,18 +911,11 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
     let pool = env.pool().await;
     let failed = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
     // Given back after a pause of 5 s each time: round twice, and not tried again.
-    common::eventually(
-        "the message round twice",
+    consumer.wait_for_stderr_times(
+        "moving it without trying it again",
+        2,
         Duration::from_secs(40),
-        || async {
-            consumer
-                .stderr()
-                .matches("moving it without trying it again")
-                .count()
-                >= 2
-        },
-    )
-    .await;
+    );
     assert_eq!(
         common::count(&pool, failed).await,
         1,

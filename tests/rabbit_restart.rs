@@ -692,18 +692,11 @@ async fn consume_in_a_memory_alarm_goes_on_acknowledging_while_its_dead_letter_c
     assert_eq!(consumers, 2, "{connections}");
     // A message given back comes round owed its copy, and goes straight to it: its attempts are not run again (one
     // each here, `--max-attempts 1`), however often it comes round.
-    common::eventually(
-        "a message given back come round twice",
+    consumer.wait_for_stderr_times(
+        "moving it without trying it again",
+        2,
         Duration::from_secs(30),
-        || async {
-            consumer
-                .stderr()
-                .matches("moving it without trying it again")
-                .count()
-                >= 2
-        },
-    )
-    .await;
+    );
     let failed = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
     assert_eq!(common::count(&pool, failed).await, 3);
 

@@ -85,15 +85,28 @@ impl Proc {
     /// Waits until a stderr line contains `needle`; panics with what was seen after `timeout`. Blocks the thread
     /// (see the module's documentation).
     pub fn wait_for_stderr(&self, needle: &str, timeout: Duration) {
+        self.wait_for_stderr_times(needle, 1, timeout);
+    }
+
+    /// Waits until `needle` was said `times` times on stderr; panics with what was seen after `timeout`. Blocks the
+    /// thread.
+    pub fn wait_for_stderr_times(&self, needle: &str, times: usize, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         while Instant::now() < deadline {
-            if self.has_said(needle) {
+            let said = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains(needle))
+                .count();
+            if said >= times {
                 return;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!(
-            "no stderr line with {needle:?} within {timeout:?}; stderr:\n{}",
+            "not {times} stderr lines with {needle:?} within {timeout:?}; stderr:\n{}",
             self.stderr()
         );
     }

@@ -1577,7 +1577,7 @@ async fn an_acknowledgement_in_doubt_when_the_replay_stops_is_counted_and_said()
 /// A replay sees only what is ready when it begins: what another client holds unacknowledged then (a `find` or
 /// `failures` look, a consumer of the dead-letter queue) is not in its count, and is not replayed. Given back while
 /// the replay runs, it is in the queue when the replay ends, and the report says how many are there now
-/// (`in_queue_after`), with the advice to run it again.
+/// (`in_queue_after`); the summary's words are checked in `cmd::replay`.
 #[tokio::test(flavor = "multi_thread")]
 async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_after_it() {
     let env = TestEnv::migrated().await;

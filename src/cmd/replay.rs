@@ -382,22 +382,10 @@ mod tests {
 
     fn report(left: u64, in_queue_after: Option<u64>) -> Report {
         Report {
-            from: "orders_error".to_owned(),
-            dry_run: false,
-            snapshot: 5,
             replayed: 5 - left,
             left,
-            interrupted: false,
-            reconnects: 0,
-            already_replayed: 0,
-            stopped: None,
-            connection_lost: false,
-            acks_in_doubt: 0,
-            refused: false,
-            unreached: 0,
             in_queue_after,
-            group: None,
-            items: Vec::new(),
+            ..Report::begun("orders_error".to_owned(), false, 5)
         }
     }
 

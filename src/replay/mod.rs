@@ -215,6 +215,28 @@ pub struct Report {
 }
 
 impl Report {
+    /// The report of a replay of `from` that counted `snapshot` messages and has done nothing yet.
+    pub(crate) fn begun(from: String, dry_run: bool, snapshot: u64) -> Self {
+        Self {
+            from,
+            dry_run,
+            snapshot,
+            replayed: 0,
+            left: 0,
+            interrupted: false,
+            reconnects: 0,
+            already_replayed: 0,
+            stopped: None,
+            connection_lost: false,
+            acks_in_doubt: 0,
+            refused: false,
+            unreached: 0,
+            in_queue_after: None,
+            group: None,
+            items: Vec::new(),
+        }
+    }
+
     /// Partial (exit 3) when anything of the snapshot was not replayed for a reason the operator should know: it
     /// stopped, was interrupted, left messages, did not meet some, or the group drifted from its listing.
     pub fn outcome(&self) -> crate::error::Outcome {

@@ -50,24 +50,7 @@ pub async fn run(
         machine: Machine::new(snapshot, plan.limit),
         listed: plan.group.as_ref().map(super::GroupPlan::listed_set),
         pace: plan.rate.map(super::republish::Pace::new),
-        report: Report {
-            from: plan.from.clone(),
-            dry_run: plan.dry_run,
-            snapshot,
-            replayed: 0,
-            left: 0,
-            interrupted: false,
-            reconnects: 0,
-            already_replayed: 0,
-            stopped: None,
-            connection_lost: false,
-            acks_in_doubt: 0,
-            refused: false,
-            unreached: 0,
-            in_queue_after: None,
-            group: None,
-            items: Vec::new(),
-        },
+        report: Report::begun(plan.from.clone(), plan.dry_run, snapshot),
     };
     let mut link = Link::new(broker, "inboxctl replay", connection, reconnect_for);
     let passes = state.run_passes(&mut link, shutdown, &mut progress).await;

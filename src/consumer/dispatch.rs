@@ -13,7 +13,8 @@ use uuid::Uuid;
 
 use super::Consumer;
 use super::bookkeeping::record_event;
-use super::dead_letters::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
+use super::move_aside::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
+use super::owed;
 use super::poison;
 use super::run::Link;
 use super::{
@@ -23,7 +24,7 @@ use super::{
 use crate::amqp::envelope::{self, Incoming};
 use crate::backoff::Backoff;
 use crate::failpoint;
-use crate::inbox::{Carried, Conflict, Fingerprint, Outcome, ProcessError, Work, WorkError};
+use crate::inbox::{Carried, Conflict, Fingerprint, Outcome, ProcessError, Work};
 
 /// What to do with a delivery once its handling ended.
 pub(super) enum Disposition {
@@ -75,80 +76,13 @@ pub(super) async fn dispose<C: Consumer>(
                 .owed
                 .take(ready.incoming.message_id, ready.fingerprint)
             {
-                return owed_copy(shared, link, delivery, &ready, owed).await;
+                return owed::owed_copy(shared, link, delivery, &ready, owed).await;
             }
             poison::redelivered(shared, link, delivery, &ready).await
         }
         Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,
     }
 }
-
-/// A message that came round owed its copy to the error queue ([`owed`](super::owed)) goes straight to it, its work
-/// not tried again — unless another process processed it meanwhile (it went back to the queue, and an ack can be lost
-/// after a commit): the inbox is asked first, by a claim whose transaction is rolled back, which waits for an attempt
-/// in flight elsewhere as any claim does. Processed, it is a copy like any other. A conflict stays one: it goes
-/// straight to its copy.
-async fn owed_copy<C: Consumer>(
-    shared: &Shared<C>,
-    link: &Link,
-    delivery: &Delivery,
-    ready: &Ready<C::Message>,
-    owed: super::owed::Owed,
-) -> Disposition {
-    let id = ready.incoming.message_id;
-    let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
-    if owed.fault.0 != CONFLICT_FAULT {
-        loop {
-            let look: Work<()> =
-                Box::new(|_| Box::pin(async { Err(WorkError::msg(NOT_PROCESSED)) }));
-            let looked = {
-                let _shared = shared.alone.read().await;
-                (shared.inbox)
-                    .process_event(id, Some(ready.fingerprint), ready.carried, look)
-                    .await
-            };
-            match looked {
-                Err(ProcessError::Failed(e)) if e.to_string() == NOT_PROCESSED => {
-                    database_back(shared);
-                    break;
-                }
-                Ok(Outcome::Duplicate) => {
-                    database_back(shared);
-                    duplicate(shared, id);
-                    return Disposition::Ack;
-                }
-                // The claim recorded it: moved aside as a conflict.
-                Ok(Outcome::Conflict(c)) => {
-                    database_back(shared);
-                    return conflict(shared, link, delivery, ready, c).await;
-                }
-                // Waited out as any attempt's outage, still owed meanwhile: the message may come back on another
-                // connection while this one waits.
-                Err(ProcessError::Unavailable(e)) => {
-                    database_gone(shared, &e);
-                    shared.owed.remember(id, ready.fingerprint, owed.clone());
-                    if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
-                        return Disposition::Requeue;
-                    }
-                    if shared.owed.take(id, ready.fingerprint).is_none() {
-                        // Taken by its delivery on a new connection: this one goes back, not acknowledged.
-                        return Disposition::Requeue;
-                    }
-                }
-                // Anything else (no time to claim it by): the usual way, which tells it apart.
-                _ => return poison::redelivered(shared, link, delivery, ready).await,
-            }
-        }
-    }
-    tracing::debug!(
-        message_id = %id,
-        "its move to the error queue was decided before and its copy not taken; moving it without trying it again"
-    );
-    error_queue(shared, link, delivery, ready, &owed.fault, owed.retry_count).await
-}
-
-/// What the look at an owed message's claim returns to roll its transaction back.
-const NOT_PROCESSED: &str = "not processed: a look at the claim only";
 
 /// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,
 /// and the delivery given back after a pause, so that it cannot come round in a tight loop.

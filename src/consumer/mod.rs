@@ -35,6 +35,7 @@ pub mod config;
 mod dead_letters;
 mod dispatch;
 mod guard;
+mod move_aside;
 mod owed;
 mod poison;
 mod run;

@@ -6,17 +6,25 @@
 //!
 //! Kept by the process, keyed on the message id and the event's fingerprint (an id reused for another event is tried
 //! as any message), bounded in number and forgotten when not renewed for a while: a message forgotten, or taken by
-//! another process, is tried again, as it would be without this.
+//! another process, is tried again, as it would be without this. Before its copy is made, the inbox is asked whether
+//! another process processed it meanwhile ([`owed_copy`]).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 
-use super::dead_letters::FaultText;
-use super::lock;
+use super::move_aside::FaultText;
+use lapin::message::Delivery;
+
+use super::dispatch::{Disposition, Ready, conflict, database_back, database_gone, duplicate};
+use super::move_aside::{CONFLICT_FAULT, error_queue};
+use super::run::Link;
+use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison, sleep_or_cancel};
 use crate::amqp::limits;
+use crate::backoff::Backoff;
 use crate::inbox::Fingerprint;
+use crate::inbox::{Outcome, ProcessError, Work, WorkError};
 
 /// How many messages may be owed a copy at once. A fault is kept as its copy's headers carry it (at most 10 KB), so
 /// this bounds the memory to a few MB; beyond it the one owed longest is forgotten.
@@ -75,6 +83,73 @@ impl OwedCopies {
         (now.duration_since(at) < KEPT_FOR).then_some(owed)
     }
 }
+
+/// A message that came round owed its copy to the error queue ([`owed`](super::owed)) goes straight to it, its work
+/// not tried again — unless another process processed it meanwhile (it went back to the queue, and an ack can be lost
+/// after a commit): the inbox is asked first, by a claim whose transaction is rolled back, which waits for an attempt
+/// in flight elsewhere as any claim does. Processed, it is a copy like any other. A conflict stays one: it goes
+/// straight to its copy.
+pub(super) async fn owed_copy<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    ready: &Ready<C::Message>,
+    owed: Owed,
+) -> Disposition {
+    let id = ready.incoming.message_id;
+    let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
+    if owed.fault.0 != CONFLICT_FAULT {
+        loop {
+            let look: Work<()> =
+                Box::new(|_| Box::pin(async { Err(WorkError::msg(NOT_PROCESSED)) }));
+            let looked = {
+                let _shared = shared.alone.read().await;
+                (shared.inbox)
+                    .process_event(id, Some(ready.fingerprint), ready.carried, look)
+                    .await
+            };
+            match looked {
+                Err(ProcessError::Failed(e)) if e.to_string() == NOT_PROCESSED => {
+                    database_back(shared);
+                    break;
+                }
+                Ok(Outcome::Duplicate) => {
+                    database_back(shared);
+                    duplicate(shared, id);
+                    return Disposition::Ack;
+                }
+                // The claim recorded it: moved aside as a conflict.
+                Ok(Outcome::Conflict(c)) => {
+                    database_back(shared);
+                    return conflict(shared, link, delivery, ready, c).await;
+                }
+                // Waited out as any attempt's outage, still owed meanwhile: the message may come back on another
+                // connection while this one waits.
+                Err(ProcessError::Unavailable(e)) => {
+                    database_gone(shared, &e);
+                    shared.owed.remember(id, ready.fingerprint, owed.clone());
+                    if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
+                        return Disposition::Requeue;
+                    }
+                    if shared.owed.take(id, ready.fingerprint).is_none() {
+                        // Taken by its delivery on a new connection: this one goes back, not acknowledged.
+                        return Disposition::Requeue;
+                    }
+                }
+                // Anything else (no time to claim it by): the usual way, which tells it apart.
+                _ => return poison::redelivered(shared, link, delivery, ready).await,
+            }
+        }
+    }
+    tracing::debug!(
+        message_id = %id,
+        "its move to the error queue was decided before and its copy not taken; moving it without trying it again"
+    );
+    error_queue(shared, link, delivery, ready, &owed.fault, owed.retry_count).await
+}
+
+/// What the look at an owed message's claim returns to roll its transaction back.
+const NOT_PROCESSED: &str = "not processed: a look at the claim only";
 
 #[cfg(test)]
 mod tests {

@@ -12,8 +12,8 @@ use lapin::message::Delivery;
 use uuid::Uuid;
 
 use super::bookkeeping::{bookkeeping_failed, bounded};
-use super::dead_letters::error_queue;
 use super::dispatch::{Access, Disposition, Ready, attempts};
+use super::move_aside::error_queue;
 use super::run::Link;
 use super::{Consumer, STOP_BOOKKEEPING, Shared, lock};
 use crate::db::attempts;

@@ -349,3 +349,68 @@ async fn read_only(mode: &[&str]) {
     assert!(!env.queue_exists(&format!("{CARRIER_QUEUE}_error")));
     consumer.terminate();
 }
+
+/// An outage whose only attempt in flight ends without seeing PostgreSQL back — its claim unavailable, then, once
+/// the database is back, its work failing until it is moved aside — does not leave the consumer holding deliveries
+/// for good: the consumer looks for the database itself while it waits, and the next message is processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_whose_last_attempt_failed_for_its_own_reason_does_not_hold_deliveries_for_good()
+{
+    resumes_after_a_failed_attempt(common::ONE_BY_ONE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_outage_whose_last_attempt_failed_for_its_own_reason_does_not_hold_deliveries_for_good()
+ {
+    resumes_after_a_failed_attempt(common::BATCHED).await;
+}
+
+async fn resumes_after_a_failed_attempt(mode: &[&str]) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let proxied = proxy.postgres_url(&env.db_name);
+    let mut consumer = env.spawn_with(
+        &common::with_mode(
+            &[
+                "consume",
+                "carrier",
+                "--fail-destination",
+                "FAIL",
+                "--max-attempts",
+                "1",
+            ],
+            mode,
+        ),
+        &[("DATABASE_URL", proxied.as_str())],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    proxy.cut();
+    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    proxy.restore();
+    consumer.wait_for_stderr("giving up; moving message", Duration::from_secs(30));
+    common::eventually(
+        "the failing message moved aside",
+        Duration::from_secs(30),
+        || async {
+            env.queue_counts(CARRIER_QUEUE) == (0, 0)
+                && env.queue_exists(&format!("{CARRIER_QUEUE}_error"))
+        },
+    )
+    .await;
+    common::publish_parcels(&env, &["--count", "1"]);
+    let pool = env.pool().await;
+    let processed = common::within(Duration::from_secs(20), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 1
+    })
+    .await;
+    assert!(
+        processed,
+        "the next message processed: {}",
+        consumer.stderr()
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

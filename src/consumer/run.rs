@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use super::acks::Outstanding;
 use super::dead_letters::DeadLetters;
-use super::dispatch::handle;
+use super::dispatch::{database_back, handle};
 use super::stop::{drain, idle_stop, is_idle, stop_deadline, stopping};
 use super::{Consumer, WorkGuard};
 use super::{
@@ -539,11 +539,21 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
     })
 }
 
-/// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile.
+/// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile. The attempts that found it gone mark it
+/// back when they reach it again, but each of them may end first — its work failing for a reason of its own once the
+/// database is back, say, until its message is moved aside — and then nothing would: so the wait looks too, every
+/// [`OUTAGE_DELAY_MAX`].
 pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
     let mut up = shared.database_up.subscribe();
-    tokio::select! {
-        () = shared.shutdown.cancelled() => false,
-        result = up.wait_for(|up| *up) => result.is_ok(),
+    loop {
+        tokio::select! {
+            () = shared.shutdown.cancelled() => return false,
+            result = up.wait_for(|up| *up) => return result.is_ok(),
+            () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
+                if db::answers_within(shared.inbox.pool(), OUTAGE_DELAY_MAX).await {
+                    database_back(shared);
+                }
+            }
+        }
     }
 }

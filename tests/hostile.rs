@@ -873,14 +873,14 @@ async fn burst(
 
 // ---- a dead-letter copy the broker refuses ----
 
-/// A message whose copy to the error queue the broker refuses (a nack: the queue full) goes back to its queue, owed
-/// its copy: each time it comes round it goes straight to the copy, its work not tried again. Processed meanwhile by
-/// another process (its inbox row committed there, its ack lost), it is a copy like any other when it comes round:
-/// acknowledged as a duplicate, not moved aside.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_processed_elsewhere() {
-    let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
+/// A carrier consumer whose one message failed and is owed its copy: the error queue is declared full
+/// (`x-max-length` 0, `reject-publish`), so the broker refuses the copy and the message goes back to its queue.
+/// Returns the consumer (`-v`, `consumer_env` set), a pool of the test's own, the message's id and consumer_type.
+async fn owed_one(
+    env: &TestEnv,
+    consumer_env: &[(&str, &str)],
+) -> (common::Proc, sqlx::PgPool, Uuid, String) {
+    common::ensure_endpoints(env).await;
     let conn = env.amqp().await;
     let channel = conn.create_channel().await.unwrap();
     let mut full = FieldTable::default();
@@ -894,10 +894,22 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
         )
         .await
         .unwrap();
-    let mut consumer = consumer(
-        &env,
-        &["--fail-destination", "FAIL", "--max-attempts", "1", "-v"],
+    let _ = conn.close(200, "OK".into()).await;
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "4",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+            "-v",
+        ],
+        consumer_env,
     );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(60));
     let out = env.run(&[
         "publish",
         "parcel-created",
@@ -909,7 +921,25 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
     assert_eq!(out.code, Some(0), "{out:?}");
     consumer.wait_for_stderr("could not move a message", Duration::from_secs(30));
     let pool = env.pool().await;
-    let failed = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
+    let (id, consumer_type): (Uuid, String) = sqlx::query_as(
+        "SELECT message_id, consumer_type FROM inboxctl_events WHERE kind = 'failed'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    (consumer, pool, id, consumer_type)
+}
+
+const FAILED: &str = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
+
+/// A message whose copy to the error queue the broker refuses (a nack: the queue full) goes back to its queue, owed
+/// its copy: each time it comes round it goes straight to the copy, its work not tried again. Processed meanwhile by
+/// another process (its inbox row committed there, its ack lost), it is a copy like any other when it comes round:
+/// acknowledged as a duplicate, not moved aside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_processed_elsewhere() {
+    let env = TestEnv::migrated().await;
+    let (mut consumer, pool, id, consumer_type) = owed_one(&env, &[]).await;
     // Given back after a pause of 5 s each time: round twice, and not tried again.
     consumer.wait_for_stderr_times(
         "moving it without trying it again",
@@ -917,7 +947,7 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
         Duration::from_secs(40),
     );
     assert_eq!(
-        common::count(&pool, failed).await,
+        common::count(&pool, FAILED).await,
         1,
         "{}",
         consumer.stderr()
@@ -925,12 +955,6 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
     let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
     assert_eq!(ready + unacked, 1);
 
-    let (id, consumer_type): (Uuid, String) = sqlx::query_as(
-        "SELECT message_id, consumer_type FROM inboxctl_events WHERE kind = 'failed'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
     sqlx::query(
         "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) VALUES ($1, $2, now(), now())",
     )
@@ -947,8 +971,135 @@ async fn a_message_owed_its_copy_is_not_tried_again_nor_moved_aside_once_process
     .await;
     let duplicates = "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'";
     assert_eq!(common::count(&pool, duplicates).await, 1);
-    assert_eq!(common::count(&pool, failed).await, 1);
+    assert_eq!(common::count(&pool, FAILED).await, 1);
     assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0));
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
+/// Owed its copy, the message's id taken meanwhile by another event (its inbox row and fingerprint committed by
+/// another process): the look at its claim finds the conflict, and the message is moved aside as a conflict — not
+/// acknowledged as a duplicate, which would lose it, nor copied with its old fault.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_owed_its_copy_whose_id_another_event_took_meanwhile_is_moved_aside_as_a_conflict()
+ {
+    let env = TestEnv::migrated().await;
+    let (mut consumer, pool, id, consumer_type) = owed_one(&env, &[]).await;
+    let mut another = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) VALUES ($1, $2, now(), now())",
+    )
+    .bind(id)
+    .bind(&consumer_type)
+    .execute(&mut *another)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO inboxctl_fingerprints (id, consumer_type, fingerprint) VALUES ($1, $2, decode(repeat('00', 16), 'hex'))",
+    )
+    .bind(id)
+    .bind(&consumer_type)
+    .execute(&mut *another)
+    .await
+    .unwrap();
+    another.commit().await.unwrap();
+    consumer.wait_for_stderr(
+        "message id reused for another event",
+        Duration::from_secs(30),
+    );
+    // The error queue takes copies again: deleted, it is declared anew by the consumer's next copy.
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    common::eventually(
+        "the message moved aside",
+        Duration::from_secs(30),
+        || async {
+            env.queue_counts(CARRIER_QUEUE) == (0, 0)
+                && env.queue_exists(ERROR_QUEUE)
+                && env.queue_counts(ERROR_QUEUE).0 == 1
+        },
+    )
+    .await;
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1);
+    assert_eq!(
+        header_text(&copies[0], "MT-Fault-ExceptionType"),
+        "inboxctl::MessageIdConflict",
+        "{}",
+        consumer.stderr()
+    );
+    let kinds: Vec<String> = sqlx::query_scalar(
+        "SELECT kind FROM inboxctl_events WHERE kind <> 'processed' ORDER BY kind",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    // Its one failed attempt, then the conflict the look's claim recorded: no duplicate, no second attempt.
+    assert_eq!(kinds, ["conflict", "failed"], "{}", consumer.stderr());
+    let _ = conn.close(200, "OK".into()).await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
+/// Owed its copy, the message comes round while PostgreSQL is unreachable: the look at its claim cannot be made, so
+/// the copy waits for the database, as an attempt does — neither made blind (another process may have processed the
+/// message meanwhile) nor the work tried again — and is made once the look says the message was not processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_owed_its_copy_waits_out_a_database_outage_for_its_look_and_is_not_tried_again() {
+    let env = TestEnv::migrated().await;
+    let proxy = common::Proxy::start("127.0.0.1:5432").await;
+    let proxied = proxy.postgres_url(&env.db_name);
+    let (mut consumer, pool, _, _) = owed_one(&env, &[("DATABASE_URL", proxied.as_str())]).await;
+    // Within the 5 s the refused copy's message is held before it goes back: the error queue takes copies again
+    // (deleted, the consumer's next copy declares it anew), and the database is cut. A copy made without the look
+    // would be there as soon as the look failed.
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    proxy.cut();
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(6) {
+        assert!(
+            !env.queue_exists(ERROR_QUEUE) || env.queue_counts(ERROR_QUEUE) == (0, 0),
+            "a copy made while the look could not be: {}",
+            consumer.stderr()
+        );
+        let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+        assert_eq!(ready + unacked, 1, "the message kept through the outage");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    proxy.restore();
+    let moved = common::within(Duration::from_secs(30), || async {
+        env.queue_counts(CARRIER_QUEUE) == (0, 0)
+            && env.queue_exists(ERROR_QUEUE)
+            && env.queue_counts(ERROR_QUEUE).0 == 1
+    })
+    .await;
+    assert!(
+        moved,
+        "the message moved aside once the database is back: {}",
+        consumer.stderr()
+    );
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_ne!(
+        header_text(&copies[0], "MT-Fault-ExceptionType"),
+        "inboxctl::MessageIdConflict"
+    );
+    assert_eq!(
+        common::count(&pool, FAILED).await,
+        1,
+        "tried once: {}",
+        consumer.stderr()
+    );
+    let _ = conn.close(200, "OK".into()).await;
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }

@@ -80,3 +80,78 @@ async fn sixteen_copies(mode: &[&str]) {
     a.terminate();
     b.terminate();
 }
+
+// Not on a partitioned inbox, whose key holds the time taken from the message: the same code path, and a row the
+// test cannot write without taking that time out of the id as the consumer does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_elsewhere_past_the_claim_timeout_holds_up_its_own_message_alone() {
+    key_held_elsewhere(common::ONE_BY_ONE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_elsewhere_past_the_claim_timeout_holds_up_its_own_message_alone_batched() {
+    key_held_elsewhere(common::BATCHED).await;
+}
+
+/// A message whose key another transaction holds (an attempt elsewhere that is slow, a session left open in a
+/// transaction) waits past `--claim-timeout` again and again. The database is up all along: the messages behind it
+/// are processed meanwhile — not held up as in an outage, nor, batched, stuck in a batch with it that is tried again
+/// and again — and it is processed once the key is let go.
+async fn key_held_elsewhere(mode: &[&str]) {
+    const BEHIND: i64 = 20;
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    // Published first, and not looked at (a look gives it back redelivered, and a redelivered message is processed
+    // on its own even when batched): it goes into the first batch with the messages behind it.
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let conn = env.amqp().await;
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    let _ = conn.close(200, "OK".into()).await;
+    let pool = env.pool().await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
+    )
+    .bind(id)
+    .bind(CARRIER_QUEUE)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    common::publish_parcels(&env, &["--count", &BEHIND.to_string()]);
+    let mut consumer = env.spawn(&common::with_mode(
+        &["consume", "carrier", "--claim-timeout", "1s", "-v"],
+        mode,
+    ));
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let effects = "SELECT count(*) FROM carrier_reservations";
+    let behind_done = common::within(Duration::from_secs(20), || async {
+        common::count(&pool, effects).await == BEHIND
+    })
+    .await;
+    assert!(
+        behind_done,
+        "the messages behind it processed while its key is held: {} of {BEHIND}\n{}",
+        common::count(&pool, effects).await,
+        consumer.stderr()
+    );
+    consumer.wait_for_stderr("met another transaction", Duration::from_secs(10));
+    assert!(
+        !consumer.stderr().contains("PostgreSQL unavailable"),
+        "a key held elsewhere is not an outage: {}",
+        consumer.stderr()
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE).0, 0);
+    holder.rollback().await.unwrap();
+    common::eventually(
+        "the held message processed once its key is let go",
+        Duration::from_secs(20),
+        || async {
+            common::count(&pool, effects).await == BEHIND + 1
+                && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

@@ -276,6 +276,17 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
                 database_back(shared);
                 return Committed::Outcomes(outcomes);
             }
+            // A member's key held elsewhere past `--claim-timeout` (or a deadlock): the database is up, and the batch
+            // would meet it again. Its members go one by one, each in a task of its own: that member waits alone.
+            Err(ProcessError::Unavailable(e)) if crate::db::is_contention(&e) => {
+                database_back(shared);
+                tracing::warn!(
+                    error = %logged(&crate::redact::text(&crate::db::describe(&e))),
+                    "batch met another transaction (a member's key held elsewhere past --claim-timeout, a deadlock); \
+                     processing its messages one by one"
+                );
+                return Committed::OneByOne;
+            }
             Err(ProcessError::Unavailable(e)) => {
                 database_gone(shared, &e);
                 if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {

@@ -404,7 +404,7 @@ pub(super) async fn attempts<C: Consumer>(
                 return Disposition::Ack;
             }
             Ok(Err(ProcessError::Unavailable(e))) => {
-                database_gone(shared, &e);
+                unavailable(shared, id, &e);
                 if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
                     return Disposition::Requeue;
                 }
@@ -553,6 +553,23 @@ pub(super) fn database_back<C: Consumer>(shared: &Shared<C>) {
     }
 }
 
+/// An attempt the database could not take, `error` its answer: the database gone (intake paused until it answers
+/// again), or up and saying that the message's statement met another transaction (a key held elsewhere past
+/// `--claim-timeout`, a deadlock), which holds up that message alone.
+pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sqlx::Error) {
+    if crate::db::is_contention(error) {
+        database_back(shared);
+        tracing::warn!(
+            message_id = %id,
+            error = %crate::redact::text(&crate::db::describe(error)),
+            "the message's statement met another transaction (its key held elsewhere past --claim-timeout, a \
+             deadlock): trying it again"
+        );
+    } else {
+        database_gone(shared, error);
+    }
+}
+
 pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
     if shared
         .database_up
@@ -565,7 +582,8 @@ pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error
             // A missing grant or table: the inbox's own statements fail, whatever the message. Held, never acked.
             tracing::error!(
                 error = %text,
-                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding                  deliveries until they succeed; docs/security.md lists the grants"
+                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding \
+                 deliveries until they succeed; docs/security.md lists the grants"
             );
         }
     } else {

@@ -17,7 +17,7 @@ use uuid::Uuid;
 use super::move_aside::FaultText;
 use lapin::message::Delivery;
 
-use super::dispatch::{Disposition, Ready, conflict, database_back, database_gone, duplicate};
+use super::dispatch::{Disposition, Ready, conflict, database_back, duplicate, unavailable};
 use super::move_aside::{CONFLICT_FAULT, error_queue};
 use super::run::Link;
 use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison, sleep_or_cancel};
@@ -126,7 +126,7 @@ pub(super) async fn owed_copy<C: Consumer>(
                 // Waited out as any attempt's outage, still owed meanwhile: the message may come back on another
                 // connection while this one waits.
                 Err(ProcessError::Unavailable(e)) => {
-                    database_gone(shared, &e);
+                    unavailable(shared, id, &e);
                     shared.owed.remember(id, ready.fingerprint, owed.clone());
                     if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
                         return Disposition::Requeue;

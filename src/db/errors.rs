@@ -122,6 +122,16 @@ pub fn is_transient(error: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether the database answered that the statement met another transaction — a lock held past the wait allowed
+/// (`lock_timeout`: `--claim-timeout`), a deadlock, a serialization failure. The moment's doing, so tried again, like
+/// an outage; but the database is up, and only what that statement touched is held up.
+pub fn is_contention(error: &sqlx::Error) -> bool {
+    matches!(
+        sqlstate(error).as_deref(),
+        Some("40001" | "40P01" | "55P03")
+    )
+}
+
 /// SQLSTATEs that describe the server or the moment, not the statement.
 fn is_transient_sqlstate(code: &str) -> bool {
     code.starts_with("08") // connection exception

@@ -336,6 +336,58 @@ async fn stops_that_abandon_a_message_stuck_on_a_lock_do_not_make_it_poison() {
     assert!(!env.queue_exists(ERROR_QUEUE) || env.queue_counts(ERROR_QUEUE) == (0, 0));
 }
 
+/// A suspect (in flight at an earlier end of its process) whose key is held elsewhere waits past `--claim-timeout`
+/// again and again: its start alone is counted once, not once per wait — counted each time, a suspect slow through
+/// no fault of its own would reach `--poison-after` without ever ending a process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_waiting_on_its_key_is_counted_alone_once() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let conn = env.amqp().await;
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    // Delivered once and given back: it comes redelivered, and with the start already counted, a suspect.
+    assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
+    let _ = conn.close(200, "OK".into()).await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
+    )
+    .bind(id)
+    .bind(CARRIER_QUEUE)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let mut consumer = consumer(&env, &["--claim-timeout", "200ms", "-v"]);
+    consumer.wait_for_stderr_times("met another transaction", 4, Duration::from_secs(30));
+    let alone: i32 = sqlx::query_scalar(
+        "SELECT alone FROM inboxctl_attempts WHERE consumer_type = $1 AND message_id = $2",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(alone, 1, "{}", consumer.stderr());
+    holder.rollback().await.unwrap();
+    common::eventually("processed", Duration::from_secs(20), || async {
+        effects(&pool).await == 1 && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+    })
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
 // ---- messages the broker accepts that must not crash or stall a consumer ----
 
 in_both_modes!(

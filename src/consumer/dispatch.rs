@@ -359,6 +359,8 @@ pub(super) async fn attempts<C: Consumer>(
     let id = ready.incoming.message_id;
     let mut attempt = first;
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
+    // A suspect's start alone is counted once: an attempt the database could not take is made again, not anew.
+    let mut counted_alone = false;
     loop {
         let result = {
             let _guard = match access {
@@ -369,7 +371,7 @@ pub(super) async fn attempts<C: Consumer>(
                     let guard = Guard::Alone {
                         _held: shared.alone.write().await,
                     };
-                    if attempt == first {
+                    if !std::mem::replace(&mut counted_alone, true) {
                         poison::starting_alone(shared, id).await;
                     }
                     guard

@@ -20,8 +20,8 @@ use tokio::task::JoinSet;
 use super::acks::ack_all;
 use super::dispatch::{
     Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context,
-    database_back, database_gone, duplicate, failed, prepare, processed, settle, settle_acker,
-    settled, unclaimable,
+    database_back, database_gone, duplicate, failed, handling_panicked, prepare, processed, settle,
+    settle_acker, settled, unclaimable,
 };
 use super::run::Link;
 use super::{
@@ -146,7 +146,8 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
     for (delivery, link, ready) in later {
         let shared = Arc::clone(shared);
         aside.spawn(async move {
-            let disposition = attempts(&shared, &link, &delivery, &ready, 1, Access::Shared).await;
+            let decided = attempts(&shared, &link, &delivery, &ready, 1, Access::Shared);
+            let disposition = or_given_back(&delivery, decided).await;
             settle(&shared, &link, &delivery, disposition, started).await;
         });
     }
@@ -218,12 +219,29 @@ fn retry_aside<C: Consumer>(
 ) {
     let shared = Arc::clone(shared);
     aside.spawn(async move {
-        let disposition = match failed(&shared, &link, &delivery, &ready, 1, failure).await {
-            Some(disposition) => disposition,
-            None => attempts(&shared, &link, &delivery, &ready, 2, Access::Shared).await,
+        let decided = async {
+            match failed(&shared, &link, &delivery, &ready, 1, failure).await {
+                Some(disposition) => disposition,
+                None => attempts(&shared, &link, &delivery, &ready, 2, Access::Shared).await,
+            }
         };
+        let disposition = or_given_back(&delivery, decided).await;
         settle(&shared, &link, &delivery, disposition, started).await;
     });
+}
+
+/// What `decided` comes to for `delivery`, in a task beside the worker; if it panics (a dead-letter copy's publish,
+/// say: the consumer's own work is caught as a failed attempt), the delivery given back after a pause, as one by one.
+/// A panicked task is dropped silently by its `JoinSet`: without this its delivery would stay unsettled, holding a
+/// place of the prefetch for good and keeping `--exit-when-idle` from ever seeing the consumer idle.
+async fn or_given_back(
+    delivery: &Delivery,
+    decided: impl std::future::Future<Output = Disposition>,
+) -> Disposition {
+    match AssertUnwindSafe(decided).catch_unwind().await {
+        Ok(disposition) => disposition,
+        Err(panic) => handling_panicked(delivery, &panic_message(&*panic)),
+    }
 }
 
 /// What became of a batch's transaction.

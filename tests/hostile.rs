@@ -388,10 +388,15 @@ async fn a_suspect_waiting_on_its_key_is_counted_alone_once() {
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
 
-in_both_modes!(
-    a_panic_moving_a_failed_message_aside_gives_it_back_and_the_consumer_goes_idle,
-    panic_moving_aside
-);
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_moving_a_failed_message_aside_gives_it_back_and_the_consumer_goes_idle() {
+    panic_moving_aside(common::ONE_BY_ONE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_moving_a_failed_batched_message_aside_gives_it_back_and_the_consumer_goes_idle() {
+    panic_moving_aside(common::BATCHED).await;
+}
 
 /// Moving a failed message aside panics (inboxctl's bug, or a library's: here a failpoint in the dead-letter publish,
 /// once). One by one the delivery goes back, as any handling that panics; batched, where the failed member's retries

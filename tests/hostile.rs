@@ -860,6 +860,58 @@ async fn a_deleted_error_queue_or_exchange_is_declared_again() {
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
 
+/// Consuming refused every time (the queue in exclusive use by another client): the consumer connects again, but
+/// waits its turn between tries as it does when the broker is down — not a connection, a topology declaration and a
+/// warning in a tight loop — and consumes once the queue is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consuming_refused_again_and_again_is_tried_with_a_backoff_not_in_a_tight_loop() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let _exclusive = channel
+        .basic_consume(
+            CARRIER_QUEUE.into(),
+            "the-test".into(),
+            lapin::options::BasicConsumeOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut consumer = env.spawn(&["consume", "carrier"]);
+    consumer.wait_for_stderr("could not start consuming", Duration::from_secs(30));
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let tries = consumer
+        .stderr()
+        .matches("could not start consuming")
+        .count();
+    assert!(
+        (2..=12).contains(&tries),
+        "{tries} tries in 6 s: {}",
+        consumer.stderr()
+    );
+    channel
+        .basic_cancel(
+            "the-test".into(),
+            lapin::options::BasicCancelOptions::default(),
+        )
+        .await
+        .unwrap();
+    consumer.wait_for_stderr("consuming queue", Duration::from_secs(30));
+    common::publish_parcels(&env, &["--count", "3"]);
+    let pool = env.pool().await;
+    common::eventually("processed", Duration::from_secs(20), || async {
+        effects(&pool).await == 3
+    })
+    .await;
+    let _ = conn.close(200, "OK".into()).await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
 /// Copies at once to two destinations on the consumer's one dead-letter channel: unreadable messages to the error
 /// queue, whose binding the test keeps removing (each such copy comes back unroutable, and the consumer binds it again),
 /// and messages of a type not handled to the skipped queue, routed. lapin hands a returned message to whichever

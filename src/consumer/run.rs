@@ -212,7 +212,7 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
             }
         };
         first = false;
-        backoff.reset();
+        let began = Instant::now();
         let end = consume_on(&shared, &link, &mut workers).await;
         if end == LinkEnd::Stop {
             // Drained and closed already ([`stopping`]).
@@ -225,6 +225,14 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
             .broker_connected
             .store(false, Ordering::Relaxed);
         link.close("reconnecting").await;
+        // A connection that consumed for a while was a recovery: the next starts at once. One that ended as it began
+        // — consuming refused (the queue in exclusive use, deleted, a permission), or cancelled at once — waits its
+        // turn as a failed connection does, rather than going round in a tight loop.
+        if began.elapsed() >= OUTAGE_DELAY_MAX {
+            backoff.reset();
+        } else if sleep_or_cancel(backoff.next_delay(), &shutdown).await {
+            break;
+        }
     }
     workers.finish(&shared, stop_deadline(&shared)).await;
     Ok(())

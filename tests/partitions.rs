@@ -559,3 +559,88 @@ async fn stop_during_a_retry_wait_keeps_order(queue_type: &str) {
         "on {queue_type} queues, the parcel's effects in the order its events were published"
     );
 }
+
+/// A suspect (a redelivered message in flight at an earlier end of its process) is tried alone: nothing else in flight
+/// in its process, so that if the process ends again, nothing shares the blame. With partitions, "nothing else" is
+/// every partition's attempts, not only its own partition's: else a healthy message at the head of another partition,
+/// a suspect too after the same ends, would be counted as ending the process alone and moved aside with the poison.
+/// Here the suspect's attempt is held (its key taken by a transaction left open), and no other partition's message is
+/// processed until it is through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
+    let env = TestEnv::migrated().await;
+    let mut consumer = partitioned(&env, &[]);
+    common::eventually(
+        "every partition subscribed",
+        Duration::from_secs(30),
+        || async { consumer.stderr().matches("consuming").count() >= usize::from(PARTITIONS) },
+    )
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+
+    common::publish_parcels(&env, &["--count", "1", "--partition-key", "parcelId"]);
+    // Looked at once and given back: it comes redelivered.
+    let conn = env.amqp().await;
+    let mut found = Vec::new();
+    for i in 0..PARTITIONS {
+        found.extend(common::peek(&conn, &format!("{QUEUE}.{i}")).await);
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    assert_eq!(found.len(), 1);
+    let id: Uuid = found[0]
+        .properties
+        .message_id()
+        .as_ref()
+        .unwrap()
+        .as_str()
+        .parse()
+        .unwrap();
+    let pool = env.pool().await;
+    // Its start counted once before: a suspect.
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)",
+    )
+    .bind(QUEUE)
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
+    )
+    .bind(id)
+    .bind(QUEUE)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+
+    let mut consumer = partitioned(&env, &["--claim-timeout", "10m"]);
+    common::eventually(
+        "the suspect's claim waiting on the key",
+        Duration::from_secs(30),
+        || async {
+            common::count(&pool, "SELECT count(*) FROM pg_locks WHERE NOT granted").await >= 1
+        },
+    )
+    .await;
+    common::publish_parcels(&env, &["--count", "20", "--partition-key", "parcelId"]);
+    let effects = "SELECT count(*) FROM carrier_reservations";
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        common::count(&pool, effects).await,
+        0,
+        "processed beside a suspect tried alone: {}",
+        consumer.stderr()
+    );
+    holder.rollback().await.unwrap();
+    common::eventually(
+        "every message processed",
+        Duration::from_secs(30),
+        || async { common::count(&pool, effects).await == 21 },
+    )
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

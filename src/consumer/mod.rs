@@ -280,8 +280,10 @@ struct Shared<C: Consumer> {
     last_activity: std::sync::Mutex<Instant>,
     /// An attempt holds it shared; an attempt of a suspect — a redelivered message that was in flight when a process
     /// ended before — holds it alone, so that if its process ends again, nothing else was in flight to share the
-    /// blame. Only attempts hold it: never a retry's wait.
-    alone: tokio::sync::RwLock<()>,
+    /// blame. Only attempts hold it: never a retry's wait. One for the process, shared by the partition queues it
+    /// reads (`--partitions`): a suspect on one partition is alone only if no other partition's attempt runs beside
+    /// it.
+    alone: Arc<tokio::sync::RwLock<()>>,
     /// Redelivered messages whose start is counted and not yet through (see [`poison`]).
     starts: poison::Starts,
     /// Partitioned: whether a message published without its partition key as routing key was said already.

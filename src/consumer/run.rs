@@ -143,6 +143,7 @@ pub async fn run<C: Consumer>(
                 .collect()
         }
     };
+    let alone = Arc::new(tokio::sync::RwLock::new(()));
     let runs = queues.into_iter().map(|queue| {
         let shared = Arc::new(Shared {
             input_address: broker.queue_address(&queue),
@@ -155,7 +156,7 @@ pub async fn run<C: Consumer>(
             shutdown: shutdown.clone(),
             in_flight: AtomicUsize::new(0),
             last_activity: std::sync::Mutex::new(Instant::now()),
-            alone: tokio::sync::RwLock::new(()),
+            alone: Arc::clone(&alone),
             starts: poison::Starts::default(),
             routing_key_warned: std::sync::atomic::AtomicBool::new(false),
             alarm_waits: super::alarm::AlarmWaits::new(&options),

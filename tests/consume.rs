@@ -1339,6 +1339,52 @@ async fn a_message_arriving_as_the_queue_is_found_idle_is_processed_before_the_e
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
+/// The same, the late message failing and retried past `--shutdown-timeout`: no stop was asked for, so the timeout
+/// does not cut it short — it is retried and moved aside before the exit, not abandoned and left on the queue while
+/// the process says the queue was idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_message_retried_past_the_shutdown_timeout_is_finished_before_the_idle_exit() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--exit-when-idle",
+            "200ms",
+            "--shutdown-timeout",
+            "1s",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "2",
+            "--retry-delay",
+            "3s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "idle-stopping=sleep-once-3000")],
+    );
+    consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
+    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        !consumer.stderr().contains("abandoning"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (0, 0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(env.queue_counts(&format!("{CARRIER_QUEUE}_error")).0, 1);
+}
+
 /// `--exit-when-idle`: a stop (SIGTERM) that comes while the idle check waits on the broker's answer about the queue's
 /// depth (held for ever by a failpoint, as by a broker that stopped answering) ends the process at once, not after
 /// `--broker-timeout` (30 s).

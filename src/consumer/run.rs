@@ -504,6 +504,23 @@ impl Workers {
             .broker_connected
             .store(false, Ordering::Relaxed);
     }
+
+    /// Like [`Workers::finish`] with no deadline: the work in flight runs to its end, however long — unless a stop
+    /// comes meanwhile, which gives it the shutdown timeout from then, as any stop does.
+    pub(super) async fn finish_unless_stopped<C: Consumer>(&mut self, shared: &Shared<C>) {
+        self.batches.take();
+        let stopped = tokio::select! {
+            () = async { while self.tasks.join_next().await.is_some() {} } => false,
+            () = shared.shutdown.cancelled() => true,
+        };
+        if stopped {
+            drain(shared, &mut self.tasks, stop_deadline(shared)).await;
+        }
+        shared
+            .counts
+            .broker_connected
+            .store(false, Ordering::Relaxed);
+    }
 }
 
 pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {

@@ -414,3 +414,58 @@ async fn resumes_after_a_failed_attempt(mode: &[&str]) {
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
+
+/// The consuming connection lost while a failed message waits for its retry: the message can no longer be settled
+/// on it, and the broker delivers it again on the next connection, where its attempts run. The first connection's
+/// task leaves it there — going on would run its attempts twice over and move it aside twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_during_a_retry_delay_leaves_the_message_to_its_redelivery() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = env.spawn(&[
+        "consume",
+        "carrier",
+        "--fail-destination",
+        "FAIL",
+        "--max-attempts",
+        "3",
+        "--retry-delay",
+        "3s",
+    ]);
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+    consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
+    common::close_connection(&env.vhost, "inboxctl consume");
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::eventually(
+        "the message moved aside",
+        Duration::from_secs(60),
+        || async {
+            env.queue_counts(CARRIER_QUEUE) == (0, 0)
+                && env.queue_exists(&error_queue)
+                && env.queue_counts(&error_queue).0 >= 1
+        },
+    )
+    .await;
+    // Long enough for a second chain of attempts, had one gone on, to end too.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(
+        env.queue_counts(&error_queue).0,
+        1,
+        "moved aside once: {}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'"
+        )
+        .await,
+        4,
+        "one attempt before the loss, three after: {}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

@@ -620,8 +620,14 @@ async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
     common::eventually(
         "the suspect's claim waiting on the key",
         Duration::from_secs(30),
+        // This database's sessions only: the server is shared with the other tests.
         || async {
-            common::count(&pool, "SELECT count(*) FROM pg_locks WHERE NOT granted").await >= 1
+            common::count(
+                &pool,
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await
+                >= 1
         },
     )
     .await;

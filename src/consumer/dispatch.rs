@@ -437,7 +437,8 @@ pub(super) enum Guard<'a> {
 }
 
 /// Counts and records a failed attempt. After the last attempt the message goes to the error queue (the returned
-/// disposition); before it, this waits the retry delay and returns `None` — or `Requeue` if a stop came meanwhile.
+/// disposition); before it, this waits the retry delay and returns `None` — or `Requeue` if a stop came meanwhile, or
+/// the connection the message came on was lost.
 pub(super) async fn failed<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
@@ -472,9 +473,17 @@ pub(super) async fn failed<C: Consumer>(
         reason = %logged(&failure),
         "attempt failed"
     );
-    sleep_or_cancel(delay, &shared.shutdown)
-        .await
-        .then_some(Disposition::Requeue)
+    // The connection the message came on lost meanwhile: it can no longer be settled here, and the broker delivers
+    // it again on the next connection, where it is retried. Going on here too would run it twice over, and move it
+    // aside twice.
+    let given_up = tokio::select! {
+        stopped = sleep_or_cancel(delay, &shared.shutdown) => stopped,
+        () = link.lost() => {
+            tracing::debug!(message_id = %id, "its connection lost during the retry delay: left to its redelivery");
+            true
+        }
+    };
+    given_up.then_some(Disposition::Requeue)
 }
 
 /// A message the inbox cannot claim (a partitioned inbox, and no usable time): never processed, moved to the error

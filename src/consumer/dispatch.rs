@@ -412,7 +412,11 @@ pub(super) async fn attempts<C: Consumer>(
                 }
                 continue;
             }
-            Ok(Err(ProcessError::Failed(e))) => error_chain(&e),
+            // The work's failure, after the claim: the database took the inbox's statement.
+            Ok(Err(ProcessError::Failed(e))) => {
+                database_back(shared);
+                error_chain(&e)
+            }
             Ok(Err(ProcessError::Unclaimable(reason))) => {
                 database_back(shared);
                 return unclaimable(shared, link, delivery, ready, &reason).await;
@@ -582,6 +586,9 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
 }
 
 pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
+    shared
+        .unreachable
+        .store(crate::db::is_unreachable(error), Ordering::Relaxed);
     if shared
         .database_up
         .send_if_modified(|up| std::mem::replace(up, false))

@@ -153,6 +153,7 @@ pub async fn run<C: Consumer>(
             counts: Arc::clone(&counts),
             options: options.clone(),
             database_up: watch::Sender::new(true),
+            unreachable: std::sync::atomic::AtomicBool::new(false),
             shutdown: shutdown.clone(),
             in_flight: AtomicUsize::new(0),
             last_activity: std::sync::Mutex::new(Instant::now()),
@@ -566,9 +567,9 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
 }
 
 /// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile. The attempts that found it gone mark it
-/// back when they reach it again, but each of them may end first — its work failing for a reason of its own once the
-/// database is back, say, until its message is moved aside — and then nothing would: so the wait looks too, every
-/// [`OUTAGE_DELAY_MAX`].
+/// back when they reach it again, but each of them may end first — its work panicking once the database is back, say,
+/// until its message is moved aside — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`], when
+/// the server was unreachable (a refusal of the inbox's statements is seen to end only by the attempts retrying them).
 pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
     let mut up = shared.database_up.subscribe();
     loop {
@@ -576,7 +577,9 @@ pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
             () = shared.shutdown.cancelled() => return false,
             result = up.wait_for(|up| *up) => return result.is_ok(),
             () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
-                if db::answers_within(shared.inbox.pool(), OUTAGE_DELAY_MAX).await {
+                if shared.unreachable.load(Ordering::Relaxed)
+                    && db::answers_within(shared.inbox.pool(), OUTAGE_DELAY_MAX).await
+                {
                     database_back(shared);
                 }
             }

@@ -507,12 +507,18 @@ impl Workers {
     }
 
     /// Like [`Workers::finish`] with no deadline: the work in flight runs to its end, however long — unless a stop
-    /// comes meanwhile, which gives it the shutdown timeout from then, as any stop does.
-    pub(super) async fn finish_unless_stopped<C: Consumer>(&mut self, shared: &Shared<C>) {
+    /// comes meanwhile, or `lost` (its connection) ends, either of which gives it the shutdown timeout from then, as
+    /// any stop does: on a lost connection it can no longer be settled, and the broker delivers it again.
+    pub(super) async fn finish_unless_stopped<C: Consumer>(
+        &mut self,
+        shared: &Shared<C>,
+        lost: impl std::future::Future<Output = ()>,
+    ) {
         self.batches.take();
         let stopped = tokio::select! {
             () = async { while self.tasks.join_next().await.is_some() {} } => false,
             () = shared.shutdown.cancelled() => true,
+            () = lost => true,
         };
         if stopped {
             drain(shared, &mut self.tasks, stop_deadline(shared)).await;

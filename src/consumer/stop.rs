@@ -47,8 +47,8 @@ pub(super) async fn stopping<C: Consumer, F: Future<Output = bool>>(
 
 /// `--exit-when-idle`, the queue found idle. What the broker sent before the cancel took effect (arrived since the
 /// queue was looked at) is this consumer's: it is processed before the process ends — however long that takes, its
-/// retries and an outage included; no stop was asked for, so `--shutdown-timeout` does not cut it short — not left
-/// behind for the next run, and so are the calls its commits owe. A partition queue is not cancelled (a standby would take the
+/// retries and an outage included; no stop was asked for, so `--shutdown-timeout` does not cut it short, unless the
+/// connection is lost meanwhile — not left behind for the next run, and so are the calls its commits owe. A partition queue is not cancelled (a standby would take the
 /// partition's later messages at once, [`stopping`]): what it sent goes back, in order, with the close.
 pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
     shared: &Arc<Shared<C>>,
@@ -69,7 +69,7 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
             late += 1;
         }
     }
-    workers.finish_unless_stopped(shared).await;
+    workers.finish_unless_stopped(shared, link.lost()).await;
     // Idle means no call owed, as [`is_idle`] found before these came.
     if late > 0 {
         while !shared.shutdown.is_cancelled()

@@ -101,8 +101,8 @@ async fn key_held_elsewhere(mode: &[&str]) {
     const BEHIND: i64 = 20;
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
-    // Published first, and not looked at (a look gives it back redelivered, and a redelivered message is processed
-    // on its own even when batched): it goes into the first batch with the messages behind it.
+    // Not looked at (a look gives it back redelivered, and a redelivered message is processed on its own even when
+    // batched): batched, it goes as a batch, whose claim meets the held key.
     let id = Uuid::now_v7();
     let (props, body, _) = common::parcel_message(id, "Berlin");
     let conn = env.amqp().await;
@@ -118,12 +118,15 @@ async fn key_held_elsewhere(mode: &[&str]) {
     .execute(&mut *holder)
     .await
     .unwrap();
-    common::publish_parcels(&env, &["--count", &BEHIND.to_string()]);
     let mut consumer = env.spawn(&common::with_mode(
         &["consume", "carrier", "--claim-timeout", "1s", "-v"],
         mode,
     ));
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    // The messages behind it come once its claim has waited past the timeout (1 s) at least once: taken, and
+    // processed, while it waits again.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    common::publish_parcels(&env, &["--count", &BEHIND.to_string()]);
     let effects = "SELECT count(*) FROM carrier_reservations";
     let behind_done = common::within(Duration::from_secs(20), || async {
         common::count(&pool, effects).await == BEHIND
@@ -135,7 +138,7 @@ async fn key_held_elsewhere(mode: &[&str]) {
         common::count(&pool, effects).await,
         consumer.stderr()
     );
-    consumer.wait_for_stderr("met another transaction", Duration::from_secs(10));
+    assert!(consumer.has_said("met another transaction"));
     assert!(
         !consumer.stderr().contains("PostgreSQL unavailable"),
         "a key held elsewhere is not an outage: {}",

@@ -1321,8 +1321,11 @@ async fn a_message_arriving_as_the_queue_is_found_idle_is_processed_before_the_e
         &["consume", "carrier", "--exit-when-idle", "200ms"],
         &[("INBOXCTL_FAILPOINTS", "idle-stopping=sleep-once-3000")],
     );
+    // Published on a connection opened beforehand: within the 3 s window however slow a new process would start.
+    let conn = env.amqp().await;
     consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
-    common::publish_parcels(&env, &["--count", "1"]);
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "Berlin");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
     assert_eq!(
         consumer.wait(Duration::from_secs(30)),
         Some(0),
@@ -1363,8 +1366,10 @@ async fn a_late_message_retried_past_the_shutdown_timeout_is_finished_before_the
         ],
         &[("INBOXCTL_FAILPOINTS", "idle-stopping=sleep-once-3000")],
     );
+    let conn = env.amqp().await;
     consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
-    common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
     assert_eq!(
         consumer.wait(Duration::from_secs(30)),
         Some(0),

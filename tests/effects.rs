@@ -1102,8 +1102,11 @@ async fn a_parcel_arriving_as_the_queue_is_found_idle_has_its_call_made_before_t
         &consume_args(&stub, "after-commit", &["--exit-when-idle", "200ms"]),
         &[("INBOXCTL_FAILPOINTS", "idle-stopping=sleep-once-3000")],
     );
+    // Published on a connection opened beforehand: within the 3 s window however slow a new process would start.
+    let conn = env.amqp().await;
     consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
-    publish_to(&env, "Late", 1);
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "Late");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
     assert_eq!(
         consumer.wait(Duration::from_secs(30)),
         Some(0),

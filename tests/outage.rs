@@ -498,3 +498,44 @@ async fn a_refusal_of_the_inbox_statements_is_not_taken_for_over_by_a_select_1()
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
+
+/// The consuming connection lost while a message waits out a PostgreSQL outage: the message can no longer be settled
+/// on it, and the broker delivers it again on the next connection. The first connection's task leaves it there, so
+/// that it is processed once, by the task of its redelivery — not by both, the first one's commit then unacknowledged
+/// and its redelivery discarded as a duplicate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_during_a_database_outage_leaves_the_message_to_its_redelivery() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let proxied = proxy.postgres_url(&env.db_name);
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier"],
+        &[("DATABASE_URL", proxied.as_str())],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    proxy.cut();
+    common::publish_parcels(&env, &["--count", "1"]);
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    common::close_connection(&env.vhost, "inboxctl consume");
+    consumer.wait_for_stderr_times("consuming", 2, Duration::from_secs(30));
+    proxy.restore();
+    let pool = env.pool().await;
+    common::eventually("processed", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 1
+            && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+    })
+    .await;
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate'"
+        )
+        .await,
+        0,
+        "processed once, not twice over: {}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

@@ -407,7 +407,7 @@ pub(super) async fn attempts<C: Consumer>(
             }
             Ok(Err(ProcessError::Unavailable(e))) => {
                 unavailable(shared, id, &e);
-                if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
+                if wait_to_retry(shared, link, id, backoff.next_delay()).await {
                     return Disposition::Requeue;
                 }
                 continue;
@@ -477,17 +477,27 @@ pub(super) async fn failed<C: Consumer>(
         reason = %logged(&failure),
         "attempt failed"
     );
-    // The connection the message came on lost meanwhile: it can no longer be settled here, and the broker delivers
-    // it again on the next connection, where it is retried. Going on here too would run it twice over, and move it
-    // aside twice.
-    let given_up = tokio::select! {
+    wait_to_retry(shared, link, id, delay)
+        .await
+        .then_some(Disposition::Requeue)
+}
+
+/// Waits `delay` before a message's next try; `true` if it is to go back instead: a stop came, or the connection it
+/// came on was lost — it can no longer be settled here, and the broker delivers it again on the next connection,
+/// where it is tried. Going on here too would run it twice over (and move it aside twice).
+pub(super) async fn wait_to_retry<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    id: Uuid,
+    delay: Duration,
+) -> bool {
+    tokio::select! {
         stopped = sleep_or_cancel(delay, &shared.shutdown) => stopped,
         () = link.lost() => {
-            tracing::debug!(message_id = %id, "its connection lost during the retry delay: left to its redelivery");
+            tracing::debug!(message_id = %id, "its connection lost while it waited: left to its redelivery");
             true
         }
-    };
-    given_up.then_some(Disposition::Requeue)
+    }
 }
 
 /// A message the inbox cannot claim (a partitioned inbox, and no usable time): never processed, moved to the error

@@ -17,10 +17,12 @@ use uuid::Uuid;
 use super::move_aside::FaultText;
 use lapin::message::Delivery;
 
-use super::dispatch::{Disposition, Ready, conflict, database_back, duplicate, unavailable};
+use super::dispatch::{
+    Disposition, Ready, conflict, database_back, duplicate, unavailable, wait_to_retry,
+};
 use super::move_aside::{CONFLICT_FAULT, error_queue};
 use super::run::Link;
-use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison, sleep_or_cancel};
+use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison};
 use crate::amqp::limits;
 use crate::backoff::Backoff;
 use crate::inbox::Fingerprint;
@@ -128,7 +130,7 @@ pub(super) async fn owed_copy<C: Consumer>(
                 Err(ProcessError::Unavailable(e)) => {
                     unavailable(shared, id, &e);
                     shared.owed.remember(id, ready.fingerprint, owed.clone());
-                    if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
+                    if wait_to_retry(shared, link, id, backoff.next_delay()).await {
                         return Disposition::Requeue;
                     }
                     if shared.owed.take(id, ready.fingerprint).is_none() {

@@ -18,7 +18,6 @@ pub const EVENT_EXCHANGE: &str = "ParcelTracker.Domain.Events:ParcelCreatedEvent
 /// Closes the connection in `vhost` whose client properties name `client` (inboxctl names each, e.g. "inboxctl
 /// replay", "inboxctl consume carrier"), from the broker's side, as `rabbitmqctl close_connection` does for an
 /// operator.
-#[cfg(feature = "failpoints")]
 pub fn close_connection(vhost: &str, client: &str) {
     let listing = rabbitmqctl(&[
         "-q",

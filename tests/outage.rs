@@ -456,8 +456,9 @@ async fn a_connection_lost_during_a_retry_delay_leaves_the_message_to_its_redeli
 
 /// PostgreSQL up but refusing the inbox's own statements (here the inbox table renamed under the running consumer, as
 /// a missing grant would): deliveries are held until the claim succeeds. A `SELECT 1` passes all along, so the
-/// consumer's own look for the end of an outage must not take deliveries again meanwhile — only the attempt that
-/// retries the claim can see this end.
+/// consumer's own look for the end of an outage must not take deliveries again meanwhile; and with the connection to
+/// RabbitMQ lost during the refusal (the waiting attempt then leaves its message to the redelivery), that look is what
+/// must see its end: it tries a claim.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_of_the_inbox_statements_is_not_taken_for_over_by_a_select_1() {
     let env = TestEnv::migrated().await;
@@ -486,6 +487,8 @@ async fn a_refusal_of_the_inbox_statements_is_not_taken_for_over_by_a_select_1()
         env.queue_counts(CARRIER_QUEUE).0 + env.queue_counts(CARRIER_QUEUE).1,
         2
     );
+    common::close_connection(&env.vhost, "inboxctl consume");
+    consumer.wait_for_stderr_times("consuming", 2, Duration::from_secs(30));
     sqlx::query("ALTER TABLE inbox_messages_away RENAME TO inbox_messages")
         .execute(&pool)
         .await
@@ -505,12 +508,21 @@ async fn a_refusal_of_the_inbox_statements_is_not_taken_for_over_by_a_select_1()
 /// and its redelivery discarded as a duplicate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lost_during_a_database_outage_leaves_the_message_to_its_redelivery() {
+    lost_during_an_outage(common::ONE_BY_ONE).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_during_a_database_outage_leaves_the_batch_to_its_redelivery() {
+    lost_during_an_outage(common::BATCHED).await;
+}
+
+async fn lost_during_an_outage(mode: &[&str]) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let proxy = Proxy::start("127.0.0.1:5432").await;
     let proxied = proxy.postgres_url(&env.db_name);
     let mut consumer = env.spawn_with(
-        &["consume", "carrier"],
+        &common::with_mode(&["consume", "carrier"], mode),
         &[("DATABASE_URL", proxied.as_str())],
     );
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));

@@ -21,12 +21,12 @@ use super::acks::ack_all;
 use super::dispatch::{
     Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context,
     database_back, database_gone, duplicate, failed, handling_panicked, prepare, processed, settle,
-    settle_acker, settled, unclaimable,
+    settle_acker, settled, unclaimable, wait_to_retry,
 };
 use super::run::Link;
 use super::{
     Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,
-    panic_message, sleep_or_cancel,
+    panic_message,
 };
 use crate::backoff::Backoff;
 use crate::failpoint;
@@ -249,7 +249,7 @@ enum Committed {
     Outcomes(Vec<MemberOutcome<()>>),
     /// It failed as a whole (a member panicked, the commit was refused): its members go one by one.
     OneByOne,
-    /// A stop came while PostgreSQL was unavailable.
+    /// A stop came, or the batch's connection was lost, while PostgreSQL was unavailable: its members go back.
     Stopped,
 }
 
@@ -305,9 +305,19 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
                 );
                 return Committed::OneByOne;
             }
+            // Waited out, unless a stop comes or the batch's connection is lost (its members can no longer be settled
+            // there; the broker delivers them again): then they go back.
             Err(ProcessError::Unavailable(e)) => {
                 database_gone(shared, &e);
-                if sleep_or_cancel(backoff.next_delay(), &shared.shutdown).await {
+                let (_, link, ready) = &members[0];
+                if wait_to_retry(
+                    shared,
+                    link,
+                    ready.incoming.message_id,
+                    backoff.next_delay(),
+                )
+                .await
+                {
                     return Committed::Stopped;
                 }
             }

@@ -596,9 +596,6 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
 }
 
 pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
-    shared
-        .unreachable
-        .store(crate::db::is_unreachable(error), Ordering::Relaxed);
     if shared
         .database_up
         .send_if_modified(|up| std::mem::replace(up, false))

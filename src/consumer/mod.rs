@@ -275,9 +275,6 @@ struct Shared<C: Consumer> {
     counts: Arc<RunCounts>,
     /// Whether PostgreSQL answered last time anyone asked; no new delivery starts while it is `false`.
     database_up: watch::Sender<bool>,
-    /// Whether the outage that took [`Shared::database_up`] down was the server unreachable — its end seen by a
-    /// `SELECT 1` —, not a refusal of the inbox's own statements, which only they can see the end of.
-    unreachable: std::sync::atomic::AtomicBool,
     shutdown: CancellationToken,
     in_flight: AtomicUsize,
     last_activity: std::sync::Mutex<Instant>,

@@ -28,6 +28,7 @@ use crate::amqp::topology;
 use crate::backoff::Backoff;
 use crate::db;
 use crate::error::Result;
+use crate::inbox::ProcessError;
 
 /// One broker connection that deliveries come in on, and the connection their dead-letter copies go out on.
 pub(super) struct Link {
@@ -153,7 +154,6 @@ pub async fn run<C: Consumer>(
             counts: Arc::clone(&counts),
             options: options.clone(),
             database_up: watch::Sender::new(true),
-            unreachable: std::sync::atomic::AtomicBool::new(false),
             shutdown: shutdown.clone(),
             in_flight: AtomicUsize::new(0),
             last_activity: std::sync::Mutex::new(Instant::now()),
@@ -242,7 +242,7 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
 
 /// Why consuming on one connection ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum LinkEnd {
+pub(super) enum LinkEnd {
     /// A stop was asked for, or the queue stayed idle: no more connections.
     Stop,
     /// The connection was lost, or the broker cancelled the consumer: connect again.
@@ -354,8 +354,7 @@ async fn consume_on<C: Consumer>(
                     }
                     Some(true) => {
                         tracing::info!(queue = %shared.queue, "queue idle; stopping");
-                        idle_stop(shared, link, deliveries, workers, cancel).await;
-                        return LinkEnd::Stop;
+                        return idle_stop(shared, link, deliveries, workers, cancel).await;
                     }
                     Some(false) => {}
                 }
@@ -406,24 +405,30 @@ pub(super) struct Workers {
 
 impl Workers {
     fn start<C: Consumer>(shared: &Arc<Shared<C>>) -> Self {
-        let mut tasks = JoinSet::new();
+        let mut workers = Self {
+            tasks: JoinSet::new(),
+            permits: Arc::new(Semaphore::new(shared.options.concurrency.max(1))),
+            batches: None,
+        };
+        workers.start_batches(shared);
+        workers
+    }
+
+    /// Batched: the batch workers and the queue that feeds them — again after an idle stop whose connection was lost
+    /// while it finished what had arrived (its batch workers ended with their queue).
+    fn start_batches<C: Consumer>(&mut self, shared: &Arc<Shared<C>>) {
         let options = &shared.options;
-        let batches = (options.batch_size > 1).then(|| {
-            let (tx, rx) = mpsc::channel::<batch::Queued>(usize::from(options.prefetch).max(1));
-            let rx = Arc::new(tokio::sync::Mutex::new(rx));
-            let running = Arc::new(AtomicUsize::new(0));
-            for _ in 0..options.concurrency.div_ceil(options.batch_size).max(1) {
-                let worker =
-                    batch::worker(Arc::clone(shared), Arc::clone(&rx), Arc::clone(&running));
-                tasks.spawn(worker);
-            }
-            tx
-        });
-        Self {
-            tasks,
-            permits: Arc::new(Semaphore::new(options.concurrency.max(1))),
-            batches,
+        if options.batch_size <= 1 {
+            return;
         }
+        let (tx, rx) = mpsc::channel::<batch::Queued>(usize::from(options.prefetch).max(1));
+        let rx = Arc::new(tokio::sync::Mutex::new(rx));
+        let running = Arc::new(AtomicUsize::new(0));
+        for _ in 0..options.concurrency.div_ceil(options.batch_size).max(1) {
+            let worker = batch::worker(Arc::clone(shared), Arc::clone(&rx), Arc::clone(&running));
+            self.tasks.spawn(worker);
+        }
+        self.batches = Some(tx);
     }
 
     /// Hands a delivery to a worker once PostgreSQL is up and a worker is free. While it waits, the consume loop
@@ -507,26 +512,38 @@ impl Workers {
     }
 
     /// Like [`Workers::finish`] with no deadline: the work in flight runs to its end, however long — unless a stop
-    /// comes meanwhile, or `lost` (its connection) ends, either of which gives it the shutdown timeout from then, as
-    /// any stop does: on a lost connection it can no longer be settled, and the broker delivers it again.
+    /// comes meanwhile, which gives it the shutdown timeout from then, as any stop does, or `lost` (its connection)
+    /// ends first: then it goes on as on any lost connection (its acks fail, the broker delivers it again), the
+    /// workers are ready for a new connection, and this returns `true`.
     pub(super) async fn finish_unless_stopped<C: Consumer>(
         &mut self,
-        shared: &Shared<C>,
+        shared: &Arc<Shared<C>>,
         lost: impl std::future::Future<Output = ()>,
-    ) {
+    ) -> bool {
+        enum End {
+            Done,
+            Stop,
+            Lost,
+        }
         self.batches.take();
-        let stopped = tokio::select! {
-            () = async { while self.tasks.join_next().await.is_some() {} } => false,
-            () = shared.shutdown.cancelled() => true,
-            () = lost => true,
+        let end = tokio::select! {
+            () = async { while self.tasks.join_next().await.is_some() {} } => End::Done,
+            () = shared.shutdown.cancelled() => End::Stop,
+            () = lost => End::Lost,
         };
-        if stopped {
-            drain(shared, &mut self.tasks, stop_deadline(shared)).await;
+        match end {
+            End::Done => {}
+            End::Stop => drain(shared, &mut self.tasks, stop_deadline(shared)).await,
+            End::Lost => {
+                self.start_batches(shared);
+                return true;
+            }
         }
         shared
             .counts
             .broker_connected
             .store(false, Ordering::Relaxed);
+        false
     }
 }
 
@@ -574,8 +591,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
 
 /// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile. The attempts that found it gone mark it
 /// back when they reach it again, but each of them may end first — its work panicking once the database is back, say,
-/// until its message is moved aside — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`], when
-/// the server was unreachable (a refusal of the inbox's statements is seen to end only by the attempts retrying them).
+/// or its connection to RabbitMQ lost — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`].
 pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
     let mut up = shared.database_up.subscribe();
     loop {
@@ -583,12 +599,32 @@ pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
             () = shared.shutdown.cancelled() => return false,
             result = up.wait_for(|up| *up) => return result.is_ok(),
             () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
-                if shared.unreachable.load(Ordering::Relaxed)
-                    && db::answers_within(shared.inbox.pool(), OUTAGE_DELAY_MAX).await
-                {
+                if the_claim_answers(shared).await {
                     database_back(shared);
                 }
             }
         }
+    }
+}
+
+/// Whether the inbox takes a claim again: one made for a new id, in a transaction rolled back. Not a `SELECT 1`, which
+/// passes while PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees
+/// the end of both kinds of outage. A key refused (no partition holds its time) is an answer too.
+async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
+    const LOOK: &str = "not processed: a look at whether the inbox takes a claim";
+    let now = chrono::Utc::now();
+    let carried = crate::inbox::Carried {
+        sent_time: Some(now),
+        timestamp: Some(now),
+    };
+    let look: crate::inbox::Work<()> =
+        Box::new(|_| Box::pin(async { Err(crate::inbox::WorkError::msg(LOOK)) }));
+    let claimed = shared
+        .inbox
+        .process_event(Uuid::now_v7(), None, carried, look);
+    match tokio::time::timeout(OUTAGE_DELAY_MAX, claimed).await {
+        Ok(Err(ProcessError::Failed(e))) => e.to_string() == LOOK,
+        Ok(Err(ProcessError::Unclaimable(_))) | Ok(Ok(_)) => true,
+        Ok(Err(ProcessError::Unavailable(_))) | Err(_) => false,
     }
 }

@@ -10,7 +10,7 @@ use futures_util::StreamExt as _;
 use lapin::options::BasicNackOptions;
 use tokio::task::JoinSet;
 
-use super::run::{Handover, Link, Workers};
+use super::run::{Handover, Link, LinkEnd, Workers};
 use super::{Consumer, Shared, lock, poison, sleep_or_cancel};
 use crate::amqp::topology;
 
@@ -47,8 +47,9 @@ pub(super) async fn stopping<C: Consumer, F: Future<Output = bool>>(
 
 /// `--exit-when-idle`, the queue found idle. What the broker sent before the cancel took effect (arrived since the
 /// queue was looked at) is this consumer's: it is processed before the process ends — however long that takes, its
-/// retries and an outage included; no stop was asked for, so `--shutdown-timeout` does not cut it short, unless the
-/// connection is lost meanwhile — not left behind for the next run, and so are the calls its commits owe. A partition queue is not cancelled (a standby would take the
+/// retries and an outage included; no stop was asked for, so `--shutdown-timeout` does not cut it short — not left
+/// behind for the next run, and so are the calls its commits owe. Its connection lost meanwhile, the run is not idle:
+/// it connects again (the message comes again), and is idle only once that is done. A partition queue is not cancelled (a standby would take the
 /// partition's later messages at once, [`stopping`]): what it sent goes back, in order, with the close.
 pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
     shared: &Arc<Shared<C>>,
@@ -56,7 +57,7 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
     mut deliveries: lapin::Consumer,
     workers: &mut Workers,
     cancel: impl FnOnce() -> F,
-) {
+) -> LinkEnd {
     crate::failpoint::hit("idle-stopping").await;
     let mut late = 0_usize;
     if shared.options.partitions.is_none() && cancel().await {
@@ -69,7 +70,13 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
             late += 1;
         }
     }
-    workers.finish_unless_stopped(shared, link.lost()).await;
+    if workers.finish_unless_stopped(shared, link.lost()).await {
+        tracing::warn!(
+            "RabbitMQ connection lost while finishing what arrived as the queue went idle; reconnecting (not idle \
+             until it is done)"
+        );
+        return LinkEnd::Reconnect;
+    }
     // Idle means no call owed, as [`is_idle`] found before these came.
     if late > 0 {
         while !shared.shutdown.is_cancelled()
@@ -82,6 +89,7 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
     }
     link.close("idle").await;
     drop(deliveries);
+    LinkEnd::Stop
 }
 
 /// After a confirmed cancel: the deliveries the broker had sent before it that no worker took (lapin keeps them, then

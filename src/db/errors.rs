@@ -132,27 +132,6 @@ pub fn is_contention(error: &sqlx::Error) -> bool {
     )
 }
 
-/// Whether the error says the server could not be reached or could not serve at all — the connection, the pool, the
-/// server's resources, its shutdown: an outage whose end a `SELECT 1` sees. Not an answer about the statement (a
-/// grant, the schema, a read-only database, contention, a pooler's refusal), which a `SELECT 1` would pass while the
-/// statement still fails.
-pub fn is_unreachable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed
-        | sqlx::Error::BeginFailed => true,
-        sqlx::Error::Database(_) if pooler::is_pooler_error(error) => false,
-        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            code.starts_with("08") || code.starts_with("53") || code.starts_with("57P")
-        }),
-        _ => false,
-    }
-}
-
 /// SQLSTATEs that describe the server or the moment, not the statement.
 fn is_transient_sqlstate(code: &str) -> bool {
     code.starts_with("08") // connection exception

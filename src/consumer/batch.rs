@@ -21,12 +21,12 @@ use super::acks::ack_all;
 use super::dispatch::{
     Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context,
     database_back, database_gone, duplicate, failed, handling_panicked, prepare, processed, settle,
-    settle_acker, settled, unclaimable, wait_to_retry,
+    settle_acker, settled, unclaimable,
 };
 use super::run::Link;
 use super::{
     Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,
-    panic_message,
+    panic_message, sleep_or_cancel,
 };
 use crate::backoff::Backoff;
 use crate::failpoint;
@@ -305,19 +305,23 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
                 );
                 return Committed::OneByOne;
             }
-            // Waited out, unless a stop comes or the batch's connection is lost (its members can no longer be settled
-            // there; the broker delivers them again): then they go back.
+            // Waited out, unless a stop comes or a connection of the batch's members is lost (they can no longer all
+            // be settled; the broker delivers again what came on it): then they go back.
             Err(ProcessError::Unavailable(e)) => {
                 database_gone(shared, &e);
-                let (_, link, ready) = &members[0];
-                if wait_to_retry(
-                    shared,
-                    link,
-                    ready.incoming.message_id,
-                    backoff.next_delay(),
-                )
-                .await
-                {
+                let mut links: Vec<&Arc<Link>> = Vec::new();
+                for (_, link, _) in members {
+                    if !links.iter().any(|l| Arc::ptr_eq(l, link)) {
+                        links.push(link);
+                    }
+                }
+                let lost =
+                    futures_util::future::select_all(links.iter().map(|l| Box::pin(l.lost())));
+                let given_up = tokio::select! {
+                    stopped = sleep_or_cancel(backoff.next_delay(), &shared.shutdown) => stopped,
+                    _ = lost => true,
+                };
+                if given_up {
                     return Committed::Stopped;
                 }
             }

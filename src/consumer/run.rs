@@ -591,25 +591,34 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
 
 /// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile. The attempts that found it gone mark it
 /// back when they reach it again, but each of them may end first — its work panicking once the database is back, say,
-/// or its connection to RabbitMQ lost — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`].
-pub(super) async fn wait_for_database<C: Consumer>(shared: &Shared<C>) -> bool {
+/// or its connection to RabbitMQ lost — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`], one
+/// look at a time. A look runs in a task of its own, to its end: dropped half-way (by a stop, or this wait ending), its
+/// pooled connection would go back through sqlx's ping, which no bound covers.
+pub(super) async fn wait_for_database<C: Consumer>(shared: &Arc<Shared<C>>) -> bool {
     let mut up = shared.database_up.subscribe();
+    let mut look: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         tokio::select! {
             () = shared.shutdown.cancelled() => return false,
             result = up.wait_for(|up| *up) => return result.is_ok(),
             () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
-                if the_claim_answers(shared).await {
-                    database_back(shared);
+                if look.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
+                    let shared = Arc::clone(shared);
+                    look = Some(tokio::spawn(async move {
+                        if the_claim_answers(&shared).await {
+                            database_back(&shared);
+                        }
+                    }));
                 }
             }
         }
     }
 }
 
-/// Whether the inbox takes a claim again: one made for a new id, in a transaction rolled back. Not a `SELECT 1`, which
-/// passes while PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees
-/// the end of both kinds of outage. A key refused (no partition holds its time) is an answer too.
+/// Whether the inbox takes a claim again: one made for a new id, in a transaction rolled back, bounded as any attempt
+/// (`--attempt-timeout`, its connection dropped if it was the one that failed). Not a `SELECT 1`, which passes while
+/// PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees the end of both
+/// kinds of outage. A key refused (no partition holds its time) is an answer too.
 async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
     const LOOK: &str = "not processed: a look at whether the inbox takes a claim";
     let now = chrono::Utc::now();
@@ -619,12 +628,13 @@ async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
     };
     let look: crate::inbox::Work<()> =
         Box::new(|_| Box::pin(async { Err(crate::inbox::WorkError::msg(LOOK)) }));
-    let claimed = shared
+    match shared
         .inbox
-        .process_event(Uuid::now_v7(), None, carried, look);
-    match tokio::time::timeout(OUTAGE_DELAY_MAX, claimed).await {
-        Ok(Err(ProcessError::Failed(e))) => e.to_string() == LOOK,
-        Ok(Err(ProcessError::Unclaimable(_))) | Ok(Ok(_)) => true,
-        Ok(Err(ProcessError::Unavailable(_))) | Err(_) => false,
+        .process_event(Uuid::now_v7(), None, carried, look)
+        .await
+    {
+        Err(ProcessError::Failed(e)) => e.to_string() == LOOK,
+        Err(ProcessError::Unclaimable(_)) | Ok(_) => true,
+        Err(ProcessError::Unavailable(_)) => false,
     }
 }

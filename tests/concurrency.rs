@@ -109,15 +109,7 @@ async fn key_held_elsewhere(mode: &[&str]) {
     common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
     let _ = conn.close(200, "OK".into()).await;
     let pool = env.pool().await;
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query(
-        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
-    )
-    .bind(id)
-    .bind(CARRIER_QUEUE)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = common::hold_key(&pool, id, CARRIER_QUEUE).await;
     let mut consumer = env.spawn(&common::with_mode(
         &["consume", "carrier", "--claim-timeout", "1s", "-v"],
         mode,

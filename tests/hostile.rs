@@ -351,23 +351,8 @@ async fn a_suspect_waiting_on_its_key_is_counted_alone_once() {
     assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
     let _ = conn.close(200, "OK".into()).await;
     let pool = env.pool().await;
-    sqlx::query(
-        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)",
-    )
-    .bind(CARRIER_QUEUE)
-    .bind(id)
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query(
-        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
-    )
-    .bind(id)
-    .bind(CARRIER_QUEUE)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    common::count_a_start(&pool, id, CARRIER_QUEUE).await;
+    let holder = common::hold_key(&pool, id, CARRIER_QUEUE).await;
     let mut consumer = consumer(&env, &["--claim-timeout", "200ms", "-v"]);
     consumer.wait_for_stderr_times("met another transaction", 4, Duration::from_secs(30));
     let alone: i32 = sqlx::query_scalar(

@@ -598,23 +598,8 @@ async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
         .unwrap();
     let pool = env.pool().await;
     // Its start counted once before: a suspect.
-    sqlx::query(
-        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)",
-    )
-    .bind(QUEUE)
-    .bind(id)
-    .execute(&pool)
-    .await
-    .unwrap();
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query(
-        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
-    )
-    .bind(id)
-    .bind(QUEUE)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    common::count_a_start(&pool, id, QUEUE).await;
+    let holder = common::hold_key(&pool, id, QUEUE).await;
 
     let mut consumer = partitioned(&env, &["--claim-timeout", "10m"]);
     common::eventually(

@@ -22,6 +22,38 @@ pub async fn count(pool: &PgPool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
 
+/// A message's key held as an attempt in flight elsewhere holds it: its inbox row inserted in a transaction left open,
+/// on which a consumer's claim of the key waits (past `--claim-timeout`, as contention). Roll it back to let go.
+pub async fn hold_key(
+    pool: &PgPool,
+    id: uuid::Uuid,
+    consumer_type: &str,
+) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at) VALUES ($1, $2, now())",
+    )
+    .bind(id)
+    .bind(consumer_type)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    holder
+}
+
+/// A redelivered message's start counted once already, as an earlier process that ended with it in flight would
+/// have: its next start makes it a suspect, tried alone.
+pub async fn count_a_start(pool: &PgPool, id: uuid::Uuid, consumer_type: &str) {
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started) VALUES ($1, $2, 1)",
+    )
+    .bind(consumer_type)
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// Sessions that inboxctl processes hold on the database `db_name` (inboxctl names its sessions `inboxctl`; the
 /// tests' own pools do not), seen through `pool`.
 pub async fn inboxctl_sessions(pool: &PgPool, db_name: &str) -> i64 {

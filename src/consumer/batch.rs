@@ -19,10 +19,10 @@ use tokio::task::JoinSet;
 
 use super::acks::ack_all;
 use super::dispatch::{
-    Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context,
-    database_back, database_gone, duplicate, failed, handling_panicked, prepare, processed, settle,
-    settle_acker, settled, unclaimable,
+    Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context, duplicate,
+    failed, handling_panicked, prepare, processed, settle, settle_acker, settled, unclaimable,
 };
+use super::outage::{database_back, database_gone};
 use super::run::Link;
 use super::{
     Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,

@@ -14,6 +14,7 @@ use uuid::Uuid;
 use super::Consumer;
 use super::bookkeeping::record_event;
 use super::move_aside::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
+use super::outage::{database_back, unavailable, wait_to_retry};
 use super::owed;
 use super::poison;
 use super::run::Link;
@@ -482,24 +483,6 @@ pub(super) async fn failed<C: Consumer>(
         .then_some(Disposition::Requeue)
 }
 
-/// Waits `delay` before a message's next try; `true` if it is to go back instead: a stop came, or the connection it
-/// came on was lost — it can no longer be settled here, and the broker delivers it again on the next connection,
-/// where it is tried. Going on here too would run it twice over (and move it aside twice).
-pub(super) async fn wait_to_retry<C: Consumer>(
-    shared: &Shared<C>,
-    link: &Link,
-    id: Uuid,
-    delay: Duration,
-) -> bool {
-    tokio::select! {
-        stopped = sleep_or_cancel(delay, &shared.shutdown) => stopped,
-        () = link.lost() => {
-            tracing::debug!(message_id = %id, "its connection lost while it waited: left to its redelivery");
-            true
-        }
-    }
-}
-
 /// A message the inbox cannot claim (a partitioned inbox, and no usable time): never processed, moved to the error
 /// queue at once with the reason — retrying cannot give it a time.
 pub(super) async fn unclaimable<C: Consumer>(
@@ -566,52 +549,5 @@ pub(super) async fn conflict<C: Consumer>(
             let fault = (CONFLICT_FAULT, reason.clone(), reason);
             error_queue(shared, link, delivery, ready, &fault, 0).await
         }
-    }
-}
-
-pub(super) fn database_back<C: Consumer>(shared: &Shared<C>) {
-    if shared
-        .database_up
-        .send_if_modified(|up| !std::mem::replace(up, true))
-    {
-        tracing::info!("PostgreSQL is back: taking deliveries again");
-    }
-}
-
-/// An attempt the database could not take, `error` its answer: the database gone (intake paused until it answers
-/// again), or up and saying that the message's statement met another transaction (a key held elsewhere past
-/// `--claim-timeout`, a deadlock), which holds up that message alone.
-pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sqlx::Error) {
-    if crate::db::is_contention(error) {
-        database_back(shared);
-        tracing::warn!(
-            message_id = %id,
-            error = %crate::redact::text(&crate::db::describe(error)),
-            "the message's statement met another transaction (its key held elsewhere past --claim-timeout, a \
-             deadlock): trying it again"
-        );
-    } else {
-        database_gone(shared, error);
-    }
-}
-
-pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
-    if shared
-        .database_up
-        .send_if_modified(|up| std::mem::replace(up, false))
-    {
-        let text = crate::redact::text(&crate::db::describe(error));
-        if crate::db::is_transient(error) {
-            tracing::error!(error = %text, "PostgreSQL unavailable: holding deliveries until it is back");
-        } else {
-            // A missing grant or table: the inbox's own statements fail, whatever the message. Held, never acked.
-            tracing::error!(
-                error = %text,
-                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding \
-                 deliveries until they succeed; docs/security.md lists the grants"
-            );
-        }
-    } else {
-        tracing::debug!(error = %crate::redact::text(&crate::db::describe(error)), "PostgreSQL still unavailable");
     }
 }

@@ -36,6 +36,7 @@ mod dead_letters;
 mod dispatch;
 mod guard;
 mod move_aside;
+mod outage;
 mod owed;
 mod poison;
 mod run;

@@ -17,16 +17,15 @@ use uuid::Uuid;
 use super::move_aside::FaultText;
 use lapin::message::Delivery;
 
-use super::dispatch::{
-    Disposition, Ready, conflict, database_back, duplicate, unavailable, wait_to_retry,
-};
+use super::dispatch::{Disposition, Ready, conflict, duplicate};
 use super::move_aside::{CONFLICT_FAULT, error_queue};
+use super::outage::{Looked, database_back, look, unavailable, wait_to_retry};
 use super::run::Link;
 use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison};
 use crate::amqp::limits;
 use crate::backoff::Backoff;
 use crate::inbox::Fingerprint;
-use crate::inbox::{Outcome, ProcessError, Work, WorkError};
+use crate::inbox::{Outcome, ProcessError};
 
 /// How many messages may be owed a copy at once. A fault is kept as its copy's headers carry it (at most 10 KB), so
 /// this bounds the memory to a few MB; beyond it the one owed longest is forgotten.
@@ -102,26 +101,22 @@ pub(super) async fn owed_copy<C: Consumer>(
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     if owed.fault.0 != CONFLICT_FAULT {
         loop {
-            let look: Work<()> =
-                Box::new(|_| Box::pin(async { Err(WorkError::msg(NOT_PROCESSED)) }));
             let looked = {
                 let _shared = shared.alone.read().await;
-                (shared.inbox)
-                    .process_event(id, Some(ready.fingerprint), ready.carried, look)
-                    .await
+                look(shared, id, Some(ready.fingerprint), ready.carried).await
             };
             match looked {
-                Err(ProcessError::Failed(e)) if e.to_string() == NOT_PROCESSED => {
+                Ok(Looked::Free) => {
                     database_back(shared);
                     break;
                 }
-                Ok(Outcome::Duplicate) => {
+                Ok(Looked::Taken(Outcome::Duplicate)) => {
                     database_back(shared);
                     duplicate(shared, id);
                     return Disposition::Ack;
                 }
                 // The claim recorded it: moved aside as a conflict.
-                Ok(Outcome::Conflict(c)) => {
+                Ok(Looked::Taken(Outcome::Conflict(c))) => {
                     database_back(shared);
                     return conflict(shared, link, delivery, ready, c).await;
                 }
@@ -149,9 +144,6 @@ pub(super) async fn owed_copy<C: Consumer>(
     );
     error_queue(shared, link, delivery, ready, &owed.fault, owed.retry_count).await
 }
-
-/// What the look at an owed message's claim returns to roll its transaction back.
-const NOT_PROCESSED: &str = "not processed: a look at the claim only";
 
 #[cfg(test)]
 mod tests {

@@ -16,7 +16,8 @@ use uuid::Uuid;
 
 use super::acks::Outstanding;
 use super::dead_letters::DeadLetters;
-use super::dispatch::{database_back, handle};
+use super::dispatch::handle;
+use super::outage::wait_for_database;
 use super::stop::{drain, idle_stop, is_idle, stop_deadline, stopping};
 use super::{Consumer, WorkGuard};
 use super::{
@@ -28,7 +29,6 @@ use crate::amqp::topology;
 use crate::backoff::Backoff;
 use crate::db;
 use crate::error::Result;
-use crate::inbox::ProcessError;
 
 /// One broker connection that deliveries come in on, and the connection their dead-letter copies go out on.
 pub(super) struct Link {
@@ -587,54 +587,4 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
         given_up: CancellationToken::new(),
         broker_timeout: shared.options.broker_timeout,
     })
-}
-
-/// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile. The attempts that found it gone mark it
-/// back when they reach it again, but each of them may end first — its work panicking once the database is back, say,
-/// or its connection to RabbitMQ lost — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`], one
-/// look at a time. A look runs in a task of its own, to its end: dropped half-way (by a stop, or this wait ending), its
-/// pooled connection would go back through sqlx's ping, which no bound covers.
-pub(super) async fn wait_for_database<C: Consumer>(shared: &Arc<Shared<C>>) -> bool {
-    let mut up = shared.database_up.subscribe();
-    let mut look: Option<tokio::task::JoinHandle<()>> = None;
-    loop {
-        tokio::select! {
-            () = shared.shutdown.cancelled() => return false,
-            result = up.wait_for(|up| *up) => return result.is_ok(),
-            () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
-                if look.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
-                    let shared = Arc::clone(shared);
-                    look = Some(tokio::spawn(async move {
-                        if the_claim_answers(&shared).await {
-                            database_back(&shared);
-                        }
-                    }));
-                }
-            }
-        }
-    }
-}
-
-/// Whether the inbox takes a claim again: one made for a new id, in a transaction rolled back, bounded as any attempt
-/// (`--attempt-timeout`, its connection dropped if it was the one that failed). Not a `SELECT 1`, which passes while
-/// PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees the end of both
-/// kinds of outage. A key refused (no partition holds its time) is an answer too.
-async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
-    const LOOK: &str = "not processed: a look at whether the inbox takes a claim";
-    let now = chrono::Utc::now();
-    let carried = crate::inbox::Carried {
-        sent_time: Some(now),
-        timestamp: Some(now),
-    };
-    let look: crate::inbox::Work<()> =
-        Box::new(|_| Box::pin(async { Err(crate::inbox::WorkError::msg(LOOK)) }));
-    match shared
-        .inbox
-        .process_event(Uuid::now_v7(), None, carried, look)
-        .await
-    {
-        Err(ProcessError::Failed(e)) => e.to_string() == LOOK,
-        Err(ProcessError::Unclaimable(_)) | Ok(_) => true,
-        Err(ProcessError::Unavailable(_)) => false,
-    }
 }

@@ -1,0 +1,150 @@
+//! PostgreSQL unavailable: an attempt the database could not take holds up intake until the database answers again
+//! (or, when it met another transaction, only its own message); what waits meanwhile, and how the consumer sees the
+//! end of an outage — by a claim, not a `SELECT 1`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::run::Link;
+use super::{Consumer, OUTAGE_DELAY_MAX, Shared, sleep_or_cancel};
+use crate::inbox::{Carried, Fingerprint, Outcome, ProcessError, Work, WorkError};
+
+/// An attempt reached PostgreSQL (its claim went through, whatever came of its work): intake resumes if an outage
+/// had paused it.
+pub(super) fn database_back<C: Consumer>(shared: &Shared<C>) {
+    if shared
+        .database_up
+        .send_if_modified(|up| !std::mem::replace(up, true))
+    {
+        tracing::info!("PostgreSQL is back: taking deliveries again");
+    }
+}
+
+/// An attempt the database could not take, `error` its answer: the database gone (intake paused until it answers
+/// again), or up and saying that the message's statement met another transaction (a key held elsewhere past
+/// `--claim-timeout`, a deadlock), which holds up that message alone.
+pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sqlx::Error) {
+    if crate::db::is_contention(error) {
+        database_back(shared);
+        tracing::warn!(
+            message_id = %id,
+            error = %crate::redact::text(&crate::db::describe(error)),
+            "the message's statement met another transaction (its key held elsewhere past --claim-timeout, a \
+             deadlock): trying it again"
+        );
+    } else {
+        database_gone(shared, error);
+    }
+}
+
+pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
+    if shared
+        .database_up
+        .send_if_modified(|up| std::mem::replace(up, false))
+    {
+        let text = crate::redact::text(&crate::db::describe(error));
+        if crate::db::is_transient(error) {
+            tracing::error!(error = %text, "PostgreSQL unavailable: holding deliveries until it is back");
+        } else {
+            // A missing grant or table: the inbox's own statements fail, whatever the message. Held, never acked.
+            tracing::error!(
+                error = %text,
+                "PostgreSQL refuses the inbox's own statements (a grant or the schema, not the message): holding \
+                 deliveries until they succeed; docs/security.md lists the grants"
+            );
+        }
+    } else {
+        tracing::debug!(error = %crate::redact::text(&crate::db::describe(error)), "PostgreSQL still unavailable");
+    }
+}
+
+/// Waits `delay` before a message's next try; `true` if it is to go back instead: a stop came, or the connection it
+/// came on was lost — it can no longer be settled here, and the broker delivers it again on the next connection,
+/// where it is tried. Going on here too would run it twice over (and move it aside twice).
+pub(super) async fn wait_to_retry<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    id: Uuid,
+    delay: Duration,
+) -> bool {
+    tokio::select! {
+        stopped = sleep_or_cancel(delay, &shared.shutdown) => stopped,
+        () = link.lost() => {
+            tracing::debug!(message_id = %id, "its connection lost while it waited: left to its redelivery");
+            true
+        }
+    }
+}
+
+/// Waits until PostgreSQL is up; `false` if a stop was asked for meanwhile. The attempts that found it gone mark it
+/// back when they reach it again, but each of them may end first — its work panicking once the database is back, say,
+/// or its connection to RabbitMQ lost — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`], one
+/// look at a time. A look runs in a task of its own, to its end: dropped half-way (by a stop, or this wait ending), its
+/// pooled connection would go back through sqlx's ping, which no bound covers.
+pub(super) async fn wait_for_database<C: Consumer>(shared: &Arc<Shared<C>>) -> bool {
+    let mut up = shared.database_up.subscribe();
+    let mut look: Option<tokio::task::JoinHandle<()>> = None;
+    loop {
+        tokio::select! {
+            () = shared.shutdown.cancelled() => return false,
+            result = up.wait_for(|up| *up) => return result.is_ok(),
+            () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
+                if look.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
+                    let shared = Arc::clone(shared);
+                    look = Some(tokio::spawn(async move {
+                        if the_claim_answers(&shared).await {
+                            database_back(&shared);
+                        }
+                    }));
+                }
+            }
+        }
+    }
+}
+
+/// Whether the inbox takes a claim again: one made for a new id, in a transaction rolled back ([`look`]), bounded as
+/// any attempt (`--attempt-timeout`, its connection dropped if it was the one that failed). Not a `SELECT 1`, which
+/// passes while PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees
+/// the end of both kinds of outage. A key refused (no partition holds its time) is an answer too.
+async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
+    let now = chrono::Utc::now();
+    let carried = Carried {
+        sent_time: Some(now),
+        timestamp: Some(now),
+    };
+    match look(shared, Uuid::now_v7(), None, carried).await {
+        Ok(_) | Err(ProcessError::Unclaimable(_)) => true,
+        Err(ProcessError::Unavailable(_) | ProcessError::Failed(_)) => false,
+    }
+}
+
+/// What a claim made only to look finds.
+pub(super) enum Looked {
+    /// No attempt committed the key: a claim would take it.
+    Free,
+    /// A committed attempt holds the key: this is a copy (recorded as one, as any copy is).
+    Taken(Outcome<()>),
+}
+
+/// Looks at the key of `id` with a claim whose transaction is rolled back when it takes the key (its work does
+/// nothing but fail); a claim that meets an attempt in flight elsewhere waits for it, as any claim does.
+pub(super) async fn look<C: Consumer>(
+    shared: &Shared<C>,
+    id: Uuid,
+    fingerprint: Option<Fingerprint>,
+    carried: Carried,
+) -> Result<Looked, ProcessError> {
+    const LOOK: &str = "not processed: a look at the claim only";
+    let look: Work<()> = Box::new(|_| Box::pin(async { Err(WorkError::msg(LOOK)) }));
+    match shared
+        .inbox
+        .process_event(id, fingerprint, carried, look)
+        .await
+    {
+        Ok(outcome) => Ok(Looked::Taken(outcome)),
+        Err(ProcessError::Failed(e)) if e.to_string() == LOOK => Ok(Looked::Free),
+        Err(other) => Err(other),
+    }
+}

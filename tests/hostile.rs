@@ -439,6 +439,69 @@ async fn panic_moving_aside(mode: &[&str]) {
     );
 }
 
+/// A batch's handling panics after it handed a failed member to a task of its own (here a failpoint in the ack of the
+/// batch's other members, once). The worker's clean-up gives back what the batch had not settled — but the failed
+/// member is its task's to settle: given back while that task still waits to retry it, it used to come round and run
+/// a second chain of attempts beside the first, ending in the error queue twice, with `--max-attempts` counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_panics_leaves_a_member_retried_aside_to_its_task() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "FAIL");
+    let conn = env.amqp().await;
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    let _ = conn.close(200, "OK".into()).await;
+    common::publish_parcels(&env, &["--count", "5"]);
+    // The batch worker's first look at its queue waits 1.5 s, so that all six are one batch. The failed member's
+    // attempts take 3 + 6 s of retry delays: its task still runs when the clean-up's give-back goes out (after its
+    // 5 s pause).
+    let mut consumer = env.spawn_with(
+        &common::with_mode(
+            &[
+                "consume",
+                "carrier",
+                "--fail-destination",
+                "FAIL",
+                "--max-attempts",
+                "3",
+                "--retry-delay",
+                "3s",
+                "--exit-when-idle",
+                "2s",
+            ],
+            common::BATCHED,
+        ),
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "batch-next=sleep-once-1500,broker-answer=panic-once@an ack",
+        )],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(90)),
+        Some(0),
+        "the consumer went idle and ended: {}",
+        consumer.stderr()
+    );
+    assert!(
+        consumer.stderr().contains("handling a batch panicked"),
+        "the failpoint was met: {}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    assert_eq!(effects(&pool).await, 5);
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    let failed: i64 = sqlx::query_scalar(FAILED).fetch_one(&pool).await.unwrap();
+    assert_eq!(
+        failed,
+        3,
+        "--max-attempts counted once: {}",
+        consumer.stderr()
+    );
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1, "moved aside once: {}", consumer.stderr());
+}
+
 // ---- messages the broker accepts that must not crash or stall a consumer ----
 
 in_both_modes!(

@@ -49,9 +49,10 @@ pub(super) async fn worker<C: Consumer>(
     running: Arc<AtomicUsize>,
 ) {
     // Dropped (and its tasks with it) if the worker is abandoned at the shutdown timeout, like any work in flight.
-    let mut aside: JoinSet<()> = JoinSet::new();
+    let mut aside = Aside::default();
     while let Some(batch) = next(&shared, &queue, &running).await {
-        while aside.try_join_next().is_some() {}
+        while aside.tasks.try_join_next().is_some() {}
+        aside.taken.clear();
         running.fetch_add(1, Ordering::SeqCst);
         let ackers: Vec<(Acker, u64, Arc<Link>)> = batch
             .iter()
@@ -64,17 +65,19 @@ pub(super) async fn worker<C: Consumer>(
                 "handling a batch panicked; what it had not settled goes back to the queue"
             );
             // What the batch settled (alone, or with others by a `multiple` ack), or handed to a task of its own,
-            // stays as it is.
-            // One whose channel closed is counted out of flight here: the broker delivers it again.
+            // stays as it is: given back while its task still runs it, a delivery would come round and be run twice
+            // over (its attempts, its copy to the error queue). One whose channel closed is counted out of flight
+            // here: the broker delivers it again.
             let unsettled = ackers.into_iter().filter(|(a, tag, link)| {
                 if a.poisoned() {
                     settled(&shared, link, *tag, false);
                 }
-                a.usable() && link.outstanding.contains(*tag)
+                a.usable() && link.outstanding.contains(*tag) && !aside.took(link, *tag)
             });
+            let unsettled: Vec<_> = unsettled.collect();
             for (acker, tag, link) in unsettled {
                 let shared = Arc::clone(&shared);
-                aside.spawn(async move {
+                aside.tasks.spawn(async move {
                     let disposition = Disposition::RequeueAfter(OUTAGE_DELAY_MAX);
                     settle_acker(&shared, &link, &acker, tag, disposition).await;
                 });
@@ -82,7 +85,33 @@ pub(super) async fn worker<C: Consumer>(
         }
         running.fetch_sub(1, Ordering::SeqCst);
     }
-    while aside.join_next().await.is_some() {}
+    while aside.tasks.join_next().await.is_some() {}
+}
+
+/// The tasks beside a batch worker, and which deliveries of its current batch they took over: theirs to settle,
+/// never the worker's clean-up after a panic.
+#[derive(Default)]
+struct Aside {
+    tasks: JoinSet<()>,
+    /// Each as its link (by address) and delivery tag.
+    taken: Vec<(usize, u64)>,
+}
+
+impl Aside {
+    /// Runs `task`, which settles the delivery `tag` of `link`, beside the worker.
+    fn take(
+        &mut self,
+        link: &Arc<Link>,
+        tag: u64,
+        task: impl std::future::Future<Output = ()> + Send + 'static,
+    ) {
+        self.taken.push((Arc::as_ptr(link) as usize, tag));
+        self.tasks.spawn(task);
+    }
+
+    fn took(&self, link: &Arc<Link>, tag: u64) -> bool {
+        self.taken.contains(&(Arc::as_ptr(link) as usize, tag))
+    }
 }
 
 /// The next batch; `None` once the queue is closed (a stop).
@@ -91,6 +120,7 @@ async fn next<C: Consumer>(
     queue: &tokio::sync::Mutex<mpsc::Receiver<Queued>>,
     running: &AtomicUsize,
 ) -> Option<Vec<Queued>> {
+    failpoint::hit("batch-next").await;
     let size = shared.options.batch_size;
     let mut rx = queue.lock().await;
     let first = rx.recv().await?;
@@ -113,7 +143,7 @@ async fn next<C: Consumer>(
     Some(batch)
 }
 
-async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &mut JoinSet<()>) {
+async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &mut Aside) {
     let started = Instant::now();
     // Read each delivery; two copies of one id in a batch: the later one waits for the batch's outcome.
     let mut members: Vec<Held<C>> = Vec::with_capacity(batch.len());
@@ -145,7 +175,7 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
     }
     for (delivery, link, ready) in later {
         let shared = Arc::clone(shared);
-        aside.spawn(async move {
+        aside.take(&Arc::clone(&link), delivery.delivery_tag, async move {
             let decided = attempts(&shared, &link, &delivery, &ready, 1, Access::Shared);
             let disposition = or_given_back(&delivery, decided).await;
             settle(&shared, &link, &delivery, disposition, started).await;
@@ -157,7 +187,7 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
 /// [`ack_all`]), a conflict as `--on-conflict` says, a failed member retried aside.
 async fn settle_outcomes<C: Consumer>(
     shared: &Arc<Shared<C>>,
-    aside: &mut JoinSet<()>,
+    aside: &mut Aside,
     members: Vec<Held<C>>,
     outcomes: Vec<MemberOutcome<()>>,
     started: Instant,
@@ -212,13 +242,13 @@ async fn settle_outcomes<C: Consumer>(
 /// their own beside the worker.
 fn retry_aside<C: Consumer>(
     shared: &Arc<Shared<C>>,
-    aside: &mut JoinSet<()>,
+    aside: &mut Aside,
     (delivery, link, ready): Held<C>,
     failure: String,
     started: Instant,
 ) {
     let shared = Arc::clone(shared);
-    aside.spawn(async move {
+    aside.take(&Arc::clone(&link), delivery.delivery_tag, async move {
         let decided = async {
             match failed(&shared, &link, &delivery, &ready, 1, failure).await {
                 Some(disposition) => disposition,
@@ -422,7 +452,7 @@ fn together_work<C: Consumer>(
 /// after a pause.
 async fn finish<C: Consumer>(
     shared: &Arc<Shared<C>>,
-    aside: &mut JoinSet<()>,
+    aside: &mut Aside,
     link: Arc<Link>,
     delivery: Delivery,
     disposition: Disposition,
@@ -430,7 +460,10 @@ async fn finish<C: Consumer>(
 ) {
     if let Disposition::RequeueAfter(_) = disposition {
         let shared = Arc::clone(shared);
-        aside.spawn(async move { settle(&shared, &link, &delivery, disposition, started).await });
+        let (of, tag) = (Arc::clone(&link), delivery.delivery_tag);
+        aside.take(&of, tag, async move {
+            settle(&shared, &link, &delivery, disposition, started).await;
+        });
     } else {
         settle(shared, &link, &delivery, disposition, started).await;
     }

@@ -1390,6 +1390,60 @@ async fn a_late_message_retried_past_the_shutdown_timeout_is_finished_before_the
     assert_eq!(env.queue_counts(&format!("{CARRIER_QUEUE}_error")).0, 1);
 }
 
+/// The same, the connection closed (by the broker) while the late message waits for its retry: the message is left to
+/// its redelivery, so the run is not idle — it connects again, the message comes round and is finished there, and
+/// only then does the process end. Before, the wait for the work to finish looked at the connection on a tick of its
+/// own: when the message's task saw the loss first and ended, the work looked done, and the process ended "idle"
+/// with the message back on the queue (about half the runs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_while_the_idle_exit_finishes_a_late_message_is_not_taken_for_idle() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--exit-when-idle",
+            "200ms",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "2",
+            "--retry-delay",
+            "3s",
+        ],
+        // The late message's first attempt takes 0.9 s: the connection checks of its retry wait then come 0.9 s
+        // after those of the wait for the work to finish (both once a second), i.e. a tenth of a second before them.
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "idle-stopping=sleep-once-3000,carrier=sleep-once-900@FAIL",
+        )],
+    );
+    let conn = env.amqp().await;
+    consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
+    common::close_connection(&env.vhost, "inboxctl consume");
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert!(
+        stderr.contains("not idle until it is done"),
+        "the loss was seen: {stderr}"
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0), "{stderr}");
+    assert_eq!(
+        env.queue_counts(&format!("{CARRIER_QUEUE}_error")).0,
+        1,
+        "{stderr}"
+    );
+}
+
 /// `--exit-when-idle`: a stop (SIGTERM) that comes while the idle check waits on the broker's answer about the queue's
 /// depth (held for ever by a failpoint, as by a broker that stopped answering) ends the process at once, not after
 /// `--broker-timeout` (30 s).

@@ -95,11 +95,16 @@ impl Link {
         loop {
             tokio::select! {
                 () = self.given_up.cancelled() => return,
-                _ = check.tick() => if !self.connection.status().connected() {
+                _ = check.tick() => if self.is_lost() {
                     return;
                 }
             }
         }
+    }
+
+    /// Whether the link is given up or its connection lost, now.
+    pub(super) fn is_lost(&self) -> bool {
+        self.given_up.is_cancelled() || !self.connection.status().connected()
     }
 }
 
@@ -512,13 +517,15 @@ impl Workers {
     }
 
     /// Like [`Workers::finish`] with no deadline: the work in flight runs to its end, however long — unless a stop
-    /// comes meanwhile, which gives it the shutdown timeout from then, as any stop does, or `lost` (its connection)
-    /// ends first: then it goes on as on any lost connection (its acks fail, the broker delivers it again), the
-    /// workers are ready for a new connection, and this returns `true`.
+    /// comes meanwhile, which gives it the shutdown timeout from then, as any stop does, or `link` is lost first: then
+    /// it goes on as on any lost connection (its acks fail, the broker delivers it again), the workers are ready for a
+    /// new connection, and this returns `true`. Work that ended because the link was lost (a message left to its
+    /// redelivery) is not done: a link found lost once the work ended counts as lost too — each waiter looks at the
+    /// connection on a tick of its own, so the work may see the loss a second before this does.
     pub(super) async fn finish_unless_stopped<C: Consumer>(
         &mut self,
         shared: &Arc<Shared<C>>,
-        lost: impl std::future::Future<Output = ()>,
+        link: &Link,
     ) -> bool {
         enum End {
             Done,
@@ -529,12 +536,12 @@ impl Workers {
         let end = tokio::select! {
             () = async { while self.tasks.join_next().await.is_some() {} } => End::Done,
             () = shared.shutdown.cancelled() => End::Stop,
-            () = lost => End::Lost,
+            () = link.lost() => End::Lost,
         };
         match end {
-            End::Done => {}
+            End::Done if !link.is_lost() => {}
             End::Stop => drain(shared, &mut self.tasks, stop_deadline(shared)).await,
-            End::Lost => {
+            End::Done | End::Lost => {
                 self.start_batches(shared);
                 return true;
             }

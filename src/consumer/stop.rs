@@ -70,7 +70,7 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
             late += 1;
         }
     }
-    if workers.finish_unless_stopped(shared, link.lost()).await {
+    if workers.finish_unless_stopped(shared, link).await {
         tracing::warn!(
             "RabbitMQ connection lost while finishing what arrived as the queue went idle; reconnecting (not idle \
              until it is done)"

@@ -635,3 +635,95 @@ async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
+
+/// One partition's first connection fails (held past `--broker-timeout` by a failpoint) while another partition works
+/// on a message (a suspect, tried alone; its carrier call takes 3 s): the run fails, but only once the other
+/// partitions have drained as at a stop — the message finished and acknowledged, its counted start taken back. They
+/// used to be dropped half-way: the message back on its queue unprocessed and its start left counted, as if it had
+/// ended the process — with a supervisor restarting the service into the same failure, a healthy message on its way
+/// to being moved aside as poison.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_that_cannot_start_lets_the_others_drain_before_the_run_fails() {
+    let env = TestEnv::migrated().await;
+    let mut consumer = partitioned(&env, &[]);
+    common::eventually(
+        "every partition subscribed",
+        Duration::from_secs(30),
+        || async { consumer.stderr().matches("consuming").count() >= usize::from(PARTITIONS) },
+    )
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+
+    common::publish_parcels(&env, &["--count", "1", "--partition-key", "parcelId"]);
+    let conn = env.amqp().await;
+    let mut found = Vec::new();
+    for i in 0..PARTITIONS {
+        found.extend(
+            common::peek(&conn, &format!("{QUEUE}.{i}"))
+                .await
+                .into_iter()
+                .map(|d| (i, d)),
+        );
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    assert_eq!(found.len(), 1);
+    let (partition, delivery) = &found[0];
+    let id: Uuid = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .unwrap()
+        .as_str()
+        .parse()
+        .unwrap();
+    let pool = env.pool().await;
+    common::count_a_start(&pool, id, QUEUE).await;
+
+    let held = format!(
+        "open-link=sleep-once-6000@{QUEUE}.{},carrier=sleep-once-3000",
+        (partition + 1) % PARTITIONS
+    );
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--queue",
+            QUEUE,
+            "--partitions",
+            &PARTITIONS.to_string(),
+            "--partition-key",
+            "parcelId",
+            "--broker-timeout",
+            "2s",
+            "--shutdown-timeout",
+            "20s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", held.as_str())],
+    );
+    let code = consumer.wait(Duration::from_secs(60));
+    let stderr = consumer.stderr();
+    assert_eq!(
+        code,
+        Some(69),
+        "the run failed, RabbitMQ unavailable: {stderr}"
+    );
+    assert!(stderr.contains("failpoint carrier reached"), "{stderr}");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        1,
+        "finished before the exit: {stderr}"
+    );
+    assert_eq!(
+        env.queue_counts(&format!("{QUEUE}.{partition}")),
+        (0, 0),
+        "acknowledged: {stderr}"
+    );
+    let left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM inboxctl_attempts WHERE message_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0, "no start left counted: {stderr}");
+}

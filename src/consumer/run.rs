@@ -112,7 +112,11 @@ impl Link {
 /// empty). Fails at start if PostgreSQL or RabbitMQ cannot be reached; after that, outages are waited out.
 ///
 /// Partitioned (`options.partitions`), it reads each of the partition queues in a loop of its own, one message at a
-/// time: the broker keeps each queue's order, and one message at a time per queue keeps it in the effects.
+/// time: the broker keeps each queue's order, and one message at a time per queue keeps it in the effects. A loop that
+/// fails at start (its first connection refused) stops the others as a stop would — each drains what it holds and
+/// takes back the starts it counted — before the run fails: dropped half-way instead, their work would be abandoned
+/// with its starts still counted, as if the process had crashed on it (and a healthy message could come to be taken
+/// for poison).
 pub async fn run<C: Consumer>(
     inbox: impl WorkGuard,
     consumer: C,
@@ -150,6 +154,7 @@ pub async fn run<C: Consumer>(
         }
     };
     let alone = Arc::new(tokio::sync::RwLock::new(()));
+    let stop = shutdown.child_token();
     let runs = queues.into_iter().map(|queue| {
         let shared = Arc::new(Shared {
             input_address: broker.queue_address(&queue),
@@ -159,7 +164,7 @@ pub async fn run<C: Consumer>(
             counts: Arc::clone(&counts),
             options: options.clone(),
             database_up: watch::Sender::new(true),
-            shutdown: shutdown.clone(),
+            shutdown: stop.clone(),
             in_flight: AtomicUsize::new(0),
             last_activity: std::sync::Mutex::new(Instant::now()),
             alone: Arc::clone(&alone),
@@ -168,9 +173,18 @@ pub async fn run<C: Consumer>(
             alarm_waits: super::alarm::AlarmWaits::new(&options),
             owed: super::owed::OwedCopies::default(),
         });
-        run_queue(shared, broker)
+        let stop = stop.clone();
+        async move {
+            let ran = run_queue(shared, broker).await;
+            if ran.is_err() {
+                stop.cancel();
+            }
+            ran
+        }
     });
-    futures_util::future::try_join_all(runs).await?;
+    for ran in futures_util::future::join_all(runs).await {
+        ran?;
+    }
     let summary = counts.summary();
     tracing::info!(
         consumer_type = %inbox.consumer_type(),
@@ -555,6 +569,7 @@ impl Workers {
 }
 
 pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {
+    crate::failpoint::hit_with("open-link", &shared.queue).await;
     let name = format!("inboxctl consume {}", shared.inbox.consumer_type());
     let connection = broker.connect(&name).await?;
     match &shared.options.partitions {

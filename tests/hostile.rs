@@ -502,6 +502,58 @@ async fn a_batch_that_panics_leaves_a_member_retried_aside_to_its_task() {
     assert_eq!(copies.len(), 1, "moved aside once: {}", consumer.stderr());
 }
 
+/// A redelivered message (a suspect: its start counted once before) whose move aside panics (a failpoint in the
+/// dead-letter publish, once): the process goes on, so its start is not an end of the process. Its start used to stay
+/// counted — the panic unwound past the books — and with `--poison-after 1` it came round counted as ending the process
+/// alone, and was moved aside as poison ("each attempt ended the consumer process"), which never happened. It must
+/// be moved aside for what did happen: its attempt failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_moving_a_suspect_aside_is_not_counted_as_an_end_of_the_process() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "FAIL");
+    let conn = env.amqp().await;
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    // Looked at and given back: it comes redelivered, and its start is counted.
+    assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
+    let _ = conn.close(200, "OK".into()).await;
+    let pool = env.pool().await;
+    common::count_a_start(&pool, id, CARRIER_QUEUE).await;
+    let failpoint = format!("dead-letter-publish=panic-once@{id}");
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+            "--poison-after",
+            "1",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", failpoint.as_str())],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "the consumer went idle and ended: {}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert!(stderr.contains("handling a message panicked"), "{stderr}");
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1, "{stderr}");
+    assert_eq!(
+        header_text(&copies[0], "MT-Fault-ExceptionType"),
+        "inboxctl::ConsumerFailed",
+        "{stderr}"
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}
+
 // ---- messages the broker accepts that must not crash or stall a consumer ----
 
 in_both_modes!(

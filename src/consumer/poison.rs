@@ -7,6 +7,9 @@
 //! clean stop (SIGTERM past `--shutdown-timeout`), which is not the message's doing.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt as _;
 
 use lapin::message::Delivery;
 use uuid::Uuid;
@@ -35,17 +38,24 @@ pub(super) async fn redelivered<C: Consumer>(
     // Registered before the count, so that a stop can never miss a start it counted.
     lock(&shared.starts.0).insert(id, false);
     let counted = redelivered_start(shared, id).await;
-    let disposition = match counted.or_else(|| broker_count(delivery)) {
-        // It ended its process this many times while it was the only work in flight: it is the cause.
-        Some((_, alone)) if alone >= shared.options.poison_after => {
-            poison(shared, link, delivery, ready, alone).await
+    let decided = async {
+        match counted.or_else(|| broker_count(delivery)) {
+            // It ended its process this many times while it was the only work in flight: it is the cause.
+            Some((_, alone)) if alone >= shared.options.poison_after => {
+                poison(shared, link, delivery, ready, alone).await
+            }
+            // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
+            Some((started, _)) if started >= 2 => {
+                attempts(shared, link, delivery, ready, 1, Access::Alone).await
+            }
+            _ => attempts(shared, link, delivery, ready, 1, Access::Shared).await,
         }
-        // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
-        Some((started, _)) if started >= 2 => {
-            attempts(shared, link, delivery, ready, 1, Access::Alone).await
-        }
-        _ => attempts(shared, link, delivery, ready, 1, Access::Shared).await,
     };
+    // A panic in its handling outside the consumer's work (which is a failed attempt) is inboxctl's, and the process
+    // goes on: caught here only to keep the books, then passed on to the handler's last resort, which gives the
+    // message back. Left counted, the start would count as an end of the process, and a message whose move aside
+    // panicked would come to be moved aside as poison, for a reason that is not true.
+    let decided = AssertUnwindSafe(decided).catch_unwind().await;
     // Alive after this start, whatever its outcome: the message is not what ends processes.
     if counted.is_some() {
         let kept = bounded!(shared, |conn| attempts::done(
@@ -57,7 +67,7 @@ pub(super) async fn redelivered<C: Consumer>(
         redelivery_count(id, kept);
     }
     lock(&shared.starts.0).remove(&id);
-    disposition
+    decided.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// A suspect's attempt starts alone: counted before the work, so that it stays counted if the work ends the process.

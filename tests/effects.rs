@@ -1122,3 +1122,50 @@ async fn a_parcel_arriving_as_the_queue_is_found_idle_has_its_call_made_before_t
     );
     assert_eq!(env.queue_counts(common::CARRIER_QUEUE), (0, 0));
 }
+
+/// A call whose outcome is unknown (its connection dropped after the carrier booked) and a look-up that cannot answer
+/// (nothing listens at its URL): each attempt asks the look-up first, which fails, and counts as an attempt whose
+/// outcome is unknown; after `--max-attempts` the call ends `failed` (listed by `effects --failed`), and an idle run
+/// ends. A failed look-up used to leave the call started without counting it, due again for ever: `--exit-when-idle`
+/// waited for it for good.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_look_up_that_keeps_failing_ends_the_call_failed_after_max_attempts() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"dropNext": 1})).await;
+    publish_to(&env, "no-look-up", 1);
+    let extra = [
+        "--lookup-url",
+        "http://127.0.0.1:1",
+        "--max-attempts",
+        "3",
+        "--exit-when-idle",
+        "1s",
+    ];
+    let mut consumer = env.spawn(&consume_args(&stub, "after-commit", &extra));
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "the run ended idle: {}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "no-look-up").await.as_deref(),
+        Some("failed"),
+        "{}",
+        consumer.stderr()
+    );
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM inboxctl_effects WHERE request->>'destination' = 'no-look-up'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 3);
+    let listed = env.run(&["effects", "--failed"]);
+    let id = message_of(&pool, "no-look-up").await;
+    assert!(listed.stdout.contains(&id.to_string()), "{listed:?}");
+    assert!(listed.stdout.contains("look-up failed"), "{listed:?}");
+}

@@ -167,12 +167,12 @@ impl Worker {
                 Ok(Some(slot)) => return self.done(&effect, &request, slot).await,
                 Ok(None) => {}
                 Err(e) => {
-                    // Still unknown: left started, due again after the retry delay.
-                    let error = format!("look-up failed: {e}");
-                    let due = Some(self.retry_after(effect.attempts));
-                    self.record(&effect, "started", due, Some(&error), None)
-                        .await;
-                    return;
+                    // Still unknown: an attempt whose outcome is unknown, as a call's that got no answer is — left
+                    // started and due again after the retry delay, until `--max-attempts` ends it `failed`. Left
+                    // started for good, a look-up that never answers would keep the call owed, and an idle run
+                    // waiting for it, for ever.
+                    let error = CallError::Unknown(format!("look-up failed: {e}"));
+                    return self.failed(&effect, mode, &error).await;
                 }
             }
         }

@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use common::{CARRIER_QUEUE, Proc, Stub, TestEnv};
+use inboxctl::db::external;
 
 /// Timeouts short enough for the tests, and a lease just past them (a call has ended before its lease does).
 const QUICK: &[&str] = &[
@@ -1168,4 +1169,144 @@ async fn a_look_up_that_keeps_failing_ends_the_call_failed_after_max_attempts() 
     let id = message_of(&pool, "no-look-up").await;
     assert!(listed.stdout.contains(&id.to_string()), "{listed:?}");
     assert!(listed.stdout.contains("look-up failed"), "{listed:?}");
+}
+
+/// A pending at-most-once effect for `consumer_type`, leased once: the attempt as a worker holds it.
+async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external::Leased {
+    let mut conn = pool.acquire().await.unwrap();
+    external::insert(
+        &mut conn,
+        &external::NewEffect {
+            message_id: Uuid::now_v7(),
+            consumer_type,
+            idempotency_key: Uuid::new_v4(),
+            mode,
+            state: "pending",
+            request: r#"{"parcelId":"00000000-0000-0000-0000-000000000000","destination":"fence"}"#,
+            attempts: 0,
+            reference: None,
+        },
+    )
+    .await
+    .unwrap();
+    let mut leased = external::lease_due(pool, consumer_type, Duration::from_secs(30), 10)
+        .await
+        .unwrap();
+    assert_eq!(leased.len(), 1);
+    leased.remove(0)
+}
+
+/// Its lease ran out (the process holding it stalled or died).
+async fn lapse(pool: &PgPool, id: Uuid) {
+    sqlx::query(
+        "UPDATE inboxctl_effects SET lease_until = now() - interval '1 second' WHERE message_id = $1",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+fn outcome<'a>(state: &'a str, error: &'a str) -> external::Outcome<'a> {
+    external::Outcome {
+        state,
+        due_in: Some(Duration::ZERO),
+        last_error: Some(error),
+        reference: None,
+    }
+}
+
+/// An at-most-once attempt A whose outcome's write stalls past its lease; the call marked in doubt, an operator
+/// settles it to be made again (its attempts counted afresh), and attempt B leases it — with A's number. A's late
+/// write must not land on B's attempt (it would end B's lease while B's call is in flight, and a third attempt would
+/// call beside it); B's own outcome is recorded. The fence used to be the attempt's number alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_late_outcome_never_lands_on_a_later_attempt_with_the_same_number() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let a = leased_once(&pool, "fence", "at-most-once").await;
+    lapse(&pool, a.message_id).await;
+    assert_eq!(external::mark_in_doubt(&pool, "fence").await.unwrap(), 1);
+    let settled = external::settle(&pool, a.message_id, "fence", "pending", None, None, None)
+        .await
+        .unwrap();
+    assert_eq!(settled.as_deref(), Some("in_doubt"));
+    let mut leased = external::lease_due(&pool, "fence", Duration::from_secs(30), 10)
+        .await
+        .unwrap();
+    let b = leased.remove(0);
+    assert_eq!((b.message_id, b.attempts), (a.message_id, a.attempts));
+    let late = external::record_outcome(&pool, &a, "fence", &outcome("pending", "late"))
+        .await
+        .unwrap();
+    assert!(!late, "attempt A's late outcome landed on attempt B");
+    let own = external::record_outcome(&pool, &b, "fence", &outcome("pending", "b's own"))
+        .await
+        .unwrap();
+    assert!(own, "attempt B's outcome is recorded");
+}
+
+/// `effects reconcile` asks the look-up about an after-commit call whose outcome is unknown (no booking: 404), and,
+/// before it settles the call on that answer, a consumer process makes an attempt of its own (held there by a
+/// failpoint; the test plays the worker: it leases the call and records its outcome unknown again). The answer is
+/// about the call as it was: it must not settle it to be made again — which would count its attempts afresh and
+/// have the next attempt book without asking the look-up first, while the worker's call may have booked.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attempt() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let first = leased_once(&pool, CARRIER_QUEUE, "after-commit").await;
+    external::record_outcome(
+        &pool,
+        &first,
+        CARRIER_QUEUE,
+        &outcome("started", "no answer"),
+    )
+    .await
+    .unwrap();
+    lapse(&pool, first.message_id).await;
+    let mut reconcile = env.spawn_with(
+        &["effects", "reconcile", "--lookup-url", &stub.url, "--json"],
+        &[("INBOXCTL_FAILPOINTS", "reconcile-looked=sleep-once-3000")],
+    );
+    reconcile.wait_for_stderr(
+        "failpoint reconcile-looked reached",
+        Duration::from_secs(30),
+    );
+    let mut leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10)
+        .await
+        .unwrap();
+    let second = leased.remove(0);
+    assert_eq!(second.was, "started");
+    let recorded = external::record_outcome(
+        &pool,
+        &second,
+        CARRIER_QUEUE,
+        &outcome("started", "no answer"),
+    )
+    .await
+    .unwrap();
+    assert!(recorded);
+    assert_eq!(
+        reconcile.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}{}",
+        reconcile.stdout(),
+        reconcile.stderr()
+    );
+    let (state, attempts): (String, i32) =
+        sqlx::query_as("SELECT state, attempts FROM inboxctl_effects WHERE message_id = $1")
+            .bind(first.message_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (state.as_str(), attempts),
+        ("started", 2),
+        "settled on a stale answer: {}",
+        reconcile.stdout()
+    );
+    let said: serde_json::Value = serde_json::from_str(&reconcile.stdout()).unwrap();
+    assert_eq!(said[0]["now"], "changed", "{said}");
 }

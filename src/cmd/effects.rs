@@ -195,6 +195,7 @@ async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome>
             "done": done.iter().filter(|r| r.now == "done").count(),
             "pending": done.iter().filter(|r| r.now == "pending").count(),
             "unknown": done.iter().filter(|r| r.now == "unknown").count(),
+            "changed": done.iter().filter(|r| r.now == "changed").count(),
         }),
         Err(_) => serde_json::json!({"consumer_type": args.consumer_type}),
     };

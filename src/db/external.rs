@@ -19,7 +19,8 @@ ON CONFLICT (message_id, consumer_type) DO NOTHING";
     /// Leases up to `$3` effects of consumer_type `$1` that are due, for `$2` seconds: pending ones whose wait has
     /// passed, and after-commit ones whose process's lease ran out (that process died, or its call's outcome was
     /// unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
-    /// started; `was` says what it was before. Rows another process is leasing are skipped, not waited for.
+    /// started; `was` says what it was before; its lease's end, with the attempt's number, fences the attempt's
+    /// outcome. Rows another process is leasing are skipped, not waited for.
     const LEASE_DUE = "\
 WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
@@ -33,7 +34,7 @@ UPDATE inboxctl_effects e
 SET state = 'started', lease_until = now() + make_interval(secs => $2), attempts = e.attempts + 1, updated_at = now()
 FROM due
 WHERE e.message_id = due.message_id AND e.consumer_type = due.consumer_type
-RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, due.state";
+RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, due.state, e.lease_until";
 
     /// At-most-once effects of consumer_type `$1` started by a process whose lease ran out: in doubt.
     const MARK_IN_DOUBT = "\
@@ -50,13 +51,14 @@ SELECT count(*) FROM (
     SELECT 1 FROM inboxctl_effects WHERE consumer_type = $1 AND state IN ('pending', 'started') LIMIT 1000) owed";
 
     /// Records the outcome of attempt `$3` of effect (`$1` message id, `$2` consumer_type), if that attempt still
-    /// holds it (started, same attempt count): `$4` new state, `$5` seconds until it is due again (null: never),
-    /// `$6` last error, `$7` reference. Answers whether it still held it.
+    /// holds it (started, same attempt count, same lease `$8`: a settle to `pending` counts attempts afresh, so the
+    /// number alone could match a later attempt's): `$4` new state, `$5` seconds until it is due again (null:
+    /// never), `$6` last error, `$7` reference. Answers whether it still held it.
     const RECORD_OUTCOME = "\
 UPDATE inboxctl_effects
 SET state = $4, lease_until = now() + make_interval(secs => $5), last_error = coalesce($6, last_error),
     reference = coalesce($7, reference), updated_at = now()
-WHERE message_id = $1 AND consumer_type = $2 AND state = 'started' AND attempts = $3";
+WHERE message_id = $1 AND consumer_type = $2 AND state = 'started' AND attempts = $3 AND lease_until = $8";
 
     /// The effects in states `$1` (an array), of consumer_type `$2` (null: all), oldest first, at most `$3`. An
     /// at-most-once effect started by a process whose lease ran out is shown in doubt.
@@ -81,8 +83,9 @@ WHERE message_id = $1 AND ($2::text IS NULL OR consumer_type = $2)
 ORDER BY consumer_type";
 
     /// Settles an effect that is not running now (not leased by a live process): `$3` new state (`done` or
-    /// `pending`, its attempts counted afresh), `$4` reference, `$5` note kept as its last error. `$1` message id, `$2` consumer_type. Answers the
-    /// state it had.
+    /// `pending`, its attempts counted afresh), `$4` reference, `$5` note kept as its last error. `$1` message id,
+    /// `$2` consumer_type, `$6` when it was last seen changed (null: as it is now): a row changed since — an attempt
+    /// made meanwhile — is not settled on what was learnt before. Answers the state it had.
     const SETTLE = "\
 UPDATE inboxctl_effects e
 SET state = $3, reference = coalesce($4, e.reference), last_error = coalesce($5, e.last_error), lease_until = NULL,
@@ -90,6 +93,7 @@ SET state = $3, reference = coalesce($4, e.reference), last_error = coalesce($5,
 FROM (SELECT message_id, consumer_type, state FROM inboxctl_effects
       WHERE message_id = $1 AND consumer_type = $2
         AND state <> 'done' AND (state <> 'started' OR lease_until < now())
+        AND ($6::timestamptz IS NULL OR updated_at = $6)
       FOR UPDATE) old
 WHERE e.message_id = old.message_id AND e.consumer_type = old.consumer_type
 RETURNING old.state";
@@ -146,6 +150,8 @@ pub struct Leased {
     pub attempts: i32,
     /// What it was before: `started` if an earlier attempt's outcome is unknown.
     pub was: String,
+    /// When this lease ends: with `attempts`, the fence its outcome is recorded under.
+    pub lease_until: DateTime<Utc>,
 }
 
 /// Leases up to `limit` due effects for `lease` (`LEASE_DUE`).
@@ -155,7 +161,8 @@ pub async fn lease_due(
     lease: std::time::Duration,
     limit: i64,
 ) -> sqlx::Result<Vec<Leased>> {
-    let query = sql::query_as::<(Uuid, Uuid, String, String, i32, String)>(LEASE_DUE)
+    type LeasedRaw = (Uuid, Uuid, String, String, i32, String, DateTime<Utc>);
+    let query = sql::query_as::<LeasedRaw>(LEASE_DUE)
         .bind(consumer_type)
         .bind(lease.as_secs_f64())
         .bind(limit);
@@ -163,13 +170,14 @@ pub async fn lease_due(
     Ok(rows
         .into_iter()
         .map(
-            |(message_id, idempotency_key, mode, request, attempts, was)| Leased {
+            |(message_id, idempotency_key, mode, request, attempts, was, lease_until)| Leased {
                 message_id,
                 idempotency_key,
                 mode,
                 request,
                 attempts,
                 was,
+                lease_until,
             },
         )
         .collect())
@@ -200,22 +208,22 @@ pub struct Outcome<'a> {
     pub reference: Option<&'a str>,
 }
 
-/// Records attempt `attempts`'s outcome if that attempt still holds the effect (`RECORD_OUTCOME`).
+/// Records the outcome of the attempt `leased` if it still holds the effect (`RECORD_OUTCOME`).
 pub async fn record_outcome(
     executor: impl Into<Exec<'_>>,
-    message_id: Uuid,
+    leased: &Leased,
     consumer_type: &str,
-    attempts: i32,
     outcome: &Outcome<'_>,
 ) -> sqlx::Result<bool> {
     let query = sql::query(RECORD_OUTCOME)
-        .bind(message_id)
+        .bind(leased.message_id)
         .bind(consumer_type)
-        .bind(attempts)
+        .bind(leased.attempts)
         .bind(outcome.state)
         .bind(outcome.due_in.map(|d| d.as_secs_f64()))
         .bind(outcome.last_error)
-        .bind(outcome.reference);
+        .bind(outcome.reference)
+        .bind(leased.lease_until);
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected() == 1)
 }
 
@@ -296,7 +304,8 @@ pub async fn of_message(
     Ok(rows.into_iter().map(row).collect())
 }
 
-/// Settles an effect no live process holds (`SETTLE`): the state it had, or `None` if there was none to settle.
+/// Settles an effect no live process holds (`SETTLE`), and, with `unchanged_since`, that has not changed since it was
+/// seen: the state it had, or `None` if there was none to settle.
 pub async fn settle(
     executor: impl Into<Exec<'_>>,
     message_id: Uuid,
@@ -304,13 +313,15 @@ pub async fn settle(
     state: &str,
     reference: Option<&str>,
     note: Option<&str>,
+    unchanged_since: Option<DateTime<Utc>>,
 ) -> sqlx::Result<Option<String>> {
     let query = sql::query_scalar::<String>(SETTLE)
         .bind(message_id)
         .bind(consumer_type)
         .bind(state)
         .bind(reference)
-        .bind(note);
+        .bind(note)
+        .bind(unchanged_since);
     unit!(executor, |conn| query.fetch_optional(conn))
 }
 

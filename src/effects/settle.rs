@@ -63,6 +63,7 @@ pub async fn resolve(
         state,
         reference,
         Some(note),
+        None,
     )
     .await?;
     if settled.is_none() {
@@ -85,8 +86,9 @@ pub struct Reconciled {
     pub message_id: Uuid,
     pub consumer_type: String,
     pub was: String,
-    /// `done` (the carrier has a booking under its key), `pending` (it has none: to be made), or `unknown` (the
-    /// look-up failed; left as it was).
+    /// `done` (the carrier has a booking under its key), `pending` (it has none: to be made), `unknown` (the
+    /// look-up failed; left as it was), or `changed` (an attempt was made, or it was settled, since it was listed:
+    /// the answer is about the call as it was, and it is left as it is now).
     pub now: String,
     pub reference: Option<String>,
     pub error: Option<String>,
@@ -121,12 +123,18 @@ pub async fn reconcile(
             reference: None,
             error: None,
         };
-        match lookup.lookup(effect.idempotency_key).await {
+        let looked = lookup.lookup(effect.idempotency_key).await;
+        // What the look-up said holds for the effect as it was listed: one changed since (an attempt made meanwhile
+        // by a consumer process) is not settled on it.
+        crate::failpoint::hit("reconcile-looked").await;
+        match looked {
             Ok(Some(slot)) => {
                 let reference = slot.slot_id.to_string();
                 if settle_booked(pool, &effect, slot).await? {
                     done.now = "done".to_owned();
                     done.reference = Some(reference);
+                } else {
+                    done.now = CHANGED.to_owned();
                 }
             }
             Ok(None) => {
@@ -137,11 +145,13 @@ pub async fn reconcile(
                     "pending",
                     None,
                     Some("reconciled: the carrier has no booking under its key; to be made again"),
+                    Some(effect.updated_at),
                 )
                 .await?;
-                if settled.is_some() {
-                    done.now = "pending".to_owned();
-                }
+                done.now = match settled {
+                    Some(_) => "pending".to_owned(),
+                    None => CHANGED.to_owned(),
+                };
             }
             Err(e) => done.error = Some(e.to_string()),
         }
@@ -149,6 +159,9 @@ pub async fn reconcile(
     }
     Ok(out)
 }
+
+/// What `reconcile` says of a call it did not settle because it changed since it was listed.
+const CHANGED: &str = "changed";
 
 /// Marks an effect done with the carrier's slot and writes its reservation, in one transaction; false if it could
 /// not be settled (done meanwhile, or leased again).
@@ -166,6 +179,7 @@ async fn settle_booked(
         "done",
         Some(&reference),
         Some("reconciled: the carrier has a booking under its key"),
+        Some(effect.updated_at),
     )
     .await?;
     if settled.is_none() {

@@ -258,9 +258,8 @@ impl Worker {
         let mut tx = sqlx::Connection::begin(conn).await?;
         let held = external::record_outcome(
             &mut *tx,
-            effect.message_id,
+            effect,
             self.consumer_type.as_str(),
-            effect.attempts,
             &external::Outcome {
                 state: "done",
                 due_in: None,
@@ -297,9 +296,8 @@ impl Worker {
         let recorded = transient_retried(|| {
             bounded!(&self.pool, self.bound, |conn| external::record_outcome(
                 conn,
-                effect.message_id,
+                effect,
                 self.consumer_type.as_str(),
-                effect.attempts,
                 &outcome,
             ))
         })

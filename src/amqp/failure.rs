@@ -57,9 +57,17 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
         _ => None,
     };
 
-    let origin = match text("MT-Fault-InputAddress") {
-        Some(input_address) => origin_of_address(input_address, vhost),
-        None => text("x-first-death-queue")
+    // A copy moved to `<queue>_skipped` (MassTransit's, or inboxctl's: `MT-Reason: dead-letter`, no fault headers)
+    // came from `<queue>`, whatever dead-lettering brought it there before: the `x-death` headers it keeps are of an
+    // earlier hop, and replayed there it would reach another consumer than the one that skipped it.
+    let skipped_from = (text("MT-Reason").as_deref() == Some("dead-letter"))
+        .then(|| from.strip_suffix("_skipped"))
+        .flatten()
+        .filter(|q| !q.is_empty());
+    let origin = match (text("MT-Fault-InputAddress"), skipped_from) {
+        (Some(input_address), _) => origin_of_address(input_address, vhost),
+        (None, Some(queue)) => Origin::Queue(queue.to_owned()),
+        (None, None) => text("x-first-death-queue")
             .filter(|q| !q.is_empty())
             .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
             .filter(|q| !q.is_empty())
@@ -218,6 +226,34 @@ mod tests {
             Some("not handled by the consumer (skipped)")
         );
         assert_eq!(failure(None, "somewhere", "/").origin, Origin::Unknown);
+    }
+
+    /// A message dead-lettered into `audit` (by a dead-letter exchange on `orders`: `x-first-death-queue` and `x-death`
+    /// say `orders`), then skipped by `audit`'s consumer: its origin is `audit`, not the earlier hop.
+    #[test]
+    fn a_skipped_copy_goes_back_to_the_queue_that_skipped_it_not_to_an_earlier_hop() {
+        let headers = |skipped: bool| {
+            let mut death = FieldTable::default();
+            death.insert("queue".into(), long("orders"));
+            death.insert("reason".into(), long("rejected"));
+            let mut h = FieldTable::default();
+            if skipped {
+                h.insert("MT-Reason".into(), long("dead-letter"));
+            }
+            h.insert("x-first-death-queue".into(), long("orders"));
+            h.insert(
+                "x-death".into(),
+                AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+            );
+            h
+        };
+        let f = failure(Some(&headers(true)), "audit_skipped", "/");
+        assert_eq!(f.origin, Origin::Queue("audit".into()));
+        // Not a skipped copy (no `MT-Reason`): the dead-lettering's own queue.
+        assert_eq!(
+            failure(Some(&headers(false)), "audit_skipped", "/").origin,
+            Origin::Queue("orders".into())
+        );
     }
 
     #[test]

@@ -68,6 +68,39 @@ fn bad_flags_and_values_are_usage_errors() {
     }
 }
 
+/// With `--lookup-url`, one leased attempt asks the look-up and then makes the call: the lease must outlast both, or
+/// another process could take the effect over while the call is still in flight. 20 s + the 3 s connect timeout: the
+/// default 30 s lease outlasts one call (taken, and then failing only to connect), not a look-up and a call (46 s).
+#[test]
+fn an_effect_lease_shorter_than_a_look_up_and_a_call_is_refused() {
+    let base = [
+        "consume",
+        "carrier",
+        "--carrier-url",
+        "http://127.0.0.1:1",
+        "--effect-mode",
+        "after-commit",
+        "--carrier-timeout",
+        "20s",
+    ];
+    let unreachable = [
+        (
+            "DATABASE_URL",
+            "postgres://postgres@127.0.0.1:1/parceltracker",
+        ),
+        ("AMQP_URL", "amqp://127.0.0.1:1/%2f"),
+    ];
+    let with_look_up = [&base[..], &["--lookup-url", "http://127.0.0.1:1"]].concat();
+    let out = run(&with_look_up, &unreachable);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("--effect-lease") && out.stderr.contains("look-up"),
+        "{out:?}"
+    );
+    let out = run(&base, &unreachable);
+    assert_eq!(out.code, Some(69), "taken, then unable to connect: {out:?}");
+}
+
 #[test]
 fn an_unreachable_database_is_named_without_its_password() {
     let secret = "Sup3rS3cretPw";

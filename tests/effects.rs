@@ -29,6 +29,15 @@ const QUICK: &[&str] = &[
     "4",
 ];
 
+/// With a look-up, a leased attempt may ask it and then call, both within QUICK's 3 s lease: each bounded so that the
+/// two together end before it (2 × 1.4 s).
+const LOOK_UP_QUICK: [&str; 4] = [
+    "--carrier-timeout",
+    "1s",
+    "--carrier-connect-timeout",
+    "400ms",
+];
+
 fn consume_args<'a>(stub: &'a Stub, mode: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "consume",
@@ -305,7 +314,14 @@ async fn after_commit_crash_matrix_ignoring_keys_with_a_lookup_books_once() {
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
     let url = stub.url.clone();
-    let extra = ["--lookup-url", url.as_str()];
+    let extra = [
+        "--lookup-url",
+        url.as_str(),
+        LOOK_UP_QUICK[0],
+        LOOK_UP_QUICK[1],
+        LOOK_UP_QUICK[2],
+        LOOK_UP_QUICK[3],
+    ];
     for point in POINTS {
         let got = crash_case(
             &env,
@@ -530,7 +546,16 @@ async fn chaos_after_commit_with_a_lookup_books_every_parcel_once() {
     let args = consume_args(
         &stub,
         "after-commit",
-        &["--lookup-url", &url, "--prefetch", "16"],
+        &[
+            "--lookup-url",
+            &url,
+            "--prefetch",
+            "16",
+            LOOK_UP_QUICK[0],
+            LOOK_UP_QUICK[1],
+            LOOK_UP_QUICK[2],
+            LOOK_UP_QUICK[3],
+        ],
     );
     let started = Instant::now();
     let mut consumers: Vec<Proc> = (0..2).map(|_| env.spawn(&args)).collect();
@@ -1138,6 +1163,10 @@ async fn a_look_up_that_keeps_failing_ends_the_call_failed_after_max_attempts() 
     stub.behave(json!({"dropNext": 1})).await;
     publish_to(&env, "no-look-up", 1);
     let extra = [
+        LOOK_UP_QUICK[0],
+        LOOK_UP_QUICK[1],
+        LOOK_UP_QUICK[2],
+        LOOK_UP_QUICK[3],
         "--lookup-url",
         "http://127.0.0.1:1",
         "--max-attempts",

@@ -214,12 +214,20 @@ pub(super) fn check_carrier_api(config: &Config) -> Result<()> {
             "--carrier-url applies to the carrier consumer only".to_owned(),
         ));
     }
-    if api.mode != EffectMode::Keyed && api.lease <= api.timeout + api.connect_timeout {
+    // One leased attempt makes the call, and, with a look-up, asks the look-up first: both within the lease.
+    let calls = if api.lookup_url.is_some() { 2 } else { 1 };
+    let longest = (api.timeout + api.connect_timeout).saturating_mul(calls);
+    if api.mode != EffectMode::Keyed && api.lease <= longest {
         return Err(Error::Usage(format!(
-            "--effect-lease ({}) must be longer than --carrier-timeout plus the connect timeout ({}): a call must have \
-             ended before another process may take its effect over",
+            "--effect-lease ({}) must be longer than {}--carrier-timeout plus the connect timeout ({}): a call must \
+             have ended before another process may take its effect over",
             crate::cli::show(api.lease),
-            crate::cli::show(api.timeout + api.connect_timeout)
+            if calls == 2 {
+                "the look-up (--lookup-url) and the call: twice "
+            } else {
+                ""
+            },
+            crate::cli::show(longest)
         )));
     }
     if api.lookup_url.is_some() && api.mode != EffectMode::AfterCommit {

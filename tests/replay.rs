@@ -1574,6 +1574,56 @@ async fn an_acknowledgement_in_doubt_when_the_replay_stops_is_counted_and_said()
     assert_eq!(env.queue_counts("doubt.dlq"), (0, 0));
 }
 
+/// The same doubt, when the stop comes later: the connection is lost after the first message's acknowledgement went
+/// out (a failpoint holds the next get while the test closes the connection), and the replay connects again — but
+/// before it takes anything, it finds its lost connection's marker still standing (the test holds one like it) and
+/// waits; there it is stopped (SIGTERM). The acknowledgement is still in doubt: the report counts it and the summary
+/// says it. It used to be counted only for a stop that was itself a loss.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acknowledgement_in_doubt_stays_counted_when_the_replay_stops_after_connecting_again() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["later-a", "later.dlq"], FieldTable::default()).await;
+    dead_letters(&conn, "later.dlq", 3, "rabbitmq://localhost/later-a").await;
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "later.dlq", "--json"],
+        &[("INBOXCTL_FAILPOINTS", "replay-before-get=sleep-once-4000@1")],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-get reached",
+        Duration::from_secs(30),
+    );
+    common::close_connection(&env.vhost, "inboxctl replay");
+    let holder = conn.create_channel().await.unwrap();
+    holder
+        .queue_declare(
+            inboxctl::amqp::topology::replay_marker("later.dlq")
+                .as_str()
+                .into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    replay.wait_for_stderr("still stands", Duration::from_secs(30));
+    replay.terminate();
+    replay
+        .wait(Duration::from_secs(30))
+        .expect("the replay ended");
+    let said = replay.stderr();
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["interrupted"], true, "{report}");
+    assert_eq!(report["acks_in_doubt"], 1, "{report} {said}");
+    // A stop asked for, not the marker's wait running out.
+    assert!(report["stopped"].is_null(), "{report}");
+}
+
 /// A replay sees only what is ready when it begins: what another client holds unacknowledged then (a `find` or
 /// `failures` look, a consumer of the dead-letter queue) is not in its count, and is not replayed. Given back while
 /// the replay runs, it is in the queue when the replay ends, and the report says how many are there now

@@ -262,6 +262,13 @@ fn summary(report: &Report) -> String {
     }
     if report.interrupted && report.stopped.is_none() {
         summary.push_str("; interrupted: the rest is where it was");
+        if report.acks_in_doubt > 0 {
+            summary.push_str(&format!(
+                ", but the acknowledgement of {} replayed message(s) is not known to have arrived before the \
+                 connection was lost: such a message may still be in the dead-letter queue beside its copy",
+                report.acks_in_doubt
+            ));
+        }
     }
     if let Some(g) = &report.group {
         summary.push_str(&format!(
@@ -406,5 +413,20 @@ mod tests {
         );
         assert!(!summary(&report(0, Some(0))).contains(said));
         assert!(!summary(&report(0, None)).contains(said), "not looked at");
+    }
+
+    /// Interrupted by a stop asked for, with an acknowledgement of an earlier loss still in doubt: said.
+    #[test]
+    fn an_interrupted_replay_says_the_acknowledgements_in_doubt() {
+        let mut r = report(0, None);
+        r.interrupted = true;
+        let said = "the acknowledgement of 1 replayed message(s) is not known to have arrived";
+        assert!(!summary(&r).contains(said));
+        r.acks_in_doubt = 1;
+        let with = summary(&r);
+        assert!(
+            with.contains("interrupted: the rest is where it was") && with.contains(said),
+            "{with}"
+        );
     }
 }

@@ -102,7 +102,8 @@ pub struct Machine {
     unsettled: Vec<(Content, bool)>,
     /// The copy being republished.
     pending: Option<(Content, Key)>,
-    /// Acknowledgements not known to have arrived when the last connection was lost.
+    /// Acknowledgements not known to have arrived when the last connection was lost, until the next connection goes
+    /// on past what that loss gave back (or finds the queue empty): then each was made again or had arrived.
     unsettled_at_loss: u64,
 }
 
@@ -157,6 +158,8 @@ impl Machine {
                 return Step::AckAgain;
             }
         }
+        // Past what the last loss gave back (it comes back first, where it was).
+        self.unsettled_at_loss = 0;
         if self.decided >= self.snapshot {
             return Step::Hold;
         }
@@ -248,9 +251,15 @@ impl Machine {
         self.already_replayed
     }
 
-    /// Acknowledgements not known to have arrived when the last connection was lost (those of earlier losses were
-    /// made again, or the next connection showed them arrived): for a replay that stopped there, each may or may not
-    /// have arrived.
+    /// The queue was found empty: whatever the last loss gave back was taken again already.
+    pub fn queue_empty(&mut self) {
+        self.unsettled_at_loss = 0;
+    }
+
+    /// Acknowledgements not known to have arrived when the last connection was lost, as long as no connection since
+    /// has gone on past what that loss gave back (those of earlier losses were made again, or the next connection
+    /// showed them arrived): for a replay that stops there — the loss itself, or anything before the next
+    /// connection has got that far — each may or may not have arrived.
     pub fn acks_in_doubt(&self) -> u64 {
         self.unsettled_at_loss
     }

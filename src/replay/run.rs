@@ -75,7 +75,9 @@ pub async fn run(
     report.replayed = state.machine.replayed();
     report.left = state.machine.left();
     report.already_replayed = state.machine.already_replayed();
-    if report.connection_lost {
+    // Any stop: one that came after a loss, before the next connection got past what the loss gave back (a stop
+    // asked for, the lost connection's marker still standing), leaves those acknowledgements in doubt as well.
+    if report.interrupted {
         report.acks_in_doubt = state.machine.acks_in_doubt();
     }
     report.group = plan.group.as_ref().map(|g| report.check_group(g));
@@ -231,7 +233,11 @@ impl State<'_> {
                  connection (it gives back what it held) before taking anything"
             );
             let deadline = tokio::time::Instant::now() + STALE_MARKER_WAIT;
-            while tokio::time::Instant::now() < deadline && !shutdown.is_cancelled() {
+            while tokio::time::Instant::now() < deadline {
+                if shutdown.is_cancelled() {
+                    // A stop asked for: nothing is taken ([`State::take`] looks first), and the report says so.
+                    return Ok(());
+                }
                 tokio::time::sleep(Duration::from_millis(250)).await;
                 if self.marked(connection).await? != topology::Marker::Held {
                     return Ok(());
@@ -273,6 +279,7 @@ impl State<'_> {
             // Answered after every acknowledgement sent before it on this channel: those arrived.
             self.machine.settled();
             let Some(delivery) = got else {
+                self.machine.queue_empty();
                 break;
             };
             let read = self.read(&delivery);

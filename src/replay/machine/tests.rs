@@ -554,6 +554,11 @@ fn only_the_acknowledgements_in_flight_at_the_last_loss_are_in_doubt() {
     m.connection_lost();
     assert_eq!(m.acks_in_doubt(), 1);
     m.pass_started();
+    assert_eq!(
+        m.acks_in_doubt(),
+        1,
+        "still in doubt before the next connection has taken anything"
+    );
     assert_eq!(m.delivered(&seen(2)), Step::Publish);
     assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
     m.settled();

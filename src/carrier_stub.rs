@@ -52,6 +52,8 @@ pub struct Behaviour {
     pub fail_next: u32,
     /// Answer 503 to every request.
     pub fail_always: bool,
+    /// The status `failNext` and `failAlways` answer instead of 503 (a 500, a gateway's 502 or 504), booking nothing.
+    pub fail_status: Option<u16>,
     /// Book, then drop the connection without answering, for this many requests from now on.
     pub drop_next: u32,
 }
@@ -64,6 +66,7 @@ impl Default for Behaviour {
             delay_destination: None,
             fail_next: 0,
             fail_always: false,
+            fail_status: None,
             drop_next: 0,
         }
     }
@@ -192,8 +195,14 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         let mut l = ledger(&shared);
         if l.behaviour.fail_always || l.behaviour.fail_next > 0 {
             l.behaviour.fail_next = l.behaviour.fail_next.saturating_sub(1);
+            let status = l
+                .behaviour
+                .fail_status
+                .and_then(|s| StatusCode::from_u16(s).ok())
+                .filter(|s| s.is_client_error() || s.is_server_error())
+                .unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
             return (
-                StatusCode::SERVICE_UNAVAILABLE,
+                status,
                 Json(serde_json::json!({"error": "carrier unavailable, try again later"})),
             )
                 .into_response();

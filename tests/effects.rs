@@ -1339,3 +1339,44 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
     let said: serde_json::Value = serde_json::from_str(&reconcile.stdout()).unwrap();
     assert_eq!(said[0]["now"], "changed", "{said}");
 }
+
+/// At most once, a gateway's 504 (or a 500) leaves the outcome unknown — the carrier behind the gateway may have
+/// booked — so the call is listed in doubt and not made again; a 503 booked nothing, so it is made again. Both 5xx
+/// were taken for "nothing booked" before: a call answered 504 was made a second time.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_most_once_a_gateways_504_is_in_doubt_and_a_503_is_made_again() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"failNext": 1, "failStatus": 504})).await;
+    publish_to(&env, "gateway-504", 1);
+    let got = settle(
+        &env,
+        &pool,
+        &consume_args(&stub, "at-most-once", &[]),
+        "gateway-504",
+    )
+    .await;
+    assert_eq!(got, "in_doubt");
+    assert_eq!(stub.bookings_to("gateway-504").await, 0, "not made again");
+    let error: String = sqlx::query_scalar(
+        "SELECT last_error FROM inboxctl_effects WHERE request->>'destination' = 'gateway-504'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(error.contains("504"), "{error}");
+
+    stub.behave(json!({"failNext": 1})).await;
+    publish_to(&env, "unavailable-503", 1);
+    let got = settle(
+        &env,
+        &pool,
+        &consume_args(&stub, "at-most-once", &[]),
+        "unavailable-503",
+    )
+    .await;
+    assert_eq!(got, "done");
+    assert_eq!(stub.bookings_to("unavailable-503").await, 1);
+}

@@ -49,6 +49,8 @@ impl Args {
             delay_destination: self.delay_destination.clone(),
             fail_next: self.fail_next,
             fail_always: self.fail_always,
+            // Another status than 503: through `POST /_stub/behaviour` (the tests' way), not a flag.
+            fail_status: None,
             drop_next: self.drop_next,
         }
     }

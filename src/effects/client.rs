@@ -127,10 +127,12 @@ async fn answer(
     let status = response.status();
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
-        return Err(CallError::Refused(bounded(&format!(
-            "carrier API returned {status}: {}",
-            text.trim()
-        ))));
+        let said = bounded(&format!("carrier API returned {status}: {}", text.trim()));
+        return Err(if refused(status) {
+            CallError::Refused(said)
+        } else {
+            CallError::Unknown(said)
+        });
     }
     response.json::<SlotAnswer>().await.map_err(|e| {
         CallError::Unknown(bounded(&format!(
@@ -138,6 +140,16 @@ async fn answer(
             chain(&e)
         )))
     })
+}
+
+/// Whether a status the carrier answered with says that nothing was booked: a client error (4xx: the request was
+/// refused as it stands), or 503 (the service would not take it). Any other server error — a 500 that may have come
+/// after the booking was made, a gateway's 502 or 504 whose carrier behind it may have booked — leaves the outcome
+/// unknown: an at-most-once call is then in doubt, not made again, and an after-commit one asks the look-up first.
+fn refused(status: StatusCode) -> bool {
+    status.is_client_error()
+        || status == StatusCode::SERVICE_UNAVAILABLE
+        || !status.is_server_error()
 }
 
 /// An error and its causes on one line, without the URL (which may hold a password).

@@ -1380,3 +1380,71 @@ async fn at_most_once_a_gateways_504_is_in_doubt_and_a_503_is_made_again() {
     assert_eq!(got, "done");
     assert_eq!(stub.bookings_to("unavailable-503").await, 1);
 }
+
+/// A call owed after a commit of an earlier after-commit run (pending: that run stopped before making it).
+async fn owed_from_an_earlier_run(pool: &PgPool, destination: &str) -> Uuid {
+    let id = Uuid::now_v7();
+    let request = json!({
+        "parcelId": Uuid::new_v4(),
+        "trackingNumber": "PT-OWED",
+        "destination": destination,
+    })
+    .to_string();
+    let mut conn = pool.acquire().await.unwrap();
+    external::insert(
+        &mut conn,
+        &external::NewEffect {
+            message_id: id,
+            consumer_type: CARRIER_QUEUE,
+            idempotency_key: Uuid::new_v4(),
+            mode: "after-commit",
+            state: "pending",
+            request: &request,
+            attempts: 0,
+            reference: None,
+        },
+    )
+    .await
+    .unwrap();
+    id
+}
+
+/// An after-commit run stopped with a call still owed, and the consumer restarted in keyed mode (the default): the
+/// call is made by the new run (its worker takes the calls earlier runs owe), and `--exit-when-idle` waits for it.
+/// With the stand-in carrier, which cannot make it, the run says so. The call used to be left owed for good, the
+/// keyed run ending idle at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    owed_from_an_earlier_run(&pool, "owed-keyed").await;
+    let args = consume_args(&stub, "keyed", &["--exit-when-idle", "1s"]);
+    let mut consumer = env.spawn(&args);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "owed-keyed").await.as_deref(),
+        Some("done"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(stub.bookings_to("owed-keyed").await, 1);
+
+    owed_from_an_earlier_run(&pool, "owed-stand-in").await;
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert!(
+        out.stderr.contains("cannot make them"),
+        "the stand-in says what it cannot do: {}",
+        out.stderr
+    );
+    assert_eq!(
+        state_of(&pool, "owed-stand-in").await.as_deref(),
+        Some("pending")
+    );
+}

@@ -98,6 +98,30 @@ pub async fn consume_guarded<G: WorkGuard>(
                 )
                 .await?;
                 let client = CarrierClient::new(&api.url, api.timeout, api.connect_timeout)?;
+                let wake = Arc::new(tokio::sync::Notify::new());
+                let worker = effects::worker::Worker {
+                    pool: pool.clone(),
+                    consumer_type: consumer_type.clone(),
+                    client: client.clone(),
+                    lookup: api
+                        .lookup_url
+                        .as_ref()
+                        .map(|u| CarrierClient::new(u, api.timeout, api.connect_timeout))
+                        .transpose()?,
+                    // Keyed, the lease is checked against nothing else (no call of its own is leased): it still
+                    // outlasts a call, for those owed by an earlier run.
+                    lease: match api.mode {
+                        EffectMode::Keyed => api
+                            .lease
+                            .max(api.timeout + api.connect_timeout + Duration::from_secs(1)),
+                        _ => api.lease,
+                    },
+                    max_attempts: config.max_attempts,
+                    retry_delay: config.retry_delay,
+                    concurrency: usize::from(config.workers()),
+                    wake: Arc::clone(&wake),
+                    bound: config.attempt_timeout(),
+                };
                 match api.mode {
                     EffectMode::Keyed => {
                         let carrier = effects::HttpCarrier {
@@ -105,56 +129,34 @@ pub async fn consume_guarded<G: WorkGuard>(
                             consumer_type: consumer_type.clone(),
                         };
                         let consumer = CarrierConsumer { carrier };
-                        super::run(guard, consumer, broker, options, shutdown).await
+                        // Calls left owed by an earlier run in another mode are made by this one too: keyed, no
+                        // call is owed after a commit, so nothing else would ever make them.
+                        if owed_by_an_earlier_run(&pool, &consumer_type).await {
+                            beside_the_worker(worker, guard, consumer, broker, options, shutdown).await
+                        } else {
+                            super::run(guard, consumer, broker, options, shutdown).await
+                        }
                     }
                     mode => {
-                        let wake = Arc::new(tokio::sync::Notify::new());
-                        let lookup = api
-                            .lookup_url
-                            .as_ref()
-                            .map(|u| CarrierClient::new(u, api.timeout, api.connect_timeout))
-                            .transpose()?;
-                        let worker = effects::worker::Worker {
-                            pool: pool.clone(),
-                            consumer_type: consumer_type.clone(),
-                            client,
-                            lookup,
-                            lease: api.lease,
-                            max_attempts: config.max_attempts,
-                            retry_delay: config.retry_delay,
-                            concurrency: usize::from(config.workers()),
-                            wake: Arc::clone(&wake),
-                            bound: config.attempt_timeout(),
-                        };
-                        // The worker makes the calls owed until a stop is asked for (then it starts no new call)
-                        // or the consumer stops on its own (idle, with no call owed).
-                        let stop_worker = shutdown.child_token();
-                        let working = tokio::spawn(worker.run(stop_worker.clone()));
-                        let shutdown_timeout = options.shutdown_timeout;
-                        let deadline = effects::worker::stop_deadline(&shutdown, shutdown_timeout);
                         let carrier = effects::DeferredCarrier {
                             mode,
                             consumer_type: consumer_type.clone(),
                             wake,
                         };
                         let consumer = CarrierConsumer { carrier };
-                        let options = ConsumerOptions {
-                            owed_effects: Some(super::OwedEffects {
-                                pool: pool.clone(),
-                                consumer_type: consumer_type.clone(),
-                            }),
-                            ..options
-                        };
-                        let ran =
-                            super::run(guard, consumer, broker, options, shutdown.clone()).await;
-                        stop_worker.cancel();
-                        effects::worker::finish(working, &shutdown, shutdown_timeout, &deadline)
-                            .await;
-                        ran
+                        beside_the_worker(worker, guard, consumer, broker, options, shutdown).await
                     }
                 }
             }
             (Kind::Carrier, None) => {
+                if owed_by_an_earlier_run(&pool, &consumer_type).await {
+                    tracing::warn!(
+                        consumer_type = %consumer_type,
+                        "calls to the carrier are owed after the commits of an earlier run (--effect-mode after-commit \
+                         or at-most-once), and this run, with the stand-in carrier, cannot make them: run the consumer \
+                         with --carrier-url to make them, or settle them (inboxctl effects --pending; effects resolve)"
+                    );
+                }
                 let carrier = StandInCarrier { fail_destination };
                 let consumer = CarrierConsumer { carrier };
                 super::run(guard, consumer, broker, options, shutdown).await
@@ -254,6 +256,47 @@ async fn keying(pool: &PgPool, db: &Database) -> Result<Keying> {
         );
     }
     Ok(keying)
+}
+
+/// Whether calls are owed after the commits of an earlier run of this consumer_type (pending, or started and not
+/// settled): a run in keyed mode, or with the stand-in, writes none of its own. Not known (the database did not say):
+/// as none, said at debug level.
+async fn owed_by_an_earlier_run(pool: &PgPool, consumer_type: &crate::inbox::ConsumerType) -> bool {
+    match db::external::owed(pool, consumer_type.as_str()).await {
+        Ok(owed) => owed > 0,
+        Err(e) => {
+            tracing::debug!(error = %e, "could not look for calls owed by an earlier run");
+            false
+        }
+    }
+}
+
+/// Runs `consumer` with the effects `worker` beside it: the worker makes the calls owed until a stop is asked for
+/// (then it starts no new call) or the consumer stops on its own (idle, with no call owed).
+async fn beside_the_worker<C: super::Consumer>(
+    worker: effects::worker::Worker,
+    guard: impl WorkGuard,
+    consumer: C,
+    broker: &Broker,
+    options: ConsumerOptions,
+    shutdown: CancellationToken,
+) -> Result<RunSummary> {
+    let owed_effects = Some(super::OwedEffects {
+        pool: worker.pool.clone(),
+        consumer_type: worker.consumer_type.clone(),
+    });
+    let stop_worker = shutdown.child_token();
+    let working = tokio::spawn(worker.run(stop_worker.clone()));
+    let shutdown_timeout = options.shutdown_timeout;
+    let deadline = effects::worker::stop_deadline(&shutdown, shutdown_timeout);
+    let options = ConsumerOptions {
+        owed_effects,
+        ..options
+    };
+    let ran = super::run(guard, consumer, broker, options, shutdown.clone()).await;
+    stop_worker.cancel();
+    effects::worker::finish(working, &shutdown, shutdown_timeout, &deadline).await;
+    ran
 }
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.

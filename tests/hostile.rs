@@ -554,6 +554,59 @@ async fn a_panic_moving_a_suspect_aside_is_not_counted_as_an_end_of_the_process(
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
+/// A message that has ended its process `--poison-after` times alone, whose move aside as poison panics (once): the
+/// panic says nothing for the message — its work never ran — so only this start is taken back, and the counts before
+/// it stand: it comes round and is moved aside as poison, never processed. Taking the start back as an outcome does
+/// (its counts deleted) would have it processed on its next delivery: run again, the poison it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_moving_a_poison_aside_keeps_its_counts() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let conn = env.amqp().await;
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
+    let _ = conn.close(200, "OK".into()).await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, alone) VALUES ($1, $2, 3, 3)",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let failpoint = format!("dead-letter-publish=panic-once@{id}");
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--poison-after",
+            "3",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", failpoint.as_str())],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "the consumer went idle and ended: {}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert!(stderr.contains("handling a message panicked"), "{stderr}");
+    assert_eq!(effects(&pool).await, 0, "never processed: {stderr}");
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1, "{stderr}");
+    assert_eq!(
+        header_text(&copies[0], "MT-Fault-ExceptionType"),
+        "inboxctl::PoisonMessage",
+        "{stderr}"
+    );
+}
+
 // ---- messages the broker accepts that must not crash or stall a consumer ----
 
 in_both_modes!(

@@ -54,19 +54,27 @@ pub(super) async fn redelivered<C: Consumer>(
     // A panic in its handling outside the consumer's work (which is a failed attempt) is inboxctl's, and the process
     // goes on: caught here only to keep the books, then passed on to the handler's last resort, which gives the
     // message back. Left counted, the start would count as an end of the process, and a message whose move aside
-    // panicked would come to be moved aside as poison, for a reason that is not true.
+    // panicked would come to be moved aside as poison, for a reason that is not true. But it says nothing of the
+    // message either (its work may not even have run: a poison's move aside): only this start is taken back, as a
+    // clean stop takes back the starts it abandons, and the counts before it stand.
     let decided = AssertUnwindSafe(decided).catch_unwind().await;
-    // Alive after this start, whatever its outcome: the message is not what ends processes.
+    let alone = lock(&shared.starts.0).remove(&id).unwrap_or(false);
     if counted.is_some() {
-        let kept = bounded!(shared, |conn| attempts::done(
-            conn,
-            shared.inbox.consumer_type(),
-            id
-        ))
-        .await;
+        let consumer_type = shared.inbox.consumer_type();
+        let kept = match &decided {
+            // Alive after this start, whatever its outcome: the message is not what ends processes.
+            Ok(_) => bounded!(shared, |conn| attempts::done(conn, consumer_type, id)).await,
+            Err(_) => {
+                bounded!(shared, |conn| attempts::abandoned(
+                    conn,
+                    consumer_type,
+                    &[(id, alone)]
+                ))
+                .await
+            }
+        };
         redelivery_count(id, kept);
     }
-    lock(&shared.starts.0).remove(&id);
     decided.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 

@@ -224,7 +224,8 @@ impl Machine {
         if self.pending.take().is_some() {
             self.selected -= 1;
         }
-        self.unsettled_at_loss = self.unsettled.len() as u64;
+        // Added to what an earlier loss left in doubt, if no connection has got past it since.
+        self.unsettled_at_loss += self.unsettled.len() as u64;
         for (content, _) in self.unsettled.drain(..) {
             *self.owed.entry(content).or_default() += 1;
         }

@@ -569,4 +569,12 @@ fn only_the_acknowledgements_in_flight_at_the_last_loss_are_in_doubt() {
     assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
     m.connection_lost();
     assert_eq!(m.acks_in_doubt(), 1);
+    // Lost again before the next connection took anything: the one in doubt stays so.
+    m.pass_started();
+    m.connection_lost();
+    assert_eq!(
+        m.acks_in_doubt(),
+        1,
+        "a second loss in a row keeps the first's"
+    );
 }

@@ -87,8 +87,8 @@ pub struct Reconciled {
     pub consumer_type: String,
     pub was: String,
     /// `done` (the carrier has a booking under its key), `pending` (it has none: to be made), `unknown` (the
-    /// look-up failed; left as it was), or `changed` (an attempt was made, or it was settled, since it was listed:
-    /// the answer is about the call as it was, and it is left as it is now).
+    /// look-up failed; left as it was), or `changed` (done or leased since it was listed; or, after a 404, an attempt
+    /// was made or it was settled: the answer is about the call as it was, and it is left as it is now).
     pub now: String,
     pub reference: Option<String>,
     pub error: Option<String>,
@@ -179,7 +179,8 @@ async fn settle_booked(
         "done",
         Some(&reference),
         Some("reconciled: the carrier has a booking under its key"),
-        Some(effect.updated_at),
+        // A booking under its key stays true whatever became of the row since (done or leased: not settled).
+        None,
     )
     .await?;
     if settled.is_none() {

@@ -1218,7 +1218,7 @@ async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external
     )
     .await
     .unwrap();
-    let mut leased = external::lease_due(pool, consumer_type, Duration::from_secs(30), 10)
+    let mut leased = external::lease_due(pool, consumer_type, Duration::from_secs(30), 10, false)
         .await
         .unwrap();
     assert_eq!(leased.len(), 1);
@@ -1260,7 +1260,7 @@ async fn a_late_outcome_never_lands_on_a_later_attempt_with_the_same_number() {
         .await
         .unwrap();
     assert_eq!(settled.as_deref(), Some("in_doubt"));
-    let mut leased = external::lease_due(&pool, "fence", Duration::from_secs(30), 10)
+    let mut leased = external::lease_due(&pool, "fence", Duration::from_secs(30), 10, false)
         .await
         .unwrap();
     let b = leased.remove(0);
@@ -1303,7 +1303,7 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
         "failpoint reconcile-looked reached",
         Duration::from_secs(30),
     );
-    let mut leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10)
+    let mut leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10, false)
         .await
         .unwrap();
     let second = leased.remove(0);
@@ -1435,6 +1435,42 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
         consumer.stderr()
     );
     assert_eq!(stub.bookings_to("owed-keyed").await, 1);
+    // A call whose outcome is unknown (started, its lease run out), which the after-commit run that left it might
+    // have looked up: the keyed run, which has no look-up, leaves it and says so, and does not wait for it.
+    let unknown = owed_from_an_earlier_run(&pool, "owed-unknown").await;
+    let leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10, false)
+        .await
+        .unwrap();
+    assert_eq!(leased.len(), 1);
+    external::record_outcome(
+        &pool,
+        &leased[0],
+        CARRIER_QUEUE,
+        &outcome("started", "no answer"),
+    )
+    .await
+    .unwrap();
+    lapse(&pool, unknown).await;
+    // Beside one pending, which this run makes: its worker runs.
+    owed_from_an_earlier_run(&pool, "owed-keyed-again").await;
+    let mut consumer = env.spawn(&args);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        consumer.stderr().contains("does not make them again"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(stub.bookings_to("owed-keyed-again").await, 1);
+    assert_eq!(stub.bookings_to("owed-unknown").await, 0, "not made again");
+    assert_eq!(
+        state_of(&pool, "owed-unknown").await.as_deref(),
+        Some("started")
+    );
 
     owed_from_an_earlier_run(&pool, "owed-stand-in").await;
     let out = common::consume_until_idle(&env, &["carrier"]);

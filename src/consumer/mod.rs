@@ -194,6 +194,8 @@ pub struct ConsumerOptions {
 pub struct OwedEffects {
     pub pool: sqlx::PgPool,
     pub consumer_type: crate::inbox::ConsumerType,
+    /// Only the pending ones are this run's to make (see [`crate::effects::worker::Worker::pending_only`]).
+    pub pending_only: bool,
 }
 
 /// A consumer spread over `count` queues by a consistent-hash exchange (see `docs/scaling.md`, "Per-key order").

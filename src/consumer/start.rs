@@ -121,6 +121,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                     concurrency: usize::from(config.workers()),
                     wake: Arc::clone(&wake),
                     bound: config.attempt_timeout(),
+                    pending_only: api.mode == EffectMode::Keyed,
                 };
                 match api.mode {
                     EffectMode::Keyed => {
@@ -129,9 +130,24 @@ pub async fn consume_guarded<G: WorkGuard>(
                             consumer_type: consumer_type.clone(),
                         };
                         let consumer = CarrierConsumer { carrier };
-                        // Calls left owed by an earlier run in another mode are made by this one too: keyed, no
-                        // call is owed after a commit, so nothing else would ever make them.
-                        if owed_by_an_earlier_run(&pool, &consumer_type).await {
+                        // Calls left pending by an earlier run in another mode are made by this one too: keyed, no
+                        // call is owed after a commit, so nothing else would ever make them. One whose outcome is
+                        // unknown is not: without the look-up that run may have had, making it again could book
+                        // twice.
+                        let pending = owed_by_an_earlier_run(&pool, &consumer_type, true).await;
+                        let unknown =
+                            owed_by_an_earlier_run(&pool, &consumer_type, false).await - pending;
+                        if unknown > 0 {
+                            tracing::warn!(
+                                consumer_type = %consumer_type,
+                                calls = unknown,
+                                "calls to the carrier whose outcome is unknown were left by an earlier run \
+                                 (--effect-mode after-commit or at-most-once); this keyed run does not make them again: \
+                                 run the consumer in their mode, or settle them (inboxctl effects reconcile; effects \
+                                 resolve)"
+                            );
+                        }
+                        if pending > 0 {
                             beside_the_worker(worker, guard, consumer, broker, options, shutdown).await
                         } else {
                             super::run(guard, consumer, broker, options, shutdown).await
@@ -149,7 +165,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                 }
             }
             (Kind::Carrier, None) => {
-                if owed_by_an_earlier_run(&pool, &consumer_type).await {
+                if owed_by_an_earlier_run(&pool, &consumer_type, false).await > 0 {
                     tracing::warn!(
                         consumer_type = %consumer_type,
                         "calls to the carrier are owed after the commits of an earlier run (--effect-mode after-commit \
@@ -258,15 +274,19 @@ async fn keying(pool: &PgPool, db: &Database) -> Result<Keying> {
     Ok(keying)
 }
 
-/// Whether calls are owed after the commits of an earlier run of this consumer_type (pending, or started and not
-/// settled): a run in keyed mode, or with the stand-in, writes none of its own. Not known (the database did not say):
-/// as none, said at debug level.
-async fn owed_by_an_earlier_run(pool: &PgPool, consumer_type: &crate::inbox::ConsumerType) -> bool {
-    match db::external::owed(pool, consumer_type.as_str()).await {
-        Ok(owed) => owed > 0,
+/// How many calls are owed after the commits of an earlier run of this consumer_type (pending, or started and not
+/// settled; with `pending_only`, the pending ones): a run in keyed mode, or with the stand-in, writes none of its
+/// own. Not known (the database did not say): as none, said at debug level.
+async fn owed_by_an_earlier_run(
+    pool: &PgPool,
+    consumer_type: &crate::inbox::ConsumerType,
+    pending_only: bool,
+) -> i64 {
+    match db::external::owed(pool, consumer_type.as_str(), pending_only).await {
+        Ok(owed) => owed,
         Err(e) => {
             tracing::debug!(error = %e, "could not look for calls owed by an earlier run");
-            false
+            0
         }
     }
 }
@@ -284,6 +304,7 @@ async fn beside_the_worker<C: super::Consumer>(
     let owed_effects = Some(super::OwedEffects {
         pool: worker.pool.clone(),
         consumer_type: worker.consumer_type.clone(),
+        pending_only: worker.pending_only,
     });
     let stop_worker = shutdown.child_token();
     let working = tokio::spawn(worker.run(stop_worker.clone()));

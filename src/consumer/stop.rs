@@ -162,7 +162,7 @@ async fn owed_calls<C: Consumer>(shared: &Shared<C>) -> Option<i64> {
     };
     let ct = effects.consumer_type.as_str();
     let owed = crate::db::bounded!(&effects.pool, shared.options.attempt_timeout, |conn| {
-        crate::db::external::owed(conn, ct)
+        crate::db::external::owed(conn, ct, effects.pending_only)
     });
     match owed.await {
         Ok(owed) => Some(owed),

@@ -17,15 +17,15 @@ VALUES ($1, $2, $3, $4, $5, $6::jsonb, $7, $8)
 ON CONFLICT (message_id, consumer_type) DO NOTHING";
 
     /// Leases up to `$3` effects of consumer_type `$1` that are due, for `$2` seconds: pending ones whose wait has
-    /// passed, and after-commit ones whose process's lease ran out (that process died, or its call's outcome was
-    /// unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
+    /// passed, and (unless `$4`, pending ones only) after-commit ones whose process's lease ran out (that process
+    /// died, or its call's outcome was unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
     /// started; `was` says what it was before; its lease's end, with the attempt's number, fences the attempt's
     /// outcome. Rows another process is leasing are skipped, not waited for.
     const LEASE_DUE = "\
 WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
     WHERE consumer_type = $1
-      AND (state = 'pending' OR (state = 'started' AND mode = 'after-commit'))
+      AND (state = 'pending' OR (NOT $4 AND state = 'started' AND mode = 'after-commit'))
       AND (lease_until IS NULL OR lease_until < now())
     ORDER BY created_at
     LIMIT $3
@@ -45,10 +45,11 @@ WHERE consumer_type = $1 AND mode = 'at-most-once' AND state = 'started' AND lea
 
     /// How many effects of consumer_type `$1` are still owed: pending, or started and not yet settled (a call in
     /// flight, an after-commit call whose outcome is unknown, an at-most-once call the worker has yet to mark in
-    /// doubt). Counted up to 1000.
+    /// doubt); with `$2`, the pending ones only. Counted up to 1000.
     const OWED = "\
 SELECT count(*) FROM (
-    SELECT 1 FROM inboxctl_effects WHERE consumer_type = $1 AND state IN ('pending', 'started') LIMIT 1000) owed";
+    SELECT 1 FROM inboxctl_effects
+    WHERE consumer_type = $1 AND (state = 'pending' OR (NOT $2 AND state = 'started')) LIMIT 1000) owed";
 
     /// Records the outcome of attempt `$3` of effect (`$1` message id, `$2` consumer_type), if that attempt still
     /// holds it (started, same attempt count, same lease `$8`: a settle to `pending` counts attempts afresh, so the
@@ -154,18 +155,21 @@ pub struct Leased {
     pub lease_until: DateTime<Utc>,
 }
 
-/// Leases up to `limit` due effects for `lease` (`LEASE_DUE`).
+/// Leases up to `limit` due effects for `lease` (`LEASE_DUE`); with `pending_only`, none whose earlier outcome is
+/// unknown.
 pub async fn lease_due(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     lease: std::time::Duration,
     limit: i64,
+    pending_only: bool,
 ) -> sqlx::Result<Vec<Leased>> {
     type LeasedRaw = (Uuid, Uuid, String, String, i32, String, DateTime<Utc>);
     let query = sql::query_as::<LeasedRaw>(LEASE_DUE)
         .bind(consumer_type)
         .bind(lease.as_secs_f64())
-        .bind(limit);
+        .bind(limit)
+        .bind(pending_only);
     let rows = unit!(executor, |conn| query.fetch_all(conn))?;
     Ok(rows
         .into_iter()
@@ -192,9 +196,16 @@ pub async fn mark_in_doubt(
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected())
 }
 
-/// How many effects of `consumer_type` are still owed (`OWED`), up to 1000.
-pub async fn owed(executor: impl Into<Exec<'_>>, consumer_type: &str) -> sqlx::Result<i64> {
-    let query = sql::query_scalar::<i64>(OWED).bind(consumer_type);
+/// How many effects of `consumer_type` are still owed (`OWED`), up to 1000; with `pending_only`, how many of them
+/// are pending.
+pub async fn owed(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &str,
+    pending_only: bool,
+) -> sqlx::Result<i64> {
+    let query = sql::query_scalar::<i64>(OWED)
+        .bind(consumer_type)
+        .bind(pending_only);
     unit!(executor, |conn| query.fetch_one(conn))
 }
 

@@ -40,6 +40,9 @@ pub struct Worker {
     /// dropped: the consumer's `--attempt-timeout`. A connection that died without a word holds up no leasing and no
     /// record for longer.
     pub bound: Duration,
+    /// Only calls that are pending (nothing booked, or not tried yet): a keyed run making the calls an earlier run in
+    /// another mode left owed has no look-up, and a call whose outcome is unknown is not its to make again.
+    pub pending_only: bool,
 }
 
 /// When the calls still in flight at a stop are given up: `shutdown_timeout` after the stop was asked for, as for the
@@ -115,7 +118,11 @@ impl Worker {
                 let limit = i64::try_from(free).unwrap_or(i64::MAX);
                 let ct = this.consumer_type.as_str();
                 let leased = bounded!(&this.pool, this.bound, |conn| external::lease_due(
-                    conn, ct, this.lease, limit
+                    conn,
+                    ct,
+                    this.lease,
+                    limit,
+                    this.pending_only
                 ));
                 match leased.await {
                     Ok(leased) => {

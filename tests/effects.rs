@@ -1421,7 +1421,16 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
     let stub = Stub::start(&env, &[]);
     owed_from_an_earlier_run(&pool, "owed-keyed").await;
     let args = consume_args(&stub, "keyed", &["--exit-when-idle", "1s"]);
-    let mut consumer = env.spawn(&args);
+    // Its first call takes 2 s (a failpoint before the request) and is refused (503): in flight when the queue is
+    // first found idle, and owed again after. The run waits for both.
+    stub.behave(json!({"failNext": 1})).await;
+    let mut consumer = env.spawn_with(
+        &args,
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "effect-after-intent=sleep-once-2000@owed-keyed",
+        )],
+    );
     assert_eq!(
         consumer.wait(Duration::from_secs(60)),
         Some(0),

@@ -45,11 +45,14 @@ WHERE consumer_type = $1 AND mode = 'at-most-once' AND state = 'started' AND lea
 
     /// How many effects of consumer_type `$1` are still owed: pending, or started and not yet settled (a call in
     /// flight, an after-commit call whose outcome is unknown, an at-most-once call the worker has yet to mark in
-    /// doubt); with `$2`, the pending ones only. Counted up to 1000.
+    /// doubt); with `$2`, the pending ones and those in flight under a live lease only (not those whose outcome is
+    /// unknown). Counted up to 1000.
     const OWED = "\
 SELECT count(*) FROM (
     SELECT 1 FROM inboxctl_effects
-    WHERE consumer_type = $1 AND (state = 'pending' OR (NOT $2 AND state = 'started')) LIMIT 1000) owed";
+    WHERE consumer_type = $1
+      AND (state = 'pending' OR (state = 'started' AND (NOT $2 OR lease_until >= now())))
+    LIMIT 1000) owed";
 
     /// Records the outcome of attempt `$3` of effect (`$1` message id, `$2` consumer_type), if that attempt still
     /// holds it (started, same attempt count, same lease `$8`: a settle to `pending` counts attempts afresh, so the
@@ -197,7 +200,7 @@ pub async fn mark_in_doubt(
 }
 
 /// How many effects of `consumer_type` are still owed (`OWED`), up to 1000; with `pending_only`, how many of them
-/// are pending.
+/// are pending or in flight (not those whose outcome is unknown, their lease run out).
 pub async fn owed(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,

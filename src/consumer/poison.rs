@@ -58,7 +58,8 @@ pub(super) async fn redelivered<C: Consumer>(
     // message either (its work may not even have run: a poison's move aside): only this start is taken back, as a
     // clean stop takes back the starts it abandons, and the counts before it stand.
     let decided = AssertUnwindSafe(decided).catch_unwind().await;
-    let alone = lock(&shared.starts.0).remove(&id).unwrap_or(false);
+    // Left among the starts until the books are kept: a stop that abandons this task meanwhile takes it back.
+    let alone = lock(&shared.starts.0).get(&id).copied().unwrap_or(false);
     if counted.is_some() {
         let consumer_type = shared.inbox.consumer_type();
         let kept = match &decided {
@@ -75,6 +76,7 @@ pub(super) async fn redelivered<C: Consumer>(
         };
         redelivery_count(id, kept);
     }
+    lock(&shared.starts.0).remove(&id);
     decided.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 

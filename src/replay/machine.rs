@@ -155,6 +155,8 @@ impl Machine {
             if let Some(owed) = self.owed.get_mut(&seen.content).filter(|n| **n > 0) {
                 *owed -= 1;
                 self.unsettled.push((seen.content, true));
+                // Its doubt moves to the acknowledgement made again, which a next loss counts anew.
+                self.unsettled_at_loss = self.unsettled_at_loss.saturating_sub(1);
                 return Step::AckAgain;
             }
         }

@@ -577,4 +577,11 @@ fn only_the_acknowledgements_in_flight_at_the_last_loss_are_in_doubt() {
         1,
         "a second loss in a row keeps the first's"
     );
+    // Its copy comes back and is acknowledged again, and that acknowledgement is lost too: still one in doubt.
+    m.pass_started();
+    let mut again = seen(3);
+    again.redelivered = true;
+    assert_eq!(m.delivered(&again), Step::AckAgain);
+    m.connection_lost();
+    assert_eq!(m.acks_in_doubt(), 1, "one acknowledgement, not one a loss");
 }

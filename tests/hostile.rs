@@ -509,49 +509,16 @@ async fn a_batch_that_panics_leaves_a_member_retried_aside_to_its_task() {
 /// be moved aside for what did happen: its attempt failed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_moving_a_suspect_aside_is_not_counted_as_an_end_of_the_process() {
-    let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
-    let id = Uuid::now_v7();
-    let (props, body, _) = common::parcel_message(id, "FAIL");
-    let conn = env.amqp().await;
-    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
-    // Looked at and given back: it comes redelivered, and its start is counted.
-    assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
-    let _ = conn.close(200, "OK".into()).await;
-    let pool = env.pool().await;
-    common::count_a_start(&pool, id, CARRIER_QUEUE).await;
-    let failpoint = format!("dead-letter-publish=panic-once@{id}");
-    let mut consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--fail-destination",
-            "FAIL",
-            "--max-attempts",
-            "1",
-            "--poison-after",
-            "1",
-            "--exit-when-idle",
-            "1s",
-        ],
-        &[("INBOXCTL_FAILPOINTS", failpoint.as_str())],
-    );
-    assert_eq!(
-        consumer.wait(Duration::from_secs(60)),
-        Some(0),
-        "the consumer went idle and ended: {}",
-        consumer.stderr()
-    );
-    let stderr = consumer.stderr();
-    assert!(stderr.contains("handling a message panicked"), "{stderr}");
-    let copies = take_all(&env, ERROR_QUEUE).await;
-    assert_eq!(copies.len(), 1, "{stderr}");
-    assert_eq!(
-        header_text(&copies[0], "MT-Fault-ExceptionType"),
-        "inboxctl::ConsumerFailed",
-        "{stderr}"
-    );
-    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    let args = [
+        "--fail-destination",
+        "FAIL",
+        "--max-attempts",
+        "1",
+        "--poison-after",
+        "1",
+    ];
+    let moved = panic_moving_a_redelivered_message_aside("FAIL", (1, 0), &args).await;
+    assert_eq!(moved.fault, "inboxctl::ConsumerFailed", "{}", moved.stderr);
 }
 
 /// A message that has ended its process `--poison-after` times alone, whose move aside as poison panics (once): the
@@ -560,35 +527,52 @@ async fn a_panic_moving_a_suspect_aside_is_not_counted_as_an_end_of_the_process(
 /// (its counts deleted) would have it processed on its next delivery: run again, the poison it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_moving_a_poison_aside_keeps_its_counts() {
+    let moved =
+        panic_moving_a_redelivered_message_aside("Berlin", (3, 3), &["--poison-after", "3"]).await;
+    assert_eq!(moved.fault, "inboxctl::PoisonMessage", "{}", moved.stderr);
+    assert_eq!(moved.effects, 0, "never processed: {}", moved.stderr);
+}
+
+/// What became of a redelivered message whose move aside panicked once.
+struct MovedAside {
+    /// The `MT-Fault-ExceptionType` of its one copy in the error queue.
+    fault: String,
+    stderr: String,
+    effects: i64,
+}
+
+/// A parcel to `destination`, published, looked at and given back (it comes redelivered) with `(started, alone)`
+/// starts counted, as earlier processes that ended with it in flight would have left them; then a consumer (`args`,
+/// and `--exit-when-idle`) whose first move of it aside panics (a failpoint in the dead-letter publish), run until
+/// it goes idle. Its message must have gone back after the panic, come round and been moved aside once.
+async fn panic_moving_a_redelivered_message_aside(
+    destination: &str,
+    (started, alone): (i32, i32),
+    args: &[&str],
+) -> MovedAside {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let id = Uuid::now_v7();
-    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let (props, body, _) = common::parcel_message(id, destination);
     let conn = env.amqp().await;
     common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
     assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
     let _ = conn.close(200, "OK".into()).await;
     let pool = env.pool().await;
     sqlx::query(
-        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, alone) VALUES ($1, $2, 3, 3)",
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, alone) VALUES ($1, $2, $3, $4)",
     )
     .bind(CARRIER_QUEUE)
     .bind(id)
+    .bind(started)
+    .bind(alone)
     .execute(&pool)
     .await
     .unwrap();
     let failpoint = format!("dead-letter-publish=panic-once@{id}");
-    let mut consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--poison-after",
-            "3",
-            "--exit-when-idle",
-            "1s",
-        ],
-        &[("INBOXCTL_FAILPOINTS", failpoint.as_str())],
-    );
+    let mut all = vec!["consume", "carrier", "--exit-when-idle", "1s"];
+    all.extend_from_slice(args);
+    let mut consumer = env.spawn_with(&all, &[("INBOXCTL_FAILPOINTS", failpoint.as_str())]);
     assert_eq!(
         consumer.wait(Duration::from_secs(60)),
         Some(0),
@@ -597,14 +581,14 @@ async fn a_panic_moving_a_poison_aside_keeps_its_counts() {
     );
     let stderr = consumer.stderr();
     assert!(stderr.contains("handling a message panicked"), "{stderr}");
-    assert_eq!(effects(&pool).await, 0, "never processed: {stderr}");
     let copies = take_all(&env, ERROR_QUEUE).await;
     assert_eq!(copies.len(), 1, "{stderr}");
-    assert_eq!(
-        header_text(&copies[0], "MT-Fault-ExceptionType"),
-        "inboxctl::PoisonMessage",
-        "{stderr}"
-    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0), "{stderr}");
+    MovedAside {
+        fault: header_text(&copies[0], "MT-Fault-ExceptionType"),
+        effects: effects(&pool).await,
+        stderr,
+    }
 }
 
 // ---- messages the broker accepts that must not crash or stall a consumer ----

@@ -569,33 +569,7 @@ async fn stop_during_a_retry_wait_keeps_order(queue_type: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
     let env = TestEnv::migrated().await;
-    let mut consumer = partitioned(&env, &[]);
-    common::eventually(
-        "every partition subscribed",
-        Duration::from_secs(30),
-        || async { consumer.stderr().matches("consuming").count() >= usize::from(PARTITIONS) },
-    )
-    .await;
-    consumer.terminate();
-    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
-
-    common::publish_parcels(&env, &["--count", "1", "--partition-key", "parcelId"]);
-    // Looked at once and given back: it comes redelivered.
-    let conn = env.amqp().await;
-    let mut found = Vec::new();
-    for i in 0..PARTITIONS {
-        found.extend(common::peek(&conn, &format!("{QUEUE}.{i}")).await);
-    }
-    let _ = conn.close(200, "OK".into()).await;
-    assert_eq!(found.len(), 1);
-    let id: Uuid = found[0]
-        .properties
-        .message_id()
-        .as_ref()
-        .unwrap()
-        .as_str()
-        .parse()
-        .unwrap();
+    let (_, id) = one_parcel_redelivered(&env).await;
     let pool = env.pool().await;
     // Its start counted once before: a suspect.
     common::count_a_start(&pool, id, QUEUE).await;
@@ -645,38 +619,7 @@ async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_that_cannot_start_lets_the_others_drain_before_the_run_fails() {
     let env = TestEnv::migrated().await;
-    let mut consumer = partitioned(&env, &[]);
-    common::eventually(
-        "every partition subscribed",
-        Duration::from_secs(30),
-        || async { consumer.stderr().matches("consuming").count() >= usize::from(PARTITIONS) },
-    )
-    .await;
-    consumer.terminate();
-    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
-
-    common::publish_parcels(&env, &["--count", "1", "--partition-key", "parcelId"]);
-    let conn = env.amqp().await;
-    let mut found = Vec::new();
-    for i in 0..PARTITIONS {
-        found.extend(
-            common::peek(&conn, &format!("{QUEUE}.{i}"))
-                .await
-                .into_iter()
-                .map(|d| (i, d)),
-        );
-    }
-    let _ = conn.close(200, "OK".into()).await;
-    assert_eq!(found.len(), 1);
-    let (partition, delivery) = &found[0];
-    let id: Uuid = delivery
-        .properties
-        .message_id()
-        .as_ref()
-        .unwrap()
-        .as_str()
-        .parse()
-        .unwrap();
+    let (partition, id) = one_parcel_redelivered(&env).await;
     let pool = env.pool().await;
     common::count_a_start(&pool, id, QUEUE).await;
 
@@ -726,4 +669,41 @@ async fn a_partition_that_cannot_start_lets_the_others_drain_before_the_run_fail
             .await
             .unwrap();
     assert_eq!(left, 0, "no start left counted: {stderr}");
+}
+
+/// The partition queues declared (a consumer run until every partition is subscribed, then stopped), one parcel
+/// published, and looked at once and given back, so that it comes redelivered: its partition and its message id.
+async fn one_parcel_redelivered(env: &TestEnv) -> (u16, Uuid) {
+    let mut consumer = partitioned(env, &[]);
+    common::eventually(
+        "every partition subscribed",
+        Duration::from_secs(30),
+        || async { consumer.stderr().matches("consuming").count() >= usize::from(PARTITIONS) },
+    )
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    common::publish_parcels(env, &["--count", "1", "--partition-key", "parcelId"]);
+    let conn = env.amqp().await;
+    let mut found = Vec::new();
+    for i in 0..PARTITIONS {
+        found.extend(
+            common::peek(&conn, &format!("{QUEUE}.{i}"))
+                .await
+                .into_iter()
+                .map(|d| (i, d)),
+        );
+    }
+    let _ = conn.close(200, "OK".into()).await;
+    assert_eq!(found.len(), 1);
+    let (partition, delivery) = &found[0];
+    let id = delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .unwrap()
+        .as_str()
+        .parse()
+        .unwrap();
+    (*partition, id)
 }

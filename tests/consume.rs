@@ -1410,7 +1410,7 @@ async fn a_connection_lost_while_the_idle_exit_finishes_a_late_message_is_not_ta
             "--max-attempts",
             "2",
             "--retry-delay",
-            "3s",
+            "8s",
         ],
         // The late message's first attempt takes 0.9 s: the connection checks of its retry wait then come 0.9 s
         // after those of the wait for the work to finish (both once a second), i.e. a tenth of a second before them.
@@ -1421,10 +1421,12 @@ async fn a_connection_lost_while_the_idle_exit_finishes_a_late_message_is_not_ta
     );
     let conn = env.amqp().await;
     consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
+    // Found now, so that the close below is one quick call well inside the retry wait (8 s).
+    let pid = common::connection_pid(&env.vhost, "inboxctl consume");
     let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
     common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
     consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
-    common::close_connection(&env.vhost, "inboxctl consume");
+    common::close_connection_by_pid(&pid);
     assert_eq!(
         consumer.wait(Duration::from_secs(60)),
         Some(0),

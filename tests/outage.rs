@@ -417,9 +417,11 @@ async fn a_connection_lost_during_a_retry_delay_leaves_the_message_to_its_redeli
         "3s",
     ]);
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    // Found now, so that the close below is one quick call inside the retry wait (3 s).
+    let pid = common::connection_pid(&env.vhost, "inboxctl consume");
     common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
     consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
-    common::close_connection(&env.vhost, "inboxctl consume");
+    common::close_connection_by_pid(&pid);
     let error_queue = format!("{CARRIER_QUEUE}_error");
     common::eventually(
         "the message moved aside",

@@ -1588,7 +1588,8 @@ async fn an_acknowledgement_in_doubt_stays_counted_when_the_replay_stops_after_c
     dead_letters(&conn, "later.dlq", 3, "rabbitmq://localhost/later-a").await;
     let mut replay = env.spawn_with(
         &["replay", "--from", "later.dlq", "--json"],
-        &[("INBOXCTL_FAILPOINTS", "replay-before-get=sleep-once-4000@1")],
+        // Long enough for two rabbitmqctl calls on a loaded machine (2.5 s each seen) and the holder's declare.
+        &[("INBOXCTL_FAILPOINTS", "replay-before-get=sleep-once-8000@1")],
     );
     replay.wait_for_stderr(
         "failpoint replay-before-get reached",

@@ -19,6 +19,12 @@ pub const EVENT_EXCHANGE: &str = "ParcelTracker.Domain.Events:ParcelCreatedEvent
 /// replay", "inboxctl consume carrier"), from the broker's side, as `rabbitmqctl close_connection` does for an
 /// operator.
 pub fn close_connection(vhost: &str, client: &str) {
+    close_connection_by_pid(&connection_pid(vhost, client));
+}
+
+/// The broker's name for the connection `client` holds in `vhost`: found ahead, it lets a test close that connection
+/// with one `rabbitmqctl` call when the moment comes (each call takes from half a second to seconds on a loaded box).
+pub fn connection_pid(vhost: &str, client: &str) -> String {
     let listing = rabbitmqctl(&[
         "-q",
         "list_connections",
@@ -26,13 +32,16 @@ pub fn close_connection(vhost: &str, client: &str) {
         "vhost",
         "client_properties",
     ]);
-    let pid = listing
+    listing
         .lines()
         .find(|l| l.split('\t').nth(1) == Some(vhost) && l.contains(client))
         .and_then(|l| l.split('\t').next())
         .unwrap_or_else(|| panic!("no {client:?} connection in {vhost}:\n{listing}"))
-        .to_owned();
-    rabbitmqctl(&["close_connection", &pid, "cut by the test"]);
+        .to_owned()
+}
+
+pub fn close_connection_by_pid(pid: &str) {
+    rabbitmqctl(&["close_connection", pid, "cut by the test"]);
 }
 
 pub fn rabbitmqctl(args: &[&str]) -> String {

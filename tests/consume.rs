@@ -1252,7 +1252,8 @@ async fn a_stop_lets_the_work_in_flight_finish_and_acknowledges_it_in(mode: &[&s
 /// A stop while one message is worked on and 19 more wait in the consumer (`--concurrency 1`, prefetch 20): the 19
 /// go back to the queue at once, for the other consumers, not after the drain (here 5 s of work) when the connection
 /// closes. The one in the consume loop's hand waiting for a worker is given back too, and the one under way finishes
-/// and is acknowledged.
+/// and is acknowledged. (The work is held 12 s: each look at the queue is a `rabbitmqctl` call, seconds on a loaded
+/// machine, and the looks must all come before the work ends.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
     let env = TestEnv::migrated().await;
@@ -1269,18 +1270,18 @@ async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
             "--shutdown-timeout",
             "60s",
         ],
-        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-5000")],
+        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-12000")],
     );
     consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    let reached = std::time::Instant::now();
     common::eventually("all 20 with it", Duration::from_secs(5), || async {
         env.queue_counts(CARRIER_QUEUE) == (0, 20)
     })
     .await;
-    let asked = std::time::Instant::now();
     consumer.terminate();
     common::eventually(
         "the 19 not taken given back while the first is still worked on",
-        Duration::from_secs(3),
+        Duration::from_secs(6),
         || async { env.queue_counts(CARRIER_QUEUE) == (19, 1) },
     )
     .await;
@@ -1291,10 +1292,11 @@ async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
         "{}",
         consumer.stderr()
     );
+    // The drain waited for the work held 12 s.
     assert!(
-        asked.elapsed() >= Duration::from_secs(3),
+        reached.elapsed() >= Duration::from_secs(11),
         "{:?}",
-        asked.elapsed()
+        reached.elapsed()
     );
     assert_eq!(
         env.queue_counts(CARRIER_QUEUE),
@@ -1421,10 +1423,11 @@ async fn a_connection_lost_while_the_idle_exit_finishes_a_late_message_is_not_ta
     );
     let conn = env.amqp().await;
     consumer.wait_for_stderr("failpoint idle-stopping reached", Duration::from_secs(30));
-    // Found now, so that the close below is one quick call well inside the retry wait (8 s).
-    let pid = common::connection_pid(&env.vhost, "inboxctl consume");
     let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
     common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    // Found while the message's first attempt runs, so that the close below is one quick call well inside the retry
+    // wait (8 s).
+    let pid = common::connection_pid(&env.vhost, "inboxctl consume");
     consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));
     common::close_connection_by_pid(&pid);
     assert_eq!(

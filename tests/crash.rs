@@ -370,7 +370,7 @@ async fn unanswered_at(call: &str, failpoint: &str, mode: &[&str]) -> String {
             "--concurrency",
             "1",
             "--broker-timeout",
-            "2s",
+            "5s",
         ][..],
         &["--fail-destination", "FAIL", "--max-attempts", "1"],
     ]
@@ -453,7 +453,7 @@ async fn a_dead_letter_copy_unanswered_on_an_open_connection_replaces_that_conne
             "--concurrency",
             "1",
             "--broker-timeout",
-            "2s",
+            "5s",
         ],
         &[(
             "INBOXCTL_FAILPOINTS",
@@ -500,7 +500,7 @@ async fn a_dead_letter_copy_unanswered_on_an_open_connection_replaces_that_conne
 /// One dead-letter copy in flight at a time on the channel: lapin hands a returned message to whichever confirm
 /// completes next, so with two in flight an unroutable copy could be taken for confirmed (see
 /// `hostile::copies_at_once_to_an_unbound_error_queue_and_the_skipped_queue_each_arrive_and_none_is_lost`, which shows
-/// the loss, but only by chance). Here the first copy is held for 8 s once it has its turn; the second, another
+/// the loss, but only by chance). Here the first copy is held for 15 s once it has its turn; the second, another
 /// worker's, waits behind it and reaches the error queue only after it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_copy_waits_for_the_one_in_flight_on_its_channel() {
@@ -518,7 +518,7 @@ async fn a_dead_letter_copy_waits_for_the_one_in_flight_on_its_channel() {
         &["consume", "carrier", "--concurrency", "4"],
         &[(
             "INBOXCTL_FAILPOINTS",
-            &format!("dead-letter-publish=sleep-once-8000@{held}"),
+            &format!("dead-letter-publish=sleep-once-15000@{held}"),
         )],
     );
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
@@ -626,7 +626,8 @@ async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "3"]);
-    let mut consumer = one_worker_cut_at(&env, "after-commit=sleep-once-3000");
+    // Held 10 s: the cut is two rabbitmqctl calls, seconds each on a loaded machine.
+    let mut consumer = one_worker_cut_at(&env, "after-commit=sleep-once-10000");
     ends_with_each_once(&env, &mut consumer, 3, Duration::from_secs(30)).await;
     assert!(
         consumer.stderr().contains("duplicate discarded"),
@@ -635,7 +636,7 @@ async fn an_ack_on_a_connection_closed_meanwhile_is_counted_out_of_flight() {
     );
 }
 
-/// The consume loop waiting for a free worker (the only one busy for 8 s, held by a failpoint) still sees its
+/// The consume loop waiting for a free worker (the only one busy for 15 s, held by a failpoint) still sees its
 /// connection closed under it, and connects again at once rather than when the worker is done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_lost_while_waiting_for_a_free_worker_is_seen_at_once() {
@@ -643,7 +644,7 @@ async fn a_connection_lost_while_waiting_for_a_free_worker_is_seen_at_once() {
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "1", "--destination", "Slow"]);
     common::publish_parcels(&env, &["--count", "5"]);
-    let mut consumer = one_worker_cut_at(&env, "carrier=sleep-once-8000@Slow");
+    let mut consumer = one_worker_cut_at(&env, "carrier=sleep-once-15000@Slow");
     // Well before the worker is free again.
     consumer.wait_for_stderr(
         "RabbitMQ connection lost while waiting for a free worker",

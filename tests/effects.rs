@@ -489,13 +489,13 @@ async fn unavailable_carriers_are_retried_then_dead_lettered() {
     );
 }
 
-/// One destination's calls take five seconds: with four at once, the other parcels are booked meanwhile.
+/// One destination's calls take fifteen seconds: with four at once, the other parcels are booked meanwhile.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slow_carrier_holds_up_only_its_own_calls() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let stub = Stub::start(&env, &[]);
-    stub.behave(json!({"delayMs": 5000, "delayDestination": "Slow"}))
+    stub.behave(json!({"delayMs": 15000, "delayDestination": "Slow"}))
         .await;
     publish_to(&env, "Slow", 1);
     common::publish_parcels(&env, &["--count", "40"]);
@@ -503,7 +503,7 @@ async fn a_slow_carrier_holds_up_only_its_own_calls() {
     let mut consumer = env.spawn(&consume_args(
         &stub,
         "keyed",
-        &["--carrier-timeout", "10s", "--effect-lease", "20s"],
+        &["--carrier-timeout", "25s", "--effect-lease", "40s"],
     ));
     common::eventually("the 40 others booked", Duration::from_secs(30), || async {
         stub.bookings()
@@ -516,7 +516,7 @@ async fn a_slow_carrier_holds_up_only_its_own_calls() {
     .await;
     let others = started.elapsed();
     assert!(
-        others < Duration::from_secs(5),
+        others < Duration::from_secs(15),
         "the others waited for the slow call: {others:?}"
     );
     let pool = env.pool().await;

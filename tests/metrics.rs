@@ -142,10 +142,15 @@ async fn scrape_after_fifteen(env: &TestEnv, extra: &[&str]) -> String {
     let consumer = env.spawn(&args);
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
     let deliveries = format!("inbox_deliveries_total{{consumer_type=\"{CARRIER_QUEUE}\"}}");
+    // A delivery is counted at its outcome and timed once it is settled (in a batch, after the batch's ack): both.
+    let timed = format!("inbox_processing_seconds_count{{consumer_type=\"{CARRIER_QUEUE}\"}}");
     common::eventually(
         "all 15 deliveries through",
         Duration::from_secs(30),
-        || async { sample(&get(port, "/metrics").1, &deliveries) == Some(15.0) },
+        || async {
+            let body = get(port, "/metrics").1;
+            sample(&body, &deliveries) == Some(15.0) && sample(&body, &timed) == Some(15.0)
+        },
     )
     .await;
     let (status, body) = get(port, "/metrics");

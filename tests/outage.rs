@@ -414,10 +414,11 @@ async fn a_connection_lost_during_a_retry_delay_leaves_the_message_to_its_redeli
         "--max-attempts",
         "3",
         "--retry-delay",
-        "3s",
+        "5s",
     ]);
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
-    // Found now, so that the close below is one quick call inside the retry wait (3 s).
+    // Found now, so that the close below is one quick call well inside the retry wait (5 s; the loss is looked for
+    // once a second).
     let pid = common::connection_pid(&env.vhost, "inboxctl consume");
     common::publish_parcels(&env, &["--count", "1", "--destination", "FAIL"]);
     consumer.wait_for_stderr("attempt failed", Duration::from_secs(30));

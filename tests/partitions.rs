@@ -623,8 +623,10 @@ async fn a_partition_that_cannot_start_lets_the_others_drain_before_the_run_fail
     let pool = env.pool().await;
     common::count_a_start(&pool, id, QUEUE).await;
 
+    // The held partition's connection is given up after the broker timeout (6 s: time enough, on a loaded machine,
+    // for the other partition to connect and reach its message's work), while that work is held (10 s).
     let held = format!(
-        "open-link=sleep-once-6000@{QUEUE}.{},carrier=sleep-once-3000",
+        "open-link=sleep-once-20000@{QUEUE}.{},carrier=sleep-once-10000",
         (partition + 1) % PARTITIONS
     );
     let mut consumer = env.spawn_with(
@@ -638,7 +640,7 @@ async fn a_partition_that_cannot_start_lets_the_others_drain_before_the_run_fail
             "--partition-key",
             "parcelId",
             "--broker-timeout",
-            "2s",
+            "6s",
             "--shutdown-timeout",
             "20s",
         ],

@@ -930,15 +930,15 @@ async fn a_replayed_copy_has_no_ttl_unless_asked_for_and_then_its_original_one()
     let ttls = ttl_messages(&env, &conn).await;
     let report = replay_json(&env, &["--from", "ttl.dlq", "--restore-expiration"], 0);
     assert_eq!(report["replayed"], 3, "{report}");
-    // Looked at at once: the copies now expire (and are counted below, once they have).
+    // Looked at at once, the shortest TTL first: the copies now expire (and are counted below, once they have).
     let restored = |body: &str, ttl: &str| (body.to_owned(), Some(ttl.to_owned()), None);
-    assert_eq!(
-        ttls_on(&conn, "ttl-origin").await,
-        [restored("header", ttls[1]), restored("property", ttls[0])]
-    );
     assert_eq!(
         ttls_on(&conn, "ttl-src").await,
         [restored("x-death", ttls[2])]
+    );
+    assert_eq!(
+        ttls_on(&conn, "ttl-origin").await,
+        [restored("header", ttls[1]), restored("property", ttls[0])]
     );
     common::eventually(
         "the restored TTLs expire the copies",
@@ -1362,30 +1362,21 @@ async fn a_replay_that_reconnected_under_a_stale_marker_is_still_seen_by_the_cle
             "--rate",
             "2",
         ],
-        &[("INBOXCTL_FAILPOINTS", "replay-before-get=sleep-once-8000@2")],
+        // Held long enough for two rabbitmqctl calls on a loaded machine (2.5 s each seen) and the marker's declare.
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-get=sleep-once-12000@2",
+        )],
     );
+    // Opened ahead, so that only the declare is left to do once the connection is cut.
+    let stale = env.amqp().await;
     replay.wait_for_stderr(
         "failpoint replay-before-get reached",
         Duration::from_secs(30),
     );
     common::close_connection(&env.vhost, "inboxctl replay");
     // The lost connection's marker, still standing at the broker a while (here: the test's connection holds it).
-    let stale = env.amqp().await;
-    let channel = stale.create_channel().await.unwrap();
-    channel
-        .queue_declare(
-            inboxctl::amqp::topology::replay_marker(ERROR_QUEUE)
-                .as_str()
-                .into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    hold_the_marker(&stale, ERROR_QUEUE).await;
     replay.wait_for_stderr("still stands", Duration::from_secs(40));
     // The broker closes the stale connection at last (its heartbeat missed): its marker goes.
     stale.close(200, "OK".into()).await.unwrap();
@@ -1450,7 +1441,7 @@ async fn processed_long_ago_and_waiting_in_the_error_queue(
     (conn, pool, x)
 }
 
-/// `replay --from dlq --json --broker-timeout 2s --reconnect-timeout reconnect`, the first broker call of the kind
+/// `replay --from dlq --json --broker-timeout 5s --reconnect-timeout reconnect`, the first broker call of the kind
 /// `call` held for ten minutes by a failpoint.
 #[cfg(feature = "failpoints")]
 fn replay_with_an_answer_held(
@@ -1466,7 +1457,7 @@ fn replay_with_an_answer_held(
             dlq,
             "--json",
             "--broker-timeout",
-            "2s",
+            "5s",
             "--reconnect-timeout",
             reconnect,
         ],
@@ -1493,7 +1484,7 @@ async fn confirm_never_comes(reconnect: &str) -> serde_json::Value {
     let code = replay.wait(Duration::from_secs(60));
     let said = replay.stderr();
     assert!(
-        said.contains("RabbitMQ did not answer a copy's confirm within 2s (--broker-timeout)"),
+        said.contains("RabbitMQ did not answer a copy's confirm within 5s (--broker-timeout)"),
         "{said}"
     );
     let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
@@ -1589,28 +1580,17 @@ async fn an_acknowledgement_in_doubt_stays_counted_when_the_replay_stops_after_c
     let mut replay = env.spawn_with(
         &["replay", "--from", "later.dlq", "--json"],
         // Long enough for two rabbitmqctl calls on a loaded machine (2.5 s each seen) and the holder's declare.
-        &[("INBOXCTL_FAILPOINTS", "replay-before-get=sleep-once-8000@1")],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-get=sleep-once-12000@1",
+        )],
     );
     replay.wait_for_stderr(
         "failpoint replay-before-get reached",
         Duration::from_secs(30),
     );
     common::close_connection(&env.vhost, "inboxctl replay");
-    let holder = conn.create_channel().await.unwrap();
-    holder
-        .queue_declare(
-            inboxctl::amqp::topology::replay_marker("later.dlq")
-                .as_str()
-                .into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let _holder = hold_the_marker(&conn, "later.dlq").await;
     replay.wait_for_stderr("still stands", Duration::from_secs(30));
     replay.terminate();
     replay
@@ -1705,4 +1685,37 @@ async fn messages_held_elsewhere_when_a_replay_begins_are_counted_in_the_queue_a
     );
     assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0));
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (8, 0));
+}
+
+/// Declares `queue`'s replay marker on `conn`, exclusive, as a replay's lost connection would still hold it; the
+/// declare is tried again (on a fresh channel: a refused one closes its channel) while the marker of the connection
+/// just cut still stands at the broker. The channel holding it.
+#[cfg(feature = "failpoints")]
+async fn hold_the_marker(conn: &Connection, queue: &str) -> lapin::Channel {
+    let marker = inboxctl::amqp::topology::replay_marker(queue);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let channel = conn.create_channel().await.unwrap();
+        let declared = channel
+            .queue_declare(
+                marker.as_str().into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        match declared {
+            Ok(_) => return channel,
+            Err(e)
+                if e.to_string().contains("RESOURCE_LOCKED")
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the marker {marker} could not be held: {e}"),
+        }
+    }
 }

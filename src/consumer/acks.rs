@@ -10,7 +10,7 @@ use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 
 use super::dispatch::{Disposition, settle, settled};
-use super::run::Link;
+use super::link::Link;
 use super::{Consumer, Shared, lock};
 
 /// The delivery tags of a channel's deliveries that are not settled yet.

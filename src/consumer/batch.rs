@@ -22,8 +22,8 @@ use super::dispatch::{
     Access, Disposition, Prepared, Ready, as_one_statement, attempts, conflict, context, duplicate,
     failed, handling_panicked, prepare, processed, settle, settle_acker, settled, unclaimable,
 };
+use super::link::Link;
 use super::outage::{database_back, database_gone};
-use super::run::Link;
 use super::{
     Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,
     panic_message, sleep_or_cancel,

@@ -20,8 +20,8 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionStatus};
 use tokio_util::sync::CancellationToken;
 
 use super::alarm::{AlarmWait, AlarmWaits};
+use super::link::Link;
 use super::lock;
-use super::run::Link;
 use crate::amqp::Broker;
 use crate::amqp::dead_letter;
 use crate::amqp::publish::{self, PublishError, Routed};

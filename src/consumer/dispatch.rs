@@ -13,11 +13,11 @@ use uuid::Uuid;
 
 use super::Consumer;
 use super::bookkeeping::record_event;
+use super::link::Link;
 use super::move_aside::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
 use super::outage::{database_back, unavailable, wait_to_retry};
 use super::owed;
 use super::poison;
-use super::run::Link;
 use super::{
     MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, OnConflict, Shared, error_chain, lock,
     logged, panic_message, property_id, retry_delay, sleep_or_cancel,

@@ -35,6 +35,7 @@ pub mod config;
 mod dead_letters;
 mod dispatch;
 mod guard;
+mod link;
 mod move_aside;
 mod outage;
 mod owed;
@@ -164,7 +165,7 @@ pub struct ConsumerOptions {
     /// How long in-flight messages may take to finish after a stop was asked for.
     pub shutdown_timeout: Duration,
     /// How long a call to RabbitMQ may take (an ack, a nack, a dead-letter copy's confirm, setting a connection up);
-    /// past it the connection is given up and opened again (see `run::Link::answer`).
+    /// past it the connection is given up and opened again (see `link::Link::answer`).
     pub broker_timeout: Duration,
     /// How long one attempt (or one round of a batch) may take; also bounds the bookkeeping beside a message (see
     /// `bookkeeping::bounded`).

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::run::Link;
+use super::link::Link;
 use super::{Consumer, OUTAGE_DELAY_MAX, Shared, sleep_or_cancel};
 use crate::inbox::{Carried, Fingerprint, Outcome, ProcessError, Work, WorkError};
 

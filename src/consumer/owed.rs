@@ -18,9 +18,9 @@ use super::move_aside::FaultText;
 use lapin::message::Delivery;
 
 use super::dispatch::{Disposition, Ready, conflict, duplicate};
+use super::link::Link;
 use super::move_aside::{CONFLICT_FAULT, error_queue};
 use super::outage::{Looked, database_back, look, unavailable, wait_to_retry};
-use super::run::Link;
 use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison};
 use crate::amqp::limits;
 use crate::backoff::Backoff;

@@ -16,8 +16,8 @@ use uuid::Uuid;
 
 use super::bookkeeping::{bookkeeping_failed, bounded};
 use super::dispatch::{Access, Disposition, Ready, attempts};
+use super::link::Link;
 use super::move_aside::error_queue;
-use super::run::Link;
 use super::{Consumer, STOP_BOOKKEEPING, Shared, lock};
 use crate::db::attempts;
 

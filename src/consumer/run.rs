@@ -6,17 +6,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicNackOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use super::acks::Outstanding;
-use super::dead_letters::DeadLetters;
 use super::dispatch::handle;
+use super::link::{Link, open_link};
 use super::outage::wait_for_database;
 use super::stop::{drain, idle_stop, is_idle, stop_deadline, stopping};
 use super::{Consumer, WorkGuard};
@@ -29,84 +27,6 @@ use crate::amqp::topology;
 use crate::backoff::Backoff;
 use crate::db;
 use crate::error::Result;
-
-/// One broker connection that deliveries come in on, and the connection their dead-letter copies go out on.
-pub(super) struct Link {
-    pub(super) connection: Connection,
-    pub(super) consume: Channel,
-    pub(super) dead_letters: DeadLetters,
-    /// The tags of deliveries on `consume` not settled yet.
-    pub(super) outstanding: Outstanding,
-    /// Cancelled when RabbitMQ did not answer within `broker_timeout`: the run loop then drops the connection.
-    pub(super) given_up: CancellationToken,
-    pub(super) broker_timeout: Duration,
-}
-
-impl Link {
-    /// Awaits `op` on RabbitMQ (an ack, a nack, a dead-letter copy and its confirm, the start of consuming, a look
-    /// at the queue's depth) for at most the broker timeout; `None` if it did not complete, or the link was given up
-    /// already. (An ack has no reply: lapin's completes once the frame is handed to the connection.)
-    ///
-    /// Past the timeout the link is given up. A broker that does not answer keeps the deliveries it holds unsettled,
-    /// and a connection whose socket died without lapin noticing (seen after a node restart) would hold the worker
-    /// waiting on it for ever — and once every worker is held, the whole consumer, whose loop waits for a free one.
-    /// The run loop closes a given-up connection (the broker then delivers again whatever was not settled, and the
-    /// inbox absorbs the copies) and opens a new one.
-    pub(super) async fn answer<T>(
-        &self,
-        what: &'static str,
-        op: impl Future<Output = T>,
-    ) -> Option<T> {
-        if self.given_up.is_cancelled() {
-            return None;
-        }
-        if let Ok(answer) = crate::amqp::answered(what, self.broker_timeout, op).await {
-            return Some(answer);
-        }
-        if !self.given_up.is_cancelled() {
-            tracing::warn!(
-                waited = %humantime::format_duration(self.broker_timeout),
-                "RabbitMQ did not complete {what} in time (--broker-timeout); giving the connection up: what it did \
-                 not settle is delivered again"
-            );
-            self.given_up.cancel();
-        }
-        None
-    }
-
-    /// Closes the consuming connection (the broker gives back what it did not settle) and the dead-letter one. The
-    /// link is given up: work of it still in flight settles nothing more on it, and makes no more copies.
-    pub(super) async fn close(&self, reason: &str) {
-        self.given_up.cancel();
-        tokio::join!(
-            crate::amqp::close(&self.connection, reason),
-            self.dead_letters.close(reason)
-        );
-    }
-
-    /// Resolves once the link is given up.
-    pub(super) async fn given_up(&self) {
-        self.given_up.cancelled().await;
-    }
-
-    /// Resolves once the link is given up or its connection is seen lost (its state is looked at every second).
-    pub(super) async fn lost(&self) {
-        let mut check = tokio::time::interval(Duration::from_secs(1));
-        loop {
-            tokio::select! {
-                () = self.given_up.cancelled() => return,
-                _ = check.tick() => if self.is_lost() {
-                    return;
-                }
-            }
-        }
-    }
-
-    /// Whether the link is given up or its connection lost, now.
-    pub(super) fn is_lost(&self) -> bool {
-        self.given_up.is_cancelled() || !self.connection.status().connected()
-    }
-}
 
 /// Runs `consumer` on its queue until `shutdown` is cancelled (or, with `exit_when_idle`, until the queue stays
 /// empty). Fails at start if PostgreSQL or RabbitMQ cannot be reached; after that, outages are waited out.
@@ -566,47 +486,4 @@ impl Workers {
             .store(false, Ordering::Relaxed);
         false
     }
-}
-
-pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {
-    crate::failpoint::hit_with("open-link", &shared.queue).await;
-    let name = format!("inboxctl consume {}", shared.inbox.consumer_type());
-    let connection = broker.connect(&name).await?;
-    match &shared.options.partitions {
-        None => {
-            topology::ensure_endpoint(
-                &connection,
-                &shared.options.event_exchange,
-                &shared.options.queue,
-                shared.options.queue_type,
-            )
-            .await?;
-        }
-        Some(p) => {
-            topology::ensure_partitioned_endpoint(
-                &connection,
-                &shared.options.event_exchange,
-                &shared.options.queue,
-                p.count,
-                shared.options.queue_type,
-            )
-            .await?;
-        }
-    }
-    let consume = connection.create_channel().await?;
-    consume
-        .basic_qos(shared.options.prefetch, BasicQosOptions::default())
-        .await?;
-    Ok(Link {
-        connection,
-        consume,
-        dead_letters: DeadLetters::new(
-            broker,
-            format!("{name} (dead letters)"),
-            shared.options.queue_type,
-        ),
-        outstanding: Outstanding::default(),
-        given_up: CancellationToken::new(),
-        broker_timeout: shared.options.broker_timeout,
-    })
 }

@@ -134,9 +134,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                         // call is owed after a commit, so nothing else would ever make them. One whose outcome is
                         // unknown is not: without the look-up that run may have had, making it again could book
                         // twice.
-                        let pending = owed_by_an_earlier_run(&pool, &consumer_type, true).await;
-                        let unknown =
-                            owed_by_an_earlier_run(&pool, &consumer_type, false).await - pending;
+                        let (pending, unknown) = owed_by_an_earlier_run(&pool, &consumer_type).await;
                         if unknown > 0 {
                             tracing::warn!(
                                 consumer_type = %consumer_type,
@@ -165,7 +163,8 @@ pub async fn consume_guarded<G: WorkGuard>(
                 }
             }
             (Kind::Carrier, None) => {
-                if owed_by_an_earlier_run(&pool, &consumer_type, false).await > 0 {
+                let (pending, unknown) = owed_by_an_earlier_run(&pool, &consumer_type).await;
+                if pending + unknown > 0 {
                     tracing::warn!(
                         consumer_type = %consumer_type,
                         "calls to the carrier are owed after the commits of an earlier run (--effect-mode after-commit \
@@ -274,19 +273,18 @@ async fn keying(pool: &PgPool, db: &Database) -> Result<Keying> {
     Ok(keying)
 }
 
-/// How many calls are owed after the commits of an earlier run of this consumer_type (pending, or started and not
-/// settled; with `pending_only`, the pending ones): a run in keyed mode, or with the stand-in, writes none of its
-/// own. Not known (the database did not say): as none, said at debug level.
+/// How many calls are owed after the commits of an earlier run of this consumer_type: `(pending or in flight, of
+/// unknown outcome)`. A run in keyed mode, or with the stand-in, writes none of its own. Not known (the database did
+/// not say): as none, said at debug level.
 async fn owed_by_an_earlier_run(
     pool: &PgPool,
     consumer_type: &crate::inbox::ConsumerType,
-    pending_only: bool,
-) -> i64 {
-    match db::external::owed(pool, consumer_type.as_str(), pending_only).await {
+) -> (i64, i64) {
+    match db::external::owed_by_outcome(pool, consumer_type.as_str()).await {
         Ok(owed) => owed,
         Err(e) => {
             tracing::debug!(error = %e, "could not look for calls owed by an earlier run");
-            0
+            (0, 0)
         }
     }
 }

@@ -10,7 +10,8 @@ use futures_util::StreamExt as _;
 use lapin::options::BasicNackOptions;
 use tokio::task::JoinSet;
 
-use super::run::{Handover, Link, LinkEnd, Workers};
+use super::link::Link;
+use super::run::{Handover, LinkEnd, Workers};
 use super::{Consumer, Shared, lock, poison, sleep_or_cancel};
 use crate::amqp::topology;
 

@@ -54,6 +54,20 @@ SELECT count(*) FROM (
       AND (state = 'pending' OR (state = 'started' AND (NOT $2 OR lease_until >= now())))
     LIMIT 1000) owed";
 
+    /// The effects of consumer_type `$1` owed by an earlier run, each count up to 1000: those still to be made or in
+    /// flight (pending, or started under a live lease), and those whose outcome is unknown (started, the lease run
+    /// out). One statement, so that the two are of one moment.
+    const OWED_BY_OUTCOME = "\
+SELECT
+    (SELECT count(*) FROM (
+        SELECT 1 FROM inboxctl_effects
+        WHERE consumer_type = $1 AND (state = 'pending' OR (state = 'started' AND lease_until >= now()))
+        LIMIT 1000) live),
+    (SELECT count(*) FROM (
+        SELECT 1 FROM inboxctl_effects
+        WHERE consumer_type = $1 AND state = 'started' AND lease_until < now()
+        LIMIT 1000) unknown)";
+
     /// Records the outcome of attempt `$3` of effect (`$1` message id, `$2` consumer_type), if that attempt still
     /// holds it (started, same attempt count, same lease `$8`: a settle to `pending` counts attempts afresh, so the
     /// number alone could match a later attempt's): `$4` new state, `$5` seconds until it is due again (null:
@@ -209,6 +223,16 @@ pub async fn owed(
     let query = sql::query_scalar::<i64>(OWED)
         .bind(consumer_type)
         .bind(pending_only);
+    unit!(executor, |conn| query.fetch_one(conn))
+}
+
+/// The effects of `consumer_type` owed (`OWED_BY_OUTCOME`): `(to make or in flight, of unknown outcome)`, each up to
+/// 1000.
+pub async fn owed_by_outcome(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &str,
+) -> sqlx::Result<(i64, i64)> {
+    let query = sql::query_as::<(i64, i64)>(OWED_BY_OUTCOME).bind(consumer_type);
     unit!(executor, |conn| query.fetch_one(conn))
 }
 

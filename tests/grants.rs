@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 /// docs/security.md's table, row by row, as the tests below prove it: a changed row fails here until they prove it.
 const SECURITY_ROWS: [&str; 6] = [
-    "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner; with `--partitioned`, the table's owner (it renames the table and makes the partitioned one, owned by this role, granting it what the old table granted) | none |",
+    "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner; with `--partitioned`, the table's owner (it renames the table and makes the partitioned one, owned by this role, granting it what the old table granted — to the old owner too, every privilege, when that is another role) | none |",
     "| `consume` | `SELECT, INSERT` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`), `inboxctl_events` and `inboxctl_audit`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers` and `inboxctl_fingerprints`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
     "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit`; on a partitioned inbox, to make and drop its partitions, the table's owner and `CREATE` on its schema (without them it deletes in batches, and says so) | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
@@ -755,9 +755,49 @@ async fn partitioning_needs_the_tables_owner_and_keeps_its_grants() {
     .unwrap();
     assert_eq!(layout, "r", "nothing was converted");
 
-    // The owner partitions it; a row of nine days ago in its own partition, processed then.
+    // A reader whose name must be quoted, and the table handed to the service's own role, so that the admin who
+    // converts it (a superuser) is not its owner: both keep their rights on the partitioned table. (The reader's
+    // grant was quoted twice, and the conversion failed; the owner lost every right on its inbox.)
+    let reader = principals
+        .role(
+            &admin,
+            "Billing-Reader",
+            "GRANT SELECT ON inbox_messages TO {role}",
+        )
+        .await;
+    let service = principals
+        .role(
+            &admin,
+            "service",
+            "ALTER TABLE inbox_messages OWNER TO {role}",
+        )
+        .await;
     let out = env.run(&["migrate", "--partitioned", "1d"]);
     assert_eq!(out.code, Some(0), "{out:?}");
+    for (role, privilege) in [
+        (&reader.name, "SELECT"),
+        (&service.name, "SELECT"),
+        (&service.name, "INSERT"),
+        (&service.name, "UPDATE"),
+        (&service.name, "DELETE"),
+    ] {
+        let has: bool = sqlx::query_scalar("SELECT has_table_privilege($1, 'inbox_messages', $2)")
+            .bind(role)
+            .bind(privilege)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+        assert!(has, "{role} lost {privilege} on the partitioned inbox");
+    }
+    let reader_has_insert: bool =
+        sqlx::query_scalar("SELECT has_table_privilege($1, 'inbox_messages', 'INSERT')")
+            .bind(&reader.name)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+    assert!(!reader_has_insert, "nothing more than it had");
+
+    // A row of nine days ago in its own partition, processed then.
     let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
     let now = chrono::Utc::now();
     inboxctl::db::partitions::ensure_partitions(

@@ -461,11 +461,15 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
     .execute(&pool)
     .await
     .unwrap();
-    // The leftover of a drop that stopped between its detach and its drop.
-    sqlx::query("CREATE TABLE inbox_messages_p19990101_000000 (LIKE inbox_messages)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    // The leftover of a drop that stopped between its detach and its drop; and an operator's copy whose name begins
+    // the same way, none of the cleanup's business (it was dropped as a leftover).
+    sqlx::raw_sql(
+        "CREATE TABLE inbox_messages_p19990101_000000 (LIKE inbox_messages);
+         CREATE TABLE inbox_messages_pre_partitioning (LIKE inbox_messages)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
 
     let cleanup = |args: &[&str]| {
         let mut all = vec!["cleanup", "--retention", "7d", "--force", "--json"];
@@ -550,6 +554,10 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
     assert!(
         !exists("inbox_messages_p19990101_000000".to_owned()).await,
         "the leftover was dropped"
+    );
+    assert!(
+        exists("inbox_messages_pre_partitioning".to_owned()).await,
+        "the operator's table was kept"
     );
     // The untimed row went by the batched delete.
     let left: Vec<(String, String)> = sqlx::query_as(
@@ -687,4 +695,120 @@ async fn in_one_statement_copies_meet_in_their_partition_and_a_time_without_one_
         1,
         "nothing written for the refused one"
     );
+}
+
+/// A cleanup that began on a plain inbox goes on with its plain batches after `migrate --partitioned` converted the
+/// inbox under it: there a tuple id names a row in every partition. The batch deletes only the rows it picked — past
+/// the window, of its consumer_type — not a fresh row, nor another consumer_type's, that sits at the same place in
+/// another partition (whose deletion would let its message's next copy through as new).
+#[tokio::test]
+async fn a_plain_cleanup_batch_on_a_converted_inbox_deletes_only_rows_past_the_window() {
+    let env = TestEnv::migrated().await;
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    inboxctl::db::schema::migrate_partitioned(
+        &db,
+        false,
+        Some(inboxctl::db::partitions::Settings {
+            interval: TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        }),
+    )
+    .await
+    .unwrap();
+    let pool = env.pool().await;
+    let insert = |id: Uuid, consumer_type: &'static str, ago: TimeDelta| {
+        let pool = pool.clone();
+        async move {
+            let at = Utc::now() - ago;
+            sqlx::query(
+                "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+                 VALUES ($1, $2, $3, $3, $3)",
+            )
+            .bind(id)
+            .bind(consumer_type)
+            .bind(at)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    // Each the first row of its partition: the same tuple id, (0,1), in each.
+    let old = v7_ago(TimeDelta::days(5));
+    insert(old, "cleaned", TimeDelta::days(5)).await;
+    let fresh = v7_ago(TimeDelta::zero());
+    insert(fresh, "cleaned", TimeDelta::zero()).await;
+    let others = v7_ago(TimeDelta::days(4));
+    insert(others, "another", TimeDelta::days(4)).await;
+    let places: Vec<String> =
+        sqlx::query_scalar("SELECT ctid::text FROM inbox_messages ORDER BY message_time")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        places,
+        ["(0,1)", "(0,1)", "(0,1)"],
+        "one place in three partitions"
+    );
+
+    let deleted = inboxctl::db::cleanup::delete_processed_batch(
+        &pool,
+        inboxctl::db::cleanup::Rows::Processed,
+        "cleaned",
+        Utc::now() - TimeDelta::days(2),
+        100,
+    )
+    .await
+    .unwrap();
+    let left: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM inbox_messages ORDER BY message_time")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, [others, fresh], "only the row past the window went");
+    assert_eq!(deleted, 1);
+}
+
+/// Only a cleanup makes the partitions ahead, and a claim whose time none holds is refused: it makes them before
+/// anything that may refuse or fail. Here its guard cannot reach RabbitMQ (to look at the dead-letter queues), and the
+/// run fails — with the day after tomorrow's partition made. (It was made after the guard, so a cleanup failing there
+/// every day left messages to be refused once the partitions ahead ran out.)
+#[tokio::test]
+async fn a_cleanup_whose_guard_fails_has_made_the_partitions_ahead() {
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let pool = env.pool().await;
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let ahead =
+        inboxctl::db::partitions::partition_name(settings.floor(Utc::now() + TimeDelta::days(2)));
+    let exists = || async {
+        sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&ahead)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP TABLE \"{ahead}\"")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(!exists().await);
+    // Something for the guard to look at: a consumer_type with a row past the window.
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+         VALUES (gen_random_uuid(), 'a', now() - interval '9 days', now() - interval '9 days', now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = common::Output::of(
+        env.cmd()
+            .env("AMQP_URL", "amqp://nobody:nothing@127.0.0.1:1/nothing")
+            .args(["cleanup", "--retention", "7d", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_ne!(out.code, Some(0), "the guard could not look: {out:?}");
+    assert!(exists().await, "made before the guard failed: {out:?}");
 }

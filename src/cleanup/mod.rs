@@ -122,6 +122,10 @@ pub async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
 
 /// Runs a cleanup once, or with `every`, again on that schedule until `shutdown`, telling `on` how each run goes.
 /// Returns whether the last run was interrupted (a stop between two runs interrupts nothing).
+///
+/// With `every`, a run that fails after one has succeeded is said and the schedule goes on: a sidecar that ended on a
+/// database restart, or on a dead-letter queue it was not yet allowed to read, would make no more partitions ahead,
+/// and past them every message would be refused. The first run's failure ends it (a flag or a grant to fix).
 pub async fn scheduled(
     pool: &PgPool,
     plan: &Plan,
@@ -129,6 +133,7 @@ pub async fn scheduled(
     shutdown: &CancellationToken,
     mut on: impl FnMut(Event<'_>) -> Result<()>,
 ) -> Result<bool> {
+    let mut succeeded_once = false;
     loop {
         on(Event::Started)?;
         let mut progress_failed = None;
@@ -141,7 +146,24 @@ pub async fn scheduled(
         if !plan.dry_run {
             crate::audit::record(pool, &audit_entry(plan, &report)).await;
         }
-        let report = report?;
+        let report = match report {
+            Ok(report) => report,
+            Err(e) => {
+                let Some(every) = every.filter(|_| succeeded_once) else {
+                    return Err(e);
+                };
+                tracing::warn!(
+                    error = %crate::redact::text(&e.to_string()),
+                    "this cleanup run failed; the next one runs on schedule (--every)"
+                );
+                tokio::select! {
+                    () = shutdown.cancelled() => return Ok(false),
+                    () = tokio::time::sleep(every) => {}
+                }
+                continue;
+            }
+        };
+        succeeded_once = true;
         if let Some(e) = progress_failed {
             return Err(e);
         }
@@ -229,6 +251,11 @@ pub async fn run(
         cutoff,
         retention: plan.retention,
     };
+    let made_ahead = if plan.dry_run {
+        Vec::new()
+    } else {
+        partitions::make_ahead(pool).await?
+    };
     let mut consumers = reports(pool, plan, cutoff).await?;
     if let Some(guard) = &plan.guard {
         window::check(pool, guard, cutoff, &mut consumers).await?;
@@ -259,7 +286,10 @@ pub async fn run(
             .collect();
         let maintained = partitions::maintain(pool, window, &cleanable, false).await;
         let result = match maintained {
-            Ok(work) => {
+            Ok(mut work) => {
+                if let Some(work) = &mut work {
+                    work.created.splice(0..0, made_ahead);
+                }
                 partitions = work;
                 delete_in_turns(
                     pool,

@@ -103,6 +103,25 @@ pub async fn maintain(
     }
 }
 
+/// Makes the partitions of the time ahead (`db::partitions::AHEAD`) on a partitioned inbox: the first thing a cleanup
+/// does, before anything that may refuse or fail (the guard's look at the dead-letter queues, the drops), since a
+/// claim whose time no partition holds is refused and its message moved aside — and only a cleanup makes them.
+/// The partitions made. A role that may not make them: none, said by [`maintain`] after.
+pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
+    let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
+        return Ok(Vec::new());
+    };
+    let mut conn = pool.acquire().await?;
+    let now = Utc::now();
+    match db::partitions::ensure_partitions(&mut conn, settings, now, now + db::partitions::AHEAD)
+        .await
+    {
+        Ok(created) => Ok(created),
+        Err(crate::error::Error::PrivilegeRefused { .. }) => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
+
 /// The cleanup's window: rows processed before `cutoff` may go; `retention` is how far back it lies.
 #[derive(Debug, Clone, Copy)]
 pub struct Window {

@@ -38,6 +38,10 @@ ORDER BY 1";
     /// match. No `FOR UPDATE SKIP LOCKED`: nothing else deletes these rows while a cleanup holds the consumer_type's
     /// `CLEANUP_TRY_LOCK`, and locking them first would write each row once more.
     /// The batch's fingerprints go with it, found through their key.
+    /// The delete asks again what the batch asked: a tuple id names a row only within one table, and a cleanup that
+    /// began on a plain inbox runs this statement on after `migrate --partitioned` converts it in place (the name
+    /// then resolves to the partitioned table), where a tuple id matches a row in every partition — fresh ones
+    /// among them, whose deletion would let their messages' next copies through as new.
     const DELETE_PROCESSED_BATCH = "\
 WITH batch AS (
     SELECT ctid, id FROM inbox_messages
@@ -46,7 +50,8 @@ WITH batch AS (
 ), fingerprints AS (
     DELETE FROM inboxctl_fingerprints f USING batch WHERE f.consumer_type = $1 AND f.id = batch.id
 )
-DELETE FROM inbox_messages WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch))";
+DELETE FROM inbox_messages
+WHERE ctid = ANY (ARRAY (SELECT ctid FROM batch)) AND consumer_type = $1 AND processed_at < $2";
 
     /// `DELETE_PROCESSED_BATCH` on a partitioned inbox, where a tuple id names a row only within its partition: the
     /// batch's rows are deleted by their key, each found in its partition through its key's time. The keys travel as

@@ -15,12 +15,16 @@ use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
 
 statements! {
-    /// The privileges granted on `inbox_messages`: grantee (null: PUBLIC) and privilege, to grant the same on the
-    /// partitioned table that takes its name.
+    /// The privileges granted on `inbox_messages`: grantee (null: PUBLIC; its name as it is, not quoted) and
+    /// privilege, to grant the same on the partitioned table that takes its name — the owner's too, when the owner is
+    /// not the role converting it (a superuser, or a member of the owner's role): the new table is this role's, and
+    /// the old owner would otherwise lose every right on the inbox its service reads and writes. The default
+    /// privileges when none were ever granted (the owner's).
     const INBOX_GRANTS = "\
-SELECT CASE WHEN a.grantee = 0 THEN NULL ELSE a.grantee::regrole::text END, a.privilege_type
-FROM pg_class c CROSS JOIN LATERAL aclexplode(c.relacl) a
-WHERE c.oid = to_regclass('inbox_messages') AND a.grantee <> c.relowner";
+SELECT CASE WHEN a.grantee = 0 THEN NULL ELSE pg_get_userbyid(a.grantee)::text END, a.privilege_type
+FROM pg_class c CROSS JOIN LATERAL aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a
+WHERE c.oid = to_regclass('inbox_messages')
+  AND a.grantee <> (SELECT oid FROM pg_roles WHERE rolname = current_user)";
 
     /// Whether a constraint of that name exists on `inbox_messages`. `$1` name.
     const INBOX_CONSTRAINT_EXISTS = "\
@@ -107,18 +111,27 @@ fn create_index_statement(name: &str, definition: &str) -> String {
     )
 }
 
-fn grant_statement(privilege: &str, grantee: Option<&str>) -> String {
+/// The grant of `privilege` to `grantee` (none: PUBLIC) on the new `inbox_messages`; none for a privilege this
+/// version does not know (a later server's, say `MAINTAIN`): granting another in its place would widen access.
+fn grant_statement(privilege: &str, grantee: Option<&str>) -> Option<String> {
     let privilege = privilege.to_ascii_uppercase();
     let privilege = match privilege.as_str() {
         p @ ("SELECT" | "INSERT" | "UPDATE" | "DELETE" | "TRUNCATE" | "REFERENCES" | "TRIGGER") => {
             p
         }
-        _ => "SELECT",
+        other => {
+            tracing::warn!(
+                privilege = %crate::sanitize::text(other),
+                "a privilege on inbox_messages this version does not know is not carried over to the partitioned \
+                 table: grant it again"
+            );
+            return None;
+        }
     };
-    format!(
+    Some(format!(
         "GRANT {privilege} ON inbox_messages TO {}",
         grantee.map_or_else(|| "PUBLIC".to_owned(), quote_ident)
-    )
+    ))
 }
 
 /// The conversion's statements built around a name, each with a sample one.
@@ -126,7 +139,7 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
     vec![
         (
             "grant_statement",
-            grant_statement("select", Some("inboxctl")),
+            grant_statement("select", Some("inboxctl")).unwrap_or_default(),
         ),
         (
             "rename_key_statement",
@@ -275,7 +288,9 @@ async fn swap(
         run(&mut tx, &create_index_statement(index, definition)).await?;
     }
     for (grantee, privilege) in grants {
-        run(&mut tx, &grant_statement(privilege, grantee.as_deref())).await?;
+        if let Some(grant) = grant_statement(privilege, grantee.as_deref()) {
+            run(&mut tx, &grant).await?;
+        }
     }
     run(&mut tx, ATTACH_UNTIMED).await?;
     // The window's time partitions in the same transaction: once the partitioned layout is seen, a consumer claims

@@ -52,9 +52,11 @@ WHERE i.inhparent = to_regclass('inbox_messages')
 ORDER BY 2 NULLS FIRST";
 
     /// Tables left by a drop that stopped between its detach and its drop: partitions of ours no longer attached.
+    /// Only names of the form inboxctl gives its partitions: a table an operator named `inbox_messages_pre_...`, say
+    /// (a copy kept before `migrate --partitioned`), is none of the cleanup's business.
     const DETACHED_LEFTOVERS = "\
 SELECT c.relname::text FROM pg_class c
-WHERE c.relname LIKE 'inbox\\_messages\\_p%' AND c.relkind = 'r' AND NOT c.relispartition
+WHERE c.relname ~ '^inbox_messages_p[0-9]{8}_[0-9]{6}$' AND c.relkind = 'r' AND NOT c.relispartition
   AND c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('inbox_messages'))";
 
     /// Whether the rows of `[$1, $2)` include an unprocessed one (found through the unprocessed index).

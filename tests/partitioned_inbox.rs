@@ -812,3 +812,123 @@ async fn a_cleanup_whose_guard_fails_has_made_the_partitions_ahead() {
     assert_ne!(out.code, Some(0), "the guard could not look: {out:?}");
     assert!(exists().await, "made before the guard failed: {out:?}");
 }
+
+/// A partitioned inbox with partitions from 14 days back, and the oldest of them (empty, past the window): its name
+/// and its start.
+async fn with_an_old_empty_partition(env: &TestEnv) -> (String, chrono::DateTime<Utc>) {
+    assert_eq!(migrate_partitioned(env, &[]).code, Some(0));
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    let mut conn = db.connect().await.unwrap();
+    inboxctl::db::partitions::ensure_partitions(
+        &mut conn,
+        inboxctl::db::partitions::Settings {
+            interval: TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        },
+        Utc::now() - TimeDelta::days(14),
+        Utc::now(),
+    )
+    .await
+    .unwrap();
+    let oldest = inboxctl::db::partitions::partitions(&mut conn)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|p| p.from.is_some())
+        .unwrap();
+    (oldest.name, oldest.from.unwrap())
+}
+
+/// A row processed now (a late copy of an old message) in the partition at `start`; its id.
+async fn a_row_processed_now(pool: &sqlx::PgPool, start: chrono::DateTime<Utc>) -> Uuid {
+    let id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+         VALUES ($1, 'a', now(), now(), $2)",
+    )
+    .bind(id)
+    .bind(start + TimeDelta::hours(1))
+    .execute(pool)
+    .await
+    .unwrap();
+    id
+}
+
+/// How many rows of the inbox hold `id`.
+async fn rows_of(pool: &sqlx::PgPool, id: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Whether `name` is a partition of the inbox now.
+async fn attached(pool: &sqlx::PgPool, name: &str) -> bool {
+    sqlx::query_scalar::<_, Option<bool>>(
+        "SELECT relispartition FROM pg_class WHERE oid = to_regclass($1)",
+    )
+    .bind(name)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+    .unwrap_or(false)
+}
+
+/// A claim may write into an old partition between the cleanup's look at it and its detach (a late copy of an old
+/// message, processed now; a failpoint holds the cleanup there while the test writes it). The detached table is
+/// looked at again: the partition is attached again and kept, its row still the message's claim. It was dropped with
+/// the row.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partition_written_to_between_the_cleanups_look_and_its_detach_is_kept() {
+    let env = TestEnv::bare().await;
+    let (oldest, start) = with_an_old_empty_partition(&env).await;
+    let pool = env.pool().await;
+    let mut cleanup = env.spawn_with(
+        &["cleanup", "--retention", "7d", "--force", "--json"],
+        &[("INBOXCTL_FAILPOINTS", "partition-looked=sleep-once-3000")],
+    );
+    cleanup.wait_for_stderr(
+        "failpoint partition-looked reached",
+        Duration::from_secs(30),
+    );
+    let id = a_row_processed_now(&pool, start).await;
+    assert_eq!(
+        cleanup.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        cleanup.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert!(attached(&pool, &oldest).await, "{report:#}");
+    assert_eq!(rows_of(&pool, id).await, 1);
+    assert!(
+        report["partitions"]["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["partition"] == oldest.as_str()
+                && k["why"].as_str().unwrap().contains("attached again")),
+        "{report:#}"
+    );
+}
+
+/// A partition a stopped drop left detached, holding a row processed within the window: attached again by the next
+/// cleanup, not dropped as a leftover.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again() {
+    let env = TestEnv::bare().await;
+    let (oldest, start) = with_an_old_empty_partition(&env).await;
+    let pool = env.pool().await;
+    let id = a_row_processed_now(&pool, start).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE inbox_messages DETACH PARTITION \"{oldest}\""
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(attached(&pool, &oldest).await, "{out:?}");
+    assert_eq!(rows_of(&pool, id).await, 1, "{out:?}");
+}

@@ -140,7 +140,41 @@ async fn drop_and_make(
     let cutoff = window.cutoff;
     let mut conn = pool.acquire().await?;
     if !dry_run {
-        work.leftovers = db::partitions::drop_leftovers(&mut conn).await?;
+        for name in db::partitions::leftovers(&mut conn).await? {
+            // Dropped only if nothing in it must stay; else attached again (it is out of the inbox while detached,
+            // and a copy of a message whose row it holds would be taken for new).
+            let contents = db::partitions::detached_contents(&mut conn, &name).await?;
+            let Some(why) = why_kept(&contents, cutoff, cleanable) else {
+                db::partitions::drop_detached(&mut conn, &name).await?;
+                work.leftovers.push(name);
+                continue;
+            };
+            let attached = match db::partitions::start_of(&name) {
+                Some(from) => {
+                    db::partitions::attach_again(&mut conn, from, from + settings.interval)
+                        .await
+                        .is_ok()
+                }
+                None => false,
+            };
+            tracing::warn!(
+                partition = %name,
+                attached,
+                "a partition left detached by a stopped drop holds rows that must stay: {}",
+                if attached { "attached again" } else { "attach it again by hand" }
+            );
+            work.kept.push(Kept {
+                partition: name,
+                why: format!(
+                    "{why} (left detached by a stopped drop: {})",
+                    if attached {
+                        "attached again"
+                    } else {
+                        "it could not be attached again; attach it by hand"
+                    }
+                ),
+            });
+        }
         let now = Utc::now();
         work.created = db::partitions::ensure_partitions(
             &mut conn,
@@ -177,8 +211,24 @@ async fn drop_and_make(
             continue;
         }
         let rows_estimated = db::partitions::rows_estimate(&mut *conn, &partition.name).await?;
-        if !dry_run && !db::partitions::detach_and_drop(&mut conn, &partition).await? {
-            continue; // another cleanup dropped it first
+        if !dry_run {
+            // Between the look above and the detach a claim may still write there (a late copy of an old message):
+            // what the detached table holds is looked at again, and if it must stay it is attached again.
+            crate::failpoint::hit("partition-looked").await;
+            if !db::partitions::detach(&mut conn, &partition).await? {
+                continue; // another cleanup dropped it first
+            }
+            let after = db::partitions::detached_contents(&mut conn, &partition.name).await?;
+            if let Some(why) = why_kept(&after, cutoff, cleanable) {
+                db::partitions::attach_again(&mut conn, from, to).await?;
+                tracing::info!(partition = %partition.name, "a partition written to while it was detached was attached again");
+                work.kept.push(Kept {
+                    partition: partition.name,
+                    why: format!("{why} (written to as it was being dropped: attached again)"),
+                });
+                continue;
+            }
+            db::partitions::drop_detached(&mut conn, &partition.name).await?;
         }
         tracing::info!(partition = %partition.name, ?rows_estimated, dry_run, "dropped a partition older than the cutoff");
         work.dropped.push(Dropped {

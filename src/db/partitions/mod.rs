@@ -253,6 +253,25 @@ fn detach_statement(name: &str, finalize: bool) -> String {
     )
 }
 
+/// Each consumer_type of the table `name` (a detached partition), the newest `processed_at` of its rows, and whether
+/// the table holds an unprocessed row (on every row alike): `CONSUMER_TYPES_BETWEEN`'s loose index scan, on the table.
+fn detached_contents_statement(name: &str) -> String {
+    let t = quote_ident(name);
+    format!(
+        "WITH RECURSIVE t AS (
+    (SELECT consumer_type FROM {t} ORDER BY consumer_type LIMIT 1)
+    UNION ALL
+    SELECT (SELECT i.consumer_type FROM {t} i WHERE i.consumer_type > t.consumer_type
+            ORDER BY i.consumer_type LIMIT 1)
+    FROM t WHERE t.consumer_type IS NOT NULL
+)
+SELECT t.consumer_type::text,
+       (SELECT max(i.processed_at) FROM {t} i WHERE i.consumer_type = t.consumer_type),
+       EXISTS (SELECT 1 FROM {t} i WHERE i.processed_at IS NULL)
+FROM t WHERE t.consumer_type IS NOT NULL"
+    )
+}
+
 fn drop_statement(name: &str) -> String {
     format!("DROP TABLE IF EXISTS {}", quote_ident(name))
 }
@@ -286,6 +305,10 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
             drop_statement("inbox_messages_p20270519_000000"),
         ),
         ("comment_statement", comment_statement(&settings)),
+        (
+            "detached_contents_statement",
+            detached_contents_statement("inbox_messages"),
+        ),
     ];
     statements.extend(convert::built_statements());
     statements
@@ -396,15 +419,15 @@ pub async fn rows_estimate(executor: impl Into<Exec<'_>>, name: &str) -> sqlx::R
 }
 
 /// Detaches a partition without stopping the consumers' inserts (`DETACH … CONCURRENTLY`, or `FINALIZE` for one a
-/// stopped detach left pending) and drops it. `false` when another process detached it first.
-pub async fn detach_and_drop(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<bool> {
+/// stopped detach left pending). `false` when another process detached it first.
+pub async fn detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<bool> {
     let detached = run(
         conn,
         &detach_statement(&partition.name, partition.detach_pending),
     )
     .await;
     match detached {
-        Ok(()) => {}
+        Ok(()) => Ok(true),
         // Not a partition (any more), or no such table: another cleanup got there first.
         Err(e)
             if matches!(
@@ -412,23 +435,58 @@ pub async fn detach_and_drop(conn: &mut PgConnection, partition: &Partition) -> 
                 Some("42P01" | "42809" | "55000")
             ) =>
         {
-            return Ok(false);
+            Ok(false)
         }
-        Err(e) => return Err(e),
+        Err(e) => Err(e),
     }
-    run(conn, &drop_statement(&partition.name)).await?;
-    Ok(true)
 }
 
-/// Drops the tables a drop left detached and not dropped (stopped between the two); returns their names.
-pub async fn drop_leftovers(conn: &mut PgConnection) -> sqlx::Result<Vec<String>> {
-    let names: Vec<String> = sql::query_scalar(DETACHED_LEFTOVERS)
+/// What a detached partition holds, read on the table itself. Once `DETACH … CONCURRENTLY` has returned, no claim
+/// writes there any more: a row a claim wrote between the look through the parent ([`contents`]) and the detach is
+/// seen here.
+pub async fn detached_contents(conn: &mut PgConnection, name: &str) -> sqlx::Result<Contents> {
+    let rows: Vec<(String, Option<DateTime<Utc>>, bool)> =
+        sql::query_as(AssertSqlSafe(detached_contents_statement(name)))
+            .fetch_all(&mut *conn)
+            .await?;
+    Ok(Contents {
+        unprocessed: rows.iter().any(|(_, _, unprocessed)| *unprocessed),
+        consumer_types: rows
+            .into_iter()
+            .map(|(consumer_type, newest, _)| (consumer_type, newest))
+            .collect(),
+    })
+}
+
+/// Attaches again a partition detached from `[from, to)` (the check constraint the concurrent detach left on it
+/// spares the scan).
+pub async fn attach_again(
+    conn: &mut PgConnection,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+) -> sqlx::Result<()> {
+    run(conn, &attach_statement(from, to)).await
+}
+
+/// Drops a detached partition.
+pub async fn drop_detached(conn: &mut PgConnection, name: &str) -> sqlx::Result<()> {
+    run(conn, &drop_statement(name)).await
+}
+
+/// The tables a drop left detached and not dropped (stopped between the two, or before it looked again at what it
+/// had detached).
+pub async fn leftovers(conn: &mut PgConnection) -> sqlx::Result<Vec<String>> {
+    sql::query_scalar(DETACHED_LEFTOVERS)
         .fetch_all(&mut *conn)
-        .await?;
-    for name in &names {
-        run(conn, &drop_statement(name)).await?;
-    }
-    Ok(names)
+        .await
+}
+
+/// The time a partition of ours starts at, read from its name (`inbox_messages_pYYYYMMDD_HHMMSS`).
+pub fn start_of(name: &str) -> Option<DateTime<Utc>> {
+    let stamp = name.strip_prefix("inbox_messages_p")?;
+    chrono::NaiveDateTime::parse_from_str(stamp, "%Y%m%d_%H%M%S")
+        .ok()
+        .map(|t| t.and_utc())
 }
 
 #[cfg(test)]
@@ -463,6 +521,8 @@ mod tests {
         let start = settings.floor(t);
         assert_eq!(start.to_rfc3339(), "2026-12-02T00:00:00+00:00");
         assert_eq!(partition_name(start), "inbox_messages_p20261202_000000");
+        assert_eq!(start_of(&partition_name(start)), Some(start));
+        assert_eq!(start_of("inbox_messages_pre_partitioning"), None);
         assert_eq!(
             attach_statement(start, start + settings.interval),
             "ALTER TABLE inbox_messages ATTACH PARTITION \"inbox_messages_p20261202_000000\" FOR VALUES FROM \

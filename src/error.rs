@@ -98,10 +98,15 @@ pub enum Error {
     },
 
     #[error(
-        "table inbox_messages does not exist in {}: run `inboxctl migrate` first",
+        "table {} does not exist in {}: run `inboxctl migrate` first",
+        .table.as_deref().unwrap_or("inbox_messages"),
         .database.as_deref().map_or_else(|| "this database".to_owned(), |d| format!("database {d:?}"))
     )]
-    SchemaMissing { database: Option<String> },
+    SchemaMissing {
+        database: Option<String>,
+        /// The table the server named (none: `inbox_messages`).
+        table: Option<String>,
+    },
 
     #[error(
         "inbox_messages in database {database:?} is not compatible with inboxctl; nothing was changed:\n{}",

@@ -653,10 +653,19 @@ async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
         common::count(&pool, "SELECT count(*) FROM inbox_messages").await == 0
     })
     .await;
+    // Stopped after a round that failed: the last round did not happen, exit 3.
+    sqlx::raw_sql("ALTER TABLE inboxctl_events RENAME TO inboxctl_events_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    common::eventually("a second failed round", Duration::from_secs(20), || async {
+        sidecar.stderr().matches("this cleanup run failed").count() >= 2
+    })
+    .await;
     sidecar.terminate();
     assert_eq!(
         sidecar.wait(Duration::from_secs(20)),
-        Some(0),
+        Some(3),
         "{}",
         sidecar.stderr()
     );
@@ -665,6 +674,14 @@ async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    let (failed, rounds): (Vec<_>, Vec<_>) = rounds.into_iter().partition(|r| r["failed"] == true);
+    assert!(
+        failed.iter().all(|f| f["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("inboxctl_events"))),
+        "each failed round a line saying why: {failed:?}"
+    );
+    assert!(!failed.is_empty());
     assert!(rounds.len() >= 2, "{rounds:?}");
     assert_eq!(
         rounds

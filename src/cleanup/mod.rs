@@ -107,6 +107,8 @@ pub enum Event<'a> {
     Progress(Progress<'a>),
     /// A run has ended (interrupted or not).
     Finished(&'a Report),
+    /// A run of `--every` failed, after one had succeeded; the next runs on schedule.
+    Failed(&'a crate::error::Error),
 }
 
 /// Refuses to clean a database `migrate` has not prepared: cleanup's batches delete fingerprints and events with their
@@ -156,6 +158,7 @@ pub async fn scheduled(
                     error = %crate::redact::text(&e.to_string()),
                     "this cleanup run failed; the next one runs on schedule (--every)"
                 );
+                on(Event::Failed(&e))?;
                 tokio::select! {
                     () = shutdown.cancelled() => return Ok(false),
                     () = tokio::time::sleep(every) => {}

@@ -106,7 +106,7 @@ pub async fn maintain(
 /// Makes the partitions of the time ahead (`db::partitions::AHEAD`) on a partitioned inbox: the first thing a cleanup
 /// does, before anything that may refuse or fail (the guard's look at the dead-letter queues, the drops), since a
 /// claim whose time no partition holds is refused and its message moved aside — and only a cleanup makes them.
-/// The partitions made. A role that may not make them: none, said by [`maintain`] after.
+/// The partitions made. A role that may not make them: none, and a warning.
 pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(Vec::new());
@@ -117,7 +117,14 @@ pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
         .await
     {
         Ok(created) => Ok(created),
-        Err(crate::error::Error::PrivilegeRefused { .. }) => Ok(Vec::new()),
+        Err(crate::error::Error::PrivilegeRefused { reason, .. }) => {
+            tracing::warn!(
+                reason = %crate::redact::text(&reason),
+                "this role may not make the inbox's partitions ahead (only the table's owner may): once those there \
+                 run out (3 days at most), every message is refused as unclaimable; run cleanup as the owner"
+            );
+            Ok(Vec::new())
+        }
         Err(e) => Err(e),
     }
 }

@@ -106,6 +106,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         audit_retention: args.audit_retention,
     };
     let mut refused = false;
+    let mut last_failed = false;
     let totals = Arc::new(Mutex::new(Totals::default()));
     if let Some(addr) = args.metrics_addr {
         let registry = metrics::cleanup::registry(Arc::clone(&totals));
@@ -118,7 +119,19 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         match event {
             Event::Started => meter = super::progress::line(show_progress),
             Event::Progress(p) => draw(&meter, &p),
+            Event::Failed(e) => {
+                meter.finish_and_clear();
+                last_failed = true;
+                totals.lock().unwrap_or_else(|p| p.into_inner()).failed();
+                if args.json {
+                    output::json(&serde_json::json!({
+                        "failed": true,
+                        "error": crate::redact::text(&e.to_string()),
+                    }))?;
+                }
+            }
             Event::Finished(report) => {
+                last_failed = false;
                 meter.finish_and_clear();
                 warn_unprocessed(report, args.retention);
                 warn_refused(report);
@@ -134,7 +147,8 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         Ok(())
     })
     .await?;
-    Ok(if interrupted || refused {
+    // A stop after a run that failed: the last run did not happen.
+    Ok(if interrupted || refused || last_failed {
         Outcome::Partial
     } else {
         Outcome::Done

@@ -52,6 +52,10 @@ pub fn diagnose(error: sqlx::Error, db: Option<&Database>) -> Error {
         },
         Some("42P01") => Error::SchemaMissing {
             database: db.map(Database::name),
+            // `relation "inboxctl_events" does not exist`: the name, bounded and shown inert.
+            table: reason.split('"').nth(1).map(|t| {
+                crate::sanitize::text(&t.chars().take(128).collect::<String>()).into_owned()
+            }),
         },
         // Met connecting (`db` known): whatever the server said, it could not be used.
         _ if db.is_some()

@@ -307,6 +307,7 @@ pub async fn require_tables(pool: &sqlx::PgPool, db: &Database, tables: &[&str])
         if !table_exists(&mut conn, table).await? {
             return Err(Error::SchemaMissing {
                 database: Some(db.name()),
+                table: Some((*table).to_owned()),
             });
         }
     }

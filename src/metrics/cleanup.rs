@@ -19,6 +19,7 @@ use crate::cleanup::Report;
 #[derive(Debug, Default)]
 pub struct Totals {
     runs: u64,
+    failed_runs: u64,
     deleted: BTreeMap<String, u64>,
     events_deleted: u64,
     unprocessed_older: BTreeMap<String, u64>,
@@ -26,6 +27,11 @@ pub struct Totals {
 }
 
 impl Totals {
+    /// A run of `--every` that failed (said, and the schedule went on).
+    pub fn failed(&mut self) {
+        self.failed_runs += 1;
+    }
+
     pub fn add(&mut self, report: &Report) {
         self.runs += 1;
         self.events_deleted += report.events_deleted;
@@ -75,6 +81,9 @@ impl Collector for TotalsCollector {
             counter,
             runs,
         )?;
+        let failed = [(UNLABELLED, ConstCounter::new(t.failed_runs))];
+        let help = "Cleanup runs that failed (--every goes on to the next).";
+        encode_family(e, "inbox_cleanup_runs_failed", help, counter, failed)?;
         let deleted = per_type(&t.deleted).map(|(l, v)| (l, ConstCounter::new(v)));
         let help = "Processed inbox rows deleted.";
         encode_family(e, "inbox_cleanup_rows_deleted", help, counter, deleted)?;

@@ -21,10 +21,29 @@ statements! {
     /// the old owner would otherwise lose every right on the inbox its service reads and writes. The default
     /// privileges when none were ever granted (the owner's).
     const INBOX_GRANTS = "\
-SELECT CASE WHEN a.grantee = 0 THEN NULL ELSE pg_get_userbyid(a.grantee)::text END, a.privilege_type
+SELECT DISTINCT CASE WHEN a.grantee = 0 THEN NULL ELSE pg_get_userbyid(a.grantee)::text END, a.privilege_type,
+       a.is_grantable
 FROM pg_class c CROSS JOIN LATERAL aclexplode(coalesce(c.relacl, acldefault('r', c.relowner))) a
 WHERE c.oid = to_regclass('inbox_messages')
   AND a.grantee <> (SELECT oid FROM pg_roles WHERE rolname = current_user)";
+
+    /// The owner of the inbox's rows from before it was partitioned (`inbox_messages_untimed`), when the
+    /// partitioned `inbox_messages` is another's — this role's, which converted it —, and whether this role may hand
+    /// it over (a superuser; or a member of that role, which may create in the schema).
+    const OWNER_TO_RESTORE = "\
+SELECT pg_get_userbyid(u.relowner)::text,
+       pg_has_role(u.relowner, 'MEMBER')
+       AND ((SELECT rolsuper FROM pg_roles WHERE rolname = current_user)
+            OR has_schema_privilege(u.relowner, u.relnamespace, 'CREATE'))
+FROM pg_class u, pg_class p
+WHERE u.oid = to_regclass('inbox_messages_untimed') AND p.oid = to_regclass('inbox_messages')
+  AND u.relowner <> p.relowner AND p.relowner = (SELECT oid FROM pg_roles WHERE rolname = current_user)";
+
+    /// The partitions of `inbox_messages` this role owns.
+    const PARTITIONS_OWNED = "\
+SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass('inbox_messages')
+  AND c.relowner = (SELECT oid FROM pg_roles WHERE rolname = current_user)";
 
     /// Whether a constraint of that name exists on `inbox_messages`. `$1` name.
     const INBOX_CONSTRAINT_EXISTS = "\
@@ -111,14 +130,13 @@ fn create_index_statement(name: &str, definition: &str) -> String {
     )
 }
 
-/// The grant of `privilege` to `grantee` (none: PUBLIC) on the new `inbox_messages`; none for a privilege this
-/// version does not know (a later server's, say `MAINTAIN`): granting another in its place would widen access.
-fn grant_statement(privilege: &str, grantee: Option<&str>) -> Option<String> {
+/// The grant of `privilege` to `grantee` (none: PUBLIC) on the new `inbox_messages`, `WITH GRANT OPTION` if it was
+/// so granted; none for a privilege this version does not know: granting another in its place would widen access.
+fn grant_statement(privilege: &str, grantee: Option<&str>, grantable: bool) -> Option<String> {
     let privilege = privilege.to_ascii_uppercase();
     let privilege = match privilege.as_str() {
-        p @ ("SELECT" | "INSERT" | "UPDATE" | "DELETE" | "TRUNCATE" | "REFERENCES" | "TRIGGER") => {
-            p
-        }
+        p @ ("SELECT" | "INSERT" | "UPDATE" | "DELETE" | "TRUNCATE" | "REFERENCES" | "TRIGGER"
+        | "MAINTAIN") => p,
         other => {
             tracing::warn!(
                 privilege = %crate::sanitize::text(other),
@@ -129,9 +147,18 @@ fn grant_statement(privilege: &str, grantee: Option<&str>) -> Option<String> {
         }
     };
     Some(format!(
-        "GRANT {privilege} ON inbox_messages TO {}",
-        grantee.map_or_else(|| "PUBLIC".to_owned(), quote_ident)
+        "GRANT {privilege} ON inbox_messages TO {}{}",
+        grantee.map_or_else(|| "PUBLIC".to_owned(), quote_ident),
+        if grantable { " WITH GRANT OPTION" } else { "" }
     ))
+}
+
+fn owner_statement(table: &str, owner: &str) -> String {
+    format!(
+        "ALTER TABLE {} OWNER TO {}",
+        quote_ident(table),
+        quote_ident(owner)
+    )
 }
 
 /// The conversion's statements built around a name, each with a sample one.
@@ -139,7 +166,11 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
     vec![
         (
             "grant_statement",
-            grant_statement("select", Some("inboxctl")).unwrap_or_default(),
+            grant_statement("select", Some("inboxctl"), true).unwrap_or_default(),
+        ),
+        (
+            "owner_statement",
+            owner_statement("inbox_messages", "inboxctl"),
         ),
         (
             "rename_key_statement",
@@ -215,11 +246,65 @@ pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<Pa
             convert(conn, settings).await?;
             report.converted = true;
         }
-        None => return Err(Error::SchemaMissing { database: None }),
+        None => {
+            return Err(Error::SchemaMissing {
+                database: None,
+                table: None,
+            });
+        }
     }
     let now = Utc::now();
     report.created = ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?;
+    restore_owner(conn).await?;
     Ok(report)
+}
+
+/// Hands the partitioned inbox and its partitions to the owner of the table it was converted from, when another role
+/// (a superuser, a member of the owner's role) converted it: made by this role, they were this role's, and only the
+/// owner makes and drops partitions — a cleanup run as the service's own role would make none ahead, and past them
+/// every claim is refused. Where this role may not hand them over, it says so. (Run again on a later `migrate`: a
+/// conversion that stopped after its swap is handed over then.)
+async fn restore_owner(conn: &mut PgConnection) -> Result<()> {
+    let Some((owner, may)): Option<(String, bool)> = sql::query_as(OWNER_TO_RESTORE)
+        .fetch_optional(&mut *conn)
+        .await?
+    else {
+        return Ok(());
+    };
+    if !may {
+        tracing::warn!(
+            owner = %crate::sanitize::text(&owner),
+            "the partitioned inbox_messages belongs to this role, not to the owner of the table it was converted \
+             from, and this role may not hand it over: only its owner makes the partitions ahead, so run cleanup as \
+             this role, or hand the table and its partitions over (ALTER TABLE ... OWNER TO)"
+        );
+        return Ok(());
+    }
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match hand_over(conn, &owner).await {
+            Ok(()) => return Ok(()),
+            Err(e) if tries < 30 && crate::db::sqlstate(&e).as_deref() == Some("55P03") => {
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The hand-over in one transaction, the lock of each table waited for at most `SET_LOCAL_LOCK_TIMEOUT`.
+async fn hand_over(conn: &mut PgConnection, owner: &str) -> sqlx::Result<()> {
+    let mut tx = conn.begin().await?;
+    run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
+    let partitions: Vec<String> = sql::query_scalar(PARTITIONS_OWNED)
+        .fetch_all(&mut *tx)
+        .await?;
+    run(&mut tx, &owner_statement("inbox_messages", owner)).await?;
+    for partition in &partitions {
+        run(&mut tx, &owner_statement(partition, owner)).await?;
+    }
+    tx.commit().await
 }
 
 /// The conversion (see the module documentation): every step but the last takes no lock that stops the consumers.
@@ -243,7 +328,7 @@ async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
             database: String::new(),
             differences: vec!["inbox_messages has no primary key".to_owned()],
         })?;
-    let grants: Vec<(Option<String>, String)> =
+    let grants: Vec<(Option<String>, String, bool)> =
         sql::query_as(INBOX_GRANTS).fetch_all(&mut *conn).await?;
     let mut tries = 0;
     loop {
@@ -271,7 +356,7 @@ async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
 async fn swap(
     conn: &mut PgConnection,
     key: &str,
-    grants: &[(Option<String>, String)],
+    grants: &[(Option<String>, String, bool)],
     settings: Settings,
 ) -> sqlx::Result<()> {
     let mut tx = conn.begin().await?;
@@ -287,8 +372,8 @@ async fn swap(
     for (index, definition) in INBOX_INDEXES {
         run(&mut tx, &create_index_statement(index, definition)).await?;
     }
-    for (grantee, privilege) in grants {
-        if let Some(grant) = grant_statement(privilege, grantee.as_deref()) {
+    for (grantee, privilege, grantable) in grants {
+        if let Some(grant) = grant_statement(privilege, grantee.as_deref(), *grantable) {
             run(&mut tx, &grant).await?;
         }
     }

@@ -611,7 +611,7 @@ async fn a_suspect_on_one_partition_is_tried_alone_in_the_whole_process() {
 }
 
 /// One partition's first connection fails (held past `--broker-timeout` by a failpoint) while another partition works
-/// on a message (a suspect, tried alone; its carrier call takes 3 s): the run fails, but only once the other
+/// on a message (a suspect, tried alone; its carrier call takes 10 s): the run fails, but only once the other
 /// partitions have drained as at a stop — the message finished and acknowledged, its counted start taken back. They
 /// used to be dropped half-way: the message back on its queue unprocessed and its start left counted, as if it had
 /// ended the process — with a supervisor restarting the service into the same failure, a healthy message on its way

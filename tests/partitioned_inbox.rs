@@ -21,6 +21,23 @@ fn v7_ago(ago: TimeDelta) -> Uuid {
     ))
 }
 
+/// A migrated database whose inbox is partitioned by day on the message id's time (in-process, not by the binary).
+async fn partitioned_by_day() -> TestEnv {
+    let env = TestEnv::migrated().await;
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    inboxctl::db::schema::migrate_partitioned(
+        &db,
+        false,
+        Some(inboxctl::db::partitions::Settings {
+            interval: TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        }),
+    )
+    .await
+    .unwrap();
+    env
+}
+
 fn migrate_partitioned(env: &TestEnv, args: &[&str]) -> common::Output {
     let mut all = vec!["migrate", "--partitioned", "1d"];
     all.extend_from_slice(args);
@@ -620,18 +637,7 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
 /// sends the message the usual way, and that refuses it as unclaimable, nothing written.
 #[tokio::test(flavor = "multi_thread")]
 async fn in_one_statement_copies_meet_in_their_partition_and_a_time_without_one_is_refused() {
-    let env = TestEnv::migrated().await;
-    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
-    inboxctl::db::schema::migrate_partitioned(
-        &db,
-        false,
-        Some(inboxctl::db::partitions::Settings {
-            interval: TimeDelta::days(1),
-            source: inboxctl::inbox::TimeSource::Id,
-        }),
-    )
-    .await
-    .unwrap();
+    let env = partitioned_by_day().await;
     let pool = env.pool().await;
     sqlx::raw_sql("CREATE TABLE effects (message_id uuid NOT NULL, label text NOT NULL)")
         .execute(&pool)
@@ -703,18 +709,7 @@ async fn in_one_statement_copies_meet_in_their_partition_and_a_time_without_one_
 /// another partition (whose deletion would let its message's next copy through as new).
 #[tokio::test]
 async fn a_plain_cleanup_batch_on_a_converted_inbox_deletes_only_rows_past_the_window() {
-    let env = TestEnv::migrated().await;
-    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
-    inboxctl::db::schema::migrate_partitioned(
-        &db,
-        false,
-        Some(inboxctl::db::partitions::Settings {
-            interval: TimeDelta::days(1),
-            source: inboxctl::inbox::TimeSource::Id,
-        }),
-    )
-    .await
-    .unwrap();
+    let env = partitioned_by_day().await;
     let pool = env.pool().await;
     let insert = |id: Uuid, consumer_type: &'static str, ago: TimeDelta| {
         let pool = pool.clone();

@@ -150,37 +150,30 @@ async fn drop_and_make(
         for name in db::partitions::leftovers(&mut conn).await? {
             // Dropped only if nothing in it must stay; else attached again (it is out of the inbox while detached,
             // and a copy of a message whose row it holds would be taken for new).
-            let contents = db::partitions::detached_contents(&mut conn, &name).await?;
-            let Some(why) = why_kept(&contents, cutoff, cleanable) else {
-                db::partitions::drop_detached(&mut conn, &name).await?;
-                work.leftovers.push(name);
-                continue;
-            };
-            let attached = match db::partitions::start_of(&name) {
-                Some(from) => {
-                    db::partitions::attach_again(&mut conn, from, from + settings.interval)
-                        .await
-                        .is_ok()
+            let bounds =
+                db::partitions::start_of(&name).map(|from| (from, from + settings.interval));
+            let settled = db::partitions::settle_detached(&mut conn, &name, bounds, |c| {
+                why_kept(c, cutoff, cleanable)
+            })
+            .await?;
+            match settled {
+                db::partitions::Settled::Dropped => work.leftovers.push(name),
+                db::partitions::Settled::Kept { why, attached } => {
+                    let how = match &attached {
+                        Ok(()) => "attached again".to_owned(),
+                        Err(reason) => format!(
+                            "it could not be attached again ({}): attach it by hand",
+                            crate::redact::text(reason)
+                        ),
+                    };
+                    tracing::warn!(partition = %name, "a partition left detached by a stopped drop holds rows that must stay: {how}");
+                    work.kept.push(Kept {
+                        partition: name,
+                        why: format!("{why} (left detached by a stopped drop: {how})"),
+                    });
                 }
-                None => false,
-            };
-            tracing::warn!(
-                partition = %name,
-                attached,
-                "a partition left detached by a stopped drop holds rows that must stay: {}",
-                if attached { "attached again" } else { "attach it again by hand" }
-            );
-            work.kept.push(Kept {
-                partition: name,
-                why: format!(
-                    "{why} (left detached by a stopped drop: {})",
-                    if attached {
-                        "attached again"
-                    } else {
-                        "it could not be attached again; attach it by hand"
-                    }
-                ),
-            });
+                db::partitions::Settled::Taken => {}
+            }
         }
         let now = Utc::now();
         work.created = db::partitions::ensure_partitions(
@@ -209,6 +202,16 @@ async fn drop_and_make(
             });
             break;
         }
+        if !partition.mine {
+            work.kept.push(Kept {
+                why: format!(
+                    "it belongs to role {:?}, whose rights this role does not have: only its owner may drop it",
+                    crate::sanitize::text(&partition.owner)
+                ),
+                partition: partition.name,
+            });
+            continue;
+        }
         let contents = db::partitions::contents(&mut *conn, from, to).await?;
         if let Some(why) = why_kept(&contents, cutoff, cleanable) {
             work.kept.push(Kept {
@@ -225,17 +228,34 @@ async fn drop_and_make(
             if !db::partitions::detach(&mut conn, &partition).await? {
                 continue; // another cleanup dropped it first
             }
-            let after = db::partitions::detached_contents(&mut conn, &partition.name).await?;
-            if let Some(why) = why_kept(&after, cutoff, cleanable) {
-                db::partitions::attach_again(&mut conn, from, to).await?;
-                tracing::info!(partition = %partition.name, "a partition written to while it was detached was attached again");
-                work.kept.push(Kept {
-                    partition: partition.name,
-                    why: format!("{why} (written to as it was being dropped: attached again)"),
-                });
-                continue;
+            crate::failpoint::hit("partition-detached").await;
+            let settled = db::partitions::settle_detached(
+                &mut conn,
+                &partition.name,
+                Some((from, to)),
+                |c| why_kept(c, cutoff, cleanable),
+            )
+            .await?;
+            match settled {
+                db::partitions::Settled::Dropped => {}
+                db::partitions::Settled::Kept { why, attached } => {
+                    let how = match &attached {
+                        Ok(()) => "attached again".to_owned(),
+                        Err(reason) => format!(
+                            "it could not be attached again ({}): attach it by hand",
+                            crate::redact::text(reason)
+                        ),
+                    };
+                    tracing::warn!(partition = %partition.name, "a partition written to as it was being dropped holds rows that must stay: {how}");
+                    work.kept.push(Kept {
+                        partition: partition.name,
+                        why: format!("{why} (written to as it was being dropped: {how})"),
+                    });
+                    continue;
+                }
+                // Another cleanup has it now (took it for a leftover): its to settle.
+                db::partitions::Settled::Taken => continue,
             }
-            db::partitions::drop_detached(&mut conn, &partition.name).await?;
         }
         tracing::info!(partition = %partition.name, ?rows_estimated, dry_run, "dropped a partition older than the cutoff");
         work.dropped.push(Dropped {

@@ -9,7 +9,7 @@ use sqlx::postgres::PgConnection;
 
 use super::{
     AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
-    create_table_statement, ensure_partitions, intervals, read_layout, run,
+    create_table_statement, ensure_partitions, intervals, owner_statement, read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -153,24 +153,12 @@ fn grant_statement(privilege: &str, grantee: Option<&str>, grantable: bool) -> O
     ))
 }
 
-fn owner_statement(table: &str, owner: &str) -> String {
-    format!(
-        "ALTER TABLE {} OWNER TO {}",
-        quote_ident(table),
-        quote_ident(owner)
-    )
-}
-
 /// The conversion's statements built around a name, each with a sample one.
 pub(super) fn built_statements() -> Vec<(&'static str, String)> {
     vec![
         (
             "grant_statement",
             grant_statement("select", Some("inboxctl"), true).unwrap_or_default(),
-        ),
-        (
-            "owner_statement",
-            owner_statement("inbox_messages", "inboxctl"),
         ),
         (
             "rename_key_statement",
@@ -280,31 +268,54 @@ async fn restore_owner(conn: &mut PgConnection) -> Result<()> {
         );
         return Ok(());
     }
+    // Each table in a transaction of its own (its lock waited for at most `SET_LOCAL_LOCK_TIMEOUT`, and tried again),
+    // the partitions first and the parent last: one busy partition holds up no claim for long, and a run that stops
+    // half way is finished by the next `migrate` (the parent still this role's).
+    let partitions: Vec<String> = sql::query_scalar(PARTITIONS_OWNED)
+        .fetch_all(&mut *conn)
+        .await?;
+    for table in partitions
+        .iter()
+        .map(String::as_str)
+        .chain(["inbox_messages"])
+    {
+        if let Err(e) = hand_over(conn, table, &owner).await {
+            if crate::db::sqlstate(&e).as_deref() != Some("42501") {
+                return Err(e.into());
+            }
+            tracing::warn!(
+                owner = %crate::sanitize::text(&owner),
+                table,
+                error = %crate::db::errors::describe(&e),
+                "the partitioned inbox_messages could not be handed back to its owner: only its owner makes the \
+                 partitions ahead, so run cleanup as this role, or hand the table and its partitions over \
+                 (ALTER TABLE ... OWNER TO)"
+            );
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Hands `table` to `owner`, its lock waited for at most `SET_LOCAL_LOCK_TIMEOUT` and tried again while busy.
+async fn hand_over(conn: &mut PgConnection, table: &str, owner: &str) -> sqlx::Result<()> {
     let mut tries = 0;
     loop {
         tries += 1;
-        match hand_over(conn, &owner).await {
-            Ok(()) => return Ok(()),
+        let handed = async {
+            let mut tx = conn.begin().await?;
+            run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
+            run(&mut tx, &owner_statement(table, owner)).await?;
+            tx.commit().await
+        }
+        .await;
+        match handed {
             Err(e) if tries < 30 && crate::db::sqlstate(&e).as_deref() == Some("55P03") => {
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             }
-            Err(e) => return Err(e.into()),
+            other => return other,
         }
     }
-}
-
-/// The hand-over in one transaction, the lock of each table waited for at most `SET_LOCAL_LOCK_TIMEOUT`.
-async fn hand_over(conn: &mut PgConnection, owner: &str) -> sqlx::Result<()> {
-    let mut tx = conn.begin().await?;
-    run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
-    let partitions: Vec<String> = sql::query_scalar(PARTITIONS_OWNED)
-        .fetch_all(&mut *tx)
-        .await?;
-    run(&mut tx, &owner_statement("inbox_messages", owner)).await?;
-    for partition in &partitions {
-        run(&mut tx, &owner_statement(partition, owner)).await?;
-    }
-    tx.commit().await
 }
 
 /// The conversion (see the module documentation): every step but the last takes no lock that stops the consumers.

@@ -46,10 +46,21 @@ FROM pg_class c WHERE c.oid = to_regclass('inbox_messages')";
 SELECT c.relname::text,
        substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)')::timestamptz,
        substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)')::timestamptz,
-       i.inhdetachpending
+       i.inhdetachpending, pg_get_userbyid(c.relowner)::text, pg_has_role(c.relowner, 'USAGE')
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = to_regclass('inbox_messages')
 ORDER BY 2 NULLS FIRST";
+
+    /// Whether the table `$1` is a partition (of anything) now.
+    const IS_PARTITION = "SELECT coalesce((SELECT relispartition FROM pg_class WHERE oid = to_regclass($1)), false)";
+
+    /// The owner of `inbox_messages` when it is another role than this one and this one may act as it: the owner
+    /// the partitions this role makes are handed to.
+    const PARENT_OWNER_TO_GIVE = "\
+SELECT pg_get_userbyid(p.relowner)::text FROM pg_class p
+WHERE p.oid = to_regclass('inbox_messages')
+  AND p.relowner <> (SELECT oid FROM pg_roles WHERE rolname = current_user)
+  AND pg_has_role(p.relowner, 'MEMBER')";
 
     /// Tables left by a drop that stopped between its detach and its drop: partitions of ours no longer attached.
     /// Only names of the form inboxctl gives its partitions: a table an operator named `inbox_messages_pre_...`, say
@@ -57,6 +68,7 @@ ORDER BY 2 NULLS FIRST";
     const DETACHED_LEFTOVERS = "\
 SELECT c.relname::text FROM pg_class c
 WHERE c.relname ~ '^inbox_messages_p[0-9]{8}_[0-9]{6}$' AND c.relkind = 'r' AND NOT c.relispartition
+  AND pg_has_role(c.relowner, 'USAGE')
   AND c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('inbox_messages'))";
 
     /// Whether the rows of `[$1, $2)` include an unprocessed one (found through the unprocessed index).
@@ -195,19 +207,31 @@ pub struct Partition {
     pub to: Option<DateTime<Utc>>,
     /// A `DETACH … CONCURRENTLY` of it stopped half way.
     pub detach_pending: bool,
+    /// Its owner, and whether this role has the owner's rights (to detach, look at, drop or attach it again).
+    pub owner: String,
+    pub mine: bool,
 }
 
 /// The inbox's partitions, oldest first (the untimed one first).
 pub async fn partitions(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Partition>> {
-    type Row = (String, Option<DateTime<Utc>>, Option<DateTime<Utc>>, bool);
+    type Row = (
+        String,
+        Option<DateTime<Utc>>,
+        Option<DateTime<Utc>>,
+        bool,
+        String,
+        bool,
+    );
     let rows: Vec<Row> = unit!(executor, |conn| sql::query_as(PARTITIONS).fetch_all(conn))?;
     Ok(rows
         .into_iter()
-        .map(|(name, from, to, detach_pending)| Partition {
+        .map(|(name, from, to, detach_pending, owner, mine)| Partition {
             name,
             from,
             to,
             detach_pending,
+            owner,
+            mine,
         })
         .collect())
 }
@@ -227,7 +251,7 @@ fn literal(t: DateTime<Utc>) -> String {
 /// transaction that writes the inbox (it locks the parent exclusively), and hold every claim behind it meanwhile.
 fn create_table_statement(from: DateTime<Utc>) -> String {
     format!(
-        "CREATE TABLE IF NOT EXISTS {} (LIKE inbox_messages INCLUDING DEFAULTS)",
+        "CREATE TABLE {} (LIKE inbox_messages INCLUDING DEFAULTS)",
         quote_ident(&partition_name(from))
     )
 }
@@ -235,11 +259,33 @@ fn create_table_statement(from: DateTime<Utc>) -> String {
 /// …then attached, which locks the parent only against other schema changes (`SHARE UPDATE EXCLUSIVE`): the claims
 /// go on. Its indexes are made as it is attached (it is empty).
 fn attach_statement(from: DateTime<Utc>, to: DateTime<Utc>) -> String {
+    attach_named_statement(&partition_name(from), from, to)
+}
+
+/// The same for a table of any name (one an operator made and attached, detached by a cleanup).
+fn attach_named_statement(name: &str, from: DateTime<Utc>, to: DateTime<Utc>) -> String {
     format!(
         "ALTER TABLE inbox_messages ATTACH PARTITION {} FOR VALUES FROM ({}) TO ({})",
-        quote_ident(&partition_name(from)),
+        quote_ident(name),
         literal(from),
         literal(to)
+    )
+}
+
+/// The lock a cleanup takes on a detached partition before it looks at it and drops or attaches it again: another
+/// cleanup doing the same at once (taking it for a leftover) is not waited for, it is left to that one.
+fn lock_detached_statement(name: &str) -> String {
+    format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE NOWAIT",
+        quote_ident(name)
+    )
+}
+
+fn owner_statement(table: &str, owner: &str) -> String {
+    format!(
+        "ALTER TABLE {} OWNER TO {}",
+        quote_ident(table),
+        quote_ident(owner)
     )
 }
 
@@ -309,6 +355,18 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
             "detached_contents_statement",
             detached_contents_statement("inbox_messages"),
         ),
+        (
+            "lock_detached_statement",
+            lock_detached_statement("inbox_messages"),
+        ),
+        (
+            "attach_named_statement",
+            attach_named_statement("inbox_messages_p20270519_000000", t, t + TimeDelta::days(1)),
+        ),
+        (
+            "owner_statement",
+            owner_statement("inbox_messages", "inboxctl"),
+        ),
     ];
     statements.extend(convert::built_statements());
     statements
@@ -363,7 +421,35 @@ pub async fn ensure_partitions(
             }
         }
     }
+    give_to_the_parents_owner(conn, &created).await?;
     Ok(created)
+}
+
+/// Hands the partitions just made to the owner of `inbox_messages` when that is another role this one may act as (a
+/// superuser, a member): only the owner drops them later, and a cleanup run as the owner would otherwise find
+/// partitions it cannot drop. One that cannot be handed over is said, and stays this role's.
+async fn give_to_the_parents_owner(conn: &mut PgConnection, created: &[String]) -> Result<()> {
+    if created.is_empty() {
+        return Ok(());
+    }
+    let Some(owner): Option<String> = sql::query_scalar(PARENT_OWNER_TO_GIVE)
+        .fetch_optional(&mut *conn)
+        .await?
+    else {
+        return Ok(());
+    };
+    for name in created {
+        if let Err(e) = run(conn, &owner_statement(name, &owner)).await {
+            tracing::warn!(
+                partition = %name,
+                owner = %crate::sanitize::text(&owner),
+                error = %super::errors::describe(&e),
+                "a partition made by this role could not be handed to the inbox's owner, who cannot drop it"
+            );
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// The intervals `[start, end)` of `settings` from the one holding `from` (none before 2000) to the one holding `to`.
@@ -444,7 +530,7 @@ pub async fn detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Res
 /// What a detached partition holds, read on the table itself. Once `DETACH … CONCURRENTLY` has returned, no claim
 /// writes there any more: a row a claim wrote between the look through the parent ([`contents`]) and the detach is
 /// seen here.
-pub async fn detached_contents(conn: &mut PgConnection, name: &str) -> sqlx::Result<Contents> {
+async fn detached_contents(conn: &mut PgConnection, name: &str) -> sqlx::Result<Contents> {
     let rows: Vec<(String, Option<DateTime<Utc>>, bool)> =
         sql::query_as(AssertSqlSafe(detached_contents_statement(name)))
             .fetch_all(&mut *conn)
@@ -458,19 +544,70 @@ pub async fn detached_contents(conn: &mut PgConnection, name: &str) -> sqlx::Res
     })
 }
 
-/// Attaches again a partition detached from `[from, to)` (the check constraint the concurrent detach left on it
-/// spares the scan).
-pub async fn attach_again(
-    conn: &mut PgConnection,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-) -> sqlx::Result<()> {
-    run(conn, &attach_statement(from, to)).await
+/// What became of a detached partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settled {
+    Dropped,
+    /// Kept, with why; attached again (at the bounds given), or left detached (no bounds, or the attach failed:
+    /// with the server's reason).
+    Kept {
+        why: String,
+        attached: Result<(), String>,
+    },
+    /// Another cleanup has it (its lock held), or it is gone or a partition again: left to whoever did that.
+    Taken,
 }
 
-/// Drops a detached partition.
-pub async fn drop_detached(conn: &mut PgConnection, name: &str) -> sqlx::Result<()> {
-    run(conn, &drop_statement(name)).await
+/// Looks at the detached table `name` and drops it, or — `keep` says why it must stay — attaches it again at
+/// `bounds`; under the table's lock, taken without waiting, in one transaction: two cleanups never both act on one
+/// table (one detaching it, the other taking it for a leftover), and one never drops a table the other attached
+/// again.
+pub async fn settle_detached(
+    conn: &mut PgConnection,
+    name: &str,
+    bounds: Option<(DateTime<Utc>, DateTime<Utc>)>,
+    keep: impl FnOnce(&Contents) -> Option<String>,
+) -> sqlx::Result<Settled> {
+    let mut tx = conn.begin().await?;
+    match run(&mut tx, &lock_detached_statement(name)).await {
+        Ok(()) => {}
+        Err(e) if matches!(super::sqlstate(&e).as_deref(), Some("55P03" | "42P01")) => {
+            return Ok(Settled::Taken);
+        }
+        Err(e) => return Err(e),
+    }
+    let attached_now: bool = sql::query_scalar(IS_PARTITION)
+        .bind(name)
+        .fetch_one(&mut *tx)
+        .await?;
+    if attached_now {
+        return Ok(Settled::Taken);
+    }
+    let contents = detached_contents(&mut tx, name).await?;
+    let Some(why) = keep(&contents) else {
+        run(&mut tx, &drop_statement(name)).await?;
+        tx.commit().await?;
+        return Ok(Settled::Dropped);
+    };
+    let Some((from, to)) = bounds else {
+        return Ok(Settled::Kept {
+            why,
+            attached: Err("its bounds are not known".to_owned()),
+        });
+    };
+    match run(&mut tx, &attach_named_statement(name, from, to)).await {
+        Ok(()) => {
+            tx.commit().await?;
+            Ok(Settled::Kept {
+                why,
+                attached: Ok(()),
+            })
+        }
+        Err(e) => Ok(Settled::Kept {
+            why,
+            attached: Err(super::errors::describe(&e)),
+        }),
+    }
 }
 
 /// The tables a drop left detached and not dropped (stopped between the two, or before it looked again at what it

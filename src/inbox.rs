@@ -38,7 +38,8 @@
 //! **An aborted transaction is never taken for committed.** A work whose statement fails and that goes on, its error
 //! caught ("the row may exist: fine"), leaves the transaction aborted, and PostgreSQL answers its `COMMIT` with
 //! `ROLLBACK` and no error. Before each commit the transaction is looked at ([`db::claim::still_open`]): aborted, it is
-//! the work's failure — in a batch, the member whose work did it is found and left out.
+//! the work's failure — in a batch, the member whose work did it is found and left out. So is a work that ended the
+//! transaction itself (a `ROLLBACK` of its own), after which sqlx's `COMMIT` would be answered with a warning only.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -529,6 +530,13 @@ impl Keying {
 /// (returned as [`WorkError::Database`]), or a statement of the work that failed while the work went on, its error
 /// caught — the transaction aborted, and nothing of it can commit.
 fn aborted(e: sqlx::Error) -> WorkError {
+    if matches!(&e, sqlx::Error::Protocol(m) if m == db::claim::ENDED_BY_THE_WORK) {
+        return WorkError::msg(format!(
+            "{}: its claim and whatever it wrote before are rolled back or committed apart, and the message is \
+             not taken as processed (leave the transaction to the inbox, which commits or rolls it back)",
+            db::claim::ENDED_BY_THE_WORK
+        ));
+    }
     if is_transient(&e) {
         return WorkError::Database(e);
     }

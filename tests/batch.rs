@@ -327,6 +327,44 @@ async fn a_message_whose_work_swallows_a_statement_error_is_a_failed_attempt() {
     assert!(effects(&pool).await.is_empty());
 }
 
+/// A work that ends the claim's transaction itself (a `ROLLBACK` of its own) and returns `Ok`: the claim and the effect
+/// are rolled back, and sqlx's commit (which counts transactions itself) sent a `COMMIT` that PostgreSQL answered with
+/// a warning only — the message was taken as processed, acknowledged, and lost. It is a failed attempt.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_whose_work_rolls_the_transaction_back_itself_is_a_failed_attempt() {
+    let (_env, pool, inbox) = with_a_customer().await;
+    let id = Uuid::new_v4();
+    let outcome = inbox
+        .process(id, move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, id, "one").await?;
+                sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await?;
+                Ok(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(&outcome, Err(inboxctl::inbox::ProcessError::Failed(e)) if e.to_string().contains("ended the claim's transaction itself")),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert!(effects(&pool).await.is_empty());
+    // The connection it went back to the pool on is fit for the next message.
+    let next = Uuid::new_v4();
+    let outcome = inbox
+        .process(next, move |tx| {
+            Box::pin(async move { insert_effect(tx, next, "next").await })
+        })
+        .await;
+    assert!(
+        matches!(outcome, Ok(inboxctl::inbox::Outcome::Processed(()))),
+        "{outcome:?}"
+    );
+}
+
 /// An id reused for another event whose only difference is a number beyond what a double holds exactly (a .NET
 /// `decimal` of 20 digits): both once rounded to one double in the fingerprint's canonical form, and the second
 /// event was discarded as a duplicate, silently. It is a conflict.

@@ -172,12 +172,27 @@ SELECT id, first FROM c";
     /// the work caught and did not return. PostgreSQL answers a `COMMIT` of such a transaction with `ROLLBACK` and
     /// no error, and sqlx's commit does not look at the answer: without this, a message whose work swallowed a
     /// statement's error would be taken as committed, acknowledged, and lost.
-    pub const STILL_OPEN = "SELECT 1";
+    /// It also answers whether the transaction is still the claim's: a work that ended it itself (a `ROLLBACK` or
+    /// `COMMIT` of its own) leaves the connection outside any transaction, with no transaction id — the claim wrote
+    /// its row, so its transaction has one (asked only where a claim wrote). sqlx's commit, which counts transactions
+    /// itself, would send a `COMMIT` that PostgreSQL answers with a warning only: a rolled-back claim taken for
+    /// committed.
+    pub const STILL_OPEN = "SELECT pg_current_xact_id_if_assigned() IS NOT NULL";
 }
 
-/// Fails with 25P02 if a statement of the transaction on `conn` failed: see [`STILL_OPEN`].
+/// What [`still_open`] fails with when the work ended the claim's transaction itself.
+pub const ENDED_BY_THE_WORK: &str =
+    "the work ended the claim's transaction itself (a ROLLBACK or COMMIT of its own)";
+
+/// Fails with 25P02 if a statement of the transaction on `conn` failed, and with [`ENDED_BY_THE_WORK`] (a protocol
+/// error) if the transaction is no longer the claim's: see [`STILL_OPEN`].
 pub async fn still_open(conn: &mut PgConnection) -> sqlx::Result<()> {
-    sql::query(STILL_OPEN).execute(conn).await.map(drop)
+    let open: Option<bool> = sql::query_scalar(STILL_OPEN).fetch_one(conn).await?;
+    if open == Some(true) {
+        Ok(())
+    } else {
+        Err(sqlx::Error::Protocol(ENDED_BY_THE_WORK.to_owned()))
+    }
 }
 
 /// The claim and a message's whole effect in one statement (`Inbox::process_effect`): one round trip, and, outside

@@ -312,7 +312,11 @@ async fn run_work<T: Send>(
             Err(_) => return Worked::Panicked,
         }
     }
-    if !check_each && let Err(e) = db::claim::still_open(conn).await {
+    // (No member working: nothing was claimed in this round, and there is nothing to look at.)
+    if !check_each
+        && !working.is_empty()
+        && let Err(e) = db::claim::still_open(conn).await
+    {
         return match super::aborted(e) {
             WorkError::Database(e) => Worked::Unavailable(e),
             _ => Worked::Redo(Round::Aborted),

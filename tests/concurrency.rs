@@ -85,19 +85,27 @@ async fn sixteen_copies(mode: &[&str]) {
 // test cannot write without taking that time out of the id as the consumer does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_held_elsewhere_past_the_claim_timeout_holds_up_its_own_message_alone() {
-    key_held_elsewhere(common::ONE_BY_ONE).await;
+    key_held_elsewhere(common::ONE_BY_ONE, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_held_elsewhere_past_the_claim_timeout_holds_up_its_own_message_alone_batched() {
-    key_held_elsewhere(common::BATCHED).await;
+    key_held_elsewhere(common::BATCHED, false).await;
+}
+
+/// The same wait cut short by the server's own `statement_timeout` (1 s, set on the database, as managed services
+/// often do) before `--claim-timeout` (30 s): the same contention, not a database that refuses the inbox's statements
+/// (which paused every message).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_held_elsewhere_past_the_servers_statement_timeout_holds_up_its_own_message_alone() {
+    key_held_elsewhere(common::ONE_BY_ONE, true).await;
 }
 
 /// A message whose key another transaction holds (an attempt elsewhere that is slow, a session left open in a
 /// transaction) waits past `--claim-timeout` again and again. The database is up all along: the messages behind it
 /// are processed meanwhile — not held up as in an outage, nor, batched, stuck in a batch with it that is tried again
 /// and again — and it is processed once the key is let go.
-async fn key_held_elsewhere(mode: &[&str]) {
+async fn key_held_elsewhere(mode: &[&str], statement_timeout: bool) {
     const BEHIND: i64 = 20;
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
@@ -110,8 +118,20 @@ async fn key_held_elsewhere(mode: &[&str]) {
     let _ = conn.close(200, "OK".into()).await;
     let pool = env.pool().await;
     let holder = common::hold_key(&pool, id, CARRIER_QUEUE).await;
+    let claim_timeout = if statement_timeout {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE {} SET statement_timeout = '1s'",
+            common::quote_ident(&env.db_name)
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        "30s"
+    } else {
+        "1s"
+    };
     let mut consumer = env.spawn(&common::with_mode(
-        &["consume", "carrier", "--claim-timeout", "1s", "-v"],
+        &["consume", "carrier", "--claim-timeout", claim_timeout, "-v"],
         mode,
     ));
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));

@@ -127,12 +127,14 @@ pub fn is_transient(error: &sqlx::Error) -> bool {
 }
 
 /// Whether the database answered that the statement met another transaction — a lock held past the wait allowed
-/// (`lock_timeout`: `--claim-timeout`), a deadlock, a serialization failure. The moment's doing, so tried again, like
-/// an outage; but the database is up, and only what that statement touched is held up.
+/// (`lock_timeout`: `--claim-timeout`), a deadlock, a serialization failure — or ran past the server's own
+/// `statement_timeout` (57014, set on the role or the database as managed services often do: a claim waiting on a
+/// key held elsewhere meets it before `--claim-timeout` when it is the shorter). The moment's doing, so tried again,
+/// like an outage; but the database is up, and only what that statement touched is held up.
 pub fn is_contention(error: &sqlx::Error) -> bool {
     matches!(
         sqlstate(error).as_deref(),
-        Some("40001" | "40P01" | "55P03")
+        Some("40001" | "40P01" | "55P03" | "57014")
     )
 }
 

@@ -217,7 +217,9 @@ async fn a_redone_batch_records_its_copies_once() {
 /// together, too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_commit() {
-    for with_together in [false, true] {
+    // The last: done together; the member after the swallowing one wrapping the refusal it meets in an error of its
+    // own (it was blamed for it: failed, though nothing was wrong with it).
+    for (with_together, wrapping) in [(false, false), (true, false), (false, true)] {
         let (_env, pool, inbox) = with_a_customer().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
@@ -236,10 +238,26 @@ async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_com
                 })
             }),
         };
+        let wrapped = Member {
+            message_id: c,
+            fingerprint: None,
+            carried: Default::default(),
+            work: Box::new(move |tx| {
+                Box::pin(async move {
+                    insert_effect(tx, c, "c")
+                        .await
+                        .map_err(|e| inboxctl::inbox::WorkError::Failed(Box::new(Wrapped(e))))
+                })
+            }),
+        };
         let members = vec![
             member(a, "a", false, &runs),
             swallowing,
-            member(c, "c", false, &runs),
+            if wrapping {
+                wrapped
+            } else {
+                member(c, "c", false, &runs)
+            },
         ];
         // Done together, the swallowing happens in the statement for all: the members one by one find whose it is.
         let together = with_together.then(swallowing_together);
@@ -272,6 +290,25 @@ async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_com
             ["a", "c"],
             "together: {with_together}"
         );
+    }
+}
+
+/// A consumer's own error around the one its work met.
+#[derive(Debug)]
+struct Wrapped(inboxctl::inbox::WorkError);
+
+impl std::fmt::Display for Wrapped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "booking the effect failed")
+    }
+}
+
+impl std::error::Error for Wrapped {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match &self.0 {
+            inboxctl::inbox::WorkError::Database(e) => Some(e),
+            inboxctl::inbox::WorkError::Failed(e) => Some(e.as_ref()),
+        }
     }
 }
 

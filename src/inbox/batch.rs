@@ -304,8 +304,9 @@ async fn run_work<T: Send>(
                 outputs.insert(member.message_id, output);
             }
             Ok(Err(WorkError::Database(e))) if is_transient(&e) => return Worked::Unavailable(e),
-            // Refused because an earlier member's caught error aborted the transaction: not this member's failure.
-            Ok(Err(WorkError::Database(e))) if !check_each && is_aborted(&e) => {
+            // Refused because an earlier member's caught error aborted the transaction: not this member's failure
+            // (also when its work wrapped the refusal in an error of its own).
+            Ok(Err(error)) if !check_each && refused_as_aborted(&error) => {
                 return Worked::Redo(Round::Aborted);
             }
             Ok(Err(error)) => return Worked::Redo(Round::MemberFailed(member.message_id, error)),
@@ -328,6 +329,25 @@ async fn run_work<T: Send>(
 /// Whether a statement was refused because an earlier statement of its transaction failed (25P02).
 fn is_aborted(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25P02"))
+}
+
+/// Whether a member's work failed on such a refusal: its `sqlx` error itself, or one found down the chain of sources
+/// of an error of its own that wraps it (bounded: a chain that loops ends the look).
+fn refused_as_aborted(error: &WorkError) -> bool {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = match error {
+        WorkError::Database(e) => return is_aborted(e),
+        WorkError::Failed(e) => Some(e.as_ref()),
+    };
+    for _ in 0..32 {
+        let Some(e) = next else {
+            return false;
+        };
+        if e.downcast_ref::<sqlx::Error>().is_some_and(is_aborted) {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// How the members' work ended, the transaction still open.

@@ -315,6 +315,16 @@ impl Inbox {
                 self.learn_keying().await;
                 ProcessError::Unavailable(e)
             }
+            // No partition for now: the partitions ahead ran out (no cleanup made them). Every message would be
+            // refused and moved aside, the whole stream: the database's state, held like an outage until a
+            // partition holds the time (the claims made to look at the outage's end see it).
+            Some("23514") if key.time.is_some_and(near_now) => {
+                ProcessError::Unavailable(sqlx::Error::Protocol(format!(
+                    "no partition of inbox_messages holds the current time (the partitions ahead ran out: `inboxctl \
+                     cleanup`, run as the table's owner, makes them); holding the messages until one does: {}",
+                    crate::sanitize::text(&db::describe(&e))
+                )))
+            }
             // No partition for the row's time.
             Some("23514") if key.time.is_some() => ProcessError::Unclaimable(format!(
                 "its time {} is in no partition of the inbox: its producer's clock is off, or its id carries no \
@@ -546,6 +556,12 @@ fn aborted(e: sqlx::Error) -> WorkError {
          {}",
         crate::sanitize::text(&e.to_string())
     ))
+}
+
+/// Whether a message's time is the present, as producers' clocks tell it (within five minutes): a message of now
+/// that no partition holds means the partitions ran out, not a message from elsewhere in time.
+fn near_now(time: chrono::DateTime<chrono::Utc>) -> bool {
+    (time - chrono::Utc::now()).abs() <= chrono::TimeDelta::minutes(5)
 }
 
 fn commit_error(e: sqlx::Error) -> ProcessError {

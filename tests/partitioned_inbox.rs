@@ -164,8 +164,17 @@ async fn a_late_copy_meets_its_original_in_its_messages_partition_one_by_one_and
     assert_eq!(carrier["rows"], 8);
 }
 
+/// One by one and batched: batched, the claim of a batch whose member has a time no partition holds fails for all,
+/// and is not taken for the present missing its partition (which holds every message, as an outage) because another
+/// member is of now — the member found one by one and moved aside.
 #[tokio::test]
 async fn a_message_without_a_usable_time_is_moved_aside_with_the_reason_and_the_rest_flow() {
+    for mode in [common::ONE_BY_ONE, &["--batch-size", "8"][..]] {
+        moved_aside_without_a_usable_time(mode).await;
+    }
+}
+
+async fn moved_aside_without_a_usable_time(mode: &[&str]) {
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     common::ensure_endpoints(&env).await;
@@ -180,7 +189,7 @@ async fn a_message_without_a_usable_time_is_moved_aside_with_the_reason_and_the_
     for id in [random, future, ancient, Uuid::now_v7()] {
         send(&env, id).await;
     }
-    let out = common::consume_until_idle(&env, &["carrier"]);
+    let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
     assert!(out.stderr.contains("processed=1"), "{}", out.stderr);
     let conn = env.amqp().await;
     let dead = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
@@ -211,6 +220,9 @@ async fn a_message_without_a_usable_time_is_moved_aside_with_the_reason_and_the_
         common::header_text(&dead[0].properties, "MT-Fault-ExceptionType").as_deref(),
         Some("inboxctl::UnclaimableMessage")
     );
+    if !mode.is_empty() {
+        return;
+    }
 
     // Partitioned on the sent time: a plain JSON message carries none.
     let env = TestEnv::bare().await;
@@ -975,4 +987,106 @@ async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again(
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(attached(&pool, &oldest).await, "{out:?}");
     assert_eq!(rows_of(&pool, id).await, 1, "{out:?}");
+}
+
+/// The partitions ahead ran out (no cleanup made them): no partition holds the present. A message of now was refused
+/// as unclaimable and moved aside — every message, the whole stream. It is held, as in an outage, saying why; once
+/// a partition holds the present again (here `migrate --partitioned`, as a cleanup would), it is processed. One by
+/// one and batched.
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made() {
+    for mode in [common::ONE_BY_ONE, common::BATCHED] {
+        let env = TestEnv::migrated().await;
+        common::ensure_endpoints(&env).await;
+        assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+        let pool = env.pool().await;
+        let today = inboxctl::db::partitions::partition_name(
+            inboxctl::db::partitions::Settings {
+                interval: TimeDelta::days(1),
+                source: inboxctl::inbox::TimeSource::Id,
+            }
+            .floor(Utc::now()),
+        );
+        let ahead: Vec<String> = sqlx::query_scalar(
+            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+             WHERE i.inhparent = 'inbox_messages'::regclass AND c.relname >= $1
+               AND c.relname <> 'inbox_messages_untimed'",
+        )
+        .bind(&today)
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        assert!(ahead.contains(&today), "{ahead:?}");
+        for name in &ahead {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "DROP TABLE {}",
+                common::quote_ident(name)
+            )))
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+        let mut consumer = env.spawn(&common::with_mode(&["consume", "carrier"], mode));
+        consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+        common::publish_parcels(&env, &["--count", "3"]);
+        consumer.wait_for_stderr(
+            "no partition of inbox_messages holds the current time",
+            Duration::from_secs(30),
+        );
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let error_queue = format!("{CARRIER_QUEUE}_error");
+        assert!(
+            !env.queue_exists(&error_queue) || env.queue_counts(&error_queue).0 == 0,
+            "nothing moved aside: {}",
+            consumer.stderr()
+        );
+        assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+        common::eventually("the three processed", Duration::from_secs(30), || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 3
+                && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        })
+        .await;
+        consumer.terminate();
+        assert_eq!(
+            consumer.wait(Duration::from_secs(30)),
+            Some(0),
+            "{}",
+            consumer.stderr()
+        );
+    }
+}
+
+/// A batch whose claim fails for a member's time no partition holds (2099), beside a member of now: the batch is the
+/// member's failure (the caller then goes one by one and finds it), not the present missing its partition — which
+/// would hold every message as an outage. The member whose time lies farthest from now stands for the batch.
+#[tokio::test]
+async fn a_batch_with_one_member_of_a_time_no_partition_holds_is_not_held_as_an_outage() {
+    let env = partitioned_by_day().await;
+    let pool = env.pool().await;
+    let inbox = inboxctl::inbox::Inbox::new(
+        pool.clone(),
+        inboxctl::inbox::ConsumerType::new("partitioned").unwrap(),
+    )
+    .with_keying(inboxctl::inbox::Keying::Timed(
+        inboxctl::inbox::TimeSource::Id,
+    ));
+    let member = |id: Uuid| inboxctl::inbox::Member::<()> {
+        message_id: id,
+        fingerprint: None,
+        carried: Default::default(),
+        work: Box::new(|_| Box::pin(async { Ok(()) })),
+    };
+    let future = Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        4_070_908_800,
+        0,
+    ));
+    // Keys are claimed in id order: the member of now first.
+    let outcome = inbox
+        .process_batch_with(vec![member(Uuid::now_v7()), member(future)], None)
+        .await;
+    assert!(
+        matches!(&outcome, Err(inboxctl::inbox::ProcessError::Failed(e)) if e.to_string().contains("no partition")),
+        "{outcome:?}"
+    );
 }

@@ -306,9 +306,13 @@ impl Inbox {
         })
     }
 
-    /// What a failed claim statement means: the inbox's layout changed (learnt again; tried again), a time no
-    /// partition holds (unclaimable), else the database's doing.
-    async fn claim_error(&self, e: sqlx::Error, key: &db::claim::Key) -> ProcessError {
+    /// What a failed claim statement of `keys` (one message's, or a batch's) means: the inbox's layout changed
+    /// (learnt again; tried again), the partitions ahead run out (held), a time no partition holds (unclaimable), else
+    /// the database's doing. Keys in the same order as the statement's: the first stands for the message's text.
+    async fn claim_error(&self, e: sqlx::Error, keys: &[db::claim::Key]) -> ProcessError {
+        let Some(key) = keys.first() else {
+            return ProcessError::Unavailable(e);
+        };
         match db::sqlstate(&e).as_deref() {
             // ON CONFLICT (id, consumer_type) on a partitioned inbox, or message_time on an unpartitioned one.
             Some("42P10" | "42703") => {
@@ -318,7 +322,7 @@ impl Inbox {
             // No partition for now: the partitions ahead ran out (no cleanup made them). Every message would be
             // refused and moved aside, the whole stream: the database's state, held like an outage until a
             // partition holds the time (the claims made to look at the outage's end see it).
-            Some("23514") if key.time.is_some_and(near_now) => {
+            Some("23514") if key.time.is_some() && self.ran_out(keys).await => {
                 ProcessError::Unavailable(sqlx::Error::Protocol(format!(
                     "no partition of inbox_messages holds the current time (the partitions ahead ran out: `inboxctl \
                      cleanup`, run as the table's owner, makes them); holding the messages until one does: {}",
@@ -471,7 +475,7 @@ impl Inbox {
             Ok(claimed) => claimed,
             Err(e) => {
                 let _ = tx.rollback().await;
-                return Err(self.claim_error(e, key).await);
+                return Err(self.claim_error(e, std::slice::from_ref(key)).await);
             }
         };
         self.claim_took(claim_started);
@@ -558,10 +562,30 @@ fn aborted(e: sqlx::Error) -> WorkError {
     ))
 }
 
-/// Whether a message's time is the present, as producers' clocks tell it (within five minutes): a message of now
-/// that no partition holds means the partitions ran out, not a message from elsewhere in time.
-fn near_now(time: chrono::DateTime<chrono::Utc>) -> bool {
-    (time - chrono::Utc::now()).abs() <= chrono::TimeDelta::minutes(5)
+impl Inbox {
+    /// Whether the keys whose time no partition holds are all past the newest partition and no later than now (give
+    /// or take five minutes of producers' clocks): the partitions ahead ran out, and these are messages of now — not
+    /// a late copy of an old message whose partition went (nor one from a clock far off), whatever its age, so a
+    /// message held this way stays held until a partition is made. A layout that cannot be read: as run out (the
+    /// database's doing either way).
+    async fn ran_out(&self, keys: &[db::claim::Key]) -> bool {
+        let Ok(partitions) = db::partitions::partitions(&self.pool).await else {
+            return true;
+        };
+        let newest = partitions.iter().filter_map(|p| p.to).max();
+        let covered = |t: chrono::DateTime<chrono::Utc>| {
+            partitions
+                .iter()
+                .any(|p| p.from.is_none_or(|f| f <= t) && p.to.is_some_and(|to| t < to))
+        };
+        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
+        let mut missing = keys
+            .iter()
+            .filter_map(|k| k.time)
+            .filter(|t| !covered(*t))
+            .peekable();
+        missing.peek().is_some() && missing.all(|t| newest.is_none_or(|n| t >= n) && t <= latest)
+    }
 }
 
 fn commit_error(e: sqlx::Error) -> ProcessError {

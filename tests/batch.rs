@@ -217,8 +217,8 @@ async fn a_redone_batch_records_its_copies_once() {
 /// together, too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_commit() {
-    // The last: done together; the member after the swallowing one wrapping the refusal it meets in an error of its
-    // own (it was blamed for it: failed, though nothing was wrong with it).
+    // One by one, done together, and one by one with the member after the swallowing one wrapping the refusal it
+    // meets in an error of its own (it was blamed for it: failed, though nothing was wrong with it).
     for (with_together, wrapping) in [(false, false), (true, false), (false, true)] {
         let (_env, pool, inbox) = with_a_customer().await;
         let runs = Arc::new(AtomicUsize::new(0));

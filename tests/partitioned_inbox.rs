@@ -992,7 +992,8 @@ async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again(
 /// The partitions ahead ran out (no cleanup made them): no partition holds the present. A message of now was refused
 /// as unclaimable and moved aside — every message, the whole stream. It is held, as in an outage, saying why; once
 /// a partition holds the present again (here `migrate --partitioned`, as a cleanup would), it is processed. One by
-/// one and batched.
+/// one and batched; among them one whose id is ten minutes old (a backlog's: held like the others, not taken for a
+/// late copy of an old message because of its age).
 #[tokio::test(flavor = "multi_thread")]
 async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made() {
     for mode in [common::ONE_BY_ONE, common::BATCHED] {
@@ -1026,6 +1027,8 @@ async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made()
             .await
             .unwrap();
         }
+        // The backlog's message first: the first claim the consumer makes.
+        send(&env, v7_ago(TimeDelta::minutes(10))).await;
         let mut consumer = env.spawn(&common::with_mode(&["consume", "carrier"], mode));
         consumer.wait_for_stderr("consuming", Duration::from_secs(30));
         common::publish_parcels(&env, &["--count", "3"]);
@@ -1041,8 +1044,8 @@ async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made()
             consumer.stderr()
         );
         assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
-        common::eventually("the three processed", Duration::from_secs(30), || async {
-            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 3
+        common::eventually("the four processed", Duration::from_secs(30), || async {
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 4
                 && env.queue_counts(CARRIER_QUEUE) == (0, 0)
         })
         .await;

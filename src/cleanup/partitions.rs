@@ -173,6 +173,11 @@ async fn drop_and_make(
                     });
                 }
                 db::partitions::Settled::Taken => {}
+                db::partitions::Settled::Busy => work.kept.push(Kept {
+                    partition: name,
+                    why: "left detached by a stopped drop, and its lock held elsewhere: the next cleanup settles it"
+                        .to_owned(),
+                }),
             }
         }
         let now = Utc::now();
@@ -253,8 +258,18 @@ async fn drop_and_make(
                     });
                     continue;
                 }
-                // Another cleanup has it now (took it for a leftover): its to settle.
+                // Another cleanup settled it first (took it for a leftover).
                 db::partitions::Settled::Taken => continue,
+                db::partitions::Settled::Busy => {
+                    tracing::warn!(partition = %partition.name, "a detached partition's lock is held elsewhere: left detached, for the next cleanup");
+                    work.kept.push(Kept {
+                        partition: partition.name,
+                        why: "detached, and its lock held elsewhere (an autovacuum, a dump): left detached, for the \
+                              next cleanup to settle"
+                            .to_owned(),
+                    });
+                    continue;
+                }
             }
         }
         tracing::info!(partition = %partition.name, ?rows_estimated, dry_run, "dropped a partition older than the cutoff");

@@ -192,14 +192,9 @@ impl Inbox {
                 Ok(claimed) => claimed,
                 Err(e) => {
                     let _ = tx.rollback().await;
-                    // The member whose time lies farthest from now stands for the batch: if even its time is the
-                    // present, no partition holds now (held, as an outage); else it may be the one no partition holds.
-                    let now = chrono::Utc::now();
-                    let farthest = keys
-                        .iter()
-                        .max_by_key(|k| k.time.map(|t| (t - now).abs()))
-                        .unwrap_or(&keys[0]);
-                    return Err(match self.claim_error(e, farthest).await {
+                    // Held only if every member no partition holds is of now, past the partitions (they ran out);
+                    // else it may be a member's own time, found one by one.
+                    return Err(match self.claim_error(e, &keys).await {
                         // Which member's time no partition holds, the statement does not say: one by one, it is
                         // found and moved aside, and the others go on.
                         ProcessError::Unclaimable(_) => ProcessError::Failed(WorkError::msg(

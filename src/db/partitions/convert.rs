@@ -85,7 +85,7 @@ const VALIDATE_UNTIMED_CHECK: &str =
 /// long enough to stall the claims queued behind it.
 const SET_LOCK_TIMEOUT: &str = "SET lock_timeout = '2s'";
 const RESET_LOCK_TIMEOUT: &str = "RESET lock_timeout";
-const SET_LOCAL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
+pub(super) const SET_LOCAL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 const LOCK_INBOX: &str = "LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE";
 const RENAME_TO_UNTIMED: &str = "ALTER TABLE inbox_messages RENAME TO inbox_messages_untimed";
 const UNTIMED_KEY_CONSTRAINT: &str = "ALTER TABLE inbox_messages_untimed \

@@ -52,7 +52,8 @@ WHERE i.inhparent = to_regclass('inbox_messages')
 ORDER BY 2 NULLS FIRST";
 
     /// Whether the table `$1` is a partition (of anything) now.
-    const IS_PARTITION = "SELECT coalesce((SELECT relispartition FROM pg_class WHERE oid = to_regclass($1)), false)";
+    const IS_PARTITION =
+    "SELECT coalesce((SELECT relispartition FROM pg_class WHERE oid = to_regclass(quote_ident($1))), false)";
 
     /// The owner of `inbox_messages` when it is another role than this one and this one may act as it: the owner
     /// the partitions this role makes are handed to.
@@ -94,7 +95,7 @@ SELECT t.consumer_type::text,
 FROM t WHERE t.consumer_type IS NOT NULL";
 
     /// The planner's row count of a relation (-1: never analyzed). `$1` its name.
-    const ROWS_ESTIMATE = "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass($1)";
+    const ROWS_ESTIMATE = "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass(quote_ident($1))";
 
 }
 
@@ -272,13 +273,10 @@ fn attach_named_statement(name: &str, from: DateTime<Utc>, to: DateTime<Utc>) ->
     )
 }
 
-/// The lock a cleanup takes on a detached partition before it looks at it and drops or attaches it again: another
-/// cleanup doing the same at once (taking it for a leftover) is not waited for, it is left to that one.
+/// The lock a cleanup takes on a detached partition before it looks at it and drops or attaches it again (waited for
+/// at most `SET_LOCAL_LOCK_TIMEOUT`: another cleanup doing the same at once ends its transaction in moments).
 fn lock_detached_statement(name: &str) -> String {
-    format!(
-        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE NOWAIT",
-        quote_ident(name)
-    )
+    format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", quote_ident(name))
 }
 
 fn owner_statement(table: &str, owner: &str) -> String {
@@ -415,7 +413,8 @@ pub async fn ensure_partitions(
                 Err(e)
                     if matches!(
                         super::sqlstate(&e).as_deref(),
-                        Some("42P07" | "42P17" | "42P01" | "42710")
+                        // 23505: the same name created at once by another (pg_type's unique index).
+                        Some("42P07" | "42P17" | "42P01" | "42710" | "23505")
                     ) => {}
                 Err(e) => return Err(e.into()),
             }
@@ -554,8 +553,11 @@ pub enum Settled {
         why: String,
         attached: Result<(), String>,
     },
-    /// Another cleanup has it (its lock held), or it is gone or a partition again: left to whoever did that.
+    /// It is gone or a partition again (another cleanup settled it first): left as it is.
     Taken,
+    /// Its lock was held elsewhere past the wait (an autovacuum, a dump, a long query): left detached, for the next
+    /// cleanup to settle as a leftover.
+    Busy,
 }
 
 /// Looks at the detached table `name` and drops it, or — `keep` says why it must stay — attaches it again at
@@ -569,11 +571,11 @@ pub async fn settle_detached(
     keep: impl FnOnce(&Contents) -> Option<String>,
 ) -> sqlx::Result<Settled> {
     let mut tx = conn.begin().await?;
+    run(&mut tx, convert::SET_LOCAL_LOCK_TIMEOUT).await?;
     match run(&mut tx, &lock_detached_statement(name)).await {
         Ok(()) => {}
-        Err(e) if matches!(super::sqlstate(&e).as_deref(), Some("55P03" | "42P01")) => {
-            return Ok(Settled::Taken);
-        }
+        Err(e) if super::sqlstate(&e).as_deref() == Some("42P01") => return Ok(Settled::Taken),
+        Err(e) if super::sqlstate(&e).as_deref() == Some("55P03") => return Ok(Settled::Busy),
         Err(e) => return Err(e),
     }
     let attached_now: bool = sql::query_scalar(IS_PARTITION)

@@ -989,6 +989,69 @@ async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again(
     assert_eq!(rows_of(&pool, id).await, 1, "{out:?}");
 }
 
+/// A partitioned inbox whose partitions from today's on are gone (ran out, no cleanup made them).
+async fn with_the_partitions_ahead_gone(env: &TestEnv) -> sqlx::PgPool {
+    assert_eq!(migrate_partitioned(env, &[]).code, Some(0));
+    let pool = env.pool().await;
+    let today = inboxctl::db::partitions::partition_name(
+        inboxctl::db::partitions::Settings {
+            interval: TimeDelta::days(1),
+            source: inboxctl::inbox::TimeSource::Id,
+        }
+        .floor(Utc::now()),
+    );
+    let ahead: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'inbox_messages'::regclass AND c.relname >= $1
+           AND c.relname <> 'inbox_messages_untimed'",
+    )
+    .bind(&today)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(ahead.contains(&today), "{ahead:?}");
+    for name in &ahead {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "DROP TABLE {}",
+            common::quote_ident(name)
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    pool
+}
+
+/// The partition made between a claim refused for want of it and the look at the partitions that tells why (a
+/// failpoint holds the consumer there while the test runs `migrate --partitioned`): the message is held once and
+/// claimed on the next try. It was taken for a time no partition would ever hold, and moved aside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_made_just_after_a_refused_claim_lets_the_message_through() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = with_the_partitions_ahead_gone(&env).await;
+    common::publish_parcels(&env, &["--count", "1"]);
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier"],
+        &[("INBOXCTL_FAILPOINTS", "claim-refused=sleep-once-8000")],
+    );
+    consumer.wait_for_stderr("failpoint claim-refused reached", Duration::from_secs(30));
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let done = common::within(Duration::from_secs(60), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 1
+            && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+    })
+    .await;
+    assert!(done, "processed: {}", consumer.stderr());
+    assert!(
+        !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
+        "nothing moved aside: {}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
 /// The partitions ahead ran out (no cleanup made them): no partition holds the present. A message of now was refused
 /// as unclaimable and moved aside — every message, the whole stream. It is held, as in an outage, saying why; once
 /// a partition holds the present again (here `migrate --partitioned`, as a cleanup would), it is processed. One by
@@ -999,34 +1062,7 @@ async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made()
     for mode in [common::ONE_BY_ONE, common::BATCHED] {
         let env = TestEnv::migrated().await;
         common::ensure_endpoints(&env).await;
-        assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
-        let pool = env.pool().await;
-        let today = inboxctl::db::partitions::partition_name(
-            inboxctl::db::partitions::Settings {
-                interval: TimeDelta::days(1),
-                source: inboxctl::inbox::TimeSource::Id,
-            }
-            .floor(Utc::now()),
-        );
-        let ahead: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
-             WHERE i.inhparent = 'inbox_messages'::regclass AND c.relname >= $1
-               AND c.relname <> 'inbox_messages_untimed'",
-        )
-        .bind(&today)
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-        assert!(ahead.contains(&today), "{ahead:?}");
-        for name in &ahead {
-            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                "DROP TABLE {}",
-                common::quote_ident(name)
-            )))
-            .execute(&pool)
-            .await
-            .unwrap();
-        }
+        let pool = with_the_partitions_ahead_gone(&env).await;
         // The backlog's message first: the first claim the consumer makes.
         send(&env, v7_ago(TimeDelta::minutes(10))).await;
         let mut consumer = env.spawn(&common::with_mode(&["consume", "carrier"], mode));
@@ -1044,11 +1080,20 @@ async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made()
             consumer.stderr()
         );
         assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
-        common::eventually("the four processed", Duration::from_secs(30), || async {
+        let done = common::within(Duration::from_secs(60), || async {
             common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 4
                 && env.queue_counts(CARRIER_QUEUE) == (0, 0)
         })
         .await;
+        assert!(
+            done,
+            "the four processed ({mode:?}): {} reservations, queue {:?}, error queue {:?}\n{}",
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+            env.queue_counts(CARRIER_QUEUE),
+            env.queue_exists(&error_queue)
+                .then(|| env.queue_counts(&error_queue)),
+            consumer.stderr()
+        );
         consumer.terminate();
         assert_eq!(
             consumer.wait(Duration::from_secs(30)),

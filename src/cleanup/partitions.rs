@@ -159,13 +159,7 @@ async fn drop_and_make(
             match settled {
                 db::partitions::Settled::Dropped => work.leftovers.push(name),
                 db::partitions::Settled::Kept { why, attached } => {
-                    let how = match &attached {
-                        Ok(()) => "attached again".to_owned(),
-                        Err(reason) => format!(
-                            "it could not be attached again ({}): attach it by hand",
-                            crate::redact::text(reason)
-                        ),
-                    };
+                    let how = attached_how(&attached);
                     tracing::warn!(partition = %name, "a partition left detached by a stopped drop holds rows that must stay: {how}");
                     work.kept.push(Kept {
                         partition: name,
@@ -244,13 +238,7 @@ async fn drop_and_make(
             match settled {
                 db::partitions::Settled::Dropped => {}
                 db::partitions::Settled::Kept { why, attached } => {
-                    let how = match &attached {
-                        Ok(()) => "attached again".to_owned(),
-                        Err(reason) => format!(
-                            "it could not be attached again ({}): attach it by hand",
-                            crate::redact::text(reason)
-                        ),
-                    };
+                    let how = attached_how(&attached);
                     tracing::warn!(partition = %partition.name, "a partition written to as it was being dropped holds rows that must stay: {how}");
                     work.kept.push(Kept {
                         partition: partition.name,
@@ -281,6 +269,17 @@ async fn drop_and_make(
         });
     }
     Ok(())
+}
+
+/// What became of a kept partition that had been detached, for the report: attached again, or why not.
+fn attached_how(attached: &std::result::Result<(), String>) -> String {
+    match attached {
+        Ok(()) => "attached again".to_owned(),
+        Err(reason) => format!(
+            "it could not be attached again ({}): attach it by hand",
+            crate::redact::text(reason)
+        ),
+    }
 }
 
 /// Why a partition wholly older than the cutoff cannot go whole, if it cannot.

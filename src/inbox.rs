@@ -53,6 +53,7 @@ use crate::failpoint;
 
 mod batch;
 mod effect;
+mod refused;
 pub mod time;
 
 pub use batch::{MAX_BATCH, Member, MemberOutcome, MemberWork, TogetherWork};
@@ -273,76 +274,6 @@ impl Inbox {
         }
     }
 
-    /// The claim's key of a message: on a partitioned inbox with its time, refused when it has no usable one.
-    fn key(
-        &self,
-        message_id: Uuid,
-        fingerprint: Option<Fingerprint>,
-        carried: &Carried,
-    ) -> Result<db::claim::Key, ProcessError> {
-        let time = match self.keying() {
-            Keying::Plain => None,
-            Keying::Timed(source) => match source.time_of(message_id, carried) {
-                None => {
-                    return Err(ProcessError::Unclaimable(format!(
-                        "the inbox is partitioned on {}, which this message does not carry",
-                        source.describe()
-                    )));
-                }
-                Some(t) if t < time::earliest() => {
-                    return Err(ProcessError::Unclaimable(format!(
-                        "its time {} ({}) is before 2000: no partition of the inbox holds it",
-                        t.to_rfc3339(),
-                        source.describe()
-                    )));
-                }
-                Some(t) => Some(t),
-            },
-        };
-        Ok(db::claim::Key {
-            message_id,
-            fingerprint,
-            time,
-        })
-    }
-
-    /// What a failed claim statement of `keys` (one message's, or a batch's) means: the inbox's layout changed
-    /// (learnt again; tried again), the partitions ahead run out (held), a time no partition holds (unclaimable), else
-    /// the database's doing. Keys in the same order as the statement's: the first stands for the message's text.
-    async fn claim_error(&self, e: sqlx::Error, keys: &[db::claim::Key]) -> ProcessError {
-        let Some(key) = keys.first() else {
-            return ProcessError::Unavailable(e);
-        };
-        match db::sqlstate(&e).as_deref() {
-            // ON CONFLICT (id, consumer_type) on a partitioned inbox, or message_time on an unpartitioned one.
-            Some("42P10" | "42703") => {
-                self.learn_keying().await;
-                ProcessError::Unavailable(e)
-            }
-            // No partition for now: the partitions ahead ran out (no cleanup made them). Every message would be
-            // refused and moved aside, the whole stream: the database's state, held like an outage until a
-            // partition holds the time (the claims made to look at the outage's end see it).
-            Some("23514") if key.time.is_some() && self.ran_out(keys).await => {
-                ProcessError::Unavailable(sqlx::Error::Protocol(format!(
-                    "no partition of inbox_messages holds the current time (the partitions ahead ran out: `inboxctl \
-                     cleanup`, run as the table's owner, makes them); holding the messages until one does: {}",
-                    crate::sanitize::text(&db::describe(&e))
-                )))
-            }
-            // No partition for the row's time.
-            Some("23514") if key.time.is_some() => ProcessError::Unclaimable(format!(
-                "its time {} is in no partition of the inbox: its producer's clock is off, or its id carries no \
-                 time (the inbox is partitioned on {}); `inboxctl cleanup` makes the partitions ahead",
-                key.time.map(|t| t.to_rfc3339()).unwrap_or_default(),
-                match self.keying() {
-                    Keying::Timed(source) => source.describe(),
-                    Keying::Plain => "a time",
-                }
-            )),
-            _ => ProcessError::Unavailable(e),
-        }
-    }
-
     /// The same inbox, each claim transaction bounding its own wait for a copy's other attempt (`SET LOCAL
     /// lock_timeout`) when `timeout` is given: for connections that keep no session setting, a transaction pooler's,
     /// where the bound cannot be given at connection start (`Database::lock_timeout_per_transaction`).
@@ -560,34 +491,6 @@ fn aborted(e: sqlx::Error) -> WorkError {
          {}",
         crate::sanitize::text(&e.to_string())
     ))
-}
-
-impl Inbox {
-    /// Whether the keys whose time no partition holds are all past the newest partition and no later than now (give
-    /// or take five minutes of producers' clocks): the partitions ahead ran out, and these are messages of now — not
-    /// a late copy of an old message whose partition went (nor one from a clock far off), whatever its age, so a
-    /// message held this way stays held until a partition is made. A layout that cannot be read, or one that holds
-    /// every time now (made since the claim failed): as run out, and tried again.
-    async fn ran_out(&self, keys: &[db::claim::Key]) -> bool {
-        // Between the refused claim and the look at the partitions (a test makes the partition here).
-        failpoint::hit("claim-refused").await;
-        let Ok(partitions) = db::partitions::partitions(&self.pool).await else {
-            return true;
-        };
-        let newest = partitions.iter().filter_map(|p| p.to).max();
-        let covered = |t: chrono::DateTime<chrono::Utc>| {
-            partitions
-                .iter()
-                .any(|p| p.from.is_none_or(|f| f <= t) && p.to.is_some_and(|to| t < to))
-        };
-        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
-        // None missing now: a partition was made since the claim failed (a cleanup, a migrate making those that ran
-        // out) — held this once, and the next try claims.
-        keys.iter()
-            .filter_map(|k| k.time)
-            .filter(|t| !covered(*t))
-            .all(|t| newest.is_none_or(|n| t >= n) && t <= latest)
-    }
 }
 
 fn commit_error(e: sqlx::Error) -> ProcessError {

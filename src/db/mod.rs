@@ -405,7 +405,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 15] = [
+    let areas: [(&str, &[(&str, &str)]); 16] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -417,6 +417,7 @@ pub fn statements() -> Vec<Statement> {
         ("grants", grants::STATEMENTS),
         ("partitions", partitions::STATEMENTS),
         ("partitions", partitions::CONVERT_STATEMENTS),
+        ("partitions", partitions::DROP_STATEMENTS),
         ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("stats", stats::STATEMENTS),

@@ -29,9 +29,13 @@ use crate::error::{Error, Result};
 use crate::inbox::time::{TimeSource, earliest};
 
 mod convert;
+mod drop;
 pub use convert::{PartitionReport, partition};
+pub use drop::{Contents, Settled, contents, detach, leftovers, settle_detached};
 /// The conversion's statements, for [`super::statements`].
 pub(super) const CONVERT_STATEMENTS: &[(&str, &str)] = convert::STATEMENTS;
+/// The statements of dropping a partition, for [`super::statements`].
+pub(super) const DROP_STATEMENTS: &[(&str, &str)] = drop::STATEMENTS;
 
 statements! {
     /// Whether `inbox_messages` is partitioned, and the comment of its untimed partition (where the partitioning's
@@ -51,10 +55,6 @@ FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = to_regclass('inbox_messages')
 ORDER BY 2 NULLS FIRST";
 
-    /// Whether the table `$1` is a partition (of anything) now.
-    const IS_PARTITION =
-    "SELECT coalesce((SELECT relispartition FROM pg_class WHERE oid = to_regclass(quote_ident($1))), false)";
-
     /// The owner of `inbox_messages` when it is another role than this one and this one may act as it: the owner
     /// the partitions this role makes are handed to.
     const PARENT_OWNER_TO_GIVE = "\
@@ -62,37 +62,6 @@ SELECT pg_get_userbyid(p.relowner)::text FROM pg_class p
 WHERE p.oid = to_regclass('inbox_messages')
   AND p.relowner <> (SELECT oid FROM pg_roles WHERE rolname = current_user)
   AND pg_has_role(p.relowner, 'MEMBER')";
-
-    /// Tables left by a drop that stopped between its detach and its drop: partitions of ours no longer attached.
-    /// Only names of the form inboxctl gives its partitions: a table an operator named `inbox_messages_pre_...`, say
-    /// (a copy kept before `migrate --partitioned`), is none of the cleanup's business.
-    const DETACHED_LEFTOVERS = "\
-SELECT c.relname::text FROM pg_class c
-WHERE c.relname ~ '^inbox_messages_p[0-9]{8}_[0-9]{6}$' AND c.relkind = 'r' AND NOT c.relispartition
-  AND pg_has_role(c.relowner, 'USAGE')
-  AND c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('inbox_messages'))";
-
-    /// Whether the rows of `[$1, $2)` include an unprocessed one (found through the unprocessed index).
-    const UNPROCESSED_BETWEEN = "\
-SELECT EXISTS (SELECT 1 FROM inbox_messages
-               WHERE message_time >= $1 AND message_time < $2 AND processed_at IS NULL)";
-
-    /// Each consumer_type with rows in `[$1, $2)` and its newest processed_at there: a loose index scan of the
-    /// partition's `(consumer_type, processed_at)` index, one probe per consumer_type, not a scan of its rows.
-    const CONSUMER_TYPES_BETWEEN = "\
-WITH RECURSIVE t AS (
-    (SELECT consumer_type FROM inbox_messages
-     WHERE message_time >= $1 AND message_time < $2 ORDER BY consumer_type LIMIT 1)
-    UNION ALL
-    SELECT (SELECT i.consumer_type FROM inbox_messages i
-            WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type > t.consumer_type
-            ORDER BY i.consumer_type LIMIT 1)
-    FROM t WHERE t.consumer_type IS NOT NULL
-)
-SELECT t.consumer_type::text,
-       (SELECT max(i.processed_at) FROM inbox_messages i
-        WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type = t.consumer_type)
-FROM t WHERE t.consumer_type IS NOT NULL";
 
     /// The planner's row count of a relation (-1: never analyzed). `$1` its name.
     const ROWS_ESTIMATE = "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass(quote_ident($1))";
@@ -273,51 +242,12 @@ fn attach_named_statement(name: &str, from: DateTime<Utc>, to: DateTime<Utc>) ->
     )
 }
 
-/// The lock a cleanup takes on a detached partition before it looks at it and drops or attaches it again (waited for
-/// at most `SET_LOCAL_LOCK_TIMEOUT`: another cleanup doing the same at once ends its transaction in moments).
-fn lock_detached_statement(name: &str) -> String {
-    format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", quote_ident(name))
-}
-
 fn owner_statement(table: &str, owner: &str) -> String {
     format!(
         "ALTER TABLE {} OWNER TO {}",
         quote_ident(table),
         quote_ident(owner)
     )
-}
-
-/// `DETACH PARTITION … CONCURRENTLY`: the consumers' inserts go on meanwhile (it waits for the transactions that
-/// could see the partition, in two steps). `FINALIZE` ends one that stopped half way.
-fn detach_statement(name: &str, finalize: bool) -> String {
-    format!(
-        "ALTER TABLE inbox_messages DETACH PARTITION {} {}",
-        quote_ident(name),
-        if finalize { "FINALIZE" } else { "CONCURRENTLY" }
-    )
-}
-
-/// Each consumer_type of the table `name` (a detached partition), the newest `processed_at` of its rows, and whether
-/// the table holds an unprocessed row (on every row alike): `CONSUMER_TYPES_BETWEEN`'s loose index scan, on the table.
-fn detached_contents_statement(name: &str) -> String {
-    let t = quote_ident(name);
-    format!(
-        "WITH RECURSIVE t AS (
-    (SELECT consumer_type FROM {t} ORDER BY consumer_type LIMIT 1)
-    UNION ALL
-    SELECT (SELECT i.consumer_type FROM {t} i WHERE i.consumer_type > t.consumer_type
-            ORDER BY i.consumer_type LIMIT 1)
-    FROM t WHERE t.consumer_type IS NOT NULL
-)
-SELECT t.consumer_type::text,
-       (SELECT max(i.processed_at) FROM {t} i WHERE i.consumer_type = t.consumer_type),
-       EXISTS (SELECT 1 FROM {t} i WHERE i.processed_at IS NULL)
-FROM t WHERE t.consumer_type IS NOT NULL"
-    )
-}
-
-fn drop_statement(name: &str) -> String {
-    format!("DROP TABLE IF EXISTS {}", quote_ident(name))
 }
 
 fn comment_statement(settings: &Settings) -> String {
@@ -342,20 +272,20 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
         ),
         (
             "detach_statement",
-            detach_statement("inbox_messages_p20270519_000000", false),
+            drop::detach_statement("inbox_messages_p20270519_000000", false),
         ),
         (
             "drop_statement",
-            drop_statement("inbox_messages_p20270519_000000"),
+            drop::drop_statement("inbox_messages_p20270519_000000"),
         ),
         ("comment_statement", comment_statement(&settings)),
         (
             "detached_contents_statement",
-            detached_contents_statement("inbox_messages"),
+            drop::detached_contents_statement("inbox_messages"),
         ),
         (
             "lock_detached_statement",
-            lock_detached_statement("inbox_messages"),
+            drop::lock_detached_statement("inbox_messages"),
         ),
         (
             "attach_named_statement",
@@ -463,161 +393,12 @@ fn intervals(
         .map(move |start| (start, start + settings.interval))
 }
 
-/// What keeps a partition from being dropped whole.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Contents {
-    pub unprocessed: bool,
-    /// Each consumer_type with rows in it, and the newest `processed_at` of its rows there.
-    pub consumer_types: Vec<(String, Option<DateTime<Utc>>)>,
-}
-
-/// What the partition `[from, to)` holds, as far as dropping it goes: read through its indexes.
-pub async fn contents(
-    executor: impl Into<Exec<'_>>,
-    from: DateTime<Utc>,
-    to: DateTime<Utc>,
-) -> sqlx::Result<Contents> {
-    unit!(executor, |conn| async move {
-        let unprocessed: bool = sql::query_scalar(UNPROCESSED_BETWEEN)
-            .bind(from)
-            .bind(to)
-            .fetch_one(&mut *conn)
-            .await?;
-        let consumer_types = sql::query_as(CONSUMER_TYPES_BETWEEN)
-            .bind(from)
-            .bind(to)
-            .fetch_all(&mut *conn)
-            .await?;
-        Ok(Contents {
-            unprocessed,
-            consumer_types,
-        })
-    })
-}
-
 /// The planner's row count of a partition (none: never analyzed).
 pub async fn rows_estimate(executor: impl Into<Exec<'_>>, name: &str) -> sqlx::Result<Option<u64>> {
     let rows: Option<f64> = unit!(executor, |conn| sql::query_scalar(ROWS_ESTIMATE)
         .bind(name)
         .fetch_optional(conn))?;
     Ok(rows.filter(|r| *r >= 0.0).map(|r| r.round() as u64))
-}
-
-/// Detaches a partition without stopping the consumers' inserts (`DETACH … CONCURRENTLY`, or `FINALIZE` for one a
-/// stopped detach left pending). `false` when another process detached it first.
-pub async fn detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<bool> {
-    let detached = run(
-        conn,
-        &detach_statement(&partition.name, partition.detach_pending),
-    )
-    .await;
-    match detached {
-        Ok(()) => Ok(true),
-        // Not a partition (any more), or no such table: another cleanup got there first.
-        Err(e)
-            if matches!(
-                super::sqlstate(&e).as_deref(),
-                Some("42P01" | "42809" | "55000")
-            ) =>
-        {
-            Ok(false)
-        }
-        Err(e) => Err(e),
-    }
-}
-
-/// What a detached partition holds, read on the table itself. Once `DETACH … CONCURRENTLY` has returned, no claim
-/// writes there any more: a row a claim wrote between the look through the parent ([`contents`]) and the detach is
-/// seen here.
-async fn detached_contents(conn: &mut PgConnection, name: &str) -> sqlx::Result<Contents> {
-    let rows: Vec<(String, Option<DateTime<Utc>>, bool)> =
-        sql::query_as(AssertSqlSafe(detached_contents_statement(name)))
-            .fetch_all(&mut *conn)
-            .await?;
-    Ok(Contents {
-        unprocessed: rows.iter().any(|(_, _, unprocessed)| *unprocessed),
-        consumer_types: rows
-            .into_iter()
-            .map(|(consumer_type, newest, _)| (consumer_type, newest))
-            .collect(),
-    })
-}
-
-/// What became of a detached partition.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Settled {
-    Dropped,
-    /// Kept, with why; attached again (at the bounds given), or left detached (no bounds, or the attach failed:
-    /// with the server's reason).
-    Kept {
-        why: String,
-        attached: Result<(), String>,
-    },
-    /// It is gone or a partition again (another cleanup settled it first): left as it is.
-    Taken,
-    /// Its lock was held elsewhere past the wait (an autovacuum, a dump, a long query): left detached, for the next
-    /// cleanup to settle as a leftover.
-    Busy,
-}
-
-/// Looks at the detached table `name` and drops it, or — `keep` says why it must stay — attaches it again at
-/// `bounds`; under the table's lock, taken without waiting, in one transaction: two cleanups never both act on one
-/// table (one detaching it, the other taking it for a leftover), and one never drops a table the other attached
-/// again.
-pub async fn settle_detached(
-    conn: &mut PgConnection,
-    name: &str,
-    bounds: Option<(DateTime<Utc>, DateTime<Utc>)>,
-    keep: impl FnOnce(&Contents) -> Option<String>,
-) -> sqlx::Result<Settled> {
-    let mut tx = conn.begin().await?;
-    run(&mut tx, convert::SET_LOCAL_LOCK_TIMEOUT).await?;
-    match run(&mut tx, &lock_detached_statement(name)).await {
-        Ok(()) => {}
-        Err(e) if super::sqlstate(&e).as_deref() == Some("42P01") => return Ok(Settled::Taken),
-        Err(e) if super::sqlstate(&e).as_deref() == Some("55P03") => return Ok(Settled::Busy),
-        Err(e) => return Err(e),
-    }
-    let attached_now: bool = sql::query_scalar(IS_PARTITION)
-        .bind(name)
-        .fetch_one(&mut *tx)
-        .await?;
-    if attached_now {
-        return Ok(Settled::Taken);
-    }
-    let contents = detached_contents(&mut tx, name).await?;
-    let Some(why) = keep(&contents) else {
-        run(&mut tx, &drop_statement(name)).await?;
-        tx.commit().await?;
-        return Ok(Settled::Dropped);
-    };
-    let Some((from, to)) = bounds else {
-        return Ok(Settled::Kept {
-            why,
-            attached: Err("its bounds are not known".to_owned()),
-        });
-    };
-    match run(&mut tx, &attach_named_statement(name, from, to)).await {
-        Ok(()) => {
-            tx.commit().await?;
-            Ok(Settled::Kept {
-                why,
-                attached: Ok(()),
-            })
-        }
-        Err(e) => Ok(Settled::Kept {
-            why,
-            attached: Err(super::errors::describe(&e)),
-        }),
-    }
-}
-
-/// The tables a drop left detached and not dropped (stopped between the two, or before it looked again at what it
-/// had detached).
-pub async fn leftovers(conn: &mut PgConnection) -> sqlx::Result<Vec<String>> {
-    sql::query_scalar(DETACHED_LEFTOVERS)
-        .fetch_all(&mut *conn)
-        .await
 }
 
 /// The time a partition of ours starts at, read from its name (`inbox_messages_pYYYYMMDD_HHMMSS`).

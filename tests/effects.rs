@@ -1409,6 +1409,28 @@ async fn owed_from_an_earlier_run(pool: &PgPool, destination: &str) -> Uuid {
     id
 }
 
+/// A keyed run started with nothing owed, and a call owed after it started (an operator's `effects resolve --retry`,
+/// the drain of an after-commit run stopping beside it in a rolling deploy): the running consumer makes it. Its
+/// worker used to run only when calls were owed at start, and the call stayed owed with nobody to make it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_owed_after_a_keyed_run_started_is_made_by_it() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let consumer = env.spawn(&consume_args(&stub, "keyed", &[]));
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    owed_from_an_earlier_run(&pool, "owed-later").await;
+    common::eventually(
+        "the call owed after the start made",
+        Duration::from_secs(20),
+        || async { state_of(&pool, "owed-later").await.as_deref() == Some("done") },
+    )
+    .await;
+    assert_eq!(stub.bookings_to("owed-later").await, 1);
+    consumer.terminate();
+}
+
 /// An after-commit run stopped with a call still owed, and the consumer restarted in keyed mode (the default): the
 /// call is made by the new run (its worker takes the calls earlier runs owe), and `--exit-when-idle` waits for it.
 /// With the stand-in carrier, which cannot make it, the run says so. The call used to be left owed for good, the

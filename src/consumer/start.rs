@@ -130,11 +130,14 @@ pub async fn consume_guarded<G: WorkGuard>(
                             consumer_type: consumer_type.clone(),
                         };
                         let consumer = CarrierConsumer { carrier };
-                        // Calls left pending by an earlier run in another mode are made by this one too: keyed, no
-                        // call is owed after a commit, so nothing else would ever make them. One whose outcome is
-                        // unknown is not: without the look-up that run may have had, making it again could book
-                        // twice.
-                        let (pending, unknown) = owed_by_an_earlier_run(&pool, &consumer_type).await;
+                        // Calls pending are made by this run too, whenever they come to be owed: left by an earlier
+                        // run in another mode, owed again by an operator (`effects resolve --retry`, `effects
+                        // reconcile`), or committed by the drain of a run in another mode stopping beside this one
+                        // (a rolling deploy). Keyed, no call is owed after a commit, so nothing else would ever make
+                        // them: the worker runs beside the consumer from the start, whatever is owed now. One whose
+                        // outcome is unknown is not made: without the look-up that run may have had, making it again
+                        // could book twice.
+                        let (_, unknown) = owed_by_an_earlier_run(&pool, &consumer_type).await;
                         if unknown > 0 {
                             tracing::warn!(
                                 consumer_type = %consumer_type,
@@ -145,11 +148,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                                  resolve)"
                             );
                         }
-                        if pending > 0 {
-                            beside_the_worker(worker, guard, consumer, broker, options, shutdown).await
-                        } else {
-                            super::run(guard, consumer, broker, options, shutdown).await
-                        }
+                        beside_the_worker(worker, guard, consumer, broker, options, shutdown).await
                     }
                     mode => {
                         let carrier = effects::DeferredCarrier {

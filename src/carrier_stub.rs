@@ -56,6 +56,8 @@ pub struct Behaviour {
     pub fail_status: Option<u16>,
     /// Book, then drop the connection without answering, for this many requests from now on.
     pub drop_next: u32,
+    /// Book, then answer `303 See Other` (post, then redirect to the booking), for this many requests from now on.
+    pub redirect_next: u32,
 }
 
 impl Default for Behaviour {
@@ -68,6 +70,7 @@ impl Default for Behaviour {
             fail_always: false,
             fail_status: None,
             drop_next: 0,
+            redirect_next: 0,
         }
     }
 }
@@ -191,7 +194,7 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         Some(Ok(k)) if !k.is_empty() && k.len() <= MAX_KEY => Some(k.to_owned()),
         Some(_) => return bad_request("Idempotency-Key must be 1 to 255 visible ASCII characters"),
     };
-    let (answer, delay, drop_connection) = {
+    let (answer, delay, drop_connection, redirect) = {
         let mut l = ledger(&shared);
         if l.behaviour.fail_always || l.behaviour.fail_next > 0 {
             l.behaviour.fail_next = l.behaviour.fail_next.saturating_sub(1);
@@ -248,7 +251,9 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         let delay = slow.then(|| Duration::from_millis(b.delay_ms));
         let drop_connection = l.behaviour.drop_next > 0;
         l.behaviour.drop_next = l.behaviour.drop_next.saturating_sub(1);
-        (answer, delay, drop_connection)
+        let redirect = l.behaviour.redirect_next > 0;
+        l.behaviour.redirect_next = l.behaviour.redirect_next.saturating_sub(1);
+        (answer, delay, drop_connection, redirect)
     };
     if let Some(delay) = delay {
         tokio::time::sleep(delay).await;
@@ -257,6 +262,16 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         // Unwinding the connection's task closes its socket with nothing written: the booking is made and the caller
         // never hears of it. `resume_unwind` skips the panic hook: nothing is printed, nothing went wrong.
         std::panic::resume_unwind(Box::new("the stand-in drops the connection"));
+    }
+    if redirect {
+        return (
+            StatusCode::SEE_OTHER,
+            [(
+                axum::http::header::LOCATION,
+                format!("/pickups/{}", answer.slot_id),
+            )],
+        )
+            .into_response();
     }
     Json(answer).into_response()
 }

@@ -1342,7 +1342,8 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
 
 /// At most once, a gateway's 504 (or a 500) leaves the outcome unknown — the carrier behind the gateway may have
 /// booked — so the call is listed in doubt and not made again; a 503 booked nothing, so it is made again. Both 5xx
-/// were taken for "nothing booked" before: a call answered 504 was made a second time.
+/// were taken for "nothing booked" before: a call answered 504 was made a second time; so was one answered with a
+/// redirect (`303 See Other`, the booking made).
 #[tokio::test(flavor = "multi_thread")]
 async fn at_most_once_a_gateways_504_is_in_doubt_and_a_503_is_made_again() {
     let env = TestEnv::migrated().await;
@@ -1379,6 +1380,23 @@ async fn at_most_once_a_gateways_504_is_in_doubt_and_a_503_is_made_again() {
     .await;
     assert_eq!(got, "done");
     assert_eq!(stub.bookings_to("unavailable-503").await, 1);
+
+    // Booked, and answered with a redirect to the booking (post, then redirect): no refusal, in doubt.
+    stub.behave(json!({"redirectNext": 1})).await;
+    publish_to(&env, "redirected-303", 1);
+    let got = settle(
+        &env,
+        &pool,
+        &consume_args(&stub, "at-most-once", &[]),
+        "redirected-303",
+    )
+    .await;
+    assert_eq!(got, "in_doubt");
+    assert_eq!(
+        stub.bookings_to("redirected-303").await,
+        1,
+        "not made again"
+    );
 }
 
 /// A call owed after a commit of an earlier after-commit run (pending: that run stopped before making it).

@@ -52,6 +52,8 @@ impl Args {
             // Another status than 503: through `POST /_stub/behaviour` (the tests' way), not a flag.
             fail_status: None,
             drop_next: self.drop_next,
+            // Through `POST /_stub/behaviour` too.
+            redirect_next: 0,
         }
     }
 }

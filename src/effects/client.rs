@@ -143,13 +143,12 @@ async fn answer(
 }
 
 /// Whether a status the carrier answered with says that nothing was booked: a client error (4xx: the request was
-/// refused as it stands), or 503 (the service would not take it). Any other server error — a 500 that may have come
-/// after the booking was made, a gateway's 502 or 504 whose carrier behind it may have booked — leaves the outcome
-/// unknown: an at-most-once call is then in doubt, not made again, and an after-commit one asks the look-up first.
+/// refused as it stands), or 503 (the service would not take it). Any other — a 500 that may have come after the
+/// booking was made, a gateway's 502 or 504 whose carrier behind it may have booked, a redirect (a `303 See Other`
+/// to the booking made, redirects not being followed) — leaves the outcome unknown: an at-most-once call is then in
+/// doubt, not made again, and an after-commit one asks the look-up first.
 fn refused(status: StatusCode) -> bool {
-    status.is_client_error()
-        || status == StatusCode::SERVICE_UNAVAILABLE
-        || !status.is_server_error()
+    status.is_client_error() || status == StatusCode::SERVICE_UNAVAILABLE
 }
 
 /// An error and its causes on one line, without the URL (which may hold a password).

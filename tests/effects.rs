@@ -1340,6 +1340,57 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
     assert_eq!(said[0]["now"], "changed", "{said}");
 }
 
+/// An at-most-once call refused once (a 503: nothing booked), made again, and its process gone before the second
+/// attempt's outcome was recorded: in doubt, said so — not with the first attempt's 503, which would tell an operator
+/// that nothing was booked and invite a `resolve --retry` that books twice. A new attempt used to keep the last one's
+/// error.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let id = owed_from_an_earlier_run(&pool, "stale-error").await;
+    sqlx::query("UPDATE inboxctl_effects SET mode = 'at-most-once' WHERE message_id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(30);
+    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    assert!(
+        external::record_outcome(
+            &pool,
+            &first[0],
+            CARRIER_QUEUE,
+            &outcome("pending", "carrier API returned 503 Service Unavailable"),
+        )
+        .await
+        .unwrap()
+    );
+    let second = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(second.len(), 1, "the refused call is made again");
+    // The process making the second call dies; its lease runs out.
+    lapse(&pool, id).await;
+    assert_eq!(
+        external::mark_in_doubt(&pool, CARRIER_QUEUE).await.unwrap(),
+        1
+    );
+    let (state, error): (String, Option<String>) =
+        sqlx::query_as("SELECT state, last_error FROM inboxctl_effects WHERE message_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "in_doubt");
+    let error = error.unwrap_or_default();
+    assert!(!error.contains("503"), "{error}");
+    assert!(error.contains("ended before its outcome"), "{error}");
+}
+
 /// At most once, a gateway's 504 (or a 500) leaves the outcome unknown — the carrier behind the gateway may have
 /// booked — so the call is listed in doubt and not made again; a 503 booked nothing, so it is made again. Both 5xx
 /// were taken for "nothing booked" before: a call answered 504 was made a second time; so was one answered with a

@@ -20,7 +20,8 @@ ON CONFLICT (message_id, consumer_type) DO NOTHING";
     /// passed, and (unless `$4`, pending ones only) after-commit ones whose process's lease ran out (that process
     /// died, or its call's outcome was unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
     /// started; `was` says what it was before; its lease's end, with the attempt's number, fences the attempt's
-    /// outcome. Rows another process is leasing are skipped, not waited for.
+    /// outcome. Rows another process is leasing are skipped, not waited for. An earlier attempt's error is cleared: it says
+    /// nothing of this one's outcome (a 503 before, and this attempt in doubt, is not "nothing booked").
     const LEASE_DUE = "\
 WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
@@ -31,7 +32,8 @@ WITH due AS (
     LIMIT $3
     FOR UPDATE SKIP LOCKED)
 UPDATE inboxctl_effects e
-SET state = 'started', lease_until = now() + make_interval(secs => $2), attempts = e.attempts + 1, updated_at = now()
+SET state = 'started', lease_until = now() + make_interval(secs => $2), attempts = e.attempts + 1, updated_at = now(),
+    last_error = NULL
 FROM due
 WHERE e.message_id = due.message_id AND e.consumer_type = due.consumer_type
 RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, due.state, e.lease_until";

@@ -1249,6 +1249,47 @@ async fn a_stop_lets_the_work_in_flight_finish_and_acknowledges_it_in(mode: &[&s
     );
 }
 
+/// Batched, a member whose work hangs (a carrier call that never answers) past `--attempt-timeout`: the batch goes
+/// one by one, the hung member is tried again alone, and the others are processed. The batch used to be tried again
+/// whole on every timeout, none of its members ever committed, its worker held for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_a_member_stuck_past_the_attempt_timeout_holds_up_only_itself() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "Stuck"]);
+    common::publish_parcels(&env, &["--count", "7"]);
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--batch-size",
+            "8",
+            "--concurrency",
+            "8",
+            "--claim-timeout",
+            "1s",
+            "--attempt-timeout",
+            "3s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=pause@Stuck")],
+    );
+    let pool = env.pool().await;
+    common::eventually(
+        "the seven beside the stuck one processed",
+        Duration::from_secs(40),
+        || async { common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 7 },
+    )
+    .await;
+    assert!(
+        consumer
+            .stderr()
+            .contains("processing its messages one by one"),
+        "{}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+}
+
 /// A stop while one message is worked on and 19 more wait in the consumer (`--concurrency 1`, prefetch 20): the 19
 /// go back to the queue at once, for the other consumers, not after the drain (here 12 s of work) when the connection
 /// closes. The one in the consume loop's hand waiting for a worker is given back too, and the one under way finishes

@@ -335,6 +335,18 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
                 );
                 return Committed::OneByOne;
             }
+            // The round ran past --attempt-timeout: a member's work slow or stuck (a hung call, a query past the
+            // bound) would make every try of the batch run out again, its other members never committed and this
+            // worker held for good. One by one, each member in a task of its own is bounded alone: the stuck one is
+            // tried again alone, the others go on; a server gone silent is waited out by each, as one by one.
+            Err(ProcessError::Unavailable(e)) if crate::db::is_no_answer(&e) => {
+                tracing::warn!(
+                    error = %logged(&crate::redact::text(&crate::db::describe(&e))),
+                    "batch ran past --attempt-timeout (a member's work slow or stuck, or PostgreSQL silent); \
+                     processing its messages one by one"
+                );
+                return Committed::OneByOne;
+            }
             // Waited out, unless a stop comes or a connection of the batch's members is lost (they can no longer all
             // be settled; the broker delivers again what came on it): then they go back.
             Err(ProcessError::Unavailable(e)) => {

@@ -19,6 +19,12 @@ pub fn no_answer(limit: Duration) -> sqlx::Error {
     ))
 }
 
+/// Whether `error` is [`no_answer`]'s: the statements ran past the bound they were given (`--attempt-timeout`), the
+/// connection dropped — a work slow or stuck as much as a server gone silent.
+pub fn is_no_answer(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Io(e) if e.kind() == std::io::ErrorKind::TimedOut)
+}
+
 /// The one place PostgreSQL's errors become inboxctl's (the policy is in [`Error`]): a server that cannot be reached,
 /// a database that does not exist, a refused login, a missing privilege or table each say what to do. `db` is what
 /// the command was pointed at, when known, for the message. Anything else stays [`Error::Database`].

@@ -85,7 +85,9 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool, PgPoolOptions};
 use crate::error::{Error, Result};
 use crate::{redact, secret};
 
-pub use errors::{describe, diagnose, is_contention, is_transient, no_answer, sqlstate};
+pub use errors::{
+    describe, diagnose, is_contention, is_no_answer, is_transient, no_answer, sqlstate,
+};
 pub use exec::Exec;
 pub(crate) use exec::Unit;
 

@@ -218,8 +218,14 @@ async fn a_redone_batch_records_its_copies_once() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_commit() {
     // One by one, done together, and one by one with the member after the swallowing one wrapping the refusal it
-    // meets in an error of its own (it was blamed for it: failed, though nothing was wrong with it).
-    for (with_together, wrapping) in [(false, false), (true, false), (false, true)] {
+    // meets in an error of its own, its source kept or only its text (it was blamed for it: failed, though nothing
+    // was wrong with it).
+    for (with_together, wrapping) in [
+        (false, Wrapping::None),
+        (true, Wrapping::None),
+        (false, Wrapping::Source),
+        (false, Wrapping::Text),
+    ] {
         let (_env, pool, inbox) = with_a_customer().await;
         let runs = Arc::new(AtomicUsize::new(0));
         let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
@@ -244,19 +250,20 @@ async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_com
             carried: Default::default(),
             work: Box::new(move |tx| {
                 Box::pin(async move {
-                    insert_effect(tx, c, "c")
-                        .await
-                        .map_err(|e| inboxctl::inbox::WorkError::Failed(Box::new(Wrapped(e))))
+                    insert_effect(tx, c, "c").await.map_err(|e| match wrapping {
+                        Wrapping::Text => inboxctl::inbox::WorkError::msg(e.to_string()),
+                        _ => inboxctl::inbox::WorkError::Failed(Box::new(Wrapped(e))),
+                    })
                 })
             }),
         };
         let members = vec![
             member(a, "a", false, &runs),
             swallowing,
-            if wrapping {
-                wrapped
-            } else {
+            if wrapping == Wrapping::None {
                 member(c, "c", false, &runs)
+            } else {
+                wrapped
             },
         ];
         // Done together, the swallowing happens in the statement for all: the members one by one find whose it is.
@@ -268,7 +275,7 @@ async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_com
         assert_eq!(
             kinds(&outcomes),
             ["processed", "failed", "processed"],
-            "together: {with_together}"
+            "together: {with_together}, {wrapping:?}"
         );
         let MemberOutcome::Failed(error) = &outcomes[1] else {
             unreachable!()
@@ -291,6 +298,17 @@ async fn a_member_that_swallows_a_statement_error_fails_alone_and_the_others_com
             "together: {with_together}"
         );
     }
+}
+
+/// How a member's work gives back the error its statement met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wrapping {
+    /// As it is.
+    None,
+    /// In an error of its own, whose source it is.
+    Source,
+    /// Its text only, in an error of its own.
+    Text,
 }
 
 /// A consumer's own error around the one its work met.

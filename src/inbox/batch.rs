@@ -292,7 +292,7 @@ async fn run_work<T: Send>(
             Err(_) => Worked::Panicked,
         };
     }
-    for member in working {
+    for (i, member) in working.iter().enumerate() {
         match AssertUnwindSafe((member.work)(conn)).catch_unwind().await {
             Ok(Ok(output)) => {
                 // Looking for the member whose caught error aborted an earlier round: each one's transaction looked
@@ -306,9 +306,12 @@ async fn run_work<T: Send>(
                 outputs.insert(member.message_id, output);
             }
             Ok(Err(WorkError::Database(e))) if is_transient(&e) => return Worked::Unavailable(e),
-            // Refused because an earlier member's caught error aborted the transaction: not this member's failure
-            // (also when its work wrapped the refusal in an error of its own).
-            Ok(Err(error)) if !check_each && refused_as_aborted(&error) => {
+            // Refused because an earlier member's caught error aborted the transaction, maybe: not this member's
+            // failure then. Its error may say so (25P02, itself or down its sources) or not (wrapped as text only),
+            // so a failure of any member but the first, in a round that did not look after each, is not blamed on
+            // it: the next round looks after each member and finds whose it is (one round more when it was this
+            // member's own). The first member's is its own: the claim before it succeeded.
+            Ok(Err(error)) if !check_each && (i > 0 || refused_as_aborted(&error)) => {
                 return Worked::Redo(Round::Aborted);
             }
             Ok(Err(error)) => return Worked::Redo(Round::MemberFailed(member.message_id, error)),
@@ -374,7 +377,8 @@ enum Round<T> {
     },
     TogetherFailed,
     /// A statement of the work failed and the work went on, its error caught: the transaction was aborted, and it is
-    /// not known whose work it was. The next round goes member by member, looking at the transaction after each.
+    /// not known whose work it was; or a member after the first failed, maybe on that. The next round goes member by
+    /// member, looking at the transaction after each.
     Aborted,
     MemberFailed(Uuid, WorkError),
 }

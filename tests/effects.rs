@@ -1340,6 +1340,66 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
     assert_eq!(said[0]["now"], "changed", "{said}");
 }
 
+/// A lease whose answer comes late (PostgreSQL slow to answer it: here a trigger holds the lease's statement 2 s of
+/// its 3 s lease, once): no call is started that could not end within it (2.5 s, the carrier's timeouts). The call
+/// used to be made anyway and still be in flight when the lease ran out; the next look leased the effect again and
+/// made a second call beside the first — two bookings with a carrier that ignores keys, with no crash at all.
+#[tokio::test(flavor = "multi_thread")]
+async fn no_call_is_started_on_a_lease_too_short_for_it() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"honourKeys": false, "delayMs": 1500}))
+        .await;
+    sqlx::raw_sql(
+        "CREATE TABLE slow_once (x int);
+         INSERT INTO slow_once VALUES (1);
+         CREATE FUNCTION slow_lease() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF OLD.state = 'pending' AND NEW.state = 'started' THEN
+                 DELETE FROM slow_once;
+                 IF FOUND THEN PERFORM pg_sleep(2); END IF;
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER slow_lease BEFORE UPDATE ON inboxctl_effects
+             FOR EACH ROW EXECUTE FUNCTION slow_lease();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    owed_from_an_earlier_run(&pool, "late-lease").await;
+    let mut consumer = env.spawn(&consume_args(
+        &stub,
+        "after-commit",
+        &["--exit-when-idle", "2s"],
+    ));
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "late-lease").await.as_deref(),
+        Some("done"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        stub.bookings_to("late-lease").await,
+        1,
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        consumer.stderr().contains("lease came too late"),
+        "{}",
+        consumer.stderr()
+    );
+}
+
 /// An at-most-once call refused once (a 503: nothing booked), made again, and its process gone before the second
 /// attempt's outcome was recorded: in doubt, said so — not with the first attempt's 503, which would tell an operator
 /// that nothing was booked and invite a `resolve --retry` that books twice. A new attempt used to keep the last one's

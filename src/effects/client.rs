@@ -32,6 +32,8 @@ pub enum CallError {
 pub struct CarrierClient {
     http: reqwest::Client,
     base: url::Url,
+    /// The longest one call may take: its timeout and its connect timeout.
+    longest: Duration,
 }
 
 impl CarrierClient {
@@ -53,7 +55,16 @@ impl CarrierClient {
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
         }
-        Ok(Self { http, base })
+        Ok(Self {
+            http,
+            base,
+            longest: timeout + connect_timeout,
+        })
+    }
+
+    /// The longest one call may take (`--carrier-timeout` plus the connect timeout).
+    pub fn longest_call(&self) -> Duration {
+        self.longest
     }
 
     fn url(&self, path: &str) -> std::result::Result<url::Url, CallError> {

@@ -116,6 +116,9 @@ impl Worker {
             let free = slots.available_permits();
             if free > 0 {
                 let limit = i64::try_from(free).unwrap_or(i64::MAX);
+                // The lease runs from the lease's statement's start in PostgreSQL, which is after this: it ends no
+                // sooner than `lease` from now, whenever the answer comes.
+                let lease_ends = Instant::now() + this.lease;
                 let ct = this.consumer_type.as_str();
                 let leased = bounded!(&this.pool, this.bound, |conn| external::lease_due(
                     conn,
@@ -132,7 +135,7 @@ impl Worker {
                             };
                             let this = Arc::clone(&this);
                             calls.spawn(async move {
-                                this.call(effect).await;
+                                this.call(effect, lease_ends).await;
                                 drop(slot);
                             });
                         }
@@ -151,7 +154,9 @@ impl Worker {
     }
 
     /// One leased effect: its call (or, for an unknown earlier outcome, the look-up first) and its outcome recorded.
-    async fn call(&self, effect: external::Leased) {
+    /// Each request is sent only if it can end within the lease (`lease_ends`): past it, another process (or this
+    /// one's next look) may take the effect over and call at the same time.
+    async fn call(&self, effect: external::Leased, lease_ends: Instant) {
         let Some(request) = self.request(&effect) else {
             self.record(
                 &effect,
@@ -170,6 +175,9 @@ impl Worker {
         if effect.was == "started"
             && let Some(lookup) = &self.lookup
         {
+            if !self.time_left_for(lookup, lease_ends) {
+                return self.leased_too_late(&effect).await;
+            }
             match lookup.lookup(effect.idempotency_key).await {
                 Ok(Some(slot)) => return self.done(&effect, &request, slot).await,
                 Ok(None) => {}
@@ -183,10 +191,43 @@ impl Worker {
                 }
             }
         }
+        if !self.time_left_for(&self.client, lease_ends) {
+            return self.leased_too_late(&effect).await;
+        }
         match self.client.book(&request).await {
             Ok(slot) => self.done(&effect, &request, slot).await,
             Err(e) => self.failed(&effect, mode, &e).await,
         }
+    }
+
+    /// Whether a call to `client` started now ends within the lease.
+    fn time_left_for(&self, client: &CarrierClient, lease_ends: Instant) -> bool {
+        Instant::now() + client.longest_call() < lease_ends
+    }
+
+    /// A lease whose answer came too late to call within it (PostgreSQL slow to answer: a commit waiting on a standby,
+    /// a stalled disk): no request sent, the effect given back as it was and due at once, for a lease of its own. Its
+    /// attempt stays counted.
+    async fn leased_too_late(&self, effect: &external::Leased) {
+        tracing::warn!(
+            message_id = %effect.message_id,
+            attempt = effect.attempts,
+            "the effect's lease came too late for a call to end within it (PostgreSQL slow to answer); no request \
+             sent, leased again"
+        );
+        let state = if effect.was == "started" {
+            "started"
+        } else {
+            "pending"
+        };
+        self.record(
+            effect,
+            state,
+            Some(Duration::ZERO),
+            Some("leased too late for a call to end within the lease: no request sent"),
+            None,
+        )
+        .await;
     }
 
     fn request(&self, effect: &external::Leased) -> Option<PickupRequest> {

@@ -403,6 +403,82 @@ async fn expired_and_over_replayed_messages_stay_and_filters_choose() {
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (3, 0));
 }
 
+/// A replay done while PostgreSQL takes connections and never answers (a server hung, a network path that drops
+/// the answers): its report is printed all the same, and it ends — the audit and the look for keyed consumers are
+/// bounded. Both used to wait for ever after the replay was done, the report never printed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_done_while_postgres_never_answers_prints_its_report_and_ends() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    let id = failed_message(
+        &conn,
+        "carrier API returned 503",
+        chrono::TimeDelta::hours(1),
+        0,
+    )
+    .await;
+    // Takes every connection and never reads from it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for stream in listener.incoming() {
+            held.push(stream);
+        }
+    });
+    let silent = format!("postgres://inboxctl@127.0.0.1:{port}/silent");
+    let mut replay = env.spawn_with(
+        &["replay", "--from", ERROR_QUEUE, "--json"],
+        &[("DATABASE_URL", &silent)],
+    );
+    assert_eq!(
+        replay.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["items"][0]["message_id"], id.as_str());
+    assert!(
+        replay.stderr().contains("was not written to the audit"),
+        "{}",
+        replay.stderr()
+    );
+}
+
+/// A reason as long as a header may be (here 100 KB, its last words what `--reason` asks for): chosen by the whole
+/// text, and kept in the report cut, as `failures` and `find` cut it — a queue of such messages was held whole in
+/// memory, every one, until the report was printed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_long_reason_is_matched_whole_and_reported_cut() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    let reason = format!("{} the last words", "x".repeat(100_000));
+    let id = failed_message(&conn, &reason, chrono::TimeDelta::hours(1), 0).await;
+    let report = replay_json(
+        &env,
+        &[
+            "--from",
+            ERROR_QUEUE,
+            "--reason",
+            "the last words",
+            "--dry-run",
+        ],
+        0,
+    );
+    let item = &report["items"][0];
+    assert_eq!(item["message_id"], id.as_str(), "{report}");
+    let reported = item["reason"].as_str().unwrap();
+    assert!(reported.len() <= 512, "{} bytes", reported.len());
+    assert!(reported.contains("cut by inboxctl"), "{reported}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0), "a dry run");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_works_through_its_snapshot_not_its_own_refailures() {
     let env = TestEnv::migrated().await;

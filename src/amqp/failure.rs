@@ -154,7 +154,9 @@ fn origin_of_address(input_address: String, vhost: &str) -> Origin {
         },
         Ok(address) => Origin::Queue(address.queue),
         Err(why) => Origin::Ambiguous {
-            address: input_address,
+            // Unparsed, so as long as the header was: cut as any text kept for a report.
+            address: super::limits::truncate(&input_address, super::limits::MAX_LOGGED_TEXT)
+                .into_owned(),
             why: why.to_string(),
         },
     }

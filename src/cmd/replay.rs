@@ -159,7 +159,19 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     }
     let report = report?;
     if let Ok(database) = global.connect.database() {
-        crate::effects::settle::warn_past_key_lifetime(&database, &report).await;
+        // Bounded, as the audit is: the replay is done, and a database that takes the connection and never answers
+        // must not keep its report from being printed.
+        let warned = crate::effects::settle::warn_past_key_lifetime(&database, &report);
+        if tokio::time::timeout(AFTER_THE_REPLAY, warned)
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "could not look for keyed consumers whose keys the replayed messages outlived: PostgreSQL did not \
+                 answer within {}",
+                humantime::format_duration(AFTER_THE_REPLAY)
+            );
+        }
     }
 
     if args.json {
@@ -172,6 +184,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     }
     Ok(report.outcome())
 }
+
+/// How long the database is waited for once the replay is done (its audit row, the look for keys it outlived).
+const AFTER_THE_REPLAY: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn print(report: &Report) -> Result<()> {
     // A dry run lists every message; a real run the ones it did not move, with why.
@@ -359,7 +374,7 @@ async fn audit(
     }
     match global.connect.database() {
         Ok(db) => {
-            crate::audit::record_in(&db, &entry).await;
+            crate::audit::record_within(&db, &entry, AFTER_THE_REPLAY).await;
         }
         Err(e) => tracing::warn!("this replay was not written to the audit: {e}"),
     }

@@ -91,7 +91,8 @@ pub struct GroupCheck {
     pub fingerprint: String,
     /// Members in the listing.
     pub listed: u64,
-    /// Listed members no longer in the queue (replayed or removed since the listing).
+    /// Listed members no longer in the queue (replayed or removed since the listing). Only known of a replay that
+    /// went through its whole snapshot: one interrupted or stopped did not meet every member, and says none gone.
     pub gone: Vec<String>,
     /// Listed members still in the queue but failed of another cause now: left in place.
     pub changed: Vec<String>,
@@ -256,14 +257,22 @@ impl Report {
         }
     }
 
-    /// Compares what the replay met with the group's listing.
-    pub(crate) fn check_group(&self, group: &GroupPlan) -> GroupCheck {
+    /// Compares what the replay met with the group's listing; `whole`: it went through its whole snapshot (not
+    /// interrupted, not stopped), so a listed member it did not meet is gone.
+    pub(crate) fn check_group(&self, group: &GroupPlan, whole: bool) -> GroupCheck {
         let listed = group.listed_set();
-        let seen: std::collections::HashMap<String, &Item> = self
-            .items
-            .iter()
-            .filter_map(|i| i.message_id.as_deref().map(|id| (canonical_id(id), i)))
-            .collect();
+        // Each id's item; of two copies of one id, the one of the group's cause (the member replayed), not whichever
+        // came last.
+        let mut seen: std::collections::HashMap<String, &Item> = std::collections::HashMap::new();
+        for item in &self.items {
+            let Some(id) = item.message_id.as_deref() else {
+                continue;
+            };
+            let entry = seen.entry(canonical_id(id)).or_insert(item);
+            if entry.fingerprint != group.fingerprint {
+                *entry = item;
+            }
+        }
         let mut check = GroupCheck {
             fingerprint: group.fingerprint.clone(),
             listed: group.listed.len() as u64,
@@ -271,7 +280,8 @@ impl Report {
         };
         for id in &group.listed {
             match seen.get(&canonical_id(id)) {
-                None => check.gone.push(id.clone()),
+                None if whole => check.gone.push(id.clone()),
+                None => {}
                 Some(item) if item.fingerprint != group.fingerprint => {
                     check.changed.push(id.clone())
                 }

@@ -9,6 +9,7 @@ use super::decide::Read;
 use super::machine::{Machine, Step};
 use super::{Action, Item, Plan, Report};
 use crate::amqp::fingerprint::Fingerprints;
+use crate::amqp::limits;
 use crate::amqp::pass::Channels;
 use crate::amqp::{BLOCKED_HINT, Broker, Connection, GaveUp, Link, answered, is_blocked, topology};
 use crate::error::{Error, Result};
@@ -80,7 +81,8 @@ pub async fn run(
     if report.interrupted {
         report.acks_in_doubt = state.machine.acks_in_doubt();
     }
-    report.group = plan.group.as_ref().map(|g| report.check_group(g));
+    let whole = !report.interrupted && report.stopped.is_none();
+    report.group = plan.group.as_ref().map(|g| report.check_group(g, whole));
     if everything && !report.interrupted && report.stopped.is_none() {
         report.unreached = snapshot.saturating_sub(state.machine.decided());
     }
@@ -300,10 +302,16 @@ impl State<'_> {
         Ok(())
     }
 
+    /// Keeps what became of one message for the report. Its reason is cut as `failures` and `find` cut it: a queue of
+    /// messages whose fault headers run to the frame's size would otherwise be held whole, every one of them, until
+    /// the report is printed (the `--reason` filter has matched the whole text already).
     pub(super) fn record(&mut self, read: Read, action: Action, error: Option<String>) {
         self.report.items.push(Item {
             message_id: read.message_id,
-            reason: read.failure.reason,
+            reason: read
+                .failure
+                .reason
+                .map(|r| limits::truncate(&r, limits::MAX_LOGGED_TEXT).into_owned()),
             failed_at: read.failure.failed_at,
             origin: read.origin,
             replays: read.failure.replays,

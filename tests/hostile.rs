@@ -593,6 +593,64 @@ async fn panic_moving_a_redelivered_message_aside(
 
 // ---- messages the broker accepts that must not crash or stall a consumer ----
 
+/// A message whose id is not UTF-8 (AMQP's short strings are bytes, and RabbitMQ passes them on as written): lapin
+/// could not read its frame and closed the connection, and the message came first again on every new one — nothing
+/// behind it was ever delivered, to a consumer or to a replay. It is read now, its id's invalid bytes replaced
+/// (`vendor/README.md`): the consumer processes it once by its envelope's id, and the messages behind it flow; in a
+/// dead-letter queue, a replay leaves it (a copy would not carry the same bytes) and replays what is behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_id_that_is_not_utf8_neither_stalls_a_consumer_nor_a_replay() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let (_, body, _) = common::parcel_message(Uuid::now_v7(), "Berlin");
+    let headers = raw_amqp::table(&[("tenant", raw_amqp::long_string("acme"))]);
+    let odd_id: &[u8] = b"\xff\xfe-not-utf8";
+    raw_amqp::publish(
+        &env.amqp_addr(),
+        &env.vhost,
+        EVENT_EXCHANGE,
+        "",
+        odd_id,
+        inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
+        &headers,
+        &body,
+    );
+    common::publish_parcels(&env, &["--count", "20"]);
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let pool = env.pool().await;
+    assert_eq!(effects(&pool).await, 21, "{}", out.stderr);
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+
+    let dlq = "odd.dlq";
+    let conn = env.amqp().await;
+    common::capture_queue(&conn, "amq.direct", dlq).await;
+    raw_amqp::publish(
+        &env.amqp_addr(),
+        &env.vhost,
+        "",
+        dlq,
+        odd_id,
+        inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
+        &headers,
+        &body,
+    );
+    let behind = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(behind, "Berlin");
+    common::publish(&conn, "", dlq, props, &body).await;
+    let out = env.run(&["replay", "--from", dlq, "--to", CARRIER_QUEUE, "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(report["items"][0]["action"], "uncopyable", "{report}");
+    assert_eq!(report["items"][1]["action"], "replayed", "{report}");
+    assert_eq!(
+        report["items"][1]["message_id"],
+        behind.to_string(),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts(dlq), (1, 0), "left where it was");
+}
+
 in_both_modes!(
     a_header_nested_a_thousand_levels_deep_is_dead_lettered_not_a_crash,
     deep_header
@@ -612,7 +670,7 @@ async fn deep_header(mode: &[&str]) {
         &env.vhost,
         EVENT_EXCHANGE,
         "",
-        &Uuid::now_v7().to_string(),
+        Uuid::now_v7().to_string(),
         inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
         &headers,
         &body,
@@ -636,7 +694,7 @@ async fn deep_header(mode: &[&str]) {
         &env.vhost,
         "",
         dlq,
-        &Uuid::now_v7().to_string(),
+        Uuid::now_v7().to_string(),
         inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
         &headers,
         &body,

@@ -149,6 +149,35 @@ pub fn uncopyable(properties: &BasicProperties, user: &str) -> Option<String> {
             limits::MAX_HEADER_DEPTH
         ));
     }
+    let replaced = |s: &Option<ShortString>| {
+        s.as_ref()
+            .is_some_and(|s| s.as_str().contains(char::REPLACEMENT_CHARACTER))
+    };
+    if [
+        properties.content_type(),
+        properties.content_encoding(),
+        properties.correlation_id(),
+        properties.reply_to(),
+        properties.expiration(),
+        properties.message_id(),
+        properties.kind(),
+        properties.user_id(),
+        properties.app_id(),
+        properties.cluster_id(),
+    ]
+    .into_iter()
+    .any(replaced)
+        || properties
+            .headers()
+            .as_ref()
+            .is_some_and(limits::header_text_replaced)
+    {
+        return Some(
+            "a property or a header name of it is not UTF-8 (read with U+FFFD in its place): a copy would not carry \
+             the same bytes"
+                .to_owned(),
+        );
+    }
     match properties.user_id() {
         Some(other) if other.as_str() != user => Some(format!(
             "its user_id {:?} is not the user the replay publishes as, and the broker would refuse it",

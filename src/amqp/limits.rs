@@ -73,6 +73,37 @@ fn value_depth(value: &AMQPValue) -> usize {
     deepest
 }
 
+/// Whether a short string of `headers` — a name at any depth, or a short-string value — was not UTF-8 on the wire
+/// (read with U+FFFD in its place, see `vendor/README.md`). Walks with a stack of its own, within
+/// [`MAX_HEADER_DEPTH`] (the caller refuses deeper headers first).
+pub fn header_text_replaced(headers: &FieldTable) -> bool {
+    let mut pending: Vec<(&FieldTable, usize)> = vec![(headers, 1)];
+    let mut values: Vec<(&AMQPValue, usize)> = Vec::new();
+    while let Some((table, depth)) = pending.pop() {
+        for (key, value) in table.inner() {
+            if key.as_str().contains(char::REPLACEMENT_CHARACTER) {
+                return true;
+            }
+            values.push((value, depth));
+        }
+        while let Some((value, depth)) = values.pop() {
+            match value {
+                AMQPValue::ShortString(s) if s.as_str().contains(char::REPLACEMENT_CHARACTER) => {
+                    return true;
+                }
+                AMQPValue::FieldTable(t) if depth < MAX_HEADER_DEPTH => {
+                    pending.push((t, depth + 1))
+                }
+                AMQPValue::FieldArray(a) if depth < MAX_HEADER_DEPTH => {
+                    values.extend(a.as_slice().iter().map(|v| (v, depth + 1)));
+                }
+                _ => {}
+            }
+        }
+    }
+    false
+}
+
 /// `headers` with every value that nests deeper than [`MAX_HEADER_DEPTH`] replaced by a note saying so: what a copy
 /// can carry. (Cloning recurses, so only values within the bound are cloned.)
 pub fn shallow_headers(headers: &FieldTable) -> FieldTable {
@@ -156,6 +187,28 @@ mod tests {
             value = AMQPValue::FieldTable(t);
         }
         value
+    }
+
+    #[test]
+    fn a_name_or_a_short_value_read_with_u_fffd_is_found_at_any_depth_within_the_bound() {
+        let mut inner = FieldTable::default();
+        inner.insert("na\u{fffd}me".into(), AMQPValue::LongInt(1));
+        let mut array = FieldTable::default();
+        array.insert(
+            "list".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::FieldTable(inner)].into()),
+        );
+        let mut headers = FieldTable::default();
+        headers.insert("plain".into(), AMQPValue::LongInt(1));
+        headers.insert("x-death".into(), AMQPValue::FieldTable(array));
+        assert!(header_text_replaced(&headers));
+        let mut value = FieldTable::default();
+        value.insert("kind".into(), AMQPValue::ShortString("\u{fffd}".into()));
+        assert!(header_text_replaced(&value));
+        let mut clean = FieldTable::default();
+        clean.insert("tenant".into(), nested(10));
+        clean.insert("text".into(), AMQPValue::LongString("\u{fffd}".into()));
+        assert!(!header_text_replaced(&clean), "long strings are bytes");
     }
 
     #[test]

@@ -45,7 +45,7 @@ pub fn long_string(text: &str) -> Vec<u8> {
     out
 }
 
-/// Publishes one persistent message with `message_id`, content type `content_type` and the header table `headers`
+/// Publishes one persistent message with `message_id` (any bytes), content type `content_type` and the header table `headers`
 /// (bytes as [`table`] makes them) to `exchange` with `routing_key`, on `host:port` in `vhost` as guest, and waits for
 /// the broker's confirm.
 #[allow(clippy::too_many_arguments)]
@@ -54,7 +54,7 @@ pub fn publish(
     vhost: &str,
     exchange: &str,
     routing_key: &str,
-    message_id: &str,
+    message_id: impl AsRef<[u8]>,
     content_type: &str,
     headers: &[u8],
     body: &[u8],
@@ -105,7 +105,7 @@ pub fn publish(
     short(&mut header, content_type);
     header.extend_from_slice(headers);
     header.push(2);
-    short(&mut header, message_id);
+    short_bytes(&mut header, message_id.as_ref());
     frame(&mut s, 2, 1, &header);
     frame(&mut s, 3, 1, body);
     expect_method(&mut s, 60, 80); // basic.ack: confirmed
@@ -126,8 +126,13 @@ fn method(class: u16, method: u16) -> Vec<u8> {
 }
 
 fn short(out: &mut Vec<u8>, text: &str) {
-    out.push(u8::try_from(text.len()).unwrap());
-    out.extend_from_slice(text.as_bytes());
+    short_bytes(out, text.as_bytes());
+}
+
+/// A short string of any bytes (a message id that is not UTF-8, which the broker passes on as it is).
+fn short_bytes(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.push(u8::try_from(bytes.len()).unwrap());
+    out.extend_from_slice(bytes);
 }
 
 fn long(out: &mut Vec<u8>, bytes: &[u8]) {

@@ -256,8 +256,17 @@ pub fn parse_decimal_value<I: ParsableInput>(i: I) -> ParserResult<I, DecimalVal
     .parse(i)
 }
 
+/// PATCHED (inboxctl): a short string that is not UTF-8 is read with each invalid sequence replaced by U+FFFD, where
+/// upstream fails the whole frame. RabbitMQ passes a message's short strings (its message id, its type, a header's
+/// name) on as the publisher wrote them, and lapin closes its connection on a frame it cannot parse: the same message
+/// then came first again on every new connection, and nothing queued behind it was ever delivered. The reader of the
+/// message sees U+FFFD where the bytes were not text (inboxctl: an id that is no UUID; a replay leaves the message,
+/// whose copy would not be the message).
 fn make_str<I: Input<Item = u8>>(i: I) -> Result<String, std::string::FromUtf8Error> {
-    String::from_utf8(i.iter_elements().collect())
+    Ok(match String::from_utf8(i.iter_elements().collect()) {
+        Ok(text) => text,
+        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+    })
 }
 
 /// Parse a [ShortString](../type.ShortString.html)

@@ -1398,6 +1398,14 @@ async fn no_call_is_started_on_a_lease_too_short_for_it() {
         "{}",
         consumer.stderr()
     );
+    // The lease that came too late is not counted an attempt: the call was made once, on the next lease.
+    let attempts: i32 = sqlx::query_scalar(
+        "SELECT attempts FROM inboxctl_effects WHERE request->>'destination' = 'late-lease'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 1, "{}", consumer.stderr());
 }
 
 /// An at-most-once call refused once (a 503: nothing booked), made again, and its process gone before the second
@@ -1449,6 +1457,42 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
     let error = error.unwrap_or_default();
     assert!(!error.contains("503"), "{error}");
     assert!(error.contains("ended before its outcome"), "{error}");
+
+    // After the commit, a call whose outcome is unknown keeps saying so when it is leased again: what is still not
+    // known is not cleared with the lease.
+    let unknown = owed_from_an_earlier_run(&pool, "unknown-kept").await;
+    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(first.len(), 1);
+    assert!(
+        external::record_outcome(
+            &pool,
+            &first[0],
+            CARRIER_QUEUE,
+            &outcome(
+                "started",
+                "no answer from the carrier within --carrier-timeout"
+            ),
+        )
+        .await
+        .unwrap()
+    );
+    lapse(&pool, unknown).await;
+    let again = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+        .await
+        .unwrap();
+    assert_eq!(again.len(), 1);
+    let error: Option<String> =
+        sqlx::query_scalar("SELECT last_error FROM inboxctl_effects WHERE message_id = $1")
+            .bind(unknown)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(
+        error.as_deref().unwrap_or_default().contains("no answer"),
+        "{error:?}"
+    );
 }
 
 /// At most once, a gateway's 504 (or a 500) leaves the outcome unknown — the carrier behind the gateway may have

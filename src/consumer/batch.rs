@@ -338,13 +338,16 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             // The round ran past --attempt-timeout: a member's work slow or stuck (a hung call, a query past the
             // bound) would make every try of the batch run out again, its other members never committed and this
             // worker held for good. One by one, each member in a task of its own is bounded alone: the stuck one is
-            // tried again alone, the others go on; a server gone silent is waited out by each, as one by one.
+            // tried again alone, the others go on. Intake is held meanwhile, as in any outage, until an attempt or
+            // the look at the claim answers: a server gone silent is waited out by this batch's members alone, not
+            // by every batch taken after it split in turn.
             Err(ProcessError::Unavailable(e)) if crate::db::is_no_answer(&e) => {
                 tracing::warn!(
                     error = %logged(&crate::redact::text(&crate::db::describe(&e))),
                     "batch ran past --attempt-timeout (a member's work slow or stuck, or PostgreSQL silent); \
                      processing its messages one by one"
                 );
+                database_gone(shared, &e);
                 return Committed::OneByOne;
             }
             // Waited out, unless a stop comes or a connection of the batch's members is lost (they can no longer all

@@ -20,8 +20,9 @@ ON CONFLICT (message_id, consumer_type) DO NOTHING";
     /// passed, and (unless `$4`, pending ones only) after-commit ones whose process's lease ran out (that process
     /// died, or its call's outcome was unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
     /// started; `was` says what it was before; its lease's end, with the attempt's number, fences the attempt's
-    /// outcome. Rows another process is leasing are skipped, not waited for. An earlier attempt's error is cleared: it says
-    /// nothing of this one's outcome (a 503 before, and this attempt in doubt, is not "nothing booked").
+    /// outcome. Rows another process is leasing are skipped, not waited for. A pending effect's earlier error (a refusal)
+    /// is cleared: it says nothing of this attempt's outcome (a 503 before, and this attempt in doubt, is not "nothing
+    /// booked"); a started one's (an unknown outcome) is kept, as what is still not known.
     const LEASE_DUE = "\
 WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
@@ -33,7 +34,7 @@ WITH due AS (
     FOR UPDATE SKIP LOCKED)
 UPDATE inboxctl_effects e
 SET state = 'started', lease_until = now() + make_interval(secs => $2), attempts = e.attempts + 1, updated_at = now(),
-    last_error = NULL
+    last_error = CASE WHEN due.state = 'pending' THEN NULL ELSE e.last_error END
 FROM due
 WHERE e.message_id = due.message_id AND e.consumer_type = due.consumer_type
 RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, due.state, e.lease_until";
@@ -79,6 +80,13 @@ UPDATE inboxctl_effects
 SET state = $4, lease_until = now() + make_interval(secs => $5), last_error = coalesce($6, last_error),
     reference = coalesce($7, reference), updated_at = now()
 WHERE message_id = $1 AND consumer_type = $2 AND state = 'started' AND attempts = $3 AND lease_until = $8";
+
+    /// Gives back the effect `$1` of consumer_type `$2` leased as attempt `$3` with the lease `$5` and sent no request:
+    /// as it was before the lease (`$4`, pending or started), its attempt not counted, due again in `$6` seconds.
+    const GIVE_BACK = "\
+UPDATE inboxctl_effects
+SET state = $4, attempts = attempts - 1, lease_until = now() + make_interval(secs => $6), updated_at = now()
+WHERE message_id = $1 AND consumer_type = $2 AND state = 'started' AND attempts = $3 AND lease_until = $5";
 
     /// The effects in states `$1` (an array), of consumer_type `$2` (null: all), oldest first, at most `$3`. An
     /// at-most-once effect started by a process whose lease ran out is shown in doubt.
@@ -204,6 +212,29 @@ pub async fn lease_due(
             },
         )
         .collect())
+}
+
+/// Gives back an effect leased and sent no request (`GIVE_BACK`): as it was, its attempt not counted, due again after
+/// `due_in`; whether the lease still held.
+pub async fn give_back(
+    executor: impl Into<Exec<'_>>,
+    leased: &Leased,
+    consumer_type: &str,
+    due_in: std::time::Duration,
+) -> sqlx::Result<bool> {
+    let was = if leased.was == "started" {
+        "started"
+    } else {
+        "pending"
+    };
+    let query = sql::query(GIVE_BACK)
+        .bind(leased.message_id)
+        .bind(consumer_type)
+        .bind(leased.attempts)
+        .bind(was)
+        .bind(leased.lease_until)
+        .bind(due_in.as_secs_f64());
+    unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected() == 1)
 }
 
 /// Marks at-most-once effects whose process's lease ran out in doubt (`MARK_IN_DOUBT`); how many.

@@ -116,18 +116,16 @@ impl Worker {
             let free = slots.available_permits();
             if free > 0 {
                 let limit = i64::try_from(free).unwrap_or(i64::MAX);
-                // The lease runs from the lease's statement's start in PostgreSQL, which is after this: it ends no
-                // sooner than `lease` from now, whenever the answer comes.
-                let lease_ends = Instant::now() + this.lease;
                 let ct = this.consumer_type.as_str();
-                let leased = bounded!(&this.pool, this.bound, |conn| external::lease_due(
-                    conn,
-                    ct,
-                    this.lease,
-                    limit,
-                    this.pending_only
-                ));
-                match leased.await {
+                // The lease runs from its statement's start in PostgreSQL, which is after the statement is sent (once
+                // a connection is had): it ends no sooner than `lease` from then, whenever the answer comes.
+                let mut lease_ends = Instant::now();
+                let leased = bounded!(&this.pool, this.bound, |conn| {
+                    lease_ends = Instant::now() + this.lease;
+                    external::lease_due(conn, ct, this.lease, limit, this.pending_only)
+                })
+                .await;
+                match leased {
                     Ok(leased) => {
                         for effect in leased {
                             let Ok(slot) = Arc::clone(&slots).acquire_owned().await else {
@@ -206,28 +204,30 @@ impl Worker {
     }
 
     /// A lease whose answer came too late to call within it (PostgreSQL slow to answer: a commit waiting on a standby,
-    /// a stalled disk): no request sent, the effect given back as it was and due at once, for a lease of its own. Its
-    /// attempt stays counted.
+    /// a stalled disk): no request sent, the effect given back as it was — its attempt not counted, its error left as
+    /// it was — and due again at the next look.
     async fn leased_too_late(&self, effect: &external::Leased) {
         tracing::warn!(
             message_id = %effect.message_id,
-            attempt = effect.attempts,
             "the effect's lease came too late for a call to end within it (PostgreSQL slow to answer); no request \
              sent, leased again"
         );
-        let state = if effect.was == "started" {
-            "started"
-        } else {
-            "pending"
-        };
-        self.record(
-            effect,
-            state,
-            Some(Duration::ZERO),
-            Some("leased too late for a call to end within the lease: no request sent"),
-            None,
-        )
+        let ct = self.consumer_type.as_str();
+        let given = transient_retried(|| {
+            bounded!(&self.pool, self.bound, |conn| external::give_back(
+                conn, effect, ct, POLL
+            ))
+        })
         .await;
+        match given {
+            Ok(true) => {}
+            Ok(false) => lost_lease(effect),
+            Err(e) => tracing::warn!(
+                message_id = %effect.message_id,
+                error = %e,
+                "an effect leased too late to call could not be given back: it stays started until its lease runs out"
+            ),
+        }
     }
 
     fn request(&self, effect: &external::Leased) -> Option<PickupRequest> {

@@ -377,9 +377,10 @@ impl Inbox {
             .await
             .map_err(ProcessError::Unavailable)?;
         let result = self.bounded(self.process_on(&mut conn, &key, work)).await;
-        if matches!(result, Err(ProcessError::Unavailable(_))) {
+        if matches!(&result, Err(ProcessError::Unavailable(e)) if !db::is_no_partition_for_now(e)) {
             // The session itself may be what failed (made read-only by a failover or by
-            // default_transaction_read_only, terminated by an administrator): never hand it out again.
+            // default_transaction_read_only, terminated by an administrator): never hand it out again. (Not when no
+            // partition holds the present: the session is fine, and every held message would open a new one.)
             conn.close_on_drop();
         }
         result

@@ -45,7 +45,9 @@ pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error
         .send_if_modified(|up| std::mem::replace(up, false))
     {
         let text = crate::redact::text(&crate::db::describe(error));
-        if crate::db::is_transient(error) {
+        if crate::db::is_no_partition_for_now(error) {
+            tracing::error!(error = %text, "the inbox cannot take messages of now: holding deliveries until it can");
+        } else if crate::db::is_transient(error) {
             tracing::error!(error = %text, "PostgreSQL unavailable: holding deliveries until it is back");
         } else {
             // A missing grant or table: the inbox's own statements fail, whatever the message. Held, never acked.

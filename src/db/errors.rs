@@ -19,6 +19,24 @@ pub fn no_answer(limit: Duration) -> sqlx::Error {
     ))
 }
 
+/// How the claim's refusal begins when the partitions ahead ran out and no partition holds the present: the
+/// database's state, held like an outage ([`no_partition_for_now`]).
+const NO_PARTITION_FOR_NOW: &str = "no partition of inbox_messages holds the current time";
+
+/// The error a claim gives when no partition holds the present (`detail`: the server's refusal): every message of now
+/// would be refused, so it is held as in an outage. Not the connection's fault: the session is kept.
+pub fn no_partition_for_now(detail: &str) -> sqlx::Error {
+    sqlx::Error::Protocol(format!(
+        "{NO_PARTITION_FOR_NOW} (the partitions ahead ran out: `inboxctl cleanup`, run as the table's owner, makes \
+         them); holding the messages until one does: {detail}"
+    ))
+}
+
+/// Whether `error` is [`no_partition_for_now`]'s.
+pub fn is_no_partition_for_now(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Protocol(m) if m.starts_with(NO_PARTITION_FOR_NOW))
+}
+
 /// Whether `error` is [`no_answer`]'s: the statements ran past the bound they were given (`--attempt-timeout`), the
 /// connection dropped — a work slow or stuck as much as a server gone silent.
 pub fn is_no_answer(error: &sqlx::Error) -> bool {
@@ -92,6 +110,8 @@ pub fn describe(error: &sqlx::Error) -> String {
             }
             text
         }
+        // Said as it is, without the driver's "encountered unexpected or invalid data" before it.
+        sqlx::Error::Protocol(m) if is_no_partition_for_now(error) => m.clone(),
         sqlx::Error::PoolTimedOut => format!(
             "no connection within {} (the server does not answer, or takes no more connections)",
             humantime::format_duration(ACQUIRE_TIMEOUT)

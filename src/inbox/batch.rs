@@ -78,7 +78,9 @@ impl Inbox {
             .map_err(ProcessError::Unavailable)?;
         let result = self.process_batch_on(&mut conn, members, together).await;
         // As in `process`; and a member that panicked may have left the session mid-statement.
-        if result.is_err() {
+        if result.is_err()
+            && !matches!(&result, Err(ProcessError::Unavailable(e)) if db::is_no_partition_for_now(e))
+        {
             conn.close_on_drop();
         }
         result

@@ -62,10 +62,8 @@ impl Inbox {
             // refused and moved aside, the whole stream: the database's state, held like an outage until a
             // partition holds the time (the claims made to look at the outage's end see it).
             Some("23514") if key.time.is_some() && self.ran_out(keys).await => {
-                ProcessError::Unavailable(sqlx::Error::Protocol(format!(
-                    "no partition of inbox_messages holds the current time (the partitions ahead ran out: `inboxctl \
-                     cleanup`, run as the table's owner, makes them); holding the messages until one does: {}",
-                    crate::sanitize::text(&db::describe(&e))
+                ProcessError::Unavailable(db::no_partition_for_now(&crate::sanitize::text(
+                    &db::describe(&e),
                 )))
             }
             // No partition for the row's time.

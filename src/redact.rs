@@ -122,7 +122,7 @@ fn mask_spans(url: &str) -> Vec<(usize, usize)> {
             spans.push((u.start, u.end));
         }
     }
-    spans.extend(query_password_span(url));
+    spans.extend(query_password_spans(url));
     spans
 }
 
@@ -136,29 +136,49 @@ fn password_spans(url: &str) -> Vec<(usize, usize)> {
     {
         spans.push((u.start + colon + 1, u.end));
     }
-    spans.extend(query_password_span(url).filter(|(start, end)| start < end));
+    spans.extend(
+        query_password_spans(url)
+            .into_iter()
+            .filter(|(start, end)| start < end),
+    );
     spans
 }
 
-/// The byte span of the value of a `password=` query parameter (libpq's URLs accept one). The value runs to the next
-/// `&` that starts another parameter (`name=`), else to the end: an unencoded `&` or `#` in a password is kept inside
-/// the span rather than shown.
-fn query_password_span(url: &str) -> Option<(usize, usize)> {
-    let query = url.find('?')? + 1;
-    let mut at = query;
-    let start = loop {
-        let rest = &url[at..];
-        if let Some(value) = rest.strip_prefix("password=") {
-            break url.len() - value.len();
-        }
-        at += rest.find('&')? + 1;
+/// The byte spans of the values of the query parameters named `password=` (libpq's URLs accept one) or ending in
+/// `password=` (`sslpassword=`, the client key's passphrase, which sqlx does not know and logs as it ignores it). A
+/// value runs to the next `&` that starts another parameter (`name=`), else to the end: an unencoded `&` or `#` in a
+/// password is kept inside the span rather than shown.
+fn query_password_spans(url: &str) -> Vec<(usize, usize)> {
+    let mut spans = Vec::new();
+    let Some(query) = url.find('?') else {
+        return spans;
     };
-    let end = url[start..]
-        .match_indices('&')
-        .map(|(i, _)| start + i)
-        .find(|&amp| starts_parameter(&url[amp + 1..]))
-        .unwrap_or(url.len());
-    Some((start, end))
+    let mut at = query + 1;
+    loop {
+        let rest = &url[at..];
+        let name_end = rest.find('=').filter(|&eq| rest[..eq].find('&').is_none());
+        let next = |from: usize| {
+            url[from..]
+                .match_indices('&')
+                .map(|(i, _)| from + i)
+                .find(|&amp| starts_parameter(&url[amp + 1..]))
+        };
+        match name_end {
+            Some(eq) if rest[..eq].ends_with("password") => {
+                let start = at + eq + 1;
+                let end = next(start).unwrap_or(url.len());
+                spans.push((start, end));
+                if end == url.len() {
+                    return spans;
+                }
+                at = end + 1;
+            }
+            _ => match rest.find('&') {
+                Some(amp) => at += amp + 1,
+                None => return spans,
+            },
+        }
+    }
 }
 
 /// Whether `s` starts with a libpq parameter's `name=`.
@@ -311,6 +331,26 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn every_parameter_named_for_a_password_is_masked_and_registered() {
+        assert_eq!(
+            url(
+                "postgres://a@h/d?sslkey=/k.pem&sslpassword=KeyPhr4se-x&sslmode=require&password=pw2-x"
+            ),
+            "postgres://a@h/d?sslkey=/k.pem&sslpassword=***&sslmode=require&password=***"
+        );
+        assert_eq!(
+            url("postgres://a@h/d?application_name=password&sslmode=require"),
+            "postgres://a@h/d?application_name=password&sslmode=require",
+            "a value is not a name"
+        );
+        register_url("postgres://a@h/d?sslpassword=KeyPhr4se-y");
+        assert_eq!(
+            text("ignoring unrecognized connect parameter key=sslpassword value=KeyPhr4se-y"),
+            "ignoring unrecognized connect parameter key=sslpassword value=***"
+        );
     }
 
     #[test]

@@ -95,8 +95,15 @@ fn encoding_hint(url: UrlFlag) -> String {
 /// the part before its last `@` when the credentials are ambiguous), the driver's message is shown only when the
 /// credentials are clear (it may quote a piece of the URL), and the URL itself in it is masked too.
 pub fn invalid_url(url: UrlFlag, given: &str, driver_error: &str) -> Error {
-    let shown = redact::url(given);
     let flag = url.flag;
+    // Not a URL at all (a libpq key/value string, `host=… password=…`, say): nothing in it can be told apart as a
+    // password, so none of it is shown.
+    if !given.contains("://") {
+        return Error::Usage(format!(
+            "invalid {flag}: not a URL (not shown: it may hold a password); give scheme://user:password@host:port/…"
+        ));
+    }
+    let shown = redact::url(given);
     if redact::credentials_ambiguous(given) {
         return Error::Usage(format!(
             "invalid {flag} {shown}: a URL's user name and password end at its first /, ? or #, and one comes \

@@ -171,6 +171,32 @@ fn a_malformed_url_is_a_usage_error_without_its_password() {
     assert!(!out.stderr.contains("Pw0rdSecret"), "{}", out.stderr);
 }
 
+/// A libpq key/value string is not a URL, and nothing in it can be told apart as its password: none of it is shown
+/// (it was echoed whole, password and all). A passphrase given as `sslpassword=` (a parameter sqlx does not know and
+/// logs as it ignores it) is masked wherever it would be shown.
+#[test]
+fn a_key_value_string_or_an_sslpassword_never_shows_its_secret() {
+    let out = run(
+        &["migrate"],
+        &[(
+            "DATABASE_URL",
+            "host=127.0.0.1 user=app password=Kv0Secret dbname=x",
+        )],
+    );
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("not a URL"), "{}", out.stderr);
+    assert!(!out.stderr.contains("Kv0Secret"), "{}", out.stderr);
+    let out = run(
+        &["migrate"],
+        &[(
+            "DATABASE_URL",
+            "postgres://app@127.0.0.1:1/x?sslpassword=KeyPhr4se&connect_timeout=1",
+        )],
+    );
+    assert_ne!(out.code, Some(0), "{out:?}");
+    assert!(!out.stderr.contains("KeyPhr4se"), "{}", out.stderr);
+}
+
 #[test]
 fn a_closed_stdout_is_not_a_crash() {
     let mut child = Command::new(common::bin())

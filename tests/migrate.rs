@@ -230,6 +230,38 @@ async fn an_ef_core_table_with_rows_is_adopted_untouched() {
     assert!(tables(&pool).await.contains(&"inboxctl_events".to_owned()));
 }
 
+/// An EF Core inbox in `public`, and a role whose search path puts another schema first (its own, as PostgreSQL 15
+/// invites now that `public` takes no one's tables by default): migrate refuses, naming both schemas, and makes no
+/// second inbox. It used to take the table found along the path for the inbox, then create an empty one in the first
+/// schema, which every later statement used: every message the .NET service had processed would be processed again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_inbox_in_another_schema_than_the_one_migrate_creates_in_is_refused() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE SCHEMA shadow; ALTER DATABASE \"{}\" SET search_path = shadow, public",
+        env.db_name
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    assert!(
+        out.stderr.contains("inbox_messages is in schema public")
+            && out.stderr.contains("would go to shadow"),
+        "{}",
+        out.stderr
+    );
+    let inboxes: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pg_class WHERE relname = 'inbox_messages'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(inboxes, 1);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_incompatible_table_is_named_and_nothing_changes() {
     let cases = [

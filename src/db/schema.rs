@@ -15,6 +15,13 @@ statements! {
     /// Whether a relation is visible on the search path. `$1` name.
     const TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL";
 
+    /// The schema of the `inbox_messages` the search path finds, and the schema new tables go to (the first on the
+    /// search path that exists; null if none does).
+    const INBOX_SCHEMA = "\
+SELECT n.nspname::text, current_schema()::text
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass('inbox_messages')";
+
     /// The columns of `inbox_messages`: name, SQL type, NOT NULL, has a default.
     const INBOX_COLUMNS = "\
 SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.atthasdef
@@ -211,6 +218,28 @@ async fn migrate_locked(
     let inbox_exists = table_exists(conn, "inbox_messages").await?;
     let adopted_existing_inbox = inbox_exists && !applied.contains(&first_version(migrator));
     if inbox_exists {
+        // `CREATE TABLE IF NOT EXISTS` looks in the schema it creates in, not along the search path: an inbox found
+        // in another schema than that one (a .NET service's in `public`, the role's own schema first on its path)
+        // would be joined by a second, empty one that every later statement uses — and every message the service
+        // had processed would be processed again.
+        let (found_in, creates_in): (String, Option<String>) =
+            sql::query_as(INBOX_SCHEMA).fetch_one(&mut *conn).await?;
+        if creates_in.as_deref() != Some(found_in.as_str()) {
+            return Err(Error::SchemaIncompatible {
+                database: database.to_owned(),
+                differences: vec![format!(
+                    "inbox_messages is in schema {}, but the tables migrate makes would go to {} (the first schema \
+                     on this role's search_path): put {} first on the search_path (ALTER ROLE … SET search_path), \
+                     or run migrate as the role the inbox belongs to",
+                    crate::sanitize::text(&found_in),
+                    creates_in.as_deref().map_or_else(
+                        || "no schema".to_owned(),
+                        |s| crate::sanitize::text(s).into_owned()
+                    ),
+                    crate::sanitize::text(&found_in),
+                )],
+            });
+        }
         let differences = inbox_differences(conn).await?;
         if !differences.is_empty() {
             return Err(Error::SchemaIncompatible {

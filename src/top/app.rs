@@ -101,7 +101,10 @@ pub struct Line {
     pub unprocessed: Option<u64>,
     pub unprocessed_estimated: bool,
     pub oldest_unprocessed_seconds: Option<f64>,
+    /// The queue for a person (spread over partitions: their range and number).
     pub queue: Option<String>,
+    /// Its name, whose `_error` queue holds what failed: what the detail looks at.
+    pub queue_name: Option<String>,
     pub ready: Option<u32>,
     pub consumers: Option<u32>,
     pub errors: Option<u32>,
@@ -244,8 +247,9 @@ impl App {
         match action {
             Action::Open => {
                 let chosen = self.selected_line().map(|line| {
+                    // The queue's name, not its label: spread over partitions, the label names no queue.
                     let queue = line
-                        .queue
+                        .queue_name
                         .clone()
                         .unwrap_or_else(|| line.consumer_type.clone());
                     (line.consumer_type.clone(), queue)
@@ -403,6 +407,7 @@ impl App {
                 unprocessed_estimated: c.unprocessed_estimated,
                 oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
                 queue: c.queue.as_ref().map(QueueDepth::label),
+                queue_name: c.queue.as_ref().map(|q| q.name.clone()),
                 ready: c.queue.as_ref().and_then(|q| q.ready),
                 consumers: c.queue.as_ref().and_then(|q| q.consumers),
                 errors,

@@ -124,6 +124,27 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
     }
 }
 
+/// A consumer spread over partition queues opens the detail of its queue's name, whose `_error` queue holds what
+/// failed — not of its label (`orders.0–3 (4 partitions)`), which names no queue: the detail said "nothing failed".
+#[test]
+fn the_detail_of_a_partitioned_consumer_looks_at_its_queues_name() {
+    use crate::top::detail::Request;
+    let mut app = App::new(0.05);
+    let mut partitioned = consumer("orders", 1, 0, 0, 2);
+    if let Some(q) = partitioned.queue.as_mut() {
+        q.partitions = Some(4);
+    }
+    app.update(Action::Data(snapshot(vec![partitioned])));
+    app.update(Action::Open);
+    assert_eq!(
+        app.request.take(),
+        Some(Request::Load {
+            consumer_type: "orders".into(),
+            queue: "orders".into()
+        })
+    );
+}
+
 #[test]
 fn the_detail_asks_before_a_replay_and_replays_the_listed_members_of_the_selected_group() {
     use crate::top::detail::{GroupPlanEq, Request};

@@ -132,15 +132,19 @@ pub async fn run(
     result
 }
 
-/// What a refresh collects: rates over `window`, and a series over at least the last two minutes in buckets of
-/// `interval` (at least a second, and at most [`MAX_BUCKETS`] of them).
+/// What a refresh collects: rates over `window`, and a series over at least the last two minutes in buckets of about
+/// `interval` (at least a second, and about [`MAX_BUCKETS`] of them at most). The window is a whole number of buckets:
+/// the rates count the buckets within it and divide by it, so a bucket longer than the window (`--interval 2m` over a
+/// 1m window), or one that does not divide it, would count more than the window and show rates too high.
 fn range(interval: Duration, window: Duration, retention: Duration) -> Range {
     let span = SERIES_SPAN.max(window);
+    let wanted = interval.max(Duration::from_secs(1)).max(span / MAX_BUCKETS);
+    let per_window = window.as_nanos().div_ceil(wanted.as_nanos().max(1)).max(1);
     Range {
         exact_below: stats::EXACT_BELOW_LIVE,
         window,
         span,
-        bucket: interval.max(Duration::from_secs(1)).max(span / MAX_BUCKETS),
+        bucket: window / u32::try_from(per_window).unwrap_or(u32::MAX),
         retention,
         look_at_heads: true,
     }
@@ -249,6 +253,28 @@ async fn collect(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_window_is_a_whole_number_of_buckets_whatever_the_interval() {
+        let minute = Duration::from_secs(60);
+        for interval in [120, 45, 7, 1, 0].map(Duration::from_secs) {
+            let r = range(interval, minute, Duration::from_secs(3600));
+            assert!(r.bucket <= r.window, "{interval:?}: {:?}", r.bucket);
+            let covered = r.bucket * u32::try_from(r.buckets(r.window)).unwrap();
+            assert!(
+                covered.abs_diff(r.window) < Duration::from_millis(1),
+                "{interval:?}: {:?} buckets of {:?}",
+                r.buckets(r.window),
+                r.bucket
+            );
+        }
+        let week = range(
+            Duration::from_secs(1),
+            Duration::from_secs(7 * 86_400),
+            Duration::from_secs(7 * 86_400),
+        );
+        assert!(week.buckets(week.span) <= 2 * MAX_BUCKETS as usize);
+    }
 
     fn action_for_(key: KeyEvent) -> Option<Action> {
         action_for(key, Mode::Table)

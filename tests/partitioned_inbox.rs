@@ -44,6 +44,54 @@ fn migrate_partitioned(env: &TestEnv, args: &[&str]) -> common::Output {
     env.run(&all)
 }
 
+/// An adopted inbox a partitioned one could not hold — a column of the operator's (nullable, which inboxctl accepts
+/// unpartitioned), or a `received_at` that may be null — is refused before anything changes, each named (exit 78).
+/// The conversion used to add its columns and its index to the table, then fail at the swap on every run. Once both
+/// are settled, it converts.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_changes() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "ALTER TABLE inbox_messages ADD COLUMN note text;
+         ALTER TABLE inbox_messages ALTER COLUMN received_at DROP NOT NULL;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = migrate_partitioned(&env, &[]);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    assert!(out.stderr.contains("column note (text)"), "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains(&format!("database \"{}\"", env.db_name)),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr.contains("received_at may be null"),
+        "{}",
+        out.stderr
+    );
+    let added: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_attribute WHERE attrelid = 'inbox_messages'::regclass \
+         AND attname IN ('message_time', 'fingerprint')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(added, 0, "nothing changed");
+    sqlx::raw_sql(
+        "ALTER TABLE inbox_messages DROP COLUMN note;
+         ALTER TABLE inbox_messages ALTER COLUMN received_at SET NOT NULL;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = migrate_partitioned(&env, &[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+}
+
 /// Publishes a MassTransit `ParcelCreatedEvent` with message id `id` (the same bytes each time for the same `body`).
 async fn send(env: &TestEnv, id: Uuid) -> (lapin::BasicProperties, Vec<u8>) {
     let (props, body, _) = common::parcel_message(id, "Berlin");

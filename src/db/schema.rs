@@ -192,6 +192,17 @@ pub async fn migrate_partitioned(
                 .map(|done| {
                     report.partitioning = Some(done);
                     report
+                })
+                // The conversion's refusals name the database too.
+                .map_err(|e| match e {
+                    Error::SchemaIncompatible {
+                        database: named,
+                        differences,
+                    } if named.is_empty() => Error::SchemaIncompatible {
+                        database: database.clone(),
+                        differences,
+                    },
+                    other => other,
                 }),
             None => Ok(report),
         },
@@ -395,9 +406,7 @@ async fn maintenance_connection(db: &Database) -> Result<PgConnection> {
 /// What an existing `inbox_messages` has that inboxctl cannot work with. Empty means compatible: the four columns
 /// with their types, the key on (id, consumer_type) under any name, and no extra column the claim would have to fill.
 pub async fn inbox_differences(conn: &mut PgConnection) -> Result<Vec<String>> {
-    let mut unit = Unit::of(conn).await?;
-    let columns = sql::query_as(INBOX_COLUMNS).fetch_all(unit.conn()).await;
-    let columns: Vec<(String, String, bool, bool)> = unit.end(columns).await?;
+    let columns = inbox_columns(conn).await?;
     let mut unit = Unit::of(conn).await?;
     let key = sql::query_as(INBOX_PRIMARY_KEY)
         .fetch_optional(unit.conn())
@@ -422,6 +431,13 @@ const EXPECTED_COLUMNS: [(&str, &str); 4] = [
     ("received_at", "timestamp with time zone"),
     ("processed_at", "timestamp with time zone"),
 ];
+
+/// The columns of `inbox_messages`: name, SQL type, NOT NULL, has a default.
+pub async fn inbox_columns(conn: &mut PgConnection) -> Result<Vec<(String, String, bool, bool)>> {
+    let mut unit = Unit::of(conn).await?;
+    let columns = sql::query_as(INBOX_COLUMNS).fetch_all(unit.conn()).await;
+    Ok(unit.end(columns).await?)
+}
 
 fn compare_inbox(
     columns: &[(String, String, bool, bool)],

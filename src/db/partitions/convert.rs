@@ -231,6 +231,14 @@ pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<Pa
         }
         Some(Some(Layout::Partitioned(_))) => {}
         Some(Some(Layout::Plain)) => {
+            let refused =
+                what_partitioning_cannot_keep(&crate::db::schema::inbox_columns(&mut *conn).await?);
+            if !refused.is_empty() {
+                return Err(Error::SchemaIncompatible {
+                    database: String::new(),
+                    differences: refused,
+                });
+            }
             convert(conn, settings).await?;
             report.converted = true;
         }
@@ -245,6 +253,38 @@ pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<Pa
     report.created = ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?;
     restore_owner(conn).await?;
     Ok(report)
+}
+
+/// What of an adopted inbox a conversion could not keep, found before anything is changed: the old table becomes a
+/// partition of one made with inboxctl's columns only, and PostgreSQL attaches no table with a column its parent
+/// lacks, nor one that lets a row have no `received_at` where the parent requires one. (It used to add its two
+/// columns and its index to the table first, and then fail at the swap on every run.)
+fn what_partitioning_cannot_keep(columns: &[(String, String, bool, bool)]) -> Vec<String> {
+    const KEPT: [&str; 6] = [
+        "id",
+        "consumer_type",
+        "received_at",
+        "processed_at",
+        "message_time",
+        "fingerprint",
+    ];
+    let mut refused = Vec::new();
+    for (name, type_name, not_null, _) in columns {
+        if !KEPT.contains(&name.as_str()) {
+            refused.push(format!(
+                "column {} ({}) is not inboxctl's: a partitioned inbox holds inboxctl's columns only (drop it, or \
+                 keep the inbox unpartitioned)",
+                crate::sanitize::text(name),
+                crate::sanitize::text(type_name)
+            ));
+        } else if name == "received_at" && !not_null {
+            refused.push(
+                "column received_at may be null: a partitioned inbox requires it (SET NOT NULL, once no row lacks it)"
+                    .to_owned(),
+            );
+        }
+    }
+    refused
 }
 
 /// Hands the partitioned inbox and its partitions to the owner of the table it was converted from, when another role

@@ -75,7 +75,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --concurrency 'Messages processed at once'
             cand --pool-size 'Most PostgreSQL connections (default: --concurrency)'
             cand --max-attempts 'Attempts of a message whose processing fails, before it moves to <queue>_error'
-            cand --retry-delay 'Delay before the second attempt; doubles for each further one, up to 30s'
+            cand --retry-delay 'Delay before the second attempt; doubles for each further one, up to 30s (so at most 30s itself)'
             cand --claim-timeout 'How long a copy waits for another process''s in-flight attempt at the same message before it backs off (from 100ms to 24 days)'
             cand --attempt-timeout 'How long one attempt at a message (a batch, batched) may take before it is given up: its connection is dropped and the message tried again, never counted against it. Bounds a connection that died without a word (a host lost, a network cut), which would otherwise hold its message until the kernel''s TCP timeout; the server also ends a consumer''s session idle inside a transaction for this long. Longer than --claim-timeout (plus, with --effect-mode keyed, --carrier-timeout and its connect timeout for each member of a batch) [default: 30s more than that, 60s with the other defaults]'
             cand --exit-when-idle 'End once nothing arrived and nothing was in flight for this long, the queue is empty and no call to the carrier is owed (scripts, tests)'

@@ -61,6 +61,10 @@ fn bad_flags_and_values_are_usage_errors() {
         &["publish", "parcel-created", "--duplicates", "1.5"],
         &["publish", "parcel-created", "--rate", "0"],
         &["migrate", "--frobnicate"],
+        // Accepted and then capped at 30s without a word, before.
+        &["consume", "carrier", "--retry-delay", "5m"],
+        // Kept in whole seconds: partitions of 1h 500ms drifted from what a cleanup computed, leaving gaps.
+        &["migrate", "--partitioned", "1h 500ms"],
     ] {
         let out = run(args, &[]);
         assert_eq!(out.code, Some(64), "{args:?}: {out:?}");

@@ -73,8 +73,9 @@ pub struct Args {
     #[arg(long, default_value_t = DEFAULT_MAX_ATTEMPTS, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub max_attempts: u32,
 
-    /// Delay before the second attempt; doubles for each further one, up to 30s
-    #[arg(long, default_value = "200ms", value_parser = parse_duration)]
+    /// Delay before the second attempt; doubles for each further one, up to 30s (so at most 30s itself)
+    #[arg(long, default_value = "200ms",
+          value_parser = crate::cli::duration_between(Duration::ZERO, crate::consumer::MAX_RETRY_DELAY))]
     pub retry_delay: Duration,
 
     /// How long a copy waits for another process's in-flight attempt at the same message before it backs off

@@ -7,6 +7,20 @@ use crate::error::{Outcome, Result};
 use crate::inbox::TimeSource;
 use crate::{audit, output};
 
+/// `parse`, refusing a duration that is not a whole number of seconds: the interval is kept in whole seconds, and
+/// partitions of `1h 500ms` would drift from the boundaries a cleanup computes from what was kept, leaving gaps.
+fn whole_seconds(
+    parse: impl Fn(&str) -> Result<std::time::Duration, String> + Clone + Send + Sync + 'static,
+) -> impl Fn(&str) -> Result<std::time::Duration, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let d = parse(s)?;
+        if d.subsec_nanos() != 0 {
+            return Err("must be a whole number of seconds".to_owned());
+        }
+        Ok(d)
+    }
+}
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Show what would be created and run, SQL included, and change nothing
@@ -17,7 +31,7 @@ pub struct Args {
     /// message carries (--partition-time), so that cleanup drops whole partitions instead of deleting rows. An existing
     /// inbox_messages is converted in place: its rows are not copied, and consumers go on (docs/scaling.md)
     #[arg(long, value_name = "INTERVAL",
-          value_parser = duration_between(std::time::Duration::from_secs(3600), std::time::Duration::from_secs(31 * 86400)))]
+          value_parser = whole_seconds(duration_between(std::time::Duration::from_secs(3600), std::time::Duration::from_secs(31 * 86400))))]
     pub partitioned: Option<std::time::Duration>,
 
     /// The time a partitioned inbox keys each message on: one that every copy of it carries. Chosen once: it cannot

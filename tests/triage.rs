@@ -709,6 +709,16 @@ async fn the_guard_takes_a_failure_time_in_the_future_as_unknown() {
         common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
         3
     );
+    // `stats` takes it alike: no age known, not a negative one said to be within the window.
+    let out = env.run(&["stats", "--retention", "1d", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    let consumer = &report["consumers"][0];
+    assert!(
+        consumer["oldest_dead_letter_seconds"].is_null(),
+        "{consumer}"
+    );
+    assert_ne!(consumer["dead_letter_window"], "ok", "{consumer}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -150,5 +150,11 @@ async fn oldest_failure(connection: &Connection, queue: &str) -> Result<Option<f
     })
     .await?
     .flatten();
-    Ok(failed_at.map(|t| (Utc::now() - t).num_milliseconds() as f64 / 1000.0))
+    // As the cleanup's guard takes it: a time more than a day ahead of this machine's (a host's clock far off, a header
+    // written by hand) tells nothing of the message's age, and is not shown as a fresh failure; one a little ahead is
+    // of now, not of a negative age.
+    let now = Utc::now();
+    Ok(failed_at
+        .filter(|t| *t <= now + chrono::TimeDelta::days(1))
+        .map(|t| ((now - t).num_milliseconds() as f64 / 1000.0).max(0.0)))
 }

@@ -298,7 +298,10 @@ async fn consumer_stats(
     let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
         None
     } else {
-        db::stats::oldest_unprocessed_age(&mut *conn, &consumer_type).await?
+        // A received_at ahead of the server's clock (a service's clock off) is no age: 0, not a negative one.
+        db::stats::oldest_unprocessed_age(&mut *conn, &consumer_type)
+            .await?
+            .map(|age| age.max(0.0))
     };
 
     let (window_counts, series) = if registered.contains_key(&consumer_type) {

@@ -85,8 +85,10 @@ pub async fn run(
         collector_stop.clone(),
     ));
 
-    let mut terminal = ratatui::try_init()?;
+    // The guard first: `try_init` turns on raw mode before it enters the alternate screen, and a failure after that
+    // would leave the terminal raw.
     let _restore = Restore::guard();
+    let mut terminal = ratatui::try_init()?;
     let mut app = App::new(options.alert_duplicates);
     app.read_only = options.read_only;
     let mut events = EventStream::new();

@@ -424,7 +424,15 @@ impl Part {
         Self {
             rows: known(e.rows),
             unprocessed: e.unprocessed.and_then(known),
-            other_share: (others >= 1.0).then(|| rest / others),
+            // Every distinct value among the most common ones (a partition holding a few consumer_types, analyzed):
+            // one not among them has no row here. Unknown only when the statistics do not say how many there are.
+            other_share: if others >= 1.0 {
+                Some(rest / others)
+            } else if distinct > 0.0 {
+                Some(0.0)
+            } else {
+                None
+            },
             shares,
         }
     }
@@ -474,6 +482,31 @@ impl Estimates {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A consumer_type absent from one partition (added after the inbox was partitioned: not in the untimed one) whose
+    /// statistics list every value it holds: its share there is 0, and its rows are the sum of the others'. The whole
+    /// estimate used to be unknown, and the capped count shown instead (10M rows as "~1.0M").
+    #[test]
+    fn a_consumer_type_absent_from_a_partition_has_no_share_there() {
+        let part = |rows: f64, values: &[&str], freqs: &[f32]| {
+            Part::of(db::stats::Estimates {
+                rows,
+                unprocessed: None,
+                common_values: Some(values.iter().map(|v| (*v).to_owned()).collect()),
+                common_freqs: Some(freqs.to_vec()),
+                null_frac: Some(0.0),
+                n_distinct: Some(values.len() as f32),
+            })
+        };
+        let estimates = Estimates {
+            parts: vec![
+                part(1_000_000.0, &["a"], &[1.0]),
+                part(4_000_000.0, &["a", "b"], &[0.25, 0.75]),
+            ],
+        };
+        assert_eq!(estimates.rows("b"), Some(3_000_000));
+        assert_eq!(estimates.rows("a"), Some(2_000_000));
+    }
 
     #[test]
     fn rates_and_ratios_from_counters() {

@@ -986,6 +986,67 @@ async fn an_interrupted_publish_says_how_many_the_broker_confirmed() {
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (published, 0));
 }
 
+/// A publish stopped while it waits to send again a copy the broker refused (a queue full with `reject-publish`, as a
+/// quorum queue electing a leader refuses for a moment): interrupted, its confirmed copies reported (exit 3). It
+/// ended with exit 1 and no report, the count of what the broker had confirmed lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publish_stopped_while_the_broker_refuses_copies_reports_what_was_confirmed() {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+    let env = TestEnv::migrated().await;
+    let declared = env.run(&[
+        "publish",
+        "parcel-created",
+        "--exchange",
+        "full-x",
+        "--count",
+        "0",
+    ]);
+    assert_eq!(declared.code, Some(0), "{declared:?}");
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    channel
+        .queue_declare("full-q".into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            "full-q".into(),
+            "full-x".into(),
+            "".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut publisher = env.spawn(&[
+        "publish",
+        "parcel-created",
+        "--exchange",
+        "full-x",
+        "--count",
+        "20",
+        "--json",
+    ]);
+    publisher.wait_for_stderr("RabbitMQ refused a copy", Duration::from_secs(30));
+    publisher.terminate();
+    assert_eq!(
+        publisher.wait(Duration::from_secs(20)),
+        Some(3),
+        "{}",
+        publisher.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(publisher.stdout().trim()).unwrap();
+    assert_eq!(report["interrupted"], true, "{report}");
+    assert_eq!(report["published"], 1, "{report}");
+}
+
 // A stop that comes while a failed message waits for its next attempt: the wait is cut short and the message given
 // back to the broker, neither acknowledged (it would be lost: no effect, no error-queue copy) nor held for the whole
 // delay. The delay (30 s, the cap) and the shutdown timeout (60 s) are far longer than the stop may take, so a prompt

@@ -152,7 +152,15 @@ impl Run<'_> {
                         .again(self.confirmed > confirmed_before, shutdown)
                         .await
                     {
-                        return Err(e);
+                        // Stopped while it waited: the run is interrupted, its confirmed copies reported (exit 3).
+                        // Else the broker kept refusing: said with what it had confirmed.
+                        if shutdown.is_cancelled() {
+                            return Ok(());
+                        }
+                        return Err(self.stopped_unconfirmed(format!(
+                            "RabbitMQ kept refusing copies ({})",
+                            crate::redact::text(&e.to_string())
+                        )));
                     }
                     tracing::warn!(
                         error = %e,
@@ -184,6 +192,10 @@ impl Run<'_> {
                 .again(self.confirmed > confirmed_before, shutdown)
                 .await
             {
+                // Stopped while it connected again: interrupted, not given up.
+                if shutdown.is_cancelled() {
+                    return Ok(());
+                }
                 return Err(self.gave_up(gave_up, &e, link.within()));
             }
             self.report.reconnects = link.reconnects();

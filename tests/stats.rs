@@ -60,6 +60,20 @@ async fn the_figures_are_what_the_test_put_there() {
     );
     assert_eq!(c["error_queue"]["name"], format!("{CARRIER_QUEUE}_error"));
     assert_eq!(c["error_queue"]["ready"], 0);
+
+    // Pointed at a vhost that holds neither the queue nor its error queue: nothing is known of either, not "no
+    // errors" (a missing error queue was taken for an empty one wherever it was looked for).
+    let elsewhere = common::vhosts::take();
+    let mut other = env.cmd();
+    other
+        .env("AMQP_URL", format!("{}/{elsewhere}", common::amqp_base()))
+        .args(["stats", "--json"]);
+    let out = other.output().unwrap();
+    common::vhosts::give_back(&elsewhere, false);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let c = of(&report, CARRIER_QUEUE);
+    assert!(c["queue"]["ready"].is_null(), "{c}");
+    assert!(c["error_queue"]["ready"].is_null(), "{c}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -98,6 +98,13 @@ pub enum Error {
     },
 
     #[error(
+        "inbox_messages has no index {index} (a table made before `inboxctl migrate`, or a build interrupted): run \
+         `inboxctl migrate`, which builds it without blocking writes; without it every refresh would read the whole \
+         table"
+    )]
+    IndexMissing { index: &'static str },
+
+    #[error(
         "table {} does not exist in {}: run `inboxctl migrate` first",
         .table.as_deref().unwrap_or("inbox_messages"),
         .database.as_deref().map_or_else(|| "this database".to_owned(), |d| format!("database {d:?}"))
@@ -205,6 +212,7 @@ impl Error {
             Error::DatabaseMissing { .. }
             | Error::VhostMissing { .. }
             | Error::SchemaMissing { .. }
+            | Error::IndexMissing { .. }
             | Error::SchemaIncompatible { .. }
             | Error::TopologyConflict(_)
             | Error::PoolerNotDeclared { .. } => exit::CONFIG,

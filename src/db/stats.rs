@@ -7,6 +7,13 @@ use std::time::Duration;
 use super::{Exec, sql};
 
 statements! {
+    /// Whether `inbox_messages` has the index every refresh's figures are read through, built and valid (a .NET
+    /// service's table before `migrate` has none).
+    const CONSUMER_TYPE_INDEX_READY = "\
+SELECT EXISTS (SELECT 1 FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+               WHERE i.indrelid = to_regclass('inbox_messages') AND i.indisvalid
+                 AND c.relname = 'ix_inbox_messages_consumer_type_processed_at')";
+
     /// consumer_types with inbox rows, by a loose index scan on `(consumer_type, processed_at)`.
     pub const INBOX_CONSUMER_TYPES = "\
 WITH RECURSIVE inbox AS (
@@ -76,6 +83,12 @@ SELECT kind, floor(extract(epoch FROM now() - occurred_at) / $3)::int, count(*)
 FROM inboxctl_events
 WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
 GROUP BY 1, 2";
+}
+
+/// Whether the index the figures are read through is there (`CONSUMER_TYPE_INDEX_READY`).
+pub async fn consumer_type_index_ready(executor: impl Into<Exec<'_>>) -> sqlx::Result<bool> {
+    let query = sql::query_scalar(CONSUMER_TYPE_INDEX_READY);
+    unit!(executor, |conn| query.fetch_one(conn))
 }
 
 /// consumer_types with inbox rows (`INBOX_CONSUMER_TYPES`).

@@ -134,6 +134,9 @@ pub struct Range {
     /// Look at the head of each error queue that is not empty (a get and a requeue): `top` does it only now and
     /// then, since every look counts as a delivery of that message.
     pub look_at_heads: bool,
+    /// Collected again and again (`top`): refused on an inbox without the index its figures are read through, where
+    /// every refresh would read the whole table. Once (`stats`), it reads what it must.
+    pub live: bool,
 }
 
 impl Range {
@@ -146,6 +149,7 @@ impl Range {
             bucket: window,
             retention: DEFAULT_RETENTION,
             look_at_heads: true,
+            live: false,
         }
     }
 
@@ -181,6 +185,11 @@ pub async fn check_schema(pool: &PgPool, db: &crate::db::Database) -> Result<()>
 /// Collects a snapshot. `broker` is optional: without it (or when it fails) the queue figures are `None`.
 pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -> Result<Snapshot> {
     let mut conn = pool.acquire().await?;
+    if range.live && !db::stats::consumer_type_index_ready(&mut *conn).await? {
+        return Err(crate::error::Error::IndexMissing {
+            index: "ix_inbox_messages_consumer_type_processed_at",
+        });
+    }
     let ours = schema::table_exists(&mut conn, "inboxctl_events").await?
         && schema::table_exists(&mut conn, "inboxctl_consumers").await?;
     let (registered, partitioned): (HashMap<String, String>, HashMap<String, u16>) = if ours {

@@ -149,6 +149,7 @@ fn range(interval: Duration, window: Duration, retention: Duration) -> Range {
         bucket: window / u32::try_from(per_window).unwrap_or(u32::MAX),
         retention,
         look_at_heads: true,
+        live: true,
     }
 }
 

@@ -388,6 +388,23 @@ async fn three_causes_make_three_groups_and_a_group_replays_exactly_its_listed_m
     ]);
     assert_eq!(out.code, Some(64), "{out:?}");
     assert!(out.stderr.contains("has no group ffffffffff"), "{out:?}");
+    // The group that gathers the causes past the listing's first 10,000 (here made so by hand): its members' causes
+    // are their own, none of them its fingerprint, so its replay would replay nothing and call every member changed.
+    let mut edited: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&listing).unwrap()).unwrap();
+    edited["groups"][1]["fingerprint"] = serde_json::json!("other");
+    std::fs::write(&listing, edited.to_string()).unwrap();
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--group",
+        "other",
+        "--listing",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("gathers the causes past"), "{out:?}");
 }
 
 fn tempdir() -> std::path::PathBuf {

@@ -392,6 +392,16 @@ fn group_plan(from: &str, fingerprint: &str, path: &std::path::Path) -> Result<r
         )));
     }
     let group = listing.group(fingerprint)?;
+    // The group of the causes past the listing's first ones: its members have causes of their own, none of which is
+    // its fingerprint, so a replay of it would replay nothing and call every member changed.
+    if group.cause.fingerprint == crate::triage::failures::OTHER_CAUSES {
+        return Err(crate::error::Error::Usage(format!(
+            "--group {}: this group gathers the causes past the listing's first {}; replay its members by id \
+             (--message-id) or by reason (--reason)",
+            crate::triage::failures::OTHER_CAUSES,
+            crate::triage::failures::MAX_GROUPS
+        )));
+    }
     Ok(replay::GroupPlan {
         fingerprint: group.cause.fingerprint.clone(),
         listed: group.message_ids.clone(),

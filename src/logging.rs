@@ -15,7 +15,7 @@ use tracing_subscriber::field::{MakeVisitor, VisitFmt, VisitOutput};
 use tracing_subscriber::fmt::format::Writer;
 
 use crate::cli::{GlobalOpts, LogFormat};
-use crate::{redact, sanitize};
+use crate::sanitize;
 
 /// How much of the log a command wants on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,12 +113,7 @@ impl InertVisitor<'_> {
         } else {
             write!(self.writer, "{separator}{name}=")
         }
-        .and_then(|()| {
-            // Every field masked of the secrets known (a password from a URL, a password file's), whoever logs it:
-            // a library's own line can quote what it was given (sqlx logs a connect parameter it ignores, value and
-            // all).
-            Inert(&mut self.writer).write_str(&redact::text(&value.to_string()))
-        });
+        .and_then(|()| Inert(&mut self.writer).write_fmt(value));
     }
 }
 
@@ -183,11 +178,7 @@ struct InertJson<W>(W);
 
 impl<W: std::io::Write> std::io::Write for InertJson<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        // Each line comes in one write, masked of the secrets known as a text line's fields are; anything else is
-        // passed through as it is.
-        let written = buf.len();
-        let masked = std::str::from_utf8(buf).map(redact::text);
-        let buf = masked.as_ref().map_or(buf, |line| line.as_bytes());
+        // Each line comes in one write; anything else is passed through as it is.
         match std::str::from_utf8(buf) {
             Ok(line) if line.chars().any(|c| c != '\n' && sanitize::is_unsafe(c)) => {
                 let mut out = String::with_capacity(line.len() + 16);
@@ -204,7 +195,7 @@ impl<W: std::io::Write> std::io::Write for InertJson<W> {
             }
             _ => self.0.write_all(buf)?,
         }
-        Ok(written)
+        Ok(buf.len())
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

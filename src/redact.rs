@@ -75,9 +75,42 @@ pub fn url(url: &str) -> String {
     out
 }
 
-/// Whether `url` carries a password: in its user information, or as a `password=` parameter.
+/// Whether `url` carries a password: in its user information, or as a `password=` parameter (not another parameter
+/// named for one, such as a client key's `sslpassword=`: that one is no login password).
 pub fn has_password(url: &str) -> bool {
-    !password_spans(url).is_empty()
+    userinfo(url).is_some_and(|u| {
+        url[u.start..u.end]
+            .find(':')
+            .is_some_and(|colon| u.start + colon + 1 < u.end)
+    }) || query_password_parameters(url)
+        .iter()
+        .any(|p| p.plain && p.value_start < p.end)
+}
+
+/// `url` without the query parameters named for a password that are not libpq's `password=` (`sslpassword=`), and
+/// whether it had any: the driver knows none of them, and would log each, value and all, as it ignores it.
+pub fn without_unused_password_parameters(url: &str) -> (String, bool) {
+    let unused: Vec<PasswordParameter> = query_password_parameters(url)
+        .into_iter()
+        .filter(|p| !p.plain)
+        .collect();
+    if unused.is_empty() {
+        return (url.to_owned(), false);
+    }
+    let mut out = String::with_capacity(url.len());
+    let mut from = 0;
+    for p in &unused {
+        // The parameter and the `&` after it (or, the last one, the separator before it).
+        let (cut_from, cut_to) = if p.end < url.len() {
+            (p.name_start, p.end + 1)
+        } else {
+            (p.name_start - 1, p.end)
+        };
+        out.push_str(&url[from..cut_from.max(from)]);
+        from = cut_to;
+    }
+    out.push_str(&url[from.min(url.len())..]);
+    (out, true)
 }
 
 /// Whether the user information of `url` cannot be told from the rest: an `@` comes after a `/`, `?` or `#` that a
@@ -149,6 +182,22 @@ fn password_spans(url: &str) -> Vec<(usize, usize)> {
 /// value runs to the next `&` that starts another parameter (`name=`), else to the end: an unencoded `&` or `#` in a
 /// password is kept inside the span rather than shown.
 fn query_password_spans(url: &str) -> Vec<(usize, usize)> {
+    query_password_parameters(url)
+        .into_iter()
+        .map(|p| (p.value_start, p.end))
+        .collect()
+}
+
+/// A query parameter named for a password: where its name starts (after its `?` or `&`), where its value starts,
+/// where it ends, and whether it is libpq's own `password=`.
+struct PasswordParameter {
+    name_start: usize,
+    value_start: usize,
+    end: usize,
+    plain: bool,
+}
+
+fn query_password_parameters(url: &str) -> Vec<PasswordParameter> {
     let mut spans = Vec::new();
     let Some(query) = url.find('?') else {
         return spans;
@@ -167,7 +216,12 @@ fn query_password_spans(url: &str) -> Vec<(usize, usize)> {
             Some(eq) if rest[..eq].ends_with("password") => {
                 let start = at + eq + 1;
                 let end = next(start).unwrap_or(url.len());
-                spans.push((start, end));
+                spans.push(PasswordParameter {
+                    name_start: at,
+                    value_start: start,
+                    end,
+                    plain: &rest[..eq] == "password",
+                });
                 if end == url.len() {
                     return spans;
                 }
@@ -350,6 +404,33 @@ mod tests {
         assert_eq!(
             text("ignoring unrecognized connect parameter key=sslpassword value=KeyPhr4se-y"),
             "ignoring unrecognized connect parameter key=sslpassword value=***"
+        );
+        // No login password: a password file may give one.
+        assert!(!has_password("postgres://a@h/d?sslpassword=k3y"));
+        assert!(has_password("postgres://a@h/d?sslpassword=k3y&password=p"));
+        for (given, driver) in [
+            (
+                "postgres://a@h/d?sslpassword=k&ey&sslmode=require",
+                "postgres://a@h/d?sslmode=require",
+            ),
+            (
+                "postgres://a@h/d?sslmode=require&sslpassword=k+y",
+                "postgres://a@h/d?sslmode=require",
+            ),
+            ("postgres://a@h/d?sslpassword=k", "postgres://a@h/d"),
+            (
+                "postgres://a@h/d?password=p&sslpassword=k&x=1",
+                "postgres://a@h/d?password=p&x=1",
+            ),
+        ] {
+            assert_eq!(
+                without_unused_password_parameters(given),
+                (driver.to_owned(), true)
+            );
+        }
+        assert_eq!(
+            without_unused_password_parameters("postgres://a@h/d?password=p"),
+            ("postgres://a@h/d?password=p".to_owned(), false)
         );
     }
 

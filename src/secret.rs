@@ -98,7 +98,13 @@ pub fn invalid_url(url: UrlFlag, given: &str, driver_error: &str) -> Error {
     let flag = url.flag;
     // Not a URL at all (a libpq key/value string, `host=… password=…`, say): nothing in it can be told apart as a
     // password, so none of it is shown.
-    if !given.contains("://") {
+    let scheme = given.split_once("://").map(|(scheme, _)| scheme);
+    let a_scheme = scheme.is_some_and(|s| {
+        s.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '.' | '-'))
+    });
+    if !a_scheme {
         return Error::Usage(format!(
             "invalid {flag}: not a URL (not shown: it may hold a password); give scheme://user:password@host:port/…"
         ));

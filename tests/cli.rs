@@ -190,15 +190,30 @@ fn a_key_value_string_or_an_sslpassword_never_shows_its_secret() {
     assert_eq!(out.code, Some(64), "{out:?}");
     assert!(out.stderr.contains("not a URL"), "{}", out.stderr);
     assert!(!out.stderr.contains("Kv0Secret"), "{}", out.stderr);
+    // Form-encoded as a driver would decode it (`+` a space), beside a password file: not taken for a second login
+    // password, never shown in any form.
+    let file = std::env::temp_dir().join(format!("inboxctl-pw-{}", std::process::id()));
+    std::fs::write(&file, "FilePw9\n").unwrap();
     let out = run(
         &["migrate"],
-        &[(
-            "DATABASE_URL",
-            "postgres://app@127.0.0.1:1/x?sslpassword=KeyPhr4se&connect_timeout=1",
-        )],
+        &[
+            (
+                "DATABASE_URL",
+                "postgres://app@127.0.0.1:1/x?sslpassword=Key+Phr4se&connect_timeout=1",
+            ),
+            ("DATABASE_PASSWORD_FILE", file.to_str().unwrap()),
+        ],
     );
-    assert_ne!(out.code, Some(0), "{out:?}");
-    assert!(!out.stderr.contains("KeyPhr4se"), "{}", out.stderr);
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(out.code, Some(69), "{out:?}");
+    for shown in ["Key+Phr4se", "Key Phr4se", "Phr4se", "FilePw9"] {
+        assert!(!out.stderr.contains(shown), "{shown}: {}", out.stderr);
+    }
+    assert!(
+        out.stderr.contains("ignoring the URL's sslpassword"),
+        "{}",
+        out.stderr
+    );
 }
 
 #[test]

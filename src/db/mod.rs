@@ -147,7 +147,16 @@ impl Database {
     /// Parses a database URL. The URL's password is registered for redaction before anything can print it.
     pub fn from_url(url: &str) -> Result<Self> {
         redact::register_url(url);
-        let options = PgConnectOptions::from_str(url)
+        // A client key's passphrase (`sslpassword=`) the driver does not take: left out of what it is given, or it
+        // logs the value as it ignores it.
+        let (for_driver, dropped) = redact::without_unused_password_parameters(url);
+        if dropped {
+            tracing::warn!(
+                "ignoring the URL's sslpassword (or another parameter named for a password): the PostgreSQL driver \
+                 takes no passphrase for a client key; give the key unencrypted"
+            );
+        }
+        let options = PgConnectOptions::from_str(&for_driver)
             .map_err(|e| secret::invalid_url(secret::DATABASE_URL, url, &e.to_string()))?
             .application_name("inboxctl");
         secret::warn_if_ambiguous(secret::DATABASE_URL, url);

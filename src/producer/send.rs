@@ -153,14 +153,10 @@ impl Run<'_> {
                         .await
                     {
                         // Stopped while it waited: the run is interrupted, its confirmed copies reported (exit 3).
-                        // Else the broker kept refusing: said with what it had confirmed.
                         if shutdown.is_cancelled() {
                             return Ok(());
                         }
-                        return Err(self.stopped_unconfirmed(format!(
-                            "RabbitMQ kept refusing copies ({})",
-                            crate::redact::text(&e.to_string())
-                        )));
+                        return Err(e);
                     }
                     tracing::warn!(
                         error = %e,

@@ -73,9 +73,9 @@ pub(super) async fn from_broker(
     'queues: for c in consumers.iter_mut() {
         // Whether the consumer's queue is in this vhost: only then does a missing error queue mean nothing failed.
         let mut queue_here = false;
-        for depth in [c.queue.as_mut(), c.error_queue.as_mut()]
+        for (is_error_queue, depth) in [(false, c.queue.as_mut()), (true, c.error_queue.as_mut())]
             .into_iter()
-            .flatten()
+            .filter_map(|(e, d)| d.map(|d| (e, d)))
         {
             if crate::amqp::validate_name("queue", &depth.name).is_err() {
                 continue;
@@ -85,12 +85,12 @@ pub(super) async fn from_broker(
                     depth.ready = Some(ready);
                     depth.consumers = Some(consumers);
                     depth.exists = true;
-                    queue_here |= !depth.name.ends_with("_error");
+                    queue_here |= !is_error_queue;
                 }
                 Ok(None) => {
                     // An error queue that does not exist beside its queue has nothing in it: 0 is known, not assumed.
                     // With the queue not here either (stats pointed at another vhost), nothing is known.
-                    if depth.name.ends_with("_error") && queue_here {
+                    if is_error_queue && queue_here {
                         depth.ready = Some(0);
                     }
                 }

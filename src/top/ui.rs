@@ -200,8 +200,9 @@ fn render_charts(app: &App, line: &Line, frame: &mut Frame, area: Rect) {
     }
     let [left, right] =
         Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(area);
-    let span = humantime::format_duration(std::time::Duration::from_secs_f64(
-        app.bucket_seconds * line.series.len() as f64,
+    // In whole seconds: buckets that divide the window may be a fraction of a second long (6.67 s of a minute).
+    let span = humantime::format_duration(std::time::Duration::from_secs(
+        (app.bucket_seconds * line.series.len() as f64).round() as u64,
     ));
     let name = sanitize::text(&line.consumer_type);
     let deliveries: Vec<u64> = line.series.iter().map(|p| p.0).collect();

@@ -277,6 +277,19 @@ fn what_partitioning_cannot_keep(columns: &[(String, String, bool, bool)]) -> Ve
                 crate::sanitize::text(name),
                 crate::sanitize::text(type_name)
             ));
+        } else if (name == "message_time" && (type_name != "timestamp with time zone" || !not_null))
+            || (name == "fingerprint" && type_name != "bytea")
+        {
+            // Left by an earlier conversion, or the operator's own: `ADD COLUMN IF NOT EXISTS` keeps it as it is.
+            refused.push(format!(
+                "column {name} is {type_name}{}, not what a partitioned inbox holds ({})",
+                if *not_null { " NOT NULL" } else { "" },
+                if name == "message_time" {
+                    "timestamp with time zone NOT NULL"
+                } else {
+                    "bytea"
+                }
+            ));
         } else if name == "received_at" && !not_null {
             refused.push(
                 "column received_at may be null: a partitioned inbox requires it (SET NOT NULL, once no row lacks it)"

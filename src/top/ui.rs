@@ -366,6 +366,24 @@ mod tests {
         app
     }
 
+    /// Buckets a fraction of a second long (a minute cut in nine, `--interval 7s`): the chart's span in whole
+    /// seconds, not "1m 59s 999ms 999us 988ns".
+    #[test]
+    fn a_chart_over_fractional_buckets_names_its_span_in_seconds() {
+        let mut app = App::new(0.05);
+        let mut shot = snapshot(vec![consumer("parcel-created-carrier", 120, 30, 0, 0)]);
+        shot.bucket = std::time::Duration::from_secs(60) / 9;
+        if let Some(c) = shot.consumers.first_mut() {
+            c.series = vec![(1, 0); 18];
+        }
+        app.update(Action::Data(shot));
+        let screen = draw(&app, 140, 30);
+        assert!(
+            screen.contains("deliveries, last 2m "),
+            "the chart's title:\n{screen}"
+        );
+    }
+
     #[test]
     fn rows_and_figures_are_drawn() {
         let screen = draw(&app(), 140, 30);

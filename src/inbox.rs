@@ -192,6 +192,15 @@ pub enum ProcessError {
     Unclaimable(String),
 }
 
+impl ProcessError {
+    /// Whether the session it came on may be what failed, and is not to be handed out again: the database's doing,
+    /// but for a claim held because no partition holds the present (the session is fine, and closing it would open a
+    /// new one for every held message's next try).
+    fn session_suspect(&self) -> bool {
+        matches!(self, ProcessError::Unavailable(e) if !db::is_no_partition_for_now(e))
+    }
+}
+
 /// A consumer's work on one message, run on the transaction that holds the message's inbox row.
 pub type Work<T> =
     Box<dyn for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send>;
@@ -377,10 +386,9 @@ impl Inbox {
             .await
             .map_err(ProcessError::Unavailable)?;
         let result = self.bounded(self.process_on(&mut conn, &key, work)).await;
-        if matches!(&result, Err(ProcessError::Unavailable(e)) if !db::is_no_partition_for_now(e)) {
+        if result.as_ref().is_err_and(ProcessError::session_suspect) {
             // The session itself may be what failed (made read-only by a failover or by
-            // default_transaction_read_only, terminated by an administrator): never hand it out again. (Not when no
-            // partition holds the present: the session is fine, and every held message would open a new one.)
+            // default_transaction_read_only, terminated by an administrator): never hand it out again.
             conn.close_on_drop();
         }
         result

@@ -222,16 +222,11 @@ pub async fn give_back(
     consumer_type: &str,
     due_in: std::time::Duration,
 ) -> sqlx::Result<bool> {
-    let was = if leased.was == "started" {
-        "started"
-    } else {
-        "pending"
-    };
     let query = sql::query(GIVE_BACK)
         .bind(leased.message_id)
         .bind(consumer_type)
         .bind(leased.attempts)
-        .bind(was)
+        .bind(&leased.was)
         .bind(leased.lease_until)
         .bind(due_in.as_secs_f64());
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected() == 1)

@@ -187,22 +187,11 @@ pub async fn migrate_partitioned(
                 report.partitioning = Some(planned(settings));
                 Ok(report)
             }
-            Some(settings) => super::partitions::partition(&mut conn, settings)
+            Some(settings) => super::partitions::partition(&mut conn, settings, &database)
                 .await
                 .map(|done| {
                     report.partitioning = Some(done);
                     report
-                })
-                // The conversion's refusals name the database too.
-                .map_err(|e| match e {
-                    Error::SchemaIncompatible {
-                        database: named,
-                        differences,
-                    } if named.is_empty() => Error::SchemaIncompatible {
-                        database: database.clone(),
-                        differences,
-                    },
-                    other => other,
                 }),
             None => Ok(report),
         },

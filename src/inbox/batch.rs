@@ -77,9 +77,11 @@ impl Inbox {
             .await
             .map_err(ProcessError::Unavailable)?;
         let result = self.process_batch_on(&mut conn, members, together).await;
-        // As in `process`; and a member that panicked may have left the session mid-statement.
-        if result.is_err()
-            && !matches!(&result, Err(ProcessError::Unavailable(e)) if db::is_no_partition_for_now(e))
+        // As in `process`; and a member that panicked may have left the session mid-statement, so any other failure
+        // too.
+        if result
+            .as_ref()
+            .is_err_and(|e| e.session_suspect() || !matches!(e, ProcessError::Unavailable(_)))
         {
             conn.close_on_drop();
         }

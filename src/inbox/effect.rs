@@ -137,7 +137,7 @@ impl Inbox {
             }
         };
         let result = self.bounded(attempt).await;
-        if matches!(&result, Err(ProcessError::Unavailable(e)) if !db::is_no_partition_for_now(e)) {
+        if result.as_ref().is_err_and(ProcessError::session_suspect) {
             // As `process_carried`: a session that failed is never handed out again.
             conn.close_on_drop();
         }

@@ -205,7 +205,12 @@ pub struct PartitionReport {
 /// Makes `inbox_messages` partitioned with `settings` — converting an unpartitioned one in place, or checking that a
 /// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]`. Safe to repeat, and to
 /// run again after it stopped half way. The caller holds the migrate lock and has applied the migrations.
-pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<PartitionReport> {
+/// `database`: its name, for the refusals.
+pub async fn partition(
+    conn: &mut PgConnection,
+    settings: Settings,
+    database: &str,
+) -> Result<PartitionReport> {
     let mut report = PartitionReport {
         settings: Some(settings),
         ..PartitionReport::default()
@@ -235,11 +240,11 @@ pub async fn partition(conn: &mut PgConnection, settings: Settings) -> Result<Pa
                 what_partitioning_cannot_keep(&crate::db::schema::inbox_columns(&mut *conn).await?);
             if !refused.is_empty() {
                 return Err(Error::SchemaIncompatible {
-                    database: String::new(),
+                    database: database.to_owned(),
                     differences: refused,
                 });
             }
-            convert(conn, settings).await?;
+            convert(conn, settings, database).await?;
             report.converted = true;
         }
         None => {
@@ -372,7 +377,7 @@ async fn hand_over(conn: &mut PgConnection, table: &str, owner: &str) -> sqlx::R
 }
 
 /// The conversion (see the module documentation): every step but the last takes no lock that stops the consumers.
-async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
+async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) -> Result<()> {
     with_lock_retries(conn, ADD_COLUMNS).await?;
     if index_state(conn, "inbox_messages_untimed_key").await? == Some(false) {
         run(conn, DROP_UNTIMED_KEY).await?;
@@ -389,7 +394,7 @@ async fn convert(conn: &mut PgConnection, settings: Settings) -> Result<()> {
     let key = crate::db::schema::inbox_primary_key(conn)
         .await?
         .ok_or_else(|| Error::SchemaIncompatible {
-            database: String::new(),
+            database: database.to_owned(),
             differences: vec!["inbox_messages has no primary key".to_owned()],
         })?;
     let grants: Vec<(Option<String>, String, bool)> =

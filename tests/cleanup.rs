@@ -632,10 +632,16 @@ async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
     let pool = env.pool().await;
     seed(&pool, "alpha", 10, "2 hours", false).await;
     let mut sidecar = env.spawn(&["cleanup", "--retention", "1h", "--every", "500ms", "--json"]);
+    // The first round has ended (its report printed), not only deleted the rows: a table renamed while it still
+    // cleans the events would fail the first round, which ends the sidecar.
     common::eventually("the first round", Duration::from_secs(20), || async {
-        common::count(&pool, "SELECT count(*) FROM inbox_messages").await == 0
+        sidecar.stdout().contains("\"deleted\"")
     })
     .await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
     // A round that fails (a table gone a while) is said, and the schedule goes on.
     sqlx::raw_sql("ALTER TABLE inboxctl_events RENAME TO inboxctl_events_away")
         .execute(&pool)
@@ -649,10 +655,21 @@ async fn every_keeps_cleaning_on_its_schedule_until_stopped() {
         .unwrap();
     // Rows that age past the window later are taken by a later round.
     seed(&pool, "beta", 7, "3 hours", false).await;
+    // Its report printed too (a round renamed away from after its delete would fail without one).
+    let reported_deleted = |out: String| -> u64 {
+        out.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|r| r["deleted"].as_u64())
+            .sum()
+    };
     common::eventually("a later round", Duration::from_secs(20), || async {
-        common::count(&pool, "SELECT count(*) FROM inbox_messages").await == 0
+        reported_deleted(sidecar.stdout()) == 17
     })
     .await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
     // Stopped after a round that failed: the last round did not happen, exit 3.
     let failed_before = sidecar.stderr().matches("this cleanup run failed").count();
     sqlx::raw_sql("ALTER TABLE inboxctl_events RENAME TO inboxctl_events_away")

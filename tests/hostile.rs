@@ -1050,7 +1050,13 @@ async fn a_deleted_error_queue_or_exchange_is_declared_again() {
         || async { env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 1 },
     )
     .await;
-    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    // Its ack follows the copy's confirm (and the event's row).
+    common::eventually(
+        "the message acknowledged",
+        Duration::from_secs(10),
+        || async { env.queue_counts(CARRIER_QUEUE) == (0, 0) },
+    )
+    .await;
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }

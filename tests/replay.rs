@@ -1332,7 +1332,8 @@ async fn a_confirmed_replay_moves_only_the_count_confirmed() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
     let env = TestEnv::migrated().await;
-    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 6).await;
+    // Ten others at one a second: the replay runs ~9 s, a wide margin for the cleanup and the second replay below.
+    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 10).await;
 
     // Alone, the guard keeps X's row.
     let out = env.run(&["cleanup", "--retention", "2d", "--dry-run", "--json"]);
@@ -1359,6 +1360,7 @@ async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
         "{}",
         second.stderr
     );
+    assert_eq!(replay.try_wait(), None, "the replay still ran meanwhile");
     let row: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE id = $1")
         .bind(x)
         .fetch_one(&pool)

@@ -35,6 +35,8 @@ pub struct Proc {
     pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
     stdout: Arc<Mutex<String>>,
+    /// The threads reading stderr and stdout: each ends when the process's end closes its pipe.
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Proc {
@@ -43,7 +45,7 @@ impl Proc {
         let lines = Arc::new(Mutex::new(Vec::new()));
         let stderr = child.stderr.take().unwrap();
         let sink = Arc::clone(&lines);
-        std::thread::spawn(move || {
+        let errors = std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 sink.lock().unwrap().push(line);
             }
@@ -51,7 +53,7 @@ impl Proc {
         let stdout_text = Arc::new(Mutex::new(String::new()));
         let out = child.stdout.take().unwrap();
         let sink = Arc::clone(&stdout_text);
-        std::thread::spawn(move || {
+        let output = std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
                 let mut s = sink.lock().unwrap();
                 s.push_str(&line);
@@ -62,6 +64,7 @@ impl Proc {
             child,
             lines,
             stdout: stdout_text,
+            readers: vec![errors, output],
         }
     }
 
@@ -117,8 +120,7 @@ impl Proc {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                // Let the reader threads drain what is left.
-                std::thread::sleep(Duration::from_millis(50));
+                self.drain();
                 return status.code();
             }
             if Instant::now() > deadline {
@@ -150,7 +152,23 @@ impl Proc {
 
     /// Whether the process has ended (its exit code, if it has one).
     pub fn try_wait(&mut self) -> Option<Option<i32>> {
-        self.child.try_wait().unwrap().map(|status| status.code())
+        let status = self.child.try_wait().unwrap()?;
+        self.drain();
+        Some(status.code())
+    }
+
+    /// Once the process has ended: waits until every line it wrote is read (its last is often the report), however
+    /// long a loaded machine takes to run the reader threads.
+    fn drain(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self
+            .readers
+            .iter()
+            .all(std::thread::JoinHandle::is_finished)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// SIGKILL, and waits for the process to be gone.

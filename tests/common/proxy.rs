@@ -40,7 +40,9 @@ impl Proxy {
                 let Ok((inbound, _)) = listener.accept().await else {
                     continue;
                 };
-                if !shared.lock().unwrap().open {
+                // Held from the look at `open` to the connection's registration: a cut in between would miss it.
+                let mut s = shared.lock().unwrap();
+                if !s.open {
                     drop(inbound);
                     continue;
                 }
@@ -59,7 +61,6 @@ impl Proxy {
                         );
                     }
                 });
-                let mut s = shared.lock().unwrap();
                 s.connections.retain(|c| !c.task.is_finished());
                 s.connections.push(Relayed {
                     task: handle.abort_handle(),

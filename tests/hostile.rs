@@ -533,6 +533,66 @@ async fn a_panic_moving_a_poison_aside_keeps_its_counts() {
     assert_eq!(moved.effects, 0, "never processed: {}", moved.stderr);
 }
 
+/// A poison (it ended its process alone `--poison-after` times) whose move aside the broker refuses (the error queue
+/// full): no work ran, so its counts stand — the process that gets it next, after a stop, moves it aside at once.
+/// Before, surviving the refusal deleted its counts as an outcome does, and the next process ran it again: the
+/// poison it is, it would have ended that process and everything in flight beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_whose_move_aside_is_refused_keeps_its_counts() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let conn = env.amqp().await;
+    common::declare_queue_that_refuses_everything(&conn, ERROR_QUEUE).await;
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, alone) VALUES ($1, $2, 3, 3)",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut consumer = env.spawn(&["consume", "carrier", "--poison-after", "3"]);
+    consumer.wait_for_stderr(
+        &format!("could not move a message to {ERROR_QUEUE}"),
+        Duration::from_secs(30),
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    let alone: Option<i32> = sqlx::query_scalar(
+        "SELECT alone FROM inboxctl_attempts WHERE consumer_type = $1 AND message_id = $2",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .fetch_optional(&pool)
+    .await
+    .unwrap();
+    assert_eq!(alone, Some(3), "its counts stand: {}", consumer.stderr());
+
+    // The error queue takes copies again: a new process moves it aside as poison, and never runs it.
+    conn.create_channel()
+        .await
+        .unwrap()
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let out = common::consume_until_idle(&env, &["carrier", "--poison-after", "3"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let copies = take_all(&env, ERROR_QUEUE).await;
+    assert_eq!(copies.len(), 1, "{}", out.stderr);
+    assert_eq!(
+        header_text(&copies[0], "MT-Fault-ExceptionType"),
+        "inboxctl::PoisonMessage",
+        "{}",
+        out.stderr
+    );
+    assert_eq!(effects(&pool).await, 0, "never processed: {}", out.stderr);
+}
+
 /// What became of a redelivered message whose move aside panicked once.
 struct MovedAside {
     /// The `MT-Fault-ExceptionType` of its one copy in the error queue.

@@ -38,6 +38,10 @@ pub(super) async fn redelivered<C: Consumer>(
     // Registered before the count, so that a stop can never miss a start it counted.
     lock(&shared.starts.0).insert(id, false);
     let counted = redelivered_start(shared, id).await;
+    let is_poison = matches!(
+        counted.or_else(|| broker_count(delivery)),
+        Some((_, alone)) if alone >= shared.options.poison_after
+    );
     let decided = async {
         match counted.or_else(|| broker_count(delivery)) {
             // It ended its process this many times while it was the only work in flight: it is the cause.
@@ -63,9 +67,13 @@ pub(super) async fn redelivered<C: Consumer>(
     if counted.is_some() {
         let consumer_type = shared.inbox.consumer_type();
         let kept = match &decided {
-            // Alive after this start, whatever its outcome: the message is not what ends processes.
-            Ok(_) => bounded!(shared, |conn| attempts::done(conn, consumer_type, id)).await,
-            Err(_) => {
+            // Alive after this start, whatever its outcome: the message is not what ends processes. But a poison
+            // whose move aside did not happen (its copy refused, a stop) ran no work: its counts stand, or the next
+            // process to get it would run it again, and the poison would end that one too.
+            Ok(disposition) if !is_poison || matches!(disposition, Disposition::Ack) => {
+                bounded!(shared, |conn| attempts::done(conn, consumer_type, id)).await
+            }
+            _ => {
                 bounded!(shared, |conn| attempts::abandoned(
                     conn,
                     consumer_type,

@@ -570,6 +570,73 @@ async fn stop_during_a_retry_wait_keeps_order(queue_type: &str) {
     );
 }
 
+/// A partition's message that cannot be settled now — its handling panicked (outside the work, which would be a
+/// failed attempt), or its dead-letter copy refused — is handled again in place after its pause, not given back: a
+/// nack sent it behind the partition's later messages, which the broker had sent already (the prefetch), and they
+/// were processed first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_handling_panicked_keeps_its_place_in_its_partition() {
+    let env = TestEnv::migrated().await;
+    let args = [
+        "consume",
+        "carrier",
+        "--queue",
+        QUEUE,
+        "--partitions",
+        "1",
+        "--partition-key",
+        "parcelId",
+        "--prefetch",
+        "16",
+    ];
+    // A first run declares the partition queue and its exchange.
+    let mut first = env.spawn(&args);
+    first.wait_for_stderr("consuming queue", Duration::from_secs(30));
+    first.terminate();
+    assert_eq!(first.wait(Duration::from_secs(30)), Some(0));
+    common::capture_queue(&env.amqp().await, EVENT_EXCHANGE, "capture").await;
+    common::publish_parcels(
+        &env,
+        &[
+            "--count",
+            "1",
+            "--events-per-parcel",
+            "5",
+            "--partition-key",
+            "parcelId",
+        ],
+    );
+    let published: Vec<Uuid> = published_order(&env, "capture")
+        .await
+        .into_iter()
+        .map(|(message, _)| message)
+        .collect();
+    assert_eq!(published.len(), 5);
+    let failpoint = format!("handle=panic-once@{}", published[0]);
+    let mut consumer = env.spawn_with(&args, &[("INBOXCTL_FAILPOINTS", failpoint.as_str())]);
+    let pool = env.pool().await;
+    common::eventually("every event's effect", Duration::from_secs(60), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 5
+    })
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    assert!(
+        consumer.stderr().contains("handling a message panicked"),
+        "{}",
+        consumer.stderr()
+    );
+    let processed: Vec<Uuid> =
+        sqlx::query_scalar("SELECT message_id FROM carrier_reservations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        processed, published,
+        "the parcel's effects in the order its events were published"
+    );
+}
+
 /// A suspect (a redelivered message in flight at an earlier end of its process) is tried alone: nothing else in flight
 /// in its process, so that if the process ends again, nothing shares the blame. With partitions, "nothing else" is
 /// every partition's attempts, not only its own partition's: else a healthy message at the head of another partition,

@@ -52,27 +52,56 @@ pub(super) async fn handle<C: Consumer>(
     worker: tokio::sync::OwnedSemaphorePermit,
 ) {
     let started = Instant::now();
-    let disposition = match AssertUnwindSafe(dispose(shared, link, &delivery))
-        .catch_unwind()
-        .await
-    {
-        Ok(disposition) => disposition,
-        Err(panic) => handling_panicked(&delivery, &panic_message(&*panic)),
-    };
-    if matches!(disposition, Disposition::RequeueAfter(_)) && shared.options.partitions.is_none() {
+    let mut disposition = dispose_caught(shared, link, &delivery, false).await;
+    if shared.options.partitions.is_some() {
+        // A message that cannot be settled now (its handling panicked, its dead-letter copy refused) is handled again
+        // here after its pause, not given back: given back, it would come round behind the partition's later
+        // messages that the broker has sent already (up to the prefetch), and they would overtake it. A stop or a
+        // lost connection gives it back, in order, as for any message of the partition.
+        while let Disposition::RequeueAfter(pause) = disposition {
+            let stopped = tokio::select! {
+                stopped = sleep_or_cancel(pause, &shared.shutdown) => stopped,
+                () = link.given_up() => true,
+            };
+            if stopped || link.is_lost() {
+                break;
+            }
+            disposition = dispose_caught(shared, link, &delivery, true).await;
+        }
+    } else if matches!(disposition, Disposition::RequeueAfter(_)) {
         drop(worker);
     }
     settle(shared, link, &delivery, disposition, started).await;
 }
 
+/// [`dispose`] (`again`: handled before in this process, as a redelivery is), a panic in it taken as
+/// [`handling_panicked`].
+async fn dispose_caught<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    again: bool,
+) -> Disposition {
+    match AssertUnwindSafe(dispose(shared, link, delivery, again))
+        .catch_unwind()
+        .await
+    {
+        Ok(disposition) => disposition,
+        Err(panic) => handling_panicked(delivery, &panic_message(&*panic)),
+    }
+}
+
+/// Handles one delivery to its disposition; `again` when this process handled it before without settling it, which
+/// makes it a redelivery: its owed dead-letter copy made, its start counted.
 pub(super) async fn dispose<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
     delivery: &Delivery,
+    again: bool,
 ) -> Disposition {
     match prepare(shared, link, delivery).await {
         Prepared::Done(disposition) => disposition,
-        Prepared::Ready(ready) if delivery.redelivered => {
+        Prepared::Ready(ready) if delivery.redelivered || again => {
             if let Some(owed) = shared
                 .owed
                 .take(ready.incoming.message_id, ready.fingerprint)

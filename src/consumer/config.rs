@@ -230,6 +230,15 @@ pub(super) fn check_carrier_api(config: &Config) -> Result<()> {
             crate::cli::show(longest)
         )));
     }
+    // Each key's order is kept for what its messages' transactions do, one at a time on its partition; calls made
+    // after the commit are leased and made several at once, a call refused once made again after the next one.
+    if config.partitions.is_some() && api.mode != EffectMode::Keyed {
+        return Err(Error::Usage(format!(
+            "--partitions keeps each key's order for work done in its messages' transactions: --effect-mode {} makes \
+             the carrier's calls after the commit, several at once and in any order; use --effect-mode keyed",
+            api.mode.name()
+        )));
+    }
     if api.lookup_url.is_some() && api.mode != EffectMode::AfterCommit {
         return Err(Error::Usage(
             "--lookup-url applies to --effect-mode after-commit (an at-most-once effect in doubt is settled by \
@@ -310,6 +319,25 @@ mod tests {
         };
         assert!(check_attempt_timeout(&given).is_ok());
         assert_eq!(given.attempt_timeout(), Duration::from_secs(44));
+    }
+
+    #[test]
+    fn partitions_take_only_calls_made_in_the_transaction() {
+        let partitioned = |mode| Config {
+            partitions: Some(crate::consumer::Partitions {
+                count: 4,
+                key: "parcelId".into(),
+            }),
+            ..with_api(Kind::Carrier, mode)
+        };
+        assert!(check_carrier_api(&partitioned(EffectMode::Keyed)).is_ok());
+        for mode in [EffectMode::AfterCommit, EffectMode::AtMostOnce] {
+            let err = check_carrier_api(&partitioned(mode)).expect_err("calls made out of order");
+            assert!(
+                matches!(err, Error::Usage(_)) && err.to_string().contains(mode.name()),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -407,6 +407,28 @@ async fn a_message_whose_work_rolls_the_transaction_back_itself_is_a_failed_atte
         0
     );
     assert!(effects(&pool).await.is_empty());
+    // Ended and begun again, its work written again in a transaction of its own: that transaction is not the claim's
+    // (before, it was committed as if it were: the effect in, no inbox row, and the next copy did the work again).
+    let again = Uuid::new_v4();
+    let outcome = inbox
+        .process(again, move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, again, "one").await?;
+                sqlx::raw_sql("ROLLBACK; BEGIN").execute(&mut *tx).await?;
+                insert_effect(tx, again, "one").await?;
+                Ok(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(&outcome, Err(inboxctl::inbox::ProcessError::Failed(e)) if e.to_string().contains("ended the claim's transaction itself")),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    assert!(effects(&pool).await.is_empty());
     // The connection it went back to the pool on is fit for the next message.
     let next = Uuid::new_v4();
     let outcome = inbox

@@ -174,10 +174,13 @@ SELECT id, first FROM c";
     /// statement's error would be taken as committed, acknowledged, and lost.
     /// It also answers whether the transaction is still the claim's: a work that ended it itself (a `ROLLBACK` or
     /// `COMMIT` of its own) leaves the connection outside any transaction, with no transaction id — the claim wrote
-    /// its row, so its transaction has one (asked only where a claim wrote). sqlx's commit, which counts transactions
-    /// itself, would send a `COMMIT` that PostgreSQL answers with a warning only: a rolled-back claim taken for
-    /// committed.
-    pub const STILL_OPEN = "SELECT pg_current_xact_id_if_assigned() IS NOT NULL";
+    /// its row, so its transaction has one (asked only where a claim wrote) — or, if it then began another, in a
+    /// transaction without the claim's mark ([`CLAIM_MARK`], set for the claim's transaction alone by [`begin`]).
+    /// sqlx's commit, which counts transactions itself, would send a `COMMIT` that PostgreSQL answers with a warning
+    /// only, or that commits the work's own transaction: a rolled-back claim taken for committed, its work done again
+    /// by the next copy.
+    pub const STILL_OPEN = "\
+SELECT pg_current_xact_id_if_assigned() IS NOT NULL AND current_setting('inboxctl.claim', true) = 'on'";
 }
 
 /// What [`still_open`] fails with when the work ended the claim's transaction itself.
@@ -306,19 +309,25 @@ pub async fn effect_alone_with(
 
 /// `BEGIN` and the transaction's own `lock_timeout`, in one round trip: for connections that keep no session setting
 /// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
-fn begin_with_lock_timeout(timeout: Duration) -> String {
-    format!(
-        "BEGIN; SET LOCAL lock_timeout = {}",
-        timeout.as_millis().max(1)
-    )
+fn begin_marked(lock_timeout: Option<Duration>) -> String {
+    match lock_timeout {
+        None => format!("BEGIN; {CLAIM_MARK}"),
+        Some(timeout) => format!(
+            "BEGIN; SET LOCAL lock_timeout = {}; {CLAIM_MARK}",
+            timeout.as_millis().max(1)
+        ),
+    }
 }
 
 /// The statements built around a value, each with a sample one, for [`super::statements`]; simple queries.
 pub(super) fn built_statements() -> Vec<(&'static str, String)> {
-    vec![(
-        "begin_with_lock_timeout",
-        begin_with_lock_timeout(Duration::from_secs(30)),
-    )]
+    vec![
+        ("begin_marked", begin_marked(None)),
+        (
+            "begin_marked_with_lock_timeout",
+            begin_marked(Some(Duration::from_secs(30))),
+        ),
+    ]
 }
 
 /// The claim built around an effect, with the carrier's as the sample, plain and timed; and an effect alone.
@@ -334,19 +343,18 @@ pub(super) fn built_with_effect() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Begins a claim's transaction: with `lock_timeout` set for it alone (`SET LOCAL`) when given, else bounded by the
-/// session's own (`Database::with_lock_timeout`).
+/// The setting a claim's transaction alone holds (`SET LOCAL`, gone with the transaction): [`STILL_OPEN`] tells by it
+/// a transaction the work began after ending the claim's.
+pub const CLAIM_MARK: &str = "SET LOCAL inboxctl.claim = 'on'";
+
+/// Begins a claim's transaction, marked ([`CLAIM_MARK`]): with `lock_timeout` set for it alone (`SET LOCAL`) when
+/// given, else bounded by the session's own (`Database::with_lock_timeout`). One round trip either way.
 pub async fn begin(
     conn: &mut PgConnection,
     lock_timeout: Option<Duration>,
 ) -> sqlx::Result<Transaction<'_, Postgres>> {
-    match lock_timeout {
-        None => conn.begin().await,
-        Some(timeout) => {
-            conn.begin_with(AssertSqlSafe(begin_with_lock_timeout(timeout)))
-                .await
-        }
-    }
+    conn.begin_with(AssertSqlSafe(begin_marked(lock_timeout)))
+        .await
 }
 
 /// One message's key: its id, its event's fingerprint if known, and on a partitioned inbox its time.

@@ -5,10 +5,12 @@
 //! The metrics are kept and written by `prometheus-client`, one registry per process: what `consume` exports is in
 //! [`consume`] (its counters, read from the run's counts at each scrape, and the histograms of its processing time and
 //! of its claims' wait, fed as it goes), what `cleanup --every` exports in [`cleanup`]. axum on hyper serves them, one
-//! response per connection, until the shutdown token is cancelled.
+//! response per connection, a bounded number of connections for a bounded time each ([`listener`]), until the
+//! shutdown token is cancelled.
 
 pub mod cleanup;
 pub mod consume;
+mod listener;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -87,7 +89,7 @@ pub async fn serve(
         .layer(axum::middleware::map_response(close_connection))
         .with_state(exposed);
     tokio::spawn(async move {
-        let served = axum::serve(listener, app)
+        let served = axum::serve(listener::Bounded::new(listener), app)
             .with_graceful_shutdown(shutdown.cancelled_owned())
             .await;
         if let Err(e) = served {

@@ -288,3 +288,201 @@ async fn a_health_look_on_a_silent_connection_gives_its_pool_slot_back() {
         "the silent connection still holds the pool's only slot"
     );
 }
+
+/// Partitioned, the broker is up for `/health` (and `inbox_broker_connected` is 1) only while every partition queue
+/// is consumed: one that never gets to consume (here its connection held at a failpoint; in a cluster, its queue's
+/// node down) while the other partition consumes processes nothing, and a probe must see it. Before, the partitions
+/// shared one flag and the last to write it won.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_that_cannot_consume_makes_the_broker_down() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let failpoint = format!(
+        "open-link=pause@{}",
+        inboxctl::amqp::topology::partition_queue(CARRIER_QUEUE, 1)
+    );
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--partitions",
+            "2",
+            "--partition-key",
+            "parcelId",
+            "--metrics-addr",
+            &addr,
+        ],
+        &[("INBOXCTL_FAILPOINTS", failpoint.as_str())],
+    );
+    consumer.wait_for_stderr("failpoint open-link reached", Duration::from_secs(30));
+    consumer.wait_for_stderr("consuming queue", Duration::from_secs(30));
+    let label = format!("{{consumer_type=\"{CARRIER_QUEUE}\"}}");
+    for _ in 0..3 {
+        assert_eq!(
+            get(port, "/health"),
+            (
+                "HTTP/1.1 503 Service Unavailable".to_owned(),
+                "{\"database\":\"up\",\"broker\":\"down\"}\n".to_owned()
+            ),
+            "{}",
+            consumer.stderr()
+        );
+        assert_eq!(
+            sample(
+                &get(port, "/metrics").1,
+                &format!("inbox_broker_connected{label}")
+            ),
+            Some(0.0)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// `/health`'s database is the consumer's view of it, not only a `SELECT 1`: a consumer whose claims wait on a key
+/// held elsewhere (its one connection busy) is healthy — the look has a connection of its own, where it used to wait
+/// for the busy one and report the database down, which a liveness probe would answer with a restart — and a consumer
+/// that holds its deliveries because the database refuses the inbox's own statements (the table gone) is not, though
+/// `SELECT 1` answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_says_what_the_consumer_sees_of_the_database() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut consumer = env.spawn(&[
+        "consume",
+        "carrier",
+        "--concurrency",
+        "1",
+        "--metrics-addr",
+        &addr,
+    ]);
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let healthy = || {
+        (
+            "HTTP/1.1 200 OK".to_owned(),
+            "{\"database\":\"up\",\"broker\":\"up\"}\n".to_owned(),
+        )
+    };
+    assert_eq!(get(port, "/health"), healthy());
+
+    // Its key held by another transaction: the consumer's only connection waits on it.
+    let id = uuid::Uuid::now_v7();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) VALUES ($1, $2, now(), NULL)",
+    )
+    .bind(id)
+    .bind(CARRIER_QUEUE)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let conn = env.amqp().await;
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    common::eventually("the claim waiting on the key", Duration::from_secs(20), || async {
+        common::count(
+            &pool,
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()",
+        )
+        .await
+            == 1
+    })
+    .await;
+    for _ in 0..3 {
+        assert_eq!(get(port, "/health"), healthy(), "{}", consumer.stderr());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    holder.rollback().await.unwrap();
+    common::eventually("processed", Duration::from_secs(20), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 1
+    })
+    .await;
+
+    // The inbox gone: the consumer holds its deliveries, and says the database is down.
+    sqlx::raw_sql("ALTER TABLE inbox_messages RENAME TO inbox_messages_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    common::publish_parcels(&env, &["--count", "1"]);
+    consumer.wait_for_stderr("holding deliveries", Duration::from_secs(20));
+    assert_eq!(
+        get(port, "/health"),
+        (
+            "HTTP/1.1 503 Service Unavailable".to_owned(),
+            "{\"database\":\"down\",\"broker\":\"up\"}\n".to_owned()
+        )
+    );
+    sqlx::raw_sql("ALTER TABLE inbox_messages_away RENAME TO inbox_messages")
+        .execute(&pool)
+        .await
+        .unwrap();
+    common::eventually("healthy again", Duration::from_secs(30), || async {
+        get(port, "/health") == healthy()
+    })
+    .await;
+    let _ = conn.close(200, "OK".into()).await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
+/// A client that opens connections to the metrics port and sends nothing, or half a request, holds none for long:
+/// each is closed within its lifetime (10 s), and at most 32 are served at once, so a flood of them neither keeps
+/// `/health` from answering for good nor takes the process's file descriptors (which its connections to PostgreSQL
+/// and RabbitMQ need). Before, axum read a request with no timeout: such a connection stayed open for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_that_send_nothing_are_closed_and_bounded() {
+    let env = TestEnv::migrated().await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let _sidecar = env.spawn(&[
+        "cleanup",
+        "--retention",
+        "1d",
+        "--every",
+        "1h",
+        "--metrics-addr",
+        &addr,
+    ]);
+    common::eventually("serving", Duration::from_secs(20), || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    let mut half = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(half, "GET /metrics HTTP/1.1\r\n").unwrap();
+    half.set_read_timeout(Some(Duration::from_secs(25)))
+        .unwrap();
+    let opened = std::time::Instant::now();
+    let mut rest = Vec::new();
+    let read = half.read_to_end(&mut rest);
+    assert!(
+        read.is_ok()
+            || read
+                .as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "closed by the server, not timed out here: {read:?} after {:?}",
+        opened.elapsed()
+    );
+    assert!(
+        opened.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        opened.elapsed()
+    );
+
+    // A flood of silent connections: the health look still answers, once the first of them end.
+    let flood: Vec<_> = (0..40)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(25)))
+        .unwrap();
+    write!(stream, "GET /health HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    drop(flood);
+}

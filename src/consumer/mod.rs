@@ -239,8 +239,12 @@ pub struct RunCounts {
     pub dead_lettered: AtomicU64,
     pub skipped: AtomicU64,
     pub conflicts: AtomicU64,
-    /// Whether the consumer holds a working broker connection now.
-    pub broker_connected: std::sync::atomic::AtomicBool,
+    /// The queues the consumer reads (one, or its partitions) and how many of them it consumes now.
+    pub queues: AtomicUsize,
+    pub queues_consuming: AtomicUsize,
+    /// How many of its queues hold their deliveries now because PostgreSQL is gone or refuses the inbox's own
+    /// statements (a grant, the schema): what a `SELECT 1` cannot see.
+    pub queues_held: AtomicUsize,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
@@ -254,6 +258,18 @@ pub struct RunSummary {
 }
 
 impl RunCounts {
+    /// Whether the consumer holds a working broker connection for every queue it reads: a partition whose consuming
+    /// is refused again and again while the others consume is not "connected".
+    pub fn broker_connected(&self) -> bool {
+        let queues = self.queues.load(Ordering::Relaxed);
+        queues > 0 && self.queues_consuming.load(Ordering::Relaxed) == queues
+    }
+
+    /// Whether every queue takes deliveries as far as PostgreSQL goes: none held up by an outage.
+    pub fn database_taken(&self) -> bool {
+        self.queues_held.load(Ordering::Relaxed) == 0
+    }
+
     pub fn summary(&self) -> RunSummary {
         RunSummary {
             processed: self.processed.load(Ordering::Relaxed),
@@ -296,6 +312,21 @@ struct Shared<C: Consumer> {
     alarm_waits: alarm::AlarmWaits,
     /// Messages gone back to the queue whose copy to the error queue was decided and not made.
     owed: owed::OwedCopies,
+    /// Whether this loop consumes its queue now (counted in `counts.queues_consuming`).
+    consuming: std::sync::atomic::AtomicBool,
+}
+
+impl<C: Consumer> Shared<C> {
+    /// Says whether this loop consumes its queue now; each queue counted once however often it is said.
+    fn set_consuming(&self, consuming: bool) {
+        if self.consuming.swap(consuming, Ordering::Relaxed) != consuming {
+            if consuming {
+                self.counts.queues_consuming.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.counts.queues_consuming.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
 }
 
 fn property_id(delivery: &Delivery) -> Option<Uuid> {

@@ -3,6 +3,7 @@
 //! end of an outage — by a claim, not a `SELECT 1`.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use uuid::Uuid;
@@ -18,6 +19,7 @@ pub(super) fn database_back<C: Consumer>(shared: &Shared<C>) {
         .database_up
         .send_if_modified(|up| !std::mem::replace(up, true))
     {
+        shared.counts.queues_held.fetch_sub(1, Ordering::Relaxed);
         tracing::info!("PostgreSQL is back: taking deliveries again");
     }
 }
@@ -44,6 +46,7 @@ pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error
         .database_up
         .send_if_modified(|up| std::mem::replace(up, false))
     {
+        shared.counts.queues_held.fetch_add(1, Ordering::Relaxed);
         let text = crate::redact::text(&crate::db::describe(error));
         if crate::db::is_no_partition_for_now(error) {
             tracing::error!(error = %text, "the inbox cannot take messages of now: holding deliveries until it can");

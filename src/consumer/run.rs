@@ -75,6 +75,7 @@ pub async fn run<C: Consumer>(
     };
     let alone = Arc::new(tokio::sync::RwLock::new(()));
     let stop = shutdown.child_token();
+    counts.queues.store(queues.len(), Ordering::Relaxed);
     let runs = queues.into_iter().map(|queue| {
         let shared = Arc::new(Shared {
             input_address: broker.queue_address(&queue),
@@ -92,6 +93,7 @@ pub async fn run<C: Consumer>(
             routing_key_warned: std::sync::atomic::AtomicBool::new(false),
             alarm_waits: super::alarm::AlarmWaits::new(&options),
             owed: super::owed::OwedCopies::default(),
+            consuming: std::sync::atomic::AtomicBool::new(false),
         });
         let stop = stop.clone();
         async move {
@@ -161,10 +163,7 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
         }
         // Deliveries in flight on a lost connection finish their database work; their acks fail and the broker
         // delivers them again, as duplicates.
-        shared
-            .counts
-            .broker_connected
-            .store(false, Ordering::Relaxed);
+        shared.set_consuming(false);
         link.close("reconnecting").await;
         // A connection that consumed for a while was a recovery: the next starts at once. One that ended as it began
         // — consuming refused (the queue in exclusive use, deleted, a permission), or cancelled at once — waits its
@@ -212,10 +211,7 @@ async fn start_consuming<C: Consumer>(
         consumer_type = %shared.inbox.consumer_type(),
         "consuming"
     );
-    shared
-        .counts
-        .broker_connected
-        .store(true, Ordering::Relaxed);
+    shared.set_consuming(true);
     Some(deliveries)
 }
 
@@ -444,10 +440,7 @@ impl Workers {
     ) {
         self.batches.take();
         drain(shared, &mut self.tasks, deadline).await;
-        shared
-            .counts
-            .broker_connected
-            .store(false, Ordering::Relaxed);
+        shared.set_consuming(false);
     }
 
     /// Like [`Workers::finish`] with no deadline: the work in flight runs to its end, however long — unless a stop
@@ -480,10 +473,7 @@ impl Workers {
                 return true;
             }
         }
-        shared
-            .counts
-            .broker_connected
-            .store(false, Ordering::Relaxed);
+        shared.set_consuming(false);
         false
     }
 }

@@ -58,7 +58,7 @@ pub async fn consume_guarded<G: WorkGuard>(
         if let Some(addr) = config.metrics_addr {
             let (registry, fed) = metrics::consume::registry(&consumer_type, Arc::clone(&counts));
             let health = metrics::consume::ConsumerHealth {
-                pool: pool.clone(),
+                pool: db.message_pool(1).await?,
                 counts: Arc::clone(&counts),
             };
             metrics::serve(addr, registry, Arc::new(health), shutdown.clone()).await?;

@@ -3,7 +3,6 @@
 //! as it goes through [`Timings`].
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
@@ -130,11 +129,11 @@ impl Collector for Counts {
             let sample = (self.label.clone(), ConstCounter::new(value));
             encode_family(&mut encoder, name, help, MetricType::Counter, [sample])?;
         }
-        let up = i64::from(self.counts.broker_connected.load(Ordering::Relaxed));
+        let up = i64::from(self.counts.broker_connected());
         encode_family(
             &mut encoder,
             "inbox_broker_connected",
-            "1 while the consumer holds a working RabbitMQ connection.",
+            "1 while the consumer consumes its queue (partitioned: every one of its partitions) on a working RabbitMQ connection.",
             MetricType::Gauge,
             [(self.label.clone(), ConstGauge::new(up))],
         )
@@ -143,6 +142,8 @@ impl Collector for Counts {
 
 /// A consumer depends on PostgreSQL and RabbitMQ.
 pub struct ConsumerHealth {
+    /// A pool of its own for the look (one connection): on the messages' pool, a look would wait for a connection
+    /// every worker holds (a claim waiting on a key, a keyed call) and report a healthy database down.
     pub pool: PgPool,
     pub counts: Arc<RunCounts>,
 }
@@ -151,11 +152,13 @@ impl Health for ConsumerHealth {
     fn check(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>> {
         Box::pin(async move {
             vec![
-                ("database", super::database_up(&self.pool).await),
+                // Up when it answers and no queue holds its deliveries for it: a consumer whose claims the
+                // database refuses (a grant taken away) answers a `SELECT 1` and processes nothing.
                 (
-                    "broker",
-                    self.counts.broker_connected.load(Ordering::Relaxed),
+                    "database",
+                    self.counts.database_taken() && super::database_up(&self.pool).await,
                 ),
+                ("broker", self.counts.broker_connected()),
             ]
         })
     }
@@ -170,7 +173,9 @@ mod tests {
     #[test]
     fn families_are_written_in_the_text_format() {
         let counts = Arc::new(RunCounts::default());
-        counts.duplicates.store(3, Ordering::Relaxed);
+        counts
+            .duplicates
+            .store(3, std::sync::atomic::Ordering::Relaxed);
         let label = ConsumerLabel {
             consumer_type: "a\"b\\c\nd".to_owned(),
         };

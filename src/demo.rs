@@ -52,6 +52,40 @@ pub struct Tally {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub carrier_bookings: Option<u64>,
     pub seconds: f64,
+    /// Copies this run published again (the same message id).
+    #[serde(skip)]
+    pub duplicates_published: u64,
+}
+
+impl Tally {
+    /// Where the run did not show what it is for — one effect per parcel in each table (and one booking), each copy
+    /// sent again discarded by both consumers — each said in a sentence; empty when it did. A copy delivered again
+    /// by the broker is discarded once more, so more discards than copies is no gap.
+    pub fn gaps(&self) -> Vec<String> {
+        let parcels = i64::try_from(self.parcels).unwrap_or(i64::MAX);
+        let mut gaps = Vec::new();
+        for (what, count) in [
+            ("carrier_reservations", self.carrier_reservations),
+            ("notifications_sent", self.notifications_sent),
+        ] {
+            if count != parcels {
+                gaps.push(format!("{what} holds {count} rows for {parcels} parcels"));
+            }
+        }
+        if let Some(bookings) = self.carrier_bookings.filter(|b| *b != self.parcels) {
+            gaps.push(format!(
+                "the carrier counted {bookings} bookings for {parcels} parcels"
+            ));
+        }
+        let expected = self.duplicates_published.saturating_mul(2);
+        if u64::try_from(self.duplicates_discarded).unwrap_or(0) < expected {
+            gaps.push(format!(
+                "{} copies discarded where {} were sent again (each discarded by both consumers: {expected})",
+                self.duplicates_discarded, self.duplicates_published
+            ));
+        }
+        gaps
+    }
 }
 
 /// How long a consumer waits with nothing arriving and its queue empty before the demo calls it done.
@@ -78,6 +112,16 @@ pub async fn run(
             topology::QueueType::Classic,
         )
         .await?;
+        if let Some((_, readers @ 1..)) =
+            topology::queue_depth(&connection, kind.default_queue()).await?
+        {
+            tracing::warn!(
+                queue = kind.default_queue(),
+                consumers = readers,
+                "another process already consumes this queue: it may take some of this run's messages, and the \
+                 demo's counts then fall short"
+            );
+        }
     }
     let plan = Plan {
         duplicates: demo.duplicates,
@@ -155,5 +199,6 @@ pub async fn run(
                 .count() as u64
         }),
         seconds: (started.elapsed().as_secs_f64() * 100.0).round() / 100.0,
+        duplicates_published: published.duplicates,
     })
 }

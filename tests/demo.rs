@@ -66,3 +66,38 @@ async fn demo_against_a_carrier_on_http_counts_its_bookings() {
         40
     );
 }
+
+/// A demo that did not show one effect per parcel says so and ends 3, not 0: here another consumer of the carrier's
+/// queue (booking with the stand-in that writes a row) takes some of the run's messages, so the stand-in carrier on
+/// HTTP counts fewer bookings than parcels.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_demo_whose_counts_fall_short_says_so_and_does_not_end_zero() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let other = env.spawn(&["consume", "carrier"]);
+    other.wait_for_stderr("consuming", std::time::Duration::from_secs(20));
+    let out = env.run(&[
+        "demo",
+        "--parcels",
+        "200",
+        "--duplicates",
+        "0",
+        "--carrier",
+        "http",
+    ]);
+    other.terminate();
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stderr.contains("another process already consumes"),
+        "{}",
+        out.stderr
+    );
+    assert!(
+        out.stderr
+            .contains("the demo did not show one effect per parcel: the carrier counted"),
+        "{}",
+        out.stderr
+    );
+    let tally: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert!(tally["carrier_bookings"].as_u64().unwrap() < 200, "{tally}");
+}

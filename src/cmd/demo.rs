@@ -52,5 +52,13 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if shutdown.is_cancelled() {
         return Ok(Outcome::Partial);
     }
-    Ok(Outcome::Done)
+    let gaps = tally.gaps();
+    for gap in &gaps {
+        tracing::warn!("the demo did not show one effect per parcel: {gap}");
+    }
+    Ok(if gaps.is_empty() {
+        Outcome::Done
+    } else {
+        Outcome::Partial
+    })
 }

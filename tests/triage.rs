@@ -967,6 +967,21 @@ async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was(
         "the error queue is as it was"
     );
 
+    // The same id twice, spelt two ways: one message, its copies under it.
+    let braced = format!("{{{}}}", id.to_string().to_uppercase());
+    let out = env.run(&["find", &id.to_string(), &braced, "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    assert_eq!(report["messages"].as_array().unwrap().len(), 1, "{report}");
+    assert_eq!(
+        report["messages"][0]["dead_letters"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3,
+        "{report}"
+    );
+
     // On a terminal's table too, and the note that looking marks messages redelivered.
     let out = env.run(&["find", &id.to_string()]);
     assert_eq!(out.code, Some(0), "{out:?}");

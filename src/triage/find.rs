@@ -109,8 +109,17 @@ pub async fn find(
     vhost: &str,
     plan: &Plan,
 ) -> Result<Report> {
-    let mut messages = Vec::with_capacity(plan.ids.len());
-    for &id in &plan.ids {
+    // One entry per message, in the order given: an id given twice (`{…}` and plain, upper and lower case) would
+    // otherwise get its dead-letter copies under its last entry only and be "found nowhere" under the first.
+    let mut seen = std::collections::HashSet::new();
+    let ids: Vec<Uuid> = plan
+        .ids
+        .iter()
+        .copied()
+        .filter(|id| seen.insert(*id))
+        .collect();
+    let mut messages = Vec::with_capacity(ids.len());
+    for &id in &ids {
         messages.push(in_database(pool, id).await?);
     }
     let mut queues: BTreeSet<String> = BTreeSet::new();
@@ -119,12 +128,7 @@ pub async fn find(
         queues.insert(topology::skipped_queue(&queue));
     }
     queues.extend(plan.dlqs.iter().cloned());
-    let index: HashMap<Uuid, usize> = plan
-        .ids
-        .iter()
-        .enumerate()
-        .map(|(i, id)| (*id, i))
-        .collect();
+    let index: HashMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
     let mut looked_in = Vec::with_capacity(queues.len());
     for queue in queues {
         if crate::amqp::validate_name("queue", &queue).is_err() {

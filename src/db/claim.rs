@@ -175,7 +175,7 @@ SELECT id, first FROM c";
     /// It also answers whether the transaction is still the claim's: a work that ended it itself (a `ROLLBACK` or
     /// `COMMIT` of its own) leaves the connection outside any transaction, with no transaction id — the claim wrote
     /// its row, so its transaction has one (asked only where a claim wrote) — or, if it then began another, in a
-    /// transaction without the claim's mark ([`CLAIM_MARK`], set for the claim's transaction alone by [`begin`]).
+    /// transaction without the claim's mark (`inboxctl.claim`, set for the claim's transaction alone by [`begin`]).
     /// sqlx's commit, which counts transactions itself, would send a `COMMIT` that PostgreSQL answers with a warning
     /// only, or that commits the work's own transaction: a rolled-back claim taken for committed, its work done again
     /// by the next copy.
@@ -311,9 +311,9 @@ pub async fn effect_alone_with(
 /// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
 fn begin_marked(lock_timeout: Option<Duration>) -> String {
     match lock_timeout {
-        None => format!("BEGIN; {CLAIM_MARK}"),
+        None => "BEGIN; SET LOCAL inboxctl.claim = 'on'".to_owned(),
         Some(timeout) => format!(
-            "BEGIN; SET LOCAL lock_timeout = {}; {CLAIM_MARK}",
+            "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL inboxctl.claim = 'on'",
             timeout.as_millis().max(1)
         ),
     }
@@ -343,11 +343,8 @@ pub(super) fn built_with_effect() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The setting a claim's transaction alone holds (`SET LOCAL`, gone with the transaction): [`STILL_OPEN`] tells by it
-/// a transaction the work began after ending the claim's.
-pub const CLAIM_MARK: &str = "SET LOCAL inboxctl.claim = 'on'";
-
-/// Begins a claim's transaction, marked ([`CLAIM_MARK`]): with `lock_timeout` set for it alone (`SET LOCAL`) when
+/// Begins a claim's transaction, marked (`inboxctl.claim` set to `on` for it alone, `SET LOCAL`, gone with it:
+/// [`STILL_OPEN`] tells by it a transaction the work began after ending the claim's): with `lock_timeout` set for it alone (`SET LOCAL`) when
 /// given, else bounded by the session's own (`Database::with_lock_timeout`). One round trip either way.
 pub async fn begin(
     conn: &mut PgConnection,

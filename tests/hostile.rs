@@ -591,6 +591,60 @@ async fn a_poison_whose_move_aside_is_refused_keeps_its_counts() {
         out.stderr
     );
     assert_eq!(effects(&pool).await, 0, "never processed: {}", out.stderr);
+    let attempts = "SELECT count(*) FROM inboxctl_attempts";
+    assert_eq!(
+        common::count(&pool, attempts).await,
+        0,
+        "moved aside, its counts go"
+    );
+
+    // Refused, then taken by the same process when it comes round (its owed copy): its counts go too — left, a
+    // replay of it redelivered once would be moved aside as poison again without running.
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    common::declare_queue_that_refuses_everything(&conn, ERROR_QUEUE).await;
+    let second = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(second, "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    assert_eq!(common::peek(&conn, CARRIER_QUEUE).await.len(), 1);
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, alone) VALUES ($1, $2, 3, 3)",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(second)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut consumer = env.spawn(&["consume", "carrier", "--poison-after", "3"]);
+    consumer.wait_for_stderr(
+        &format!("could not move a message to {ERROR_QUEUE}"),
+        Duration::from_secs(30),
+    );
+    channel
+        .queue_delete(ERROR_QUEUE.into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    common::eventually(
+        "moved aside when it came round",
+        Duration::from_secs(30),
+        || async { env.queue_exists(ERROR_QUEUE) && env.queue_counts(ERROR_QUEUE).0 == 1 },
+    )
+    .await;
+    common::eventually("its counts gone", Duration::from_secs(10), || async {
+        common::count(&pool, attempts).await == 0
+    })
+    .await;
+    assert_eq!(
+        effects(&pool).await,
+        0,
+        "never processed: {}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
 
 /// What became of a redelivered message whose move aside panicked once.

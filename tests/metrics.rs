@@ -486,3 +486,54 @@ async fn connections_that_send_nothing_are_closed_and_bounded() {
     assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
     drop(flood);
 }
+
+/// A conflict (an id reused for another event) is counted once it is settled — moved to the error queue — not each
+/// time it comes round because the broker refused its copy: `inbox_conflicts_total` 0 while the copy is refused, 1
+/// once it went.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conflict_is_counted_once_however_often_its_copy_is_refused() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::declare_queue_that_refuses_everything(&conn, &error_queue).await;
+    let id = uuid::Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    common::consume_until_idle(&env, &["carrier"]);
+    let (props, body, _) = common::parcel_message(id, "Paris");
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let consumer = env.spawn(&["consume", "carrier", "--metrics-addr", &addr]);
+    consumer.wait_for_stderr(
+        &format!("could not move a message to {error_queue}"),
+        Duration::from_secs(30),
+    );
+    let label = format!("{{consumer_type=\"{CARRIER_QUEUE}\"}}");
+    let conflicts = || {
+        sample(
+            &get(port, "/metrics").1,
+            &format!("inbox_conflicts_total{label}"),
+        )
+    };
+    assert_eq!(conflicts(), Some(0.0), "{}", consumer.stderr());
+    conn.create_channel()
+        .await
+        .unwrap()
+        .queue_delete(
+            error_queue.as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    common::eventually("the copy moved aside", Duration::from_secs(30), || async {
+        env.queue_exists(&error_queue) && env.queue_counts(&error_queue).0 == 1
+    })
+    .await;
+    common::eventually("counted", Duration::from_secs(10), || async {
+        conflicts() == Some(1.0)
+    })
+    .await;
+    assert_eq!(conflicts(), Some(1.0), "{}", consumer.stderr());
+}

@@ -19,8 +19,8 @@ use super::outage::{database_back, unavailable, wait_to_retry};
 use super::owed;
 use super::poison;
 use super::{
-    MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, OnConflict, Shared, error_chain, lock,
-    logged, panic_message, property_id, retry_delay, sleep_or_cancel,
+    HOLD_IMPOSSIBLE, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, OnConflict, Shared,
+    error_chain, lock, logged, panic_message, property_id, retry_delay, sleep_or_cancel,
 };
 use crate::amqp::envelope::{self, Incoming};
 use crate::backoff::Backoff;
@@ -57,8 +57,16 @@ pub(super) async fn handle<C: Consumer>(
         // A message that cannot be settled now (its handling panicked, its dead-letter copy refused) is handled again
         // here after its pause, not given back: given back, it would come round behind the partition's later
         // messages that the broker has sent already (up to the prefetch), and they would overtake it. A stop or a
-        // lost connection gives it back, in order, as for any message of the partition.
-        while let Disposition::RequeueAfter(pause) = disposition {
+        // lost connection gives it back, in order, as for any message of the partition. Not for ever: after
+        // IN_PLACE_TRIES it goes back as elsewhere (its key's order then lost, as for a message moved aside), so that
+        // one that can never be settled (a copy that can never be made, a handling that always panics) does not hold
+        // its partition for good, unacknowledged where nobody can move it by hand.
+        let mut tries = 0;
+        while let Disposition::RequeueAfter(pause) = disposition
+            && pause < HOLD_IMPOSSIBLE
+            && tries < IN_PLACE_TRIES
+        {
+            tries += 1;
             let stopped = tokio::select! {
                 stopped = sleep_or_cancel(pause, &shared.shutdown) => stopped,
                 () = link.given_up() => true,
@@ -73,6 +81,9 @@ pub(super) async fn handle<C: Consumer>(
     }
     settle(shared, link, &delivery, disposition, started).await;
 }
+
+/// How many times a partition's message that cannot be settled now is handled again in place before it goes back.
+const IN_PLACE_TRIES: u32 = 3;
 
 /// [`dispose`] (`again`: handled before in this process, as a redelivery is), a panic in it taken as
 /// [`handling_panicked`].
@@ -545,8 +556,9 @@ pub(super) fn duplicate<C: Consumer>(shared: &Shared<C>, id: Uuid) {
     );
 }
 
-/// A copy whose message id was processed before for another event: never processed; counted and logged as a
-/// conflict (the claim recorded it), then moved to the error queue or dropped, as the operator chose.
+/// A copy whose message id was processed before for another event: never processed; logged as a conflict (the claim
+/// recorded it), then moved to the error queue or dropped, as the operator chose, and counted once that is done (a
+/// copy to the error queue refused comes round again, and would be counted again).
 pub(super) async fn conflict<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
@@ -554,7 +566,6 @@ pub(super) async fn conflict<C: Consumer>(
     ready: &Ready<C::Message>,
     conflict: Conflict,
 ) -> Disposition {
-    shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
     let id = ready.incoming.message_id;
     let then = match shared.options.on_conflict {
         OnConflict::DeadLetter => "moving it to the error queue",
@@ -567,7 +578,7 @@ pub(super) async fn conflict<C: Consumer>(
         this_event = %conflict.this,
         "message id reused for another event: this message was not processed; {then}"
     );
-    match shared.options.on_conflict {
+    let disposition = match shared.options.on_conflict {
         OnConflict::Discard => Disposition::Ack,
         OnConflict::DeadLetter => {
             let reason = format!(
@@ -578,5 +589,9 @@ pub(super) async fn conflict<C: Consumer>(
             let fault = (CONFLICT_FAULT, reason.clone(), reason);
             error_queue(shared, link, delivery, ready, &fault, 0).await
         }
+    };
+    if matches!(disposition, Disposition::Ack) {
+        shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
     }
+    disposition
 }

@@ -174,6 +174,21 @@ fn redelivery_count(id: Uuid, kept: sqlx::Result<()>) {
     }
 }
 
+/// The fault type of a poison's copy in the error queue.
+pub(super) const POISON_FAULT: &str = "inboxctl::PoisonMessage";
+
+/// A poison moved aside later than it was found (its copy refused then, owed since): its counts go, as they go when
+/// the move succeeds at once — left, a replay of it redelivered once would be moved aside again, never run.
+pub(super) async fn moved_aside_later<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    let kept = bounded!(shared, |conn| attempts::done(
+        conn,
+        shared.inbox.consumer_type(),
+        id
+    ))
+    .await;
+    redelivery_count(id, kept);
+}
+
 /// A message whose processing ended its process `alone` times while nothing else was in flight: to the error queue.
 async fn poison<C: Consumer>(
     shared: &Shared<C>,
@@ -188,7 +203,7 @@ async fn poison<C: Consumer>(
          (a crash, an abort or a kill while it was the only message in flight)"
     );
     tracing::error!(message_id = %id, alone, "poison message; moving it to the error queue");
-    let fault = ("inboxctl::PoisonMessage", reason.clone(), reason);
+    let fault = (POISON_FAULT, reason.clone(), reason);
     let retries = i32::try_from(alone).unwrap_or(i32::MAX);
     error_queue(shared, link, delivery, ready, &fault, retries).await
 }

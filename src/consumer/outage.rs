@@ -15,11 +15,14 @@ use crate::inbox::{Carried, Fingerprint, Outcome, ProcessError, Work, WorkError}
 /// An attempt reached PostgreSQL (its claim went through, whatever came of its work): intake resumes if an outage
 /// had paused it.
 pub(super) fn database_back<C: Consumer>(shared: &Shared<C>) {
-    if shared
-        .database_up
-        .send_if_modified(|up| !std::mem::replace(up, true))
-    {
-        shared.counts.queues_held.fetch_sub(1, Ordering::Relaxed);
+    // The count moves under the watch's lock, with the state it counts.
+    if shared.database_up.send_if_modified(|up| {
+        let back = !std::mem::replace(up, true);
+        if back {
+            shared.counts.queues_held.fetch_sub(1, Ordering::Relaxed);
+        }
+        back
+    }) {
         tracing::info!("PostgreSQL is back: taking deliveries again");
     }
 }
@@ -42,11 +45,13 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
 }
 
 pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {
-    if shared
-        .database_up
-        .send_if_modified(|up| std::mem::replace(up, false))
-    {
-        shared.counts.queues_held.fetch_add(1, Ordering::Relaxed);
+    if shared.database_up.send_if_modified(|up| {
+        let gone = std::mem::replace(up, false);
+        if gone {
+            shared.counts.queues_held.fetch_add(1, Ordering::Relaxed);
+        }
+        gone
+    }) {
         let text = crate::redact::text(&crate::db::describe(error));
         if crate::db::is_no_partition_for_now(error) {
             tracing::error!(error = %text, "the inbox cannot take messages of now: holding deliveries until it can");

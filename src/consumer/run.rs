@@ -124,6 +124,7 @@ pub async fn run<C: Consumer>(
 /// Reads one queue until the stop: one broker connection after another.
 async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Result<()> {
     let shutdown = shared.shutdown.clone();
+    let _watching = watch_database(&shared);
     let mut workers = Workers::start(&shared);
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     let mut first = true;
@@ -176,6 +177,29 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
     }
     workers.finish(&shared, stop_deadline(&shared)).await;
     Ok(())
+}
+
+/// Looks for PostgreSQL's return whenever an attempt found it gone, until the guard returned is dropped: a delivery
+/// waiting for it looks too, but a quiet queue has none, and would stay held — `/health` saying the database down —
+/// long after it came back.
+fn watch_database<C: Consumer>(shared: &Arc<Shared<C>>) -> tokio_util::sync::DropGuard {
+    let watching = shared.shutdown.child_token();
+    let shared = Arc::clone(shared);
+    let stop = watching.clone();
+    tokio::spawn(async move {
+        let mut up = shared.database_up.subscribe();
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                gone = up.wait_for(|up| !*up) => if gone.is_err() { return },
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                back = super::outage::wait_for_database(&shared) => if !back { return },
+            }
+        }
+    });
+    watching.drop_guard()
 }
 
 /// Why consuming on one connection ended.

@@ -998,6 +998,78 @@ async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was(
     assert!(out.stderr.contains("is not a message id"), "{out:?}");
 }
 
+/// `failures` and `find` take nothing, so a stop (Ctrl-C) ends them at once, exit 3: the messages they held go back
+/// to their queue in their order as the connection closes. Before, the first Ctrl-C only said "finishing what is in
+/// flight" while a look at a long queue went on, and a second one ended it with exit 130.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_look_is_ended_at_once_by_a_stop_and_leaves_the_queue_as_it_was() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    for i in 0..5 {
+        fail(
+            &conn,
+            ERROR_QUEUE,
+            "System.TimeoutException",
+            &format!("timeout {i}"),
+            TimeDelta::zero(),
+        )
+        .await;
+    }
+    let before = ids_in(&conn, ERROR_QUEUE).await;
+    common::eventually(
+        "the looked-at messages back",
+        Duration::from_secs(10),
+        || async { env.queue_counts(ERROR_QUEUE) == (5, 0) },
+    )
+    .await;
+    let failpoint = format!("peek=pause@{ERROR_QUEUE}");
+    for command in [
+        vec!["failures", "--from", ERROR_QUEUE],
+        vec!["find", &before[0], "--dlq", ERROR_QUEUE],
+    ] {
+        let mut look = env.spawn_with(&command, &[("INBOXCTL_FAILPOINTS", failpoint.as_str())]);
+        look.wait_for_stderr("failpoint peek reached", Duration::from_secs(20));
+        let status = std::process::Command::new("kill")
+            .args(["-INT", &look.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let asked = Instant::now();
+        assert_eq!(
+            look.wait(Duration::from_secs(20)),
+            Some(3),
+            "{}",
+            look.stderr()
+        );
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "{command:?} took {:?} to end",
+            asked.elapsed()
+        );
+        assert!(
+            look.stderr().contains("interrupted: nothing was taken"),
+            "{}",
+            look.stderr()
+        );
+        common::eventually(
+            "the held messages back",
+            Duration::from_secs(10),
+            || async { env.queue_counts(ERROR_QUEUE) == (5, 0) },
+        )
+        .await;
+        assert_eq!(ids_in(&conn, ERROR_QUEUE).await, before, "{command:?}");
+        common::eventually(
+            "the look's messages back",
+            Duration::from_secs(10),
+            || async { env.queue_counts(ERROR_QUEUE) == (5, 0) },
+        )
+        .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn stats_shows_the_oldest_dead_letter_beside_the_retention() {
     let env = TestEnv::migrated().await;

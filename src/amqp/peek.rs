@@ -48,6 +48,7 @@ pub async fn each(
             last = Some(message.delivery.delivery_tag);
             looked += 1;
             visit(&message.delivery);
+            crate::failpoint::hit_with("peek", queue).await;
         }
         Ok::<_, crate::error::Error>(())
     }

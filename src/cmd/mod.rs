@@ -65,8 +65,8 @@ pub async fn run(
         Command::Migrate(args) => migrate::run(args, global).await,
         Command::Consume(args) => consume::run(*args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
-        Command::Find(args) => find::run(args, global).await,
-        Command::Failures(args) => failures::run(args, global).await,
+        Command::Find(args) => until_stopped(find::run(args, global), &shutdown).await,
+        Command::Failures(args) => until_stopped(failures::run(args, global), &shutdown).await,
         Command::Publish(args) => publish::run(args, global, shutdown).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
         Command::Stats(args) => stats::run(args, global).await,
@@ -76,5 +76,22 @@ pub async fn run(
         Command::Audit(args) => audit::run(args, global).await,
         Command::CarrierStub(args) => carrier_stub::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
+    }
+}
+
+/// A look at dead-letter queues, ended at once by a stop (it takes nothing: there is nothing to finish). Its
+/// connection goes with it, and the broker gives back every message it held, each to its place.
+async fn until_stopped(
+    look: impl Future<Output = Result<Outcome>>,
+    shutdown: &CancellationToken,
+) -> Result<Outcome> {
+    tokio::select! {
+        outcome = look => outcome,
+        () = shutdown.cancelled() => {
+            tracing::warn!(
+                "interrupted: nothing was taken; the messages looked at go back to their queues as the connection closes"
+            );
+            Ok(Outcome::Partial)
+        }
     }
 }

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The copies waiting out an alarm, and how many may: each holds a worker (`--concurrency`), and the workers left
 /// go on with the other messages — half of them, rounded down (with one worker, none waits). A partition queue's copy
-/// always waits: given back, its message would come straight back, ahead of the partition's later ones, and be tried
-/// again and again.
+/// always waits: given back, its message would come round behind the partition's later messages the consumer holds
+/// already (the prefetch), which would overtake it.
 pub(crate) struct AlarmWaits {
     waiting: AtomicUsize,
     most: usize,

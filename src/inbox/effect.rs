@@ -296,14 +296,56 @@ fn highest_parameter(sql: &str) -> usize {
     highest
 }
 
-/// Whether `sql` names `claimed` as a word, in any case (not inside `unclaimed` or `claimed_at`).
+/// Whether `sql` reads `claimed` as a relation: the word, in any case and outside string literals, in a `FROM`,
+/// `JOIN` or `USING` clause (the nearest clause keyword before it) — not a column of that name (`SET claimed = true`,
+/// which writes for copies too), not inside `unclaimed` or `claimed_at`, not in a quoted string.
 fn names_claimed(sql: &str) -> bool {
-    let word = |c: char| c.is_alphanumeric() || c == '_';
-    let lower = sql.to_ascii_lowercase();
-    lower.match_indices("claimed").any(|(at, found)| {
-        let before = lower[..at].chars().next_back();
-        let after = lower[at + found.len()..].chars().next();
-        !before.is_some_and(word) && !after.is_some_and(word)
+    const CLAUSES: [&str; 18] = [
+        "from",
+        "join",
+        "using",
+        "set",
+        "select",
+        "where",
+        "values",
+        "on",
+        "and",
+        "or",
+        "returning",
+        "into",
+        "update",
+        "insert",
+        "delete",
+        "by",
+        "having",
+        "with",
+    ];
+    // Literals blanked, so that nothing inside one counts.
+    let mut quoted = false;
+    let text: String = sql
+        .chars()
+        .map(|c| {
+            if c == '\'' {
+                quoted = !quoted;
+                ' '
+            } else if quoted {
+                ' '
+            } else {
+                c.to_ascii_lowercase()
+            }
+        })
+        .collect();
+    let words: Vec<&str> = text
+        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
+        .collect();
+    words.iter().enumerate().any(|(at, word)| {
+        *word == "claimed"
+            && words[..at]
+                .iter()
+                .rev()
+                .find(|w| CLAUSES.contains(w))
+                .is_some_and(|clause| ["from", "join", "using"].contains(clause))
     })
 }
 
@@ -322,6 +364,19 @@ mod tests {
         assert!(!names_claimed("INSERT INTO unclaimed SELECT $1"));
         assert!(!names_claimed("INSERT INTO t (claimed_at) VALUES (now())"));
         assert!(names_claimed("insert into t select $1 from CLAIMED"));
+        assert!(names_claimed(
+            "UPDATE t SET n = 1 FROM u, claimed WHERE t.id = $1"
+        ));
+        assert!(names_claimed(
+            "INSERT INTO t SELECT $1 FROM u JOIN claimed ON true"
+        ));
+        // A column of that name, or the word in a literal: the statement would write for copies too.
+        assert!(!names_claimed(
+            "UPDATE accounts SET balance = balance + $2, claimed = true WHERE id = $1"
+        ));
+        assert!(!names_claimed(
+            "INSERT INTO t SELECT $1, 'from claimed' FROM u"
+        ));
     }
 
     #[test]

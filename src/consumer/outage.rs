@@ -92,8 +92,14 @@ pub(super) async fn wait_to_retry<C: Consumer>(
 /// back when they reach it again, but each of them may end first — its work panicking once the database is back, say,
 /// or its connection to RabbitMQ lost — and then nothing would: so the wait looks too, every [`OUTAGE_DELAY_MAX`], one
 /// look at a time. A look runs in a task of its own, to its end: dropped half-way (by a stop, or this wait ending), its
-/// pooled connection would go back through sqlx's ping, which no bound covers.
-pub(super) async fn wait_for_database<C: Consumer>(shared: &Arc<Shared<C>>) -> bool {
+/// pooled connection would go back through sqlx's ping, which no bound covers. `when_idle`: look only while no
+/// delivery is in flight (the run's own watch, [`super::run`]): a delivery in flight tries again itself, or waits
+/// here and looks — and a look's claim of a new id does not meet what a held delivery may (a copy's record, a
+/// message's own statements), so looking beside it would only mark the database back for it to fail again.
+pub(super) async fn wait_for_database<C: Consumer>(
+    shared: &Arc<Shared<C>>,
+    when_idle: bool,
+) -> bool {
     let mut up = shared.database_up.subscribe();
     let mut look: Option<tokio::task::JoinHandle<()>> = None;
     loop {
@@ -101,7 +107,8 @@ pub(super) async fn wait_for_database<C: Consumer>(shared: &Arc<Shared<C>>) -> b
             () = shared.shutdown.cancelled() => return false,
             result = up.wait_for(|up| *up) => return result.is_ok(),
             () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
-                if look.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
+                let busy = when_idle && shared.in_flight.load(std::sync::atomic::Ordering::SeqCst) > 0;
+                if !busy && look.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
                     let shared = Arc::clone(shared);
                     look = Some(tokio::spawn(async move {
                         if the_claim_answers(&shared).await {

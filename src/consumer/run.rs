@@ -179,9 +179,9 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
     Ok(())
 }
 
-/// Looks for PostgreSQL's return whenever an attempt found it gone, until the guard returned is dropped: a delivery
-/// waiting for it looks too, but a quiet queue has none, and would stay held — `/health` saying the database down —
-/// long after it came back.
+/// Looks for PostgreSQL's return whenever an attempt found it gone and no delivery is in flight, until the guard
+/// returned is dropped: a delivery waiting for it looks itself, but a quiet queue has none, and would stay held —
+/// `/health` saying the database down — long after it came back.
 fn watch_database<C: Consumer>(shared: &Arc<Shared<C>>) -> tokio_util::sync::DropGuard {
     let watching = shared.shutdown.child_token();
     let shared = Arc::clone(shared);
@@ -195,7 +195,7 @@ fn watch_database<C: Consumer>(shared: &Arc<Shared<C>>) -> tokio_util::sync::Dro
             }
             tokio::select! {
                 () = stop.cancelled() => return,
-                back = super::outage::wait_for_database(&shared) => if !back { return },
+                back = super::outage::wait_for_database(&shared, true) => if !back { return },
             }
         }
     });
@@ -434,7 +434,7 @@ impl Workers {
         link: &Arc<Link>,
         delivery: lapin::message::Delivery,
     ) -> Handover {
-        if !wait_for_database(shared).await {
+        if !wait_for_database(shared, false).await {
             return Handover::Stop;
         }
         // A redelivered message is processed on its own: if it is what ended a process, it must not take a batch's

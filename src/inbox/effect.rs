@@ -26,7 +26,7 @@ use crate::failpoint;
 ///
 /// Never sent with the claim (the message goes the usual way, and the inbox says why, once a process): a statement
 /// that is not an `INSERT`, `UPDATE` or `DELETE` (PostgreSQL runs a `SELECT` inside `WITH` only if something reads
-/// it, and nothing does), one that does not name `claimed` at all (it cannot write only through it), and one that
+/// it, and nothing does), one that does not read `claimed` in a `FROM`, `JOIN` or `USING` clause (it cannot write only through it), and one that
 /// uses a parameter beyond those bound (it would read the claim's own).
 pub struct Effect {
     sql: &'static str,
@@ -250,7 +250,7 @@ fn say_once(why: &'static str, sql: &str) {
 }
 
 /// Why `sql` cannot be sent inside the claim's statement, if it cannot: not a data-modifying statement, or one that
-/// does not name `claimed`.
+/// does not read `claimed` as a relation.
 fn unfit(sql: &str) -> Option<&'static str> {
     let first = sql
         .trim_start()
@@ -266,7 +266,9 @@ fn unfit(sql: &str) -> Option<&'static str> {
         );
     }
     if !names_claimed(sql) {
-        return Some("it does not name `claimed`, and would write for copies too");
+        return Some(
+            "it does not read `claimed` in a FROM, JOIN or USING clause, and would write for copies too",
+        );
     }
     None
 }
@@ -320,21 +322,41 @@ fn names_claimed(sql: &str) -> bool {
         "having",
         "with",
     ];
-    // Literals blanked, so that nothing inside one counts.
-    let mut quoted = false;
-    let text: String = sql
-        .chars()
-        .map(|c| {
-            if c == '\'' {
-                quoted = !quoted;
-                ' '
-            } else if quoted {
-                ' '
-            } else {
-                c.to_ascii_lowercase()
+    // Literals and comments blanked, so that nothing inside one counts.
+    let mut text = String::with_capacity(sql.len());
+    let mut chars = sql.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\'' => {
+                for inside in chars.by_ref() {
+                    if inside == '\'' {
+                        break;
+                    }
+                }
+                text.push(' ');
             }
-        })
-        .collect();
+            '-' if chars.peek() == Some(&'-') => {
+                for inside in chars.by_ref() {
+                    if inside == '\n' {
+                        break;
+                    }
+                }
+                text.push(' ');
+            }
+            '/' if chars.peek() == Some(&'*') => {
+                chars.next();
+                let mut last = ' ';
+                for inside in chars.by_ref() {
+                    if last == '*' && inside == '/' {
+                        break;
+                    }
+                    last = inside;
+                }
+                text.push(' ');
+            }
+            c => text.push(c.to_ascii_lowercase()),
+        }
+    }
     let words: Vec<&str> = text
         .split(|c: char| !(c.is_alphanumeric() || c == '_'))
         .filter(|w| !w.is_empty())
@@ -370,7 +392,17 @@ mod tests {
         assert!(names_claimed(
             "INSERT INTO t SELECT $1 FROM u JOIN claimed ON true"
         ));
-        // A column of that name, or the word in a literal: the statement would write for copies too.
+        // A column of that name, or the word in a literal or a comment: the statement would write for copies too.
+        assert!(!names_claimed("INSERT INTO t VALUES ($1) -- from claimed"));
+        assert!(!names_claimed(
+            "INSERT INTO t VALUES ($1) /* from claimed */"
+        ));
+        assert!(names_claimed(
+            "INSERT INTO t /* note */ SELECT $1 FROM -- here\n claimed"
+        ));
+        assert!(names_claimed(
+            "INSERT INTO t SELECT 'it''s', $1 FROM claimed"
+        ));
         assert!(!names_claimed(
             "UPDATE accounts SET balance = balance + $2, claimed = true WHERE id = $1"
         ));

@@ -33,7 +33,7 @@ WITH claim AS (
     SELECT $1, $2, $3 FROM claim WHERE $3::bytea IS NOT NULL
     ON CONFLICT (id, consumer_type) DO UPDATE SET fingerprint = EXCLUDED.fingerprint
 )
-SELECT EXISTS (SELECT 1 FROM claim)";
+SELECT EXISTS (SELECT 1 FROM claim) AND set_config('inboxctl.claim', 'on', true) = 'on'";
 
     /// A copy whose key a committed claim holds: recorded as a `duplicate`, or as a `conflict` when the claim kept
     /// another fingerprint than this copy's (both known). A statement of its own after the claim, because the claim's
@@ -71,7 +71,7 @@ WITH m AS (
     SELECT m.id, $2, m.fingerprint FROM m JOIN claim USING (id) WHERE m.fingerprint IS NOT NULL
     ON CONFLICT (id, consumer_type) DO UPDATE SET fingerprint = EXCLUDED.fingerprint
 )
-SELECT id FROM claim";
+SELECT id FROM claim WHERE set_config('inboxctl.claim', 'on', true) = 'on'";
 
     /// The claim on a partitioned inbox (`db::partitions`): the same, keyed on `(id, consumer_type, message_time)`
     /// with the message's time, which routes the row to its partition, and the fingerprint kept in the inbox row
@@ -87,7 +87,7 @@ WITH claim AS (
     ON CONFLICT (id, consumer_type, message_time) DO NOTHING
     RETURNING 1
 )
-SELECT EXISTS (SELECT 1 FROM claim)";
+SELECT EXISTS (SELECT 1 FROM claim) AND set_config('inboxctl.claim', 'on', true) = 'on'";
 
     /// `RECORD_COPY` on a partitioned inbox: the first fingerprint is the inbox row's, or, for a row from before the
     /// inbox was partitioned, the one kept beside it then. `$1` message id, `$2` consumer_type, `$3` this copy's
@@ -126,7 +126,7 @@ WITH m AS (
     ON CONFLICT (id, consumer_type, message_time) DO NOTHING
     RETURNING id
 )
-SELECT id FROM claim";
+SELECT id FROM claim WHERE set_config('inboxctl.claim', 'on', true) = 'on'";
 
     /// `RECORD_BATCH_COPIES` on a partitioned inbox. `$4` the messages' times.
     const RECORD_BATCH_COPIES_TIMED = "\
@@ -175,7 +175,8 @@ SELECT id, first FROM c";
     /// It also answers whether the transaction is still the claim's: a work that ended it itself (a `ROLLBACK` or
     /// `COMMIT` of its own) leaves the connection outside any transaction, with no transaction id — the claim wrote
     /// its row, so its transaction has one (asked only where a claim wrote) — or, if it then began another, in a
-    /// transaction without the claim's mark (`inboxctl.claim`, set for the claim's transaction alone by [`begin`]).
+    /// transaction without the claim's mark (`inboxctl.claim`, which the claim itself sets for its transaction alone:
+    /// `set_config(…, true)`, gone with the transaction).
     /// sqlx's commit, which counts transactions itself, would send a `COMMIT` that PostgreSQL answers with a warning
     /// only, or that commits the work's own transaction: a rolled-back claim taken for committed, its work done again
     /// by the next copy.
@@ -309,25 +310,19 @@ pub async fn effect_alone_with(
 
 /// `BEGIN` and the transaction's own `lock_timeout`, in one round trip: for connections that keep no session setting
 /// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
-fn begin_marked(lock_timeout: Option<Duration>) -> String {
-    match lock_timeout {
-        None => "BEGIN; SET LOCAL inboxctl.claim = 'on'".to_owned(),
-        Some(timeout) => format!(
-            "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL inboxctl.claim = 'on'",
-            timeout.as_millis().max(1)
-        ),
-    }
+fn begin_with_lock_timeout(timeout: Duration) -> String {
+    format!(
+        "BEGIN; SET LOCAL lock_timeout = {}",
+        timeout.as_millis().max(1)
+    )
 }
 
 /// The statements built around a value, each with a sample one, for [`super::statements`]; simple queries.
 pub(super) fn built_statements() -> Vec<(&'static str, String)> {
-    vec![
-        ("begin_marked", begin_marked(None)),
-        (
-            "begin_marked_with_lock_timeout",
-            begin_marked(Some(Duration::from_secs(30))),
-        ),
-    ]
+    vec![(
+        "begin_with_lock_timeout",
+        begin_with_lock_timeout(Duration::from_secs(30)),
+    )]
 }
 
 /// The claim built around an effect, with the carrier's as the sample, plain and timed; and an effect alone.
@@ -343,15 +338,19 @@ pub(super) fn built_with_effect() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Begins a claim's transaction, marked (`inboxctl.claim` set to `on` for it alone, `SET LOCAL`, gone with it:
-/// [`STILL_OPEN`] tells by it a transaction the work began after ending the claim's): with `lock_timeout` set for it alone (`SET LOCAL`) when
-/// given, else bounded by the session's own (`Database::with_lock_timeout`). One round trip either way.
+/// Begins a claim's transaction: with `lock_timeout` set for it alone (`SET LOCAL`) when given, else bounded by the
+/// session's own (`Database::with_lock_timeout`).
 pub async fn begin(
     conn: &mut PgConnection,
     lock_timeout: Option<Duration>,
 ) -> sqlx::Result<Transaction<'_, Postgres>> {
-    conn.begin_with(AssertSqlSafe(begin_marked(lock_timeout)))
-        .await
+    match lock_timeout {
+        None => conn.begin().await,
+        Some(timeout) => {
+            conn.begin_with(AssertSqlSafe(begin_with_lock_timeout(timeout)))
+                .await
+        }
+    }
 }
 
 /// One message's key: its id, its event's fingerprint if known, and on a partitioned inbox its time.

@@ -371,15 +371,7 @@ async fn health_says_what_the_consumer_sees_of_the_database() {
 
     // Its key held by another transaction: the consumer's only connection waits on it.
     let id = uuid::Uuid::now_v7();
-    let mut holder = pool.begin().await.unwrap();
-    sqlx::query(
-        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) VALUES ($1, $2, now(), NULL)",
-    )
-    .bind(id)
-    .bind(CARRIER_QUEUE)
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    let holder = common::hold_key(&pool, id, CARRIER_QUEUE).await;
     let conn = env.amqp().await;
     let (props, body, _) = common::parcel_message(id, "Berlin");
     common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;

@@ -557,8 +557,8 @@ pub(super) fn duplicate<C: Consumer>(shared: &Shared<C>, id: Uuid) {
 }
 
 /// A copy whose message id was processed before for another event: never processed; logged as a conflict (the claim
-/// recorded it), then moved to the error queue or dropped, as the operator chose, and counted once that is done (a
-/// copy to the error queue refused comes round again, and would be counted again).
+/// recorded it), then moved to the error queue or dropped, as the operator chose, and counted once that is done (its
+/// copy confirmed: [`error_queue`] counts it).
 pub(super) async fn conflict<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
@@ -578,8 +578,11 @@ pub(super) async fn conflict<C: Consumer>(
         this_event = %conflict.this,
         "message id reused for another event: this message was not processed; {then}"
     );
-    let disposition = match shared.options.on_conflict {
-        OnConflict::Discard => Disposition::Ack,
+    match shared.options.on_conflict {
+        OnConflict::Discard => {
+            shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
+            Disposition::Ack
+        }
         OnConflict::DeadLetter => {
             let reason = format!(
                 "message id {id} was processed before for another event (fingerprint {}; this message's {}): the id \
@@ -589,9 +592,5 @@ pub(super) async fn conflict<C: Consumer>(
             let fault = (CONFLICT_FAULT, reason.clone(), reason);
             error_queue(shared, link, delivery, ready, &fault, 0).await
         }
-    };
-    if matches!(disposition, Disposition::Ack) {
-        shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
     }
-    disposition
 }

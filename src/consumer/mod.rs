@@ -24,7 +24,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 mod acks;
@@ -313,7 +313,7 @@ struct Shared<C: Consumer> {
     /// Messages gone back to the queue whose copy to the error queue was decided and not made.
     owed: owed::OwedCopies,
     /// Whether this loop consumes its queue now (counted in `counts.queues_consuming`).
-    consuming: std::sync::atomic::AtomicBool,
+    consuming: AtomicBool,
 }
 
 impl<C: Consumer> Shared<C> {

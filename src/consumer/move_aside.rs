@@ -144,7 +144,10 @@ pub(super) async fn dead_letter_error<C: Consumer>(
     let moved = copy(shared, link, &destination, delivery, headers).await;
     match moved {
         Ok(()) => {
-            if fault.0 != CONFLICT_FAULT {
+            // Counted once the copy is confirmed: a copy refused comes round again (owed), and would count again.
+            if fault.0 == CONFLICT_FAULT {
+                shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
+            } else {
                 shared.counts.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 record_event(shared, "dead_lettered", message_id, &fault.1).await;
             }

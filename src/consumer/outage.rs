@@ -107,7 +107,7 @@ pub(super) async fn wait_for_database<C: Consumer>(
             () = shared.shutdown.cancelled() => return false,
             result = up.wait_for(|up| *up) => return result.is_ok(),
             () = tokio::time::sleep(OUTAGE_DELAY_MAX) => {
-                let busy = when_idle && shared.in_flight.load(std::sync::atomic::Ordering::SeqCst) > 0;
+                let busy = when_idle && shared.in_flight.load(Ordering::SeqCst) > 0;
                 if !busy && look.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
                     let shared = Arc::clone(shared);
                     look = Some(tokio::spawn(async move {

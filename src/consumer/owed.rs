@@ -10,7 +10,6 @@
 //! another process processed it meanwhile ([`owed_copy`]).
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
@@ -144,13 +143,8 @@ pub(super) async fn owed_copy<C: Consumer>(
         "its move to the error queue was decided before and its copy not taken; moving it without trying it again"
     );
     let moved = error_queue(shared, link, delivery, ready, &owed.fault, owed.retry_count).await;
-    if matches!(moved, Disposition::Ack) {
-        // What is done once the copy goes, for a copy that went late.
-        if owed.fault.0 == poison::POISON_FAULT {
-            poison::moved_aside_later(shared, id).await;
-        } else if owed.fault.0 == CONFLICT_FAULT {
-            shared.counts.conflicts.fetch_add(1, Ordering::Relaxed);
-        }
+    if matches!(moved, Disposition::Ack) && owed.fault.0 == poison::POISON_FAULT {
+        poison::moved_aside_later(shared, id).await;
     }
     moved
 }

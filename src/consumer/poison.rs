@@ -38,12 +38,10 @@ pub(super) async fn redelivered<C: Consumer>(
     // Registered before the count, so that a stop can never miss a start it counted.
     lock(&shared.starts.0).insert(id, false);
     let counted = redelivered_start(shared, id).await;
-    let is_poison = matches!(
-        counted.or_else(|| broker_count(delivery)),
-        Some((_, alone)) if alone >= shared.options.poison_after
-    );
+    let starts = counted.or_else(|| broker_count(delivery));
+    let is_poison = matches!(starts, Some((_, alone)) if alone >= shared.options.poison_after);
     let decided = async {
-        match counted.or_else(|| broker_count(delivery)) {
+        match starts {
             // It ended its process this many times while it was the only work in flight: it is the cause.
             Some((_, alone)) if alone >= shared.options.poison_after => {
                 poison(shared, link, delivery, ready, alone).await

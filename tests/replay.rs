@@ -1797,3 +1797,125 @@ async fn hold_the_marker(conn: &Connection, queue: &str) -> lapin::Channel {
         }
     }
 }
+
+/// `--rate` paces the copies, not a stop: at one copy every 100 s, a stop after the first copy ends the replay at once
+/// (it waits between messages, holding none), the other two left in the dead-letter queue and said.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_ends_a_slow_paced_replay_at_once_between_its_copies() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["paced-a", "paced.dlq"], FieldTable::default()).await;
+    for i in 0..3 {
+        let id = uuid::Uuid::new_v4().to_string();
+        let body = format!("{{\"n\": {i}}}");
+        dead_letter(
+            &conn,
+            "paced.dlq",
+            &id,
+            body.as_bytes(),
+            "rabbitmq://localhost/paced-a",
+        )
+        .await;
+    }
+    let mut replay = env.spawn(&["replay", "--from", "paced.dlq", "--rate", "0.01", "--json"]);
+    common::eventually("the first copy back", Duration::from_secs(30), || async {
+        env.queue_counts("paced-a").0 == 1
+    })
+    .await;
+    replay.terminate();
+    let code = replay.wait(Duration::from_secs(15));
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim())
+        .unwrap_or_else(|e| panic!("{e}: {}", replay.stderr()));
+    assert_eq!(code, Some(3), "interrupted: {report}");
+    assert_eq!(
+        (&report["replayed"], &report["interrupted"]),
+        (&serde_json::json!(1), &serde_json::json!(true)),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts("paced.dlq"), (2, 0), "two left, none held");
+    assert_eq!(env.queue_counts("paced-a"), (1, 0), "one replayed");
+}
+
+/// A kept TTL past what RabbitMQ takes (2^32 - 1 ms; a larger one closes the publishing channel) is not restored: the
+/// copy goes without it and the replay goes on to the messages behind it. The largest the broker takes is restored.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_kept_ttl_the_broker_would_refuse_is_not_restored_and_the_replay_goes_on() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["exp-origin", "exp.dlq"], FieldTable::default()).await;
+    for (body, kept) in [
+        ("over", Some("9999999999")),
+        ("max", Some("4294967295")),
+        ("plain", None),
+    ] {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "MT-Fault-InputAddress".into(),
+            long("rabbitmq://localhost/exp-origin"),
+        );
+        if let Some(kept) = kept {
+            headers.insert(
+                inboxctl::amqp::dead_letter::ORIGINAL_EXPIRATION_HEADER.into(),
+                long(kept),
+            );
+        }
+        let props = BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_headers(headers);
+        common::publish(&conn, "", "exp.dlq", props, body.as_bytes()).await;
+    }
+    let report = replay_json(&env, &["--from", "exp.dlq", "--restore-expiration"], 0);
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(
+        ttls_on(&conn, "exp-origin").await,
+        [
+            ("over".to_owned(), None, None),
+            ("max".to_owned(), Some("4294967295".to_owned()), None),
+            ("plain".to_owned(), None, None),
+        ]
+    );
+    assert_eq!(env.queue_counts("exp.dlq"), (0, 0));
+}
+
+/// `--message-id` names what the operator wants back: an id the replay does not meet in the queue is said, by name,
+/// and the replay is partial (exit 3), not a success that replayed nothing. Each id once, however it was spelt.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_id_not_in_the_queue_is_named_and_the_replay_is_partial() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["asked-a", "asked.dlq"], FieldTable::default()).await;
+    let here = uuid::Uuid::new_v4().to_string();
+    dead_letter(
+        &conn,
+        "asked.dlq",
+        &here,
+        b"{}",
+        "rabbitmq://localhost/asked-a",
+    )
+    .await;
+    let absent = uuid::Uuid::new_v4();
+    let upper = absent.to_string().to_uppercase();
+    let report = replay_json(
+        &env,
+        &[
+            "--from",
+            "asked.dlq",
+            "--message-id",
+            &here,
+            "--message-id",
+            &upper,
+            "--message-id",
+            &absent.to_string(),
+        ],
+        3,
+    );
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["not_found"], serde_json::json!([upper]), "{report}");
+    let out = env.run(&["replay", "--from", "asked.dlq", "--message-id", &here]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stdout.contains(&format!("not in the queue: {here}")),
+        "{out:?}"
+    );
+    assert_eq!(env.queue_counts("asked-a"), (1, 0), "replayed once");
+}

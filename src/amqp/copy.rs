@@ -18,7 +18,8 @@ pub const REPLAY_RUN_HEADER: &str = "inboxctl-replay-run";
 
 /// The per-message TTL a message had before it was dead-lettered: its `expiration` property (a MassTransit copy may
 /// keep it), else inboxctl's header, else what RabbitMQ's dead-lettering kept in `x-death` (newest death first).
-/// Only a value RabbitMQ accepts (milliseconds, digits only).
+/// Only a value RabbitMQ accepts (milliseconds, digits only, at most 2^32 - 1: a larger one closes the channel of
+/// the copy that carries it).
 pub fn original_expiration(properties: &BasicProperties) -> Option<String> {
     let headers = properties.headers().as_ref();
     let in_death = || {
@@ -39,7 +40,12 @@ pub fn original_expiration(properties: &BasicProperties) -> Option<String> {
         .map(|e| e.as_str().to_owned())
         .or_else(|| dead_letter::header_text(headers, ORIGINAL_EXPIRATION_HEADER))
         .or_else(in_death)
-        .filter(|e| !e.is_empty() && e.len() <= 10 && e.bytes().all(|b| b.is_ascii_digit()))
+        .filter(|e| {
+            !e.is_empty()
+                && e.len() <= 10
+                && e.bytes().all(|b| b.is_ascii_digit())
+                && e.parse::<u64>().is_ok_and(|ms| ms <= u64::from(u32::MAX))
+        })
 }
 
 /// The headers a replayed copy carries: the original's without the failure headers, with the replay count raised and

@@ -285,6 +285,17 @@ fn summary(report: &Report) -> String {
             ));
         }
     }
+    if !report.not_found.is_empty() {
+        let ids: Vec<String> = report
+            .not_found
+            .iter()
+            .map(|id| sanitize::text(id).into_owned())
+            .collect();
+        summary.push_str(&format!(
+            "; not in the queue: {} (replayed or removed already, or held by another client when it began)",
+            ids.join(", ")
+        ));
+    }
     if let Some(g) = &report.group {
         summary.push_str(&format!(
             "; group {}: {} listed, {} gone since the listing, {} now failed of another cause, {} new of its cause \

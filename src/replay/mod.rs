@@ -209,6 +209,10 @@ pub struct Report {
     /// replay could not see, and did not replay. The messages it left may not be back yet when it looks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub in_queue_after: Option<u64>,
+    /// `--message-id`s the replay did not meet in its whole snapshot: not in the queue when it began (replayed or
+    /// removed already, mistyped, or held unacknowledged by another client then). Only known of a replay that went
+    /// through its whole snapshot with no `--limit`.
+    pub not_found: Vec<String>,
     /// With `--group`: how the queue compared with the listing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupCheck>,
@@ -233,6 +237,7 @@ impl Report {
             refused: false,
             unreached: 0,
             in_queue_after: None,
+            not_found: Vec::new(),
             group: None,
             items: Vec::new(),
         }
@@ -249,12 +254,28 @@ impl Report {
             || self.interrupted
             || self.left > 0
             || self.unreached > 0
+            || !self.not_found.is_empty()
             || group_drifted
         {
             crate::error::Outcome::Partial
         } else {
             crate::error::Outcome::Done
         }
+    }
+
+    /// The ids of `asked` (`--message-id`) that no message the replay met carries, each as asked.
+    pub(crate) fn ids_not_met(&self, asked: &[String]) -> Vec<String> {
+        let met: std::collections::HashSet<String> = self
+            .items
+            .iter()
+            .filter_map(|i| i.message_id.as_deref().map(canonical_id))
+            .collect();
+        let mut seen = std::collections::HashSet::new();
+        asked
+            .iter()
+            .filter(|id| !met.contains(&canonical_id(id)) && seen.insert(canonical_id(id)))
+            .cloned()
+            .collect()
     }
 
     /// Compares what the replay met with the group's listing; `whole`: it went through its whole snapshot (not

@@ -155,7 +155,15 @@ impl Pace {
         }
     }
 
-    /// Waits for the next copy's time.
+    /// Waits until the next copy may go, and takes nothing: the replay waits here, between messages, holding none
+    /// and ending at once on a stop, whatever the rate.
+    pub(super) async fn ready(&self) {
+        if let Some(next) = self.next {
+            tokio::time::sleep_until(next).await;
+        }
+    }
+
+    /// Waits for the next copy's time and takes it.
     pub(super) async fn wait(&mut self) {
         let now = tokio::time::Instant::now();
         let at = self.next.map_or(now, |next| next.max(now - self.interval));

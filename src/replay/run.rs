@@ -83,6 +83,9 @@ pub async fn run(
     }
     let whole = !report.interrupted && report.stopped.is_none();
     report.group = plan.group.as_ref().map(|g| report.check_group(g, whole));
+    if whole && plan.limit.is_none() {
+        report.not_found = report.ids_not_met(&plan.message_ids);
+    }
     if everything && !report.interrupted && report.stopped.is_none() {
         report.unreached = snapshot.saturating_sub(state.machine.decided());
     }
@@ -275,6 +278,15 @@ impl State<'_> {
             if shutdown.is_cancelled() {
                 self.report.interrupted = true;
                 break;
+            }
+            if let Some(pace) = &self.pace {
+                tokio::select! {
+                    () = pace.ready() => {}
+                    () = shutdown.cancelled() => {
+                        self.report.interrupted = true;
+                        break;
+                    }
+                }
             }
             failpoint::hit_with("replay-before-get", &self.machine.decided().to_string()).await;
             let got = channels.get(&self.plan.from).await?;

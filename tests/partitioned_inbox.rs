@@ -1218,3 +1218,74 @@ async fn a_batch_with_one_member_of_a_time_no_partition_holds_is_not_held_as_an_
         "{outcome:?}"
     );
 }
+
+/// A dead-lettered message that failed before the cutoff waits for its replay, and its claim will land in the
+/// partition of its own time (3 days ago), which holds no row at all. The guard refuses its consumer_type and no
+/// partition goes, said for each kept one; replayed, the message is processed once. The empty partition was dropped,
+/// and the replayed message was moved aside again as unclaimable ("its time is in no partition"): its effect never
+/// made.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
+    let env = TestEnv::bare().await;
+    with_an_old_empty_partition(&env).await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let pool = env.pool().await;
+    // A message of now processed: the carrier's consumer_type is in the inbox, its error queue declared.
+    let (props, body, _) = common::parcel_message(v7_ago(TimeDelta::zero()), "Berlin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    common::consume_until_idle(&env, &["carrier"]);
+    let x = v7_ago(TimeDelta::days(3));
+    let (props, body, _) = common::parcel_message(x, "Hamburg");
+    let mut headers = lapin::types::FieldTable::default();
+    let text = |s: &str| {
+        lapin::types::AMQPValue::LongString(lapin::types::LongString::from(s.as_bytes().to_vec()))
+    };
+    headers.insert("MT-Fault-Message".into(), text("carrier API returned 503"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        text(&format!("rabbitmq://127.0.0.1/{CARRIER_QUEUE}")),
+    );
+    let failed = inboxctl::amqp::envelope::format_time(Utc::now() - TimeDelta::days(3));
+    headers.insert("MT-Fault-Timestamp".into(), text(&failed));
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &error_queue, common::queue_type())
+        .await
+        .unwrap();
+    common::publish(&conn, "", &error_queue, props.with_headers(headers), &body).await;
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let its_day = Utc::now() - TimeDelta::days(3);
+    let partition = inboxctl::db::partitions::partition_name(settings.floor(its_day));
+    let older =
+        inboxctl::db::partitions::partition_name(settings.floor(Utc::now() - TimeDelta::days(10)));
+
+    let out = env.run(&["cleanup", "--retention", "2d", "--json"]);
+    assert_eq!(out.code, Some(3), "the guard refuses: {out:?}");
+    assert!(attached(&pool, &partition).await, "its day kept: {out:?}");
+    assert!(attached(&pool, &older).await, "none goes: {out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert!(
+        report["partitions"]["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["partition"] == partition.as_str()
+                && k["why"].as_str().unwrap().contains("waits for its replay")),
+        "{report}"
+    );
+
+    let replay = env.run(&["replay", "--from", &error_queue]);
+    assert_eq!(replay.code, Some(0), "{replay:?}");
+    common::consume_until_idle(&env, &["carrier"]);
+    let reservations: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
+            .bind(x)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(reservations, 1, "processed once, replayed");
+    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+}

@@ -169,7 +169,8 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        partitions = partitions::maintain(pool, window, &cleanable, true).await?;
+        let held = partitions_held(&consumers);
+        partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), true).await?;
         count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
         let order: Vec<usize> = (0..consumers.len())
             .filter(|&i| consumers[i].refused.is_none())
@@ -181,7 +182,9 @@ pub async fn run(
             .iter()
             .map(|&i| consumers[i].consumer_type.clone())
             .collect();
-        let maintained = partitions::maintain(pool, window, &cleanable, false).await;
+        let held = partitions_held(&consumers);
+        let maintained =
+            partitions::maintain(pool, window, &cleanable, held.as_deref(), false).await;
         let result = match maintained {
             Ok(mut work) => {
                 if let Some(work) = &mut work {
@@ -242,6 +245,18 @@ pub async fn run(
             deleted as f64 / seconds
         },
     })
+}
+
+/// Why no partition may go this run, if one may not: the guard refused a consumer_type, whose dead-lettered message
+/// waits for its replay (or a replay of its queue runs). The replayed message's claim lands in the partition of its
+/// own time, which may hold no row of that consumer_type — an old day whose other rows may all go — and with that
+/// partition gone the message could never be claimed again: moved aside as unclaimable, its effect never made.
+fn partitions_held(consumers: &[ConsumerReport]) -> Option<String> {
+    let refused = consumers.iter().find(|c| c.refused.is_some())?;
+    Some(format!(
+        "consumer_type {:?} is refused (a dead-lettered message of it waits for its replay): the replayed message's          claim lands in the partition of its own time, which may be this one; no partition goes until it is          replayed or removed (or --force)",
+        crate::sanitize::text(&refused.consumer_type)
+    ))
 }
 
 /// The consumer_types this cleanup cleans (indexes into `consumers`, those not refused), each locked for the whole run

@@ -75,18 +75,20 @@ impl PartitionWork {
 }
 
 /// Makes the partitions of the next days and drops the old ones `cleanable` allows (the consumer_types this run
-/// cleans); `None` when the inbox is not partitioned. With `dry_run`, changes nothing and says what it would drop.
+/// cleans), none while `held` says why none may go; `None` when the inbox is not partitioned. With `dry_run`, changes
+/// nothing and says what it would drop.
 pub async fn maintain(
     pool: &PgPool,
     window: Window,
     cleanable: &HashSet<String>,
+    held: Option<&str>,
     dry_run: bool,
 ) -> Result<Option<PartitionWork>> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(None);
     };
     let mut work = PartitionWork::default();
-    match drop_and_make(pool, settings, window, cleanable, dry_run, &mut work).await {
+    match drop_and_make(pool, settings, window, cleanable, held, dry_run, &mut work).await {
         Ok(()) => Ok(Some(work)),
         // Making, attaching, detaching and dropping a partition are the table owner's: a role that may only delete
         // rows still cleans, by the batched delete.
@@ -141,6 +143,7 @@ async fn drop_and_make(
     settings: db::partitions::Settings,
     window: Window,
     cleanable: &HashSet<String>,
+    held: Option<&str>,
     dry_run: bool,
     work: &mut PartitionWork,
 ) -> Result<()> {
@@ -153,7 +156,7 @@ async fn drop_and_make(
             let bounds =
                 db::partitions::start_of(&name).map(|from| (from, from + settings.interval));
             let settled = db::partitions::settle_detached(&mut conn, &name, bounds, |c| {
-                why_kept(c, cutoff, cleanable)
+                why_kept(c, cutoff, cleanable, held)
             })
             .await?;
             match settled {
@@ -212,7 +215,7 @@ async fn drop_and_make(
             continue;
         }
         let contents = db::partitions::contents(&mut *conn, from, to).await?;
-        if let Some(why) = why_kept(&contents, cutoff, cleanable) {
+        if let Some(why) = why_kept(&contents, cutoff, cleanable, held) {
             work.kept.push(Kept {
                 partition: partition.name,
                 why,
@@ -232,7 +235,7 @@ async fn drop_and_make(
                 &mut conn,
                 &partition.name,
                 Some((from, to)),
-                |c| why_kept(c, cutoff, cleanable),
+                |c| why_kept(c, cutoff, cleanable, held),
             )
             .await?;
             match settled {
@@ -282,16 +285,20 @@ fn attached_how(attached: &std::result::Result<(), String>) -> String {
     }
 }
 
-/// Why a partition wholly older than the cutoff cannot go whole, if it cannot.
+/// Why a partition wholly older than the cutoff cannot go whole, if it cannot; `held`: why no partition may go.
 fn why_kept(
     contents: &db::partitions::Contents,
     cutoff: DateTime<Utc>,
     cleanable: &HashSet<String>,
+    held: Option<&str>,
 ) -> Option<String> {
     if contents.unprocessed {
         return Some(
             "it holds unprocessed rows (a consumer that never sets processed_at, or work in flight)".to_owned(),
         );
+    }
+    if let Some(held) = held {
+        return Some(held.to_owned());
     }
     for (consumer_type, newest) in &contents.consumer_types {
         if !cleanable.contains(consumer_type) {
@@ -336,20 +343,30 @@ mod tests {
             why_kept(
                 &contents(false, &[("a", old), ("b", old)]),
                 cutoff,
-                &cleanable
+                &cleanable,
+                None
             ),
             None
         );
-        assert_eq!(why_kept(&contents(false, &[]), cutoff, &cleanable), None);
+        assert_eq!(
+            why_kept(&contents(false, &[]), cutoff, &cleanable, None),
+            None
+        );
+        assert_eq!(
+            why_kept(&contents(false, &[]), cutoff, &cleanable, Some("held")).as_deref(),
+            Some("held"),
+            "an empty partition too, while a replay may need it"
+        );
         assert!(
-            why_kept(&contents(true, &[("a", old)]), cutoff, &cleanable)
+            why_kept(&contents(true, &[("a", old)]), cutoff, &cleanable, None)
                 .is_some_and(|w| w.contains("unprocessed"))
         );
         assert!(
             why_kept(
                 &contents(false, &[("a", old), ("c", old)]),
                 cutoff,
-                &cleanable
+                &cleanable,
+                None
             )
             .is_some_and(|w| w.contains("\"c\""))
         );
@@ -357,7 +374,8 @@ mod tests {
             why_kept(
                 &contents(false, &[("a", "2026-12-01T00:00:00Z")]),
                 cutoff,
-                &cleanable
+                &cleanable,
+                None
             )
             .is_some_and(|w| w.contains("within the window"))
         );

@@ -1235,3 +1235,89 @@ async fn top_shows_a_consumer_types_detail_and_replays_a_group_after_a_confirmat
     assert!(!screen.contains("replay 2 messages of group"), "{screen}");
     assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0));
 }
+
+/// A listing is what the operator saw: re-run with it later, a group replay leaves a listed member's copy that failed
+/// after the listing (its replayed copy failing again, of the same cause): counted as new of its cause, and the
+/// listed copy, replayed by the first run, reported gone. The second run used to replay the new failure as the
+/// member, and say nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_replay_run_again_with_its_listing_leaves_a_members_failure_since() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    let timeout = "System.TimeoutException";
+    let age = TimeDelta::minutes(30);
+    let a = fail(&conn, ERROR_QUEUE, timeout, "timeout after 10 ms", age).await;
+    fail(&conn, ERROR_QUEUE, timeout, "timeout after 20 ms", age).await;
+    common::eventually("the messages ready", Duration::from_secs(10), || async {
+        env.queue_counts(ERROR_QUEUE) == (2, 0)
+    })
+    .await;
+    let dir = tempdir();
+    let listing = dir.join("listing.json");
+    let out = env.run(&[
+        "failures",
+        "--from",
+        ERROR_QUEUE,
+        "--json",
+        "--output",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let fingerprint = json(&out)["groups"][0]["fingerprint"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let group_replay = |extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            "--from",
+            ERROR_QUEUE,
+            "--group",
+            &fingerprint,
+            "--listing",
+            listing.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        env.run(&args)
+    };
+    let first = json(&group_replay(&["--limit", "1"]));
+    assert_eq!(first["replayed"], 1, "{first}");
+    // The member replayed fails again, of the same cause, after the listing.
+    fail_as(
+        &conn,
+        ERROR_QUEUE,
+        Uuid::parse_str(&a).unwrap(),
+        timeout,
+        "timeout after 30 ms",
+        TimeDelta::zero(),
+    )
+    .await;
+    common::eventually(
+        "the failure since ready",
+        Duration::from_secs(10),
+        || async { env.queue_counts(ERROR_QUEUE) == (2, 0) },
+    )
+    .await;
+
+    let out = group_replay(&[]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let second = json(&out);
+    assert_eq!(second["replayed"], 1, "B only: {second}");
+    assert_eq!(second["group"]["new"], 1, "{}", second["group"]);
+    assert_eq!(
+        second["group"]["gone"],
+        serde_json::json!([a]),
+        "{}",
+        second["group"]
+    );
+    assert_eq!(
+        ids_in(&conn, ERROR_QUEUE).await,
+        [a],
+        "the failure since left"
+    );
+}

@@ -416,6 +416,7 @@ fn group_plan(from: &str, fingerprint: &str, path: &std::path::Path) -> Result<r
     Ok(replay::GroupPlan {
         fingerprint: group.cause.fingerprint.clone(),
         listed: group.message_ids.clone(),
+        listed_at: Some(listing.listed_at),
     })
 }
 

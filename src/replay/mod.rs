@@ -71,9 +71,17 @@ pub struct GroupPlan {
     pub fingerprint: String,
     /// The members' message ids, as listed.
     pub listed: Vec<String>,
+    /// When the listing was taken. A copy of a listed id that failed after it is a failure since (the member's
+    /// replayed copy failing again, say), not the member the operator saw: it is left, and counted as new.
+    pub listed_at: Option<DateTime<Utc>>,
 }
 
 impl GroupPlan {
+    /// Whether a copy that failed at `failed_at` failed after the listing (a time nothing tells: not after).
+    pub(crate) fn failed_since(&self, failed_at: Option<DateTime<Utc>>) -> bool {
+        matches!((failed_at, self.listed_at), (Some(failed), Some(listed)) if failed > listed)
+    }
+
     /// The listed ids, each in the one spelling [`canonical_id`] gives.
     pub(crate) fn listed_set(&self) -> std::collections::HashSet<String> {
         self.listed.iter().map(|id| canonical_id(id)).collect()
@@ -283,9 +291,13 @@ impl Report {
     pub(crate) fn check_group(&self, group: &GroupPlan, whole: bool) -> GroupCheck {
         let listed = group.listed_set();
         // Each id's item; of two copies of one id, the one of the group's cause (the member replayed), not whichever
-        // came last.
+        // came last. A copy that failed after the listing is not the listed member (it is counted as new).
         let mut seen: std::collections::HashMap<String, &Item> = std::collections::HashMap::new();
-        for item in &self.items {
+        for item in self
+            .items
+            .iter()
+            .filter(|i| !group.failed_since(i.failed_at))
+        {
             let Some(id) = item.message_id.as_deref() else {
                 continue;
             };
@@ -314,9 +326,10 @@ impl Report {
             .iter()
             .filter(|i| {
                 i.fingerprint == group.fingerprint
-                    && i.message_id
-                        .as_deref()
-                        .is_none_or(|id| !listed.contains(&canonical_id(id)))
+                    && (group.failed_since(i.failed_at)
+                        || i.message_id
+                            .as_deref()
+                            .is_none_or(|id| !listed.contains(&canonical_id(id))))
             })
             .count() as u64;
         check

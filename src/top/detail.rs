@@ -27,6 +27,7 @@ pub enum Request {
 pub struct GroupPlanEq {
     pub fingerprint: String,
     pub listed: Vec<String>,
+    pub listed_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl From<GroupPlanEq> for GroupPlan {
@@ -34,6 +35,7 @@ impl From<GroupPlanEq> for GroupPlan {
         GroupPlan {
             fingerprint: g.fingerprint,
             listed: g.listed,
+            listed_at: g.listed_at,
         }
     }
 }
@@ -102,6 +104,7 @@ impl DetailState {
                 group: GroupPlanEq {
                     fingerprint: group.cause.fingerprint.clone(),
                     listed: group.message_ids.clone(),
+                    listed_at: detail.groups.as_ref().ok().map(|l| l.listed_at),
                 },
             },
             count: group.count,

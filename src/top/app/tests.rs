@@ -88,6 +88,11 @@ fn a_filter_shows_the_matching_names_and_esc_drops_it() {
     assert!(app.filter.is_empty());
 }
 
+/// When the listings of [`detail_of`] were taken.
+fn listed_at() -> chrono::DateTime<Utc> {
+    chrono::DateTime::from_timestamp(1_796_000_000, 0).expect("a time")
+}
+
 fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::detail::Detail {
     use crate::amqp::cause::Cause;
     crate::triage::detail::Detail {
@@ -98,7 +103,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
             format: 1,
             queue: format!("{name}_error"),
             vhost: "/".to_owned(),
-            listed_at: Utc::now(),
+            listed_at: listed_at(),
             depth: 3,
             looked: 3,
             groups: groups
@@ -186,7 +191,8 @@ fn the_detail_asks_before_a_replay_and_replays_the_listed_members_of_the_selecte
             from: "orders_error".into(),
             group: GroupPlanEq {
                 fingerprint: "bbbb".into(),
-                listed: vec!["m3".into()]
+                listed: vec!["m3".into()],
+                listed_at: Some(listed_at()),
             },
         })
     );

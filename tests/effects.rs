@@ -1689,3 +1689,73 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
         Some("pending")
     );
 }
+
+/// Keyed and batched, against a carrier that ignores keys: one member's call fails (its answer later than
+/// `--carrier-timeout`), and the batch is done again without it, the others' work run again in each round. Each other
+/// parcel is booked once: a call made again for a key takes the slot the carrier gave this process for it. Before,
+/// each was booked once a round (up to four times), with no crash.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_done_again_books_its_other_members_once_with_a_carrier_ignoring_keys() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    publish_to(&env, "Berlin", 3);
+    publish_to(&env, "SLOW", 1);
+    publish_to(&env, "Hamburg", 3);
+    stub.behave(json!({"honourKeys": false, "delayDestination": "SLOW", "delayMs": 2500}))
+        .await;
+    let args = consume_args(
+        &stub,
+        "keyed",
+        &[
+            "--batch-size",
+            "8",
+            "--carrier-timeout",
+            "1s",
+            "--max-attempts",
+            "1",
+            "--concurrency",
+            "1",
+            "--exit-when-idle",
+            "1s",
+        ],
+    );
+    // The batch worker's first look at its queue waits 1.5 s, so that all seven are one batch, in publish order: the
+    // three to Berlin before SLOW, whose work is run again in every round.
+    let mut consumer = env.spawn_with(
+        &args,
+        &[("INBOXCTL_FAILPOINTS", "batch-next=sleep-once-1500")],
+    );
+    assert_eq!(consumer.wait(Duration::from_secs(90)), Some(0));
+    let stderr = consumer.stderr();
+    let mut per_parcel: HashMap<String, (String, usize)> = HashMap::new();
+    for booking in stub.bookings().await {
+        per_parcel
+            .entry(booking["parcelId"].as_str().unwrap().to_owned())
+            .or_insert_with(|| (booking["destination"].as_str().unwrap_or("").to_owned(), 0))
+            .1 += 1;
+    }
+    let twice: Vec<_> = per_parcel
+        .values()
+        .filter(|(destination, n)| destination != "SLOW" && *n != 1)
+        .collect();
+    assert!(
+        twice.is_empty() && per_parcel.len() == 7,
+        "each parcel but SLOW's booked once: {per_parcel:?}; {}",
+        stderr
+    );
+    // SLOW's own call, which fails, is made in the batch's together work and once alone, where its failure is seen
+    // as its own (the transaction still open after it), not a third time in a round that looks after each member.
+    let slow = per_parcel
+        .values()
+        .find(|(d, _)| d == "SLOW")
+        .map(|(_, n)| *n);
+    assert_eq!(slow, Some(2), "{per_parcel:?}; {}", stderr);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        6,
+        "{}",
+        stderr
+    );
+}

@@ -1,7 +1,8 @@
 //! The carrier consumer's two ways to reach an HTTP carrier: [`HttpCarrier`] calls inside the claim's transaction
 //! (keyed), [`DeferredCarrier`] writes the call owed in it for the worker to make after the commit.
 
-use std::sync::Arc;
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use futures_util::future::BoxFuture;
 use sqlx::postgres::PgConnection;
@@ -36,10 +37,48 @@ pub(crate) fn reservation(request: &PickupRequest, slot: &SlotAnswer) -> effects
 
 /// Keyed: books inside the claim's transaction, with the key; records the slot in `carrier_reservations` and the call
 /// in `inboxctl_effects` (done) on the same transaction. A failure of the call fails the attempt.
+///
+/// A call whose answer came but whose transaction then rolled back — another member of its batch failed and the
+/// batch was done again without it, its commit failed, its attempt ran out of time after the call — is not made
+/// again by this process: the slot the carrier gave for the key is taken from [`Answered`]. A carrier that honours
+/// keys would answer the same; one that ignores them would book a second slot, with no crash.
 #[derive(Debug, Clone)]
 pub struct HttpCarrier {
     pub client: CarrierClient,
     pub consumer_type: ConsumerType,
+    pub answered: Arc<Answered>,
+}
+
+/// The slots the carrier gave this process, by idempotency key: the latest [`Answered::KEPT`]. An entry of a call
+/// whose transaction committed is never read again (a later copy of its message is a duplicate, its work not run),
+/// so none is taken out but by age.
+#[derive(Debug, Default)]
+pub struct Answered {
+    slots: Mutex<(HashMap<uuid::Uuid, SlotAnswer>, VecDeque<uuid::Uuid>)>,
+}
+
+impl Answered {
+    /// How many answers are kept: far more than the calls one process has in flight and retrying (its prefetch,
+    /// its batches), in well under a megabyte.
+    pub const KEPT: usize = 8192;
+
+    fn get(&self, key: uuid::Uuid) -> Option<SlotAnswer> {
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        slots.0.get(&key).copied()
+    }
+
+    fn keep(&self, key: uuid::Uuid, slot: SlotAnswer) {
+        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        let (by_key, order) = &mut *slots;
+        if by_key.insert(key, slot).is_none() {
+            order.push_back(key);
+            if order.len() > Self::KEPT
+                && let Some(oldest) = order.pop_front()
+            {
+                by_key.remove(&oldest);
+            }
+        }
+    }
 }
 
 impl Carrier for HttpCarrier {
@@ -49,11 +88,22 @@ impl Carrier for HttpCarrier {
         request: &'c PickupRequest,
     ) -> BoxFuture<'c, Result<PickupSlot, WorkError>> {
         Box::pin(async move {
-            let slot = self
-                .client
-                .book(request)
-                .await
-                .map_err(|e| WorkError::msg(e.to_string()))?;
+            let key = request.idempotency_key;
+            let slot = match self.answered.get(key) {
+                Some(slot) => {
+                    tracing::debug!(idempotency_key = %key, "the carrier booked this call before: its slot taken, not booked again");
+                    slot
+                }
+                None => {
+                    let slot = self
+                        .client
+                        .book(request)
+                        .await
+                        .map_err(|e| WorkError::msg(e.to_string()))?;
+                    self.answered.keep(key, slot);
+                    slot
+                }
+            };
             effects::insert_carrier_reservation(&mut *tx, &reservation(request, &slot)).await?;
             let reference = slot.slot_id.to_string();
             external::insert(

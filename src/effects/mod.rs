@@ -19,7 +19,7 @@ pub mod worker;
 
 use std::time::Duration;
 
-pub use carrier::{DeferredCarrier, HttpCarrier};
+pub use carrier::{Answered, DeferredCarrier, HttpCarrier};
 pub use client::{CallError, CarrierClient};
 
 /// How a consumer makes its call to the outside world.

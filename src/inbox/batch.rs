@@ -311,12 +311,23 @@ async fn run_work<T: Send>(
             }
             Ok(Err(WorkError::Database(e))) if is_transient(&e) => return Worked::Unavailable(e),
             // Refused because an earlier member's caught error aborted the transaction, maybe: not this member's
-            // failure then. Its error may say so (25P02, itself or down its sources) or not (wrapped as text only),
-            // so a failure of any member but the first, in a round that did not look after each, is not blamed on
-            // it: the next round looks after each member and finds whose it is (one round more when it was this
-            // member's own). The first member's is its own: the claim before it succeeded.
-            Ok(Err(error)) if !check_each && (i > 0 || refused_as_aborted(&error)) => {
+            // failure then. Its error may say so (25P02, itself or down its sources) or not (wrapped as text only).
+            Ok(Err(error)) if !check_each && refused_as_aborted(&error) => {
                 return Worked::Redo(Round::Aborted);
+            }
+            // A failure of any member but the first, in a round that did not look after each: the transaction looked
+            // at. Still open, the failure is this member's own, and the next round leaves it out (its work not run
+            // once more, in a round that looks after each, to find it: a call to the outside world made again).
+            // Aborted, an earlier member's caught error may have done it: the next round looks after each member
+            // and finds whose it is. The first member's is its own: the claim before it succeeded.
+            Ok(Err(error)) if !check_each && i > 0 => {
+                return match db::claim::still_open(conn).await {
+                    Ok(()) => Worked::Redo(Round::MemberFailed(member.message_id, error)),
+                    Err(e) => match super::aborted(e) {
+                        WorkError::Database(e) => Worked::Unavailable(e),
+                        _ => Worked::Redo(Round::Aborted),
+                    },
+                };
             }
             Ok(Err(error)) => return Worked::Redo(Round::MemberFailed(member.message_id, error)),
             Err(_) => return Worked::Panicked,

@@ -1285,6 +1285,14 @@ async fn a_group_replay_run_again_with_its_listing_leaves_a_members_failure_sinc
         args.extend_from_slice(extra);
         env.run(&args)
     };
+    // A listing names messages of its own vhost: another vhost's same-named queue holds other messages.
+    let elsewhere = format!("{}/%2f", common::amqp_base());
+    let out = group_replay(&["--amqp-url", &elsewhere]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("not in the vhost connected to"),
+        "{out:?}"
+    );
     let first = json(&group_replay(&["--limit", "1"]));
     assert_eq!(first["replayed"], 1, "{first}");
     // The member replayed fails again, of the same cause, after the listing.

@@ -95,11 +95,13 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     if let Some(to) = &args.to {
         amqp::validate_name("--to", to)?;
     }
+    let broker = global.connect.broker()?;
     let group = match (&args.group, &args.listing) {
-        (Some(fingerprint), Some(path)) => Some(group_plan(&args.from, fingerprint, path)?),
+        (Some(fingerprint), Some(path)) => {
+            Some(group_plan(&args.from, broker.vhost(), fingerprint, path)?)
+        }
         _ => None,
     };
-    let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl replay").await?;
     let mut plan = Plan {
         from: args.from.clone(),
@@ -391,9 +393,24 @@ async fn audit(
     }
 }
 
-/// The group `--group` names in the listing of `--listing`, which must be a listing of `--from`.
-fn group_plan(from: &str, fingerprint: &str, path: &std::path::Path) -> Result<replay::GroupPlan> {
+/// The group `--group` names in the listing of `--listing`, which must be a listing of `--from` in `vhost`.
+fn group_plan(
+    from: &str,
+    vhost: &str,
+    fingerprint: &str,
+    path: &std::path::Path,
+) -> Result<replay::GroupPlan> {
     let listing = crate::triage::Listing::read(path)?;
+    if listing.vhost != vhost {
+        return Err(crate::error::Error::Usage(format!(
+            "{} is a listing of {} in vhost {:?}, not in the vhost connected to, {:?}: its members are other \
+             messages",
+            path.display(),
+            sanitize::text(&listing.queue),
+            sanitize::text(&listing.vhost),
+            sanitize::text(vhost)
+        )));
+    }
     if listing.queue != from {
         return Err(crate::error::Error::Usage(format!(
             "{} is a listing of {}, not of --from {}",

@@ -67,11 +67,48 @@ pub enum Unreadable {
 struct EnvelopeIn<'a> {
     #[serde(borrow)]
     message_id: Option<std::borrow::Cow<'a, str>>,
-    message_type: Option<Vec<String>>,
+    message_type: Option<MessageTypes>,
     #[serde(borrow)]
     message: Option<&'a RawValue>,
     #[serde(borrow)]
     sent_time: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// How many of an envelope's `messageType`s are kept. MassTransit lists the message's type and those it implements,
+/// a handful; a body may list millions (each `"",` three bytes of JSON, a `String` of 24 bytes and more once kept):
+/// read whole, one such message of RabbitMQ's largest size took gigabytes, several at once the process.
+pub const MAX_MESSAGE_TYPES: usize = 64;
+
+/// An envelope's `messageType`: its first [`MAX_MESSAGE_TYPES`] kept, the rest read past.
+struct MessageTypes(Vec<String>);
+
+impl<'de> Deserialize<'de> for MessageTypes {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Types;
+        impl<'de> serde::de::Visitor<'de> for Types {
+            type Value = MessageTypes;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of message types")
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<MessageTypes, A::Error> {
+                let mut kept = Vec::new();
+                while kept.len() < MAX_MESSAGE_TYPES {
+                    match seq.next_element::<String>()? {
+                        Some(t) => kept.push(t),
+                        None => return Ok(MessageTypes(kept)),
+                    }
+                }
+                while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(MessageTypes(kept))
+            }
+        }
+        deserializer.deserialize_seq(Types)
+    }
 }
 
 /// Reads a delivery's id, type and event.
@@ -126,7 +163,7 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
                 .ok_or(Unreadable::NoMessageId)?;
             Ok(Incoming {
                 message_id: parse_id(id)?,
-                message_types: envelope.message_type.unwrap_or_default(),
+                message_types: envelope.message_type.map(|t| t.0).unwrap_or_default(),
                 payload,
                 masstransit: true,
                 sent_time: envelope.sent_time.as_deref().and_then(parse_time),
@@ -432,6 +469,28 @@ mod tests {
             parse(&props, envelope("").as_bytes()).unwrap_err(),
             Unreadable::HeadersTooDeep(MAX_HEADER_DEPTH + 1)
         );
+    }
+
+    #[test]
+    fn only_the_first_message_types_are_kept() {
+        let many = vec![r#""urn:message:X:Y""#; 200_000].join(",");
+        let body = format!(
+            r#"{{"messageId": "{ID}", "messageType": [{many}], "message": {{"parcelId": 1}}}}"#
+        );
+        let got = parse(&mt_props(), body.as_bytes()).expect("read");
+        assert_eq!(got.message_types.len(), MAX_MESSAGE_TYPES);
+        let few = format!(r#"{{"messageId": "{ID}", "messageType": ["a", "b"], "message": {{}}}}"#);
+        assert_eq!(
+            parse(&mt_props(), few.as_bytes())
+                .expect("read")
+                .message_types,
+            ["a", "b"]
+        );
+        let not_texts = format!(r#"{{"messageId": "{ID}", "messageType": [1], "message": {{}}}}"#);
+        assert!(matches!(
+            parse(&mt_props(), not_texts.as_bytes()),
+            Err(Unreadable::BadEnvelope(_))
+        ));
     }
 
     #[test]

@@ -1910,12 +1910,37 @@ async fn a_message_id_not_in_the_queue_is_named_and_the_replay_is_partial() {
         3,
     );
     assert_eq!(report["replayed"], 1, "{report}");
-    assert_eq!(report["not_found"], serde_json::json!([upper]), "{report}");
+    assert_eq!(report["unmatched"], serde_json::json!([upper]), "{report}");
     let out = env.run(&["replay", "--from", "asked.dlq", "--message-id", &here]);
     assert_eq!(out.code, Some(3), "{out:?}");
     assert!(
-        out.stdout.contains(&format!("not in the queue: {here}")),
+        out.stdout
+            .contains(&format!("no message chosen for --message-id {here}")),
         "{out:?}"
     );
     assert_eq!(env.queue_counts("asked-a"), (1, 0), "replayed once");
+    // In the queue but not chosen by another filter: named too.
+    let there = uuid::Uuid::new_v4().to_string();
+    dead_letter(
+        &conn,
+        "asked.dlq",
+        &there,
+        b"{}",
+        "rabbitmq://localhost/asked-a",
+    )
+    .await;
+    let report = replay_json(
+        &env,
+        &[
+            "--from",
+            "asked.dlq",
+            "--message-id",
+            &there,
+            "--reason",
+            "no such reason",
+        ],
+        3,
+    );
+    assert_eq!(report["unmatched"], serde_json::json!([there]), "{report}");
+    assert_eq!(env.queue_counts("asked.dlq"), (1, 0), "left");
 }

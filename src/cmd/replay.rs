@@ -287,14 +287,15 @@ fn summary(report: &Report) -> String {
             ));
         }
     }
-    if !report.not_found.is_empty() {
+    if !report.unmatched.is_empty() {
         let ids: Vec<String> = report
-            .not_found
+            .unmatched
             .iter()
             .map(|id| sanitize::text(id).into_owned())
             .collect();
         summary.push_str(&format!(
-            "; not in the queue: {} (replayed or removed already, or held by another client when it began)",
+            "; no message chosen for --message-id {}: not in the queue while it ran (replayed or removed already, held \
+             by another client), or not chosen by --reason, --group or --limit",
             ids.join(", ")
         ));
     }

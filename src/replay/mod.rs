@@ -217,10 +217,11 @@ pub struct Report {
     /// replay could not see, and did not replay. The messages it left may not be back yet when it looks.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub in_queue_after: Option<u64>,
-    /// `--message-id`s the replay did not meet in its whole snapshot: not in the queue when it began (replayed or
-    /// removed already, mistyped, or held unacknowledged by another client then). Only known of a replay that went
-    /// through its whole snapshot with no `--limit`.
-    pub not_found: Vec<String>,
+    /// `--message-id`s no message of its whole snapshot both carried and was chosen by: not in the queue while it
+    /// ran (replayed or removed already, mistyped, held unacknowledged by another client), or not chosen by the
+    /// other filters (`--reason`, `--group`, past `--limit`). Only known of a replay that went through its whole
+    /// snapshot.
+    pub unmatched: Vec<String>,
     /// With `--group`: how the queue compared with the listing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupCheck>,
@@ -245,7 +246,7 @@ impl Report {
             refused: false,
             unreached: 0,
             in_queue_after: None,
-            not_found: Vec::new(),
+            unmatched: Vec::new(),
             group: None,
             items: Vec::new(),
         }
@@ -262,7 +263,7 @@ impl Report {
             || self.interrupted
             || self.left > 0
             || self.unreached > 0
-            || !self.not_found.is_empty()
+            || !self.unmatched.is_empty()
             || group_drifted
         {
             crate::error::Outcome::Partial
@@ -271,11 +272,12 @@ impl Report {
         }
     }
 
-    /// The ids of `asked` (`--message-id`) that no message the replay met carries, each as asked.
-    pub(crate) fn ids_not_met(&self, asked: &[String]) -> Vec<String> {
+    /// The ids of `asked` (`--message-id`) that no message the replay chose carries, each as asked (once).
+    pub(crate) fn ids_unmatched(&self, asked: &[String]) -> Vec<String> {
         let met: std::collections::HashSet<String> = self
             .items
             .iter()
+            .filter(|i| i.action != Action::NotSelected)
             .filter_map(|i| i.message_id.as_deref().map(canonical_id))
             .collect();
         let mut seen = std::collections::HashSet::new();

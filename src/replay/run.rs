@@ -83,8 +83,8 @@ pub async fn run(
     }
     let whole = !report.interrupted && report.stopped.is_none();
     report.group = plan.group.as_ref().map(|g| report.check_group(g, whole));
-    if whole && plan.limit.is_none() {
-        report.not_found = report.ids_not_met(&plan.message_ids);
+    if whole {
+        report.unmatched = report.ids_unmatched(&plan.message_ids);
     }
     if everything && !report.interrupted && report.stopped.is_none() {
         report.unreached = snapshot.saturating_sub(state.machine.decided());

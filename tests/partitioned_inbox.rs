@@ -1262,6 +1262,25 @@ async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
     let older =
         inboxctl::db::partitions::partition_name(settings.floor(Utc::now() - TimeDelta::days(10)));
 
+    // A run of another consumer_type alone looks at that one's dead-letter queues only: it drops no partition.
+    let out = env.run(&[
+        "cleanup",
+        "--retention",
+        "2d",
+        "--consumer-type",
+        common::NOTIFICATION_QUEUE,
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        attached(&pool, &partition).await,
+        "kept by a narrowed run: {out:?}"
+    );
+    assert!(
+        out.stdout.contains("looked at its dead-letter queues only"),
+        "{out:?}"
+    );
+
     let out = env.run(&["cleanup", "--retention", "2d", "--json"]);
     assert_eq!(out.code, Some(3), "the guard refuses: {out:?}");
     assert!(attached(&pool, &partition).await, "its day kept: {out:?}");

@@ -169,7 +169,7 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        let held = partitions_held(&consumers);
+        let held = partitions_held(plan, &consumers);
         partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), true).await?;
         count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
         let order: Vec<usize> = (0..consumers.len())
@@ -182,7 +182,7 @@ pub async fn run(
             .iter()
             .map(|&i| consumers[i].consumer_type.clone())
             .collect();
-        let held = partitions_held(&consumers);
+        let held = partitions_held(plan, &consumers);
         let maintained =
             partitions::maintain(pool, window, &cleanable, held.as_deref(), false).await;
         let result = match maintained {
@@ -251,12 +251,27 @@ pub async fn run(
 /// waits for its replay (or a replay of its queue runs). The replayed message's claim lands in the partition of its
 /// own time, which may hold no row of that consumer_type — an old day whose other rows may all go — and with that
 /// partition gone the message could never be claimed again: moved aside as unclaimable, its effect never made.
-fn partitions_held(consumers: &[ConsumerReport]) -> Option<String> {
-    let refused = consumers.iter().find(|c| c.refused.is_some())?;
-    Some(format!(
-        "consumer_type {:?} is refused (a dead-lettered message of it waits for its replay): the replayed message's          claim lands in the partition of its own time, which may be this one; no partition goes until it is          replayed or removed (or --force)",
-        crate::sanitize::text(&refused.consumer_type)
-    ))
+///
+/// A run of one `--consumer-type` (not forced) drops none either: its guard looked at that consumer_type's dead-letter
+/// queues only, and a partition holding no row of the others may hold the time of one of their waiting messages.
+fn partitions_held(plan: &Plan, consumers: &[ConsumerReport]) -> Option<String> {
+    if let Some(refused) = consumers.iter().find(|c| c.refused.is_some()) {
+        return Some(format!(
+            "consumer_type {:?} is refused (a dead-lettered message of it waits for its replay): the replayed \
+             message's claim lands in the partition of its own time, which may be this one; no partition goes \
+             until it is replayed or removed (or --force)",
+            crate::sanitize::text(&refused.consumer_type)
+        ));
+    }
+    match (&plan.consumer_type, &plan.guard) {
+        (Some(one), Some(_)) => Some(format!(
+            "this run cleans consumer_type {:?} only, and looked at its dead-letter queues only: a partition may \
+             hold the time of another's waiting message, whose replay claims there; partitions go in a run over \
+             every consumer_type (or with --force)",
+            crate::sanitize::text(one)
+        )),
+        _ => None,
+    }
 }
 
 /// The consumer_types this cleanup cleans (indexes into `consumers`, those not refused), each locked for the whole run

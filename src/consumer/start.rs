@@ -128,7 +128,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                         let carrier = effects::HttpCarrier {
                             client,
                             consumer_type: consumer_type.clone(),
-                            answered: Arc::default(),
+                            answered: Arc::new(effects::Answered::new(api.key_ttl)),
                         };
                         let consumer = CarrierConsumer { carrier };
                         // Calls pending are made by this run too, whenever they come to be owed: left by an earlier

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use sqlx::postgres::PgConnection;
@@ -49,12 +50,28 @@ pub struct HttpCarrier {
     pub answered: Arc<Answered>,
 }
 
-/// The slots the carrier gave this process, by idempotency key: the latest [`Answered::KEPT`]. An entry of a call
-/// whose transaction committed is never read again (a later copy of its message is a duplicate, its work not run),
-/// so none is taken out but by age.
-#[derive(Debug, Default)]
+/// The slots the carrier gave this process, by idempotency key: the latest [`Answered::KEPT`], each for as long as a
+/// carrier that honours keys is taken to keep them (`--effect-key-ttl`), and only for a request of the same content
+/// (a message id reused for another parcel is the carrier's to answer). An entry of a call whose transaction
+/// committed is never read again (a later copy of its message is a duplicate, its work not run).
+#[derive(Debug)]
 pub struct Answered {
-    slots: Mutex<(HashMap<uuid::Uuid, SlotAnswer>, VecDeque<uuid::Uuid>)>,
+    ttl: Duration,
+    slots: Mutex<Slots>,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    by_key: HashMap<uuid::Uuid, Kept>,
+    order: VecDeque<uuid::Uuid>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Kept {
+    slot: SlotAnswer,
+    /// What was asked for (parcel, tracking number, destination), hashed.
+    content: u64,
+    at: Instant,
 }
 
 impl Answered {
@@ -62,15 +79,32 @@ impl Answered {
     /// its batches), in well under a megabyte.
     pub const KEPT: usize = 8192;
 
-    fn get(&self, key: uuid::Uuid) -> Option<SlotAnswer> {
-        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        slots.0.get(&key).copied()
+    /// Answers kept for `ttl` each.
+    pub fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            slots: Mutex::default(),
+        }
     }
 
-    fn keep(&self, key: uuid::Uuid, slot: SlotAnswer) {
+    fn get(&self, key: uuid::Uuid, request: &PickupRequest) -> Option<SlotAnswer> {
+        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        slots
+            .by_key
+            .get(&key)
+            .filter(|kept| kept.content == content(request) && kept.at.elapsed() < self.ttl)
+            .map(|kept| kept.slot)
+    }
+
+    fn keep(&self, key: uuid::Uuid, request: &PickupRequest, slot: SlotAnswer) {
+        let kept = Kept {
+            slot,
+            content: content(request),
+            at: Instant::now(),
+        };
         let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let (by_key, order) = &mut *slots;
-        if by_key.insert(key, slot).is_none() {
+        let Slots { by_key, order } = &mut *slots;
+        if by_key.insert(key, kept).is_none() {
             order.push_back(key);
             if order.len() > Self::KEPT
                 && let Some(oldest) = order.pop_front()
@@ -81,6 +115,16 @@ impl Answered {
     }
 }
 
+/// What a booking asks for, hashed: the parcel, its tracking number, its destination.
+fn content(request: &PickupRequest) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    request.parcel_id.hash(&mut hasher);
+    request.tracking_number.hash(&mut hasher);
+    request.destination.hash(&mut hasher);
+    hasher.finish()
+}
+
 impl Carrier for HttpCarrier {
     fn reserve_pickup<'c>(
         &'c self,
@@ -89,7 +133,7 @@ impl Carrier for HttpCarrier {
     ) -> BoxFuture<'c, Result<PickupSlot, WorkError>> {
         Box::pin(async move {
             let key = request.idempotency_key;
-            let slot = match self.answered.get(key) {
+            let slot = match self.answered.get(key, request) {
                 Some(slot) => {
                     tracing::debug!(idempotency_key = %key, "the carrier booked this call before: its slot taken, not booked again");
                     slot
@@ -100,7 +144,7 @@ impl Carrier for HttpCarrier {
                         .book(request)
                         .await
                         .map_err(|e| WorkError::msg(e.to_string()))?;
-                    self.answered.keep(key, slot);
+                    self.answered.keep(key, request, slot);
                     slot
                 }
             };
@@ -165,5 +209,60 @@ impl Carrier for DeferredCarrier {
                 pickup_at: chrono::DateTime::UNIX_EPOCH,
             })
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(destination: &str) -> PickupRequest {
+        PickupRequest {
+            parcel_id: uuid::Uuid::nil(),
+            tracking_number: "PT1".to_owned(),
+            destination: destination.to_owned(),
+            message_id: uuid::Uuid::nil(),
+            idempotency_key: uuid::Uuid::nil(),
+        }
+    }
+
+    fn slot(n: u128) -> SlotAnswer {
+        SlotAnswer {
+            slot_id: uuid::Uuid::from_u128(n),
+            pickup_at: chrono::DateTime::UNIX_EPOCH,
+        }
+    }
+
+    #[test]
+    fn an_answer_is_taken_again_only_for_the_same_request_within_its_time_and_the_latest_kept() {
+        let answered = Answered::new(Duration::from_secs(60));
+        let key = uuid::Uuid::from_u128(1);
+        answered.keep(key, &request("Berlin"), slot(1));
+        assert_eq!(answered.get(key, &request("Berlin")), Some(slot(1)));
+        assert_eq!(
+            answered.get(key, &request("Hamburg")),
+            None,
+            "another parcel's"
+        );
+        assert_eq!(
+            answered.get(uuid::Uuid::from_u128(2), &request("Berlin")),
+            None
+        );
+
+        let expired = Answered::new(Duration::ZERO);
+        expired.keep(key, &request("Berlin"), slot(1));
+        assert_eq!(expired.get(key, &request("Berlin")), None, "past its time");
+
+        for n in 0..=Answered::KEPT as u128 {
+            answered.keep(uuid::Uuid::from_u128(1000 + n), &request("Berlin"), slot(n));
+        }
+        assert_eq!(
+            answered.get(key, &request("Berlin")),
+            None,
+            "the oldest gone"
+        );
+        let newest = uuid::Uuid::from_u128(1000 + Answered::KEPT as u128);
+        assert!(answered.get(newest, &request("Berlin")).is_some());
+        assert!(answered.slots.lock().unwrap().by_key.len() <= Answered::KEPT);
     }
 }

@@ -786,3 +786,58 @@ async fn one_parcel_redelivered(env: &TestEnv) -> (u16, Uuid) {
         .unwrap();
     (*partition, id)
 }
+
+/// `--exit-when-idle` with partitions ends once every partition is idle together. One partition kept busy (a parcel
+/// whose carrier call fails, tried 3 times 3 and 6 s apart), the other idle at once: a parcel published to the idle one
+/// 3 s in is processed before the run ends idle (exit 0). Each partition used to stop on its own: the idle one had
+/// stopped reading, and the run ended "idle" with that parcel still in its queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_partitions_the_run_ends_idle_only_once_every_partition_is() {
+    let env = TestEnv::migrated().await;
+    let mut consumer = env.spawn(&[
+        "consume",
+        "carrier",
+        "--queue",
+        QUEUE,
+        "--partitions",
+        "2",
+        "--partition-key",
+        "parcelId",
+        "--fail-destination",
+        "FAIL",
+        "--max-attempts",
+        "3",
+        "--retry-delay",
+        "3s",
+        "--exit-when-idle",
+        "1s",
+    ]);
+    consumer.wait_for_stderr_times("consuming queue", 2, Duration::from_secs(30));
+    let conn = env.amqp().await;
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
+    common::publish(&conn, "", &format!("{QUEUE}.0"), props, &body).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let late = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(late, "Berlin");
+    common::publish(&conn, "", &format!("{QUEUE}.1"), props, &body).await;
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        env.queue_counts(&format!("{QUEUE}.1")),
+        (0, 0),
+        "read to the end: {}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    let booked: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
+            .bind(late)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(booked, 1, "{}", consumer.stderr());
+}

@@ -314,9 +314,49 @@ struct Shared<C: Consumer> {
     owed: owed::OwedCopies,
     /// Whether this loop consumes its queue now (counted in `counts.queues_consuming`).
     consuming: AtomicBool,
+    /// `--exit-when-idle` over every queue of the process (its partitions), and whether this one is counted idle.
+    idle: Arc<IdleTogether>,
+    idle_counted: AtomicBool,
+}
+
+/// `--exit-when-idle` over every queue the process reads (its partitions): it ends only once all of them were found
+/// idle together. A partition found idle alone goes on reading while another still works: stopped, a message
+/// arriving on it would be left behind by a run that ends "idle".
+#[derive(Debug)]
+struct IdleTogether {
+    queues: usize,
+    idle: AtomicUsize,
+    /// Once every queue was idle at once: each stops at its next look (one that took a message meanwhile, once it is
+    /// idle again).
+    all: AtomicBool,
+}
+
+impl IdleTogether {
+    fn new(queues: usize) -> Self {
+        Self {
+            queues,
+            idle: AtomicUsize::new(0),
+            all: AtomicBool::new(false),
+        }
+    }
 }
 
 impl<C: Consumer> Shared<C> {
+    /// Says whether this queue was found idle; returns whether the process's queues are all idle (or were, together).
+    fn idle_together(&self, idle: bool) -> bool {
+        if self.idle_counted.swap(idle, Ordering::SeqCst) != idle {
+            if idle {
+                self.idle.idle.fetch_add(1, Ordering::SeqCst);
+            } else {
+                self.idle.idle.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        if self.idle.idle.load(Ordering::SeqCst) >= self.idle.queues {
+            self.idle.all.store(true, Ordering::SeqCst);
+        }
+        self.idle.all.load(Ordering::SeqCst)
+    }
+
     /// Says whether this loop consumes its queue now; each queue counted once however often it is said.
     fn set_consuming(&self, consuming: bool) {
         if self.consuming.swap(consuming, Ordering::Relaxed) != consuming {

@@ -74,6 +74,7 @@ pub async fn run<C: Consumer>(
         }
     };
     let alone = Arc::new(tokio::sync::RwLock::new(()));
+    let idle = Arc::new(super::IdleTogether::new(queues.len()));
     let stop = shutdown.child_token();
     counts.queues.store(queues.len(), Ordering::Relaxed);
     let runs = queues.into_iter().map(|queue| {
@@ -94,6 +95,8 @@ pub async fn run<C: Consumer>(
             alarm_waits: super::alarm::AlarmWaits::new(&options),
             owed: super::owed::OwedCopies::default(),
             consuming: std::sync::atomic::AtomicBool::new(false),
+            idle: Arc::clone(&idle),
+            idle_counted: std::sync::atomic::AtomicBool::new(false),
         });
         let stop = stop.clone();
         async move {
@@ -311,11 +314,15 @@ async fn consume_on<C: Consumer>(
                         stopping(shared, link, deliveries, workers, cancel).await;
                         return LinkEnd::Stop;
                     }
-                    Some(true) => {
+                    Some(true) if shared.idle_together(true) => {
                         tracing::info!(queue = %shared.queue, "queue idle; stopping");
                         return idle_stop(shared, link, deliveries, workers, cancel).await;
                     }
-                    Some(false) => {}
+                    // Idle, and another queue of the process (a partition) still works: this one reads on.
+                    Some(true) => {}
+                    Some(false) => {
+                        shared.idle_together(false);
+                    }
                 }
             }
             delivery = deliveries.next() => match delivery {

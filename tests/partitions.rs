@@ -787,10 +787,12 @@ async fn one_parcel_redelivered(env: &TestEnv) -> (u16, Uuid) {
     (*partition, id)
 }
 
-/// `--exit-when-idle` with partitions ends once every partition is idle together. One partition kept busy (a parcel
-/// whose carrier call fails, tried 3 times 3 and 6 s apart), the other idle at once: a parcel published to the idle one
-/// 3 s in is processed before the run ends idle (exit 0). Each partition used to stop on its own: the idle one had
-/// stopped reading, and the run ended "idle" with that parcel still in its queue.
+/// `--exit-when-idle` with partitions ends once every partition is idle at once. Partition 1 busy first (a parcel
+/// whose carrier call fails, tried 3 times 2 and 4 s apart) while partition 0 is idle; then two such parcels at once on
+/// partition 0, which works 12 s on them; partition 1, idle meanwhile, reads on, and a parcel published to it then is
+/// processed before the run ends idle (exit 0). Each partition used to stop on its own once idle (partition 0 at once,
+/// leaving its two parcels in its queue); and a partition counted idle stayed counted while it worked on a burst, so
+/// that partition 1 stopped as soon as it was idle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_partitions_the_run_ends_idle_only_once_every_partition_is() {
     let env = TestEnv::migrated().await;
@@ -808,30 +810,56 @@ async fn with_partitions_the_run_ends_idle_only_once_every_partition_is() {
         "--max-attempts",
         "3",
         "--retry-delay",
-        "3s",
+        "2s",
         "--exit-when-idle",
         "1s",
     ]);
     consumer.wait_for_stderr_times("consuming queue", 2, Duration::from_secs(30));
     let conn = env.amqp().await;
-    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
-    common::publish(&conn, "", &format!("{QUEUE}.0"), props, &body).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    let to = |partition: u16| format!("{QUEUE}.{partition}");
+    let failing = || common::parcel_message(Uuid::now_v7(), "FAIL");
+    let (props, body, _) = failing();
+    common::publish(&conn, "", &to(1), props, &body).await;
+    // Partition 0 idle (1 s without a message), partition 1 busy: then the burst on partition 0.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for _ in 0..2 {
+        let (props, body, _) = failing();
+        common::publish(&conn, "", &to(0), props, &body).await;
+    }
+    let error_queue = format!("{QUEUE}_error");
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        &error_queue,
+        inboxctl::amqp::topology::QueueType::Classic,
+    )
+    .await
+    .unwrap();
+    common::eventually(
+        "partition 1's parcel moved aside",
+        Duration::from_secs(30),
+        || async { env.queue_counts(&error_queue).0 >= 1 },
+    )
+    .await;
+    // Partition 1 idle (1 s more), partition 0 still on its burst: a parcel for partition 1.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
     let late = Uuid::now_v7();
     let (props, body, _) = common::parcel_message(late, "Berlin");
-    common::publish(&conn, "", &format!("{QUEUE}.1"), props, &body).await;
+    common::publish(&conn, "", &to(1), props, &body).await;
     assert_eq!(
         consumer.wait(Duration::from_secs(60)),
         Some(0),
         "{}",
         consumer.stderr()
     );
-    assert_eq!(
-        env.queue_counts(&format!("{QUEUE}.1")),
-        (0, 0),
-        "read to the end: {}",
-        consumer.stderr()
-    );
+    for partition in [0, 1] {
+        assert_eq!(
+            env.queue_counts(&to(partition)),
+            (0, 0),
+            "partition {partition} read to the end: {}",
+            consumer.stderr()
+        );
+    }
+    assert_eq!(env.queue_counts(&error_queue).0, 3, "{}", consumer.stderr());
     let pool = env.pool().await;
     let booked: i64 =
         sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")

@@ -319,16 +319,16 @@ struct Shared<C: Consumer> {
     idle_counted: AtomicBool,
 }
 
-/// `--exit-when-idle` over every queue the process reads (its partitions): it ends only once all of them were found
-/// idle together. A partition found idle alone goes on reading while another still works: stopped, a message
-/// arriving on it would be left behind by a run that ends "idle".
+/// `--exit-when-idle` over every queue the process reads (its partitions): it ends once all of them are idle at
+/// once, and then all together. A partition found idle alone goes on reading while another still works: stopped, a
+/// message arriving on it would be left behind by a run that ends "idle". A queue counted idle stays so until it is
+/// handed a delivery.
 #[derive(Debug)]
 struct IdleTogether {
     queues: usize,
     idle: AtomicUsize,
-    /// Once every queue was idle at once: each stops at its next look (one that took a message meanwhile, once it is
-    /// idle again).
-    all: AtomicBool,
+    /// Every queue idle at once: each stops now, finishing what it was handed meanwhile.
+    all: CancellationToken,
 }
 
 impl IdleTogether {
@@ -336,25 +336,28 @@ impl IdleTogether {
         Self {
             queues,
             idle: AtomicUsize::new(0),
-            all: AtomicBool::new(false),
+            all: CancellationToken::new(),
         }
     }
 }
 
 impl<C: Consumer> Shared<C> {
-    /// Says whether this queue was found idle; returns whether the process's queues are all idle (or were, together).
-    fn idle_together(&self, idle: bool) -> bool {
-        if self.idle_counted.swap(idle, Ordering::SeqCst) != idle {
-            if idle {
-                self.idle.idle.fetch_add(1, Ordering::SeqCst);
-            } else {
-                self.idle.idle.fetch_sub(1, Ordering::SeqCst);
-            }
+    /// Counts this queue idle; whether every queue of the process is now (then each of them stops).
+    fn idle_now(&self) -> bool {
+        if !self.idle_counted.swap(true, Ordering::SeqCst) {
+            self.idle.idle.fetch_add(1, Ordering::SeqCst);
         }
         if self.idle.idle.load(Ordering::SeqCst) >= self.idle.queues {
-            self.idle.all.store(true, Ordering::SeqCst);
+            self.idle.all.cancel();
         }
-        self.idle.all.load(Ordering::SeqCst)
+        self.idle.all.is_cancelled()
+    }
+
+    /// This queue was handed a delivery: not idle, until it is found so again.
+    fn busy(&self) {
+        if self.idle_counted.swap(false, Ordering::SeqCst) {
+            self.idle.idle.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 
     /// Says whether this loop consumes its queue now; each queue counted once however often it is said.

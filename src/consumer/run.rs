@@ -269,6 +269,8 @@ async fn consume_on<C: Consumer>(
     };
     *lock(&shared.last_activity) = Instant::now();
     let mut idle_check = tokio::time::interval(Duration::from_millis(100));
+    // A look slower than the tick does not make the next one due at once: the deliveries are read between looks.
+    idle_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The deliveries stream is not always ended when the connection goes (lapin has had such bugs, and a node
     // restart is where they showed): the connection's own state is watched too, so a lost connection is never
     // waited on forever.
@@ -295,13 +297,19 @@ async fn consume_on<C: Consumer>(
             }
             Some(_) = workers.tasks.join_next(), if !workers.tasks.is_empty() => {}
             () = link.given_up.cancelled() => return LinkEnd::Reconnect,
+            // Every queue of the process idle at once (found so by the last of them): all stop together.
+            () = shared.idle.all.cancelled(), if shared.options.exit_when_idle.is_some() => {
+                tracing::info!(queue = %shared.queue, "queue idle; stopping");
+                return idle_stop(shared, link, deliveries, workers, cancel).await;
+            }
             _ = connection_check.tick() => {
                 if !link.connection.status().connected() {
                     tracing::warn!("RabbitMQ connection lost (seen in its state); reconnecting");
                     return LinkEnd::Reconnect;
                 }
             }
-            _ = idle_check.tick(), if shared.options.exit_when_idle.is_some() => {
+            _ = idle_check.tick(), if shared.options.exit_when_idle.is_some()
+                && !shared.idle_counted.load(Ordering::SeqCst) => {
                 // The look at the queue waits on the broker (up to `--broker-timeout`) and the count of calls owed on
                 // the database: a stop meanwhile is not held by either.
                 let idle = tokio::select! {
@@ -314,15 +322,13 @@ async fn consume_on<C: Consumer>(
                         stopping(shared, link, deliveries, workers, cancel).await;
                         return LinkEnd::Stop;
                     }
-                    Some(true) if shared.idle_together(true) => {
+                    Some(true) if shared.idle_now() => {
                         tracing::info!(queue = %shared.queue, "queue idle; stopping");
                         return idle_stop(shared, link, deliveries, workers, cancel).await;
                     }
-                    // Idle, and another queue of the process (a partition) still works: this one reads on.
-                    Some(true) => {}
-                    Some(false) => {
-                        shared.idle_together(false);
-                    }
+                    // Idle, and another queue of the process (a partition) still works: this one reads on, counted
+                    // idle (not looked at again) until it is handed a delivery or every queue is idle.
+                    Some(true) | Some(false) => {}
                 }
             }
             delivery = deliveries.next() => match delivery {
@@ -407,6 +413,7 @@ impl Workers {
         delivery: lapin::message::Delivery,
     ) -> Handover {
         shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        shared.busy();
         *lock(&shared.last_activity) = Instant::now();
         link.outstanding.add(delivery.delivery_tag);
         // The hand-over first: when a worker is free it is done at its first poll, and nothing else is set up.

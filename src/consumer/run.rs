@@ -296,7 +296,7 @@ async fn consume_on<C: Consumer>(
                 return LinkEnd::Stop;
             }
             Some(_) = workers.tasks.join_next(), if !workers.tasks.is_empty() => {}
-            () = link.given_up.cancelled() => return LinkEnd::Reconnect,
+            () = link.given_up.cancelled() => return reconnect(shared, link, deliveries).await,
             // Every queue of the process idle at once (found so by the last of them): all stop together.
             () = shared.idle.all.cancelled(), if shared.options.exit_when_idle.is_some() => {
                 tracing::info!(queue = %shared.queue, "queue idle; stopping");
@@ -305,7 +305,7 @@ async fn consume_on<C: Consumer>(
             _ = connection_check.tick() => {
                 if !link.connection.status().connected() {
                     tracing::warn!("RabbitMQ connection lost (seen in its state); reconnecting");
-                    return LinkEnd::Reconnect;
+                    return reconnect(shared, link, deliveries).await;
                 }
             }
             _ = idle_check.tick(), if shared.options.exit_when_idle.is_some()
@@ -340,20 +340,35 @@ async fn consume_on<C: Consumer>(
                     }
                     Handover::Lost => {
                         tracing::warn!("RabbitMQ connection lost while waiting for a free worker; reconnecting");
-                        return LinkEnd::Reconnect;
+                        return reconnect(shared, link, deliveries).await;
                     }
                 },
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "RabbitMQ connection lost; reconnecting");
-                    return LinkEnd::Reconnect;
+                    return reconnect(shared, link, deliveries).await;
                 }
                 None => {
                     tracing::warn!(queue = %shared.queue, "the broker cancelled the consumer; reconnecting");
-                    return LinkEnd::Reconnect;
+                    return reconnect(shared, link, deliveries).await;
                 }
             }
         }
     }
+}
+
+/// Gives the link up to connect again. A partition queue's connection is closed before its consumer is dropped:
+/// dropping a consumer cancels it, and a standby the cancel made active would take the partition's later messages
+/// before those this one held go back with the close.
+async fn reconnect<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    deliveries: lapin::Consumer,
+) -> LinkEnd {
+    if shared.options.partitions.is_some() {
+        link.close("reconnecting").await;
+    }
+    drop(deliveries);
+    LinkEnd::Reconnect
 }
 
 /// What became of a delivery the consume loop received.

@@ -268,6 +268,8 @@ async fn consume_on<C: Consumer>(
         return LinkEnd::Reconnect;
     };
     *lock(&shared.last_activity) = Instant::now();
+    // A new connection: what the last one held comes again, so this queue is idle only once a look on this one says so.
+    shared.busy();
     let mut idle_check = tokio::time::interval(Duration::from_millis(100));
     // A look slower than the tick does not make the next one due at once: the deliveries are read between looks.
     idle_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -297,8 +299,11 @@ async fn consume_on<C: Consumer>(
             }
             Some(_) = workers.tasks.join_next(), if !workers.tasks.is_empty() => {}
             () = link.given_up.cancelled() => return reconnect(shared, link, deliveries).await,
-            // Every queue of the process idle at once (found so by the last of them): all stop together.
-            () = shared.idle.all.cancelled(), if shared.options.exit_when_idle.is_some() => {
+            // Every queue of the process idle at once (found so by the last of them): all stop together — each one
+            // counted idle by its own look on this connection (a queue handed work since, or connected again, looks
+            // again first).
+            () = shared.idle.all.cancelled(), if shared.options.exit_when_idle.is_some()
+                && shared.idle_counted.load(Ordering::SeqCst) => {
                 tracing::info!(queue = %shared.queue, "queue idle; stopping");
                 return idle_stop(shared, link, deliveries, workers, cancel).await;
             }

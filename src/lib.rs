@@ -26,6 +26,7 @@ pub mod metrics;
 pub mod output;
 pub mod parcel;
 pub mod producer;
+pub mod recent;
 pub mod redact;
 pub mod replay;
 pub mod sanitize;

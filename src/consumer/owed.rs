@@ -9,8 +9,7 @@
 //! another process, is tried again, as it would be without this. Before its copy is made, the inbox is asked whether
 //! another process processed it meanwhile ([`owed_copy`]).
 
-use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use uuid::Uuid;
 
@@ -21,11 +20,12 @@ use super::dispatch::{Disposition, Ready, conflict, duplicate};
 use super::link::Link;
 use super::move_aside::{CONFLICT_FAULT, error_queue};
 use super::outage::{Looked, database_back, look, unavailable, wait_to_retry};
-use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, lock, poison};
+use super::{Consumer, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, poison};
 use crate::amqp::limits;
 use crate::backoff::Backoff;
 use crate::inbox::Fingerprint;
 use crate::inbox::{Outcome, ProcessError};
+use crate::recent::Recent;
 
 /// How many messages may be owed a copy at once. A fault is kept as its copy's headers carry it (at most 10 KB), so
 /// this bounds the memory to a few MB; beyond it the one owed longest is forgotten.
@@ -42,16 +42,18 @@ pub(super) struct Owed {
     pub(super) retry_count: i32,
 }
 
-#[derive(Debug, Default)]
-pub(super) struct OwedCopies(std::sync::Mutex<HashMap<(Uuid, Fingerprint), (Owed, Instant)>>);
+#[derive(Debug)]
+pub(super) struct OwedCopies(Recent<(Uuid, Fingerprint), Owed>);
+
+impl Default for OwedCopies {
+    fn default() -> Self {
+        Self(Recent::new(MOST, KEPT_FOR))
+    }
+}
 
 impl OwedCopies {
     /// The message's copy was decided and not made; it goes back to its queue owed it.
     pub(super) fn remember(&self, id: Uuid, fingerprint: Fingerprint, owed: Owed) {
-        self.remember_at(id, fingerprint, owed, Instant::now());
-    }
-
-    fn remember_at(&self, id: Uuid, fingerprint: Fingerprint, owed: Owed, now: Instant) {
         // Cut as the copy's headers cut them (so the copy made later is the same); cut again, they do not change.
         let (kind, message, description) = owed.fault;
         let owed = Owed {
@@ -62,26 +64,12 @@ impl OwedCopies {
             ),
             retry_count: owed.retry_count,
         };
-        let mut map = lock(&self.0);
-        if map.len() >= MOST && !map.contains_key(&(id, fingerprint)) {
-            map.retain(|_, (_, at)| now.duration_since(*at) < KEPT_FOR);
-            if map.len() >= MOST
-                && let Some(oldest) = map.iter().min_by_key(|(_, (_, at))| *at).map(|(k, _)| *k)
-            {
-                map.remove(&oldest);
-            }
-        }
-        map.insert((id, fingerprint), (owed, now));
+        self.0.insert((id, fingerprint), owed);
     }
 
     /// The copy owed to this message, if any, taken: made again and refused again, it is remembered again.
     pub(super) fn take(&self, id: Uuid, fingerprint: Fingerprint) -> Option<Owed> {
-        self.take_at(id, fingerprint, Instant::now())
-    }
-
-    fn take_at(&self, id: Uuid, fingerprint: Fingerprint, now: Instant) -> Option<Owed> {
-        let (owed, at) = lock(&self.0).remove(&(id, fingerprint))?;
-        (now.duration_since(at) < KEPT_FOR).then_some(owed)
+        self.0.take(&(id, fingerprint))
     }
 }
 
@@ -152,6 +140,7 @@ pub(super) async fn owed_copy<C: Consumer>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Instant;
 
     fn owed(reason: &str) -> Owed {
         Owed {
@@ -188,19 +177,23 @@ mod tests {
         let start = Instant::now();
         let event = Fingerprint::from_bytes([1; 16]);
         let stale = Uuid::now_v7();
-        copies.remember_at(stale, event, owed("old"), start);
-        assert_eq!(copies.take_at(stale, event, start + KEPT_FOR), None);
+        copies.0.insert_at((stale, event), owed("old"), start);
+        assert_eq!(copies.0.take_at(&(stale, event), start + KEPT_FOR), None);
 
         let ids: Vec<Uuid> = (0..=MOST).map(|_| Uuid::now_v7()).collect();
         for (i, id) in ids.iter().enumerate() {
             let at = start + Duration::from_millis(u64::try_from(i).unwrap());
-            copies.remember_at(*id, event, owed("boom"), at);
+            copies.0.insert_at((*id, event), owed("boom"), at);
         }
         let now = start + Duration::from_secs(1);
-        assert_eq!(lock(&copies.0).len(), MOST);
-        assert_eq!(copies.take_at(ids[0], event, now), None, "the oldest went");
-        assert!(copies.take_at(ids[MOST], event, now).is_some());
-        assert!(copies.take_at(ids[1], event, now).is_some());
+        assert_eq!(copies.0.len(), MOST);
+        assert_eq!(
+            copies.0.take_at(&(ids[0], event), now),
+            None,
+            "the oldest went"
+        );
+        assert!(copies.0.take_at(&(ids[MOST], event), now).is_some());
+        assert!(copies.0.take_at(&(ids[1], event), now).is_some());
     }
 
     #[test]

@@ -1,9 +1,8 @@
 //! The carrier consumer's two ways to reach an HTTP carrier: [`HttpCarrier`] calls inside the claim's transaction
 //! (keyed), [`DeferredCarrier`] writes the call owed in it for the worker to make after the commit.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use sqlx::postgres::PgConnection;
@@ -14,6 +13,7 @@ use crate::carrier_stub::SlotAnswer;
 use crate::db::{effects, external};
 use crate::inbox::{ConsumerType, WorkError};
 use crate::parcel::{Carrier, PickupRequest, PickupSlot};
+use crate::recent::Recent;
 
 /// The request as kept in `inboxctl_effects.request`, enough to make the call again.
 pub(crate) fn request_json(request: &PickupRequest) -> String {
@@ -55,24 +55,7 @@ pub struct HttpCarrier {
 /// (a message id reused for another parcel is the carrier's to answer). An entry of a call whose transaction
 /// committed is never read again (a later copy of its message is a duplicate, its work not run).
 #[derive(Debug)]
-pub struct Answered {
-    ttl: Duration,
-    slots: Mutex<Slots>,
-}
-
-#[derive(Debug, Default)]
-struct Slots {
-    by_key: HashMap<uuid::Uuid, Kept>,
-    order: VecDeque<uuid::Uuid>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Kept {
-    slot: SlotAnswer,
-    /// What was asked for (parcel, tracking number, destination), hashed.
-    content: u64,
-    at: Instant,
-}
+pub struct Answered(Recent<uuid::Uuid, (u64, SlotAnswer)>);
 
 impl Answered {
     /// How many answers are kept: far more than the calls one process has in flight and retrying (its prefetch,
@@ -81,37 +64,16 @@ impl Answered {
 
     /// Answers kept for `ttl` each.
     pub fn new(ttl: Duration) -> Self {
-        Self {
-            ttl,
-            slots: Mutex::default(),
-        }
+        Self(Recent::new(Self::KEPT, ttl))
     }
 
     fn get(&self, key: uuid::Uuid, request: &PickupRequest) -> Option<SlotAnswer> {
-        let slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        slots
-            .by_key
-            .get(&key)
-            .filter(|kept| kept.content == content(request) && kept.at.elapsed() < self.ttl)
-            .map(|kept| kept.slot)
+        let (content_kept, slot) = self.0.get(&key)?;
+        (content_kept == content(request)).then_some(slot)
     }
 
     fn keep(&self, key: uuid::Uuid, request: &PickupRequest, slot: SlotAnswer) {
-        let kept = Kept {
-            slot,
-            content: content(request),
-            at: Instant::now(),
-        };
-        let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        let Slots { by_key, order } = &mut *slots;
-        if by_key.insert(key, kept).is_none() {
-            order.push_back(key);
-            if order.len() > Self::KEPT
-                && let Some(oldest) = order.pop_front()
-            {
-                by_key.remove(&oldest);
-            }
-        }
+        self.0.insert(key, (content(request), slot));
     }
 }
 
@@ -256,6 +218,7 @@ mod tests {
         for n in 0..=Answered::KEPT as u128 {
             answered.keep(uuid::Uuid::from_u128(1000 + n), &request("Berlin"), slot(n));
         }
+        assert_eq!(answered.0.len(), Answered::KEPT, "bounded");
         assert_eq!(
             answered.get(key, &request("Berlin")),
             None,
@@ -263,6 +226,5 @@ mod tests {
         );
         let newest = uuid::Uuid::from_u128(1000 + Answered::KEPT as u128);
         assert!(answered.get(newest, &request("Berlin")).is_some());
-        assert!(answered.slots.lock().unwrap().by_key.len() <= Answered::KEPT);
     }
 }

@@ -41,10 +41,7 @@ pub fn original_expiration(properties: &BasicProperties) -> Option<String> {
         .or_else(|| dead_letter::header_text(headers, ORIGINAL_EXPIRATION_HEADER))
         .or_else(in_death)
         .filter(|e| {
-            !e.is_empty()
-                && e.len() <= 10
-                && e.bytes().all(|b| b.is_ascii_digit())
-                && e.parse::<u64>().is_ok_and(|ms| ms <= u64::from(u32::MAX))
+            e.len() <= 10 && e.bytes().all(|b| b.is_ascii_digit()) && e.parse::<u32>().is_ok()
         })
 }
 

@@ -157,6 +157,7 @@ pub async fn run(
     if let Some(guard) = &plan.guard {
         window::check(pool, guard, cutoff, &mut consumers).await?;
     }
+    let held = partitions_held(plan, &consumers);
 
     let mut interrupted = false;
     let mut attempts_deleted = 0;
@@ -169,7 +170,6 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        let held = partitions_held(plan, &consumers);
         partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), true).await?;
         count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
         let order: Vec<usize> = (0..consumers.len())
@@ -182,7 +182,6 @@ pub async fn run(
             .iter()
             .map(|&i| consumers[i].consumer_type.clone())
             .collect();
-        let held = partitions_held(plan, &consumers);
         let maintained =
             partitions::maintain(pool, window, &cleanable, held.as_deref(), false).await;
         let result = match maintained {

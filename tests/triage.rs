@@ -159,18 +159,7 @@ async fn a_group_replay_stopped_half_way_says_none_gone_and_a_members_later_copy
         env.queue_counts(ERROR_QUEUE) == (41, 0)
     })
     .await;
-    let dir = tempdir();
-    let listing = dir.join("listing.json");
-    let out = env.run(&[
-        "failures",
-        "--from",
-        ERROR_QUEUE,
-        "--json",
-        "--output",
-        listing.to_str().unwrap(),
-    ]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    let report = json(&out);
+    let (listing, report) = failures_listing(&env);
     let fingerprint = |t: &str| {
         report["groups"]
             .as_array()
@@ -265,18 +254,7 @@ async fn three_causes_make_three_groups_and_a_group_replays_exactly_its_listed_m
         .collect();
     assert_eq!(before, published);
 
-    let dir = tempdir();
-    let listing = dir.join("listing.json");
-    let out = env.run(&[
-        "failures",
-        "--from",
-        ERROR_QUEUE,
-        "--json",
-        "--output",
-        listing.to_str().unwrap(),
-    ]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    let report = json(&out);
+    let (listing, report) = failures_listing(&env);
     let groups = report["groups"].as_array().unwrap();
     assert_eq!(groups.len(), 3, "{report}");
     let by_type = |t: &str| {
@@ -405,6 +383,21 @@ async fn three_causes_make_three_groups_and_a_group_replays_exactly_its_listed_m
     ]);
     assert_eq!(out.code, Some(64), "{out:?}");
     assert!(out.stderr.contains("gathers the causes past"), "{out:?}");
+}
+
+/// `failures --from` the error queue, its listing written to a file of its own: the file, and the `--json` report.
+fn failures_listing(env: &TestEnv) -> (std::path::PathBuf, serde_json::Value) {
+    let listing = tempdir().join("listing.json");
+    let out = env.run(&[
+        "failures",
+        "--from",
+        ERROR_QUEUE,
+        "--json",
+        "--output",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    (listing, json(&out))
 }
 
 fn tempdir() -> std::path::PathBuf {
@@ -1256,18 +1249,8 @@ async fn a_group_replay_run_again_with_its_listing_leaves_a_members_failure_sinc
         env.queue_counts(ERROR_QUEUE) == (2, 0)
     })
     .await;
-    let dir = tempdir();
-    let listing = dir.join("listing.json");
-    let out = env.run(&[
-        "failures",
-        "--from",
-        ERROR_QUEUE,
-        "--json",
-        "--output",
-        listing.to_str().unwrap(),
-    ]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    let fingerprint = json(&out)["groups"][0]["fingerprint"]
+    let (listing, report) = failures_listing(&env);
+    let fingerprint = report["groups"][0]["fingerprint"]
         .as_str()
         .unwrap()
         .to_owned();

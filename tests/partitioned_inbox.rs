@@ -411,6 +411,23 @@ async fn an_inbox_with_rows_is_converted_in_place_under_a_running_consumer_and_o
         "its rows, and those written before the swap: {}",
         untimed.1
     );
+    // Its key is the partition of the partitioned table's primary key, and a primary key itself: PostgreSQL 17
+    // attaches a partition's key to the parent's only when both are of one kind (else it builds another under the
+    // swap's lock, and fails, a table having one primary key).
+    let keys: Vec<(String, String)> = sqlx::query_as(
+        "SELECT conname::text, contype::text FROM pg_constraint \
+         WHERE conrelid = 'inbox_messages_untimed'::regclass AND contype IN ('p', 'u') \
+           AND conparentid = (SELECT oid FROM pg_constraint \
+                              WHERE conrelid = 'inbox_messages'::regclass AND contype = 'p')",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        keys,
+        [("inbox_messages_untimed_pk".to_owned(), "p".to_owned())],
+        "the untimed partition's key, attached to the parent's"
+    );
     let stderr = consumer.stderr();
     let copies = stderr.matches("duplicate discarded").count();
     assert!(

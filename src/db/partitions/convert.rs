@@ -1,7 +1,7 @@
 //! Converting an unpartitioned `inbox_messages` in place (see the parent module): two columns added, a unique index
 //! on the new key built concurrently, a validated check, then one short transaction that renames the table, makes the
-//! partitioned one in its place with the same indexes and grants, and attaches the old table as the untimed
-//! partition.
+//! new key its primary key, makes the partitioned one in its place with the same indexes and grants, and attaches the
+//! old table as the untimed partition.
 
 use chrono::Utc;
 use sqlx::Connection as _;
@@ -88,14 +88,18 @@ const RESET_LOCK_TIMEOUT: &str = "RESET lock_timeout";
 pub(super) const SET_LOCAL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 const LOCK_INBOX: &str = "LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE";
 const RENAME_TO_UNTIMED: &str = "ALTER TABLE inbox_messages RENAME TO inbox_messages_untimed";
+/// The new key, built beforehand, made the untimed partition's primary key in place of the old one, so that the
+/// attach pairs it with the partitioned table's primary key: PostgreSQL 17 pairs only constraints of one kind, and
+/// would otherwise build a key of its own under the swap's lock — and fail at it, a table having one primary key.
+/// Its rows all have `message_time = '-infinity'` (the check), so the new key is as unique as the old one was.
 const UNTIMED_KEY_CONSTRAINT: &str = "ALTER TABLE inbox_messages_untimed \
-     ADD CONSTRAINT inbox_messages_untimed_key UNIQUE USING INDEX inbox_messages_untimed_key";
+     ADD CONSTRAINT inbox_messages_untimed_pk PRIMARY KEY USING INDEX inbox_messages_untimed_key";
 const ATTACH_UNTIMED: &str = "ALTER TABLE inbox_messages ATTACH PARTITION inbox_messages_untimed \
      FOR VALUES FROM (MINVALUE) TO ('2000-01-01 00:00:00+00')";
 
-fn rename_key_statement(key: &str) -> String {
+fn drop_key_statement(key: &str) -> String {
     format!(
-        "ALTER TABLE inbox_messages_untimed RENAME CONSTRAINT {} TO inbox_messages_untimed_pk",
+        "ALTER TABLE inbox_messages_untimed DROP CONSTRAINT {}",
         quote_ident(key)
     )
 }
@@ -161,8 +165,8 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
             grant_statement("select", Some("inboxctl"), true).unwrap_or_default(),
         ),
         (
-            "rename_key_statement",
-            rename_key_statement("pk_inbox_messages"),
+            "drop_key_statement",
+            drop_key_statement("pk_inbox_messages"),
         ),
         (
             "rename_index_statement",
@@ -432,7 +436,7 @@ async fn swap(
     run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
     run(&mut tx, LOCK_INBOX).await?;
     run(&mut tx, RENAME_TO_UNTIMED).await?;
-    run(&mut tx, &rename_key_statement(key)).await?;
+    run(&mut tx, &drop_key_statement(key)).await?;
     for (index, _) in INBOX_INDEXES {
         run(&mut tx, &rename_index_statement(index)).await?;
     }

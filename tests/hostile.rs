@@ -711,58 +711,69 @@ async fn panic_moving_a_redelivered_message_aside(
 /// could not read its frame and closed the connection, and the message came first again on every new one — nothing
 /// behind it was ever delivered, to a consumer or to a replay. It is read now, its id's invalid bytes replaced
 /// (`vendor/README.md`): the consumer processes it once by its envelope's id, and the messages behind it flow; in a
-/// dead-letter queue, a replay leaves it (a copy would not carry the same bytes) and replays what is behind it.
+/// dead-letter queue, a replay leaves it (a copy would not carry the same bytes) and replays what is behind it. So
+/// for an id of 86 invalid bytes, and a header's name of them, whose replacements outgrow a short string's 255 bytes
+/// (they panicked lapin's I/O thread, which then never read again: no delivery, no ack, no reconnect).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_id_that_is_not_utf8_neither_stalls_a_consumer_nor_a_replay() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
-    let (_, body, _) = common::parcel_message(Uuid::now_v7(), "Berlin");
-    let headers = raw_amqp::table(&[("tenant", raw_amqp::long_string("acme"))]);
-    let odd_id: &[u8] = b"\xff\xfe-not-utf8";
-    raw_amqp::publish(
-        &env.amqp_addr(),
-        &env.vhost,
-        EVENT_EXCHANGE,
-        "",
-        odd_id,
-        inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
-        &headers,
-        &body,
-    );
+    let tenant = raw_amqp::table(&[("tenant", raw_amqp::long_string("acme"))]);
+    let invalid = [0xFF_u8; 86];
+    let oddly_named = raw_amqp::table(&[
+        (invalid.as_slice(), raw_amqp::long_string("x")),
+        (b"tenant".as_slice(), raw_amqp::long_string("acme")),
+    ]);
+    // (id, headers) of each odd message: an id of invalid bytes, short or outgrowing; a header's name outgrowing.
+    let odd: [(Vec<u8>, &[u8]); 3] = [
+        (b"\xff\xfe-not-utf8".to_vec(), &tenant),
+        (invalid.to_vec(), &tenant),
+        (Uuid::now_v7().to_string().into_bytes(), &oddly_named),
+    ];
+    let publish_odd = |exchange: &str, queue: &str| {
+        for (id, headers) in &odd {
+            let (_, body, _) = common::parcel_message(Uuid::now_v7(), "Berlin");
+            raw_amqp::publish(
+                &env.amqp_addr(),
+                &env.vhost,
+                exchange,
+                queue,
+                id,
+                inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
+                headers,
+                &body,
+            );
+        }
+    };
+    publish_odd(EVENT_EXCHANGE, "");
     common::publish_parcels(&env, &["--count", "20"]);
     let out = common::consume_until_idle(&env, &["carrier"]);
     assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
     let pool = env.pool().await;
-    assert_eq!(effects(&pool).await, 21, "{}", out.stderr);
+    assert_eq!(effects(&pool).await, 23, "{}", out.stderr);
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 
     let dlq = "odd.dlq";
     let conn = env.amqp().await;
     common::capture_queue(&conn, "amq.direct", dlq).await;
-    raw_amqp::publish(
-        &env.amqp_addr(),
-        &env.vhost,
-        "",
-        dlq,
-        odd_id,
-        inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
-        &headers,
-        &body,
-    );
+    publish_odd("", dlq);
     let behind = Uuid::now_v7();
     let (props, body, _) = common::parcel_message(behind, "Berlin");
     common::publish(&conn, "", dlq, props, &body).await;
     let out = env.run(&["replay", "--from", dlq, "--to", CARRIER_QUEUE, "--json"]);
     assert_eq!(out.code, Some(3), "{out:?}");
     let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
-    assert_eq!(report["items"][0]["action"], "uncopyable", "{report}");
-    assert_eq!(report["items"][1]["action"], "replayed", "{report}");
+    for i in 0..3 {
+        assert_eq!(report["items"][i]["action"], "uncopyable", "{report}");
+    }
+    assert_eq!(report["items"][3]["action"], "replayed", "{report}");
     assert_eq!(
-        report["items"][1]["message_id"],
+        report["items"][3]["message_id"],
         behind.to_string(),
         "{report}"
     );
-    assert_eq!(env.queue_counts(dlq), (1, 0), "left where it was");
+    assert_eq!(env.queue_counts(dlq), (3, 0), "left where they were");
 }
 
 in_both_modes!(

@@ -24,12 +24,13 @@ pub fn nested_table_value(key: &str, depth: usize) -> Vec<u8> {
     value
 }
 
-/// The bytes of a header table from `(key, value bytes with their type tag)` pairs.
-pub fn table(entries: &[(&str, Vec<u8>)]) -> Vec<u8> {
+/// The bytes of a header table from `(key, value bytes with their type tag)` pairs; a key is any bytes.
+pub fn table<K: AsRef<[u8]>>(entries: &[(K, Vec<u8>)]) -> Vec<u8> {
     let mut body = Vec::new();
     for (key, value) in entries {
+        let key = key.as_ref();
         body.push(u8::try_from(key.len()).unwrap());
-        body.extend_from_slice(key.as_bytes());
+        body.extend_from_slice(key);
         body.extend_from_slice(value);
     }
     let mut out = u32::try_from(body.len()).unwrap().to_be_bytes().to_vec();

@@ -261,11 +261,25 @@ pub fn parse_decimal_value<I: ParsableInput>(i: I) -> ParserResult<I, DecimalVal
 /// name) on as the publisher wrote them, and lapin closes its connection on a frame it cannot parse: the same message
 /// then came first again on every new connection, and nothing queued behind it was ever delivered. The reader of the
 /// message sees U+FFFD where the bytes were not text (inboxctl: an id that is no UUID; a replay leaves the message,
-/// whose copy would not be the message).
+/// whose copy would not be the message). Each replacement is 3 bytes where the byte it replaces was 1, so the text
+/// can outgrow a short string's 255 bytes (86 invalid bytes do): it is then cut at a character boundary and ends with
+/// a U+FFFD, so that it still fits a [ShortString] — whose constructor panics beyond, on lapin's I/O thread, which
+/// then neither reads nor writes again — and still shows that it is not what was sent.
 fn make_str<I: Input<Item = u8>>(i: I) -> Result<String, std::string::FromUtf8Error> {
     Ok(match String::from_utf8(i.iter_elements().collect()) {
         Ok(text) => text,
-        Err(e) => String::from_utf8_lossy(e.as_bytes()).into_owned(),
+        Err(e) => {
+            let mut text = String::from_utf8_lossy(e.as_bytes()).into_owned();
+            if text.len() > MAX_SHORT_STRING_LENGTH {
+                let mut end = MAX_SHORT_STRING_LENGTH - char::REPLACEMENT_CHARACTER.len_utf8();
+                while !text.is_char_boundary(end) {
+                    end -= 1;
+                }
+                text.truncate(end);
+                text.push(char::REPLACEMENT_CHARACTER);
+            }
+            text
+        }
     })
 }
 
@@ -680,6 +694,23 @@ mod test {
             value = t.inner().values().next().unwrap();
         }
         assert!(matches!(value, AMQPValue::ByteArray(_)), "{value:?}");
+    }
+
+    #[test]
+    fn a_short_string_of_invalid_bytes_is_read_within_a_short_strings_length() {
+        for (valid, invalid) in [(0, 86), (0, 255), (170, 30), (254, 1), (100, 0)] {
+            let mut bytes = vec![u8::try_from(valid + invalid).unwrap()];
+            bytes.extend(std::iter::repeat_n(b'a', valid));
+            bytes.extend(std::iter::repeat_n(0xFF, invalid));
+            let (rest, text) = parse_short_string(&bytes[..]).expect("parses");
+            assert!(rest.is_empty());
+            assert!(text.as_str().len() <= MAX_SHORT_STRING_LENGTH, "{valid}, {invalid}");
+            assert_eq!(
+                text.as_str().contains(char::REPLACEMENT_CHARACTER),
+                invalid > 0,
+                "{valid}, {invalid}: {text:?}"
+            );
+        }
     }
 
     #[test]

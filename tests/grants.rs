@@ -27,7 +27,7 @@ const SECURITY_ROWS: [&str; 6] = [
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
     "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit`; on a partitioned inbox, to make and drop its partitions, the table's owner and `CREATE` on its schema (without them it deletes in batches, and says so) | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
     "| `replay` | none | configure `^inboxctl\\.replaying\\.<dead-letter queue>$` (the marker that keeps `cleanup` off the rows of what it holds; without it the replay goes on and says it is not marked), read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
-    "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure, write and read all empty (`\"\"`): the queue depths come from passive declares, which need none |",
+    "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure and write empty (`\"\"`), read `^<queue>_error$` for each consumer_type's error queue: the queue depths come from passive declares, which need none, and the age of an error queue's oldest message from looking at it (and giving it back); without read that age is unknown, `stats` says why and exits 3, every other figure shown |",
 ];
 
 /// `migrate`'s row, PostgreSQL (`{role}` is the role's quoted name).
@@ -1544,25 +1544,45 @@ async fn stats_needs_select_and_only_access_to_the_vhost() {
     common::ensure_endpoints(&env).await;
     common::publish_parcels(&env, &["--count", "4", "--duplicates", "0.5"]);
     common::consume_until_idle(&env, &["carrier"]);
+    common::consume_until_idle(&env, &["notification"]);
     common::publish_parcels(&env, &["--count", "2"]);
+    // The carrier's error queue holds a message that failed an hour ago: its age is read by looking at it (read).
+    let conn = env.amqp().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &error_queue, common::queue_type())
+        .await
+        .unwrap();
+    let mut headers = lapin::types::FieldTable::default();
+    let an_hour_ago =
+        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::hours(1));
+    headers.insert(
+        "MT-Fault-Timestamp".into(),
+        lapin::types::AMQPValue::LongString(an_hour_ago.into_bytes().into()),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_headers(headers);
+    common::publish(&conn, "", &error_queue, props, b"{}").await;
+    let _ = conn.close(200, "OK".into()).await;
     let admin = env.pool().await;
     let mut principals = Principals::new(&env);
     let role = principals.role(&admin, "stats", STATS_GRANTS).await;
-    let user = principals.user("stats", &permissions("", "", ""));
+    let user = principals.user("stats", &permissions("", "", "^.*_error$"));
     let stats = As::new(&role.url, &user.url);
-    let carrier = |out: &Output| -> serde_json::Value {
+    let figures = |out: &Output, consumer_type: &str| -> serde_json::Value {
         let json: serde_json::Value =
             serde_json::from_str(out.stdout.trim()).unwrap_or_else(|e| panic!("{e}: {out:?}"));
         json["consumers"]
             .as_array()
             .unwrap()
             .iter()
-            .find(|c| c["consumer_type"] == CARRIER_QUEUE)
+            .find(|c| c["consumer_type"] == consumer_type)
             .cloned()
-            .unwrap_or_else(|| panic!("no carrier figures: {out:?}"))
+            .unwrap_or_else(|| panic!("no {consumer_type} figures: {out:?}"))
     };
+    let carrier = |out: &Output| figures(out, CARRIER_QUEUE);
 
-    // Exactly the grants: every figure, the queues' depths included.
+    // Exactly the grants: every figure, the queues' depths and the age of the oldest failure included.
     let out = stats.run(&env, &["stats", "--json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stdout.contains("\"broker_error\":null"), "{out:?}");
@@ -1572,7 +1592,28 @@ async fn stats_needs_select_and_only_access_to_the_vhost() {
     assert!(c["duplicates_per_second"].as_f64().unwrap() > 0.0, "{c}");
     assert_eq!(c["queue"]["ready"], 2, "{c}");
     assert_eq!(c["queue"]["consumers"], 0, "{c}");
-    assert_eq!(c["error_queue"]["ready"], 0, "{c}");
+    assert_eq!(c["error_queue"]["ready"], 1, "{c}");
+    let age = c["oldest_dead_letter_seconds"].as_f64().unwrap_or_default();
+    assert!((3500.0..3700.0).contains(&age), "{c}");
+
+    // Without read on the error queues: that age unknown, and why; every other figure, the next consumer_type's
+    // queue included (one refused look used to end the broker's part there).
+    let unread = principals.user("stats-unread", &permissions("", "", ""));
+    let out = As::new(&role.url, &unread.url).run(&env, &["stats", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stdout.contains(&format!(
+            "the oldest message of {error_queue} could not be looked at"
+        )),
+        "{out:?}"
+    );
+    let c = carrier(&out);
+    assert!(c["oldest_dead_letter_seconds"].is_null(), "{c}");
+    assert_eq!(c["error_queue"]["ready"], 1, "{c}");
+    let n = figures(&out, NOTIFICATION_QUEUE);
+    assert_eq!(n["queue"]["ready"], 2, "{n}");
+    assert_eq!(n["error_queue"]["ready"], 0, "{n}");
+    assert_eq!(env.queue_counts(&error_queue), (1, 0), "given back");
 
     // Without SELECT on inboxctl_events (the rates): refused.
     let subject = Subject::new(&env, &principals, &stats)

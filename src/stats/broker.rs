@@ -62,14 +62,26 @@ impl Window {
     }
 }
 
-/// Fills in the queues' depths and the error queues' oldest messages; why the broker's figures are missing, if they
-/// are.
+/// What [`from_broker`] could not fill in, and whether the error queues' heads were looked at.
+pub(super) struct Missing {
+    /// Why some of the broker's figures are missing, if they are.
+    pub error: Option<String>,
+    /// The heads were looked at, each queue's age known or, where its look was refused, unknown (`None`): false when
+    /// the connection failed before every queue was seen.
+    pub heads_looked: bool,
+}
+
+/// Fills in the queues' depths and the error queues' oldest messages. A look at one error queue's oldest message that
+/// is refused (no read permission on it) leaves that age unknown and the others are still looked at: one queue's
+/// refusal must not blank the figures of every consumer_type after it, nor have the refused queue's neighbours
+/// looked at again on every refresh as if no look had been made.
 pub(super) async fn from_broker(
     connection: &Connection,
     consumers: &mut [ConsumerStats],
     range: Range,
-) -> Option<String> {
+) -> Missing {
     let mut broker_error = None;
+    let mut complete = true;
     'queues: for c in consumers.iter_mut() {
         // Whether the consumer's queue is in this vhost: only then does a missing error queue mean nothing failed.
         let mut queue_here = false;
@@ -96,6 +108,7 @@ pub(super) async fn from_broker(
                 }
                 Err(e) => {
                     broker_error = Some(crate::redact::text(&e.to_string()));
+                    complete = false;
                     break 'queues;
                 }
             }
@@ -111,13 +124,26 @@ pub(super) async fn from_broker(
             match oldest_failure(connection, &q.name).await {
                 Ok(age) => c.oldest_dead_letter_seconds = age,
                 Err(e) => {
-                    broker_error = Some(crate::redact::text(&e.to_string()));
-                    break 'queues;
+                    c.oldest_dead_letter_seconds = None;
+                    broker_error.get_or_insert_with(|| {
+                        format!(
+                            "the oldest message of {} could not be looked at: {}",
+                            crate::sanitize::text(&q.name),
+                            crate::redact::text(&e.to_string())
+                        )
+                    });
+                    if !connection.status().connected() {
+                        complete = false;
+                        break 'queues;
+                    }
                 }
             }
         }
     }
-    broker_error
+    Missing {
+        error: broker_error,
+        heads_looked: range.look_at_heads && complete,
+    }
 }
 
 /// Ready messages and consumers of `queue`, or spread over `partitions` queues, their ready messages summed and the

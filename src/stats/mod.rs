@@ -221,9 +221,12 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     }
     drop(conn);
 
-    let broker_error = match broker {
+    let missing = match broker {
         Some(connection) => broker::from_broker(connection, &mut consumers, range).await,
-        None => Some("RabbitMQ not reachable".to_owned()),
+        None => broker::Missing {
+            error: Some("RabbitMQ not reachable".to_owned()),
+            heads_looked: false,
+        },
     };
 
     Ok(Snapshot {
@@ -231,9 +234,9 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         window: range.window,
         bucket: range.bucket,
         retention: range.retention,
-        heads_looked: range.look_at_heads && broker.is_some() && broker_error.is_none(),
+        heads_looked: missing.heads_looked,
         consumers,
-        broker_error,
+        broker_error: missing.error,
     })
 }
 

@@ -1206,14 +1206,21 @@ async fn a_vhost_with_a_question_mark_is_read_as_written() {
 
 /// Found by the `replay_failure` fuzz target: a producer can write `x-first-death-queue` as any long string, and one
 /// of 256 bytes named an origin no AMQP frame can carry. Such a message is left and reported, never sent; the
-/// message beside it, naming a real queue, goes back.
+/// message beside it, naming a real queue, goes back. So is one naming the replay's own marker queue (which, the
+/// replay's connection's own, answered a look as present: the copy went into the marker, confirmed, the message
+/// acknowledged, and both gone when the marker was deleted) or a name the broker reserves; `--to` either is refused.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_death_queue_name_longer_than_amqp_allows_is_left_and_reported() {
     let env = TestEnv::migrated().await;
     let conn = env.amqp().await;
     declare(&conn, &["odd.dlq", "odd.origin"], FieldTable::default()).await;
     let mut ids = Vec::new();
-    for origin in ["q".repeat(256), "odd.origin".to_owned()] {
+    for origin in [
+        "q".repeat(256),
+        "inboxctl.replaying.odd.dlq".to_owned(),
+        "amq.gen-odd".to_owned(),
+        "odd.origin".to_owned(),
+    ] {
         let id = uuid::Uuid::new_v4().to_string();
         let mut headers = FieldTable::default();
         headers.insert("x-first-death-queue".into(), long(&origin));
@@ -1227,12 +1234,20 @@ async fn a_death_queue_name_longer_than_amqp_allows_is_left_and_reported() {
     let dry = replay_json(&env, &["--from", "odd.dlq", "--dry-run"], 3);
     assert_eq!(action_of(&dry, &ids[0]), "origin_ambiguous", "{dry}");
     let report = replay_json(&env, &["--from", "odd.dlq"], 3);
-    assert_eq!(action_of(&report, &ids[0]), "origin_ambiguous", "{report}");
-    assert_eq!(action_of(&report, &ids[1]), "replayed", "{report}");
+    for id in &ids[..3] {
+        assert_eq!(action_of(&report, id), "origin_ambiguous", "{report}");
+    }
+    assert_eq!(action_of(&report, &ids[3]), "replayed", "{report}");
     assert_eq!(report["replayed"], 1, "{report}");
-    assert_eq!(report["left"], 1, "{report}");
-    assert_eq!(env.queue_counts("odd.dlq"), (1, 0));
+    assert_eq!(report["left"], 3, "{report}");
+    assert_eq!(env.queue_counts("odd.dlq"), (3, 0));
     assert_eq!(env.queue_counts("odd.origin"), (1, 0));
+    for to in ["inboxctl.replaying.odd.dlq", "amq.gen-odd"] {
+        let out = env.run(&["replay", "--from", "odd.dlq", "--to", to]);
+        assert_eq!(out.code, Some(64), "{out:?}");
+        assert!(out.stderr.contains("not a consumer's queue"), "{out:?}");
+    }
+    assert_eq!(env.queue_counts("odd.dlq"), (3, 0));
 }
 
 /// A dead-lettered message whose own headers fill most of a frame: the broker took it, but the copy a replay sends

@@ -93,6 +93,19 @@ pub fn replay_marker(queue: &str) -> String {
     format!("inboxctl.replaying.sha256.{hex}")
 }
 
+/// Why `queue` is no place to replay a message to, if it is not: a replay's marker (a replay's own answers a look as
+/// present, being its connection's, and what it took would go with it) or a name the broker reserves (`amq.`: its
+/// server-named queues, exclusive to a connection and gone with it).
+pub fn not_a_replay_destination(queue: &str) -> Option<&'static str> {
+    if queue.starts_with("inboxctl.replaying.") {
+        Some("a replay's marker, not a consumer's queue")
+    } else if queue.starts_with("amq.") {
+        Some("a name the broker reserves (amq.), not a consumer's queue")
+    } else {
+        None
+    }
+}
+
 /// What became of a replay's marker ([`mark_replay`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Marker {

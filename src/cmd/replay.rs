@@ -94,6 +94,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     amqp::validate_name("--from", &args.from)?;
     if let Some(to) = &args.to {
         amqp::validate_name("--to", to)?;
+        if let Some(why) = amqp::topology::not_a_replay_destination(to) {
+            return Err(crate::error::Error::Usage(format!("--to {to}: {why}")));
+        }
     }
     let broker = global.connect.broker()?;
     let group = match (&args.group, &args.listing) {

@@ -7,6 +7,7 @@ use super::{Action, Failure, Origin, REPLAY_RUN_HEADER, canonical_id, failure, r
 use crate::amqp::cause::Cause;
 use crate::amqp::copy::uncopyable;
 use crate::amqp::dead_letter;
+use crate::amqp::topology;
 use crate::amqp::{Delivery, limits};
 
 /// What one delivery says, for the machine and for the report.
@@ -28,7 +29,17 @@ impl State<'_> {
     fn destination(&self, origin: &Origin) -> (Option<String>, Option<Action>, Option<String>) {
         match (&self.plan.to, origin) {
             (Some(to), _) => (Some(to.clone()), None, None),
-            (None, Origin::Queue(queue)) => (Some(queue.clone()), None, None),
+            (None, Origin::Queue(queue)) => match topology::not_a_replay_destination(queue) {
+                None => (Some(queue.clone()), None, None),
+                Some(why) => (
+                    None,
+                    Some(Action::OriginAmbiguous),
+                    Some(format!(
+                        "its headers name {} as its origin: {why}",
+                        crate::sanitize::text(queue)
+                    )),
+                ),
+            },
             (None, Origin::Unknown) => (None, Some(Action::OriginUnknown), None),
             (None, Origin::Ambiguous { address, why }) => (
                 None,

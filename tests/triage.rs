@@ -688,6 +688,47 @@ async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
     assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
 }
 
+/// A copy moved aside unhandled (`_skipped`) carries no failure time, MassTransit's (the captured one) nor inboxctl's,
+/// and MassTransit sets no AMQP timestamp: read as of unknown age, any such copy, a second old, refused its
+/// consumer_type's cleanup on every run. Its age is read from its envelope's `sentTime` now.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_reads_a_skipped_messages_age_from_its_envelope() {
+    let (env, _, conn) = rows_two_days_old_and_an_error_queue().await;
+    let skipped = format!("{CARRIER_QUEUE}_skipped");
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &skipped, common::queue_type())
+        .await
+        .unwrap();
+    let fixture = common::fixture("skipped/skipped-01.json");
+    assert!(fixture.properties.timestamp().is_none());
+    common::publish(
+        &conn,
+        "",
+        &skipped,
+        fixture.properties.clone(),
+        &fixture.body,
+    )
+    .await;
+    let envelope: serde_json::Value = serde_json::from_slice(&fixture.body).unwrap();
+    let sent_at =
+        inboxctl::amqp::envelope::parse_time(envelope["sentTime"].as_str().unwrap()).unwrap();
+
+    // A cutoff before it was sent: the window holds, nothing refused.
+    let window = (Utc::now() - sent_at).num_seconds() + 3600;
+    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["refused"], 0, "{out:?}");
+    // A cutoff after: refused, and the age is the one it was sent at.
+    let window = (Utc::now() - sent_at).num_seconds() - 3600;
+    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let refused = &report["consumers"][0]["refused"];
+    assert_eq!(refused["message_id"], fixture.message_id, "{report}");
+    let read: chrono::DateTime<Utc> = serde_json::from_value(refused["failed_at"].clone()).unwrap();
+    assert_eq!(read, sent_at, "{report}");
+    assert_eq!(env.queue_counts(&skipped), (1, 0));
+}
+
 /// A failure time years ahead (a host's clock far off, a header written by hand) tells nothing of a dead-lettered
 /// message's age. Read as it is, the message looked young, and the rows its replay needs were deleted; it is now of
 /// an unknown age, which keeps them.

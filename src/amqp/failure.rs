@@ -118,6 +118,26 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
     }
 }
 
+/// When a dead-lettered copy failed, as far as it tells: its failure headers' time ([`failure`]), else when it was
+/// published (the AMQP `timestamp`), else its envelope's `sentTime`. A copy moved aside unhandled (`_skipped`, by
+/// MassTransit or by inboxctl) carries no failure time, and often no timestamp; when it was sent is never after it
+/// failed, so an age read from it is never too young. `None` when nothing tells.
+pub fn failed_at(delivery: &super::Delivery, failure: &Failure) -> Option<DateTime<Utc>> {
+    failure
+        .failed_at
+        .or_else(|| {
+            delivery
+                .properties
+                .timestamp()
+                .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0))
+        })
+        .or_else(|| {
+            envelope::parse(&delivery.properties, &delivery.data)
+                .ok()
+                .and_then(|m| m.sent_time)
+        })
+}
+
 pub(super) fn x_death(headers: Option<&FieldTable>) -> Vec<AMQPValue> {
     headers
         .and_then(|h| h.inner().get("x-death"))

@@ -11,7 +11,7 @@ use serde::Serialize;
 use sqlx::postgres::PgPool;
 
 use super::ConsumerReport;
-use crate::amqp::failure::failure;
+use crate::amqp::failure::{failed_at, failure};
 use crate::amqp::{Broker, Delivery, limits, peek, topology};
 use crate::db;
 use crate::error::Result;
@@ -31,7 +31,7 @@ pub struct Refusal {
     /// The dead-letter queue holding the message.
     pub queue: String,
     pub message_id: Option<String>,
-    /// When it failed, as its headers say (else when it was published); none when nothing says.
+    /// When it failed, as its headers say (else when it was published, else sent); none when nothing says.
     pub failed_at: Option<DateTime<Utc>>,
     /// Its age, in seconds, when the cleanup looked.
     pub age_seconds: Option<i64>,
@@ -76,10 +76,6 @@ struct Head {
 
 fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
     let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
-    let published = delivery
-        .properties
-        .timestamp()
-        .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0));
     Head {
         message_id: delivery
             .properties
@@ -88,9 +84,7 @@ fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
             .map(|id| limits::truncate(id.as_str(), 255).into_owned()),
         // A time ahead of this machine's by more than a day (a host's clock far off, a header written by hand) tells
         // nothing of the message's age: taken as young, its row could go while its replay still needs it.
-        failed_at: failure
-            .failed_at
-            .or(published)
+        failed_at: failed_at(delivery, &failure)
             .filter(|t| *t <= Utc::now() + chrono::TimeDelta::days(1)),
     }
 }

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use serde::Serialize;
 
 use super::{ConsumerStats, NEAR_WINDOW, Range};
@@ -170,13 +170,8 @@ async fn queue_depth(
 /// How long ago the message at the head of `queue` failed (as its headers say, else when it was published).
 async fn oldest_failure(connection: &Connection, queue: &str) -> Result<Option<f64>> {
     let failed_at = crate::amqp::peek::head(connection, queue, |d| {
-        crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "")
-            .failed_at
-            .or_else(|| {
-                d.properties
-                    .timestamp()
-                    .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0))
-            })
+        let failure = crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "");
+        crate::amqp::failure::failed_at(d, &failure)
     })
     .await?
     .flatten();

@@ -943,13 +943,18 @@ async fn a_custom_consumer_type_is_its_own_scope() {
         .await,
         3
     );
-    let queue: String = sqlx::query_scalar(
-        "SELECT queue FROM inboxctl_consumers WHERE consumer_type = 'carrier-v2'",
+    let (queue, vhost): (String, Option<String>) = sqlx::query_as(
+        "SELECT queue, vhost FROM inboxctl_consumers WHERE consumer_type = 'carrier-v2'",
     )
     .fetch_one(&pool)
     .await
     .unwrap();
     assert_eq!(queue, CARRIER_QUEUE);
+    assert_eq!(
+        vhost,
+        Some(env.vhost.clone()),
+        "cleanup's guard looks there"
+    );
 }
 
 /// `publish` stopped by SIGTERM midway: it stops sending, waits for the confirms of what it sent, and says how far it

@@ -635,6 +635,37 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
         "looking took nothing"
     );
 
+    // Pointed at another vhost, where the carrier's error queue is not: before, its absence was taken for "nothing
+    // waiting" and the rows went. The vhost its consumer recorded is not this one: refused, named.
+    sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
+        .bind(&env.vhost)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let elsewhere = format!("amqp://guest:guest@{}/%2f", env.amqp_addr());
+    let out = common::Output::of(
+        env.cmd()
+            .env("AMQP_URL", &elsewhere)
+            .args(["cleanup", "--retention", "7d", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let carrier = report["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == "carrier")
+        .unwrap();
+    assert_eq!(carrier["refused"]["other_vhost"], env.vhost, "{report}");
+    assert!(
+        out.stderr
+            .contains(&format!("reads its queue in vhost {}", env.vhost)),
+        "{out:?}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+
     let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(rows_of(&pool, "carrier").await, 0, "--force cleans");

@@ -38,11 +38,25 @@ pub struct Refusal {
     pub cutoff: DateTime<Utc>,
     /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
     pub replay_running: bool,
+    /// The vhost the consumer_type's consumer reads its queue in, when it is not the one the cleanup looked in: its
+    /// dead-letter queues are not there, and an absent queue would have been taken for an empty one (no message is
+    /// named then).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub other_vhost: Option<String>,
 }
 
 impl Refusal {
     /// One line for the operator.
     pub fn describe(&self) -> String {
+        if let Some(vhost) = &self.other_vhost {
+            return format!(
+                "its consumer reads its queue in vhost {}, and its dead-letter queues (such as {}) cannot be looked \
+                 at from this one: their replay may need their inbox rows; clean with that vhost's AMQP URL, or give \
+                 --force",
+                crate::sanitize::text(vhost),
+                crate::sanitize::text(&self.queue)
+            );
+        }
         if self.replay_running {
             return format!(
                 "a replay of {} is running, and the messages it holds cannot be looked at: their replay may need \
@@ -100,8 +114,9 @@ pub async fn check(
         return Ok(());
     }
     let queues = db::stats::registered_consumers(pool).await?;
+    let vhosts = db::stats::registered_vhosts(pool).await?;
     let connection = guard.broker.connect("inboxctl cleanup").await?;
-    let result = check_on(&connection, guard, &queues, cutoff, consumers).await;
+    let result = check_on(&connection, guard, &queues, &vhosts, cutoff, consumers).await;
     crate::amqp::close(&connection, "OK").await;
     result
 }
@@ -110,6 +125,7 @@ async fn check_on(
     connection: &crate::amqp::Connection,
     guard: &Guard,
     queues: &HashMap<String, String>,
+    vhosts: &HashMap<String, String>,
     cutoff: DateTime<Utc>,
     consumers: &mut [ConsumerReport],
 ) -> Result<()> {
@@ -123,6 +139,7 @@ async fn check_on(
         failed_at: h.failed_at,
         cutoff,
         replay_running: false,
+        other_vhost: None,
     };
     let replaying = |queue: &str| Refusal {
         queue: queue.to_owned(),
@@ -131,6 +148,7 @@ async fn check_on(
         age_seconds: None,
         cutoff,
         replay_running: true,
+        other_vhost: None,
     };
     for report in consumers.iter_mut() {
         // A consumer_type inboxctl never ran is taken to be named after its queue, as the .NET tutorial names them.
@@ -139,6 +157,21 @@ async fn check_on(
             .cloned()
             .unwrap_or_else(|| report.consumer_type.clone());
         if crate::amqp::validate_name("queue", &queue).is_err() {
+            continue;
+        }
+        if let Some(theirs) = vhosts
+            .get(&report.consumer_type)
+            .filter(|theirs| theirs.as_str() != vhost)
+        {
+            report.refused = Some(Refusal {
+                queue: topology::error_queue(&queue),
+                message_id: None,
+                failed_at: None,
+                age_seconds: None,
+                cutoff,
+                replay_running: false,
+                other_vhost: Some(theirs.clone()),
+            });
             continue;
         }
         for dead_letters in [

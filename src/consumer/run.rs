@@ -50,6 +50,7 @@ pub async fn run<C: Consumer>(
         inbox.consumer_type(),
         &options.queue,
         partitions.as_ref().map(|p| p.count),
+        broker.vhost(),
     )
     .await?;
     let inbox: Arc<dyn WorkGuard> = Arc::new(inbox);

@@ -13,11 +13,13 @@ statements! {
 INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1, $2, $3, $4)";
 
     /// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters
-    /// and which queue each reads. `$1` consumer_type, `$2` queue, `$3` its partitions (null: not partitioned).
+    /// and which queue each reads, and `cleanup` in which vhost. `$1` consumer_type, `$2` queue, `$3` its partitions
+    /// (null: not partitioned), `$4` the vhost.
     pub const REGISTER_CONSUMER = "\
-INSERT INTO inboxctl_consumers (consumer_type, queue, partitions, first_seen_at, last_seen_at)
-VALUES ($1, $2, $3, now(), now())
-ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, last_seen_at = now()";
+INSERT INTO inboxctl_consumers (consumer_type, queue, partitions, vhost, first_seen_at, last_seen_at)
+VALUES ($1, $2, $3, $4, now(), now())
+ON CONFLICT (consumer_type) DO UPDATE
+SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, vhost = EXCLUDED.vhost, last_seen_at = now()";
 
     /// Records how a consumer_type calls the outside world: `$1` consumer_type, `$2` its queue, `$3` effect mode,
     /// `$4` how long its API keeps idempotency keys, in seconds.
@@ -53,18 +55,20 @@ pub async fn record(
     .map(drop)
 }
 
-/// Registers a consumer process's consumer_type, the queue it reads and into how many partition queues that is
-/// spread, if it is (`REGISTER_CONSUMER`).
+/// Registers a consumer process's consumer_type, the queue it reads, into how many partition queues that is spread,
+/// if it is, and the vhost they are in (`REGISTER_CONSUMER`).
 pub async fn register_consumer(
     executor: impl Into<Exec<'_>>,
     consumer_type: &ConsumerType,
     queue: &str,
     partitions: Option<u16>,
+    vhost: &str,
 ) -> sqlx::Result<()> {
     unit!(executor, |conn| sql::query(REGISTER_CONSUMER)
         .bind(consumer_type.as_str())
         .bind(queue)
         .bind(partitions.map(i32::from))
+        .bind(vhost)
         .execute(conn))
     .map(drop)
 }

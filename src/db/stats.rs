@@ -28,6 +28,11 @@ SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
     /// The consumer_types inboxctl consumers ran as, with their queue.
     const REGISTERED_CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers";
 
+    /// The registered consumer_types whose vhost was recorded, with it (through `to_jsonb`, as below).
+    const REGISTERED_VHOSTS = "\
+SELECT consumer_type::text, to_jsonb(c) ->> 'vhost' FROM inboxctl_consumers c
+WHERE to_jsonb(c) ->> 'vhost' IS NOT NULL";
+
     /// The registered consumer_types whose queue is spread over partitions, with how many. Read through `to_jsonb`
     /// so that a database migrated before the column existed answers "none" rather than failing.
     const REGISTERED_PARTITIONS = "\
@@ -102,6 +107,15 @@ pub async fn registered_consumers(
     executor: impl Into<Exec<'_>>,
 ) -> sqlx::Result<HashMap<String, String>> {
     let rows: Vec<(String, String)> = unit!(executor, |conn| sql::query_as(REGISTERED_CONSUMERS)
+        .fetch_all(conn))?;
+    Ok(rows.into_iter().collect())
+}
+
+/// Each registered consumer_type whose consumer recorded the vhost of its queue, with it (`REGISTERED_VHOSTS`).
+pub async fn registered_vhosts(
+    executor: impl Into<Exec<'_>>,
+) -> sqlx::Result<HashMap<String, String>> {
+    let rows: Vec<(String, String)> = unit!(executor, |conn| sql::query_as(REGISTERED_VHOSTS)
         .fetch_all(conn))?;
     Ok(rows.into_iter().collect())
 }

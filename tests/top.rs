@@ -165,6 +165,56 @@ async fn top_says_when_postgres_is_gone_keeps_retrying_and_recovers() {
     );
 }
 
+/// A refresh stuck behind a lock (a `VACUUM FULL`, a migration holding the inbox) froze the figures without a word,
+/// and `q` waited for it — the terminal left raw — until the lock went. The refresh is bounded now and says so, and
+/// `q` ends the dashboard at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refresh_stuck_behind_a_lock_is_said_and_does_not_hold_the_quit() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let tmux = Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let script = format!(
+        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
+        env.database_url,
+        env.amqp_url,
+        common::bin()
+    );
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        "200",
+        "-y",
+        "40",
+        &script,
+    ]);
+    tmux.wait_for("the dashboard", |s| s.contains("consumer_type"));
+    let mut lock = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *lock)
+        .await
+        .unwrap();
+    tmux.wait_for("the refresh said to be late", |s| {
+        s.contains("a refresh took longer than 5s")
+    });
+    // The next refresh is stuck by now, seconds from its own limit: the quit must not wait for it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let quit = std::time::Instant::now();
+    tmux.run(&["send-keys", "-t", "top", "q"]);
+    tmux.wait_for("top to exit", |s| s.contains("EXITED="));
+    assert!(
+        quit.elapsed() < Duration::from_secs(3),
+        "quit took {:?}",
+        quit.elapsed()
+    );
+    assert_exited_and_terminal_given_back(&tmux, "0");
+    lock.rollback().await.unwrap();
+}
+
 /// A second SIGTERM while `top` is still stopping (held there by a failpoint) ends it at once, exit 130 — and gives
 /// the terminal back first: canonical mode, the alternate screen gone.
 #[tokio::test(flavor = "multi_thread")]

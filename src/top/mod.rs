@@ -134,6 +134,11 @@ pub async fn run(
     result
 }
 
+/// How long one refresh may take: twice the interval, and never less than 5 s.
+fn refresh_limit(interval: Duration) -> Duration {
+    (interval * 2).max(Duration::from_secs(5))
+}
+
 /// What a refresh collects: rates over `window`, and a series over at least the last two minutes in buckets of about
 /// `interval` (at least a second, and about [`MAX_BUCKETS`] of them at most). The window is a whole number of buckets:
 /// the rates count the buckets within it and divide by it, so a bucket longer than the window (`--interval 2m` over a
@@ -231,14 +236,27 @@ async fn collect(
                     .ok()
                     .and_then(Result::ok);
         }
-        let action = match stats::collect(&pool, connection.as_ref(), range).await {
-            Ok(snapshot) => {
+        // A refresh is bounded, and given up when the dashboard quits: a statement waiting behind a lock (a
+        // `VACUUM FULL`, a migration) or a host that went silent would otherwise freeze the figures without a word,
+        // and hold the quit — the terminal left raw — until it answered.
+        let limit = refresh_limit(interval);
+        let collected = tokio::select! {
+            () = stop.cancelled() => break,
+            collected = tokio::time::timeout(limit, stats::collect(&pool, connection.as_ref(), range)) => collected,
+        };
+        let action = match collected {
+            Ok(Ok(snapshot)) => {
                 if snapshot.heads_looked {
                     heads_looked_at = Some(tokio::time::Instant::now());
                 }
                 Action::Data(Box::new(snapshot))
             }
-            Err(e) => Action::DataError(crate::redact::text(&e.to_string())),
+            Ok(Err(e)) => Action::DataError(crate::redact::text(&e.to_string())),
+            Err(_) => Action::DataError(format!(
+                "a refresh took longer than {} (the database or RabbitMQ did not answer: a lock, a host gone \
+                 silent); trying again",
+                humantime::format_duration(limit)
+            )),
         };
         if tx.send(action).await.is_err() {
             break;

@@ -132,7 +132,8 @@ pub struct CopyTooLarge {
 ///   [`ORIGINAL_EXPIRATION_HEADER`], as RabbitMQ's own dead-lettering keeps it in `x-death`);
 /// - a `user_id` that is not `publisher`'s is moved to [`ORIGINAL_USER_ID_HEADER`], since RabbitMQ refuses it;
 /// - if the header frame would be larger than `frame_max`, inboxctl's own details go first (the stack trace, then
-///   the host, then most of the failure message); if the original's own headers are still too large, no copy.
+///   the host, then most of the failure message, then the message type and the consumer_type, up to 2 KB each);
+///   if the original's own headers are still too large, no copy.
 ///
 /// Everything else (body, content type, message id, delivery mode, …) is kept as it was.
 pub fn copy_properties(
@@ -161,13 +162,20 @@ pub fn copy_properties(
     }
     let base = rebuilt(original, user_id.cloned());
     let mut copy = base.clone().with_headers(headers.clone());
-    let shrink: [&dyn Fn(&mut FieldTable); 3] = [
+    let shrink: [&dyn Fn(&mut FieldTable); 4] = [
         &|h| drop_keys(h, |k| k == "MT-Fault-StackTrace"),
         &|h| drop_keys(h, |k| k.starts_with("MT-Host-")),
         &|h| {
             if let Some(message) = header_text(Some(h), "MT-Fault-Message") {
                 put(h, "MT-Fault-Message", &limits::truncate(&message, 256));
             }
+        },
+        // Read from the message or the command line, not needed to replay it (the input address and the queue's
+        // name tell where it goes back to): a copy without them beats a message held for good.
+        &|h| {
+            drop_keys(h, |k| {
+                k == "MT-Fault-MessageType" || k == "MT-Fault-ConsumerType"
+            })
         },
     ];
     for step in shrink {
@@ -352,6 +360,47 @@ mod tests {
                 "{key}"
             );
         }
+    }
+
+    /// A message whose own headers leave room for the failure's essentials but not for a long message type and
+    /// consumer_type (2 KB each): those go too, and the copy is made — it was refused as "its own headers are too
+    /// large to copy", and the message held for good.
+    #[test]
+    fn a_long_message_type_and_consumer_type_go_before_the_copy_is_refused() {
+        let mut own = FieldTable::default();
+        own.insert(
+            "tenant".into(),
+            AMQPValue::LongString("t".repeat(100_000).into()),
+        );
+        let original = BasicProperties::default()
+            .with_message_id("m".into())
+            .with_headers(own.clone());
+        let fault = Fault {
+            consumer_type: "c".repeat(5_000),
+            message_type: Some("T".repeat(5_000)),
+            ..fault()
+        };
+        let headers = error_headers(Some(&own), &fault);
+        let mut essentials = headers.clone();
+        drop_keys(&mut essentials, |k| {
+            k == "MT-Fault-StackTrace"
+                || k.starts_with("MT-Host-")
+                || k == "MT-Fault-MessageType"
+                || k == "MT-Fault-ConsumerType"
+        });
+        let frame_max = limits::content_header_len(&original.clone().with_headers(essentials));
+        let copy = copy_properties(&original, headers, "guest", frame_max).expect("a copy");
+        let kept = copy.headers().clone().unwrap_or_default();
+        assert!(limits::content_header_len(&copy) <= frame_max);
+        for key in [
+            "MT-Reason",
+            "MT-Fault-ExceptionType",
+            "MT-Fault-InputAddress",
+            "tenant",
+        ] {
+            assert!(kept.inner().contains_key(key), "{key}");
+        }
+        assert!(!kept.inner().contains_key("MT-Fault-MessageType"));
     }
 
     #[test]

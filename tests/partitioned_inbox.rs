@@ -46,8 +46,9 @@ fn migrate_partitioned(env: &TestEnv, args: &[&str]) -> common::Output {
 
 /// An adopted inbox a partitioned one could not hold — a column of the operator's (nullable, which inboxctl accepts
 /// unpartitioned), or a `received_at` that may be null — is refused before anything changes, each named (exit 78).
-/// The conversion used to add its columns and its index to the table, then fail at the swap on every run. Once both
-/// are settled, it converts.
+/// The conversion used to add its columns and its index to the table, then fail at the swap on every run. So is a
+/// foreign key of another table referencing the inbox (the swap drops the key it depends on, after building the new
+/// one on the whole table). Once all are settled, it converts.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_changes() {
     let env = TestEnv::migrated().await;
@@ -55,13 +56,21 @@ async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_ch
     sqlx::raw_sql(
         "ALTER TABLE inbox_messages ADD COLUMN note text;
          ALTER TABLE inbox_messages ADD COLUMN message_time text;
-         ALTER TABLE inbox_messages ALTER COLUMN received_at DROP NOT NULL;",
+         ALTER TABLE inbox_messages ALTER COLUMN received_at DROP NOT NULL;
+         CREATE TABLE receipts (id uuid, consumer_type varchar(500),
+             CONSTRAINT receipts_of FOREIGN KEY (id, consumer_type) REFERENCES inbox_messages (id, consumer_type));",
     )
     .execute(&pool)
     .await
     .unwrap();
     let out = migrate_partitioned(&env, &[]);
     assert_eq!(out.code, Some(78), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("foreign key receipts_of of receipts references inbox_messages"),
+        "{}",
+        out.stderr
+    );
     assert!(out.stderr.contains("column note (text)"), "{}", out.stderr);
     assert!(
         out.stderr
@@ -88,7 +97,8 @@ async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_ch
     .unwrap();
     assert_eq!(added, 0, "nothing changed");
     sqlx::raw_sql(
-        "ALTER TABLE inbox_messages DROP COLUMN note;
+        "DROP TABLE receipts;
+         ALTER TABLE inbox_messages DROP COLUMN note;
          ALTER TABLE inbox_messages DROP COLUMN message_time;
          ALTER TABLE inbox_messages ALTER COLUMN received_at SET NOT NULL;",
     )

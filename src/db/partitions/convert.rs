@@ -15,6 +15,15 @@ use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
 
 statements! {
+    /// The foreign keys of other tables that reference `inbox_messages`: name and table. The conversion drops the key
+    /// they depend on, and a partitioned inbox keyed on the message's time has none on `(id, consumer_type)`.
+    const INBOX_REFERENCED_BY = "\
+SELECT conname::text, conrelid::regclass::text FROM pg_constraint
+WHERE contype = 'f' AND confrelid = to_regclass('inbox_messages')";
+
+    /// The server's version as a number (`150020` for 15.20).
+    const SERVER_VERSION = "SELECT current_setting('server_version_num')::int4";
+
     /// The privileges granted on `inbox_messages`: grantee (null: PUBLIC; its name as it is, not quoted) and
     /// privilege, to grant the same on the partitioned table that takes its name — the owner's too, when the owner is
     /// not the role converting it (a superuser, or a member of the owner's role): the new table is this role's, and
@@ -219,6 +228,18 @@ pub async fn partition(
         settings: Some(settings),
         ..PartitionReport::default()
     };
+    // Dropping a partition detaches it concurrently, and reading the layout asks which are being detached: both are
+    // PostgreSQL 14's. Refused before anything changes, rather than converted, then failing at every step after.
+    let version: i32 = sql::query_scalar(SERVER_VERSION)
+        .fetch_one(&mut *conn)
+        .await?;
+    if version < MIN_SERVER_VERSION {
+        return Err(Error::Usage(format!(
+            "a partitioned inbox needs PostgreSQL 14 or later; this server is {}.{}",
+            version / 10_000,
+            version % 10_000
+        )));
+    }
     match read_layout(&mut *conn).await? {
         // Partitioned, its settings lost: written again, as the operator gives them.
         Some(None) => {
@@ -240,8 +261,19 @@ pub async fn partition(
         }
         Some(Some(Layout::Partitioned(_))) => {}
         Some(Some(Layout::Plain)) => {
-            let refused =
+            let mut refused =
                 what_partitioning_cannot_keep(&crate::db::schema::inbox_columns(&mut *conn).await?);
+            let references: Vec<(String, String)> = sql::query_as(INBOX_REFERENCED_BY)
+                .fetch_all(&mut *conn)
+                .await?;
+            refused.extend(references.into_iter().map(|(key, table)| {
+                format!(
+                    "foreign key {} of {} references inbox_messages: a partitioned inbox has no key on (id, \
+                     consumer_type) to reference (drop it, or keep the inbox unpartitioned)",
+                    crate::sanitize::text(&key),
+                    crate::sanitize::text(&table)
+                )
+            }));
             if !refused.is_empty() {
                 return Err(Error::SchemaIncompatible {
                     database: database.to_owned(),
@@ -263,6 +295,9 @@ pub async fn partition(
     restore_owner(conn).await?;
     Ok(report)
 }
+
+/// The oldest PostgreSQL a partitioned inbox runs on (`DETACH PARTITION … CONCURRENTLY`, `pg_inherits.inhdetachpending`).
+const MIN_SERVER_VERSION: i32 = 140_000;
 
 /// What of an adopted inbox a conversion could not keep, found before anything is changed: the old table becomes a
 /// partition of one made with inboxctl's columns only, and PostgreSQL attaches no table with a column its parent

@@ -155,6 +155,10 @@ pub struct App {
     pub status: Option<String>,
     /// What the loop must fetch or do next.
     pub request: Option<super::detail::Request>,
+    /// The consumer_type whose dead letters are being looked at, while a look is under way: one at a time (each
+    /// holds up to 10,000 messages unacknowledged, hiding them from another, and counts a delivery of each on a
+    /// quorum queue).
+    loading: Option<String>,
     /// Every line of the last figures; `lines` is those the filter lets through.
     all: Vec<Line>,
     previous_unprocessed: HashMap<String, u64>,
@@ -185,6 +189,7 @@ impl App {
             replaying: false,
             status: None,
             request: None,
+            loading: None,
             all: Vec::new(),
             previous_unprocessed: HashMap::new(),
             growing: HashSet::new(),
@@ -255,10 +260,24 @@ impl App {
                     (line.consumer_type.clone(), queue)
                 });
                 if let Some((consumer_type, queue)) = chosen {
-                    self.request = Some(Request::Load {
-                        consumer_type: consumer_type.clone(),
-                        queue: queue.clone(),
-                    });
+                    match &self.loading {
+                        // Its look is under way: its answer fills the view opened again.
+                        Some(looking) if *looking == consumer_type => {}
+                        Some(looking) => {
+                            self.status = Some(format!(
+                                "still looking at the dead letters of {}: open this one when it is done",
+                                crate::sanitize::text(looking)
+                            ));
+                            return;
+                        }
+                        None => {
+                            self.loading = Some(consumer_type.clone());
+                            self.request = Some(Request::Load {
+                                consumer_type: consumer_type.clone(),
+                                queue: queue.clone(),
+                            });
+                        }
+                    }
                     self.detail = Some(DetailState::new(consumer_type, queue));
                 }
             }
@@ -295,6 +314,7 @@ impl App {
                 }
             }
             Action::DetailLoaded(loaded) => {
+                self.loading = None;
                 if let Some(d) = &mut self.detail
                     && loaded
                         .as_ref()
@@ -308,7 +328,10 @@ impl App {
             Action::ReplayDone(what) => {
                 self.status = Some(what);
                 self.replaying = false;
-                if let Some(d) = &mut self.detail {
+                if let Some(d) = &mut self.detail
+                    && self.loading.is_none()
+                {
+                    self.loading = Some(d.consumer_type.clone());
                     self.request = Some(Request::Load {
                         consumer_type: d.consumer_type.clone(),
                         queue: d.queue.clone(),

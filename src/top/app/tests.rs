@@ -150,6 +150,39 @@ fn the_detail_of_a_partitioned_consumer_looks_at_its_queues_name() {
     );
 }
 
+/// Enter, Esc, Enter… started a look at the dead letters each time, every one holding up to 10,000 messages
+/// unacknowledged and hiding them from the others: one look at a time now.
+#[test]
+fn one_look_at_the_dead_letters_at_a_time() {
+    use crate::top::detail::Request;
+    let mut app = App::new(0.05);
+    app.update(Action::Data(snapshot(vec![
+        consumer("orders", 1, 0, 0, 2),
+        consumer("sms", 1, 0, 0, 2),
+    ])));
+    app.update(Action::Open);
+    assert!(matches!(app.request.take(), Some(Request::Load { .. })));
+    app.update(Action::Back);
+    app.update(Action::Open);
+    assert_eq!(app.request.take(), None, "the look under way answers");
+    assert_eq!(app.mode(), Mode::Detail);
+    app.update(Action::Back);
+    app.update(Action::Down);
+    app.update(Action::Open);
+    assert_eq!(app.request.take(), None);
+    assert_eq!(app.mode(), Mode::Table);
+    assert!(
+        app.status
+            .as_deref()
+            .is_some_and(|s| s.contains("still looking")),
+        "{:?}",
+        app.status
+    );
+    app.update(Action::DetailLoaded(Box::new(Err("gone".to_owned()))));
+    app.update(Action::Open);
+    assert!(matches!(app.request.take(), Some(Request::Load { .. })));
+}
+
 #[test]
 fn the_detail_asks_before_a_replay_and_replays_the_listed_members_of_the_selected_group() {
     use crate::top::detail::{GroupPlanEq, Request};

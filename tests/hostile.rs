@@ -975,6 +975,53 @@ async fn a_copy_that_cannot_fit_a_frame_is_held_not_looped_on() {
     );
 }
 
+/// A NUL character (`\u0000` in JSON) is text to serde and to RabbitMQ, but PostgreSQL's text refuses it: a parcel
+/// whose destination holds one is booked all the same (its booking keeps no destination), and a message of a type not
+/// handled here whose type holds one is skipped — its `skipped` event was refused by PostgreSQL and missing from the
+/// counters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_character_in_a_message_is_processed_or_skipped_and_counted() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), "Ber\0lin");
+    common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
+    let skipped_id = Uuid::now_v7();
+    let body = format!(
+        r#"{{"messageId": "{skipped_id}", "messageType": ["urn:message:Other:Odd\u0000Type"], "message": {{}}}}"#
+    );
+    let props = BasicProperties::default()
+        .with_message_id(skipped_id.to_string().into())
+        .with_content_type(inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE.into());
+    common::publish(&conn, EVENT_EXCHANGE, "", props, body.as_bytes()).await;
+    common::publish_parcels(&env, &["--count", "10"]);
+    let out = common::consume_until_idle(&env, &["carrier", "--max-attempts", "1"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let pool = env.pool().await;
+    assert_eq!(effects(&pool).await, 11, "{}", out.stderr);
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+    assert!(!env.queue_exists(ERROR_QUEUE), "{}", out.stderr);
+    assert_eq!(
+        take_all(&env, &format!("{CARRIER_QUEUE}_skipped"))
+            .await
+            .len(),
+        1
+    );
+    let skipped: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'skipped' AND message_id = $1",
+    )
+    .bind(skipped_id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(skipped, 1, "{}", out.stderr);
+    assert!(
+        !out.stderr.contains("could not record an event"),
+        "{}",
+        out.stderr
+    );
+}
+
 // ---- names and panics ----
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -46,11 +46,12 @@ pub async fn record(
     message_id: Option<Uuid>,
     detail: &str,
 ) -> sqlx::Result<()> {
+    let detail = sql::storable(detail);
     unit!(executor, |conn| sql::query(RECORD_EVENT)
         .bind(consumer_type.as_str())
         .bind(kind)
         .bind(message_id)
-        .bind(detail)
+        .bind(detail.as_ref())
         .execute(conn))
     .map(drop)
 }

@@ -281,14 +281,16 @@ pub async fn record_outcome(
     consumer_type: &str,
     outcome: &Outcome<'_>,
 ) -> sqlx::Result<bool> {
+    let last_error = outcome.last_error.map(sql::storable);
+    let reference = outcome.reference.map(sql::storable);
     let query = sql::query(RECORD_OUTCOME)
         .bind(leased.message_id)
         .bind(consumer_type)
         .bind(leased.attempts)
         .bind(outcome.state)
         .bind(outcome.due_in.map(|d| d.as_secs_f64()))
-        .bind(outcome.last_error)
-        .bind(outcome.reference)
+        .bind(last_error.as_deref())
+        .bind(reference.as_deref())
         .bind(leased.lease_until);
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected() == 1)
 }
@@ -381,12 +383,13 @@ pub async fn settle(
     note: Option<&str>,
     unchanged_since: Option<DateTime<Utc>>,
 ) -> sqlx::Result<Option<String>> {
+    let (reference, note) = (reference.map(sql::storable), note.map(sql::storable));
     let query = sql::query_scalar::<String>(SETTLE)
         .bind(message_id)
         .bind(consumer_type)
         .bind(state)
-        .bind(reference)
-        .bind(note)
+        .bind(reference.as_deref())
+        .bind(note.as_deref())
         .bind(unchanged_since);
     unit!(executor, |conn| query.fetch_optional(conn))
 }

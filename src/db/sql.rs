@@ -14,6 +14,17 @@ pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
+/// `text` as PostgreSQL's text can hold it: a NUL character (which JSON's `\u0000`, an AMQP string or an HTTP body
+/// can carry, and PostgreSQL refuses in any text: "invalid byte sequence for encoding UTF8: 0x00") is written as
+/// U+FFFD. For text from a message or a remote service bound into a text column.
+pub fn storable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.contains('\0') {
+        std::borrow::Cow::Owned(text.replace('\0', "\u{FFFD}"))
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
+}
+
 /// `sqlx::query`, named and kept unless through a transaction pooler.
 pub(crate) fn query<'q>(statement: impl SqlSafeStr) -> Query<'q, Postgres, PgArguments> {
     sqlx::query(statement).persistent(!pooler::active())
@@ -35,6 +46,20 @@ where
     (O,): for<'r> FromRow<'r, PgRow>,
 {
     sqlx::query_scalar(statement).persistent(!pooler::active())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nul_is_stored_as_a_replacement_character() {
+        assert_eq!(storable("Ber\0lin"), "Ber\u{FFFD}lin");
+        assert!(matches!(
+            storable("Berlin"),
+            std::borrow::Cow::Borrowed("Berlin")
+        ));
+    }
 }
 
 /// `sqlx::query_scalar_with`, named and kept unless through a transaction pooler: a statement built around a caller's

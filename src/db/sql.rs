@@ -48,6 +48,18 @@ where
     sqlx::query_scalar(statement).persistent(!pooler::active())
 }
 
+/// `sqlx::query_scalar_with`, named and kept unless through a transaction pooler: a statement built around a caller's
+/// (`claim::claim_with`), whose arguments come bound.
+pub(crate) fn query_scalar_with<'q, O>(
+    statement: impl SqlSafeStr,
+    arguments: PgArguments,
+) -> QueryScalar<'q, Postgres, O, PgArguments>
+where
+    (O,): for<'r> FromRow<'r, PgRow>,
+{
+    sqlx::query_scalar_with(statement, arguments).persistent(!pooler::active())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,16 +72,4 @@ mod tests {
             std::borrow::Cow::Borrowed("Berlin")
         ));
     }
-}
-
-/// `sqlx::query_scalar_with`, named and kept unless through a transaction pooler: a statement built around a caller's
-/// (`claim::claim_with`), whose arguments come bound.
-pub(crate) fn query_scalar_with<'q, O>(
-    statement: impl SqlSafeStr,
-    arguments: PgArguments,
-) -> QueryScalar<'q, Postgres, O, PgArguments>
-where
-    (O,): for<'r> FromRow<'r, PgRow>,
-{
-    sqlx::query_scalar_with(statement, arguments).persistent(!pooler::active())
 }

@@ -62,7 +62,7 @@ pub struct ConsumerReport {
     pub refused: Option<Refusal>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Report {
     pub retention_seconds: u64,
     pub cutoff: DateTime<Utc>,

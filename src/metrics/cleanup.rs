@@ -32,17 +32,26 @@ impl Totals {
         self.failed_runs += 1;
     }
 
+    /// Counts a finished run. The rows never processed are the last run's, each consumer_type it measured: one whose
+    /// rows went since (an operator deleted them) is no longer exported, rather than its old figure for good. A
+    /// complete run's success is stamped when it ended.
     pub fn add(&mut self, report: &Report) {
+        self.add_at(report, chrono::Utc::now());
+    }
+
+    fn add_at(&mut self, report: &Report, ended: chrono::DateTime<chrono::Utc>) {
         self.runs += 1;
         self.events_deleted += report.events_deleted;
         for c in &report.consumers {
             *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
-            self.unprocessed_older
-                .insert(c.consumer_type.clone(), c.unprocessed_older);
         }
+        self.unprocessed_older = report
+            .consumers
+            .iter()
+            .map(|c| (c.consumer_type.clone(), c.unprocessed_older))
+            .collect();
         if !report.interrupted {
-            self.last_success =
-                Some(report.cutoff.timestamp() as f64 + report.retention_seconds as f64);
+            self.last_success = Some(ended.timestamp_millis() as f64 / 1000.0);
         }
     }
 }
@@ -101,6 +110,45 @@ impl Collector for TotalsCollector {
             encode_family(e, name, help, MetricType::Gauge, at)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cleanup::ConsumerReport;
+
+    fn report(consumers: &[(&str, u64)]) -> Report {
+        Report {
+            consumers: consumers
+                .iter()
+                .map(|(consumer_type, unprocessed_older)| ConsumerReport {
+                    consumer_type: (*consumer_type).to_owned(),
+                    unprocessed_older: *unprocessed_older,
+                    ..ConsumerReport::default()
+                })
+                .collect(),
+            ..Report::default()
+        }
+    }
+
+    #[test]
+    fn the_rows_never_processed_are_the_last_runs_and_success_is_stamped_at_the_end() {
+        let mut totals = Totals::default();
+        let start = chrono::Utc::now();
+        totals.add_at(&report(&[("legacy", 10_000_000), ("carrier", 0)]), start);
+        let end = start + chrono::TimeDelta::hours(2);
+        totals.add_at(&report(&[("carrier", 0)]), end);
+        assert_eq!(
+            totals.unprocessed_older,
+            BTreeMap::from([("carrier".to_owned(), 0)]),
+            "legacy's rows went: its gauge with them"
+        );
+        assert_eq!(totals.runs, 2);
+        assert_eq!(
+            totals.last_success,
+            Some(end.timestamp_millis() as f64 / 1000.0)
+        );
     }
 }
 

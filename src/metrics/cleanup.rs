@@ -113,6 +113,17 @@ impl Collector for TotalsCollector {
     }
 }
 
+/// A cleanup depends on PostgreSQL alone.
+pub struct CleanupHealth {
+    pub pool: sqlx::PgPool,
+}
+
+impl Health for CleanupHealth {
+    fn check(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>> {
+        Box::pin(async move { vec![("database", super::database_up(&self.pool).await)] })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,16 +160,5 @@ mod tests {
             totals.last_success,
             Some(end.timestamp_millis() as f64 / 1000.0)
         );
-    }
-}
-
-/// A cleanup depends on PostgreSQL alone.
-pub struct CleanupHealth {
-    pub pool: sqlx::PgPool,
-}
-
-impl Health for CleanupHealth {
-    fn check(&self) -> BoxFuture<'_, Vec<(&'static str, bool)>> {
-        Box::pin(async move { vec![("database", super::database_up(&self.pool).await)] })
     }
 }

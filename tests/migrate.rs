@@ -5,6 +5,7 @@ use crate::common;
 
 use common::TestEnv;
 use sqlx::PgPool;
+use std::time::Duration;
 
 const EF_CORE_DDL: &str = include_str!("fixtures/interop/efcore/ef_create_script.sql");
 
@@ -162,6 +163,62 @@ async fn two_runs_at_once_apply_each_migration_once() {
         assert_eq!(versions, migrations() as i64);
         pool.close().await;
     }
+}
+
+/// An adopted inbox without the first migration's index (EF Core's under another name, say): the migration's own
+/// `CREATE INDEX` built it holding the table against every insert for the whole build, and, queued behind a write
+/// transaction still open, stopped every claim until that one ended. It is built concurrently first now: while an
+/// open transaction holds the table, another session's insert goes through, and the migration then finds the index.
+#[tokio::test(flavor = "multi_thread")]
+async fn adopting_a_table_without_the_unprocessed_index_does_not_block_inserts() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
+    sqlx::raw_sql(
+        "DROP INDEX ix_inbox_messages_unprocessed;
+         CREATE INDEX \"IX_inbox_messages_received_at\" ON inbox_messages (received_at) WHERE processed_at IS NULL;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A write transaction left open (a service's, slow).
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let mut migrate = env.spawn(&["migrate"]);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Another session's claim meanwhile: it must not queue behind the migration's lock.
+    let mut other = pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '3s'")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let claimed = sqlx::query(
+        "INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'carrier', now(), now())",
+    )
+    .execute(&mut *other)
+    .await;
+    assert!(
+        claimed.is_ok(),
+        "the insert waited on the migration: {claimed:?}"
+    );
+    drop(other);
+    open.commit().await.unwrap();
+    assert_eq!(
+        migrate.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        migrate.stderr()
+    );
+    let valid: bool = sqlx::query_scalar(
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = 'ix_inbox_messages_unprocessed'::regclass",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(valid);
 }
 
 #[tokio::test(flavor = "multi_thread")]

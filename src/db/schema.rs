@@ -53,6 +53,13 @@ GROUP BY c.conname";
 SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
 WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.relname = ANY($1)";
 
+    /// The unprocessed rows' index of the first migration, built without blocking writes, for an adopted inbox that
+    /// lacks it (under another name, or none): the migration's own `CREATE INDEX` would hold the table against every
+    /// claim for as long as it builds on every row.
+    const BUILD_UNPROCESSED_INDEX = "\
+CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_inbox_messages_unprocessed ON inbox_messages (received_at)
+WHERE processed_at IS NULL";
+
     /// Whether a database exists. `$1` name.
     const DATABASE_EXISTS = "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)";
 }
@@ -90,7 +97,8 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 2] = [
+const CONCURRENT_INDEXES: [&str; 3] = [
+    "ix_inbox_messages_unprocessed",
     "ix_inbox_messages_consumer_type_processed_at",
     "ix_inbox_messages_unprocessed_by_consumer_type",
 ];
@@ -256,6 +264,11 @@ async fn migrate_locked(
         .collect();
     if !dry_run && !pending.is_empty() {
         drop_invalid_indexes(conn).await?;
+        if adopted_existing_inbox {
+            sql::query(BUILD_UNPROCESSED_INDEX)
+                .execute(&mut *conn)
+                .await?;
+        }
         migrator
             .run_direct(None, conn, false)
             .await

@@ -36,11 +36,20 @@ fn needs_escape(c: char) -> bool {
     c == '\\' || is_unsafe(c)
 }
 
-/// Whether a terminal could act on `c` rather than show it: a control character (C0, DEL, C1) or a bidirectional
-/// override.
+/// Whether a terminal could act on `c` rather than show it, or show nothing for it: a control character (C0, DEL,
+/// C1), a bidirectional mark or override, a line or paragraph separator, or a character of no width (so that
+/// `carrier\u{200b}` cannot pass for `carrier` on the dashboard).
 pub fn is_unsafe(c: char) -> bool {
     c.is_control()
-        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        || matches!(
+            c,
+            '\u{061c}'
+                | '\u{200b}'..='\u{200f}'
+                | '\u{2028}'..='\u{202e}'
+                | '\u{2060}'
+                | '\u{2066}'..='\u{2069}'
+                | '\u{feff}'
+        )
 }
 
 #[cfg(test)]
@@ -72,6 +81,17 @@ mod tests {
     #[test]
     fn bidi_overrides_are_escaped() {
         assert_eq!(text("abc\u{202e}def"), "abc\\u{202e}def");
+        assert_eq!(text("abc\u{61c}def"), "abc\\u{61c}def");
+    }
+
+    #[test]
+    fn invisible_characters_and_separators_are_escaped() {
+        for c in [
+            '\u{200b}', '\u{200d}', '\u{2028}', '\u{2029}', '\u{2060}', '\u{feff}',
+        ] {
+            let name = format!("carrier{c}");
+            assert_eq!(text(&name), format!("carrier\\u{{{:x}}}", c as u32));
+        }
     }
 
     #[test]

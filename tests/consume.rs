@@ -957,6 +957,31 @@ async fn a_custom_consumer_type_is_its_own_scope() {
     );
 }
 
+/// A consumer deployed before `migrate` added the vhost it records (a rolling upgrade): it registers without it, says
+/// to run `migrate`, and consumes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_on_a_database_without_the_vhost_column_runs_and_says_to_migrate() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    sqlx::query("ALTER TABLE inboxctl_consumers DROP COLUMN vhost")
+        .execute(&pool)
+        .await
+        .unwrap();
+    common::publish_parcels(&env, &["--count", "3"]);
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("run `inboxctl migrate`"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        3
+    );
+}
+
 /// `publish` stopped by SIGTERM midway: it stops sending, waits for the confirms of what it sent, and says how far it
 /// got (exit 3, `interrupted`); exactly those copies are on the queue.
 #[tokio::test(flavor = "multi_thread")]

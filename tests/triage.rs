@@ -636,32 +636,58 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     );
 
     // Pointed at another vhost, where the carrier's error queue is not: before, its absence was taken for "nothing
-    // waiting" and the rows went. The vhost its consumer recorded is not this one: refused, named.
+    // waiting" and the rows went. The vhost its consumer recorded is looked in instead, and the message found there.
     sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
         .bind(&env.vhost)
         .execute(&pool)
         .await
         .unwrap();
     let elsewhere = format!("amqp://guest:guest@{}/%2f", env.amqp_addr());
-    let out = common::Output::of(
-        env.cmd()
-            .env("AMQP_URL", &elsewhere)
-            .args(["cleanup", "--retention", "7d", "--json"])
-            .output()
-            .unwrap(),
-    );
+    let cleanup_elsewhere = || {
+        common::Output::of(
+            env.cmd()
+                .env("AMQP_URL", &elsewhere)
+                .args(["cleanup", "--retention", "7d", "--json"])
+                .output()
+                .unwrap(),
+        )
+    };
+    let carrier_of = |report: &serde_json::Value| {
+        report["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["consumer_type"] == "carrier")
+            .cloned()
+            .unwrap()
+    };
+    let out = cleanup_elsewhere();
     assert_eq!(out.code, Some(3), "{out:?}");
-    let report = json(&out);
-    let carrier = report["consumers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["consumer_type"] == "carrier")
+    let carrier = carrier_of(&json(&out));
+    assert_eq!(
+        carrier["refused"]["queue"], "orders-carrier_error",
+        "{carrier}"
+    );
+    assert_eq!(carrier["refused"]["message_id"], old, "{carrier}");
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+    // A vhost it cannot look in: refused, the vhost and why named.
+    let nowhere = format!("{}-gone", env.vhost);
+    sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
+        .bind(&nowhere)
+        .execute(&pool)
+        .await
         .unwrap();
-    assert_eq!(carrier["refused"]["other_vhost"], env.vhost, "{report}");
+    let out = cleanup_elsewhere();
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let carrier = carrier_of(&json(&out));
+    assert_eq!(
+        carrier["refused"]["other_vhost"]["vhost"], nowhere,
+        "{carrier}"
+    );
     assert!(
-        out.stderr
-            .contains(&format!("reads its queue in vhost {}", env.vhost)),
+        out.stderr.contains(&format!(
+            "reads its queue in vhost {nowhere}, where the cleanup could not look"
+        )),
         "{out:?}"
     );
     assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");

@@ -519,7 +519,7 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
     // Counters of inboxctl's for the consumer_types, as if a consumer had run as each.
     for ct in CONSUMER_TYPES {
         let consumer_type = ConsumerType::new((*ct).to_owned()).map_err(Error::usage)?;
-        store::events::register_consumer(&mut *conn, &consumer_type, ct, None, "/").await?;
+        store::events::register_consumer(pool, &consumer_type, ct, None, "/").await?;
     }
     let mut timings = Timings::default();
     let exact_cap = stats::EXACT_BELOW;

@@ -183,6 +183,16 @@ impl Broker {
         &self.uri().vhost
     }
 
+    /// The same broker — nodes, user, password, options, CA — in `vhost`.
+    pub fn in_vhost(&self, vhost: &str) -> Broker {
+        let mut other = self.clone();
+        other.url = nodes::with_vhost(&self.url, vhost);
+        for node in &mut other.nodes {
+            node.vhost = vhost.to_owned();
+        }
+        other
+    }
+
     /// The user inboxctl connects as.
     pub fn username(&self) -> &str {
         &self.uri().authority.userinfo.username

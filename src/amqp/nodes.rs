@@ -64,6 +64,30 @@ pub fn join(urls: &[String]) -> Result<String, String> {
 }
 
 /// A URL cut where its hosts are: `scheme://` `user:password@` `hosts` `/vhost?query`.
+/// `url` (one node or a host list) in `vhost` instead of its own: the path replaced, percent-encoded, its query
+/// kept. `url` unchanged if it is no `amqp[s]://` URL.
+pub fn with_vhost(url: &str, vhost: &str) -> String {
+    let Some(parts) = Parts::of(url) else {
+        return url.to_owned();
+    };
+    let query = parts
+        .rest
+        .find(['?', '#'])
+        .map_or("", |at| &parts.rest[at..]);
+    let mut path = String::with_capacity(vhost.len() + 1);
+    for b in vhost.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            path.push(char::from(b));
+        } else {
+            path.push_str(&format!("%{b:02X}"));
+        }
+    }
+    format!(
+        "{}{}{}/{path}{query}",
+        parts.scheme, parts.userinfo, parts.hosts
+    )
+}
+
 struct Parts<'a> {
     scheme: &'a str,
     userinfo: &'a str,
@@ -90,6 +114,19 @@ impl<'a> Parts<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn another_vhost_replaces_the_path_and_keeps_the_rest() {
+        assert_eq!(
+            with_vhost("amqps://u:p@h1:5671,h2/shop?heartbeat=5", "/"),
+            "amqps://u:p@h1:5671,h2/%2F?heartbeat=5"
+        );
+        assert_eq!(
+            with_vhost("amqp://localhost", "a b"),
+            "amqp://localhost/a%20b"
+        );
+        assert_eq!(with_vhost("amqp://h/%2f", "orders"), "amqp://h/orders");
+    }
 
     #[test]
     fn a_single_host_is_left_as_it_is() {

@@ -4,7 +4,7 @@
 //! the cutoff, deleting that consumer_type's rows could let its replay do the work twice, and the consumer_type is
 //! left alone (unless `--force`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -38,23 +38,30 @@ pub struct Refusal {
     pub cutoff: DateTime<Utc>,
     /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
     pub replay_running: bool,
-    /// The vhost the consumer_type's consumer reads its queue in, when it is not the one the cleanup looked in: its
-    /// dead-letter queues are not there, and an absent queue would have been taken for an empty one (no message is
-    /// named then).
+    /// The vhost the consumer_type's consumer reads its queue in, another than the cleanup's, when the cleanup could
+    /// not look there (no message is named then).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub other_vhost: Option<String>,
+    pub other_vhost: Option<OtherVhost>,
+}
+
+/// A vhost the cleanup could not look in, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct OtherVhost {
+    pub vhost: String,
+    pub why: String,
 }
 
 impl Refusal {
     /// One line for the operator.
     pub fn describe(&self) -> String {
-        if let Some(vhost) = &self.other_vhost {
+        if let Some(other) = &self.other_vhost {
             return format!(
-                "its consumer reads its queue in vhost {}, and its dead-letter queues (such as {}) cannot be looked \
-                 at from this one: their replay may need their inbox rows; clean with that vhost's AMQP URL, or give \
-                 --force",
-                crate::sanitize::text(vhost),
-                crate::sanitize::text(&self.queue)
+                "its consumer reads its queue in vhost {}, where the cleanup could not look at its dead-letter \
+                 queues (such as {}): {}; their replay may need their inbox rows; grant this user read there, or \
+                 give --force",
+                crate::sanitize::text(&other.vhost),
+                crate::sanitize::text(&self.queue),
+                crate::sanitize::text(&other.why)
             );
         }
         if self.replay_running {
@@ -103,7 +110,10 @@ fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
     }
 }
 
-/// Marks the consumer_types of `consumers` whose dead-letter queues hold a message older than `cutoff` as refused.
+/// Marks the consumer_types of `consumers` whose dead-letter queues hold a message older than `cutoff` as refused. A
+/// consumer_type whose consumer recorded another vhost than the guard's is looked at in that vhost (the same user and
+/// nodes): its dead-letter queues are there, and their absence here would read as "nothing waiting". One it cannot
+/// look in is refused, and says why.
 pub async fn check(
     pool: &PgPool,
     guard: &Guard,
@@ -115,108 +125,180 @@ pub async fn check(
     }
     let queues = db::stats::registered_consumers(pool).await?;
     let vhosts = db::stats::registered_vhosts(pool).await?;
-    let connection = guard.broker.connect("inboxctl cleanup").await?;
-    let result = check_on(&connection, guard, &queues, &vhosts, cutoff, consumers).await;
-    crate::amqp::close(&connection, "OK").await;
-    result
-}
-
-async fn check_on(
-    connection: &crate::amqp::Connection,
-    guard: &Guard,
-    queues: &HashMap<String, String>,
-    vhosts: &HashMap<String, String>,
-    cutoff: DateTime<Utc>,
-    consumers: &mut [ConsumerReport],
-) -> Result<()> {
-    let vhost = guard.broker.vhost();
-    let now = Utc::now();
-    let too_old = |h: &Head| h.failed_at.is_none_or(|t| t < cutoff);
-    let refusal = |queue: &str, h: Head| Refusal {
-        queue: queue.to_owned(),
-        message_id: h.message_id,
-        age_seconds: h.failed_at.map(|t| (now - t).num_seconds()),
-        failed_at: h.failed_at,
-        cutoff,
-        replay_running: false,
-        other_vhost: None,
-    };
-    let replaying = |queue: &str| Refusal {
-        queue: queue.to_owned(),
-        message_id: None,
-        failed_at: None,
-        age_seconds: None,
-        cutoff,
-        replay_running: true,
-        other_vhost: None,
-    };
-    for report in consumers.iter_mut() {
-        // A consumer_type inboxctl never ran is taken to be named after its queue, as the .NET tutorial names them.
-        let queue = queues
-            .get(&report.consumer_type)
-            .cloned()
-            .unwrap_or_else(|| report.consumer_type.clone());
-        if crate::amqp::validate_name("queue", &queue).is_err() {
-            continue;
-        }
-        if let Some(theirs) = vhosts
-            .get(&report.consumer_type)
-            .filter(|theirs| theirs.as_str() != vhost)
-        {
-            report.refused = Some(Refusal {
-                queue: topology::error_queue(&queue),
-                message_id: None,
-                failed_at: None,
-                age_seconds: None,
-                cutoff,
-                replay_running: false,
-                other_vhost: Some(theirs.clone()),
-            });
-            continue;
-        }
-        for dead_letters in [
-            topology::error_queue(&queue),
-            topology::skipped_queue(&queue),
-        ] {
-            if topology::replay_running(connection, &dead_letters).await? {
-                report.refused = Some(replaying(&dead_letters));
-                break;
-            }
-            let Some(h) =
-                peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost)).await?
-            else {
-                continue;
-            };
-            if too_old(&h) {
-                report.refused = Some(refusal(&dead_letters, h));
-                break;
-            }
+    let own = guard.broker.vhost().to_owned();
+    let mut elsewhere: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (i, report) in consumers.iter().enumerate() {
+        if let Some(theirs) = vhosts.get(&report.consumer_type).filter(|v| **v != own) {
+            elsewhere.entry(theirs.clone()).or_default().push(i);
         }
     }
-    for dlq in &guard.dlqs {
-        if topology::replay_running(connection, dlq).await? {
-            for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-                report.refused = Some(replaying(dlq));
+    let here: Vec<usize> = (0..consumers.len())
+        .filter(|i| !elsewhere.values().any(|v| v.contains(i)))
+        .collect();
+    let looks = Looks {
+        queues: &queues,
+        cutoff,
+        now: Utc::now(),
+    };
+    let connection = guard.broker.connect("inboxctl cleanup").await?;
+    let result = async {
+        looks.each(&connection, &own, consumers, &here).await?;
+        looks.dlqs(&connection, &own, &guard.dlqs, consumers).await
+    }
+    .await;
+    crate::amqp::close(&connection, "OK").await;
+    result?;
+    for (vhost, indices) in elsewhere {
+        match guard
+            .broker
+            .in_vhost(&vhost)
+            .connect("inboxctl cleanup")
+            .await
+        {
+            Ok(connection) => {
+                let looked = looks.each(&connection, &vhost, consumers, &indices).await;
+                crate::amqp::close(&connection, "OK").await;
+                looked?;
             }
-            continue;
-        }
-        let Some(h) = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await? else {
-            continue;
-        };
-        if !too_old(&h) {
-            continue;
-        }
-        // Only the head is looked at: messages of other origins may wait behind it, so an old head keeps every
-        // consumer_type's rows, whatever queue the head itself failed on.
-        for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-            report.refused = Some(refusal(
-                dlq,
-                Head {
-                    message_id: h.message_id.clone(),
-                    failed_at: h.failed_at,
-                },
-            ));
+            Err(e) => {
+                let why = crate::redact::text(&e.to_string());
+                for &i in &indices {
+                    let queue = looks.queue_of(&consumers[i].consumer_type);
+                    consumers[i].refused = Some(Refusal {
+                        queue: topology::error_queue(&queue),
+                        message_id: None,
+                        failed_at: None,
+                        age_seconds: None,
+                        cutoff,
+                        replay_running: false,
+                        other_vhost: Some(OtherVhost {
+                            vhost: vhost.clone(),
+                            why: why.clone(),
+                        }),
+                    });
+                }
+            }
         }
     }
     Ok(())
+}
+
+/// What the looks at the dead-letter queues share.
+struct Looks<'a> {
+    queues: &'a HashMap<String, String>,
+    cutoff: DateTime<Utc>,
+    now: DateTime<Utc>,
+}
+
+impl Looks<'_> {
+    /// The queue of `consumer_type`: the one its consumer registered, else (a consumer_type inboxctl never ran) its
+    /// own name, as the .NET tutorial names them.
+    fn queue_of(&self, consumer_type: &str) -> String {
+        self.queues
+            .get(consumer_type)
+            .cloned()
+            .unwrap_or_else(|| consumer_type.to_owned())
+    }
+
+    fn too_old(&self, h: &Head) -> bool {
+        h.failed_at.is_none_or(|t| t < self.cutoff)
+    }
+
+    fn refusal(&self, queue: &str, h: Head) -> Refusal {
+        Refusal {
+            queue: queue.to_owned(),
+            message_id: h.message_id,
+            age_seconds: h.failed_at.map(|t| (self.now - t).num_seconds()),
+            failed_at: h.failed_at,
+            cutoff: self.cutoff,
+            replay_running: false,
+            other_vhost: None,
+        }
+    }
+
+    fn replaying(&self, queue: &str) -> Refusal {
+        Refusal {
+            queue: queue.to_owned(),
+            message_id: None,
+            failed_at: None,
+            age_seconds: None,
+            cutoff: self.cutoff,
+            replay_running: true,
+            other_vhost: None,
+        }
+    }
+
+    /// Looks at the `_error` and `_skipped` queues of `consumers[i]` for each `i` of `indices`, on `connection` (in
+    /// `vhost`).
+    async fn each(
+        &self,
+        connection: &crate::amqp::Connection,
+        vhost: &str,
+        consumers: &mut [ConsumerReport],
+        indices: &[usize],
+    ) -> Result<()> {
+        for &i in indices {
+            let report = &mut consumers[i];
+            let queue = self.queue_of(&report.consumer_type);
+            if crate::amqp::validate_name("queue", &queue).is_err() {
+                continue;
+            }
+            for dead_letters in [
+                topology::error_queue(&queue),
+                topology::skipped_queue(&queue),
+            ] {
+                if topology::replay_running(connection, &dead_letters).await? {
+                    report.refused = Some(self.replaying(&dead_letters));
+                    break;
+                }
+                let Some(h) =
+                    peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost))
+                        .await?
+                else {
+                    continue;
+                };
+                if self.too_old(&h) {
+                    report.refused = Some(self.refusal(&dead_letters, h));
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Looks at each `--dlq` (in the guard's vhost): an old head keeps every consumer_type's rows.
+    async fn dlqs(
+        &self,
+        connection: &crate::amqp::Connection,
+        vhost: &str,
+        dlqs: &[String],
+        consumers: &mut [ConsumerReport],
+    ) -> Result<()> {
+        for dlq in dlqs {
+            if topology::replay_running(connection, dlq).await? {
+                for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                    report.refused = Some(self.replaying(dlq));
+                }
+                continue;
+            }
+            let Some(h) = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await? else {
+                continue;
+            };
+            if !self.too_old(&h) {
+                continue;
+            }
+            // Only the head is looked at: messages of other origins may wait behind it, so an old head keeps every
+            // consumer_type's rows, whatever queue the head itself failed on.
+            for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                report.refused = Some(self.refusal(
+                    dlq,
+                    Head {
+                        message_id: h.message_id.clone(),
+                        failed_at: h.failed_at,
+                    },
+                ));
+            }
+        }
+        Ok(())
+    }
 }

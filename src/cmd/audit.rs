@@ -61,7 +61,10 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             r.host.as_deref().unwrap_or("?")
         );
         t.add_row(vec![
-            r.occurred_at.format("%Y-%m-%d %H:%M:%S").to_string().into(),
+            r.occurred_at
+                .format("%Y-%m-%d %H:%M:%S UTC")
+                .to_string()
+                .into(),
             table::text(&r.command),
             table::text(&r.outcome),
             r.exit_code

@@ -197,11 +197,15 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
     for c in &report.consumers {
         let name = if c.busy {
             format!("{} (left to another cleanup running now)", c.consumer_type)
-        } else if c.refused.is_some() {
-            format!(
-                "{} (not cleaned: a dead-lettered message older than the cutoff waits for replay)",
-                c.consumer_type
-            )
+        } else if let Some(why) = &c.refused {
+            let what = if why.other_vhost.is_some() {
+                "its dead-letter queues could not be looked at in its consumer's vhost"
+            } else if why.replay_running {
+                "a replay of its dead letters is running"
+            } else {
+                "a dead-lettered message older than the cutoff waits for replay"
+            };
+            format!("{} (not cleaned: {what})", c.consumer_type)
         } else {
             c.consumer_type.clone()
         };

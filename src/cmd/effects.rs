@@ -143,7 +143,10 @@ async fn list(pool: &sqlx::PgPool, args: &Args) -> Result<Outcome> {
             r.mode.clone().into(),
             r.state.clone().into(),
             r.attempts.to_string().into(),
-            r.created_at.format("%Y-%m-%d %H:%M:%S").to_string().into(),
+            r.created_at
+                .format("%Y-%m-%d %H:%M:%S UTC")
+                .to_string()
+                .into(),
             table::text(r.last_error.as_deref().unwrap_or("")),
         ]);
     }

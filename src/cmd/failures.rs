@@ -83,7 +83,7 @@ pub fn groups_table(listing: &Listing) -> comfy_table::Table {
     let time = |t: Option<chrono::DateTime<chrono::Utc>>| {
         t.map_or_else(
             || "-".to_owned(),
-            |t| t.format("%Y-%m-%d %H:%M:%S").to_string(),
+            |t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string(),
         )
     };
     let mut t = table::new(&[

@@ -80,7 +80,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
 fn time(t: Option<DateTime<Utc>>) -> String {
     t.map_or_else(
         || "-".to_owned(),
-        |t| t.format("%Y-%m-%d %H:%M:%S%.3f").to_string(),
+        |t| t.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string(),
     )
 }
 

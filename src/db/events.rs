@@ -21,6 +21,12 @@ VALUES ($1, $2, $3, $4, now(), now())
 ON CONFLICT (consumer_type) DO UPDATE
 SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, vhost = EXCLUDED.vhost, last_seen_at = now()";
 
+    /// `REGISTER_CONSUMER` on a database migrated before consumers recorded their vhost (migration 13).
+    const REGISTER_CONSUMER_WITHOUT_VHOST = "\
+INSERT INTO inboxctl_consumers (consumer_type, queue, partitions, first_seen_at, last_seen_at)
+VALUES ($1, $2, $3, now(), now())
+ON CONFLICT (consumer_type) DO UPDATE SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, last_seen_at = now()";
+
     /// Records how a consumer_type calls the outside world: `$1` consumer_type, `$2` its queue, `$3` effect mode,
     /// `$4` how long its API keeps idempotency keys, in seconds.
     const REGISTER_EFFECT_MODE = "\
@@ -57,21 +63,39 @@ pub async fn record(
 }
 
 /// Registers a consumer process's consumer_type, the queue it reads, into how many partition queues that is spread,
-/// if it is, and the vhost they are in (`REGISTER_CONSUMER`).
+/// if it is, and the vhost they are in (`REGISTER_CONSUMER`). On a database not yet migrated to keep the vhost (a
+/// consumer deployed before `migrate` ran), without it, and said: the consumer runs, and `cleanup` looks for its
+/// dead letters in its own vhost until `migrate` runs.
 pub async fn register_consumer(
-    executor: impl Into<Exec<'_>>,
+    pool: &sqlx::PgPool,
     consumer_type: &ConsumerType,
     queue: &str,
     partitions: Option<u16>,
     vhost: &str,
 ) -> sqlx::Result<()> {
-    unit!(executor, |conn| sql::query(REGISTER_CONSUMER)
+    let registered = sql::query(REGISTER_CONSUMER)
         .bind(consumer_type.as_str())
         .bind(queue)
         .bind(partitions.map(i32::from))
         .bind(vhost)
-        .execute(conn))
-    .map(drop)
+        .execute(pool)
+        .await;
+    match registered {
+        Err(e) if super::sqlstate(&e).as_deref() == Some("42703") => {
+            tracing::warn!(
+                "this database does not keep the vhost of a consumer yet: run `inboxctl migrate` (until then, \
+                 cleanup looks for this consumer's dead letters in the vhost it is given)"
+            );
+            sql::query(REGISTER_CONSUMER_WITHOUT_VHOST)
+                .bind(consumer_type.as_str())
+                .bind(queue)
+                .bind(partitions.map(i32::from))
+                .execute(pool)
+                .await
+                .map(drop)
+        }
+        other => other.map(drop),
+    }
 }
 
 /// Records a consumer_type's effect mode and key lifetime (`REGISTER_EFFECT_MODE`).

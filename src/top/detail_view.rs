@@ -11,7 +11,7 @@ use crate::sanitize;
 use crate::triage::detail::Detail;
 
 fn time(t: chrono::DateTime<chrono::Utc>) -> String {
-    t.format("%m-%d %H:%M:%S").to_string()
+    t.format("%m-%d %H:%M:%S UTC").to_string()
 }
 
 /// The detail of one consumer_type, in `area`.

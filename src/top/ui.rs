@@ -251,7 +251,7 @@ fn render_status(app: &App, frame: &mut Frame, area: Rect) {
             Style::new().fg(Color::White).bg(Color::Red),
         )),
         None => match app.updated_at {
-            Some(t) => spans.push(Span::raw(format!(" updated {} ", t.format("%H:%M:%S")))),
+            Some(t) => spans.push(Span::raw(format!(" updated {} UTC ", t.format("%H:%M:%S")))),
             None => spans.push(Span::raw(" connecting… ")),
         },
     }

@@ -58,7 +58,7 @@ impl Entry {
 /// it records is done either way.
 pub async fn record(pool: &PgPool, entry: &Entry) -> bool {
     let command_line = command_line(std::env::args());
-    let details = entry.details.to_string();
+    let details = storable(&entry.details).to_string();
     let (user, host) = (os_user(), host());
     let row = db::audit::NewRow {
         command: entry.command,
@@ -73,6 +73,31 @@ pub async fn record(pool: &PgPool, entry: &Entry) -> bool {
         Ok(()) => true,
         Err(e) => not_audited(entry, &Error::from(e).to_string()),
     }
+}
+
+/// `details` as `jsonb` can hold it: a NUL character in a string or a key (a message id read from a message, in a
+/// replay's or a cleanup's details) written as U+FFFD — `jsonb` refuses `\u0000`, and the row would be lost.
+fn storable(details: &serde_json::Value) -> std::borrow::Cow<'_, serde_json::Value> {
+    use serde_json::Value;
+    if !details.to_string().contains("\\u0000") {
+        return std::borrow::Cow::Borrowed(details);
+    }
+    let fix = |s: &str| s.replace('\0', "\u{FFFD}");
+    let mut out = details.clone();
+    let mut stack = vec![&mut out];
+    while let Some(value) = stack.pop() {
+        match value {
+            Value::String(s) => *s = fix(s),
+            Value::Array(items) => stack.extend(items.iter_mut()),
+            Value::Object(map) => {
+                let fields = std::mem::take(map);
+                map.extend(fields.into_iter().map(|(k, v)| (fix(&k), v)));
+                stack.extend(map.values_mut());
+            }
+            _ => {}
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// Says on stderr that `entry` could not be written, and why; always `false`.
@@ -202,6 +227,20 @@ pub async fn list(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_nul_in_the_details_is_stored_as_a_replacement_character() {
+        let details = serde_json::json!({"gone": ["m\u{0}1"], "k\u{0}": {"id": "x"}, "n": 3});
+        let stored = storable(&details).to_string();
+        assert!(!stored.contains("\\u0000"), "{stored}");
+        assert_eq!(
+            stored,
+            serde_json::json!({"gone": ["m\u{FFFD}1"], "k\u{FFFD}": {"id": "x"}, "n": 3})
+                .to_string()
+        );
+        let plain = serde_json::json!({"id": "x"});
+        assert!(matches!(storable(&plain), std::borrow::Cow::Borrowed(_)));
+    }
     use super::*;
 
     #[test]

@@ -60,8 +60,23 @@ impl Kind {
 #[serde(rename_all = "camelCase")]
 pub struct ParcelCreatedEvent {
     pub parcel_id: Uuid,
+    #[serde(deserialize_with = "storable_text")]
     pub tracking_number: String,
+    #[serde(deserialize_with = "storable_text")]
     pub destination: String,
+}
+
+/// A text of the event with each NUL character (JSON's `\u0000`) read as U+FFFD: PostgreSQL's text and jsonb refuse
+/// NUL, and the same text goes to the carrier or the SMS, into the booking, the text sent and the record of the call.
+/// Read so once, they all agree, and a parcel is not dead-lettered — a keyed carrier's booking made, its record refused
+/// — for a character nobody can see.
+fn storable_text<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    Ok(if text.contains('\0') {
+        text.replace('\0', "\u{FFFD}")
+    } else {
+        text
+    })
 }
 
 /// A pickup booking request to a carrier.

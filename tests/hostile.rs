@@ -976,9 +976,9 @@ async fn a_copy_that_cannot_fit_a_frame_is_held_not_looped_on() {
 }
 
 /// A NUL character (`\u0000` in JSON) is text to serde and to RabbitMQ, but PostgreSQL's text refuses it: a parcel
-/// whose destination holds one is booked all the same (its booking keeps no destination), and a message of a type not
-/// handled here whose type holds one is skipped — its `skipped` event was refused by PostgreSQL and missing from the
-/// counters.
+/// whose destination holds one is booked, and its text sent (its body quoting the destination was refused, and the
+/// parcel dead-lettered), the NUL read as U+FFFD; and a message of a type not handled here whose type holds one is
+/// skipped — its `skipped` event was refused by PostgreSQL and missing from the counters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_character_in_a_message_is_processed_or_skipped_and_counted() {
     let env = TestEnv::migrated().await;
@@ -995,10 +995,18 @@ async fn a_nul_character_in_a_message_is_processed_or_skipped_and_counted() {
         .with_content_type(inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE.into());
     common::publish(&conn, EVENT_EXCHANGE, "", props, body.as_bytes()).await;
     common::publish_parcels(&env, &["--count", "10"]);
+    let texts = common::consume_until_idle(&env, &["notification", "--max-attempts", "1"]);
+    assert_eq!(texts.code, Some(0), "{}", texts.stderr);
     let out = common::consume_until_idle(&env, &["carrier", "--max-attempts", "1"]);
     assert_eq!(out.code, Some(0), "{}", out.stderr);
     let pool = env.pool().await;
     assert_eq!(effects(&pool).await, 11, "{}", out.stderr);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM notifications_sent").await,
+        11,
+        "{}",
+        texts.stderr
+    );
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
     assert!(!env.queue_exists(ERROR_QUEUE), "{}", out.stderr);
     assert_eq!(
@@ -1008,9 +1016,11 @@ async fn a_nul_character_in_a_message_is_processed_or_skipped_and_counted() {
         1
     );
     let skipped: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM inboxctl_events WHERE kind = 'skipped' AND message_id = $1",
+        "SELECT count(*) FROM inboxctl_events WHERE kind = 'skipped' AND message_id = $1 \
+         AND consumer_type = $2",
     )
     .bind(skipped_id)
+    .bind(CARRIER_QUEUE)
     .fetch_one(&pool)
     .await
     .unwrap();

@@ -199,7 +199,7 @@ async fn a_refresh_stuck_behind_a_lock_is_said_and_does_not_hold_the_quit() {
         .await
         .unwrap();
     tmux.wait_for("the refresh said to be late", |s| {
-        s.contains("a refresh took longer than 5s")
+        s.contains("a refresh took longer than 15s")
     });
     // The next refresh is stuck by now, seconds from its own limit: the quit must not wait for it.
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -207,7 +207,7 @@ async fn a_refresh_stuck_behind_a_lock_is_said_and_does_not_hold_the_quit() {
     tmux.run(&["send-keys", "-t", "top", "q"]);
     tmux.wait_for("top to exit", |s| s.contains("EXITED="));
     assert!(
-        quit.elapsed() < Duration::from_secs(3),
+        quit.elapsed() < Duration::from_secs(5),
         "quit took {:?}",
         quit.elapsed()
     );

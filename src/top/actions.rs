@@ -56,21 +56,35 @@ async fn connect(broker: &Broker) -> Option<crate::amqp::Connection> {
         .and_then(Result::ok)
 }
 
+/// How long a look at a consumer_type's dead letters may take before it is given up (its messages given back).
+const LOOK_LIMIT: Duration = Duration::from_secs(60);
+
+/// Loads the detail of `consumer_type`: bounded by [`LOOK_LIMIT`] and ended by the dashboard's stop, so that a look
+/// that never answers neither keeps the next one from starting nor holds the quit; its connection is closed either
+/// way, which gives back what it held.
 async fn load(
     context: &Context,
     consumer_type: &str,
     queue: &str,
 ) -> Result<crate::triage::detail::Detail, String> {
     let connection = connect(&context.broker).await;
-    let detail = crate::triage::detail::load(
+    let looked = crate::triage::detail::load(
         &context.pool,
         connection.as_ref(),
         context.broker.vhost(),
         consumer_type,
         queue,
-    )
-    .await
-    .map_err(|e| crate::redact::text(&e.to_string()));
+    );
+    let detail = tokio::select! {
+        looked = tokio::time::timeout(LOOK_LIMIT, looked) => match looked {
+            Ok(detail) => detail.map_err(|e| crate::redact::text(&e.to_string())),
+            Err(_) => Err(format!(
+                "the look at the dead letters took longer than {}: given up",
+                humantime::format_duration(LOOK_LIMIT)
+            )),
+        },
+        () = context.shutdown.cancelled() => Err("stopped".to_owned()),
+    };
     if let Some(c) = connection {
         crate::amqp::close(&c, "OK").await;
     }

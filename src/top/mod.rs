@@ -134,9 +134,10 @@ pub async fn run(
     result
 }
 
-/// How long one refresh may take: twice the interval, and never less than 5 s.
+/// How long one refresh may take: twice the interval, and never less than 15 s (a database of hundreds of
+/// consumer_types, a broker some milliseconds away, take seconds).
 fn refresh_limit(interval: Duration) -> Duration {
-    (interval * 2).max(Duration::from_secs(5))
+    (interval * 2).max(Duration::from_secs(15))
 }
 
 /// What a refresh collects: rates over `window`, and a series over at least the last two minutes in buckets of about

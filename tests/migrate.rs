@@ -188,7 +188,21 @@ async fn adopting_a_table_without_the_unprocessed_index_does_not_block_inserts()
         .await
         .unwrap();
     let mut migrate = env.spawn(&["migrate"]);
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Until the migration waits on the open transaction (for its lock, or for the concurrent build's snapshot).
+    common::eventually(
+        "migrate waiting on the open transaction",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND pid <> pg_backend_pid())",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
     // Another session's claim meanwhile: it must not queue behind the migration's lock.
     let mut other = pool.acquire().await.unwrap();
     sqlx::query("SET lock_timeout = '3s'")

@@ -60,6 +60,9 @@ WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.reln
 CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_inbox_messages_unprocessed ON inbox_messages (received_at)
 WHERE processed_at IS NULL";
 
+    /// Whether `inbox_messages` is a plain table (not partitioned, where no index is built concurrently).
+    const INBOX_IS_PLAIN = "SELECT relkind = 'r' FROM pg_class WHERE oid = to_regclass('inbox_messages')";
+
     /// Whether a database exists. `$1` name.
     const DATABASE_EXISTS = "SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)";
 }
@@ -97,8 +100,7 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 3] = [
-    "ix_inbox_messages_unprocessed",
+const CONCURRENT_INDEXES: [&str; 2] = [
     "ix_inbox_messages_consumer_type_processed_at",
     "ix_inbox_messages_unprocessed_by_consumer_type",
 ];
@@ -265,9 +267,7 @@ async fn migrate_locked(
     if !dry_run && !pending.is_empty() {
         drop_invalid_indexes(conn).await?;
         if adopted_existing_inbox {
-            sql::query(BUILD_UNPROCESSED_INDEX)
-                .execute(&mut *conn)
-                .await?;
+            build_unprocessed_index(conn).await?;
         }
         migrator
             .run_direct(None, conn, false)
@@ -296,6 +296,36 @@ fn planned(settings: super::partitions::Settings) -> super::partitions::Partitio
         settings: Some(settings),
         ..Default::default()
     }
+}
+
+/// The first migration's index on an adopted plain table, built concurrently ([`BUILD_UNPROCESSED_INDEX`]); one left
+/// invalid by an interrupted build of this is dropped first. Only here: elsewhere an invalid index of that name is
+/// nobody's to drop, since no later run would build it again.
+async fn build_unprocessed_index(conn: &mut PgConnection) -> Result<()> {
+    let plain: Option<bool> = sql::query_scalar(INBOX_IS_PLAIN)
+        .fetch_optional(&mut *conn)
+        .await?;
+    if plain != Some(true) {
+        return Ok(());
+    }
+    const NAME: &str = "ix_inbox_messages_unprocessed";
+    let invalid: Vec<String> = sql::query_scalar(INVALID_INBOX_INDEXES)
+        .bind(&[NAME][..])
+        .fetch_all(&mut *conn)
+        .await?;
+    if !invalid.is_empty() {
+        tracing::warn!(
+            index = NAME,
+            "dropping an invalid index left by an interrupted build"
+        );
+        sql::query(AssertSqlSafe(drop_index_concurrently(NAME)))
+            .execute(&mut *conn)
+            .await?;
+    }
+    sql::query(BUILD_UNPROCESSED_INDEX)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 async fn drop_invalid_indexes(conn: &mut PgConnection) -> Result<()> {

@@ -191,7 +191,15 @@ pub async fn migrate_partitioned(
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let result = match migrate_locked(&mut conn, &migrator, &database, dry_run).await {
+    let ready = match partitioning {
+        Some(_) => super::partitions::require_server(&mut conn).await,
+        None => Ok(()),
+    };
+    let result = match ready {
+        Err(e) => Err(e),
+        Ok(()) => migrate_locked(&mut conn, &migrator, &database, dry_run).await,
+    };
+    let result = match result {
         Ok(mut report) => match partitioning {
             Some(settings) if dry_run => {
                 report.partitioning = Some(planned(settings));

@@ -228,18 +228,7 @@ pub async fn partition(
         settings: Some(settings),
         ..PartitionReport::default()
     };
-    // Dropping a partition detaches it concurrently, and reading the layout asks which are being detached: both are
-    // PostgreSQL 14's. Refused before anything changes, rather than converted, then failing at every step after.
-    let version: i32 = sql::query_scalar(SERVER_VERSION)
-        .fetch_one(&mut *conn)
-        .await?;
-    if version < MIN_SERVER_VERSION {
-        return Err(Error::Usage(format!(
-            "a partitioned inbox needs PostgreSQL 14 or later; this server is {}.{}",
-            version / 10_000,
-            version % 10_000
-        )));
-    }
+    require_server(conn).await?;
     match read_layout(&mut *conn).await? {
         // Partitioned, its settings lost: written again, as the operator gives them.
         Some(None) => {
@@ -294,6 +283,23 @@ pub async fn partition(
     report.created = ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?;
     restore_owner(conn).await?;
     Ok(report)
+}
+
+/// Refuses a server older than a partitioned inbox needs: dropping a partition detaches it concurrently, and reading
+/// the layout asks which are being detached, both PostgreSQL 14's. `migrate` asks before anything changes (its
+/// migrations, and a dry run, included), rather than converting, then failing at every step after.
+pub async fn require_server(conn: &mut PgConnection) -> Result<()> {
+    let version: i32 = sql::query_scalar(SERVER_VERSION)
+        .fetch_one(&mut *conn)
+        .await?;
+    if version < MIN_SERVER_VERSION {
+        return Err(Error::Usage(format!(
+            "a partitioned inbox needs PostgreSQL 14 or later; this server is {}.{}",
+            version / 10_000,
+            version % 10_000
+        )));
+    }
+    Ok(())
 }
 
 /// The oldest PostgreSQL a partitioned inbox runs on (`DETACH PARTITION … CONCURRENTLY`, `pg_inherits.inhdetachpending`).

@@ -30,7 +30,7 @@ use crate::inbox::time::{TimeSource, earliest};
 
 mod convert;
 mod drop;
-pub use convert::{PartitionReport, partition};
+pub use convert::{PartitionReport, partition, require_server};
 pub use drop::{Contents, Settled, contents, detach, leftovers, settle_detached};
 /// The conversion's statements, for [`super::statements`].
 pub(super) const CONVERT_STATEMENTS: &[(&str, &str)] = convert::STATEMENTS;

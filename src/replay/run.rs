@@ -31,6 +31,13 @@ pub async fn run(
     shutdown: &CancellationToken,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<Report> {
+    if let Some((to, why)) = plan
+        .to
+        .as_deref()
+        .and_then(|to| Some((to, topology::not_a_replay_destination(to)?)))
+    {
+        return Err(Error::Usage(format!("--to {to}: {why}")));
+    }
     let depth = topology::queue_depth(connection, &plan.from);
     let snapshot = match answered("a look at the queue", plan.broker_timeout, depth).await?? {
         Some((ready, _)) => u64::from(ready),

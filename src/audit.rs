@@ -57,7 +57,9 @@ impl Entry {
 /// Writes `entry`; a failure is logged (a warning on stderr) and returned as `false`, never as an error: the action
 /// it records is done either way.
 pub async fn record(pool: &PgPool, entry: &Entry) -> bool {
-    let command_line = command_line(std::env::args());
+    // `args_os`: a path given as bytes that are not UTF-8 (`--listing`, `--output`) is the operator's to give;
+    // `args` would panic on it, after the action it records was done.
+    let command_line = command_line(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
     let details = storable(&entry.details).to_string();
     let (user, host) = (os_user(), host());
     let row = db::audit::NewRow {

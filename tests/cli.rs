@@ -52,6 +52,7 @@ fn help_and_version_exit_zero() {
 
 #[test]
 fn bad_flags_and_values_are_usage_errors() {
+    let long_destination = "ü".repeat(128);
     for args in [
         &["consume"][..],
         &["consume", "shipping"],
@@ -65,6 +66,15 @@ fn bad_flags_and_values_are_usage_errors() {
         &["consume", "carrier", "--retry-delay", "5m"],
         // Kept in whole seconds: partitions of 1h 500ms drifted from what a cleanup computed, leaving gaps.
         &["migrate", "--partitioned", "1h 500ms"],
+        // The routing key a partition key makes is an AMQP short string: this panicked mid-run (exit 101).
+        &[
+            "publish",
+            "parcel-created",
+            "--partition-key",
+            "destination",
+            "--destination",
+            long_destination.as_str(),
+        ],
     ] {
         let out = run(args, &[]);
         assert_eq!(out.code, Some(64), "{args:?}: {out:?}");

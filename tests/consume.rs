@@ -982,6 +982,99 @@ async fn a_consumer_on_a_database_without_the_vhost_column_runs_and_says_to_migr
     );
 }
 
+/// An argument that is not UTF-8 (a path is the operator's to give as any bytes): the audit row written as consuming
+/// starts read the command line with `std::env::args`, which panicked, and the consumer never consumed.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_argument_that_is_not_utf8_is_audited_not_a_panic() {
+    use std::os::unix::ffi::OsStrExt as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "2"]);
+    let mut file = std::env::temp_dir()
+        .join(format!("{}-pw", env.db_name))
+        .into_os_string();
+    file.push(std::ffi::OsStr::from_bytes(b"\xff"));
+    std::fs::write(&file, "unused-by-trust\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = common::Output::of(
+        env.cmd()
+            .arg("--database-password-file")
+            .arg(&file)
+            .args(["consume", "carrier", "--exit-when-idle", "1s"])
+            .output()
+            .unwrap(),
+    );
+    let _ = std::fs::remove_file(&file);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(!out.stderr.contains("panicked"), "{}", out.stderr);
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        2
+    );
+    let audited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM inboxctl_audit WHERE command = 'consume' AND command_line LIKE '%\u{FFFD}%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        audited >= 1,
+        "the start audited, the odd byte shown as U+FFFD"
+    );
+}
+
+/// A publish the broker keeps refusing (a queue bound to its exchange that takes nothing, `reject-publish`) stops
+/// once `--reconnect-timeout` runs out; it used to stop saying only "refused", leaving the operator to guess what was
+/// on the queue. It says how many copies were confirmed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publish_the_broker_keeps_refusing_says_how_far_it_got() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    common::declare_queue_that_refuses_everything(&conn, "refusing").await;
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .queue_bind(
+            "refusing".into(),
+            EVENT_EXCHANGE.into(),
+            "".into(),
+            lapin::options::QueueBindOptions::default(),
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let out = env.run(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "5",
+        "--reconnect-timeout",
+        "2s",
+    ]);
+    assert_ne!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("the broker had confirmed 0 of 5 copies"),
+        "{}",
+        out.stderr
+    );
+}
+
+/// Copies that reached no queue are said in the line a person reads, not only in a warning a log filter can hide.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_publish_to_an_exchange_nothing_is_bound_to_says_so_in_its_line() {
+    let env = TestEnv::migrated().await;
+    let out = env.run(&["publish", "parcel-created", "--count", "2"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stdout.contains("2 of them reached no queue"),
+        "{}",
+        out.stdout
+    );
+}
+
 /// `publish` stopped by SIGTERM midway: it stops sending, waits for the confirms of what it sent, and says how far it
 /// got (exit 3, `interrupted`); exactly those copies are on the queue.
 #[tokio::test(flavor = "multi_thread")]

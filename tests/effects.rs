@@ -240,6 +240,27 @@ async fn matrix(
     }
 }
 
+/// An at-most-once call whose process died mid-call, its lease run out, with no consumer running to mark it: listed
+/// in doubt as `find` and `stats` count it, not "started" (held by a live process, which it is not).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_whose_process_died_is_listed_in_doubt_not_started() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts, \
+         lease_until) VALUES (gen_random_uuid(), 'carrier', gen_random_uuid(), 'at-most-once', 'started', '{}', 1, \
+         now() - interval '1 second')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let listed = env.run(&["effects", "--in-doubt", "--json"]);
+    assert_eq!(listed.code, Some(0), "{listed:?}");
+    let rows: Vec<serde_json::Value> = serde_json::from_str(&listed.stdout).unwrap();
+    assert_eq!(rows.len(), 1, "{}", listed.stdout);
+    assert_eq!(rows[0]["state"], "in_doubt", "{}", listed.stdout);
+}
+
 /// At-most-once leaves its effects in doubt; `effects reconcile` asks the stand-in about each: the booked ones are
 /// done, the others owed again and made once by the next consumer. Every parcel ends booked exactly once.
 async fn reconcile_in_doubt(env: &TestEnv, pool: &PgPool, stub: &Stub, mode: &str) {

@@ -229,4 +229,18 @@ async fn a_window_past_the_bounds_is_refused_and_names_them() {
         carrier["deliveries_per_second"].as_f64().unwrap() > 0.0,
         "{report}"
     );
+    // A window longer than the retention (7d unless given) counts what a cleanup left: said.
+    let out = env.run(&["stats", "--json", "--window", "30d"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr.contains("is longer than the retention 7days"),
+        "{}",
+        out.stderr
+    );
+    let out = env.run(&["stats", "--json", "--window", "30d", "--retention", "30d"]);
+    assert!(
+        !out.stderr.contains("longer than the retention"),
+        "{}",
+        out.stderr
+    );
 }

@@ -636,12 +636,16 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     );
 
     // Pointed at another vhost, where the carrier's error queue is not: before, its absence was taken for "nothing
-    // waiting" and the rows went. The vhost its consumer recorded is looked in instead, and the message found there.
-    sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
-        .bind(&env.vhost)
-        .execute(&pool)
-        .await
-        .unwrap();
+    // waiting" and the rows went. The vhost its consumer recorded is looked in instead: the carrier's old message
+    // found there, and the SMS's, an hour old, lets its new rows go.
+    processed_rows(&pool, "sms", "orders-sms", 7, 8).await;
+    sqlx::query(
+        "UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type IN ('carrier', 'sms')",
+    )
+    .bind(&env.vhost)
+    .execute(&pool)
+    .await
+    .unwrap();
     let elsewhere = format!("amqp://guest:guest@{}/%2f", env.amqp_addr());
     let cleanup_elsewhere = || {
         common::Output::of(
@@ -670,10 +674,16 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     );
     assert_eq!(carrier["refused"]["message_id"], old, "{carrier}");
     assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
-    // A vhost it cannot look in: refused, the vhost and why named.
-    let nowhere = format!("{}-gone", env.vhost);
+    assert_eq!(
+        rows_of(&pool, "sms").await,
+        0,
+        "looked at there, and cleaned"
+    );
+    // A vhost it may not enter: refused, the vhost and why named.
+    let closed = common::vhosts::take();
+    common::rabbitmqctl(&["-q", "clear_permissions", "-p", &closed, "guest"]);
     sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
-        .bind(&nowhere)
+        .bind(&closed)
         .execute(&pool)
         .await
         .unwrap();
@@ -681,20 +691,38 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     assert_eq!(out.code, Some(3), "{out:?}");
     let carrier = carrier_of(&json(&out));
     assert_eq!(
-        carrier["refused"]["other_vhost"]["vhost"], nowhere,
+        carrier["refused"]["other_vhost"]["vhost"], closed,
         "{carrier}"
     );
     assert!(
         out.stderr.contains(&format!(
-            "reads its queue in vhost {nowhere}, where the cleanup could not look"
+            "reads its queue in vhost {closed}, where the cleanup could not look"
         )),
         "{out:?}"
     );
     assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
-
     let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(rows_of(&pool, "carrier").await, 0, "--force cleans");
+    // A vhost that no longer exists holds nothing: cleaned, and said.
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    let gone = format!("{}-gone", env.vhost);
+    sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
+        .bind(&gone)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = cleanup_elsewhere();
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stderr.contains("no longer exists"), "{out:?}");
+    assert_eq!(rows_of(&pool, "carrier").await, 0);
+    // A --dlq that is not in the cleanup's vhost is no proof that nothing waits in it.
+    let out = env.run(&["cleanup", "--retention", "7d", "--dlq", "no-such-dlq"]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("--dlq no-such-dlq: no such queue"),
+        "{out:?}"
+    );
 }
 
 /// Three carrier rows processed two days ago, and the carrier's error queue, empty.
@@ -1087,6 +1115,45 @@ async fn find_shows_one_message_everywhere_and_leaves_the_error_queue_as_it_was(
     let out = env.run(&["find", "not-a-uuid"]);
     assert_eq!(out.code, Some(64), "{out:?}");
     assert!(out.stderr.contains("is not a message id"), "{out:?}");
+
+    // A message published without the AMQP message id (its envelope's is the one the consumer keys on): its copy in
+    // the error queue is found by that id too (it was not: only the property was read).
+    let bare_id = Uuid::new_v4();
+    let (_, body, _) = common::parcel_message(bare_id, "FAIL");
+    let bare = lapin::BasicProperties::default()
+        .with_content_type(inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE.into())
+        .with_delivery_mode(2);
+    common::publish(&conn, "", NOTIFICATION_QUEUE, bare, &body).await;
+    common::consume_until_idle(
+        &env,
+        &[
+            "notification",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+        ],
+    );
+    let out = env.run(&["find", &bare_id.to_string(), "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    assert_eq!(
+        report["messages"][0]["dead_letters"][0]["queue"], notification_error,
+        "{report}"
+    );
+
+    // While a replay of the queue runs, what it holds cannot be seen: said, not taken for absent.
+    let marker = env.amqp().await;
+    inboxctl::amqp::topology::mark_replay(&marker, &notification_error)
+        .await
+        .unwrap();
+    let out = env.run(&["find", &bare_id.to_string()]);
+    assert!(
+        out.stdout
+            .contains("a replay of it is running: what it holds is not seen"),
+        "{out:?}"
+    );
+    let _ = marker.close(200, "OK".into()).await;
 }
 
 /// `failures` and `find` take nothing, so a stop (Ctrl-C) ends them at once, exit 3: the messages they held go back

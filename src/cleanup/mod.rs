@@ -256,15 +256,10 @@ pub async fn run(
 fn partitions_held(plan: &Plan, consumers: &[ConsumerReport]) -> Option<String> {
     if let Some(refused) = consumers.iter().find(|c| c.refused.is_some()) {
         return Some(format!(
-            "consumer_type {:?} is refused (a dead-lettered message of it waits for its replay, or may: {}): the replayed \
-             message's claim lands in the partition of its own time, which may be this one; no partition goes \
-             until it is replayed or removed (or --force)",
-            crate::sanitize::text(&refused.consumer_type),
-            refused
-                .refused
-                .as_ref()
-                .map(Refusal::describe)
-                .unwrap_or_default()
+            "consumer_type {:?} is refused (a dead-lettered message of it waits for its replay, or may: see its \
+             refusal): the replayed message's claim lands in the partition of its own time, which may be this one; \
+             no partition goes until it is replayed or removed (or --force)",
+            crate::sanitize::text(&refused.consumer_type)
         ));
     }
     match (&plan.consumer_type, &plan.guard) {

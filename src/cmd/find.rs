@@ -108,14 +108,21 @@ fn print(report: &Report) -> Result<()> {
     let queues: Vec<String> = report
         .queues
         .iter()
-        .map(|q| match q.depth {
-            Some(depth) if q.looked < depth => format!(
-                "{} (oldest {} of {depth})",
-                sanitize::text(&q.queue),
-                q.looked
-            ),
-            Some(_) => sanitize::text(&q.queue).into_owned(),
-            None => format!("{} (absent)", sanitize::text(&q.queue)),
+        .map(|q| {
+            let shown = match q.depth {
+                Some(depth) if q.looked < depth => format!(
+                    "{} (oldest {} of {depth})",
+                    sanitize::text(&q.queue),
+                    q.looked
+                ),
+                Some(_) => sanitize::text(&q.queue).into_owned(),
+                None => format!("{} (absent)", sanitize::text(&q.queue)),
+            };
+            if q.replay_running {
+                format!("{shown} (a replay of it is running: what it holds is not seen)")
+            } else {
+                shown
+            }
         })
         .collect();
     output::line(&format!(

@@ -96,6 +96,17 @@ pub async fn run(
             "--destination must not contain control characters".to_owned(),
         ));
     }
+    // The routing key is an AMQP short string: a destination longer than 255 bytes cannot be one.
+    if let (Some(crate::producer::ParcelField::Destination), Some(d)) =
+        (args.partition_key, &args.destination)
+        && d.len() > 255
+    {
+        return Err(Error::Usage(format!(
+            "--destination is {} bytes long; with --partition-key destination it is the routing key, which AMQP \
+             allows at most 255",
+            d.len()
+        )));
+    }
     if args.count.saturating_mul(u64::from(args.events_per_parcel)) > MAX_COUNT {
         return Err(Error::Usage(format!(
             "--count {} × --events-per-parcel {} is more than {MAX_COUNT} messages (each is held until the broker \
@@ -156,6 +167,12 @@ pub async fn run(
             line.push_str(&format!(
                 "; the connection was lost {} times and made again, {} unconfirmed copies sent again",
                 report.reconnects, report.resent
+            ));
+        }
+        if report.unroutable > 0 {
+            line.push_str(&format!(
+                "; {} of them reached no queue (none bound to the exchange) and were dropped",
+                report.unroutable
             ));
         }
         output::line(&line)?;

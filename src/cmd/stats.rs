@@ -26,6 +26,15 @@ pub struct Args {
 }
 
 pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+    if args.window > args.retention {
+        // The cleanup deletes the events older than its retention: rates over a longer window count what is left.
+        tracing::warn!(
+            "--window {} is longer than the retention {}: where the cleanup runs with it, the events before it are \
+             gone and the rates read low (give --retention the cleanup's own)",
+            humantime::format_duration(args.window),
+            humantime::format_duration(args.retention)
+        );
+    }
     let db = global.connect.database()?;
     let broker = global.connect.broker()?;
     let pool = db.pool(2).await?;

@@ -73,26 +73,24 @@ pub async fn register_consumer(
     partitions: Option<u16>,
     vhost: &str,
 ) -> sqlx::Result<()> {
-    let registered = sql::query(REGISTER_CONSUMER)
+    let registered = unit!(pool, |conn| sql::query(REGISTER_CONSUMER)
         .bind(consumer_type.as_str())
         .bind(queue)
         .bind(partitions.map(i32::from))
         .bind(vhost)
-        .execute(pool)
-        .await;
+        .execute(conn));
     match registered {
         Err(e) if super::sqlstate(&e).as_deref() == Some("42703") => {
             tracing::warn!(
-                "this database does not keep the vhost of a consumer yet: run `inboxctl migrate` (until then, \
-                 cleanup looks for this consumer's dead letters in the vhost it is given)"
+                "this database does not keep the vhost of a consumer yet: run `inboxctl migrate`, then restart \
+                 this consumer (until then, cleanup looks for its dead letters in the vhost it is given)"
             );
-            sql::query(REGISTER_CONSUMER_WITHOUT_VHOST)
+            unit!(pool, |conn| sql::query(REGISTER_CONSUMER_WITHOUT_VHOST)
                 .bind(consumer_type.as_str())
                 .bind(queue)
                 .bind(partitions.map(i32::from))
-                .execute(pool)
-                .await
-                .map(drop)
+                .execute(conn))
+            .map(drop)
         }
         other => other.map(drop),
     }

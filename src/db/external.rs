@@ -91,7 +91,7 @@ WHERE message_id = $1 AND consumer_type = $2 AND state = 'started' AND attempts 
     /// The effects in states `$1` (an array), of consumer_type `$2` (null: all), oldest first, at most `$3`. An
     /// at-most-once effect started by a process whose lease ran out is shown in doubt.
     const LIST_EFFECTS = "\
-SELECT message_id, consumer_type::text, idempotency_key, mode, state, attempts, created_at, updated_at, lease_until,
+SELECT message_id, consumer_type::text, idempotency_key, mode, shown, attempts, created_at, updated_at, lease_until,
        last_error, reference, request::text
 FROM (SELECT *, CASE WHEN state = 'started' AND mode = 'at-most-once' AND lease_until < now() THEN 'in_doubt'
                      ELSE state END AS shown

@@ -69,7 +69,13 @@ pub struct Carried {
 
 /// The time inside an id: a UUIDv7's milliseconds, else the ticks of a MassTransit NewId (which is what a random id
 /// is read as too: its "time" is then anywhere, and it is refused as outside the inbox's partitions).
+///
+/// A NewId's version nibble is a byte of its host's worker id, so one .NET host in 16 writes ids that say "version 7";
+/// read as UUIDv7, their time lands anywhere in 8,900 years. An id that says version 7 is read as a NewId when its
+/// UUIDv7 time is not plausible (before 2000 or from 2100) and its NewId time is; otherwise as the UUIDv7 it says it
+/// is. Both readings come from the id alone, so every copy of a message gets the same time.
 pub fn id_time(message_id: Uuid) -> DateTime<Utc> {
+    let new_id = ticks_time(ids::new_id_ticks(message_id));
     if let (uuid::Version::SortRand, Some(ts)) = (
         message_id.get_version().unwrap_or(uuid::Version::Nil),
         message_id.get_timestamp(),
@@ -78,11 +84,21 @@ pub fn id_time(message_id: Uuid) -> DateTime<Utc> {
         if let Some(t) = i64::try_from(seconds)
             .ok()
             .and_then(|s| Utc.timestamp_opt(s, nanos).single())
+            && (plausible(t) || !plausible(new_id))
         {
             return t;
         }
     }
-    ticks_time(ids::new_id_ticks(message_id))
+    new_id
+}
+
+/// Whether `t` could be when a message was sent: from 2000 (see [`earliest`]), before 2100.
+fn plausible(t: DateTime<Utc>) -> bool {
+    let end = Utc
+        .with_ymd_and_hms(2100, 1, 1, 0, 0, 0)
+        .single()
+        .unwrap_or(DateTime::<Utc>::MAX_UTC);
+    t >= earliest() && t < end
 }
 
 /// .NET ticks (100 ns since 0001-01-01 UTC) as a time; out of range reads as the earliest time, which no partition
@@ -128,6 +144,10 @@ mod tests {
             .expect("time")
             .with_timezone(&Utc);
         assert!((id_time(new_id) - sent).num_milliseconds().abs() < 5);
+        // The same NewId from a host whose worker id puts a 7 where a UUID's version goes: still its NewId time.
+        let sevenish = Uuid::parse_str("1a280000-161d-7c08-9e18-08df4f1e91b6").expect("uuid");
+        assert_eq!(sevenish.get_version_num(), 7);
+        assert!((id_time(sevenish) - sent).num_milliseconds().abs() < 5);
         // The process's own NewIds read back as now.
         let now = id_time(ids::new_id());
         assert!((now - Utc::now()).num_seconds().abs() < 5);

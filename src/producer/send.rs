@@ -156,6 +156,7 @@ impl Run<'_> {
                         if shutdown.is_cancelled() {
                             return Ok(());
                         }
+                        self.say_confirmed();
                         return Err(e);
                     }
                     tracing::warn!(
@@ -169,7 +170,10 @@ impl Run<'_> {
                     self.sent = self.confirmed;
                     continue;
                 }
-                Err(e) if !link.is_lost(&e) => return Err(e),
+                Err(e) if !link.is_lost(&e) => {
+                    self.say_confirmed();
+                    return Err(e);
+                }
                 Err(e) if is_blocked(link.current(), &e) => {
                     let why = format!("{}: {BLOCKED_HINT}", crate::redact::text(&e.to_string()));
                     return Err(self.stopped_unconfirmed(why));
@@ -219,6 +223,17 @@ impl Run<'_> {
 
     /// The error a run that stops before every copy was confirmed ends with: `why`, how far it got, and that sending
     /// again is safe.
+    /// Says how far a run that stops on an error got, for the operator to know what is on the queue.
+    fn say_confirmed(&self) {
+        tracing::warn!(
+            "stopping: the broker had confirmed {} of {} copies (the first {} in the run's order): the rest may not \
+             have arrived; publishing them again is safe for an inbox (same message ids)",
+            self.confirmed,
+            self.order.len(),
+            self.confirmed
+        );
+    }
+
     fn stopped_unconfirmed(&self, why: String) -> Error {
         Error::BrokerUnavailable {
             url: self.broker.display_url(),

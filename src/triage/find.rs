@@ -69,6 +69,8 @@ pub struct Looked {
     /// Messages ready when the look began; none when the queue does not exist.
     pub depth: Option<u64>,
     pub looked: u64,
+    /// A replay of the queue was running: the messages it holds were not there to be seen.
+    pub replay_running: bool,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -134,18 +136,23 @@ pub async fn find(
         if crate::amqp::validate_name("queue", &queue).is_err() {
             continue;
         }
+        let replay_running = topology::replay_running(connection, &queue).await?;
         let mut position = 0;
         let looked = peek::each(connection, &queue, plan.limit, |delivery| {
             position += 1;
-            let Some(id) = delivery
+            // The id the consumer keyed it on: its envelope's, where the AMQP property is absent or another (a
+            // producer that does not set it, a shovel), else the property's.
+            let by_property = delivery
                 .properties
                 .message_id()
                 .as_ref()
                 .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
-            else {
-                return;
-            };
-            let Some(&i) = index.get(&id) else {
+                .and_then(|id| index.get(&id).copied());
+            let Some(i) = by_property.or_else(|| {
+                crate::amqp::envelope::parse(&delivery.properties, &delivery.data)
+                    .ok()
+                    .and_then(|m| index.get(&m.message_id).copied())
+            }) else {
                 return;
             };
             if messages[i].dead_letters.len() >= MAX_COPIES {
@@ -173,6 +180,7 @@ pub async fn find(
             queue,
             depth: looked.map(|l| l.depth),
             looked: looked.map_or(0, |l| l.looked),
+            replay_running,
         });
     }
     for m in &mut messages {

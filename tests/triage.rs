@@ -716,13 +716,24 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stderr.contains("no longer exists"), "{out:?}");
     assert_eq!(rows_of(&pool, "carrier").await, 0);
-    // A --dlq that is not in the cleanup's vhost is no proof that nothing waits in it.
-    let out = env.run(&["cleanup", "--retention", "7d", "--dlq", "no-such-dlq"]);
-    assert_eq!(out.code, Some(64), "{out:?}");
+    // A --dlq that is not in the cleanup's vhost is no proof that nothing waits in it: every consumer_type refused.
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    let out = env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--dlq",
+        "no-such-dlq",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let carrier = carrier_of(&json(&out));
+    assert_eq!(carrier["refused"]["absent"], true, "{carrier}");
     assert!(
-        out.stderr.contains("--dlq no-such-dlq: no such queue"),
+        out.stderr.contains("--dlq no-such-dlq is not in the vhost"),
         "{out:?}"
     );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
 }
 
 /// Three carrier rows processed two days ago, and the carrier's error queue, empty.

@@ -357,6 +357,18 @@ pub fn is_not_found(error: &lapin::Error) -> bool {
     )
 }
 
+/// Whether `error` says a queue does not exist ("no queue '…' in vhost '…'"). RabbitMQ answers NOT_FOUND too for a
+/// queue that exists but cannot be reached — a classic queue whose node is down or that crashed ("home node … is down
+/// or inaccessible") — which tells nothing of what it holds: taken for absent, its dead letters would read as none.
+pub fn is_absent_queue(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(e)
+            if matches!(e.kind(), lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::NOTFOUND))
+                && e.get_message().as_str().contains("no queue")
+    )
+}
+
 /// Validates a queue or exchange name given on the command line: AMQP allows at most 255 bytes, and inboxctl also
 /// refuses control characters so that a name is always safe to print.
 pub fn validate_name(what: &str, name: &str) -> Result<()> {

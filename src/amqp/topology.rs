@@ -409,7 +409,7 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<Option<(u32, 
             let _ = channel.close(200, "OK".into()).await;
             Ok(Some((q.message_count(), q.consumer_count())))
         }
-        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) if super::is_absent_queue(&e) => Ok(None),
         Err(e) => Err(e.into()),
     }
 }

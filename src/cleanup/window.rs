@@ -38,6 +38,9 @@ pub struct Refusal {
     pub cutoff: DateTime<Utc>,
     /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
     pub replay_running: bool,
+    /// The queue (a `--dlq`) is not in the vhost the cleanup looked in: whether a message waits in it is unknown.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub absent: bool,
     /// The vhost the consumer_type's consumer reads its queue in, another than the cleanup's, when the cleanup could
     /// not look there (no message is named then).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -62,6 +65,13 @@ impl Refusal {
                 crate::sanitize::text(&other.vhost),
                 crate::sanitize::text(&self.queue),
                 crate::sanitize::text(&other.why)
+            );
+        }
+        if self.absent {
+            return format!(
+                "--dlq {} is not in the vhost the cleanup looked in (a name mistyped, another vhost, a queue being \
+                 made again): whether a message waits in it for its replay is unknown; fix --dlq, or give --force",
+                crate::sanitize::text(&self.queue)
             );
         }
         if self.replay_running {
@@ -199,6 +209,7 @@ pub async fn check(
                     age_seconds: None,
                     cutoff,
                     replay_running: false,
+                    absent: false,
                     other_vhost: Some(OtherVhost {
                         vhost: vhost.clone(),
                         why: why.clone(),
@@ -239,6 +250,7 @@ impl Looks<'_> {
             failed_at: h.failed_at,
             cutoff: self.cutoff,
             replay_running: false,
+            absent: false,
             other_vhost: None,
         }
     }
@@ -251,6 +263,7 @@ impl Looks<'_> {
             age_seconds: None,
             cutoff: self.cutoff,
             replay_running: true,
+            absent: false,
             other_vhost: None,
         }
     }
@@ -302,14 +315,22 @@ impl Looks<'_> {
         consumers: &mut [ConsumerReport],
     ) -> Result<()> {
         for dlq in dlqs {
-            // Named by the operator: absent here (a typo, another vhost), it is no proof that nothing waits in it.
+            // Named by the operator: absent here (a typo, another vhost), it is no proof that nothing waits in it. Every
+            // consumer_type is refused, as by an old head, and the run goes on (partitions ahead made, the refusal said).
             if topology::queue_depth(connection, dlq).await?.is_none() {
-                return Err(Error::Usage(format!(
-                    "--dlq {}: no such queue in vhost {}; the cleanup looks at a --dlq in the vhost it is given \
-                     (--amqp-url)",
-                    crate::sanitize::text(dlq),
-                    crate::sanitize::text(vhost)
-                )));
+                for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                    report.refused = Some(Refusal {
+                        queue: dlq.clone(),
+                        message_id: None,
+                        failed_at: None,
+                        age_seconds: None,
+                        cutoff: self.cutoff,
+                        replay_running: false,
+                        absent: true,
+                        other_vhost: None,
+                    });
+                }
+                continue;
             }
             if topology::replay_running(connection, dlq).await? {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {

@@ -200,6 +200,8 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
         } else if let Some(why) = &c.refused {
             let what = if why.other_vhost.is_some() {
                 "its dead-letter queues could not be looked at in its consumer's vhost"
+            } else if why.absent {
+                "a --dlq is not in this vhost"
             } else if why.replay_running {
                 "a replay of its dead letters is running"
             } else {

@@ -221,8 +221,6 @@ impl Run<'_> {
         ))
     }
 
-    /// The error a run that stops before every copy was confirmed ends with: `why`, how far it got, and that sending
-    /// again is safe.
     /// Says how far a run that stops on an error got, for the operator to know what is on the queue.
     fn say_confirmed(&self) {
         tracing::warn!(
@@ -234,6 +232,8 @@ impl Run<'_> {
         );
     }
 
+    /// The error a run that stops before every copy was confirmed ends with: `why`, how far it got, and that sending
+    /// again is safe.
     fn stopped_unconfirmed(&self, why: String) -> Error {
         Error::BrokerUnavailable {
             url: self.broker.display_url(),

@@ -131,6 +131,12 @@ pub async fn find(
     }
     queues.extend(plan.dlqs.iter().cloned());
     let index: HashMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    // The ids as a body would spell them, so that only a body holding one is parsed for its envelope's id.
+    let spelt: Vec<Vec<u8>> = ids
+        .iter()
+        .flat_map(|id| [id.to_string(), id.to_string().to_uppercase()])
+        .map(String::into_bytes)
+        .collect();
     let mut looked_in = Vec::with_capacity(queues.len());
     for queue in queues {
         if crate::amqp::validate_name("queue", &queue).is_err() {
@@ -149,8 +155,14 @@ pub async fn find(
                 .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
                 .and_then(|id| index.get(&id).copied());
             let Some(i) = by_property.or_else(|| {
-                crate::amqp::envelope::parse(&delivery.properties, &delivery.data)
-                    .ok()
+                let holds_one = spelt
+                    .iter()
+                    .any(|id| delivery.data.windows(id.len()).any(|w| w == id.as_slice()));
+                holds_one
+                    .then(|| {
+                        crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok()
+                    })
+                    .flatten()
                     .and_then(|m| index.get(&m.message_id).copied())
             }) else {
                 return;

@@ -55,6 +55,26 @@ const CLEANUP_GRANTS: &str = concat!(
 const STATS_GRANTS: &str =
     "GRANT SELECT ON inbox_messages, inboxctl_events, inboxctl_consumers TO {role}";
 
+/// Puts in the dead-letter queue `queue` (declared if absent) a message that failed an hour ago.
+async fn failed_an_hour_ago(env: &TestEnv, queue: &str) {
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, queue, common::queue_type())
+        .await
+        .unwrap();
+    let mut headers = lapin::types::FieldTable::default();
+    let an_hour_ago =
+        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::hours(1));
+    headers.insert(
+        "MT-Fault-Timestamp".into(),
+        lapin::types::AMQPValue::LongString(an_hour_ago.into_bytes().into()),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(Uuid::new_v4().to_string().into())
+        .with_headers(headers);
+    common::publish(&conn, "", queue, props, b"{}").await;
+    let _ = conn.close(200, "OK".into()).await;
+}
+
 /// A name as a regular expression that matches it alone.
 fn literal(name: &str) -> String {
     let mut out = String::new();
@@ -1454,26 +1474,7 @@ async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
     .await;
     // gamma's error queue holds a message that failed an hour ago, well inside the window: the cleanup must look at
     // it (read) to know that.
-    let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(
-        &conn,
-        "gamma-queue_error",
-        common::queue_type(),
-    )
-    .await
-    .unwrap();
-    let mut headers = lapin::types::FieldTable::default();
-    let an_hour_ago =
-        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::hours(1));
-    headers.insert(
-        "MT-Fault-Timestamp".into(),
-        lapin::types::AMQPValue::LongString(an_hour_ago.into_bytes().into()),
-    );
-    let props = BasicProperties::default()
-        .with_message_id(Uuid::new_v4().to_string().into())
-        .with_headers(headers);
-    common::publish(&conn, "", "gamma-queue_error", props, b"{}").await;
-    let _ = conn.close(200, "OK".into()).await;
+    failed_an_hour_ago(&env, "gamma-queue_error").await;
 
     let mut principals = Principals::new(&env);
     let role = principals.role(&admin, "cleanup", CLEANUP_GRANTS).await;
@@ -1547,23 +1548,8 @@ async fn stats_needs_select_and_only_access_to_the_vhost() {
     common::consume_until_idle(&env, &["notification"]);
     common::publish_parcels(&env, &["--count", "2"]);
     // The carrier's error queue holds a message that failed an hour ago: its age is read by looking at it (read).
-    let conn = env.amqp().await;
     let error_queue = format!("{CARRIER_QUEUE}_error");
-    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &error_queue, common::queue_type())
-        .await
-        .unwrap();
-    let mut headers = lapin::types::FieldTable::default();
-    let an_hour_ago =
-        inboxctl::amqp::envelope::format_time(chrono::Utc::now() - chrono::TimeDelta::hours(1));
-    headers.insert(
-        "MT-Fault-Timestamp".into(),
-        lapin::types::AMQPValue::LongString(an_hour_ago.into_bytes().into()),
-    );
-    let props = BasicProperties::default()
-        .with_message_id(Uuid::new_v4().to_string().into())
-        .with_headers(headers);
-    common::publish(&conn, "", &error_queue, props, b"{}").await;
-    let _ = conn.close(200, "OK".into()).await;
+    failed_an_hour_ago(&env, &error_queue).await;
     let admin = env.pool().await;
     let mut principals = Principals::new(&env);
     let role = principals.role(&admin, "stats", STATS_GRANTS).await;

@@ -28,6 +28,33 @@ fn assert_exited_and_terminal_given_back(tmux: &Tmux, code: &str) {
     );
 }
 
+/// `top --interval 500ms` in a tmux session of its own, `width` columns wide; the shell reports its exit code and
+/// the terminal's mode after it (see [`assert_exited_and_terminal_given_back`]).
+fn top_in_tmux(env: &TestEnv, width: u16) -> Tmux {
+    let tmux = Tmux {
+        socket: format!("inboxctl-{}", env.db_name),
+    };
+    let script = format!(
+        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
+        env.database_url,
+        env.amqp_url,
+        common::bin()
+    );
+    let width = width.to_string();
+    tmux.run(&[
+        "new-session",
+        "-d",
+        "-s",
+        "top",
+        "-x",
+        &width,
+        "-y",
+        "40",
+        &script,
+    ]);
+    tmux
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
     let env = TestEnv::migrated().await;
@@ -38,26 +65,7 @@ async fn top_shows_two_consumer_types_after_real_traffic_and_quits_cleanly() {
     assert_eq!(carrier.wait(Duration::from_secs(60)), Some(0));
     assert_eq!(notification.wait(Duration::from_secs(60)), Some(0));
 
-    let tmux = Tmux {
-        socket: format!("inboxctl-{}", env.db_name),
-    };
-    let script = format!(
-        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
-        env.database_url,
-        env.amqp_url,
-        common::bin()
-    );
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "160",
-        "-y",
-        "40",
-        &script,
-    ]);
+    let tmux = top_in_tmux(&env, 160);
 
     // 20 parcels, 10 sent twice, in the last minute: 30 deliveries (0.5/s), 10 duplicates (0.2/s), 33.3 %.
     // The charts are part of the wait: tmux can capture a frame half written (the rows drawn, the charts below not yet).
@@ -172,26 +180,7 @@ async fn top_says_when_postgres_is_gone_keeps_retrying_and_recovers() {
 async fn a_refresh_stuck_behind_a_lock_is_said_and_does_not_hold_the_quit() {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
-    let tmux = Tmux {
-        socket: format!("inboxctl-{}", env.db_name),
-    };
-    let script = format!(
-        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
-        env.database_url,
-        env.amqp_url,
-        common::bin()
-    );
-    tmux.run(&[
-        "new-session",
-        "-d",
-        "-s",
-        "top",
-        "-x",
-        "200",
-        "-y",
-        "40",
-        &script,
-    ]);
+    let tmux = top_in_tmux(&env, 200);
     tmux.wait_for("the dashboard", |s| s.contains("consumer_type"));
     let mut lock = pool.begin().await.unwrap();
     sqlx::query("LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE")

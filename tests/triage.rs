@@ -767,21 +767,25 @@ async fn the_guard_reads_the_failure_time_of_masstransit_error_messages() {
         .to_owned();
     let failed_at = inboxctl::amqp::envelope::parse_time(&stamp).unwrap();
 
-    // A cutoff after the failure: refused, the fixture's own time named.
-    let window = (Utc::now() - failed_at).num_seconds() - 3600;
+    refused_from(&env, failed_at, &fixture.message_id);
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
+}
+
+/// The guard's turning point: a cutoff an hour before `at` leaves the window whole (nothing refused); one an hour
+/// after it refuses, naming `message_id` and `at` as the message's time.
+fn refused_from(env: &TestEnv, at: chrono::DateTime<Utc>, message_id: &str) {
+    let window = (Utc::now() - at).num_seconds() + 3600;
+    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["refused"], 0, "{out:?}");
+    let window = (Utc::now() - at).num_seconds() - 3600;
     let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
     assert_eq!(out.code, Some(3), "{out:?}");
     let report = json(&out);
     let refused = &report["consumers"][0]["refused"];
-    assert_eq!(refused["message_id"], fixture.message_id, "{report}");
+    assert_eq!(refused["message_id"], message_id, "{report}");
     let read: chrono::DateTime<Utc> = serde_json::from_value(refused["failed_at"].clone()).unwrap();
-    assert_eq!(read, failed_at, "{report}");
-    // A cutoff before it: the window holds, nothing refused.
-    let window = (Utc::now() - failed_at).num_seconds() + 3600;
-    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    assert_eq!(json(&out)["refused"], 0);
-    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
+    assert_eq!(read, at, "{report}");
 }
 
 /// A copy moved aside unhandled (`_skipped`) carries no failure time, MassTransit's (the captured one) nor inboxctl's,
@@ -808,20 +812,7 @@ async fn the_guard_reads_a_skipped_messages_age_from_its_envelope() {
     let sent_at =
         inboxctl::amqp::envelope::parse_time(envelope["sentTime"].as_str().unwrap()).unwrap();
 
-    // A cutoff before it was sent: the window holds, nothing refused.
-    let window = (Utc::now() - sent_at).num_seconds() + 3600;
-    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
-    assert_eq!(out.code, Some(0), "{out:?}");
-    assert_eq!(json(&out)["refused"], 0, "{out:?}");
-    // A cutoff after: refused, and the age is the one it was sent at.
-    let window = (Utc::now() - sent_at).num_seconds() - 3600;
-    let out = env.run(&["cleanup", "--retention", &format!("{window}s"), "--json"]);
-    assert_eq!(out.code, Some(3), "{out:?}");
-    let report = json(&out);
-    let refused = &report["consumers"][0]["refused"];
-    assert_eq!(refused["message_id"], fixture.message_id, "{report}");
-    let read: chrono::DateTime<Utc> = serde_json::from_value(refused["failed_at"].clone()).unwrap();
-    assert_eq!(read, sent_at, "{report}");
+    refused_from(&env, sent_at, &fixture.message_id);
     assert_eq!(env.queue_counts(&skipped), (1, 0));
 }
 

@@ -365,7 +365,7 @@ pub fn is_absent_queue(error: &lapin::Error) -> bool {
         error.kind(),
         lapin::ErrorKind::ProtocolError(e)
             if matches!(e.kind(), lapin::protocol::AMQPErrorKind::Soft(lapin::protocol::AMQPSoftError::NOTFOUND))
-                && e.get_message().as_str().contains("no queue")
+                && e.get_message().as_str().starts_with("NOT_FOUND - no queue '")
     )
 }
 

@@ -81,7 +81,7 @@ fn audit_entry(plan: &Plan, report: &Result<Report>) -> crate::audit::Entry {
         let refused: Vec<_> = r
             .consumers
             .iter()
-            .filter_map(|c| c.refused.as_ref().map(|why| serde_json::json!({"consumer_type": c.consumer_type, "queue": why.queue, "message_id": why.message_id, "other_vhost": why.other_vhost.as_ref().map(|o| &o.vhost)})))
+            .filter_map(|c| c.refused.as_ref().map(|why| serde_json::json!({"consumer_type": c.consumer_type, "queue": why.queue, "message_id": why.message_id, "other_vhost": why.other_vhost.as_ref().map(|o| &o.vhost), "absent": why.absent, "replay_running": why.replay_running})))
             .collect();
         for (key, value) in [
             ("cutoff", serde_json::json!(r.cutoff)),

@@ -118,7 +118,13 @@ fn print(report: &Report) -> Result<()> {
                 Some(_) => sanitize::text(&q.queue).into_owned(),
                 None => format!("{} (absent)", sanitize::text(&q.queue)),
             };
-            if q.replay_running {
+            if let Some(why) = &q.error {
+                format!(
+                    "{} (could not be looked at: {})",
+                    sanitize::text(&q.queue),
+                    sanitize::text(why)
+                )
+            } else if q.replay_running {
                 format!("{shown} (a replay of it is running: what it holds is not seen)")
             } else {
                 shown

@@ -106,10 +106,14 @@ pub(super) async fn from_broker(
                         depth.ready = Some(0);
                     }
                 }
+                // One queue that cannot be reached (a classic queue whose node is down) leaves its own figures
+                // unknown; the others are still looked at while the connection holds.
                 Err(e) => {
-                    broker_error = Some(crate::redact::text(&e.to_string()));
-                    complete = false;
-                    break 'queues;
+                    broker_error.get_or_insert_with(|| crate::redact::text(&e.to_string()));
+                    if !connection.status().connected() {
+                        complete = false;
+                        break 'queues;
+                    }
                 }
             }
         }

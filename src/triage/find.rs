@@ -71,6 +71,9 @@ pub struct Looked {
     pub looked: u64,
     /// A replay of the queue was running: the messages it holds were not there to be seen.
     pub replay_running: bool,
+    /// Why the queue could not be looked at (a classic queue whose node is down), if it could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -104,6 +107,21 @@ async fn calls(pool: &PgPool, id: Uuid) -> Result<Vec<crate::db::external::Row>>
     }
 }
 
+/// Whether `body` holds one of the ids of `index` in their hyphenated form (any case, braced or not): one pass over
+/// the body, so that only such a body is parsed for its envelope's id.
+fn holds_one_of(body: &[u8], index: &HashMap<Uuid, usize>) -> bool {
+    body.windows(36).any(|w| {
+        w[8] == b'-'
+            && w[13] == b'-'
+            && w[18] == b'-'
+            && w[23] == b'-'
+            && std::str::from_utf8(w)
+                .ok()
+                .and_then(|s| Uuid::parse_str(s).ok())
+                .is_some_and(|id| index.contains_key(&id))
+    })
+}
+
 /// Looks for every id of `plan` in the database and in the dead-letter queues.
 pub async fn find(
     pool: &PgPool,
@@ -131,12 +149,7 @@ pub async fn find(
     }
     queues.extend(plan.dlqs.iter().cloned());
     let index: HashMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-    // The ids as a body would spell them, so that only a body holding one is parsed for its envelope's id.
-    let spelt: Vec<Vec<u8>> = ids
-        .iter()
-        .flat_map(|id| [id.to_string(), id.to_string().to_uppercase()])
-        .map(String::into_bytes)
-        .collect();
+
     let mut looked_in = Vec::with_capacity(queues.len());
     for queue in queues {
         if crate::amqp::validate_name("queue", &queue).is_err() {
@@ -155,9 +168,7 @@ pub async fn find(
                 .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
                 .and_then(|id| index.get(&id).copied());
             let Some(i) = by_property.or_else(|| {
-                let holds_one = spelt
-                    .iter()
-                    .any(|id| delivery.data.windows(id.len()).any(|w| w == id.as_slice()));
+                let holds_one = holds_one_of(&delivery.data, &index);
                 holds_one
                     .then(|| {
                         crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok()
@@ -187,12 +198,21 @@ pub async fn find(
                 redelivered: delivery.redelivered,
             });
         })
-        .await?;
+        .await;
+        // One queue that cannot be reached leaves the others to look at, in the partial outage triage is for.
+        let (looked, error) = match looked {
+            Ok(looked) => (looked, None),
+            Err(e) if connection.status().connected() => {
+                (None, Some(crate::redact::text(&e.to_string())))
+            }
+            Err(e) => return Err(e),
+        };
         looked_in.push(Looked {
             queue,
             depth: looked.map(|l| l.depth),
             looked: looked.map_or(0, |l| l.looked),
             replay_running,
+            error,
         });
     }
     for m in &mut messages {

@@ -417,7 +417,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 16] = [
+    let areas: [(&str, &[(&str, &str)]); 17] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -432,6 +432,7 @@ pub fn statements() -> Vec<Statement> {
         ("partitions", partitions::DROP_STATEMENTS),
         ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
+        ("schema", schema::INBOX_STATEMENTS),
         ("stats", stats::STATEMENTS),
         ("triage", triage::STATEMENTS),
     ];

@@ -84,7 +84,7 @@ fn storable(details: &serde_json::Value) -> std::borrow::Cow<'_, serde_json::Val
     if !details.to_string().contains("\\u0000") {
         return std::borrow::Cow::Borrowed(details);
     }
-    let fix = |s: &str| s.replace('\0', "\u{FFFD}");
+    let fix = |s: &str| crate::db::sql::storable(s).into_owned();
     let mut out = details.clone();
     let mut stack = vec![&mut out];
     while let Some(value) = stack.pop() {

@@ -72,10 +72,9 @@ pub struct ParcelCreatedEvent {
 /// — for a character nobody can see.
 fn storable_text<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<String, D::Error> {
     let text = String::deserialize(deserializer)?;
-    Ok(if text.contains('\0') {
-        text.replace('\0', "\u{FFFD}")
-    } else {
-        text
+    Ok(match crate::db::sql::storable(&text) {
+        std::borrow::Cow::Borrowed(_) => text,
+        std::borrow::Cow::Owned(storable) => storable,
     })
 }
 

@@ -55,6 +55,20 @@ pub struct OtherVhost {
 }
 
 impl Refusal {
+    /// A refusal on account of `queue`, naming no message (the fields that say why are set by the caller).
+    fn of(queue: &str, cutoff: DateTime<Utc>) -> Self {
+        Refusal {
+            queue: queue.to_owned(),
+            message_id: None,
+            failed_at: None,
+            age_seconds: None,
+            cutoff,
+            replay_running: false,
+            absent: false,
+            other_vhost: None,
+        }
+    }
+
     /// One line for the operator.
     pub fn describe(&self) -> String {
         if let Some(other) = &self.other_vhost {
@@ -203,17 +217,11 @@ pub async fn check(
                 }
                 let queue = looks.queue_of(&consumers[i].consumer_type);
                 consumers[i].refused = Some(Refusal {
-                    queue: topology::error_queue(&queue),
-                    message_id: None,
-                    failed_at: None,
-                    age_seconds: None,
-                    cutoff,
-                    replay_running: false,
-                    absent: false,
                     other_vhost: Some(OtherVhost {
                         vhost: vhost.clone(),
                         why: why.clone(),
                     }),
+                    ..Refusal::of(&topology::error_queue(&queue), cutoff)
                 });
             }
         }
@@ -244,27 +252,17 @@ impl Looks<'_> {
 
     fn refusal(&self, queue: &str, h: Head) -> Refusal {
         Refusal {
-            queue: queue.to_owned(),
             message_id: h.message_id,
             age_seconds: h.failed_at.map(|t| (self.now - t).num_seconds()),
             failed_at: h.failed_at,
-            cutoff: self.cutoff,
-            replay_running: false,
-            absent: false,
-            other_vhost: None,
+            ..Refusal::of(queue, self.cutoff)
         }
     }
 
     fn replaying(&self, queue: &str) -> Refusal {
         Refusal {
-            queue: queue.to_owned(),
-            message_id: None,
-            failed_at: None,
-            age_seconds: None,
-            cutoff: self.cutoff,
             replay_running: true,
-            absent: false,
-            other_vhost: None,
+            ..Refusal::of(queue, self.cutoff)
         }
     }
 
@@ -320,14 +318,8 @@ impl Looks<'_> {
             if topology::queue_depth(connection, dlq).await?.is_none() {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                     report.refused = Some(Refusal {
-                        queue: dlq.clone(),
-                        message_id: None,
-                        failed_at: None,
-                        age_seconds: None,
-                        cutoff: self.cutoff,
-                        replay_running: false,
                         absent: true,
-                        other_vhost: None,
+                        ..Refusal::of(dlq, self.cutoff)
                     });
                 }
                 continue;

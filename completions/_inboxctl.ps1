@@ -381,6 +381,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--lookup-url', '--lookup-url', [CompletionResultType]::ParameterName, 'The carrier''s base URL for look-ups: GET <url>/pickups/by-key/{key}')
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type''s')
             [CompletionResult]::new('--timeout', '--timeout', [CompletionResultType]::ParameterName, 'The longest one look-up may take')
+            [CompletionResult]::new('--quiet-for', '--quiet-for', [CompletionResultType]::ParameterName, 'Owe a call again on a 404 only when its last attempt ended at least this long ago: the carrier may still be working on a request whose answer never came')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
             [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')

@@ -712,7 +712,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__effects__subcmd__reconcile)
-            opts="-v -h -V --lookup-url --consumer-type --timeout --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --lookup-url --consumer-type --timeout --quiet-for --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -727,6 +727,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --quiet-for)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -361,6 +361,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --lookup-url 'The carrier''s base URL for look-ups: GET <url>/pickups/by-key/{key}'
             cand --consumer-type 'Only this consumer_type''s'
             cand --timeout 'The longest one look-up may take'
+            cand --quiet-for 'Owe a call again on a 404 only when its last attempt ended at least this long ago: the carrier may still be working on a request whose answer never came'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'

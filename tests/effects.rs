@@ -268,7 +268,15 @@ async fn reconcile_in_doubt(env: &TestEnv, pool: &PgPool, stub: &Stub, mode: &st
     assert_eq!(listed.code, Some(0), "{listed:?}");
     let in_doubt: Vec<serde_json::Value> = serde_json::from_str(&listed.stdout).unwrap();
     assert_eq!(in_doubt.len(), POINTS.len(), "{}", listed.stdout);
-    let out = env.run(&["effects", "reconcile", "--lookup-url", &stub.url, "--json"]);
+    let out = env.run(&[
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &stub.url,
+        "--quiet-for",
+        "0s",
+        "--json",
+    ]);
     assert_eq!(out.code, Some(0), "{out:?}");
     let mut consumer = env.spawn(&consume_args(stub, mode, &[]));
     common::eventually("every effect done", Duration::from_secs(30), || async {
@@ -625,7 +633,15 @@ async fn chaos_after_commit_with_a_lookup_books_every_parcel_once() {
         c.terminate();
         c.wait(Duration::from_secs(30));
     }
-    let out = env.run(&["effects", "reconcile", "--lookup-url", &url, "--json"]);
+    let out = env.run(&[
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &url,
+        "--quiet-for",
+        "0s",
+        "--json",
+    ]);
     assert_eq!(out.code, Some(0), "{out:?}");
     let seconds = started.elapsed().as_secs_f64();
     let bookings = stub.bookings().await;
@@ -829,7 +845,15 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
         "GRANT SELECT, UPDATE ON inboxctl_effects TO {role}; GRANT INSERT ON inboxctl_audit TO {role}",
     )
     .await;
-    let reconcile_args = ["effects", "reconcile", "--lookup-url", &stub.url, "--json"];
+    let reconcile_args = [
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &stub.url,
+        "--quiet-for",
+        "0s",
+        "--json",
+    ];
     let refused = reconcile.run(&env, &reconcile_args);
     assert_ne!(refused.code, Some(0), "{refused:?}");
     assert!(
@@ -1318,7 +1342,15 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
     .unwrap();
     lapse(&pool, first.message_id).await;
     let mut reconcile = env.spawn_with(
-        &["effects", "reconcile", "--lookup-url", &stub.url, "--json"],
+        &[
+            "effects",
+            "reconcile",
+            "--lookup-url",
+            &stub.url,
+            "--quiet-for",
+            "0s",
+            "--json",
+        ],
         &[("INBOXCTL_FAILPOINTS", "reconcile-looked=sleep-once-3000")],
     );
     reconcile.wait_for_stderr(
@@ -1360,6 +1392,51 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
     );
     let said: serde_json::Value = serde_json::from_str(&reconcile.stdout()).unwrap();
     assert_eq!(said[0]["now"], "changed", "{said}");
+}
+
+/// A 404 about a call whose answer never came, asked right after it: the carrier may still be working on the
+/// request and book after the look-up. `effects reconcile` leaves such a call as it was (`recent`, exit 3) until its
+/// last attempt is `--quiet-for` old (10 minutes by default); only then is it owed again. Owed at once, the next
+/// consumer would call a second time — two bookings wherever the carrier does not honour keys.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_does_not_owe_again_a_call_the_carrier_may_still_be_making() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
+    external::record_outcome(
+        &pool,
+        &call,
+        CARRIER_QUEUE,
+        &outcome("in_doubt", "no answer"),
+    )
+    .await
+    .unwrap();
+    let args = ["effects", "reconcile", "--lookup-url", &stub.url, "--json"];
+    let early = env.run(&args);
+    assert_eq!(early.code, Some(3), "{early:?}");
+    let said: serde_json::Value = serde_json::from_str(&early.stdout).unwrap();
+    assert_eq!(said[0]["now"], "recent", "{said}");
+    assert!(early.stderr.contains("run again later"), "{early:?}");
+    let state = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, String>("SELECT state FROM inboxctl_effects WHERE message_id = $1")
+            .bind(call.message_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(state(pool.clone()).await, "in_doubt");
+    sqlx::query(
+        "UPDATE inboxctl_effects SET updated_at = now() - interval '11 minutes', lease_until = now() - interval '11 minutes'
+         WHERE message_id = $1",
+    )
+    .bind(call.message_id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let later = env.run(&args);
+    assert_eq!(later.code, Some(0), "{later:?}");
+    assert_eq!(state(pool.clone()).await, "pending", "{later:?}");
 }
 
 /// A lease whose answer comes late (PostgreSQL slow to answer it: here a trigger holds the lease's statement 2 s of

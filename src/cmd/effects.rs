@@ -86,6 +86,11 @@ pub struct ReconcileArgs {
     #[arg(long, default_value = "10s", value_parser = crate::cli::parse_positive_duration)]
     pub timeout: std::time::Duration,
 
+    /// Owe a call again on a 404 only when its last attempt ended at least this long ago: the carrier may still be
+    /// working on a request whose answer never came
+    #[arg(long, default_value = "10m", value_name = "DURATION", value_parser = crate::cli::parse_duration)]
+    pub quiet_for: std::time::Duration,
+
     /// Print what was done as JSON
     #[arg(long)]
     pub json: bool,
@@ -191,7 +196,8 @@ async fn resolve(pool: &sqlx::PgPool, args: &ResolveArgs) -> Result<Outcome> {
 
 async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome> {
     let client = CarrierClient::new(&args.lookup_url, args.timeout, args.timeout)?;
-    let result = settle::reconcile(pool, &client, args.consumer_type.as_deref()).await;
+    let result =
+        settle::reconcile(pool, &client, args.consumer_type.as_deref(), args.quiet_for).await;
     let details = match &result {
         Ok(done) => serde_json::json!({
             "consumer_type": args.consumer_type,
@@ -199,10 +205,14 @@ async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome>
             "pending": done.iter().filter(|r| r.now == "pending").count(),
             "unknown": done.iter().filter(|r| r.now == "unknown").count(),
             "changed": done.iter().filter(|r| r.now == "changed").count(),
+            "recent": done.iter().filter(|r| r.now == settle::RECENT).count(),
         }),
         Err(_) => serde_json::json!({"consumer_type": args.consumer_type}),
     };
-    let unknown = |done: &Vec<settle::Reconciled>| done.iter().any(|r| r.now == "unknown");
+    let unknown = |done: &Vec<settle::Reconciled>| {
+        done.iter()
+            .any(|r| r.now == "unknown" || r.now == settle::RECENT)
+    };
     let entry = crate::audit::Entry::ended(
         "effects reconcile",
         &result,
@@ -231,8 +241,19 @@ async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome>
         }
         output::line(&format!("{} effects reconciled", done.len()))?;
     }
-    if unknown(&done) {
+    let recent = done.iter().filter(|r| r.now == settle::RECENT).count();
+    if recent > 0 {
+        tracing::warn!(
+            calls = recent,
+            quiet_for = %humantime::format_duration(args.quiet_for),
+            "the carrier has no booking for some calls whose last attempt is too recent to be sure; they are left \
+             as they were: run again later"
+        );
+    }
+    if done.iter().any(|r| r.now == "unknown") {
         tracing::warn!("some look-ups failed; their effects are left as they were");
+    }
+    if unknown(&done) {
         return Ok(Outcome::Partial);
     }
     Ok(Outcome::Done)

@@ -87,7 +87,8 @@ pub struct Reconciled {
     pub consumer_type: String,
     pub was: String,
     /// `done` (the carrier has a booking under its key), `pending` (it has none: to be made), `unknown` (the
-    /// look-up failed; left as it was), or `changed` (done or leased since it was listed; or, after a 404, an attempt
+    /// look-up failed; left as it was), `recent` (none, but its last attempt ended less than the wait ago: the carrier
+    /// may still be working on it; left as it was), or `changed` (done or leased since it was listed; or, after a 404, an attempt
     /// was made or it was settled: the answer is about the call as it was, and it is left as it is now).
     pub now: String,
     pub reference: Option<String>,
@@ -96,11 +97,14 @@ pub struct Reconciled {
 
 /// Asks the carrier's look-up about every effect whose outcome is unknown — in doubt, started by a process whose
 /// lease ran out, or failed — and settles it: done (with its slot, and the reservation written) if the carrier has a
-/// booking under its key, pending (to be made again) if it has none.
+/// booking under its key, pending (to be made again) if it has none — but only for a call whose last attempt ended
+/// at least `quiet_for` ago: a request whose answer never came may still be in the carrier's hands, and booked after
+/// the look-up; owed again on that 404, it would be made twice wherever the carrier does not honour keys.
 pub async fn reconcile(
     pool: &sqlx::PgPool,
     lookup: &CarrierClient,
     consumer_type: Option<&str>,
+    quiet_for: std::time::Duration,
 ) -> Result<Vec<Reconciled>> {
     let candidates = external::list(
         pool,
@@ -137,6 +141,7 @@ pub async fn reconcile(
                     done.now = CHANGED.to_owned();
                 }
             }
+            Ok(None) if !quiet_since(&effect, now, quiet_for) => done.now = RECENT.to_owned(),
             Ok(None) => {
                 let settled = external::settle(
                     pool,
@@ -162,6 +167,22 @@ pub async fn reconcile(
 
 /// What `reconcile` says of a call it did not settle because it changed since it was listed.
 const CHANGED: &str = "changed";
+
+/// What `reconcile` says of a call the carrier has no booking for yet, whose last attempt is too recent to be sure.
+pub const RECENT: &str = "recent";
+
+/// Whether a call's last attempt ended at least `quiet_for` before `now`: its last change, or — for one a process
+/// held — the end of that process's lease, whichever is later.
+fn quiet_since(
+    effect: &external::Row,
+    now: chrono::DateTime<chrono::Utc>,
+    quiet_for: std::time::Duration,
+) -> bool {
+    let ended = effect
+        .lease_until
+        .map_or(effect.updated_at, |l| l.max(effect.updated_at));
+    (now - ended).to_std().is_ok_and(|quiet| quiet >= quiet_for)
+}
 
 /// Marks an effect done with the carrier's slot and writes its reservation, in one transaction; false if it could
 /// not be settled (done meanwhile, or leased again).

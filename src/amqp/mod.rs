@@ -109,6 +109,14 @@ impl Broker {
     fn node(url: &str, node: &str) -> Result<AMQPUri> {
         let mut uri =
             AMQPUri::from_str(node).map_err(|e| secret::invalid_url(secret::AMQP_URL, url, &e))?;
+        // The AMQP URI parser reads the host as a domain name only: an IPv6 address (`[2001:db8::5]`) would leave it
+        // at its default, `localhost`, and the login would go there, in clear text on amqp://. Its address is the
+        // host, unbracketed, as a socket address wants it.
+        if let Ok(parsed) = url::Url::parse(node)
+            && let Some(url::Host::Ipv6(address)) = parsed.host()
+        {
+            uri.authority.host = address.to_string();
+        }
         if uri.authority.userinfo.password.len() >= 3 {
             redact::register(&uri.authority.userinfo.password);
         }
@@ -204,7 +212,7 @@ impl Broker {
         let uri = self.uri();
         let port = uri.authority.port;
         address::write(
-            &uri.authority.host,
+            &bracketed(&uri.authority.host),
             (port != uri.scheme.default_port()).then_some(port),
             uri.scheme == lapin::uri::AMQPScheme::AMQPS,
             &uri.vhost,
@@ -260,7 +268,7 @@ impl Broker {
     /// Where node `node` is, for messages: `host:port`.
     fn node_display(&self, node: usize) -> String {
         let uri = &self.nodes[node];
-        format!("{}:{}", uri.authority.host, uri.authority.port)
+        format!("{}:{}", bracketed(&uri.authority.host), uri.authority.port)
     }
 
     /// Opens a connection to node `node`.
@@ -389,9 +397,31 @@ pub fn validate_name(what: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// A host as a URL writes it: an IPv6 address in brackets.
+fn bracketed(host: &str) -> std::borrow::Cow<'_, str> {
+    match host.contains(':') {
+        true => format!("[{host}]").into(),
+        false => host.into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AMQP URI parser left an IPv6 host at `localhost`: the login went to whatever listened there.
+    #[test]
+    fn an_ipv6_host_is_connected_to_not_localhost() {
+        let broker =
+            Broker::from_url("amqp://app:s3cret@[2001:db8::5]:5673,[::1]/%2f").expect("valid");
+        assert_eq!(broker.nodes[0].authority.host, "2001:db8::5");
+        assert_eq!(broker.nodes[0].authority.port, 5673);
+        assert_eq!(broker.nodes[1].authority.host, "::1");
+        assert_eq!(broker.node_display(0), "[2001:db8::5]:5673");
+        assert_eq!(broker.queue_address("q"), "rabbitmq://[2001:db8::5]:5673/q");
+        let broker = Broker::from_url("amqp://app:s3cret@rabbit.example/%2f").expect("valid");
+        assert_eq!(broker.nodes[0].authority.host, "rabbit.example");
+    }
 
     #[test]
     fn queue_addresses_are_written_the_masstransit_way() {

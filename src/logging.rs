@@ -15,7 +15,7 @@ use tracing_subscriber::field::{MakeVisitor, VisitFmt, VisitOutput};
 use tracing_subscriber::fmt::format::Writer;
 
 use crate::cli::{GlobalOpts, LogFormat};
-use crate::sanitize;
+use crate::{redact, sanitize};
 
 /// How much of the log a command wants on stderr.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,7 +113,7 @@ impl InertVisitor<'_> {
         } else {
             write!(self.writer, "{separator}{name}=")
         }
-        .and_then(|()| Inert(&mut self.writer).write_fmt(value));
+        .and_then(|()| Inert(&mut self.writer).write_str(&redact::text(&value.to_string())));
     }
 }
 
@@ -130,9 +130,9 @@ impl Visit for InertVisitor<'_> {
         self.field(field, format_args!("{value}"));
         let mut source = value.source();
         while let Some(cause) = source {
-            self.result = self
-                .result
-                .and_then(|()| Inert(&mut self.writer).write_fmt(format_args!(": {cause}")));
+            self.result = self.result.and_then(|()| {
+                Inert(&mut self.writer).write_str(&redact::text(&format!(": {cause}")))
+            });
             source = cause.source();
         }
     }
@@ -178,7 +178,11 @@ struct InertJson<W>(W);
 
 impl<W: std::io::Write> std::io::Write for InertJson<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        // Each line comes in one write; anything else is passed through as it is.
+        // Each line comes in one write; anything else is passed through as it is. A password a library put in its
+        // own log line (a driver echoing what it ignores) is masked like everywhere else.
+        let masked = std::str::from_utf8(buf).ok().map(redact::text);
+        let buf_len = buf.len();
+        let buf = masked.as_deref().map_or(buf, str::as_bytes);
         match std::str::from_utf8(buf) {
             Ok(line) if line.chars().any(|c| c != '\n' && sanitize::is_unsafe(c)) => {
                 let mut out = String::with_capacity(line.len() + 16);
@@ -195,7 +199,7 @@ impl<W: std::io::Write> std::io::Write for InertJson<W> {
             }
             _ => self.0.write_all(buf)?,
         }
-        Ok(buf.len())
+        Ok(buf_len)
     }
 
     fn flush(&mut self) -> std::io::Result<()> {
@@ -320,5 +324,40 @@ mod tests {
         let parsed: serde_json::Value = serde_json::from_str(&line).expect("JSON");
         assert_eq!(parsed["consumer_type"], HOSTILE, "{parsed}");
         assert_eq!(parsed["reason"], HOSTILE, "{parsed}");
+    }
+
+    /// A library's own log line (the driver echoing a parameter it ignores) goes through the same masking as
+    /// inboxctl's messages: a registered password, and any URL's, never reach stderr.
+    #[test]
+    fn a_password_in_any_log_line_is_masked_in_both_formats() {
+        const SECRET: &str = "Zq9-logged-secret";
+        redact::register(SECRET);
+        let log = || {
+            tracing::warn!(key = %SECRET, value = "", "ignoring unrecognized connect parameter");
+            tracing::warn!(
+                url = "amqp://app:0ther-pass@rabbit/%2f",
+                "could not connect: {SECRET}"
+            );
+        };
+        let text = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(text.clone())
+            .with_ansi(false)
+            .fmt_fields(InertFields)
+            .finish();
+        tracing::subscriber::with_default(subscriber, log);
+        let json = Captured::default();
+        let writer = json.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .with_writer(move || InertJson(writer.clone()))
+            .finish();
+        tracing::subscriber::with_default(subscriber, log);
+        for lines in [text.text(), json.text()] {
+            assert_eq!(lines.matches('\n').count(), 2, "{lines}");
+            assert!(!lines.contains(SECRET), "{lines}");
+            assert!(!lines.contains("0ther-pass"), "{lines}");
+            assert!(lines.contains("***"), "{lines}");
+        }
     }
 }

@@ -113,6 +113,14 @@ pub fn without_unused_password_parameters(url: &str) -> (String, bool) {
     (out, true)
 }
 
+/// Whether `url`'s `password=` parameter holds an `&` that is not percent-encoded. The driver would cut the password
+/// there and log the rest (taken for a parameter's name) as it ignores it; masking it takes it whole.
+pub fn password_parameter_holds_ampersand(url: &str) -> bool {
+    query_password_parameters(url)
+        .iter()
+        .any(|p| p.plain && url[p.value_start..p.end].contains('&'))
+}
+
 /// Whether the user information of `url` cannot be told from the rest: an `@` comes after a `/`, `?` or `#` that a
 /// URL parser takes for the end of the host, so a user name or password holds one of them unencoded (or the path or
 /// query holds an `@`). The usual cause is a password with `/`, `?` or `#` that was not percent-encoded.
@@ -212,15 +220,19 @@ fn query_password_parameters(url: &str) -> Vec<PasswordParameter> {
                 .map(|(i, _)| from + i)
                 .find(|&amp| starts_parameter(&url[amp + 1..]))
         };
-        match name_end {
-            Some(eq) if rest[..eq].ends_with("password") => {
+        // The driver decodes a parameter's name before it reads it: `pass%77ord=` is `password=`. Named for a
+        // password in any case (`Password=`, which the driver ignores and would log, value and all).
+        let name = name_end
+            .map(|eq| percent_decode(&rest[..eq]).unwrap_or_else(|()| rest[..eq].to_owned()));
+        match (name_end, name) {
+            (Some(eq), Some(name)) if name.to_ascii_lowercase().ends_with("password") => {
                 let start = at + eq + 1;
                 let end = next(start).unwrap_or(url.len());
                 spans.push(PasswordParameter {
                     name_start: at,
                     value_start: start,
                     end,
-                    plain: &rest[..eq] == "password",
+                    plain: name == "password",
                 });
                 if end == url.len() {
                     return spans;
@@ -432,6 +444,31 @@ mod tests {
             without_unused_password_parameters("postgres://a@h/d?password=p"),
             ("postgres://a@h/d?password=p".to_owned(), false)
         );
+    }
+
+    /// The driver decodes names (`pass%77ord=` logs in with its value): masked, and taken as the login's password.
+    /// `Password=` it ignores, and would log: masked, and left out of what it is given.
+    #[test]
+    fn a_password_parameter_whose_name_is_encoded_or_capitalised_is_masked() {
+        let encoded = "postgres://app@db/parcels?sslmode=disable&pass%77ord=S3cretX";
+        assert_eq!(
+            url(encoded),
+            "postgres://app@db/parcels?sslmode=disable&pass%77ord=***"
+        );
+        assert!(has_password(encoded));
+        let capital = "postgres://app@db/parcels?Password=S3cretY";
+        assert_eq!(url(capital), "postgres://app@db/parcels?Password=***");
+        assert!(
+            !without_unused_password_parameters(capital)
+                .0
+                .contains("S3cretY")
+        );
+        assert!(password_parameter_holds_ampersand(
+            "postgres://app@db/parcels?password=Tr0ub&4dor&sslmode=require"
+        ));
+        assert!(!password_parameter_holds_ampersand(
+            "postgres://app@db/parcels?password=Tr0ub%264dor&sslmode=require"
+        ));
     }
 
     #[test]

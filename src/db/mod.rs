@@ -147,6 +147,13 @@ impl Database {
     /// Parses a database URL. The URL's password is registered for redaction before anything can print it.
     pub fn from_url(url: &str) -> Result<Self> {
         redact::register_url(url);
+        if redact::password_parameter_holds_ampersand(url) {
+            return Err(Error::Usage(format!(
+                "the password= parameter of {} holds an '&' that is not percent-encoded: PostgreSQL's drivers end the \
+                 password there; write it as %26",
+                secret::DATABASE_URL.flag
+            )));
+        }
         // A client key's passphrase (`sslpassword=`) the driver does not take: left out of what it is given, or it
         // logs the value as it ignores it.
         let (for_driver, dropped) = redact::without_unused_password_parameters(url);
@@ -481,5 +488,18 @@ mod tests {
         let text = err.to_string();
         assert!(matches!(err, Error::Usage(_)), "{text}");
         assert!(!text.contains("topsecretpw"), "{text}");
+    }
+
+    /// The driver would cut the password at the `&` and log the rest as a parameter it ignores.
+    #[test]
+    fn a_password_parameter_with_a_bare_ampersand_is_refused_without_it() {
+        let err =
+            Database::from_url("postgres://app@db/parcels?password=Tr0ub&4dorX&sslmode=disable")
+                .expect_err("refused");
+        let text = err.to_string();
+        assert!(matches!(err, Error::Usage(_)), "{text}");
+        assert!(text.contains("%26") && !text.contains("4dorX"), "{text}");
+        Database::from_url("postgres://app@db/parcels?password=Tr0ub%264dorX&sslmode=disable")
+            .expect("encoded");
     }
 }

@@ -207,6 +207,38 @@ fn duration_in(
     Ok(d)
 }
 
+/// An HTTP URL that may carry a password (`--carrier-url`, `--lookup-url`): a bad one is refused without its
+/// text (clap's own message quotes the value), and a good one's password is registered for masking.
+#[derive(Clone, Copy, Debug)]
+pub struct SecretUrl;
+
+impl clap::builder::TypedValueParser for SecretUrl {
+    type Value = url::Url;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<url::Url, clap::Error> {
+        let name = arg
+            .and_then(clap::Arg::get_long)
+            .map_or_else(|| "the URL".to_owned(), |long| format!("--{long}"));
+        let refuse = |why: String| {
+            clap::Error::raw(
+                clap::error::ErrorKind::ValueValidation,
+                format!("invalid value for {name}: {why} (the value is not shown: it may hold a password)\n"),
+            )
+            .with_cmd(cmd)
+        };
+        let text = value
+            .to_str()
+            .ok_or_else(|| refuse("not UTF-8".to_owned()))?;
+        crate::redact::register_url(text);
+        url::Url::parse(text).map_err(|e| refuse(e.to_string()))
+    }
+}
+
 /// A duration that must be longer than zero (and at most [`MAX_DURATION`]).
 pub fn parse_positive_duration(s: &str) -> Result<std::time::Duration, String> {
     let d = parse_duration(s)?;

@@ -185,6 +185,36 @@ fn a_malformed_url_is_a_usage_error_without_its_password() {
     assert!(!out.stderr.contains("Pw0rdSecret"), "{}", out.stderr);
 }
 
+/// The carrier's URLs are flags parsed at the command line, where clap's own message quoted the value whole, password
+/// and all.
+#[test]
+fn a_malformed_carrier_url_is_a_usage_error_without_its_password() {
+    for args in [
+        &[
+            "consume",
+            "carrier",
+            "--carrier-url",
+            "https://ops:CarrierPw0rd@carrier.example:8443x/",
+        ][..],
+        &[
+            "effects",
+            "reconcile",
+            "--lookup-url",
+            "https://ops:CarrierPw0rd@carrier.example:8443x/",
+        ],
+    ] {
+        let out = run(args, &[]);
+        assert_eq!(out.code, Some(64), "{args:?}: {out:?}");
+        assert!(
+            out.stderr.contains("invalid value for --"),
+            "{}",
+            out.stderr
+        );
+        assert!(out.stderr.contains("invalid port number"), "{}", out.stderr);
+        assert!(!out.stderr.contains("CarrierPw0rd"), "{}", out.stderr);
+    }
+}
+
 /// A libpq key/value string is not a URL, and nothing in it can be told apart as its password: none of it is shown
 /// (it was echoed whole, password and all). A passphrase given as `sslpassword=` (a parameter sqlx does not know and
 /// logs as it ignores it) is masked wherever it would be shown.

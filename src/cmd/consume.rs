@@ -151,7 +151,7 @@ pub struct Args {
 
     /// Book pickups with the carrier's HTTP API at this base URL (POST <url>/pickups, with an Idempotency-Key)
     /// instead of the stand-in that writes a row. Carrier consumer only
-    #[arg(long, value_name = "URL", conflicts_with = "fail_destination")]
+    #[arg(long, value_name = "URL", conflicts_with = "fail_destination", value_parser = crate::cli::SecretUrl)]
     pub carrier_url: Option<url::Url>,
 
     /// The longest a call to the carrier may take, its answer included
@@ -177,7 +177,7 @@ pub struct Args {
 
     /// after-commit: where to ask the carrier what it booked under a key (GET <url>/pickups/by-key/{key}) before
     /// calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again
-    #[arg(long, value_name = "URL", requires = "carrier_url")]
+    #[arg(long, value_name = "URL", requires = "carrier_url", value_parser = crate::cli::SecretUrl)]
     pub lookup_url: Option<url::Url>,
 }
 

@@ -75,7 +75,7 @@ pub struct ResolveArgs {
 #[derive(Debug, clap::Args)]
 pub struct ReconcileArgs {
     /// The carrier's base URL for look-ups: GET <url>/pickups/by-key/{key}
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", value_parser = crate::cli::SecretUrl)]
     pub lookup_url: url::Url,
 
     /// Only this consumer_type's

@@ -429,11 +429,12 @@ impl Inbox {
         let output = match work(&mut tx).await {
             Ok(output) => output,
             Err(error) => {
+                let outage = outage(&mut tx, &error).await;
                 // Roll back now rather than when the connection is next used, so a copy waiting on this key
                 // proceeds at once.
                 let _ = tx.rollback().await;
                 return Err(match error {
-                    WorkError::Database(e) if is_transient(&e) => ProcessError::Unavailable(e),
+                    WorkError::Database(e) if outage => ProcessError::Unavailable(e),
                     other => ProcessError::Failed(other),
                 });
             }
@@ -478,8 +479,6 @@ impl Keying {
     }
 }
 
-/// A refused `COMMIT`: the database's doing when transient (the message is tried again), else a failure of the
-/// message (or the batch) itself.
 /// What the last look at a transaction before its commit found ([`db::claim::still_open`]): the database's doing
 /// (returned as [`WorkError::Database`]), or a statement of the work that failed while the work went on, its error
 /// caught — the transaction aborted, and nothing of it can commit.
@@ -502,6 +501,23 @@ fn aborted(e: sqlx::Error) -> WorkError {
     ))
 }
 
+/// Whether the error the work returned is the database's doing: waited out and tried again, never counted. A
+/// protocol error its session outlived was its own statement's (more parameters than one statement may carry): the
+/// message's, counted like any failure — taken for an outage, it would be tried again for ever, the consumer's intake
+/// paused each time.
+async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
+    match error {
+        WorkError::Database(sqlx::Error::Protocol(_)) => match db::claim::still_open(conn).await {
+            Ok(()) => false,
+            Err(e) => !matches!(&e, sqlx::Error::Protocol(m) if m == db::claim::ENDED_BY_THE_WORK),
+        },
+        WorkError::Database(e) => is_transient(e),
+        _ => false,
+    }
+}
+
+/// A refused `COMMIT`: the database's doing when transient (the message is tried again), else a failure of the
+/// message (or the batch) itself.
 fn commit_error(e: sqlx::Error) -> ProcessError {
     if is_transient(&e) {
         ProcessError::Unavailable(e)

@@ -493,3 +493,57 @@ async fn a_reused_id_whose_events_differ_in_a_long_number_is_a_conflict() {
         out.stderr
     );
 }
+
+/// A statement with more parameters than one statement may carry: refused by the driver before it is sent, as a
+/// protocol error, the session left as it was.
+async fn too_many_parameters(tx: &mut sqlx::PgConnection) -> Result<(), WorkError> {
+    let mut query = sqlx::query("SELECT 1");
+    for i in 0..65_536_i32 {
+        query = query.bind(i);
+    }
+    query.execute(&mut *tx).await?;
+    Ok(())
+}
+
+/// A work whose statement the driver refuses as a protocol error (too many parameters) while its session lives on:
+/// the message's own failure, counted — one by one, as a batch member, and done together (the members then one by
+/// one). It was taken for an outage: tried again for ever, never counted, the consumer's intake paused each time; a
+/// batch done together never got past it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_protocol_error_the_session_outlives_is_the_messages_not_an_outage() {
+    let (_env, pool, inbox) = setup().await;
+    let single = inbox
+        .process(Uuid::new_v4(), |tx| Box::pin(too_many_parameters(tx)))
+        .await;
+    assert!(
+        matches!(single, Err(inboxctl::inbox::ProcessError::Failed(_))),
+        "{single:?}"
+    );
+    for with_together in [false, true] {
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let runs = Arc::new(AtomicUsize::new(0));
+        let failing = Member {
+            message_id: b,
+            fingerprint: None,
+            carried: Default::default(),
+            work: Box::new(|tx| Box::pin(too_many_parameters(tx))),
+        };
+        let members = vec![member(a, "a", false, &runs), failing];
+        let together: Option<TogetherWork<()>> = with_together.then(|| -> TogetherWork<()> {
+            Box::new(|tx, _ids| {
+                Box::pin(async move {
+                    too_many_parameters(tx).await?;
+                    Ok(vec![])
+                })
+            })
+        });
+        let outcomes = inbox.process_batch_with(members, together).await;
+        let outcomes = outcomes.unwrap_or_else(|e| panic!("together {with_together}: {e:?}"));
+        assert_eq!(
+            kinds(&outcomes),
+            ["processed", "failed"],
+            "together {with_together}"
+        );
+    }
+    assert_eq!(effects(&pool).await, ["a", "a"]);
+}

@@ -12,7 +12,7 @@ use uuid::Uuid;
 use super::{
     Carried, Conflict, Fingerprint, Inbox, ProcessError, WorkError, commit_error, conflict,
 };
-use crate::db::{self, is_transient};
+use crate::db;
 use crate::failpoint;
 
 /// The most members a batch may have: a batch holds its members' keys locked until it commits, and a failing member
@@ -278,7 +278,12 @@ async fn run_work<T: Send>(
     let mut outputs = HashMap::with_capacity(working.len());
     if let Some(together) = together.filter(|_| !working.is_empty()) {
         let ids: Vec<Uuid> = working.iter().map(|m| m.message_id).collect();
-        return match AssertUnwindSafe(together(conn, &ids)).catch_unwind().await {
+        let result = AssertUnwindSafe(together(conn, &ids)).catch_unwind().await;
+        let outage = match &result {
+            Ok(Err(error)) => super::outage(conn, error).await,
+            _ => false,
+        };
+        return match result {
             Ok(Ok(out)) if out.len() == ids.len() => match db::claim::still_open(conn).await {
                 Ok(()) => {
                     outputs.extend(ids.into_iter().zip(out));
@@ -291,13 +296,18 @@ async fn run_work<T: Send>(
                 },
             },
             Ok(Ok(_)) => Worked::Miscounted,
-            Ok(Err(WorkError::Database(e))) if is_transient(&e) => Worked::Unavailable(e),
+            Ok(Err(WorkError::Database(e))) if outage => Worked::Unavailable(e),
             Ok(Err(_)) => Worked::Redo(Round::TogetherFailed),
             Err(_) => Worked::Panicked,
         };
     }
     for (i, member) in working.iter().enumerate() {
-        match AssertUnwindSafe((member.work)(conn)).catch_unwind().await {
+        let result = AssertUnwindSafe((member.work)(conn)).catch_unwind().await;
+        let outage = match &result {
+            Ok(Err(error)) => super::outage(conn, error).await,
+            _ => false,
+        };
+        match result {
             Ok(Ok(output)) => {
                 // Looking for the member whose caught error aborted an earlier round: each one's transaction looked
                 // at after its work, so that it is the one left out, not the next, whose first statement is refused.
@@ -309,7 +319,7 @@ async fn run_work<T: Send>(
                 }
                 outputs.insert(member.message_id, output);
             }
-            Ok(Err(WorkError::Database(e))) if is_transient(&e) => return Worked::Unavailable(e),
+            Ok(Err(WorkError::Database(e))) if outage => return Worked::Unavailable(e),
             // Refused because an earlier member's caught error aborted the transaction, maybe: not this member's
             // failure then. Its error may say so (25P02, itself or down its sources) or not (wrapped as text only).
             Ok(Err(error)) if !check_each && refused_as_aborted(&error) => {

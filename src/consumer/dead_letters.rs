@@ -393,7 +393,7 @@ impl Link {
     /// copies waiting out the alarm. A copy that may not wait then is not sent: lapin would hold it, and send it once
     /// the alarm ends, when its message may have been given back.
     fn admit<'w>(&self, waits: &'w AlarmWaits) -> Result<Option<AlarmWait<'w>>, CopyError> {
-        if self.given_up.is_cancelled() || !self.connection.status().connected() {
+        if self.is_lost() {
             // The message's ack could not go out: it comes back on the next connection, and a copy now would be a
             // second one then.
             return Err(CopyError::Refused(

@@ -86,9 +86,14 @@ impl Link {
         }
     }
 
-    /// Whether the link is given up or its connection lost, now.
+    /// Whether the link is given up, or its connection or consuming channel lost, now. RabbitMQ closes the channel
+    /// alone, the connection left up, when a delivery is held past its `consumer_timeout` (a database outage longer
+    /// than it, the loop parked waiting for a free worker): its deliveries are given back then, and what is still in
+    /// flight on the link can settle nothing and must copy nothing.
     pub(super) fn is_lost(&self) -> bool {
-        self.given_up.is_cancelled() || !self.connection.status().connected()
+        self.given_up.is_cancelled()
+            || !self.connection.status().connected()
+            || !self.consume.status().connected()
     }
 }
 

@@ -1537,6 +1537,99 @@ async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
     );
 }
 
+/// RabbitMQ closes a consuming channel alone, its connection left up — as it does to a delivery held past its
+/// `consumer_timeout` (here: an ack of an unknown delivery tag done on the consumer's channel inside the broker, the
+/// same 406 close). The consumer, its one worker held 10 s and its loop waiting for it with the next delivery, sees
+/// the channel lost within seconds and consumes again on a new connection; it used to look at the connection only,
+/// and stayed away from the queue until the worker was free, then handed the next delivery over on the dead channel.
+/// Every parcel booked once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consuming_channel_the_broker_closes_is_seen_while_the_loop_waits_for_a_worker() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "3"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "1",
+            "--prefetch",
+            "10",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-10000")],
+    );
+    consumer.wait_for_stderr("failpoint carrier reached", Duration::from_secs(30));
+    common::eventually("all 3 with it", Duration::from_secs(5), || async {
+        env.queue_counts(CARRIER_QUEUE) == (0, 3)
+    })
+    .await;
+    let consumers = || {
+        common::rabbitmqctl(&[
+            "list_queues",
+            "-p",
+            &env.vhost,
+            "-q",
+            "--no-table-headers",
+            "name",
+            "consumers",
+        ])
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split_whitespace();
+            (f.next() == Some(CARRIER_QUEUE)).then(|| f.next().unwrap_or("").to_owned())
+        })
+        .unwrap_or_default()
+    };
+    assert_eq!(consumers(), "1");
+    let closed = common::rabbitmqctl(&[
+        "eval",
+        &format!(
+            "[rabbit_channel:do(P, {{'basic.ack', 999999, false}}) || P <- rabbit_channel:list(), \
+             [{{vhost, V}}, {{consumer_count, C}}] <- [rabbit_channel:info(P, [vhost, consumer_count])], \
+             V =:= <<\"{}\">>, C > 0].",
+            env.vhost
+        ),
+    ]);
+    assert_eq!(closed.trim(), "[ok]", "one consuming channel closed");
+    let closed_at = std::time::Instant::now();
+    common::eventually(
+        "the channel's consumer gone",
+        Duration::from_secs(5),
+        || async { consumers() == "0" },
+    )
+    .await;
+    common::eventually(
+        "consuming again on a new connection while the worker is still held",
+        Duration::from_secs(6),
+        || async { consumers() == "1" },
+    )
+    .await;
+    assert!(
+        closed_at.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        closed_at.elapsed()
+    );
+    let pool = env.pool().await;
+    common::eventually("every parcel booked", Duration::from_secs(30), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 3
+    })
+    .await;
+    consumer.terminate();
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        3,
+        "{}",
+        consumer.stderr()
+    );
+}
+
 /// `--exit-when-idle`: a message that arrives between the look at the queue that finds it idle and the cancel (the
 /// window held open 3 s by a failpoint) is delivered to the stopping consumer. It is processed before the process
 /// ends, not left on the queue for the next run.

@@ -46,6 +46,48 @@ async fn more_workers_than_connections(mode: &[&str]) {
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
+/// One worker's work holds the pool's only connection 7 s; the other waits for it past the 5 s allowed: the
+/// database up and serving every connection, not gone. It is tried again, said as such; it was taken for an outage —
+/// "PostgreSQL unavailable" at ERROR, intake paused, `/health` saying the database down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_busy_past_the_wait_for_a_connection_is_not_an_outage() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "4"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--concurrency",
+            "2",
+            "--pool-size",
+            "1",
+            "--exit-when-idle",
+            "2s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "carrier=sleep-once-7000")],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert!(stderr.contains("stayed busy past the wait"), "{stderr}");
+    assert!(!stderr.contains("PostgreSQL unavailable"), "{stderr}");
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(DISTINCT parcel_id) FROM carrier_reservations"
+        )
+        .await,
+        4
+    );
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}
+
 /// A login role of the test's own, with what a consumer needs on the test database; dropped with the guard.
 struct Role {
     name: String,

@@ -23,7 +23,7 @@ use super::dispatch::{
     failed, handling_panicked, prepare, processed, settle, settle_acker, settled, unclaimable,
 };
 use super::link::Link;
-use super::outage::{database_back, database_gone};
+use super::outage::{database_back, database_gone, pool_busy};
 use super::{
     Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,
     panic_message, sleep_or_cancel,
@@ -326,8 +326,12 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             }
             // A member's key held elsewhere past `--claim-timeout` (or a deadlock): the database is up, and the batch
             // would meet it again. Its members go one by one, each in a task of its own: that member waits alone.
-            Err(ProcessError::Unavailable(e)) if crate::db::is_contention(&e) => {
-                database_back(shared);
+            Err(ProcessError::Unavailable(e))
+                if crate::db::is_contention(&e) || pool_busy(shared.inbox.pool(), &e) =>
+            {
+                if crate::db::is_contention(&e) {
+                    database_back(shared);
+                }
                 tracing::warn!(
                     error = %logged(&crate::redact::text(&crate::db::describe(&e))),
                     "batch met another transaction (a member's key held elsewhere past --claim-timeout, a deadlock); \

@@ -39,9 +39,23 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
             "the message's statement met another transaction (its key held elsewhere past --claim-timeout, a \
              deadlock): trying it again"
         );
+    } else if pool_busy(shared.inbox.pool(), error) {
+        tracing::warn!(
+            message_id = %id,
+            "every connection of the consumer's pool stayed busy past the wait for one (more work holding a \
+             connection at once than --pool-size): trying it again"
+        );
     } else {
         database_gone(shared, error);
     }
+}
+
+/// Whether `error` is the wait for one of `pool`'s connections running out with every one of them open and in use:
+/// the database up and answering (work holding its connection long, more at once than the pool holds), not gone.
+/// Taken for an outage, intake paused and `/health` said the database down while it served every connection.
+pub(super) fn pool_busy(pool: &sqlx::PgPool, error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::PoolTimedOut)
+        && pool.size() >= pool.options().get_max_connections()
 }
 
 pub(super) fn database_gone<C: Consumer>(shared: &Shared<C>, error: &sqlx::Error) {

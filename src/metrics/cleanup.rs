@@ -23,6 +23,8 @@ pub struct Totals {
     deleted: BTreeMap<String, u64>,
     events_deleted: u64,
     unprocessed_older: BTreeMap<String, u64>,
+    /// Consumer_types the last run's guard kept whole (a replay waiting needs their rows).
+    refused: u64,
     last_success: Option<f64>,
 }
 
@@ -34,7 +36,9 @@ impl Totals {
 
     /// Counts a finished run. The rows never processed are the last run's, each consumer_type it measured: one whose
     /// rows went since (an operator deleted them) is no longer exported, rather than its old figure for good. A
-    /// complete run's success is stamped when it ended.
+    /// complete run's success is stamped when it ended: one whose guard kept a consumer_type's rows is not complete
+    /// (a dead-lettered message left waiting holds cleanup back until it is replayed or the run forced), so an alert
+    /// on the stamp growing old sees it.
     pub fn add(&mut self, report: &Report) {
         self.add_at(report, chrono::Utc::now());
     }
@@ -50,7 +54,8 @@ impl Totals {
             .iter()
             .map(|c| (c.consumer_type.clone(), c.unprocessed_older))
             .collect();
-        if !report.interrupted {
+        self.refused = report.refused;
+        if !report.interrupted && report.refused == 0 {
             self.last_success = Some(ended.timestamp_millis() as f64 / 1000.0);
         }
     }
@@ -103,6 +108,11 @@ impl Collector for TotalsCollector {
         let help = "Rows received before the cutoff and never processed, at the last run.";
         let name = "inbox_unprocessed_older_than_retention_rows";
         encode_family(e, name, help, MetricType::Gauge, unprocessed)?;
+        let refused = [(UNLABELLED, ConstGauge::new(t.refused))];
+        let help = "Consumer_types whose rows the last run kept whole: a dead-lettered message waiting for replay \
+                    needs them.";
+        let name = "inbox_cleanup_refused_consumer_types";
+        encode_family(e, name, help, MetricType::Gauge, refused)?;
         if let Some(at) = t.last_success {
             let help = "When the last complete cleanup ran (Unix time).";
             let name = "inbox_cleanup_last_success_timestamp_seconds";
@@ -160,5 +170,27 @@ mod tests {
             totals.last_success,
             Some(end.timestamp_millis() as f64 / 1000.0)
         );
+    }
+
+    /// A run whose guard kept a consumer_type's rows is not a complete one: the stamp stays at the last that was,
+    /// and the refusals are a gauge of their own.
+    #[test]
+    fn a_run_that_kept_rows_for_a_waiting_replay_is_not_a_success() {
+        let mut totals = Totals::default();
+        let start = chrono::Utc::now();
+        totals.add_at(&report(&[("carrier", 0)]), start);
+        let mut refused = report(&[("carrier", 0)]);
+        refused.refused = 1;
+        totals.add_at(&refused, start + chrono::TimeDelta::hours(1));
+        assert_eq!(
+            totals.last_success,
+            Some(start.timestamp_millis() as f64 / 1000.0)
+        );
+        assert_eq!(totals.refused, 1);
+        totals.add_at(
+            &report(&[("carrier", 0)]),
+            start + chrono::TimeDelta::hours(2),
+        );
+        assert_eq!(totals.refused, 0);
     }
 }

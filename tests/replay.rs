@@ -449,6 +449,45 @@ async fn a_replay_done_while_postgres_never_answers_prints_its_report_and_ends()
     );
 }
 
+/// A replay needs nothing of PostgreSQL but its audit row and the look for keyed consumers whose idempotency keys
+/// its messages may have outlived. With PostgreSQL unreachable the replay is done, and that look said not made (it
+/// used to be said at debug level only: the warning about keys past their lifetime silently missing).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_without_postgres_says_it_could_not_look_for_keyed_consumers() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    failed_message(
+        &conn,
+        "carrier API returned 503",
+        chrono::TimeDelta::hours(1),
+        0,
+    )
+    .await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let unreachable = format!("postgres://inboxctl@127.0.0.1:{port}/gone");
+    let mut replay = env.spawn_with(
+        &["replay", "--from", ERROR_QUEUE, "--json"],
+        &[("DATABASE_URL", &unreachable)],
+    );
+    assert_eq!(
+        replay.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        replay.stderr()
+    );
+    assert!(
+        replay
+            .stderr()
+            .contains("could not look for keyed consumers"),
+        "{}",
+        replay.stderr()
+    );
+}
+
 /// A reason as long as a header may be (here 100 KB, its last words what `--reason` asks for): chosen by the whole
 /// text, and kept in the report cut, as `failures` and `find` cut it — a queue of such messages was held whole in
 /// memory, every one, until the report was printed.

@@ -249,7 +249,11 @@ pub async fn warn_past_key_lifetime(
     let pool = match database.pool(1).await {
         Ok(pool) => pool,
         Err(e) => {
-            tracing::debug!(error = %e, "could not look for keyed consumers");
+            tracing::warn!(
+                error = %crate::redact::text(&e.to_string()),
+                "could not look for keyed consumers whose idempotency keys the replayed messages may have outlived \
+                 (a carrier that forgot a key books again): PostgreSQL could not be reached"
+            );
             return;
         }
     };
@@ -261,7 +265,11 @@ pub async fn warn_past_key_lifetime(
         let keyed = match crate::db::events::keyed_consumers_of(&pool, origin).await {
             Ok(keyed) => keyed,
             Err(e) => {
-                tracing::debug!(error = %e, "could not look for keyed consumers");
+                tracing::warn!(
+                    error = %crate::redact::text(&crate::db::describe(&e)),
+                    "could not look for keyed consumers whose idempotency keys the replayed messages may have \
+                     outlived (a carrier that forgot a key books again): SELECT on inboxctl_consumers is needed"
+                );
                 break;
             }
         };

@@ -43,7 +43,11 @@ pub fn init(global: &GlobalOpts, target: Target) {
     if quiet_consumers && global.verbose == 0 {
         default.push_str(",inboxctl::consumer=error");
     }
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new(default))
+        // lapin traces every frame it writes, the login's (user and password as a list of bytes) among them, where no
+        // masking can see it: its frame traces are never shown, whatever RUST_LOG asks.
+        .add_directive(LAPIN_FRAMES.parse().expect("a valid directive"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false);
@@ -61,6 +65,9 @@ pub fn init(global: &GlobalOpts, target: Target) {
     };
     crate::secret::warn_if_on_command_line(&global.connect.passwords_in_arguments);
 }
+
+/// The most of lapin's I/O loop that is logged: not its traces of frames.
+const LAPIN_FRAMES: &str = "lapin::io_loop=debug";
 
 /// Colour on stderr only when it is a terminal and `NO_COLOR` is unset or empty.
 fn use_colour() -> bool {

@@ -37,18 +37,39 @@ fn needs_escape(c: char) -> bool {
 }
 
 /// Whether a terminal could act on `c` rather than show it, or show nothing for it: a control character (C0, DEL,
-/// C1), a bidirectional mark or override, a line or paragraph separator, or a character of no width (so that
-/// `carrier\u{200b}` cannot pass for `carrier` on the dashboard).
+/// C1), a bidirectional mark or override, a line or paragraph separator, or a character drawn as nothing — Unicode's
+/// format characters and default-ignorable ones (zero-width spaces and joiners, the soft hyphen, invisible operators,
+/// fillers, variation selectors, tags) — so that `carrier\u{200b}` or `carrier\u{2063}` cannot pass for `carrier`
+/// on the dashboard, and no text hides in tag characters.
 pub fn is_unsafe(c: char) -> bool {
     c.is_control()
         || matches!(
             c,
-            '\u{061c}'
+            '\u{00ad}'
+                | '\u{034f}'
+                | '\u{0600}'..='\u{0605}'
+                | '\u{061c}'
+                | '\u{06dd}'
+                | '\u{070f}'
+                | '\u{0890}'..='\u{0891}'
+                | '\u{08e2}'
+                | '\u{115f}'..='\u{1160}'
+                | '\u{17b4}'..='\u{17b5}'
+                | '\u{180b}'..='\u{180f}'
                 | '\u{200b}'..='\u{200f}'
                 | '\u{2028}'..='\u{202e}'
-                | '\u{2060}'
-                | '\u{2066}'..='\u{2069}'
+                | '\u{2060}'..='\u{206f}'
+                | '\u{3164}'
+                | '\u{fe00}'..='\u{fe0f}'
                 | '\u{feff}'
+                | '\u{ffa0}'
+                | '\u{fff0}'..='\u{fffb}'
+                | '\u{110bd}'
+                | '\u{110cd}'
+                | '\u{13430}'..='\u{1343f}'
+                | '\u{1bca0}'..='\u{1bca3}'
+                | '\u{1d173}'..='\u{1d17a}'
+                | '\u{e0000}'..='\u{e0fff}'
         )
 }
 
@@ -87,7 +108,21 @@ mod tests {
     #[test]
     fn invisible_characters_and_separators_are_escaped() {
         for c in [
-            '\u{200b}', '\u{200d}', '\u{2028}', '\u{2029}', '\u{2060}', '\u{feff}',
+            '\u{200b}',
+            '\u{200d}',
+            '\u{2028}',
+            '\u{2029}',
+            '\u{2060}',
+            '\u{feff}',
+            '\u{ad}',
+            '\u{2063}',
+            '\u{206a}',
+            '\u{3164}',
+            '\u{fe0f}',
+            '\u{fff9}',
+            '\u{e0041}',
+            '\u{e0100}',
+            '\u{180e}',
         ] {
             let name = format!("carrier{c}");
             assert_eq!(text(&name), format!("carrier\\u{{{:x}}}", c as u32));

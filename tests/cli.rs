@@ -185,6 +185,55 @@ fn a_malformed_url_is_a_usage_error_without_its_password() {
     assert!(!out.stderr.contains("Pw0rdSecret"), "{}", out.stderr);
 }
 
+/// lapin traces each frame it writes, the login's among them: under `RUST_LOG=trace` the broker password went to stderr
+/// as a list of bytes (`[0, 103, 117, 101, 115, 116, …]`, "\0guest"), where no masking could see it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trace_log_never_carries_the_broker_login() {
+    let env = common::TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let mut publish = env.spawn_with(
+        &["publish", "parcel-created", "--count", "1"],
+        &[("RUST_LOG", "trace")],
+    );
+    assert_eq!(publish.wait(std::time::Duration::from_secs(60)), Some(0));
+    let stderr = publish.stderr();
+    assert!(stderr.contains("TRACE"), "trace logging on");
+    let url = url::Url::parse(&env.amqp_url).unwrap();
+    let user = if url.username().is_empty() {
+        "guest"
+    } else {
+        url.username()
+    };
+    let password = url.password().unwrap_or("guest");
+    let login: Vec<String> = format!("\0{user}\0{password}")
+        .bytes()
+        .map(|b| b.to_string())
+        .collect();
+    assert!(
+        !stderr.contains(&login.join(", ")),
+        "the login's bytes in the log"
+    );
+}
+
+/// The database's name is the URL's path, percent-decoded: `migrate` printed it as it was, escape sequences and all.
+#[test]
+fn migrate_shows_a_database_name_of_control_characters_inert() {
+    let out = run(
+        &["migrate", "--dry-run"],
+        &[(
+            "DATABASE_URL",
+            "postgres://postgres@127.0.0.1:5432/inboxctl_x%1b%5d0%3bowned%07",
+        )],
+    );
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stdout.contains("inboxctl_x\\u{1b}]0;owned\\u{7}"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains('\u{1b}'), "{}", out.stdout);
+}
+
 /// The carrier's URLs are flags parsed at the command line, where clap's own message quoted the value whole, password
 /// and all.
 #[test]

@@ -95,7 +95,8 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
 }
 
 fn print(report: &MigrateReport) -> Result<()> {
-    let db = &report.database;
+    // The URL's path, percent-decoded: it can hold anything.
+    let db = crate::sanitize::text(&report.database);
     let (will, done, created) = if report.dry_run {
         ("would ", "would apply", "would create")
     } else {
@@ -113,7 +114,7 @@ fn print(report: &MigrateReport) -> Result<()> {
         output::line(&format!("database {db}: up to date, nothing to apply"))?;
     }
     if let Some(p) = &report.partitioning {
-        print_partitioning(db, p, report.dry_run)?;
+        print_partitioning(&db, p, report.dry_run)?;
     }
     for m in &report.migrations {
         let outside = if m.no_transaction {

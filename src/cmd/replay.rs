@@ -306,7 +306,7 @@ fn summary(report: &Report) -> String {
         summary.push_str(&format!(
             "; group {}: {} listed, {} gone since the listing, {} now failed of another cause, {} new of its cause \
              (left)",
-            g.fingerprint,
+            crate::sanitize::text(&g.fingerprint),
             g.listed,
             g.gone.len(),
             g.changed.len(),

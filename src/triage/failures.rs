@@ -112,6 +112,18 @@ impl Listing {
                 listing.format
             )));
         }
+        // A fingerprint is hex (`failures` writes it so); any other text in a file someone else may have written is
+        // refused rather than printed.
+        if let Some(bad) = listing.groups.iter().find(|g| {
+            g.cause.fingerprint.is_empty()
+                || !g.cause.fingerprint.bytes().all(|b| b.is_ascii_hexdigit())
+        }) {
+            return Err(Error::Usage(format!(
+                "{} is not a listing written by `inboxctl failures --output`: a group's fingerprint is not hex ({})",
+                path.display(),
+                crate::sanitize::text(&bad.cause.fingerprint)
+            )));
+        }
         Ok(listing)
     }
 
@@ -216,5 +228,35 @@ pub fn origin_name(origin: &Origin) -> String {
         Origin::OtherVhost { vhost, queue } => format!("{queue} (vhost {vhost})"),
         Origin::Unknown => "-".to_owned(),
         Origin::Ambiguous { address, .. } => format!("{address} (ambiguous)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listing someone else may have written: a fingerprint that is not hex (here an escape sequence that would
+    /// retitle the terminal in the replay's summary) is refused, shown inert.
+    #[test]
+    fn a_listing_whose_fingerprint_is_not_hex_is_refused() {
+        let listing = |fingerprint: &str| {
+            serde_json::json!({
+                "format": LISTING_FORMAT, "queue": "q_error", "vhost": "/", "listed_at": "2026-12-05T00:00:00Z",
+                "depth": 1, "looked": 1,
+                "groups": [{
+                    "fingerprint": fingerprint, "exception_type": "-", "reason": "-", "example": null, "count": 1,
+                    "first_failed_at": null, "last_failed_at": null, "origins": [], "without_id": 0
+                }]
+            })
+        };
+        let path =
+            std::env::temp_dir().join(format!("inboxctl-listing-{}.json", uuid::Uuid::new_v4()));
+        std::fs::write(&path, listing("99adf73960").to_string()).unwrap();
+        assert!(Listing::read(&path).is_ok());
+        std::fs::write(&path, listing("99adf73960\u{1b}]0;x\u{7}").to_string()).unwrap();
+        let refused = Listing::read(&path).expect_err("refused").to_string();
+        let _ = std::fs::remove_file(&path);
+        assert!(refused.contains("not hex"), "{refused}");
+        assert!(!refused.contains('\u{1b}'), "{refused}");
     }
 }

@@ -112,11 +112,11 @@ impl Listing {
                 listing.format
             )));
         }
-        // A fingerprint is hex (`failures` writes it so); any other text in a file someone else may have written is
-        // refused rather than printed.
+        // A fingerprint is hex, or the group of other causes' (`failures` writes them so); any other text in a file
+        // someone else may have written is refused rather than printed.
         if let Some(bad) = listing.groups.iter().find(|g| {
-            g.cause.fingerprint.is_empty()
-                || !g.cause.fingerprint.bytes().all(|b| b.is_ascii_hexdigit())
+            let f = &g.cause.fingerprint;
+            f != OTHER_CAUSES && (f.is_empty() || !f.bytes().all(|b| b.is_ascii_hexdigit()))
         }) {
             return Err(Error::Usage(format!(
                 "{} is not a listing written by `inboxctl failures --output`: a group's fingerprint is not hex ({})",
@@ -251,8 +251,10 @@ mod tests {
         };
         let path =
             std::env::temp_dir().join(format!("inboxctl-listing-{}.json", uuid::Uuid::new_v4()));
-        std::fs::write(&path, listing("99adf73960").to_string()).unwrap();
-        assert!(Listing::read(&path).is_ok());
+        for fine in ["99adf73960", OTHER_CAUSES] {
+            std::fs::write(&path, listing(fine).to_string()).unwrap();
+            assert!(Listing::read(&path).is_ok(), "{fine}");
+        }
         std::fs::write(&path, listing("99adf73960\u{1b}]0;x\u{7}").to_string()).unwrap();
         let refused = Listing::read(&path).expect_err("refused").to_string();
         let _ = std::fs::remove_file(&path);

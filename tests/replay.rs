@@ -321,6 +321,33 @@ async fn failed_message(
     id.to_string()
 }
 
+/// A copy whose headers say nothing of when it failed (a skipped one, a producer's own) is aged by when it was
+/// published, as `cleanup`'s guard and `stats` age it: published 8 days ago, past the 7-day window, it is left
+/// (`expired`) — its inbox row may be gone, and replayed, a message processed before would be processed again. It
+/// was taken for one within the window, and replayed.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_copy_without_a_failure_time_is_aged_by_when_it_was_published() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    let id = uuid::Uuid::new_v4();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://127.0.0.1/parcel-created-carrier"),
+    );
+    let published = (chrono::Utc::now() - chrono::TimeDelta::days(8)).timestamp() as u64;
+    let props = props.with_headers(headers).with_timestamp(published);
+    common::publish(&conn, ERROR_QUEUE, "", props, &body).await;
+    let report = replay_json(&env, &["--from", ERROR_QUEUE], 3);
+    assert_eq!(report["items"][0]["message_id"], id.to_string(), "{report}");
+    assert_eq!(report["items"][0]["action"], "expired", "{report}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (1, 0));
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn expired_and_over_replayed_messages_stay_and_filters_choose() {
     let env = TestEnv::migrated().await;

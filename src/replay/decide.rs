@@ -92,8 +92,9 @@ impl State<'_> {
         } else if plan.max_replays.is_some_and(|max| failure.replays >= max) {
             Some(Action::MaxReplays)
         } else if !plan.include_expired
-            && failure
-                .failed_at
+            // Aged as the cleanup's guard ages it: a copy whose headers say nothing of its failure by when it was
+            // published (never after it failed), lest one past the window — its row maybe gone — be taken for new.
+            && crate::amqp::failure::failed_at(delivery, &failure)
                 .is_some_and(|t| self.now - t > self.window)
         {
             Some(Action::Expired)

@@ -1621,4 +1621,14 @@ async fn stats_needs_select_and_only_access_to_the_vhost() {
     let c = carrier(&out);
     assert_eq!(c["rows"], 4, "{c}");
     assert!(c["queue"]["ready"].is_null(), "{c}");
+
+    // `top`'s detail view under the same role, which may not read the audit: the rest of it shown, the audit's part
+    // saying why not (the whole view used to fail on it).
+    let pool = sqlx::PgPool::connect(&role.url).await.unwrap();
+    let detail =
+        inboxctl::triage::detail::load(&pool, None, &env.vhost, CARRIER_QUEUE, CARRIER_QUEUE)
+            .await
+            .expect("the detail, the audit's part aside");
+    let why = detail.audit.expect_err("the audit may not be read");
+    assert!(why.contains("inboxctl_audit"), "{why}");
 }

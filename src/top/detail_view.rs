@@ -153,19 +153,23 @@ fn render_lists(
         " oldest unprocessed rows ",
         unprocessed,
     );
-    let audit: Vec<TextLine> = detail
-        .audit
-        .iter()
-        .map(|r| {
-            TextLine::from(format!(
-                "{} {} {} ({})",
-                time(r.occurred_at),
-                sanitize::text(&r.command),
-                sanitize::text(&r.outcome),
-                sanitize::text(r.os_user.as_deref().unwrap_or("?"))
-            ))
-        })
-        .collect();
+    let audit: Vec<TextLine> = match &detail.audit {
+        Ok(rows) => rows
+            .iter()
+            .map(|r| {
+                TextLine::from(format!(
+                    "{} {} {} ({})",
+                    time(r.occurred_at),
+                    sanitize::text(&r.command),
+                    sanitize::text(&r.outcome),
+                    sanitize::text(r.os_user.as_deref().unwrap_or("?"))
+                ))
+            })
+            .collect(),
+        Err(why) => {
+            vec![TextLine::from(format!("cannot be read: {}", sanitize::text(why))).italic()]
+        }
+    };
     list(frame, audit_area, " last audit entries ", audit);
 }
 

@@ -26,7 +26,8 @@ pub struct Detail {
     /// The error queue's groups; `Err` says why they could not be listed (no broker, no queue).
     pub groups: std::result::Result<Listing, String>,
     pub oldest_unprocessed: Vec<(Uuid, DateTime<Utc>)>,
-    pub audit: Vec<db::audit::Row>,
+    /// `Err` says why the audit could not be read (a role without `SELECT` on it): the rest is shown all the same.
+    pub audit: std::result::Result<Vec<db::audit::Row>, String>,
 }
 
 /// Loads the detail of `consumer_type`, which reads `queue`; `connection` is the broker's, when there is one.
@@ -46,9 +47,11 @@ pub async fn load(
     let oldest_unprocessed =
         db::triage::oldest_unprocessed(&mut *conn, consumer_type, SHOWN).await?;
     let audit = if schema::table_exists(&mut conn, "inboxctl_audit").await? {
-        db::audit::list_for(&mut *conn, consumer_type, SHOWN).await?
+        db::audit::list_for(&mut *conn, consumer_type, SHOWN)
+            .await
+            .map_err(|e| crate::redact::text(&db::describe(&e)))
     } else {
-        Vec::new()
+        Ok(Vec::new())
     };
     drop(conn);
     let error_queue = topology::error_queue(queue);

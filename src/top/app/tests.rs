@@ -125,7 +125,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
                 .collect(),
         }),
         oldest_unprocessed: Vec::new(),
-        audit: Vec::new(),
+        audit: Ok(Vec::new()),
     }
 }
 

@@ -524,6 +524,34 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
 }
 
 /// Registers consumer_types as their consumers do, with processed inbox rows of the given age.
+/// A consumer_type whose name holds a control character (an adopted table's, written by another application): its
+/// dead-letter queue can exist (RabbitMQ takes the name), and an old message waiting in it keeps its rows. The guard
+/// used to skip such a name without a look, and the rows went.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_guard_looks_at_a_dead_letter_queue_whose_name_holds_a_control_character() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    let odd = "orders\u{7}carrier";
+    processed_rows(&pool, odd, odd, 3, 8).await;
+    let error_queue = format!("{odd}_error");
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &error_queue, common::queue_type())
+        .await
+        .unwrap();
+    fail(
+        &conn,
+        &error_queue,
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(rows_of(&pool, odd).await, 3, "{out:?}");
+    assert_eq!(json(&out)["refused"], 1, "{out:?}");
+}
+
 async fn processed_rows(
     pool: &sqlx::PgPool,
     consumer_type: &str,

@@ -278,13 +278,15 @@ impl Looks<'_> {
         for &i in indices {
             let report = &mut consumers[i];
             let queue = self.queue_of(&report.consumer_type);
-            if crate::amqp::validate_name("queue", &queue).is_err() {
-                continue;
-            }
             for dead_letters in [
                 topology::error_queue(&queue),
                 topology::skipped_queue(&queue),
             ] {
+                // RabbitMQ takes no name longer than AMQP's 255 bytes: no such queue can hold anything. Any other
+                // name (a control character in a .NET consumer_type's) is looked at like the rest.
+                if dead_letters.len() > 255 {
+                    continue;
+                }
                 if topology::replay_running(connection, &dead_letters).await? {
                     report.refused = Some(self.replaying(&dead_letters));
                     break;

@@ -386,7 +386,10 @@ impl Inbox {
             .await
             .map_err(ProcessError::Unavailable)?;
         let result = self.bounded(self.process_on(&mut conn, &key, work)).await;
-        if result.as_ref().is_err_and(ProcessError::session_suspect) {
+        // Still inside a transaction (one the work began and left open): never hand it out again either.
+        if result.as_ref().is_err_and(ProcessError::session_suspect)
+            || sqlx::Connection::is_in_transaction(&*conn)
+        {
             // The session itself may be what failed (made read-only by a failover or by
             // default_transaction_read_only, terminated by an administrator): never hand it out again.
             conn.close_on_drop();
@@ -449,6 +452,7 @@ impl Inbox {
         }
         failpoint::hit("before-commit").await;
         tx.commit().await.map_err(commit_error)?;
+        db::claim::committed(conn).map_err(|e| ProcessError::Failed(aborted(e)))?;
         Ok(Outcome::Processed(output))
     }
 }
@@ -483,6 +487,13 @@ impl Keying {
 /// (returned as [`WorkError::Database`]), or a statement of the work that failed while the work went on, its error
 /// caught — the transaction aborted, and nothing of it can commit.
 fn aborted(e: sqlx::Error) -> WorkError {
+    if matches!(&e, sqlx::Error::Protocol(m) if m == db::claim::LEFT_OPEN_BY_THE_WORK) {
+        return WorkError::msg(format!(
+            "{}: the claim's COMMIT would have committed nothing; the message is not taken as processed (commit or \
+             roll back every transaction the work begins)",
+            db::claim::LEFT_OPEN_BY_THE_WORK
+        ));
+    }
     if matches!(&e, sqlx::Error::Protocol(m) if m == db::claim::ENDED_BY_THE_WORK) {
         return WorkError::msg(format!(
             "{}: its claim and whatever it wrote before are rolled back or committed apart, and the message is \
@@ -509,7 +520,7 @@ async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
     match error {
         WorkError::Database(sqlx::Error::Protocol(_)) => match db::claim::still_open(conn).await {
             Ok(()) => false,
-            Err(e) => !matches!(&e, sqlx::Error::Protocol(m) if m == db::claim::ENDED_BY_THE_WORK),
+            Err(e) => !db::claim::is_the_works_doing(&e),
         },
         WorkError::Database(e) => is_transient(e),
         _ => false,

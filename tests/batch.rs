@@ -547,3 +547,66 @@ async fn a_protocol_error_the_session_outlives_is_the_messages_not_an_outage() {
     }
     assert_eq!(effects(&pool).await, ["a", "a"]);
 }
+
+/// A work that begins a transaction of its own (sqlx's `begin`: a savepoint under the claim's) and forgets it: the
+/// claim's COMMIT then only releases that savepoint. It was taken as processed — acked with nothing committed — and
+/// the connection went back to its pool inside the claim's transaction, where the next claim on it became a savepoint
+/// too, committing nothing either. Now: failed (one by one; a batch as a whole, its members then one by one), the
+/// connection closed, and the next message on the same one-connection pool commits.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_the_work_leaves_open_is_no_commit() {
+    let (env, pool, _) = setup().await;
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&env.database_url)
+        .await
+        .unwrap();
+    let inbox = inboxctl::inbox::Inbox::new(
+        one,
+        inboxctl::inbox::ConsumerType::new("left-open").unwrap(),
+    );
+    let forgets = |id: Uuid, label: &'static str| -> inboxctl::inbox::MemberWork<()> {
+        Box::new(move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, id, label).await?;
+                std::mem::forget(sqlx::Connection::begin(&mut *tx).await?);
+                Ok(())
+            })
+        })
+    };
+    let id = Uuid::new_v4();
+    let single = inbox.process(id, forgets(id, "forgot")).await;
+    assert!(
+        matches!(single, Err(inboxctl::inbox::ProcessError::Failed(_))),
+        "{single:?}"
+    );
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let members = vec![
+        Member {
+            message_id: a,
+            fingerprint: None,
+            carried: Default::default(),
+            work: forgets(a, "forgot in a batch"),
+        },
+        member(b, "b", false, &Arc::new(AtomicUsize::new(0))),
+    ];
+    let batch = inbox.process_batch(members).await;
+    assert!(
+        matches!(batch, Err(inboxctl::inbox::ProcessError::Failed(_))),
+        "{:?}",
+        batch.map(|o| kinds(&o))
+    );
+    let next = Uuid::new_v4();
+    let done = inbox
+        .process(next, move |tx| Box::pin(insert_effect(tx, next, "next")))
+        .await;
+    assert!(
+        matches!(done, Ok(inboxctl::inbox::Outcome::Processed(()))),
+        "{done:?}"
+    );
+    assert_eq!(effects(&pool).await, ["next"]);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        1
+    );
+}

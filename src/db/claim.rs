@@ -188,6 +188,27 @@ SELECT pg_current_xact_id_if_assigned() IS NOT NULL AND current_setting('inboxct
 pub const ENDED_BY_THE_WORK: &str =
     "the work ended the claim's transaction itself (a ROLLBACK or COMMIT of its own)";
 
+/// What is said when a transaction the work began (sqlx's `begin`, a savepoint under the claim's) was left open —
+/// forgotten, neither committed nor rolled back: the claim's COMMIT only ended that one, nothing of the claim
+/// committed, and the connection is still inside the claim's transaction ([`committed`]); and what [`begin`] fails
+/// with on such a connection.
+pub const LEFT_OPEN_BY_THE_WORK: &str = "the work left a transaction of its own open (begun, and neither committed nor \
+                                         rolled back)";
+
+/// After the claim's `COMMIT` on `conn`: fails with [`LEFT_OPEN_BY_THE_WORK`] if the connection is still inside a
+/// transaction — the COMMIT only released a savepoint the work had begun and left open, and nothing committed.
+pub fn committed(conn: &PgConnection) -> sqlx::Result<()> {
+    if conn.is_in_transaction() {
+        return Err(sqlx::Error::Protocol(LEFT_OPEN_BY_THE_WORK.to_owned()));
+    }
+    Ok(())
+}
+
+/// Whether a protocol error is one of the looks' own: the work ended the claim's transaction, or left one open.
+pub fn is_the_works_doing(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Protocol(m) if m == ENDED_BY_THE_WORK || m == LEFT_OPEN_BY_THE_WORK)
+}
+
 /// Fails with 25P02 if a statement of the transaction on `conn` failed, and with [`ENDED_BY_THE_WORK`] (a protocol
 /// error) if the transaction is no longer the claim's: see [`STILL_OPEN`].
 pub async fn still_open(conn: &mut PgConnection) -> sqlx::Result<()> {
@@ -344,6 +365,11 @@ pub async fn begin(
     conn: &mut PgConnection,
     lock_timeout: Option<Duration>,
 ) -> sqlx::Result<Transaction<'_, Postgres>> {
+    // On a connection still inside a transaction, sqlx's `begin` makes a savepoint, and the claim's COMMIT would
+    // commit nothing. (The inbox closes such a connection rather than give it back; this is the last line.)
+    if conn.is_in_transaction() {
+        return Err(sqlx::Error::Protocol(LEFT_OPEN_BY_THE_WORK.to_owned()));
+    }
     match lock_timeout {
         None => conn.begin().await,
         Some(timeout) => {

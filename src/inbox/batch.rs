@@ -78,10 +78,11 @@ impl Inbox {
             .map_err(ProcessError::Unavailable)?;
         let result = self.process_batch_on(&mut conn, members, together).await;
         // As in `process`; and a member that panicked may have left the session mid-statement, so any other failure
-        // too.
+        // too; and one still inside a transaction a member's work left open.
         if result
             .as_ref()
             .is_err_and(|e| e.session_suspect() || !matches!(e, ProcessError::Unavailable(_)))
+            || sqlx::Connection::is_in_transaction(&*conn)
         {
             conn.close_on_drop();
         }
@@ -238,6 +239,11 @@ impl Inbox {
 
         failpoint::hit("before-commit").await;
         tx.commit().await.map_err(commit_error)?;
+        // A member's work left a transaction of its own open: the COMMIT committed nothing. Which member's, a look
+        // after each would have to find on a connection no round can use again (its claim would be a savepoint):
+        // the batch as a whole failed, the connection is closed (all rolled back), and its members go one by one,
+        // where the culprit fails alone.
+        db::claim::committed(conn).map_err(|e| ProcessError::Failed(super::aborted(e)))?;
         Ok(Round::Committed {
             claimed,
             copies,

@@ -180,7 +180,9 @@ impl WorkError {
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
     /// PostgreSQL could not be used (unreachable, restarting, out of connections, a deadlock, a lock wait that timed
-    /// out). Not the message's fault: retry it, without counting the attempt.
+    /// out). Not the message's fault: retry it, without counting the attempt. An answer to the `COMMIT` that never
+    /// came is one too: the commit may have landed, and the retry then finds the message a duplicate (the work's
+    /// output of that attempt is lost; its effects are not doubled).
     #[error("PostgreSQL unavailable: {0}")]
     Unavailable(#[source] sqlx::Error),
     /// The consumer's own work failed. Counts as a failed attempt of the message.

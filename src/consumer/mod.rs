@@ -92,7 +92,12 @@ pub trait Consumer: Send + Sync + 'static {
     const MESSAGE_TYPE: &'static str;
 
     /// Does the work of one message on `tx`, the transaction that also holds the message's inbox row. Must not commit
-    /// or roll back; returning an error rolls everything back.
+    /// or roll back; returning an error rolls everything back. A raw `COMMIT` or `ROLLBACK` is found after the work one
+    /// by one (the message fails), but in a batch only once the members after it ran outside any transaction (their
+    /// writes committed on their own, made again when the batch is redone): never end the transaction. A transaction
+    /// of its own (`begin`) is a savepoint: commit or roll it back (one left open fails the message). Settings only
+    /// with `SET LOCAL`: a plain `SET` (`search_path`, `lock_timeout`, `ROLE`) outlives the transaction on the pooled
+    /// connection and changes the claims of later messages on it (another `search_path`, another `inbox_messages`).
     fn consume<'c>(
         &'c self,
         tx: &'c mut PgConnection,
@@ -121,7 +126,11 @@ pub trait Consumer: Send + Sync + 'static {
     /// the effect as one statement, in one round trip ([`Inbox::process_effect`](crate::inbox::Inbox::process_effect)).
     /// The effect must be the one [`Consumer::consume`] makes, which still runs when the statement fails for a reason
     /// of its own (to tell the work's failure from the claim's), and in place of it when this returns `None` (the
-    /// default) or an error.
+    /// default) or an error. It runs before the claim, for every copy and every attempt: it must only build the
+    /// statement (no call, no write, nothing that cannot be done twice). The statement must write only rows drawn
+    /// from `claimed` (`INSERT … SELECT … FROM claimed`): the inbox refuses one that does not name it, but cannot
+    /// prove that a statement naming it writes nothing for a copy (an outer join to it, `NOT EXISTS` over it, an
+    /// aggregate of it all write a row for an empty `claimed`).
     fn effect<'c>(
         &'c self,
         context: &'c MessageContext,

@@ -258,3 +258,78 @@ async fn a_host_list_goes_past_a_node_that_does_not_answer() {
     assert_eq!(out.status.code(), Some(64));
     assert!(String::from_utf8_lossy(&out.stderr).contains("differ only in host and port"));
 }
+
+/// A quorum dead-letter queue whose members lost their leader (its node and another killed) answers every count with
+/// 0, whatever it holds. The cleanup's guard, looking through the surviving node, took such a queue holding a message
+/// that failed 8 days ago for empty, and deleted the rows its replay needs. Now a count of 0 is checked by taking one:
+/// the take fails (no leader), the look fails, and nothing is deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
+    use lapin::types::{AMQPValue, FieldTable, LongString};
+    let env = TestEnv::migrated().await;
+    let cluster = Cluster::start();
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         SELECT gen_random_uuid(), $1, now() - interval '8 days', now() - interval '8 days'
+         FROM generate_series(1, 3)",
+    )
+    .bind(CARRIER_QUEUE)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    let conn = lapin::Connection::connect(&cluster.urls[0], Default::default())
+        .await
+        .unwrap();
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        &error_queue,
+        inboxctl::amqp::topology::QueueType::Quorum,
+    )
+    .await
+    .unwrap();
+    let (props, body, _) = common::parcel_message(uuid::Uuid::new_v4(), "Berlin");
+    let mut headers = FieldTable::default();
+    let long = |s: &str| AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()));
+    headers.insert("MT-Fault-Message".into(), long("carrier API returned 503"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long(&format!("rabbitmq://127.0.0.1/{CARRIER_QUEUE}")),
+    );
+    let when = chrono::Utc::now() - chrono::TimeDelta::days(8);
+    headers.insert(
+        "MT-Fault-Timestamp".into(),
+        long(&inboxctl::amqp::envelope::format_time(when)),
+    );
+    common::publish(&conn, "", &error_queue, props.with_headers(headers), &body).await;
+    drop(conn);
+    common::eventually(
+        "the message in the queue",
+        Duration::from_secs(20),
+        || async {
+            cluster
+                .queue(1, &error_queue)
+                .is_some_and(|(_, ready)| ready == 1)
+        },
+    )
+    .await;
+    let leader = cluster.leader(&error_queue);
+    let survivor = if leader == 3 { 1 } else { 3 };
+    for n in (1..=3).filter(|&n| n != survivor) {
+        cluster.kill(n);
+    }
+    let out = env
+        .cmd()
+        .env("AMQP_URL", &cluster.urls[survivor - 1])
+        .args(["cleanup", "--retention", "7d"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        3,
+        "{stderr}"
+    );
+}

@@ -12,6 +12,9 @@ use lapin::options::{BasicGetOptions, BasicNackOptions};
 use super::topology;
 use crate::error::Result;
 
+/// The longest a take from a queue whose count says 0 may take: an empty queue answers at once.
+const EMPTY_CHECK: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// What a look at one queue saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Looked {
@@ -33,11 +36,30 @@ pub async fn each(
     let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
         return Ok(None);
     };
-    let depth = u64::from(ready);
+    let mut depth = u64::from(ready);
     let channel = connection.create_channel().await?;
     let mut looked = 0;
     let mut last = None;
     let outcome = async {
+        // A count of 0 is checked by taking one: a quorum queue whose members lost their leader answers every count
+        // with 0 whatever it holds, and a look that believed it would call a queue of waiting messages empty (the
+        // cleanup's guard then deleting the rows their replay needs). An empty queue answers the take at once; one
+        // that cannot answer it (no leader) fails the look, bounded, rather than reads as empty.
+        if depth == 0 && limit > 0 {
+            let got = super::answered(
+                "a take from a queue whose count is 0",
+                EMPTY_CHECK,
+                channel.basic_get(queue.into(), BasicGetOptions { no_ack: false }),
+            )
+            .await??;
+            let Some(message) = got else {
+                return Ok(());
+            };
+            depth = 1;
+            last = Some(message.delivery.delivery_tag);
+            looked = 1;
+            visit(&message.delivery);
+        }
         while looked < depth.min(limit) {
             let Some(message) = channel
                 .basic_get(queue.into(), BasicGetOptions { no_ack: false })

@@ -596,6 +596,23 @@ async fn a_transaction_the_work_leaves_open_is_no_commit() {
         "{:?}",
         batch.map(|o| kinds(&o))
     );
+    // Beside a member that fails: the round without it would begin inside the transaction left open.
+    let (c, d) = (Uuid::new_v4(), Uuid::new_v4());
+    let members = vec![
+        Member {
+            message_id: c,
+            fingerprint: None,
+            carried: Default::default(),
+            work: forgets(c, "forgot beside a failure"),
+        },
+        member(d, "d", true, &Arc::new(AtomicUsize::new(0))),
+    ];
+    let batch = inbox.process_batch(members).await;
+    assert!(
+        matches!(batch, Err(inboxctl::inbox::ProcessError::Failed(_))),
+        "{:?}",
+        batch.map(|o| kinds(&o))
+    );
     let next = Uuid::new_v4();
     let done = inbox
         .process(next, move |tx| Box::pin(insert_effect(tx, next, "next")))

@@ -43,31 +43,39 @@ pub fn init(global: &GlobalOpts, target: Target) {
     if quiet_consumers && global.verbose == 0 {
         default.push_str(",inboxctl::consumer=error");
     }
-    let filter = EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| EnvFilter::new(default))
-        // lapin traces every frame it writes, the login's (user and password as a list of bytes) among them, where no
-        // masking can see it: its frame traces are never shown, whatever RUST_LOG asks.
-        .add_directive(LAPIN_FRAMES.parse().expect("a valid directive"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_target(false);
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let _ = match global.log_format {
         LogFormat::Text => builder
             .with_writer(std::io::stderr)
             .with_ansi(use_colour())
             .fmt_fields(InertFields)
+            .finish()
+            .with(no_lapin_traces())
             .try_init(),
         LogFormat::Json => builder
             .json()
             .flatten_event(true)
             .with_writer(|| InertJson(std::io::stderr()))
+            .finish()
+            .with(no_lapin_traces())
             .try_init(),
     };
     crate::secret::warn_if_on_command_line(&global.connect.passwords_in_arguments);
 }
 
-/// The most of lapin's I/O loop that is logged: not its traces of frames.
-const LAPIN_FRAMES: &str = "lapin::io_loop=debug";
+/// lapin traces every frame it writes, the login's (user and password as a list of bytes) among them, where no
+/// masking can see it: its traces are never logged, whatever RUST_LOG asks; what else it logs is as the filter says.
+fn no_lapin_traces() -> tracing_subscriber::filter::FilterFn<impl Fn(&tracing::Metadata<'_>) -> bool>
+{
+    tracing_subscriber::filter::filter_fn(|meta| {
+        !(*meta.level() == tracing::Level::TRACE && meta.target().starts_with("lapin"))
+    })
+}
 
 /// Colour on stderr only when it is a terminal and `NO_COLOR` is unset or empty.
 fn use_colour() -> bool {
@@ -333,18 +341,52 @@ mod tests {
         assert_eq!(parsed["reason"], HOSTILE, "{parsed}");
     }
 
+    /// lapin's traces (its frames, the login's among them) are dropped whatever the filter lets through; its other
+    /// lines are as the filter says: off by default (an earlier directive capping its frames let them all through).
+    #[test]
+    fn lapin_traces_are_never_logged_and_its_other_lines_as_the_filter_says() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        let lines = |filter: &str| {
+            let out = Captured::default();
+            let subscriber = tracing_subscriber::fmt()
+                .with_env_filter(EnvFilter::new(filter))
+                .with_writer(out.clone())
+                .with_ansi(false)
+                .finish()
+                .with(no_lapin_traces());
+            tracing::subscriber::with_default(subscriber, || {
+                tracing::trace!(target: "lapin::io_loop", "frame-trace");
+                tracing::debug!(target: "lapin::io_loop", "lapin-debug");
+                tracing::error!(target: "lapin::io_loop", "lapin-error");
+                tracing::trace!(target: "inboxctl::consumer", "own-trace");
+            });
+            out.text()
+        };
+        let all = lines("trace");
+        assert!(!all.contains("frame-trace"), "{all}");
+        assert!(
+            all.contains("lapin-debug") && all.contains("own-trace"),
+            "{all}"
+        );
+        let default = lines("warn,lapin=off,inboxctl=info");
+        assert!(!default.contains("lapin-"), "{default}");
+    }
+
     /// A library's own log line (the driver echoing a parameter it ignores) goes through the same masking as
     /// inboxctl's messages: a registered password, and any URL's, never reach stderr.
     #[test]
     fn a_password_in_any_log_line_is_masked_in_both_formats() {
         const SECRET: &str = "Zq9-logged-secret";
+        const QUOTED: &str = "Zq9\"quoted\\secret";
         redact::register(SECRET);
+        redact::register(QUOTED);
         let log = || {
             tracing::warn!(key = %SECRET, value = "", "ignoring unrecognized connect parameter");
             tracing::warn!(
                 url = "amqp://app:0ther-pass@rabbit/%2f",
                 "could not connect: {SECRET}"
             );
+            tracing::warn!(value = QUOTED, "a value logged as Debug and JSON escape it");
         };
         let text = Captured::default();
         let subscriber = tracing_subscriber::fmt()
@@ -361,8 +403,9 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(subscriber, log);
         for lines in [text.text(), json.text()] {
-            assert_eq!(lines.matches('\n').count(), 2, "{lines}");
+            assert_eq!(lines.matches('\n').count(), 3, "{lines}");
             assert!(!lines.contains(SECRET), "{lines}");
+            assert!(!lines.contains("quoted"), "{lines}");
             assert!(!lines.contains("0ther-pass"), "{lines}");
             assert!(lines.contains("***"), "{lines}");
         }

@@ -31,14 +31,25 @@ pub fn register(secret: &str) {
     if secret.len() < 3 {
         return;
     }
+    // As a log line may show it too: escaped as `Debug` escapes a field's value, and as JSON does (a `"`, a `\`, a
+    // control character in it).
+    let debug = format!("{secret:?}");
+    let json = serde_json::to_string(secret).unwrap_or_default();
+    let forms = [
+        secret,
+        debug.trim_matches('"'),
+        json.get(1..json.len().saturating_sub(1)).unwrap_or(""),
+    ];
     let mut list = secrets()
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if !list.iter().any(|s| s == secret) {
-        list.push(secret.to_owned());
-        // Longest first, so a secret that contains another is masked whole.
-        list.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    for form in forms {
+        if form.len() >= 3 && !list.iter().any(|s| s == form) {
+            list.push(form.to_owned());
+        }
     }
+    // Longest first, so a secret that contains another is masked whole.
+    list.sort_by_key(|s| std::cmp::Reverse(s.len()));
 }
 
 /// `text` with every URL password masked and every registered secret replaced by `***`.
@@ -113,12 +124,56 @@ pub fn without_unused_password_parameters(url: &str) -> (String, bool) {
     (out, true)
 }
 
-/// Whether `url`'s `password=` parameter holds an `&` that is not percent-encoded. The driver would cut the password
-/// there and log the rest (taken for a parameter's name) as it ignores it; masking it takes it whole.
+/// Whether `url`'s `password=` parameter is followed by a part the driver does not know as a parameter: an `&` of the
+/// password not percent-encoded, maybe. The driver cuts the password at every `&` and logs each part it does not
+/// know, value and all, as it ignores it; masking takes the password whole, so that logged part would be a piece of
+/// it no mask matches.
 pub fn password_parameter_holds_ampersand(url: &str) -> bool {
-    query_password_parameters(url)
-        .iter()
-        .any(|p| p.plain && url[p.value_start..p.end].contains('&'))
+    let Some((_, query)) = url.split_once('?') else {
+        return false;
+    };
+    let query = query.split('#').next().unwrap_or(query);
+    let mut after_password = false;
+    for part in query.split('&') {
+        let raw = part.split('=').next().unwrap_or(part);
+        let name = percent_decode(raw).unwrap_or_else(|()| raw.to_owned());
+        if name == "password" {
+            after_password = true;
+        } else if after_password {
+            if !driver_parameter(&name) {
+                return true;
+            }
+            after_password = false;
+        }
+    }
+    false
+}
+
+/// Whether the PostgreSQL driver reads a URL parameter of this name (or drops it before: named for a password).
+fn driver_parameter(name: &str) -> bool {
+    const KNOWN: [&str; 18] = [
+        "sslmode",
+        "ssl-mode",
+        "sslrootcert",
+        "ssl-root-cert",
+        "ssl-ca",
+        "sslcert",
+        "ssl-cert",
+        "sslkey",
+        "ssl-key",
+        "statement-cache-capacity",
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "password",
+        "application_name",
+        "options",
+    ];
+    KNOWN.contains(&name)
+        || (name.starts_with("options[") && name.ends_with(']'))
+        || name.to_ascii_lowercase().ends_with("password")
 }
 
 /// Whether the user information of `url` cannot be told from the rest: an `@` comes after a `/`, `?` or `#` that a
@@ -463,12 +518,23 @@ mod tests {
                 .0
                 .contains("S3cretY")
         );
-        assert!(password_parameter_holds_ampersand(
-            "postgres://app@db/parcels?password=Tr0ub&4dor&sslmode=require"
-        ));
-        assert!(!password_parameter_holds_ampersand(
-            "postgres://app@db/parcels?password=Tr0ub%264dor&sslmode=require"
-        ));
+        for cut in [
+            "postgres://app@db/parcels?password=Tr0ub&4dor&sslmode=require",
+            "postgres://app@db/parcels?password=pa&ss=word",
+            "postgres://app@db/parcels?sslmode=disable&password=x&y",
+        ] {
+            assert!(password_parameter_holds_ampersand(cut), "{cut}");
+        }
+        // Parameters the driver reads, after a password: nothing of it is cut.
+        for whole in [
+            "postgres://app@db/parcels?password=Tr0ub%264dor&sslmode=require",
+            "postgres://app@db/x?password=s3cret&ssl-mode=require&statement-cache-capacity=0",
+            "postgres://app@db/x?password=s3cret&options[search_path]=app",
+            "postgres://app@db/x?password=s3cret",
+            "postgres://app@db/x?sslmode=require",
+        ] {
+            assert!(!password_parameter_holds_ampersand(whole), "{whole}");
+        }
     }
 
     #[test]

@@ -122,19 +122,27 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
 /// published (the AMQP `timestamp`), else its envelope's `sentTime`. A copy moved aside unhandled (`_skipped`, by
 /// MassTransit or by inboxctl) carries no failure time, and often no timestamp; when it was sent is never after it
 /// failed, so an age read from it is never too young. `None` when nothing tells.
+///
+/// A source more than a day ahead of this machine's clock (a timestamp in milliseconds, a host's clock far off, a
+/// header written by hand) tells nothing: the next one is asked.
 pub fn failed_at(delivery: &super::Delivery, failure: &Failure) -> Option<DateTime<Utc>> {
+    let latest = Utc::now() + chrono::TimeDelta::days(1);
+    let plausible = |t: &DateTime<Utc>| *t <= latest;
     failure
         .failed_at
+        .filter(plausible)
         .or_else(|| {
             delivery
                 .properties
                 .timestamp()
                 .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0))
+                .filter(plausible)
         })
         .or_else(|| {
             envelope::parse(&delivery.properties, &delivery.data)
                 .ok()
                 .and_then(|m| m.sent_time)
+                .filter(plausible)
         })
 }
 

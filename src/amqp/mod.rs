@@ -397,6 +397,12 @@ pub fn validate_name(what: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// Whether no queue can be called `name`: empty, or longer than AMQP's 255 bytes. Any other name — a control
+/// character in it included, which inboxctl's flags refuse but RabbitMQ takes — may be a queue's, and is looked at.
+pub fn no_queue_can_have(name: &str) -> bool {
+    name.is_empty() || name.len() > 255
+}
+
 /// A host as a URL writes it: an IPv6 address in brackets.
 fn bracketed(host: &str) -> std::borrow::Cow<'_, str> {
     match host.contains(':') {

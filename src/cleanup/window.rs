@@ -284,7 +284,7 @@ impl Looks<'_> {
             ] {
                 // RabbitMQ takes no name longer than AMQP's 255 bytes: no such queue can hold anything. Any other
                 // name (a control character in a .NET consumer_type's) is looked at like the rest.
-                if dead_letters.len() > 255 {
+                if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
                 if topology::replay_running(connection, &dead_letters).await? {

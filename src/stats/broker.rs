@@ -89,7 +89,7 @@ pub(super) async fn from_broker(
             .into_iter()
             .filter_map(|(e, d)| d.map(|d| (e, d)))
         {
-            if crate::amqp::validate_name("queue", &depth.name).is_err() {
+            if crate::amqp::no_queue_can_have(&depth.name) {
                 continue;
             }
             match queue_depth(connection, &depth.name, depth.partitions).await {

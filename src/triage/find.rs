@@ -152,7 +152,7 @@ pub async fn find(
 
     let mut looked_in = Vec::with_capacity(queues.len());
     for queue in queues {
-        if crate::amqp::validate_name("queue", &queue).is_err() {
+        if crate::amqp::no_queue_can_have(&queue) {
             continue;
         }
         let replay_running = topology::replay_running(connection, &queue).await?;

@@ -1426,6 +1426,18 @@ async fn reconcile_does_not_owe_again_a_call_the_carrier_may_still_be_making() {
             .unwrap()
     };
     assert_eq!(state(pool.clone()).await, "in_doubt");
+    // Its last change long ago, but the lease it was made under ended a minute ago: still too recent.
+    sqlx::query(
+        "UPDATE inboxctl_effects SET updated_at = now() - interval '11 minutes', lease_until = now() - interval '1 minute'
+         WHERE message_id = $1",
+    )
+    .bind(call.message_id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let leased = env.run(&args);
+    assert_eq!(leased.code, Some(3), "{leased:?}");
+    assert_eq!(state(pool.clone()).await, "in_doubt");
     sqlx::query(
         "UPDATE inboxctl_effects SET updated_at = now() - interval '11 minutes', lease_until = now() - interval '11 minutes'
          WHERE message_id = $1",

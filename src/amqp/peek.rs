@@ -55,7 +55,10 @@ pub async fn each(
             let Some(message) = got else {
                 return Ok(());
             };
-            depth = 1;
+            // The count said 0 and a message came: counted again (the one held is not among the ready ones).
+            depth = topology::queue_depth(connection, queue)
+                .await?
+                .map_or(1, |(ready, _)| u64::from(ready) + 1);
             last = Some(message.delivery.delivery_tag);
             looked = 1;
             visit(&message.delivery);

@@ -326,12 +326,8 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             }
             // A member's key held elsewhere past `--claim-timeout` (or a deadlock): the database is up, and the batch
             // would meet it again. Its members go one by one, each in a task of its own: that member waits alone.
-            Err(ProcessError::Unavailable(e))
-                if crate::db::is_contention(&e) || pool_busy(shared.inbox.pool(), &e) =>
-            {
-                if crate::db::is_contention(&e) {
-                    database_back(shared);
-                }
+            Err(ProcessError::Unavailable(e)) if crate::db::is_contention(&e) => {
+                database_back(shared);
                 tracing::warn!(
                     error = %logged(&crate::redact::text(&crate::db::describe(&e))),
                     "batch met another transaction (a member's key held elsewhere past --claim-timeout, a deadlock); \
@@ -355,9 +351,18 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
                 return Committed::OneByOne;
             }
             // Waited out, unless a stop comes or a connection of the batch's members is lost (they can no longer all
-            // be settled; the broker delivers again what came on it): then they go back.
+            // be settled; the broker delivers again what came on it): then they go back. Every connection of the
+            // pool busy past the wait for one is waited out the same, the database not taken for gone (and the batch
+            // not split into one task a member, each wanting a connection of the same pool).
             Err(ProcessError::Unavailable(e)) => {
-                database_gone(shared, &e);
+                if pool_busy(shared.inbox.pool(), &e) {
+                    tracing::warn!(
+                        "every connection of the consumer's pool stayed busy past the wait for one (more work \
+                         holding a connection at once than --pool-size): trying the batch again"
+                    );
+                } else {
+                    database_gone(shared, &e);
+                }
                 let mut links: Vec<&Arc<Link>> = Vec::new();
                 for (_, link, _) in members {
                     if !links.iter().any(|l| Arc::ptr_eq(l, link)) {

@@ -95,7 +95,8 @@ pub trait Consumer: Send + Sync + 'static {
     /// or roll back; returning an error rolls everything back. A raw `COMMIT` or `ROLLBACK` is found after the work one
     /// by one (the message fails), but in a batch only once the members after it ran outside any transaction (their
     /// writes committed on their own, made again when the batch is redone): never end the transaction. A transaction
-    /// of its own (`begin`) is a savepoint: commit or roll it back (one left open fails the message). Settings only
+    /// of its own (`begin`) is a savepoint: commit it (one leaked, left open, fails the message; one dropped is rolled
+    /// back with what it wrote, and the message commits without it, as with any transaction dropped). Settings only
     /// with `SET LOCAL`: a plain `SET` (`search_path`, `lock_timeout`, `ROLE`) outlives the transaction on the pooled
     /// connection and changes the claims of later messages on it (another `search_path`, another `inbox_messages`).
     fn consume<'c>(

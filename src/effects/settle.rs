@@ -231,8 +231,8 @@ async fn settle_booked(
 
 /// Messages of a replay (replayed, or to be replayed on a dry run) older than the idempotency-key lifetime of a keyed
 /// consumer of their origin queue: its carrier may have forgotten the key, and a message whose call had in fact been
-/// made could book again. One warning per consumer_type; nothing said when PostgreSQL cannot be asked (replay needs
-/// none).
+/// made could book again. One warning per consumer_type; when PostgreSQL cannot be asked (replay needs it for nothing
+/// else), a warning that says so.
 pub async fn warn_past_key_lifetime(
     database: &crate::db::Database,
     report: &crate::replay::Report,
@@ -268,7 +268,7 @@ pub async fn warn_past_key_lifetime(
                 tracing::warn!(
                     error = %crate::redact::text(&crate::db::describe(&e)),
                     "could not look for keyed consumers whose idempotency keys the replayed messages may have \
-                     outlived (a carrier that forgot a key books again): SELECT on inboxctl_consumers is needed"
+                     outlived (a carrier that forgot a key books again): inboxctl_consumers could not be read"
                 );
                 break;
             }

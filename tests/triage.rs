@@ -559,6 +559,51 @@ async fn the_guard_looks_at_a_dead_letter_queue_whose_name_holds_a_control_chara
     );
 }
 
+/// A quorum dead-letter queue without a leader (here its one member's Raft server stopped inside the broker, as when
+/// a cluster loses the majority of a queue's members) answers every count with 0, whatever it holds. The cleanup's
+/// guard took such a queue, holding a message that failed 8 days ago, for empty, and deleted the rows its replay
+/// needs. A count of 0 is now checked by taking one: the take fails without a leader, the look fails, nothing is
+/// deleted. (`cluster::` shows the same on three nodes, two of them killed: by hand, 2026-12-05.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "leaderless", "leaderless", 3, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "leaderless_error",
+        inboxctl::amqp::topology::QueueType::Quorum,
+    )
+    .await
+    .unwrap();
+    fail(
+        &conn,
+        "leaderless_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    common::eventually(
+        "the message in the queue",
+        Duration::from_secs(10),
+        || async { env.queue_counts("leaderless_error") == (1, 0) },
+    )
+    .await;
+    let server = format!(
+        "{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<\"{}\">>, queue, <<\"leaderless_error\">>)), \
+         ra:{{}}_server(quorum_queues, amqqueue:get_pid(Q)).",
+        env.vhost
+    );
+    let ra = |what: &str| common::rabbitmqctl(&["eval", &server.replace("{}", what)]);
+    assert_eq!(ra("stop").trim(), "ok");
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(ra("restart").trim(), "ok");
+    assert_ne!(out.code, Some(0), "{out:?}");
+    assert_eq!(rows_of(&pool, "leaderless").await, 3, "{out:?}");
+}
+
 /// Registers consumer_types as their consumers do, with processed inbox rows of the given age.
 async fn processed_rows(
     pool: &sqlx::PgPool,

@@ -522,8 +522,9 @@ async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
     match error {
         WorkError::Database(sqlx::Error::Protocol(_)) => match db::claim::still_open(conn).await {
             Ok(()) => false,
-            // The server answered (25P02: an earlier statement's error, caught): the session is alive.
-            Err(sqlx::Error::Database(_)) => false,
+            // The server answered (25P02: an earlier statement's error, caught): the session is alive — unless its
+            // answer is itself the infrastructure's (a shutdown, a pooler's refusal).
+            Err(e @ sqlx::Error::Database(_)) => is_transient(&e),
             Err(e) => !db::claim::is_the_works_doing(&e),
         },
         WorkError::Database(e) => is_transient(e),

@@ -33,13 +33,17 @@ pub fn register(secret: &str) {
     }
     // As a log line may show it too: escaped as `Debug` escapes a field's value, and as JSON does (a `"`, a `\`, a
     // control character in it).
-    let debug = format!("{secret:?}");
-    let json = serde_json::to_string(secret).unwrap_or_default();
-    let forms = [
-        secret,
-        debug.trim_matches('"'),
-        json.get(1..json.len().saturating_sub(1)).unwrap_or(""),
-    ];
+    let quoted = |q: &str| -> String {
+        q.strip_prefix('"')
+            .and_then(|q| q.strip_suffix('"'))
+            .unwrap_or(q)
+            .to_owned()
+    };
+    let debug = quoted(&format!("{secret:?}"));
+    let json = quoted(&serde_json::to_string(secret).unwrap_or_default());
+    // A field logged with `?` in a JSON line: escaped as Debug does, then as JSON does.
+    let json_of_debug = quoted(&serde_json::to_string(&debug).unwrap_or_default());
+    let forms = [secret, &debug, &json, &json_of_debug];
     let mut list = secrets()
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -135,6 +139,10 @@ pub fn password_parameter_holds_ampersand(url: &str) -> bool {
     let query = query.split('#').next().unwrap_or(query);
     let mut after_password = false;
     for part in query.split('&') {
+        // The driver skips an empty part (`&&`, a trailing `&`).
+        if part.is_empty() {
+            continue;
+        }
         let raw = part.split('=').next().unwrap_or(part);
         let name = percent_decode(raw).unwrap_or_else(|()| raw.to_owned());
         if name == "password" {
@@ -302,10 +310,16 @@ fn query_password_parameters(url: &str) -> Vec<PasswordParameter> {
     }
 }
 
-/// Whether `s` starts with a libpq parameter's `name=`.
+/// Whether `s` starts with a parameter's `name=`: a libpq-style name, or one the driver reads (`ssl-mode`,
+/// `statement-cache-capacity`, `options[…]`), percent-decoded as the driver decodes it.
 fn starts_parameter(s: &str) -> bool {
-    s.find('=')
-        .is_some_and(|eq| eq > 0 && s[..eq].chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+    s.find('=').is_some_and(|eq| {
+        let raw = &s[..eq];
+        let name = percent_decode(raw).unwrap_or_else(|()| raw.to_owned());
+        eq > 0
+            && !name.contains('&')
+            && (name.chars().all(|c| c.is_ascii_lowercase() || c == '_') || driver_parameter(&name))
+    })
 }
 
 /// Masks the password of every `scheme://user:password@` in free text.
@@ -518,6 +532,11 @@ mod tests {
                 .0
                 .contains("S3cretY")
         );
+        // The password the driver reads is what is registered, not the parameters after it.
+        assert_eq!(
+            url("postgres://app@db/x?password=s3cretQ&ssl-mode=require&options[search_path]=app"),
+            "postgres://app@db/x?password=***&ssl-mode=require&options[search_path]=app"
+        );
         for cut in [
             "postgres://app@db/parcels?password=Tr0ub&4dor&sslmode=require",
             "postgres://app@db/parcels?password=pa&ss=word",
@@ -532,6 +551,8 @@ mod tests {
             "postgres://app@db/x?password=s3cret&options[search_path]=app",
             "postgres://app@db/x?password=s3cret",
             "postgres://app@db/x?sslmode=require",
+            "postgres://app@db/x?password=s3cret&&sslmode=require",
+            "postgres://app@db/x?password=s3cret&",
         ] {
             assert!(!password_parameter_holds_ampersand(whole), "{whole}");
         }

@@ -23,7 +23,7 @@ use super::dispatch::{
     failed, handling_panicked, prepare, processed, settle, settle_acker, settled, unclaimable,
 };
 use super::link::Link;
-use super::outage::{database_back, database_gone, pool_busy};
+use super::outage::{POOL_BUSY, database_back, database_gone, pool_busy};
 use super::{
     Consumer, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, Shared, error_chain, logged,
     panic_message, sleep_or_cancel,
@@ -356,10 +356,7 @@ async fn commit<C: Consumer>(shared: &Shared<C>, members: &[Held<C>]) -> Committ
             // not split into one task a member, each wanting a connection of the same pool).
             Err(ProcessError::Unavailable(e)) => {
                 if pool_busy(shared.inbox.pool(), &e) {
-                    tracing::warn!(
-                        "every connection of the consumer's pool stayed busy past the wait for one (more work \
-                         holding a connection at once than --pool-size): trying the batch again"
-                    );
+                    tracing::warn!("{POOL_BUSY}: trying the batch again");
                 } else {
                     database_gone(shared, &e);
                 }

@@ -40,15 +40,15 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
              deadlock): trying it again"
         );
     } else if pool_busy(shared.inbox.pool(), error) {
-        tracing::warn!(
-            message_id = %id,
-            "every connection of the consumer's pool stayed busy past the wait for one (more work holding a \
-             connection at once than --pool-size): trying it again"
-        );
+        tracing::warn!(message_id = %id, "{POOL_BUSY}: trying it again");
     } else {
         database_gone(shared, error);
     }
 }
+
+/// What is said of a wait for a connection that ran out with the pool busy ([`pool_busy`]).
+pub(super) const POOL_BUSY: &str = "every connection of the consumer's pool stayed busy past the wait for one (more \
+                                    work holding a connection at once than --pool-size)";
 
 /// Whether `error` is the wait for one of `pool`'s connections running out with every one of them open and in use:
 /// the database up and answering (work holding its connection long, more at once than the pool holds), not gone.

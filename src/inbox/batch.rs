@@ -186,17 +186,15 @@ impl Inbox {
             .filter_map(|m| all_keys.get(&m.message_id).copied())
             .collect();
         keys.sort_unstable_by_key(|k| k.message_id);
-        // An earlier round ended with a transaction a member's work left open still on the connection (its rollback
-        // went back to that transaction's savepoint only): this round's BEGIN would be a savepoint of it. The batch
-        // as a whole failed; its members go one by one, where the culprit fails alone.
-        if sqlx::Connection::is_in_transaction(&*conn) {
-            return Err(ProcessError::Failed(super::aborted(sqlx::Error::Protocol(
-                db::claim::LEFT_OPEN_BY_THE_WORK.to_owned(),
-            ))));
-        }
+        // `begin` refuses a connection still in a transaction: an earlier round's member left one open (its
+        // rollback went back to that transaction's savepoint only). The batch as a whole failed; its members go one
+        // by one, where the culprit fails alone.
         let mut tx = db::claim::begin(conn, self.claim_timeout)
             .await
-            .map_err(ProcessError::Unavailable)?;
+            .map_err(|e| match db::claim::is_the_works_doing(&e) {
+                true => ProcessError::Failed(super::aborted(e)),
+                false => ProcessError::Unavailable(e),
+            })?;
         let claim_started = Instant::now();
         let claimed = if keys.is_empty() {
             HashSet::new()

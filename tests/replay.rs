@@ -1403,6 +1403,44 @@ async fn a_confirmed_replay_moves_only_the_count_confirmed() {
     assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0), "{screen}");
 }
 
+/// A yes at the question caps the replay at the count confirmed, but it is still a replay of everything: messages
+/// another client takes while it runs (a `failures` look holding them) are said to be unreached and the run ends
+/// partial (exit 3), as it does without the question. The yes had made it a replay of a chosen few, which cannot
+/// tell: one of three replayed, exit 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_confirmed_replay_still_says_what_another_client_took_while_it_ran() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    for _ in 0..3 {
+        failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+    }
+    let tmux = common::Tmux::of(&env);
+    // One every 5 s: time enough, once the first is back on its queue, for the test to take the other two.
+    tmux.start(
+        &env,
+        &format!("replay --from {ERROR_QUEUE} --confirm-above 1 --rate 0.2"),
+    );
+    tmux.wait_for("the question", |s| s.contains("replay 3 messages"));
+    tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
+    common::eventually("the first replayed", Duration::from_secs(20), || async {
+        env.queue_counts(CARRIER_QUEUE).0 == 1
+    })
+    .await;
+    let holder = conn.create_channel().await.unwrap();
+    for _ in 0..2 {
+        holder
+            .basic_get(ERROR_QUEUE.into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .expect("a message to hold");
+    }
+    let screen = tmux.wait_for("the end", |s| s.contains("EXITED="));
+    assert!(screen.contains("EXITED=3"), "{screen}");
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (1, 0), "{screen}");
+}
+
 /// The cleanup's guard looks at the head of each error queue, and a running replay holds every message it leaves
 /// (not selected, expired) unacknowledged, out of sight. X was processed (its row 3 days old) and a copy of it waits
 /// in the error queue, failed 4 days ago (a replay that crashed between the confirm and the ack). Alone,
@@ -1466,6 +1504,49 @@ async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
         (Some(3), 1, 1),
         "cleanup refused, X's row kept, one reservation: {out:?}"
     );
+}
+
+/// The same race the other way round: the cleanup's guard is between its two looks at the error queue (the head, and
+/// the replay's marker; a failpoint holds it there) when the replay begins and takes X out of sight. The guard looks
+/// at the head first and the marker after: X was seen at the head, and the cleanup is refused. With the marker looked
+/// at first (none yet) and the head after (X held: a fresh message at the head), X's row was deleted.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_beginning_between_the_guards_two_looks_keeps_the_rows_of_what_it_holds() {
+    let env = TestEnv::migrated().await;
+    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 20).await;
+    // Held 6 s between its looks; the replay takes X first and holds it for its 10 s (20 others at 2 a second).
+    let mut cleanup = env.spawn_with(
+        &["cleanup", "--retention", "2d", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!("guard-between-looks=sleep-once-6000@{ERROR_QUEUE}"),
+        )],
+    );
+    cleanup.wait_for_stderr(
+        "failpoint guard-between-looks reached",
+        Duration::from_secs(30),
+    );
+    let mut replay = env.spawn(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--reason",
+        "503",
+        "--rate",
+        "2",
+    ]);
+    common::eventually("the replay holding X", Duration::from_secs(20), || async {
+        env.queue_counts(ERROR_QUEUE).1 >= 1
+    })
+    .await;
+    let code = cleanup.wait(Duration::from_secs(60));
+    assert_eq!(replay.wait(Duration::from_secs(60)), Some(0));
+    let row: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE id = $1")
+        .bind(x)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((code, row), (Some(3), 1), "{}", cleanup.stderr());
 }
 
 /// A yes moves the messages the question counted. Two expired messages (failed 8 days ago, past the default 7 days)

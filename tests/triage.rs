@@ -563,7 +563,8 @@ async fn the_guard_looks_at_a_dead_letter_queue_whose_name_holds_a_control_chara
 /// a cluster loses the majority of a queue's members) answers every count with 0, whatever it holds. The cleanup's
 /// guard took such a queue, holding a message that failed 8 days ago, for empty, and deleted the rows its replay
 /// needs. A count of 0 is now checked by taking one: the take fails without a leader, the look fails, nothing is
-/// deleted. (`cluster::` shows the same on three nodes, two of them killed: by hand, 2026-12-05.)
+/// deleted. (`cluster::` shows the same on three nodes, two of them killed: by hand, 2026-12-05.) A replay of it
+/// said "0 messages" and ended 0, as if nothing waited: it fails now, saying why.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
     let env = TestEnv::migrated().await;
@@ -609,9 +610,18 @@ async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
     assert_eq!(ra("stop").trim(), "ok");
     let restart = Restart(&server);
     let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    // A replay of it (a dry run: what the operator runs first) is not told "0 messages" either.
+    let replay = env.run(&[
+        "replay",
+        "--from",
+        "leaderless_error",
+        "--dry-run",
+        "--json",
+    ]);
     drop(restart);
     assert_ne!(out.code, Some(0), "{out:?}");
     assert_eq!(rows_of(&pool, "leaderless").await, 3, "{out:?}");
+    assert_ne!(replay.code, Some(0), "{replay:?}");
 }
 
 /// Registers consumer_types as their consumers do, with processed inbox rows of the given age.

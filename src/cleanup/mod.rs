@@ -125,9 +125,14 @@ pub async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
 }
 
 impl Report {
-    /// Partial when interrupted or when a consumer_type was left to keep a waiting replay's window.
+    /// Partial when interrupted, when a consumer_type was left to keep a waiting replay's window, or when a
+    /// partition was left detached (the next cleanup settles it).
     pub fn outcome(&self) -> crate::error::Outcome {
-        if self.interrupted || self.refused > 0 {
+        let detached = self
+            .partitions
+            .as_ref()
+            .is_some_and(|p| p.kept.iter().any(|k| k.detached));
+        if self.interrupted || self.refused > 0 || detached {
             crate::error::Outcome::Partial
         } else {
             crate::error::Outcome::Done

@@ -58,6 +58,9 @@ pub struct Next {
 pub struct Kept {
     pub partition: String,
     pub why: String,
+    /// Left detached (its lock held elsewhere, or it could not be attached again): a message whose time falls in
+    /// its range cannot be claimed until a cleanup settles it, so the run is partial (exit 3).
+    pub detached: bool,
 }
 
 impl PartitionWork {
@@ -167,6 +170,7 @@ async fn drop_and_make(
                     work.kept.push(Kept {
                         partition: name,
                         why: format!("{why} (left detached by a stopped drop: {how})"),
+                        detached: attached.is_err(),
                     });
                 }
                 db::partitions::Settled::Taken => {}
@@ -174,6 +178,7 @@ async fn drop_and_make(
                     partition: name,
                     why: "left detached by a stopped drop, and its lock held elsewhere: the next cleanup settles it"
                         .to_owned(),
+                    detached: true,
                 }),
             }
         }
@@ -211,6 +216,7 @@ async fn drop_and_make(
                     crate::sanitize::text(&partition.owner)
                 ),
                 partition: partition.name,
+                detached: false,
             });
             continue;
         }
@@ -219,6 +225,7 @@ async fn drop_and_make(
             work.kept.push(Kept {
                 partition: partition.name,
                 why,
+                detached: false,
             });
             continue;
         }
@@ -246,6 +253,7 @@ async fn drop_and_make(
                     work.kept.push(Kept {
                         partition: partition.name,
                         why: format!("{why} (written to as it was being dropped: {how})"),
+                        detached: attached.is_err(),
                     });
                     continue;
                 }
@@ -258,6 +266,7 @@ async fn drop_and_make(
                         why: "detached, and its lock held elsewhere (an autovacuum, a dump): left detached, for the \
                               next cleanup to settle"
                             .to_owned(),
+                        detached: true,
                     });
                     continue;
                 }

@@ -287,14 +287,18 @@ impl Looks<'_> {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
+                let h = peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost))
+                    .await?;
+                crate::failpoint::hit_with("guard-between-looks", &dead_letters).await;
+                // After the look at the head, not before: a replay marks its queue before it takes anything, so a
+                // replay that held a message out of the look's sight is running still, or ran before it (and its
+                // marker is seen here). Looked at first, a replay beginning between the two could take an old head
+                // away unseen, and its row be deleted under it.
                 if topology::replay_running(connection, &dead_letters).await? {
                     report.refused = Some(self.replaying(&dead_letters));
                     break;
                 }
-                let Some(h) =
-                    peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost))
-                        .await?
-                else {
+                let Some(h) = h else {
                     continue;
                 };
                 if self.too_old(&h) {
@@ -326,13 +330,15 @@ impl Looks<'_> {
                 }
                 continue;
             }
+            let h = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await?;
+            // After the look, as in `each`.
             if topology::replay_running(connection, dlq).await? {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                     report.refused = Some(self.replaying(dlq));
                 }
                 continue;
             }
-            let Some(h) = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await? else {
+            let Some(h) = h else {
                 continue;
             };
             if !self.too_old(&h) {

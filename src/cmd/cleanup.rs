@@ -105,7 +105,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         guard,
         audit_retention: args.audit_retention,
     };
-    let mut refused = false;
+    let mut partial = false;
     let mut last_failed = false;
     let totals = Arc::new(Mutex::new(Totals::default()));
     if let Some(addr) = args.metrics_addr {
@@ -135,7 +135,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
                 meter.finish_and_clear();
                 warn_unprocessed(report, args.retention);
                 warn_refused(report);
-                refused = report.refused > 0;
+                partial = report.outcome() == Outcome::Partial;
                 totals.lock().unwrap_or_else(|p| p.into_inner()).add(report);
                 if args.json {
                     output::json(report)?;
@@ -148,7 +148,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     })
     .await?;
     // A stop after a run that failed: the last run did not happen.
-    Ok(if interrupted || refused || last_failed {
+    Ok(if interrupted || partial || last_failed {
         Outcome::Partial
     } else {
         Outcome::Done

@@ -100,7 +100,7 @@ pub async fn replay(
             .iter()
             .filter(|i| !matches!(i.action, Action::NotSelected | Action::CopyOfReplayed))
             .count() as u64;
-        plan.limit = Some(plan.limit.map_or(confirmed, |l| l.min(confirmed)));
+        plan.confirmed = Some(confirmed);
     }
     Ok(yes)
 }

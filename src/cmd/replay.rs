@@ -110,6 +110,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         from: args.from.clone(),
         to: args.to.clone(),
         limit: args.limit,
+        confirmed: None,
         message_ids: args.message_ids.clone(),
         reason: args.reason.clone(),
         max_replays: args.max_replays,

@@ -55,7 +55,7 @@ impl Totals {
             .map(|c| (c.consumer_type.clone(), c.unprocessed_older))
             .collect();
         self.refused = report.refused;
-        if !report.interrupted && report.refused == 0 {
+        if report.outcome() == crate::error::Outcome::Done {
             self.last_success = Some(ended.timestamp_millis() as f64 / 1000.0);
         }
     }

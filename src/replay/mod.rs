@@ -45,6 +45,9 @@ pub struct Plan {
     pub to: Option<String>,
     /// Replay at most this many messages.
     pub limit: Option<u64>,
+    /// How many messages an operator confirmed after the dry run: at most these are replayed, as with `limit`, but
+    /// the replay is still one of everything, which says what it could not reach (`unreached`).
+    pub confirmed: Option<u64>,
     /// Only these message ids (empty: all).
     pub message_ids: Vec<String>,
     /// Only messages whose failure reason contains this text.

@@ -39,10 +39,17 @@ pub async fn run(
         return Err(Error::Usage(format!("--to {to}: {why}")));
     }
     let depth = topology::queue_depth(connection, &plan.from);
-    let snapshot = match answered("a look at the queue", plan.broker_timeout, depth).await?? {
+    let mut snapshot = match answered("a look at the queue", plan.broker_timeout, depth).await?? {
         Some((ready, _)) => u64::from(ready),
         None => return Err(Error::QueueNotFound(plan.from.clone())),
     };
+    if snapshot == 0 {
+        // A quorum queue without a leader counts 0 whatever it holds: a count of 0 is checked by taking one (given
+        // back), which such a queue cannot answer (the replay fails, said), rather than reported as an empty queue.
+        snapshot = crate::amqp::peek::each(connection, &plan.from, 1, |_| {})
+            .await?
+            .map_or(0, |looked| looked.depth);
+    }
     let mut state = State {
         plan,
         vhost: broker.vhost().to_owned(),
@@ -55,7 +62,13 @@ pub async fn run(
         window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
         run: uuid::Uuid::new_v4().to_string(),
         fingerprints: Fingerprints::new(),
-        machine: Machine::new(snapshot, plan.limit),
+        machine: Machine::new(
+            snapshot,
+            match (plan.limit, plan.confirmed) {
+                (Some(l), Some(c)) => Some(l.min(c)),
+                (l, c) => l.or(c),
+            },
+        ),
         listed: plan.group.as_ref().map(super::GroupPlan::listed_set),
         pace: plan.rate.map(super::republish::Pace::new),
         report: Report::begun(plan.from.clone(), plan.dry_run, snapshot),
@@ -63,7 +76,8 @@ pub async fn run(
     let mut link = Link::new(broker, "inboxctl replay", connection, reconnect_for);
     let passes = state.run_passes(&mut link, shutdown, &mut progress).await;
     // Only a replay of everything can tell: a chosen few (ids, a reason, a group, a limit) may all have been met
-    // whatever else was held elsewhere, and leave the rest in the queue.
+    // whatever else was held elsewhere, and leave the rest in the queue. A count confirmed at the question is not a
+    // choice of the operator's: what the dry run showed them is everything, and what was held meanwhile is unreached.
     let everything = plan.limit.is_none()
         && plan.message_ids.is_empty()
         && plan.reason.is_none()
@@ -206,7 +220,15 @@ impl State<'_> {
         self.machine.pass_started();
         self.mark(connection, shutdown).await?;
         let mut channels = Channels::open(connection, self.plan.broker_timeout).await?;
-        self.take(&mut channels, shutdown, progress).await?;
+        if let Err(e) = self.take(&mut channels, shutdown, progress).await {
+            // A stop (a refusal): what was held goes back now, before the caller takes the marker down, so that no
+            // moment has those messages out of the cleanup guard's sight with no marker to say why. (A lost
+            // connection gives them back by itself.)
+            if !crate::amqp::is_connection_lost(connection, &e) {
+                let _ = channels.finish().await;
+            }
+            return Err(e);
+        }
         if channels.finish().await? {
             // Answered after every acknowledgement sent on the channel: they all arrived.
             self.machine.settled();

@@ -105,6 +105,7 @@ async fn replay_group(
         from: from.to_owned(),
         to: None,
         limit: None,
+        confirmed: None,
         message_ids: Vec::new(),
         reason: None,
         max_replays: None,
@@ -142,7 +143,7 @@ async fn replay_group(
     match report {
         Ok(r) => {
             let g = r.group.clone().unwrap_or_default();
-            let partial = if r.outcome() == crate::error::Outcome::Partial {
+            let mut partial = if r.outcome() == crate::error::Outcome::Partial {
                 format!(
                     "; {} left in place, {} not met — see `inboxctl replay --dry-run`",
                     r.left, r.unreached
@@ -150,6 +151,19 @@ async fn replay_group(
             } else {
                 String::new()
             };
+            // A stop (the connection lost past the wait for another, a refusal) is said, and so are the replayed
+            // messages whose dead-letter copy may still be in the queue beside the copy sent back.
+            if let Some(why) = &r.stopped {
+                partial.push_str(&format!("; stopped: {}", crate::redact::text(why)));
+            } else if r.interrupted {
+                partial.push_str("; interrupted");
+            }
+            if r.acks_in_doubt > 0 {
+                partial.push_str(&format!(
+                    "; {} replayed may still be in {} beside their copy",
+                    r.acks_in_doubt, from
+                ));
+            }
             format!(
                 "replayed {} of group {} ({} listed, {} gone, {} changed, {} new left{partial}){note}",
                 r.replayed,

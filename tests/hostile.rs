@@ -1174,10 +1174,8 @@ async fn a_suspect_waits_for_work_in_progress_not_for_a_retry_backoff() {
         || async { effects(&pool).await == 31 },
     )
     .await;
-    assert!(
-        consumer.stderr().contains("attempt failed"),
-        "F is in its backoff"
-    );
+    // F has failed (its line may reach the test's reader of stderr a moment after the effects, on a loaded machine).
+    consumer.wait_for_stderr("attempt failed", Duration::from_secs(10));
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
     assert_eq!(

@@ -1062,7 +1062,7 @@ async fn a_partition_left_detached_for_a_lock_held_elsewhere_ends_the_cleanup_pa
     let pool = env.pool().await;
     let mut cleanup = env.spawn_with(
         &["cleanup", "--retention", "7d", "--force", "--json"],
-        &[("INBOXCTL_FAILPOINTS", "partition-detached=sleep-once-4000")],
+        &[("INBOXCTL_FAILPOINTS", "partition-detached=sleep-once-10000")],
     );
     cleanup.wait_for_stderr(
         "failpoint partition-detached reached",

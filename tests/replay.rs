@@ -1417,15 +1417,29 @@ async fn a_confirmed_replay_still_says_what_another_client_took_while_it_ran() {
         failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
     }
     let tmux = common::Tmux::of(&env);
-    // One every 5 s: time enough, once the first is back on its queue, for the test to take the other two.
+    // One every 10 s: time enough, once the first is back on its queue, for the test to take the other two.
     tmux.start(
         &env,
-        &format!("replay --from {ERROR_QUEUE} --confirm-above 1 --rate 0.2"),
+        &format!("replay --from {ERROR_QUEUE} --confirm-above 1 --rate 0.1"),
     );
     tmux.wait_for("the question", |s| s.contains("replay 3 messages"));
     tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
+    // Counted through the test's own connection (a passive declare: milliseconds, where `rabbitmqctl` takes seconds).
     common::eventually("the first replayed", Duration::from_secs(20), || async {
-        env.queue_counts(CARRIER_QUEUE).0 == 1
+        let channel = conn.create_channel().await.unwrap();
+        let queue = channel
+            .queue_declare(
+                CARRIER_QUEUE.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let _ = channel.close(200, "OK".into()).await;
+        queue.message_count() == 1
     })
     .await;
     let holder = conn.create_channel().await.unwrap();
@@ -1506,10 +1520,10 @@ async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
     );
 }
 
-/// The same race the other way round: the cleanup's guard is between its two looks at the error queue (the head, and
-/// the replay's marker; a failpoint holds it there) when the replay begins and takes X out of sight. The guard looks
-/// at the head first and the marker after: X was seen at the head, and the cleanup is refused. With the marker looked
-/// at first (none yet) and the head after (X held: a fresh message at the head), X's row was deleted.
+/// The same race the other way round: the cleanup's guard has looked for the replay's marker (none) and not yet at the
+/// error queue's head (a failpoint holds it there) when the replay begins and takes X out of sight. The guard looks
+/// for the marker again after the head: it is seen, and the cleanup is refused. With the marker looked for only
+/// before (none yet) and the head after (X held: a fresh message at the head), X's row was deleted.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_beginning_between_the_guards_two_looks_keeps_the_rows_of_what_it_holds() {
     let env = TestEnv::migrated().await;

@@ -287,13 +287,16 @@ impl Looks<'_> {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
+                // The replay's marker, before the look at the head and after it: a replay running before holds
+                // messages out of the look's sight (and may end, giving them back, before a look after), and one
+                // beginning in between marks the queue before it takes anything, so the look after sees it.
+                if topology::replay_running(connection, &dead_letters).await? {
+                    report.refused = Some(self.replaying(&dead_letters));
+                    break;
+                }
+                crate::failpoint::hit_with("guard-between-looks", &dead_letters).await;
                 let h = peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost))
                     .await?;
-                crate::failpoint::hit_with("guard-between-looks", &dead_letters).await;
-                // After the look at the head, not before: a replay marks its queue before it takes anything, so a
-                // replay that held a message out of the look's sight is running still, or ran before it (and its
-                // marker is seen here). Looked at first, a replay beginning between the two could take an old head
-                // away unseen, and its row be deleted under it.
                 if topology::replay_running(connection, &dead_letters).await? {
                     report.refused = Some(self.replaying(&dead_letters));
                     break;
@@ -330,9 +333,16 @@ impl Looks<'_> {
                 }
                 continue;
             }
-            let h = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await?;
-            // After the look, as in `each`.
-            if topology::replay_running(connection, dlq).await? {
+            // Before the look and after it, as in `each`.
+            let mut replaying = topology::replay_running(connection, dlq).await?;
+            let h = if replaying {
+                None
+            } else {
+                let h = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await?;
+                replaying = topology::replay_running(connection, dlq).await?;
+                h
+            };
+            if replaying {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                     report.refused = Some(self.replaying(dlq));
                 }

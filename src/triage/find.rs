@@ -155,7 +155,8 @@ pub async fn find(
         if crate::amqp::no_queue_can_have(&queue) {
             continue;
         }
-        let replay_running = topology::replay_running(connection, &queue).await?;
+        // Before the look and after it (below): a replay beginning in between marks the queue before it takes.
+        let mut replay_running = topology::replay_running(connection, &queue).await?;
         let mut position = 0;
         let looked = peek::each(connection, &queue, plan.limit, |delivery| {
             position += 1;
@@ -207,6 +208,7 @@ pub async fn find(
             }
             Err(e) => return Err(e),
         };
+        replay_running = replay_running || topology::replay_running(connection, &queue).await?;
         looked_in.push(Looked {
             queue,
             depth: looked.map(|l| l.depth),

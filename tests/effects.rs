@@ -1800,6 +1800,52 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
     );
 }
 
+/// An after-commit run (with a look-up, say) leaves a call whose outcome is unknown (started, its lease run out), and
+/// the consumer is restarted at most once: that run does not make it again (it may have been booked: a second
+/// booking is what at-most-once promises never to make), says so, and still makes a call merely owed. It made both,
+/// the unknown one blind.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_at_most_once_run_does_not_make_again_a_call_an_after_commit_run_left_unknown() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let unknown = owed_from_an_earlier_run(&pool, "left-unknown").await;
+    let leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10, false)
+        .await
+        .unwrap();
+    assert_eq!(leased.len(), 1);
+    external::record_outcome(
+        &pool,
+        &leased[0],
+        CARRIER_QUEUE,
+        &outcome("started", "no answer"),
+    )
+    .await
+    .unwrap();
+    lapse(&pool, unknown).await;
+    owed_from_an_earlier_run(&pool, "left-pending").await;
+    let args = consume_args(&stub, "at-most-once", &["--exit-when-idle", "1s"]);
+    let mut consumer = env.spawn(&args);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert!(
+        consumer.stderr().contains("does not make them again"),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(stub.bookings_to("left-pending").await, 1);
+    assert_eq!(stub.bookings_to("left-unknown").await, 0, "not made again");
+    assert_eq!(
+        state_of(&pool, "left-unknown").await.as_deref(),
+        Some("started")
+    );
+}
+
 /// Keyed and batched, against a carrier that ignores keys: one member's call fails (its answer later than
 /// `--carrier-timeout`), and the batch is done again without it, the others' work run again in each round. Each other
 /// parcel is booked once: a call made again for a key takes the slot the carrier gave this process for it. Before,

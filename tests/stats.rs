@@ -135,6 +135,57 @@ async fn a_consumer_type_written_only_by_ef_core_shows_its_rows_and_unknown_rate
     }
 }
 
+/// A .NET service that leaves a time at `DateTime.MinValue` or `MaxValue` gets `-infinity`/`infinity` in the table
+/// (Npgsql's default). One such row made `stats` (and `top`) fail whole ("cannot subtract infinite timestamps"), and
+/// `cleanup` and `find` panic (the driver cannot hold it in a time). Now: the figures are there (the row at
+/// `-infinity` counted, its age passed over), the cleanup deletes the row processed at `-infinity` and keeps the one
+/// processed at `infinity`, and `find` says what the table holds.
+#[tokio::test(flavor = "multi_thread")]
+async fn rows_at_infinity_from_a_dotnet_writer_neither_blank_the_figures_nor_crash_a_command() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let at_minus_infinity = "0c0ffee0-0000-4000-8000-000000000001";
+    let processed_at_infinity = "0c0ffee0-0000-4000-8000-000000000002";
+    let processed_at_minus_infinity = "0c0ffee0-0000-4000-8000-000000000003";
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) VALUES
+         ('{at_minus_infinity}', 'dotnet-carrier', '-infinity', NULL),
+         ('0c0ffee0-0000-4000-8000-000000000004', 'dotnet-carrier', now() - interval '5 minutes', NULL),
+         ('{processed_at_infinity}', 'dotnet-carrier', now() - interval '10 days', 'infinity'),
+         ('{processed_at_minus_infinity}', 'dotnet-carrier', now() - interval '10 days', '-infinity'),
+         ('0c0ffee0-0000-4000-8000-000000000005', 'dotnet-carrier', now() - interval '1 minute', now() - interval '1 minute')"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let report = stats(&env, &[]);
+    let c = of(&report, "dotnet-carrier");
+    assert_eq!(c["rows"], 5, "{c}");
+    assert_eq!(c["unprocessed"], 2, "{c}");
+    let age = c["oldest_unprocessed_seconds"].as_f64().unwrap();
+    assert!((300.0..3600.0).contains(&age), "{c}");
+
+    let out = env.run(&["find", at_minus_infinity, processed_at_infinity]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stdout.contains("received (at ±infinity"), "{out:?}");
+    assert!(out.stdout.contains("processed (at ±infinity"), "{out:?}");
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let left: Vec<String> = sqlx::query_scalar(
+        "SELECT id::text FROM inbox_messages WHERE consumer_type = 'dotnet-carrier'",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(
+        !left.contains(&processed_at_minus_infinity.to_owned()),
+        "{left:?}"
+    );
+    assert!(left.contains(&processed_at_infinity.to_owned()), "{left:?}");
+    assert!(left.contains(&at_minus_infinity.to_owned()), "{left:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn above_a_million_rows_a_count_is_an_estimate_and_says_so() {
     let env = TestEnv::migrated().await;

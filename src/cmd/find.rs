@@ -172,18 +172,28 @@ fn rows(m: &Found) -> comfy_table::Table {
     }
     let mut lines: Vec<(Option<DateTime<Utc>>, String, String, String)> = Vec::new();
     for r in &m.inbox {
+        // A time of ±infinity in the table (.NET's DateTime.MinValue/MaxValue as Npgsql writes them) has no place
+        // in time: said, and listed first.
         lines.push((
-            Some(r.received_at),
+            r.received_at,
             "inbox".into(),
             r.consumer_type.clone(),
-            "received".into(),
+            if r.received_at.is_some() {
+                "received".into()
+            } else {
+                "received (at ±infinity, as the table says)".into()
+            },
         ));
-        if let Some(at) = r.processed_at {
+        if r.processed {
             lines.push((
-                Some(at),
+                r.processed_at,
                 "inbox".into(),
                 r.consumer_type.clone(),
-                "processed".into(),
+                if r.processed_at.is_some() {
+                    "processed".into()
+                } else {
+                    "processed (at ±infinity, as the table says)".into()
+                },
             ));
         } else {
             lines.push((

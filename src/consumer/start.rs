@@ -121,7 +121,10 @@ pub async fn consume_guarded<G: WorkGuard>(
                     concurrency: usize::from(config.workers()),
                     wake: Arc::clone(&wake),
                     bound: config.attempt_timeout(),
-                    pending_only: api.mode == EffectMode::Keyed,
+                    // Only an after-commit run makes again a call whose outcome is unknown (an after-commit run's,
+                    // its lease run out): a keyed run has no look-up that run may have had, and an at-most-once run
+                    // must never make a call twice.
+                    pending_only: api.mode != EffectMode::AfterCommit,
                 };
                 match api.mode {
                     EffectMode::Keyed => {
@@ -152,6 +155,19 @@ pub async fn consume_guarded<G: WorkGuard>(
                         beside_the_worker(worker, guard, consumer, broker, options, shutdown).await
                     }
                     mode => {
+                        if mode == EffectMode::AtMostOnce {
+                            let (_, unknown) = owed_by_an_earlier_run(&pool, &consumer_type).await;
+                            if unknown > 0 {
+                                tracing::warn!(
+                                    consumer_type = %consumer_type,
+                                    calls = unknown,
+                                    "calls to the carrier whose outcome is unknown were left by an earlier run; this \
+                                     at-most-once run does not make them again (an at-most-once run's are marked in \
+                                     doubt; an after-commit run's wait for a run in their mode): settle them \
+                                     (inboxctl effects reconcile; effects resolve)"
+                                );
+                            }
+                        }
                         let carrier = effects::DeferredCarrier {
                             mode,
                             consumer_type: consumer_type.clone(),

@@ -105,7 +105,7 @@ WHERE consumer_type = $1 AND processed_at < $2 AND ($3::timestamptz IS NULL OR m
 
     /// Rows received before the cutoff and never processed, and the oldest of them. `$1` consumer_type, `$2` cutoff.
     const UNPROCESSED_BEFORE = "\
-SELECT count(*), min(received_at) FROM inbox_messages
+SELECT count(*), min(received_at) FILTER (WHERE isfinite(received_at)) FROM inbox_messages
 WHERE consumer_type = $1 AND processed_at IS NULL AND received_at < $2";
 
     /// `cleanup`: start counts of messages that never came back. `$1` consumer_type, `$2` cutoff.

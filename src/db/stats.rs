@@ -70,16 +70,19 @@ LEFT JOIN pg_stats s ON s.schemaname = p.relnamespace::regnamespace::text
     pub const COUNT_UNPROCESSED_CAPPED = "\
 SELECT count(*) FROM (SELECT 1 FROM inbox_messages WHERE consumer_type = $1 AND processed_at IS NULL LIMIT $2) t";
 
-    /// Seconds since the oldest unprocessed row of a consumer_type was received.
+    /// Seconds since the oldest unprocessed row of a consumer_type was received. A time of `-infinity` or
+    /// `infinity` (what Npgsql writes for .NET's `DateTime.MinValue`/`MaxValue`) has no age: passed over, since
+    /// PostgreSQL refuses to subtract it and one such row would blank every figure.
     pub const OLDEST_UNPROCESSED_AGE = "\
 SELECT extract(epoch FROM now() - received_at)::float8 FROM inbox_messages
-WHERE consumer_type = $1 AND processed_at IS NULL ORDER BY received_at LIMIT 1";
+WHERE consumer_type = $1 AND processed_at IS NULL AND isfinite(received_at) ORDER BY received_at LIMIT 1";
 
-    /// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest).
+    /// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest). A row
+    /// stamped after the database's now (another writer's clock ahead, or `infinity`) counts once its time has come.
     pub const PROCESSED_SERIES = "\
 SELECT floor(extract(epoch FROM now() - processed_at) / $3)::int, count(*)
 FROM inbox_messages
-WHERE consumer_type = $1 AND processed_at > now() - make_interval(secs => $2)
+WHERE consumer_type = $1 AND processed_at > now() - make_interval(secs => $2) AND processed_at <= now()
 GROUP BY 1";
 
     /// Events of a consumer_type in the last `$2` seconds, per kind and bucket of `$3` seconds (0 = newest).

@@ -11,7 +11,9 @@ pub const MAX_EVENTS: i64 = 200;
 statements! {
     /// The message's inbox rows, per consumer_type. `$1` message id.
     const INBOX_ROWS_OF = "\
-SELECT consumer_type::text, received_at, processed_at FROM inbox_messages WHERE id = $1 ORDER BY consumer_type";
+SELECT consumer_type::text, CASE WHEN isfinite(received_at) THEN received_at END,
+       CASE WHEN isfinite(processed_at) THEN processed_at END, processed_at IS NOT NULL
+FROM inbox_messages WHERE id = $1 ORDER BY consumer_type";
 
     /// Its events, oldest first, at most `$2`. `$1` message id.
     const EVENTS_OF = "\
@@ -33,7 +35,7 @@ ORDER BY 3";
     /// A consumer_type's oldest unprocessed rows, through the partial index on unprocessed rows. `$1` consumer_type,
     /// `$2` how many.
     const OLDEST_UNPROCESSED = "\
-SELECT id, received_at FROM inbox_messages
+SELECT id, CASE WHEN isfinite(received_at) THEN received_at END FROM inbox_messages
 WHERE consumer_type = $1 AND processed_at IS NULL ORDER BY received_at LIMIT $2";
 
     /// A consumer_type's latest failures (failed attempts, dead-lettered, skipped, conflicts), newest first. `$1`
@@ -48,8 +50,12 @@ ORDER BY occurred_at DESC LIMIT $2";
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct InboxRow {
     pub consumer_type: String,
-    pub received_at: DateTime<Utc>,
+    /// None: the table holds `-infinity` or `infinity` (.NET's `DateTime.MinValue`/`MaxValue` as Npgsql writes
+    /// them), which no time here can hold.
+    pub received_at: Option<DateTime<Utc>>,
+    /// None: not processed, or processed at `±infinity` (`processed` says which).
     pub processed_at: Option<DateTime<Utc>>,
+    pub processed: bool,
 }
 
 /// One of its events.
@@ -79,17 +85,20 @@ pub struct EffectRow {
 }
 
 pub async fn inbox_rows(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<InboxRow>> {
-    let rows: Vec<(String, DateTime<Utc>, Option<DateTime<Utc>>)> =
-        unit!(executor, |conn| sql::query_as(INBOX_ROWS_OF)
-            .bind(id)
-            .fetch_all(conn))?;
+    type Row = (String, Option<DateTime<Utc>>, Option<DateTime<Utc>>, bool);
+    let rows: Vec<Row> = unit!(executor, |conn| sql::query_as(INBOX_ROWS_OF)
+        .bind(id)
+        .fetch_all(conn))?;
     Ok(rows
         .into_iter()
-        .map(|(consumer_type, received_at, processed_at)| InboxRow {
-            consumer_type,
-            received_at,
-            processed_at,
-        })
+        .map(
+            |(consumer_type, received_at, processed_at, processed)| InboxRow {
+                consumer_type,
+                received_at,
+                processed_at,
+                processed,
+            },
+        )
         .collect())
 }
 
@@ -143,12 +152,13 @@ pub async fn effects(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Ve
         .collect())
 }
 
-/// A consumer_type's oldest unprocessed rows: (message id, received at) (`OLDEST_UNPROCESSED`).
+/// A consumer_type's oldest unprocessed rows: (message id, received at; None for `±infinity`)
+/// (`OLDEST_UNPROCESSED`).
 pub async fn oldest_unprocessed(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     limit: i64,
-) -> sqlx::Result<Vec<(Uuid, DateTime<Utc>)>> {
+) -> sqlx::Result<Vec<(Uuid, Option<DateTime<Utc>>)>> {
     unit!(executor, |conn| sql::query_as(OLDEST_UNPROCESSED)
         .bind(consumer_type)
         .bind(limit)

@@ -145,7 +145,11 @@ fn render_lists(
     let unprocessed: Vec<TextLine> = detail
         .oldest_unprocessed
         .iter()
-        .map(|(id, at)| TextLine::from(format!("{} {id}", time(*at))))
+        .map(|(id, at)| {
+            // A time of ±infinity in the table (.NET's DateTime.MinValue/MaxValue) is shown as what it is.
+            let at = at.map_or_else(|| "±infinity".to_owned(), time);
+            TextLine::from(format!("{at} {id}"))
+        })
         .collect();
     list(
         frame,

@@ -25,7 +25,8 @@ pub struct Detail {
     pub failures: Vec<db::triage::FailureRow>,
     /// The error queue's groups; `Err` says why they could not be listed (no broker, no queue).
     pub groups: std::result::Result<Listing, String>,
-    pub oldest_unprocessed: Vec<(Uuid, DateTime<Utc>)>,
+    /// (message id, received at: None where the table holds ±infinity).
+    pub oldest_unprocessed: Vec<(Uuid, Option<DateTime<Utc>>)>,
     /// `Err` says why the audit could not be read (a role without `SELECT` on it): the rest is shown all the same.
     pub audit: std::result::Result<Vec<db::audit::Row>, String>,
 }

@@ -42,7 +42,7 @@ WITH RECURSIVE t AS (
     FROM t WHERE t.consumer_type IS NOT NULL
 )
 SELECT t.consumer_type::text,
-       (SELECT max(i.processed_at) FROM inbox_messages i
+       (SELECT max(LEAST(i.processed_at, now())) FILTER (WHERE i.processed_at > '-infinity') FROM inbox_messages i
         WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type = t.consumer_type)
 FROM t WHERE t.consumer_type IS NOT NULL";
 }
@@ -76,7 +76,7 @@ pub(super) fn detached_contents_statement(name: &str) -> String {
     FROM t WHERE t.consumer_type IS NOT NULL
 )
 SELECT t.consumer_type::text,
-       (SELECT max(i.processed_at) FROM {t} i WHERE i.consumer_type = t.consumer_type),
+       (SELECT max(LEAST(i.processed_at, now())) FILTER (WHERE i.processed_at > '-infinity') FROM {t} i WHERE i.consumer_type = t.consumer_type),
        EXISTS (SELECT 1 FROM {t} i WHERE i.processed_at IS NULL)
 FROM t WHERE t.consumer_type IS NOT NULL"
     )

@@ -186,6 +186,34 @@ async fn rows_at_infinity_from_a_dotnet_writer_neither_blank_the_figures_nor_cra
     assert!(left.contains(&at_minus_infinity.to_owned()), "{left:?}");
 }
 
+/// The planner's statistics are found for an inbox in a schema whose name needs quoting (EF Core's `Messaging`).
+/// `regnamespace::text` quotes the name (`"Messaging"`) where `pg_stats` holds it raw: no statistics were ever
+/// matched there, and above a million rows every count fell back to the capped count (`~1.0M` for 10M rows).
+#[tokio::test(flavor = "multi_thread")]
+async fn estimates_are_found_in_a_schema_whose_name_needs_quoting() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE SCHEMA \"Messaging\"; SET search_path = \"Messaging\";
+         CREATE TABLE inbox_messages (id uuid NOT NULL, consumer_type varchar(500) NOT NULL,
+             received_at timestamptz NOT NULL, processed_at timestamptz, PRIMARY KEY (id, consumer_type));
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'carrier', now(), now() FROM generate_series(1, 2000);
+         ANALYZE inbox_messages;",
+    )
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let estimates = inboxctl::db::stats::estimates(&mut *conn).await.unwrap();
+    assert_eq!(estimates.len(), 1);
+    assert_eq!(
+        estimates[0].common_values.as_deref(),
+        Some(&["carrier".to_owned()][..]),
+        "{:?}",
+        estimates[0]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn above_a_million_rows_a_count_is_an_estimate_and_says_so() {
     let env = TestEnv::migrated().await;

@@ -133,7 +133,8 @@ SELECT consumer_type::text,
        min(created_at) FILTER (WHERE state = 'pending' OR (state = 'started' AND NOT (mode = 'at-most-once' AND lease_until < now()))),
        count(*) FILTER (WHERE state = 'in_doubt' OR (state = 'started' AND mode = 'at-most-once' AND lease_until < now())),
        min(created_at) FILTER (WHERE state = 'in_doubt' OR (state = 'started' AND mode = 'at-most-once' AND lease_until < now())),
-       count(*) FILTER (WHERE state = 'failed')
+       count(*) FILTER (WHERE state = 'failed'),
+       now()
 FROM inboxctl_effects
 WHERE state IN ('pending', 'started', 'in_doubt', 'failed')
 GROUP BY consumer_type";
@@ -403,6 +404,8 @@ pub struct Open {
     pub in_doubt: i64,
     pub oldest_in_doubt: Option<DateTime<Utc>>,
     pub failed: i64,
+    /// The database's time as it answered: the oldest are aged against it, not against this machine's clock.
+    pub now: DateTime<Utc>,
 }
 
 /// `OPEN_EFFECTS`.
@@ -414,6 +417,7 @@ pub async fn open(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Open>> {
         i64,
         Option<DateTime<Utc>>,
         i64,
+        DateTime<Utc>,
     );
     let query = sql::query_as::<OpenRaw>(OPEN_EFFECTS);
     let rows = unit!(executor, |conn| query.fetch_all(conn))?;
@@ -426,6 +430,7 @@ pub async fn open(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Open>> {
             in_doubt: r.3,
             oldest_in_doubt: r.4,
             failed: r.5,
+            now: r.6,
         })
         .collect())
 }

@@ -41,7 +41,8 @@ WHERE to_jsonb(c) ->> 'partitions' IS NOT NULL";
 
     /// The planner's statistics of the inbox, one row per table holding its rows — the table itself, or each
     /// partition of a partitioned inbox: rows, rows of the unprocessed index, and the most common consumer_types with
-    /// their frequencies (nothing is counted).
+    /// their frequencies (nothing is counted). `pg_stats` names a schema raw: joined by `nspname`, not by
+    /// `regnamespace::text`, which quotes a name that needs it (EF Core's `Messaging`) and never matched it.
     pub const INBOX_ESTIMATES = "\
 WITH parts AS (
     SELECT c.oid, c.relname, c.relnamespace, c.reltuples FROM pg_class c
@@ -59,7 +60,8 @@ SELECT p.reltuples::float8,
         LIMIT 1),
        s.most_common_vals::text::text[], s.most_common_freqs, s.null_frac, s.n_distinct
 FROM parts p
-LEFT JOIN pg_stats s ON s.schemaname = p.relnamespace::regnamespace::text
+JOIN pg_namespace n ON n.oid = p.relnamespace
+LEFT JOIN pg_stats s ON s.schemaname = n.nspname
                     AND s.tablename = p.relname AND s.attname = 'consumer_type' AND NOT s.inherited";
 
     /// Rows of a consumer_type, counted through the index and never past `$2`. `$1` consumer_type.

@@ -253,11 +253,12 @@ async fn open_effects(
         Err(e) if db::sqlstate(&e).as_deref() == Some("42501") => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let now = Utc::now();
-    let age = |t: Option<DateTime<Utc>>| t.map(|t| (now - t).as_seconds_f64().max(0.0));
     Ok(Some(
         open.into_iter()
             .map(|o| {
+                // On the database's clock, as every other age here (this machine's may be off).
+                let age =
+                    |t: Option<DateTime<Utc>>| t.map(|t| (o.now - t).as_seconds_f64().max(0.0));
                 let counts = EffectCounts {
                     pending: u64::try_from(o.pending).unwrap_or(0),
                     oldest_pending_seconds: age(o.oldest_pending),

@@ -564,7 +564,8 @@ async fn the_guard_looks_at_a_dead_letter_queue_whose_name_holds_a_control_chara
 /// guard took such a queue, holding a message that failed 8 days ago, for empty, and deleted the rows its replay
 /// needs. A count of 0 is now checked by taking one: the take fails without a leader, the look fails, nothing is
 /// deleted. (`cluster::` shows the same on three nodes, two of them killed: by hand, 2026-12-05.) A replay of it
-/// said "0 messages" and ended 0, as if nothing waited: it fails now, saying why.
+/// said "0 messages" and ended 0, as if nothing waited: it fails now, saying why. `stats` (and `top`) showed "errors
+/// 0": the count is unknown now, and the broker error says why.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
     let env = TestEnv::migrated().await;
@@ -618,7 +619,17 @@ async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
         "--dry-run",
         "--json",
     ]);
+    // Nor `stats` (and `top`, which reads the same figures): not "errors 0".
+    let stats = env.run(&["stats", "--json"]);
     drop(restart);
+    let report: serde_json::Value = serde_json::from_str(stats.stdout.trim()).unwrap();
+    let line = report["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer_type"] == "leaderless")
+        .unwrap();
+    assert_ne!(line["error_queue"]["ready"], 0, "{line}");
     assert_ne!(out.code, Some(0), "{out:?}");
     assert_eq!(rows_of(&pool, "leaderless").await, 3, "{out:?}");
     assert_ne!(replay.code, Some(0), "{replay:?}");

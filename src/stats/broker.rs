@@ -120,15 +120,26 @@ pub(super) async fn from_broker(
         if !range.look_at_heads {
             continue;
         }
+        // An error queue counted 0 is looked at too: a quorum queue without a leader answers every count with 0
+        // whatever it holds, and the look (a take of one message, given back) is what tells it from an empty one.
         if let Some(q) = c
             .error_queue
-            .as_ref()
-            .filter(|q| q.ready.is_some_and(|r| r > 0))
+            .as_mut()
+            .filter(|q| q.exists && q.ready.is_some())
         {
             match oldest_failure(connection, &q.name).await {
-                Ok(age) => c.oldest_dead_letter_seconds = age,
+                Ok((depth, age)) => {
+                    c.oldest_dead_letter_seconds = age;
+                    if let Some(depth) = depth {
+                        q.ready = Some(u32::try_from(depth).unwrap_or(u32::MAX));
+                    }
+                }
                 Err(e) => {
                     c.oldest_dead_letter_seconds = None;
+                    // A count of 0 it could not check says nothing.
+                    if q.ready == Some(0) {
+                        q.ready = None;
+                    }
                     broker_error.get_or_insert_with(|| {
                         format!(
                             "the oldest message of {} could not be looked at: {}",
@@ -171,19 +182,24 @@ async fn queue_depth(
     Ok(total)
 }
 
-/// How long ago the message at the head of `queue` failed (as its headers say, else when it was published).
-async fn oldest_failure(connection: &Connection, queue: &str) -> Result<Option<f64>> {
-    let failed_at = crate::amqp::peek::head(connection, queue, |d| {
+/// The messages ready in `queue` as the look counted them (a count of 0 checked by taking one), and how long ago the
+/// message at its head failed (as its headers say, else when it was published).
+async fn oldest_failure(
+    connection: &Connection,
+    queue: &str,
+) -> Result<(Option<u64>, Option<f64>)> {
+    let mut failed_at = None;
+    let looked = crate::amqp::peek::each(connection, queue, 1, |d| {
         let failure = crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "");
-        crate::amqp::failure::failed_at(d, &failure)
+        failed_at = crate::amqp::failure::failed_at(d, &failure);
     })
-    .await?
-    .flatten();
+    .await?;
     // As the cleanup's guard takes it: a time more than a day ahead of this machine's (a host's clock far off, a header
     // written by hand) tells nothing of the message's age, and is not shown as a fresh failure; one a little ahead is
     // of now, not of a negative age.
     let now = Utc::now();
-    Ok(failed_at
+    let age = failed_at
         .filter(|t| *t <= now + chrono::TimeDelta::days(1))
-        .map(|t| ((now - t).num_milliseconds() as f64 / 1000.0).max(0.0)))
+        .map(|t| ((now - t).num_milliseconds() as f64 / 1000.0).max(0.0));
+    Ok((looked.map(|l| l.depth), age))
 }

@@ -406,7 +406,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__consume)
-            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --attempt-timeout --exit-when-idle --shutdown-timeout --broker-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --carrier-url --carrier-timeout --carrier-connect-timeout --effect-mode --effect-key-ttl --effect-lease --lookup-url --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version carrier notification"
+            opts="-v -h -V --queue --exchange --queue-type --consumer-type --prefetch --concurrency --pool-size --max-attempts --retry-delay --claim-timeout --attempt-timeout --exit-when-idle --shutdown-timeout --broker-timeout --batch-size --batch-wait --poison-after --on-conflict --metrics-addr --partitions --partition-key --fail-destination --carrier-url --carrier-timeout --carrier-connect-timeout --effect-mode --effect-key-ttl --effect-lease --lookup-url --lookup-quiet --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version carrier notification"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -525,6 +525,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --lookup-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lookup-quiet)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

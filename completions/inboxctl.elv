@@ -96,6 +96,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --effect-key-ttl 'How long the carrier keeps idempotency keys (keyed): `replay` warns about messages older than this'
             cand --effect-lease 'How long a process holds an effect while it calls (after-commit, at-most-once): past it, another process may take the effect over. Longer than --carrier-timeout plus --carrier-connect-timeout'
             cand --lookup-url 'after-commit: where to ask the carrier what it booked under a key (GET <url>/pickups/by-key/{key}) before calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again'
+            cand --lookup-quiet 'With --lookup-url: how long a call whose outcome is unknown (a timeout, a gateway''s 504, a crash) is left alone before the look-up is asked. The carrier may still be at work on a request whose answer never came; a look-up before it books answers 404 and the call is made again. At least how long the carrier may go on with a request its caller gave up on'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'

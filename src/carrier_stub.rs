@@ -58,6 +58,10 @@ pub struct Behaviour {
     pub drop_next: u32,
     /// Book, then answer `303 See Other` (post, then redirect to the booking), for this many requests from now on.
     pub redirect_next: u32,
+    /// Answer `504 Gateway Timeout` at once to this many requests from now on, and book each `bookLateMs` later: a
+    /// gateway that gave up in front of a carrier still at work.
+    pub book_late_next: u32,
+    pub book_late_ms: u64,
 }
 
 impl Default for Behaviour {
@@ -71,6 +75,8 @@ impl Default for Behaviour {
             fail_status: None,
             drop_next: 0,
             redirect_next: 0,
+            book_late_next: 0,
+            book_late_ms: 0,
         }
     }
 }
@@ -173,6 +179,41 @@ pub async fn serve(
     })
 }
 
+/// Books `request` (or, a key honoured, finds the booking made under it first).
+fn make_booking(l: &mut Ledger, request: &PickupBody, key: Option<String>) -> SlotAnswer {
+    let replayed = match (&key, l.behaviour.honour_keys) {
+        (Some(k), true) => l
+            .by_key
+            .get(k)
+            .map(|&i| &l.bookings[i])
+            .map(|b| SlotAnswer {
+                slot_id: b.slot_id,
+                pickup_at: b.pickup_at,
+            }),
+        _ => None,
+    };
+    if let Some(answer) = replayed {
+        return answer;
+    }
+    let booking = Booking {
+        parcel_id: request.parcel_id,
+        idempotency_key: key.clone(),
+        slot_id: Uuid::new_v4(),
+        pickup_at: crate::parcel::next_morning(Utc::now()),
+        destination: request.destination.clone(),
+    };
+    let answer = SlotAnswer {
+        slot_id: booking.slot_id,
+        pickup_at: booking.pickup_at,
+    };
+    l.bookings.push(booking);
+    let index = l.bookings.len() - 1;
+    if let Some(k) = key {
+        l.by_key.entry(k).or_insert(index);
+    }
+    answer
+}
+
 fn bad_request(reason: impl Into<String>) -> Response {
     (
         StatusCode::BAD_REQUEST,
@@ -210,39 +251,21 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
             )
                 .into_response();
         }
-        let replayed = match (&key, l.behaviour.honour_keys) {
-            (Some(k), true) => l
-                .by_key
-                .get(k)
-                .map(|&i| &l.bookings[i])
-                .map(|b| SlotAnswer {
-                    slot_id: b.slot_id,
-                    pickup_at: b.pickup_at,
-                }),
-            _ => None,
-        };
-        let answer = match replayed {
-            Some(answer) => answer,
-            None => {
-                let booking = Booking {
-                    parcel_id: request.parcel_id,
-                    idempotency_key: key.clone(),
-                    slot_id: Uuid::new_v4(),
-                    pickup_at: crate::parcel::next_morning(Utc::now()),
-                    destination: request.destination.clone(),
-                };
-                let answer = SlotAnswer {
-                    slot_id: booking.slot_id,
-                    pickup_at: booking.pickup_at,
-                };
-                l.bookings.push(booking);
-                let index = l.bookings.len() - 1;
-                if let Some(k) = key {
-                    l.by_key.entry(k).or_insert(index);
-                }
-                answer
-            }
-        };
+        if l.behaviour.book_late_next > 0 {
+            l.behaviour.book_late_next -= 1;
+            let late = Duration::from_millis(l.behaviour.book_late_ms);
+            let shared = Arc::clone(&shared);
+            tokio::spawn(async move {
+                tokio::time::sleep(late).await;
+                let _ = make_booking(&mut ledger(&shared), &request, key);
+            });
+            return (
+                StatusCode::GATEWAY_TIMEOUT,
+                Json(serde_json::json!({"error": "the upstream did not answer in time"})),
+            )
+                .into_response();
+        }
+        let answer = make_booking(&mut l, &request, key);
         let b = &l.behaviour;
         let slow = b.delay_ms > 0
             && b.delay_destination

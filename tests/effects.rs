@@ -31,11 +31,13 @@ const QUICK: &[&str] = &[
 
 /// With a look-up, a leased attempt may ask it and then call, both within QUICK's 3 s lease: each bounded so that the
 /// two together end before it (2 × 1.4 s).
-const LOOK_UP_QUICK: [&str; 4] = [
+const LOOK_UP_QUICK: [&str; 6] = [
     "--carrier-timeout",
     "1s",
     "--carrier-connect-timeout",
     "400ms",
+    "--lookup-quiet",
+    "1s",
 ];
 
 fn consume_args<'a>(stub: &'a Stub, mode: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -350,6 +352,8 @@ async fn after_commit_crash_matrix_ignoring_keys_with_a_lookup_books_once() {
         LOOK_UP_QUICK[1],
         LOOK_UP_QUICK[2],
         LOOK_UP_QUICK[3],
+        LOOK_UP_QUICK[4],
+        LOOK_UP_QUICK[5],
     ];
     for point in POINTS {
         let got = crash_case(
@@ -585,6 +589,8 @@ async fn chaos_after_commit_with_a_lookup_books_every_parcel_once() {
             LOOK_UP_QUICK[1],
             LOOK_UP_QUICK[2],
             LOOK_UP_QUICK[3],
+            LOOK_UP_QUICK[4],
+            LOOK_UP_QUICK[5],
         ],
     );
     let started = Instant::now();
@@ -1213,6 +1219,8 @@ async fn a_look_up_that_keeps_failing_ends_the_call_failed_after_max_attempts() 
         LOOK_UP_QUICK[1],
         LOOK_UP_QUICK[2],
         LOOK_UP_QUICK[3],
+        LOOK_UP_QUICK[4],
+        LOOK_UP_QUICK[5],
         "--lookup-url",
         "http://127.0.0.1:1",
         "--max-attempts",
@@ -1264,9 +1272,16 @@ async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external
     )
     .await
     .unwrap();
-    let mut leased = external::lease_due(pool, consumer_type, Duration::from_secs(30), 10, false)
-        .await
-        .unwrap();
+    let mut leased = external::lease_due(
+        pool,
+        consumer_type,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
     assert_eq!(leased.len(), 1);
     leased.remove(0)
 }
@@ -1306,9 +1321,16 @@ async fn a_late_outcome_never_lands_on_a_later_attempt_with_the_same_number() {
         .await
         .unwrap();
     assert_eq!(settled.as_deref(), Some("in_doubt"));
-    let mut leased = external::lease_due(&pool, "fence", Duration::from_secs(30), 10, false)
-        .await
-        .unwrap();
+    let mut leased = external::lease_due(
+        &pool,
+        "fence",
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
     let b = leased.remove(0);
     assert_eq!((b.message_id, b.attempts), (a.message_id, a.attempts));
     let late = external::record_outcome(&pool, &a, "fence", &outcome("pending", "late"))
@@ -1357,9 +1379,16 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
         "failpoint reconcile-looked reached",
         Duration::from_secs(30),
     );
-    let mut leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10, false)
-        .await
-        .unwrap();
+    let mut leased = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
     let second = leased.remove(0);
     assert_eq!(second.was, "started");
     let recorded = external::record_outcome(
@@ -1534,7 +1563,7 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
         .await
         .unwrap();
     let lease = Duration::from_secs(30);
-    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(first.len(), 1);
@@ -1548,7 +1577,7 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
         .await
         .unwrap()
     );
-    let second = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+    let second = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(second.len(), 1, "the refused call is made again");
@@ -1572,7 +1601,7 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
     // After the commit, a call whose outcome is unknown keeps saying so when it is leased again: what is still not
     // known is not cleared with the lease.
     let unknown = owed_from_an_earlier_run(&pool, "unknown-kept").await;
-    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(first.len(), 1);
@@ -1590,7 +1619,7 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
         .unwrap()
     );
     lapse(&pool, unknown).await;
-    let again = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false)
+    let again = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
         .await
         .unwrap();
     assert_eq!(again.len(), 1);
@@ -1753,9 +1782,16 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
     // A call whose outcome is unknown (started, its lease run out), which the after-commit run that left it might
     // have looked up: the keyed run, which has no look-up, leaves it and says so, and does not wait for it.
     let unknown = owed_from_an_earlier_run(&pool, "owed-unknown").await;
-    let leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10, false)
-        .await
-        .unwrap();
+    let leased = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
     assert_eq!(leased.len(), 1);
     external::record_outcome(
         &pool,
@@ -1800,6 +1836,57 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
     );
 }
 
+/// After commit with a look-up, against a carrier that ignores keys behind a gateway: the gateway answers 504 at once
+/// while the carrier books 1.5 s later. The call's outcome is unknown; its look-up waits `--lookup-quiet` (3 s here),
+/// finds the booking and settles the call: one booking. Asked at once (after the retry's 200 ms), the look-up
+/// answered 404 and the call was made again: two bookings, with no crash at all.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_commit_asks_the_look_up_only_once_a_call_a_gateway_gave_up_on_has_been_quiet() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &["--ignore-keys"]);
+    stub.behave(json!({"honourKeys": false, "bookLateNext": 1, "bookLateMs": 1500}))
+        .await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "booked-late"]);
+    let url = stub.url.clone();
+    let args = consume_args(
+        &stub,
+        "after-commit",
+        &[
+            "--lookup-url",
+            &url,
+            LOOK_UP_QUICK[0],
+            LOOK_UP_QUICK[1],
+            LOOK_UP_QUICK[2],
+            LOOK_UP_QUICK[3],
+            "--lookup-quiet",
+            "3s",
+            "--exit-when-idle",
+            "1s",
+        ],
+    );
+    let mut consumer = env.spawn(&args);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    // The carrier's late booking lands 1.5 s after the call: counted after it, however soon the run ended.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        stub.bookings_to("booked-late").await,
+        1,
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "booked-late").await.as_deref(),
+        Some("done")
+    );
+}
+
 /// An after-commit run (with a look-up, say) leaves a call whose outcome is unknown (started, its lease run out), and
 /// the consumer is restarted at most once: that run does not make it again (it may have been booked: a second
 /// booking is what at-most-once promises never to make), says so, and still makes a call merely owed. It made both,
@@ -1811,9 +1898,16 @@ async fn an_at_most_once_run_does_not_make_again_a_call_an_after_commit_run_left
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
     let unknown = owed_from_an_earlier_run(&pool, "left-unknown").await;
-    let leased = external::lease_due(&pool, CARRIER_QUEUE, Duration::from_secs(30), 10, false)
-        .await
-        .unwrap();
+    let leased = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
     assert_eq!(leased.len(), 1);
     external::record_outcome(
         &pool,

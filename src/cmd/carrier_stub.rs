@@ -54,6 +54,8 @@ impl Args {
             drop_next: self.drop_next,
             // Through `POST /_stub/behaviour` too.
             redirect_next: 0,
+            book_late_next: 0,
+            book_late_ms: 0,
         }
     }
 }

@@ -179,6 +179,13 @@ pub struct Args {
     /// calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again
     #[arg(long, value_name = "URL", requires = "carrier_url", value_parser = crate::cli::SecretUrl)]
     pub lookup_url: Option<url::Url>,
+
+    /// With --lookup-url: how long a call whose outcome is unknown (a timeout, a gateway's 504, a crash) is left
+    /// alone before the look-up is asked. The carrier may still be at work on a request whose answer never came; a
+    /// look-up before it books answers 404 and the call is made again. At least how long the carrier may go on with
+    /// a request its caller gave up on
+    #[arg(long, default_value = "2m", requires = "lookup_url", value_parser = crate::cli::parse_duration)]
+    pub lookup_quiet: Duration,
 }
 
 /// `--effect-mode keyed|after-commit|at-most-once`.
@@ -276,6 +283,7 @@ impl Args {
                 key_ttl: self.effect_key_ttl,
                 lease: self.effect_lease,
                 lookup_url: self.lookup_url.clone(),
+                lookup_quiet: self.lookup_quiet,
             }),
         }
     }

@@ -125,6 +125,11 @@ pub async fn consume_guarded<G: WorkGuard>(
                     // its lease run out): a keyed run has no look-up that run may have had, and an at-most-once run
                     // must never make a call twice.
                     pending_only: api.mode != EffectMode::AfterCommit,
+                    quiet: if api.lookup_url.is_some() {
+                        api.lookup_quiet
+                    } else {
+                        Duration::ZERO
+                    },
                 };
                 match api.mode {
                     EffectMode::Keyed => {

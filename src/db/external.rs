@@ -27,7 +27,8 @@ ON CONFLICT (message_id, consumer_type) DO NOTHING";
 WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
     WHERE consumer_type = $1
-      AND (state = 'pending' OR (NOT $4 AND state = 'started' AND mode = 'after-commit'))
+      AND (state = 'pending' OR (NOT $4 AND state = 'started' AND mode = 'after-commit'
+                                 AND lease_until < now() - make_interval(secs => $5)))
       AND (lease_until IS NULL OR lease_until < now())
     ORDER BY created_at
     LIMIT $3
@@ -184,20 +185,23 @@ pub struct Leased {
 }
 
 /// Leases up to `limit` due effects for `lease` (`LEASE_DUE`); with `pending_only`, none whose earlier outcome is
-/// unknown.
+/// unknown; one whose outcome is unknown only once it has been quiet (its lease, or its retry's wait, over) for
+/// `quiet`.
 pub async fn lease_due(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,
     lease: std::time::Duration,
     limit: i64,
     pending_only: bool,
+    quiet: std::time::Duration,
 ) -> sqlx::Result<Vec<Leased>> {
     type LeasedRaw = (Uuid, Uuid, String, String, i32, String, DateTime<Utc>);
     let query = sql::query_as::<LeasedRaw>(LEASE_DUE)
         .bind(consumer_type)
         .bind(lease.as_secs_f64())
         .bind(limit)
-        .bind(pending_only);
+        .bind(pending_only)
+        .bind(quiet.as_secs_f64());
     let rows = unit!(executor, |conn| query.fetch_all(conn))?;
     Ok(rows
         .into_iter()

@@ -52,6 +52,8 @@ pub const DEFAULT_CARRIER_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 pub const DEFAULT_KEY_TTL: Duration = Duration::from_secs(24 * 3600);
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+/// How long a call whose outcome is unknown is left alone before the look-up is asked (`--lookup-quiet`).
+pub const DEFAULT_LOOKUP_QUIET: Duration = Duration::from_secs(120);
 
 /// A carrier reached over HTTP, and how the consumer calls it.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +70,10 @@ pub struct CarrierApi {
     pub lease: Duration,
     /// Where to ask what was booked under a key (`GET <base>/pickups/by-key/{key}`), after-commit.
     pub lookup_url: Option<url::Url>,
+    /// With a look-up: how long a call whose outcome is unknown is left alone before it is asked. A request whose
+    /// answer never came (a timeout, a gateway's 504) may still be at work at the carrier, and a look-up before it
+    /// books answers 404: the call would be made again, and a carrier that ignores keys would book twice.
+    pub lookup_quiet: Duration,
 }
 
 impl CarrierApi {
@@ -80,6 +86,7 @@ impl CarrierApi {
             key_ttl: DEFAULT_KEY_TTL,
             lease: DEFAULT_LEASE,
             lookup_url: None,
+            lookup_quiet: DEFAULT_LOOKUP_QUIET,
         }
     }
 }

@@ -43,6 +43,9 @@ pub struct Worker {
     /// Only calls that are pending (nothing booked, or not tried yet): a keyed run making the calls an earlier run in
     /// another mode left owed has no look-up, and a call whose outcome is unknown is not its to make again.
     pub pending_only: bool,
+    /// How long a call whose outcome is unknown is left alone before it is taken again (with a look-up: the call may
+    /// still be at work at the carrier, and a look-up before it books would answer 404); zero without one.
+    pub quiet: Duration,
 }
 
 /// When the calls still in flight at a stop are given up: `shutdown_timeout` after the stop was asked for, as for the
@@ -122,7 +125,7 @@ impl Worker {
                 let mut lease_ends = Instant::now();
                 let leased = bounded!(&this.pool, this.bound, |conn| {
                     lease_ends = Instant::now() + this.lease;
-                    external::lease_due(conn, ct, this.lease, limit, this.pending_only)
+                    external::lease_due(conn, ct, this.lease, limit, this.pending_only, this.quiet)
                 })
                 .await;
                 match leased {

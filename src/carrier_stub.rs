@@ -62,6 +62,8 @@ pub struct Behaviour {
     /// gateway that gave up in front of a carrier still at work.
     pub book_late_next: u32,
     pub book_late_ms: u64,
+    /// Book, then answer `200` with the slot padded to 4 MiB, for this many requests from now on.
+    pub padded_next: u32,
 }
 
 impl Default for Behaviour {
@@ -77,6 +79,7 @@ impl Default for Behaviour {
             redirect_next: 0,
             book_late_next: 0,
             book_late_ms: 0,
+            padded_next: 0,
         }
     }
 }
@@ -235,7 +238,7 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         Some(Ok(k)) if !k.is_empty() && k.len() <= MAX_KEY => Some(k.to_owned()),
         Some(_) => return bad_request("Idempotency-Key must be 1 to 255 visible ASCII characters"),
     };
-    let (answer, delay, drop_connection, redirect) = {
+    let (answer, delay, drop_connection, redirect, padded) = {
         let mut l = ledger(&shared);
         if l.behaviour.fail_always || l.behaviour.fail_next > 0 {
             l.behaviour.fail_next = l.behaviour.fail_next.saturating_sub(1);
@@ -276,7 +279,9 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         l.behaviour.drop_next = l.behaviour.drop_next.saturating_sub(1);
         let redirect = l.behaviour.redirect_next > 0;
         l.behaviour.redirect_next = l.behaviour.redirect_next.saturating_sub(1);
-        (answer, delay, drop_connection, redirect)
+        let padded = l.behaviour.padded_next > 0;
+        l.behaviour.padded_next = l.behaviour.padded_next.saturating_sub(1);
+        (answer, delay, drop_connection, redirect, padded)
     };
     if let Some(delay) = delay {
         tokio::time::sleep(delay).await;
@@ -295,6 +300,14 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
             )],
         )
             .into_response();
+    }
+    if padded {
+        return Json(serde_json::json!({
+            "slotId": answer.slot_id,
+            "pickupAt": answer.pickup_at,
+            "padding": " ".repeat(4 << 20),
+        }))
+        .into_response();
     }
     Json(answer).into_response()
 }

@@ -1694,6 +1694,36 @@ async fn at_most_once_a_gateways_504_is_in_doubt_and_a_503_is_made_again() {
     );
 }
 
+/// A carrier that books and answers with a body of megabytes (here 4 MiB; a stream without end would be the same):
+/// the consumer reads at most 64 KiB of it and takes the outcome for unknown (at most once: in doubt, listed with
+/// why). It read the whole body, whatever its size, before looking at it: a body of gigabytes filled the process's
+/// memory, and an after-commit call the next process took over was read again, for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_answer_of_megabytes_is_not_read_whole_and_leaves_the_outcome_unknown() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    stub.behave(json!({"paddedNext": 1})).await;
+    publish_to(&env, "answered-at-length", 1);
+    let got = settle(
+        &env,
+        &pool,
+        &consume_args(&stub, "at-most-once", &[]),
+        "answered-at-length",
+    )
+    .await;
+    assert_eq!(got, "in_doubt");
+    assert_eq!(stub.bookings_to("answered-at-length").await, 1);
+    let error: String = sqlx::query_scalar(
+        "SELECT last_error FROM inboxctl_effects WHERE request->>'destination' = 'answered-at-length'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(error.contains("more than 64 KiB"), "{error}");
+}
+
 /// A call owed after a commit of an earlier after-commit run (pending: that run stopped before making it).
 async fn owed_from_an_earlier_run(pool: &PgPool, destination: &str) -> Uuid {
     let id = Uuid::now_v7();

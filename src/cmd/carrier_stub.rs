@@ -56,6 +56,7 @@ impl Args {
             redirect_next: 0,
             book_late_next: 0,
             book_late_ms: 0,
+            padded_next: 0,
         }
     }
 }

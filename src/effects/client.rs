@@ -137,7 +137,9 @@ async fn answer(
     };
     let status = response.status();
     if !status.is_success() {
-        let text = response.text().await.unwrap_or_default();
+        // Only its first bytes are read (what is shown is cut to a few hundred characters anyway).
+        let (body, _) = read_bounded(response, MAX_ERROR_BODY).await;
+        let text = String::from_utf8_lossy(&body);
         let said = bounded(&format!("carrier API returned {status}: {}", text.trim()));
         return Err(if refused(status) {
             CallError::Refused(said)
@@ -145,12 +147,54 @@ async fn answer(
             CallError::Unknown(said)
         });
     }
-    response.json::<SlotAnswer>().await.map_err(|e| {
+    let (body, whole) = read_bounded(response, MAX_ANSWER).await;
+    match whole {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(CallError::Unknown(format!(
+                "the carrier answered {status} with more than {} KiB: not read",
+                MAX_ANSWER / 1024
+            )));
+        }
+        Err(e) => {
+            return Err(CallError::Unknown(bounded(&format!(
+                "the carrier's answer was lost: {}",
+                chain(&e)
+            ))));
+        }
+    }
+    serde_json::from_slice::<SlotAnswer>(&body).map_err(|e| {
         CallError::Unknown(bounded(&format!(
-            "the carrier answered {status} with no slot it could read: {}",
-            chain(&e)
+            "the carrier answered {status} with no slot it could read: {e}"
         )))
     })
+}
+
+/// The most of a successful answer read: a slot is a few hundred bytes.
+const MAX_ANSWER: usize = 64 * 1024;
+/// The most of an error's body read.
+const MAX_ERROR_BODY: usize = 4 * 1024;
+
+/// At most `limit` bytes of `response`'s body, and whether that was all of it (`Err`: reading it failed). A body
+/// of any size (a stream without end, gigabytes) costs at most `limit` bytes of memory: reading stops there.
+async fn read_bounded(
+    mut response: reqwest::Response,
+    limit: usize,
+) -> (Vec<u8>, reqwest::Result<bool>) {
+    let mut body = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > limit {
+                    body.extend_from_slice(&chunk[..limit - body.len()]);
+                    return (body, Ok(false));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return (body, Ok(true)),
+            Err(e) => return (body, Err(e)),
+        }
+    }
 }
 
 /// Whether a status the carrier answered with says that nothing was booked: a client error (4xx: the request was

@@ -163,11 +163,27 @@ async fn answer(
             ))));
         }
     }
-    serde_json::from_slice::<SlotAnswer>(&body).map_err(|e| {
+    let slot = serde_json::from_slice::<SlotAnswer>(&body).map_err(|e| {
         CallError::Unknown(bounded(&format!(
             "the carrier answered {status} with no slot it could read: {e}"
         )))
-    })
+    })?;
+    plausible(slot)
+}
+
+/// A slot whose pickup time PostgreSQL can store, and which can be a pickup's: a year before 1970 or past 9999 (JSON
+/// takes any, PostgreSQL refuses those before 4713 BC) could never be recorded, and the call would be leased again
+/// and again for a booking it cannot write down. Such an answer leaves the outcome unknown.
+fn plausible(slot: SlotAnswer) -> std::result::Result<SlotAnswer, CallError> {
+    use chrono::Datelike as _;
+    if (1970..=9999).contains(&slot.pickup_at.year()) {
+        Ok(slot)
+    } else {
+        Err(CallError::Unknown(format!(
+            "the carrier answered a pickup time no pickup can have ({}): not recorded",
+            slot.pickup_at.year()
+        )))
+    }
 }
 
 /// The most of a successful answer read: a slot is a few hundred bytes.
@@ -243,6 +259,25 @@ mod tests {
         let out = bounded(&long);
         assert!(!out.contains('\u{1b}'));
         assert!(out.chars().count() <= MAX_ERROR_TEXT + 1);
+    }
+
+    #[test]
+    fn a_pickup_time_no_pickup_can_have_leaves_the_outcome_unknown() {
+        let slot = |at: &str| SlotAnswer {
+            slot_id: Uuid::nil(),
+            pickup_at: at.parse().expect("time"),
+        };
+        assert!(plausible(slot("2026-12-07T08:00:00Z")).is_ok());
+        for odd in [
+            "-5000-01-01T00:00:00Z",
+            "0001-01-01T00:00:00Z",
+            "+10000-01-01T00:00:00Z",
+        ] {
+            assert!(
+                matches!(plausible(slot(odd)), Err(CallError::Unknown(_))),
+                "{odd}"
+            );
+        }
     }
 
     #[test]

@@ -1867,7 +1867,7 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
 }
 
 /// After commit with a look-up, against a carrier that ignores keys behind a gateway: the gateway answers 504 at once
-/// while the carrier books 1.5 s later. The call's outcome is unknown; its look-up waits `--lookup-quiet` (3 s here),
+/// while the carrier books 1.5 s later. The call's outcome is unknown; its look-up waits `--lookup-quiet` (5 s here),
 /// finds the booking and settles the call: one booking. Asked at once (after the retry's 200 ms), the look-up
 /// answered 404 and the call was made again: two bookings, with no crash at all.
 #[tokio::test(flavor = "multi_thread")]
@@ -1891,7 +1891,7 @@ async fn after_commit_asks_the_look_up_only_once_a_call_a_gateway_gave_up_on_has
             LOOK_UP_QUICK[2],
             LOOK_UP_QUICK[3],
             "--lookup-quiet",
-            "3s",
+            "5s",
             "--exit-when-idle",
             "1s",
         ],

@@ -1527,13 +1527,13 @@ async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_replay_beginning_between_the_guards_two_looks_keeps_the_rows_of_what_it_holds() {
     let env = TestEnv::migrated().await;
-    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 20).await;
-    // Held 6 s between its looks; the replay takes X first and holds it for its 10 s (20 others at 2 a second).
+    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 40).await;
+    // Held 10 s between its looks; the replay takes X first and holds it for its 20 s (40 others at 2 a second).
     let mut cleanup = env.spawn_with(
         &["cleanup", "--retention", "2d", "--json"],
         &[(
             "INBOXCTL_FAILPOINTS",
-            &format!("guard-between-looks=sleep-once-6000@{ERROR_QUEUE}"),
+            &format!("guard-between-looks=sleep-once-10000@{ERROR_QUEUE}"),
         )],
     );
     cleanup.wait_for_stderr(
@@ -1561,6 +1561,12 @@ async fn a_replay_beginning_between_the_guards_two_looks_keeps_the_rows_of_what_
         .await
         .unwrap();
     assert_eq!((code, row), (Some(3), 1), "{}", cleanup.stderr());
+    // Refused for the running replay, which held X out of the look's sight: the race was met, not passed by.
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert_eq!(
+        report["consumers"][0]["refused"]["replay_running"], true,
+        "{report:#}"
+    );
 }
 
 /// A yes moves the messages the question counted. Two expired messages (failed 8 days ago, past the default 7 days)

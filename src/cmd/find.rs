@@ -173,7 +173,7 @@ fn rows(m: &Found) -> comfy_table::Table {
     let mut lines: Vec<(Option<DateTime<Utc>>, String, String, String)> = Vec::new();
     for r in &m.inbox {
         // A time of ±infinity in the table (.NET's DateTime.MinValue/MaxValue as Npgsql writes them) has no place
-        // in time: said, and listed first.
+        // in time: said, and listed last, with the lines of no time.
         lines.push((
             r.received_at,
             "inbox".into(),

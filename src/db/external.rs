@@ -28,7 +28,7 @@ WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
     WHERE consumer_type = $1
       AND (state = 'pending' OR (NOT $4 AND state = 'started' AND mode = 'after-commit'
-                                 AND lease_until < now() - make_interval(secs => $5)))
+                                 AND coalesce(lease_until, '-infinity') < now() - make_interval(secs => $5)))
       AND (lease_until IS NULL OR lease_until < now())
     ORDER BY created_at
     LIMIT $3

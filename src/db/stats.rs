@@ -77,7 +77,8 @@ SELECT count(*) FROM (SELECT 1 FROM inbox_messages WHERE consumer_type = $1 AND 
     /// PostgreSQL refuses to subtract it and one such row would blank every figure.
     pub const OLDEST_UNPROCESSED_AGE = "\
 SELECT extract(epoch FROM now() - received_at)::float8 FROM inbox_messages
-WHERE consumer_type = $1 AND processed_at IS NULL AND isfinite(received_at) ORDER BY received_at LIMIT 1";
+WHERE consumer_type = $1 AND processed_at IS NULL AND received_at > '-infinity' AND received_at < 'infinity'
+ORDER BY received_at LIMIT 1";
 
     /// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest). A row
     /// stamped after the database's now (another writer's clock ahead, or `infinity`) counts once its time has come.

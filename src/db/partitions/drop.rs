@@ -30,7 +30,10 @@ SELECT EXISTS (SELECT 1 FROM inbox_messages
                WHERE message_time >= $1 AND message_time < $2 AND processed_at IS NULL)";
 
     /// Each consumer_type with rows in `[$1, $2)` and its newest processed_at there: a loose index scan of the
-    /// partition's `(consumer_type, processed_at)` index, one probe per consumer_type, not a scan of its rows.
+    /// partition's `(consumer_type, processed_at)` index, one probe per consumer_type, not a scan of its rows. A time
+    /// of `infinity` (another writer's) counts as now (within the window: kept); `-infinity` as long past; the driver
+    /// is never handed either (it cannot hold them). The max is a plain one over the index, which PostgreSQL reads as
+    /// one probe; a `FILTER` or an expression inside it would read every row.
     const CONSUMER_TYPES_BETWEEN = "\
 WITH RECURSIVE t AS (
     (SELECT consumer_type FROM inbox_messages
@@ -42,8 +45,10 @@ WITH RECURSIVE t AS (
     FROM t WHERE t.consumer_type IS NOT NULL
 )
 SELECT t.consumer_type::text,
-       (SELECT max(LEAST(i.processed_at, now())) FILTER (WHERE i.processed_at > '-infinity') FROM inbox_messages i
-        WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type = t.consumer_type)
+       (SELECT CASE WHEN m > now() THEN now() ELSE m END FROM (
+            SELECT max(i.processed_at) AS m FROM inbox_messages i
+            WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type = t.consumer_type
+              AND i.processed_at > '-infinity') newest)
 FROM t WHERE t.consumer_type IS NOT NULL";
 }
 
@@ -76,7 +81,9 @@ pub(super) fn detached_contents_statement(name: &str) -> String {
     FROM t WHERE t.consumer_type IS NOT NULL
 )
 SELECT t.consumer_type::text,
-       (SELECT max(LEAST(i.processed_at, now())) FILTER (WHERE i.processed_at > '-infinity') FROM {t} i WHERE i.consumer_type = t.consumer_type),
+       (SELECT CASE WHEN m > now() THEN now() ELSE m END FROM (
+            SELECT max(i.processed_at) AS m FROM {t} i
+            WHERE i.consumer_type = t.consumer_type AND i.processed_at > '-infinity') newest),
        EXISTS (SELECT 1 FROM {t} i WHERE i.processed_at IS NULL)
 FROM t WHERE t.consumer_type IS NOT NULL"
     )

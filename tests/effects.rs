@@ -1724,6 +1724,32 @@ async fn an_answer_of_megabytes_is_not_read_whole_and_leaves_the_outcome_unknown
     assert!(error.contains("more than 64 KiB"), "{error}");
 }
 
+/// A call an earlier after-commit run made and whose outcome it never learnt (started, its lease run out).
+async fn left_unknown_by_an_earlier_run(pool: &PgPool, destination: &str) -> Uuid {
+    let id = owed_from_an_earlier_run(pool, destination).await;
+    let leased = external::lease_due(
+        pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    assert_eq!(leased.len(), 1);
+    external::record_outcome(
+        pool,
+        &leased[0],
+        CARRIER_QUEUE,
+        &outcome("started", "no answer"),
+    )
+    .await
+    .unwrap();
+    lapse(pool, id).await;
+    id
+}
+
 /// A call owed after a commit of an earlier after-commit run (pending: that run stopped before making it).
 async fn owed_from_an_earlier_run(pool: &PgPool, destination: &str) -> Uuid {
     let id = Uuid::now_v7();
@@ -1811,27 +1837,7 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
     assert_eq!(stub.bookings_to("owed-keyed").await, 1);
     // A call whose outcome is unknown (started, its lease run out), which the after-commit run that left it might
     // have looked up: the keyed run, which has no look-up, leaves it and says so, and does not wait for it.
-    let unknown = owed_from_an_earlier_run(&pool, "owed-unknown").await;
-    let leased = external::lease_due(
-        &pool,
-        CARRIER_QUEUE,
-        Duration::from_secs(30),
-        10,
-        false,
-        Duration::ZERO,
-    )
-    .await
-    .unwrap();
-    assert_eq!(leased.len(), 1);
-    external::record_outcome(
-        &pool,
-        &leased[0],
-        CARRIER_QUEUE,
-        &outcome("started", "no answer"),
-    )
-    .await
-    .unwrap();
-    lapse(&pool, unknown).await;
+    left_unknown_by_an_earlier_run(&pool, "owed-unknown").await;
     // Beside one pending, which this run makes: its worker runs.
     owed_from_an_earlier_run(&pool, "owed-keyed-again").await;
     let mut consumer = env.spawn(&args);
@@ -1927,27 +1933,7 @@ async fn an_at_most_once_run_does_not_make_again_a_call_an_after_commit_run_left
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
-    let unknown = owed_from_an_earlier_run(&pool, "left-unknown").await;
-    let leased = external::lease_due(
-        &pool,
-        CARRIER_QUEUE,
-        Duration::from_secs(30),
-        10,
-        false,
-        Duration::ZERO,
-    )
-    .await
-    .unwrap();
-    assert_eq!(leased.len(), 1);
-    external::record_outcome(
-        &pool,
-        &leased[0],
-        CARRIER_QUEUE,
-        &outcome("started", "no answer"),
-    )
-    .await
-    .unwrap();
-    lapse(&pool, unknown).await;
+    left_unknown_by_an_earlier_run(&pool, "left-unknown").await;
     owed_from_an_earlier_run(&pool, "left-pending").await;
     let args = consume_args(&stub, "at-most-once", &["--exit-when-idle", "1s"]);
     let mut consumer = env.spawn(&args);

@@ -119,6 +119,26 @@ struct Head {
     failed_at: Option<DateTime<Utc>>,
 }
 
+/// The head of `queue` (`Some(None)`: empty), or `None` when a replay of it is running. The replay's marker is looked
+/// for before the look at the head and again after it: a replay running before holds messages out of the look's
+/// sight (and may end, giving them back, before a look after), and one beginning in between marks the queue before it
+/// takes anything, so the look after sees it.
+async fn head_unless_replaying(
+    connection: &crate::amqp::Connection,
+    queue: &str,
+    vhost: &str,
+) -> Result<Option<Option<Head>>> {
+    if topology::replay_running(connection, queue).await? {
+        return Ok(None);
+    }
+    crate::failpoint::hit_with("guard-between-looks", queue).await;
+    let h = peek::head(connection, queue, |d| head(d, queue, vhost)).await?;
+    if topology::replay_running(connection, queue).await? {
+        return Ok(None);
+    }
+    Ok(Some(h))
+}
+
 fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
     let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
     Head {
@@ -287,20 +307,10 @@ impl Looks<'_> {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
-                // The replay's marker, before the look at the head and after it: a replay running before holds
-                // messages out of the look's sight (and may end, giving them back, before a look after), and one
-                // beginning in between marks the queue before it takes anything, so the look after sees it.
-                if topology::replay_running(connection, &dead_letters).await? {
+                let Some(h) = head_unless_replaying(connection, &dead_letters, vhost).await? else {
                     report.refused = Some(self.replaying(&dead_letters));
                     break;
-                }
-                crate::failpoint::hit_with("guard-between-looks", &dead_letters).await;
-                let h = peek::head(connection, &dead_letters, |d| head(d, &dead_letters, vhost))
-                    .await?;
-                if topology::replay_running(connection, &dead_letters).await? {
-                    report.refused = Some(self.replaying(&dead_letters));
-                    break;
-                }
+                };
                 let Some(h) = h else {
                     continue;
                 };
@@ -333,21 +343,12 @@ impl Looks<'_> {
                 }
                 continue;
             }
-            // Before the look and after it, as in `each`.
-            let mut replaying = topology::replay_running(connection, dlq).await?;
-            let h = if replaying {
-                None
-            } else {
-                let h = peek::head(connection, dlq, |d| head(d, dlq, vhost)).await?;
-                replaying = topology::replay_running(connection, dlq).await?;
-                h
-            };
-            if replaying {
+            let Some(h) = head_unless_replaying(connection, dlq, vhost).await? else {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                     report.refused = Some(self.replaying(dlq));
                 }
                 continue;
-            }
+            };
             let Some(h) = h else {
                 continue;
             };

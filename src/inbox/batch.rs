@@ -191,9 +191,12 @@ impl Inbox {
         // by one, where the culprit fails alone.
         let mut tx = db::claim::begin(conn, self.claim_timeout)
             .await
-            .map_err(|e| match db::claim::is_the_works_doing(&e) {
-                true => ProcessError::Failed(super::aborted(e)),
-                false => ProcessError::Unavailable(e),
+            .map_err(|e| {
+                if db::claim::is_the_works_doing(&e) {
+                    ProcessError::Failed(super::aborted(e))
+                } else {
+                    ProcessError::Unavailable(e)
+                }
             })?;
         let claim_started = Instant::now();
         let claimed = if keys.is_empty() {

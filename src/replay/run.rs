@@ -66,13 +66,7 @@ pub async fn run(
         window: TimeDelta::from_std(plan.retention).unwrap_or(TimeDelta::MAX),
         run: uuid::Uuid::new_v4().to_string(),
         fingerprints: Fingerprints::new(),
-        machine: Machine::new(
-            snapshot,
-            match (plan.limit, plan.confirmed) {
-                (Some(l), Some(c)) => Some(l.min(c)),
-                (l, c) => l.or(c),
-            },
-        ),
+        machine: Machine::new(snapshot, plan.limit.into_iter().chain(plan.confirmed).min()),
         listed: plan.group.as_ref().map(super::GroupPlan::listed_set),
         pace: plan.rate.map(super::republish::Pace::new),
         report: Report::begun(plan.from.clone(), plan.dry_run, snapshot),

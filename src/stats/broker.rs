@@ -213,12 +213,9 @@ async fn oldest_failure(
         failed_at = crate::amqp::failure::failed_at(d, &failure);
     })
     .await?;
-    // As the cleanup's guard takes it: a time more than a day ahead of this machine's (a host's clock far off, a header
-    // written by hand) tells nothing of the message's age, and is not shown as a fresh failure; one a little ahead is
-    // of now, not of a negative age.
+    // `failed_at` passes over a time more than a day ahead (it tells nothing of the age); one a little ahead is of
+    // now, not of a negative age.
     let now = Utc::now();
-    let age = failed_at
-        .filter(|t| *t <= now + chrono::TimeDelta::days(1))
-        .map(|t| ((now - t).num_milliseconds() as f64 / 1000.0).max(0.0));
+    let age = failed_at.map(|t| ((now - t).num_milliseconds() as f64 / 1000.0).max(0.0));
     Ok((looked.map(|l| l.depth), age))
 }

@@ -61,27 +61,33 @@ impl TestEnv {
     /// `(ready, unacknowledged)` of a queue, from the broker's own books. A quorum queue's are read from its
     /// leader: `list_queues` shows a quorum queue's counts as of the last statistics tick, up to seconds old.
     pub fn queue_counts(&self, queue: &str) -> (u64, u64) {
-        if super::queue_type() == inboxctl::amqp::topology::QueueType::Quorum
-            && let Some(counts) = quorum_counts(&self.vhost, queue)
-        {
-            return counts;
+        let expression = format!(
+            "case rabbit_amqqueue:lookup(rabbit_misc:r({}, queue, {})) of \
+               {{ok, Q}} -> case amqqueue:get_type(Q) of \
+                 rabbit_quorum_queue -> \
+                   {{ok, {{_, O}}, _}} = ra:leader_query(amqqueue:get_pid(Q), fun rabbit_fifo:overview/1), \
+                   {{maps:get(num_ready_messages, O), maps:get(num_checked_out, O)}}; \
+                 _ -> \
+                   [{{_, R}}, {{_, U}}] = rabbit_amqqueue:info(Q, [messages_ready, messages_unacknowledged]), \
+                   {{R, U}} end; \
+               _ -> none end.",
+            super::erl::binary(&self.vhost),
+            super::erl::binary(queue)
+        );
+        let out = super::erl::eval(&expression)
+            .unwrap_or_else(|| rabbitmqctl(&["-q", "eval", &expression]));
+        let counts = out
+            .trim()
+            .strip_prefix('{')
+            .and_then(|o| o.strip_suffix('}'))
+            .and_then(|o| o.split_once(','));
+        match counts {
+            Some((ready, unacked)) => (
+                ready.trim().parse().unwrap(),
+                unacked.trim().parse().unwrap(),
+            ),
+            None => panic!("queue {queue} not found in vhost {}: {out}", self.vhost),
         }
-        let out = rabbitmqctl(&[
-            "-q",
-            "list_queues",
-            "-p",
-            &self.vhost,
-            "name",
-            "messages_ready",
-            "messages_unacknowledged",
-        ]);
-        for line in out.lines() {
-            let cols: Vec<&str> = line.split('\t').collect();
-            if cols.len() == 3 && cols[0] == queue {
-                return (cols[1].parse().unwrap(), cols[2].parse().unwrap());
-            }
-        }
-        panic!("queue {queue} not found in vhost {}:\n{out}", self.vhost)
     }
 
     /// `host:port` of the broker, for [`super::raw_amqp`].
@@ -92,33 +98,19 @@ impl TestEnv {
 
     /// Whether a queue exists in the vhost.
     pub fn queue_exists(&self, queue: &str) -> bool {
-        rabbitmqctl(&["-q", "list_queues", "-p", &self.vhost, "name"])
-            .lines()
-            .any(|l| l.trim() == queue)
+        let expression = format!(
+            "case rabbit_amqqueue:lookup(rabbit_misc:r({}, queue, {})) of {{ok, _}} -> yes; _ -> no end.",
+            super::erl::binary(&self.vhost),
+            super::erl::binary(queue)
+        );
+        let out = super::erl::eval(&expression)
+            .unwrap_or_else(|| rabbitmqctl(&["-q", "eval", &expression]));
+        match out.trim() {
+            "yes" => true,
+            "no" => false,
+            other => panic!("is {queue} in {}? {other}", self.vhost),
+        }
     }
-}
-
-/// `(ready, unacknowledged)` of a quorum queue, asked of its leader; `None` for a queue of another type (or none).
-fn quorum_counts(vhost: &str, queue: &str) -> Option<(u64, u64)> {
-    let binary = |s: &str| s.replace('\\', "\\\\").replace('"', "\\\"");
-    let expression = format!(
-        "case rabbit_amqqueue:lookup(rabbit_misc:r(<<\"{}\">>, queue, <<\"{}\">>)) of \
-           {{ok, Q}} -> case amqqueue:get_type(Q) of \
-             rabbit_quorum_queue -> \
-               {{ok, {{_, O}}, _}} = ra:leader_query(amqqueue:get_pid(Q), fun rabbit_fifo:overview/1), \
-               {{maps:get(num_ready_messages, O), maps:get(num_checked_out, O)}}; \
-             _ -> other end; \
-           _ -> other end.",
-        binary(vhost),
-        binary(queue)
-    );
-    let out = rabbitmqctl(&["-q", "eval", &expression]);
-    let (ready, unacked) = out
-        .trim()
-        .strip_prefix('{')?
-        .strip_suffix('}')?
-        .split_once(',')?;
-    Some((ready.parse().ok()?, unacked.parse().ok()?))
 }
 
 /// Declares the MassTransit topology of both Parcel Tracker endpoints in the test's vhost.

@@ -15,6 +15,7 @@
 //! - `fixtures`: captured deliveries, fresh parcel events, test-made certificates;
 //! - `modes`: the two modes every guarantee test runs in (`in_both_modes!`);
 //! - `vhosts`: the tests' RabbitMQ vhosts, made and removed in bulk (a `rabbitmqctl` call costs 1.5 s of CPU);
+//! - `erl`: an Erlang node of the test process's own that reads the broker's books without a `rabbitmqctl` call;
 //! - `cluster`: [`Cluster`], three private RabbitMQ nodes clustered on loopback;
 //! - `pgbouncer`: [`PgBouncer`], a private PgBouncer in transaction pooling in front of the test's database;
 //! - `tmux`: [`Tmux`], a real terminal;
@@ -35,6 +36,8 @@ pub use db::*;
 
 mod env;
 pub use env::*;
+
+mod erl;
 
 mod faults;
 pub use faults::*;

@@ -815,6 +815,55 @@ async fn a_statement_that_fails_is_done_again_the_usual_way() {
     assert_eq!(effects(&pool).await, ["usual"]);
 }
 
+/// A statement sent the usual way whose work begins a transaction and leaves it open fails (its COMMIT only released
+/// a savepoint), and its connection is never handed out again: on a pool of one, the next messages' claims with their
+/// effects would otherwise run inside that transaction, be acked, and vanish with it when the session ended.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transaction_the_usual_way_leaves_open_is_no_commit_of_the_next_effects() {
+    let (env, pool, _) = setup().await;
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&env.database_url)
+        .await
+        .unwrap();
+    let inbox = Inbox::new(one.clone(), ConsumerType::new("left-open").unwrap());
+    let a = Uuid::new_v4();
+    // Unfit for the claim (it does not read `claimed`): sent the usual way.
+    let unfit = || inboxctl::inbox::Effect::new("INSERT INTO effects VALUES ($1, $2)").bind(a);
+    let forgot = inbox
+        .process_effect(a, None, &Default::default(), unfit(), move |tx| {
+            Box::pin(async move {
+                insert_effect(tx, a, "forgot").await?;
+                std::mem::forget(sqlx::Connection::begin(&mut *tx).await?);
+                Ok(())
+            })
+        })
+        .await;
+    assert!(matches!(forgot, Err(ProcessError::Failed(_))), "{forgot:?}");
+    let b = Uuid::new_v4();
+    let again = inbox
+        .process_effect(a, None, &Default::default(), one_statement(a, "a"), |_| {
+            Box::pin(async { Ok(()) })
+        })
+        .await;
+    let next = inbox
+        .process_effect(b, None, &Default::default(), one_statement(b, "b"), |_| {
+            Box::pin(async { Ok(()) })
+        })
+        .await;
+    assert_eq!(
+        (again.unwrap(), next.unwrap()),
+        (Outcome::Processed(()), Outcome::Processed(()))
+    );
+    // Whatever the pool holds is closed: only what was committed stays.
+    one.close().await;
+    assert_eq!(effects(&pool).await, ["a", "b"]);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        2
+    );
+}
+
 /// The fingerprint goes with the claim in one statement as in the usual way: a later copy of another event under the
 /// same id is a conflict, a copy of the same event a duplicate, and neither writes.
 #[tokio::test(flavor = "multi_thread")]

@@ -137,8 +137,11 @@ impl Inbox {
             }
         };
         let result = self.bounded(attempt).await;
-        if result.as_ref().is_err_and(ProcessError::session_suspect) {
-            // As `process_carried`: a session that failed is never handed out again.
+        // As `process_carried`: a session that failed, or one still inside a transaction (the usual way's work began
+        // one and left it open), is never handed out again — the next claim on it would commit nothing.
+        if result.as_ref().is_err_and(ProcessError::session_suspect)
+            || sqlx::Connection::is_in_transaction(&*conn)
+        {
             conn.close_on_drop();
         }
         result
@@ -182,6 +185,13 @@ impl Inbox {
                 Sent::Redo(e.to_string())
             }
         };
+        // The statement alone commits itself: inside a transaction left open it would commit nothing (`begin`
+        // refuses such a connection on the other paths; this one has none).
+        if sqlx::Connection::is_in_transaction(&*conn) {
+            return Sent::Unavailable(sqlx::Error::Protocol(
+                db::claim::LEFT_OPEN_BY_THE_WORK.to_owned(),
+            ));
+        }
         let started = std::time::Instant::now();
         let claimed = match self.claim_timeout {
             None => {

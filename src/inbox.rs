@@ -268,8 +268,8 @@ impl Inbox {
 
     /// Reads the inbox's layout again, after a claim met another than it expected (the inbox partitioned under a
     /// running consumer): the next attempt keys the message the new way. A failure to read is left to that attempt.
-    async fn learn_keying(&self) {
-        match db::partitions::layout(&self.pool).await {
+    async fn learn_keying(&self, conn: &mut PgConnection) {
+        match db::partitions::layout(conn).await {
             Ok(Some(layout)) => {
                 let keying = Keying::of(layout);
                 if keying != self.keying() {
@@ -420,7 +420,7 @@ impl Inbox {
             Ok(claimed) => claimed,
             Err(e) => {
                 let _ = tx.rollback().await;
-                return Err(self.claim_error(e, std::slice::from_ref(key)).await);
+                return Err(self.claim_error(conn, e, std::slice::from_ref(key)).await);
             }
         };
         self.claim_took(claim_started);

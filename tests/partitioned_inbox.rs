@@ -251,10 +251,22 @@ async fn moved_aside_without_a_usable_time(mode: &[&str]) {
         0,
     ));
     let ancient = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, 631_152_000, 0));
-    for id in [random, future, ancient, Uuid::now_v7()] {
+    // A UUIDv7 of 2020: after 2000, before the oldest partition (one cleanup dropped, as it were).
+    let dropped = Uuid::new_v7(uuid::Timestamp::from_unix(
+        uuid::NoContext,
+        1_577_836_800,
+        0,
+    ));
+    for id in [random, future, ancient, dropped, Uuid::now_v7()] {
         send(&env, id).await;
     }
-    let out = common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
+    // A pool of one connection: what the refusal means is read on the attempt's own connection (on another, the
+    // pool's only one being the attempt's, the read timed out and the message was held for ever as if the partitions
+    // ahead ran out).
+    let out = common::consume_until_idle(
+        &env,
+        &common::with_mode(&["carrier", "--concurrency", "1", "--pool-size", "1"], mode),
+    );
     assert!(out.stderr.contains("processed=1"), "{}", out.stderr);
     let conn = env.amqp().await;
     let dead = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
@@ -268,7 +280,7 @@ async fn moved_aside_without_a_usable_time(mode: &[&str]) {
         })
         .collect();
     reasons.sort();
-    assert_eq!(reasons.len(), 3, "{reasons:#?}");
+    assert_eq!(reasons.len(), 4, "{reasons:#?}");
     for (id, reason) in &reasons {
         assert!(
             reason.starts_with("the inbox cannot claim this message"),

@@ -208,7 +208,7 @@ impl Inbox {
                     let _ = tx.rollback().await;
                     // Held only if every member no partition holds is of now, past the partitions (they ran out);
                     // else it may be a member's own time, found one by one.
-                    return Err(match self.claim_error(e, &keys).await {
+                    return Err(match self.claim_error(conn, e, &keys).await {
                         // Which member's time no partition holds, the statement does not say: one by one, it is
                         // found and moved aside, and the others go on.
                         ProcessError::Unclaimable(_) => ProcessError::Failed(WorkError::msg(

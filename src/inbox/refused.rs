@@ -44,8 +44,12 @@ impl Inbox {
     /// What a failed claim statement of `keys` (one message's, or a batch's) means: the inbox's layout changed
     /// (learnt again; tried again), the partitions ahead run out (held), a time no partition holds (unclaimable), else
     /// the database's doing. Keys in the same order as the statement's: the first stands for the message's text.
+    ///
+    /// `conn` is the attempt's own connection, its transaction rolled back: what the error means is read on it, not
+    /// on another of the pool's, which a pool of one (`--concurrency 1`) would never give while the attempt holds it.
     pub(super) async fn claim_error(
         &self,
+        conn: &mut sqlx::PgConnection,
         e: sqlx::Error,
         keys: &[db::claim::Key],
     ) -> ProcessError {
@@ -55,13 +59,13 @@ impl Inbox {
         match db::sqlstate(&e).as_deref() {
             // ON CONFLICT (id, consumer_type) on a partitioned inbox, or message_time on an unpartitioned one.
             Some("42P10" | "42703") => {
-                self.learn_keying().await;
+                self.learn_keying(conn).await;
                 ProcessError::Unavailable(e)
             }
             // No partition for now: the partitions ahead ran out (no cleanup made them). Every message would be
             // refused and moved aside, the whole stream: the database's state, held like an outage until a
             // partition holds the time (the claims made to look at the outage's end see it).
-            Some("23514") if key.time.is_some() && self.ran_out(keys).await => {
+            Some("23514") if key.time.is_some() && self.ran_out(conn, keys).await => {
                 ProcessError::Unavailable(db::no_partition_for_now(&crate::sanitize::text(
                     &db::describe(&e),
                 )))
@@ -85,10 +89,10 @@ impl Inbox {
     /// a late copy of an old message whose partition went (nor one from a clock far off), whatever its age, so a
     /// message held this way stays held until a partition is made. A layout that cannot be read, or one that holds
     /// every time now (made since the claim failed): as run out, and tried again.
-    async fn ran_out(&self, keys: &[db::claim::Key]) -> bool {
+    async fn ran_out(&self, conn: &mut sqlx::PgConnection, keys: &[db::claim::Key]) -> bool {
         // Between the refused claim and the look at the partitions (a test makes the partition here).
         failpoint::hit("claim-refused").await;
-        let Ok(partitions) = db::partitions::partitions(&self.pool).await else {
+        let Ok(partitions) = db::partitions::partitions(conn).await else {
             return true;
         };
         let newest = partitions.iter().filter_map(|p| p.to).max();

@@ -1398,3 +1398,81 @@ async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
     assert_eq!(reservations, 1, "processed once, replayed");
     assert_eq!(env.queue_counts(&error_queue), (0, 0));
 }
+
+/// A partition whose `DETACH … CONCURRENTLY` was cancelled in its second phase (a `statement_timeout`, a cancel, a
+/// restart) stays listed, "detach pending": its rows out of sight, an insert of its range refused as "no partition".
+/// A message of that range is one older than the window (cleanup detaches only such partitions): moved aside as
+/// unclaimable, and the rest go on. It was held as if the partitions ahead had run out — the partition still listed,
+/// its time counted as held by one — tried for ever, and the intake paused again at each try.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_of_a_partition_left_half_detached_is_moved_aside_not_held_as_an_outage() {
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let old = v7_ago(TimeDelta::days(3));
+    let at = Utc::now() - TimeDelta::days(3);
+    let partition = format!("inbox_messages_p{}_000000", at.format("%Y%m%d"));
+    assert!(attached(&pool, &partition).await, "{partition}");
+
+    // A reader of the inbox keeps the detach in its second phase; the detach is cancelled there.
+    let mut reader = pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM inbox_messages LIMIT 1")
+        .execute(&mut *reader)
+        .await
+        .unwrap();
+    let detacher = {
+        let pool = pool.clone();
+        let sql = format!(
+            "ALTER TABLE inbox_messages DETACH PARTITION {} CONCURRENTLY",
+            common::quote_ident(&partition)
+        );
+        tokio::spawn(async move { sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&pool).await })
+    };
+    let pending = "SELECT count(*) FROM pg_inherits WHERE inhdetachpending";
+    common::eventually(
+        "the detach in its second phase",
+        Duration::from_secs(30),
+        || async { common::count(&pool, pending).await == 1 },
+    )
+    .await;
+    sqlx::query(
+        "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'ALTER TABLE inbox_messages DETACH%'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(detacher.await.unwrap().is_err(), "the detach was cancelled");
+    reader.rollback().await.unwrap();
+    assert_eq!(common::count(&pool, pending).await, 1, "left half detached");
+
+    let now = Uuid::now_v7();
+    send(&env, old).await;
+    send(&env, now).await;
+    let mut consumer = env.spawn(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    let code = consumer.wait(Duration::from_secs(60));
+    assert_eq!(code, Some(0), "{}", consumer.stderr());
+    assert!(
+        consumer.stderr().contains("processed=1"),
+        "{}",
+        consumer.stderr()
+    );
+    let dead = common::drain(&env.amqp().await, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0]
+            .properties
+            .message_id()
+            .as_ref()
+            .unwrap()
+            .to_string(),
+        old.to_string()
+    );
+    let reason = common::header_text(&dead[0].properties, "MT-Fault-Message").unwrap();
+    assert!(
+        reason.contains("is in no partition of the inbox"),
+        "{reason}"
+    );
+    assert_eq!(partition_of(&pool, now).await.len(), 1);
+}

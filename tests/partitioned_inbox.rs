@@ -1313,7 +1313,8 @@ async fn a_batch_with_one_member_of_a_time_no_partition_holds_is_not_held_as_an_
 /// partition of its own time (3 days ago), which holds no row at all. The guard refuses its consumer_type and no
 /// partition goes, said for each kept one; replayed, the message is processed once. The empty partition was dropped,
 /// and the replayed message was moved aside again as unclaimable ("its time is in no partition"): its effect never
-/// made.
+/// made. So too for a message that failed recently (no refusal) whose own time is past the window: its partition
+/// was dropped, the guard reading only when it failed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
     let env = TestEnv::bare().await;
@@ -1392,6 +1393,47 @@ async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
     let reservations: i64 =
         sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
             .bind(x)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(reservations, 1, "processed once, replayed");
+    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+
+    // A message of 4 days ago that failed an hour ago (a replay of it that failed again; a delayed redelivery): no
+    // refusal, its failure is young, but its claim lands in the partition of its own time, empty and past the
+    // window. That partition stays, and says why.
+    let y = v7_ago(TimeDelta::days(4));
+    let (props, body, _) = common::parcel_message(y, "Bremen");
+    let mut headers = lapin::types::FieldTable::default();
+    headers.insert("MT-Fault-Message".into(), text("carrier API returned 503"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        text(&format!("rabbitmq://127.0.0.1/{CARRIER_QUEUE}")),
+    );
+    let failed = inboxctl::amqp::envelope::format_time(Utc::now() - TimeDelta::hours(1));
+    headers.insert("MT-Fault-Timestamp".into(), text(&failed));
+    common::publish(&conn, "", &error_queue, props.with_headers(headers), &body).await;
+    let its_day =
+        inboxctl::db::partitions::partition_name(settings.floor(Utc::now() - TimeDelta::days(4)));
+    let out = env.run(&["cleanup", "--retention", "2d", "--json"]);
+    assert_eq!(out.code, Some(0), "nothing refused: {out:?}");
+    assert!(attached(&pool, &its_day).await, "its day kept: {out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert!(
+        report["partitions"]["kept"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k["partition"] == its_day.as_str()
+                && k["why"].as_str().unwrap().contains("whose own time")),
+        "{report}"
+    );
+    let replay = env.run(&["replay", "--from", &error_queue]);
+    assert_eq!(replay.code, Some(0), "{replay:?}");
+    common::consume_until_idle(&env, &["carrier"]);
+    let reservations: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
+            .bind(y)
             .fetch_one(&pool)
             .await
             .unwrap();

@@ -60,6 +60,11 @@ pub struct ConsumerReport {
     /// Left alone: a dead-letter queue of its holds a message older than the cutoff, whose replay needs its row.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub refused: Option<Refusal>,
+    /// Cleaned, but no partition goes: on a partitioned inbox, a dead-letter queue of its holds at its head a message
+    /// that failed within the window but whose own time (its claim's key) is before the cutoff — a replay that
+    /// failed again, a delayed redelivery — and its replay claims in the partition of that time.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub holds_partitions: Option<Refusal>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -265,6 +270,19 @@ fn partitions_held(plan: &Plan, consumers: &[ConsumerReport]) -> Option<String> 
              refusal): the replayed message's claim lands in the partition of its own time, which may be this one; \
              no partition goes until it is replayed or removed (or --force)",
             crate::sanitize::text(&refused.consumer_type)
+        ));
+    }
+    if let Some(waiting) = consumers.iter().find_map(|c| c.holds_partitions.as_ref()) {
+        return Some(format!(
+            "{} holds message {} whose own time ({}) is before the cutoff, though it failed within the window: its \
+             replay claims in the partition of that time; no partition goes until it is replayed or removed (or \
+             --force)",
+            crate::sanitize::text(&waiting.queue),
+            crate::sanitize::text(waiting.message_id.as_deref().unwrap_or("(no message id)")),
+            waiting
+                .message_time
+                .map(|t| t.format("%Y-%m-%d %H:%M:%S UTC").to_string())
+                .unwrap_or_default()
         ));
     }
     match (&plan.consumer_type, &plan.guard) {

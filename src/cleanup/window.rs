@@ -15,6 +15,7 @@ use crate::amqp::failure::{failed_at, failure};
 use crate::amqp::{Broker, Delivery, limits, peek, topology};
 use crate::db;
 use crate::error::{Error, Result};
+use crate::inbox::{Carried, TimeSource};
 
 /// Where to look: the broker, and dead-letter-exchange queues beyond each consumer_type's own `_error`/`_skipped`.
 #[derive(Debug, Clone)]
@@ -35,6 +36,9 @@ pub struct Refusal {
     pub failed_at: Option<DateTime<Utc>>,
     /// Its age, in seconds, when the cleanup looked.
     pub age_seconds: Option<i64>,
+    /// On a partitioned inbox, the message's own time, the one its claim is keyed on (its partition's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message_time: Option<DateTime<Utc>>,
     pub cutoff: DateTime<Utc>,
     /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
     pub replay_running: bool,
@@ -62,6 +66,7 @@ impl Refusal {
             message_id: None,
             failed_at: None,
             age_seconds: None,
+            message_time: None,
             cutoff,
             replay_running: false,
             absent: false,
@@ -117,6 +122,8 @@ impl Refusal {
 struct Head {
     message_id: Option<String>,
     failed_at: Option<DateTime<Utc>>,
+    /// On a partitioned inbox, the time its claim is keyed on (`None`: unpartitioned, or a message carrying none).
+    message_time: Option<DateTime<Utc>>,
 }
 
 /// The head of `queue` (`Some(None)`: empty), or `None` when a replay of it is running. The replay's marker is looked
@@ -127,20 +134,40 @@ async fn head_unless_replaying(
     connection: &crate::amqp::Connection,
     queue: &str,
     vhost: &str,
+    keyed_on: Option<TimeSource>,
 ) -> Result<Option<Option<Head>>> {
     if topology::replay_running(connection, queue).await? {
         return Ok(None);
     }
     crate::failpoint::hit_with("guard-between-looks", queue).await;
-    let h = peek::head(connection, queue, |d| head(d, queue, vhost)).await?;
+    let h = peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
     if topology::replay_running(connection, queue).await? {
         return Ok(None);
     }
     Ok(Some(h))
 }
 
-fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
+fn head(delivery: &Delivery, queue: &str, vhost: &str, keyed_on: Option<TimeSource>) -> Head {
     let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
+    let message_time = keyed_on.and_then(|source| {
+        let incoming = crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok();
+        let carried = Carried {
+            sent_time: incoming.as_ref().and_then(|i| i.sent_time),
+            timestamp: delivery
+                .properties
+                .timestamp()
+                .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0)),
+        };
+        let id = match &incoming {
+            Some(i) => Some(i.message_id),
+            None => delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .and_then(|id| uuid::Uuid::parse_str(id.as_str()).ok()),
+        }?;
+        source.time_of(id, &carried)
+    });
     Head {
         message_id: delivery
             .properties
@@ -151,6 +178,7 @@ fn head(delivery: &Delivery, queue: &str, vhost: &str) -> Head {
         // nothing of the message's age: taken as young, its row could go while its replay still needs it.
         failed_at: failed_at(delivery, &failure)
             .filter(|t| *t <= Utc::now() + chrono::TimeDelta::days(1)),
+        message_time,
     }
 }
 
@@ -191,10 +219,16 @@ pub async fn check(
     let here: Vec<usize> = (0..consumers.len())
         .filter(|i| !elsewhere.values().any(|v| v.contains(i)))
         .collect();
+    // On a partitioned inbox a waiting message's claim lands in the partition of its own time, whenever it failed.
+    let keyed_on = match db::partitions::layout(pool).await? {
+        Some(db::partitions::Layout::Partitioned(settings)) => Some(settings.source),
+        _ => None,
+    };
     let looks = Looks {
         queues: &queues,
         cutoff,
         now: Utc::now(),
+        keyed_on,
     };
     let connection = guard.broker.connect("inboxctl cleanup").await?;
     let result = async {
@@ -254,6 +288,7 @@ struct Looks<'a> {
     queues: &'a HashMap<String, String>,
     cutoff: DateTime<Utc>,
     now: DateTime<Utc>,
+    keyed_on: Option<TimeSource>,
 }
 
 impl Looks<'_> {
@@ -270,11 +305,18 @@ impl Looks<'_> {
         h.failed_at.is_none_or(|t| t < self.cutoff)
     }
 
+    /// Whether `h`, young by its failure, is keyed on a time before the cutoff: its replay claims in a partition past
+    /// the window, which must stay while it waits.
+    fn keyed_before_the_window(&self, h: &Head) -> bool {
+        h.message_time.is_some_and(|t| t < self.cutoff)
+    }
+
     fn refusal(&self, queue: &str, h: Head) -> Refusal {
         Refusal {
             message_id: h.message_id,
             age_seconds: h.failed_at.map(|t| (self.now - t).num_seconds()),
             failed_at: h.failed_at,
+            message_time: h.message_time,
             ..Refusal::of(queue, self.cutoff)
         }
     }
@@ -307,7 +349,9 @@ impl Looks<'_> {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
-                let Some(h) = head_unless_replaying(connection, &dead_letters, vhost).await? else {
+                let Some(h) =
+                    head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on).await?
+                else {
                     report.refused = Some(self.replaying(&dead_letters));
                     break;
                 };
@@ -317,6 +361,9 @@ impl Looks<'_> {
                 if self.too_old(&h) {
                     report.refused = Some(self.refusal(&dead_letters, h));
                     break;
+                }
+                if report.holds_partitions.is_none() && self.keyed_before_the_window(&h) {
+                    report.holds_partitions = Some(self.refusal(&dead_letters, h));
                 }
             }
         }
@@ -343,7 +390,8 @@ impl Looks<'_> {
                 }
                 continue;
             }
-            let Some(h) = head_unless_replaying(connection, dlq, vhost).await? else {
+            let Some(h) = head_unless_replaying(connection, dlq, vhost, self.keyed_on).await?
+            else {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                     report.refused = Some(self.replaying(dlq));
                 }
@@ -353,6 +401,21 @@ impl Looks<'_> {
                 continue;
             };
             if !self.too_old(&h) {
+                if self.keyed_before_the_window(&h) {
+                    for report in consumers
+                        .iter_mut()
+                        .filter(|r| r.holds_partitions.is_none())
+                    {
+                        report.holds_partitions = Some(self.refusal(
+                            dlq,
+                            Head {
+                                message_id: h.message_id.clone(),
+                                failed_at: h.failed_at,
+                                message_time: h.message_time,
+                            },
+                        ));
+                    }
+                }
                 continue;
             }
             // Only the head is looked at: messages of other origins may wait behind it, so an old head keeps every
@@ -363,6 +426,7 @@ impl Looks<'_> {
                     Head {
                         message_id: h.message_id.clone(),
                         failed_at: h.failed_at,
+                        message_time: h.message_time,
                     },
                 ));
             }

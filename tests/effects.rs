@@ -2025,3 +2025,53 @@ async fn a_batch_done_again_books_its_other_members_once_with_a_carrier_ignoring
         stderr
     );
 }
+
+/// `effects resolve` settles the effect as it read it: one a consumer's worker changed in between (its lease ran out
+/// when read; leased again, the call made, recorded failed) is left as it is now, and the command says so. A `--retry`
+/// used to owe such a call again — made blind a second time, the look-up skipped for a call owed — and the audit
+/// recorded "started → pending".
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resolve_leaves_an_effect_a_worker_changed_since_it_was_read() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts, \
+         lease_until, updated_at) \
+         VALUES ($1, $2, $3, 'after-commit', 'started', '{}', 1, now() - interval '1 minute', now() - interval '1 minute')",
+    )
+    .bind(id)
+    .bind(CARRIER_QUEUE)
+    .bind(Uuid::new_v4())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut resolve = env.spawn_with(
+        &["effects", "resolve", &id.to_string(), "--retry"],
+        &[("INBOXCTL_FAILPOINTS", "resolve-read=sleep-once-3000")],
+    );
+    resolve.wait_for_stderr("failpoint resolve-read reached", Duration::from_secs(30));
+    // A worker leases it again, makes the call, and records its unknown outcome on its last attempt.
+    sqlx::query(
+        "UPDATE inboxctl_effects SET state = 'failed', attempts = attempts + 1, lease_until = NULL, \
+         updated_at = now() WHERE message_id = $1",
+    )
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let code = resolve.wait(Duration::from_secs(30));
+    assert_ne!(code, Some(0), "{}", resolve.stderr());
+    assert!(
+        resolve.stderr().contains("changed while this command ran"),
+        "{}",
+        resolve.stderr()
+    );
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM inboxctl_effects WHERE message_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "failed", "left as the worker left it");
+}

@@ -50,6 +50,8 @@ pub async fn resolve(
     resolution: &Resolution,
 ) -> Result<external::Row> {
     let before = one_effect(pool, message_id, consumer_type).await?;
+    // Between the read and the settle (a test changes the effect here, as a consumer's worker may).
+    crate::failpoint::hit("resolve-read").await;
     let (state, reference, note) = match resolution {
         Resolution::Done { reference } => {
             ("done", reference.as_deref(), "settled by an operator: done")
@@ -63,10 +65,21 @@ pub async fn resolve(
         state,
         reference,
         Some(note),
-        None,
+        // Fenced on the state read: the operator's decision is about the effect as shown, and a worker may have
+        // leased it and made the call since (a `--retry` then would owe it again, to be made blind a second time).
+        Some(before.updated_at),
     )
     .await?;
     if settled.is_none() {
+        if let Ok(now) = one_effect(pool, message_id, Some(&before.consumer_type)).await
+            && now.updated_at != before.updated_at
+        {
+            return Err(Error::Usage(format!(
+                "the effect of message {message_id} changed while this command ran ({} then, {} now): nothing \
+                 settled; look at it again (`inboxctl effects`) and settle it as it is now",
+                before.state, now.state
+            )));
+        }
         return Err(Error::Usage(format!(
             "the effect of message {message_id} is {} and cannot be settled now{}",
             before.state,

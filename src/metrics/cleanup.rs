@@ -45,16 +45,21 @@ impl Totals {
 
     fn add_at(&mut self, report: &Report, ended: chrono::DateTime<chrono::Utc>) {
         self.runs += 1;
-        self.events_deleted += report.events_deleted;
-        for c in &report.consumers {
-            *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
-        }
         self.unprocessed_older = report
             .consumers
             .iter()
             .map(|c| (c.consumer_type.clone(), c.unprocessed_older))
             .collect();
         self.refused = report.refused;
+        // A dry run (`--every --dry-run`) deletes nothing: its "would delete" counts are no deletions, and it is no
+        // success an alert on the stamp may take for one (what it measured, above, it did measure).
+        if report.dry_run {
+            return;
+        }
+        self.events_deleted += report.events_deleted;
+        for c in &report.consumers {
+            *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
+        }
         if report.outcome() == crate::error::Outcome::Done {
             self.last_success = Some(ended.timestamp_millis() as f64 / 1000.0);
         }
@@ -169,6 +174,25 @@ mod tests {
         assert_eq!(
             totals.last_success,
             Some(end.timestamp_millis() as f64 / 1000.0)
+        );
+    }
+
+    /// A dry run counts as a run, and nothing else: what it would delete is not deleted, and it is no success.
+    #[test]
+    fn a_dry_run_deletes_nothing_and_is_no_success() {
+        let mut totals = Totals::default();
+        let mut dry = report(&[("carrier", 0)]);
+        dry.dry_run = true;
+        dry.events_deleted = 7;
+        dry.consumers[0].deleted = 50;
+        totals.add_at(&dry, chrono::Utc::now());
+        assert_eq!(totals.runs, 1);
+        assert_eq!(totals.last_success, None);
+        assert_eq!(totals.events_deleted, 0);
+        assert!(
+            totals.deleted.values().all(|d| *d == 0),
+            "{:?}",
+            totals.deleted
         );
     }
 

@@ -861,7 +861,7 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
         "--json",
     ];
     let refused = reconcile.run(&env, &reconcile_args);
-    assert_ne!(refused.code, Some(0), "{refused:?}");
+    assert_eq!(refused.code, Some(3), "{refused:?}");
     assert!(
         refused.stderr.contains("carrier_reservations"),
         "{refused:?}"
@@ -2074,4 +2074,109 @@ async fn a_resolve_leaves_an_effect_a_worker_changed_since_it_was_read() {
             .await
             .unwrap();
     assert_eq!(state, "failed", "left as the worker left it");
+}
+
+/// `effects reconcile` whose settle of one call fails (here a trigger refusing its update; a role without INSERT on
+/// the reservations does the same) reports that call with why, and goes on: the calls settled before and after it
+/// stay settled, are printed and audited, and the run ends partial (exit 3). The failure used to end the command
+/// with an error and nothing printed, the audit row holding no count, while an earlier call had been owed again.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_reports_what_it_settled_when_one_settle_fails() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let mut conn = pool.acquire().await.unwrap();
+    for _ in 0..3 {
+        external::insert(
+            &mut conn,
+            &external::NewEffect {
+                message_id: Uuid::now_v7(),
+                consumer_type: CARRIER_QUEUE,
+                idempotency_key: Uuid::new_v4(),
+                mode: "after-commit",
+                state: "pending",
+                request: r#"{"parcelId":"00000000-0000-0000-0000-000000000000","destination":"three"}"#,
+                attempts: 0,
+                reference: None,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    drop(conn);
+    let leased = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    assert_eq!(leased.len(), 3);
+    let mut ids = Vec::new();
+    for call in &leased {
+        external::record_outcome(&pool, call, CARRIER_QUEUE, &outcome("started", "no answer"))
+            .await
+            .unwrap();
+        lapse(&pool, call.message_id).await;
+        ids.push(call.message_id);
+    }
+    ids.sort();
+    let refused = ids[1];
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.message_id = '{refused}' THEN RAISE EXCEPTION 'refused by the test'; END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER refuse_one BEFORE UPDATE ON inboxctl_effects FOR EACH ROW EXECUTE FUNCTION refuse_one();"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&[
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &stub.url,
+        "--quiet-for",
+        "0s",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let now_of = |id: Uuid| {
+        report
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["message_id"] == id.to_string())
+            .unwrap_or_else(|| panic!("{id} reported: {report:#}"))
+            .clone()
+    };
+    assert_eq!(now_of(ids[0])["now"], "pending", "{report:#}");
+    assert_eq!(now_of(ids[2])["now"], "pending", "{report:#}");
+    let failed = now_of(refused);
+    assert_eq!(failed["now"], "unknown", "{report:#}");
+    assert!(
+        failed["error"]
+            .as_str()
+            .unwrap()
+            .contains("refused by the test"),
+        "{report:#}"
+    );
+    let states: Vec<String> = sqlx::query_scalar(
+        "SELECT state FROM inboxctl_effects WHERE message_id = ANY($1) ORDER BY message_id",
+    )
+    .bind(&ids)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(states, ["pending", "started", "pending"]);
+    let details: serde_json::Value = sqlx::query_scalar(
+        "SELECT details FROM inboxctl_audit WHERE command = 'effects reconcile'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(details["pending"], 2, "{details}");
 }

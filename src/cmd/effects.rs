@@ -251,7 +251,9 @@ async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome>
         );
     }
     if done.iter().any(|r| r.now == "unknown") {
-        tracing::warn!("some look-ups failed; their effects are left as they were");
+        tracing::warn!(
+            "some calls could not be looked up, or not settled on the answer; they are left as they were"
+        );
     }
     if unknown(&done) {
         return Ok(Outcome::Partial);

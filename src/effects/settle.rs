@@ -145,13 +145,17 @@ pub async fn reconcile(
         // by a consumer process) is not settled on it.
         crate::failpoint::hit("reconcile-looked").await;
         match looked {
+            // A settle that fails (a role without INSERT on the reservations, the database gone) leaves that call
+            // as it was and says why; the calls settled before it stay settled and reported, and the run goes on.
             Ok(Some(slot)) => {
                 let reference = slot.slot_id.to_string();
-                if settle_booked(pool, &effect, slot).await? {
-                    done.now = "done".to_owned();
-                    done.reference = Some(reference);
-                } else {
-                    done.now = CHANGED.to_owned();
+                match settle_booked(pool, &effect, slot).await {
+                    Ok(true) => {
+                        done.now = "done".to_owned();
+                        done.reference = Some(reference);
+                    }
+                    Ok(false) => done.now = CHANGED.to_owned(),
+                    Err(e) => done.error = Some(not_settled(effect.message_id, &e)),
                 }
             }
             Ok(None) if !quiet_since(&effect, now, quiet_for) => done.now = RECENT.to_owned(),
@@ -165,17 +169,25 @@ pub async fn reconcile(
                     Some("reconciled: the carrier has no booking under its key; to be made again"),
                     Some(effect.updated_at),
                 )
-                .await?;
-                done.now = match settled {
-                    Some(_) => "pending".to_owned(),
-                    None => CHANGED.to_owned(),
-                };
+                .await;
+                match settled {
+                    Ok(Some(_)) => done.now = "pending".to_owned(),
+                    Ok(None) => done.now = CHANGED.to_owned(),
+                    Err(e) => done.error = Some(not_settled(effect.message_id, &Error::from(e))),
+                }
             }
             Err(e) => done.error = Some(e.to_string()),
         }
         out.push(done);
     }
     Ok(out)
+}
+
+/// Why a call the look-up answered for was left as it was.
+fn not_settled(message_id: Uuid, e: &Error) -> String {
+    let why = crate::sanitize::text(&crate::redact::text(&e.to_string())).into_owned();
+    tracing::warn!(%message_id, error = %why, "the look-up answered, but settling the call failed; left as it was");
+    format!("the look-up answered, but settling it failed: {why}")
 }
 
 /// What `reconcile` says of a call it did not settle because it changed since it was listed.

@@ -887,3 +887,44 @@ async fn records_of_done_calls_past_the_window_go_and_unsettled_ones_stay() {
         "the call done inside the window stays"
     );
 }
+
+/// A cleanup that fails after it deleted rows (here pruning the audit is refused, as for a role kept from deleting
+/// audit rows) reports what it deleted, audits it, and ends partial (exit 3), saying what failed. It ended with an
+/// error alone: the rows gone, the audit row saying "failed" with no count, the report lost.
+#[tokio::test]
+async fn a_cleanup_that_fails_after_deleting_says_what_it_deleted() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(&pool, "carrier", 100, "10 days", false).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_prune() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           RAISE EXCEPTION 'audit pruning refused by the test'; END $$; \
+         CREATE TRIGGER refuse_prune BEFORE DELETE ON inboxctl_audit FOR EACH STATEMENT \
+           EXECUTE FUNCTION refuse_prune();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["deleted"], 100, "{report:#}");
+    assert!(
+        report["failed"]
+            .as_str()
+            .unwrap()
+            .contains("audit pruning refused by the test"),
+        "{report:#}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+    let (outcome, details): (String, serde_json::Value) =
+        sqlx::query_as("SELECT outcome, details FROM inboxctl_audit WHERE command = 'cleanup'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(outcome, "partial", "{details}");
+    assert_eq!(details["deleted"], 100, "{details}");
+}

@@ -93,6 +93,10 @@ pub struct Report {
     /// A partitioned inbox: the partitions made ahead, and those dropped whole (their rows not counted in `deleted`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub partitions: Option<partitions::PartitionWork>,
+    /// What ended the run early after it had deleted rows (the database gone mid-run, a role that may not prune the
+    /// audit): what it deleted is reported all the same, and the run is partial.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
     pub seconds: f64,
     pub rows_per_second: f64,
 }
@@ -137,7 +141,7 @@ impl Report {
             .partitions
             .as_ref()
             .is_some_and(|p| p.kept.iter().any(|k| k.detached));
-        if self.interrupted || self.refused > 0 || detached {
+        if self.interrupted || self.refused > 0 || detached || self.failed.is_some() {
             crate::error::Outcome::Partial
         } else {
             crate::error::Outcome::Done
@@ -173,6 +177,7 @@ pub async fn run(
     let mut attempts_deleted = 0;
     let mut audit_deleted = 0;
     let mut effects = EffectsPruned::default();
+    let mut failed = None;
     let partitions;
     if plan.dry_run {
         let cleanable = consumers
@@ -223,11 +228,31 @@ pub async fn run(
         {
             lock.close_on_drop();
         }
-        interrupted = result?;
-        if !interrupted {
-            attempts_deleted = prune_attempts(pool, &consumers, &mine, cutoff).await?;
-            effects = prune_effects(pool, plan, &consumers, &mine, cutoff, shutdown).await?;
-            audit_deleted = prune_audit(pool, plan, shutdown).await?;
+        // A failure after rows went ends the run, but not its report: each batch was committed, and what went is
+        // said, audited and counted.
+        let steps = async {
+            interrupted = result?;
+            if !interrupted {
+                attempts_deleted = prune_attempts(pool, &consumers, &mine, cutoff).await?;
+                effects = prune_effects(pool, plan, &consumers, &mine, cutoff, shutdown).await?;
+                audit_deleted = prune_audit(pool, plan, shutdown).await?;
+            }
+            Ok::<(), crate::error::Error>(())
+        }
+        .await;
+        if let Err(e) = steps {
+            let went = consumers
+                .iter()
+                .any(|c| c.deleted > 0 || c.events_deleted > 0)
+                || attempts_deleted > 0
+                || effects.deleted > 0
+                || partitions.as_ref().is_some_and(|p| !p.dropped.is_empty());
+            if !went {
+                return Err(e);
+            }
+            let why = crate::redact::text(&e.to_string());
+            tracing::warn!(error = %crate::sanitize::text(&why), "the cleanup failed after deleting rows; what it deleted is reported");
+            failed = Some(why);
         }
     }
 
@@ -245,6 +270,7 @@ pub async fn run(
         effects_left: effects.left,
         refused: consumers.iter().filter(|c| c.refused.is_some()).count() as u64,
         partitions,
+        failed,
         consumers,
         deleted,
         seconds,

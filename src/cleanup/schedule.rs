@@ -90,6 +90,7 @@ fn audit_entry(plan: &Plan, report: &Result<Report>) -> crate::audit::Entry {
             ("audit_deleted", serde_json::json!(r.audit_deleted)),
             ("effects_deleted", serde_json::json!(r.effects_deleted)),
             ("interrupted", serde_json::json!(r.interrupted)),
+            ("failed", serde_json::json!(r.failed)),
             (
                 "consumer_types",
                 serde_json::json!(

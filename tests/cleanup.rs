@@ -927,4 +927,23 @@ async fn a_cleanup_that_fails_after_deleting_says_what_it_deleted() {
             .unwrap();
     assert_eq!(outcome, "partial", "{details}");
     assert_eq!(details["deleted"], 100, "{details}");
+
+    // For people, and on a schedule: said after what was deleted, and a first run so failed ends `--every`, as a
+    // first run that fails outright does (a grant to fix).
+    seed(&pool, "carrier", 10, "10 days", false).await;
+    let mut every = env.spawn(&["cleanup", "--retention", "7d", "--force", "--every", "1s"]);
+    assert_eq!(
+        every.wait(Duration::from_secs(60)),
+        Some(3),
+        "{}",
+        every.stderr()
+    );
+    assert!(
+        every
+            .stdout()
+            .contains("then failed (what is above was deleted)")
+            && every.stdout().contains("audit pruning refused by the test"),
+        "{}",
+        every.stdout()
+    );
 }

@@ -2085,45 +2085,7 @@ async fn reconcile_reports_what_it_settled_when_one_settle_fails() {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
-    let mut conn = pool.acquire().await.unwrap();
-    for _ in 0..3 {
-        external::insert(
-            &mut conn,
-            &external::NewEffect {
-                message_id: Uuid::now_v7(),
-                consumer_type: CARRIER_QUEUE,
-                idempotency_key: Uuid::new_v4(),
-                mode: "after-commit",
-                state: "pending",
-                request: r#"{"parcelId":"00000000-0000-0000-0000-000000000000","destination":"three"}"#,
-                attempts: 0,
-                reference: None,
-            },
-        )
-        .await
-        .unwrap();
-    }
-    drop(conn);
-    let leased = external::lease_due(
-        &pool,
-        CARRIER_QUEUE,
-        Duration::from_secs(30),
-        10,
-        false,
-        Duration::ZERO,
-    )
-    .await
-    .unwrap();
-    assert_eq!(leased.len(), 3);
-    let mut ids = Vec::new();
-    for call in &leased {
-        external::record_outcome(&pool, call, CARRIER_QUEUE, &outcome("started", "no answer"))
-            .await
-            .unwrap();
-        lapse(&pool, call.message_id).await;
-        ids.push(call.message_id);
-    }
-    ids.sort();
+    let ids = three_calls_left_unknown(&pool).await;
     let refused = ids[1];
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
@@ -2179,4 +2141,88 @@ async fn reconcile_reports_what_it_settled_when_one_settle_fails() {
     .await
     .unwrap();
     assert_eq!(details["pending"], 2, "{details}");
+}
+
+/// Three after-commit calls whose lease ran out after an attempt with no answer, their ids in order.
+async fn three_calls_left_unknown(pool: &PgPool) -> Vec<Uuid> {
+    let mut conn = pool.acquire().await.unwrap();
+    for _ in 0..3 {
+        external::insert(
+            &mut conn,
+            &external::NewEffect {
+                message_id: Uuid::now_v7(),
+                consumer_type: CARRIER_QUEUE,
+                idempotency_key: Uuid::new_v4(),
+                mode: "after-commit",
+                state: "pending",
+                request: r#"{"parcelId":"00000000-0000-0000-0000-000000000000","destination":"three"}"#,
+                attempts: 0,
+                reference: None,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    drop(conn);
+    let leased = external::lease_due(
+        pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    assert_eq!(leased.len(), 3);
+    let mut ids = Vec::new();
+    for call in &leased {
+        external::record_outcome(pool, call, CARRIER_QUEUE, &outcome("started", "no answer"))
+            .await
+            .unwrap();
+        lapse(pool, call.message_id).await;
+        ids.push(call.message_id);
+    }
+    ids.sort();
+    ids
+}
+
+/// `effects reconcile` whose settle meets the database going away (here the middle call's update answered as by a
+/// server shutting down, 57P01) stops there, what it did reported: it does not go on asking the carrier about every
+/// other call, each settle then failing after its pool's wait, for nothing it could record.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_stops_when_the_database_goes() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let ids = three_calls_left_unknown(&pool).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION going() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.message_id = '{}' THEN RAISE EXCEPTION 'the server is going' USING ERRCODE = '57P01'; END IF; \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER going BEFORE UPDATE ON inboxctl_effects FOR EACH ROW EXECUTE FUNCTION going();",
+        ids[1]
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&[
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &stub.url,
+        "--quiet-for",
+        "0s",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let reported: Vec<&str> = report
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["now"].as_str().unwrap())
+        .collect();
+    assert_eq!(reported, ["pending", "unknown"], "{report:#}");
+    assert!(out.stderr.contains("reconcile stops here"), "{out:?}");
 }

@@ -52,11 +52,17 @@ pub async fn scheduled(
                 continue;
             }
         };
-        succeeded_once = true;
+        // A run that failed after deleting rows is reported like any (what it deleted), but is no success: a first
+        // one ends the command as a first failure does (a grant to fix), after its report.
+        let failed_first = report.failed.is_some() && !succeeded_once;
+        succeeded_once |= report.failed.is_none();
         if let Some(e) = progress_failed {
             return Err(e);
         }
         on(Event::Finished(&report))?;
+        if failed_first {
+            return Ok(false);
+        }
         if report.interrupted {
             return Ok(true);
         }

@@ -286,6 +286,12 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
             report.refused
         ));
     }
+    if let Some(why) = &report.failed {
+        summary.push_str(&format!(
+            "; then failed (what is above was deleted): {}",
+            crate::sanitize::text(why)
+        ));
+    }
     if report.interrupted {
         summary.push_str("; interrupted: every batch either completed or did not start, and the rest is left for the next run");
     }

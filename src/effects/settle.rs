@@ -155,7 +155,13 @@ pub async fn reconcile(
                         done.reference = Some(reference);
                     }
                     Ok(false) => done.now = CHANGED.to_owned(),
-                    Err(e) => done.error = Some(not_settled(effect.message_id, &e)),
+                    Err(e) => {
+                        done.error = Some(not_settled(effect.message_id, &e));
+                        if database_gone(&e) {
+                            out.push(done);
+                            break;
+                        }
+                    }
                 }
             }
             Ok(None) if !quiet_since(&effect, now, quiet_for) => done.now = RECENT.to_owned(),
@@ -173,7 +179,14 @@ pub async fn reconcile(
                 match settled {
                     Ok(Some(_)) => done.now = "pending".to_owned(),
                     Ok(None) => done.now = CHANGED.to_owned(),
-                    Err(e) => done.error = Some(not_settled(effect.message_id, &Error::from(e))),
+                    Err(e) => {
+                        let e = Error::from(e);
+                        done.error = Some(not_settled(effect.message_id, &e));
+                        if database_gone(&e) {
+                            out.push(done);
+                            break;
+                        }
+                    }
                 }
             }
             Err(e) => done.error = Some(e.to_string()),
@@ -181,6 +194,21 @@ pub async fn reconcile(
         out.push(done);
     }
     Ok(out)
+}
+
+/// Whether a settle's error is the database's state rather than this call's (unreachable, restarting): the run stops
+/// there, what it did reported, rather than ask the carrier about every other call for nothing to record.
+fn database_gone(e: &Error) -> bool {
+    let gone = match e {
+        Error::Database(e) => crate::db::is_transient(e),
+        _ => false,
+    };
+    if gone {
+        tracing::warn!(
+            "the database cannot be reached: reconcile stops here; run it again once it is back"
+        );
+    }
+    gone
 }
 
 /// Why a call the look-up answered for was left as it was.

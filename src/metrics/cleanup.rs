@@ -56,6 +56,10 @@ impl Totals {
         if report.dry_run {
             return;
         }
+        // A run that failed after deleting counts as failed too (what it deleted is counted all the same).
+        if report.failed.is_some() {
+            self.failed_runs += 1;
+        }
         self.events_deleted += report.events_deleted;
         for c in &report.consumers {
             *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
@@ -194,6 +198,19 @@ mod tests {
             "{:?}",
             totals.deleted
         );
+    }
+
+    /// A run that failed after deleting counts what it deleted, and as a failed run, not a success.
+    #[test]
+    fn a_run_that_failed_after_deleting_counts_its_rows_and_its_failure() {
+        let mut totals = Totals::default();
+        let mut failed = report(&[("carrier", 0)]);
+        failed.failed = Some("audit pruning refused".to_owned());
+        failed.consumers[0].deleted = 100;
+        totals.add_at(&failed, chrono::Utc::now());
+        assert_eq!(totals.failed_runs, 1);
+        assert_eq!(totals.last_success, None);
+        assert_eq!(totals.deleted.get("carrier"), Some(&100));
     }
 
     /// A run whose guard kept a consumer_type's rows is not a complete one: the stamp stays at the last that was,

@@ -76,8 +76,9 @@ fn start() -> Option<Shell> {
     );
     let mut child = Command::new("erl")
         .args(["-sname", &name, "-hidden", "-noshell"])
-        .args(["-setcookie", cookie.trim()])
         .args(["-eval", LOOP])
+        // Through the environment, not the command line, which every local user can read.
+        .env("ERL_FLAGS", format!("-setcookie {}", cookie.trim()))
         .env("INBOXCTL_RABBIT_NODES", nodes)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

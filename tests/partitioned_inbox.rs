@@ -1518,3 +1518,68 @@ async fn a_message_of_a_partition_left_half_detached_is_moved_aside_not_held_as_
     );
     assert_eq!(partition_of(&pool, now).await.len(), 1);
 }
+
+/// A cleanup that fails between two partition drops (its sessions cut after the first went) reports the partition it
+/// dropped with what failed (exit 3), in its output and its audit: that partition and its rows are gone. The failure
+/// was reported alone, the drop nowhere.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleanup_failing_between_two_drops_reports_the_one_it_dropped() {
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let pool = env.pool().await;
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let day = |ago: i64| {
+        inboxctl::db::partitions::partition_name(settings.floor(Utc::now() - TimeDelta::days(ago)))
+    };
+    let (first, second) = (day(7), day(6));
+    assert!(attached(&pool, &first).await && attached(&pool, &second).await);
+    let mut cleanup = env.spawn_with(
+        &["cleanup", "--retention", "2d", "--force", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!("partition-looked=sleep-once-5000@{second}"),
+        )],
+    );
+    cleanup.wait_for_stderr(
+        "failpoint partition-looked reached",
+        Duration::from_secs(30),
+    );
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'inboxctl'",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let code = cleanup.wait(Duration::from_secs(60));
+    assert_eq!(code, Some(3), "{}", cleanup.stderr());
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert!(report["failed"].is_string(), "{report:#}");
+    let dropped: Vec<&str> = report["partitions"]["dropped"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["partition"].as_str().unwrap())
+        .collect();
+    assert_eq!(dropped, [first.as_str()], "{report:#}");
+    let pool = env.pool().await;
+    let gone: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
+        .bind(&first)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(gone, "{first} dropped");
+    let details: serde_json::Value =
+        sqlx::query_scalar("SELECT details FROM inboxctl_audit WHERE command = 'cleanup'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        details["partitions_dropped"],
+        serde_json::json!([first]),
+        "{details}"
+    );
+}

@@ -185,7 +185,9 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), true).await?;
+        partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), true)
+            .await
+            .map_err(|f| f.error)?;
         count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
         let order: Vec<usize> = (0..consumers.len())
             .filter(|&i| consumers[i].refused.is_none())
@@ -218,9 +220,13 @@ pub async fn run(
                 )
                 .await
             }
-            Err(e) => {
-                partitions = None;
-                Err(e)
+            // What it dropped before it failed is dropped: reported with the failure.
+            Err(failed) => {
+                partitions = failed.work.map(|mut work| {
+                    work.created.splice(0..0, made_ahead);
+                    work
+                });
+                Err(failed.error)
             }
         };
         if let Some(mut lock) = lock

@@ -77,6 +77,19 @@ impl PartitionWork {
     }
 }
 
+/// A failure of [`maintain`], with what it had done by then (partitions made, dropped): done all the same.
+#[derive(Debug)]
+pub struct Failed {
+    pub error: crate::error::Error,
+    pub work: Option<PartitionWork>,
+}
+
+impl From<crate::error::Error> for Failed {
+    fn from(error: crate::error::Error) -> Self {
+        Failed { error, work: None }
+    }
+}
+
 /// Makes the partitions of the next days and drops the old ones `cleanable` allows (the consumer_types this run
 /// cleans), none while `held` says why none may go; `None` when the inbox is not partitioned. With `dry_run`, changes
 /// nothing and says what it would drop.
@@ -86,7 +99,7 @@ pub async fn maintain(
     cleanable: &HashSet<String>,
     held: Option<&str>,
     dry_run: bool,
-) -> Result<Option<PartitionWork>> {
+) -> std::result::Result<Option<PartitionWork>, Failed> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(None);
     };
@@ -104,7 +117,10 @@ pub async fn maintain(
             work.refused = Some(reason);
             Ok(Some(work))
         }
-        Err(e) => Err(e),
+        Err(error) => Err(Failed {
+            error,
+            work: Some(work),
+        }),
     }
 }
 
@@ -233,7 +249,7 @@ async fn drop_and_make(
         if !dry_run {
             // Between the look above and the detach a claim may still write there (a late copy of an old message):
             // what the detached table holds is looked at again, and if it must stay it is attached again.
-            crate::failpoint::hit("partition-looked").await;
+            crate::failpoint::hit_with("partition-looked", &partition.name).await;
             if !db::partitions::detach(&mut conn, &partition).await? {
                 continue; // another cleanup dropped it first
             }

@@ -2082,30 +2082,8 @@ async fn a_resolve_leaves_an_effect_a_worker_changed_since_it_was_read() {
 /// with an error and nothing printed, the audit row holding no count, while an earlier call had been owed again.
 #[tokio::test(flavor = "multi_thread")]
 async fn reconcile_reports_what_it_settled_when_one_settle_fails() {
-    let env = TestEnv::migrated().await;
-    let pool = env.pool().await;
-    let stub = Stub::start(&env, &[]);
-    let ids = three_calls_left_unknown(&pool).await;
+    let (_env, pool, ids, _, report) = reconciled_with_the_middle_refused("P0001").await;
     let refused = ids[1];
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-           IF NEW.message_id = '{refused}' THEN RAISE EXCEPTION 'refused by the test'; END IF; RETURN NEW; END $$; \
-         CREATE TRIGGER refuse_one BEFORE UPDATE ON inboxctl_effects FOR EACH ROW EXECUTE FUNCTION refuse_one();"
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let out = env.run(&[
-        "effects",
-        "reconcile",
-        "--lookup-url",
-        &stub.url,
-        "--quiet-for",
-        "0s",
-        "--json",
-    ]);
-    assert_eq!(out.code, Some(3), "{out:?}");
-    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     let now_of = |id: Uuid| {
         report
             .as_array()
@@ -2141,6 +2119,46 @@ async fn reconcile_reports_what_it_settled_when_one_settle_fails() {
     .await
     .unwrap();
     assert_eq!(details["pending"], 2, "{details}");
+}
+
+/// `effects reconcile --json` (exit 3) over three calls the carrier has no booking for, the update of the middle one
+/// refused by a trigger with SQLSTATE `code` ("refused by the test"): the test's database (kept while it lives), its
+/// pool, the ids, the run and its report.
+async fn reconciled_with_the_middle_refused(
+    code: &str,
+) -> (
+    TestEnv,
+    PgPool,
+    Vec<Uuid>,
+    common::Output,
+    serde_json::Value,
+) {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let ids = three_calls_left_unknown(&pool).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION refuse_one() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.message_id = '{}' THEN RAISE EXCEPTION 'refused by the test' USING ERRCODE = '{code}'; END IF; \
+           RETURN NEW; END $$; \
+         CREATE TRIGGER refuse_one BEFORE UPDATE ON inboxctl_effects FOR EACH ROW EXECUTE FUNCTION refuse_one();",
+        ids[1]
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&[
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &stub.url,
+        "--quiet-for",
+        "0s",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    (env, pool, ids, out, report)
 }
 
 /// Three after-commit calls whose lease ran out after an attempt with no answer, their ids in order.
@@ -2192,31 +2210,7 @@ async fn three_calls_left_unknown(pool: &PgPool) -> Vec<Uuid> {
 /// other call, each settle then failing after its pool's wait, for nothing it could record.
 #[tokio::test(flavor = "multi_thread")]
 async fn reconcile_stops_when_the_database_goes() {
-    let env = TestEnv::migrated().await;
-    let pool = env.pool().await;
-    let stub = Stub::start(&env, &[]);
-    let ids = three_calls_left_unknown(&pool).await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "CREATE FUNCTION going() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-           IF NEW.message_id = '{}' THEN RAISE EXCEPTION 'the server is going' USING ERRCODE = '57P01'; END IF; \
-           RETURN NEW; END $$; \
-         CREATE TRIGGER going BEFORE UPDATE ON inboxctl_effects FOR EACH ROW EXECUTE FUNCTION going();",
-        ids[1]
-    )))
-    .execute(&pool)
-    .await
-    .unwrap();
-    let out = env.run(&[
-        "effects",
-        "reconcile",
-        "--lookup-url",
-        &stub.url,
-        "--quiet-for",
-        "0s",
-        "--json",
-    ]);
-    assert_eq!(out.code, Some(3), "{out:?}");
-    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let (_env, _, _, out, report) = reconciled_with_the_middle_refused("57P01").await;
     let reported: Vec<&str> = report
         .as_array()
         .unwrap()

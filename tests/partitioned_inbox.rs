@@ -1327,23 +1327,11 @@ async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
     common::publish(&conn, EVENT_EXCHANGE, "", props, &body).await;
     common::consume_until_idle(&env, &["carrier"]);
     let x = v7_ago(TimeDelta::days(3));
-    let (props, body, _) = common::parcel_message(x, "Hamburg");
-    let mut headers = lapin::types::FieldTable::default();
-    let text = |s: &str| {
-        lapin::types::AMQPValue::LongString(lapin::types::LongString::from(s.as_bytes().to_vec()))
-    };
-    headers.insert("MT-Fault-Message".into(), text("carrier API returned 503"));
-    headers.insert(
-        "MT-Fault-InputAddress".into(),
-        text(&format!("rabbitmq://127.0.0.1/{CARRIER_QUEUE}")),
-    );
-    let failed = inboxctl::amqp::envelope::format_time(Utc::now() - TimeDelta::days(3));
-    headers.insert("MT-Fault-Timestamp".into(), text(&failed));
     let error_queue = format!("{CARRIER_QUEUE}_error");
     inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, &error_queue, common::queue_type())
         .await
         .unwrap();
-    common::publish(&conn, "", &error_queue, props.with_headers(headers), &body).await;
+    dead_lettered(&conn, x, TimeDelta::days(3)).await;
     let settings = inboxctl::db::partitions::Settings {
         interval: TimeDelta::days(1),
         source: inboxctl::inbox::TimeSource::Id,
@@ -1378,63 +1366,63 @@ async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
     assert!(attached(&pool, &older).await, "none goes: {out:?}");
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert!(
-        report["partitions"]["kept"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|k| k["partition"] == partition.as_str()
-                && k["why"].as_str().unwrap().contains("waits for its replay")),
+        kept_saying(&report, &partition, "waits for its replay"),
         "{report}"
     );
-
-    let replay = env.run(&["replay", "--from", &error_queue]);
-    assert_eq!(replay.code, Some(0), "{replay:?}");
-    common::consume_until_idle(&env, &["carrier"]);
-    let reservations: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
-            .bind(x)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(reservations, 1, "processed once, replayed");
-    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+    replayed_once(&env, &pool, x).await;
 
     // A message of 4 days ago that failed an hour ago (a replay of it that failed again; a delayed redelivery): no
     // refusal, its failure is young, but its claim lands in the partition of its own time, empty and past the
     // window. That partition stays, and says why.
     let y = v7_ago(TimeDelta::days(4));
-    let (props, body, _) = common::parcel_message(y, "Bremen");
-    let mut headers = lapin::types::FieldTable::default();
-    headers.insert("MT-Fault-Message".into(), text("carrier API returned 503"));
-    headers.insert(
-        "MT-Fault-InputAddress".into(),
-        text(&format!("rabbitmq://127.0.0.1/{CARRIER_QUEUE}")),
-    );
-    let failed = inboxctl::amqp::envelope::format_time(Utc::now() - TimeDelta::hours(1));
-    headers.insert("MT-Fault-Timestamp".into(), text(&failed));
-    common::publish(&conn, "", &error_queue, props.with_headers(headers), &body).await;
+    dead_lettered(&conn, y, TimeDelta::hours(1)).await;
     let its_day =
         inboxctl::db::partitions::partition_name(settings.floor(Utc::now() - TimeDelta::days(4)));
     let out = env.run(&["cleanup", "--retention", "2d", "--json"]);
     assert_eq!(out.code, Some(0), "nothing refused: {out:?}");
     assert!(attached(&pool, &its_day).await, "its day kept: {out:?}");
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
-    assert!(
-        report["partitions"]["kept"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|k| k["partition"] == its_day.as_str()
-                && k["why"].as_str().unwrap().contains("whose own time")),
-        "{report}"
+    assert!(kept_saying(&report, &its_day, "whose own time"), "{report}");
+    replayed_once(&env, &pool, y).await;
+}
+
+/// Publishes parcel `id` to the carrier's error queue as MassTransit dead-letters it, failed `ago`.
+async fn dead_lettered(conn: &lapin::Connection, id: Uuid, ago: TimeDelta) {
+    let (props, body, _) = common::parcel_message(id, "Hamburg");
+    let text = |s: &str| {
+        lapin::types::AMQPValue::LongString(lapin::types::LongString::from(s.as_bytes().to_vec()))
+    };
+    let mut headers = lapin::types::FieldTable::default();
+    headers.insert("MT-Fault-Message".into(), text("carrier API returned 503"));
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        text(&format!("rabbitmq://127.0.0.1/{CARRIER_QUEUE}")),
     );
+    let failed = inboxctl::amqp::envelope::format_time(Utc::now() - ago);
+    headers.insert("MT-Fault-Timestamp".into(), text(&failed));
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::publish(conn, "", &error_queue, props.with_headers(headers), &body).await;
+}
+
+/// Whether a cleanup's JSON report says `partition` was kept, for a reason saying `words`.
+fn kept_saying(report: &serde_json::Value, partition: &str, words: &str) -> bool {
+    report["partitions"]["kept"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|k| k["partition"] == partition && k["why"].as_str().unwrap().contains(words))
+}
+
+/// Replays the carrier's error queue, consumes, and checks `id` was processed once and the queue left empty.
+async fn replayed_once(env: &TestEnv, pool: &sqlx::PgPool, id: Uuid) {
+    let error_queue = format!("{CARRIER_QUEUE}_error");
     let replay = env.run(&["replay", "--from", &error_queue]);
     assert_eq!(replay.code, Some(0), "{replay:?}");
-    common::consume_until_idle(&env, &["carrier"]);
+    common::consume_until_idle(env, &["carrier"]);
     let reservations: i64 =
         sqlx::query_scalar("SELECT count(*) FROM carrier_reservations WHERE message_id = $1")
-            .bind(y)
-            .fetch_one(&pool)
+            .bind(id)
+            .fetch_one(pool)
             .await
             .unwrap();
     assert_eq!(reservations, 1, "processed once, replayed");

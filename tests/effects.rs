@@ -1837,27 +1837,16 @@ async fn calls_owed_by_an_earlier_run_in_another_mode_are_made_or_said() {
     assert_eq!(stub.bookings_to("owed-keyed").await, 1);
     // A call whose outcome is unknown (started, its lease run out), which the after-commit run that left it might
     // have looked up: the keyed run, which has no look-up, leaves it and says so, and does not wait for it.
-    left_unknown_by_an_earlier_run(&pool, "owed-unknown").await;
     // Beside one pending, which this run makes: its worker runs.
-    owed_from_an_earlier_run(&pool, "owed-keyed-again").await;
-    let mut consumer = env.spawn(&args);
-    assert_eq!(
-        consumer.wait(Duration::from_secs(60)),
-        Some(0),
-        "{}",
-        consumer.stderr()
-    );
-    assert!(
-        consumer.stderr().contains("does not make them again"),
-        "{}",
-        consumer.stderr()
-    );
-    assert_eq!(stub.bookings_to("owed-keyed-again").await, 1);
-    assert_eq!(stub.bookings_to("owed-unknown").await, 0, "not made again");
-    assert_eq!(
-        state_of(&pool, "owed-unknown").await.as_deref(),
-        Some("started")
-    );
+    makes_the_owed_and_leaves_the_unknown(
+        &env,
+        &pool,
+        &stub,
+        &args,
+        "owed-keyed-again",
+        "owed-unknown",
+    )
+    .await;
 
     owed_from_an_earlier_run(&pool, "owed-stand-in").await;
     let out = common::consume_until_idle(&env, &["carrier"]);
@@ -1933,10 +1922,31 @@ async fn an_at_most_once_run_does_not_make_again_a_call_an_after_commit_run_left
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
-    left_unknown_by_an_earlier_run(&pool, "left-unknown").await;
-    owed_from_an_earlier_run(&pool, "left-pending").await;
     let args = consume_args(&stub, "at-most-once", &["--exit-when-idle", "1s"]);
-    let mut consumer = env.spawn(&args);
+    makes_the_owed_and_leaves_the_unknown(
+        &env,
+        &pool,
+        &stub,
+        &args,
+        "left-pending",
+        "left-unknown",
+    )
+    .await;
+}
+
+/// A call owed (to `owed`) and one left unknown (to `unknown`) by an earlier run; a run of `args` (ending when idle)
+/// makes the owed one, leaves the unknown one started, not made again, and says so.
+async fn makes_the_owed_and_leaves_the_unknown(
+    env: &TestEnv,
+    pool: &PgPool,
+    stub: &Stub,
+    args: &[&str],
+    owed: &str,
+    unknown: &str,
+) {
+    left_unknown_by_an_earlier_run(pool, unknown).await;
+    owed_from_an_earlier_run(pool, owed).await;
+    let mut consumer = env.spawn(args);
     assert_eq!(
         consumer.wait(Duration::from_secs(60)),
         Some(0),
@@ -1948,12 +1958,9 @@ async fn an_at_most_once_run_does_not_make_again_a_call_an_after_commit_run_left
         "{}",
         consumer.stderr()
     );
-    assert_eq!(stub.bookings_to("left-pending").await, 1);
-    assert_eq!(stub.bookings_to("left-unknown").await, 0, "not made again");
-    assert_eq!(
-        state_of(&pool, "left-unknown").await.as_deref(),
-        Some("started")
-    );
+    assert_eq!(stub.bookings_to(owed).await, 1);
+    assert_eq!(stub.bookings_to(unknown).await, 0, "not made again");
+    assert_eq!(state_of(pool, unknown).await.as_deref(), Some("started"));
 }
 
 /// Keyed and batched, against a carrier that ignores keys: one member's call fails (its answer later than

@@ -202,6 +202,21 @@ fn parse_id(id: &str) -> Result<Uuid, Unreadable> {
 /// The value of the top-level field `name` of an event, as a publisher would write it into a routing key: a string's
 /// text, a number's or a boolean's JSON; `None` when the event is not an object, lacks the field, or holds an
 /// object, an array or null there.
+/// The times a delivery carries besides its id, which a partitioned inbox may key it on: the envelope's `sentTime`
+/// (as parsed, if it was) and the AMQP `timestamp`. One reading for the consumer's claim and the cleanup guard's look
+/// at a dead-letter queue's head, so both key a message alike.
+pub fn carried(
+    sent_time: Option<DateTime<Utc>>,
+    properties: &BasicProperties,
+) -> crate::inbox::Carried {
+    crate::inbox::Carried {
+        sent_time,
+        timestamp: properties
+            .timestamp()
+            .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0)),
+    }
+}
+
 pub fn field_text(event: &RawValue, name: &str) -> Option<String> {
     let fields: std::collections::HashMap<std::borrow::Cow<'_, str>, &RawValue> =
         serde_json::from_str(event.get()).ok()?;

@@ -15,7 +15,7 @@ use crate::amqp::failure::{failed_at, failure};
 use crate::amqp::{Broker, Delivery, limits, peek, topology};
 use crate::db;
 use crate::error::{Error, Result};
-use crate::inbox::{Carried, TimeSource};
+use crate::inbox::TimeSource;
 
 /// Where to look: the broker, and dead-letter-exchange queues beyond each consumer_type's own `_error`/`_skipped`.
 #[derive(Debug, Clone)]
@@ -119,6 +119,7 @@ impl Refusal {
 }
 
 /// The head of one dead-letter queue, as the guard reads it.
+#[derive(Clone)]
 struct Head {
     message_id: Option<String>,
     failed_at: Option<DateTime<Utc>>,
@@ -151,13 +152,10 @@ fn head(delivery: &Delivery, queue: &str, vhost: &str, keyed_on: Option<TimeSour
     let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
     let message_time = keyed_on.and_then(|source| {
         let incoming = crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok();
-        let carried = Carried {
-            sent_time: incoming.as_ref().and_then(|i| i.sent_time),
-            timestamp: delivery
-                .properties
-                .timestamp()
-                .and_then(|t| DateTime::from_timestamp(i64::try_from(t).ok()?, 0)),
-        };
+        let carried = crate::amqp::envelope::carried(
+            incoming.as_ref().and_then(|i| i.sent_time),
+            &delivery.properties,
+        );
         let id = match &incoming {
             Some(i) => Some(i.message_id),
             None => delivery
@@ -406,14 +404,7 @@ impl Looks<'_> {
                         .iter_mut()
                         .filter(|r| r.holds_partitions.is_none())
                     {
-                        report.holds_partitions = Some(self.refusal(
-                            dlq,
-                            Head {
-                                message_id: h.message_id.clone(),
-                                failed_at: h.failed_at,
-                                message_time: h.message_time,
-                            },
-                        ));
+                        report.holds_partitions = Some(self.refusal(dlq, h.clone()));
                     }
                 }
                 continue;
@@ -421,14 +412,7 @@ impl Looks<'_> {
             // Only the head is looked at: messages of other origins may wait behind it, so an old head keeps every
             // consumer_type's rows, whatever queue the head itself failed on.
             for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-                report.refused = Some(self.refusal(
-                    dlq,
-                    Head {
-                        message_id: h.message_id.clone(),
-                        failed_at: h.failed_at,
-                        message_time: h.message_time,
-                    },
-                ));
+                report.refused = Some(self.refusal(dlq, h.clone()));
             }
         }
         Ok(())

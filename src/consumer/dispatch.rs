@@ -275,13 +275,7 @@ pub(super) async fn prepare<C: Consumer>(
     match serde_json::from_str(incoming.payload.get()) {
         Ok(message) => Prepared::Ready(Ready {
             fingerprint: envelope::fingerprint(&incoming.payload),
-            carried: Carried {
-                sent_time: incoming.sent_time,
-                timestamp: delivery
-                    .properties
-                    .timestamp()
-                    .and_then(|t| chrono::DateTime::from_timestamp(i64::try_from(t).ok()?, 0)),
-            },
+            carried: envelope::carried(incoming.sent_time, &delivery.properties),
             incoming,
             message,
             message_type,

@@ -144,52 +144,55 @@ pub async fn reconcile(
         // What the look-up said holds for the effect as it was listed: one changed since (an attempt made meanwhile
         // by a consumer process) is not settled on it.
         crate::failpoint::hit("reconcile-looked").await;
-        match looked {
-            // A settle that fails (a role without INSERT on the reservations, the database gone) leaves that call
-            // as it was and says why; the calls settled before it stay settled and reported, and the run goes on.
+        // What the call is now, or why settling it failed.
+        let settled: Result<&str> = match looked {
             Ok(Some(slot)) => {
                 let reference = slot.slot_id.to_string();
-                match settle_booked(pool, &effect, slot).await {
-                    Ok(true) => {
-                        done.now = "done".to_owned();
+                settle_booked(pool, &effect, slot).await.map(|booked| {
+                    if booked {
                         done.reference = Some(reference);
+                        "done"
+                    } else {
+                        CHANGED
                     }
-                    Ok(false) => done.now = CHANGED.to_owned(),
-                    Err(e) => {
-                        done.error = Some(not_settled(effect.message_id, &e));
-                        if database_gone(&e) {
-                            out.push(done);
-                            break;
-                        }
-                    }
+                })
+            }
+            Ok(None) if !quiet_since(&effect, now, quiet_for) => Ok(RECENT),
+            Ok(None) => external::settle(
+                pool,
+                effect.message_id,
+                &effect.consumer_type,
+                "pending",
+                None,
+                Some("reconciled: the carrier has no booking under its key; to be made again"),
+                Some(effect.updated_at),
+            )
+            .await
+            .map_err(Error::from)
+            .map(|settled| {
+                if settled.is_some() {
+                    "pending"
+                } else {
+                    CHANGED
+                }
+            }),
+            Err(e) => {
+                done.error = Some(e.to_string());
+                Ok("unknown")
+            }
+        };
+        match settled {
+            Ok(state) => done.now = state.to_owned(),
+            // A settle that fails (a role without INSERT on the reservations) leaves that call as it was and says
+            // why; the calls settled before it stay settled and reported, and the run goes on — unless the database
+            // is gone, when it stops there.
+            Err(e) => {
+                done.error = Some(not_settled(effect.message_id, &e));
+                if database_gone(&e) {
+                    out.push(done);
+                    break;
                 }
             }
-            Ok(None) if !quiet_since(&effect, now, quiet_for) => done.now = RECENT.to_owned(),
-            Ok(None) => {
-                let settled = external::settle(
-                    pool,
-                    effect.message_id,
-                    &effect.consumer_type,
-                    "pending",
-                    None,
-                    Some("reconciled: the carrier has no booking under its key; to be made again"),
-                    Some(effect.updated_at),
-                )
-                .await;
-                match settled {
-                    Ok(Some(_)) => done.now = "pending".to_owned(),
-                    Ok(None) => done.now = CHANGED.to_owned(),
-                    Err(e) => {
-                        let e = Error::from(e);
-                        done.error = Some(not_settled(effect.message_id, &e));
-                        if database_gone(&e) {
-                            out.push(done);
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(e) => done.error = Some(e.to_string()),
         }
         out.push(done);
     }

@@ -1,15 +1,19 @@
 //! Converting an unpartitioned `inbox_messages` in place (see the parent module): two columns added, a unique index
-//! on the new key built concurrently, a validated check, then one short transaction that renames the table, makes the
-//! new key its primary key, makes the partitioned one in its place with the same indexes and grants, and attaches the
-//! old table as the untimed partition.
+//! on the new key built concurrently, a validated check, the window's partitions made as tables of their own, then
+//! one short transaction that renames the table, makes the new key its primary key, makes the partitioned one in its
+//! place with the same indexes and grants, and attaches the old table as the untimed partition and the tables made
+//! before as the window's partitions.
 
-use chrono::Utc;
+use std::collections::BTreeSet;
+
+use chrono::{DateTime, Utc};
 use sqlx::Connection as _;
 use sqlx::postgres::PgConnection;
 
 use super::{
     AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
-    create_table_statement, ensure_partitions, intervals, owner_statement, read_layout, run,
+    create_table_statement, ensure_partitions, intervals, owner_statement, partition_name,
+    read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -121,18 +125,40 @@ fn rename_index_statement(index: &str) -> String {
     )
 }
 
+/// The columns of the partitioned inbox, and of each of its partitions.
+const PARTITIONED_COLUMNS: &str = "\
+     id uuid NOT NULL, \
+     consumer_type character varying(500) NOT NULL, \
+     received_at timestamp with time zone NOT NULL, \
+     processed_at timestamp with time zone, \
+     message_time timestamp with time zone NOT NULL DEFAULT '-infinity', \
+     fingerprint bytea";
+
 fn create_partitioned_statement(key: &str) -> String {
     format!(
-        "CREATE TABLE inbox_messages (\
-             id uuid NOT NULL, \
-             consumer_type character varying(500) NOT NULL, \
-             received_at timestamp with time zone NOT NULL, \
-             processed_at timestamp with time zone, \
-             message_time timestamp with time zone NOT NULL DEFAULT '-infinity', \
-             fingerprint bytea, \
+        "CREATE TABLE inbox_messages ({PARTITIONED_COLUMNS}, \
              CONSTRAINT {} PRIMARY KEY (id, consumer_type, message_time)\
          ) PARTITION BY RANGE (message_time)",
         quote_ident(key)
+    )
+}
+
+/// A partition of the window made before the swap, as the table it will be once attached: its key and indexes those
+/// the partitioned table will have, so that attaching it under the swap's lock only pairs them. (`IF NOT EXISTS`: one
+/// made by a conversion that stopped before its swap is taken as it is.)
+fn premade_table_statement(name: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} ({PARTITIONED_COLUMNS}, PRIMARY KEY (id, consumer_type, message_time))",
+        quote_ident(name)
+    )
+}
+
+/// One of [`INBOX_INDEXES`] on a partition made before the swap, named after the partitioned table's.
+fn premade_index_statement(partition: &str, index: &str, definition: &str) -> String {
+    format!(
+        "CREATE INDEX IF NOT EXISTS {} ON {} {definition}",
+        quote_ident(&index.replace("inbox_messages", partition)),
+        quote_ident(partition)
     )
 }
 
@@ -188,6 +214,18 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
         (
             "create_index_statement",
             create_index_statement(INBOX_INDEXES[0].0, INBOX_INDEXES[0].1),
+        ),
+        (
+            "premade_table_statement",
+            premade_table_statement("inbox_messages_p20270519_000000"),
+        ),
+        (
+            "premade_index_statement",
+            premade_index_statement(
+                "inbox_messages_p20270519_000000",
+                INBOX_INDEXES[2].0,
+                INBOX_INDEXES[2].1,
+            ),
         ),
         ("ADD_COLUMNS", ADD_COLUMNS.to_owned()),
         ("DROP_UNTIMED_KEY", DROP_UNTIMED_KEY.to_owned()),
@@ -444,10 +482,12 @@ async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) ->
         })?;
     let grants: Vec<(Option<String>, String, bool)> =
         sql::query_as(INBOX_GRANTS).fetch_all(&mut *conn).await?;
+    let premade = premake(conn, settings).await?;
+    crate::failpoint::hit("partitions-premade").await;
     let mut tries = 0;
     loop {
         tries += 1;
-        match swap(conn, &key, &grants, settings).await {
+        match swap(conn, &key, &grants, settings, &premade).await {
             Ok(()) => {
                 // Between the swap and what `partition` does next (a test holds the conversion here).
                 crate::failpoint::hit("partitioned-swapped").await;
@@ -464,18 +504,41 @@ async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) ->
     }
 }
 
+/// Makes the window's partitions as tables of their own, each statement its own transaction, before the swap: made
+/// under the swap's lock they held every claim behind it for as long (241 tables at `1h`, seconds), where attaching
+/// tables made beforehand takes a fraction of it. One interval more ahead than the swap needs, for a swap that comes
+/// an interval later (tried again behind a long transaction). The names made.
+async fn premake(conn: &mut PgConnection, settings: Settings) -> Result<BTreeSet<DateTime<Utc>>> {
+    let now = Utc::now();
+    let mut made = BTreeSet::new();
+    for (start, _) in
+        intervals(settings, now - BACK, now + AHEAD + settings.interval).take(MAX_NEW_PARTITIONS)
+    {
+        let name = partition_name(start);
+        run(conn, &premade_table_statement(&name)).await?;
+        for (index, definition) in INBOX_INDEXES {
+            run(conn, &premade_index_statement(&name, index, definition)).await?;
+        }
+        made.insert(start);
+    }
+    Ok(made)
+}
+
 /// The conversion's one transaction: the table renamed `inbox_messages_untimed`, a partitioned `inbox_messages` made
-/// in its place with the same grants, the old table attached below every time. The lock is waited for at most
-/// `SET_LOCK_TIMEOUT`, so the claims queued behind it never wait longer.
+/// in its place with the same grants, the old table attached below every time, and the window's partitions attached
+/// (`premade`: the starts of those made beforehand, each attached, none left a table of its own). The lock is waited for at most `SET_LOCK_TIMEOUT`, so the claims queued
+/// behind it never wait longer; how long it was held is logged.
 async fn swap(
     conn: &mut PgConnection,
     key: &str,
     grants: &[(Option<String>, String, bool)],
     settings: Settings,
+    premade: &BTreeSet<DateTime<Utc>>,
 ) -> sqlx::Result<()> {
     let mut tx = conn.begin().await?;
     run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
     run(&mut tx, LOCK_INBOX).await?;
+    let locked = std::time::Instant::now();
     run(&mut tx, RENAME_TO_UNTIMED).await?;
     run(&mut tx, &drop_key_statement(key)).await?;
     for (index, _) in INBOX_INDEXES {
@@ -496,12 +559,25 @@ async fn swap(
     // with the message's time, and a time no partition held yet would be refused as unclaimable (seen: messages of a
     // consumer running through the conversion dead-lettered in the moment between this commit and the partitions).
     let now = Utc::now();
-    for (start, end) in intervals(settings, now - BACK, now + AHEAD).take(MAX_NEW_PARTITIONS) {
-        run(&mut tx, &create_table_statement(start)).await?;
-        run(&mut tx, &attach_statement(start, end)).await?;
+    let mut starts = premade.clone();
+    starts.extend(
+        intervals(settings, now - BACK, now + AHEAD)
+            .take(MAX_NEW_PARTITIONS)
+            .map(|(start, _)| start),
+    );
+    for start in starts {
+        if !premade.contains(&start) {
+            run(&mut tx, &create_table_statement(start)).await?;
+        }
+        run(&mut tx, &attach_statement(start, start + settings.interval)).await?;
     }
     run(&mut tx, &comment_statement(&settings)).await?;
-    tx.commit().await
+    tx.commit().await?;
+    tracing::info!(
+        held_ms = locked.elapsed().as_millis(),
+        "inbox_messages swapped for the partitioned table: its lock held this long, the claims behind it waiting"
+    );
+    Ok(())
 }
 
 /// Runs `statement` with a short lock timeout, trying again while the consumers' transactions hold the table.

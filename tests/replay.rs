@@ -2126,3 +2126,91 @@ async fn a_message_id_not_in_the_queue_is_named_and_the_replay_is_partial() {
     assert_eq!(report["unmatched"], serde_json::json!([there]), "{report}");
     assert_eq!(env.queue_counts("asked.dlq"), (1, 0), "left");
 }
+
+/// What a forged `MT-Fault-InputAddress` could do: a message naming another client's exclusive reply queue was
+/// republished into it (the broker routes a publish into any connection's exclusive queue, and the look at it was
+/// refused with `RESOURCE_LOCKED`, taken for "exists"), confirmed, its dead-letter copy acknowledged, and gone with
+/// that client's connection; one naming the dead-letter queue itself went round into it, reported replayed, its
+/// failure's headers gone. Both are left now, with the reason; `--to` the queue replayed from is refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_naming_a_reply_queue_or_its_own_dead_letter_queue_is_left_where_it_is() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(
+        &conn,
+        &["forged.dlq", "forged-origin"],
+        FieldTable::default(),
+    )
+    .await;
+    // Another client's reply queue, exclusive to its connection.
+    let client = env.amqp().await;
+    let client_channel = client.create_channel().await.unwrap();
+    client_channel
+        .queue_declare(
+            "rpc-reply".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (reply, itself, fine) = (
+        uuid::Uuid::new_v4().to_string(),
+        uuid::Uuid::new_v4().to_string(),
+        uuid::Uuid::new_v4().to_string(),
+    );
+    dead_letter(
+        &conn,
+        "forged.dlq",
+        &reply,
+        b"{}",
+        &written_address(&env, "rpc-reply"),
+    )
+    .await;
+    dead_letter(
+        &conn,
+        "forged.dlq",
+        &itself,
+        b"{}",
+        &written_address(&env, "forged.dlq"),
+    )
+    .await;
+    dead_letter(
+        &conn,
+        "forged.dlq",
+        &fine,
+        b"{}",
+        &written_address(&env, "forged-origin"),
+    )
+    .await;
+
+    let report = replay_json(&env, &["--from", "forged.dlq"], 3);
+    assert_eq!(action_of(&report, &fine), "replayed", "{report}");
+    assert_eq!(action_of(&report, &reply), "publish_failed", "{report}");
+    assert_eq!(action_of(&report, &itself), "origin_ambiguous", "{report}");
+    let text = report.to_string();
+    assert!(text.contains("exclusive to another connection"), "{text}");
+    assert!(text.contains("itself as its origin"), "{text}");
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["left"], 2, "{report}");
+    // Nothing went into the reply queue; the two are still in the dead-letter queue, once each.
+    let got = client_channel
+        .basic_get("rpc-reply".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap();
+    assert!(got.is_none(), "a copy in another client's reply queue");
+    drop(client_channel);
+    client.close(200, "OK".into()).await.unwrap();
+    assert_counts_match(&env, &report, "forged.dlq", &["forged-origin"]);
+
+    let out = env.run(&["replay", "--from", "forged.dlq", "--to", "forged.dlq"]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("the queue replayed from"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(env.queue_counts("forged.dlq"), (2, 0));
+}

@@ -11,7 +11,7 @@ use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection};
 
 use super::publish::{ConfirmChannel, PublishError, Routed};
-use super::{answered, is_connection_lost, is_not_found};
+use super::{answered, is_connection_lost, is_locked, is_not_found};
 use crate::error::{Error, Result};
 
 /// The channels of one pass.
@@ -76,14 +76,16 @@ impl<'c> Channels<'c> {
         Ok(())
     }
 
-    /// Whether `queue` exists, asked once per queue and pass.
-    pub async fn queue_exists(&mut self, queue: &str) -> Result<bool> {
-        self.probe.exists(queue).await
+    /// Whether `queue` exists, and is a queue to replay to; asked once per queue and pass.
+    pub async fn destination(&mut self, queue: &str) -> Result<Destination> {
+        self.probe.look(queue).await
     }
 
     /// `queue` turned out not to exist (a copy came back unroutable).
     pub fn queue_missing(&mut self, queue: &str) {
-        self.probe.known.insert(queue.to_owned(), false);
+        self.probe
+            .known
+            .insert(queue.to_owned(), Destination::Missing);
     }
 
     /// Publishes a copy of `delivery` to `queue` through the default exchange and waits for the broker's confirm. The
@@ -132,17 +134,27 @@ impl<'c> Channels<'c> {
     }
 }
 
+/// What a look at a queue a copy would go to found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Destination {
+    Queue,
+    Missing,
+    /// Another connection's exclusive queue (a client's reply queue): the broker would route the copy there, and it
+    /// would be gone with that connection, its dead-letter copy acknowledged.
+    Exclusive,
+}
+
 /// Whether origin queues exist, asked once per queue and pass (a passive declare, which needs no permission).
 struct Probe<'c> {
     connection: &'c Connection,
     /// A failed passive declare closes its channel: a new one is made for the next.
     channel: Option<Channel>,
-    known: HashMap<String, bool>,
+    known: HashMap<String, Destination>,
     within: Duration,
 }
 
 impl Probe<'_> {
-    async fn exists(&mut self, queue: &str) -> Result<bool> {
+    async fn look(&mut self, queue: &str) -> Result<Destination> {
         if let Some(&known) = self.known.get(queue) {
             return Ok(known);
         }
@@ -162,19 +174,20 @@ impl Probe<'_> {
             QueueDeclareOptions::default().passive(),
             FieldTable::default(),
         );
-        let exists = match answered("a look at a queue", self.within, declare).await? {
+        let found = match answered("a look at a queue", self.within, declare).await? {
             Ok(_) => {
                 self.channel = Some(channel);
-                true
+                Destination::Queue
             }
-            Err(e) if is_not_found(&e) => false,
-            // Another refusal (an exclusive queue of another connection, say) is not an absence: the republish
-            // tells, its copy coming back unroutable if the queue is missing after all.
-            Err(e) if e.is_amqp_soft_error() => true,
+            Err(e) if is_not_found(&e) => Destination::Missing,
+            Err(e) if is_locked(&e) => Destination::Exclusive,
+            // Another refusal is not an absence: the republish tells, its copy coming back unroutable if the queue is
+            // missing after all.
+            Err(e) if e.is_amqp_soft_error() => Destination::Queue,
             Err(e) => return Err(e.into()),
         };
-        self.known.insert(queue.to_owned(), exists);
-        Ok(exists)
+        self.known.insert(queue.to_owned(), found);
+        Ok(found)
     }
 
     async fn close(self) {

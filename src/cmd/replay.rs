@@ -97,6 +97,11 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         if let Some(why) = amqp::topology::not_a_replay_destination(to) {
             return Err(crate::error::Error::Usage(format!("--to {to}: {why}")));
         }
+        if *to == args.from {
+            return Err(crate::error::Error::Usage(format!(
+                "--to {to} is the queue replayed from: its messages would only go round"
+            )));
+        }
     }
     let broker = global.connect.broker()?;
     let group = match (&args.group, &args.listing) {

@@ -29,6 +29,15 @@ impl State<'_> {
     fn destination(&self, origin: &Origin) -> (Option<String>, Option<Action>, Option<String>) {
         match (&self.plan.to, origin) {
             (Some(to), _) => (Some(to.clone()), None, None),
+            // Sent back where it is, it would go round for nothing: reported replayed, its failure's headers gone.
+            (None, Origin::Queue(queue)) if *queue == self.plan.from => (
+                None,
+                Some(Action::OriginAmbiguous),
+                Some(format!(
+                    "its headers name {} itself as its origin",
+                    crate::sanitize::text(queue)
+                )),
+            ),
             (None, Origin::Queue(queue)) => match topology::not_a_replay_destination(queue) {
                 None => (Some(queue.clone()), None, None),
                 Some(why) => (

@@ -5,7 +5,7 @@ use super::machine::{Outcome, Step};
 use super::run::State;
 use super::{Action, replay_properties};
 use crate::amqp::Delivery;
-use crate::amqp::pass::Channels;
+use crate::amqp::pass::{Channels, Destination};
 use crate::amqp::publish::{PublishError, Routed};
 use crate::error::{Error, Result};
 use crate::failpoint;
@@ -37,10 +37,19 @@ impl State<'_> {
         read: Read,
     ) -> Result<()> {
         let origin = read.origin.clone().unwrap_or_default();
-        let sent = if !channels.queue_exists(&origin).await? {
+        let found = channels.destination(&origin).await?;
+        let sent = if found == Destination::Missing {
             Sent::outcome(
                 Outcome::Missing,
                 Some(format!("queue {origin} does not exist")),
+            )
+        } else if found == Destination::Exclusive {
+            Sent::outcome(
+                Outcome::Failed,
+                Some(format!(
+                    "queue {origin} is exclusive to another connection (a client's reply queue, not a consumer's): \
+                     a copy there would be gone with that connection"
+                )),
             )
         } else if self.plan.dry_run {
             Sent::outcome(Outcome::WouldReplay, None)

@@ -90,6 +90,11 @@ pub fn parse(address: &str) -> Result<Address, Unreadable> {
     if vhost.as_deref() == Some("") {
         return Err(Unreadable("it names an empty vhost"));
     }
+    // A client names its vhost in a short string: no vhost is longer, and one that long would be kept whole in every
+    // report item that names it.
+    if vhost.as_ref().is_some_and(|v| v.len() > MAX_NAME) {
+        return Err(Unreadable("its vhost is longer than 255 bytes"));
+    }
     let queue = decode(name)?;
     if queue.is_empty() {
         return Err(Unreadable("it names no queue"));
@@ -313,6 +318,11 @@ mod tests {
             read("rabbitmq://h/orders?bind=true&queue=orders"),
             queue("orders")
         );
+        // A vhost no client could name (longer than a short string): kept, it would be copied into every report item.
+        let long = format!("rabbitmq://h/{}/orders", "v".repeat(256));
+        assert!(parse(&long).is_err(), "{:?}", parse(&long));
+        let longest = format!("rabbitmq://h/{}/orders", "v".repeat(255));
+        assert!(parse(&longest).is_ok(), "{:?}", parse(&longest));
     }
 
     #[test]

@@ -214,6 +214,7 @@ mod tests {
         h.insert(REPLAY_COUNT_HEADER.into(), AMQPValue::LongInt(1));
         h.insert(REPLAY_RUN_HEADER.into(), long("an earlier run"));
         h.insert("x-delivery-count".into(), AMQPValue::LongInt(3));
+        h.insert("x-acquired-count".into(), AMQPValue::LongLongInt(4));
         let out = replay_headers(Some(&h), 1, "this run", None);
         let keys: Vec<&str> = out.inner().keys().map(|k| k.as_str()).collect();
         assert_eq!(keys, [REPLAY_COUNT_HEADER, REPLAY_RUN_HEADER, "tenant"]);

@@ -29,12 +29,12 @@ pub fn is_failure_header(key: &str) -> bool {
 }
 
 /// RabbitMQ's headers of a dead-lettering (`x-death`, `x-first-death-*`, `x-last-death-*`) and of a quorum queue's
-/// delivery count: the broker's record of where a message failed, not part of the message.
+/// delivery counts: the broker's record of where a message failed, not part of the message.
 pub fn is_death_header(key: &str) -> bool {
     key == "x-death"
         || key.starts_with("x-first-death-")
         || key.starts_with("x-last-death-")
-        || key == "x-delivery-count"
+        || super::topology::is_per_delivery_header(key)
 }
 
 /// Why a message failed, for `MT-Fault-*`.

@@ -182,9 +182,12 @@ fn origin_of_address(input_address: String, vhost: &str) -> Origin {
         },
         Ok(address) => Origin::Queue(address.queue),
         Err(why) => Origin::Ambiguous {
-            // Unparsed, so as long as the header was: cut as any text kept for a report.
-            address: super::limits::truncate(&input_address, super::limits::MAX_LOGGED_TEXT)
-                .into_owned(),
+            // Unparsed, so as long as the header was: cut as any text kept for a report, and a password a producer
+            // wrote into it masked.
+            address: crate::redact::url(&super::limits::truncate(
+                &input_address,
+                super::limits::MAX_LOGGED_TEXT,
+            )),
             why: why.to_string(),
         },
     }
@@ -379,5 +382,12 @@ mod tests {
                 "{address}"
             );
         }
+        // Kept for the report as written, but for a password in it.
+        let Origin::Ambiguous { address, .. } = origin("rabbitmq://ops:hunter2@h/a/b/c", "shop")
+        else {
+            panic!("read");
+        };
+        assert!(!address.contains("hunter2"), "{address}");
+        assert!(address.contains("@h/a/b/c"), "{address}");
     }
 }

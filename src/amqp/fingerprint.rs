@@ -67,7 +67,7 @@ impl Fingerprints {
         h.finish128()
     }
 
-    /// Body, every property and every header but the broker's own delivery count (which changes as a copy is
+    /// Body, every property and every header but the broker's own delivery counts (which change as a copy is
     /// delivered again, while the copy stays the same). Where a copy goes follows from these.
     pub fn content(&self, delivery: &Delivery) -> u128 {
         let p = &delivery.properties;
@@ -96,7 +96,7 @@ impl Fingerprints {
             .headers()
             .iter()
             .flat_map(|t| t.inner())
-            .filter(|(key, _)| key.as_str() != "x-delivery-count")
+            .filter(|(key, _)| !super::topology::is_per_delivery_header(key.as_str()))
             .collect();
         h.write_usize(headers.len());
         for (key, value) in headers {
@@ -171,5 +171,42 @@ fn hash_value(h: &mut Pair, root: &AMQPValue) {
         };
         h.write_u8(tag);
         h.write_u64(number);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::BasicProperties;
+    use lapin::types::{FieldTable, LongString};
+
+    fn delivered(headers: &[(&str, AMQPValue)]) -> Delivery {
+        let mut table = FieldTable::default();
+        for (key, value) in headers {
+            table.insert((*key).into(), value.clone());
+        }
+        let mut delivery = Delivery::mock(1, "".into(), "q".into(), false, b"{}".to_vec());
+        delivery.properties = BasicProperties::default()
+            .with_message_id("m".into())
+            .with_headers(table);
+        delivery
+    }
+
+    /// A quorum queue counts every time it hands a message out (`x-acquired-count`, RabbitMQ 4.3) and every failed
+    /// delivery: a copy given back when a replay's connection was lost comes again with higher counts, and must still
+    /// be known for the copy it is (else it is decided twice, and the replay ends its snapshot early).
+    #[test]
+    fn a_copy_delivered_again_by_a_quorum_queue_is_the_same_copy() {
+        let prints = Fingerprints::new();
+        let tenant = ("tenant", AMQPValue::LongString(LongString::from("acme")));
+        let first = delivered(std::slice::from_ref(&tenant));
+        let again = delivered(&[
+            tenant.clone(),
+            ("x-delivery-count", AMQPValue::LongLongInt(1)),
+            ("x-acquired-count", AMQPValue::LongLongInt(2)),
+        ]);
+        assert_eq!(prints.content(&first), prints.content(&again));
+        let other = delivered(&[("tenant", AMQPValue::LongString(LongString::from("other")))]);
+        assert_ne!(prints.content(&first), prints.content(&other));
     }
 }

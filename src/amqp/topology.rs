@@ -74,6 +74,13 @@ pub fn partition_queue(queue: &str, index: u16) -> String {
 /// The header a quorum queue counts a message's earlier deliveries in (absent on a first delivery).
 pub const DELIVERY_COUNT_HEADER: &str = "x-delivery-count";
 
+/// Whether `key` is a header a quorum queue writes on each delivery: its count of failed deliveries
+/// (`x-delivery-count`) and, from RabbitMQ 4.3, of every time the message was handed out (`x-acquired-count`, a look
+/// by `basic.get` included). They change as the same message is delivered again: they are not part of it.
+pub fn is_per_delivery_header(key: &str) -> bool {
+    key == DELIVERY_COUNT_HEADER || key == "x-acquired-count"
+}
+
 /// The queue (and exchange) a failed message of `queue` is moved to.
 pub fn error_queue(queue: &str) -> String {
     format!("{queue}_error")

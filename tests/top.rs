@@ -31,11 +31,16 @@ fn assert_exited_and_terminal_given_back(tmux: &Tmux, code: &str) {
 /// `top --interval 500ms` in a tmux session of its own, `width` columns wide; the shell reports its exit code and
 /// the terminal's mode after it (see [`assert_exited_and_terminal_given_back`]).
 fn top_in_tmux(env: &TestEnv, width: u16) -> Tmux {
+    top_in_tmux_with(env, width, "")
+}
+
+/// The same, with `variables` (`NAME='value' …`) set for `top` alone.
+fn top_in_tmux_with(env: &TestEnv, width: u16, variables: &str) -> Tmux {
     let tmux = Tmux {
         socket: format!("inboxctl-{}", env.db_name),
     };
     let script = format!(
-        "DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
+        "{variables} DATABASE_URL='{}' AMQP_URL='{}' '{}' top --interval 500ms; echo EXITED=$?; stty -a | tr ' ' '\\n' | grep -x -- '-\\?icanon'; sleep 60",
         env.database_url,
         env.amqp_url,
         common::bin()
@@ -298,4 +303,52 @@ async fn a_dumb_terminal_is_refused_with_a_pointer_to_stats() {
     let raw = tmux.run(&["capture-pane", "-p", "-e", "-t", "top"]);
     assert!(!raw.contains('\u{1b}'), "{raw:?}");
     assert_exited_and_terminal_given_back(&tmux, "64");
+}
+
+/// A look at an error queue's head the broker does not answer (a quorum queue without a leader, a broker far away
+/// with many of them): every refresh ran into its limit and was thrown away whole, the database's figures with it,
+/// and looked at the heads again — the dashboard said "waiting for the first figures" for good. The broker's half is
+/// bounded apart now: the figures come, and what RabbitMQ did not answer is said.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_head_the_broker_does_not_answer_leaves_the_figures_shown() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
+         SELECT gen_random_uuid(), 'slow-heads', now(), now() FROM generate_series(1, 3)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    for queue in ["slow-heads", "slow-heads_error"] {
+        channel
+            .queue_declare(
+                queue.into(),
+                lapin::options::QueueDeclareOptions::durable(),
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .unwrap();
+    }
+    common::publish(
+        &conn,
+        "",
+        "slow-heads_error",
+        lapin::BasicProperties::default().with_message_id("m".into()),
+        b"{}",
+    )
+    .await;
+    let tmux = top_in_tmux_with(&env, 220, "INBOXCTL_FAILPOINTS=head-look@slow-heads_error");
+    let screen = tmux.wait_for("the figures, and what RabbitMQ did not answer", |s| {
+        s.contains("slow-heads") && s.contains("did not answer every look")
+    });
+    assert!(
+        !screen.contains("waiting for the first figures"),
+        "{screen}"
+    );
+    tmux.run(&["send-keys", "-t", "top", "q"]);
+    assert_exited_and_terminal_given_back(&tmux, "0");
 }

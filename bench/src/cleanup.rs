@@ -554,6 +554,7 @@ async fn refresh_timings(pool: &PgPool) -> Result<BTreeMap<String, Spread>> {
             bucket: Duration::from_secs(1),
             retention: stats::DEFAULT_RETENTION,
             look_at_heads: true,
+            broker_within: None,
             live: true,
         };
         stats::collect(pool, None, range).await?;

@@ -71,18 +71,77 @@ pub(super) struct Missing {
     pub heads_looked: bool,
 }
 
-/// Fills in the queues' depths and the error queues' oldest messages. A look at one error queue's oldest message that
-/// is refused (no read permission on it) leaves that age unknown and the others are still looked at: one queue's
-/// refusal must not blank the figures of every consumer_type after it, nor have the refused queue's neighbours
-/// looked at again on every refresh as if no look had been made.
+/// Fills in the queues' depths and the error queues' oldest messages: every depth first, then the heads, so that slow
+/// looks at heads (a quorum queue without a leader answers a take late or never) never leave a depth unknown. A look
+/// at one error queue's oldest message that is refused (no read permission on it) leaves that age unknown and the
+/// others are still looked at: one queue's refusal must not blank the figures of every consumer_type after it, nor
+/// have the refused queue's neighbours looked at again on every refresh as if no look had been made.
+///
+/// With `range.broker_within`, the whole is bounded: what was not answered by then stays unknown, said in the error,
+/// and the heads count as looked at (a look that takes that long is not tried again at once).
 pub(super) async fn from_broker(
     connection: &Connection,
     consumers: &mut [ConsumerStats],
     range: Range,
 ) -> Missing {
-    let mut broker_error = None;
-    let mut complete = true;
-    'queues: for c in consumers.iter_mut() {
+    let mut found = Found {
+        error: None,
+        complete: true,
+    };
+    let Some(within) = range.broker_within else {
+        look(connection, consumers, range, &mut found).await;
+        return found.missing(range);
+    };
+    if tokio::time::timeout(within, look(connection, consumers, range, &mut found))
+        .await
+        .is_err()
+    {
+        found.error = Some(format!(
+            "RabbitMQ did not answer every look within {}: the figures it gave are shown",
+            humantime::format_duration(within)
+        ));
+    }
+    found.missing(range)
+}
+
+/// What the looks found missing so far.
+struct Found {
+    error: Option<String>,
+    complete: bool,
+}
+
+impl Found {
+    fn missing(self, range: Range) -> Missing {
+        Missing {
+            error: self.error,
+            heads_looked: range.look_at_heads && self.complete,
+        }
+    }
+}
+
+async fn look(
+    connection: &Connection,
+    consumers: &mut [ConsumerStats],
+    range: Range,
+    found: &mut Found,
+) {
+    if !depths(connection, consumers, found).await || !range.look_at_heads {
+        return;
+    }
+    for c in consumers.iter_mut() {
+        if !head(connection, c, found).await {
+            return;
+        }
+    }
+}
+
+/// Each consumer_type's queues' depths; false when the connection failed.
+async fn depths(
+    connection: &Connection,
+    consumers: &mut [ConsumerStats],
+    found: &mut Found,
+) -> bool {
+    for c in consumers.iter_mut() {
         // Whether the consumer's queue is in this vhost: only then does a missing error queue mean nothing failed.
         let mut queue_here = false;
         for (is_error_queue, depth) in [(false, c.queue.as_mut()), (true, c.error_queue.as_mut())]
@@ -109,72 +168,76 @@ pub(super) async fn from_broker(
                 // One queue that cannot be reached (a classic queue whose node is down) leaves its own figures
                 // unknown; the others are still looked at while the connection holds.
                 Err(e) => {
-                    broker_error.get_or_insert_with(|| crate::redact::text(&e.to_string()));
+                    found
+                        .error
+                        .get_or_insert_with(|| crate::redact::text(&e.to_string()));
                     if !connection.status().connected() {
-                        complete = false;
-                        break 'queues;
-                    }
-                }
-            }
-        }
-        if !range.look_at_heads {
-            continue;
-        }
-        // An error queue counted 0 is looked at too: a quorum queue without a leader answers every count with 0
-        // whatever it holds, and the look (a take of one message, given back) is what tells it from an empty one.
-        if let Some(q) = c
-            .error_queue
-            .as_mut()
-            .filter(|q| q.exists && q.ready.is_some())
-        {
-            // The check of a 0 is bounded apart (a leaderless queue may leave the take unanswered): `top`'s refresh
-            // would otherwise end at its own limit with no figures at all. A role without read on the queue (a
-            // monitoring role) cannot check it: its 0 stands as counted, as before the check.
-            let counted_zero = q.ready == Some(0);
-            let looked = if counted_zero {
-                match tokio::time::timeout(ZERO_CHECK, oldest_failure(connection, &q.name)).await {
-                    Ok(Err(Error::Broker(e))) if e.is_access_refused() => continue,
-                    Ok(looked) => looked,
-                    Err(_) => Err(Error::Topology(format!(
-                        "a take from it, to check its count of 0, was not answered within {}s",
-                        ZERO_CHECK.as_secs()
-                    ))),
-                }
-            } else {
-                oldest_failure(connection, &q.name).await
-            };
-            match looked {
-                Ok((depth, age)) => {
-                    c.oldest_dead_letter_seconds = age;
-                    if let Some(depth) = depth {
-                        q.ready = Some(u32::try_from(depth).unwrap_or(u32::MAX));
-                    }
-                }
-                Err(e) => {
-                    c.oldest_dead_letter_seconds = None;
-                    // A count of 0 it could not check says nothing.
-                    if q.ready == Some(0) {
-                        q.ready = None;
-                    }
-                    broker_error.get_or_insert_with(|| {
-                        format!(
-                            "the oldest message of {} could not be looked at: {}",
-                            crate::sanitize::text(&q.name),
-                            crate::redact::text(&e.to_string())
-                        )
-                    });
-                    if !connection.status().connected() {
-                        complete = false;
-                        break 'queues;
+                        found.complete = false;
+                        return false;
                     }
                 }
             }
         }
     }
-    Missing {
-        error: broker_error,
-        heads_looked: range.look_at_heads && complete,
+    true
+}
+
+/// The head of `c`'s error queue; false when the connection failed.
+async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found) -> bool {
+    // An error queue counted 0 is looked at too: a quorum queue without a leader answers every count with 0
+    // whatever it holds, and the look (a take of one message, given back) is what tells it from an empty one.
+    let Some(q) = c
+        .error_queue
+        .as_mut()
+        .filter(|q| q.exists && q.ready.is_some())
+    else {
+        return true;
+    };
+    // The check of a 0 is bounded apart (a leaderless queue may leave the take unanswered): `top`'s refresh
+    // would otherwise end at its own limit with no figures at all. A role without read on the queue (a
+    // monitoring role) cannot check it: its 0 stands as counted, as before the check.
+    let counted_zero = q.ready == Some(0);
+    // A look the broker answers late (a test holds it here).
+    crate::failpoint::hit_with("head-look", &q.name).await;
+    let looked = if counted_zero {
+        match tokio::time::timeout(ZERO_CHECK, oldest_failure(connection, &q.name)).await {
+            Ok(Err(Error::Broker(e))) if e.is_access_refused() => return true,
+            Ok(looked) => looked,
+            Err(_) => Err(Error::Topology(format!(
+                "a take from it, to check its count of 0, was not answered within {}s",
+                ZERO_CHECK.as_secs()
+            ))),
+        }
+    } else {
+        oldest_failure(connection, &q.name).await
+    };
+    match looked {
+        Ok((depth, age)) => {
+            c.oldest_dead_letter_seconds = age;
+            if let Some(depth) = depth {
+                q.ready = Some(u32::try_from(depth).unwrap_or(u32::MAX));
+            }
+        }
+        Err(e) => {
+            c.oldest_dead_letter_seconds = None;
+            // A count of 0 it could not check says nothing.
+            if q.ready == Some(0) {
+                q.ready = None;
+            }
+            found.error.get_or_insert_with(|| {
+                format!(
+                    "the oldest message of {} could not be looked at: {}",
+                    crate::sanitize::text(&q.name),
+                    crate::redact::text(&e.to_string())
+                )
+            });
+            if !connection.status().connected() {
+                found.complete = false;
+                return false;
+            }
+        }
     }
+    true
 }
 
 /// Ready messages and consumers of `queue`, or spread over `partitions` queues, their ready messages summed and the

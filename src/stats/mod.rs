@@ -134,6 +134,9 @@ pub struct Range {
     /// Look at the head of each error queue that is not empty (a get and a requeue): `top` does it only now and
     /// then, since every look counts as a delivery of that message.
     pub look_at_heads: bool,
+    /// The longest the broker's half may take (`top`: its figures must not wait on a broker that answers late, nor
+    /// lose the database's half with it); what was not answered by then is unknown.
+    pub broker_within: Option<Duration>,
     /// Collected again and again (`top`): refused on an inbox without the index its figures are read through, where
     /// every refresh would read the whole table. Once (`stats`), it reads what it must.
     pub live: bool,
@@ -149,6 +152,7 @@ impl Range {
             bucket: window,
             retention: DEFAULT_RETENTION,
             look_at_heads: true,
+            broker_within: None,
             live: false,
         }
     }

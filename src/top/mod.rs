@@ -155,6 +155,7 @@ fn range(interval: Duration, window: Duration, retention: Duration) -> Range {
         bucket: window / u32::try_from(per_window).unwrap_or(u32::MAX),
         retention,
         look_at_heads: true,
+        broker_within: Some(refresh_limit(interval) / 2),
         live: true,
     }
 }
@@ -253,11 +254,18 @@ async fn collect(
                 Action::Data(Box::new(snapshot))
             }
             Ok(Err(e)) => Action::DataError(crate::redact::text(&e.to_string())),
-            Err(_) => Action::DataError(format!(
-                "a refresh took longer than {} (the database or RabbitMQ did not answer: a lock, a host gone \
+            Err(_) => {
+                // Its looks at the heads are not what held it (they are bounded apart), but they are not tried again
+                // at once either.
+                if look {
+                    heads_looked_at = Some(tokio::time::Instant::now());
+                }
+                Action::DataError(format!(
+                    "a refresh took longer than {} (the database or RabbitMQ did not answer: a lock, a host gone \
                  silent); trying again",
-                humantime::format_duration(limit)
-            )),
+                    humantime::format_duration(limit)
+                ))
+            }
         };
         if tx.send(action).await.is_err() {
             break;

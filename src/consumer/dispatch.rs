@@ -394,10 +394,9 @@ pub(super) async fn attempts<C: Consumer>(
     let id = ready.incoming.message_id;
     let mut attempt = first;
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
-    // A suspect's start alone is counted once: an attempt the database could not take is made again, not anew.
-    let mut counted_alone = false;
     loop {
         let result = {
+            // A suspect is counted alone for as long as it holds the lock alone, each attempt, and only then.
             let _guard = match access {
                 Access::Shared => Guard::Shared {
                     _held: shared.alone.read().await,
@@ -406,9 +405,7 @@ pub(super) async fn attempts<C: Consumer>(
                     let guard = Guard::Alone {
                         _held: shared.alone.write().await,
                     };
-                    if !std::mem::replace(&mut counted_alone, true) {
-                        poison::starting_alone(shared, id).await;
-                    }
+                    poison::starting_alone(shared, id).await;
                     guard
                 }
             };
@@ -423,7 +420,11 @@ pub(super) async fn attempts<C: Consumer>(
                     }
                 }
             };
-            AssertUnwindSafe(work).catch_unwind().await
+            let result = AssertUnwindSafe(work).catch_unwind().await;
+            if matches!(access, Access::Alone) {
+                poison::returned_alone(shared, id).await;
+            }
+            result
         };
         let failure = match result {
             Ok(Ok(outcome)) => {

@@ -100,6 +100,25 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
     redelivery_count(id, kept);
 }
 
+/// A suspect's attempt alone returned, whatever its outcome: its count alone is taken back while it still holds the
+/// lock, so that only an end of the process *during* an attempt alone is charged to it — not one while it waits for
+/// its retry, another suspect's attempt alone (the poison's) running then. Should the database not take it back, the
+/// count stands (and a stop that abandons the start takes it back then).
+pub(super) async fn returned_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+    let kept = bounded!(shared, |conn| attempts::returned_alone(
+        conn,
+        shared.inbox.consumer_type(),
+        id
+    ))
+    .await;
+    if kept.is_ok()
+        && let Some(alone) = lock(&shared.starts.0).get_mut(&id)
+    {
+        *alone = false;
+    }
+    redelivery_count(id, kept);
+}
+
 /// A clean stop abandoned the work still in flight: the starts it had counted are taken back (within a bound of
 /// time: a database that does not answer costs poison detection a count, never the stop its promptness).
 pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {

@@ -20,6 +20,11 @@ RETURNING started, alone";
     const REDELIVERED_ALONE =
     "UPDATE inboxctl_attempts SET alone = alone + 1 WHERE consumer_type = $1 AND message_id = $2";
 
+    /// A redelivered message's attempt alone returned (its process alive): not counted alone any more. `$1`
+    /// consumer_type, `$2` message id.
+    const REDELIVERED_ALONE_RETURNED = "\
+UPDATE inboxctl_attempts SET alone = greatest(alone - 1, 0) WHERE consumer_type = $1 AND message_id = $2";
+
     /// Starts abandoned by a clean stop (not ended by a crash) taken back. `$1` consumer_type, `$2` message ids, `$3`
     /// for each, 1 if the start was also counted as made alone.
     const REDELIVERED_ABANDONED = "\
@@ -64,6 +69,19 @@ pub async fn started_alone(
     message_id: Uuid,
 ) -> sqlx::Result<()> {
     unit!(executor, |conn| sql::query(REDELIVERED_ALONE)
+        .bind(consumer_type.as_str())
+        .bind(message_id)
+        .execute(conn))
+    .map(drop)
+}
+
+/// Takes back the count alone of an attempt that returned (`REDELIVERED_ALONE_RETURNED`).
+pub async fn returned_alone(
+    executor: impl Into<Exec<'_>>,
+    consumer_type: &ConsumerType,
+    message_id: Uuid,
+) -> sqlx::Result<()> {
+    unit!(executor, |conn| sql::query(REDELIVERED_ALONE_RETURNED)
         .bind(consumer_type.as_str())
         .bind(message_id)
         .execute(conn))

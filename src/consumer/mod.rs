@@ -292,6 +292,10 @@ impl RunCounts {
     }
 }
 
+/// The process's one lock of attempts and suspects (see [`Shared::alone`]).
+static ALONE: std::sync::LazyLock<Arc<tokio::sync::RwLock<()>>> =
+    std::sync::LazyLock::new(|| Arc::new(tokio::sync::RwLock::new(())));
+
 /// Everything a delivery's task shares with the others.
 struct Shared<C: Consumer> {
     /// The [`Inbox`](crate::inbox::Inbox), unless the caller guards the work otherwise.
@@ -310,9 +314,9 @@ struct Shared<C: Consumer> {
     last_activity: std::sync::Mutex<Instant>,
     /// An attempt holds it shared; an attempt of a suspect — a redelivered message that was in flight when a process
     /// ended before — holds it alone, so that if its process ends again, nothing else was in flight to share the
-    /// blame. Only attempts hold it: never a retry's wait. One for the process, shared by the partition queues it
-    /// reads (`--partitions`): a suspect on one partition is alone only if no other partition's attempt runs beside
-    /// it.
+    /// blame. Only attempts hold it: never a retry's wait. One for the process ([`ALONE`]), shared by the partition
+    /// queues it reads (`--partitions`) and by every consumer it runs (`demo` runs two, and so may a service on the
+    /// library): a suspect is alone only if no other attempt runs beside it, whichever queue it is of.
     alone: Arc<tokio::sync::RwLock<()>>,
     /// Redelivered messages whose start is counted and not yet through (see [`poison`]).
     starts: poison::Starts,

@@ -74,7 +74,7 @@ pub async fn run<C: Consumer>(
                 .collect()
         }
     };
-    let alone = Arc::new(tokio::sync::RwLock::new(()));
+    let alone = Arc::clone(&super::ALONE);
     let idle = Arc::new(super::IdleTogether::new(queues.len()));
     let stop = shutdown.child_token();
     counts.queues.store(queues.len(), Ordering::Relaxed);

@@ -1599,3 +1599,58 @@ async fn a_group_replay_run_again_with_its_listing_leaves_a_members_failure_sinc
         "the failure since left"
     );
 }
+
+/// A replay holds the messages it leaves until it ends (hours with `--rate`): a `failures` meanwhile listed the queue
+/// without them — "0 messages in 0 groups", exit 0 — and could write that listing for a group replay. It says that a
+/// replay was running (as `find` does), in its summary and its JSON, and exits 3.
+#[tokio::test(flavor = "multi_thread")]
+async fn failures_while_a_replay_holds_the_queue_says_so() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        fail(
+            &conn,
+            ERROR_QUEUE,
+            "Boom",
+            "carrier down",
+            TimeDelta::minutes(5),
+        )
+        .await;
+    }
+    let out = env.run(&["failures", "--from", ERROR_QUEUE, "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["replay_running"], false, "{out:?}");
+
+    // A replay's marker, and what it holds taken from the queue (unacknowledged, on the marker's connection).
+    let replay = env.amqp().await;
+    inboxctl::amqp::topology::mark_replay(&replay, ERROR_QUEUE)
+        .await
+        .unwrap();
+    let channel = replay.create_channel().await.unwrap();
+    for _ in 0..3 {
+        let got = channel
+            .basic_get(
+                ERROR_QUEUE.into(),
+                lapin::options::BasicGetOptions { no_ack: false },
+            )
+            .await
+            .unwrap();
+        assert!(got.is_some());
+    }
+    let out = env.run(&["failures", "--from", ERROR_QUEUE, "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let listing = json(&out);
+    assert_eq!(listing["replay_running"], true, "{listing}");
+    assert_eq!(listing["looked"], 0, "{listing}");
+    let out = env.run(&["failures", "--from", ERROR_QUEUE]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("a replay of it was running: the messages it holds were not seen"),
+        "{out:?}"
+    );
+    let _ = replay.close(200, "OK".into()).await;
+}

@@ -55,7 +55,12 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             ))?;
         }
     }
-    Ok(Outcome::Done)
+    // What a running replay holds is in no group: the listing is not the queue's whole story.
+    Ok(if listing.replay_running {
+        Outcome::Partial
+    } else {
+        Outcome::Done
+    })
 }
 
 /// The groups as a table, then a line saying what was looked at.
@@ -74,6 +79,11 @@ pub fn print(listing: &Listing) -> Result<()> {
             " (the oldest {} of {}: raise --limit to see all)",
             listing.looked, listing.depth
         ));
+    }
+    if listing.replay_running {
+        summary.push_str(
+            "; a replay of it was running: the messages it holds were not seen, and are in no group",
+        );
     }
     output::line(&format!("{summary}; {REDELIVERED_NOTE}"))
 }

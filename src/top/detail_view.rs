@@ -104,8 +104,13 @@ fn render_groups(
             )
             .row_highlight_style(Style::new().add_modifier(Modifier::REVERSED))
             .block(Block::new().borders(Borders::ALL).title(format!(
-                " {name}: failure groups of {queue} ({} messages; r replays the selected group) ",
-                listing.looked
+                " {name}: failure groups of {queue} ({} messages{}; r replays the selected group) ",
+                listing.looked,
+                if listing.replay_running {
+                    ", and those a running replay holds"
+                } else {
+                    ""
+                }
             )));
             let mut state =
                 TableState::new().with_selected((!listing.groups.is_empty()).then_some(d.selected));

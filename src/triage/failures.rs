@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::amqp::cause::Cause;
 use crate::amqp::failure::{Origin, failure};
-use crate::amqp::{Connection, limits, peek};
+use crate::amqp::{Connection, limits, peek, topology};
 use crate::error::{Error, Result};
 
 /// The most origins kept per group: more than a handful means the cause is not the queue's.
@@ -59,6 +59,10 @@ pub struct Listing {
     pub depth: u64,
     /// Messages looked at (the depth, or the limit).
     pub looked: u64,
+    /// A replay of the queue was running while it was looked at: the messages it held were not there to be seen, and
+    /// are in no group.
+    #[serde(default)]
+    pub replay_running: bool,
     /// Groups, the largest first.
     pub groups: Vec<Group>,
 }
@@ -154,6 +158,8 @@ pub async fn list(
     limit: u64,
 ) -> Result<Listing> {
     let listed_at = Utc::now();
+    // Before the look and after it: a replay beginning in between marks the queue before it takes.
+    let mut replay_running = topology::replay_running(connection, queue).await?;
     let mut groups: Vec<Group> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut origins: Vec<BTreeSet<String>> = Vec::new();
@@ -202,6 +208,7 @@ pub async fn list(
     })
     .await?
     .ok_or_else(|| Error::QueueNotFound(queue.to_owned()))?;
+    replay_running = replay_running || topology::replay_running(connection, queue).await?;
     for (group, origins) in groups.iter_mut().zip(origins) {
         group.origins = origins.into_iter().collect();
     }
@@ -217,6 +224,7 @@ pub async fn list(
         listed_at,
         depth: looked.depth,
         looked: looked.looked,
+        replay_running,
         groups,
     })
 }

@@ -106,6 +106,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
             listed_at: listed_at(),
             depth: 3,
             looked: 3,
+            replay_running: false,
             groups: groups
                 .iter()
                 .map(|(fp, count, ids)| crate::triage::Group {

@@ -272,6 +272,21 @@ async fn the_table_shows_escape_sequences_inert_and_an_unreachable_broker_is_par
         report["consumers"][0]["rows"], 1,
         "the database figures are still there"
     );
+
+    // Why it could not connect is said (each cause has its own remedy), its password masked: a refused login was
+    // "RabbitMQ not reachable" like a broker that is down.
+    let wrong = env
+        .amqp_url
+        .replacen("guest:guest@", "guest:not-the-password@", 1);
+    assert_ne!(wrong, env.amqp_url, "the test's URL names guest:guest");
+    let mut cmd = env.cmd();
+    cmd.args(["stats", "--json"]).env("AMQP_URL", &wrong);
+    let out = cmd.output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let said = report["broker_error"].as_str().unwrap();
+    assert!(said.contains("refused the login"), "{said}");
+    assert!(!said.contains("not-the-password"), "{said}");
 }
 
 /// A window longer than PostgreSQL's timestamps reach (or shorter than a second, whose per-bucket arithmetic

@@ -39,21 +39,22 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     let broker = global.connect.broker()?;
     let pool = db.pool(2).await?;
     stats::check_schema(&pool, &db).await?;
-    let connection = match broker.connect("inboxctl stats").await {
-        Ok(c) => Some(c),
+    let (connection, unreachable) = match broker.connect("inboxctl stats").await {
+        Ok(c) => (Some(c), None),
         Err(e) => {
-            tracing::warn!(
-                "{}; queue figures unknown",
-                crate::redact::text(&e.to_string())
-            );
-            None
+            let why = crate::redact::text(&e.to_string());
+            tracing::warn!("{why}; queue figures unknown");
+            (None, Some(why))
         }
     };
     let range = stats::Range {
         retention: args.retention,
         ..stats::Range::rates(args.window)
     };
-    let snapshot = stats::collect(&pool, connection.as_ref(), range).await?;
+    let mut snapshot = stats::collect(&pool, connection.as_ref(), range).await?;
+    if let Some(why) = unreachable {
+        snapshot.broker_error = Some(stats::unreachable(&why));
+    }
     if let Some(c) = connection {
         crate::amqp::close(&c, "OK").await;
     }

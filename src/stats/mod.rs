@@ -186,6 +186,20 @@ pub async fn check_schema(pool: &PgPool, db: &crate::db::Database) -> Result<()>
     schema::require_tables(pool, db, &["inbox_messages"]).await
 }
 
+/// What a snapshot collected without a broker connection says.
+const UNREACHABLE: &str = "RabbitMQ not reachable";
+
+/// What a snapshot says when the broker could not be connected to, and why (the reason redacted by the caller): a
+/// refused login, a vhost that does not exist, a certificate — each its own remedy.
+pub fn unreachable(why: &str) -> String {
+    let why: Vec<&str> = why
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    format!("{UNREACHABLE}: {}", why.join("; "))
+}
+
 /// Collects a snapshot. `broker` is optional: without it (or when it fails) the queue figures are `None`.
 pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -> Result<Snapshot> {
     let mut conn = pool.acquire().await?;
@@ -228,7 +242,7 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     let missing = match broker {
         Some(connection) => broker::from_broker(connection, &mut consumers, range).await,
         None => broker::Missing {
-            error: Some("RabbitMQ not reachable".to_owned()),
+            error: Some(UNREACHABLE.to_owned()),
             heads_looked: false,
         },
     };

@@ -357,6 +357,11 @@ impl App {
         }
     }
 
+    /// Whether any consumer_type is known, whatever the filter lets through.
+    pub fn has_consumer_types(&self) -> bool {
+        !self.all.is_empty()
+    }
+
     pub fn mode(&self) -> Mode {
         match &self.detail {
             Some(d) if d.confirm.is_some() => Mode::Confirm,

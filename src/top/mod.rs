@@ -224,6 +224,8 @@ async fn collect(
     stop: CancellationToken,
 ) {
     let mut connection: Option<Connection> = None;
+    // Why the last connect failed, for the status line.
+    let mut unreachable: Option<String> = None;
     let mut heads_looked_at: Option<tokio::time::Instant> = None;
     loop {
         let look = heads_looked_at.is_none_or(|t| t.elapsed() >= HEADS_EVERY);
@@ -232,11 +234,13 @@ async fn collect(
             ..range
         };
         if connection.as_ref().is_none_or(|c| !c.status().connected()) {
-            connection =
-                tokio::time::timeout(Duration::from_secs(2), broker.connect("inboxctl top"))
-                    .await
-                    .ok()
-                    .and_then(Result::ok);
+            let connected =
+                tokio::time::timeout(Duration::from_secs(2), broker.connect("inboxctl top")).await;
+            (connection, unreachable) = match connected {
+                Ok(Ok(c)) => (Some(c), None),
+                Ok(Err(e)) => (None, Some(crate::redact::text(&e.to_string()))),
+                Err(_) => (None, Some("no answer within 2s".to_owned())),
+            };
         }
         // A refresh is bounded, and given up when the dashboard quits: a statement waiting behind a lock (a
         // `VACUUM FULL`, a migration) or a host that went silent would otherwise freeze the figures without a word,
@@ -247,7 +251,10 @@ async fn collect(
             collected = tokio::time::timeout(limit, stats::collect(&pool, connection.as_ref(), range)) => collected,
         };
         let action = match collected {
-            Ok(Ok(snapshot)) => {
+            Ok(Ok(mut snapshot)) => {
+                if let Some(why) = unreachable.as_deref().filter(|_| connection.is_none()) {
+                    snapshot.broker_error = Some(stats::unreachable(why));
+                }
                 if snapshot.heads_looked {
                     heads_looked_at = Some(tokio::time::Instant::now());
                 }

@@ -176,9 +176,14 @@ fn render_table(app: &App, frame: &mut Frame, area: Rect) {
     if app.lines.is_empty() {
         let inner = area.inner(ratatui::layout::Margin::new(2, 2));
         let text = if app.updated_at.is_none() {
-            "waiting for the first figures…"
+            "waiting for the first figures…".to_owned()
+        } else if app.has_consumer_types() {
+            format!(
+                "no consumer_type matches the filter {}",
+                sanitize::text(&app.filter)
+            )
         } else {
-            "no consumer_type yet: inbox_messages is empty"
+            "no consumer_type yet: inbox_messages is empty".to_owned()
         };
         frame.render_widget(Paragraph::new(text).italic(), inner);
     }
@@ -513,5 +518,14 @@ mod tests {
             screen.contains("filter: ord ") && screen.contains("/ filter"),
             "{screen}"
         );
+        // A filter that matches nothing says so, not that the inbox is empty.
+        app.update(Action::FilterStart);
+        app.update(Action::FilterChar('z'));
+        let screen = draw(&app, 160, 30);
+        assert!(
+            screen.contains("no consumer_type matches the filter ordz"),
+            "{screen}"
+        );
+        assert!(!screen.contains("inbox_messages is empty"), "{screen}");
     }
 }

@@ -541,7 +541,7 @@ async fn the_conversion_makes_its_partitions_before_its_swap_and_a_stopped_one_l
     assert_eq!(attached, 0, "nothing attached before the swap");
     assert!(
         own >= 11,
-        "the window's 11 days (and one ahead) made before the swap: {own}"
+        "the window's 11 days made before the swap: {own}"
     );
     let indexes = common::count(
         &pool,

@@ -506,14 +506,12 @@ async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) ->
 
 /// Makes the window's partitions as tables of their own, each statement its own transaction, before the swap: made
 /// under the swap's lock they held every claim behind it for as long (241 tables at `1h`, seconds), where attaching
-/// tables made beforehand takes a fraction of it. One interval more ahead than the swap needs, for a swap that comes
-/// an interval later (tried again behind a long transaction). The names made.
+/// tables made beforehand takes a fraction of it. (A swap that comes an interval later, tried again behind a long
+/// transaction, makes the one partition ahead it then needs under its lock.) The starts of those made.
 async fn premake(conn: &mut PgConnection, settings: Settings) -> Result<BTreeSet<DateTime<Utc>>> {
     let now = Utc::now();
     let mut made = BTreeSet::new();
-    for (start, _) in
-        intervals(settings, now - BACK, now + AHEAD + settings.interval).take(MAX_NEW_PARTITIONS)
-    {
+    for (start, _) in intervals(settings, now - BACK, now + AHEAD).take(MAX_NEW_PARTITIONS) {
         let name = partition_name(start);
         run(conn, &premade_table_statement(&name)).await?;
         for (index, definition) in INBOX_INDEXES {

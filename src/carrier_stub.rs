@@ -64,6 +64,12 @@ pub struct Behaviour {
     pub book_late_ms: u64,
     /// Book, then answer `200` with the slot padded to 4 MiB, for this many requests from now on.
     pub padded_next: u32,
+    /// Book, then answer `503` with a proxy's plain-text page (its upstream reset after it took the request), for
+    /// this many requests from now on.
+    pub proxy_reset_next: u32,
+    /// Answer the look-up with a proxy's `404` (a plain-text page: no route), whatever was booked, for this many
+    /// look-ups from now on.
+    pub lookup_unrouted_next: u32,
 }
 
 impl Default for Behaviour {
@@ -80,6 +86,8 @@ impl Default for Behaviour {
             book_late_next: 0,
             book_late_ms: 0,
             padded_next: 0,
+            proxy_reset_next: 0,
+            lookup_unrouted_next: 0,
         }
     }
 }
@@ -281,6 +289,15 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
         l.behaviour.redirect_next = l.behaviour.redirect_next.saturating_sub(1);
         let padded = l.behaviour.padded_next > 0;
         l.behaviour.padded_next = l.behaviour.padded_next.saturating_sub(1);
+        if l.behaviour.proxy_reset_next > 0 {
+            l.behaviour.proxy_reset_next -= 1;
+            return (
+                StatusCode::SERVICE_UNAVAILABLE,
+                [(axum::http::header::CONTENT_TYPE, "text/plain")],
+                "upstream connect error or disconnect/reset before headers. reset reason: connection termination",
+            )
+                .into_response();
+        }
         (answer, delay, drop_connection, redirect, padded)
     };
     if let Some(delay) = delay {
@@ -313,7 +330,16 @@ async fn book(State(shared): State<Shared>, headers: HeaderMap, body: Bytes) -> 
 }
 
 async fn by_key(State(shared): State<Shared>, Path(key): Path<String>) -> Response {
-    let l = ledger(&shared);
+    let mut l = ledger(&shared);
+    if l.behaviour.lookup_unrouted_next > 0 {
+        l.behaviour.lookup_unrouted_next -= 1;
+        return (
+            StatusCode::NOT_FOUND,
+            [(axum::http::header::CONTENT_TYPE, "text/plain")],
+            "404 page not found",
+        )
+            .into_response();
+    }
     match l.by_key.get(&key).map(|&i| &l.bookings[i]) {
         Some(b) => Json(SlotAnswer {
             slot_id: b.slot_id,

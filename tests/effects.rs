@@ -1912,6 +1912,61 @@ async fn after_commit_asks_the_look_up_only_once_a_call_a_gateway_gave_up_on_has
     );
 }
 
+/// After commit with a look-up, against a carrier that ignores keys behind a proxy: the carrier books, its connection
+/// to the proxy is reset before it answers, and the proxy answers `503` with a page of its own. A 503 was taken for
+/// "nothing booked" and the call made again: two bookings. Then a look-up whose `404` is the proxy's (no route), not
+/// the carrier's: taken for "nothing booked", the call was made again too. Neither is the carrier's answer now: the
+/// outcome stays unknown until the look-up (the carrier's own) finds the booking — one booking.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_commit_takes_neither_a_proxys_503_nor_its_404_for_nothing_booked() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &["--ignore-keys"]);
+    stub.behave(json!({"honourKeys": false, "proxyResetNext": 1, "lookupUnroutedNext": 1}))
+        .await;
+    common::publish_parcels(&env, &["--count", "1", "--destination", "behind-a-proxy"]);
+    let url = stub.url.clone();
+    let args = consume_args(
+        &stub,
+        "after-commit",
+        &[
+            "--lookup-url",
+            &url,
+            LOOK_UP_QUICK[0],
+            LOOK_UP_QUICK[1],
+            LOOK_UP_QUICK[2],
+            LOOK_UP_QUICK[3],
+            LOOK_UP_QUICK[4],
+            LOOK_UP_QUICK[5],
+            "--exit-when-idle",
+            "1s",
+        ],
+    );
+    let mut consumer = env.spawn(&args);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        stub.bookings_to("behind-a-proxy").await,
+        1,
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "behind-a-proxy").await.as_deref(),
+        Some("done")
+    );
+    assert!(
+        consumer.stderr().contains("without the carrier's JSON"),
+        "{}",
+        consumer.stderr()
+    );
+}
+
 /// An after-commit run (with a look-up, say) leaves a call whose outcome is unknown (started, its lease run out), and
 /// the consumer is restarted at most once: that run does not make it again (it may have been booked: a second
 /// booking is what at-most-once promises never to make), says so, and still makes a call merely owed. It made both,

@@ -57,6 +57,8 @@ impl Args {
             book_late_next: 0,
             book_late_ms: 0,
             padded_next: 0,
+            proxy_reset_next: 0,
+            lookup_unrouted_next: 0,
         }
     }
 }

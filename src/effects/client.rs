@@ -104,7 +104,19 @@ impl CarrierClient {
             .send()
             .await;
         match sent {
-            Ok(response) if response.status() == StatusCode::NOT_FOUND => Ok(None),
+            // The carrier's own "no booking under this key". A 404 that is not its answer — a proxy's page for a
+            // path it has no route for, a look-up URL set wrong — says nothing of the booking: taken for "none", the
+            // call would be made again on every look-up, and booked twice.
+            Ok(response) if response.status() == StatusCode::NOT_FOUND && carriers_own(&response) => {
+                Ok(None)
+            }
+            Ok(response) if response.status() == StatusCode::NOT_FOUND => {
+                Err(CallError::Unknown(
+                    "the look-up answered 404 without the carrier's JSON (a proxy with no route for it, a look-up \
+                     URL set wrong?): not taken for \"nothing booked\""
+                        .to_owned(),
+                ))
+            }
             other => answer(other).await.map(Some),
         }
     }
@@ -137,11 +149,12 @@ async fn answer(
     };
     let status = response.status();
     if !status.is_success() {
+        let own = carriers_own(&response);
         // Only its first bytes are read (what is shown is cut to a few hundred characters anyway).
         let (body, _) = read_bounded(response, MAX_ERROR_BODY).await;
         let text = String::from_utf8_lossy(&body);
         let said = bounded(&format!("carrier API returned {status}: {}", text.trim()));
-        return Err(if refused(status) {
+        return Err(if refused(status, own) {
             CallError::Refused(said)
         } else {
             CallError::Unknown(said)
@@ -214,12 +227,26 @@ async fn read_bounded(
 }
 
 /// Whether a status the carrier answered with says that nothing was booked: a client error (4xx: the request was
-/// refused as it stands), or 503 (the service would not take it). Any other — a 500 that may have come after the
-/// booking was made, a gateway's 502 or 504 whose carrier behind it may have booked, a redirect (a `303 See Other`
-/// to the booking made, redirects not being followed) — leaves the outcome unknown: an at-most-once call is then in
-/// doubt, not made again, and an after-commit one asks the look-up first.
-fn refused(status: StatusCode) -> bool {
-    status.is_client_error() || status == StatusCode::SERVICE_UNAVAILABLE
+/// refused as it stands, by the carrier or by a proxy before it), or 503 (the service would not take it) — the
+/// carrier's own, with its JSON: a proxy answers 503 too when its upstream reset the connection after taking the
+/// request ("reset before headers"), the booking maybe made. Any other — a 500 that may have come after the booking
+/// was made, a gateway's 502 or 504 whose carrier behind it may have booked, a redirect (a `303 See Other` to the
+/// booking made, redirects not being followed) — leaves the outcome unknown: an at-most-once call is then in doubt,
+/// not made again, and an after-commit one asks the look-up first. `own`: [`carriers_own`].
+fn refused(status: StatusCode, own: bool) -> bool {
+    status.is_client_error() || (status == StatusCode::SERVICE_UNAVAILABLE && own)
+}
+
+/// Whether an answer is the carrier API's own (JSON), not a page a proxy or gateway in front of it made (HTML, plain
+/// text, nothing).
+fn carriers_own(response: &reqwest::Response) -> bool {
+    response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .map(|v| v.trim().to_ascii_lowercase())
+        .is_some_and(|v| v == "application/json" || v.ends_with("+json"))
 }
 
 /// An error and its causes on one line, without the URL (which may hold a password).

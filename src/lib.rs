@@ -59,6 +59,7 @@ pub fn run(cli: Cli) -> Result<Outcome> {
 /// Prints `error: …` and the causes the message does not already say, to stderr, without passwords or control
 /// characters.
 pub fn report(error: &Error) {
+    use std::io::Write as _;
     let mut text = error.to_string();
     let mut source = std::error::Error::source(error);
     while let Some(cause) = source {
@@ -69,5 +70,10 @@ pub fn report(error: &Error) {
         }
         source = cause.source();
     }
-    eprintln!("error: {}", sanitize::multiline(&redact::text(&text)));
+    // A reader of stderr that went away (`2>&1 | head`) is no reason to panic: the exit code still says it.
+    let _ = writeln!(
+        std::io::stderr(),
+        "error: {}",
+        sanitize::multiline(&redact::text(&text))
+    );
 }

@@ -44,9 +44,12 @@ pub fn init(global: &GlobalOpts, target: Target) {
         default.push_str(",inboxctl::consumer=error");
     }
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    // A log line that cannot be written (stderr's reader gone: `2>&1 | head`) is dropped: the subscriber's own report
+    // of it is an `eprintln!`, which panics on the same closed pipe.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_target(false);
+        .with_target(false)
+        .log_internal_errors(false);
     use tracing_subscriber::layer::SubscriberExt as _;
     use tracing_subscriber::util::SubscriberInitExt as _;
     let _ = match global.log_format {

@@ -1,6 +1,7 @@
 //! SIGINT and SIGTERM as a cancellation token: the first asks long-running commands to stop cleanly, a second one ends
 //! the process at once (exit 130; nothing unfinished was acknowledged, so the broker delivers it again).
 
+use std::io::Write as _;
 use std::sync::Mutex;
 
 use tokio::signal::unix::{SignalKind, signal};
@@ -43,7 +44,8 @@ pub fn on_signals() -> CancellationToken {
                 if let Some(hook) = hook {
                     hook();
                 }
-                eprintln!(
+                let _ = writeln!(
+                    std::io::stderr(),
                     "inboxctl: stopping at once; unfinished messages will be delivered again"
                 );
                 std::process::exit(130);

@@ -331,6 +331,24 @@ fn a_closed_stdout_is_not_a_crash() {
     );
 }
 
+/// The same for stderr: an error whose reader has gone (`inboxctl migrate 2>&1 | head -0`) used to panic in printing
+/// it, exit 101; the error's own code is the answer.
+#[test]
+fn a_closed_stderr_is_not_a_crash() {
+    // The reader (`true`) is gone before inboxctl starts (the sleep): its error meets a pipe with no reader.
+    let script = format!(
+        "(sleep 0.5; exec '{}' migrate) 2>&1 >/dev/null | true; echo \"exit=${{PIPESTATUS[0]}}\"",
+        common::bin()
+    );
+    let out = Command::new("bash")
+        .args(["-c", &script])
+        .env("DATABASE_URL", "postgres://app@127.0.0.1:1/parceltracker")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(said.trim(), "exit=69", "{out:?}");
+}
+
 #[test]
 fn top_without_a_terminal_points_to_stats() {
     let out = run(&["top"], &[]);

@@ -338,3 +338,46 @@ async fn a_window_past_the_bounds_is_refused_and_names_them() {
         out.stderr
     );
 }
+
+/// Past the cap of an exact count, a figure is PostgreSQL's estimate, when there is a larger one; with none (a table
+/// not analyzed since it grew: a .NET service's backlog building up), the count up to the cap was shown as if it were
+/// an estimate ("~11"), flat while the backlog grew. It is a floor, and says so (`≥11`, `*_at_least`).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_count_past_its_cap_without_an_estimate_is_a_floor_not_an_estimate() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "ALTER TABLE inbox_messages SET (autovacuum_enabled = false);
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'backlog', now(), NULL FROM generate_series(1, 1000);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let range = inboxctl::stats::Range {
+        exact_below: 10,
+        ..inboxctl::stats::Range::rates(std::time::Duration::from_secs(60))
+    };
+    let snapshot = inboxctl::stats::collect(&pool, None, range).await.unwrap();
+    let c = &snapshot.consumers[0];
+    assert_eq!(
+        (
+            c.unprocessed,
+            c.unprocessed_estimated,
+            c.unprocessed_at_least
+        ),
+        (Some(11), false, true)
+    );
+    assert_eq!(
+        (c.rows, c.rows_estimated, c.rows_at_least),
+        (Some(11), false, true)
+    );
+    // Analyzed, the estimate is the figure.
+    sqlx::raw_sql("ANALYZE inbox_messages")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let snapshot = inboxctl::stats::collect(&pool, None, range).await.unwrap();
+    let c = &snapshot.consumers[0];
+    assert!(c.unprocessed_estimated && !c.unprocessed_at_least, "{c:?}");
+    assert!(c.unprocessed.is_some_and(|n| n > 500), "{c:?}");
+}

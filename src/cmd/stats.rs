@@ -95,8 +95,13 @@ fn print(s: &Snapshot) -> Result<()> {
     for c in &json.consumers {
         t.add_row(vec![
             table::text(&c.consumer_type),
-            display::count(c.rows, c.rows_estimated).into(),
-            display::count(c.unprocessed, c.unprocessed_estimated).into(),
+            display::count_of(c.rows, c.rows_estimated, c.rows_at_least).into(),
+            display::count_of(
+                c.unprocessed,
+                c.unprocessed_estimated,
+                c.unprocessed_at_least,
+            )
+            .into(),
             display::age(c.oldest_unprocessed_seconds).into(),
             display::rate(c.deliveries_per_second).into(),
             display::rate(c.duplicates_per_second).into(),
@@ -130,7 +135,8 @@ fn print(s: &Snapshot) -> Result<()> {
     }
     output::line(&t.to_string())?;
     let mut footer = format!(
-        "rates over the last {window}; ~ estimated from PostgreSQL's statistics; ? unknown; oldest error: when the \
+        "rates over the last {window}; ~ estimated from PostgreSQL's statistics; ≥ at least (counted that far, no \
+         estimate beyond it yet); ? unknown; oldest error: when the \
          error queue's oldest message failed, against the retention {} (near: past {:.0} % of it; PAST: its inbox row \
          may be gone, so its replay may be processed again)",
         humantime::format_duration(s.retention),
@@ -165,8 +171,11 @@ pub struct ConsumerJson {
     pub consumer_type: String,
     pub rows: Option<u64>,
     pub rows_estimated: bool,
+    /// `rows` is a floor: counted up to the cap, no larger estimate in PostgreSQL's statistics.
+    pub rows_at_least: bool,
     pub unprocessed: Option<u64>,
     pub unprocessed_estimated: bool,
+    pub unprocessed_at_least: bool,
     pub oldest_unprocessed_seconds: Option<f64>,
     pub deliveries_per_second: Option<f64>,
     pub duplicates_per_second: Option<f64>,
@@ -226,8 +235,10 @@ impl From<&Snapshot> for Json {
                         consumer_type: c.consumer_type.clone(),
                         rows: c.rows,
                         rows_estimated: c.rows_estimated,
+                        rows_at_least: c.rows_at_least,
                         unprocessed: c.unprocessed,
                         unprocessed_estimated: c.unprocessed_estimated,
+                        unprocessed_at_least: c.unprocessed_at_least,
                         oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
                         deliveries_per_second: rate(Counts::deliveries),
                         duplicates_per_second: rate(|w| w.duplicates),

@@ -1,6 +1,16 @@
-//! Figures as people read them: `1234`, `~2.5M` for an estimate, `?` for unknown.
+//! Figures as people read them: `1234`, `~2.5M` for an estimate, `≥250k` for a floor, `?` for unknown.
 
 pub const UNKNOWN: &str = "?";
+
+/// A count that may be a floor (counted up to a cap, no estimate beyond it): `≥250k`.
+pub fn count_of(n: Option<u64>, estimated: bool, at_least: bool) -> String {
+    let text = count(n, estimated);
+    if at_least && n.is_some() {
+        format!("≥{text}")
+    } else {
+        text
+    }
+}
 
 pub fn count(n: Option<u64>, estimated: bool) -> String {
     let Some(n) = n else {
@@ -57,6 +67,9 @@ mod tests {
         assert_eq!(count(Some(2_500_000), true), "~2.5M");
         assert_eq!(count(Some(12_000_000), true), "~12M");
         assert_eq!(count(None, false), "?");
+        assert_eq!(count_of(Some(250_001), false, true), "≥250k");
+        assert_eq!(count_of(Some(2_500_000), true, false), "~2.5M");
+        assert_eq!(count_of(None, false, true), "?");
         assert_eq!(rate(Some(3.25)), "3.2");
         assert_eq!(rate(None), "?");
         assert_eq!(percent(Some(0.125)), "12.5%");

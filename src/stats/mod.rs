@@ -91,8 +91,13 @@ pub struct ConsumerStats {
     pub consumer_type: String,
     pub rows: Option<u64>,
     pub rows_estimated: bool,
+    /// `rows` is a floor: counted up to the cap, and PostgreSQL's statistics held no larger estimate (not analyzed
+    /// since the table grew).
+    pub rows_at_least: bool,
     pub unprocessed: Option<u64>,
     pub unprocessed_estimated: bool,
+    /// `unprocessed` is a floor, as `rows_at_least`.
+    pub unprocessed_at_least: bool,
     pub oldest_unprocessed_seconds: Option<f64>,
     /// Counters for the window; `None` when inboxctl keeps none for this consumer_type.
     pub window: Option<Counts>,
@@ -290,6 +295,36 @@ async fn open_effects(
     ))
 }
 
+/// A count as far as it was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Figure {
+    Exact(u64),
+    Estimated(u64),
+    /// Counted up to the cap and past it, with no larger estimate to show: at least this many.
+    AtLeast(u64),
+}
+
+impl Figure {
+    /// What a count capped at `cap` (it reads at most one past) and the planner's estimate make: exact under the cap;
+    /// past it, the estimate if it is larger, else a floor — the estimate stale (not analyzed since the table grew)
+    /// or absent would otherwise show the cap as if estimated, flat while the backlog grows.
+    fn past_the_cap(counted: u64, cap: u64, estimate: Option<u64>) -> Self {
+        if counted <= cap {
+            return Self::Exact(counted);
+        }
+        match estimate.filter(|e| *e > counted) {
+            Some(estimate) => Self::Estimated(estimate),
+            None => Self::AtLeast(counted),
+        }
+    }
+
+    fn value(self) -> u64 {
+        match self {
+            Self::Exact(n) | Self::Estimated(n) | Self::AtLeast(n) => n,
+        }
+    }
+}
+
 /// One consumer_type's figures from the database; its queues' depths are left for the broker to fill in.
 async fn consumer_stats(
     conn: &mut sqlx::PgConnection,
@@ -299,33 +334,21 @@ async fn consumer_stats(
     range: Range,
 ) -> Result<ConsumerStats> {
     let exact_below = range.exact_below;
-    let (rows, rows_estimated) = match estimates.rows(&consumer_type) {
-        Some(estimate) if estimate >= exact_below => (Some(estimate), true),
+    let rows = match estimates.rows(&consumer_type) {
+        Some(estimate) if estimate >= exact_below => Figure::Estimated(estimate),
         estimate => {
             let exact =
                 db::stats::count_rows_capped(&mut *conn, &consumer_type, exact_below).await?;
-            if exact > exact_below {
-                (Some(estimate.unwrap_or(exact).max(exact)), true)
-            } else {
-                (Some(exact), false)
-            }
+            Figure::past_the_cap(exact, exact_below, estimate)
         }
     };
     let exact_unprocessed =
         db::stats::count_unprocessed_capped(&mut *conn, &consumer_type, exact_below).await?;
-    let (unprocessed, unprocessed_estimated) = if exact_unprocessed > exact_below {
-        (
-            Some(
-                estimates
-                    .unprocessed(&consumer_type)
-                    .unwrap_or(exact_unprocessed)
-                    .max(exact_unprocessed),
-            ),
-            true,
-        )
-    } else {
-        (Some(exact_unprocessed), false)
-    };
+    let unprocessed = Figure::past_the_cap(
+        exact_unprocessed,
+        exact_below,
+        estimates.unprocessed(&consumer_type),
+    );
     let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
         None
     } else {
@@ -347,10 +370,12 @@ async fn consumer_stats(
         .unwrap_or_else(|| consumer_type.clone());
     Ok(ConsumerStats {
         consumer_type,
-        rows,
-        rows_estimated,
-        unprocessed,
-        unprocessed_estimated,
+        rows: Some(rows.value()),
+        rows_estimated: matches!(rows, Figure::Estimated(_)),
+        rows_at_least: matches!(rows, Figure::AtLeast(_)),
+        unprocessed: Some(unprocessed.value()),
+        unprocessed_estimated: matches!(unprocessed, Figure::Estimated(_)),
+        unprocessed_at_least: matches!(unprocessed, Figure::AtLeast(_)),
         oldest_unprocessed_seconds,
         window: window_counts,
         series,

@@ -81,7 +81,11 @@ fn visible_columns(width: u16) -> Vec<usize> {
 }
 
 fn cells(line: &Line) -> [String; 16] {
-    let mut unprocessed = display::count(line.unprocessed, line.unprocessed_estimated);
+    let mut unprocessed = display::count_of(
+        line.unprocessed,
+        line.unprocessed_estimated,
+        line.unprocessed_at_least,
+    );
     if line.unprocessed_growing {
         unprocessed.push('↑');
     }
@@ -92,7 +96,7 @@ fn cells(line: &Line) -> [String; 16] {
         display::percent(line.duplicate_ratio),
         display::count(line.conflicts, false),
         display::rate(line.processed_per_second),
-        display::count(line.rows, line.rows_estimated),
+        display::count_of(line.rows, line.rows_estimated, line.rows_at_least),
         unprocessed,
         display::age(line.oldest_unprocessed_seconds),
         line.queue
@@ -323,7 +327,7 @@ fn render_help(frame: &mut Frame, area: Rect) {
         TextLine::from("?            this help"),
         TextLine::from("q Esc Ctrl-C quit"),
         TextLine::from(""),
-        TextLine::from("~ estimated from PostgreSQL's statistics · ? unknown"),
+        TextLine::from("~ estimated from PostgreSQL's statistics · ≥ at least · ? unknown"),
         TextLine::from("red dup %: above --alert-duplicates · ↑ unprocessed growing"),
         TextLine::from("red errors: the error queue is not empty"),
         TextLine::from(

@@ -14,8 +14,10 @@ pub(crate) fn consumer(
         consumer_type: name.to_owned(),
         rows: Some(1000 + processed),
         rows_estimated: false,
+        rows_at_least: false,
         unprocessed: Some(unprocessed),
         unprocessed_estimated: false,
+        unprocessed_at_least: false,
         oldest_unprocessed_seconds: (unprocessed > 0).then_some(75.0),
         window: Some(Counts {
             processed,

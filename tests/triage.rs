@@ -1654,3 +1654,49 @@ async fn failures_while_a_replay_holds_the_queue_says_so() {
     );
     let _ = replay.close(200, "OK".into()).await;
 }
+
+/// A consumer host whose clock runs two minutes ahead of the operator's: its members' failure times are "after" the
+/// listing by the operator's clock. They were taken for failures since the listing — not replayed, and reported gone
+/// while still in the queue (and new). The members are compared with the newest failure the listing read, on the same
+/// clocks: every member goes back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_failed_on_a_host_whose_clock_runs_ahead_replays_its_members() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    for i in 0..3 {
+        fail(
+            &conn,
+            ERROR_QUEUE,
+            "System.TimeoutException",
+            &format!("timeout after {i} ms"),
+            TimeDelta::minutes(-2) + TimeDelta::seconds(i),
+        )
+        .await;
+    }
+    common::eventually("the messages ready", Duration::from_secs(10), || async {
+        env.queue_counts(ERROR_QUEUE) == (3, 0)
+    })
+    .await;
+    let (listing, report) = failures_listing(&env);
+    let fingerprint = report["groups"][0]["fingerprint"].as_str().unwrap();
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--group",
+        fingerprint,
+        "--listing",
+        listing.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(report["group"]["gone"], serde_json::json!([]), "{report}");
+    assert_eq!(report["group"]["new"], 0, "{report}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0));
+}

@@ -440,11 +440,7 @@ fn group_plan(
             crate::triage::failures::MAX_GROUPS
         )));
     }
-    Ok(replay::GroupPlan {
-        fingerprint: group.cause.fingerprint.clone(),
-        listed: group.message_ids.clone(),
-        listed_at: Some(listing.listed_at),
-    })
+    Ok(replay::GroupPlan::of(&listing, group))
 }
 
 #[cfg(test)]

@@ -74,15 +74,28 @@ pub struct GroupPlan {
     pub fingerprint: String,
     /// The members' message ids, as listed.
     pub listed: Vec<String>,
-    /// When the listing was taken. A copy of a listed id that failed after it is a failure since (the member's
-    /// replayed copy failing again, say), not the member the operator saw: it is left, and counted as new.
-    pub listed_at: Option<DateTime<Utc>>,
+    /// The newest failure among the members, as the listing read it (else when the listing was taken). A copy of a
+    /// listed id that failed after it is a failure since (the member's replayed copy failing again, say), not the
+    /// member the operator saw: it is left, and counted as new.
+    pub failed_until: Option<DateTime<Utc>>,
 }
 
 impl GroupPlan {
-    /// Whether a copy that failed at `failed_at` failed after the listing (a time nothing tells: not after).
+    /// The group `group` of `listing`, to replay. Failure times are the failing host's or the broker's: they are
+    /// compared with the newest of the members' (the same clocks), not with when the listing was taken (this
+    /// machine's) — a consumer host's clock ahead of the operator's made the members of the last minutes "failed
+    /// since": left, and reported gone from the queue.
+    pub fn of(listing: &crate::triage::Listing, group: &crate::triage::Group) -> Self {
+        Self {
+            fingerprint: group.cause.fingerprint.clone(),
+            listed: group.message_ids.clone(),
+            failed_until: Some(group.last_failed_at.unwrap_or(listing.listed_at)),
+        }
+    }
+
+    /// Whether a copy that failed at `failed_at` failed after the members listed (a time nothing tells: not after).
     pub(crate) fn failed_since(&self, failed_at: Option<DateTime<Utc>>) -> bool {
-        matches!((failed_at, self.listed_at), (Some(failed), Some(listed)) if failed > listed)
+        matches!((failed_at, self.failed_until), (Some(failed), Some(until)) if failed > until)
     }
 
     /// The listed ids, each in the one spelling [`canonical_id`] gives.

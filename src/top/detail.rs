@@ -27,7 +27,7 @@ pub enum Request {
 pub struct GroupPlanEq {
     pub fingerprint: String,
     pub listed: Vec<String>,
-    pub listed_at: Option<chrono::DateTime<chrono::Utc>>,
+    pub failed_until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl From<GroupPlanEq> for GroupPlan {
@@ -35,7 +35,17 @@ impl From<GroupPlanEq> for GroupPlan {
         GroupPlan {
             fingerprint: g.fingerprint,
             listed: g.listed,
-            listed_at: g.listed_at,
+            failed_until: g.failed_until,
+        }
+    }
+}
+
+impl From<GroupPlan> for GroupPlanEq {
+    fn from(g: GroupPlan) -> Self {
+        GroupPlanEq {
+            fingerprint: g.fingerprint,
+            listed: g.listed,
+            failed_until: g.failed_until,
         }
     }
 }
@@ -97,17 +107,15 @@ impl DetailState {
         let Some(Ok(detail)) = &self.data else {
             return None;
         };
+        let listing = detail.groups.as_ref().ok()?;
         Some(Pending {
             request: Request::Replay {
                 consumer_type: self.consumer_type.clone(),
                 from: detail.error_queue.clone(),
-                group: GroupPlanEq {
-                    fingerprint: group.cause.fingerprint.clone(),
-                    listed: group.message_ids.clone(),
-                    listed_at: detail.groups.as_ref().ok().map(|l| l.listed_at),
-                },
+                group: GroupPlan::of(listing, group).into(),
             },
-            count: group.count,
+            // Members without a message id cannot be chosen by id, and stay: not counted in what would move.
+            count: u64::try_from(group.message_ids.len()).unwrap_or(u64::MAX),
             fingerprint: group.cause.fingerprint.clone(),
             exception_type: group.cause.exception_type.clone(),
             reason: group.cause.reason.clone(),

@@ -228,7 +228,7 @@ fn the_detail_asks_before_a_replay_and_replays_the_listed_members_of_the_selecte
             group: GroupPlanEq {
                 fingerprint: "bbbb".into(),
                 listed: vec!["m3".into()],
-                listed_at: Some(listed_at()),
+                failed_until: Some(listed_at()),
             },
         })
     );

@@ -305,14 +305,9 @@ async fn a_dumb_terminal_is_refused_with_a_pointer_to_stats() {
     assert_exited_and_terminal_given_back(&tmux, "64");
 }
 
-/// A look at an error queue's head the broker does not answer (a quorum queue without a leader, a broker far away
-/// with many of them): every refresh ran into its limit and was thrown away whole, the database's figures with it,
-/// and looked at the heads again — the dashboard said "waiting for the first figures" for good. The broker's half is
-/// bounded apart now: the figures come, and what RabbitMQ did not answer is said.
+/// The error queue `slow-heads_error` with a message in it, beside rows of the consumer_type `slow-heads`.
 #[cfg(feature = "failpoints")]
-#[tokio::test(flavor = "multi_thread")]
-async fn a_head_the_broker_does_not_answer_leaves_the_figures_shown() {
-    let env = TestEnv::migrated().await;
+async fn a_consumer_type_with_a_dead_letter(env: &TestEnv) {
     let pool = env.pool().await;
     sqlx::query(
         "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
@@ -341,6 +336,38 @@ async fn a_head_the_broker_does_not_answer_leaves_the_figures_shown() {
         b"{}",
     )
     .await;
+}
+
+/// A panic in the dashboard's data collection (inboxctl's bug; here a failpoint): the panic hook gives the terminal
+/// back, and the dashboard used to go on drawing stale figures into a terminal out of raw mode — keys needing Enter,
+/// nothing said — and exit 0. It ends with an error now.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_in_the_data_collection_ends_the_dashboard_with_an_error() {
+    let env = TestEnv::migrated().await;
+    a_consumer_type_with_a_dead_letter(&env).await;
+    let tmux = top_in_tmux_with(
+        &env,
+        220,
+        "INBOXCTL_FAILPOINTS=head-look=panic@slow-heads_error",
+    );
+    assert_exited_and_terminal_given_back(&tmux, "1");
+    let screen = tmux.screen();
+    assert!(
+        screen.contains("the data collection of the dashboard failed"),
+        "{screen}"
+    );
+}
+
+/// A look at an error queue's head the broker does not answer (a quorum queue without a leader, a broker far away
+/// with many of them): every refresh ran into its limit and was thrown away whole, the database's figures with it,
+/// and looked at the heads again — the dashboard said "waiting for the first figures" for good. The broker's half is
+/// bounded apart now: the figures come, and what RabbitMQ did not answer is said.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_head_the_broker_does_not_answer_leaves_the_figures_shown() {
+    let env = TestEnv::migrated().await;
+    a_consumer_type_with_a_dead_letter(&env).await;
     let tmux = top_in_tmux_with(&env, 220, "INBOXCTL_FAILPOINTS=head-look@slow-heads_error");
     let screen = tmux.wait_for("the figures, and what RabbitMQ did not answer", |s| {
         s.contains("slow-heads") && s.contains("did not answer every look")

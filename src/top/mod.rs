@@ -87,12 +87,16 @@ pub async fn run(
 
     // The guard first: `try_init` turns on raw mode before it enters the alternate screen, and a failure after that
     // would leave the terminal raw.
-    let _restore = Restore::guard();
+    let restore = Restore::guard();
     let mut terminal = ratatui::try_init()?;
     let mut app = App::new(options.alert_duplicates);
     app.read_only = options.read_only;
     let mut events = EventStream::new();
     let mut tasks: Vec<tokio::task::JoinHandle<()>> = Vec::new();
+    let mut collector = Some(collector);
+    // A background task panicked: the panic hook gave the terminal back then, and giving it back again would restore
+    // the cursor saved on entering the alternate screen, the error then written over what the panic printed.
+    let mut given_back = false;
     let result = loop {
         if let Err(e) = terminal.draw(|frame| ui::render(&app, frame)) {
             break Err(e.into());
@@ -114,9 +118,21 @@ pub async fn run(
                 None => break Ok(()),
             },
             Some(action) = rx.recv() => app.update(action),
+            // The collector ends only when stopped: ended here, it panicked — and the panic hook has given the
+            // terminal back already, so drawing on would draw into a terminal out of raw mode.
+            ended = async { collector.as_mut()?.await.err() }, if collector.is_some() => {
+                collector = None;
+                if let Some(e) = ended {
+                    given_back = e.is_panic();
+                    break Err(background_failed("the data collection", &e));
+                }
+            }
+        }
+        if let Some(panicked) = finished_badly(&mut tasks) {
+            given_back = panicked.is_panic();
+            break Err(background_failed("an action (a look, a replay)", &panicked));
         }
         if let Some(request) = app.request.take() {
-            tasks.retain(|t| !t.is_finished());
             tasks.push(actions::start(request, &context, &tx));
         }
         if app.quit {
@@ -124,14 +140,47 @@ pub async fn run(
         }
     };
     collector_stop.cancel();
+    // The terminal back at once: what is left to wait for draws nothing.
+    drop(terminal);
+    if given_back {
+        crate::shutdown::before_exit(None);
+        std::mem::forget(restore);
+    } else {
+        drop(restore);
+    }
     // Nobody reads the answers any more: a sender must not wait on a full channel.
     drop(rx);
-    let _ = collector.await;
+    if let Some(collector) = collector {
+        let _ = collector.await;
+    }
     // A replay stopped here gives back what it holds and writes its audit row; a look just ends.
     for task in tasks {
         let _ = tokio::time::timeout(Duration::from_secs(15), task).await;
     }
     result
+}
+
+/// Removes the tasks that have ended; the error of one that panicked (or was cancelled), if one did.
+fn finished_badly(tasks: &mut Vec<tokio::task::JoinHandle<()>>) -> Option<tokio::task::JoinError> {
+    use futures_util::FutureExt as _;
+    let mut panicked = None;
+    tasks.retain_mut(|t| {
+        if !t.is_finished() {
+            return true;
+        }
+        if let Some(Err(e)) = t.now_or_never() {
+            panicked.get_or_insert(e);
+        }
+        false
+    });
+    panicked
+}
+
+/// A background task of the dashboard that ended in a panic (inboxctl's bug): the dashboard ends with it, an error.
+fn background_failed(what: &str, ended: &tokio::task::JoinError) -> crate::error::Error {
+    crate::error::Error::Io(std::io::Error::other(format!(
+        "{what} of the dashboard failed ({ended}): this is inboxctl's bug; the dashboard has stopped"
+    )))
 }
 
 /// How long one refresh may take: twice the interval, and never less than 15 s (a database of hundreds of

@@ -74,28 +74,45 @@ pub struct GroupPlan {
     pub fingerprint: String,
     /// The members' message ids, as listed.
     pub listed: Vec<String>,
-    /// The newest failure among the members, as the listing read it (else when the listing was taken). A copy of a
-    /// listed id that failed after it is a failure since (the member's replayed copy failing again, say), not the
-    /// member the operator saw: it is left, and counted as new.
+    /// When each member failed, as the listing read it (by [`canonical_id`]). A copy of a listed id that failed
+    /// after its member is a failure since (the member's replayed copy failing again, say), not the member the
+    /// operator saw: it is left, and counted as new.
+    pub member_failed_at: std::collections::BTreeMap<String, DateTime<Utc>>,
+    /// For a member whose failure time the listing does not hold: the newest failure among the members (else when the
+    /// listing was taken).
     pub failed_until: Option<DateTime<Utc>>,
 }
 
 impl GroupPlan {
-    /// The group `group` of `listing`, to replay. Failure times are the failing host's or the broker's: they are
-    /// compared with the newest of the members' (the same clocks), not with when the listing was taken (this
+    /// The group `group` of `listing`, to replay. Failure times are the failing host's or the broker's: a copy's is
+    /// compared with its own member's (the same clock wrote both), not with when the listing was taken (this
     /// machine's) — a consumer host's clock ahead of the operator's made the members of the last minutes "failed
-    /// since": left, and reported gone from the queue.
+    /// since": left, and reported gone from the queue — nor with the group's newest (one member's clock ahead would
+    /// make a later failure of another member the member itself).
     pub fn of(listing: &crate::triage::Listing, group: &crate::triage::Group) -> Self {
+        let member_failed_at = if group.failed_at.len() == group.message_ids.len() {
+            group
+                .message_ids
+                .iter()
+                .zip(&group.failed_at)
+                .filter_map(|(id, at)| at.map(|at| (canonical_id(id), at)))
+                .collect()
+        } else {
+            Default::default()
+        };
         Self {
             fingerprint: group.cause.fingerprint.clone(),
             listed: group.message_ids.clone(),
+            member_failed_at,
             failed_until: Some(group.last_failed_at.unwrap_or(listing.listed_at)),
         }
     }
 
-    /// Whether a copy that failed at `failed_at` failed after the members listed (a time nothing tells: not after).
-    pub(crate) fn failed_since(&self, failed_at: Option<DateTime<Utc>>) -> bool {
-        matches!((failed_at, self.failed_until), (Some(failed), Some(until)) if failed > until)
+    /// Whether a copy of `id` that failed at `failed_at` failed after its member was listed (a time nothing tells:
+    /// not after).
+    pub(crate) fn failed_since(&self, id: Option<&str>, failed_at: Option<DateTime<Utc>>) -> bool {
+        let member = id.and_then(|id| self.member_failed_at.get(&canonical_id(id)).copied());
+        matches!((failed_at, member.or(self.failed_until)), (Some(failed), Some(until)) if failed > until)
     }
 
     /// The listed ids, each in the one spelling [`canonical_id`] gives.
@@ -314,7 +331,7 @@ impl Report {
         for item in self
             .items
             .iter()
-            .filter(|i| !group.failed_since(i.failed_at))
+            .filter(|i| !group.failed_since(i.message_id.as_deref(), i.failed_at))
         {
             let Some(id) = item.message_id.as_deref() else {
                 continue;
@@ -344,7 +361,7 @@ impl Report {
             .iter()
             .filter(|i| {
                 i.fingerprint == group.fingerprint
-                    && (group.failed_since(i.failed_at)
+                    && (group.failed_since(i.message_id.as_deref(), i.failed_at)
                         || i.message_id
                             .as_deref()
                             .is_none_or(|id| !listed.contains(&canonical_id(id))))

@@ -27,6 +27,7 @@ pub enum Request {
 pub struct GroupPlanEq {
     pub fingerprint: String,
     pub listed: Vec<String>,
+    pub member_failed_at: std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>>,
     pub failed_until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -35,6 +36,7 @@ impl From<GroupPlanEq> for GroupPlan {
         GroupPlan {
             fingerprint: g.fingerprint,
             listed: g.listed,
+            member_failed_at: g.member_failed_at,
             failed_until: g.failed_until,
         }
     }
@@ -45,6 +47,7 @@ impl From<GroupPlan> for GroupPlanEq {
         GroupPlanEq {
             fingerprint: g.fingerprint,
             listed: g.listed,
+            member_failed_at: g.member_failed_at,
             failed_until: g.failed_until,
         }
     }

@@ -44,6 +44,10 @@ pub struct Group {
     /// Its members' message ids, in queue order (in a listing file; left out of `--json` on stdout).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub message_ids: Vec<String>,
+    /// When each of `message_ids` failed, as its headers say (in a listing file): a later copy of a member is known
+    /// for a failure since by its own member's time, on the clock that wrote both.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed_at: Vec<Option<DateTime<Utc>>>,
     /// Members without a message id: they cannot be chosen by id.
     pub without_id: u64,
 }
@@ -144,6 +148,7 @@ impl Listing {
         let mut short = self.clone();
         for g in &mut short.groups {
             g.message_ids = Vec::new();
+            g.failed_at = Vec::new();
         }
         short
     }
@@ -185,6 +190,7 @@ pub async fn list(
                 last_failed_at: None,
                 origins: Vec::new(),
                 message_ids: Vec::new(),
+                failed_at: Vec::new(),
                 without_id: 0,
             });
             origins.push(BTreeSet::new());
@@ -197,9 +203,12 @@ pub async fn list(
             group.last_failed_at = Some(group.last_failed_at.map_or(at, |t| t.max(at)));
         }
         match delivery.properties.message_id() {
-            Some(id) => group
-                .message_ids
-                .push(limits::truncate(id.as_str(), 255).into_owned()),
+            Some(id) => {
+                group
+                    .message_ids
+                    .push(limits::truncate(id.as_str(), 255).into_owned());
+                group.failed_at.push(failure.failed_at);
+            }
             None => group.without_id += 1,
         }
         if origins[i].len() < MAX_ORIGINS {

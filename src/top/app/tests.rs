@@ -123,6 +123,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
                     last_failed_at: None,
                     origins: Vec::new(),
                     message_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
+                    failed_at: Vec::new(),
                     without_id: 0,
                 })
                 .collect(),
@@ -228,6 +229,7 @@ fn the_detail_asks_before_a_replay_and_replays_the_listed_members_of_the_selecte
             group: GroupPlanEq {
                 fingerprint: "bbbb".into(),
                 listed: vec!["m3".into()],
+                member_failed_at: Default::default(),
                 failed_until: Some(listed_at()),
             },
         })

@@ -381,3 +381,42 @@ async fn a_count_past_its_cap_without_an_estimate_is_a_floor_not_an_estimate() {
     assert!(c.unprocessed_estimated && !c.unprocessed_at_least, "{c:?}");
     assert!(c.unprocessed.is_some_and(|n| n > 500), "{c:?}");
 }
+
+/// The broker's half cut short by its bound (`top`'s): its heads were not all looked at, and the snapshot says so —
+/// it said "looked at", and the dashboard forgot the age of every error queue it had not reached (a red PAST warning
+/// gone blank on one slow refresh).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_half_cut_short_does_not_say_its_heads_were_looked_at() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
+         VALUES (gen_random_uuid(), 'cut-short', now(), now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let conn = env.amqp().await;
+    let range = inboxctl::stats::Range {
+        broker_within: Some(std::time::Duration::from_millis(1)),
+        ..inboxctl::stats::Range::rates(std::time::Duration::from_secs(60))
+    };
+    let snapshot = inboxctl::stats::collect(&pool, Some(&conn), range)
+        .await
+        .unwrap();
+    assert!(snapshot.broker_cut_short, "{snapshot:?}");
+    assert!(!snapshot.heads_looked, "{snapshot:?}");
+    assert_eq!(snapshot.consumers[0].rows, Some(1), "the database's half");
+    // Unbounded, the same looks finish.
+    let range = inboxctl::stats::Range {
+        broker_within: None,
+        ..range
+    };
+    let snapshot = inboxctl::stats::collect(&pool, Some(&conn), range)
+        .await
+        .unwrap();
+    assert!(
+        !snapshot.broker_cut_short && snapshot.heads_looked,
+        "{snapshot:?}"
+    );
+}

@@ -67,8 +67,11 @@ pub(super) struct Missing {
     /// Why some of the broker's figures are missing, if they are.
     pub error: Option<String>,
     /// The heads were looked at, each queue's age known or, where its look was refused, unknown (`None`): false when
-    /// the connection failed before every queue was seen.
+    /// the connection failed before every queue was seen, or the looks were cut short.
     pub heads_looked: bool,
+    /// The looks ran out of `broker_within` before they were done: the heads not looked at keep no new age, and are
+    /// not looked at again at once.
+    pub cut_short: bool,
 }
 
 /// Fills in the queues' depths and the error queues' oldest messages: every depth first, then the heads, so that slow
@@ -77,8 +80,8 @@ pub(super) struct Missing {
 /// others are still looked at: one queue's refusal must not blank the figures of every consumer_type after it, nor
 /// have the refused queue's neighbours looked at again on every refresh as if no look had been made.
 ///
-/// With `range.broker_within`, the whole is bounded: what was not answered by then stays unknown, said in the error,
-/// and the heads count as looked at (a look that takes that long is not tried again at once).
+/// With `range.broker_within`, the whole is bounded: what was not answered by then stays unknown, said in the error
+/// (`cut_short`: the heads not all looked at).
 pub(super) async fn from_broker(
     connection: &Connection,
     consumers: &mut [ConsumerStats],
@@ -87,6 +90,7 @@ pub(super) async fn from_broker(
     let mut found = Found {
         error: None,
         complete: true,
+        cut_short: false,
     };
     let Some(within) = range.broker_within else {
         look(connection, consumers, range, &mut found).await;
@@ -96,6 +100,7 @@ pub(super) async fn from_broker(
         .await
         .is_err()
     {
+        found.cut_short = true;
         found.error = Some(format!(
             "RabbitMQ did not answer every look within {}: the figures it gave are shown",
             humantime::format_duration(within)
@@ -108,13 +113,15 @@ pub(super) async fn from_broker(
 struct Found {
     error: Option<String>,
     complete: bool,
+    cut_short: bool,
 }
 
 impl Found {
     fn missing(self, range: Range) -> Missing {
         Missing {
             error: self.error,
-            heads_looked: range.look_at_heads && self.complete,
+            heads_looked: range.look_at_heads && self.complete && !self.cut_short,
+            cut_short: self.cut_short,
         }
     }
 }
@@ -196,12 +203,20 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
     // The check of a 0 is bounded apart (a leaderless queue may leave the take unanswered): `top`'s refresh
     // would otherwise end at its own limit with no figures at all. A role without read on the queue (a
     // monitoring role) cannot check it: its 0 stands as counted, as before the check.
-    let counted_zero = q.ready == Some(0);
+    let counted = q.ready;
+    let counted_zero = counted == Some(0);
+    // Unknown until checked: a look cut short (`broker_within`) leaves no 0 it did not check.
+    if counted_zero {
+        q.ready = None;
+    }
     // A look the broker answers late (a test holds it here).
     crate::failpoint::hit_with("head-look", &q.name).await;
     let looked = if counted_zero {
         match tokio::time::timeout(ZERO_CHECK, oldest_failure(connection, &q.name)).await {
-            Ok(Err(Error::Broker(e))) if e.is_access_refused() => return true,
+            Ok(Err(Error::Broker(e))) if e.is_access_refused() => {
+                q.ready = counted;
+                return true;
+            }
             Ok(looked) => looked,
             Err(_) => Err(Error::Topology(format!(
                 "a take from it, to check its count of 0, was not answered within {}s",
@@ -214,16 +229,13 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
     match looked {
         Ok((depth, age)) => {
             c.oldest_dead_letter_seconds = age;
-            if let Some(depth) = depth {
-                q.ready = Some(u32::try_from(depth).unwrap_or(u32::MAX));
-            }
+            q.ready = depth
+                .map(|depth| u32::try_from(depth).unwrap_or(u32::MAX))
+                .or(counted);
         }
         Err(e) => {
+            // A count of 0 it could not check says nothing (left unknown above); another count stands.
             c.oldest_dead_letter_seconds = None;
-            // A count of 0 it could not check says nothing.
-            if q.ready == Some(0) {
-                q.ready = None;
-            }
             found.error.get_or_insert_with(|| {
                 format!(
                     "the oldest message of {} could not be looked at: {}",

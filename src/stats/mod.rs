@@ -181,6 +181,8 @@ pub struct Snapshot {
     pub retention: Duration,
     /// Whether the error queues' heads were looked at for this snapshot (see [`Range::look_at_heads`]).
     pub heads_looked: bool,
+    /// The broker's half ran out of [`Range::broker_within`]: the heads were not all looked at.
+    pub broker_cut_short: bool,
     /// Why the broker figures are missing, when they are.
     pub broker_error: Option<String>,
 }
@@ -249,6 +251,7 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         None => broker::Missing {
             error: Some(UNREACHABLE.to_owned()),
             heads_looked: false,
+            cut_short: false,
         },
     };
 
@@ -258,6 +261,7 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         bucket: range.bucket,
         retention: range.retention,
         heads_looked: missing.heads_looked,
+        broker_cut_short: missing.cut_short,
         consumers,
         broker_error: missing.error,
     })

@@ -76,6 +76,12 @@ pub async fn run(
         retention: options.retention,
         shutdown: collector_stop.clone(),
     };
+    // The guard first: `try_init` turns on raw mode before it enters the alternate screen, and a failure after that
+    // would leave the terminal raw.
+    let restore = Restore::guard();
+    let mut terminal = ratatui::try_init()?;
+    // Started once the panic hook that gives the terminal back is in place (`try_init` installs it): a panic of the
+    // collector is taken below for one the hook has answered.
     let collector = tokio::spawn(collect(
         pool,
         broker,
@@ -84,11 +90,6 @@ pub async fn run(
         tx.clone(),
         collector_stop.clone(),
     ));
-
-    // The guard first: `try_init` turns on raw mode before it enters the alternate screen, and a failure after that
-    // would leave the terminal raw.
-    let restore = Restore::guard();
-    let mut terminal = ratatui::try_init()?;
     let mut app = App::new(options.alert_duplicates);
     app.read_only = options.read_only;
     let mut events = EventStream::new();
@@ -304,7 +305,8 @@ async fn collect(
                 if let Some(why) = unreachable.as_deref().filter(|_| connection.is_none()) {
                     snapshot.broker_error = Some(stats::unreachable(why));
                 }
-                if snapshot.heads_looked {
+                // Looks cut short are not tried again at once either: they would be cut short again.
+                if snapshot.heads_looked || snapshot.broker_cut_short {
                     heads_looked_at = Some(tokio::time::Instant::now());
                 }
                 Action::Data(Box::new(snapshot))

@@ -52,6 +52,7 @@ pub(crate) fn snapshot(consumers: Vec<ConsumerStats>) -> Box<Snapshot> {
         consumers,
         retention: Duration::from_secs(4000),
         heads_looked: true,
+        broker_cut_short: false,
         broker_error: None,
     })
 }

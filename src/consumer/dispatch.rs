@@ -394,6 +394,9 @@ pub(super) async fn attempts<C: Consumer>(
     let id = ready.incoming.message_id;
     let mut attempt = first;
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
+    // Whether the database holds a count alone of this start now: counted as an attempt alone begins, taken back as it
+    // returns; one the database did not take back stays, and is not counted again.
+    let mut counted_alone = false;
     loop {
         let result = {
             // A suspect is counted alone for as long as it holds the lock alone, each attempt, and only then.
@@ -405,7 +408,9 @@ pub(super) async fn attempts<C: Consumer>(
                     let guard = Guard::Alone {
                         _held: shared.alone.write().await,
                     };
-                    poison::starting_alone(shared, id).await;
+                    if !counted_alone {
+                        counted_alone = poison::starting_alone(shared, id).await;
+                    }
                     guard
                 }
             };
@@ -421,8 +426,8 @@ pub(super) async fn attempts<C: Consumer>(
                 }
             };
             let result = AssertUnwindSafe(work).catch_unwind().await;
-            if matches!(access, Access::Alone) {
-                poison::returned_alone(shared, id).await;
+            if counted_alone && poison::returned_alone(shared, id).await {
+                counted_alone = false;
             }
             result
         };

@@ -87,7 +87,8 @@ pub(super) async fn redelivered<C: Consumer>(
 }
 
 /// A suspect's attempt starts alone: counted before the work, so that it stays counted if the work ends the process.
-pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+/// Whether the database took the count.
+pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) -> bool {
     if let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
         *alone = true;
     }
@@ -97,26 +98,31 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
         id
     ))
     .await;
+    let counted = kept.is_ok();
+    if !counted && let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
+        *alone = false;
+    }
     redelivery_count(id, kept);
+    counted
 }
 
 /// A suspect's attempt alone returned, whatever its outcome: its count alone is taken back while it still holds the
 /// lock, so that only an end of the process *during* an attempt alone is charged to it — not one while it waits for
 /// its retry, another suspect's attempt alone (the poison's) running then. Should the database not take it back, the
-/// count stands (and a stop that abandons the start takes it back then).
-pub(super) async fn returned_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) {
+/// count stands (and a stop that abandons the start takes it back then). Whether the database took it back.
+pub(super) async fn returned_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) -> bool {
     let kept = bounded!(shared, |conn| attempts::returned_alone(
         conn,
         shared.inbox.consumer_type(),
         id
     ))
     .await;
-    if kept.is_ok()
-        && let Some(alone) = lock(&shared.starts.0).get_mut(&id)
-    {
+    let taken_back = kept.is_ok();
+    if taken_back && let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
         *alone = false;
     }
     redelivery_count(id, kept);
+    taken_back
 }
 
 /// A clean stop abandoned the work still in flight: the starts it had counted are taken back (within a bound of

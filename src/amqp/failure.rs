@@ -184,10 +184,11 @@ fn origin_of_address(input_address: String, vhost: &str) -> Origin {
         Err(why) => Origin::Ambiguous {
             // Unparsed, so as long as the header was: cut as any text kept for a report, and a password a producer
             // wrote into it masked.
-            address: crate::redact::url(&super::limits::truncate(
-                &input_address,
+            address: super::limits::truncate(
+                &crate::redact::url(&input_address),
                 super::limits::MAX_LOGGED_TEXT,
-            )),
+            )
+            .into_owned(),
             why: why.to_string(),
         },
     }

@@ -418,6 +418,37 @@ async fn a_suspect_killed_while_it_waits_for_its_retry_is_not_counted_alone() {
     );
 }
 
+/// Two copies of one message in flight in one process (one on a link lost meanwhile, its redelivery on the next),
+/// both abandoned by a clean stop: each start is taken back. The process kept its starts by message id, the second
+/// copy's overwriting the first's, and the statement joined the id once: one start was left counted, as a crash.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_starts_of_one_message_abandoned_by_a_stop_are_both_taken_back() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let id = Uuid::now_v7();
+    sqlx::query(
+        "INSERT INTO inboxctl_attempts (consumer_type, message_id, started, alone) VALUES ($1, $2, 3, 1)",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let consumer_type = inboxctl::inbox::ConsumerType::new(CARRIER_QUEUE).unwrap();
+    inboxctl::db::attempts::abandoned(&pool, &consumer_type, &[(id, false), (id, true)])
+        .await
+        .unwrap();
+    let counts: (i32, i32) = sqlx::query_as(
+        "SELECT started, alone FROM inboxctl_attempts WHERE consumer_type = $1 AND message_id = $2",
+    )
+    .bind(CARRIER_QUEUE)
+    .bind(id)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(counts, (1, 0), "both starts taken back, and the one alone");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_moving_a_failed_message_aside_gives_it_back_and_the_consumer_goes_idle() {
     panic_moving_aside(common::ONE_BY_ONE).await;

@@ -376,8 +376,8 @@ pub(super) async fn as_one_statement<C: Consumer>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Access {
     Shared,
-    /// A suspect's: nothing else may be in flight in this process while it runs.
-    Alone,
+    /// A suspect's (its start): nothing else may be in flight in this process while it runs.
+    Alone(poison::Start),
 }
 
 /// Processes one message in transactions of its own, from attempt `first` on: retries what fails, waits out outages.
@@ -404,12 +404,12 @@ pub(super) async fn attempts<C: Consumer>(
                 Access::Shared => Guard::Shared {
                     _held: shared.alone.read().await,
                 },
-                Access::Alone => {
+                Access::Alone(start) => {
                     let guard = Guard::Alone {
                         _held: shared.alone.write().await,
                     };
                     if !counted_alone {
-                        counted_alone = poison::starting_alone(shared, id).await;
+                        counted_alone = poison::starting_alone(shared, id, start).await;
                     }
                     guard
                 }
@@ -426,7 +426,10 @@ pub(super) async fn attempts<C: Consumer>(
                 }
             };
             let result = AssertUnwindSafe(work).catch_unwind().await;
-            if counted_alone && poison::returned_alone(shared, id).await {
+            if let Access::Alone(start) = access
+                && counted_alone
+                && poison::returned_alone(shared, id, start).await
+            {
                 counted_alone = false;
             }
             result

@@ -21,10 +21,48 @@ use super::move_aside::error_queue;
 use super::{Consumer, STOP_BOOKKEEPING, Shared, lock};
 use crate::db::attempts;
 
-/// The redelivered messages of this process whose start is counted and has not reached an outcome, and whether the
-/// start was also counted as made alone: what a clean stop that abandons them takes back.
+/// The starts of redelivered messages in this process that are counted and have not reached an outcome, each with
+/// whether it is also counted as made alone: what a clean stop that abandons them takes back. By start, not by id:
+/// two copies of one message may be in flight at once (one on a link lost meanwhile, its redelivery on the next).
 #[derive(Debug, Default)]
-pub(super) struct Starts(std::sync::Mutex<HashMap<Uuid, bool>>);
+pub(super) struct Starts {
+    next: std::sync::atomic::AtomicU64,
+    by_start: std::sync::Mutex<HashMap<u64, (Uuid, bool)>>,
+}
+
+/// One start among [`Starts`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Start(u64);
+
+impl Starts {
+    fn begin(&self, id: Uuid) -> Start {
+        let start = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.by_start).insert(start, (id, false));
+        Start(start)
+    }
+
+    fn set_alone(&self, start: Start, alone: bool) {
+        if let Some(entry) = lock(&self.by_start).get_mut(&start.0) {
+            entry.1 = alone;
+        }
+    }
+
+    fn alone(&self, start: Start) -> bool {
+        lock(&self.by_start)
+            .get(&start.0)
+            .is_some_and(|(_, alone)| *alone)
+    }
+
+    fn end(&self, start: Start) {
+        lock(&self.by_start).remove(&start.0);
+    }
+
+    fn take(&self) -> Vec<(Uuid, bool)> {
+        std::mem::take(&mut *lock(&self.by_start))
+            .into_values()
+            .collect()
+    }
+}
 
 /// Handles a redelivered message: counts its start, moves it aside if it is the poison, tries it alone if it is a
 /// suspect.
@@ -36,7 +74,7 @@ pub(super) async fn redelivered<C: Consumer>(
 ) -> Disposition {
     let id = ready.incoming.message_id;
     // Registered before the count, so that a stop can never miss a start it counted.
-    lock(&shared.starts.0).insert(id, false);
+    let start = shared.starts.begin(id);
     let counted = redelivered_start(shared, id).await;
     let starts = counted.or_else(|| broker_count(delivery));
     let is_poison = matches!(starts, Some((_, alone)) if alone >= shared.options.poison_after);
@@ -48,7 +86,7 @@ pub(super) async fn redelivered<C: Consumer>(
             }
             // In flight at an earlier end (with others, perhaps): a suspect, tried alone.
             Some((started, _)) if started >= 2 => {
-                attempts(shared, link, delivery, ready, 1, Access::Alone).await
+                attempts(shared, link, delivery, ready, 1, Access::Alone(start)).await
             }
             _ => attempts(shared, link, delivery, ready, 1, Access::Shared).await,
         }
@@ -61,7 +99,7 @@ pub(super) async fn redelivered<C: Consumer>(
     // clean stop takes back the starts it abandons, and the counts before it stand.
     let decided = AssertUnwindSafe(decided).catch_unwind().await;
     // Left among the starts until the books are kept: a stop that abandons this task meanwhile takes it back.
-    let alone = lock(&shared.starts.0).get(&id).copied().unwrap_or(false);
+    let alone = shared.starts.alone(start);
     if counted.is_some() {
         let consumer_type = shared.inbox.consumer_type();
         let kept = match &decided {
@@ -82,16 +120,18 @@ pub(super) async fn redelivered<C: Consumer>(
         };
         redelivery_count(id, kept);
     }
-    lock(&shared.starts.0).remove(&id);
+    shared.starts.end(start);
     decided.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// A suspect's attempt starts alone: counted before the work, so that it stays counted if the work ends the process.
 /// Whether the database took the count.
-pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) -> bool {
-    if let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
-        *alone = true;
-    }
+pub(super) async fn starting_alone<C: Consumer>(
+    shared: &Shared<C>,
+    id: Uuid,
+    start: Start,
+) -> bool {
+    shared.starts.set_alone(start, true);
     let kept = bounded!(shared, |conn| attempts::started_alone(
         conn,
         shared.inbox.consumer_type(),
@@ -99,8 +139,8 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) ->
     ))
     .await;
     let counted = kept.is_ok();
-    if !counted && let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
-        *alone = false;
+    if !counted {
+        shared.starts.set_alone(start, false);
     }
     redelivery_count(id, kept);
     counted
@@ -110,7 +150,11 @@ pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) ->
 /// lock, so that only an end of the process *during* an attempt alone is charged to it — not one while it waits for
 /// its retry, another suspect's attempt alone (the poison's) running then. Should the database not take it back, the
 /// count stands (and a stop that abandons the start takes it back then). Whether the database took it back.
-pub(super) async fn returned_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) -> bool {
+pub(super) async fn returned_alone<C: Consumer>(
+    shared: &Shared<C>,
+    id: Uuid,
+    start: Start,
+) -> bool {
     let kept = bounded!(shared, |conn| attempts::returned_alone(
         conn,
         shared.inbox.consumer_type(),
@@ -118,8 +162,8 @@ pub(super) async fn returned_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) ->
     ))
     .await;
     let taken_back = kept.is_ok();
-    if taken_back && let Some(alone) = lock(&shared.starts.0).get_mut(&id) {
-        *alone = false;
+    if taken_back {
+        shared.starts.set_alone(start, false);
     }
     redelivery_count(id, kept);
     taken_back
@@ -128,9 +172,7 @@ pub(super) async fn returned_alone<C: Consumer>(shared: &Shared<C>, id: Uuid) ->
 /// A clean stop abandoned the work still in flight: the starts it had counted are taken back (within a bound of
 /// time: a database that does not answer costs poison detection a count, never the stop its promptness).
 pub(super) async fn abandoned<C: Consumer>(shared: &Shared<C>) {
-    let starts: Vec<(Uuid, bool)> = std::mem::take(&mut *lock(&shared.starts.0))
-        .into_iter()
-        .collect();
+    let starts = shared.starts.take();
     if starts.is_empty() {
         return;
     }

@@ -26,11 +26,13 @@ RETURNING started, alone";
 UPDATE inboxctl_attempts SET alone = greatest(alone - 1, 0) WHERE consumer_type = $1 AND message_id = $2";
 
     /// Starts abandoned by a clean stop (not ended by a crash) taken back. `$1` consumer_type, `$2` message ids, `$3`
-    /// for each, 1 if the start was also counted as made alone.
+    /// for each, 1 if the start was also counted as made alone. An id may come more than once (two copies of one
+    /// message in flight): each start is taken back (an update joins a row once, so they are summed first).
     const REDELIVERED_ABANDONED = "\
 UPDATE inboxctl_attempts a
-SET started = greatest(a.started - 1, 0), alone = greatest(a.alone - s.alone, 0)
-FROM unnest($2::uuid[], $3::int[]) AS s(message_id, alone)
+SET started = greatest(a.started - s.starts, 0), alone = greatest(a.alone - s.alone, 0)
+FROM (SELECT message_id, count(*)::int AS starts, sum(alone)::int AS alone
+      FROM unnest($2::uuid[], $3::int[]) AS u(message_id, alone) GROUP BY message_id) s
 WHERE a.consumer_type = $1 AND a.message_id = s.message_id";
 
     /// A redelivered message came through an attempt alive: its count goes. `$1` consumer_type, `$2` message id.

@@ -394,8 +394,8 @@ pub(super) async fn attempts<C: Consumer>(
     let id = ready.incoming.message_id;
     let mut attempt = first;
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
-    // Whether the database holds a count alone of this start now: counted as an attempt alone begins, taken back as it
-    // returns; one the database did not take back stays, and is not counted again.
+    // Whether the database may hold a count alone of this start now: counted as an attempt alone begins, taken back as
+    // it returns; one the database did not take back stays, and is not counted again.
     let mut counted_alone = false;
     loop {
         let result = {
@@ -409,7 +409,8 @@ pub(super) async fn attempts<C: Consumer>(
                         _held: shared.alone.write().await,
                     };
                     if !counted_alone {
-                        counted_alone = poison::starting_alone(shared, id, start).await;
+                        poison::starting_alone(shared, id, start).await;
+                        counted_alone = true;
                     }
                     guard
                 }

@@ -125,12 +125,9 @@ pub(super) async fn redelivered<C: Consumer>(
 }
 
 /// A suspect's attempt starts alone: counted before the work, so that it stays counted if the work ends the process.
-/// Whether the database took the count.
-pub(super) async fn starting_alone<C: Consumer>(
-    shared: &Shared<C>,
-    id: Uuid,
-    start: Start,
-) -> bool {
+/// A count that failed may still have been made (a statement timed out, its answer lost): it is taken back as one
+/// that was (the take-back never goes below 0).
+pub(super) async fn starting_alone<C: Consumer>(shared: &Shared<C>, id: Uuid, start: Start) {
     shared.starts.set_alone(start, true);
     let kept = bounded!(shared, |conn| attempts::started_alone(
         conn,
@@ -138,12 +135,7 @@ pub(super) async fn starting_alone<C: Consumer>(
         id
     ))
     .await;
-    let counted = kept.is_ok();
-    if !counted {
-        shared.starts.set_alone(start, false);
-    }
     redelivery_count(id, kept);
-    counted
 }
 
 /// A suspect's attempt alone returned, whatever its outcome: its count alone is taken back while it still holds the

@@ -90,16 +90,18 @@ impl GroupPlan {
     /// since": left, and reported gone from the queue — nor with the group's newest (one member's clock ahead would
     /// make a later failure of another member the member itself).
     pub fn of(listing: &crate::triage::Listing, group: &crate::triage::Group) -> Self {
-        let member_failed_at = if group.failed_at.len() == group.message_ids.len() {
-            group
-                .message_ids
-                .iter()
-                .zip(&group.failed_at)
-                .filter_map(|(id, at)| at.map(|at| (canonical_id(id), at)))
-                .collect()
-        } else {
-            Default::default()
-        };
+        // Of two listed copies of one id, the later failure: both are members.
+        let mut member_failed_at = std::collections::BTreeMap::new();
+        if group.failed_at.len() == group.message_ids.len() {
+            for (id, at) in group.message_ids.iter().zip(&group.failed_at) {
+                if let Some(at) = *at {
+                    member_failed_at
+                        .entry(canonical_id(id))
+                        .and_modify(|t: &mut DateTime<Utc>| *t = (*t).max(at))
+                        .or_insert(at);
+                }
+            }
+        }
         Self {
             fingerprint: group.cause.fingerprint.clone(),
             listed: group.message_ids.clone(),

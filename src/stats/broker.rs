@@ -226,6 +226,7 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
     } else {
         oldest_failure(connection, &q.name).await
     };
+    c.head_looked = true;
     match looked {
         Ok((depth, age)) => {
             c.oldest_dead_letter_seconds = age;

@@ -107,6 +107,9 @@ pub struct ConsumerStats {
     pub error_queue: Option<QueueDepth>,
     /// The oldest message of the error queue (its head, looked at and given back): how long ago it failed.
     pub oldest_dead_letter_seconds: Option<f64>,
+    /// Its error queue's head was looked at for this snapshot (whatever the look found): its age is this snapshot's,
+    /// even when the broker's half was cut short before other heads.
+    pub head_looked: bool,
     /// Its calls outside the database not done (`inboxctl_effects`); `None` where that table is absent or unreadable.
     pub effects: Option<EffectCounts>,
 }
@@ -398,6 +401,7 @@ async fn consumer_stats(
             exists: false,
         }),
         oldest_dead_letter_seconds: None,
+        head_looked: false,
         effects: None,
     })
 }

@@ -472,7 +472,7 @@ impl App {
             self.heads.remove(&c.consumer_type);
             return None;
         }
-        if snapshot.heads_looked {
+        if snapshot.heads_looked || c.head_looked {
             match c.oldest_dead_letter_seconds {
                 Some(age) => {
                     self.heads

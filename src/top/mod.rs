@@ -306,7 +306,7 @@ async fn collect(
                     snapshot.broker_error = Some(stats::unreachable(why));
                 }
                 // Looks cut short are not tried again at once either: they would be cut short again.
-                if snapshot.heads_looked || snapshot.broker_cut_short {
+                if snapshot.heads_looked || (look && snapshot.broker_cut_short) {
                     heads_looked_at = Some(tokio::time::Instant::now());
                 }
                 Action::Data(Box::new(snapshot))

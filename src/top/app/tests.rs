@@ -40,6 +40,7 @@ pub(crate) fn consumer(
             exists: errors > 0,
         }),
         oldest_dead_letter_seconds: (errors > 0).then_some(3600.0),
+        head_looked: false,
         effects: None,
     }
 }
@@ -435,6 +436,40 @@ fn between_two_looks_the_oldest_error_ages_and_an_empty_queue_forgets_it() {
     empty.heads_looked = false;
     app.update(Action::Data(empty));
     assert_eq!(app.lines[0].oldest_error_seconds, None);
+}
+
+/// A broker half cut short (its heads not all looked at): the age of a head it did look at is this snapshot's; the
+/// others keep what was known, aged. Without a look's own mark, a broker slow on every round showed no new age at all.
+#[test]
+fn a_cut_short_look_takes_the_ages_it_found_and_keeps_the_others() {
+    let mut app = App::new(0.05);
+    app.update(Action::Data(snapshot(vec![
+        consumer("billing", 1, 0, 0, 2),
+        consumer("orders", 1, 0, 0, 2),
+    ])));
+    let mut cut = snapshot(vec![
+        consumer("billing", 1, 0, 0, 2),
+        consumer("orders", 1, 0, 0, 2),
+    ]);
+    cut.heads_looked = false;
+    cut.broker_cut_short = true;
+    cut.taken_at += chrono::TimeDelta::seconds(10);
+    for c in &mut cut.consumers {
+        c.oldest_dead_letter_seconds = None;
+    }
+    // billing's head looked at, and younger now (its oldest replayed meanwhile); orders' not reached.
+    cut.consumers[0].head_looked = true;
+    cut.consumers[0].oldest_dead_letter_seconds = Some(60.0);
+    app.update(Action::Data(cut));
+    let age = |name: &str| {
+        app.lines
+            .iter()
+            .find(|l| l.consumer_type == name)
+            .and_then(|l| l.oldest_error_seconds)
+    };
+    assert_eq!(age("billing"), Some(60.0));
+    let orders = age("orders").unwrap();
+    assert!((3609.0..3611.0).contains(&orders), "{orders}");
 }
 
 #[test]

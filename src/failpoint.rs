@@ -8,7 +8,7 @@
 //! - `panic-once`: panic at the point the first time it is reached, pass it after;
 //! - `abort`: abort the process at the point;
 //! - `sleep-once-<ms>`: print the line, then sleep that long, the first time only (a test can break a connection
-//!   meanwhile).
+//!   meanwhile); armed for two labels, once at each.
 //!
 //! With `@label`, the point fires only where the caller passes that label (e.g. a parcel's destination).
 
@@ -83,10 +83,12 @@ mod armed {
         };
         let mut stderr = std::io::stderr();
         static FIRED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+        // Once per entry: a point armed twice, for two labels, fires once at each.
+        let entry = format!("{name}@{}", point.label.as_deref().unwrap_or_default());
         let first = || {
             let mut fired = FIRED.lock().unwrap_or_else(|p| p.into_inner());
-            !fired.iter().any(|n| n == name) && {
-                fired.push(name.to_owned());
+            !fired.contains(&entry) && {
+                fired.push(entry.clone());
                 true
             }
         };

@@ -870,6 +870,63 @@ async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection
     );
 }
 
+/// An acknowledgement sent just before the connection was cut may have been lost: the next pass looks for its copy.
+/// Here it had arrived, so the copy never comes back, and the replay went on taking — and holding out of sight —
+/// every message the dead-letter queue received until it found the queue empty: with failures arriving faster than
+/// it takes messages, it never ended. It looks among the messages there when the pass began, and no further.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there_when_the_pass_began()
+ {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["owed-a", "owed.dlq"], FieldTable::default()).await;
+    let address = "rabbitmq://localhost/owed-a";
+    dead_letters(&conn, "owed.dlq", 3, address).await;
+
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "owed.dlq", "--json"],
+        // Held before the third message, the second's acknowledgement sent and not yet known to have arrived; then,
+        // after the reconnect, once the snapshot is done.
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "replay-before-get=sleep-once-8000@2,replay-before-get=sleep-once-6000@3",
+        )],
+    );
+    replay.wait_for_stderr(
+        "failpoint replay-before-get reached",
+        Duration::from_secs(30),
+    );
+    // Two failures before the cut, there when the next pass begins.
+    dead_letters(&conn, "owed.dlq", 2, address).await;
+    common::close_connection(&env.vhost, "inboxctl replay");
+    replay.wait_for_stderr_times(
+        "failpoint replay-before-get reached",
+        2,
+        Duration::from_secs(40),
+    );
+    // Five after the pass began.
+    dead_letters(&conn, "owed.dlq", 5, address).await;
+    let code = replay.wait(Duration::from_secs(30));
+    assert!(
+        code.is_some(),
+        "the replay did not end: {}",
+        replay.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(replay.stdout().trim()).unwrap();
+    assert_eq!(report["reconnects"], 1, "{report}");
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(env.queue_counts("owed-a"), (3, 0), "{report}");
+
+    let left = peek(&conn, "owed.dlq").await;
+    let taken: Vec<bool> = left.iter().map(|d| d.redelivered).collect();
+    assert_eq!(
+        taken,
+        [true, true, false, false, false, false, false],
+        "taken by the replay, in the queue's order"
+    );
+}
+
 /// A copy the broker nacks — its origin declared with `x-max-length=1` and `x-overflow=reject-publish`, and full —
 /// leaves the message in the dead-letter queue, reported. Also the guard that the dead-letter copy is acknowledged only
 /// after the confirm was awaited: acknowledged before, both messages would be gone.

@@ -105,6 +105,11 @@ pub struct Machine {
     /// Acknowledgements not known to have arrived when the last connection was lost, until the next connection goes
     /// on past what that loss gave back (or finds the queue empty): then each was made again or had arrived.
     unsettled_at_loss: u64,
+    /// How many messages the queue held when this pass began (unknown: `None`): a copy whose acknowledgement may have
+    /// been lost was given back before then, so it is among them.
+    pass_depth: Option<u64>,
+    /// Messages taken in this pass.
+    taken_in_pass: u64,
 }
 
 impl Machine {
@@ -125,6 +130,8 @@ impl Machine {
             unsettled: Vec::new(),
             pending: None,
             unsettled_at_loss: 0,
+            pass_depth: None,
+            taken_in_pass: 0,
         }
     }
 
@@ -134,14 +141,35 @@ impl Machine {
             *self.left_before.entry(content).or_default() += n;
         }
         self.stepped_over.clear();
+        self.pass_depth = None;
+        self.taken_in_pass = 0;
     }
 
-    /// Whether the loop should take another message: the snapshot is not done, or an acknowledgement is owed.
+    /// The dead-letter queue holds `depth` messages before this pass takes any, the lost connection's given back.
+    pub fn queue_holds(&mut self, depth: u64) {
+        self.pass_depth = Some(depth);
+    }
+
+    /// Whether an acknowledgement may have been lost with a connection and its copy not met again yet: then the pass
+    /// wants to know how many messages the queue holds as it begins ([`Machine::queue_holds`]).
+    pub fn owes(&self) -> bool {
+        self.owed.values().any(|&n| n > 0)
+    }
+
+    /// Whether the loop should take another message: the snapshot is not done, or an acknowledgement is owed and its
+    /// copy may still be ahead. That copy was given back before this pass began, so it is among the messages the queue
+    /// held then: past them, the acknowledgement arrived after all. Without that bound, messages failing meanwhile
+    /// (faster than a `--rate` takes them) would keep the replay taking — and holding out of sight — for ever.
     pub fn wants_more(&self) -> bool {
-        self.decided < self.snapshot || self.owed.values().any(|&n| n > 0)
+        self.decided < self.snapshot
+            || (self.owes()
+                && self
+                    .pass_depth
+                    .is_none_or(|depth| self.taken_in_pass < depth))
     }
 
     pub fn delivered(&mut self, seen: &Seen) -> Step {
+        self.taken_in_pass += 1;
         if seen.from_this_run {
             return Step::Hold;
         }

@@ -216,7 +216,16 @@ impl State<'_> {
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
         self.machine.pass_started();
-        self.mark(connection, shutdown).await?;
+        let marked = self.mark(connection, shutdown).await?;
+        if marked && self.machine.owes() {
+            // The lost connection is closed (its marker gone with it): what it held is back, and counted.
+            let depth = topology::queue_depth(connection, &self.plan.from);
+            if let Ok(Ok(Some((ready, _)))) =
+                answered("a look at the queue", self.plan.broker_timeout, depth).await
+            {
+                self.machine.queue_holds(u64::from(ready));
+            }
+        }
         let mut channels = Channels::open(connection, self.plan.broker_timeout).await?;
         if let Err(e) = self.take(&mut channels, shutdown, progress).await {
             // A stop (a refusal): what was held goes back now, before the caller takes the marker down, so that no
@@ -240,10 +249,12 @@ impl State<'_> {
     /// start. After a lost connection, the broker may not yet have closed the old one, whose marker then still
     /// stands, and which still holds what the replay had taken: the replay takes nothing until the broker has closed
     /// it (the marker and those messages go together) and it has marked the queue again.
-    async fn mark(&self, connection: &Connection, shutdown: &CancellationToken) -> Result<()> {
+    ///
+    /// Returns whether this connection's marker stands.
+    async fn mark(&self, connection: &Connection, shutdown: &CancellationToken) -> Result<bool> {
         let first_pass = self.report.reconnects == 0 && self.report.items.is_empty();
         match self.marked(connection).await? {
-            topology::Marker::Set => return Ok(()),
+            topology::Marker::Set => return Ok(true),
             topology::Marker::Refused => {
                 // Refusing to replay would break every role granted before the marker existed: said, and gone on.
                 if first_pass {
@@ -254,7 +265,7 @@ impl State<'_> {
                          inbox rows their replay needs"
                     );
                 }
-                return Ok(());
+                return Ok(false);
             }
             topology::Marker::Held => {}
         }
@@ -268,11 +279,12 @@ impl State<'_> {
             while tokio::time::Instant::now() < deadline {
                 if shutdown.is_cancelled() {
                     // A stop asked for: nothing is taken ([`State::take`] looks first), and the report says so.
-                    return Ok(());
+                    return Ok(false);
                 }
                 tokio::time::sleep(Duration::from_millis(250)).await;
-                if self.marked(connection).await? != topology::Marker::Held {
-                    return Ok(());
+                match self.marked(connection).await? {
+                    topology::Marker::Held => {}
+                    marker => return Ok(marker == topology::Marker::Set),
                 }
             }
             return Err(Error::Topology(format!(

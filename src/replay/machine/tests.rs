@@ -193,6 +193,9 @@ impl World {
     /// One pass over one connection; `false` when the connection was cut.
     fn pass(&mut self) -> bool {
         self.machine.pass_started();
+        if self.machine.owes() {
+            self.machine.queue_holds(self.dlq.len() as u64);
+        }
         while self.machine.wants_more() {
             self.maybe_arrive();
             if self.maybe_cut() {
@@ -584,4 +587,45 @@ fn only_the_acknowledgements_in_flight_at_the_last_loss_are_in_doubt() {
     assert_eq!(m.delivered(&again), Step::AckAgain);
     m.connection_lost();
     assert_eq!(m.acks_in_doubt(), 1, "one acknowledgement, not one a loss");
+}
+
+/// An acknowledgement that in fact arrived before the loss is owed all the same, and its copy never comes back: the
+/// next pass looks no further than the messages the queue held as it began, however many fail meanwhile (a
+/// `--rate` slower than the failures would otherwise never end, holding every new failure out of sight).
+#[test]
+fn an_owed_acknowledgement_is_looked_for_only_among_the_messages_there_when_the_pass_began() {
+    let seen = |content, redelivered| Seen {
+        content,
+        key: Key::Body {
+            body: content,
+            origin: Some("q".to_owned()),
+        },
+        redelivered,
+        from_this_run: false,
+        chosen: true,
+        obstacle: None,
+    };
+    let mut m = Machine::new(2, None);
+    m.pass_started();
+    assert_eq!(m.delivered(&seen(1, false)), Step::Publish);
+    assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
+    m.connection_lost();
+    assert!(m.owes());
+    m.pass_started();
+    // The second message of the snapshot and three that failed since the replay began.
+    m.queue_holds(4);
+    assert_eq!(m.delivered(&seen(2, false)), Step::Publish);
+    assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
+    for fresh in 3..6 {
+        assert!(
+            m.wants_more(),
+            "message {fresh} was there when the pass began"
+        );
+        assert_eq!(m.delivered(&seen(fresh, false)), Step::Hold);
+    }
+    assert!(
+        !m.wants_more(),
+        "past the messages there when the pass began, the owed copy cannot come"
+    );
+    assert_eq!((m.replayed(), m.decided()), (2, 2));
 }

@@ -39,6 +39,20 @@ async fn fail_as(
     age: TimeDelta,
 ) -> String {
     let (props, body, _) = common::parcel_message(id, "Berlin");
+    fail_message(conn, queue, props, &body, exception, reason, age).await;
+    id.to_string()
+}
+
+/// A message of the properties and body given, failed as [`fail`] fails one.
+async fn fail_message(
+    conn: &Connection,
+    queue: &str,
+    props: lapin::BasicProperties,
+    body: &[u8],
+    exception: &str,
+    reason: &str,
+    age: TimeDelta,
+) {
     let mut headers = FieldTable::default();
     headers.insert("MT-Reason".into(), long("fault"));
     headers.insert("MT-Fault-ExceptionType".into(), long(exception));
@@ -49,8 +63,7 @@ async fn fail_as(
     );
     let when = inboxctl::amqp::envelope::format_time(Utc::now() - age);
     headers.insert("MT-Fault-Timestamp".into(), long(&when));
-    common::publish(conn, "", queue, props.with_headers(headers), &body).await;
-    id.to_string()
+    common::publish(conn, "", queue, props.with_headers(headers), body).await;
 }
 
 /// The message ids of a queue in its order, looked at and given back.
@@ -1709,4 +1722,87 @@ async fn a_group_failed_on_a_host_whose_clock_runs_ahead_replays_its_members() {
     assert_eq!(report["group"]["gone"], serde_json::json!([]), "{report}");
     assert_eq!(report["group"]["new"], 0, "{report}");
     assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0));
+}
+
+/// Messages published without the AMQP message id, failed: the consumer keyed each on its envelope's id, which `find`
+/// shows. `failures` lists them under those ids — they were counted among the messages without one — and `replay`
+/// chooses them by them, with `--message-id` and with `--group`: before, the first was reported unmatched and the
+/// group's members left where they were.
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_messages_known_by_their_envelopes_ids_alone_are_listed_and_replayed_by_them() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    let bare = lapin::BasicProperties::default()
+        .with_content_type(inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE.into())
+        .with_delivery_mode(2);
+    let ids = [Uuid::new_v4(), Uuid::new_v4()];
+    for id in ids {
+        let (_, body, _) = common::parcel_message(id, "Berlin");
+        let exception = "System.TimeoutException";
+        let age = TimeDelta::minutes(1);
+        fail_message(
+            &conn,
+            ERROR_QUEUE,
+            bare.clone(),
+            &body,
+            exception,
+            "timeout",
+            age,
+        )
+        .await;
+    }
+    common::eventually("the messages ready", Duration::from_secs(10), || async {
+        env.queue_counts(ERROR_QUEUE) == (2, 0)
+    })
+    .await;
+
+    let (listing, report) = failures_listing(&env);
+    let group = &report["groups"][0];
+    assert_eq!(group["without_id"], 0, "{report}");
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&listing).unwrap()).unwrap();
+    let listed: Vec<&str> = written["groups"][0]["message_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|id| id.as_str().unwrap())
+        .collect();
+    assert_eq!(listed, [ids[0].to_string(), ids[1].to_string()], "{report}");
+
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--message-id",
+        &ids[0].to_string(),
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let replayed = json(&out);
+    assert_eq!(replayed["replayed"], 1, "{replayed}");
+    assert_eq!(
+        replayed["items"][0]["message_id"],
+        ids[0].to_string(),
+        "{replayed}"
+    );
+
+    let fingerprint = group["fingerprint"].as_str().unwrap();
+    let out = env.run(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--group",
+        fingerprint,
+        "--listing",
+        listing.to_str().unwrap(),
+        "--json",
+    ]);
+    let replayed = json(&out);
+    assert_eq!(replayed["replayed"], 1, "{replayed}");
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0), "{replayed}");
+    assert_eq!(env.queue_counts(CARRIER_QUEUE), (2, 0), "{replayed}");
 }

@@ -188,6 +188,20 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
     }
 }
 
+/// The id a consumer keys a dead-lettered message on, for the tools that name and choose such messages (`replay`,
+/// `failures`), as `find` and the consumer read it: its envelope's where the body is one (a producer or a shovel may
+/// leave the AMQP property unset, or set another), else the AMQP message id as given — one that is not a UUID
+/// included, so that the message can still be named.
+pub fn keyed_id(properties: &BasicProperties, body: &[u8]) -> Option<String> {
+    match parse(properties, body) {
+        Ok(incoming) => Some(incoming.message_id.to_string()),
+        Err(_) => properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str().to_owned()),
+    }
+}
+
 fn parse_id(id: &str) -> Result<Uuid, Unreadable> {
     match Uuid::parse_str(id.trim()) {
         Ok(id) if id.is_nil() => Err(Unreadable::NilMessageId),

@@ -70,11 +70,7 @@ impl State<'_> {
     pub(super) fn read(&self, delivery: &Delivery) -> Read {
         let plan = self.plan;
         let headers = delivery.properties.headers().as_ref();
-        let message_id = delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|s| s.as_str().to_owned());
+        let message_id = crate::amqp::envelope::keyed_id(&delivery.properties, &delivery.data);
         let failure = failure(headers, &plan.from, &self.vhost);
         let (origin, origin_obstacle, mut obstacle_error) = self.destination(&failure.origin);
         let uncopyable = uncopyable(&delivery.properties, &self.user).or_else(|| {

@@ -202,11 +202,11 @@ pub async fn list(
             group.first_failed_at = Some(group.first_failed_at.map_or(at, |t| t.min(at)));
             group.last_failed_at = Some(group.last_failed_at.map_or(at, |t| t.max(at)));
         }
-        match delivery.properties.message_id() {
+        match crate::amqp::envelope::keyed_id(&delivery.properties, &delivery.data) {
             Some(id) => {
                 group
                     .message_ids
-                    .push(limits::truncate(id.as_str(), 255).into_owned());
+                    .push(limits::truncate(&id, 255).into_owned());
                 group.failed_at.push(failure.failed_at);
             }
             None => group.without_id += 1,

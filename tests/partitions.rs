@@ -338,6 +338,74 @@ async fn stats_sums_the_partitions_and_a_replay_goes_back_to_the_messages_partit
     );
 }
 
+/// A switch from one queue to partitions and back. The queue of the consumer without partitions goes on taking a
+/// copy of every message, and what it held before the partitions were bound is there alone, where no partitioned
+/// consumer reads it: the partitioned consumer says so at its start, with the count. Back without partitions, the
+/// consumer says the same of the partition queues. Nothing is refused: a switch runs both for a while.
+#[tokio::test]
+async fn a_switch_between_one_queue_and_partitions_says_what_the_other_still_holds() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    let queue = "switched-carrier";
+    inboxctl::amqp::topology::ensure_endpoint(
+        &conn,
+        EVENT_EXCHANGE,
+        queue,
+        inboxctl::amqp::topology::QueueType::Classic,
+    )
+    .await
+    .unwrap();
+    let report = common::publish_parcels(&env, &["--count", "3"]);
+    assert_eq!(report["published"], 3);
+
+    let consume = |partitions: bool| {
+        let mut args = vec![
+            "consume",
+            "carrier",
+            "--queue",
+            queue,
+            "--exit-when-idle",
+            "1s",
+        ];
+        if partitions {
+            args.extend(["--partitions", "2", "--partition-key", "parcelId"]);
+        }
+        env.run(&args)
+    };
+    let out = consume(true);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("the queue of this consumer without partitions exists")
+            && out.stderr.contains("ready=3"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        env.queue_counts(queue),
+        (3, 0),
+        "still there, for a consumer without partitions"
+    );
+
+    let out = consume(false);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("an earlier run spread this queue over partition queues"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(env.queue_counts(queue), (0, 0));
+    let pool = env.pool().await;
+    let processed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE consumer_type = $1")
+            .bind(queue)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(processed, 3);
+}
+
 #[tokio::test]
 async fn a_partition_left_over_from_more_partitions_or_a_plain_queue_in_the_way_is_refused() {
     let env = TestEnv::migrated().await;

@@ -207,12 +207,31 @@ pub async fn ensure_event_exchange(conn: &Connection, exchange: &str) -> Result<
 
 /// Makes sure a receive endpoint exists and is fed by the event exchange: exchange and queue named `queue`, the queue
 /// bound to its exchange, the endpoint exchange bound to the event exchange.
+///
+/// An earlier run that spread `queue` over partition queues ([`ensure_partitioned_endpoint`]) left their exchange
+/// bound to the event exchange, taking a copy of every message for queues this endpoint's consumers never read:
+/// said, not refused (a switch from partitions to one queue runs both for a while; docs/scaling.md).
 pub async fn ensure_endpoint(
     conn: &Connection,
     event_exchange: &str,
     queue: &str,
     queue_type: QueueType,
 ) -> Result<()> {
+    let partitioned = partition_exchange(queue);
+    if exchange_exists(conn, &partitioned).await? {
+        let first = partition_queue(queue, 0);
+        let waiting = queue_depth(conn, &first).await?;
+        tracing::warn!(
+            exchange = %crate::sanitize::text(&partitioned),
+            first_partition = %crate::sanitize::text(&first),
+            first_partition_ready = waiting.map(|(ready, _)| ready),
+            first_partition_consumers = waiting.map(|(_, consumers)| consumers),
+            "an earlier run spread this queue over partition queues, and their exchange still takes a copy of every \
+             message for them, which a consumer without --partitions never reads: once no partitioned consumer runs, \
+             take what they hold (consume with the earlier --partitions and --exit-when-idle), then delete them and \
+             the exchange (docs/scaling.md, switching)"
+        );
+    }
     ensure_exchange(conn, event_exchange).await?;
     ensure_exchange(conn, queue).await?;
     ensure_queue(conn, queue, queue_type).await?;
@@ -274,6 +293,10 @@ pub async fn ensure_dead_letter_queue(
 /// without a single active consumer would give up the order it is there for, and the broker refuses the declare
 /// (said, with what to do). A queue `<queue>.<n>` that exists means an earlier run had more partitions: the exchange
 /// still routes a share of the messages to it, where nobody reads them, so the consumer refuses to start.
+///
+/// The plain endpoint's queue `queue` (an earlier run without partitions, or another service reading it) goes on
+/// taking a copy of every message, which no partitioned consumer reads, and what it held before the partitions were
+/// bound is in it alone: said, with what to do, not refused (a switch runs both for a while; docs/scaling.md).
 pub async fn ensure_partitioned_endpoint(
     conn: &Connection,
     event_exchange: &str,
@@ -281,6 +304,17 @@ pub async fn ensure_partitioned_endpoint(
     partitions: u16,
     queue_type: QueueType,
 ) -> Result<()> {
+    if let Some((ready, consumers)) = queue_depth(conn, queue).await? {
+        tracing::warn!(
+            queue = %crate::sanitize::text(queue),
+            ready,
+            consumers,
+            "the queue of this consumer without partitions exists: it still takes a copy of every message, which no \
+             partitioned consumer reads, and what it held before the partitions were bound is there alone; once its \
+             own consumers have stopped, take what it holds (consume without --partitions, --exit-when-idle), then \
+             delete it (docs/scaling.md, switching)"
+        );
+    }
     ensure_exchange(conn, event_exchange).await?;
     let beyond = partition_queue(queue, partitions);
     if queue_depth(conn, &beyond).await?.is_some() {
@@ -421,8 +455,8 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<Option<(u32, 
     }
 }
 
-/// Declares a fanout, durable exchange without arguments, as MassTransit does — unless one of that name exists.
-async fn ensure_exchange(conn: &Connection, name: &str) -> Result<()> {
+/// Whether an exchange of that name exists (of any kind).
+async fn exchange_exists(conn: &Connection, name: &str) -> Result<bool> {
     // A failed passive declare closes its channel, so each check gets a channel of its own.
     let probe = conn.create_channel().await?;
     let passive = ExchangeDeclareOptions {
@@ -440,10 +474,17 @@ async fn ensure_exchange(conn: &Connection, name: &str) -> Result<()> {
     {
         Ok(()) => {
             let _ = probe.close(200, "OK".into()).await;
-            return Ok(());
+            Ok(true)
         }
-        Err(e) if is_not_found(&e) => {}
-        Err(e) => return Err(e.into()),
+        Err(e) if is_not_found(&e) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Declares a fanout, durable exchange without arguments, as MassTransit does — unless one of that name exists.
+async fn ensure_exchange(conn: &Connection, name: &str) -> Result<()> {
+    if exchange_exists(conn, name).await? {
+        return Ok(());
     }
     let channel = conn.create_channel().await?;
     channel

@@ -873,7 +873,8 @@ async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection
 /// An acknowledgement sent just before the connection was cut may have been lost: the next pass looks for its copy.
 /// Here it had arrived, so the copy never comes back, and the replay went on taking — and holding out of sight —
 /// every message the dead-letter queue received until it found the queue empty: with failures arriving faster than
-/// it takes messages, it never ended. It looks among the messages there when the pass began, and no further.
+/// it takes messages, it never ended. It looks among the messages there when the pass began (and those given back
+/// after it counted them, none here), and no further.
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread")]
 async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there_when_the_pass_began()
@@ -890,7 +891,7 @@ async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there
         // after the reconnect, once the snapshot is done.
         &[(
             "INBOXCTL_FAILPOINTS",
-            "replay-before-get=sleep-once-8000@2,replay-before-get=sleep-once-6000@3",
+            "replay-before-get=sleep-once-15000@2,replay-before-get=sleep-once-4000@3",
         )],
     );
     replay.wait_for_stderr(
@@ -905,7 +906,7 @@ async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there
         2,
         Duration::from_secs(40),
     );
-    // Five after the pass began.
+    // Five after the pass counted the queue.
     dead_letters(&conn, "owed.dlq", 5, address).await;
     let code = replay.wait(Duration::from_secs(30));
     assert!(
@@ -923,7 +924,7 @@ async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there
     assert_eq!(
         taken,
         [true, true, false, false, false, false, false],
-        "taken by the replay, in the queue's order"
+        "taken by the replay, in the queue's order: the two there when the pass began"
     );
 }
 

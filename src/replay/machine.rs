@@ -106,10 +106,13 @@ pub struct Machine {
     /// on past what that loss gave back (or finds the queue empty): then each was made again or had arrived.
     unsettled_at_loss: u64,
     /// How many messages the queue held when this pass began (unknown: `None`): a copy whose acknowledgement may have
-    /// been lost was given back before then, so it is among them.
+    /// been lost was given back before then, so it is among them — or, given back late, ahead of what failed since.
     pass_depth: Option<u64>,
     /// Messages taken in this pass.
     taken_in_pass: u64,
+    /// How many messages this pass took before the first one never delivered before, once it took one: what the
+    /// connection gave back late is among them.
+    before_fresh: Option<u64>,
 }
 
 impl Machine {
@@ -132,6 +135,7 @@ impl Machine {
             unsettled_at_loss: 0,
             pass_depth: None,
             taken_in_pass: 0,
+            before_fresh: None,
         }
     }
 
@@ -143,6 +147,7 @@ impl Machine {
         self.stepped_over.clear();
         self.pass_depth = None;
         self.taken_in_pass = 0;
+        self.before_fresh = None;
     }
 
     /// The dead-letter queue holds `depth` messages before this pass takes any, the lost connection's given back.
@@ -157,19 +162,25 @@ impl Machine {
     }
 
     /// Whether the loop should take another message: the snapshot is not done, or an acknowledgement is owed and its
-    /// copy may still be ahead. That copy was given back before this pass began, so it is among the messages the queue
-    /// held then: past them, the acknowledgement arrived after all. Without that bound, messages failing meanwhile
-    /// (faster than a `--rate` takes them) would keep the replay taking — and holding out of sight — for ever.
+    /// copy may still be ahead. That copy was given back by the lost connection: it is among the messages the queue
+    /// held as this pass began, or — given back after the queue was counted — ahead of every message never delivered
+    /// before (a classic queue puts a message given back where it was, a quorum queue delivers those first), so among
+    /// the messages the pass took before the first such one. Past both, the acknowledgement arrived after all.
+    /// Without that bound, messages failing meanwhile (faster than the replay takes them) would keep it taking — and
+    /// holding out of sight — for ever.
     pub fn wants_more(&self) -> bool {
-        self.decided < self.snapshot
-            || (self.owes()
-                && self
-                    .pass_depth
-                    .is_none_or(|depth| self.taken_in_pass < depth))
+        let looked_far_enough = self.pass_depth.is_some_and(|depth| {
+            self.before_fresh
+                .is_some_and(|late| self.taken_in_pass >= depth.saturating_add(late))
+        });
+        self.decided < self.snapshot || (self.owes() && !looked_far_enough)
     }
 
     pub fn delivered(&mut self, seen: &Seen) -> Step {
         self.taken_in_pass += 1;
+        if !seen.redelivered && self.before_fresh.is_none() {
+            self.before_fresh = Some(self.taken_in_pass - 1);
+        }
         if seen.from_this_run {
             return Step::Hold;
         }

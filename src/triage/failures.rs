@@ -26,8 +26,11 @@ pub const OTHER_CAUSES: &str = "other";
 /// The longest example reason kept per group.
 const MAX_EXAMPLE: usize = 300;
 
-/// The format of a listing file, so that a later inboxctl can tell an older one.
-pub const LISTING_FORMAT: u32 = 1;
+/// The format of a listing file, so that a later inboxctl can tell an older one. Format 1 named each member by its
+/// AMQP message id; format 2 by the id its consumer keyed it on ([`crate::amqp::envelope::keyed_id`]), which differs
+/// where the property is unset or another than the envelope's: read as format 2, a format 1 listing would leave such
+/// a member, and report it gone while it is still in the queue.
+pub const LISTING_FORMAT: u32 = 2;
 
 /// One cause, and the messages that failed of it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -115,7 +118,8 @@ impl Listing {
         })?;
         if listing.format != LISTING_FORMAT {
             return Err(Error::Usage(format!(
-                "{} is a listing of format {}; this inboxctl reads format {LISTING_FORMAT}",
+                "{} is a listing of format {}; this inboxctl reads format {LISTING_FORMAT} (it names members by the \
+                 ids their consumers keyed them on): list the queue again with `failures --output`",
                 path.display(),
                 listing.format
             )));
@@ -277,5 +281,21 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         assert!(refused.contains("not hex"), "{refused}");
         assert!(!refused.contains('\u{1b}'), "{refused}");
+    }
+
+    /// A listing of an older inboxctl named its members by their AMQP message ids: read as today's, a member whose
+    /// consumer keyed it on its envelope's id would be left and reported gone. Refused, saying to list again.
+    #[test]
+    fn a_listing_that_names_members_by_their_amqp_ids_is_refused() {
+        let path =
+            std::env::temp_dir().join(format!("inboxctl-listing-{}.json", uuid::Uuid::new_v4()));
+        let older = serde_json::json!({
+            "format": 1, "queue": "q_error", "vhost": "/", "listed_at": "2026-12-05T00:00:00Z",
+            "depth": 0, "looked": 0, "groups": []
+        });
+        std::fs::write(&path, older.to_string()).unwrap();
+        let refused = Listing::read(&path).expect_err("refused").to_string();
+        let _ = std::fs::remove_file(&path);
+        assert!(refused.contains("list the queue again"), "{refused}");
     }
 }

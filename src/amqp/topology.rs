@@ -218,9 +218,11 @@ pub async fn ensure_endpoint(
     queue_type: QueueType,
 ) -> Result<()> {
     let partitioned = partition_exchange(queue);
-    if exchange_exists(conn, &partitioned).await? {
+    // Looked at once a process (each reconnect opens the endpoint again), and only to say so: a look that fails
+    // holds nothing up.
+    if first_look(&partitioned) && matches!(exchange_exists(conn, &partitioned).await, Ok(true)) {
         let first = partition_queue(queue, 0);
-        let waiting = queue_depth(conn, &first).await?;
+        let waiting = queue_depth(conn, &first).await.ok().flatten();
         tracing::warn!(
             exchange = %crate::sanitize::text(&partitioned),
             first_partition = %crate::sanitize::text(&first),
@@ -304,7 +306,10 @@ pub async fn ensure_partitioned_endpoint(
     partitions: u16,
     queue_type: QueueType,
 ) -> Result<()> {
-    if let Some((ready, consumers)) = queue_depth(conn, queue).await? {
+    // Looked at once a process (each partition's link, each reconnect opens the endpoint again), and only to say so.
+    if first_look(queue)
+        && let Ok(Some((ready, consumers))) = queue_depth(conn, queue).await
+    {
         tracing::warn!(
             queue = %crate::sanitize::text(queue),
             ready,
@@ -452,6 +457,16 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<Option<(u32, 
         }
         Err(e) if super::is_absent_queue(&e) => Ok(None),
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether this process has not looked at `name` for a switch between one queue and partitions yet.
+fn first_look(name: &str) -> bool {
+    static LOOKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut looked = LOOKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    !looked.iter().any(|n| n == name) && {
+        looked.push(name.to_owned());
+        true
     }
 }
 

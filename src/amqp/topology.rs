@@ -463,7 +463,9 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<Option<(u32, 
 /// Whether this process has not looked at `name` for a switch between one queue and partitions yet.
 fn first_look(name: &str) -> bool {
     static LOOKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
-    let mut looked = LOOKED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut looked = LOOKED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     !looked.iter().any(|n| n == name) && {
         looked.push(name.to_owned());
         true

@@ -653,7 +653,10 @@ fn an_owed_acknowledgement_is_looked_for_only_among_the_messages_there_when_the_
     assert_eq!(m.delivered(&seen(2, false)), Step::Publish);
     assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
     for fresh in 3..6 {
-        assert!(m.wants_more(), "message {fresh} was there when the pass began");
+        assert!(
+            m.wants_more(),
+            "message {fresh} was there when the pass began"
+        );
         assert_eq!(m.delivered(&seen(fresh, false)), Step::Hold);
     }
     assert!(

@@ -304,6 +304,11 @@ fn check_routing_key<C: Consumer>(
     incoming: &Incoming,
     key: &str,
 ) {
+    // Through the default exchange, by the queue's name: a replay putting a copy back where it failed, not a publisher
+    // of the event (said once a queue, a replay's copies would leave a publisher that does not set the key unsaid).
+    if delivery.exchange.as_str().is_empty() {
+        return;
+    }
     let value = envelope::field_text(&incoming.payload, key);
     if value.as_deref() == Some(delivery.routing_key.as_str())
         || shared.routing_key_warned.swap(true, Ordering::Relaxed)

@@ -105,14 +105,15 @@ pub struct Machine {
     /// Acknowledgements not known to have arrived when the last connection was lost, until the next connection goes
     /// on past what that loss gave back (or finds the queue empty): then each was made again or had arrived.
     unsettled_at_loss: u64,
-    /// How many messages the queue held when this pass began (unknown: `None`): a copy whose acknowledgement may have
-    /// been lost was given back before then, so it is among them — or, given back late, ahead of what failed since.
+    /// How many messages the queue held when this pass began (unknown: `None`).
     pass_depth: Option<u64>,
     /// Messages taken in this pass.
     taken_in_pass: u64,
-    /// How many messages this pass took before the first one never delivered before, once it took one: what the
-    /// connection gave back late is among them.
-    before_fresh: Option<u64>,
+    /// Acknowledgements of this pass known to have arrived: those messages are gone for good.
+    settled_in_pass: u64,
+    /// Messages the lost connections held (taken, and not known acknowledged): what they gave back, or may give back
+    /// late.
+    given_back: u64,
 }
 
 impl Machine {
@@ -135,7 +136,8 @@ impl Machine {
             unsettled_at_loss: 0,
             pass_depth: None,
             taken_in_pass: 0,
-            before_fresh: None,
+            settled_in_pass: 0,
+            given_back: 0,
         }
     }
 
@@ -147,7 +149,7 @@ impl Machine {
         self.stepped_over.clear();
         self.pass_depth = None;
         self.taken_in_pass = 0;
-        self.before_fresh = None;
+        self.settled_in_pass = 0;
     }
 
     /// The dead-letter queue holds `depth` messages before this pass takes any, the lost connection's given back.
@@ -162,25 +164,24 @@ impl Machine {
     }
 
     /// Whether the loop should take another message: the snapshot is not done, or an acknowledgement is owed and its
-    /// copy may still be ahead. That copy was given back by the lost connection: it is among the messages the queue
-    /// held as this pass began, or — given back after the queue was counted — ahead of every message never delivered
-    /// before (a classic queue puts a message given back where it was, a quorum queue delivers those first), so among
-    /// the messages the pass took before the first such one. Past both, the acknowledgement arrived after all.
-    /// Without that bound, messages failing meanwhile (faster than the replay takes them) would keep it taking — and
-    /// holding out of sight — for ever.
+    /// copy may still be ahead. That copy was given back by a lost connection: it is among the messages the queue
+    /// held as this pass counted it, or — given back after the count, the broker's closing of that connection running
+    /// behind — it lands at the head of the queue, one of the messages those connections held. So the pass looks at
+    /// as many messages as it counted and the lost connections held, and no further: the acknowledgement arrived
+    /// after all. Without that bound, messages failing meanwhile (or looked at by another client, which marks them
+    /// redelivered) would keep the replay taking — and holding out of sight — for as long as they came faster than
+    /// it takes them. (The snapshot is counted by number, not by message: a copy given back only after the pass's first
+    /// gets, behind a message that failed since, lets that one be taken for it — reported, and the copy left unreported
+    /// in the queue. A wider window than this bound's; not closed.)
     pub fn wants_more(&self) -> bool {
-        let looked_far_enough = self.pass_depth.is_some_and(|depth| {
-            self.before_fresh
-                .is_some_and(|late| self.taken_in_pass >= depth.saturating_add(late))
-        });
+        let looked_far_enough = self
+            .pass_depth
+            .is_some_and(|depth| self.taken_in_pass >= depth.saturating_add(self.given_back));
         self.decided < self.snapshot || (self.owes() && !looked_far_enough)
     }
 
     pub fn delivered(&mut self, seen: &Seen) -> Step {
         self.taken_in_pass += 1;
-        if !seen.redelivered && self.before_fresh.is_none() {
-            self.before_fresh = Some(self.taken_in_pass - 1);
-        }
         if seen.from_this_run {
             return Step::Hold;
         }
@@ -252,6 +253,7 @@ impl Machine {
 
     /// A request on the channel the acknowledgements went on was answered after them: they arrived.
     pub fn settled(&mut self) {
+        self.settled_in_pass += self.unsettled.len() as u64;
         for (_, again) in self.unsettled.drain(..) {
             if again {
                 self.already_replayed += 1;
@@ -267,6 +269,7 @@ impl Machine {
         }
         // Added to what an earlier loss left in doubt, if no connection has got past it since.
         self.unsettled_at_loss += self.unsettled.len() as u64;
+        self.given_back += self.taken_in_pass.saturating_sub(self.settled_in_pass);
         for (content, _) in self.unsettled.drain(..) {
             *self.owed.entry(content).or_default() += 1;
         }

@@ -153,15 +153,21 @@ impl World {
         }
     }
 
-    /// The copies given back late arrive: where they were in a classic queue, else anywhere ahead of the first copy
-    /// never delivered (a quorum queue's returns go out before its other messages).
-    fn late_arrive(&mut self) {
+    /// The copies given back late arrive, ahead of every message that arrived after the pass counted the queue
+    /// (`counted`): where they were in a classic queue, else anywhere among the counted ones still there.
+    fn late_arrive(&mut self, counted: &HashSet<u64>) {
         for copy in std::mem::take(&mut self.late) {
+            let counted_end = self
+                .dlq
+                .iter()
+                .rposition(|c| counted.contains(&c.seq))
+                .map_or(0, |i| i + 1);
             let at = if self.ordered {
-                self.dlq.partition_point(|c| c.seq < copy.seq)
+                self.dlq
+                    .partition_point(|c| c.seq < copy.seq)
+                    .min(counted_end)
             } else {
-                let fresh = self.dlq.iter().position(|c| !c.redelivered);
-                self.choices.pick(fresh.unwrap_or(self.dlq.len()) + 1)
+                self.choices.pick(counted_end + 1)
             };
             self.dlq.insert(at, copy);
         }
@@ -222,7 +228,11 @@ impl World {
         if self.machine.owes() {
             self.machine.queue_holds(self.dlq.len() as u64);
         }
-        self.late_arrive();
+        // The copies a lost connection gives back late land after the count, before the first get. (Landing later,
+        // behind messages that failed since, they would let one of those be taken for one of the snapshot's: the
+        // snapshot is counted by number. Not modelled: see the note on `Machine::wants_more`.)
+        let counted: HashSet<u64> = self.dlq.iter().map(|c| c.seq).collect();
+        self.late_arrive(&counted);
         while self.machine.wants_more() {
             self.maybe_arrive();
             if self.maybe_cut() {
@@ -264,6 +274,10 @@ impl World {
                 }
                 Step::Ack => panic!("an acknowledgement asked for without a republish"),
             }
+        }
+        // What a lost connection gave back late lands after the pass stopped looking, if not before.
+        for copy in std::mem::take(&mut self.late) {
+            self.insert_somewhere(copy);
         }
         // Everything held given back; the channel's close answered.
         if self.maybe_cut() {
@@ -642,14 +656,6 @@ fn an_owed_acknowledgement_is_looked_for_only_among_the_messages_there_when_the_
     m.pass_started();
     // The second message of the snapshot and three that failed since the replay began.
     m.queue_holds(4);
-    // Given back after the count (the broker's closing of the lost connection running behind), first: a copy this
-    // run republished that failed again, which the last pass held.
-    let again = Seen {
-        from_this_run: true,
-        ..seen(9, true)
-    };
-    assert_eq!(m.delivered(&again), Step::Hold);
-    assert!(m.wants_more());
     assert_eq!(m.delivered(&seen(2, false)), Step::Publish);
     assert_eq!(m.outcome(Outcome::Confirmed), Step::Ack);
     for fresh in 3..6 {
@@ -659,9 +665,13 @@ fn an_owed_acknowledgement_is_looked_for_only_among_the_messages_there_when_the_
         );
         assert_eq!(m.delivered(&seen(fresh, false)), Step::Hold);
     }
+    // The lost connection held one message (the first, its acknowledgement in doubt): given back after the count,
+    // it would land next, so one more is looked at.
+    assert!(m.wants_more());
+    assert_eq!(m.delivered(&seen(6, false)), Step::Hold);
     assert!(
         !m.wants_more(),
-        "past the messages there when the pass began and those given back late, the owed copy cannot come"
+        "past the messages there when the pass began and those the lost connection held, the owed copy cannot come"
     );
     assert_eq!((m.replayed(), m.decided()), (2, 2));
 }

@@ -220,7 +220,9 @@ pub async fn ensure_endpoint(
     let partitioned = partition_exchange(queue);
     // Looked at once a process (each reconnect opens the endpoint again), and only to say so: a look that fails
     // holds nothing up.
-    if first_look(&partitioned) && matches!(exchange_exists(conn, &partitioned).await, Ok(true)) {
+    if first_look(&partitioned)
+        && looked_now(&partitioned, exchange_exists(conn, &partitioned).await)
+    {
         let first = partition_queue(queue, 0);
         let waiting = queue_depth(conn, &first).await.ok().flatten();
         tracing::warn!(
@@ -308,7 +310,7 @@ pub async fn ensure_partitioned_endpoint(
 ) -> Result<()> {
     // Looked at once a process (each partition's link, each reconnect opens the endpoint again), and only to say so.
     if first_look(queue)
-        && let Ok(Some((ready, consumers))) = queue_depth(conn, queue).await
+        && let Some((ready, consumers)) = looked_now(queue, queue_depth(conn, queue).await)
     {
         tracing::warn!(
             queue = %crate::sanitize::text(queue),
@@ -460,9 +462,12 @@ pub async fn queue_depth(conn: &Connection, queue: &str) -> Result<Option<(u32, 
     }
 }
 
-/// Whether this process has not looked at `name` for a switch between one queue and partitions yet.
+/// The names this process looks or looked at for a switch between one queue and partitions.
+static LOOKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Whether this process should look at `name` for a switch: the first time only (each partition's link, each
+/// reconnect opens the endpoint again, several at once: said once).
 fn first_look(name: &str) -> bool {
-    static LOOKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut looked = LOOKED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -470,6 +475,19 @@ fn first_look(name: &str) -> bool {
         looked.push(name.to_owned());
         true
     }
+}
+
+/// The answer of a look at `name` for a switch. A look that failed holds nothing up — it only feeds a warning — and
+/// is made again at the next opening of the endpoint.
+fn looked_now<T: Default>(name: &str, answer: Result<T>) -> T {
+    answer.unwrap_or_else(|e| {
+        tracing::debug!(error = %e, "a look for a switch between one queue and partitions failed");
+        LOOKED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .retain(|n| n != name);
+        T::default()
+    })
 }
 
 /// Whether an exchange of that name exists (of any kind).

@@ -104,7 +104,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
         error_queue: format!("{name}_error"),
         failures: Vec::new(),
         groups: Ok(crate::triage::Listing {
-            format: 1,
+            format: crate::triage::failures::LISTING_FORMAT,
             queue: format!("{name}_error"),
             vhost: "/".to_owned(),
             listed_at: listed_at(),

@@ -129,7 +129,7 @@ pub(super) async fn dispose<C: Consumer>(
 /// and the delivery given back after a pause, so that it cannot come round in a tight loop.
 pub(super) fn handling_panicked(delivery: &Delivery, panic: &str) -> Disposition {
     tracing::error!(
-        message_id = ?property_id(delivery),
+        message_id = ?property_id(&delivery.properties),
         panic = %logged(panic),
         "handling a message panicked; it goes back to the queue"
     );
@@ -250,7 +250,7 @@ pub(super) async fn prepare<C: Consumer>(
     let incoming = match envelope::parse(&delivery.properties, &delivery.data) {
         Ok(incoming) => incoming,
         Err(unreadable) => {
-            let id = property_id(delivery);
+            let id = property_id(&delivery.properties);
             tracing::warn!(
                 message_id = id.map(|i| i.to_string()).unwrap_or_default(),
                 reason = %logged(&unreadable.to_string()),

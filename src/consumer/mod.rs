@@ -49,7 +49,6 @@ pub use self::guard::WorkGuard;
 pub use self::run::run;
 pub use self::start::{consume, consume_guarded};
 
-use lapin::message::Delivery;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::postgres::PgConnection;
@@ -386,12 +385,13 @@ impl<C: Consumer> Shared<C> {
     }
 }
 
-fn property_id(delivery: &Delivery) -> Option<Uuid> {
-    delivery
-        .properties
+/// A message's AMQP message id, read as the envelope's reader reads it (surrounding blanks ignored): what an
+/// unreadable message is recorded and logged under.
+fn property_id(properties: &lapin::BasicProperties) -> Option<Uuid> {
+    properties
         .message_id()
         .as_ref()
-        .and_then(|id| Uuid::parse_str(id.as_str()).ok())
+        .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
 }
 
 /// Text from a message or an error about it, for a log field: bounded and with control characters escaped.
@@ -446,6 +446,20 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_id_property_with_blanks_around_it_is_the_id_the_envelope_reader_reads() {
+        let id = Uuid::new_v4();
+        let properties =
+            lapin::BasicProperties::default().with_message_id(format!(" {id}\n").into());
+        assert_eq!(property_id(&properties), Some(id));
+        assert_eq!(
+            crate::amqp::envelope::parse(&properties, b"{}")
+                .ok()
+                .map(|m| m.message_id),
+            Some(id)
+        );
+    }
 
     #[test]
     fn retry_delays_double_up_to_the_cap() {

@@ -218,7 +218,8 @@ impl State<'_> {
         self.machine.pass_started();
         let marked = self.mark(connection, shutdown).await?;
         if marked && self.machine.owes() {
-            // The lost connection is closed (its marker gone with it): what it held is back, and counted.
+            // The lost connection is closed (its marker gone with it): what it held is back and counted here, or
+            // lands at the head soon after (the machine allows for that).
             let depth = topology::queue_depth(connection, &self.plan.from);
             if let Ok(Ok(Some((ready, _)))) =
                 answered("a look at the queue", self.plan.broker_timeout, depth).await

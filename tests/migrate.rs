@@ -235,6 +235,85 @@ async fn adopting_a_table_without_the_unprocessed_index_does_not_block_inserts()
     assert!(valid);
 }
 
+/// An adopted inbox that has the first migration's index (EF Core's script makes it): the migration changes nothing,
+/// but its `CREATE INDEX IF NOT EXISTS` takes the table's SHARE lock before it looks. Behind a write transaction left
+/// open, it held every other session's insert for as long as that transaction lasted. It waits a moment at a time
+/// now, says what it waits for, and the inserts go through between.
+#[tokio::test(flavor = "multi_thread")]
+async fn adopting_a_table_behind_an_open_write_transaction_holds_other_writes_back_a_moment_at_most()
+ {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
+    // A write transaction left open (a service's, slow, or idle in its transaction).
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let mut migrate = env.spawn(&["migrate"]);
+    common::eventually(
+        "migrate waiting for the table's lock",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
+                 AND wait_event_type = 'Lock' AND pid <> pg_backend_pid())",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
+    // Other sessions' claims meanwhile, for three seconds: none waits for the open transaction's end.
+    let mut other = pool.acquire().await.unwrap();
+    sqlx::query("SET lock_timeout = '3s'")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        let claimed = sqlx::query(
+            "INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'carrier', now(), now())",
+        )
+        .execute(&mut *other)
+        .await;
+        assert!(
+            claimed.is_ok(),
+            "the insert waited on the migration: {claimed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(other);
+    assert_eq!(
+        migrate.try_wait(),
+        None,
+        "migrate ended while the table was held: {}",
+        migrate.stderr()
+    );
+    open.commit().await.unwrap();
+    assert_eq!(
+        migrate.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        migrate.stderr()
+    );
+    assert!(
+        migrate
+            .stderr()
+            .contains("inbox_messages is held by transactions still open"),
+        "{}",
+        migrate.stderr()
+    );
+    assert!(
+        migrate.stderr().contains("idle in transaction"),
+        "{}",
+        migrate.stderr()
+    );
+    let rows: i64 = common::count(&pool, "SELECT count(*) FROM inbox_messages").await;
+    assert_eq!(rows, 7);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_ef_core_table_with_rows_is_adopted_untouched() {
     let env = TestEnv::empty().await;

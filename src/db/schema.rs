@@ -48,6 +48,23 @@ WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.reln
 CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_inbox_messages_unprocessed ON inbox_messages (received_at)
 WHERE processed_at IS NULL";
 
+    /// [`ADOPT_LOCK_TIMEOUT`], for the session, and back.
+    const SET_ADOPT_LOCK_TIMEOUT = "SET lock_timeout = '1s'";
+    const RESET_LOCK_TIMEOUT = "RESET lock_timeout";
+
+    /// The sessions holding a lock on `inbox_messages` that a `SHARE` lock waits for, each as `pid N (state, its
+    /// transaction open for Ns)`.
+    const INBOX_WRITE_HOLDERS = "\
+SELECT format('pid %s (%s, its transaction open for %ss)', a.pid, a.state,
+              floor(extract(epoch FROM now() - a.xact_start))::bigint)
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.relation = to_regclass('inbox_messages') AND l.granted
+  AND l.mode IN ('RowExclusiveLock', 'ShareUpdateExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock',
+                 'AccessExclusiveLock')
+  AND l.pid <> pg_backend_pid()
+ORDER BY a.xact_start
+LIMIT 5";
+
     /// Whether `inbox_messages` is a plain table (not partitioned, where no index is built concurrently).
     const INBOX_IS_PLAIN = "SELECT relkind = 'r' FROM pg_class WHERE oid = to_regclass('inbox_messages')";
 
@@ -264,17 +281,12 @@ async fn migrate_locked(
         drop_invalid_indexes(conn).await?;
         if adopted_existing_inbox {
             build_unprocessed_index(conn).await?;
+            adopt(conn, migrator).await?;
         }
         migrator
             .run_direct(None, conn, false)
             .await
-            .map_err(|e| match e {
-                // A statement of a migration the server refused: the same policy as any statement (a privilege
-                // missing is exit 77 and names the grant).
-                sqlx::migrate::MigrateError::Execute(e)
-                | sqlx::migrate::MigrateError::ExecuteMigration(e, _) => Error::from(e),
-                other => Error::Migrate(other),
-            })?;
+            .map_err(migrate_error)?;
     }
     Ok(MigrateReport {
         database: database.to_owned(),
@@ -285,6 +297,65 @@ async fn migrate_locked(
         partitioning: None,
     })
 }
+
+/// The first migration on an adopted inbox, its lock waited for a moment at a time. Its statements find the table
+/// and its index there and change nothing, but `CREATE INDEX IF NOT EXISTS` takes the table's SHARE lock before it
+/// looks: it waits for every write transaction open on the table (a .NET service's, a claim's), and every write
+/// begun meanwhile waits behind it — all of them, for as long as the longest open transaction lasts (one left idle:
+/// for ever). Each wait ends after [`ADOPT_LOCK_TIMEOUT`], and the next is tried after a pause that lets the writes
+/// through; while a transaction holds the table, migrate waits (as it waits for another migrate), saying which.
+async fn adopt(conn: &mut PgConnection, migrator: &Migrator) -> Result<()> {
+    sql::query(SET_ADOPT_LOCK_TIMEOUT)
+        .execute(&mut *conn)
+        .await?;
+    let started = std::time::Instant::now();
+    let mut said = None::<std::time::Instant>;
+    let adopted = loop {
+        match migrator
+            .run_direct(Some(first_version(migrator)), &mut *conn, false)
+            .await
+        {
+            Err(sqlx::migrate::MigrateError::ExecuteMigration(e, _))
+                if super::sqlstate(&e).as_deref() == Some("55P03") =>
+            {
+                if said.is_none_or(|at| at.elapsed() >= ADOPT_SAY_EVERY) {
+                    said = Some(std::time::Instant::now());
+                    let holders: Vec<String> = sql::query_scalar(INBOX_WRITE_HOLDERS)
+                        .fetch_all(&mut *conn)
+                        .await
+                        .unwrap_or_default();
+                    tracing::warn!(
+                        waited_s = started.elapsed().as_secs(),
+                        holders = %crate::sanitize::text(&holders.join(", ")),
+                        "inbox_messages is held by transactions still open; waiting for a moment when none is, \
+                         holding the writes back at most {}ms at a time",
+                        ADOPT_LOCK_TIMEOUT.as_millis()
+                    );
+                }
+                tokio::time::sleep(ADOPT_PAUSE).await;
+            }
+            other => break other,
+        }
+    };
+    sql::query(RESET_LOCK_TIMEOUT).execute(&mut *conn).await?;
+    adopted.map_err(migrate_error)
+}
+
+/// A statement of a migration the server refused: the same policy as any statement (a privilege missing is exit 77
+/// and names the grant).
+fn migrate_error(error: sqlx::migrate::MigrateError) -> Error {
+    match error {
+        sqlx::migrate::MigrateError::Execute(e)
+        | sqlx::migrate::MigrateError::ExecuteMigration(e, _) => Error::from(e),
+        other => Error::Migrate(other),
+    }
+}
+
+/// How long the adopting migration waits for the table's lock at a time ([`adopt`]), and the pause between.
+const ADOPT_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+const ADOPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often a migrate kept waiting by open transactions says so.
+const ADOPT_SAY_EVERY: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// What a dry run says of `--partitioned`: the settings, nothing done.
 fn planned(settings: super::partitions::Settings) -> super::partitions::PartitionReport {

@@ -283,6 +283,64 @@ async fn a_dead_letter_exchange_queue_goes_back_to_its_origin_and_a_dry_run_move
     }
 }
 
+/// A message dead-lettered twice: expired from a delay queue into `orders` (its dead-letter exchange), then rejected
+/// there into `orders.dlq`. It failed in `orders`, and goes back there: taken from the first dead-lettering, its
+/// origin was the delay queue, where the copy (without the expiration it had) waited for ever with no consumer.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_dead_lettered_twice_goes_back_to_the_queue_it_failed_in_last() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let declare = |name: &'static str, to: Option<&'static str>| {
+        let channel = channel.clone();
+        async move {
+            let mut args = FieldTable::default();
+            if let Some(to) = to {
+                args.insert("x-dead-letter-exchange".into(), long(""));
+                args.insert("x-dead-letter-routing-key".into(), long(to));
+            }
+            channel
+                .queue_declare(name.into(), QueueDeclareOptions::durable(), args)
+                .await
+                .unwrap();
+        }
+    };
+    declare("orders.delay", Some("orders")).await;
+    declare("orders", Some("orders.dlq")).await;
+    declare("orders.dlq", None).await;
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_expiration("1".into());
+    common::publish(&conn, "", "orders.delay", props, b"{\"order\": 1}").await;
+    common::eventually("expired into orders", Duration::from_secs(10), || async {
+        env.queue_counts("orders") == (1, 0)
+    })
+    .await;
+    let m = channel
+        .basic_get("orders".into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .unwrap();
+    m.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    common::eventually(
+        "rejected into orders.dlq",
+        Duration::from_secs(10),
+        || async { env.queue_counts("orders.dlq") == (1, 0) },
+    )
+    .await;
+
+    let report = replay_json(&env, &["--from", "orders.dlq"], 0);
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["items"][0]["origin"], "orders", "{report}");
+    assert_eq!(report["items"][0]["reason"], "rejected", "{report}");
+    assert_eq!(env.queue_counts("orders"), (1, 0));
+    assert_eq!(env.queue_counts("orders.delay"), (0, 0));
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_queue_that_does_not_exist_is_a_clear_error() {
     let env = TestEnv::bare().await;

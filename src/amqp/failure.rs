@@ -67,9 +67,15 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
     let origin = match (text("MT-Fault-InputAddress"), skipped_from) {
         (Some(input_address), _) => origin_of_address(input_address, vhost),
         (None, Some(queue)) => Origin::Queue(queue.to_owned()),
-        (None, None) => text("x-first-death-queue")
+        // The queue the last dead-lettering took it from: `x-death` holds the newest first (an entry repeated is
+        // moved to the front), and RabbitMQ 3.13 and later also say it in `x-last-death-queue`. Through a chain of
+        // dead-letter exchanges (a delay queue whose messages expire into `orders`, rejected there into
+        // `orders.dlq`), the first death's queue is an earlier hop: replayed there, the message reached no consumer.
+        (None, None) => value_text(death_field(0, "queue"))
             .filter(|q| !q.is_empty())
-            .or_else(|| value_text(death_field(x_death.len().saturating_sub(1), "queue")))
+            .or_else(|| text("x-last-death-queue"))
+            .filter(|q| !q.is_empty())
+            .or_else(|| text("x-first-death-queue"))
             .filter(|q| !q.is_empty())
             .map(origin_of_death_queue)
             .or_else(|| {
@@ -86,6 +92,7 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
                 .then(|| "not handled by the consumer (skipped)".to_owned())
         })
         .or_else(|| value_text(death_field(0, "reason")))
+        .or_else(|| text("x-last-death-reason"))
         .or_else(|| text("x-first-death-reason"));
     let exception_type = text("MT-Fault-ExceptionType")
         .or_else(|| {
@@ -93,6 +100,7 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
         })
         .or_else(|| {
             value_text(death_field(0, "reason"))
+                .or_else(|| text("x-last-death-reason"))
                 .or_else(|| text("x-first-death-reason"))
                 .map(|r| format!("rabbitmq:{r}"))
         });

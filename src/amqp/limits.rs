@@ -91,10 +91,10 @@ pub fn header_text_replaced(headers: &FieldTable) -> bool {
                 AMQPValue::ShortString(s) if s.as_str().contains(char::REPLACEMENT_CHARACTER) => {
                     return true;
                 }
-                AMQPValue::FieldTable(t) if depth < MAX_HEADER_DEPTH => {
+                AMQPValue::FieldTable(t) if depth <= MAX_HEADER_DEPTH => {
                     pending.push((t, depth + 1))
                 }
-                AMQPValue::FieldArray(a) if depth < MAX_HEADER_DEPTH => {
+                AMQPValue::FieldArray(a) if depth <= MAX_HEADER_DEPTH => {
                     values.extend(a.as_slice().iter().map(|v| (v, depth + 1)));
                 }
                 _ => {}
@@ -209,6 +209,45 @@ mod tests {
         clean.insert("tenant".into(), nested(10));
         clean.insert("text".into(), AMQPValue::LongString("\u{fffd}".into()));
         assert!(!header_text_replaced(&clean), "long strings are bytes");
+    }
+
+    /// A table at the deepest nesting a copy carries (`MAX_HEADER_DEPTH`) is looked into too: its names were not,
+    /// and one read with U+FFFD was copied altered (two such names merged into one), its dead-letter copy acked.
+    #[test]
+    fn a_name_read_with_u_fffd_at_the_deepest_nesting_allowed_is_found() {
+        let at_depth = |depth: usize, key: &str| {
+            let mut value = AMQPValue::LongInt(1);
+            for level in 0..depth {
+                let mut t = FieldTable::default();
+                t.insert(if level == 0 { key } else { "k" }.into(), value);
+                value = AMQPValue::FieldTable(t);
+            }
+            let mut headers = FieldTable::default();
+            headers.insert("deep".into(), value);
+            headers
+        };
+        let deepest = at_depth(MAX_HEADER_DEPTH, "na\u{fffd}me");
+        assert_eq!(header_depth(&deepest), MAX_HEADER_DEPTH);
+        assert!(header_text_replaced(&deepest));
+        assert!(!header_text_replaced(&at_depth(MAX_HEADER_DEPTH, "name")));
+        let mut in_array = FieldTable::default();
+        in_array.insert(
+            "list".into(),
+            AMQPValue::FieldArray(vec![AMQPValue::ShortString("\u{fffd}".into())].into()),
+        );
+        let mut value = AMQPValue::FieldTable(in_array);
+        for _ in 1..MAX_HEADER_DEPTH - 1 {
+            let mut t = FieldTable::default();
+            t.insert("k".into(), value);
+            value = AMQPValue::FieldTable(t);
+        }
+        let mut headers = FieldTable::default();
+        headers.insert("deep".into(), value);
+        assert_eq!(header_depth(&headers), MAX_HEADER_DEPTH);
+        assert!(
+            header_text_replaced(&headers),
+            "a short string in an array at the deepest nesting"
+        );
     }
 
     #[test]

@@ -141,8 +141,18 @@ impl DeadLetters {
         delivery: &Delivery,
         headers: FieldTable,
         turn: &Turn,
+        lost: impl Fn() -> bool,
     ) -> Result<(), CopyError> {
         let _one_at_a_time = self.sending.lock().await;
+        // Looked at again once its turn has come: a copy that waited behind others while the consuming connection
+        // was lost would be a second one when its message comes back on the next.
+        if lost() {
+            return Err(CopyError::Refused(
+                "the consuming connection was lost while the copy waited its turn; the message comes back on the \
+                 next one"
+                    .to_owned(),
+            ));
+        }
         let _ = turn.at.set(Instant::now());
         let connection = self
             .connection()
@@ -360,10 +370,11 @@ impl Link {
     ) -> Result<(), CopyError> {
         let place = self.admit(waits)?;
         let turn = Turn::default();
-        let published = Box::pin(
-            self.dead_letters
-                .publish(destination, delivery, headers, &turn),
-        );
+        let published =
+            Box::pin(
+                self.dead_letters
+                    .publish(destination, delivery, headers, &turn, || self.is_lost()),
+            );
         match self.confirmed(published, &turn.at, place, waits, shutdown).await {
             Waited::Answered(copied) => copied,
             Waited::GivenBack => Err(CopyError::GivenBackInAnAlarm),
@@ -430,7 +441,10 @@ impl Link {
                 published.as_mut(),
             );
             let answer = if place.is_some() {
+                // The answer first: a confirm that came with a stop or a lost connection is the copy made, not
+                // refused (its message given back would be in the error queue and its own queue both).
                 tokio::select! {
+                    biased;
                     answer = bounded => answer,
                     () = shutdown.cancelled() => return Waited::Answered(Err(CopyError::Refused(
                         "a stop came while RabbitMQ blocked the copy (an alarm)".to_owned()))),

@@ -254,7 +254,8 @@ pub struct PartitionReport {
 }
 
 /// Makes `inbox_messages` partitioned with `settings` — converting an unpartitioned one in place, or checking that a
-/// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]`. Safe to repeat, and to
+/// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]` once converted, and
+/// `[now, now + AHEAD]` on a later run (what a cleanup dropped stays dropped). Safe to repeat, and to
 /// run again after it stopped half way. The caller holds the migrate lock and has applied the migrations.
 /// `database`: its name, for the refusals.
 pub async fn partition(
@@ -317,8 +318,12 @@ pub async fn partition(
             });
         }
     }
+    // The window's past partitions only at the conversion: on an inbox partitioned already (a migrate at every
+    // deploy), one missing there was dropped by a cleanup, its rows past the window, and made again it would take a
+    // late copy of such a message for a message never seen, where its absence moves the copy aside.
     let now = Utc::now();
-    report.created = ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?;
+    let from = if report.converted { now - BACK } else { now };
+    report.created = ensure_partitions(&mut *conn, settings, from, now + AHEAD).await?;
     restore_owner(conn).await?;
     Ok(report)
 }

@@ -1537,6 +1537,61 @@ async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
     );
 }
 
+/// The same in batched mode: the deliveries queued for the batch workers, not in a batch yet, went on into batches
+/// while the stop drained, though the documentation said they went back. A stop while the first batch is held before
+/// its commit: the rest go back at once; the batch under way commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_gives_back_at_once_what_no_batch_has_taken() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    common::publish_parcels(&env, &["--count", "20"]);
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--batch-size",
+            "4",
+            "--concurrency",
+            "4",
+            "--prefetch",
+            "20",
+            "--shutdown-timeout",
+            "60s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "before-commit=sleep-once-12000")],
+    );
+    consumer.wait_for_stderr("failpoint before-commit reached", Duration::from_secs(30));
+    common::eventually("all 20 with it", Duration::from_secs(5), || async {
+        env.queue_counts(CARRIER_QUEUE) == (0, 20)
+    })
+    .await;
+    consumer.terminate();
+    common::eventually(
+        "those in no batch given back while the first batch is held",
+        Duration::from_secs(6),
+        || async {
+            let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+            ready >= 16 && ready + unacked == 20
+        },
+    )
+    .await;
+    assert_eq!(
+        consumer.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let pool = env.pool().await;
+    let booked = common::count(&pool, "SELECT count(*) FROM carrier_reservations").await;
+    assert!((1..=4).contains(&booked), "the batch under way: {booked}");
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (20 - booked as u64, 0),
+        "{}",
+        consumer.stderr()
+    );
+}
+
 /// RabbitMQ closes a consuming channel alone, its connection left up — as it does to a delivery held past its
 /// `consumer_timeout` (here: an ack of an unknown delivery tag done on the consumer's channel inside the broker, the
 /// same 406 close). The consumer, its one worker held 10 s and its loop waiting for it with the next delivery, sees

@@ -114,7 +114,9 @@ impl Aside {
     }
 }
 
-/// The next batch; `None` once the queue is closed (a stop).
+/// The next batch; `None` once the queue is closed (a stop, an idle end, a lost connection). After a stop, what is
+/// still queued is no worker's yet: it goes back to the queue at once, for the other consumers, as what the consume
+/// loop had not handed over does, rather than run while the stop drains.
 async fn next<C: Consumer>(
     shared: &Shared<C>,
     queue: &tokio::sync::Mutex<mpsc::Receiver<Queued>>,
@@ -123,7 +125,13 @@ async fn next<C: Consumer>(
     failpoint::hit("batch-next").await;
     let size = shared.options.batch_size;
     let mut rx = queue.lock().await;
-    let first = rx.recv().await?;
+    let first = loop {
+        let queued = rx.recv().await?;
+        if !shared.shutdown.is_cancelled() {
+            break queued;
+        }
+        give_back(shared, vec![queued]).await;
+    };
     let mut batch = vec![first];
     while batch.len() < size {
         match rx.try_recv() {
@@ -141,6 +149,46 @@ async fn next<C: Consumer>(
         }
     }
     Some(batch)
+}
+
+/// At a stop, what is queued for the batch workers and in no batch yet goes back to the queue at once (see [`next`]);
+/// a worker waiting in `next` for a delivery holds the queue and gives back what comes itself.
+pub(super) async fn give_back_queued<C: Consumer>(
+    shared: &Shared<C>,
+    queue: &tokio::sync::Mutex<mpsc::Receiver<Queued>>,
+) {
+    let Ok(mut rx) = queue.try_lock() else {
+        return;
+    };
+    let mut queued = Vec::new();
+    while let Ok(one) = rx.try_recv() {
+        queued.push(one);
+    }
+    drop(rx);
+    give_back(shared, queued).await;
+}
+
+/// Gives `queued` back to the queue: a nack each (a partition queue's stays unacknowledged, to go back with the
+/// close, in order: `settle_acker`).
+async fn give_back<C: Consumer>(shared: &Shared<C>, queued: Vec<Queued>) {
+    let given_back = queued.len();
+    for (delivery, link) in queued {
+        let requeue = Disposition::Requeue;
+        settle_acker(
+            shared,
+            &link,
+            &delivery.acker,
+            delivery.delivery_tag,
+            requeue,
+        )
+        .await;
+    }
+    if given_back > 0 {
+        tracing::info!(
+            given_back,
+            "stopping: deliveries queued for the batch workers given back to the queue"
+        );
+    }
 }
 
 async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &mut Aside) {

@@ -394,6 +394,8 @@ pub(super) struct Workers {
     pub(super) tasks: JoinSet<()>,
     permits: Arc<Semaphore>,
     batches: Option<mpsc::Sender<batch::Queued>>,
+    /// The batch workers' end of `batches`.
+    batch_queue: Option<Arc<tokio::sync::Mutex<mpsc::Receiver<batch::Queued>>>>,
 }
 
 impl Workers {
@@ -402,6 +404,7 @@ impl Workers {
             tasks: JoinSet::new(),
             permits: Arc::new(Semaphore::new(shared.options.concurrency.max(1))),
             batches: None,
+            batch_queue: None,
         };
         workers.start_batches(shared);
         workers
@@ -422,6 +425,7 @@ impl Workers {
             self.tasks.spawn(worker);
         }
         self.batches = Some(tx);
+        self.batch_queue = Some(rx);
     }
 
     /// Hands a delivery to a worker once PostgreSQL is up and a worker is free. While it waits, the consume loop
@@ -498,6 +502,11 @@ impl Workers {
         deadline: tokio::time::Instant,
     ) {
         self.batches.take();
+        if let Some(queue) = self.batch_queue.take()
+            && shared.shutdown.is_cancelled()
+        {
+            batch::give_back_queued(shared, &queue).await;
+        }
         drain(shared, &mut self.tasks, deadline).await;
         shared.set_consuming(false);
     }
@@ -526,7 +535,12 @@ impl Workers {
         };
         match end {
             End::Done if !link.is_lost() => {}
-            End::Stop => drain(shared, &mut self.tasks, stop_deadline(shared)).await,
+            End::Stop => {
+                if let Some(queue) = self.batch_queue.take() {
+                    batch::give_back_queued(shared, &queue).await;
+                }
+                drain(shared, &mut self.tasks, stop_deadline(shared)).await;
+            }
             End::Done | End::Lost => {
                 self.start_batches(shared);
                 return true;

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use chrono::{TimeDelta, Utc};
 use common::{CARRIER_QUEUE, EVENT_EXCHANGE, TestEnv};
+use sqlx::AssertSqlSafe;
 use uuid::Uuid;
 
 /// A UUIDv7 whose time is `ago` before now.
@@ -107,6 +108,68 @@ async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_ch
     .unwrap();
     let out = migrate_partitioned(&env, &[]);
     assert_eq!(out.code, Some(0), "{out:?}");
+}
+
+/// What hangs on the plain table by its identity would stay with the rows from before a conversion (renamed
+/// `inbox_messages_untimed`) or be lost: row-level security (the partitioned table would let every grantee read and
+/// write every row), a grant on columns (a writer holding only that refused from the swap on), a trigger, a view and a
+/// publication (each seeing the old rows only), a collation other than the type's (the swap failing on every run).
+/// Each is refused before anything changes, named, and the conversion goes once they are gone.
+#[tokio::test(flavor = "multi_thread")]
+async fn what_a_conversion_would_leave_behind_or_lose_is_refused_before_anything_changes() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let role = format!("{}_writer", env.db_name);
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE inbox_messages ENABLE ROW LEVEL SECURITY;
+         CREATE ROLE \"{role}\";
+         GRANT INSERT (id, consumer_type, received_at) ON inbox_messages TO \"{role}\";
+         CREATE FUNCTION noted() RETURNS trigger LANGUAGE plpgsql AS 'BEGIN RETURN NEW; END';
+         CREATE TRIGGER inbox_noted BEFORE INSERT ON inbox_messages FOR EACH ROW EXECUTE FUNCTION noted();
+         CREATE VIEW unprocessed_inbox AS SELECT id FROM inbox_messages WHERE processed_at IS NULL;
+         CREATE PUBLICATION inbox_cdc FOR TABLE inbox_messages;
+         ALTER TABLE inbox_messages ALTER COLUMN consumer_type TYPE varchar(500) COLLATE \"C\";"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = migrate_partitioned(&env, &[]);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    for words in [
+        "row-level security is enabled on inbox_messages",
+        "privileges are granted on column consumer_type alone",
+        "trigger inbox_noted is on inbox_messages",
+        "view unprocessed_inbox reads inbox_messages",
+        "publication inbox_cdc publishes inbox_messages",
+        "column consumer_type has a collation other than its type's",
+    ] {
+        assert!(out.stderr.contains(words), "{words}: {}", out.stderr);
+    }
+    let added: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_attribute WHERE attrelid = 'inbox_messages'::regclass \
+         AND attname = 'fingerprint'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(added, 0, "nothing changed");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE inbox_messages DISABLE ROW LEVEL SECURITY;
+         REVOKE ALL (id, consumer_type, received_at) ON inbox_messages FROM \"{role}\";
+         DROP TRIGGER inbox_noted ON inbox_messages;
+         DROP VIEW unprocessed_inbox;
+         DROP PUBLICATION inbox_cdc;
+         ALTER TABLE inbox_messages ALTER COLUMN consumer_type TYPE varchar(500) COLLATE \"default\";"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = migrate_partitioned(&env, &[]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP ROLE \"{role}\"")))
+        .execute(&pool)
+        .await
+        .unwrap();
 }
 
 /// Publishes a MassTransit `ParcelCreatedEvent` with message id `id` (the same bytes each time for the same `body`).

@@ -25,6 +25,34 @@ statements! {
 SELECT conname::text, conrelid::regclass::text FROM pg_constraint
 WHERE contype = 'f' AND confrelid = to_regclass('inbox_messages')";
 
+    /// What hangs on the plain `inbox_messages` by its identity, which the conversion's rename leaves on the rows from
+    /// before it (`inbox_messages_untimed`) or loses: a kind and a name each. Row-level security (enabled: the
+    /// partitioned table would have none), privileges granted on a column (not carried over: a writer that holds
+    /// only those is refused), triggers and rules of the operator's, views that read the table, publications that
+    /// name it, and a column whose collation is not its type's (PostgreSQL attaches no partition whose collation
+    /// differs from its parent's: the swap would fail on every run).
+    const INBOX_NOT_CARRIED = "\
+SELECT 'rls', '' FROM pg_class WHERE oid = to_regclass('inbox_messages') AND relrowsecurity
+UNION ALL
+SELECT 'column grant', attname::text FROM pg_attribute
+WHERE attrelid = to_regclass('inbox_messages') AND attnum > 0 AND NOT attisdropped AND cardinality(attacl) > 0
+UNION ALL
+SELECT 'trigger', tgname::text FROM pg_trigger WHERE tgrelid = to_regclass('inbox_messages') AND NOT tgisinternal
+UNION ALL
+SELECT 'rule', rulename::text FROM pg_rewrite WHERE ev_class = to_regclass('inbox_messages')
+UNION ALL
+SELECT DISTINCT 'view', r.ev_class::regclass::text FROM pg_depend d JOIN pg_rewrite r ON r.oid = d.objid
+WHERE d.classid = 'pg_rewrite'::regclass AND d.refclassid = 'pg_class'::regclass
+  AND d.refobjid = to_regclass('inbox_messages') AND r.ev_class <> to_regclass('inbox_messages')
+UNION ALL
+SELECT 'publication', p.pubname::text FROM pg_publication_rel pr JOIN pg_publication p ON p.oid = pr.prpubid
+WHERE pr.prrelid = to_regclass('inbox_messages')
+UNION ALL
+SELECT 'collation', a.attname::text FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
+WHERE a.attrelid = to_regclass('inbox_messages') AND a.attnum > 0 AND NOT a.attisdropped
+  AND a.attcollation <> t.typcollation
+ORDER BY 1, 2";
+
     /// The server's version as a number (`150020` for 15.20).
     const SERVER_VERSION = "SELECT current_setting('server_version_num')::int4";
 
@@ -302,6 +330,14 @@ pub async fn partition(
                     crate::sanitize::text(&table)
                 )
             }));
+            let not_carried: Vec<(String, String)> = sql::query_as(INBOX_NOT_CARRIED)
+                .fetch_all(&mut *conn)
+                .await?;
+            refused.extend(
+                not_carried
+                    .iter()
+                    .map(|(kind, name)| not_carried_refusal(kind, name)),
+            );
             if !refused.is_empty() {
                 return Err(Error::SchemaIncompatible {
                     database: database.to_owned(),
@@ -391,6 +427,42 @@ fn what_partitioning_cannot_keep(columns: &[(String, String, bool, bool)]) -> Ve
         }
     }
     refused
+}
+
+/// What the operator is told of one thing [`INBOX_NOT_CARRIED`] found: what the conversion would do to it, and what
+/// to do instead.
+fn not_carried_refusal(kind: &str, name: &str) -> String {
+    let name = crate::sanitize::text(name);
+    let after = "the conversion renames the table to inbox_messages_untimed, which keeps the rows from before it \
+                 only";
+    match kind {
+        "rls" => "row-level security is enabled on inbox_messages: the partitioned table that takes its name would \
+                  have none, and every role granted it would read and write every row (disable it, or keep the \
+                  inbox unpartitioned)"
+            .to_owned(),
+        "column grant" => format!(
+            "privileges are granted on column {name} alone: they are not carried to the partitioned table, and a \
+             role writing through them would be refused (grant on the table instead, or keep the inbox \
+             unpartitioned)"
+        ),
+        "trigger" | "rule" => format!(
+            "{kind} {name} is on inbox_messages: {after}, so it would no longer see the rows written (drop it, and \
+             make it again on the partitioned table after)"
+        ),
+        "view" => format!(
+            "view {name} reads inbox_messages: {after}, so it would read those only (drop it, and make it again \
+             after)"
+        ),
+        "publication" => format!(
+            "publication {name} publishes inbox_messages: {after}, so it would publish those only (take the table \
+             out of it, and add the partitioned one after, with publish_via_partition_root)"
+        ),
+        _ => format!(
+            "column {name} has a collation other than its type's: PostgreSQL attaches no partition whose collation \
+             differs from its parent's, and the conversion would fail at its swap on every run (ALTER COLUMN … \
+             TYPE … COLLATE \"default\", or keep the inbox unpartitioned)"
+        ),
+    }
 }
 
 /// Hands the partitioned inbox and its partitions to the owner of the table it was converted from, when another role

@@ -852,6 +852,66 @@ async fn a_message_id_that_is_not_utf8_neither_stalls_a_consumer_nor_a_replay() 
     assert_eq!(env.queue_counts(dlq), (3, 0), "left where they were");
 }
 
+/// A message that cannot be processed, whose id or header names held bytes that are not UTF-8: its copy in the error
+/// queue carries them replaced (lapin reads text only; two names that differed only there are one), and said
+/// nothing of it — it was taken for the message, and its replay then left it in the error queue for good (a copy
+/// would not carry the same bytes). The copy says so now (`inboxctl-altered`), and a replay moves it back as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_message_with_text_that_is_not_utf8_is_moved_aside_saying_so_and_can_be_replayed()
+ {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let tenant = raw_amqp::table(&[("tenant", raw_amqp::long_string("acme"))]);
+    let oddly_named = raw_amqp::table(&[
+        (b"k\xff".as_slice(), raw_amqp::long_string("1")),
+        (b"k\xfe".as_slice(), raw_amqp::long_string("2")),
+    ]);
+    let odd: [(Vec<u8>, &[u8]); 2] = [
+        (b"\xff\xfe-not-utf8".to_vec(), &tenant),
+        (Uuid::now_v7().to_string().into_bytes(), &oddly_named),
+    ];
+    for (id, headers) in &odd {
+        raw_amqp::publish(
+            &env.amqp_addr(),
+            &env.vhost,
+            EVENT_EXCHANGE,
+            "",
+            id,
+            inboxctl::amqp::envelope::MASSTRANSIT_CONTENT_TYPE,
+            headers,
+            b"not json",
+        );
+    }
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    let conn = env.amqp().await;
+    let copies = common::peek(&conn, &error_queue).await;
+    assert_eq!(copies.len(), 2, "{}", out.stderr);
+    for copy in &copies {
+        let headers = copy.properties.headers().as_ref().unwrap().inner();
+        assert!(
+            headers.contains_key(inboxctl::amqp::dead_letter::ALTERED_HEADER),
+            "{headers:?}"
+        );
+    }
+
+    common::capture_queue(&conn, "amq.direct", "odd.back").await;
+    let out = env.run(&[
+        "replay",
+        "--from",
+        &error_queue,
+        "--to",
+        "odd.back",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(report["replayed"], 2, "{report}");
+    assert_eq!(env.queue_counts("odd.back"), (2, 0));
+    assert_eq!(env.queue_counts(&error_queue), (0, 0));
+}
+
 in_both_modes!(
     a_header_nested_a_thousand_levels_deep_is_dead_lettered_not_a_crash,
     deep_header

@@ -152,11 +152,35 @@ pub fn uncopyable(properties: &BasicProperties, user: &str) -> Option<String> {
             limits::MAX_HEADER_DEPTH
         ));
     }
+    // A copy a consumer made of such a message says so (`ALTERED_HEADER`): what it carries is all there is of it
+    // now, and refused, it would stay in its dead-letter queue for good.
+    let marked =
+        dead_letter::header_text(properties.headers().as_ref(), dead_letter::ALTERED_HEADER)
+            .is_some();
+    if !marked && text_replaced(properties) {
+        return Some(
+            "a property or a header name of it is not UTF-8 (read with U+FFFD in its place): a copy would not carry \
+             the same bytes"
+                .to_owned(),
+        );
+    }
+    match properties.user_id() {
+        Some(other) if other.as_str() != user => Some(format!(
+            "its user_id {:?} is not the user the replay publishes as, and the broker would refuse it",
+            limits::truncate(other.as_str(), 64)
+        )),
+        _ => None,
+    }
+}
+
+/// Whether a short string of `properties` — a property, or a header's name or short-string value within
+/// [`limits::MAX_HEADER_DEPTH`] — was not UTF-8 on the wire (read with U+FFFD in its place, see `vendor/README.md`).
+pub fn text_replaced(properties: &BasicProperties) -> bool {
     let replaced = |s: &Option<ShortString>| {
         s.as_ref()
             .is_some_and(|s| s.as_str().contains(char::REPLACEMENT_CHARACTER))
     };
-    if [
+    [
         properties.content_type(),
         properties.content_encoding(),
         properties.correlation_id(),
@@ -174,20 +198,6 @@ pub fn uncopyable(properties: &BasicProperties, user: &str) -> Option<String> {
             .headers()
             .as_ref()
             .is_some_and(limits::header_text_replaced)
-    {
-        return Some(
-            "a property or a header name of it is not UTF-8 (read with U+FFFD in its place): a copy would not carry \
-             the same bytes"
-                .to_owned(),
-        );
-    }
-    match properties.user_id() {
-        Some(other) if other.as_str() != user => Some(format!(
-            "its user_id {:?} is not the user the replay publishes as, and the broker would refuse it",
-            limits::truncate(other.as_str(), 64)
-        )),
-        _ => None,
-    }
 }
 
 #[cfg(test)]

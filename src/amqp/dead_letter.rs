@@ -19,6 +19,12 @@ pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
 /// inboxctl publishes as: RabbitMQ refuses a `user_id` that is not the publisher's own.
 pub const ORIGINAL_USER_ID_HEADER: &str = "inboxctl-original-user-id";
 
+/// The header a dead-letter copy carries when the message's properties or header names held bytes that were not
+/// UTF-8: read with U+FFFD in their place (lapin reads text only), the copy carries the replaced text, not the bytes
+/// the producer sent — and two header names that differed only there are one. Said on the copy rather than the
+/// message held for ever: the original bytes are gone once read. A replay moves such a copy back as it is.
+pub const ALTERED_HEADER: &str = "inboxctl-altered";
+
 /// MassTransit's headers of a failure (`MT-Fault-*`, `MT-Host-*`, `MT-Reason`), replaced rather than kept when a
 /// message fails again; and the publisher's sequence number, which means nothing on a copy another process publishes.
 pub fn is_failure_header(key: &str) -> bool {
@@ -147,6 +153,14 @@ pub fn copy_properties(
             &mut headers,
             ORIGINAL_EXPIRATION_HEADER,
             expiration.as_str(),
+        );
+    }
+    if super::copy::text_replaced(original) {
+        put(
+            &mut headers,
+            ALTERED_HEADER,
+            "a property or a header name of the message was not UTF-8: this copy carries it with U+FFFD in place \
+             of those bytes",
         );
     }
     let user_id = original

@@ -571,7 +571,8 @@ async fn messages_arriving_just_after_the_conversions_swap_are_claimed_not_refus
 
 /// A repeated `migrate --partitioned` (at every deploy, say) made the window's past partitions again, those a cleanup
 /// had dropped included: a late copy of a message of those days was then claimed as a message never seen and
-/// processed again, where the partition's absence moves it aside. Only the partitions ahead are made again now.
+/// processed again, where the partition's absence moves it aside. Only those after the newest there is are made
+/// now: where the partitions ran out (no cleanup made them ahead), the days since, whose messages are held for them.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped() {
     let env = TestEnv::bare().await;
@@ -599,11 +600,29 @@ async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped
         "the cleanup drops the days past its window: {out:?}"
     );
 
+    // And the partitions ran out meanwhile (no cleanup made them ahead): none from yesterday on.
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let yesterday =
+        inboxctl::db::partitions::partition_name(settings.floor(Utc::now() - TimeDelta::days(1)));
+    let today = inboxctl::db::partitions::partition_name(settings.floor(Utc::now()));
+    for name in after_cleanup.iter().filter(|p| **p >= yesterday) {
+        sqlx::query(AssertSqlSafe(format!("DROP TABLE \"{name}\"")))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
     let out = migrate_partitioned(&env, &[]);
     assert_eq!(out.code, Some(0), "{out:?}");
     let again = attached().await;
     let made_again: Vec<&&String> = dropped.iter().filter(|p| again.contains(p)).collect();
     assert!(made_again.is_empty(), "made again: {made_again:?}");
+    // From the newest there was on: the messages held for the days the partitions ran out have theirs.
+    assert!(again.contains(&yesterday), "{again:?}");
+    assert!(again.contains(&today), "{again:?}");
 }
 
 /// The tables of the window's partitions (`relispartition`) and those of their names that are tables of their own.

@@ -13,7 +13,7 @@ use sqlx::postgres::PgConnection;
 use super::{
     AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
     create_table_statement, ensure_partitions, intervals, owner_statement, partition_name,
-    read_layout, run,
+    partitions, read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -283,7 +283,7 @@ pub struct PartitionReport {
 
 /// Makes `inbox_messages` partitioned with `settings` — converting an unpartitioned one in place, or checking that a
 /// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]` once converted, and
-/// `[now, now + AHEAD]` on a later run (what a cleanup dropped stays dropped). Safe to repeat, and to
+/// from the newest one's end (within that) on a later run: what a cleanup dropped stays dropped. Safe to repeat, and to
 /// run again after it stopped half way. The caller holds the migrate lock and has applied the migrations.
 /// `database`: its name, for the refusals.
 pub async fn partition(
@@ -354,11 +354,22 @@ pub async fn partition(
             });
         }
     }
-    // The window's past partitions only at the conversion: on an inbox partitioned already (a migrate at every
-    // deploy), one missing there was dropped by a cleanup, its rows past the window, and made again it would take a
-    // late copy of such a message for a message never seen, where its absence moves the copy aside.
+    // The window's past partitions at the conversion; on an inbox partitioned already (a migrate at every deploy),
+    // only those after the newest there is: one missing before it was dropped by a cleanup, its rows past the window,
+    // and made again it would take a late copy of such a message for a message never seen, where its absence moves
+    // the copy aside. After the newest, the partitions ran out (no cleanup made them ahead): the messages of those
+    // times are held, waiting for them.
     let now = Utc::now();
-    let from = if report.converted { now - BACK } else { now };
+    let from = if report.converted {
+        now - BACK
+    } else {
+        partitions(&mut *conn)
+            .await?
+            .iter()
+            .filter_map(|p| p.to)
+            .max()
+            .map_or(now - BACK, |newest| newest.clamp(now - BACK, now))
+    };
     report.created = ensure_partitions(&mut *conn, settings, from, now + AHEAD).await?;
     restore_owner(conn).await?;
     Ok(report)

@@ -285,7 +285,8 @@ async fn a_dead_letter_exchange_queue_goes_back_to_its_origin_and_a_dry_run_move
 
 /// A message dead-lettered twice: expired from a delay queue into `orders` (its dead-letter exchange), then rejected
 /// there into `orders.dlq`. It failed in `orders`, and goes back there: taken from the first dead-lettering, its
-/// origin was the delay queue, where the copy (without the expiration it had) waited for ever with no consumer.
+/// origin was the delay queue, where the copy (without the expiration it had) waited for ever with no consumer. And a
+/// message rejected, then expired from its dead-letter queue into an archive: it goes back where it was rejected.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_message_dead_lettered_twice_goes_back_to_the_queue_it_failed_in_last() {
     let env = TestEnv::bare().await;
@@ -339,6 +340,46 @@ async fn a_message_dead_lettered_twice_goes_back_to_the_queue_it_failed_in_last(
     assert_eq!(report["items"][0]["reason"], "rejected", "{report}");
     assert_eq!(env.queue_counts("orders"), (1, 0));
     assert_eq!(env.queue_counts("orders.delay"), (0, 0));
+
+    // The other way round: rejected in `jobs` into `jobs.dlq`, whose TTL then moves it into `jobs.archive`. It
+    // failed in `jobs`, not in the dead-letter queue the newest death names.
+    declare("jobs", Some("jobs.dlq")).await;
+    let mut args = FieldTable::default();
+    args.insert("x-dead-letter-exchange".into(), long(""));
+    args.insert("x-dead-letter-routing-key".into(), long("jobs.archive"));
+    args.insert("x-message-ttl".into(), lapin::types::AMQPValue::LongInt(1));
+    channel
+        .queue_declare("jobs.dlq".into(), QueueDeclareOptions::durable(), args)
+        .await
+        .unwrap();
+    declare("jobs.archive", None).await;
+    let props = BasicProperties::default().with_message_id(uuid::Uuid::new_v4().to_string().into());
+    common::publish(&conn, "", "jobs", props, b"{\"job\": 1}").await;
+    common::eventually("in jobs", Duration::from_secs(10), || async {
+        env.queue_counts("jobs") == (1, 0)
+    })
+    .await;
+    let m = channel
+        .basic_get("jobs".into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .unwrap();
+    m.delivery
+        .acker
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    common::eventually(
+        "expired into jobs.archive",
+        Duration::from_secs(10),
+        || async { env.queue_counts("jobs.archive") == (1, 0) },
+    )
+    .await;
+    let report = replay_json(&env, &["--from", "jobs.archive"], 0);
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["items"][0]["origin"], "jobs", "{report}");
+    assert_eq!(report["items"][0]["reason"], "rejected", "{report}");
+    assert_eq!(env.queue_counts("jobs"), (1, 0));
 }
 
 #[tokio::test(flavor = "multi_thread")]

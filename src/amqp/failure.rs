@@ -56,6 +56,20 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
         Some(AMQPValue::ShortString(s)) => Some(s.as_str().to_owned()),
         _ => None,
     };
+    // The dead-lettering that was the failure: the newest by a consumer's reject (or a quorum queue's count of its
+    // returns), else the newest of all. `x-death` holds the newest first (an entry repeated is moved to the front).
+    // Through a chain, the first death's queue is an earlier hop (a delay queue expiring into `orders`, rejected
+    // there into `orders.dlq`: replayed to the delay queue, it reached no consumer); and the newest may be a later
+    // one (`orders.dlq` expiring its messages into an archive; a retry loop's wait queue before the message was
+    // parked): replayed there, the same.
+    let failing = (0..x_death.len())
+        .find(|&i| {
+            matches!(
+                value_text(death_field(i, "reason")).as_deref(),
+                Some("rejected" | "delivery_limit")
+            )
+        })
+        .unwrap_or(0);
 
     // A copy moved to `<queue>_skipped` (MassTransit's, or inboxctl's: `MT-Reason: dead-letter`, no fault headers)
     // came from `<queue>`, whatever dead-lettering brought it there before: the `x-death` headers it keeps are of an
@@ -67,11 +81,9 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
     let origin = match (text("MT-Fault-InputAddress"), skipped_from) {
         (Some(input_address), _) => origin_of_address(input_address, vhost),
         (None, Some(queue)) => Origin::Queue(queue.to_owned()),
-        // The queue the last dead-lettering took it from: `x-death` holds the newest first (an entry repeated is
-        // moved to the front), and RabbitMQ 3.13 and later also say it in `x-last-death-queue`. Through a chain of
-        // dead-letter exchanges (a delay queue whose messages expire into `orders`, rejected there into
-        // `orders.dlq`), the first death's queue is an earlier hop: replayed there, the message reached no consumer.
-        (None, None) => value_text(death_field(0, "queue"))
+        // The queue the failing dead-lettering took it from; without `x-death`, RabbitMQ 3.13's
+        // `x-last-death-queue`, else the first death's.
+        (None, None) => value_text(death_field(failing, "queue"))
             .filter(|q| !q.is_empty())
             .or_else(|| text("x-last-death-queue"))
             .filter(|q| !q.is_empty())
@@ -91,7 +103,7 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
             (text("MT-Reason").as_deref() == Some("dead-letter"))
                 .then(|| "not handled by the consumer (skipped)".to_owned())
         })
-        .or_else(|| value_text(death_field(0, "reason")))
+        .or_else(|| value_text(death_field(failing, "reason")))
         .or_else(|| text("x-last-death-reason"))
         .or_else(|| text("x-first-death-reason"));
     let exception_type = text("MT-Fault-ExceptionType")
@@ -99,7 +111,7 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
             (text("MT-Reason").as_deref() == Some("dead-letter")).then(|| "skipped".to_owned())
         })
         .or_else(|| {
-            value_text(death_field(0, "reason"))
+            value_text(death_field(failing, "reason"))
                 .or_else(|| text("x-last-death-reason"))
                 .or_else(|| text("x-first-death-reason"))
                 .map(|r| format!("rabbitmq:{r}"))
@@ -107,7 +119,7 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
     let failed_at = text("MT-Fault-Timestamp")
         .as_deref()
         .and_then(envelope::parse_time)
-        .or_else(|| match death_field(0, "time") {
+        .or_else(|| match death_field(failing, "time") {
             Some(AMQPValue::Timestamp(seconds)) => {
                 DateTime::from_timestamp(i64::try_from(seconds).unwrap_or(i64::MAX), 0)
             }
@@ -319,6 +331,52 @@ mod tests {
         assert_eq!(f.reason.as_deref(), Some("rejected"));
         assert_eq!(f.failed_at.map(|t| t.timestamp()), Some(1_764_533_690));
         assert_eq!(f.replays, 2);
+    }
+
+    /// The failure among several dead-letterings is the newest reject (or quorum count of returns), else the newest:
+    /// not the first hop of a chain, nor a later expiry (a dead-letter queue's TTL into an archive, a retry loop's
+    /// wait queue).
+    #[test]
+    fn the_origin_is_the_queue_of_the_newest_reject_else_of_the_newest_death() {
+        let with = |deaths: &[(&str, &str, u64)]| {
+            let entries = deaths
+                .iter()
+                .map(|(queue, reason, time)| {
+                    let mut death = FieldTable::default();
+                    death.insert("queue".into(), long(queue));
+                    death.insert("reason".into(), long(reason));
+                    death.insert("time".into(), AMQPValue::Timestamp(*time));
+                    AMQPValue::FieldTable(death)
+                })
+                .collect::<Vec<_>>();
+            let mut h = FieldTable::default();
+            h.insert(
+                "x-first-death-queue".into(),
+                long(deaths.last().map_or("", |d| d.0)),
+            );
+            h.insert(
+                "x-death".into(),
+                AMQPValue::FieldArray(FieldArray::from(entries)),
+            );
+            failure(Some(&h), "somewhere", "/")
+        };
+        for deaths in [
+            &[("orders", "rejected", 20), ("orders.delay", "expired", 10)][..],
+            &[("orders.dlq", "expired", 30), ("orders", "rejected", 20)],
+            &[
+                ("orders.retry", "expired", 30),
+                ("orders", "rejected", 20),
+                ("orders.retry", "expired", 10),
+            ],
+            &[("orders", "delivery_limit", 20)],
+        ] {
+            let f = with(deaths);
+            assert_eq!(f.origin, Origin::Queue("orders".into()), "{deaths:?}");
+            assert_eq!(f.failed_at.map(|t| t.timestamp()), Some(20), "{deaths:?}");
+        }
+        let expired = with(&[("orders", "expired", 40), ("orders.in", "expired", 30)]);
+        assert_eq!(expired.origin, Origin::Queue("orders".into()));
+        assert_eq!(expired.reason.as_deref(), Some("expired"));
     }
 
     /// Found by the `replay_failure` fuzz target: `x-first-death-queue` (or `x-death`'s `queue`) written by a producer

@@ -49,7 +49,7 @@ pub fn render(app: &App, frame: &mut Frame) {
 /// The columns, widest first to go when the terminal is narrow: (header, width, priority).
 const COLUMNS: [(&str, u16, u8); 16] = [
     ("consumer_type", 28, 0),
-    ("deliv/s", 8, 0),
+    ("deliv/s", 7, 0),
     ("dup/s", 7, 1),
     ("dup %", 7, 0),
     ("confl", 6, 0),
@@ -61,9 +61,9 @@ const COLUMNS: [(&str, u16, u8); 16] = [
     ("ready", 7, 1),
     ("cons", 5, 2),
     ("errors", 7, 0),
-    ("err age", 8, 1),
-    ("owed", 7, 3),
-    ("doubt", 7, 2),
+    ("err age", 7, 1),
+    ("owed", 9, 3),
+    ("doubt", 9, 2),
 ];
 
 /// Which columns fit in `width`: drop the least important first.
@@ -112,10 +112,21 @@ fn cells(line: &Line) -> [String; 16] {
     ]
 }
 
-/// A count of calls outside the database, with the age of the oldest when there are any.
+/// A count of calls outside the database, with the age of the oldest when there are any: the count in at most four
+/// characters, rounded down, so that the two fit the column (a right-aligned cell too wide loses its left end: 1,500
+/// calls showed as 500).
 fn effects(count: Option<u64>, oldest: Option<f64>) -> String {
     match count {
-        Some(n) if n > 0 => format!("{n} {}", display::age(oldest)),
+        Some(n) if n > 0 => {
+            let n = match n {
+                0..1_000 => n.to_string(),
+                1_000..10_000 => format!("{}.{}k", n / 1_000, n % 1_000 / 100),
+                10_000..1_000_000 => format!("{}k", n / 1_000),
+                1_000_000..10_000_000 => format!("{}.{}M", n / 1_000_000, n % 1_000_000 / 100_000),
+                _ => format!("{}M", n / 1_000_000),
+            };
+            format!("{n} {}", display::age(oldest))
+        }
         other => display::count(other, false),
     }
 }
@@ -469,6 +480,30 @@ mod tests {
         let at = text.find("1 90s").expect("doubt cell");
         let x = u16::try_from(text[..at].chars().count()).expect("column");
         assert_eq!(buffer[(x, row)].fg, Color::Red, "{text}");
+    }
+
+    /// Right-aligned, a cell wider than its column loses its left end: 1,500 calls owed 45 s showed as `500 45s`.
+    #[test]
+    fn a_count_of_calls_and_its_age_fit_their_column_rounded_down() {
+        let width = usize::from(COLUMNS[14].1);
+        assert_eq!(COLUMNS[15].1, COLUMNS[14].1);
+        for (n, shown) in [
+            (7, "7"),
+            (999, "999"),
+            (1_500, "1.5k"),
+            (9_999, "9.9k"),
+            (12_345, "12k"),
+            (999_999, "999k"),
+            (1_234_567, "1.2M"),
+            (98_765_432, "98M"),
+        ] {
+            for age in [45.0, 7_000.0, 100_000.0, 8_000_000.0] {
+                let cell = effects(Some(n), Some(age));
+                assert!(cell.starts_with(&format!("{shown} ")), "{cell}");
+                assert!(cell.chars().count() <= width, "{cell}");
+            }
+        }
+        assert_eq!(effects(Some(0), None), "0");
     }
 
     #[test]

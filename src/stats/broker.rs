@@ -237,10 +237,12 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
         Err(e) => {
             // A count of 0 it could not check says nothing (left unknown above); another count stands.
             c.oldest_dead_letter_seconds = None;
+            // Made inert where it is shown (`stats`' table, `top`'s status line), as the broker's own words in it
+            // are: made so here too, the name's escapes were escaped again.
             found.error.get_or_insert_with(|| {
                 format!(
                     "the oldest message of {} could not be looked at: {}",
-                    crate::sanitize::text(&q.name),
+                    q.name,
                     crate::redact::text(&e.to_string())
                 )
             });

@@ -22,6 +22,10 @@ pub struct Totals {
     failed_runs: u64,
     deleted: BTreeMap<String, u64>,
     events_deleted: u64,
+    /// On a partitioned inbox, whole partitions dropped and the rows they held (as estimated): of every
+    /// consumer_type at once, and not in `deleted`, which counts the rows deleted one by one.
+    partitions_dropped: u64,
+    partition_rows_dropped: u64,
     unprocessed_older: BTreeMap<String, u64>,
     /// Consumer_types the last run's guard kept whole (a replay waiting needs their rows).
     refused: u64,
@@ -61,6 +65,10 @@ impl Totals {
             self.failed_runs += 1;
         }
         self.events_deleted += report.events_deleted;
+        if let Some(work) = &report.partitions {
+            self.partitions_dropped += work.dropped.len() as u64;
+            self.partition_rows_dropped += work.rows_dropped();
+        }
         for c in &report.consumers {
             *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
         }
@@ -113,6 +121,25 @@ impl Collector for TotalsCollector {
         let events = [(UNLABELLED, ConstCounter::new(t.events_deleted))];
         let help = "inboxctl event rows deleted.";
         encode_family(e, "inbox_cleanup_events_deleted", help, counter, events)?;
+        let dropped = [(UNLABELLED, ConstCounter::new(t.partitions_dropped))];
+        let help = "Partitions of a partitioned inbox dropped whole, every row past the window.";
+        encode_family(
+            e,
+            "inbox_cleanup_partitions_dropped",
+            help,
+            counter,
+            dropped,
+        )?;
+        let rows = [(UNLABELLED, ConstCounter::new(t.partition_rows_dropped))];
+        let help = "Inbox rows the dropped partitions held, as the planner estimated them (not in \
+                    inbox_cleanup_rows_deleted, which counts rows deleted by batch).";
+        encode_family(
+            e,
+            "inbox_cleanup_partition_rows_dropped",
+            help,
+            counter,
+            rows,
+        )?;
         let unprocessed = per_type(&t.unprocessed_older).map(|(l, v)| (l, ConstGauge::new(v)));
         let help = "Rows received before the cutoff and never processed, at the last run.";
         let name = "inbox_unprocessed_older_than_retention_rows";
@@ -211,6 +238,44 @@ mod tests {
         assert_eq!(totals.failed_runs, 1);
         assert_eq!(totals.last_success, None);
         assert_eq!(totals.deleted.get("carrier"), Some(&100));
+    }
+
+    /// On a partitioned inbox the old rows go with whole partitions: counted (partitions, and their rows as
+    /// estimated) beside the rows deleted by batch, which stayed near 0 while millions of rows went.
+    #[test]
+    fn partitions_dropped_and_their_rows_are_counted() {
+        let mut totals = Totals::default();
+        let mut run = report(&[("carrier", 0)]);
+        let dropped = |name: &str, rows| crate::cleanup::partitions::Dropped {
+            partition: name.to_owned(),
+            from: None,
+            to: None,
+            rows_estimated: rows,
+        };
+        run.partitions = Some(crate::cleanup::partitions::PartitionWork {
+            dropped: vec![dropped("p1", Some(4_000_000)), dropped("p2", None)],
+            ..Default::default()
+        });
+        totals.add_at(&run, chrono::Utc::now());
+        let mut dry = run.clone();
+        dry.dry_run = true;
+        totals.add_at(&dry, chrono::Utc::now());
+        assert_eq!(totals.partitions_dropped, 2);
+        assert_eq!(totals.partition_rows_dropped, 4_000_000);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(
+            &mut text,
+            &registry(Arc::new(Mutex::new(totals))),
+        )
+        .expect("encode");
+        assert!(
+            text.contains("inbox_cleanup_partitions_dropped_total 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("inbox_cleanup_partition_rows_dropped_total 4000000"),
+            "{text}"
+        );
     }
 
     /// A run whose guard kept a consumer_type's rows is not a complete one: the stamp stays at the last that was,

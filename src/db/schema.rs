@@ -58,7 +58,8 @@ WHERE processed_at IS NULL";
 SELECT format('pid %s (%s, its transaction open for %ss)', a.pid, a.state,
               floor(extract(epoch FROM now() - a.xact_start))::bigint)
 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.relation = to_regclass('inbox_messages') AND l.granted
+WHERE l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.relation = to_regclass('inbox_messages') AND l.granted
   AND l.mode IN ('RowExclusiveLock', 'ShareUpdateExclusiveLock', 'ShareRowExclusiveLock', 'ExclusiveLock',
                  'AccessExclusiveLock')
   AND l.pid <> pg_backend_pid()

@@ -165,7 +165,7 @@ pub async fn run(
     let made_ahead = if plan.dry_run {
         Vec::new()
     } else {
-        partitions::make_ahead(pool).await?
+        partitions::make_ahead(pool, cutoff).await?
     };
     let mut consumers = reports(pool, plan, cutoff).await?;
     if let Some(guard) = &plan.guard {

@@ -128,13 +128,14 @@ pub async fn maintain(
 /// does, before anything that may refuse or fail (the guard's look at the dead-letter queues, the drops), since a
 /// claim whose time no partition holds is refused and its message moved aside — and only a cleanup makes them.
 /// The partitions made. A role that may not make them: none, and a warning.
-pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
+pub async fn make_ahead(pool: &PgPool, cutoff: DateTime<Utc>) -> Result<Vec<String>> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(Vec::new());
     };
     let mut conn = pool.acquire().await?;
     let now = Utc::now();
-    match db::partitions::ensure_partitions(&mut conn, settings, now, now + db::partitions::AHEAD)
+    let from = db::partitions::fill_from(&mut conn, now, not_before(now, cutoff)).await?;
+    match db::partitions::ensure_partitions(&mut conn, settings, from, now + db::partitions::AHEAD)
         .await
     {
         Ok(created) => Ok(created),
@@ -148,6 +149,12 @@ pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
         }
         Err(e) => Err(e),
     }
+}
+
+/// How far back a cleanup makes partitions where they ran out (`fill_from`): the times whose messages may still be
+/// held for them, within the window — never one past it, which this run may have just dropped.
+fn not_before(now: DateTime<Utc>, cutoff: DateTime<Utc>) -> DateTime<Utc> {
+    cutoff.max(now - db::partitions::BACK)
 }
 
 /// The cleanup's window: rows processed before `cutoff` may go; `retention` is how far back it lies.
@@ -199,10 +206,11 @@ async fn drop_and_make(
             }
         }
         let now = Utc::now();
+        let from = db::partitions::fill_from(&mut conn, now, not_before(now, cutoff)).await?;
         work.created = db::partitions::ensure_partitions(
             &mut conn,
             settings,
-            now,
+            from,
             now + db::partitions::AHEAD,
         )
         .await?;

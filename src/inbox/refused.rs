@@ -99,13 +99,19 @@ impl Inbox {
         // is listed but takes no row: its range is held by none. Cleanup detaches only partitions past the window, so
         // a message of its range is an old one, refused as such, not held as if the partitions ahead had run out.
         let partitions: Vec<_> = partitions.iter().filter(|p| !p.detach_pending).collect();
-        let newest = partitions.iter().filter_map(|p| p.to).max();
+        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
+        // The newest that has begun: one made far ahead (by an operator, a clock ahead) does not end the run-out times
+        // before it, whose messages are held for the partitions a migrate or a cleanup makes there (`fill_from`).
+        let newest = partitions
+            .iter()
+            .filter(|p| p.from.is_none_or(|f| f <= latest))
+            .filter_map(|p| p.to)
+            .max();
         let covered = |t: chrono::DateTime<chrono::Utc>| {
             partitions
                 .iter()
                 .any(|p| p.from.is_none_or(|f| f <= t) && p.to.is_some_and(|to| t < to))
         };
-        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
         // None missing now: a partition was made since the claim failed (a cleanup, a migrate making those that ran
         // out) — held this once, and the next try claims.
         keys.iter()

@@ -12,8 +12,8 @@ use sqlx::postgres::PgConnection;
 
 use super::{
     AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
-    create_table_statement, ensure_partitions, intervals, owner_statement, partition_name,
-    partitions, read_layout, run,
+    create_table_statement, ensure_partitions, fill_from, intervals, owner_statement,
+    partition_name, read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -355,20 +355,12 @@ pub async fn partition(
         }
     }
     // The window's past partitions at the conversion; on an inbox partitioned already (a migrate at every deploy),
-    // only those after the newest there is: one missing before it was dropped by a cleanup, its rows past the window,
-    // and made again it would take a late copy of such a message for a message never seen, where its absence moves
-    // the copy aside. After the newest, the partitions ran out (no cleanup made them ahead): the messages of those
-    // times are held, waiting for them.
+    // only those after the newest there is (`fill_from`).
     let now = Utc::now();
     let from = if report.converted {
         now - BACK
     } else {
-        partitions(&mut *conn)
-            .await?
-            .iter()
-            .filter_map(|p| p.to)
-            .max()
-            .map_or(now - BACK, |newest| newest.clamp(now - BACK, now))
+        fill_from(&mut *conn, now, now - BACK).await?
     };
     report.created = ensure_partitions(&mut *conn, settings, from, now + AHEAD).await?;
     restore_owner(conn).await?;

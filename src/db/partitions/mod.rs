@@ -309,6 +309,30 @@ async fn run(conn: &mut PgConnection, statement: &str) -> sqlx::Result<()> {
         .map(drop)
 }
 
+/// Where the partitions to make begin ([`ensure_partitions`]' `from`, for `migrate` run again and for `cleanup`): at the
+/// end of the newest partition that has begun by `now` — past it the partitions ran out, and the messages of the
+/// times since are held for theirs —, no earlier than `not_before` and no later than `now`. One missing before that
+/// newest was dropped by a cleanup, its rows past the window: made again, a late copy of such a message would be
+/// claimed as a message never seen, where the partition's absence moves it aside. A partition that has not begun (an
+/// operator's made far ahead, a clock ahead) is not the newest: the times before it are still to be made.
+pub async fn fill_from(
+    conn: &mut PgConnection,
+    now: DateTime<Utc>,
+    not_before: DateTime<Utc>,
+) -> sqlx::Result<DateTime<Utc>> {
+    let newest = newest_begun(&partitions(&mut *conn).await?, now);
+    Ok(newest.map_or(not_before, |end| end.max(not_before).min(now)))
+}
+
+/// The end of the newest of `partitions` that has begun by `at` (a stopped detach's aside: its range takes no row).
+pub fn newest_begun(partitions: &[Partition], at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    partitions
+        .iter()
+        .filter(|p| !p.detach_pending && p.from.is_none_or(|f| f <= at))
+        .filter_map(|p| p.to)
+        .max()
+}
+
 /// Creates the partitions missing between `from` and `to` (whole intervals), after the newest one there is; returns
 /// their names. Another process creating the same partition at once is no error.
 pub async fn ensure_partitions(

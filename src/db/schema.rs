@@ -49,7 +49,7 @@ CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_inbox_messages_unprocessed ON inbox_m
 WHERE processed_at IS NULL";
 
     /// [`ADOPT_LOCK_TIMEOUT`], for the session, and back.
-    const SET_ADOPT_LOCK_TIMEOUT = "SET lock_timeout = '1s'";
+    const SET_ADOPT_LOCK_TIMEOUT = "SET lock_timeout = '2s'";
     const RESET_LOCK_TIMEOUT = "RESET lock_timeout";
 
     /// The sessions holding a lock on `inbox_messages` that a `SHARE` lock waits for, each as `pid N (state, its
@@ -352,8 +352,11 @@ fn migrate_error(error: sqlx::migrate::MigrateError) -> Error {
     }
 }
 
-/// How long the adopting migration waits for the table's lock at a time ([`adopt`]), and the pause between.
-const ADOPT_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+/// How long the adopting migration waits for the table's lock at a time ([`adopt`]), and the pause between. Above
+/// the server's `deadlock_timeout` (1 s by default), after which a lock request blocked by an autovacuum cancels it:
+/// at or below it, the request timed out first, and migrate waited out the whole vacuum, holding the writes back a
+/// second in every one and a half.
+const ADOPT_LOCK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 const ADOPT_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
 /// How often a migrate kept waiting by open transactions says so.
 const ADOPT_SAY_EVERY: std::time::Duration = std::time::Duration::from_secs(30);

@@ -1539,7 +1539,8 @@ async fn a_stop_gives_back_at_once_what_no_worker_has_taken() {
 
 /// The same in batched mode: the deliveries queued for the batch workers, not in a batch yet, went on into batches
 /// while the stop drained, though the documentation said they went back. A stop while the first batch is held before
-/// its commit: the rest go back at once; the batch under way commits.
+/// its commit (20 s: the looks at the queue are `rabbitmqctl` calls, seconds each on a loaded machine): the rest go
+/// back at once; the batch under way commits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_gives_back_at_once_what_no_batch_has_taken() {
     let env = TestEnv::migrated().await;
@@ -1558,7 +1559,7 @@ async fn a_stop_gives_back_at_once_what_no_batch_has_taken() {
             "--shutdown-timeout",
             "60s",
         ],
-        &[("INBOXCTL_FAILPOINTS", "before-commit=sleep-once-12000")],
+        &[("INBOXCTL_FAILPOINTS", "before-commit=sleep-once-20000")],
     );
     consumer.wait_for_stderr("failpoint before-commit reached", Duration::from_secs(30));
     common::eventually("all 20 with it", Duration::from_secs(5), || async {

@@ -133,21 +133,27 @@ async fn next<C: Consumer>(
         give_back(shared, vec![queued]).await;
     };
     let mut batch = vec![first];
+    // What comes after a stop is no batch's: it goes back too (the batch gathered so far runs).
+    let mut after_stop = Vec::new();
     while batch.len() < size {
         match rx.try_recv() {
+            Ok(queued) if shared.shutdown.is_cancelled() => after_stop.push(queued),
             Ok(queued) => batch.push(queued),
             Err(_) => break,
         }
     }
     if batch.len() < size && running.load(Ordering::SeqCst) > 0 {
         let deadline = tokio::time::Instant::now() + shared.options.batch_wait;
-        while batch.len() < size {
+        while batch.len() < size && !shared.shutdown.is_cancelled() {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(queued)) if shared.shutdown.is_cancelled() => after_stop.push(queued),
                 Ok(Some(queued)) => batch.push(queued),
                 _ => break,
             }
         }
     }
+    drop(rx);
+    give_back(shared, after_stop).await;
     Some(batch)
 }
 

@@ -5,14 +5,15 @@ use inboxctl::error::exit;
 fn main() -> ExitCode {
     let cli = match inboxctl::cli::parse() {
         Ok(cli) => cli,
+        // --help and --version are not errors; a bad flag or value is a usage error, said with the argument it
+        // quotes masked where it is a URL with a password (a second node's `--amqp-url` given without the flag).
+        Err(e) if e.use_stderr() => {
+            eprint!("{}", inboxctl::redact::text(&e.render().to_string()));
+            return ExitCode::from(exit::USAGE);
+        }
         Err(e) => {
             let _ = e.print();
-            // --help and --version are not errors; a bad flag or value is a usage error.
-            return ExitCode::from(if e.use_stderr() {
-                exit::USAGE
-            } else {
-                exit::OK
-            });
+            return ExitCode::from(exit::OK);
         }
     };
     let target = match cli.command {

@@ -115,6 +115,30 @@ fn an_effect_lease_shorter_than_a_look_up_and_a_call_is_refused() {
     assert_eq!(out.code, Some(69), "taken, then unable to connect: {out:?}");
 }
 
+/// A usage error quotes the argument it could not take: a second node's URL given without its `--amqp-url`, or a URL
+/// where a message id goes. Printed as clap wrote it, the password was in it.
+#[test]
+fn a_usage_error_quoting_a_url_masks_its_password() {
+    let secret = "S3cretPw";
+    for args in [
+        &[
+            "--amqp-url",
+            "amqp://app:S3cretPw@rabbit1",
+            "amqp://app:S3cretPw@rabbit2",
+            "stats",
+        ][..],
+        &["find", "postgres://u:S3cretPw@db/x"],
+    ] {
+        let out = run(args, &[]);
+        assert_eq!(out.code, Some(64), "{args:?}: {out:?}");
+        assert!(out.stderr.contains("***@"), "{args:?}: {out:?}");
+        assert!(
+            !out.stderr.contains(secret) && !out.stdout.contains(secret),
+            "{args:?}: {out:?}"
+        );
+    }
+}
+
 #[test]
 fn an_unreachable_database_is_named_without_its_password() {
     let secret = "Sup3rS3cretPw";

@@ -28,7 +28,7 @@ complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-url -d 'Post
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_needs_command" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_needs_command" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
@@ -58,7 +58,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-u
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l dry-run -d 'Show what would be created and run, SQL included, and change nothing'
@@ -105,7 +105,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-u
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
@@ -124,7 +124,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-u
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l force -d 'Clean even where it shortens the deduplication window: accept a --retention under 1m, and clean consumer_types whose dead-letter queues hold a message that failed before the cutoff (its replay would then be processed again)'
@@ -151,7 +151,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-ur
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -l include-expired -d 'Replay messages that failed before the retention window too'
@@ -169,7 +169,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-url 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l json -d 'Print the result as JSON'
@@ -184,7 +184,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l json -d 'Print the listing as JSON (without the member ids; --output has them)'
@@ -196,7 +196,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fis
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and not __fish_seen_subcommand_from parcel-created help" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
@@ -223,7 +223,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand publish; and __fish_seen_subcommand_from parcel-created" -l json -d 'Print the result as JSON'
@@ -241,7 +241,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-url -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand top" -l read-only -d 'Look only: the detail view\'s replay (r) is off'
@@ -255,7 +255,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-url
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand stats" -l json -d 'Print JSON (the shape is documented in docs/commands.md and stable)'
@@ -271,7 +271,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-url 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand demo" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
@@ -284,7 +284,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fis
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and not __fish_seen_subcommand_from resolve reconcile help" -l in-doubt -d 'Only the effects in doubt: the call may or may not have been made (at-most-once)'
@@ -304,7 +304,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l done -d 'The call was made: mark the effect done'
@@ -321,7 +321,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l json -d 'Print what was done as JSON'
@@ -339,7 +339,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l database-url
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand audit" -l json -d 'Print the rows as JSON'
@@ -356,7 +356,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l datab
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand carrier-stub" -l ignore-keys -d 'Book again for a repeated Idempotency-Key, as a carrier that does not honour keys does'
@@ -369,7 +369,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l databa
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-password-file -d 'File holding the RabbitMQ password (one line), so that it is in neither the URL nor the environment' -r -F
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-ca-file -d 'CA certificate (PEM) that an amqps:// broker\'s certificate must chain to, instead of the system\'s roots' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l amqp-ca-file -d 'CA certificate (PEM) an amqps:// broker\'s certificate may chain to, beside the system\'s roots (amqps:// only)' -r -F
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand completions" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'

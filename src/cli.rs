@@ -85,7 +85,7 @@ pub struct ConnectOpts {
     #[arg(long, env = "AMQP_PASSWORD_FILE", value_name = "PATH", global = true)]
     pub amqp_password_file: Option<std::path::PathBuf>,
 
-    /// CA certificate (PEM) that an amqps:// broker's certificate must chain to, instead of the system's roots
+    /// CA certificate (PEM) an amqps:// broker's certificate may chain to, beside the system's roots (amqps:// only)
     #[arg(long, env = "AMQP_CA_FILE", value_name = "PATH", global = true)]
     pub amqp_ca_file: Option<std::path::PathBuf>,
 

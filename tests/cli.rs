@@ -139,6 +139,30 @@ fn a_usage_error_quoting_a_url_masks_its_password() {
     }
 }
 
+/// A CA file beside an `amqp://` URL verified nothing and sent the login in clear text, without a word: refused.
+#[test]
+fn a_ca_file_with_a_url_that_is_not_amqps_is_refused() {
+    let out = run(
+        &[
+            "--amqp-url",
+            "amqp://app@127.0.0.1:1/%2f",
+            "--amqp-ca-file",
+            "/etc/ssl/rabbit-ca.pem",
+            "publish",
+            "parcel-created",
+            "--count",
+            "1",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("is for amqps:// URLs, and --amqp-url is not one"),
+        "{out:?}"
+    );
+}
+
 #[test]
 fn an_unreachable_database_is_named_without_its_password() {
     let secret = "Sup3rS3cretPw";

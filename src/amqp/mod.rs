@@ -143,6 +143,20 @@ impl Broker {
     pub fn new(options: &BrokerOptions) -> Result<Self> {
         let mut broker = Self::from_url(&options.url)?;
         if let Some(path) = &options.ca_file {
+            // A CA file beside a connection that is not TLS verifies nothing, and the login goes in clear text: the
+            // operator meant amqps://.
+            if broker
+                .nodes
+                .iter()
+                .any(|n| n.scheme != lapin::uri::AMQPScheme::AMQPS)
+            {
+                return Err(Error::Usage(format!(
+                    "--amqp-ca-file {} is for amqps:// URLs, and --amqp-url is not one: that connection would not be \
+                     encrypted (its login sent in clear text) and nothing would be verified against the file; use \
+                     amqps://",
+                    path.display()
+                )));
+            }
             let pem = std::fs::read_to_string(path)
                 .map_err(|e| Error::Usage(format!("--amqp-ca-file {}: {e}", path.display())))?;
             if !pem.contains("-----BEGIN CERTIFICATE-----") {

@@ -12,7 +12,28 @@ const MAX_PASSWORD_FILE: u64 = 64 * 1024;
 /// Reads the password in `path` for the option `flag`: the file's text without its final line end. Registered for
 /// redaction before anything can print it. An unreadable or empty file, or one of more than one line, is a usage error
 /// that names the file, never its content.
+///
+/// Read once per process: a command that connects twice (`replay`'s audit, then its run) would find a pipe
+/// (`<(pass show db)`) empty the second time.
 pub fn read_password_file(flag: &str, path: &Path) -> Result<String> {
+    static READ: std::sync::Mutex<Vec<(std::path::PathBuf, String)>> =
+        std::sync::Mutex::new(Vec::new());
+    let known = |read: &Vec<(std::path::PathBuf, String)>| {
+        read.iter()
+            .find(|(p, _)| p == path)
+            .map(|(_, password)| password.clone())
+    };
+    if let Some(password) = known(&READ.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Ok(password);
+    }
+    let password = read_once(flag, path)?;
+    READ.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((path.to_owned(), password.clone()));
+    Ok(password)
+}
+
+fn read_once(flag: &str, path: &Path) -> Result<String> {
     use std::io::Read as _;
     let path_text = path.display().to_string();
     let shown = crate::sanitize::text(&path_text);
@@ -218,6 +239,23 @@ mod tests {
             );
             let _ = std::fs::remove_file(path);
         }
+    }
+
+    /// Read twice in one process (`replay` connects for its audit, then for its run), a pipe was empty the second
+    /// time: "the file is empty", and what that connection was for skipped. Read once now.
+    #[test]
+    fn a_password_file_is_read_once_per_process() {
+        let path = file("once", b"0nce-pw\n");
+        assert_eq!(
+            read_password_file("--database-password-file", &path).expect("read"),
+            "0nce-pw"
+        );
+        std::fs::write(&path, b"").expect("emptied, as a pipe read once is");
+        assert_eq!(
+            read_password_file("--database-password-file", &path).expect("read again"),
+            "0nce-pw"
+        );
+        let _ = std::fs::remove_file(path);
     }
 
     #[test]

@@ -92,11 +92,20 @@ pub fn url(url: &str) -> String {
 
 /// Whether `url` carries a password: in its user information, or as a `password=` parameter (not another parameter
 /// named for one, such as a client key's `sslpassword=`: that one is no login password).
+///
+/// Where the user information is ambiguous (an `@` after a `/`, `?` or `#`), it is read to the first `@`: a vhost, a
+/// path or a parameter holding an `@` after the host (`amqp://app@rabbit:5672/team@eu`) is no password, as every URL
+/// parser reads it (masking still takes the whole ambiguous part, to be safe).
 pub fn has_password(url: &str) -> bool {
     userinfo(url).is_some_and(|u| {
-        url[u.start..u.end]
+        let end = if u.clear {
+            u.end
+        } else {
+            u.start + url[u.start..u.end].find('@').unwrap_or(u.end - u.start)
+        };
+        url[u.start..end]
             .find(':')
-            .is_some_and(|colon| u.start + colon + 1 < u.end)
+            .is_some_and(|colon| u.start + colon + 1 < end)
     }) || query_password_parameters(url)
         .iter()
         .any(|p| p.plain && p.value_start < p.end)
@@ -413,6 +422,15 @@ mod tests {
             assert_eq!(url(given), shown, "{given}");
             assert!(has_password(given), "{given}");
         }
+        // An @ after the host, in a vhost or a parameter: no password (a password file beside it was refused as a
+        // second one).
+        for given in [
+            "amqp://app@rabbit:5672/team@eu",
+            "postgres://app@db:5432/x?sslrootcert=/etc/ssl/ca@2025.pem",
+        ] {
+            assert!(!has_password(given), "{given}");
+        }
+        assert!(has_password("amqp://app:pw@rabbit:5672/team@eu"));
         assert!(credentials_ambiguous("postgres://postgres:pa#ss@h/db"));
         assert!(!credentials_ambiguous("postgres://postgres:pa@ss@h/db"));
         assert!(!credentials_ambiguous("postgres://h/db"));

@@ -616,13 +616,7 @@ async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped
     }
 
     // One made far ahead (an operator's, a clock ahead) does not end the days that ran out before it.
-    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
-    let mut conn = db.connect().await.unwrap();
-    let far = Utc::now() + TimeDelta::days(60);
-    inboxctl::db::partitions::ensure_partitions(&mut conn, settings, far, far)
-        .await
-        .unwrap();
-    drop(conn);
+    let far = a_partition_far_ahead(&env).await;
 
     // A cleanup first (what the held messages' log line says to run), then a migrate: each makes the partitions
     // from the newest begun on, and neither those it dropped.
@@ -655,6 +649,21 @@ async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped
 
 fn far_name(settings: &inboxctl::db::partitions::Settings, at: chrono::DateTime<Utc>) -> String {
     inboxctl::db::partitions::partition_name(settings.floor(at))
+}
+
+/// A day's partition 60 days ahead (an operator's; one a clock ahead made), on an inbox partitioned by day; its time.
+async fn a_partition_far_ahead(env: &TestEnv) -> chrono::DateTime<Utc> {
+    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
+    let mut conn = db.connect().await.unwrap();
+    let far = Utc::now() + TimeDelta::days(60);
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    inboxctl::db::partitions::ensure_partitions(&mut conn, settings, far, far)
+        .await
+        .unwrap();
+    far
 }
 
 /// The tables of the window's partitions (`relispartition`) and those of their names that are tables of their own.
@@ -1406,20 +1415,7 @@ async fn with_the_partitions_ahead_gone(env: &TestEnv) -> sqlx::PgPool {
     }
     // And one made far ahead (an operator's; a clock ahead): it does not end the times that ran out before it, whose
     // messages are held all the same (taken for the newest, it had them moved aside as of no partition's time).
-    let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
-    let mut conn = db.connect().await.unwrap();
-    let far = Utc::now() + TimeDelta::days(60);
-    inboxctl::db::partitions::ensure_partitions(
-        &mut conn,
-        inboxctl::db::partitions::Settings {
-            interval: TimeDelta::days(1),
-            source: inboxctl::inbox::TimeSource::Id,
-        },
-        far,
-        far,
-    )
-    .await
-    .unwrap();
+    a_partition_far_ahead(env).await;
     pool
 }
 

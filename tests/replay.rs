@@ -292,7 +292,8 @@ async fn a_message_dead_lettered_twice_goes_back_to_the_queue_it_failed_in_last(
     let env = TestEnv::bare().await;
     let conn = env.amqp().await;
     let channel = conn.create_channel().await.unwrap();
-    let declare = |name: &'static str, to: Option<&'static str>| {
+    // A queue dead-lettering into `to` (after `ttl` ms, if given), by the default exchange.
+    let declare = |name: &'static str, to: Option<&'static str>, ttl: Option<i32>| {
         let channel = channel.clone();
         async move {
             let mut args = FieldTable::default();
@@ -300,86 +301,76 @@ async fn a_message_dead_lettered_twice_goes_back_to_the_queue_it_failed_in_last(
                 args.insert("x-dead-letter-exchange".into(), long(""));
                 args.insert("x-dead-letter-routing-key".into(), long(to));
             }
+            if let Some(ttl) = ttl {
+                args.insert(
+                    "x-message-ttl".into(),
+                    lapin::types::AMQPValue::LongInt(ttl),
+                );
+            }
             channel
                 .queue_declare(name.into(), QueueDeclareOptions::durable(), args)
                 .await
                 .unwrap();
         }
     };
-    declare("orders.delay", Some("orders")).await;
-    declare("orders", Some("orders.dlq")).await;
-    declare("orders.dlq", None).await;
+    let in_queue = |queue: &'static str| {
+        let env = &env;
+        async move {
+            common::eventually(
+                &format!("one in {queue}"),
+                Duration::from_secs(10),
+                || async { env.queue_counts(queue) == (1, 0) },
+            )
+            .await;
+        }
+    };
+    let reject_from = |queue: &'static str| {
+        let channel = channel.clone();
+        async move {
+            let m = channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+                .await
+                .unwrap()
+                .unwrap();
+            m.delivery
+                .acker
+                .reject(BasicRejectOptions { requeue: false })
+                .await
+                .unwrap();
+        }
+    };
+    let replayed_back_to = |from: &'static str, origin: &'static str| {
+        let report = replay_json(&env, &["--from", from], 0);
+        assert_eq!(report["replayed"], 1, "{report}");
+        assert_eq!(report["items"][0]["origin"], origin, "{report}");
+        assert_eq!(report["items"][0]["reason"], "rejected", "{report}");
+        assert_eq!(env.queue_counts(origin), (1, 0));
+    };
+
+    declare("orders.delay", Some("orders"), None).await;
+    declare("orders", Some("orders.dlq"), None).await;
+    declare("orders.dlq", None, None).await;
     let props = BasicProperties::default()
         .with_message_id(uuid::Uuid::new_v4().to_string().into())
         .with_expiration("1".into());
     common::publish(&conn, "", "orders.delay", props, b"{\"order\": 1}").await;
-    common::eventually("expired into orders", Duration::from_secs(10), || async {
-        env.queue_counts("orders") == (1, 0)
-    })
-    .await;
-    let m = channel
-        .basic_get("orders".into(), BasicGetOptions { no_ack: false })
-        .await
-        .unwrap()
-        .unwrap();
-    m.delivery
-        .acker
-        .reject(BasicRejectOptions { requeue: false })
-        .await
-        .unwrap();
-    common::eventually(
-        "rejected into orders.dlq",
-        Duration::from_secs(10),
-        || async { env.queue_counts("orders.dlq") == (1, 0) },
-    )
-    .await;
-
-    let report = replay_json(&env, &["--from", "orders.dlq"], 0);
-    assert_eq!(report["replayed"], 1, "{report}");
-    assert_eq!(report["items"][0]["origin"], "orders", "{report}");
-    assert_eq!(report["items"][0]["reason"], "rejected", "{report}");
-    assert_eq!(env.queue_counts("orders"), (1, 0));
+    in_queue("orders").await;
+    reject_from("orders").await;
+    in_queue("orders.dlq").await;
+    replayed_back_to("orders.dlq", "orders");
     assert_eq!(env.queue_counts("orders.delay"), (0, 0));
 
     // The other way round: rejected in `jobs` into `jobs.dlq`, whose TTL then moves it into `jobs.archive`. It
     // failed in `jobs`, not in the dead-letter queue the newest death names.
-    declare("jobs", Some("jobs.dlq")).await;
-    let mut args = FieldTable::default();
-    args.insert("x-dead-letter-exchange".into(), long(""));
-    args.insert("x-dead-letter-routing-key".into(), long("jobs.archive"));
-    args.insert("x-message-ttl".into(), lapin::types::AMQPValue::LongInt(1));
-    channel
-        .queue_declare("jobs.dlq".into(), QueueDeclareOptions::durable(), args)
-        .await
-        .unwrap();
-    declare("jobs.archive", None).await;
+    declare("jobs", Some("jobs.dlq"), None).await;
+    declare("jobs.dlq", Some("jobs.archive"), Some(1)).await;
+    declare("jobs.archive", None, None).await;
     let props = BasicProperties::default().with_message_id(uuid::Uuid::new_v4().to_string().into());
     common::publish(&conn, "", "jobs", props, b"{\"job\": 1}").await;
-    common::eventually("in jobs", Duration::from_secs(10), || async {
-        env.queue_counts("jobs") == (1, 0)
-    })
-    .await;
-    let m = channel
-        .basic_get("jobs".into(), BasicGetOptions { no_ack: false })
-        .await
-        .unwrap()
-        .unwrap();
-    m.delivery
-        .acker
-        .reject(BasicRejectOptions { requeue: false })
-        .await
-        .unwrap();
-    common::eventually(
-        "expired into jobs.archive",
-        Duration::from_secs(10),
-        || async { env.queue_counts("jobs.archive") == (1, 0) },
-    )
-    .await;
-    let report = replay_json(&env, &["--from", "jobs.archive"], 0);
-    assert_eq!(report["replayed"], 1, "{report}");
-    assert_eq!(report["items"][0]["origin"], "jobs", "{report}");
-    assert_eq!(report["items"][0]["reason"], "rejected", "{report}");
-    assert_eq!(env.queue_counts("jobs"), (1, 0));
+    in_queue("jobs").await;
+    reject_from("jobs").await;
+    in_queue("jobs.archive").await;
+    replayed_back_to("jobs.archive", "jobs");
 }
 
 #[tokio::test(flavor = "multi_thread")]

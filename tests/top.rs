@@ -359,6 +359,24 @@ async fn a_panic_in_the_data_collection_ends_the_dashboard_with_an_error() {
     );
 }
 
+/// A panic in the dashboard's own loop (inboxctl's bug; here a failpoint at a key): the panic hook gives the terminal
+/// back and prints the panic, and the guard gave it back a second time as it unwound, covering the panic's text.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_panic_in_the_dashboards_loop_leaves_its_text_on_the_terminal() {
+    let env = TestEnv::migrated().await;
+    let tmux = top_in_tmux_with(
+        &env,
+        160,
+        "RUST_BACKTRACE=0 INBOXCTL_FAILPOINTS=top-key=panic",
+    );
+    tmux.wait_for("the dashboard", |s| s.contains("consumer_type"));
+    tmux.run(&["send-keys", "-t", "top", "j"]);
+    assert_exited_and_terminal_given_back(&tmux, "101");
+    let screen = tmux.screen();
+    assert!(screen.contains("failpoint top-key"), "{screen}");
+}
+
 /// A look at an error queue's head the broker does not answer (a quorum queue without a leader, a broker far away
 /// with many of them): every refresh ran into its limit and was thrown away whole, the database's figures with it,
 /// and looked at the heads again — the dashboard said "waiting for the first figures" for good. The broker's half is

@@ -56,7 +56,12 @@ impl Restore {
 
 impl Drop for Restore {
     fn drop(&mut self) {
-        ratatui::restore();
+        // Unwinding from a panic, the panic hook (`try_init`'s) has given the terminal back and printed the panic:
+        // given back again, the cursor saved on entering the alternate screen was restored once more, and what the
+        // shell wrote next covered the panic's text.
+        if !std::thread::panicking() {
+            ratatui::restore();
+        }
         crate::shutdown::before_exit(None);
     }
 }
@@ -110,6 +115,8 @@ pub async fn run(
             }
             event = events.next() => match event {
                 Some(Ok(Event::Key(key))) => {
+                    // A panic in the dashboard's own loop (a test's, at a key).
+                    crate::failpoint::hit("top-key").await;
                     if let Some(action) = action_for(key, app.mode()) {
                         app.update(action);
                     }

@@ -139,7 +139,8 @@ fn a_usage_error_quoting_a_url_masks_its_password() {
     }
 }
 
-/// A CA file beside an `amqp://` URL verified nothing and sent the login in clear text, without a word: refused.
+/// A CA file beside an `amqp://` URL verified nothing and sent the login in clear text, without a word: refused. So
+/// is one that never ends (`/dev/zero`), which was read into memory without a bound.
 #[test]
 fn a_ca_file_with_a_url_that_is_not_amqps_is_refused() {
     let out = run(
@@ -161,6 +162,22 @@ fn a_ca_file_with_a_url_that_is_not_amqps_is_refused() {
             .contains("is for amqps:// URLs, and --amqp-url is not one"),
         "{out:?}"
     );
+    // And a CA file that never ends (given by mistake) is refused, not read into memory without end.
+    let out = run(
+        &[
+            "--amqp-url",
+            "amqps://app@127.0.0.1:1/%2f",
+            "--amqp-ca-file",
+            "/dev/zero",
+            "publish",
+            "parcel-created",
+            "--count",
+            "1",
+        ],
+        &[],
+    );
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(out.stderr.contains("longer than"), "{out:?}");
 }
 
 #[test]

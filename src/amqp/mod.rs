@@ -69,6 +69,9 @@ pub struct BrokerOptions {
     pub password_file: Option<std::path::PathBuf>,
 }
 
+/// A CA file longer than this is no CA file (a bundle of every public authority is about 200 KB).
+const MAX_CA_FILE: u64 = 4 * 1024 * 1024;
+
 /// Connection settings parsed from an `amqp://` or `amqps://` URL: one node, or several (see [`nodes`]).
 #[derive(Clone, Debug)]
 pub struct Broker {
@@ -157,8 +160,25 @@ impl Broker {
                     path.display()
                 )));
             }
-            let pem = std::fs::read_to_string(path)
+            // Through a bound: `/dev/zero` given by mistake does not fill the memory.
+            let mut bytes = Vec::new();
+            std::fs::File::open(path)
+                .and_then(|f| {
+                    std::io::Read::read_to_end(
+                        &mut std::io::Read::take(f, MAX_CA_FILE + 1),
+                        &mut bytes,
+                    )
+                })
                 .map_err(|e| Error::Usage(format!("--amqp-ca-file {}: {e}", path.display())))?;
+            if bytes.len() as u64 > MAX_CA_FILE {
+                return Err(Error::Usage(format!(
+                    "--amqp-ca-file {}: longer than {MAX_CA_FILE} bytes; it must hold PEM certificates",
+                    path.display()
+                )));
+            }
+            let pem = String::from_utf8(bytes).map_err(|_| {
+                Error::Usage(format!("--amqp-ca-file {}: not PEM text", path.display()))
+            })?;
             if !pem.contains("-----BEGIN CERTIFICATE-----") {
                 return Err(Error::Usage(format!(
                     "--amqp-ca-file {}: no PEM certificate in it",

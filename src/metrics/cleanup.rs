@@ -66,7 +66,8 @@ impl Totals {
         }
         self.events_deleted += report.events_deleted;
         if let Some(work) = &report.partitions {
-            self.partitions_dropped += work.dropped.len() as u64;
+            // Leftovers of a stopped drop, dropped now, too (their rows are not estimated).
+            self.partitions_dropped += (work.dropped.len() + work.leftovers.len()) as u64;
             self.partition_rows_dropped += work.rows_dropped();
         }
         for c in &report.consumers {
@@ -254,13 +255,14 @@ mod tests {
         };
         run.partitions = Some(crate::cleanup::partitions::PartitionWork {
             dropped: vec![dropped("p1", Some(4_000_000)), dropped("p2", None)],
+            leftovers: vec!["p0".to_owned()],
             ..Default::default()
         });
         totals.add_at(&run, chrono::Utc::now());
         let mut dry = run.clone();
         dry.dry_run = true;
         totals.add_at(&dry, chrono::Utc::now());
-        assert_eq!(totals.partitions_dropped, 2);
+        assert_eq!(totals.partitions_dropped, 3);
         assert_eq!(totals.partition_rows_dropped, 4_000_000);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(
@@ -269,7 +271,7 @@ mod tests {
         )
         .expect("encode");
         assert!(
-            text.contains("inbox_cleanup_partitions_dropped_total 2"),
+            text.contains("inbox_cleanup_partitions_dropped_total 3"),
             "{text}"
         );
         assert!(

@@ -314,6 +314,44 @@ async fn adopting_a_table_behind_an_open_write_transaction_holds_other_writes_ba
     assert_eq!(rows, 7);
 }
 
+/// Waiting for the table's lock (or anything else), `migrate` heard a first SIGTERM or Ctrl-C and went on: only a
+/// second ended it. The first ends it now, saying what stays (exit 3), and a later run finishes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_migrate_kept_waiting_ends_at_the_first_signal_and_a_later_run_finishes() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    let mut migrate = env.spawn(&["migrate"]);
+    migrate.wait_for_stderr(
+        "inbox_messages is held by transactions still open",
+        Duration::from_secs(30),
+    );
+    migrate.terminate();
+    assert_eq!(
+        migrate.wait(Duration::from_secs(10)),
+        Some(3),
+        "{}",
+        migrate.stderr()
+    );
+    assert!(
+        migrate
+            .stderr()
+            .contains("interrupted: what was applied stays"),
+        "{}",
+        migrate.stderr()
+    );
+    open.commit().await.unwrap();
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let versions: i64 = common::count(&pool, "SELECT count(*) FROM inboxctl_migrations").await;
+    assert_eq!(versions, migrations() as i64);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_ef_core_table_with_rows_is_adopted_untouched() {
     let env = TestEnv::empty().await;

@@ -62,18 +62,32 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<Outcome> {
     match command {
-        Command::Migrate(args) => migrate::run(args, global).await,
+        Command::Migrate(args) => {
+            tokio::select! {
+                outcome = migrate::run(args, global) => outcome,
+                () = shutdown.cancelled() => {
+                    // Each step is its own transaction, or an index built concurrently: what was done stays, what was
+                    // under way is rolled back (an index build cut short is left invalid, and built again by the
+                    // next run), and the session's lock goes with its connection.
+                    tracing::warn!(
+                        "interrupted: what was applied stays; run migrate again to finish (an index build cut short \
+                         is built again then)"
+                    );
+                    Ok(Outcome::Partial)
+                }
+            }
+        }
         Command::Consume(args) => consume::run(*args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
         Command::Find(args) => until_stopped(find::run(args, global), &shutdown).await,
         Command::Failures(args) => until_stopped(failures::run(args, global), &shutdown).await,
         Command::Publish(args) => publish::run(args, global, shutdown).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
-        Command::Stats(args) => stats::run(args, global).await,
+        Command::Stats(args) => until_stopped(stats::run(args, global), &shutdown).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
         Command::Effects(args) => effects::run(args, global).await,
-        Command::Audit(args) => audit::run(args, global).await,
+        Command::Audit(args) => until_stopped(audit::run(args, global), &shutdown).await,
         Command::CarrierStub(args) => carrier_stub::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }

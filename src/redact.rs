@@ -93,22 +93,33 @@ pub fn url(url: &str) -> String {
 /// Whether `url` carries a password: in its user information, or as a `password=` parameter (not another parameter
 /// named for one, such as a client key's `sslpassword=`: that one is no login password).
 ///
-/// Where the user information is ambiguous (an `@` after a `/`, `?` or `#`), it is read to the first `@`: a vhost, a
-/// path or a parameter holding an `@` after the host (`amqp://app@rabbit:5672/team@eu`) is no password, as every URL
-/// parser reads it (masking still takes the whole ambiguous part, to be safe).
+/// The user information is read as the drivers' URL parser reads it: in the authority (up to the first `/`, `?` or
+/// `#`), to its last `@` — so an `@` after the host, in a vhost or a parameter (`amqp://app@rabbit:5672/team@eu`), is
+/// no password, and a user name holding an `@` (`ops@corp:pw@db`) keeps its password. An authority cut short before
+/// any `@` by a password holding an unencoded `/`, `?` or `#` (`u:pa/ss@h`) still has one when what follows its last
+/// colon is no port (masking takes the whole ambiguous part either way).
 pub fn has_password(url: &str) -> bool {
-    userinfo(url).is_some_and(|u| {
-        let end = if u.clear {
-            u.end
-        } else {
-            u.start + url[u.start..u.end].find('@').unwrap_or(u.end - u.start)
-        };
-        url[u.start..end]
+    let start = match url.find("//") {
+        Some(i) => i + 2,
+        None => url.find(':').map_or(url.len(), |i| i + 1),
+    };
+    let rest = &url[start..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let in_userinfo = match authority.rfind('@') {
+        Some(at) => authority[..at]
             .find(':')
-            .is_some_and(|colon| u.start + colon + 1 < end)
-    }) || query_password_parameters(url)
-        .iter()
-        .any(|p| p.plain && p.value_start < p.end)
+            .is_some_and(|colon| colon + 1 < at),
+        None => {
+            credentials_ambiguous(url)
+                && authority.rsplit_once(':').is_some_and(|(_, after)| {
+                    !after.is_empty() && !after.bytes().all(|b| b.is_ascii_digit())
+                })
+        }
+    };
+    in_userinfo
+        || query_password_parameters(url)
+            .iter()
+            .any(|p| p.plain && p.value_start < p.end)
 }
 
 /// `url` without the query parameters named for a password that are not libpq's `password=` (`sslpassword=`), and
@@ -427,10 +438,20 @@ mod tests {
         for given in [
             "amqp://app@rabbit:5672/team@eu",
             "postgres://app@db:5432/x?sslrootcert=/etc/ssl/ca@2025.pem",
+            "postgres://db:5432/app?application_name=svc@n1",
+            "amqp://rabbit:5672/team@eu",
+            "amqp://[::1]:5672/team@eu",
         ] {
             assert!(!has_password(given), "{given}");
         }
-        assert!(has_password("amqp://app:pw@rabbit:5672/team@eu"));
+        // As the drivers read them: the last @ of the authority ends the user information.
+        for given in [
+            "amqp://app:pw@rabbit:5672/team@eu",
+            "postgres://ops@corp:S3cret@db:5432/app?sslrootcert=/etc/ssl/ca@2025.pem",
+            "amqp://app:@dm1n@rabbit:5672/team@eu",
+        ] {
+            assert!(has_password(given), "{given}");
+        }
         assert!(credentials_ambiguous("postgres://postgres:pa#ss@h/db"));
         assert!(!credentials_ambiguous("postgres://postgres:pa@ss@h/db"));
         assert!(!credentials_ambiguous("postgres://h/db"));

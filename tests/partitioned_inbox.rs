@@ -645,6 +645,18 @@ async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped
                 .unwrap();
         }
     }
+
+    // With a retention shorter than the days run out: yesterday is past the window, yet messages of yesterday are
+    // held for its partition (never processed). A cleanup that made partitions from its cutoff only left them to be
+    // moved aside once today's partition was made; it makes yesterday's too now, and keeps it this run.
+    let out = env.run(&["cleanup", "--retention", "1h", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let again = attached().await;
+    assert!(again.contains(&yesterday), "{again:?}: {out:?}");
+    assert!(
+        out.stdout.contains("made by this run for messages held"),
+        "{out:?}"
+    );
 }
 
 fn far_name(settings: &inboxctl::db::partitions::Settings, at: chrono::DateTime<Utc>) -> String {

@@ -165,7 +165,7 @@ pub async fn run(
     let made_ahead = if plan.dry_run {
         Vec::new()
     } else {
-        partitions::make_ahead(pool, cutoff).await?
+        partitions::make_ahead(pool).await?
     };
     let mut consumers = reports(pool, plan, cutoff).await?;
     if let Some(guard) = &plan.guard {
@@ -185,7 +185,7 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), true)
+        partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), &[], true)
             .await
             .map_err(|f| f.error)?;
         count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
@@ -199,8 +199,15 @@ pub async fn run(
             .iter()
             .map(|&i| consumers[i].consumer_type.clone())
             .collect();
-        let maintained =
-            partitions::maintain(pool, window, &cleanable, held.as_deref(), false).await;
+        let maintained = partitions::maintain(
+            pool,
+            window,
+            &cleanable,
+            held.as_deref(),
+            &made_ahead,
+            false,
+        )
+        .await;
         let result = match maintained {
             Ok(mut work) => {
                 if let Some(work) = &mut work {

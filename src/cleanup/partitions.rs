@@ -98,13 +98,18 @@ pub async fn maintain(
     window: Window,
     cleanable: &HashSet<String>,
     held: Option<&str>,
+    made_ahead: &[String],
     dry_run: bool,
 ) -> std::result::Result<Option<PartitionWork>, Failed> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(None);
     };
     let mut work = PartitionWork::default();
-    match drop_and_make(pool, settings, window, cleanable, held, dry_run, &mut work).await {
+    match drop_and_make(
+        pool, settings, window, cleanable, held, made_ahead, dry_run, &mut work,
+    )
+    .await
+    {
         Ok(()) => Ok(Some(work)),
         // Making, attaching, detaching and dropping a partition are the table owner's: a role that may only delete
         // rows still cleans, by the batched delete.
@@ -128,13 +133,13 @@ pub async fn maintain(
 /// does, before anything that may refuse or fail (the guard's look at the dead-letter queues, the drops), since a
 /// claim whose time no partition holds is refused and its message moved aside — and only a cleanup makes them.
 /// The partitions made. A role that may not make them: none, and a warning.
-pub async fn make_ahead(pool: &PgPool, cutoff: DateTime<Utc>) -> Result<Vec<String>> {
+pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(Vec::new());
     };
     let mut conn = pool.acquire().await?;
     let now = Utc::now();
-    let from = db::partitions::fill_from(&mut conn, now, not_before(now, cutoff)).await?;
+    let from = db::partitions::fill_from(&mut conn, now, now - db::partitions::BACK).await?;
     match db::partitions::ensure_partitions(&mut conn, settings, from, now + db::partitions::AHEAD)
         .await
     {
@@ -151,12 +156,6 @@ pub async fn make_ahead(pool: &PgPool, cutoff: DateTime<Utc>) -> Result<Vec<Stri
     }
 }
 
-/// How far back a cleanup makes partitions where they ran out (`fill_from`): the times whose messages may still be
-/// held for them, within the window — never one past it, which this run may have just dropped.
-fn not_before(now: DateTime<Utc>, cutoff: DateTime<Utc>) -> DateTime<Utc> {
-    cutoff.max(now - db::partitions::BACK)
-}
-
 /// The cleanup's window: rows processed before `cutoff` may go; `retention` is how far back it lies.
 #[derive(Debug, Clone, Copy)]
 pub struct Window {
@@ -164,12 +163,14 @@ pub struct Window {
     pub retention: std::time::Duration,
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn drop_and_make(
     pool: &PgPool,
     settings: db::partitions::Settings,
     window: Window,
     cleanable: &HashSet<String>,
     held: Option<&str>,
+    made_ahead: &[String],
     dry_run: bool,
     work: &mut PartitionWork,
 ) -> Result<()> {
@@ -206,7 +207,7 @@ async fn drop_and_make(
             }
         }
         let now = Utc::now();
-        let from = db::partitions::fill_from(&mut conn, now, not_before(now, cutoff)).await?;
+        let from = db::partitions::fill_from(&mut conn, now, now - db::partitions::BACK).await?;
         work.created = db::partitions::ensure_partitions(
             &mut conn,
             settings,
@@ -232,6 +233,17 @@ async fn drop_and_make(
                     .unwrap_or(DateTime::<Utc>::MAX_UTC),
             });
             break;
+        }
+        // Made by this run where the partitions had run out: messages of its times are held for it, however old,
+        // and claim in it once it is there. Empty now, it is not dropped under them; a later run drops it once what
+        // they wrote is past the window.
+        if made_ahead.contains(&partition.name) || work.created.contains(&partition.name) {
+            work.kept.push(Kept {
+                why: "made by this run for messages held since the partitions ran out".to_owned(),
+                partition: partition.name,
+                detached: false,
+            });
+            continue;
         }
         if !partition.mine {
             work.kept.push(Kept {

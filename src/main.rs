@@ -7,8 +7,19 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         // --help and --version are not errors; a bad flag or value is a usage error, said with the argument it
         // quotes masked where it is a URL with a password (a second node's `--amqp-url` given without the flag).
+        // (A closed stderr is no panic: written, not `eprint!`ed.)
+        Err(e)
+            if e.use_stderr()
+                && e.kind() != clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand =>
+        {
+            use std::io::Write as _;
+            let text = inboxctl::redact::text(&e.render().to_string());
+            let _ = std::io::stderr().write_all(text.as_bytes());
+            return ExitCode::from(exit::USAGE);
+        }
+        // Help asked for by giving nothing: no argument of the user's in it, and its URL shapes are no passwords.
         Err(e) if e.use_stderr() => {
-            eprint!("{}", inboxctl::redact::text(&e.render().to_string()));
+            let _ = e.print();
             return ExitCode::from(exit::USAGE);
         }
         Err(e) => {

@@ -139,6 +139,27 @@ fn a_usage_error_quoting_a_url_masks_its_password() {
     }
 }
 
+/// A usage error written to a stderr closed under it (`inboxctl --bogus 2>&1 | head -0`) is exit 64, not a panic; and
+/// the help a bare `inboxctl` prints shows its URL shapes as written, not masked as if they held passwords.
+#[test]
+fn a_usage_error_to_a_closed_stderr_is_no_panic_and_bare_help_is_shown_as_written() {
+    let mut child = Command::new(common::bin())
+        .arg("--bogus-flag")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stderr.take());
+    assert_eq!(child.wait().unwrap().code(), Some(64));
+    let out = run(&[], &[]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr.contains("postgres://user[:password]@host"),
+        "{}",
+        out.stderr
+    );
+}
+
 /// A CA file beside an `amqp://` URL verified nothing and sent the login in clear text, without a word: refused. So
 /// is one that never ends (`/dev/zero`), which was read into memory without a bound.
 #[test]

@@ -79,15 +79,24 @@ pub async fn run(
         }
         Command::Consume(args) => consume::run(*args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
-        Command::Find(args) => until_stopped(find::run(args, global), &shutdown).await,
-        Command::Failures(args) => until_stopped(failures::run(args, global), &shutdown).await,
+        Command::Find(args) => until_stopped(find::run(args, global), &shutdown, LOOKED).await,
+        Command::Failures(args) => {
+            until_stopped(failures::run(args, global), &shutdown, LOOKED).await
+        }
         Command::Publish(args) => publish::run(args, global, shutdown).await,
         Command::Replay(args) => replay::run(args, global, shutdown).await,
-        Command::Stats(args) => until_stopped(stats::run(args, global), &shutdown).await,
+        Command::Stats(args) => until_stopped(stats::run(args, global), &shutdown, LOOKED).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
         Command::Effects(args) => effects::run(args, global).await,
-        Command::Audit(args) => until_stopped(audit::run(args, global), &shutdown).await,
+        Command::Audit(args) => {
+            until_stopped(
+                audit::run(args, global),
+                &shutdown,
+                "interrupted: nothing was changed",
+            )
+            .await
+        }
         Command::CarrierStub(args) => carrier_stub::run(args, global, shutdown).await,
         Command::Completions(args) => completions::run(&args),
     }
@@ -95,16 +104,18 @@ pub async fn run(
 
 /// A look at dead-letter queues, ended at once by a stop (it takes nothing: there is nothing to finish). Its
 /// connection goes with it, and the broker gives back every message it held, each to its place.
+/// What an interrupted look says: it takes messages to look at them, and gives them back.
+const LOOKED: &str = "interrupted: nothing was taken; the messages looked at go back to their queues as the connection closes";
+
 async fn until_stopped(
     look: impl Future<Output = Result<Outcome>>,
     shutdown: &CancellationToken,
+    said: &str,
 ) -> Result<Outcome> {
     tokio::select! {
         outcome = look => outcome,
         () = shutdown.cancelled() => {
-            tracing::warn!(
-                "interrupted: nothing was taken; the messages looked at go back to their queues as the connection closes"
-            );
+            tracing::warn!("{said}");
             Ok(Outcome::Partial)
         }
     }

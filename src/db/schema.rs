@@ -48,6 +48,9 @@ WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.reln
 CREATE INDEX CONCURRENTLY IF NOT EXISTS ix_inbox_messages_unprocessed ON inbox_messages (received_at)
 WHERE processed_at IS NULL";
 
+    /// The server looks whether the client is still there every second while a statement runs (PostgreSQL 14+).
+    const CHECK_CLIENT_CONNECTION = "SET client_connection_check_interval = '1s'";
+
     /// [`ADOPT_LOCK_TIMEOUT`], for the session, and back.
     const SET_ADOPT_LOCK_TIMEOUT = "SET lock_timeout = '2s'";
     const RESET_LOCK_TIMEOUT = "RESET lock_timeout";
@@ -185,6 +188,10 @@ pub async fn migrate_partitioned(
     let created = !exists && create_database(db, &database).await?;
 
     let mut conn = db.connect().await?;
+    // A migrate stopped by a signal closes its connection mid-statement; PostgreSQL 14 and later then end the statement
+    // within a second (an index build, holding the migrate lock, would otherwise run on to its end). Older servers
+    // know no such setting, and run it to its end.
+    let _ = sql::query(CHECK_CLIENT_CONNECTION).execute(&mut conn).await;
     let mut waiting = false;
     while !sql::query_scalar::<bool>(MIGRATE_TRY_LOCK)
         .bind(MIGRATE_LOCK_KEY)

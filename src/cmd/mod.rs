@@ -62,20 +62,17 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<Outcome> {
     match command {
+        // Each step is its own transaction, or an index built concurrently: what was done stays, what was under way
+        // is rolled back (an index build cut short is left invalid, and built again by the next run), and the
+        // session's lock goes with its connection.
         Command::Migrate(args) => {
-            tokio::select! {
-                outcome = migrate::run(args, global) => outcome,
-                () = shutdown.cancelled() => {
-                    // Each step is its own transaction, or an index built concurrently: what was done stays, what was
-                    // under way is rolled back (an index build cut short is left invalid, and built again by the
-                    // next run), and the session's lock goes with its connection.
-                    tracing::warn!(
-                        "interrupted: what was applied stays; run migrate again to finish (an index build cut short \
-                         is built again then)"
-                    );
-                    Ok(Outcome::Partial)
-                }
-            }
+            until_stopped(
+                migrate::run(args, global),
+                &shutdown,
+                "interrupted: what was applied stays; run migrate again to finish (an index build cut short is built \
+                 again then)",
+            )
+            .await
         }
         Command::Consume(args) => consume::run(*args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
@@ -102,11 +99,11 @@ pub async fn run(
     }
 }
 
-/// A look at dead-letter queues, ended at once by a stop (it takes nothing: there is nothing to finish). Its
-/// connection goes with it, and the broker gives back every message it held, each to its place.
-/// What an interrupted look says: it takes messages to look at them, and gives them back.
+/// What an interrupted look at queues says: it takes messages to look at them, and gives them back.
 const LOOKED: &str = "interrupted: nothing was taken; the messages looked at go back to their queues as the connection closes";
 
+/// A command ended at once by a stop, saying `said` (exit 3): its future is dropped with its connections, the
+/// database rolling back what was under way and the broker giving back every message it held, each to its place.
 async fn until_stopped(
     look: impl Future<Output = Result<Outcome>>,
     shutdown: &CancellationToken,

@@ -138,11 +138,7 @@ pub async fn make_ahead(pool: &PgPool) -> Result<Vec<String>> {
         return Ok(Vec::new());
     };
     let mut conn = pool.acquire().await?;
-    let now = Utc::now();
-    let from = db::partitions::fill_from(&mut conn, now, now - db::partitions::BACK).await?;
-    match db::partitions::ensure_partitions(&mut conn, settings, from, now + db::partitions::AHEAD)
-        .await
-    {
+    match db::partitions::make_missing(&mut conn, settings).await {
         Ok(created) => Ok(created),
         Err(crate::error::Error::PrivilegeRefused { reason, .. }) => {
             tracing::warn!(
@@ -206,15 +202,7 @@ async fn drop_and_make(
                 }),
             }
         }
-        let now = Utc::now();
-        let from = db::partitions::fill_from(&mut conn, now, now - db::partitions::BACK).await?;
-        work.created = db::partitions::ensure_partitions(
-            &mut conn,
-            settings,
-            from,
-            now + db::partitions::AHEAD,
-        )
-        .await?;
+        work.created = db::partitions::make_missing(&mut conn, settings).await?;
     }
     for partition in db::partitions::partitions(&mut *conn).await? {
         let (Some(from), Some(to)) = (partition.from, partition.to) else {

@@ -425,7 +425,7 @@ pub struct Statement {
 /// Every statement the store sends, those built around an identifier with a sample one: what `tests/statements.rs`
 /// prepares against a freshly migrated database.
 pub fn statements() -> Vec<Statement> {
-    let areas: [(&str, &[(&str, &str)]); 17] = [
+    let areas: [(&str, &[(&str, &str)]); 18] = [
         ("db", STATEMENTS),
         ("attempts", attempts::STATEMENTS),
         ("audit", audit::STATEMENTS),
@@ -438,6 +438,7 @@ pub fn statements() -> Vec<Statement> {
         ("partitions", partitions::STATEMENTS),
         ("partitions", partitions::CONVERT_STATEMENTS),
         ("partitions", partitions::DROP_STATEMENTS),
+        ("partitions", partitions::REFUSAL_STATEMENTS),
         ("pooler", pooler::STATEMENTS),
         ("schema", schema::STATEMENTS),
         ("schema", schema::INBOX_STATEMENTS),

@@ -98,13 +98,12 @@ impl Inbox {
         // A partition whose `DETACH … CONCURRENTLY` has not finished (cancelled in its second phase, or waiting there)
         // is listed but takes no row: its range is held by none. Cleanup detaches only partitions past the window, so
         // a message of its range is an old one, refused as such, not held as if the partitions ahead had run out.
-        let newest_begun = db::partitions::newest_begun(&partitions, chrono::Utc::now());
-        let partitions: Vec<_> = partitions.iter().filter(|p| !p.detach_pending).collect();
-        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
         // The newest that has begun, as the makers read it: one made far ahead (by an operator, a clock ahead) does
         // not end the run-out times before it, whose messages are held for the partitions a migrate or a cleanup
-        // makes there (`fill_from`).
-        let newest = newest_begun;
+        // makes there (`make_missing`).
+        let newest = db::partitions::newest_begun(&partitions, chrono::Utc::now());
+        let partitions: Vec<_> = partitions.iter().filter(|p| !p.detach_pending).collect();
+        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
         let covered = |t: chrono::DateTime<chrono::Utc>| {
             partitions
                 .iter()

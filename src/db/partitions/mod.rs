@@ -30,12 +30,15 @@ use crate::inbox::time::{TimeSource, earliest};
 
 mod convert;
 mod drop;
+mod refusals;
 pub use convert::{PartitionReport, partition, require_server};
 pub use drop::{Contents, Settled, contents, detach, leftovers, settle_detached};
 /// The conversion's statements, for [`super::statements`].
 pub(super) const CONVERT_STATEMENTS: &[(&str, &str)] = convert::STATEMENTS;
 /// The statements of dropping a partition, for [`super::statements`].
 pub(super) const DROP_STATEMENTS: &[(&str, &str)] = drop::STATEMENTS;
+/// The conversion's refusals' statements, for [`super::statements`].
+pub(super) const REFUSAL_STATEMENTS: &[(&str, &str)] = refusals::STATEMENTS;
 
 statements! {
     /// Whether `inbox_messages` is partitioned, and the comment of its untimed partition (where the partitioning's
@@ -309,19 +312,18 @@ async fn run(conn: &mut PgConnection, statement: &str) -> sqlx::Result<()> {
         .map(drop)
 }
 
-/// Where the partitions to make begin ([`ensure_partitions`]' `from`, for `migrate` run again and for `cleanup`): at the
-/// end of the newest partition that has begun by `now` — past it the partitions ran out, and the messages of the
-/// times since are held for theirs —, no earlier than `not_before` and no later than `now`. One missing before that
-/// newest was dropped by a cleanup, its rows past the window: made again, a late copy of such a message would be
-/// claimed as a message never seen, where the partition's absence moves it aside. A partition that has not begun (an
-/// operator's made far ahead, a clock ahead) is not the newest: the times before it are still to be made.
-pub async fn fill_from(
-    conn: &mut PgConnection,
-    now: DateTime<Utc>,
-    not_before: DateTime<Utc>,
-) -> sqlx::Result<DateTime<Utc>> {
-    let newest = newest_begun(&partitions(&mut *conn).await?, now);
-    Ok(newest.map_or(not_before, |end| end.max(not_before).min(now)))
+/// Makes the partitions from where they are missing to [`AHEAD`] (for `migrate` run again and for `cleanup`): from
+/// the end of the newest partition that has begun by now — past it the partitions ran out, and the messages of the
+/// times since are held for theirs —, no earlier than [`BACK`] ago. One missing before that newest was dropped by a
+/// cleanup, its rows past the window: made again, a late copy of such a message would be claimed as a message never
+/// seen, where the partition's absence moves it aside. A partition that has not begun (an operator's made far ahead,
+/// a clock ahead) is not the newest: the times before it are still to be made. Returns the partitions made.
+pub async fn make_missing(conn: &mut PgConnection, settings: Settings) -> Result<Vec<String>> {
+    let now = Utc::now();
+    let not_before = now - BACK;
+    let from = newest_begun(&partitions(&mut *conn).await?, now)
+        .map_or(not_before, |end| end.max(not_before).min(now));
+    ensure_partitions(conn, settings, from, now + AHEAD).await
 }
 
 /// The end of the newest of `partitions` that has begun by `at` (a stopped detach's aside: its range takes no row).

@@ -33,22 +33,27 @@ pub fn read_password_file(flag: &str, path: &Path) -> Result<String> {
     Ok(password)
 }
 
-fn read_once(flag: &str, path: &Path) -> Result<String> {
+/// The text of the file `path` given with `flag`, read through a bound of `max` bytes: a pipe (`<(pass show db)`)
+/// works, and `/dev/zero` given by mistake does not fill the memory. What is wrong with it is a usage error naming the
+/// file (`holds`: what it must hold, said when it is too long).
+pub fn read_bounded_text(flag: &str, path: &Path, max: u64, holds: &str) -> Result<String> {
     use std::io::Read as _;
-    let path_text = path.display().to_string();
-    let shown = crate::sanitize::text(&path_text);
-    // Read through a bound: a pipe (`<(pass show db)`) works, and `/dev/zero` does not fill the memory.
+    let shown = crate::sanitize::text(&path.display().to_string()).into_owned();
     let mut bytes = Vec::new();
     std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_PASSWORD_FILE + 1).read_to_end(&mut bytes))
+        .and_then(|f| f.take(max + 1).read_to_end(&mut bytes))
         .map_err(|e| Error::Usage(format!("{flag} {shown}: {e}")))?;
-    if bytes.len() as u64 > MAX_PASSWORD_FILE {
+    if bytes.len() as u64 > max {
         return Err(Error::Usage(format!(
-            "{flag} {shown}: longer than {MAX_PASSWORD_FILE} bytes; it must hold the password alone"
+            "{flag} {shown}: longer than {max} bytes; it must hold {holds}"
         )));
     }
-    let text = String::from_utf8(bytes)
-        .map_err(|_| Error::Usage(format!("{flag} {shown}: not UTF-8 text")))?;
+    String::from_utf8(bytes).map_err(|_| Error::Usage(format!("{flag} {shown}: not UTF-8 text")))
+}
+
+fn read_once(flag: &str, path: &Path) -> Result<String> {
+    let shown = crate::sanitize::text(&path.display().to_string()).into_owned();
+    let text = read_bounded_text(flag, path, MAX_PASSWORD_FILE, "the password alone")?;
     let password = text
         .strip_suffix("\r\n")
         .or_else(|| text.strip_suffix('\n'))

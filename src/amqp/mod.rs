@@ -160,25 +160,8 @@ impl Broker {
                     path.display()
                 )));
             }
-            // Through a bound: `/dev/zero` given by mistake does not fill the memory.
-            let mut bytes = Vec::new();
-            std::fs::File::open(path)
-                .and_then(|f| {
-                    std::io::Read::read_to_end(
-                        &mut std::io::Read::take(f, MAX_CA_FILE + 1),
-                        &mut bytes,
-                    )
-                })
-                .map_err(|e| Error::Usage(format!("--amqp-ca-file {}: {e}", path.display())))?;
-            if bytes.len() as u64 > MAX_CA_FILE {
-                return Err(Error::Usage(format!(
-                    "--amqp-ca-file {}: longer than {MAX_CA_FILE} bytes; it must hold PEM certificates",
-                    path.display()
-                )));
-            }
-            let pem = String::from_utf8(bytes).map_err(|_| {
-                Error::Usage(format!("--amqp-ca-file {}: not PEM text", path.display()))
-            })?;
+            let pem =
+                secret::read_bounded_text("--amqp-ca-file", path, MAX_CA_FILE, "PEM certificates")?;
             if !pem.contains("-----BEGIN CERTIFICATE-----") {
                 return Err(Error::Usage(format!(
                     "--amqp-ca-file {}: no PEM certificate in it",

@@ -99,11 +99,7 @@ pub fn url(url: &str) -> String {
 /// any `@` by a password holding an unencoded `/`, `?` or `#` (`u:pa/ss@h`) still has one when what follows its last
 /// colon is no port (masking takes the whole ambiguous part either way).
 pub fn has_password(url: &str) -> bool {
-    let start = match url.find("//") {
-        Some(i) => i + 2,
-        None => url.find(':').map_or(url.len(), |i| i + 1),
-    };
-    let rest = &url[start..];
+    let rest = &url[authority_start(url).unwrap_or(url.len())..];
     let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
     let in_userinfo = match authority.rfind('@') {
         Some(at) => authority[..at]
@@ -220,11 +216,17 @@ struct Userinfo {
     clear: bool,
 }
 
+/// Where the authority (user information, host, port) begins: after `//` (in a string without one, after the first
+/// `:`).
+fn authority_start(url: &str) -> Option<usize> {
+    match url.find("//") {
+        Some(i) => Some(i + 2),
+        None => url.find(':').map(|i| i + 1),
+    }
+}
+
 fn userinfo(url: &str) -> Option<Userinfo> {
-    let start = match url.find("//") {
-        Some(i) => i + 2,
-        None => url.find(':')? + 1,
-    };
+    let start = authority_start(url)?;
     let end = start + url[start..].rfind('@')?;
     Some(Userinfo {
         start,

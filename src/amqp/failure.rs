@@ -98,24 +98,21 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
             })
             .unwrap_or(Origin::Unknown),
     };
+    // The broker's reason for the failing dead-lettering (without `x-death`: RabbitMQ 3.13's last, else the first).
+    let death_reason = value_text(death_field(failing, "reason"))
+        .or_else(|| text("x-last-death-reason"))
+        .or_else(|| text("x-first-death-reason"));
     let reason = text("MT-Fault-Message")
         .or_else(|| {
             (text("MT-Reason").as_deref() == Some("dead-letter"))
                 .then(|| "not handled by the consumer (skipped)".to_owned())
         })
-        .or_else(|| value_text(death_field(failing, "reason")))
-        .or_else(|| text("x-last-death-reason"))
-        .or_else(|| text("x-first-death-reason"));
+        .or_else(|| death_reason.clone());
     let exception_type = text("MT-Fault-ExceptionType")
         .or_else(|| {
             (text("MT-Reason").as_deref() == Some("dead-letter")).then(|| "skipped".to_owned())
         })
-        .or_else(|| {
-            value_text(death_field(failing, "reason"))
-                .or_else(|| text("x-last-death-reason"))
-                .or_else(|| text("x-first-death-reason"))
-                .map(|r| format!("rabbitmq:{r}"))
-        });
+        .or_else(|| death_reason.map(|r| format!("rabbitmq:{r}")));
     let failed_at = text("MT-Fault-Timestamp")
         .as_deref()
         .and_then(envelope::parse_time)

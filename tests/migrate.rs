@@ -165,6 +165,34 @@ async fn two_runs_at_once_apply_each_migration_once() {
     }
 }
 
+/// A write transaction left open on the inbox (a service's, slow, or idle in its transaction).
+async fn an_open_write_transaction(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut open = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+    open
+}
+
+/// Until another session of the database waits for a lock (the migrate's, behind the open transaction).
+async fn waiting_for_a_lock(pool: &PgPool) {
+    common::eventually(
+        "a session waiting for a lock",
+        Duration::from_secs(30),
+        || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
+             AND wait_event_type = 'Lock' AND pid <> pg_backend_pid())",
+            )
+            .fetch_one(pool)
+            .await
+            .unwrap()
+        },
+    )
+    .await;
+}
+
 /// An adopted inbox without the first migration's index (EF Core's under another name, say): the migration's own
 /// `CREATE INDEX` built it holding the table against every insert for the whole build, and, queued behind a write
 /// transaction still open, stopped every claim until that one ended. It is built concurrently first now: while an
@@ -182,27 +210,10 @@ async fn adopting_a_table_without_the_unprocessed_index_does_not_block_inserts()
     .await
     .unwrap();
     // A write transaction left open (a service's, slow).
-    let mut open = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
-        .execute(&mut *open)
-        .await
-        .unwrap();
+    let open = an_open_write_transaction(&pool).await;
     let mut migrate = env.spawn(&["migrate"]);
     // Until the migration waits on the open transaction (for its lock, or for the concurrent build's snapshot).
-    common::eventually(
-        "migrate waiting on the open transaction",
-        Duration::from_secs(30),
-        || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
-             AND wait_event_type = 'Lock' AND pid <> pg_backend_pid())",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        },
-    )
-    .await;
+    waiting_for_a_lock(&pool).await;
     // Another session's claim meanwhile: it must not queue behind the migration's lock.
     let mut other = pool.acquire().await.unwrap();
     sqlx::query("SET lock_timeout = '3s'")
@@ -246,26 +257,9 @@ async fn adopting_a_table_behind_an_open_write_transaction_holds_other_writes_ba
     let pool = env.pool().await;
     sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
     // A write transaction left open (a service's, slow, or idle in its transaction).
-    let mut open = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
-        .execute(&mut *open)
-        .await
-        .unwrap();
+    let open = an_open_write_transaction(&pool).await;
     let mut migrate = env.spawn(&["migrate"]);
-    common::eventually(
-        "migrate waiting for the table's lock",
-        Duration::from_secs(30),
-        || async {
-            sqlx::query_scalar::<_, bool>(
-                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
-                 AND wait_event_type = 'Lock' AND pid <> pg_backend_pid())",
-            )
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        },
-    )
-    .await;
+    waiting_for_a_lock(&pool).await;
     // Other sessions' claims meanwhile, for three seconds: none waits for the open transaction's end.
     let mut other = pool.acquire().await.unwrap();
     sqlx::query("SET lock_timeout = '3s'")
@@ -321,11 +315,7 @@ async fn a_migrate_kept_waiting_ends_at_the_first_signal_and_a_later_run_finishe
     let env = TestEnv::empty().await;
     let pool = env.pool().await;
     sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
-    let mut open = pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'slow', now(), NULL)")
-        .execute(&mut *open)
-        .await
-        .unwrap();
+    let open = an_open_write_transaction(&pool).await;
     let mut migrate = env.spawn(&["migrate"]);
     migrate.wait_for_stderr(
         "inbox_messages is held by transactions still open",

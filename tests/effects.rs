@@ -1423,6 +1423,84 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
     assert_eq!(said[0]["now"], "changed", "{said}");
 }
 
+/// `effects reconcile` asks about up to 100,000 calls, each look-up allowed `--timeout`: it heard only a second
+/// signal (exit 130, nothing reported of what it had settled). A first SIGTERM ends it now before its next look-up:
+/// what it settled is reported and audited, the calls not looked at are left as they were and counted (exit 3).
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_ends_at_the_first_signal_before_its_next_look_up() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let mut owed = Vec::new();
+    for destination in ["first", "second", "third"] {
+        owed.push(owed_from_an_earlier_run(&pool, destination).await);
+    }
+    let leased = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+    )
+    .await
+    .unwrap();
+    assert_eq!(leased.len(), 3);
+    for call in &leased {
+        external::record_outcome(&pool, call, CARRIER_QUEUE, &outcome("started", "no answer"))
+            .await
+            .unwrap();
+    }
+    for id in owed {
+        lapse(&pool, id).await;
+    }
+    let mut reconcile = env.spawn_with(
+        &[
+            "effects",
+            "reconcile",
+            "--lookup-url",
+            &stub.url,
+            "--quiet-for",
+            "0s",
+            "--json",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "reconcile-looked=sleep-once-3000")],
+    );
+    reconcile.wait_for_stderr(
+        "failpoint reconcile-looked reached",
+        Duration::from_secs(30),
+    );
+    reconcile.terminate();
+    assert_eq!(
+        reconcile.wait(Duration::from_secs(15)),
+        Some(3),
+        "{}{}",
+        reconcile.stdout(),
+        reconcile.stderr()
+    );
+    assert!(
+        reconcile
+            .stderr()
+            .contains("interrupted: the calls not looked at yet are left as they were"),
+        "{}",
+        reconcile.stderr()
+    );
+    let said: serde_json::Value = serde_json::from_str(&reconcile.stdout()).unwrap();
+    assert_eq!(said.as_array().map(Vec::len), Some(1), "{said}");
+    assert_eq!(said[0]["now"], "pending", "{said}");
+    assert_eq!(
+        effect_states(&pool).await,
+        [("pending".to_owned(), 1), ("started".to_owned(), 2)]
+    );
+    let (outcome, left): (String, Option<String>) = sqlx::query_as(
+        "SELECT outcome, details->>'left' FROM inboxctl_audit WHERE command = 'effects reconcile'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((outcome.as_str(), left.as_deref()), ("partial", Some("2")));
+}
+
 /// A 404 about a call whose answer never came, asked right after it: the carrier may still be working on the
 /// request and book after the look-up. `effects reconcile` leaves such a call as it was (`recent`, exit 3) until its
 /// last attempt is `--quiet-for` old (10 minutes by default); only then is it owed again. Owed at once, the next

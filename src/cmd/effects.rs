@@ -1,5 +1,6 @@
 //! `inboxctl effects`: the calls to the outside world not done — owed, in doubt, failed — and settling them.
 
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::cli::GlobalOpts;
@@ -100,14 +101,21 @@ fn parse_id(s: &str) -> std::result::Result<Uuid, String> {
     Uuid::parse_str(s.trim()).map_err(|e| format!("{s:?} is not a message id (a UUID): {e}"))
 }
 
-pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -> Result<Outcome> {
     let database = global.connect.database()?;
     let pool = database.pool(2).await?;
     db::schema::require_tables(&pool, &database, &["inboxctl_effects"]).await?;
     let ran = match args.action {
         Some(Action::Resolve(r)) => resolve(&pool, &r).await,
-        Some(Action::Reconcile(r)) => reconcile(&pool, &r).await,
-        None => list(&pool, &args).await,
+        Some(Action::Reconcile(r)) => reconcile(&pool, &r, &shutdown).await,
+        None => {
+            super::until_stopped(
+                list(&pool, &args),
+                &shutdown,
+                "interrupted: nothing was changed",
+            )
+            .await
+        }
     };
     pool.close().await;
     ran
@@ -194,40 +202,55 @@ async fn resolve(pool: &sqlx::PgPool, args: &ResolveArgs) -> Result<Outcome> {
     Ok(Outcome::Done)
 }
 
-async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome> {
+async fn reconcile(
+    pool: &sqlx::PgPool,
+    args: &ReconcileArgs,
+    shutdown: &CancellationToken,
+) -> Result<Outcome> {
     let client = CarrierClient::new(&args.lookup_url, args.timeout, args.timeout)?;
-    let result =
-        settle::reconcile(pool, &client, args.consumer_type.as_deref(), args.quiet_for).await;
+    let result = settle::reconcile(
+        pool,
+        &client,
+        args.consumer_type.as_deref(),
+        args.quiet_for,
+        shutdown,
+    )
+    .await;
     let details = match &result {
-        Ok(done) => serde_json::json!({
+        Ok(settle::Reconciliation { done, left }) => serde_json::json!({
             "consumer_type": args.consumer_type,
             "done": done.iter().filter(|r| r.now == "done").count(),
             "pending": done.iter().filter(|r| r.now == "pending").count(),
             "unknown": done.iter().filter(|r| r.now == "unknown").count(),
             "changed": done.iter().filter(|r| r.now == "changed").count(),
             "recent": done.iter().filter(|r| r.now == settle::RECENT).count(),
+            "left": left,
         }),
         Err(_) => serde_json::json!({"consumer_type": args.consumer_type}),
     };
-    let unknown = |done: &Vec<settle::Reconciled>| {
-        done.iter()
-            .any(|r| r.now == "unknown" || r.now == settle::RECENT)
+    let unfinished = |run: &settle::Reconciliation| {
+        run.left > 0
+            || run
+                .done
+                .iter()
+                .any(|r| r.now == "unknown" || r.now == settle::RECENT)
     };
     let entry = crate::audit::Entry::ended(
         "effects reconcile",
         &result,
-        |done| match unknown(done) {
+        |run| match unfinished(run) {
             true => Outcome::Partial,
             false => Outcome::Done,
         },
         details,
     );
     crate::audit::record(pool, &entry).await;
-    let done = result?;
+    let run = result?;
+    let done = &run.done;
     if args.json {
-        output::json(&done)?;
+        output::json(done)?;
     } else {
-        for r in &done {
+        for r in done {
             output::line(&format!(
                 "{} ({}): {} → {}{}",
                 r.message_id,
@@ -255,7 +278,14 @@ async fn reconcile(pool: &sqlx::PgPool, args: &ReconcileArgs) -> Result<Outcome>
             "some calls could not be looked up, or not settled on the answer; they are left as they were"
         );
     }
-    if unknown(&done) {
+    if run.left > 0 {
+        tracing::warn!(
+            calls = run.left,
+            "interrupted: the calls not looked at yet are left as they were; what was settled stays: run again to \
+             settle the rest"
+        );
+    }
+    if unfinished(&run) {
         return Ok(Outcome::Partial);
     }
     Ok(Outcome::Done)

@@ -85,7 +85,7 @@ pub async fn run(
         Command::Stats(args) => until_stopped(stats::run(args, global), &shutdown, LOOKED).await,
         Command::Top(args) => top::run(args, global, shutdown).await,
         Command::Demo(args) => demo::run(args, global, shutdown).await,
-        Command::Effects(args) => effects::run(args, global).await,
+        Command::Effects(args) => effects::run(args, global, shutdown).await,
         Command::Audit(args) => {
             until_stopped(
                 audit::run(args, global),

@@ -1,6 +1,7 @@
 //! What operators do with effects (`inboxctl effects`): list those owed, in doubt or failed; settle one by hand after
 //! checking with the carrier; or have the carrier's look-up by key settle those whose outcome is unknown.
 
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::CarrierClient;
@@ -113,12 +114,16 @@ pub struct Reconciled {
 /// booking under its key, pending (to be made again) if it has none — but only for a call whose last attempt ended
 /// at least `quiet_for` ago: a request whose answer never came may still be in the carrier's hands, and booked after
 /// the look-up; owed again on that 404, it would be made twice wherever the carrier does not honour keys.
+///
+/// A stop ends it before the next look-up (one under way is given up: a look-up changes nothing); what was settled
+/// stays settled and reported, and the calls not looked at are counted in `left`.
 pub async fn reconcile(
     pool: &sqlx::PgPool,
     lookup: &CarrierClient,
     consumer_type: Option<&str>,
     quiet_for: std::time::Duration,
-) -> Result<Vec<Reconciled>> {
+    stop: &CancellationToken,
+) -> Result<Reconciliation> {
     let candidates = external::list(
         pool,
         &["in_doubt", "started", "failed"],
@@ -127,10 +132,18 @@ pub async fn reconcile(
     )
     .await?;
     let now = chrono::Utc::now();
+    // A call started by a process whose lease has not run out is that process's to settle.
+    let candidates: Vec<_> = candidates
+        .into_iter()
+        .filter(|e| e.state != "started" || e.lease_until.is_some_and(|l| l <= now))
+        .collect();
     let mut out = Vec::new();
-    for effect in candidates {
-        if effect.state == "started" && effect.lease_until.is_none_or(|l| l > now) {
-            continue;
+    let mut left = 0;
+    let total = candidates.len();
+    for (i, effect) in candidates.into_iter().enumerate() {
+        if stop.is_cancelled() {
+            left = total - i;
+            break;
         }
         let mut done = Reconciled {
             message_id: effect.message_id,
@@ -140,7 +153,13 @@ pub async fn reconcile(
             reference: None,
             error: None,
         };
-        let looked = lookup.lookup(effect.idempotency_key).await;
+        let looked = tokio::select! {
+            looked = lookup.lookup(effect.idempotency_key) => looked,
+            () = stop.cancelled() => {
+                left = total - i;
+                break;
+            }
+        };
         // What the look-up said holds for the effect as it was listed: one changed since (an attempt made meanwhile
         // by a consumer process) is not settled on it.
         crate::failpoint::hit("reconcile-looked").await;
@@ -196,7 +215,16 @@ pub async fn reconcile(
         }
         out.push(done);
     }
-    Ok(out)
+    Ok(Reconciliation { done: out, left })
+}
+
+/// What one `reconcile` run did.
+#[derive(Debug)]
+pub struct Reconciliation {
+    /// The calls looked up, each with what was done with it.
+    pub done: Vec<Reconciled>,
+    /// The calls not looked at because the run was stopped.
+    pub left: usize,
 }
 
 /// Whether a settle's error is the database's state rather than this call's (unreachable, restarting): the run stops

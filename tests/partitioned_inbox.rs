@@ -1175,6 +1175,39 @@ async fn a_cleanup_whose_guard_fails_has_made_the_partitions_ahead() {
     assert!(exists().await, "made before the guard failed: {out:?}");
 }
 
+/// A cleanup run by a role whose search path puts another schema first (its own, say) made the partitions ahead in
+/// that schema: attached all the same, but where a cleanup run by another role (the owner, its path on `public`)
+/// does not find them by name, nor a stopped drop's leftovers. They are made beside the inbox now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleanup_with_another_schema_first_on_its_path_makes_its_partitions_beside_the_inbox() {
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let pool = env.pool().await;
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let ahead =
+        inboxctl::db::partitions::partition_name(settings.floor(Utc::now() + TimeDelta::days(2)));
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP TABLE \"{ahead}\"; CREATE SCHEMA shadow; ALTER DATABASE \"{}\" SET search_path = shadow, public",
+        env.db_name
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let schemas: Vec<String> = sqlx::query_scalar(
+        "SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relname = $1",
+    )
+    .bind(&ahead)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(schemas, ["public"], "{out:?}");
+}
+
 /// A partitioned inbox with partitions from 14 days back, and the oldest of them (empty, past the window): its name
 /// and its start.
 async fn with_an_old_empty_partition(env: &TestEnv) -> (String, chrono::DateTime<Utc>) {

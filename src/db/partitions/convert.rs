@@ -11,9 +11,9 @@ use sqlx::Connection as _;
 use sqlx::postgres::PgConnection;
 
 use super::{
-    AHEAD, BACK, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement, comment_statement,
-    create_table_statement, ensure_partitions, intervals, make_missing, owner_statement,
-    partition_name, read_layout, run,
+    AHEAD, BACK, INBOX_SCHEMA, Layout, MAX_NEW_PARTITIONS, Settings, attach_statement,
+    comment_statement, create_table_statement, ensure_partitions, intervals, make_missing,
+    owner_statement, partition_name, read_layout, run,
 };
 use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
@@ -507,9 +507,10 @@ async fn swap(
             .take(MAX_NEW_PARTITIONS)
             .map(|(start, _)| start),
     );
+    let schema: String = sql::query_scalar(INBOX_SCHEMA).fetch_one(&mut *tx).await?;
     for start in starts {
         if !premade.contains(&start) {
-            run(&mut tx, &create_table_statement(start)).await?;
+            run(&mut tx, &create_table_statement(&schema, start)).await?;
         }
         run(&mut tx, &attach_statement(start, start + settings.interval)).await?;
     }

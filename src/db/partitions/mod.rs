@@ -66,6 +66,11 @@ WHERE p.oid = to_regclass('inbox_messages')
   AND p.relowner <> (SELECT oid FROM pg_roles WHERE rolname = current_user)
   AND pg_has_role(p.relowner, 'MEMBER')";
 
+    /// The schema `inbox_messages` is in: its partitions are made there, whatever schema comes first on the search path.
+    const INBOX_SCHEMA = "\
+SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass('inbox_messages')";
+
     /// The planner's row count of a relation (-1: never analyzed). `$1` its name.
     const ROWS_ESTIMATE = "SELECT reltuples::float8 FROM pg_class WHERE oid = to_regclass(quote_ident($1))";
 
@@ -222,9 +227,12 @@ fn literal(t: DateTime<Utc>) -> String {
 
 /// The partition `[from, to)` made as a table of its own first: `CREATE TABLE … PARTITION OF` would wait for every
 /// transaction that writes the inbox (it locks the parent exclusively), and hold every claim behind it meanwhile.
-fn create_table_statement(from: DateTime<Utc>) -> String {
+/// Made in the inbox's `schema`: unqualified, it would go to the first schema of the search path (a role's own, say),
+/// where a cleanup run by another role would not find it, nor its leftover.
+fn create_table_statement(schema: &str, from: DateTime<Utc>) -> String {
     format!(
-        "CREATE TABLE {} (LIKE inbox_messages INCLUDING DEFAULTS)",
+        "CREATE TABLE {}.{} (LIKE inbox_messages INCLUDING DEFAULTS)",
+        quote_ident(schema),
         quote_ident(&partition_name(from))
     )
 }
@@ -268,7 +276,10 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
         source: TimeSource::Id,
     };
     let mut statements = vec![
-        ("create_table_statement", create_table_statement(t)),
+        (
+            "create_table_statement",
+            create_table_statement("public", t),
+        ),
         (
             "attach_statement",
             attach_statement(t, t + TimeDelta::days(1)),
@@ -344,6 +355,9 @@ pub async fn ensure_partitions(
     to: DateTime<Utc>,
 ) -> Result<Vec<String>> {
     let existing = partitions(&mut *conn).await?;
+    let schema: String = sql::query_scalar(INBOX_SCHEMA)
+        .fetch_one(&mut *conn)
+        .await?;
     let mut created = Vec::new();
     for (start, end) in intervals(settings, from, to) {
         if created.len() >= MAX_NEW_PARTITIONS {
@@ -357,7 +371,7 @@ pub async fn ensure_partitions(
             // leftover of a drop).
             let made = async {
                 let mut tx = conn.begin().await?;
-                run(&mut tx, &create_table_statement(start)).await?;
+                run(&mut tx, &create_table_statement(&schema, start)).await?;
                 run(&mut tx, &attach_statement(start, end)).await?;
                 tx.commit().await
             }

@@ -736,6 +736,16 @@ async fn the_conversion_makes_its_partitions_before_its_swap_and_a_stopped_one_l
 
     let out = migrate_partitioned(&env, &[]);
     assert_eq!(out.code, Some(0), "{out:?}");
+    // Attached, none keeps the mark of a table to be dropped: detached by an operator later, it is theirs.
+    let marked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_inherits i WHERE i.inhparent = 'inbox_messages'::regclass \
+         AND obj_description(i.inhrelid, 'pg_class') = $1",
+    )
+    .bind(inboxctl::db::partitions::DETACHING)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(marked, 0);
     // Every table of the window made before is attached; one left a table of its own can only be of a day the window
     // no longer holds (the day turned between the two runs), empty, for a cleanup to drop as a leftover.
     let (attached, left) = partition_tables(&pool).await;
@@ -845,12 +855,15 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
     .execute(&pool)
     .await
     .unwrap();
-    // The leftover of a drop that stopped between its detach and its drop; and an operator's copy whose name begins
-    // the same way, none of the cleanup's business (it was dropped as a leftover).
-    sqlx::raw_sql(
+    // The leftover of a drop that stopped between its detach and its drop (marked as a drop marks what it detaches);
+    // and an operator's copy whose name begins the same way, none of the cleanup's business (it was dropped as a
+    // leftover).
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE inbox_messages_p19990101_000000 (LIKE inbox_messages);
+         COMMENT ON TABLE inbox_messages_p19990101_000000 IS '{}';
          CREATE TABLE inbox_messages_pre_partitioning (LIKE inbox_messages)",
-    )
+        inboxctl::db::partitions::DETACHING
+    )))
     .execute(&pool)
     .await
     .unwrap();
@@ -1417,7 +1430,8 @@ async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again(
     let pool = env.pool().await;
     let id = a_row_processed_now(&pool, start).await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "ALTER TABLE inbox_messages DETACH PARTITION \"{oldest}\""
+        "COMMENT ON TABLE \"{oldest}\" IS '{}'; ALTER TABLE inbox_messages DETACH PARTITION \"{oldest}\"",
+        inboxctl::db::partitions::DETACHING
     )))
     .execute(&pool)
     .await
@@ -1426,6 +1440,58 @@ async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again(
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(attached(&pool, &oldest).await, "{out:?}");
     assert_eq!(rows_of(&pool, id).await, 1, "{out:?}");
+    // Attached again, it is unmarked: detached later by an operator, it is theirs.
+    assert_eq!(comment_of(&pool, &oldest).await, None);
+}
+
+/// The comment on a table.
+async fn comment_of(pool: &sqlx::PgPool, name: &str) -> Option<String> {
+    sqlx::query_scalar("SELECT obj_description(to_regclass($1), 'pg_class')")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// An operator detaches an old partition by hand (to dump it, to keep it as an archive): a cleanup took it for the
+/// leftover of a stopped drop, and dropped it, its rows past the window. A drop marks what it detaches now, and a
+/// table without the mark is left alone.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_partition_an_operator_detached_by_hand_is_left_to_them() {
+    let env = TestEnv::bare().await;
+    let (oldest, start) = with_an_old_empty_partition(&env).await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at, message_time) \
+         VALUES (gen_random_uuid(), 'a', $1, $1, $1)",
+    )
+    .bind(start + TimeDelta::hours(1))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE inbox_messages DETACH PARTITION \"{oldest}\""
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(
+        report["partitions"]["leftovers"],
+        serde_json::json!([]),
+        "{report:#}"
+    );
+    let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {}",
+        common::quote_ident(&oldest)
+    )))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, 1, "the operator's table and its row: {out:?}");
+    assert!(!attached(&pool, &oldest).await, "{out:?}");
 }
 
 /// A partitioned inbox whose partitions from today's on are gone (ran out, no cleanup made them).

@@ -461,6 +461,9 @@ async fn premake(conn: &mut PgConnection, settings: Settings) -> Result<BTreeSet
         for (index, definition) in INBOX_INDEXES {
             run(conn, &premade_index_statement(&name, index, definition)).await?;
         }
+        // Marked as a drop marks what it detaches: one a stopped conversion leaves, whose interval the window no
+        // longer holds when the next one runs, is a cleanup's to drop; the mark is taken off as it is attached.
+        run(conn, &super::drop::mark_statement(&name)).await?;
         made.insert(start);
     }
     Ok(made)
@@ -513,6 +516,13 @@ async fn swap(
             run(&mut tx, &create_table_statement(&schema, start)).await?;
         }
         run(&mut tx, &attach_statement(start, start + settings.interval)).await?;
+        if premade.contains(&start) {
+            run(
+                &mut tx,
+                &super::drop::unmark_statement(&partition_name(start)),
+            )
+            .await?;
+        }
     }
     run(&mut tx, &comment_statement(&settings)).await?;
     tx.commit().await?;

@@ -15,14 +15,17 @@ statements! {
     const IS_PARTITION =
     "SELECT coalesce((SELECT relispartition FROM pg_class WHERE oid = to_regclass(quote_ident($1))), false)";
 
-    /// Tables left by a drop that stopped between its detach and its drop: partitions of ours no longer attached.
-    /// Only names of the form inboxctl gives its partitions: a table an operator named `inbox_messages_pre_...`, say
-    /// (a copy kept before `migrate --partitioned`), is none of the cleanup's business.
+    /// Tables left by a drop that stopped between its detach and its drop: partitions of ours no longer attached,
+    /// marked by the cleanup that detached them (`$1`, [`DETACHING`]). Only names of the form inboxctl gives its
+    /// partitions: a table an operator named `inbox_messages_pre_...`, say (a copy kept before `migrate
+    /// --partitioned`), is none of the cleanup's business; nor is a partition an operator detached by hand (to dump
+    /// it, to keep it): it has no mark.
     const DETACHED_LEFTOVERS = "\
 SELECT c.relname::text FROM pg_class c
 WHERE c.relname ~ '^inbox_messages_p[0-9]{8}_[0-9]{6}$' AND c.relkind = 'r' AND NOT c.relispartition
   AND pg_has_role(c.relowner, 'USAGE')
-  AND c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('inbox_messages'))";
+  AND c.relnamespace = (SELECT relnamespace FROM pg_class WHERE oid = to_regclass('inbox_messages'))
+  AND obj_description(c.oid, 'pg_class') = $1";
 
     /// Whether the rows of `[$1, $2)` include an unprocessed one (found through the unprocessed index).
     const UNPROCESSED_BETWEEN = "\
@@ -50,6 +53,23 @@ SELECT t.consumer_type::text,
             WHERE i.message_time >= $1 AND i.message_time < $2 AND i.consumer_type = t.consumer_type
               AND i.processed_at > '-infinity') newest)
 FROM t WHERE t.consumer_type IS NOT NULL";
+}
+
+/// The comment a cleanup puts on a partition before it detaches it: the mark of a table it is dropping, by which the
+/// next cleanup knows the leftover of a drop that stopped (from a table an operator detached). Taken off when the
+/// partition is attached again.
+pub const DETACHING: &str = "inboxctl: detached by a cleanup, to be dropped (or attached again if it holds rows that must stay)";
+
+pub(super) fn mark_statement(name: &str) -> String {
+    format!(
+        "COMMENT ON TABLE {} IS '{}'",
+        quote_ident(name),
+        DETACHING.replace('\'', "''")
+    )
+}
+
+pub(super) fn unmark_statement(name: &str) -> String {
+    format!("COMMENT ON TABLE {} IS NULL", quote_ident(name))
 }
 
 /// The lock a cleanup takes on a detached partition before it looks at it and drops or attaches it again (waited for
@@ -128,11 +148,17 @@ pub async fn contents(
 /// Detaches a partition without stopping the consumers' inserts (`DETACH … CONCURRENTLY`, or `FINALIZE` for one a
 /// stopped detach left pending). `false` when another process detached it first.
 pub async fn detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<bool> {
-    let detached = run(
-        conn,
-        &detach_statement(&partition.name, partition.detach_pending),
-    )
-    .await;
+    // Marked first: a drop that stops after the detach leaves a table the next cleanup knows for its own.
+    let detached = match run(conn, &mark_statement(&partition.name)).await {
+        Ok(()) => {
+            run(
+                conn,
+                &detach_statement(&partition.name, partition.detach_pending),
+            )
+            .await
+        }
+        Err(e) => Err(e),
+    };
     match detached {
         Ok(()) => Ok(true),
         // Not a partition (any more), or no such table: another cleanup got there first.
@@ -219,7 +245,11 @@ pub async fn settle_detached(
             attached: Err("its bounds are not known".to_owned()),
         });
     };
-    match run(&mut tx, &attach_named_statement(name, from, to)).await {
+    let attached = match run(&mut tx, &attach_named_statement(name, from, to)).await {
+        Ok(()) => run(&mut tx, &unmark_statement(name)).await,
+        Err(e) => Err(e),
+    };
+    match attached {
         Ok(()) => {
             tx.commit().await?;
             Ok(Settled::Kept {
@@ -238,6 +268,7 @@ pub async fn settle_detached(
 /// had detached).
 pub async fn leftovers(conn: &mut PgConnection) -> sqlx::Result<Vec<String>> {
     sql::query_scalar(DETACHED_LEFTOVERS)
+        .bind(DETACHING)
         .fetch_all(&mut *conn)
         .await
 }

@@ -32,7 +32,7 @@ mod convert;
 mod drop;
 mod refusals;
 pub use convert::{PartitionReport, partition, require_server};
-pub use drop::{Contents, Settled, contents, detach, leftovers, settle_detached};
+pub use drop::{Contents, DETACHING, Settled, contents, detach, leftovers, settle_detached};
 /// The conversion's statements, for [`super::statements`].
 pub(super) const CONVERT_STATEMENTS: &[(&str, &str)] = convert::STATEMENTS;
 /// The statements of dropping a partition, for [`super::statements`].
@@ -308,6 +308,14 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
         (
             "owner_statement",
             owner_statement("inbox_messages", "inboxctl"),
+        ),
+        (
+            "mark_statement",
+            drop::mark_statement("inbox_messages_p20270519_000000"),
+        ),
+        (
+            "unmark_statement",
+            drop::unmark_statement("inbox_messages_p20270519_000000"),
         ),
     ];
     statements.extend(convert::built_statements());

@@ -1254,6 +1254,50 @@ async fn a_look_up_that_keeps_failing_ends_the_call_failed_after_max_attempts() 
     assert!(listed.stdout.contains("look-up failed"), "{listed:?}");
 }
 
+/// After the commit, a call whose outcome can never be recorded (a trigger on the reservations refusing every row,
+/// as a foreign key of the operator's might) was leased again each time its lease ran out and made again, without
+/// end, past `--max-attempts`: a carrier that ignores keys booked the parcel every few seconds, and the row stayed
+/// `started` with no word of why. It ends `failed` after `--max-attempts` now, not called again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_call_whose_outcome_cannot_be_recorded_is_not_made_again_past_max_attempts() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_reservation() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN RAISE EXCEPTION 'no reservation without its parcel'; END$$; \
+         CREATE TRIGGER refuse_reservation BEFORE INSERT ON carrier_reservations \
+         FOR EACH ROW EXECUTE FUNCTION refuse_reservation();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let stub = Stub::start(&env, &["--ignore-keys"]);
+    publish_to(&env, "unrecorded", 1);
+    let extra = ["--max-attempts", "3", "--exit-when-idle", "1s"];
+    let mut consumer = env.spawn(&consume_args(&stub, "after-commit", &extra));
+    assert_eq!(
+        consumer.wait(Duration::from_secs(90)),
+        Some(0),
+        "the run ended idle: {}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        stub.bookings_to("unrecorded").await,
+        3,
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "unrecorded").await.as_deref(),
+        Some("failed"),
+        "{}",
+        consumer.stderr()
+    );
+    let listed = env.run(&["effects", "--failed"]);
+    assert!(listed.stdout.contains("none recorded"), "{listed:?}");
+}
+
 /// A pending at-most-once effect for `consumer_type`, leased once: the attempt as a worker holds it.
 async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external::Leased {
     let mut conn = pool.acquire().await.unwrap();

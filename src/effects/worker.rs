@@ -192,6 +192,21 @@ impl Worker {
                 }
             }
         }
+        // Taken again for an unknown outcome after `--max-attempts` attempts: theirs were never recorded (the process
+        // died or was abandoned after each request, or recording failed for good — a trigger or a foreign key on the
+        // reservations refusing them). A call made again each time its lease ran out was made without end with a
+        // carrier that ignores keys; it ends `failed` now, for an operator to settle.
+        if effect.was == "started"
+            && u32::try_from(effect.attempts).unwrap_or(u32::MAX) > self.max_attempts
+        {
+            let why = format!(
+                "its outcome is unknown after {} attempts, none recorded (a process that died, or an outcome that \
+                 could not be recorded): not called again; settle it with `inboxctl effects reconcile` or `resolve`",
+                effect.attempts.saturating_sub(1)
+            );
+            tracing::warn!(message_id = %effect.message_id, attempt = effect.attempts, "{why}");
+            return self.record(&effect, "failed", None, Some(&why), None).await;
+        }
         if !self.time_left_for(&self.client, lease_ends) {
             return self.leased_too_late(&effect).await;
         }

@@ -314,7 +314,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -s h -l help -d 'Print help'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l lookup-url -d 'The carrier\'s base URL for look-ups: GET <url>/pickups/by-key/{key}' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l consumer-type -d 'Only this consumer_type\'s' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l consumer-type -d 'Only this consumer_type\'s: the one whose carrier --lookup-url answers for (needed when calls of several consumer_types are to settle)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l timeout -d 'The longest one look-up may take' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l quiet-for -d 'Owe a call again on a 404 only when its last attempt ended at least this long ago: the carrier may still be working on a request whose answer never came' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from reconcile" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r

@@ -1545,6 +1545,64 @@ async fn reconcile_ends_at_the_first_signal_before_its_next_look_up() {
     assert_eq!((outcome.as_str(), left.as_deref()), ("partial", Some("2")));
 }
 
+/// Two consumer_types calling two carriers, an at-most-once call of each in doubt; `effects reconcile` with the first
+/// carrier's look-up and no `--consumer-type` asked it about both, and its 404 for the other carrier's call owed that
+/// call again — booked already by the other carrier, it would be booked twice. Refused now (exit 64, nothing
+/// settled); with `--consumer-type`, only that one's calls are asked about.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_asks_one_carriers_look_up_only_about_that_carriers_calls() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let mut ids = Vec::new();
+    for consumer_type in [CARRIER_QUEUE, "carrier-us"] {
+        let call = leased_once(&pool, consumer_type, "at-most-once").await;
+        external::record_outcome(
+            &pool,
+            &call,
+            consumer_type,
+            &outcome("in_doubt", "no answer"),
+        )
+        .await
+        .unwrap();
+        ids.push(call.message_id);
+    }
+    let state = |id: Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT state FROM inboxctl_effects WHERE message_id = $1",
+            )
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let args = [
+        "effects",
+        "reconcile",
+        "--lookup-url",
+        &stub.url,
+        "--quiet-for",
+        "0s",
+    ];
+    let refused = env.run(&args);
+    assert_eq!(refused.code, Some(64), "{refused:?}");
+    assert!(
+        refused.stderr.contains("several consumer_types") && refused.stderr.contains("carrier-us"),
+        "{refused:?}"
+    );
+    assert_eq!(state(ids[0]).await, "in_doubt");
+    assert_eq!(state(ids[1]).await, "in_doubt");
+    let mut one = args.to_vec();
+    one.extend(["--consumer-type", CARRIER_QUEUE]);
+    let settled = env.run(&one);
+    assert_eq!(settled.code, Some(0), "{settled:?}");
+    assert_eq!(state(ids[0]).await, "pending");
+    assert_eq!(state(ids[1]).await, "in_doubt", "the other carrier's call");
+}
+
 /// A 404 about a call whose answer never came, asked right after it: the carrier may still be working on the
 /// request and book after the look-up. `effects reconcile` leaves such a call as it was (`recent`, exit 3) until its
 /// last attempt is `--quiet-for` old (10 minutes by default); only then is it owed again. Owed at once, the next

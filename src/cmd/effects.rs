@@ -79,7 +79,8 @@ pub struct ReconcileArgs {
     #[arg(long, value_name = "URL", value_parser = crate::cli::SecretUrl)]
     pub lookup_url: url::Url,
 
-    /// Only this consumer_type's
+    /// Only this consumer_type's: the one whose carrier --lookup-url answers for (needed when calls of several
+    /// consumer_types are to settle)
     #[arg(long)]
     pub consumer_type: Option<String>,
 

@@ -137,6 +137,25 @@ pub async fn reconcile(
         .into_iter()
         .filter(|e| e.state != "started" || e.lease_until.is_some_and(|l| l <= now))
         .collect();
+    // One look-up answers for one carrier: asked about another consumer_type's call (another carrier's), its 404
+    // would owe that call again — and an at-most-once call in doubt, booked by the other carrier, would be made twice.
+    if consumer_type.is_none() {
+        let kinds: std::collections::BTreeSet<&str> = candidates
+            .iter()
+            .map(|e| e.consumer_type.as_str())
+            .collect();
+        if kinds.len() > 1 {
+            return Err(Error::Usage(format!(
+                "the calls to settle belong to several consumer_types ({}), and a look-up answers for one carrier's: \
+                 say whose calls --lookup-url answers for with --consumer-type; nothing was settled",
+                kinds
+                    .iter()
+                    .map(|k| crate::sanitize::text(k).into_owned())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
     let mut out = Vec::new();
     let mut left = 0;
     let total = candidates.len();

@@ -70,6 +70,8 @@ command -v promtool >/dev/null 2>&1 || apt_install prometheus
 # compose.yaml is validated (offline) by Debian's docker-compose; the manual page is rendered by man.
 command -v docker-compose >/dev/null 2>&1 || apt_install docker-compose
 command -v man >/dev/null 2>&1 || apt_install man-db
+# A process's clock set apart from the database's (libfaketime), for the tests of times judged on the database's.
+command -v faketime >/dev/null 2>&1 || apt_install faketime
 # The pooler tests (tests/pgbouncer.rs) run a PgBouncer of their own, each on a port of its own, from Debian's package.
 # The package's own service (127.0.0.1:6432) is not wanted: where installing it started it, it is stopped and kept from
 # starting at boot. A PgBouncer the machine had before is left as it is.

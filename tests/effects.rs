@@ -1603,6 +1603,44 @@ async fn reconcile_asks_one_carriers_look_up_only_about_that_carriers_calls() {
     assert_eq!(state(ids[1]).await, "in_doubt", "the other carrier's call");
 }
 
+/// The wait before a 404 owes a call again (`--quiet-for`) was judged on the clock of the machine running `effects
+/// reconcile` against times the database wrote: a laptop 15 minutes ahead took a call whose answer never came a
+/// moment ago for one quiet 15 minutes, and owed it again while the carrier might still book it. The database's clock
+/// judges it now: `recent`, left in doubt. (The process's clock is set ahead by libfaketime.)
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_judges_a_calls_quiet_on_the_databases_clock() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
+    external::record_outcome(
+        &pool,
+        &call,
+        CARRIER_QUEUE,
+        &outcome("in_doubt", "no answer"),
+    )
+    .await
+    .unwrap();
+    let out = common::Output::of(
+        env.cmd()
+            .env("LD_PRELOAD", common::LIBFAKETIME)
+            .env("FAKETIME", "+15m")
+            .args(["effects", "reconcile", "--lookup-url", &stub.url, "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let said: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(said[0]["now"], "recent", "{said}");
+    let state: String =
+        sqlx::query_scalar("SELECT state FROM inboxctl_effects WHERE message_id = $1")
+            .bind(call.message_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "in_doubt");
+}
+
 /// A 404 about a call whose answer never came, asked right after it: the carrier may still be working on the
 /// request and book after the look-up. `effects reconcile` leaves such a call as it was (`recent`, exit 3) until its
 /// last attempt is `--quiet-for` old (10 minutes by default); only then is it owed again. Owed at once, the next

@@ -40,6 +40,9 @@ FROM due
 WHERE e.message_id = due.message_id AND e.consumer_type = due.consumer_type
 RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, due.state, e.lease_until";
 
+    /// The database's time: what every time of an effect row is written in.
+    const DATABASE_NOW = "SELECT now()";
+
     /// At-most-once effects of consumer_type `$1` started by a process whose lease ran out: in doubt.
     const MARK_IN_DOUBT = "\
 UPDATE inboxctl_effects
@@ -362,6 +365,13 @@ pub async fn list(
         .bind(limit);
     let rows = unit!(executor, |conn| query.fetch_all(conn))?;
     Ok(rows.into_iter().map(row).collect())
+}
+
+/// The database's time, against which the times of effect rows (written by its `now()`) are judged: this machine's
+/// clock may be off by minutes.
+pub async fn database_now(executor: impl Into<Exec<'_>>) -> sqlx::Result<DateTime<Utc>> {
+    unit!(executor, |conn| sql::query_scalar(DATABASE_NOW)
+        .fetch_one(conn))
 }
 
 /// One message's effects (`EFFECTS_OF`).

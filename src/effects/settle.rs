@@ -131,7 +131,9 @@ pub async fn reconcile(
         100_000,
     )
     .await?;
-    let now = chrono::Utc::now();
+    // The database's time, not this machine's: a clock minutes ahead took a call answered by a gateway's timeout a
+    // moment ago for one quiet past `quiet_for`, and owed it again on a 404 while the carrier was still booking it.
+    let now = external::database_now(pool).await?;
     // A call started by a process whose lease has not run out is that process's to settle.
     let candidates: Vec<_> = candidates
         .into_iter()

@@ -12,6 +12,11 @@ use std::time::{Duration, Instant};
 
 use super::TestEnv;
 
+/// libfaketime (Debian's `faketime`, which `scripts/services.sh` installs): preloaded with `FAKETIME=+15m`, a
+/// process's clock runs that far apart from the database's.
+#[cfg(feature = "failpoints")]
+pub const LIBFAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+
 #[derive(Debug)]
 pub struct Output {
     pub code: Option<i32>,

@@ -686,6 +686,67 @@ async fn rows_of(pool: &sqlx::PgPool, consumer_type: &str) -> i64 {
         .unwrap()
 }
 
+/// A consumer_type moved to another queue (a quorum queue in place of a classic one) keeps its name, and its failed
+/// messages wait in the old queue's `_error`. The guard looked only in the queue its consumers registered last: the
+/// new queue's dead-letter queues empty, it cleaned the rows the old failures' replays need. Each consumer's
+/// registration keeps the queues read before, and the guard looks in theirs too.
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_looks_for_failures_in_the_queue_a_consumer_type_read_before() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    let carrier = inboxctl::inbox::ConsumerType::new("carrier").unwrap();
+    // Its consumers read orders-carrier, then orders-carrier-quorum; one of the old ones starts again for a while
+    // (both run through the move), and the new ones last.
+    for queue in [
+        "orders-carrier",
+        "orders-carrier-quorum",
+        "orders-carrier",
+        "orders-carrier-quorum",
+    ] {
+        inboxctl::db::events::register_consumer(&pool, &carrier, queue, None, &env.vhost)
+            .await
+            .unwrap();
+    }
+    let earlier: serde_json::Value = sqlx::query_scalar(
+        "SELECT earlier_queues FROM inboxctl_consumers WHERE consumer_type = 'carrier'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        earlier,
+        serde_json::json!([
+            {"queue": "orders-carrier", "vhost": env.vhost},
+            {"queue": "orders-carrier-quorum", "vhost": env.vhost}
+        ]),
+        "each queue once"
+    );
+    processed_rows(&pool, "carrier", "orders-carrier-quorum", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let old = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let refused = &report["consumers"][0]["refused"];
+    assert_eq!(refused["queue"], "orders-carrier_error", "{report}");
+    assert_eq!(refused["message_id"], old, "{report}");
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     let env = TestEnv::migrated().await;

@@ -195,13 +195,27 @@ pub async fn check(
     }
     let queues = db::stats::registered_consumers(pool).await?;
     let vhosts = db::stats::registered_vhosts(pool).await?;
+    let earlier = db::stats::registered_earlier(pool).await?;
     let own = guard.broker.vhost().to_owned();
-    let mut elsewhere: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    // Each consumer_type's queues to look at, by vhost: the one its consumers read now, and those they read before (a
+    // consumer_type moved to another queue leaves its failed messages in the old one's dead-letter queues).
+    let mut by_vhost: BTreeMap<String, Vec<(usize, String)>> = BTreeMap::new();
     for (i, report) in consumers.iter().enumerate() {
-        if let Some(theirs) = vhosts.get(&report.consumer_type).filter(|v| **v != own) {
-            elsewhere.entry(theirs.clone()).or_default().push(i);
+        let ct = &report.consumer_type;
+        let now_in = vhosts.get(ct).cloned().unwrap_or_else(|| own.clone());
+        let mut places = vec![(queue_of(&queues, ct), now_in)];
+        for (queue, vhost) in earlier.get(ct).into_iter().flatten() {
+            let place = (queue.clone(), vhost.clone().unwrap_or_else(|| own.clone()));
+            if !places.contains(&place) {
+                places.push(place);
+            }
+        }
+        for (queue, vhost) in places {
+            by_vhost.entry(vhost).or_default().push((i, queue));
         }
     }
+    let here = by_vhost.remove(&own).unwrap_or_default();
+    let elsewhere = by_vhost;
     let unrecorded: Vec<String> = consumers
         .iter()
         .filter(|r| queues.contains_key(&r.consumer_type) && !vhosts.contains_key(&r.consumer_type))
@@ -214,16 +228,12 @@ pub async fn check(
              restart them): their dead letters are looked for in this one"
         );
     }
-    let here: Vec<usize> = (0..consumers.len())
-        .filter(|i| !elsewhere.values().any(|v| v.contains(i)))
-        .collect();
     // On a partitioned inbox a waiting message's claim lands in the partition of its own time, whenever it failed.
     let keyed_on = match db::partitions::layout(pool).await? {
         Some(db::partitions::Layout::Partitioned(settings)) => Some(settings.source),
         _ => None,
     };
     let looks = Looks {
-        queues: &queues,
         cutoff,
         now: Utc::now(),
         keyed_on,
@@ -236,7 +246,7 @@ pub async fn check(
     .await;
     crate::amqp::close(&connection, "OK").await;
     result?;
-    for (vhost, indices) in elsewhere {
+    for (vhost, places) in elsewhere {
         let looked = match guard
             .broker
             .in_vhost(&vhost)
@@ -244,7 +254,7 @@ pub async fn check(
             .await
         {
             Ok(connection) => {
-                let looked = looks.each(&connection, &vhost, consumers, &indices).await;
+                let looked = looks.each(&connection, &vhost, consumers, &places).await;
                 crate::amqp::close(&connection, "OK").await;
                 looked
             }
@@ -263,17 +273,17 @@ pub async fn check(
         // the message it could not see may be waiting; the rest of the run goes on.
         if let Err(e) = looked {
             let why = crate::redact::text(&e.to_string());
-            for &i in &indices {
+            for (i, queue) in &places {
+                let i = *i;
                 if consumers[i].refused.is_some() {
                     continue;
                 }
-                let queue = looks.queue_of(&consumers[i].consumer_type);
                 consumers[i].refused = Some(Refusal {
                     other_vhost: Some(OtherVhost {
                         vhost: vhost.clone(),
                         why: why.clone(),
                     }),
-                    ..Refusal::of(&topology::error_queue(&queue), cutoff)
+                    ..Refusal::of(&topology::error_queue(queue), cutoff)
                 });
             }
         }
@@ -281,24 +291,23 @@ pub async fn check(
     Ok(())
 }
 
+/// The queue of `consumer_type`: the one its consumer registered, else (a consumer_type inboxctl never ran) its own
+/// name, as the .NET tutorial names them.
+fn queue_of(queues: &HashMap<String, String>, consumer_type: &str) -> String {
+    queues
+        .get(consumer_type)
+        .cloned()
+        .unwrap_or_else(|| consumer_type.to_owned())
+}
+
 /// What the looks at the dead-letter queues share.
-struct Looks<'a> {
-    queues: &'a HashMap<String, String>,
+struct Looks {
     cutoff: DateTime<Utc>,
     now: DateTime<Utc>,
     keyed_on: Option<TimeSource>,
 }
 
-impl Looks<'_> {
-    /// The queue of `consumer_type`: the one its consumer registered, else (a consumer_type inboxctl never ran) its
-    /// own name, as the .NET tutorial names them.
-    fn queue_of(&self, consumer_type: &str) -> String {
-        self.queues
-            .get(consumer_type)
-            .cloned()
-            .unwrap_or_else(|| consumer_type.to_owned())
-    }
-
+impl Looks {
     fn too_old(&self, h: &Head) -> bool {
         h.failed_at.is_none_or(|t| t < self.cutoff)
     }
@@ -326,22 +335,21 @@ impl Looks<'_> {
         }
     }
 
-    /// Looks at the `_error` and `_skipped` queues of `consumers[i]` for each `i` of `indices`, on `connection` (in
-    /// `vhost`).
+    /// Looks at the `_error` and `_skipped` queues of each `(i, queue)` of `places` for `consumers[i]`, on
+    /// `connection` (in `vhost`); a consumer_type refused by one is not looked at further.
     async fn each(
         &self,
         connection: &crate::amqp::Connection,
         vhost: &str,
         consumers: &mut [ConsumerReport],
-        indices: &[usize],
+        places: &[(usize, String)],
     ) -> Result<()> {
-        for &i in indices {
-            let report = &mut consumers[i];
-            let queue = self.queue_of(&report.consumer_type);
-            for dead_letters in [
-                topology::error_queue(&queue),
-                topology::skipped_queue(&queue),
-            ] {
+        for (i, queue) in places {
+            let report = &mut consumers[*i];
+            if report.refused.is_some() {
+                continue;
+            }
+            for dead_letters in [topology::error_queue(queue), topology::skipped_queue(queue)] {
                 // RabbitMQ takes no name longer than AMQP's 255 bytes: no such queue can hold anything. Any other
                 // name (a control character in a .NET consumer_type's) is looked at like the rest.
                 if crate::amqp::no_queue_can_have(&dead_letters) {

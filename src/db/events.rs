@@ -14,8 +14,22 @@ INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1
 
     /// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters
     /// and which queue each reads, and `cleanup` in which vhost. `$1` consumer_type, `$2` queue, `$3` its partitions
-    /// (null: not partitioned), `$4` the vhost.
+    /// (null: not partitioned), `$4` the vhost. The queue and vhost it read before, when they were others, are kept
+    /// (once each) in `earlier_queues`: `cleanup` looks in their dead-letter queues too.
     pub const REGISTER_CONSUMER = "\
+INSERT INTO inboxctl_consumers AS c (consumer_type, queue, partitions, vhost, first_seen_at, last_seen_at)
+VALUES ($1, $2, $3, $4, now(), now())
+ON CONFLICT (consumer_type) DO UPDATE
+SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, vhost = EXCLUDED.vhost, last_seen_at = now(),
+    earlier_queues = CASE
+        WHEN (c.queue = EXCLUDED.queue AND c.vhost IS NOT DISTINCT FROM EXCLUDED.vhost)
+          OR c.earlier_queues @> jsonb_build_array(jsonb_build_object('queue', c.queue, 'vhost', c.vhost))
+        THEN c.earlier_queues
+        ELSE c.earlier_queues || jsonb_build_array(jsonb_build_object('queue', c.queue, 'vhost', c.vhost))
+    END";
+
+    /// `REGISTER_CONSUMER` on a database migrated before consumers kept their earlier queues (migration 14).
+    const REGISTER_CONSUMER_WITHOUT_EARLIER = "\
 INSERT INTO inboxctl_consumers (consumer_type, queue, partitions, vhost, first_seen_at, last_seen_at)
 VALUES ($1, $2, $3, $4, now(), now())
 ON CONFLICT (consumer_type) DO UPDATE
@@ -73,12 +87,26 @@ pub async fn register_consumer(
     partitions: Option<u16>,
     vhost: &str,
 ) -> sqlx::Result<()> {
-    let registered = unit!(pool, |conn| sql::query(REGISTER_CONSUMER)
-        .bind(consumer_type.as_str())
-        .bind(queue)
-        .bind(partitions.map(i32::from))
-        .bind(vhost)
-        .execute(conn));
+    let with_vhost = async |statement: &'static str| -> sqlx::Result<()> {
+        unit!(pool, |conn| sql::query(statement)
+            .bind(consumer_type.as_str())
+            .bind(queue)
+            .bind(partitions.map(i32::from))
+            .bind(vhost)
+            .execute(conn))
+        .map(drop)
+    };
+    let registered = match with_vhost(REGISTER_CONSUMER).await {
+        Err(e) if super::sqlstate(&e).as_deref() == Some("42703") => {
+            tracing::warn!(
+                "this database does not keep the queues a consumer read before yet: run `inboxctl migrate` (until \
+                 then, a consumer_type moved to another queue has its rows cleaned as if nothing of it waited in the \
+                 old queue's dead-letter queues)"
+            );
+            with_vhost(REGISTER_CONSUMER_WITHOUT_EARLIER).await
+        }
+        other => other,
+    };
     match registered {
         Err(e) if super::sqlstate(&e).as_deref() == Some("42703") => {
             tracing::warn!(

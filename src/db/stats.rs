@@ -33,6 +33,15 @@ SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
 SELECT consumer_type::text, to_jsonb(c) ->> 'vhost' FROM inboxctl_consumers c
 WHERE to_jsonb(c) ->> 'vhost' IS NOT NULL";
 
+    /// The queues each registered consumer_type's consumers read before the one they read now, each with its vhost
+    /// (null: not recorded), through `to_jsonb` as above (none on a database migrated before migration 14). At most
+    /// 10,000: one per queue a consumer_type ever moved from.
+    const REGISTERED_EARLIER = "\
+SELECT c.consumer_type::text, e ->> 'queue', e ->> 'vhost'
+FROM inboxctl_consumers c, jsonb_array_elements(coalesce(to_jsonb(c) -> 'earlier_queues', '[]')) e
+WHERE jsonb_typeof(e) = 'object' AND e ->> 'queue' IS NOT NULL
+LIMIT 10000";
+
     /// The registered consumer_types whose queue is spread over partitions, with how many. Read through `to_jsonb`
     /// so that a database migrated before the column existed answers "none" rather than failing.
     const REGISTERED_PARTITIONS = "\
@@ -124,6 +133,23 @@ pub async fn registered_vhosts(
     let rows: Vec<(String, String)> = unit!(executor, |conn| sql::query_as(REGISTERED_VHOSTS)
         .fetch_all(conn))?;
     Ok(rows.into_iter().collect())
+}
+
+/// The queues each registered consumer_type read before, each with its vhost if recorded (`REGISTERED_EARLIER`).
+pub async fn registered_earlier(
+    executor: impl Into<Exec<'_>>,
+) -> sqlx::Result<HashMap<String, Vec<(String, Option<String>)>>> {
+    let rows: Vec<(String, String, Option<String>)> =
+        unit!(executor, |conn| sql::query_as(REGISTERED_EARLIER)
+            .fetch_all(conn))?;
+    let mut earlier: HashMap<String, Vec<(String, Option<String>)>> = HashMap::new();
+    for (consumer_type, queue, vhost) in rows {
+        earlier
+            .entry(consumer_type)
+            .or_default()
+            .push((queue, vhost));
+    }
+    Ok(earlier)
 }
 
 /// Each registered consumer_type whose queue is spread over partitions, with their number (`REGISTERED_PARTITIONS`).

@@ -451,6 +451,113 @@ async fn interrupted_it_stops_after_the_current_batch_and_says_so() {
     assert_eq!((5_000 - left) % 100, 0, "whole batches only");
 }
 
+/// Done calls' records past the window: 250 of them, pruned in batches of 100.
+async fn seed_done_effects(pool: &PgPool, consumer_type: &str, n: i64) {
+    sqlx::query(
+        "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, created_at, updated_at)
+         SELECT gen_random_uuid(), $1, gen_random_uuid(), 'after-commit', 'done', '{}',
+                now() - interval '10 days', now() - interval '10 days'
+         FROM generate_series(1, $2)",
+    )
+    .bind(consumer_type)
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// A cleanup failing while it pruned the done calls' records (its second batch refused by a trigger) after one batch
+/// had gone: the count of what it had pruned was kept only on success, so the run said it deleted none of them —
+/// and, with no inbox row deleted, failed outright (exit 1, no report, audited `failed`), the 100 records gone
+/// unsaid. Now what went is counted batch by batch: partial (exit 3), 100 reported and audited.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleanup_failing_while_it_prunes_the_calls_records_says_what_it_pruned() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    // The consumer_type's rows are young: none of them goes.
+    seed(&pool, "carrier", 10, "1 hour", false).await;
+    seed_done_effects(&pool, "carrier", 250).await;
+    sqlx::raw_sql(
+        "CREATE SEQUENCE prunes; \
+         CREATE FUNCTION refuse_second_prune() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF nextval('prunes') > 1 THEN RAISE EXCEPTION 'second prune refused by the test'; END IF; \
+           RETURN NULL; END $$; \
+         CREATE TRIGGER refuse_second_prune BEFORE DELETE ON inboxctl_effects FOR EACH STATEMENT \
+           EXECUTE FUNCTION refuse_second_prune();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&[
+        "cleanup",
+        "--retention",
+        "7d",
+        "--force",
+        "--batch-size",
+        "100",
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(report["effects_deleted"], 100, "{report:#}");
+    assert!(
+        report["failed"]
+            .as_str()
+            .is_some_and(|f| f.contains("second prune refused by the test")),
+        "{report:#}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_effects").await,
+        150
+    );
+    let (outcome, details): (String, serde_json::Value) =
+        sqlx::query_as("SELECT outcome, details FROM inboxctl_audit WHERE command = 'cleanup'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(outcome, "partial", "{details}");
+    assert_eq!(details["effects_deleted"], 100, "{details}");
+}
+
+/// A stop while the done calls' records are pruned (a failpoint holds the run after its first batch) ended the
+/// pruning after that batch but said nothing of it: `interrupted: false`, exit 0, audited `done`. It is a stop like
+/// one in the inbox's batches now: interrupted, exit 3, the batch that went reported.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stop_while_the_calls_records_are_pruned_ends_the_run_interrupted() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    seed(&pool, "carrier", 10, "1 hour", false).await;
+    seed_done_effects(&pool, "carrier", 250).await;
+    let mut cleanup = env.spawn_with(
+        &[
+            "cleanup",
+            "--retention",
+            "7d",
+            "--force",
+            "--batch-size",
+            "100",
+            "--json",
+        ],
+        &[("INBOXCTL_FAILPOINTS", "effects-pruned=sleep-once-5000")],
+    );
+    cleanup.wait_for_stderr("failpoint effects-pruned reached", Duration::from_secs(30));
+    cleanup.terminate();
+    assert_eq!(
+        cleanup.wait(Duration::from_secs(30)),
+        Some(3),
+        "{}",
+        cleanup.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert_eq!(report["interrupted"], true, "{report:#}");
+    assert_eq!(report["effects_deleted"], 100, "{report:#}");
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inboxctl_effects").await,
+        150
+    );
+}
+
 /// The start counts of redelivered messages (`consume --poison-after`) left by messages that never came back go
 /// with the window too; recent ones stay.
 #[tokio::test(flavor = "multi_thread")]

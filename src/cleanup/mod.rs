@@ -192,7 +192,16 @@ pub async fn run(
         let order: Vec<usize> = (0..consumers.len())
             .filter(|&i| consumers[i].refused.is_none())
             .collect();
-        effects = prune_effects(pool, plan, &consumers, &order, cutoff, shutdown).await?;
+        prune_effects(
+            pool,
+            plan,
+            &consumers,
+            &order,
+            cutoff,
+            shutdown,
+            &mut effects,
+        )
+        .await?;
     } else {
         let (lock, mine) = take_locks(pool, &mut consumers).await?;
         let cleanable = mine
@@ -243,12 +252,25 @@ pub async fn run(
         }
         // A failure after rows went ends the run, but not its report: each batch was committed, and what went is
         // said, audited and counted.
+        // Each step counts what it deleted as it goes, and says whether a stop ended it: a stop between steps, or
+        // in one, ends the run interrupted (exit 3), the rest left for the next.
         let steps = async {
             interrupted = result?;
             if !interrupted {
-                attempts_deleted = prune_attempts(pool, &consumers, &mine, cutoff).await?;
-                effects = prune_effects(pool, plan, &consumers, &mine, cutoff, shutdown).await?;
-                audit_deleted = prune_audit(pool, plan, shutdown).await?;
+                prune_attempts(pool, &consumers, &mine, cutoff, &mut attempts_deleted).await?;
+                interrupted = prune_effects(
+                    pool,
+                    plan,
+                    &consumers,
+                    &mine,
+                    cutoff,
+                    shutdown,
+                    &mut effects,
+                )
+                .await?;
+            }
+            if !interrupted {
+                interrupted = prune_audit(pool, plan, shutdown, &mut audit_deleted).await?;
             }
             Ok::<(), crate::error::Error>(())
         }
@@ -259,7 +281,10 @@ pub async fn run(
                 .any(|c| c.deleted > 0 || c.events_deleted > 0)
                 || attempts_deleted > 0
                 || effects.deleted > 0
-                || partitions.as_ref().is_some_and(|p| !p.dropped.is_empty());
+                || audit_deleted > 0
+                || partitions
+                    .as_ref()
+                    .is_some_and(|p| !p.dropped.is_empty() || !p.leftovers.is_empty());
             if !went {
                 return Err(e);
             }
@@ -518,16 +543,16 @@ async fn prune_attempts(
     consumers: &[ConsumerReport],
     order: &[usize],
     cutoff: DateTime<Utc>,
-) -> Result<u64> {
+    deleted: &mut u64,
+) -> Result<()> {
     if !schema::table_exists(&mut *pool.acquire().await?, "inboxctl_attempts").await? {
-        return Ok(0);
+        return Ok(());
     }
-    let mut deleted = 0;
     for &i in order {
-        deleted +=
+        *deleted +=
             db::cleanup::delete_old_attempts(pool, &consumers[i].consumer_type, cutoff).await?;
     }
-    Ok(deleted)
+    Ok(())
 }
 
 /// What became of the records of done calls.
@@ -539,7 +564,9 @@ struct EffectsPruned {
 
 /// Deletes (a dry run: counts) the records of calls made outside the database that were done before the cutoff, of
 /// the consumer_types this cleanup cleaned (`order`), in batches, where the table exists (a schema from before it
-/// did is not an error). A role that may not delete them leaves them, and the report says why.
+/// did is not an error). A role that may not delete them leaves them, and the report says why. Counted into `pruned`
+/// batch by batch (each is committed: a failure later leaves what went counted); whether a stop ended it first.
+#[allow(clippy::too_many_arguments)]
 async fn prune_effects(
     pool: &PgPool,
     plan: &Plan,
@@ -547,27 +574,29 @@ async fn prune_effects(
     order: &[usize],
     cutoff: DateTime<Utc>,
     shutdown: &CancellationToken,
-) -> Result<EffectsPruned> {
+    pruned: &mut EffectsPruned,
+) -> Result<bool> {
     if !schema::table_exists(&mut *pool.acquire().await?, "inboxctl_effects").await? {
-        return Ok(EffectsPruned::default());
+        return Ok(false);
     }
     if !db::cleanup::may_delete_effects(pool).await? {
-        return Ok(EffectsPruned {
-            deleted: 0,
-            left: Some(
-                "this role may not read and delete inboxctl_effects (SELECT, DELETE): the records of done calls stay"
-                    .to_owned(),
-            ),
-        });
+        pruned.left = Some(
+            "this role may not read and delete inboxctl_effects (SELECT, DELETE): the records of done calls stay"
+                .to_owned(),
+        );
+        return Ok(false);
     }
-    let mut deleted = 0;
     for &i in order {
         let consumer_type = &consumers[i].consumer_type;
         if plan.dry_run {
-            deleted += db::cleanup::count_done_effects_before(pool, consumer_type, cutoff).await?;
+            pruned.deleted +=
+                db::cleanup::count_done_effects_before(pool, consumer_type, cutoff).await?;
             continue;
         }
         loop {
+            if shutdown.is_cancelled() {
+                return Ok(true);
+            }
             let batch = db::cleanup::delete_done_effects_batch(
                 pool,
                 consumer_type,
@@ -575,31 +604,36 @@ async fn prune_effects(
                 plan.batch_size,
             )
             .await?;
-            deleted += batch;
-            if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) || shutdown.is_cancelled()
-            {
+            pruned.deleted += batch;
+            crate::failpoint::hit("effects-pruned").await;
+            if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) {
                 break;
             }
         }
     }
-    Ok(EffectsPruned {
-        deleted,
-        left: None,
-    })
+    Ok(false)
 }
 
-/// Deletes audit rows older than the audit's own retention, in batches, where the table exists.
-async fn prune_audit(pool: &PgPool, plan: &Plan, shutdown: &CancellationToken) -> Result<u64> {
+/// Deletes audit rows older than the audit's own retention, in batches, where the table exists, counted into
+/// `deleted` batch by batch; whether a stop ended it first.
+async fn prune_audit(
+    pool: &PgPool,
+    plan: &Plan,
+    shutdown: &CancellationToken,
+    deleted: &mut u64,
+) -> Result<bool> {
     if !schema::table_exists(&mut *pool.acquire().await?, "inboxctl_audit").await? {
-        return Ok(0);
+        return Ok(false);
     }
     let cutoff = db::cleanup::cutoff(pool, plan.audit_retention).await?;
-    let mut deleted = 0;
     loop {
+        if shutdown.is_cancelled() {
+            return Ok(true);
+        }
         let batch = db::audit::delete_batch(pool, cutoff, plan.batch_size).await?;
-        deleted += batch;
-        if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) || shutdown.is_cancelled() {
-            return Ok(deleted);
+        *deleted += batch;
+        if batch < u64::try_from(plan.batch_size).unwrap_or(u64::MAX) {
+            return Ok(false);
         }
     }
 }

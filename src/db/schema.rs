@@ -36,10 +36,12 @@ WHERE c.oid = to_regclass('inbox_messages')";
     const MIGRATE_TRY_LOCK = "SELECT pg_try_advisory_lock($1)";
     const MIGRATE_UNLOCK = "SELECT pg_advisory_unlock($1)";
 
-    /// Indexes on `inbox_messages` left invalid by an interrupted `CREATE INDEX CONCURRENTLY`. `$1` index names.
+    /// Indexes on `inbox_messages` or `inboxctl_effects` left invalid by an interrupted `CREATE INDEX CONCURRENTLY`.
+    /// `$1` index names.
     const INVALID_INBOX_INDEXES = "\
 SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-WHERE i.indrelid = to_regclass('inbox_messages') AND NOT i.indisvalid AND c.relname = ANY($1)";
+WHERE i.indrelid IN (to_regclass('inbox_messages'), to_regclass('inboxctl_effects')) AND NOT i.indisvalid
+  AND c.relname = ANY($1)";
 
     /// The unprocessed rows' index of the first migration, built without blocking writes, for an adopted inbox that
     /// lacks it (under another name, or none): the migration's own `CREATE INDEX` would hold the table against every
@@ -109,9 +111,10 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 2] = [
+const CONCURRENT_INDEXES: [&str; 3] = [
     "ix_inbox_messages_consumer_type_processed_at",
     "ix_inbox_messages_unprocessed_by_consumer_type",
+    "ix_inboxctl_effects_owed",
 ];
 
 /// The migrations in `migrations/`, embedded in the binary.

@@ -1453,6 +1453,49 @@ async fn comment_of(pool: &sqlx::PgPool, name: &str) -> Option<String> {
         .unwrap()
 }
 
+/// The leftover of a drop an earlier version stopped carries no mark: a cleanup now would leave it detached for good,
+/// its range out of the inbox. Migration 16 marks the unmarked ones there when it runs (as that version would have
+/// taken them), and the next cleanup drops it. (The migration's text is run again on a table detached by hand after
+/// `migrate`: the test's stand-in for one left before the upgrade.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leftover_of_an_earlier_versions_stopped_drop_is_marked_by_the_migration_and_dropped() {
+    let env = TestEnv::bare().await;
+    let (oldest, _) = with_an_old_empty_partition(&env).await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE inbox_messages DETACH PARTITION \"{oldest}\"; CREATE TABLE inbox_messages_p19990101_000000 (LIKE inbox_messages); \
+         COMMENT ON TABLE inbox_messages_p19990101_000000 IS 'an operator''s'"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(include_str!(
+        "../migrations/20261206000016_inboxctl_mark_detached_leftovers.sql"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        comment_of(&pool, &oldest).await.as_deref(),
+        Some(inboxctl::db::partitions::DETACHING)
+    );
+    let out = env.run(&["cleanup", "--retention", "7d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(
+        report["partitions"]["leftovers"],
+        serde_json::json!([oldest]),
+        "{report:#}"
+    );
+    assert_eq!(
+        comment_of(&pool, "inbox_messages_p19990101_000000")
+            .await
+            .as_deref(),
+        Some("an operator's"),
+        "a table with a comment of its own is left alone"
+    );
+}
+
 /// An operator detaches an old partition by hand (to dump it, to keep it as an archive): a cleanup took it for the
 /// leftover of a stopped drop, and dropped it, its rows past the window. A drop marks what it detaches now, and a
 /// table without the mark is left alone.

@@ -722,6 +722,28 @@ async fn cleanup_looks_for_failures_in_the_queue_a_consumer_type_read_before() {
         ]),
         "each queue once"
     );
+    // A carrier consumer records its effect mode first (its row without a vhost), then itself: its queue is not one
+    // it read before.
+    let sms = inboxctl::inbox::ConsumerType::new("sms").unwrap();
+    inboxctl::db::events::register_effect_mode(
+        &pool,
+        &sms,
+        "orders-sms",
+        "keyed",
+        std::time::Duration::from_secs(86_400),
+    )
+    .await
+    .unwrap();
+    inboxctl::db::events::register_consumer(&pool, &sms, "orders-sms", None, &env.vhost)
+        .await
+        .unwrap();
+    let earlier: serde_json::Value = sqlx::query_scalar(
+        "SELECT earlier_queues FROM inboxctl_consumers WHERE consumer_type = 'sms'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(earlier, serde_json::json!([]));
     processed_rows(&pool, "carrier", "orders-carrier-quorum", 5, 8).await;
     inboxctl::amqp::topology::ensure_dead_letter_queue(
         &conn,

@@ -15,14 +15,15 @@ INSERT INTO inboxctl_events (consumer_type, kind, message_id, detail) VALUES ($1
     /// Registers a consumer process's consumer_type and queue, so `stats` knows which consumer_types have counters
     /// and which queue each reads, and `cleanup` in which vhost. `$1` consumer_type, `$2` queue, `$3` its partitions
     /// (null: not partitioned), `$4` the vhost. The queue and vhost it read before, when they were others, are kept
-    /// (once each) in `earlier_queues`: `cleanup` looks in their dead-letter queues too.
+    /// (once each) in `earlier_queues`: `cleanup` looks in their dead-letter queues too. The same queue with no vhost
+    /// recorded (a row the effect mode's registration made first, or an earlier version's) is not another.
     pub const REGISTER_CONSUMER = "\
 INSERT INTO inboxctl_consumers AS c (consumer_type, queue, partitions, vhost, first_seen_at, last_seen_at)
 VALUES ($1, $2, $3, $4, now(), now())
 ON CONFLICT (consumer_type) DO UPDATE
 SET queue = EXCLUDED.queue, partitions = EXCLUDED.partitions, vhost = EXCLUDED.vhost, last_seen_at = now(),
     earlier_queues = CASE
-        WHEN (c.queue = EXCLUDED.queue AND c.vhost IS NOT DISTINCT FROM EXCLUDED.vhost)
+        WHEN (c.queue = EXCLUDED.queue AND (c.vhost IS NULL OR c.vhost IS NOT DISTINCT FROM EXCLUDED.vhost))
           OR c.earlier_queues @> jsonb_build_array(jsonb_build_object('queue', c.queue, 'vhost', c.vhost))
         THEN c.earlier_queues
         ELSE c.earlier_queues || jsonb_build_array(jsonb_build_object('queue', c.queue, 'vhost', c.vhost))

@@ -38,7 +38,9 @@ WHERE to_jsonb(c) ->> 'vhost' IS NOT NULL";
     /// 10,000: one per queue a consumer_type ever moved from.
     const REGISTERED_EARLIER = "\
 SELECT c.consumer_type::text, e ->> 'queue', e ->> 'vhost'
-FROM inboxctl_consumers c, jsonb_array_elements(coalesce(to_jsonb(c) -> 'earlier_queues', '[]')) e
+FROM inboxctl_consumers c,
+     jsonb_array_elements(CASE WHEN jsonb_typeof(to_jsonb(c) -> 'earlier_queues') = 'array'
+                               THEN to_jsonb(c) -> 'earlier_queues' ELSE '[]' END) e
 WHERE jsonb_typeof(e) = 'object' AND e ->> 'queue' IS NOT NULL
 LIMIT 10000";
 

@@ -515,7 +515,11 @@ async fn swap(
         if !premade.contains(&start) {
             run(&mut tx, &create_table_statement(&schema, start)).await?;
         }
-        run(&mut tx, &attach_statement(start, start + settings.interval)).await?;
+        run(
+            &mut tx,
+            &attach_statement(&schema, start, start + settings.interval),
+        )
+        .await?;
         if premade.contains(&start) {
             run(
                 &mut tx,

@@ -151,11 +151,23 @@ pub async fn detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Res
     // Marked first: a drop that stops after the detach leaves a table the next cleanup knows for its own.
     let detached = match run(conn, &mark_statement(&partition.name)).await {
         Ok(()) => {
-            run(
+            let detached = run(
                 conn,
                 &detach_statement(&partition.name, partition.detach_pending),
             )
-            .await
+            .await;
+            // A detach that failed (a lock timeout, a cancel) leaves the partition attached: unmarked again, best
+            // effort, so that an operator who detaches it later keeps it. Not when another cleanup detached it first,
+            // or is detaching it (no such table, not a partition, a detach pending): the mark is that one's too.
+            if let Err(e) = &detached
+                && !matches!(
+                    crate::db::sqlstate(e).as_deref(),
+                    Some("42P01" | "42809" | "55000")
+                )
+            {
+                let _ = run(conn, &unmark_statement(&partition.name)).await;
+            }
+            detached
         }
         Err(e) => Err(e),
     };

@@ -239,8 +239,14 @@ fn create_table_statement(schema: &str, from: DateTime<Utc>) -> String {
 
 /// …then attached, which locks the parent only against other schema changes (`SHARE UPDATE EXCLUSIVE`): the claims
 /// go on. Its indexes are made as it is attached (it is empty).
-fn attach_statement(from: DateTime<Utc>, to: DateTime<Utc>) -> String {
-    attach_named_statement(&partition_name(from), from, to)
+fn attach_statement(schema: &str, from: DateTime<Utc>, to: DateTime<Utc>) -> String {
+    format!(
+        "ALTER TABLE inbox_messages ATTACH PARTITION {}.{} FOR VALUES FROM ({}) TO ({})",
+        quote_ident(schema),
+        quote_ident(&partition_name(from)),
+        literal(from),
+        literal(to)
+    )
 }
 
 /// The same for a table of any name (one an operator made and attached, detached by a cleanup).
@@ -282,7 +288,7 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
         ),
         (
             "attach_statement",
-            attach_statement(t, t + TimeDelta::days(1)),
+            attach_statement("public", t, t + TimeDelta::days(1)),
         ),
         (
             "detach_statement",
@@ -380,7 +386,7 @@ pub async fn ensure_partitions(
             let made = async {
                 let mut tx = conn.begin().await?;
                 run(&mut tx, &create_table_statement(&schema, start)).await?;
-                run(&mut tx, &attach_statement(start, end)).await?;
+                run(&mut tx, &attach_statement(&schema, start, end)).await?;
                 tx.commit().await
             }
             .await;
@@ -492,8 +498,8 @@ mod tests {
         assert_eq!(start_of(&partition_name(start)), Some(start));
         assert_eq!(start_of("inbox_messages_pre_partitioning"), None);
         assert_eq!(
-            attach_statement(start, start + settings.interval),
-            "ALTER TABLE inbox_messages ATTACH PARTITION \"inbox_messages_p20261202_000000\" FOR VALUES FROM \
+            attach_statement("public", start, start + settings.interval),
+            "ALTER TABLE inbox_messages ATTACH PARTITION \"public\".\"inbox_messages_p20261202_000000\" FOR VALUES FROM \
              ('2026-12-02 00:00:00+00') TO ('2026-12-03 00:00:00+00')"
         );
     }

@@ -361,6 +361,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         'inboxctl;effects;resolve' {
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Its consumer_type (needed when the message has effects for several)')
             [CompletionResult]::new('--reference', '--reference', [CompletionResultType]::ParameterName, 'The carrier''s reference for it (e.g. the slot id), kept with it')
+            [CompletionResult]::new('--quiet-for', '--quiet-for', [CompletionResultType]::ParameterName, 'With --retry: refused unless the call''s last attempt ended at least this long ago — a request whose answer never came may still be booked by the carrier after you looked')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')
             [CompletionResult]::new('--amqp-url', '--amqp-url', [CompletionResultType]::ParameterName, 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node')
             [CompletionResult]::new('--database-password-file', '--database-password-file', [CompletionResultType]::ParameterName, 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment')

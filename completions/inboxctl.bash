@@ -770,7 +770,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__effects__subcmd__resolve)
-            opts="-v -h -V --consumer-type --done --reference --retry --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --consumer-type --done --reference --retry --quiet-for --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -781,6 +781,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --reference)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --quiet-for)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

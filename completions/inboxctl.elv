@@ -342,6 +342,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;effects;resolve'= {
             cand --consumer-type 'Its consumer_type (needed when the message has effects for several)'
             cand --reference 'The carrier''s reference for it (e.g. the slot id), kept with it'
+            cand --quiet-for 'With --retry: refused unless the call''s last attempt ended at least this long ago — a request whose answer never came may still be booked by the carrier after you looked'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'

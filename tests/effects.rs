@@ -1295,7 +1295,10 @@ async fn a_call_whose_outcome_cannot_be_recorded_is_not_made_again_past_max_atte
         consumer.stderr()
     );
     let listed = env.run(&["effects", "--failed"]);
-    assert!(listed.stdout.contains("none recorded"), "{listed:?}");
+    assert!(
+        listed.stdout.contains("still unknown after 3 attempts"),
+        "{listed:?}"
+    );
 }
 
 /// A pending at-most-once effect for `consumer_type`, leased once: the attempt as a worker holds it.
@@ -1621,6 +1624,23 @@ async fn reconcile_judges_a_calls_quiet_on_the_databases_clock() {
     )
     .await
     .unwrap();
+    // The preload works (a library missing is ignored with a word, the clocks then agreeing: the test would prove
+    // nothing): a child's clock is 15 minutes ahead.
+    let ahead = std::process::Command::new("date")
+        .arg("+%s")
+        .env("LD_PRELOAD", common::LIBFAKETIME)
+        .env("FAKETIME", "+15m")
+        .output()
+        .unwrap();
+    let child: i64 = String::from_utf8_lossy(&ahead.stdout)
+        .trim()
+        .parse()
+        .unwrap();
+    let gap = child - chrono::Utc::now().timestamp();
+    assert!(
+        (14 * 60..16 * 60).contains(&gap),
+        "libfaketime did not set the clock ahead: {ahead:?}"
+    );
     let out = common::Output::of(
         env.cmd()
             .env("LD_PRELOAD", common::LIBFAKETIME)
@@ -1639,6 +1659,28 @@ async fn reconcile_judges_a_calls_quiet_on_the_databases_clock() {
             .await
             .unwrap();
     assert_eq!(state, "in_doubt");
+}
+
+/// `effects reconcile` looks at the oldest 100,000 calls of a run, and said nothing of the rest: exit 0, as if all
+/// were settled. Past that many it says so, and ends partial (exit 3): the rest are for the next run. (Here the
+/// 100,001 are leased by a live process, so that none is looked up: the count is what is tested.)
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_says_when_more_calls_are_to_settle_than_one_run_looks_at() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    sqlx::query(
+        "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts, lease_until)
+         SELECT gen_random_uuid(), $1, gen_random_uuid(), 'after-commit', 'started', '{}', 1, now() + interval '1 hour'
+         FROM generate_series(1, 100001)",
+    )
+    .bind(CARRIER_QUEUE)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["effects", "reconcile", "--lookup-url", &stub.url]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(out.stderr.contains("run again for the rest"), "{out:?}");
 }
 
 /// A 404 about a call whose answer never came, asked right after it: the carrier may still be working on the
@@ -2306,6 +2348,43 @@ async fn a_batch_done_again_books_its_other_members_once_with_a_carrier_ignoring
     );
 }
 
+/// `effects resolve --retry` owed again at once a call whose answer was lost a moment ago: an operator who looked at
+/// the carrier's bookings right after the timeout saw none yet, and the call was made again while the carrier was
+/// still booking the first — two bookings with a carrier that ignores keys. As `effects reconcile` does, it now waits
+/// for the call's last attempt to be `--quiet-for` old (10 minutes by default), judged on the database's clock.
+#[tokio::test(flavor = "multi_thread")]
+async fn resolve_retry_waits_for_a_calls_last_attempt_to_be_quiet() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
+    external::record_outcome(
+        &pool,
+        &call,
+        CARRIER_QUEUE,
+        &outcome("in_doubt", "no answer"),
+    )
+    .await
+    .unwrap();
+    let id = call.message_id.to_string();
+    let early = env.run(&["effects", "resolve", &id, "--retry"]);
+    assert_eq!(early.code, Some(64), "{early:?}");
+    assert!(
+        early.stderr.contains("less than --quiet-for 10m"),
+        "{early:?}"
+    );
+    let state = || async {
+        sqlx::query_scalar::<_, String>("SELECT state FROM inboxctl_effects WHERE message_id = $1")
+            .bind(call.message_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    assert_eq!(state().await, "in_doubt");
+    let told = env.run(&["effects", "resolve", &id, "--retry", "--quiet-for", "0s"]);
+    assert_eq!(told.code, Some(0), "{told:?}");
+    assert_eq!(state().await, "pending");
+}
+
 /// `effects resolve` settles the effect as it read it: one a consumer's worker changed in between (its lease ran out
 /// when read; leased again, the call made, recorded failed) is left as it is now, and the command says so. A `--retry`
 /// used to owe such a call again — made blind a second time, the look-up skipped for a call owed — and the audit
@@ -2327,7 +2406,14 @@ async fn a_resolve_leaves_an_effect_a_worker_changed_since_it_was_read() {
     .await
     .unwrap();
     let mut resolve = env.spawn_with(
-        &["effects", "resolve", &id.to_string(), "--retry"],
+        &[
+            "effects",
+            "resolve",
+            &id.to_string(),
+            "--retry",
+            "--quiet-for",
+            "0s",
+        ],
         &[("INBOXCTL_FAILPOINTS", "resolve-read=sleep-once-3000")],
     );
     resolve.wait_for_stderr("failpoint resolve-read reached", Duration::from_secs(30));

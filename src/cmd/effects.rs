@@ -71,6 +71,11 @@ pub struct ResolveArgs {
     /// The call was not made: owe it again (a running consumer makes it)
     #[arg(long)]
     pub retry: bool,
+
+    /// With --retry: refused unless the call's last attempt ended at least this long ago — a request whose answer
+    /// never came may still be booked by the carrier after you looked
+    #[arg(long, default_value = "10m", value_name = "DURATION", value_parser = crate::cli::parse_duration, requires = "retry")]
+    pub quiet_for: std::time::Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -181,6 +186,7 @@ async fn resolve(pool: &sqlx::PgPool, args: &ResolveArgs) -> Result<Outcome> {
         args.message_id,
         args.consumer_type.as_deref(),
         &resolution,
+        args.quiet_for,
     )
     .await;
     let now = if args.done { "done" } else { "pending" };
@@ -218,7 +224,7 @@ async fn reconcile(
     )
     .await;
     let details = match &result {
-        Ok(settle::Reconciliation { done, left }) => serde_json::json!({
+        Ok(settle::Reconciliation { done, left, beyond }) => serde_json::json!({
             "consumer_type": args.consumer_type,
             "done": done.iter().filter(|r| r.now == "done").count(),
             "pending": done.iter().filter(|r| r.now == "pending").count(),
@@ -226,11 +232,13 @@ async fn reconcile(
             "changed": done.iter().filter(|r| r.now == "changed").count(),
             "recent": done.iter().filter(|r| r.now == settle::RECENT).count(),
             "left": left,
+            "more_than_a_run": beyond,
         }),
         Err(_) => serde_json::json!({"consumer_type": args.consumer_type}),
     };
     let unfinished = |run: &settle::Reconciliation| {
         run.left > 0
+            || run.beyond
             || run
                 .done
                 .iter()
@@ -284,6 +292,11 @@ async fn reconcile(
             calls = run.left,
             "interrupted: the calls not looked at yet are left as they were; what was settled stays: run again to \
              settle the rest"
+        );
+    }
+    if run.beyond {
+        tracing::warn!(
+            "more calls are to settle than one run looks at (100,000, the oldest first): run again for the rest"
         );
     }
     if unfinished(&run) {

@@ -43,14 +43,34 @@ async fn one_effect(
     }
 }
 
-/// Settles one effect; returns it as it was. Refused for an effect done already or leased by a live process.
+/// Settles one effect; returns it as it was. Refused for an effect done already or leased by a live process, and —
+/// to be made again — for one whose last attempt ended less than `quiet_for` ago (the database's clock): a request
+/// whose answer never came may still be in the carrier's hands, its booking not shown yet; owed again now, it would
+/// be made twice wherever the carrier does not honour keys.
 pub async fn resolve(
     pool: &sqlx::PgPool,
     message_id: Uuid,
     consumer_type: Option<&str>,
     resolution: &Resolution,
+    quiet_for: std::time::Duration,
 ) -> Result<external::Row> {
     let before = one_effect(pool, message_id, consumer_type).await?;
+    if *resolution == Resolution::Retry && before.attempts > 0 {
+        let now = external::database_now(pool).await?;
+        if !quiet_since(&before, now, quiet_for) {
+            let ended = before
+                .lease_until
+                .map_or(before.updated_at, |l| l.max(before.updated_at));
+            let ago = (now - ended).to_std().unwrap_or_default();
+            return Err(Error::Usage(format!(
+                "the last attempt of the effect of message {message_id} ended {} ago, less than --quiet-for {}: \
+                 the carrier may still be booking it, and owed again now it could be booked twice; look again \
+                 later (or give --quiet-for 0s if the carrier has said it has no such booking); nothing settled",
+                humantime::format_duration(std::time::Duration::from_secs(ago.as_secs())),
+                humantime::format_duration(quiet_for)
+            )));
+        }
+    }
     // Between the read and the settle (a test changes the effect here, as a consumer's worker may).
     crate::failpoint::hit("resolve-read").await;
     let (state, reference, note) = match resolution {
@@ -124,13 +144,16 @@ pub async fn reconcile(
     quiet_for: std::time::Duration,
     stop: &CancellationToken,
 ) -> Result<Reconciliation> {
-    let candidates = external::list(
+    let mut candidates = external::list(
         pool,
         &["in_doubt", "started", "failed"],
         consumer_type,
-        100_000,
+        RECONCILE_AT_MOST + 1,
     )
     .await?;
+    // The oldest first, at most so many a run; the rest are counted as left (exit 3: run again), not passed over.
+    let beyond = candidates.len() > RECONCILE_AT_MOST as usize;
+    candidates.truncate(RECONCILE_AT_MOST as usize);
     // The database's time, not this machine's: a clock minutes ahead took a call answered by a gateway's timeout a
     // moment ago for one quiet past `quiet_for`, and owed it again on a 404 while the carrier was still booking it.
     let now = external::database_now(pool).await?;
@@ -230,14 +253,22 @@ pub async fn reconcile(
                 done.error = Some(not_settled(effect.message_id, &e));
                 if database_gone(&e) {
                     out.push(done);
+                    left = total - i - 1;
                     break;
                 }
             }
         }
         out.push(done);
     }
-    Ok(Reconciliation { done: out, left })
+    Ok(Reconciliation {
+        done: out,
+        left,
+        beyond,
+    })
 }
+
+/// The most calls one `reconcile` run looks at.
+const RECONCILE_AT_MOST: i64 = 100_000;
 
 /// What one `reconcile` run did.
 #[derive(Debug)]
@@ -246,6 +277,8 @@ pub struct Reconciliation {
     pub done: Vec<Reconciled>,
     /// The calls not looked at because the run was stopped.
     pub left: usize,
+    /// More calls were to settle than one run looks at (100,000, the oldest first): the rest are for the next run.
+    pub beyond: bool,
 }
 
 /// Whether a settle's error is the database's state rather than this call's (unreachable, restarting): the run stops

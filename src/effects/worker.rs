@@ -200,9 +200,11 @@ impl Worker {
             && u32::try_from(effect.attempts).unwrap_or(u32::MAX) > self.max_attempts
         {
             let why = format!(
-                "its outcome is unknown after {} attempts, none recorded (a process that died, or an outcome that \
-                 could not be recorded): not called again; settle it with `inboxctl effects reconcile` or `resolve`",
-                effect.attempts.saturating_sub(1)
+                "its outcome is still unknown after {} attempts (--max-attempts {}; the last not recorded: a process \
+                 that died, or an outcome that could not be recorded): not called again; settle it with `inboxctl \
+                 effects reconcile` or `resolve`",
+                effect.attempts.saturating_sub(1),
+                self.max_attempts
             );
             tracing::warn!(message_id = %effect.message_id, attempt = effect.attempts, "{why}");
             return self.record(&effect, "failed", None, Some(&why), None).await;

@@ -769,6 +769,62 @@ async fn cleanup_looks_for_failures_in_the_queue_a_consumer_type_read_before() {
     assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
 }
 
+/// A look at a dead-letter queue (`failures`, held by a failpoint as it looks) holds the queue's old message out of
+/// sight: the guard's own look found the queue empty, and the cleanup deleted the rows the message's replay needs.
+/// Every look marks the queue now (a consumer on its look marker) and the guard, crowded, looks again until it has
+/// waited 10 s, then refuses the consumer_type, saying why; once the look ends, it sees the message itself.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let old = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    let mut look = env.spawn_with(
+        &["failures", "--from", "orders-carrier_error"],
+        &[("INBOXCTL_FAILPOINTS", "peek=pause@orders-carrier_error")],
+    );
+    look.wait_for_stderr("failpoint peek reached", Duration::from_secs(20));
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    let refused = &report["consumers"][0]["refused"];
+    assert_eq!(refused["looked_at_elsewhere"], true, "{report}");
+    assert!(
+        out.stderr.contains("another look at orders-carrier_error"),
+        "{out:?}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+    look.kill();
+    common::eventually("the held message back", Duration::from_secs(10), || async {
+        env.queue_counts("orders-carrier_error") == (1, 0)
+    })
+    .await;
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(
+        json(&out)["consumers"][0]["refused"]["message_id"],
+        old,
+        "{out:?}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     let env = TestEnv::migrated().await;

@@ -22,6 +22,9 @@ pub struct Looked {
     pub depth: u64,
     /// Messages looked at (at most `depth` and the limit asked for).
     pub looked: u64,
+    /// Another look held the queue marked as this one ended (`find`, `failures`, `stats`, `top`, a cleanup's guard):
+    /// messages it held may have been out of this look's sight.
+    pub crowded: bool,
 }
 
 /// Shows `visit` each message of `queue` present when the look begins, oldest first, up to `limit`, and gives them
@@ -36,6 +39,8 @@ pub async fn each(
     let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
         return Ok(None);
     };
+    // Marked before anything is taken: a cleanup's guard looking meanwhile knows that messages may be out of sight.
+    let mark = topology::mark_look(connection, queue).await?;
     let mut depth = u64::from(ready);
     let channel = connection.create_channel().await?;
     let mut looked = 0;
@@ -92,24 +97,36 @@ pub async fn each(
             .await;
     }
     let _ = channel.close(200, "OK".into()).await;
+    // Another look's mark beside this one's (or any, when this one could not mark): read before this one's goes.
+    let crowded = match outcome {
+        Ok(()) => topology::looks_at(connection, queue).await? > u32::from(mark.is_some()),
+        Err(_) => false,
+    };
+    if let Some(mark) = mark {
+        mark.end().await;
+    }
     outcome?;
-    Ok(Some(Looked { depth, looked }))
+    Ok(Some(Looked {
+        depth,
+        looked,
+        crowded,
+    }))
 }
 
-/// What `read` makes of the message at the head of `queue` (the oldest), looked at and given back; `Ok(None)` when
-/// the queue does not exist or is empty.
+/// What `read` makes of the message at the head of `queue` (the oldest), looked at and given back (`None` when the
+/// queue does not exist or is empty), and whether another look held the queue marked meanwhile ([`Looked::crowded`]).
 pub async fn head<T>(
     connection: &Connection,
     queue: &str,
     read: impl FnOnce(&Delivery) -> T,
-) -> Result<Option<T>> {
+) -> Result<(Option<T>, bool)> {
     let mut read = Some(read);
     let mut first = None;
-    each(connection, queue, 1, |d| {
+    let looked = each(connection, queue, 1, |d| {
         if let Some(read) = read.take() {
             first = Some(read(d));
         }
     })
     .await?;
-    Ok(first)
+    Ok((first, looked.is_some_and(|l| l.crowded)))
 }

@@ -101,11 +101,14 @@ pub fn replay_marker(queue: &str) -> String {
 }
 
 /// Why `queue` is no place to replay a message to, if it is not: a replay's marker (a replay's own answers a look as
-/// present, being its connection's, and what it took would go with it) or a name the broker reserves (`amq.`: its
-/// server-named queues, exclusive to a connection and gone with it).
+/// present, being its connection's, and what it took would go with it), a look's marker (the same, gone with its last
+/// look) or a name the broker reserves (`amq.`: its server-named queues, exclusive to a connection and gone with it).
 pub fn not_a_replay_destination(queue: &str) -> Option<&'static str> {
     if queue.starts_with("inboxctl.replaying.") {
         Some("a replay's marker, not a consumer's queue")
+    } else if queue.starts_with("inboxctl.looking.") {
+        // A look's marker: present while a look runs, deleted with its last look, and what went into it with it.
+        Some("a look's marker, not a consumer's queue")
     } else if queue.starts_with("amq.") {
         Some("a name the broker reserves (amq.), not a consumer's queue")
     } else {
@@ -171,6 +174,117 @@ pub async fn unmark_replay(conn: &Connection, queue: &str) {
         Ok::<(), lapin::Error>(())
     };
     let _ = tokio::time::timeout(std::time::Duration::from_secs(2), unmark).await;
+}
+
+/// The queue that says, while it has a consumer, that a look at `queue` holds some of its messages out of sight:
+/// each look (`find`, `failures`, `stats` and `top`, a cleanup's guard) consumes from it while it looks ([`mark_look`]).
+pub fn look_marker(queue: &str) -> String {
+    let name = format!("inboxctl.looking.{queue}");
+    if name.len() <= 255 {
+        return name;
+    }
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(queue.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("inboxctl.looking.sha256.{hex}")
+}
+
+/// How long a look's marker outlives its last look (`x-expires`): one a look declared but never consumed from (its
+/// process killed in between) goes after this, rather than say for ever that a look is under way.
+const LOOK_MARKER_EXPIRES_MS: i64 = 60_000;
+
+/// A look's mark on a queue: a consumer on its look marker, for as long as this is kept (dropped, the consumer is
+/// cancelled; [`LookMark::end`] closes its channel too).
+pub struct LookMark {
+    channel: lapin::Channel,
+    _consumer: lapin::Consumer,
+}
+
+impl LookMark {
+    pub async fn end(self) {
+        let _ = self.channel.close(200, "OK".into()).await;
+    }
+}
+
+/// Marks `queue` as looked at, for as long as the mark returned is kept: a consumer on its look marker, a classic
+/// queue deleted with its last consumer. Any number of looks mark it at once. `None` when this user may not declare
+/// the marker (no configure permission on its name): the look goes on unmarked.
+pub async fn mark_look(conn: &Connection, queue: &str) -> Result<Option<LookMark>> {
+    let channel = conn.create_channel().await?;
+    let marker = look_marker(queue);
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("classic".into()),
+    );
+    arguments.insert(
+        "x-expires".into(),
+        AMQPValue::LongLongInt(LOOK_MARKER_EXPIRES_MS),
+    );
+    let options = QueueDeclareOptions {
+        durable: true,
+        auto_delete: true,
+        ..QueueDeclareOptions::default()
+    };
+    let marked = async {
+        channel
+            .queue_declare(marker.as_str().into(), options, arguments)
+            .await?;
+        channel
+            .basic_consume(
+                marker.as_str().into(),
+                "".into(),
+                lapin::options::BasicConsumeOptions {
+                    no_ack: true,
+                    ..lapin::options::BasicConsumeOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+    }
+    .await;
+    match marked {
+        Ok(consumer) => Ok(Some(LookMark {
+            channel,
+            _consumer: consumer,
+        })),
+        Err(e) => {
+            let e = crate::amqp::BrokerError::from(e);
+            if e.is_access_refused() {
+                Ok(None)
+            } else {
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// How many looks hold `queue` marked now (the consumers of its look marker; 0 when it has none).
+pub async fn looks_at(conn: &Connection, queue: &str) -> Result<u32> {
+    let channel = conn.create_channel().await?;
+    match channel
+        .queue_declare(
+            look_marker(queue).as_str().into(),
+            QueueDeclareOptions::default().passive(),
+            FieldTable::default(),
+        )
+        .await
+    {
+        Ok(declared) => {
+            let _ = channel.close(200, "OK".into()).await;
+            Ok(declared.consumer_count())
+        }
+        Err(e) if is_not_found(&e) => Ok(0),
+        Err(e) => {
+            // A user who may not look at the marker cannot tell: as before there were marks.
+            let e = crate::amqp::BrokerError::from(e);
+            if e.is_access_refused() {
+                Ok(0)
+            } else {
+                Err(e.into())
+            }
+        }
+    }
 }
 
 /// Whether a replay of `queue` is running ([`mark_replay`]): its marker exists (or is locked, the broker's answer
@@ -554,4 +668,18 @@ async fn ensure_queue(conn: &Connection, name: &str, queue_type: QueueType) -> R
     tracing::debug!(queue = name, ?queue_type, "declared queue");
     let _ = channel.close(200, "OK".into()).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A replay's marker and a look's are gone with their connections, and what went into them with them.
+    #[test]
+    fn neither_marker_is_a_replay_destination() {
+        assert!(not_a_replay_destination(&replay_marker("orders_error")).is_some());
+        assert!(not_a_replay_destination(&look_marker("orders_error")).is_some());
+        assert!(not_a_replay_destination(&look_marker(&"q".repeat(250))).is_some());
+        assert!(not_a_replay_destination("orders").is_none());
+    }
 }

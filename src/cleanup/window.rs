@@ -42,6 +42,10 @@ pub struct Refusal {
     pub cutoff: DateTime<Utc>,
     /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
     pub replay_running: bool,
+    /// Another look at the queue (`find`, `failures`, `stats`, `top`, another cleanup) held its messages out of sight
+    /// for as long as the cleanup waited (no message is named then).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub looked_at_elsewhere: bool,
     /// The queue (a `--dlq`) is not in the vhost the cleanup looked in: whether a message waits in it is unknown.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub absent: bool,
@@ -69,6 +73,7 @@ impl Refusal {
             message_time: None,
             cutoff,
             replay_running: false,
+            looked_at_elsewhere: false,
             absent: false,
             other_vhost: None,
         }
@@ -90,6 +95,14 @@ impl Refusal {
             return format!(
                 "--dlq {} is not in the vhost the cleanup looked in (a name mistyped, another vhost, a queue being \
                  made again): whether a message waits in it for its replay is unknown; fix --dlq, or give --force",
+                crate::sanitize::text(&self.queue)
+            );
+        }
+        if self.looked_at_elsewhere {
+            return format!(
+                "another look at {} (inboxctl find, failures, stats, top, or another cleanup) held its messages out \
+                 of sight for as long as the cleanup waited: one of them may wait for its replay; clean again when it \
+                 has ended, or give --force",
                 crate::sanitize::text(&self.queue)
             );
         }
@@ -127,25 +140,50 @@ struct Head {
     message_time: Option<DateTime<Utc>>,
 }
 
-/// The head of `queue` (`Some(None)`: empty), or `None` when a replay of it is running. The replay's marker is looked
-/// for before the look at the head and again after it: a replay running before holds messages out of the look's
-/// sight (and may end, giving them back, before a look after), and one beginning in between marks the queue before it
-/// takes anything, so the look after sees it.
+/// How long the guard waits for another look at a dead-letter queue to end (`find`, `failures`, `stats`, `top`,
+/// another cleanup's guard) before it refuses: the messages such a look holds are out of sight.
+const OTHER_LOOK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What the guard saw of a dead-letter queue.
+enum Seen {
+    /// Its head (`None`: empty).
+    Head(Option<Head>),
+    /// A replay of it is running.
+    Replaying,
+    /// Another look held it marked through every try for [`OTHER_LOOK_WAIT`].
+    LookedAtElsewhere,
+}
+
+/// The head of `queue`, unless a replay of it is running or another look keeps its messages out of sight. The
+/// replay's marker is looked for before the look at the head and again after it: a replay running before holds
+/// messages out of the look's sight (and may end, giving them back, before a look after), and one beginning in between
+/// marks the queue before it takes anything, so the look after sees it. Other looks mark the queue the same way
+/// (`peek`): a look crowded by one is made again, half a second later, until [`OTHER_LOOK_WAIT`] has passed.
 async fn head_unless_replaying(
     connection: &crate::amqp::Connection,
     queue: &str,
     vhost: &str,
     keyed_on: Option<TimeSource>,
-) -> Result<Option<Option<Head>>> {
-    if topology::replay_running(connection, queue).await? {
-        return Ok(None);
+) -> Result<Seen> {
+    let until = std::time::Instant::now() + OTHER_LOOK_WAIT;
+    loop {
+        if topology::replay_running(connection, queue).await? {
+            return Ok(Seen::Replaying);
+        }
+        crate::failpoint::hit_with("guard-between-looks", queue).await;
+        let (h, crowded) =
+            peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
+        if topology::replay_running(connection, queue).await? {
+            return Ok(Seen::Replaying);
+        }
+        if !crowded {
+            return Ok(Seen::Head(h));
+        }
+        if std::time::Instant::now() >= until {
+            return Ok(Seen::LookedAtElsewhere);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     }
-    crate::failpoint::hit_with("guard-between-looks", queue).await;
-    let h = peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
-    if topology::replay_running(connection, queue).await? {
-        return Ok(None);
-    }
-    Ok(Some(h))
 }
 
 fn head(delivery: &Delivery, queue: &str, vhost: &str, keyed_on: Option<TimeSource>) -> Head {
@@ -335,6 +373,13 @@ impl Looks {
         }
     }
 
+    fn looked_at_elsewhere(&self, queue: &str) -> Refusal {
+        Refusal {
+            looked_at_elsewhere: true,
+            ..Refusal::of(queue, self.cutoff)
+        }
+    }
+
     /// Looks at the `_error` and `_skipped` queues of each `(i, queue)` of `places` for `consumers[i]`, on
     /// `connection` (in `vhost`); a consumer_type refused by one is not looked at further.
     async fn each(
@@ -355,14 +400,19 @@ impl Looks {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
-                let Some(h) =
-                    head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on).await?
-                else {
-                    report.refused = Some(self.replaying(&dead_letters));
-                    break;
-                };
-                let Some(h) = h else {
-                    continue;
+                let h = match head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on)
+                    .await?
+                {
+                    Seen::Head(Some(h)) => h,
+                    Seen::Head(None) => continue,
+                    Seen::Replaying => {
+                        report.refused = Some(self.replaying(&dead_letters));
+                        break;
+                    }
+                    Seen::LookedAtElsewhere => {
+                        report.refused = Some(self.looked_at_elsewhere(&dead_letters));
+                        break;
+                    }
                 };
                 if self.too_old(&h) {
                     report.refused = Some(self.refusal(&dead_letters, h));
@@ -396,15 +446,18 @@ impl Looks {
                 }
                 continue;
             }
-            let Some(h) = head_unless_replaying(connection, dlq, vhost, self.keyed_on).await?
-            else {
-                for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-                    report.refused = Some(self.replaying(dlq));
+            let h = match head_unless_replaying(connection, dlq, vhost, self.keyed_on).await? {
+                Seen::Head(Some(h)) => h,
+                Seen::Head(None) => continue,
+                seen => {
+                    for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                        report.refused = Some(match seen {
+                            Seen::Replaying => self.replaying(dlq),
+                            _ => self.looked_at_elsewhere(dlq),
+                        });
+                    }
+                    continue;
                 }
-                continue;
-            };
-            let Some(h) = h else {
-                continue;
             };
             if !self.too_old(&h) {
                 if self.keyed_before_the_window(&h) {

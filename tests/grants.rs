@@ -25,7 +25,7 @@ const SECURITY_ROWS: [&str; 6] = [
     "| `migrate` | `CREATE` on the database's schema (and `CREATEDB` only if it should create the database); to add its indexes beside an existing `inbox_messages`, the table's owner; with `--partitioned`, the table's owner (it renames the table and makes the partitioned one, granting on it what the old table granted; made by another role — a superuser, a member of the owner's role — it and its partitions are handed back to the old owner, or, where that role may not, it says so) | none |",
     "| `consume` | `SELECT, INSERT` on `inbox_messages`; `INSERT` on its effect table (`carrier_reservations` or `notifications_sent`), `inboxctl_events` and `inboxctl_audit`; `SELECT, INSERT, UPDATE` on `inboxctl_consumers` and `inboxctl_fingerprints`; `SELECT, INSERT, UPDATE, DELETE` on `inboxctl_attempts` | configure `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (only to declare what is absent), write `^<queue>(_error\\|_skipped)?$`, read `^(<queue>(_error\\|_skipped)?\\|<event exchange>)$` (it binds the queue to its exchange and that to the event exchange at every start, and a dead-letter queue to its exchange at its first use) |",
     "| `publish` | none | write on the event exchange (configure it, if absent) |",
-    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit`; on a partitioned inbox, to make and drop its partitions, the table's owner and `CREATE` on its schema (without them it deletes in batches, and says so) | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, in the vhost its consumer reads in, and each `--dlq` (it looks at their oldest message and gives it back); none with `--force` |",
+    "| `cleanup` | `SELECT, DELETE` on `inbox_messages`, `inboxctl_events`, `inboxctl_attempts`, `inboxctl_fingerprints`, `inboxctl_audit`; `SELECT` on `inboxctl_consumers`; `INSERT` on `inboxctl_audit`; on a partitioned inbox, to make and drop its partitions, the table's owner and `CREATE` on its schema (without them it deletes in batches, and says so) | read `^<queue>(_error\\|_skipped)$` for the queue of each consumer_type it cleans, in the vhost its consumer reads in, and each `--dlq` (it looks at their oldest message and gives it back); configure and read `^inboxctl\\.looking\\.<queue>(_error\\|_skipped)$` (its look's mark, by which another cleanup sees it; without it, it says so and goes on); none with `--force` |",
     "| `replay` | none | configure `^inboxctl\\.replaying\\.<dead-letter queue>$` (the marker that keeps `cleanup` off the rows of what it holds; without it the replay goes on and says it is not marked), read `^<dead-letter queue>$`, write `^amq\\.default$` (the default exchange, which routes to the origin queues; they need none) |",
     "| `stats`, `top` | `SELECT` on `inbox_messages`, `inboxctl_events`, `inboxctl_consumers` (estimates come from `pg_class`/`pg_stats`, visible to whoever may read the table) | access to the vhost, with configure and write empty (`\"\"`), read `^<queue>_error$` for each consumer_type's error queue: the queue depths come from passive declares, which need none, and the age of an error queue's oldest message from looking at it (and giving it back); without read that age is unknown, `stats` says why and exits 3, every other figure shown (RabbitMQ's read also lets a role purge a queue or take its messages: leave it out where the monitoring role must not be able to) |",
 ];
@@ -1480,7 +1480,11 @@ async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
     let role = principals.role(&admin, "cleanup", CLEANUP_GRANTS).await;
     let user = principals.user(
         "cleanup",
-        &permissions("", "", "^gamma-queue(_error|_skipped)$"),
+        &permissions(
+            r"^inboxctl\.looking\.gamma-queue(_error|_skipped)$",
+            "",
+            r"^(inboxctl\.looking\.)?gamma-queue(_error|_skipped)$",
+        ),
     );
     let cleanup = As::new(&role.url, &user.url);
     let args = ["cleanup", "--retention", "7d", "--json"];
@@ -1504,6 +1508,19 @@ async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
         "a refused cleanup deleted something"
     );
 
+    // Without configure and read on its look's marker: it looks unmarked, and says so (a dry run: nothing deleted).
+    let unmarked = principals.user(
+        "cleanup-unmarked",
+        &permissions("", "", "^gamma-queue(_error|_skipped)$"),
+    );
+    let unmarked =
+        As::new(&role.url, &unmarked.url).run(&env, &["cleanup", "--retention", "7d", "--dry-run"]);
+    assert_eq!(unmarked.code, Some(0), "{unmarked:?}");
+    assert!(
+        unmarked.stderr.contains("could not be marked"),
+        "{unmarked:?}"
+    );
+
     // Without DELETE on inbox_messages, or SELECT on inboxctl_consumers: refused, nothing deleted.
     let subject = Subject::new(&env, &principals, &cleanup).role(&role, &admin);
     for row in &CLEANUP_REFUSALS {
@@ -1515,6 +1532,10 @@ async fn cleanup_needs_select_and_delete_and_read_on_the_dead_letter_queues() {
     let out = cleanup.run(&env, &args);
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(!out.stderr.contains("audit"), "{out:?}");
+    assert!(
+        !out.stderr.contains("could not be marked"),
+        "its look marked: {out:?}"
+    );
     assert_eq!(env.queue_counts("gamma-queue_error"), (1, 0));
     let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
     assert_eq!(report["deleted"], 50, "{report}");

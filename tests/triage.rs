@@ -825,6 +825,63 @@ async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages(
     assert_eq!(rows_of(&pool, "carrier").await, 5);
 }
 
+/// Another look that held the head at the guard's take and ended before the guard read the marks (a failpoint holds
+/// the guard between the two while the test ends the look): no mark left to see, and the queue read as empty. The
+/// guard takes the head a second time: the old message, back in its place, is seen, and the consumer_type refused.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_sees_the_messages_of_a_look_that_ended_between_its_take_and_its_read_of_the_marks()
+{
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let old = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    let mut look = env.spawn_with(
+        &["failures", "--from", "orders-carrier_error"],
+        &[("INBOXCTL_FAILPOINTS", "peek=pause@orders-carrier_error")],
+    );
+    look.wait_for_stderr("failpoint peek reached", Duration::from_secs(20));
+    let mut cleanup = env.spawn_with(
+        &["cleanup", "--retention", "7d", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "peek-before-marks=sleep-once-4000@orders-carrier_error",
+        )],
+    );
+    cleanup.wait_for_stderr(
+        "failpoint peek-before-marks reached",
+        Duration::from_secs(20),
+    );
+    look.kill();
+    assert_eq!(
+        cleanup.wait(Duration::from_secs(60)),
+        Some(3),
+        "{}",
+        cleanup.stderr()
+    );
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert_eq!(
+        report["consumers"][0]["refused"]["message_id"], old,
+        "{report}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     let env = TestEnv::migrated().await;

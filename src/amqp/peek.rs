@@ -3,7 +3,9 @@
 //! order. The broker marks every message looked at this way redelivered; nothing else about it changes.
 //!
 //! Used where an operator looks at dead-letter queues (`find`, `failures`, `cleanup`'s check of the deduplication
-//! window, `top`'s detail view): the same snapshot-and-give-back as `replay --dry-run`.
+//! window, `top`'s detail view): the same snapshot-and-give-back as `replay --dry-run`. A look at more than one
+//! message, and the guard's, marks the queue while it looks (`topology::mark_look`), so that the guard knows when
+//! messages are held out of its sight.
 
 use lapin::Connection;
 use lapin::message::Delivery;
@@ -22,8 +24,9 @@ pub struct Looked {
     pub depth: u64,
     /// Messages looked at (at most `depth` and the limit asked for).
     pub looked: u64,
-    /// Another look held the queue marked as this one ended (`find`, `failures`, `stats`, `top`, a cleanup's guard):
-    /// messages it held may have been out of this look's sight.
+    /// Another look held the queue marked as this one ended (`find`, `failures`, `stats`, `top`, a cleanup's guard),
+    /// or whether one did could not be read: messages it held may have been out of this look's sight. Read only for
+    /// [`head`] (the guard's look); `false` otherwise.
     pub crowded: bool,
 }
 
@@ -34,13 +37,29 @@ pub async fn each(
     connection: &Connection,
     queue: &str,
     limit: u64,
+    visit: impl FnMut(&Delivery),
+) -> Result<Option<Looked>> {
+    look(connection, queue, limit, visit, false).await
+}
+
+/// [`each`], reading as it ends whether another look held the queue marked (`crowded`).
+async fn look(
+    connection: &Connection,
+    queue: &str,
+    limit: u64,
     mut visit: impl FnMut(&Delivery),
+    read_crowded: bool,
 ) -> Result<Option<Looked>> {
     let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
         return Ok(None);
     };
     // Marked before anything is taken: a cleanup's guard looking meanwhile knows that messages may be out of sight.
-    let mark = topology::mark_look(connection, queue).await?;
+    // A look at one message (`stats`, `top`, replay's check of a count of 0) holds it a moment and is not marked: the
+    // guard takes the head twice, and a head given back between its takes is seen.
+    let mark = match limit > 1 || read_crowded {
+        true => topology::mark_look(connection, queue).await,
+        false => None,
+    };
     let mut depth = u64::from(ready);
     let channel = connection.create_channel().await?;
     let mut looked = 0;
@@ -98,9 +117,15 @@ pub async fn each(
     }
     let _ = channel.close(200, "OK".into()).await;
     // Another look's mark beside this one's (or any, when this one could not mark): read before this one's goes.
+    if read_crowded {
+        // Between the take and the read of the marks (a test ends another look here).
+        crate::failpoint::hit_with("peek-before-marks", queue).await;
+    }
     let crowded = match outcome {
-        Ok(()) => topology::looks_at(connection, queue).await? > u32::from(mark.is_some()),
-        Err(_) => false,
+        Ok(()) if read_crowded => topology::looks_at(connection, queue)
+            .await
+            .is_none_or(|looks| looks > u32::from(mark.is_some())),
+        _ => false,
     };
     if let Some(mark) = mark {
         mark.end().await;
@@ -122,11 +147,17 @@ pub async fn head<T>(
 ) -> Result<(Option<T>, bool)> {
     let mut read = Some(read);
     let mut first = None;
-    let looked = each(connection, queue, 1, |d| {
-        if let Some(read) = read.take() {
-            first = Some(read(d));
-        }
-    })
+    let looked = look(
+        connection,
+        queue,
+        1,
+        |d| {
+            if let Some(read) = read.take() {
+                first = Some(read(d));
+            }
+        },
+        true,
+    )
     .await?;
     Ok((first, looked.is_some_and(|l| l.crowded)))
 }

@@ -189,9 +189,14 @@ pub fn look_marker(queue: &str) -> String {
     format!("inboxctl.looking.sha256.{hex}")
 }
 
-/// How long a look's marker outlives its last look (`x-expires`): one a look declared but never consumed from (its
-/// process killed in between) goes after this, rather than say for ever that a look is under way.
+/// How long a look's marker outlives its last look (`x-expires`): a classic queue, not deleted with its last consumer
+/// (two looks marking at once would race its deletion, the second's consume answered NOT_FOUND), but after this long
+/// unused; what tells a look is under way is its consumers, not the queue.
 const LOOK_MARKER_EXPIRES_MS: i64 = 60_000;
+
+/// Whether this process was refused a look's mark once (no configure or read on the marker's name): it does not ask
+/// again, each refusal being a channel error in the broker's log.
+static MARK_REFUSED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// A look's mark on a queue: a consumer on its look marker, for as long as this is kept (dropped, the consumer is
 /// cancelled; [`LookMark::end`] closes its channel too).
@@ -206,11 +211,15 @@ impl LookMark {
     }
 }
 
-/// Marks `queue` as looked at, for as long as the mark returned is kept: a consumer on its look marker, a classic
-/// queue deleted with its last consumer. Any number of looks mark it at once. `None` when this user may not declare
-/// the marker (no configure permission on its name): the look goes on unmarked.
-pub async fn mark_look(conn: &Connection, queue: &str) -> Result<Option<LookMark>> {
-    let channel = conn.create_channel().await?;
+/// Marks `queue` as looked at, for as long as the mark returned is kept: a consumer on its look marker. Any number of
+/// looks mark it at once. `None` when it cannot be marked — this user may not (configure and read on the marker's
+/// name), or the broker refused it otherwise (a node down, a limit on queues) — said once per process: the look goes
+/// on unmarked, and a cleanup's guard looking meanwhile cannot see what it holds.
+pub async fn mark_look(conn: &Connection, queue: &str) -> Option<LookMark> {
+    use std::sync::atomic::Ordering;
+    if MARK_REFUSED.load(Ordering::Relaxed) {
+        return None;
+    }
     let marker = look_marker(queue);
     let mut arguments = FieldTable::default();
     arguments.insert(
@@ -223,14 +232,14 @@ pub async fn mark_look(conn: &Connection, queue: &str) -> Result<Option<LookMark
     );
     let options = QueueDeclareOptions {
         durable: true,
-        auto_delete: true,
         ..QueueDeclareOptions::default()
     };
     let marked = async {
+        let channel = conn.create_channel().await?;
         channel
             .queue_declare(marker.as_str().into(), options, arguments)
             .await?;
-        channel
+        let consumer = channel
             .basic_consume(
                 marker.as_str().into(),
                 "".into(),
@@ -240,28 +249,35 @@ pub async fn mark_look(conn: &Connection, queue: &str) -> Result<Option<LookMark
                 },
                 FieldTable::default(),
             )
-            .await
+            .await?;
+        Ok::<_, lapin::Error>(LookMark {
+            channel,
+            _consumer: consumer,
+        })
     }
     .await;
     match marked {
-        Ok(consumer) => Ok(Some(LookMark {
-            channel,
-            _consumer: consumer,
-        })),
+        Ok(mark) => Some(mark),
         Err(e) => {
             let e = crate::amqp::BrokerError::from(e);
             if e.is_access_refused() {
-                Ok(None)
-            } else {
-                Err(e.into())
+                MARK_REFUSED.store(true, Ordering::Relaxed);
             }
+            tracing::warn!(
+                marker = %crate::sanitize::text(&marker),
+                error = %e,
+                "this look at a dead-letter queue could not be marked (it needs configure and read on the marker's \
+                 name): a cleanup running meanwhile cannot see the messages it holds"
+            );
+            None
         }
     }
 }
 
-/// How many looks hold `queue` marked now (the consumers of its look marker; 0 when it has none).
-pub async fn looks_at(conn: &Connection, queue: &str) -> Result<u32> {
-    let channel = conn.create_channel().await?;
+/// How many looks hold `queue` marked now (the consumers of its look marker; 0 when it has none); `None` when the
+/// broker would not tell (its marker's node down, say).
+pub async fn looks_at(conn: &Connection, queue: &str) -> Option<u32> {
+    let channel = conn.create_channel().await.ok()?;
     match channel
         .queue_declare(
             look_marker(queue).as_str().into(),
@@ -272,18 +288,10 @@ pub async fn looks_at(conn: &Connection, queue: &str) -> Result<u32> {
     {
         Ok(declared) => {
             let _ = channel.close(200, "OK".into()).await;
-            Ok(declared.consumer_count())
+            Some(declared.consumer_count())
         }
-        Err(e) if is_not_found(&e) => Ok(0),
-        Err(e) => {
-            // A user who may not look at the marker cannot tell: as before there were marks.
-            let e = crate::amqp::BrokerError::from(e);
-            if e.is_access_refused() {
-                Ok(0)
-            } else {
-                Err(e.into())
-            }
-        }
+        Err(e) if super::is_absent_queue(&e) => Some(0),
+        Err(_) => None,
     }
 }
 

@@ -132,7 +132,7 @@ impl Refusal {
 }
 
 /// The head of one dead-letter queue, as the guard reads it.
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 struct Head {
     message_id: Option<String>,
     failed_at: Option<DateTime<Utc>>,
@@ -157,8 +157,13 @@ enum Seen {
 /// The head of `queue`, unless a replay of it is running or another look keeps its messages out of sight. The
 /// replay's marker is looked for before the look at the head and again after it: a replay running before holds
 /// messages out of the look's sight (and may end, giving them back, before a look after), and one beginning in between
-/// marks the queue before it takes anything, so the look after sees it. Other looks mark the queue the same way
-/// (`peek`): a look crowded by one is made again, half a second later, until [`OTHER_LOOK_WAIT`] has passed.
+/// marks the queue before it takes anything, so the look after sees it.
+///
+/// Other looks mark the queue while they look (`peek`), and each of the guard's looks reads, as it ends, whether
+/// another's mark was there (crowded). A look that held the head at the guard's take and ended before the guard read
+/// the marks gave its messages back first: the head is taken a second time, and a head that changed (or a second look
+/// crowded) counts as crowded too. Crowded, the guard looks again after about half a second (a random part, so that
+/// two cleanups do not keep meeting), until [`OTHER_LOOK_WAIT`] has passed.
 async fn head_unless_replaying(
     connection: &crate::amqp::Connection,
     queue: &str,
@@ -171,18 +176,27 @@ async fn head_unless_replaying(
             return Ok(Seen::Replaying);
         }
         crate::failpoint::hit_with("guard-between-looks", queue).await;
-        let (h, crowded) =
+        let (first, crowded) =
             peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
+        crate::failpoint::hit_with("guard-between-takes", queue).await;
+        let settled = if crowded {
+            None
+        } else {
+            let (second, crowded) =
+                peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
+            (!crowded && second == first).then_some(first)
+        };
         if topology::replay_running(connection, queue).await? {
             return Ok(Seen::Replaying);
         }
-        if !crowded {
+        if let Some(h) = settled {
             return Ok(Seen::Head(h));
         }
         if std::time::Instant::now() >= until {
             return Ok(Seen::LookedAtElsewhere);
         }
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let jitter = u64::try_from(uuid::Uuid::new_v4().as_u128() % 500).unwrap_or(0);
+        tokio::time::sleep(std::time::Duration::from_millis(250 + jitter)).await;
     }
 }
 

@@ -825,9 +825,10 @@ async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages(
     assert_eq!(rows_of(&pool, "carrier").await, 5);
 }
 
-/// Another look that held the head at the guard's take and ended before the guard read the marks (a failpoint holds
-/// the guard between the two while the test ends the look): no mark left to see, and the queue read as empty. The
-/// guard takes the head a second time: the old message, back in its place, is seen, and the consumer_type refused.
+/// Another look that began after the guard found no mark, held the messages at the guard's take, and ended before
+/// the guard read the marks again (failpoints hold the guard before its look and between its take and that read,
+/// while the test starts a `failures` and then ends it): no mark left to see after, and the queue read as empty. The
+/// guard reads the marks before its take too: it looks again once the look is over, sees the old message, refuses.
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread")]
 async fn cleanup_sees_the_messages_of_a_look_that_ended_between_its_take_and_its_read_of_the_marks()
@@ -851,18 +852,23 @@ async fn cleanup_sees_the_messages_of_a_look_that_ended_between_its_take_and_its
         TimeDelta::days(8),
     )
     .await;
+    let mut cleanup = env.spawn_with(
+        &["cleanup", "--retention", "7d", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "guard-between-looks=sleep-once-4000@orders-carrier_error,\
+             peek-before-marks=sleep-once-4000@orders-carrier_error",
+        )],
+    );
+    cleanup.wait_for_stderr(
+        "failpoint guard-between-looks reached",
+        Duration::from_secs(20),
+    );
     let mut look = env.spawn_with(
         &["failures", "--from", "orders-carrier_error"],
         &[("INBOXCTL_FAILPOINTS", "peek=pause@orders-carrier_error")],
     );
     look.wait_for_stderr("failpoint peek reached", Duration::from_secs(20));
-    let mut cleanup = env.spawn_with(
-        &["cleanup", "--retention", "7d", "--json"],
-        &[(
-            "INBOXCTL_FAILPOINTS",
-            "peek-before-marks=sleep-once-4000@orders-carrier_error",
-        )],
-    );
     cleanup.wait_for_stderr(
         "failpoint peek-before-marks reached",
         Duration::from_secs(20),
@@ -878,6 +884,63 @@ async fn cleanup_sees_the_messages_of_a_look_that_ended_between_its_take_and_its
     assert_eq!(
         report["consumers"][0]["refused"]["message_id"], old,
         "{report}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+}
+
+/// A quorum queue puts a message given back at its tail (RabbitMQ 3.x): after one look at its head (`stats`, `top`,
+/// a cleanup's guard), a quorum dead-letter queue's oldest message is no longer its head. The guard looked at the
+/// head alone, found a message failed an hour ago, and deleted the rows the 8-day-old one's replay needs. It looks at
+/// every message now (up to 10,000), and refuses on the oldest.
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_finds_an_old_failure_behind_the_head_of_a_quorum_dead_letter_queue() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        inboxctl::amqp::topology::QueueType::Quorum,
+    )
+    .await
+    .unwrap();
+    let old = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    for _ in 0..2 {
+        fail(
+            &conn,
+            "orders-carrier_error",
+            "System.TimeoutException",
+            "timeout",
+            TimeDelta::hours(1),
+        )
+        .await;
+    }
+    // One look at the head, as `stats` makes: the old message goes to the tail.
+    let mut head = None;
+    inboxctl::amqp::peek::each(&conn, "orders-carrier_error", 1, |d| {
+        head = d.properties.message_id().as_ref().map(|id| id.to_string());
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        head.as_deref(),
+        Some(old.as_str()),
+        "the old message was the head"
+    );
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(
+        json(&out)["consumers"][0]["refused"]["message_id"],
+        old,
+        "{out:?}"
     );
     assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
 }

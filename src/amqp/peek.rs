@@ -24,9 +24,9 @@ pub struct Looked {
     pub depth: u64,
     /// Messages looked at (at most `depth` and the limit asked for).
     pub looked: u64,
-    /// Another look held the queue marked as this one ended (`find`, `failures`, `stats`, `top`, a cleanup's guard),
-    /// or whether one did could not be read: messages it held may have been out of this look's sight. Read only for
-    /// [`head`] (the guard's look); `false` otherwise.
+    /// Another look held the queue marked before this one's first take or after its last (`find`, `failures`, `top`'s
+    /// detail, a cleanup's guard), or whether one did could not be read: messages it held may have been out of this
+    /// look's sight. Read only for [`all`] (the guard's look); `false` otherwise.
     pub crowded: bool,
 }
 
@@ -58,6 +58,13 @@ async fn look(
     // guard takes the head twice, and a head given back between its takes is seen.
     let mark = match limit > 1 || read_crowded {
         true => topology::mark_look(connection, queue).await,
+        false => None,
+    };
+    // Read before the first take and again after the last (below): a look that held messages at this one's takes had
+    // marked the queue before its own first take, so its mark is seen at one of the two reads — unless it both began
+    // after the first read and ended before the second, a few round trips apart.
+    let before = match read_crowded {
+        true => Some(topology::looks_at(connection, queue).await),
         false => None,
     };
     let mut depth = u64::from(ready);
@@ -121,10 +128,11 @@ async fn look(
         // Between the take and the read of the marks (a test ends another look here).
         crate::failpoint::hit_with("peek-before-marks", queue).await;
     }
-    let crowded = match outcome {
-        Ok(()) if read_crowded => topology::looks_at(connection, queue)
-            .await
-            .is_none_or(|looks| looks > u32::from(mark.is_some())),
+    let others = |looks: Option<u32>| looks.is_none_or(|looks| looks > u32::from(mark.is_some()));
+    let crowded = match (outcome.is_ok(), before) {
+        (true, Some(before)) => {
+            others(before) || others(topology::looks_at(connection, queue).await)
+        }
         _ => false,
     };
     if let Some(mark) = mark {
@@ -138,26 +146,16 @@ async fn look(
     }))
 }
 
-/// What `read` makes of the message at the head of `queue` (the oldest), looked at and given back (`None` when the
-/// queue does not exist or is empty), and whether another look held the queue marked meanwhile ([`Looked::crowded`]).
-pub async fn head<T>(
+/// What `read` makes of each message of `queue` present when the look begins, oldest first, up to `limit`, all
+/// looked at and given back (none when the queue does not exist or is empty), and whether another look held the queue
+/// marked meanwhile ([`Looked::crowded`]).
+pub async fn all<T>(
     connection: &Connection,
     queue: &str,
-    read: impl FnOnce(&Delivery) -> T,
-) -> Result<(Option<T>, bool)> {
-    let mut read = Some(read);
-    let mut first = None;
-    let looked = look(
-        connection,
-        queue,
-        1,
-        |d| {
-            if let Some(read) = read.take() {
-                first = Some(read(d));
-            }
-        },
-        true,
-    )
-    .await?;
-    Ok((first, looked.is_some_and(|l| l.crowded)))
+    limit: u64,
+    mut read: impl FnMut(&Delivery) -> T,
+) -> Result<(Vec<T>, bool)> {
+    let mut seen = Vec::new();
+    let looked = look(connection, queue, limit, |d| seen.push(read(d)), true).await?;
+    Ok((seen, looked.is_some_and(|l| l.crowded)))
 }

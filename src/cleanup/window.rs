@@ -1,8 +1,8 @@
 //! The deduplication window, guarded: the inbox recognises a copy only while its message's row exists, so a message
 //! waiting in a dead-letter queue for its replay must keep its row. Before cleaning a consumer_type, the cleanup
-//! looks at the oldest message (the head) of each of its dead-letter queues, without taking it; if one failed before
-//! the cutoff, deleting that consumer_type's rows could let its replay do the work twice, and the consumer_type is
-//! left alone (unless `--force`).
+//! looks at the messages of each of its dead-letter queues (up to [`GUARD_AT_MOST`]; not the head alone, which a quorum
+//! queue does not keep oldest), without taking them; if one failed before the cutoff, deleting that consumer_type's
+//! rows could let its replay do the work twice, and the consumer_type is left alone (unless `--force`).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -22,7 +22,7 @@ use crate::inbox::TimeSource;
 pub struct Guard {
     pub broker: Broker,
     /// Dead-letter-exchange queues (`--dlq`): an old message at the head of one keeps every consumer_type's rows
-    /// (only the head is looked at, and any origin may wait behind it).
+    /// (any origin may wait there).
     pub dlqs: Vec<String>,
 }
 
@@ -42,8 +42,8 @@ pub struct Refusal {
     pub cutoff: DateTime<Utc>,
     /// A replay of the queue was running: the messages it holds cannot be looked at (no message is named then).
     pub replay_running: bool,
-    /// Another look at the queue (`find`, `failures`, `stats`, `top`, another cleanup) held its messages out of sight
-    /// for as long as the cleanup waited (no message is named then).
+    /// Another look at the queue (`find`, `failures`, `top`'s detail, another cleanup) held its messages out of sight
+    /// for as long as the cleanup waited, or whether one did could not be read (no message is named then).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub looked_at_elsewhere: bool,
     /// The queue (a `--dlq`) is not in the vhost the cleanup looked in: whether a message waits in it is unknown.
@@ -100,9 +100,9 @@ impl Refusal {
         }
         if self.looked_at_elsewhere {
             return format!(
-                "another look at {} (inboxctl find, failures, stats, top, or another cleanup) held its messages out \
-                 of sight for as long as the cleanup waited: one of them may wait for its replay; clean again when it \
-                 has ended, or give --force",
+                "another look at {} (inboxctl find, failures, top's detail, or another cleanup) held its messages \
+                 out of sight for as long as the cleanup waited (or whether one did could not be read): one of them \
+                 may wait for its replay; clean again when it has ended, or give --force",
                 crate::sanitize::text(&self.queue)
             );
         }
@@ -132,7 +132,7 @@ impl Refusal {
 }
 
 /// The head of one dead-letter queue, as the guard reads it.
-#[derive(Clone, PartialEq)]
+#[derive(Clone)]
 struct Head {
     message_id: Option<String>,
     failed_at: Option<DateTime<Utc>>,
@@ -140,14 +140,17 @@ struct Head {
     message_time: Option<DateTime<Utc>>,
 }
 
-/// How long the guard waits for another look at a dead-letter queue to end (`find`, `failures`, `stats`, `top`,
+/// How long the guard waits for another look at a dead-letter queue to end (`find`, `failures`, `top`'s detail,
 /// another cleanup's guard) before it refuses: the messages such a look holds are out of sight.
 const OTHER_LOOK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// The most messages of one dead-letter queue the guard looks at.
+const GUARD_AT_MOST: u64 = 10_000;
+
 /// What the guard saw of a dead-letter queue.
 enum Seen {
-    /// Its head (`None`: empty).
-    Head(Option<Head>),
+    /// Its messages (up to [`GUARD_AT_MOST`]; none: empty).
+    Messages(Vec<Head>),
     /// A replay of it is running.
     Replaying,
     /// Another look held it marked through every try for [`OTHER_LOOK_WAIT`].
@@ -159,11 +162,10 @@ enum Seen {
 /// messages out of the look's sight (and may end, giving them back, before a look after), and one beginning in between
 /// marks the queue before it takes anything, so the look after sees it.
 ///
-/// Other looks mark the queue while they look (`peek`), and each of the guard's looks reads, as it ends, whether
-/// another's mark was there (crowded). A look that held the head at the guard's take and ended before the guard read
-/// the marks gave its messages back first: the head is taken a second time, and a head that changed (or a second look
-/// crowded) counts as crowded too. Crowded, the guard looks again after about half a second (a random part, so that
-/// two cleanups do not keep meeting), until [`OTHER_LOOK_WAIT`] has passed.
+/// Other looks mark the queue while they look (`peek`), and the guard's look reads the marks before its take and
+/// after it: another's mark at either read (crowded), and it looks again after about half a second (a random part, so
+/// that two cleanups do not keep meeting), until [`OTHER_LOOK_WAIT`] has passed. (Not a second take compared with the
+/// first: a quorum queue puts a message given back at its tail, so the head changes with every look.)
 async fn head_unless_replaying(
     connection: &crate::amqp::Connection,
     queue: &str,
@@ -171,34 +173,40 @@ async fn head_unless_replaying(
     keyed_on: Option<TimeSource>,
 ) -> Result<Seen> {
     let until = std::time::Instant::now() + OTHER_LOOK_WAIT;
+    let mut takes = 0;
     loop {
         if topology::replay_running(connection, queue).await? {
             return Ok(Seen::Replaying);
         }
-        crate::failpoint::hit_with("guard-between-looks", queue).await;
-        let (first, crowded) =
-            peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
-        crate::failpoint::hit_with("guard-between-takes", queue).await;
-        let settled = if crowded {
-            None
-        } else {
-            let (second, crowded) =
-                peek::head(connection, queue, |d| head(d, queue, vhost, keyed_on)).await?;
-            (!crowded && second == first).then_some(first)
-        };
-        if topology::replay_running(connection, queue).await? {
-            return Ok(Seen::Replaying);
+        // Another's mark up: waited for without taking anything (each take counts towards a quorum queue's delivery
+        // limit where RabbitMQ counts every return), then looked at once it is gone.
+        let clear = topology::looks_at(connection, queue)
+            .await
+            .is_some_and(|looks| looks == 0);
+        if clear {
+            crate::failpoint::hit_with("guard-between-looks", queue).await;
+            let (seen, crowded) = peek::all(connection, queue, GUARD_AT_MOST, |d| {
+                head(d, queue, vhost, keyed_on)
+            })
+            .await?;
+            takes += 1;
+            if topology::replay_running(connection, queue).await? {
+                return Ok(Seen::Replaying);
+            }
+            if !crowded {
+                return Ok(Seen::Messages(seen));
+            }
         }
-        if let Some(h) = settled {
-            return Ok(Seen::Head(h));
-        }
-        if std::time::Instant::now() >= until {
+        if std::time::Instant::now() >= until || takes >= MAX_GUARD_TAKES {
             return Ok(Seen::LookedAtElsewhere);
         }
         let jitter = u64::try_from(uuid::Uuid::new_v4().as_u128() % 500).unwrap_or(0);
         tokio::time::sleep(std::time::Duration::from_millis(250 + jitter)).await;
     }
 }
+
+/// The most looks the guard takes at one dead-letter queue in a run, each crowded by another's.
+const MAX_GUARD_TAKES: u32 = 3;
 
 fn head(delivery: &Delivery, queue: &str, vhost: &str, keyed_on: Option<TimeSource>) -> Head {
     let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
@@ -364,6 +372,24 @@ impl Looks {
         h.failed_at.is_none_or(|t| t < self.cutoff)
     }
 
+    /// Of the messages of a dead-letter queue, the one to refuse on: of those that failed before the cutoff, the one
+    /// that failed longest ago (one that tells no time first). All are looked at, not the head alone: a quorum queue
+    /// puts a message given back at its tail, so after any look (`stats`, `top`, a guard) its oldest may be anywhere.
+    fn oldest_too_old(&self, seen: &[Head]) -> Option<Head> {
+        seen.iter()
+            .filter(|h| self.too_old(h))
+            .min_by_key(|h| h.failed_at)
+            .cloned()
+    }
+
+    /// Of the messages of a dead-letter queue, the one keyed earliest before the cutoff, if any.
+    fn keyed_earliest(&self, seen: &[Head]) -> Option<Head> {
+        seen.iter()
+            .filter(|h| self.keyed_before_the_window(h))
+            .min_by_key(|h| h.message_time)
+            .cloned()
+    }
+
     /// Whether `h`, young by its failure, is keyed on a time before the cutoff: its replay claims in a partition past
     /// the window, which must stay while it waits.
     fn keyed_before_the_window(&self, h: &Head) -> bool {
@@ -414,25 +440,27 @@ impl Looks {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
-                let h = match head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on)
-                    .await?
-                {
-                    Seen::Head(Some(h)) => h,
-                    Seen::Head(None) => continue,
-                    Seen::Replaying => {
-                        report.refused = Some(self.replaying(&dead_letters));
-                        break;
-                    }
-                    Seen::LookedAtElsewhere => {
-                        report.refused = Some(self.looked_at_elsewhere(&dead_letters));
-                        break;
-                    }
-                };
-                if self.too_old(&h) {
+                let seen =
+                    match head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on)
+                        .await?
+                    {
+                        Seen::Messages(seen) => seen,
+                        Seen::Replaying => {
+                            report.refused = Some(self.replaying(&dead_letters));
+                            break;
+                        }
+                        Seen::LookedAtElsewhere => {
+                            report.refused = Some(self.looked_at_elsewhere(&dead_letters));
+                            break;
+                        }
+                    };
+                if let Some(h) = self.oldest_too_old(&seen) {
                     report.refused = Some(self.refusal(&dead_letters, h));
                     break;
                 }
-                if report.holds_partitions.is_none() && self.keyed_before_the_window(&h) {
+                if report.holds_partitions.is_none()
+                    && let Some(h) = self.keyed_earliest(&seen)
+                {
                     report.holds_partitions = Some(self.refusal(&dead_letters, h));
                 }
             }
@@ -460,9 +488,8 @@ impl Looks {
                 }
                 continue;
             }
-            let h = match head_unless_replaying(connection, dlq, vhost, self.keyed_on).await? {
-                Seen::Head(Some(h)) => h,
-                Seen::Head(None) => continue,
+            let seen = match head_unless_replaying(connection, dlq, vhost, self.keyed_on).await? {
+                Seen::Messages(seen) => seen,
                 seen => {
                     for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                         report.refused = Some(match seen {
@@ -473,8 +500,8 @@ impl Looks {
                     continue;
                 }
             };
-            if !self.too_old(&h) {
-                if self.keyed_before_the_window(&h) {
+            let Some(h) = self.oldest_too_old(&seen) else {
+                if let Some(h) = self.keyed_earliest(&seen) {
                     for report in consumers
                         .iter_mut()
                         .filter(|r| r.holds_partitions.is_none())
@@ -483,9 +510,9 @@ impl Looks {
                     }
                 }
                 continue;
-            }
-            // Only the head is looked at: messages of other origins may wait behind it, so an old head keeps every
-            // consumer_type's rows, whatever queue the head itself failed on.
+            };
+            // Messages of any origin wait there (and past the most looked at, unseen): an old one keeps every
+            // consumer_type's rows, whatever queue it failed on.
             for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                 report.refused = Some(self.refusal(dlq, h.clone()));
             }

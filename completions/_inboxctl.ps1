@@ -119,7 +119,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         }
         'inboxctl;cleanup' {
             [CompletionResult]::new('--retention', '--retention', [CompletionResultType]::ParameterName, 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late')
-            [CompletionResult]::new('--dlq', '--dlq', [CompletionResultType]::ParameterName, 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message at its head older than the cutoff keeps the rows of every consumer_type')
+            [CompletionResult]::new('--dlq', '--dlq', [CompletionResultType]::ParameterName, 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type')
             [CompletionResult]::new('--audit-retention', '--audit-retention', [CompletionResultType]::ParameterName, 'Keep the audit''s rows (inboxctl audit) this long; they are deleted only with this retention of their own')
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type (default: every one)')
             [CompletionResult]::new('--batch-size', '--batch-size', [CompletionResultType]::ParameterName, 'Rows per DELETE; each batch is a short transaction of its own')

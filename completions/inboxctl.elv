@@ -113,7 +113,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;cleanup'= {
             cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
-            cand --dlq 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message at its head older than the cutoff keeps the rows of every consumer_type'
+            cand --dlq 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type'
             cand --audit-retention 'Keep the audit''s rows (inboxctl audit) this long; they are deleted only with this retention of their own'
             cand --consumer-type 'Only this consumer_type (default: every one)'
             cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'

@@ -113,7 +113,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s v -l verbo
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l retention -d 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dlq -d 'A dead-letter-exchange queue to look at besides each consumer_type\'s <queue>_error and <queue>_skipped (repeatable): a message at its head older than the cutoff keeps the rows of every consumer_type' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dlq -d 'A dead-letter-exchange queue to look at besides each consumer_type\'s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l audit-retention -d 'Keep the audit\'s rows (inboxctl audit) this long; they are deleted only with this retention of their own' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l consumer-type -d 'Only this consumer_type (default: every one)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-size -d 'Rows per DELETE; each batch is a short transaction of its own' -r

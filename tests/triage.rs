@@ -945,6 +945,64 @@ async fn cleanup_finds_an_old_failure_behind_the_head_of_a_quorum_dead_letter_qu
     assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
 }
 
+/// A dead-letter queue holding more messages than the guard looks at (10,000), all young among those it looks at:
+/// it cannot tell whether one further on failed before the cutoff (on a quorum queue, the ones it looks at go behind
+/// the rest, so the next run would not see them either). It accepted them; it refuses now, saying why.
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_refuses_a_dead_letter_queue_holding_more_than_it_looks_at() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-Timestamp".into(),
+        long(&inboxctl::amqp::envelope::format_time(
+            Utc::now() - TimeDelta::hours(1),
+        )),
+    );
+    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "Berlin");
+    let props = props.with_headers(headers);
+    let channel = conn.create_channel().await.unwrap();
+    channel
+        .confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for _ in 0..10_001 {
+        let _confirm = channel
+            .basic_publish(
+                "".into(),
+                "orders-carrier_error".into(),
+                lapin::options::BasicPublishOptions::default(),
+                &body,
+                props.clone(),
+            )
+            .await
+            .unwrap();
+    }
+    channel.wait_for_confirms().await.unwrap();
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(
+        json(&out)["consumers"][0]["refused"]["beyond_the_look"],
+        true,
+        "{out:?}"
+    );
+    assert!(
+        out.stderr
+            .contains("holds more messages than the cleanup looks at"),
+        "{out:?}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     let env = TestEnv::migrated().await;

@@ -50,22 +50,31 @@ async fn look(
     mut visit: impl FnMut(&Delivery),
     read_crowded: bool,
 ) -> Result<Option<Looked>> {
-    let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
+    if topology::queue_depth(connection, queue).await?.is_none() {
         return Ok(None);
-    };
+    }
     // Marked before anything is taken: a cleanup's guard looking meanwhile knows that messages may be out of sight.
-    // A look at one message (`stats`, `top`, replay's check of a count of 0) holds it a moment and is not marked: the
-    // guard takes the head twice, and a head given back between its takes is seen.
+    // Not a look at one message (`stats`, `top`'s table, replay's check of a count of 0): it holds it for a moment, and
+    // `top` bounds its refresh by dropping the look where it stands, which a mark's channel being opened does not
+    // survive (the connection is left unusable). Such a look is not seen by the guard: a message it holds at the
+    // guard's count is not counted (on a quorum queue it goes back behind what was counted).
     let mark = match limit > 1 || read_crowded {
-        true => topology::mark_look(connection, queue).await,
+        true => topology::mark_look(connection, queue, true).await,
         false => None,
     };
-    // Read before the first take and again after the last (below): a look that held messages at this one's takes had
-    // marked the queue before its own first take, so its mark is seen at one of the two reads — unless it both began
-    // after the first read and ended before the second, a few round trips apart.
+    // Read before the count and again after the last take (below): a look that held messages at this one's count or
+    // takes had marked the queue before its own first take, so its mark is seen at one of the two reads — unless it
+    // both began after the first read and ended before the second (a look begun and ended inside this one's takes,
+    // whose messages went behind what this one counted: not seen).
     let before = match read_crowded {
         true => Some(topology::looks_at(connection, queue).await),
         false => None,
+    };
+    let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
+        if let Some(mark) = mark {
+            mark.end().await;
+        }
+        return Ok(None);
     };
     let mut depth = u64::from(ready);
     let channel = connection.create_channel().await?;
@@ -147,15 +156,15 @@ async fn look(
 }
 
 /// What `read` makes of each message of `queue` present when the look begins, oldest first, up to `limit`, all
-/// looked at and given back (none when the queue does not exist or is empty), and whether another look held the queue
-/// marked meanwhile ([`Looked::crowded`]).
+/// looked at and given back (none when the queue does not exist or is empty), and what the look saw: how many there
+/// were, and whether another look held the queue marked meanwhile ([`Looked::crowded`]).
 pub async fn all<T>(
     connection: &Connection,
     queue: &str,
     limit: u64,
     mut read: impl FnMut(&Delivery) -> T,
-) -> Result<(Vec<T>, bool)> {
+) -> Result<(Vec<T>, Option<Looked>)> {
     let mut seen = Vec::new();
     let looked = look(connection, queue, limit, |d| seen.push(read(d)), true).await?;
-    Ok((seen, looked.is_some_and(|l| l.crowded)))
+    Ok((seen, looked))
 }

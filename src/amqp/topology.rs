@@ -213,9 +213,10 @@ impl LookMark {
 
 /// Marks `queue` as looked at, for as long as the mark returned is kept: a consumer on its look marker. Any number of
 /// looks mark it at once. `None` when it cannot be marked — this user may not (configure and read on the marker's
-/// name), or the broker refused it otherwise (a node down, a limit on queues) — said once per process: the look goes
-/// on unmarked, and a cleanup's guard looking meanwhile cannot see what it holds.
-pub async fn mark_look(conn: &Connection, queue: &str) -> Option<LookMark> {
+/// name), or the broker refused it otherwise (a node down, a limit on queues) — said (with `say`; else in the debug
+/// log), and a refusal asked no more in this process: the look goes on unmarked, and a cleanup's guard looking
+/// meanwhile cannot see what it holds.
+pub async fn mark_look(conn: &Connection, queue: &str, say: bool) -> Option<LookMark> {
     use std::sync::atomic::Ordering;
     if MARK_REFUSED.load(Ordering::Relaxed) {
         return None;
@@ -263,12 +264,13 @@ pub async fn mark_look(conn: &Connection, queue: &str) -> Option<LookMark> {
             if e.is_access_refused() {
                 MARK_REFUSED.store(true, Ordering::Relaxed);
             }
-            tracing::warn!(
-                marker = %crate::sanitize::text(&marker),
-                error = %e,
-                "this look at a dead-letter queue could not be marked (it needs configure and read on the marker's \
-                 name): a cleanup running meanwhile cannot see the messages it holds"
-            );
+            let why = "this look at a dead-letter queue could not be marked (it needs configure and read on the \
+                       marker's name): a cleanup running meanwhile cannot see the messages it holds";
+            let marker = crate::sanitize::text(&marker);
+            match say {
+                true => tracing::warn!(%marker, error = %e, "{why}"),
+                false => tracing::debug!(%marker, error = %e, "{why}"),
+            }
             None
         }
     }

@@ -21,7 +21,7 @@ use crate::inbox::TimeSource;
 #[derive(Debug, Clone)]
 pub struct Guard {
     pub broker: Broker,
-    /// Dead-letter-exchange queues (`--dlq`): an old message at the head of one keeps every consumer_type's rows
+    /// Dead-letter-exchange queues (`--dlq`): an old message in one keeps every consumer_type's rows
     /// (any origin may wait there).
     pub dlqs: Vec<String>,
 }
@@ -46,6 +46,10 @@ pub struct Refusal {
     /// for as long as the cleanup waited, or whether one did could not be read (no message is named then).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub looked_at_elsewhere: bool,
+    /// The queue held more messages than the guard looks at (10,000), none of those it looked at too old: whether one
+    /// further on is, it cannot tell (no message is named then).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub beyond_the_look: bool,
     /// The queue (a `--dlq`) is not in the vhost the cleanup looked in: whether a message waits in it is unknown.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub absent: bool,
@@ -74,6 +78,7 @@ impl Refusal {
             cutoff,
             replay_running: false,
             looked_at_elsewhere: false,
+            beyond_the_look: false,
             absent: false,
             other_vhost: None,
         }
@@ -95,6 +100,14 @@ impl Refusal {
             return format!(
                 "--dlq {} is not in the vhost the cleanup looked in (a name mistyped, another vhost, a queue being \
                  made again): whether a message waits in it for its replay is unknown; fix --dlq, or give --force",
+                crate::sanitize::text(&self.queue)
+            );
+        }
+        if self.beyond_the_look {
+            return format!(
+                "{} holds more messages than the cleanup looks at (10,000), and none of those it looked at failed \
+                 before the cutoff: whether one further on did, it cannot tell (on a quorum queue the ones looked at \
+                 go behind the rest); replay or remove them first, or give --force",
                 crate::sanitize::text(&self.queue)
             );
         }
@@ -149,15 +162,15 @@ const GUARD_AT_MOST: u64 = 10_000;
 
 /// What the guard saw of a dead-letter queue.
 enum Seen {
-    /// Its messages (up to [`GUARD_AT_MOST`]; none: empty).
-    Messages(Vec<Head>),
+    /// Its messages (up to [`GUARD_AT_MOST`]; none: empty), and whether they are all it held when looked at.
+    Messages(Vec<Head>, bool),
     /// A replay of it is running.
     Replaying,
     /// Another look held it marked through every try for [`OTHER_LOOK_WAIT`].
     LookedAtElsewhere,
 }
 
-/// The head of `queue`, unless a replay of it is running or another look keeps its messages out of sight. The
+/// The messages of `queue`, unless a replay of it is running or another look keeps them out of sight. The
 /// replay's marker is looked for before the look at the head and again after it: a replay running before holds
 /// messages out of the look's sight (and may end, giving them back, before a look after), and one beginning in between
 /// marks the queue before it takes anything, so the look after sees it.
@@ -185,7 +198,7 @@ async fn head_unless_replaying(
             .is_some_and(|looks| looks == 0);
         if clear {
             crate::failpoint::hit_with("guard-between-looks", queue).await;
-            let (seen, crowded) = peek::all(connection, queue, GUARD_AT_MOST, |d| {
+            let (seen, looked) = peek::all(connection, queue, GUARD_AT_MOST, |d| {
                 head(d, queue, vhost, keyed_on)
             })
             .await?;
@@ -193,8 +206,9 @@ async fn head_unless_replaying(
             if topology::replay_running(connection, queue).await? {
                 return Ok(Seen::Replaying);
             }
-            if !crowded {
-                return Ok(Seen::Messages(seen));
+            let all = looked.is_none_or(|l| l.looked >= l.depth);
+            if !looked.is_some_and(|l| l.crowded) {
+                return Ok(Seen::Messages(seen, all));
             }
         }
         if std::time::Instant::now() >= until || takes >= MAX_GUARD_TAKES {
@@ -413,6 +427,13 @@ impl Looks {
         }
     }
 
+    fn beyond_the_look(&self, queue: &str) -> Refusal {
+        Refusal {
+            beyond_the_look: true,
+            ..Refusal::of(queue, self.cutoff)
+        }
+    }
+
     fn looked_at_elsewhere(&self, queue: &str) -> Refusal {
         Refusal {
             looked_at_elsewhere: true,
@@ -444,7 +465,13 @@ impl Looks {
                     match head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on)
                         .await?
                     {
-                        Seen::Messages(seen) => seen,
+                        Seen::Messages(seen, all) => {
+                            if !all && self.oldest_too_old(&seen).is_none() {
+                                report.refused = Some(self.beyond_the_look(&dead_letters));
+                                break;
+                            }
+                            seen
+                        }
                         Seen::Replaying => {
                             report.refused = Some(self.replaying(&dead_letters));
                             break;
@@ -489,7 +516,15 @@ impl Looks {
                 continue;
             }
             let seen = match head_unless_replaying(connection, dlq, vhost, self.keyed_on).await? {
-                Seen::Messages(seen) => seen,
+                Seen::Messages(seen, all) => {
+                    if !all && self.oldest_too_old(&seen).is_none() {
+                        for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                            report.refused = Some(self.beyond_the_look(dlq));
+                        }
+                        continue;
+                    }
+                    seen
+                }
                 seen => {
                     for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                         report.refused = Some(match seen {

@@ -28,7 +28,7 @@ pub struct Args {
     pub force: bool,
 
     /// A dead-letter-exchange queue to look at besides each consumer_type's <queue>_error and <queue>_skipped
-    /// (repeatable): a message at its head older than the cutoff keeps the rows of every consumer_type
+    /// (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type
     #[arg(long, value_name = "QUEUE")]
     pub dlq: Vec<String>,
 

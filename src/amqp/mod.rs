@@ -9,6 +9,7 @@ mod error;
 pub mod failure;
 pub mod fingerprint;
 pub mod limits;
+mod markers;
 pub mod nodes;
 pub mod pass;
 pub mod peek;

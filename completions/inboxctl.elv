@@ -114,6 +114,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;cleanup'= {
             cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
             cand --dlq 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type'
+            cand --broker-timeout 'How long any call to RabbitMQ may wait for its answer while the cleanup looks at dead-letter queues (a count, a take, a mark); past it the cleanup fails, saying so, and deletes nothing'
             cand --audit-retention 'Keep the audit''s rows (inboxctl audit) this long; they are deleted only with this retention of their own'
             cand --consumer-type 'Only this consumer_type (default: every one)'
             cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'
@@ -174,6 +175,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;find'= {
             cand --dlq 'A dead-letter-exchange queue to look in too, beside each known consumer_type''s <queue>_error and <queue>_skipped (repeatable)'
             cand --limit 'Look at no more than this many messages per dead-letter queue (the oldest)'
+            cand --broker-timeout 'How long any call to RabbitMQ may wait for its answer (a count, a take, a mark); past it the look fails, saying so, and what it held goes back'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'
@@ -193,6 +195,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --from 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue'
             cand --limit 'Look at no more than this many messages (the oldest)'
             cand --output 'Write the listing, with every member''s message id, to this file: `replay --group <fingerprint> --listing <file>` replays exactly those members'
+            cand --broker-timeout 'How long any call to RabbitMQ may wait for its answer (a count, a take, a mark); past it the look fails, saying so, and what it held goes back'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'

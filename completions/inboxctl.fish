@@ -114,6 +114,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s h -l help 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l retention -d 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l dlq -d 'A dead-letter-exchange queue to look at besides each consumer_type\'s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l broker-timeout -d 'How long any call to RabbitMQ may wait for its answer while the cleanup looks at dead-letter queues (a count, a take, a mark); past it the cleanup fails, saying so, and deletes nothing' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l audit-retention -d 'Keep the audit\'s rows (inboxctl audit) this long; they are deleted only with this retention of their own' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l consumer-type -d 'Only this consumer_type (default: every one)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand cleanup" -l batch-size -d 'Rows per DELETE; each batch is a short transaction of its own' -r
@@ -165,6 +166,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s h -l help -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand replay" -s V -l version -d 'Print version'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l dlq -d 'A dead-letter-exchange queue to look in too, beside each known consumer_type\'s <queue>_error and <queue>_skipped (repeatable)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l limit -d 'Look at no more than this many messages per dead-letter queue (the oldest)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l broker-timeout -d 'How long any call to RabbitMQ may wait for its answer (a count, a take, a mark); past it the look fails, saying so, and what it held goes back' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F
@@ -180,6 +182,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand find" -s V -l version 
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l from -d 'The dead-letter queue: a MassTransit <queue>_error or <queue>_skipped, or a dead-letter-exchange queue' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l limit -d 'Look at no more than this many messages (the oldest)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l output -d 'Write the listing, with every member\'s message id, to this file: `replay --group <fingerprint> --listing <file>` replays exactly those members' -r -F
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l broker-timeout -d 'How long any call to RabbitMQ may wait for its answer (a count, a take, a mark); past it the look fails, saying so, and what it held goes back' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-url -d 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l amqp-url -d 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand failures" -l database-password-file -d 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment' -r -F

@@ -825,6 +825,63 @@ async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages(
     assert_eq!(rows_of(&pool, "carrier").await, 5);
 }
 
+/// A RabbitMQ that stops answering the guard's look (a quorum queue whose leader is lost, a node that hangs) held the
+/// cleanup for ever, the messages it had taken out of every other look's sight. Each call of the look is bounded by
+/// `--broker-timeout` now: the failpoint holds the answer to the guard's first take for ten minutes, and the cleanup
+/// fails within seconds, saying what RabbitMQ did not answer (exit 69), deleting nothing; the message goes back. The
+/// message is young: without the bound (and the failpoint, which fires only inside it) the rows would go.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_fails_deleting_nothing_when_rabbitmq_does_not_answer_its_guards_look() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    let started = std::time::Instant::now();
+    let mut cleanup = env.spawn_with(
+        &[
+            "cleanup",
+            "--retention",
+            "7d",
+            "--broker-timeout",
+            "2s",
+            "--json",
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=sleep-once-600000@a take from the queue looked at",
+        )],
+    );
+    let code = cleanup.wait(Duration::from_secs(60));
+    let said = cleanup.stderr();
+    assert_eq!(code, Some(69), "{said}");
+    assert!(
+        said.contains("RabbitMQ did not answer a take from the queue looked at within 2s"),
+        "{said}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30), "{said}");
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+    common::eventually("the message back", Duration::from_secs(10), || async {
+        env.queue_counts("orders-carrier_error") == (1, 0)
+    })
+    .await;
+}
+
 /// Another look that began after the guard found no mark, held the messages at the guard's take, and ended before
 /// the guard read the marks again (failpoints hold the guard before its look and between its take and that read,
 /// while the test starts a `failures` and then ends it): no mark left to see after, and the queue read as empty. The
@@ -925,9 +982,15 @@ async fn cleanup_finds_an_old_failure_behind_the_head_of_a_quorum_dead_letter_qu
     }
     // One look at the head, as `stats` makes: the old message goes to the tail.
     let mut head = None;
-    inboxctl::amqp::peek::each(&conn, "orders-carrier_error", 1, |d| {
-        head = d.properties.message_id().as_ref().map(|id| id.to_string());
-    })
+    inboxctl::amqp::peek::each(
+        &conn,
+        "orders-carrier_error",
+        1,
+        Duration::from_secs(30),
+        |d| {
+            head = d.properties.message_id().as_ref().map(|id| id.to_string());
+        },
+    )
     .await
     .unwrap();
     assert_eq!(

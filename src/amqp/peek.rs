@@ -7,15 +7,17 @@
 //! message, and the guard's, marks the queue while it looks (`topology::mark_look`), so that the guard knows when
 //! messages are held out of its sight.
 
+use std::time::Duration;
+
 use lapin::Connection;
 use lapin::message::Delivery;
 use lapin::options::{BasicGetOptions, BasicNackOptions};
 
-use super::topology;
+use super::{answered, topology};
 use crate::error::Result;
 
 /// The longest a take from a queue whose count says 0 may take: an empty queue answers at once.
-const EMPTY_CHECK: std::time::Duration = std::time::Duration::from_secs(15);
+const EMPTY_CHECK: Duration = Duration::from_secs(15);
 
 /// What a look at one queue saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,14 +34,17 @@ pub struct Looked {
 
 /// Shows `visit` each message of `queue` present when the look begins, oldest first, up to `limit`, and gives them
 /// all back. `Ok(None)` when the queue does not exist. Messages that arrive during the look are not shown: the count
-/// is read first, so a queue filling as fast as it is read cannot keep the look going.
+/// is read first, so a queue filling as fast as it is read cannot keep the look going. No call to the broker waits
+/// past `within` for its answer (a queue whose leader is lost, a node that stops answering): the look fails, saying
+/// so, and what it held goes back with its channel.
 pub async fn each(
     connection: &Connection,
     queue: &str,
     limit: u64,
+    within: Duration,
     visit: impl FnMut(&Delivery),
 ) -> Result<Option<Looked>> {
-    look(connection, queue, limit, visit, false).await
+    look(connection, queue, limit, within, visit, false).await
 }
 
 /// [`each`], reading as it ends whether another look held the queue marked (`crowded`).
@@ -47,10 +52,12 @@ async fn look(
     connection: &Connection,
     queue: &str,
     limit: u64,
+    within: Duration,
     mut visit: impl FnMut(&Delivery),
     read_crowded: bool,
 ) -> Result<Option<Looked>> {
-    if topology::queue_depth(connection, queue).await?.is_none() {
+    let depth_of = || answered(COUNT, within, topology::queue_depth(connection, queue));
+    if depth_of().await??.is_none() {
         return Ok(None);
     }
     // Marked before anything is taken: a cleanup's guard looking meanwhile knows that messages may be out of sight.
@@ -59,7 +66,7 @@ async fn look(
     // survive (the connection is left unusable). Such a look is not seen by the guard: a message it holds at the
     // guard's count is not counted (on a quorum queue it goes back behind what was counted).
     let mark = match limit > 1 || read_crowded {
-        true => topology::mark_look(connection, queue, true).await,
+        true => answered(MARK, within, topology::mark_look(connection, queue, true)).await?,
         false => None,
     };
     // Read before the count and again after the last take (below): a look that held messages at this one's count or
@@ -67,17 +74,17 @@ async fn look(
     // both began after the first read and ended before the second (a look begun and ended inside this one's takes,
     // whose messages went behind what this one counted: not seen).
     let before = match read_crowded {
-        true => Some(topology::looks_at(connection, queue).await),
+        true => Some(answered(MARKS, within, topology::looks_at(connection, queue)).await?),
         false => None,
     };
-    let Some((ready, _)) = topology::queue_depth(connection, queue).await? else {
+    let Some((ready, _)) = depth_of().await?? else {
         if let Some(mark) = mark {
-            mark.end().await;
+            end(mark, within).await;
         }
         return Ok(None);
     };
     let mut depth = u64::from(ready);
-    let channel = connection.create_channel().await?;
+    let channel = answered(CHANNEL, within, connection.create_channel()).await??;
     let mut looked = 0;
     let mut last = None;
     let outcome = async {
@@ -86,9 +93,9 @@ async fn look(
         // cleanup's guard then deleting the rows their replay needs). An empty queue answers the take at once; one
         // that cannot answer it (no leader) fails the look, bounded, rather than reads as empty.
         if depth == 0 && limit > 0 {
-            let got = super::answered(
+            let got = answered(
                 "a take from a queue whose count is 0",
-                EMPTY_CHECK,
+                EMPTY_CHECK.min(within),
                 channel.basic_get(queue.into(), BasicGetOptions { no_ack: false }),
             )
             .await??;
@@ -96,18 +103,16 @@ async fn look(
                 return Ok(());
             };
             // The count said 0 and a message came: counted again (the one held is not among the ready ones).
-            depth = topology::queue_depth(connection, queue)
-                .await?
+            depth = depth_of()
+                .await??
                 .map_or(1, |(ready, _)| u64::from(ready) + 1);
             last = Some(message.delivery.delivery_tag);
             looked = 1;
             visit(&message.delivery);
         }
         while looked < depth.min(limit) {
-            let Some(message) = channel
-                .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-                .await?
-            else {
+            let take = channel.basic_get(queue.into(), BasicGetOptions { no_ack: false });
+            let Some(message) = answered(TAKE, within, take).await?? else {
                 break;
             };
             last = Some(message.delivery.delivery_tag);
@@ -121,17 +126,16 @@ async fn look(
     if let Some(last) = last {
         // One nack for everything held: the broker puts each back in its place. Should it fail, closing the channel
         // (or the connection going) gives them back all the same.
-        let _ = channel
-            .basic_nack(
-                last,
-                BasicNackOptions {
-                    multiple: true,
-                    requeue: true,
-                },
-            )
-            .await;
+        let back = channel.basic_nack(
+            last,
+            BasicNackOptions {
+                multiple: true,
+                requeue: true,
+            },
+        );
+        let _ = answered("the messages' return", within, back).await;
     }
-    let _ = channel.close(200, "OK".into()).await;
+    let _ = answered("a channel's close", within, channel.close(200, "OK".into())).await;
     // Another look's mark beside this one's (or any, when this one could not mark): read before this one's goes.
     if read_crowded {
         // Between the take and the read of the marks (a test ends another look here).
@@ -140,12 +144,13 @@ async fn look(
     let others = |looks: Option<u32>| looks.is_none_or(|looks| looks > u32::from(mark.is_some()));
     let crowded = match (outcome.is_ok(), before) {
         (true, Some(before)) => {
-            others(before) || others(topology::looks_at(connection, queue).await)
+            let after = answered(MARKS, within, topology::looks_at(connection, queue)).await;
+            others(before) || others(after.ok().flatten())
         }
         _ => false,
     };
     if let Some(mark) = mark {
-        mark.end().await;
+        end(mark, within).await;
     }
     outcome?;
     Ok(Some(Looked {
@@ -162,9 +167,30 @@ pub async fn all<T>(
     connection: &Connection,
     queue: &str,
     limit: u64,
+    within: Duration,
     mut read: impl FnMut(&Delivery) -> T,
 ) -> Result<(Vec<T>, Option<Looked>)> {
     let mut seen = Vec::new();
-    let looked = look(connection, queue, limit, |d| seen.push(read(d)), true).await?;
+    let looked = look(
+        connection,
+        queue,
+        limit,
+        within,
+        |d| seen.push(read(d)),
+        true,
+    )
+    .await?;
     Ok((seen, looked))
+}
+
+/// What a look waits for, as its errors name them.
+const COUNT: &str = "a count of the queue looked at";
+const TAKE: &str = "a take from the queue looked at";
+const MARK: &str = "the look's mark";
+const MARKS: &str = "a read of the marks of other looks";
+const CHANNEL: &str = "a new channel";
+
+/// Ends a look's mark, not waiting past `within` (a mark not ended expires a minute after its last use).
+async fn end(mark: topology::LookMark, within: Duration) {
+    let _ = answered("the end of the look's mark", within, mark.end()).await;
 }

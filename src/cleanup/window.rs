@@ -12,7 +12,7 @@ use sqlx::postgres::PgPool;
 
 use super::ConsumerReport;
 use crate::amqp::failure::{failed_at, failure};
-use crate::amqp::{Broker, Delivery, limits, peek, topology};
+use crate::amqp::{Broker, Delivery, answered, limits, peek, topology};
 use crate::db;
 use crate::error::{Error, Result};
 use crate::inbox::TimeSource;
@@ -24,6 +24,9 @@ pub struct Guard {
     /// Dead-letter-exchange queues (`--dlq`): an old message in one keeps every consumer_type's rows
     /// (any origin may wait there).
     pub dlqs: Vec<String>,
+    /// How long any call to RabbitMQ may wait for its answer (`--broker-timeout`): past it the cleanup fails, saying
+    /// so, and deletes nothing.
+    pub broker_timeout: std::time::Duration,
 }
 
 /// Why a consumer_type was not cleaned.
@@ -184,26 +187,34 @@ async fn head_unless_replaying(
     queue: &str,
     vhost: &str,
     keyed_on: Option<TimeSource>,
+    within: std::time::Duration,
 ) -> Result<Seen> {
     let until = std::time::Instant::now() + OTHER_LOOK_WAIT;
     let mut takes = 0;
+    let replay_running = || {
+        answered(
+            REPLAY_MARKER,
+            within,
+            topology::replay_running(connection, queue),
+        )
+    };
     loop {
-        if topology::replay_running(connection, queue).await? {
+        if replay_running().await?? {
             return Ok(Seen::Replaying);
         }
         // Another's mark up: waited for without taking anything (each take counts towards a quorum queue's delivery
         // limit where RabbitMQ counts every return), then looked at once it is gone.
-        let clear = topology::looks_at(connection, queue)
-            .await
+        let clear = answered(MARKS, within, topology::looks_at(connection, queue))
+            .await?
             .is_some_and(|looks| looks == 0);
         if clear {
             crate::failpoint::hit_with("guard-between-looks", queue).await;
-            let (seen, looked) = peek::all(connection, queue, GUARD_AT_MOST, |d| {
+            let (seen, looked) = peek::all(connection, queue, GUARD_AT_MOST, within, |d| {
                 head(d, queue, vhost, keyed_on)
             })
             .await?;
             takes += 1;
-            if topology::replay_running(connection, queue).await? {
+            if replay_running().await?? {
                 return Ok(Seen::Replaying);
             }
             let all = looked.is_none_or(|l| l.looked >= l.depth);
@@ -218,6 +229,10 @@ async fn head_unless_replaying(
         tokio::time::sleep(std::time::Duration::from_millis(250 + jitter)).await;
     }
 }
+
+/// What the guard waits for, as its errors name them.
+const REPLAY_MARKER: &str = "a look for a replay's marker";
+const MARKS: &str = "a read of the marks of other looks";
 
 /// The most looks the guard takes at one dead-letter queue in a run, each crowded by another's.
 const MAX_GUARD_TAKES: u32 = 3;
@@ -311,6 +326,7 @@ pub async fn check(
         cutoff,
         now: Utc::now(),
         keyed_on,
+        within: guard.broker_timeout,
     };
     let connection = guard.broker.connect("inboxctl cleanup").await?;
     let result = async {
@@ -379,6 +395,7 @@ struct Looks {
     cutoff: DateTime<Utc>,
     now: DateTime<Utc>,
     keyed_on: Option<TimeSource>,
+    within: std::time::Duration,
 }
 
 impl Looks {
@@ -461,26 +478,31 @@ impl Looks {
                 if crate::amqp::no_queue_can_have(&dead_letters) {
                     continue;
                 }
-                let seen =
-                    match head_unless_replaying(connection, &dead_letters, vhost, self.keyed_on)
-                        .await?
-                    {
-                        Seen::Messages(seen, all) => {
-                            if !all && self.oldest_too_old(&seen).is_none() {
-                                report.refused = Some(self.beyond_the_look(&dead_letters));
-                                break;
-                            }
-                            seen
-                        }
-                        Seen::Replaying => {
-                            report.refused = Some(self.replaying(&dead_letters));
+                let seen = match head_unless_replaying(
+                    connection,
+                    &dead_letters,
+                    vhost,
+                    self.keyed_on,
+                    self.within,
+                )
+                .await?
+                {
+                    Seen::Messages(seen, all) => {
+                        if !all && self.oldest_too_old(&seen).is_none() {
+                            report.refused = Some(self.beyond_the_look(&dead_letters));
                             break;
                         }
-                        Seen::LookedAtElsewhere => {
-                            report.refused = Some(self.looked_at_elsewhere(&dead_letters));
-                            break;
-                        }
-                    };
+                        seen
+                    }
+                    Seen::Replaying => {
+                        report.refused = Some(self.replaying(&dead_letters));
+                        break;
+                    }
+                    Seen::LookedAtElsewhere => {
+                        report.refused = Some(self.looked_at_elsewhere(&dead_letters));
+                        break;
+                    }
+                };
                 if let Some(h) = self.oldest_too_old(&seen) {
                     report.refused = Some(self.refusal(&dead_letters, h));
                     break;
@@ -515,26 +537,29 @@ impl Looks {
                 }
                 continue;
             }
-            let seen = match head_unless_replaying(connection, dlq, vhost, self.keyed_on).await? {
-                Seen::Messages(seen, all) => {
-                    if !all && self.oldest_too_old(&seen).is_none() {
+            let seen =
+                match head_unless_replaying(connection, dlq, vhost, self.keyed_on, self.within)
+                    .await?
+                {
+                    Seen::Messages(seen, all) => {
+                        if !all && self.oldest_too_old(&seen).is_none() {
+                            for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
+                                report.refused = Some(self.beyond_the_look(dlq));
+                            }
+                            continue;
+                        }
+                        seen
+                    }
+                    seen => {
                         for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-                            report.refused = Some(self.beyond_the_look(dlq));
+                            report.refused = Some(match seen {
+                                Seen::Replaying => self.replaying(dlq),
+                                _ => self.looked_at_elsewhere(dlq),
+                            });
                         }
                         continue;
                     }
-                    seen
-                }
-                seen => {
-                    for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
-                        report.refused = Some(match seen {
-                            Seen::Replaying => self.replaying(dlq),
-                            _ => self.looked_at_elsewhere(dlq),
-                        });
-                    }
-                    continue;
-                }
-            };
+                };
             let Some(h) = self.oldest_too_old(&seen) else {
                 if let Some(h) = self.keyed_earliest(&seen) {
                     for report in consumers

@@ -32,6 +32,11 @@ pub struct Args {
     #[arg(long, value_name = "QUEUE")]
     pub dlq: Vec<String>,
 
+    /// How long any call to RabbitMQ may wait for its answer while the cleanup looks at dead-letter queues (a count, a
+    /// take, a mark); past it the cleanup fails, saying so, and deletes nothing
+    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
+    pub broker_timeout: std::time::Duration,
+
     /// Keep the audit's rows (inboxctl audit) this long; they are deleted only with this retention of their own
     #[arg(long, default_value = "90d", value_parser = parse_positive_duration)]
     pub audit_retention: Duration,
@@ -91,6 +96,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         Some(cleanup::Guard {
             broker: global.connect.broker()?,
             dlqs: args.dlq.clone(),
+            broker_timeout: args.broker_timeout,
         })
     };
     let db = global.connect.database()?;

@@ -26,6 +26,11 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub output: Option<PathBuf>,
 
+    /// How long any call to RabbitMQ may wait for its answer (a count, a take, a mark); past it the look fails,
+    /// saying so, and what it held goes back
+    #[arg(long, default_value = "30s", value_parser = crate::cli::parse_positive_duration)]
+    pub broker_timeout: std::time::Duration,
+
     /// Print the listing as JSON (without the member ids; --output has them)
     #[arg(long)]
     pub json: bool,
@@ -35,7 +40,14 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     amqp::validate_name("--from", &args.from)?;
     let broker = global.connect.broker()?;
     let connection = broker.connect("inboxctl failures").await?;
-    let listing = triage::failures::list(&connection, &args.from, broker.vhost(), args.limit).await;
+    let listing = triage::failures::list(
+        &connection,
+        &args.from,
+        broker.vhost(),
+        args.limit,
+        args.broker_timeout,
+    )
+    .await;
     amqp::close(&connection, "OK").await;
     let listing = listing?;
     if let Some(path) = &args.output {

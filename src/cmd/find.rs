@@ -23,6 +23,11 @@ pub struct Args {
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     pub limit: u64,
 
+    /// How long any call to RabbitMQ may wait for its answer (a count, a take, a mark); past it the look fails,
+    /// saying so, and what it held goes back
+    #[arg(long, default_value = "30s", value_parser = crate::cli::parse_positive_duration)]
+    pub broker_timeout: std::time::Duration,
+
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -53,6 +58,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
         ids: args.ids.clone(),
         dlqs: args.dlq.clone(),
         limit: args.limit,
+        broker_timeout: args.broker_timeout,
     };
     let report = find::find(&pool, &connection, broker.vhost(), &plan).await;
     amqp::close(&connection, "OK").await;

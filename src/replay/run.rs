@@ -48,7 +48,7 @@ pub async fn run(
         // back), which such a queue cannot answer (the replay fails, said), rather than reported as an empty queue.
         // The one exception to "the replay marks its queue before it takes anything": a message the count did not
         // see arrived after it (failed just now: no cleanup guard would keep a row for it) and is held a moment.
-        let look = crate::amqp::peek::each(connection, &plan.from, 1, |_| {});
+        let look = crate::amqp::peek::each(connection, &plan.from, 1, plan.broker_timeout, |_| {});
         snapshot = answered("a look at the queue", plan.broker_timeout, look)
             .await??
             .ok_or_else(|| Error::QueueNotFound(plan.from.clone()))?

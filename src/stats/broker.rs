@@ -286,10 +286,16 @@ async fn oldest_failure(
     queue: &str,
 ) -> Result<(Option<u64>, Option<f64>)> {
     let mut failed_at = None;
-    let looked = crate::amqp::peek::each(connection, queue, 1, |d| {
-        let failure = crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "");
-        failed_at = crate::amqp::failure::failed_at(d, &failure);
-    })
+    let looked = crate::amqp::peek::each(
+        connection,
+        queue,
+        1,
+        crate::amqp::DEFAULT_BROKER_TIMEOUT,
+        |d| {
+            let failure = crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "");
+            failed_at = crate::amqp::failure::failed_at(d, &failure);
+        },
+    )
     .await?;
     // `failed_at` passes over a time more than a day ahead (it tells nothing of the age); one a little ahead is of
     // now, not of a negative age.

@@ -58,7 +58,15 @@ pub async fn load(
     let error_queue = topology::error_queue(queue);
     let groups = match connection {
         None => Err("RabbitMQ not reachable".to_owned()),
-        Some(c) => match super::failures::list(c, &error_queue, vhost, LOOK_LIMIT).await {
+        Some(c) => match super::failures::list(
+            c,
+            &error_queue,
+            vhost,
+            LOOK_LIMIT,
+            crate::amqp::DEFAULT_BROKER_TIMEOUT,
+        )
+        .await
+        {
             Ok(listing) => Ok(listing),
             Err(crate::error::Error::QueueNotFound(_)) => {
                 Err(format!("{error_queue} does not exist: nothing failed"))

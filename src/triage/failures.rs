@@ -165,6 +165,7 @@ pub async fn list(
     queue: &str,
     vhost: &str,
     limit: u64,
+    within: std::time::Duration,
 ) -> Result<Listing> {
     let listed_at = Utc::now();
     // Before the look and after it: a replay beginning in between marks the queue before it takes.
@@ -172,7 +173,7 @@ pub async fn list(
     let mut groups: Vec<Group> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut origins: Vec<BTreeSet<String>> = Vec::new();
-    let looked = peek::each(connection, queue, limit, |delivery| {
+    let looked = peek::each(connection, queue, limit, within, |delivery| {
         let failure = failure(delivery.properties.headers().as_ref(), queue, vhost);
         let mut cause = Cause::of(&failure);
         if groups.len() >= MAX_GROUPS && !index.contains_key(&cause.fingerprint) {

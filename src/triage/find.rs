@@ -23,6 +23,8 @@ pub struct Plan {
     pub dlqs: Vec<String>,
     /// Look at no more than this many messages per queue.
     pub limit: u64,
+    /// How long any call to RabbitMQ may wait for its answer.
+    pub broker_timeout: std::time::Duration,
 }
 
 /// A copy of the message in a dead-letter queue.
@@ -158,47 +160,53 @@ pub async fn find(
         // Before the look and after it (below): a replay beginning in between marks the queue before it takes.
         let mut replay_running = topology::replay_running(connection, &queue).await?;
         let mut position = 0;
-        let looked = peek::each(connection, &queue, plan.limit, |delivery| {
-            position += 1;
-            // The id the consumer keyed it on: its envelope's, where the AMQP property is absent or another (a
-            // producer that does not set it, a shovel), else the property's.
-            let by_property = delivery
-                .properties
-                .message_id()
-                .as_ref()
-                .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
-                .and_then(|id| index.get(&id).copied());
-            let Some(i) = by_property.or_else(|| {
-                let holds_one = holds_one_of(&delivery.data, &index);
-                holds_one
-                    .then(|| {
-                        crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok()
-                    })
-                    .flatten()
-                    .and_then(|m| index.get(&m.message_id).copied())
-            }) else {
-                return;
-            };
-            if messages[i].dead_letters.len() >= MAX_COPIES {
-                messages[i].copies_cut = true;
-                return;
-            }
-            let failure = failure(delivery.properties.headers().as_ref(), &queue, vhost);
-            messages[i].dead_letters.push(DeadLetterCopy {
-                queue: queue.clone(),
-                position,
-                reason: failure
-                    .reason
-                    .as_deref()
-                    .map(|r| limits::truncate(r, 1000).into_owned()),
-                exception_type: failure.exception_type.clone(),
-                fingerprint: Cause::of(&failure).fingerprint,
-                failed_at: failure.failed_at,
-                origin: super::failures::origin_name(&failure.origin),
-                replays: failure.replays,
-                redelivered: delivery.redelivered,
-            });
-        })
+        let looked = peek::each(
+            connection,
+            &queue,
+            plan.limit,
+            plan.broker_timeout,
+            |delivery| {
+                position += 1;
+                // The id the consumer keyed it on: its envelope's, where the AMQP property is absent or another (a
+                // producer that does not set it, a shovel), else the property's.
+                let by_property = delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
+                    .and_then(|id| index.get(&id).copied());
+                let Some(i) = by_property.or_else(|| {
+                    let holds_one = holds_one_of(&delivery.data, &index);
+                    holds_one
+                        .then(|| {
+                            crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok()
+                        })
+                        .flatten()
+                        .and_then(|m| index.get(&m.message_id).copied())
+                }) else {
+                    return;
+                };
+                if messages[i].dead_letters.len() >= MAX_COPIES {
+                    messages[i].copies_cut = true;
+                    return;
+                }
+                let failure = failure(delivery.properties.headers().as_ref(), &queue, vhost);
+                messages[i].dead_letters.push(DeadLetterCopy {
+                    queue: queue.clone(),
+                    position,
+                    reason: failure
+                        .reason
+                        .as_deref()
+                        .map(|r| limits::truncate(r, 1000).into_owned()),
+                    exception_type: failure.exception_type.clone(),
+                    fingerprint: Cause::of(&failure).fingerprint,
+                    failed_at: failure.failed_at,
+                    origin: super::failures::origin_name(&failure.origin),
+                    replays: failure.replays,
+                    redelivered: delivery.redelivered,
+                });
+            },
+        )
         .await;
         // One queue that cannot be reached leaves the others to look at, in the partial outage triage is for.
         let (looked, error) = match looked {

@@ -825,6 +825,72 @@ async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages(
     assert_eq!(rows_of(&pool, "carrier").await, 5);
 }
 
+/// `failures` and `find` while another look holds some of a dead-letter queue's messages (a `failures` paused after
+/// its first take): they saw the rest and said nothing of it — a listing short of a member, a message "found nowhere"
+/// that waits in the queue. They read the other looks' marks now, as the cleanup's guard does, and say the listing
+/// may be incomplete (exit 3).
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn failures_and_find_say_when_another_look_held_messages_out_of_their_sight() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(
+            fail(
+                &conn,
+                "orders-carrier_error",
+                "System.TimeoutException",
+                "timeout",
+                TimeDelta::hours(1),
+            )
+            .await,
+        );
+    }
+    let mut look = env.spawn_with(
+        &["failures", "--from", "orders-carrier_error"],
+        &[("INBOXCTL_FAILPOINTS", "peek=pause@orders-carrier_error")],
+    );
+    look.wait_for_stderr("failpoint peek reached", Duration::from_secs(20));
+    let out = env.run(&["failures", "--from", "orders-carrier_error", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let listing = json(&out);
+    assert_eq!(listing["looked_at_elsewhere"], true, "{listing}");
+    assert_eq!(
+        listing["looked"], 2,
+        "the one held is out of sight: {listing}"
+    );
+    let out = env.run(&["failures", "--from", "orders-carrier_error"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(
+        out.stdout
+            .contains("another look at it held messages meanwhile"),
+        "{out:?}"
+    );
+    let out = env.run(&["find", &ids[1], "--dlq", "orders-carrier_error", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    assert_eq!(report["messages"][0]["found"], true, "{report}");
+    assert_eq!(report["queues"][0]["looked_at_elsewhere"], true, "{report}");
+    assert!(out.stderr.contains("another look at these"), "{out:?}");
+    look.kill();
+    common::eventually("the held message back", Duration::from_secs(10), || async {
+        env.queue_counts("orders-carrier_error") == (3, 0)
+    })
+    .await;
+    let out = env.run(&["failures", "--from", "orders-carrier_error", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(json(&out)["looked"], 3, "{out:?}");
+    assert!(json(&out).get("looked_at_elsewhere").is_none(), "{out:?}");
+}
+
 /// A RabbitMQ that stops answering the guard's look (a quorum queue whose leader is lost, a node that hangs) held the
 /// cleanup for ever, the messages it had taken out of every other look's sight. Each call of the look is bounded by
 /// `--broker-timeout` now: the failpoint holds the answer to the guard's first take for ten minutes, and the cleanup
@@ -1501,6 +1567,84 @@ async fn every_state_changing_command_is_audited_without_a_password_and_outlives
         .execute(&pool)
         .await
         .unwrap();
+}
+
+/// `find` put a dead-letter copy under its AMQP property's id where that differed from its envelope's (a producer
+/// setting another, a shovel), while the consumer keyed it on the envelope's: the message it was is shown none, and
+/// an id the inbox never saw is shown it. And of a message with more events than shown it listed the oldest, which
+/// hides what became of it in the end (its last dead-lettering), and called exactly that many "cut". Now: under the
+/// envelope's id (a body no envelope: the property's), and the newest events, cut only past the limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn find_shows_a_copy_under_the_id_it_was_keyed_on_and_a_messages_newest_events() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let (enveloped, property) = (Uuid::new_v4(), Uuid::new_v4());
+    let (props, body, _) = common::parcel_message(enveloped, "Berlin");
+    let props = props.with_message_id(property.to_string().into());
+    fail_message(
+        &conn,
+        "orders-carrier_error",
+        props,
+        &body,
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    let copies = |id: Uuid| {
+        let out = env.run(&[
+            "find",
+            &id.to_string(),
+            "--dlq",
+            "orders-carrier_error",
+            "--json",
+        ]);
+        json(&out)["messages"][0]["dead_letters"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    assert_eq!(copies(enveloped), 1, "under the envelope's id");
+    assert_eq!(copies(property), 0, "not under the property's");
+
+    let seed = |id: Uuid, n: i64| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at)
+                 SELECT 'carrier', CASE WHEN i = $2 THEN 'dead_lettered' ELSE 'failed' END, $1,
+                        now() - make_interval(secs => ($2 - i)::float8)
+                 FROM generate_series(1, $2) i",
+            )
+            .bind(id)
+            .bind(n)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    let (looping, just) = (Uuid::new_v4(), Uuid::new_v4());
+    seed(looping, 250).await;
+    seed(just, 200).await;
+    let out = env.run(&["find", &looping.to_string(), &just.to_string(), "--json"]);
+    let report = json(&out);
+    let looping = &report["messages"][0];
+    let events = looping["events"].as_array().unwrap();
+    assert_eq!(events.len(), 200, "{looping}");
+    assert_eq!(looping["events_cut"], true);
+    assert_eq!(events[199]["kind"], "dead_lettered", "the newest last");
+    assert_eq!(events[0]["kind"], "failed");
+    let just = &report["messages"][1];
+    assert_eq!(just["events"].as_array().unwrap().len(), 200, "{just}");
+    assert_eq!(just["events_cut"], false, "exactly the limit is not cut");
 }
 
 #[tokio::test(flavor = "multi_thread")]

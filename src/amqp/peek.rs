@@ -28,7 +28,7 @@ pub struct Looked {
     pub looked: u64,
     /// Another look held the queue marked before this one's first take or after its last (`find`, `failures`, `top`'s
     /// detail, a cleanup's guard), or whether one did could not be read: messages it held may have been out of this
-    /// look's sight. Read only for [`all`] (the guard's look); `false` otherwise.
+    /// look's sight. Read by the looks that mark (of more than one message, and the guard's); `false` otherwise.
     pub crowded: bool,
 }
 
@@ -44,7 +44,7 @@ pub async fn each(
     within: Duration,
     visit: impl FnMut(&Delivery),
 ) -> Result<Option<Looked>> {
-    look(connection, queue, limit, within, visit, false).await
+    look(connection, queue, limit, within, visit, limit > 1).await
 }
 
 /// [`each`], reading as it ends whether another look held the queue marked (`crowded`).

@@ -68,7 +68,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
         }
     }
     // What a running replay holds is in no group: the listing is not the queue's whole story.
-    Ok(if listing.replay_running {
+    Ok(if listing.replay_running || listing.looked_at_elsewhere {
         Outcome::Partial
     } else {
         Outcome::Done
@@ -95,6 +95,12 @@ pub fn print(listing: &Listing) -> Result<()> {
     if listing.replay_running {
         summary.push_str(
             "; a replay of it was running: the messages it holds were not seen, and are in no group",
+        );
+    }
+    if listing.looked_at_elsewhere {
+        summary.push_str(
+            "; another look at it held messages meanwhile: those it held may be in no group (list again when it has \
+             ended)",
         );
     }
     output::line(&format!("{summary}; {REDELIVERED_NOTE}"))

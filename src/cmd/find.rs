@@ -76,7 +76,20 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
             m.message_id
         );
     }
-    Ok(if missing.is_empty() {
+    let crowded: Vec<_> = report
+        .queues
+        .iter()
+        .filter(|q| q.looked_at_elsewhere)
+        .map(|q| sanitize::text(&q.queue).into_owned())
+        .collect();
+    if !crowded.is_empty() {
+        tracing::warn!(
+            queues = %crowded.join(", "),
+            "another look at these dead-letter queues held messages while this one looked: a copy it held may not \
+             have been seen; look again when it has ended"
+        );
+    }
+    Ok(if missing.is_empty() && crowded.is_empty() {
         Outcome::Done
     } else {
         Outcome::Partial
@@ -106,7 +119,7 @@ fn print(report: &Report) -> Result<()> {
         }
         if m.events_cut {
             output::line(&format!(
-                "  (the first {} events shown)",
+                "  (the newest {} events shown)",
                 db::triage::MAX_EVENTS
             ))?;
         }
@@ -132,6 +145,10 @@ fn print(report: &Report) -> Result<()> {
                 )
             } else if q.replay_running {
                 format!("{shown} (a replay of it is running: what it holds is not seen)")
+            } else if q.looked_at_elsewhere {
+                format!(
+                    "{shown} (another look held messages meanwhile: what it held may not be seen)"
+                )
             } else {
                 shown
             }

@@ -15,10 +15,12 @@ SELECT consumer_type::text, CASE WHEN isfinite(received_at) THEN received_at END
        CASE WHEN isfinite(processed_at) THEN processed_at END, processed_at IS NOT NULL
 FROM inbox_messages WHERE id = $1 ORDER BY consumer_type";
 
-    /// Its events, oldest first, at most `$2`. `$1` message id.
+    /// Its newest `$2` events, oldest first. `$1` message id.
     const EVENTS_OF = "\
-SELECT consumer_type::text, kind, occurred_at, detail FROM inboxctl_events
-WHERE message_id = $1 ORDER BY occurred_at, kind LIMIT $2";
+SELECT consumer_type, kind, occurred_at, detail FROM (
+    SELECT consumer_type::text, kind, occurred_at, detail FROM inboxctl_events
+    WHERE message_id = $1 ORDER BY occurred_at DESC, kind DESC LIMIT $2
+) newest ORDER BY occurred_at, kind";
 
     /// Its poison-detection starts, per consumer_type. `$1` message id.
     const ATTEMPTS_OF = "\
@@ -106,7 +108,7 @@ pub async fn events(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec
     let rows: Vec<(String, String, DateTime<Utc>, Option<String>)> =
         unit!(executor, |conn| sql::query_as(EVENTS_OF)
             .bind(id)
-            .bind(MAX_EVENTS)
+            .bind(MAX_EVENTS + 1)
             .fetch_all(conn))?;
     Ok(rows
         .into_iter()

@@ -106,10 +106,10 @@ fn render_groups(
             .block(Block::new().borders(Borders::ALL).title(format!(
                 " {name}: failure groups of {queue} ({} messages{}; r replays the selected group) ",
                 listing.looked,
-                if listing.replay_running {
-                    ", and those a running replay holds"
-                } else {
-                    ""
+                match (listing.replay_running, listing.looked_at_elsewhere) {
+                    (true, _) => ", and those a running replay holds",
+                    (false, true) => ", not those another look may have held",
+                    (false, false) => "",
                 }
             )));
             let mut state =

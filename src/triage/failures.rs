@@ -70,6 +70,10 @@ pub struct Listing {
     /// are in no group.
     #[serde(default)]
     pub replay_running: bool,
+    /// Another look at the queue (`find`, `failures`, `top`'s detail, a cleanup's guard) held messages while this one
+    /// looked: those it held may be in no group.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub looked_at_elsewhere: bool,
     /// Groups, the largest first.
     pub groups: Vec<Group>,
 }
@@ -239,6 +243,7 @@ pub async fn list(
         depth: looked.depth,
         looked: looked.looked,
         replay_running,
+        looked_at_elsewhere: looked.crowded,
         groups,
     })
 }

@@ -73,6 +73,10 @@ pub struct Looked {
     pub looked: u64,
     /// A replay of the queue was running: the messages it holds were not there to be seen.
     pub replay_running: bool,
+    /// Another look at the queue (`find`, `failures`, `top`'s detail, a cleanup's guard) held messages while this one
+    /// looked: those it held may not have been seen.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub looked_at_elsewhere: bool,
     /// Why the queue could not be looked at (a classic queue whose node is down), if it could not.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -86,12 +90,17 @@ pub struct Report {
 
 /// What the database knows of one message.
 async fn in_database(pool: &PgPool, id: Uuid) -> Result<Found> {
-    let events = triage::events(pool, id).await?;
+    // The newest (a message failing in a loop ends with what became of it), one more than shown to tell a cut.
+    let mut events = triage::events(pool, id).await?;
+    let events_cut = events.len() as i64 > triage::MAX_EVENTS;
+    if events_cut {
+        events.remove(0);
+    }
     Ok(Found {
         message_id: id,
         found: false,
         inbox: triage::inbox_rows(pool, id).await?,
-        events_cut: events.len() as i64 >= triage::MAX_EVENTS,
+        events_cut,
         events,
         attempts: triage::attempts(pool, id).await?,
         effects: triage::effects(pool, id).await?,
@@ -167,23 +176,24 @@ pub async fn find(
             plan.broker_timeout,
             |delivery| {
                 position += 1;
-                // The id the consumer keyed it on: its envelope's, where the AMQP property is absent or another (a
-                // producer that does not set it, a shovel), else the property's.
+                // The id the consumer keyed it on (`envelope::keyed_id`): its envelope's, whatever the AMQP property
+                // says (a producer that sets another, a shovel), else — a body no envelope — the property's. Only a
+                // body holding one of the ids, or a copy whose property is one, is parsed.
                 let by_property = delivery
                     .properties
                     .message_id()
                     .as_ref()
                     .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
                     .and_then(|id| index.get(&id).copied());
-                let Some(i) = by_property.or_else(|| {
-                    let holds_one = holds_one_of(&delivery.data, &index);
-                    holds_one
-                        .then(|| {
-                            crate::amqp::envelope::parse(&delivery.properties, &delivery.data).ok()
-                        })
-                        .flatten()
-                        .and_then(|m| index.get(&m.message_id).copied())
-                }) else {
+                let keyed = (by_property.is_some() || holds_one_of(&delivery.data, &index))
+                    .then(|| {
+                        match crate::amqp::envelope::parse(&delivery.properties, &delivery.data) {
+                            Ok(m) => index.get(&m.message_id).copied(),
+                            Err(_) => by_property,
+                        }
+                    })
+                    .flatten();
+                let Some(i) = keyed else {
                     return;
                 };
                 if messages[i].dead_letters.len() >= MAX_COPIES {
@@ -198,7 +208,10 @@ pub async fn find(
                         .reason
                         .as_deref()
                         .map(|r| limits::truncate(r, 1000).into_owned()),
-                    exception_type: failure.exception_type.clone(),
+                    exception_type: failure
+                        .exception_type
+                        .as_deref()
+                        .map(|t| limits::truncate(t, 256).into_owned()),
                     fingerprint: Cause::of(&failure).fingerprint,
                     failed_at: failure.failed_at,
                     origin: super::failures::origin_name(&failure.origin),
@@ -222,6 +235,7 @@ pub async fn find(
             depth: looked.map(|l| l.depth),
             looked: looked.map_or(0, |l| l.looked),
             replay_running,
+            looked_at_elsewhere: looked.is_some_and(|l| l.crowded),
             error,
         });
     }

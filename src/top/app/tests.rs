@@ -111,6 +111,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
             depth: 3,
             looked: 3,
             replay_running: false,
+            looked_at_elsewhere: false,
             groups: groups
                 .iter()
                 .map(|(fp, count, ids)| crate::triage::Group {

@@ -420,3 +420,111 @@ async fn a_broker_half_cut_short_does_not_say_its_heads_were_looked_at() {
         "{snapshot:?}"
     );
 }
+
+/// Rates read every row of the window, every refresh: `top` on a consumer_type processing thousands a second read
+/// hundreds of thousands of index entries a second, and `top --window 7d` the whole inbox each refresh. A refresh
+/// reads the newest 50,000 processed rows (and, apart, events) at most now, and estimates the rest at their rate,
+/// marked so (`rates_estimated`, `~` on the table). Here `busy` processed 60,000 over the last two minutes, 500 a
+/// second, and `chatty` discarded as many duplicates: the live look reads the newest 50,000 of each and estimates the
+/// rest; the one-off `stats` (1,000,000 at most) counts them all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_busy_consumer_types_rates_are_read_from_its_newest_rows_and_the_rest_estimated() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
+         VALUES ('busy', 'busy-queue', now(), now()), ('chatty', 'chatty-queue', now(), now());
+         INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         SELECT gen_random_uuid(), 'busy', t, t
+         FROM (SELECT now() - make_interval(secs => i / 500.0) AS t FROM generate_series(1, 60000) i) s;
+         INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         VALUES (gen_random_uuid(), 'chatty', now() - interval '1 day', now() - interval '1 day');
+         INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at)
+         SELECT 'chatty', 'duplicate', gen_random_uuid(), now() - make_interval(secs => i / 500.0)
+         FROM generate_series(1, 60000) i;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let window = std::time::Duration::from_secs(100);
+    let live = inboxctl::stats::Range {
+        live: true,
+        span: std::time::Duration::from_secs(120),
+        bucket: std::time::Duration::from_secs(1),
+        ..inboxctl::stats::Range::rates(window)
+    };
+    let once = inboxctl::stats::Range::rates(window);
+    for (range, estimated) in [(live, true), (once, false)] {
+        let snapshot = inboxctl::stats::collect(&pool, None, range).await.unwrap();
+        for (name, of) in [
+            (
+                "busy",
+                (|c: &inboxctl::stats::Counts| c.processed) as fn(&_) -> u64,
+            ),
+            ("chatty", |c| c.duplicates),
+        ] {
+            let c = snapshot
+                .consumers
+                .iter()
+                .find(|c| c.consumer_type == name)
+                .unwrap();
+            assert_eq!(c.rates_estimated, estimated, "{c:?}");
+            // 50,000 in the window (100 s at 500 a second); estimated, within a few %.
+            let n = of(&c.window.unwrap());
+            assert!((48_000..=52_000).contains(&n), "{n}: {c:?}");
+            if estimated {
+                assert_eq!(c.series.len(), 120);
+                let oldest: u64 = c.series[..10].iter().map(|(d, _)| d).sum();
+                // The oldest ten seconds lie past the 50,000 read: 5,000 estimated.
+                assert!(
+                    (4_500..=5_500).contains(&oldest),
+                    "{oldest}: {:?}",
+                    c.series
+                );
+            }
+        }
+    }
+}
+
+/// `top` gives up on a refresh that takes too long, but the statement it stopped waiting for went on, on the server:
+/// behind a lock (a `migrate`, a `VACUUM FULL`), each refresh queued another, the pool's connections all held. Its
+/// sessions carry a `statement_timeout` now (`Database::with_statement_timeout`, `top::STATEMENT_TIMEOUT`): behind a
+/// lock held longer, the statement ends on the server, and the figures fail, saying why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dashboards_statement_held_behind_a_lock_ends_on_the_server() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::query(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
+         VALUES (gen_random_uuid(), 'held', now(), now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let db = inboxctl::db::Database::from_url(&env.database_url)
+        .unwrap()
+        .with_statement_timeout(std::time::Duration::from_secs(1));
+    let dashboard = db.pool(1).await.unwrap();
+    let range = inboxctl::stats::Range::rates(std::time::Duration::from_secs(60));
+    let collected = tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        inboxctl::stats::collect(&dashboard, None, range),
+    )
+    .await
+    .expect("the statement ends on the server, not when the lock goes");
+    let error = collected.expect_err("refused after a second behind the lock");
+    assert!(error.to_string().contains("statement timeout"), "{error}");
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(waiting, 0, "nothing left waiting behind the lock");
+    holder.rollback().await.unwrap();
+}

@@ -578,10 +578,24 @@ async fn per_consumer_type(
     timings.add("oldest_unprocessed", t);
     let t = Instant::now();
     let (span, bucket) = (Duration::from_secs(120), Duration::from_secs(1));
-    store::stats::processed_series(&mut *conn, ct, span, bucket).await?;
+    store::stats::processed_series(
+        &mut *conn,
+        ct,
+        span,
+        bucket,
+        inboxctl::stats::SERIES_AT_MOST_LIVE,
+    )
+    .await?;
     timings.add("processed_series", t);
     let t = Instant::now();
-    store::stats::event_series(&mut *conn, ct, span, bucket).await?;
+    store::stats::event_series(
+        &mut *conn,
+        ct,
+        span,
+        bucket,
+        inboxctl::stats::SERIES_AT_MOST_LIVE,
+    )
+    .await?;
     timings.add("event_series", t);
     Ok(())
 }

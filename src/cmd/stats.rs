@@ -103,11 +103,11 @@ fn print(s: &Snapshot) -> Result<()> {
             )
             .into(),
             display::age(c.oldest_unprocessed_seconds).into(),
-            display::rate(c.deliveries_per_second).into(),
-            display::rate(c.duplicates_per_second).into(),
-            display::percent(c.duplicate_ratio).into(),
-            display::count(c.conflicts, false).into(),
-            display::rate(c.processed_per_second).into(),
+            display::rate_of(c.deliveries_per_second, c.rates_estimated).into(),
+            display::rate_of(c.duplicates_per_second, c.rates_estimated).into(),
+            display::percent_of(c.duplicate_ratio, c.rates_estimated).into(),
+            display::count(c.conflicts, c.rates_estimated).into(),
+            display::rate_of(c.processed_per_second, c.rates_estimated).into(),
             table::text(&c.queue.name.as_deref().map_or_else(
                 || display::UNKNOWN.to_owned(),
                 |name| stats::queue_label(name, c.queue.partitions),
@@ -182,6 +182,9 @@ pub struct ConsumerJson {
     pub duplicate_ratio: Option<f64>,
     pub processed_per_second: Option<f64>,
     pub failed_per_second: Option<f64>,
+    /// The rates, the ratio and the conflicts are in part estimated: more rows in the window than one `stats` reads
+    /// (the newest 1,000,000 processed rows and as many events), the rest at the rate of those.
+    pub rates_estimated: bool,
     /// Messages whose id had been processed before for another event, in the window: a producer reusing ids.
     pub conflicts: Option<u64>,
     pub queue: QueueJson,
@@ -245,6 +248,7 @@ impl From<&Snapshot> for Json {
                         duplicate_ratio: c.window.as_ref().and_then(Counts::duplicate_ratio),
                         processed_per_second: rate(|w| w.processed),
                         failed_per_second: rate(|w| w.failed),
+                        rates_estimated: c.rates_estimated,
                         conflicts: c.window.as_ref().map(|w| w.conflicts),
                         queue: queue(&c.queue),
                         error_queue: {

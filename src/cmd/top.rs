@@ -69,7 +69,11 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
     // Lazily: an unreachable database is shown on the dashboard and retried, not a reason to refuse to start. A pooler
     // that was not declared is one.
     db.check_pooler().await?;
-    let pool = db.lazy_pool(2);
+    // No statement of the dashboard's outlives what it waits for one (a refresh, a detail's look): one given up on
+    // would go on on the server.
+    let pool = db
+        .with_statement_timeout(top::STATEMENT_TIMEOUT)
+        .lazy_pool(2);
     let options = top::Options {
         interval: args.interval,
         window: args.window,

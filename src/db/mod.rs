@@ -295,6 +295,25 @@ impl Database {
         }
     }
 
+    /// Ends, on the server, any statement of the session that runs (or waits for a lock) longer than `timeout`
+    /// (`statement_timeout`): for a dashboard, which gives up on a refresh that takes too long — a statement it stops
+    /// waiting for would otherwise go on, on the server, holding its connection and queued behind whatever lock held
+    /// it. Set for the session at its start, as `with_lock_timeout`; through a transaction pooler, not at all.
+    pub fn with_statement_timeout(&self, timeout: Duration) -> Self {
+        if self.transaction_pooling {
+            return self.clone();
+        }
+        let most = u128::from(i32::MAX.unsigned_abs());
+        let millis = timeout.as_millis().clamp(1, most).to_string();
+        Self {
+            options: self
+                .options
+                .clone()
+                .options([("statement_timeout", millis.as_str())]),
+            ..self.clone()
+        }
+    }
+
     /// `timeout`, for a claim transaction to set for itself, where it cannot be the session's
     /// ([`Database::with_lock_timeout`]): through a transaction pooler. `None` elsewhere.
     pub fn lock_timeout_per_transaction(&self, timeout: Duration) -> Option<Duration> {

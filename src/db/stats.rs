@@ -91,19 +91,30 @@ SELECT extract(epoch FROM now() - received_at)::float8 FROM inbox_messages
 WHERE consumer_type = $1 AND processed_at IS NULL AND received_at > '-infinity' AND received_at < 'infinity'
 ORDER BY received_at LIMIT 1";
 
-    /// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest). A row
-    /// stamped after the database's now (another writer's clock ahead, or `infinity`) counts once its time has come.
+    /// Processed rows of a consumer_type in the last `$2` seconds, per bucket of `$3` seconds (0 = newest), of the
+    /// newest `$4` only (what a refresh reads stays bounded however busy the consumer_type is), with the age in
+    /// seconds of each bucket's oldest row read. A row stamped after the database's now (another writer's clock
+    /// ahead, or `infinity`) counts once its time has come.
     pub const PROCESSED_SERIES = "\
-SELECT floor(extract(epoch FROM now() - processed_at) / $3)::int, count(*)
-FROM inbox_messages
-WHERE consumer_type = $1 AND processed_at > now() - make_interval(secs => $2) AND processed_at <= now()
+SELECT floor(extract(epoch FROM now() - processed_at) / $3)::int, count(*),
+       max(extract(epoch FROM now() - processed_at))::float8
+FROM (
+    SELECT processed_at FROM inbox_messages
+    WHERE consumer_type = $1 AND processed_at > now() - make_interval(secs => $2) AND processed_at <= now()
+    ORDER BY processed_at DESC LIMIT $4
+) newest
 GROUP BY 1";
 
-    /// Events of a consumer_type in the last `$2` seconds, per kind and bucket of `$3` seconds (0 = newest).
+    /// Events of a consumer_type in the last `$2` seconds, per kind and bucket of `$3` seconds (0 = newest), of the
+    /// newest `$4` only, with the age in seconds of each group's oldest event read.
     pub const EVENT_SERIES = "\
-SELECT kind, floor(extract(epoch FROM now() - occurred_at) / $3)::int, count(*)
-FROM inboxctl_events
-WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
+SELECT kind, floor(extract(epoch FROM now() - occurred_at) / $3)::int, count(*),
+       max(extract(epoch FROM now() - occurred_at))::float8
+FROM (
+    SELECT kind, occurred_at FROM inboxctl_events
+    WHERE consumer_type = $1 AND occurred_at > now() - make_interval(secs => $2)
+    ORDER BY occurred_at DESC LIMIT $4
+) newest
 GROUP BY 1, 2";
 }
 
@@ -253,12 +264,14 @@ pub async fn oldest_unprocessed_age(
 }
 
 /// Rows in one bucket of time: bucket 0 is the newest.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Bucket {
     /// The event kind (for events; empty for processed rows).
     pub kind: String,
     pub age: i32,
     pub count: i64,
+    /// How long ago, in seconds, the oldest row read of this bucket was stamped.
+    pub oldest: f64,
 }
 
 /// Processed rows of a consumer_type over the last `span`, per `bucket` (`PROCESSED_SERIES`).
@@ -267,18 +280,21 @@ pub async fn processed_series(
     consumer_type: &str,
     span: Duration,
     bucket: Duration,
+    at_most: u64,
 ) -> sqlx::Result<Vec<Bucket>> {
-    let rows: Vec<(i32, i64)> = unit!(executor, |conn| sql::query_as(PROCESSED_SERIES)
+    let rows: Vec<(i32, i64, f64)> = unit!(executor, |conn| sql::query_as(PROCESSED_SERIES)
         .bind(consumer_type)
         .bind(span.as_secs_f64())
         .bind(bucket.as_secs_f64())
+        .bind(i64::try_from(at_most).unwrap_or(i64::MAX))
         .fetch_all(conn))?;
     Ok(rows
         .into_iter()
-        .map(|(age, count)| Bucket {
+        .map(|(age, count, oldest)| Bucket {
             kind: String::new(),
             age,
             count,
+            oldest,
         })
         .collect())
 }
@@ -289,14 +305,21 @@ pub async fn event_series(
     consumer_type: &str,
     span: Duration,
     bucket: Duration,
+    at_most: u64,
 ) -> sqlx::Result<Vec<Bucket>> {
-    let rows: Vec<(String, i32, i64)> = unit!(executor, |conn| sql::query_as(EVENT_SERIES)
+    let rows: Vec<(String, i32, i64, f64)> = unit!(executor, |conn| sql::query_as(EVENT_SERIES)
         .bind(consumer_type)
         .bind(span.as_secs_f64())
         .bind(bucket.as_secs_f64())
+        .bind(i64::try_from(at_most).unwrap_or(i64::MAX))
         .fetch_all(conn))?;
     Ok(rows
         .into_iter()
-        .map(|(kind, age, count)| Bucket { kind, age, count })
+        .map(|(kind, age, count, oldest)| Bucket {
+            kind,
+            age,
+            count,
+            oldest,
+        })
         .collect())
 }

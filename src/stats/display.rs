@@ -40,6 +40,20 @@ pub fn percent(r: Option<f64>) -> String {
     r.map_or_else(|| UNKNOWN.to_owned(), |r| format!("{:.1}%", r * 100.0))
 }
 
+/// A rate, marked `~` when it is in part estimated.
+pub fn rate_of(r: Option<f64>, estimated: bool) -> String {
+    estimate(rate(r), r.is_some() && estimated)
+}
+
+/// A share, marked `~` when it is in part estimated.
+pub fn percent_of(r: Option<f64>, estimated: bool) -> String {
+    estimate(percent(r), r.is_some() && estimated)
+}
+
+fn estimate(text: String, estimated: bool) -> String {
+    if estimated { format!("~{text}") } else { text }
+}
+
 /// `42s`, `17m`, `5h`, `3d`; empty when there is nothing unprocessed.
 pub fn age(seconds: Option<f64>) -> String {
     let Some(s) = seconds else {
@@ -72,6 +86,9 @@ mod tests {
         assert_eq!(count_of(None, false, true), "?");
         assert_eq!(rate(Some(3.25)), "3.2");
         assert_eq!(rate(None), "?");
+        assert_eq!(rate_of(Some(3.25), true), "~3.2");
+        assert_eq!(rate_of(None, true), "?");
+        assert_eq!(percent_of(Some(0.125), true), "~12.5%");
         assert_eq!(percent(Some(0.125)), "12.5%");
         assert_eq!(age(Some(90.0)), "90s");
         assert_eq!(age(Some(3.0 * 86400.0)), "3d");

@@ -40,6 +40,15 @@ pub const NEAR_WINDOW: f64 = 0.8;
 /// takes ~65 ms on the benchmark machine, this one a quarter of that.
 pub const EXACT_BELOW_LIVE: u64 = 250_000;
 
+/// The most processed rows — and, apart, events — one refresh of `top` reads for a consumer_type's rates and series
+/// (the newest): on a busy consumer_type (past ~400 a second over `top`'s two minutes), what lies beyond them is
+/// estimated from the rate of those read, and the rates are marked so (`~`), rather than every row of the window read
+/// every second (a `top --window 7d` would read the whole inbox each refresh).
+pub const SERIES_AT_MOST_LIVE: u64 = 50_000;
+
+/// The same for one `stats` (past ~16,000 a second over its one minute).
+pub const SERIES_AT_MOST: u64 = 1_000_000;
+
 /// What one consumer_type's counters say for a window.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Counts {
@@ -104,6 +113,9 @@ pub struct ConsumerStats {
     pub oldest_unprocessed_seconds: Option<f64>,
     /// Counters for the window; `None` when inboxctl keeps none for this consumer_type.
     pub window: Option<Counts>,
+    /// The window's counters (and the series) are in part estimated: more rows or events than one look reads
+    /// ([`SERIES_AT_MOST_LIVE`], [`SERIES_AT_MOST`]), the rest taken at the rate of the newest.
+    pub rates_estimated: bool,
     /// Deliveries and duplicates per bucket, oldest first, covering the range's span.
     pub series: Vec<(u64, u64)>,
     pub queue: Option<QueueDepth>,
@@ -338,11 +350,11 @@ async fn consumer_stats(
             .map(|age| age.max(0.0))
     };
 
-    let (window_counts, series) = if registered.contains_key(&consumer_type) {
-        let (counts, series) = counters(&mut *conn, &consumer_type, range).await?;
-        (Some(counts), series)
+    let (window_counts, series, rates_estimated) = if registered.contains_key(&consumer_type) {
+        let (counts, series, estimated) = counters(&mut *conn, &consumer_type, range).await?;
+        (Some(counts), series, estimated)
     } else {
-        (None, Vec::new())
+        (None, Vec::new(), false)
     };
     let queue_name = registered
         .get(&consumer_type)
@@ -358,6 +370,7 @@ async fn consumer_stats(
         unprocessed_at_least: matches!(unprocessed, Figure::AtLeast(_)),
         oldest_unprocessed_seconds,
         window: window_counts,
+        rates_estimated,
         series,
         queue: Some(QueueDepth {
             name: queue_name.clone(),
@@ -379,17 +392,29 @@ async fn consumer_stats(
     })
 }
 
-/// The window's counters and a series of (deliveries, duplicates) per bucket over the span, oldest first.
+/// The window's counters and a series of (deliveries, duplicates) per bucket over the span, oldest first, and whether
+/// they are in part estimated (more rows or events in the span than one look reads: see [`unread`]).
 async fn counters(
     conn: &mut sqlx::PgConnection,
     consumer_type: &str,
     range: Range,
-) -> Result<(Counts, Vec<(u64, u64)>)> {
+) -> Result<(Counts, Vec<(u64, u64)>, bool)> {
     let buckets = range.buckets(range.span);
     let in_window = range.buckets(range.window);
+    let at_most = if range.live {
+        SERIES_AT_MOST_LIVE
+    } else {
+        SERIES_AT_MOST
+    };
     let mut per_bucket: BTreeMap<usize, Counts> = BTreeMap::new();
     let processed =
-        db::stats::processed_series(&mut *conn, consumer_type, range.span, range.bucket).await?;
+        db::stats::processed_series(&mut *conn, consumer_type, range.span, range.bucket, at_most)
+            .await?;
+    let mut estimated = false;
+    for (age, n) in unread(&processed, at_most, range.bucket, buckets) {
+        per_bucket.entry(age).or_default().processed += n;
+        estimated = true;
+    }
     for b in processed {
         per_bucket
             .entry(usize::try_from(b.age).unwrap_or(0))
@@ -397,7 +422,25 @@ async fn counters(
             .processed += b.count.unsigned_abs();
     }
     let events =
-        db::stats::event_series(&mut *conn, consumer_type, range.span, range.bucket).await?;
+        db::stats::event_series(&mut *conn, consumer_type, range.span, range.bucket, at_most)
+            .await?;
+    let mut kinds: BTreeMap<&str, Vec<db::stats::Bucket>> = BTreeMap::new();
+    for b in &events {
+        kinds.entry(b.kind.as_str()).or_default().push(b.clone());
+    }
+    let read: u64 = events.iter().map(|b| b.count.unsigned_abs()).sum();
+    if read >= at_most {
+        // The newest events of every kind together were read up to the cap: each kind's rest is estimated at its own
+        // rate over the stretch they reach back.
+        let reach = events.iter().map(|b| b.oldest).fold(0.0, f64::max);
+        for (kind, of_kind) in &kinds {
+            let n: u64 = of_kind.iter().map(|b| b.count.unsigned_abs()).sum();
+            for (age, more) in rest(n, reach, range.bucket, buckets) {
+                per_bucket.entry(age).or_default().add(kind, more);
+                estimated = true;
+            }
+        }
+    }
     for b in events {
         per_bucket
             .entry(usize::try_from(b.age).unwrap_or(0))
@@ -420,7 +463,40 @@ async fn counters(
             *slot = (c.deliveries(), c.duplicates);
         }
     }
-    Ok((total, series))
+    Ok((total, series, estimated))
+}
+
+/// What a read of a series capped at `at_most` rows left unread, estimated per bucket: nothing when it read fewer
+/// (every row of the span); else, the rows read reaching back only so far, the buckets (or their parts) beyond at
+/// the rate of those read.
+fn unread(
+    read: &[db::stats::Bucket],
+    at_most: u64,
+    bucket: Duration,
+    buckets: usize,
+) -> Vec<(usize, u64)> {
+    let n: u64 = read.iter().map(|b| b.count.unsigned_abs()).sum();
+    if n < at_most {
+        return Vec::new();
+    }
+    let reach = read.iter().map(|b| b.oldest).fold(0.0, f64::max);
+    rest(n, reach, bucket, buckets)
+}
+
+/// `n` rows read over the last `reach` seconds: the rows at that rate in each bucket's stretch beyond `reach`. A
+/// reach under a second counts as a second (rows stamped together, a batch's, give no rate of their own).
+fn rest(n: u64, reach: f64, bucket: Duration, buckets: usize) -> Vec<(usize, u64)> {
+    let reach = reach.max(1.0);
+    let per_second = n as f64 / reach;
+    let width = bucket.as_secs_f64();
+    (0..buckets)
+        .filter_map(|age| {
+            let (newest, oldest) = (age as f64 * width, (age + 1) as f64 * width);
+            let beyond = oldest - reach.max(newest);
+            let more = (per_second * beyond).round();
+            (beyond > 0.0 && more >= 1.0).then_some((age, more as u64))
+        })
+        .collect()
 }
 
 #[cfg(test)]

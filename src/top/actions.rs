@@ -57,7 +57,7 @@ async fn connect(broker: &Broker) -> Option<crate::amqp::Connection> {
 }
 
 /// How long a look at a consumer_type's dead letters may take before it is given up (its messages given back).
-const LOOK_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const LOOK_LIMIT: Duration = Duration::from_secs(60);
 
 /// Loads the detail of `consumer_type`: bounded by [`LOOK_LIMIT`] and ended by the dashboard's stop, so that a look
 /// that never answers neither keeps the next one from starting nor holds the quit; its connection is closed either

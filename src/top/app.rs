@@ -96,6 +96,8 @@ pub struct Line {
     /// Messages whose id was processed before for another event, in the window.
     pub conflicts: Option<u64>,
     pub processed_per_second: Option<f64>,
+    /// The rates, the ratio and the conflicts are in part estimated (`ConsumerStats::rates_estimated`).
+    pub rates_estimated: bool,
     pub rows: Option<u64>,
     pub rows_estimated: bool,
     pub rows_at_least: bool,
@@ -431,6 +433,7 @@ impl App {
                 duplicate_ratio: ratio,
                 conflicts: c.window.as_ref().map(|w| w.conflicts),
                 processed_per_second: rate(|w| w.processed),
+                rates_estimated: c.rates_estimated,
                 rows: c.rows,
                 rows_estimated: c.rows_estimated,
                 rows_at_least: c.rows_at_least,

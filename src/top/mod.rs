@@ -26,6 +26,9 @@ use crate::stats::{self, Range};
 /// counts as a delivery of that message (and past its `delivery-limit`, drops or dead-letters it).
 const HEADS_EVERY: Duration = Duration::from_secs(30);
 
+/// The longest any statement of the dashboard's runs on the server: what it waits for the longest (a detail's look).
+pub const STATEMENT_TIMEOUT: Duration = actions::LOOK_LIMIT;
+
 /// How long the series under the table reaches back.
 const SERIES_SPAN: Duration = Duration::from_secs(120);
 

@@ -91,11 +91,11 @@ fn cells(line: &Line) -> [String; 16] {
     }
     [
         sanitize::text(&line.consumer_type).into_owned(),
-        display::rate(line.deliveries_per_second),
-        display::rate(line.duplicates_per_second),
-        display::percent(line.duplicate_ratio),
-        display::count(line.conflicts, false),
-        display::rate(line.processed_per_second),
+        display::rate_of(line.deliveries_per_second, line.rates_estimated),
+        display::rate_of(line.duplicates_per_second, line.rates_estimated),
+        display::percent_of(line.duplicate_ratio, line.rates_estimated),
+        display::count(line.conflicts, line.rates_estimated),
+        display::rate_of(line.processed_per_second, line.rates_estimated),
         display::count_of(line.rows, line.rows_estimated, line.rows_at_least),
         unprocessed,
         display::age(line.oldest_unprocessed_seconds),

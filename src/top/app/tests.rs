@@ -24,6 +24,7 @@ pub(crate) fn consumer(
             duplicates,
             ..Counts::default()
         }),
+        rates_estimated: false,
         series: vec![(1, 0), (3, 1), (2, 0)],
         queue: Some(QueueDepth {
             name: name.to_owned(),

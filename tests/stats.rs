@@ -528,3 +528,102 @@ async fn a_dashboards_statement_held_behind_a_lock_ends_on_the_server() {
     assert_eq!(waiting, 0, "nothing left waiting behind the lock");
     holder.rollback().await.unwrap();
 }
+
+/// Each look at a quorum queue's message raises its `x-delivery-count` (every return counts, before RabbitMQ 4.3), and
+/// RabbitMQ 4.0–4.2 drop a message past its queue's delivery-limit, 20 by default: `top`, looking at each error
+/// queue's head every 30 s, got a dead-lettered message there in about ten minutes. A head delivered 10 times or more
+/// is not looked at again by the process now (one `collect` after another here, as `top`'s refreshes are), and
+/// `failures` says how near the limit the messages it looked at are.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_dashboard_stops_looking_at_a_head_delivered_ten_times() {
+    use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at)
+         VALUES ('worn', 'worn', now(), now());
+         INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         VALUES (gen_random_uuid(), 'worn', now(), now());",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let conn = env.amqp().await;
+    let channel = conn.create_channel().await.unwrap();
+    let mut quorum = lapin::types::FieldTable::default();
+    quorum.insert(
+        "x-queue-type".into(),
+        lapin::types::AMQPValue::LongString("quorum".into()),
+    );
+    channel
+        .queue_declare(
+            "worn_error".into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            quorum,
+        )
+        .await
+        .unwrap();
+    common::publish(
+        &conn,
+        "",
+        "worn_error",
+        lapin::BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_timestamp(chrono::Utc::now().timestamp().unsigned_abs()),
+        b"{}",
+    )
+    .await;
+    // A look of the test's: the message's count of earlier deliveries, and one more.
+    let look = || async {
+        let got = channel
+            .basic_get("worn_error".into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .expect("the message is there");
+        let before =
+            inboxctl::amqp::failure::delivery_count(got.delivery.properties.headers().as_ref());
+        channel
+            .basic_nack(
+                got.delivery.delivery_tag,
+                BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                },
+            )
+            .await
+            .unwrap();
+        before.unwrap_or(0)
+    };
+    for _ in 0..10 {
+        look().await;
+    }
+    let range = inboxctl::stats::Range::rates(std::time::Duration::from_secs(60));
+    let first = inboxctl::stats::collect(&pool, Some(&conn), range)
+        .await
+        .unwrap();
+    let c = &first.consumers[0];
+    assert!(
+        c.head_looked && c.oldest_dead_letter_seconds.is_some(),
+        "{c:?}"
+    );
+    let again = inboxctl::stats::collect(&pool, Some(&conn), range)
+        .await
+        .unwrap();
+    assert!(!again.consumers[0].head_looked, "{:?}", again.consumers[0]);
+    assert_eq!(
+        look().await,
+        11,
+        "ten looks of the test's and one of the dashboard's"
+    );
+
+    let out = env.run(&["failures", "--from", "worn_error", "--json"]);
+    let listing: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert_eq!(listing["most_deliveries"], 12, "{out:?}");
+    assert!(out.stderr.contains("delivered 12 times before"), "{out:?}");
+    let out = env.run(&["cleanup", "--retention", "7d", "--dry-run"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(out.stderr.contains("delivered 13 times before"), "{out:?}");
+}

@@ -30,6 +30,9 @@ pub struct Looked {
     /// detail, a cleanup's guard), or whether one did could not be read: messages it held may have been out of this
     /// look's sight. Read by the looks that mark (of more than one message, and the guard's); `false` otherwise.
     pub crowded: bool,
+    /// The most times any message looked at had been delivered before (its `x-delivery-count`: a quorum queue's, which
+    /// every return raises before RabbitMQ 4.3, a look's too); `None` when none carried it.
+    pub most_deliveries: Option<u32>,
 }
 
 /// Shows `visit` each message of `queue` present when the look begins, oldest first, up to `limit`, and gives them
@@ -56,6 +59,12 @@ async fn look(
     mut visit: impl FnMut(&Delivery),
     read_crowded: bool,
 ) -> Result<Option<Looked>> {
+    let mut most_deliveries = None;
+    let mut visit = |delivery: &Delivery| {
+        let deliveries = super::failure::delivery_count(delivery.properties.headers().as_ref());
+        most_deliveries = most_deliveries.max(deliveries);
+        visit(delivery);
+    };
     let depth_of = || answered(COUNT, within, topology::queue_depth(connection, queue));
     if depth_of().await??.is_none() {
         return Ok(None);
@@ -157,6 +166,7 @@ async fn look(
         depth,
         looked,
         crowded,
+        most_deliveries,
     }))
 }
 
@@ -181,6 +191,20 @@ pub async fn all<T>(
     )
     .await?;
     Ok((seen, looked))
+}
+
+/// A message delivered this many times before (`x-delivery-count`) is near a quorum queue's `delivery-limit` where
+/// RabbitMQ counts every return, a look's too (before 4.3; 4.0–4.2 set a limit of 20 by default, past which the
+/// message is dropped): the looks say so, and `top` stops looking at such a head.
+pub const WORN: u32 = 10;
+
+/// What is said of a queue holding a message delivered `most` times before.
+pub fn worn(most: u32) -> String {
+    format!(
+        "a message of this queue has been delivered {most} times before (on a quorum queue each look counts, before \
+         RabbitMQ 4.3, and RabbitMQ 4.0–4.2 drop a message past its delivery-limit, 20 by default): give dead-letter \
+         queues no delivery limit (docs/scaling.md)"
+    )
 }
 
 /// What a look waits for, as its errors name them.

@@ -214,6 +214,12 @@ async fn head_unless_replaying(
             })
             .await?;
             takes += 1;
+            if let Some(most) = looked
+                .and_then(|l| l.most_deliveries)
+                .filter(|&n| n >= peek::WORN)
+            {
+                tracing::warn!(queue = %crate::sanitize::text(queue), "{}", peek::worn(most));
+            }
             if replay_running().await?? {
                 return Ok(Seen::Replaying);
             }

@@ -50,6 +50,9 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
     .await;
     amqp::close(&connection, "OK").await;
     let listing = listing?;
+    if let Some(most) = listing.most_deliveries {
+        tracing::warn!(queue = %sanitize::text(&listing.queue), "{}", amqp::peek::worn(most));
+    }
     if let Some(path) = &args.output {
         listing.write(path)?;
     }

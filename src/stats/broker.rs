@@ -7,6 +7,7 @@ use chrono::Utc;
 use serde::Serialize;
 
 use super::{ConsumerStats, NEAR_WINDOW, Range};
+use crate::amqp::peek::WORN;
 use crate::amqp::{Connection, topology};
 use crate::error::{Error, Result};
 
@@ -209,6 +210,12 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
     if counted_zero {
         q.ready = None;
     }
+    // A head looked at often is left alone from then on (below), until its queue is seen empty.
+    if counted_zero {
+        worn(&q.name, None);
+    } else if is_worn(&q.name) {
+        return true;
+    }
     // A look the broker answers late (a test holds it here).
     crate::failpoint::hit_with("head-look", &q.name).await;
     let looked = if counted_zero {
@@ -228,7 +235,10 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
     };
     c.head_looked = true;
     match looked {
-        Ok((depth, age)) => {
+        Ok((depth, age, deliveries)) => {
+            if let Some(n) = deliveries.filter(|&n| n >= WORN) {
+                worn(&q.name, Some(n));
+            }
             c.oldest_dead_letter_seconds = age;
             q.ready = depth
                 .map(|depth| u32::try_from(depth).unwrap_or(u32::MAX))
@@ -276,16 +286,48 @@ async fn queue_depth(
     Ok(total)
 }
 
+/// The error queues whose head this process no longer looks at: a head [`WORN`] times delivered is not looked at again
+/// by this process (`top`, every 30 s, would get it to a `delivery-limit` in minutes). Its age stays the last one
+/// seen, aging; the queue seen empty, its next head is looked at.
+static WORN_HEADS: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+fn is_worn(queue: &str) -> bool {
+    WORN_HEADS
+        .lock()
+        .map(|worn| worn.contains(queue))
+        .unwrap_or(false)
+}
+
+/// Marks `queue`'s head as worn, delivered `deliveries` times before, or (`None`: the queue seen empty) no longer.
+fn worn(queue: &str, deliveries: Option<u32>) {
+    if let Ok(mut worn) = WORN_HEADS.lock() {
+        match deliveries {
+            Some(n) if worn.insert(queue.to_owned()) => tracing::warn!(
+                queue = %crate::sanitize::text(queue),
+                "{}; its oldest message is not looked at again while this runs",
+                crate::amqp::peek::worn(n)
+            ),
+            Some(_) => {}
+            None => {
+                worn.remove(queue);
+            }
+        }
+    }
+}
+
 /// How long a look checks an error queue's count of 0 (well within `top`'s refresh limit).
 const ZERO_CHECK: Duration = Duration::from_secs(3);
 
-/// The messages ready in `queue` as the look counted them (a count of 0 checked by taking one), and how long ago the
-/// message at its head failed (as its headers say, else when it was published).
+/// The messages ready in `queue` as the look counted them (a count of 0 checked by taking one), how long ago the
+/// message at its head failed (as its headers say, else when it was published), and how many times it had been
+/// delivered before (`x-delivery-count`).
 async fn oldest_failure(
     connection: &Connection,
     queue: &str,
-) -> Result<(Option<u64>, Option<f64>)> {
+) -> Result<(Option<u64>, Option<f64>, Option<u32>)> {
     let mut failed_at = None;
+    let mut deliveries = None;
     let looked = crate::amqp::peek::each(
         connection,
         queue,
@@ -294,6 +336,7 @@ async fn oldest_failure(
         |d| {
             let failure = crate::amqp::failure::failure(d.properties.headers().as_ref(), queue, "");
             failed_at = crate::amqp::failure::failed_at(d, &failure);
+            deliveries = crate::amqp::failure::delivery_count(d.properties.headers().as_ref());
         },
     )
     .await?;
@@ -301,5 +344,5 @@ async fn oldest_failure(
     // now, not of a negative age.
     let now = Utc::now();
     let age = failed_at.map(|t| ((now - t).num_milliseconds() as f64 / 1000.0).max(0.0));
-    Ok((looked.map(|l| l.depth), age))
+    Ok((looked.map(|l| l.depth), age, deliveries))
 }

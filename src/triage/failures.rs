@@ -74,6 +74,10 @@ pub struct Listing {
     /// looked: those it held may be in no group.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub looked_at_elsewhere: bool,
+    /// The most times a message looked at had been delivered before (`x-delivery-count`, a quorum queue's), when it
+    /// nears a delivery limit ([`crate::amqp::peek::WORN`] or more).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub most_deliveries: Option<u32>,
     /// Groups, the largest first.
     pub groups: Vec<Group>,
 }
@@ -244,6 +248,9 @@ pub async fn list(
         looked: looked.looked,
         replay_running,
         looked_at_elsewhere: looked.crowded,
+        most_deliveries: looked
+            .most_deliveries
+            .filter(|&n| n >= crate::amqp::peek::WORN),
         groups,
     })
 }

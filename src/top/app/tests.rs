@@ -113,6 +113,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
             looked: 3,
             replay_running: false,
             looked_at_elsewhere: false,
+            most_deliveries: None,
             groups: groups
                 .iter()
                 .map(|(fp, count, ids)| crate::triage::Group {

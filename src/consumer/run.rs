@@ -44,6 +44,16 @@ pub async fn run<C: Consumer>(
     options: ConsumerOptions,
     shutdown: CancellationToken,
 ) -> Result<RunSummary> {
+    // One message at a time per partition, whatever the caller asked: two at once (a worker pool, a batch) process a
+    // key's messages out of order.
+    let options = match options.partitions {
+        Some(_) => ConsumerOptions {
+            concurrency: 1,
+            batch_size: 1,
+            ..options
+        },
+        None => options,
+    };
     let partitions = options.partitions.clone();
     db::events::register_consumer(
         inbox.pool(),
@@ -365,7 +375,7 @@ async fn consume_on<C: Consumer>(
 /// Gives the link up to connect again. A partition queue's connection is closed before its consumer is dropped:
 /// dropping a consumer cancels it, and a standby the cancel made active would take the partition's later messages
 /// before those this one held go back with the close.
-async fn reconnect<C: Consumer>(
+pub(super) async fn reconnect<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
     deliveries: lapin::Consumer,

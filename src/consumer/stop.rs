@@ -76,7 +76,7 @@ pub(super) async fn idle_stop<C: Consumer, F: Future<Output = bool>>(
             "RabbitMQ connection lost while finishing what arrived as the queue went idle; reconnecting (not idle \
              until it is done)"
         );
-        return LinkEnd::Reconnect;
+        return super::run::reconnect(shared, link, deliveries).await;
     }
     // Idle means no call owed, as [`is_idle`] found before these came.
     if late > 0 {

@@ -627,3 +627,50 @@ async fn a_dashboard_stops_looking_at_a_head_delivered_ten_times() {
     assert_eq!(out.code, Some(0), "{out:?}");
     assert!(out.stderr.contains("delivered 13 times before"), "{out:?}");
 }
+
+/// A consumer_type whose consumer reads its queue in another vhost (`prod`) while `stats` looks in this one, where a
+/// queue of the same name exists (a staging copy): its depths, error count and oldest failure came from the other
+/// environment's queues, and the look at that error queue's head took one of its messages. The recorded vhost is
+/// compared now: those figures are unknown (`other_vhost` says why), and nothing of this vhost's queue is taken.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_type_read_in_another_vhost_shows_no_figures_from_a_queue_of_the_same_name_here()
+{
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "INSERT INTO inboxctl_consumers (consumer_type, queue, vhost, first_seen_at, last_seen_at)
+         VALUES ('elsewhere', 'shared-name', 'prod-elsewhere', now(), now());
+         INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at)
+         VALUES (gen_random_uuid(), 'elsewhere', now(), now());",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let conn = env.amqp().await;
+    for queue in ["shared-name", "shared-name_error"] {
+        inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, queue, common::queue_type())
+            .await
+            .unwrap();
+    }
+    common::publish(
+        &conn,
+        "",
+        "shared-name_error",
+        lapin::BasicProperties::default()
+            .with_message_id(uuid::Uuid::new_v4().to_string().into())
+            .with_timestamp(chrono::Utc::now().timestamp().unsigned_abs()),
+        b"{}",
+    )
+    .await;
+    let report = stats(&env, &[]);
+    let c = of(&report, "elsewhere");
+    assert_eq!(c["other_vhost"], "prod-elsewhere", "{c}");
+    assert!(c["error_queue"]["ready"].is_null(), "{c}");
+    assert!(c["queue"]["ready"].is_null(), "{c}");
+    assert!(c["oldest_dead_letter_seconds"].is_null(), "{c}");
+    let held = common::peek(&conn, "shared-name_error").await;
+    assert_eq!(held.len(), 1);
+    assert!(!held[0].redelivered, "the message here was not looked at");
+    let out = env.run(&["stats"]);
+    assert!(out.stdout.contains("(in vhost prod-elsewhere)"), "{out:?}");
+}

@@ -51,7 +51,8 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
         retention: args.retention,
         ..stats::Range::rates(args.window)
     };
-    let mut snapshot = stats::collect(&pool, connection.as_ref(), range).await?;
+    let mut snapshot =
+        stats::collect_in(&pool, connection.as_ref(), Some(broker.vhost()), range).await?;
     if let Some(why) = unreachable {
         snapshot.broker_error = Some(stats::unreachable(&why));
     }
@@ -110,7 +111,13 @@ fn print(s: &Snapshot) -> Result<()> {
             display::rate_of(c.processed_per_second, c.rates_estimated).into(),
             table::text(&c.queue.name.as_deref().map_or_else(
                 || display::UNKNOWN.to_owned(),
-                |name| stats::queue_label(name, c.queue.partitions),
+                |name| match &c.other_vhost {
+                    Some(vhost) => format!(
+                        "{} (in vhost {vhost})",
+                        stats::queue_label(name, c.queue.partitions)
+                    ),
+                    None => stats::queue_label(name, c.queue.partitions),
+                },
             )),
             display::count(c.queue.ready.map(u64::from), false).into(),
             display::count(c.queue.consumers.map(u64::from), false).into(),
@@ -189,6 +196,9 @@ pub struct ConsumerJson {
     pub conflicts: Option<u64>,
     pub queue: QueueJson,
     pub error_queue: QueueJson,
+    /// The vhost its consumer reads its queue in, when it is not the one `stats` looked in: the queues' figures are
+    /// then unknown (null), not read from a queue of the same name in this vhost.
+    pub other_vhost: Option<String>,
     /// How long ago the error queue's oldest message failed (none: empty, or nothing says).
     pub oldest_dead_letter_seconds: Option<f64>,
     /// Where that stands against the retention: `ok`, `near` or `past`.
@@ -251,6 +261,7 @@ impl From<&Snapshot> for Json {
                         rates_estimated: c.rates_estimated,
                         conflicts: c.window.as_ref().map(|w| w.conflicts),
                         queue: queue(&c.queue),
+                        other_vhost: c.other_vhost.clone(),
                         error_queue: {
                             let mut q = queue(&c.error_queue);
                             q.consumers = None;

@@ -136,7 +136,7 @@ async fn look(
     if !depths(connection, consumers, found).await || !range.look_at_heads {
         return;
     }
-    for c in consumers.iter_mut() {
+    for c in consumers.iter_mut().filter(|c| c.other_vhost.is_none()) {
         if !head(connection, c, found).await {
             return;
         }
@@ -149,7 +149,7 @@ async fn depths(
     consumers: &mut [ConsumerStats],
     found: &mut Found,
 ) -> bool {
-    for c in consumers.iter_mut() {
+    for c in consumers.iter_mut().filter(|c| c.other_vhost.is_none()) {
         // Whether the consumer's queue is in this vhost: only then does a missing error queue mean nothing failed.
         let mut queue_here = false;
         for (is_error_queue, depth) in [(false, c.queue.as_mut()), (true, c.error_queue.as_mut())]

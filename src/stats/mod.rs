@@ -127,6 +127,9 @@ pub struct ConsumerStats {
     pub head_looked: bool,
     /// Its calls outside the database not done (`inboxctl_effects`); `None` where that table is absent or unreadable.
     pub effects: Option<EffectCounts>,
+    /// The vhost its consumer recorded reading its queue in, when it is not the one looked in: its queues' figures are
+    /// not looked at (a queue of the same name here is another environment's), and stay unknown.
+    pub other_vhost: Option<String>,
 }
 
 /// One consumer_type's calls outside the database that are not done.
@@ -227,6 +230,17 @@ pub fn unreachable(why: &str) -> String {
 
 /// Collects a snapshot. `broker` is optional: without it (or when it fails) the queue figures are `None`.
 pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -> Result<Snapshot> {
+    collect_in(pool, broker, None, range).await
+}
+
+/// [`collect`], the broker's connection in `vhost`: a consumer_type whose consumer recorded another vhost has its
+/// queues' figures left unknown ([`ConsumerStats::other_vhost`]) rather than read from a queue of the same name here.
+pub async fn collect_in(
+    pool: &PgPool,
+    broker: Option<&Connection>,
+    vhost: Option<&str>,
+    range: Range,
+) -> Result<Snapshot> {
     let mut conn = pool.acquire().await?;
     if range.live && !db::stats::consumer_type_index_ready(&mut *conn).await? {
         return Err(crate::error::Error::IndexMissing {
@@ -235,10 +249,18 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
     }
     let ours = schema::table_exists(&mut conn, "inboxctl_events").await?
         && schema::table_exists(&mut conn, "inboxctl_consumers").await?;
-    let (registered, partitioned): (HashMap<String, String>, HashMap<String, u16>) = if ours {
+    let (registered, partitioned, vhosts): (
+        HashMap<String, String>,
+        HashMap<String, u16>,
+        HashMap<String, String>,
+    ) = if ours {
         (
             db::stats::registered_consumers(&mut *conn).await?,
             db::stats::registered_partitions(&mut *conn).await?,
+            match vhost {
+                Some(_) => db::stats::registered_vhosts(&mut *conn).await?,
+                None => HashMap::new(),
+            },
         )
     } else {
         Default::default()
@@ -260,6 +282,10 @@ pub async fn collect(pool: &PgPool, broker: Option<&Connection>, range: Range) -
         stats.effects = open_effects
             .as_ref()
             .map(|open| open.get(&stats.consumer_type).copied().unwrap_or_default());
+        stats.other_vhost = vhosts
+            .get(&stats.consumer_type)
+            .filter(|recorded| Some(recorded.as_str()) != vhost)
+            .cloned();
         consumers.push(stats);
     }
     drop(conn);
@@ -389,6 +415,7 @@ async fn consumer_stats(
         oldest_dead_letter_seconds: None,
         head_looked: false,
         effects: None,
+        other_vhost: None,
     })
 }
 

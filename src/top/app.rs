@@ -4,7 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
 
-use crate::stats::{Counts, QueueDepth, Snapshot, per_second};
+use crate::stats::{Counts, Snapshot, per_second};
 
 /// What can happen to the dashboard.
 #[derive(Debug, Clone)]
@@ -441,7 +441,10 @@ impl App {
                 unprocessed_estimated: c.unprocessed_estimated,
                 unprocessed_at_least: c.unprocessed_at_least,
                 oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
-                queue: c.queue.as_ref().map(QueueDepth::label),
+                queue: c.queue.as_ref().map(|q| match &c.other_vhost {
+                    Some(vhost) => format!("{} (in vhost {vhost})", q.label()),
+                    None => q.label(),
+                }),
                 queue_name: c.queue.as_ref().map(|q| q.name.clone()),
                 ready: c.queue.as_ref().and_then(|q| q.ready),
                 consumers: c.queue.as_ref().and_then(|q| q.consumers),

@@ -308,7 +308,7 @@ async fn collect(
         let limit = refresh_limit(interval);
         let collected = tokio::select! {
             () = stop.cancelled() => break,
-            collected = tokio::time::timeout(limit, stats::collect(&pool, connection.as_ref(), range)) => collected,
+            collected = tokio::time::timeout(limit, stats::collect_in(&pool, connection.as_ref(), Some(broker.vhost()), range)) => collected,
         };
         let action = match collected {
             Ok(Ok(mut snapshot)) => {

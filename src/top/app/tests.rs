@@ -43,6 +43,7 @@ pub(crate) fn consumer(
         oldest_dead_letter_seconds: (errors > 0).then_some(3600.0),
         head_looked: false,
         effects: None,
+        other_vhost: None,
     }
 }
 

@@ -1569,6 +1569,81 @@ async fn every_state_changing_command_is_audited_without_a_password_and_outlives
         .unwrap();
 }
 
+/// `find` looked for copies only in the `_error` queues of the queue each consumer_type reads now, and only in the vhost
+/// it was pointed at: a consumer that reads its queue in another vhost, or that moved to another queue leaving its
+/// failures in the old one's `_error`, had its waiting copies called "found nowhere". It looks where the guard does now:
+/// each consumer's recorded vhost (with the same user), and the queues it read before.
+#[tokio::test(flavor = "multi_thread")]
+async fn find_looks_in_the_vhost_a_consumer_reads_in_and_the_queues_it_read_before() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    let elsewhere = common::vhosts::take();
+    let there = lapin::Connection::connect(
+        &env.amqp_url.replace(&env.vhost, &elsewhere),
+        lapin::ConnectionProperties::default(),
+    )
+    .await
+    .unwrap();
+    let carrier = inboxctl::inbox::ConsumerType::new("carrier").unwrap();
+    for queue in ["orders-carrier", "orders-carrier-quorum"] {
+        inboxctl::db::events::register_consumer(&pool, &carrier, queue, None, &env.vhost)
+            .await
+            .unwrap();
+    }
+    let sms = inboxctl::inbox::ConsumerType::new("sms").unwrap();
+    inboxctl::db::events::register_consumer(&pool, &sms, "orders-sms", None, &elsewhere)
+        .await
+        .unwrap();
+    for (conn, queue) in [
+        (&conn, "orders-carrier_error"),
+        (&there, "orders-sms_error"),
+    ] {
+        inboxctl::amqp::topology::ensure_dead_letter_queue(conn, queue, common::queue_type())
+            .await
+            .unwrap();
+    }
+    let moved = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    let away = fail(
+        &there,
+        "orders-sms_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    let out = env.run(&["find", &moved, &away, "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report = json(&out);
+    for m in report["messages"].as_array().unwrap() {
+        assert_eq!(m["dead_letters"].as_array().unwrap().len(), 1, "{report}");
+    }
+    assert_eq!(
+        report["messages"][1]["dead_letters"][0]["queue"],
+        "orders-sms_error"
+    );
+    let queues = report["queues"].as_array().unwrap();
+    assert!(
+        queues
+            .iter()
+            .any(|q| q["queue"] == "orders-sms_error" && q["vhost"] == elsewhere.as_str()),
+        "{report}"
+    );
+    let out = env.run(&["find", &away]);
+    assert!(
+        out.stdout
+            .contains(&format!("orders-sms_error (in vhost {elsewhere})")),
+        "{out:?}"
+    );
+}
+
 /// `find` put a dead-letter copy under its AMQP property's id where that differed from its envelope's (a producer
 /// setting another, a shovel), while the consumer keyed it on the envelope's: the message it was is shown none, and
 /// an id the inbox never saw is shown it. And of a message with more events than shown it listed the oldest, which

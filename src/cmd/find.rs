@@ -60,7 +60,7 @@ pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
         limit: args.limit,
         broker_timeout: args.broker_timeout,
     };
-    let report = find::find(&pool, &connection, broker.vhost(), &plan).await;
+    let report = find::find(&pool, &broker, &connection, &plan).await;
     amqp::close(&connection, "OK").await;
     pool.close().await;
     let report = report?;
@@ -128,6 +128,14 @@ fn print(report: &Report) -> Result<()> {
         .queues
         .iter()
         .map(|q| {
+            let name = match &q.vhost {
+                Some(vhost) => format!("{} (in vhost {})", q.queue, vhost),
+                None => q.queue.clone(),
+            };
+            let q = find::Looked {
+                queue: name,
+                ..q.clone()
+            };
             let shown = match q.depth {
                 Some(depth) if q.looked < depth => format!(
                     "{} (oldest {} of {depth})",

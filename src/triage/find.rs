@@ -2,7 +2,7 @@
 //! poison-detection starts, its effects, and its copies in the dead-letter queues of the consumer_types inboxctl knows
 //! (looked at, not taken: see [`crate::amqp::peek`]).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
@@ -68,6 +68,9 @@ pub const MAX_COPIES: usize = 100;
 #[derive(Debug, Clone, Serialize)]
 pub struct Looked {
     pub queue: String,
+    /// The vhost it was looked for in, when not the one asked for (`AMQP_URL`'s): its consumer's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vhost: Option<String>,
     /// Messages ready when the look began; none when the queue does not exist.
     pub depth: Option<u64>,
     pub looked: u64,
@@ -136,8 +139,8 @@ fn holds_one_of(body: &[u8], index: &HashMap<Uuid, usize>) -> bool {
 /// Looks for every id of `plan` in the database and in the dead-letter queues.
 pub async fn find(
     pool: &PgPool,
+    broker: &crate::amqp::Broker,
     connection: &Connection,
-    vhost: &str,
     plan: &Plan,
 ) -> Result<Report> {
     // One entry per message, in the order given: an id given twice (`{…}` and plain, upper and lower case) would
@@ -153,15 +156,106 @@ pub async fn find(
     for &id in &ids {
         messages.push(in_database(pool, id).await?);
     }
-    let mut queues: BTreeSet<String> = BTreeSet::new();
-    for queue in db::stats::registered_consumers(pool).await?.into_values() {
-        queues.insert(topology::error_queue(&queue));
-        queues.insert(topology::skipped_queue(&queue));
+    // Each consumer_type's dead-letter queues where its consumer reads them: the vhost it recorded (else this one),
+    // and those of the queues it read before (a consumer_type moved to another queue leaves its failures behind).
+    let own = broker.vhost().to_owned();
+    let vhosts = db::stats::registered_vhosts(pool).await?;
+    let mut by_vhost: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut place = |queue: &str, vhost: Option<&String>| {
+        let queues = by_vhost
+            .entry(vhost.cloned().unwrap_or_else(|| own.clone()))
+            .or_default();
+        queues.insert(topology::error_queue(queue));
+        queues.insert(topology::skipped_queue(queue));
+    };
+    for (consumer_type, queue) in db::stats::registered_consumers(pool).await? {
+        place(&queue, vhosts.get(&consumer_type));
     }
-    queues.extend(plan.dlqs.iter().cloned());
+    for (consumer_type, earlier) in db::stats::registered_earlier(pool).await? {
+        for (queue, vhost) in earlier {
+            place(&queue, vhost.as_ref().or(vhosts.get(&consumer_type)));
+        }
+    }
+    by_vhost
+        .entry(own.clone())
+        .or_default()
+        .extend(plan.dlqs.iter().cloned());
     let index: HashMap<Uuid, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
 
-    let mut looked_in = Vec::with_capacity(queues.len());
+    let mut looked_in = Vec::new();
+    for (vhost, queues) in by_vhost {
+        if vhost == own {
+            look_in(
+                connection,
+                &vhost,
+                None,
+                queues,
+                plan,
+                &index,
+                &mut messages,
+                &mut looked_in,
+            )
+            .await?;
+            continue;
+        }
+        match broker.in_vhost(&vhost).connect("inboxctl find").await {
+            Ok(there) => {
+                let looked = look_in(
+                    &there,
+                    &vhost,
+                    Some(&vhost),
+                    queues,
+                    plan,
+                    &index,
+                    &mut messages,
+                    &mut looked_in,
+                )
+                .await;
+                crate::amqp::close(&there, "OK").await;
+                looked?;
+            }
+            // A vhost this user cannot reach leaves its queues unlooked at, said: not a reason to show nothing.
+            Err(e) => {
+                let why = crate::redact::text(&e.to_string());
+                looked_in.extend(queues.into_iter().map(|queue| Looked {
+                    queue,
+                    vhost: Some(vhost.clone()),
+                    depth: None,
+                    looked: 0,
+                    replay_running: false,
+                    looked_at_elsewhere: false,
+                    error: Some(format!("could not connect to its vhost: {why}")),
+                }));
+            }
+        }
+    }
+    for m in &mut messages {
+        m.found = !(m.inbox.is_empty()
+            && m.events.is_empty()
+            && m.attempts.is_empty()
+            && m.effects.is_empty()
+            && m.calls.is_empty()
+            && m.dead_letters.is_empty());
+    }
+    Ok(Report {
+        messages,
+        queues: looked_in,
+    })
+}
+
+/// Looks for the copies of the ids of `index` in `queues` of `vhost` (`shown_vhost`: named in the report, when not the
+/// one asked for), on `connection`, adding them to `messages` and each queue looked in to `looked_in`.
+#[allow(clippy::too_many_arguments)]
+async fn look_in(
+    connection: &Connection,
+    vhost: &str,
+    shown_vhost: Option<&String>,
+    queues: BTreeSet<String>,
+    plan: &Plan,
+    index: &HashMap<Uuid, usize>,
+    messages: &mut [Found],
+    looked_in: &mut Vec<Looked>,
+) -> Result<()> {
     for queue in queues {
         if crate::amqp::no_queue_can_have(&queue) {
             continue;
@@ -185,7 +279,7 @@ pub async fn find(
                     .as_ref()
                     .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
                     .and_then(|id| index.get(&id).copied());
-                let keyed = (by_property.is_some() || holds_one_of(&delivery.data, &index))
+                let keyed = (by_property.is_some() || holds_one_of(&delivery.data, index))
                     .then(|| {
                         match crate::amqp::envelope::parse(&delivery.properties, &delivery.data) {
                             Ok(m) => index.get(&m.message_id).copied(),
@@ -232,6 +326,7 @@ pub async fn find(
         replay_running = replay_running || topology::replay_running(connection, &queue).await?;
         looked_in.push(Looked {
             queue,
+            vhost: shown_vhost.cloned(),
             depth: looked.map(|l| l.depth),
             looked: looked.map_or(0, |l| l.looked),
             replay_running,
@@ -239,16 +334,5 @@ pub async fn find(
             error,
         });
     }
-    for m in &mut messages {
-        m.found = !(m.inbox.is_empty()
-            && m.events.is_empty()
-            && m.attempts.is_empty()
-            && m.effects.is_empty()
-            && m.calls.is_empty()
-            && m.dead_letters.is_empty());
-    }
-    Ok(Report {
-        messages,
-        queues: looked_in,
-    })
+    Ok(())
 }

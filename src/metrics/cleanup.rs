@@ -34,7 +34,9 @@ pub struct Totals {
 
 impl Totals {
     /// A run of `--every` that failed (said, and the schedule went on).
+    /// Counts a run that failed before it had a report: a run, and a failed one (`runs_failed` never above `runs`).
     pub fn failed(&mut self) {
+        self.runs += 1;
         self.failed_runs += 1;
     }
 
@@ -55,14 +57,15 @@ impl Totals {
             .map(|c| (c.consumer_type.clone(), c.unprocessed_older))
             .collect();
         self.refused = report.refused;
+        // A run that failed after deleting counts as failed too (what it deleted is counted all the same); a dry run
+        // that failed too.
+        if report.failed.is_some() {
+            self.failed_runs += 1;
+        }
         // A dry run (`--every --dry-run`) deletes nothing: its "would delete" counts are no deletions, and it is no
         // success an alert on the stamp may take for one (what it measured, above, it did measure).
         if report.dry_run {
             return;
-        }
-        // A run that failed after deleting counts as failed too (what it deleted is counted all the same).
-        if report.failed.is_some() {
-            self.failed_runs += 1;
         }
         self.events_deleted += report.events_deleted;
         if let Some(work) = &report.partitions {
@@ -109,7 +112,7 @@ impl Collector for TotalsCollector {
         encode_family(
             e,
             "inbox_cleanup_runs",
-            "Cleanup runs finished.",
+            "Cleanup runs, however they ended (failed ones too).",
             counter,
             runs,
         )?;
@@ -239,6 +242,13 @@ mod tests {
         assert_eq!(totals.failed_runs, 1);
         assert_eq!(totals.last_success, None);
         assert_eq!(totals.deleted.get("carrier"), Some(&100));
+        // One that failed before it had a report, and a dry run that failed: runs, and failed ones.
+        totals.failed();
+        let mut dry = report(&[("carrier", 0)]);
+        dry.dry_run = true;
+        dry.failed = Some("refused".to_owned());
+        totals.add_at(&dry, chrono::Utc::now());
+        assert_eq!((totals.runs, totals.failed_runs), (3, 3));
     }
 
     /// On a partitioned inbox the old rows go with whole partitions: counted (partitions, and their rows as

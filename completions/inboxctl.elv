@@ -115,7 +115,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --retention 'Keep processed rows this long (e.g. 90m, 36h, 7d; from 1m, or shorter with --force, to 100y): a copy of a message is recognised as a duplicate only while its row exists, so make it longer than any redelivery or replay can come late'
             cand --dlq 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type'
             cand --broker-timeout 'How long any call to RabbitMQ may wait for its answer while the cleanup looks at dead-letter queues (a count, a take, a mark); past it the cleanup fails, saying so, and deletes nothing'
-            cand --audit-retention 'Keep the audit''s rows (inboxctl audit) this long; they are deleted only with this retention of their own'
+            cand --audit-retention 'Keep the audit''s rows (inboxctl audit) this long, from 1d; they are deleted only with this retention of their own'
             cand --consumer-type 'Only this consumer_type (default: every one)'
             cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'
             cand --batch-pause 'Rest between batches (e.g. 50ms), to leave the database room'

@@ -903,6 +903,36 @@ async fn a_retention_past_the_bounds_is_refused_and_names_them() {
         3,
         "nothing deleted"
     );
+    // An audit retention of minutes (`90m` typed for `90d`) would empty the audit at once: refused, --force or not.
+    sqlx::query(
+        "INSERT INTO inboxctl_audit (occurred_at, command, command_line, outcome) \
+         VALUES (now() - interval '2 hours', 'migrate', 'inboxctl migrate', 'done')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for force in [false, true] {
+        let mut args = vec!["cleanup", "--retention", "7d", "--audit-retention", "90m"];
+        if force {
+            args.push("--force");
+        }
+        let out = env.run(&args);
+        assert_eq!(out.code, Some(64), "{out:?}");
+        assert!(
+            out.stderr
+                .contains("--audit-retention 1h 30m is under 1day"),
+            "{out:?}"
+        );
+    }
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_audit WHERE command = 'migrate'"
+        )
+        .await,
+        1,
+        "the audit kept"
+    );
     let help = env.run(&["cleanup", "--help"]);
     assert!(help.stdout.contains("--force"), "{}", help.stdout);
     let out = env.run(&["cleanup", "--retention", "1ms", "--force", "--json"]);

@@ -37,7 +37,8 @@ pub struct Args {
     #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
     pub broker_timeout: std::time::Duration,
 
-    /// Keep the audit's rows (inboxctl audit) this long; they are deleted only with this retention of their own
+    /// Keep the audit's rows (inboxctl audit) this long, from 1d; they are deleted only with this retention of their
+    /// own
     #[arg(long, default_value = "90d", value_parser = parse_positive_duration)]
     pub audit_retention: Duration,
 
@@ -70,6 +71,10 @@ pub struct Args {
     pub json: bool,
 }
 
+/// The shortest `--audit-retention`: the audit is the record of who ran what, and one of minutes (`90m` typed for
+/// `90d`) would empty it at the next run. Not overridden by `--force`, which is about the deduplication window.
+pub const MIN_AUDIT_RETENTION: Duration = Duration::from_secs(86_400);
+
 /// The shortest `--retention` taken without `--force`. A retention is the deduplication window, and one of
 /// milliseconds (as easy to type as `0s`, which is refused) empties it: every late copy would be processed again.
 pub const MIN_RETENTION: Duration = Duration::from_secs(60);
@@ -81,6 +86,14 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
              arrives after its row was deleted is processed again; give --force to clean with it anyway",
             show(args.retention),
             show(MIN_RETENTION)
+        )));
+    }
+    if args.audit_retention < MIN_AUDIT_RETENTION {
+        return Err(Error::Usage(format!(
+            "--audit-retention {} is under {}: the audit's rows older than that would go at this run (90m typed \
+             for 90d?)",
+            show(args.audit_retention),
+            show(MIN_AUDIT_RETENTION)
         )));
     }
     if let Some(consumer_type) = &args.consumer_type {

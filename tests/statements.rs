@@ -93,6 +93,47 @@ async fn the_effects_workers_polls_read_only_the_calls_owed_or_started() {
     }
 }
 
+/// `top`'s detail reads a consumer_type's latest failures: through the index of all its events it walked past every
+/// duplicate discarded since the last failure (millions, where an upstream re-sends). Migration 17's index holds the
+/// failures alone, and the statement's generic plan reads it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_latest_failures_are_read_without_walking_the_duplicates() {
+    let env = TestEnv::migrated().await;
+    let mut conn = PgConnection::connect(&env.database_url).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at)
+         SELECT 'carrier', CASE WHEN g % 10000 = 0 THEN 'failed' ELSE 'duplicate' END, gen_random_uuid(),
+                now() - g * interval '1 ms'
+         FROM generate_series(1, 50000) g;
+         ANALYZE inboxctl_events;
+         SET plan_cache_mode = force_generic_plan",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let statements = inboxctl::db::statements();
+    let sql = &statements
+        .iter()
+        .find(|s| s.name == "triage::RECENT_FAILURES")
+        .unwrap()
+        .sql;
+    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE look AS {sql}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let plan: Vec<String> =
+        sqlx::query_scalar("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) EXECUTE look('carrier', 20)")
+            .fetch_all(&mut conn)
+            .await
+            .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("ix_inboxctl_events_failures"), "{plan}");
+    assert!(
+        !plan.contains("Rows Removed by Filter"),
+        "the five failures read alone, no duplicate passed over:\n{plan}"
+    );
+}
+
 /// The settings the partitioned schema of these tests is made with.
 fn partitioning() -> inboxctl::db::partitions::Settings {
     inboxctl::db::partitions::Settings {

@@ -40,7 +40,8 @@ WHERE c.oid = to_regclass('inbox_messages')";
     /// `$1` index names.
     const INVALID_INBOX_INDEXES = "\
 SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-WHERE i.indrelid IN (to_regclass('inbox_messages'), to_regclass('inboxctl_effects')) AND NOT i.indisvalid
+WHERE i.indrelid IN (to_regclass('inbox_messages'), to_regclass('inboxctl_effects'), to_regclass('inboxctl_events'))
+  AND NOT i.indisvalid
   AND c.relname = ANY($1)";
 
     /// The unprocessed rows' index of the first migration, built without blocking writes, for an adopted inbox that
@@ -111,10 +112,11 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 3] = [
+const CONCURRENT_INDEXES: [&str; 4] = [
     "ix_inbox_messages_consumer_type_processed_at",
     "ix_inbox_messages_unprocessed_by_consumer_type",
     "ix_inboxctl_effects_owed",
+    "ix_inboxctl_events_failures",
 ];
 
 /// The migrations in `migrations/`, embedded in the binary.

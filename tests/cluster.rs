@@ -198,6 +198,32 @@ async fn the_leaders_node_killed_mid_stream_every_parcel_once_and_replay_goes_on
     cluster.boot(error_leader);
 }
 
+/// A host list whose first node accepts the connection and never speaks (a host gone behind a load balancer, a
+/// firewall that drops): `top` bounds each refresh's connect to 2 s, and the broker's connect began each time at that
+/// node, 10 s its own bound, so it never reached the second — every queue figure unknown with the cluster healthy.
+/// A connect given up on starts at the next node the next time.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connect_given_up_on_a_silent_node_starts_at_the_next_one_the_next_time() {
+    let env = TestEnv::migrated().await;
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    let url = env.amqp_url.replace(
+        "guest:guest@127.0.0.1:5672",
+        &format!("guest:guest@127.0.0.1:{silent_port},127.0.0.1:5672"),
+    );
+    assert_ne!(url, env.amqp_url, "the test's URL is the shared broker's");
+    let broker = inboxctl::amqp::Broker::from_url(&url).unwrap();
+    let bound = std::time::Duration::from_secs(2);
+    let first = tokio::time::timeout(bound, broker.connect("test")).await;
+    assert!(first.is_err(), "the silent node held the first connect");
+    let second = tokio::time::timeout(bound, broker.connect("test"))
+        .await
+        .expect("the next connect starts at the live node")
+        .unwrap();
+    inboxctl::amqp::close(&second, "OK").await;
+    drop(silent);
+}
+
 /// A host list whose first node does not answer: the next one is used; none answering is the broker unavailable
 /// (exit 69) naming how many were tried, the password masked.
 #[tokio::test(flavor = "multi_thread")]

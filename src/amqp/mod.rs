@@ -250,6 +250,10 @@ impl Broker {
         };
         for k in 0..self.nodes.len() {
             let node = (first + k) % self.nodes.len();
+            // Past this node before it is tried: a caller that gives up on the connect while a silent node keeps it
+            // waiting (`top`, which bounds each refresh's connect) starts at the next one the next time, rather than
+            // at the same silent node for ever.
+            self.next.store(node + 1, Relaxed);
             match self.connect_node(node, name).await {
                 Ok(connection) => {
                     self.next.store(node, Relaxed);

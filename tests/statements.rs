@@ -134,6 +134,53 @@ async fn the_latest_failures_are_read_without_walking_the_duplicates() {
     );
 }
 
+/// `stats` and `top` count each consumer_type's calls in doubt and failed every refresh: through migration 18's index
+/// of those states, not a walk of every call not done (millions after a carrier's outage).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_calls_in_doubt_are_counted_through_their_own_index() {
+    let env = TestEnv::migrated().await;
+    let mut conn = PgConnection::connect(&env.database_url).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts, created_at)
+         SELECT gen_random_uuid(), 'carrier', gen_random_uuid(), 'at-most-once',
+                CASE WHEN g % 1000 = 0 THEN 'in_doubt' ELSE 'failed' END, '{}', 5, now() - g * interval '1 ms'
+         FROM generate_series(1, 50000) g;
+         ANALYZE inboxctl_effects;
+         SET plan_cache_mode = force_generic_plan",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let statements = inboxctl::db::statements();
+    let sql = &statements
+        .iter()
+        .find(|s| s.name == "external::OPEN_EFFECTS")
+        .unwrap()
+        .sql;
+    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE count_open AS {sql}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN (ANALYZE, FORMAT TEXT) EXECUTE count_open(ARRAY['carrier'], 10000)",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("ix_inboxctl_effects_unsettled"), "{plan}");
+    // No node of it reads more than the cap (the failed ones' count may be a scan that stops there).
+    let most = plan
+        .split("actual time=")
+        .skip(1)
+        .filter_map(|node| {
+            let rows = node.split(" rows=").nth(1)?;
+            rows.split_whitespace().next()?.parse::<u64>().ok()
+        })
+        .max();
+    assert!(most.is_some_and(|n| n <= 10_000), "{most:?}\n{plan}");
+}
+
 /// The settings the partitioned schema of these tests is made with.
 fn partitioning() -> inboxctl::db::partitions::Settings {
     inboxctl::db::partitions::Settings {

@@ -156,9 +156,18 @@ fn print(s: &Snapshot) -> Result<()> {
 }
 
 /// A count of calls outside the database and the age of the oldest (`-` where nothing says), marked when non-zero.
+/// A count of calls outside the database and the age of the oldest (`-` where nothing says), marked when non-zero;
+/// `≥` when it is a floor (its count stopped at [`stats::EFFECTS_AT_MOST`]).
 fn effect_cell(count: Option<u64>, oldest: Option<f64>, mark: &str) -> comfy_table::Cell {
     match count {
-        Some(n) if n > 0 => format!("{n} ({}){mark}", display::age(oldest)).into(),
+        Some(n) if n > 0 => {
+            let floor = if n >= stats::EFFECTS_AT_MOST {
+                "≥"
+            } else {
+                ""
+            };
+            format!("{floor}{n} ({}){mark}", display::age(oldest)).into()
+        }
         other => display::count(other, false).into(),
     }
 }
@@ -212,6 +221,8 @@ pub struct ConsumerJson {
     pub oldest_effect_in_doubt_seconds: Option<f64>,
     /// Calls that failed every attempt.
     pub effects_failed: Option<u64>,
+    /// A count of the calls not done stopped at 10,000 (the most one look counts): the three counts are floors.
+    pub effects_at_least: Option<bool>,
 }
 
 #[derive(Debug, Serialize)]
@@ -280,6 +291,7 @@ impl From<&Snapshot> for Json {
                             .effects
                             .and_then(|e| e.oldest_in_doubt_seconds),
                         effects_failed: c.effects.map(|e| e.failed),
+                        effects_at_least: c.effects.map(|e| e.at_least),
                     }
                 })
                 .collect(),

@@ -130,18 +130,34 @@ FROM (SELECT message_id, consumer_type, state FROM inboxctl_effects
 WHERE e.message_id = old.message_id AND e.consumer_type = old.consumer_type
 RETURNING old.state";
 
-    /// Per consumer_type, effects owed and in doubt, and the oldest of each (`stats`, `top`).
+    /// Per consumer_type of `$1`, its calls owed, in doubt and failed, each count stopping at `$2` (a floor there), and
+    /// the oldest owed and in doubt (`stats`, `top`): each read through an index of its own state, so a refresh reads
+    /// no more however many a carrier's outage left. An at-most-once call `started` past its lease is in doubt.
     const OPEN_EFFECTS = "\
-SELECT consumer_type::text,
-       count(*) FILTER (WHERE state = 'pending' OR (state = 'started' AND NOT (mode = 'at-most-once' AND lease_until < now()))),
-       min(created_at) FILTER (WHERE state = 'pending' OR (state = 'started' AND NOT (mode = 'at-most-once' AND lease_until < now()))),
-       count(*) FILTER (WHERE state = 'in_doubt' OR (state = 'started' AND mode = 'at-most-once' AND lease_until < now())),
-       min(created_at) FILTER (WHERE state = 'in_doubt' OR (state = 'started' AND mode = 'at-most-once' AND lease_until < now())),
-       count(*) FILTER (WHERE state = 'failed'),
-       now()
-FROM inboxctl_effects
-WHERE state IN ('pending', 'started', 'in_doubt', 'failed')
-GROUP BY consumer_type";
+SELECT t.consumer_type,
+  (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
+     WHERE e.consumer_type = t.consumer_type AND e.state IN ('pending', 'started')
+       AND NOT (e.state = 'started' AND e.mode = 'at-most-once' AND e.lease_until < now()) LIMIT $2) x),
+  (SELECT e.created_at FROM inboxctl_effects e
+     WHERE e.consumer_type = t.consumer_type AND e.state IN ('pending', 'started')
+       AND NOT (e.state = 'started' AND e.mode = 'at-most-once' AND e.lease_until < now())
+     ORDER BY e.created_at LIMIT 1),
+  (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
+     WHERE e.consumer_type = t.consumer_type AND e.state = 'in_doubt' LIMIT $2) x)
+  + (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
+     WHERE e.consumer_type = t.consumer_type AND e.state IN ('pending', 'started')
+       AND e.state = 'started' AND e.mode = 'at-most-once' AND e.lease_until < now() LIMIT $2) x),
+  LEAST(
+    (SELECT e.created_at FROM inboxctl_effects e
+       WHERE e.consumer_type = t.consumer_type AND e.state = 'in_doubt' ORDER BY e.created_at LIMIT 1),
+    (SELECT e.created_at FROM inboxctl_effects e
+       WHERE e.consumer_type = t.consumer_type AND e.state IN ('pending', 'started')
+         AND e.state = 'started' AND e.mode = 'at-most-once' AND e.lease_until < now()
+       ORDER BY e.created_at LIMIT 1)),
+  (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
+     WHERE e.consumer_type = t.consumer_type AND e.state = 'failed' LIMIT $2) x),
+  now()
+FROM unnest($1::text[]) AS t(consumer_type)";
 }
 
 /// An effect to write with the claim.
@@ -418,12 +434,18 @@ pub struct Open {
     pub in_doubt: i64,
     pub oldest_in_doubt: Option<DateTime<Utc>>,
     pub failed: i64,
+    /// A count stopped at `at_most`: it is a floor (the oldest are the oldest all the same).
+    pub at_least: bool,
     /// The database's time as it answered: the oldest are aged against it, not against this machine's clock.
     pub now: DateTime<Utc>,
 }
 
-/// `OPEN_EFFECTS`.
-pub async fn open(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Open>> {
+/// `OPEN_EFFECTS`, for `consumer_types`, each count stopping at `at_most`.
+pub async fn open(
+    executor: impl Into<Exec<'_>>,
+    consumer_types: &[String],
+    at_most: i64,
+) -> sqlx::Result<Vec<Open>> {
     type OpenRaw = (
         String,
         i64,
@@ -433,7 +455,9 @@ pub async fn open(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Open>> {
         i64,
         DateTime<Utc>,
     );
-    let query = sql::query_as::<OpenRaw>(OPEN_EFFECTS);
+    let query = sql::query_as::<OpenRaw>(OPEN_EFFECTS)
+        .bind(consumer_types)
+        .bind(at_most);
     let rows = unit!(executor, |conn| query.fetch_all(conn))?;
     Ok(rows
         .into_iter()
@@ -444,6 +468,7 @@ pub async fn open(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Open>> {
             in_doubt: r.3,
             oldest_in_doubt: r.4,
             failed: r.5,
+            at_least: r.1 >= at_most || r.3 >= at_most || r.5 >= at_most,
             now: r.6,
         })
         .collect())

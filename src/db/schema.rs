@@ -112,11 +112,12 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 4] = [
+const CONCURRENT_INDEXES: [&str; 5] = [
     "ix_inbox_messages_consumer_type_processed_at",
     "ix_inbox_messages_unprocessed_by_consumer_type",
     "ix_inboxctl_effects_owed",
     "ix_inboxctl_events_failures",
+    "ix_inboxctl_effects_unsettled",
 ];
 
 /// The migrations in `migrations/`, embedded in the binary.

@@ -142,7 +142,13 @@ pub struct EffectCounts {
     pub in_doubt: u64,
     pub oldest_in_doubt_seconds: Option<f64>,
     pub failed: u64,
+    /// A count stopped at [`EFFECTS_AT_MOST`]: the counts are floors.
+    pub at_least: bool,
 }
+
+/// Where each count of a consumer_type's calls not done stops (owed, in doubt, failed): a carrier's outage can leave
+/// millions failed or in doubt, and `top` counts every second.
+pub const EFFECTS_AT_MOST: u64 = 10_000;
 
 /// Which stretch of time the rates and the series cover, and how far counts are exact.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -270,7 +276,7 @@ pub async fn collect_in(
     types.sort();
     types.dedup();
 
-    let open_effects = open_effects(&mut conn).await?;
+    let open_effects = open_effects(&mut conn, &types).await?;
     let estimates = Estimates::read(&mut conn).await?;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
@@ -315,11 +321,18 @@ pub async fn collect_in(
 /// done. `None` on a database without `inboxctl_effects`, or for a role that may not read it.
 async fn open_effects(
     conn: &mut sqlx::PgConnection,
+    consumer_types: &[String],
 ) -> Result<Option<HashMap<String, EffectCounts>>> {
     if !schema::table_exists(&mut *conn, "inboxctl_effects").await? {
         return Ok(None);
     }
-    let open = match db::external::open(&mut *conn).await {
+    let open = match db::external::open(
+        &mut *conn,
+        consumer_types,
+        i64::try_from(EFFECTS_AT_MOST).unwrap_or(i64::MAX),
+    )
+    .await
+    {
         Ok(open) => open,
         Err(e) if db::sqlstate(&e).as_deref() == Some("42501") => return Ok(None),
         Err(e) => return Err(e.into()),
@@ -336,6 +349,7 @@ async fn open_effects(
                     in_doubt: u64::try_from(o.in_doubt).unwrap_or(0),
                     oldest_in_doubt_seconds: age(o.oldest_in_doubt),
                     failed: u64::try_from(o.failed).unwrap_or(0),
+                    at_least: o.at_least,
                 };
                 (o.consumer_type, counts)
             })

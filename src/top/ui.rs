@@ -114,7 +114,7 @@ fn cells(line: &Line) -> [String; 16] {
 
 /// A count of calls outside the database, with the age of the oldest when there are any: the count in at most four
 /// characters, rounded down, so that the two fit the column (a right-aligned cell too wide loses its left end: 1,500
-/// calls showed as 500).
+/// calls showed as 500); `≥` before a floor (a count stopped at `EFFECTS_AT_MOST`).
 fn effects(count: Option<u64>, oldest: Option<f64>) -> String {
     match count {
         Some(n) if n > 0 => {
@@ -125,7 +125,12 @@ fn effects(count: Option<u64>, oldest: Option<f64>) -> String {
                 1_000_000..10_000_000 => format!("{}.{}M", n / 1_000_000, n % 1_000_000 / 100_000),
                 _ => format!("{}M", n / 1_000_000),
             };
-            format!("{n} {}", display::age(oldest))
+            let floor = if count >= Some(crate::stats::EFFECTS_AT_MOST) {
+                "≥"
+            } else {
+                ""
+            };
+            format!("{floor}{n} {}", display::age(oldest))
         }
         other => display::count(other, false),
     }
@@ -459,6 +464,7 @@ mod tests {
             in_doubt: 1,
             oldest_in_doubt_seconds: Some(90.0),
             failed: 0,
+            at_least: false,
         });
         let mut app = App::new(0.05);
         app.update(Action::Data(snapshot(vec![carrier])));
@@ -492,13 +498,13 @@ mod tests {
             (999, "999"),
             (1_500, "1.5k"),
             (9_999, "9.9k"),
-            (12_345, "12k"),
-            (999_999, "999k"),
-            (1_234_567, "1.2M"),
-            (98_765_432, "98M"),
+            (10_000, "≥10k"),
+            (12_345, "≥12k"),
+            (20_000, "≥20k"),
         ] {
             for age in [45.0, 7_000.0, 100_000.0, 8_000_000.0] {
                 let cell = effects(Some(n), Some(age));
+                // A floor (a count stopped at its cap: never past twice it, the in-doubt count being two), marked.
                 assert!(cell.starts_with(&format!("{shown} ")), "{cell}");
                 assert!(cell.chars().count() <= width, "{cell}");
             }

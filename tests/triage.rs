@@ -948,6 +948,105 @@ async fn cleanup_fails_deleting_nothing_when_rabbitmq_does_not_answer_its_guards
     .await;
 }
 
+/// `failures` and `find` asked RabbitMQ whether a replay of the queue runs with no bound: a node that stops answering
+/// held them for ever, whatever `--broker-timeout` said. And `find`, one queue not looked at (its take unanswered),
+/// exited 0 though a copy may wait there. Bounded now: `failures` fails saying what was not answered (exit 69); `find`
+/// names the queue it could not look at and exits 3.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn failures_and_find_do_not_wait_past_the_broker_timeout_and_find_says_what_it_could_not_look_at()
+ {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 1, 0).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let id = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    // A trace of it in the database: found, whatever the queue holds — so the exit says whether every queue was seen.
+    sqlx::query(
+        "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at) \
+         VALUES ('carrier', 'failed', $1::uuid, now())",
+    )
+    .bind(&id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let mut failures = env.spawn_with(
+        &[
+            "failures",
+            "--from",
+            "orders-carrier_error",
+            "--broker-timeout",
+            "2s",
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=sleep-once-600000@a look for a replay's marker",
+        )],
+    );
+    let code = failures.wait(Duration::from_secs(60));
+    let said = failures.stderr();
+    assert_eq!(code, Some(69), "{said}");
+    assert!(
+        said.contains("RabbitMQ did not answer a look for a replay's marker within 2s"),
+        "{said}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30), "{said}");
+    // Its first call (before any take) was the one not answered: nothing was looked at.
+    let held = common::peek(&conn, "orders-carrier_error").await;
+    assert!(!held[0].redelivered, "failures took nothing");
+
+    let mut find = env.spawn_with(
+        &[
+            "find",
+            &id,
+            "--dlq",
+            "orders-carrier_error",
+            "--broker-timeout",
+            "2s",
+            "--json",
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=sleep-once-600000@a take from the queue looked at",
+        )],
+    );
+    let code = find.wait(Duration::from_secs(60));
+    assert_eq!(code, Some(3), "{}", find.stderr());
+    let report: serde_json::Value = serde_json::from_str(find.stdout().trim()).unwrap();
+    let unlooked = report["queues"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["error"].is_string())
+        .unwrap_or_else(|| panic!("{report}"));
+    assert!(
+        unlooked["error"]
+            .as_str()
+            .unwrap()
+            .contains("did not answer a take from the queue looked at"),
+        "{report}"
+    );
+    common::eventually("the held message back", Duration::from_secs(10), || async {
+        env.queue_counts("orders-carrier_error") == (1, 0)
+    })
+    .await;
+}
+
 /// Another look that began after the guard found no mark, held the messages at the guard's take, and ended before
 /// the guard read the marks again (failpoints hold the guard before its look and between its take and that read,
 /// while the test starts a `failures` and then ends it): no mark left to see after, and the queue read as empty. The

@@ -239,6 +239,7 @@ async fn head_unless_replaying(
 /// What the guard waits for, as its errors name them.
 const REPLAY_MARKER: &str = "a look for a replay's marker";
 const MARKS: &str = "a read of the marks of other looks";
+const COUNT: &str = "a count of a --dlq queue";
 
 /// The most looks the guard takes at one dead-letter queue in a run, each crowded by another's.
 const MAX_GUARD_TAKES: u32 = 3;
@@ -534,7 +535,8 @@ impl Looks {
         for dlq in dlqs {
             // Named by the operator: absent here (a typo, another vhost), it is no proof that nothing waits in it. Every
             // consumer_type is refused, as by an old head, and the run goes on (partitions ahead made, the refusal said).
-            if topology::queue_depth(connection, dlq).await?.is_none() {
+            let count = topology::queue_depth(connection, dlq);
+            if answered(COUNT, self.within, count).await??.is_none() {
                 for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                     report.refused = Some(Refusal {
                         absent: true,

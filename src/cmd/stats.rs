@@ -155,7 +155,6 @@ fn print(s: &Snapshot) -> Result<()> {
     output::line(&footer)
 }
 
-/// A count of calls outside the database and the age of the oldest (`-` where nothing says), marked when non-zero.
 /// A count of calls outside the database and the age of the oldest (`-` where nothing says), marked when non-zero;
 /// `≥` when it is a floor (its count stopped at [`stats::EFFECTS_AT_MOST`]).
 fn effect_cell(count: Option<u64>, oldest: Option<f64>, mark: &str) -> comfy_table::Cell {

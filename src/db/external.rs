@@ -145,14 +145,14 @@ SELECT t.consumer_type,
   (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
      WHERE e.consumer_type = t.consumer_type AND e.state = 'in_doubt' LIMIT $2) x)
   + (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
-     WHERE e.consumer_type = t.consumer_type AND e.state IN ('pending', 'started')
-       AND e.state = 'started' AND e.mode = 'at-most-once' AND e.lease_until < now() LIMIT $2) x),
+     WHERE e.consumer_type = t.consumer_type AND e.state = 'started'
+       AND e.mode = 'at-most-once' AND e.lease_until < now() LIMIT $2) x),
   LEAST(
     (SELECT e.created_at FROM inboxctl_effects e
        WHERE e.consumer_type = t.consumer_type AND e.state = 'in_doubt' ORDER BY e.created_at LIMIT 1),
     (SELECT e.created_at FROM inboxctl_effects e
-       WHERE e.consumer_type = t.consumer_type AND e.state IN ('pending', 'started')
-         AND e.state = 'started' AND e.mode = 'at-most-once' AND e.lease_until < now()
+       WHERE e.consumer_type = t.consumer_type AND e.state = 'started'
+         AND e.mode = 'at-most-once' AND e.lease_until < now()
        ORDER BY e.created_at LIMIT 1)),
   (SELECT count(*) FROM (SELECT 1 FROM inboxctl_effects e
      WHERE e.consumer_type = t.consumer_type AND e.state = 'failed' LIMIT $2) x),

@@ -214,6 +214,7 @@ async fn head(connection: &Connection, c: &mut ConsumerStats, found: &mut Found)
     if counted_zero {
         worn(&q.name, None);
     } else if is_worn(&q.name) {
+        c.head_skipped = true;
         return true;
     }
     // A look the broker answers late (a test holds it here).

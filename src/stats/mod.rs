@@ -125,6 +125,9 @@ pub struct ConsumerStats {
     /// Its error queue's head was looked at for this snapshot (whatever the look found): its age is this snapshot's,
     /// even when the broker's half was cut short before other heads.
     pub head_looked: bool,
+    /// Its error queue's head was not looked at on purpose: delivered too often already (`top`'s worn heads). Its
+    /// last age stands, aging, whatever the snapshot's other heads.
+    pub head_skipped: bool,
     /// Its calls outside the database not done (`inboxctl_effects`); `None` where that table is absent or unreadable.
     pub effects: Option<EffectCounts>,
     /// The vhost its consumer recorded reading its queue in, when it is not the one looked in: its queues' figures are
@@ -428,6 +431,7 @@ async fn consumer_stats(
         }),
         oldest_dead_letter_seconds: None,
         head_looked: false,
+        head_skipped: false,
         effects: None,
         other_vhost: None,
     })
@@ -452,9 +456,10 @@ async fn counters(
         db::stats::processed_series(&mut *conn, consumer_type, range.span, range.bucket, at_most)
             .await?;
     let mut estimated = false;
+    // Estimated: the window's figures, when a bucket of the window is (the series beyond it may be, the rates not).
     for (age, n) in unread(&processed, at_most, range.bucket, buckets) {
         per_bucket.entry(age).or_default().processed += n;
-        estimated = true;
+        estimated |= age < in_window;
     }
     for b in processed {
         per_bucket
@@ -478,7 +483,7 @@ async fn counters(
             let n: u64 = of_kind.iter().map(|b| b.count.unsigned_abs()).sum();
             for (age, more) in rest(n, reach, range.bucket, buckets) {
                 per_bucket.entry(age).or_default().add(kind, more);
-                estimated = true;
+                estimated |= age < in_window;
             }
         }
     }

@@ -107,6 +107,8 @@ pub struct Line {
     pub oldest_unprocessed_seconds: Option<f64>,
     /// The queue for a person (spread over partitions: their range and number).
     pub queue: Option<String>,
+    /// The vhost its consumer reads its queue in, when not the one `top` looks in (`ConsumerStats::other_vhost`).
+    pub other_vhost: Option<String>,
     /// Its name, whose `_error` queue holds what failed: what the detail looks at.
     pub queue_name: Option<String>,
     pub ready: Option<u32>,
@@ -263,6 +265,16 @@ impl App {
                         .unwrap_or_else(|| line.consumer_type.clone());
                     (line.consumer_type.clone(), queue)
                 });
+                if let Some(vhost) = self.selected_line().and_then(|l| l.other_vhost.clone()) {
+                    // Its dead-letter queues are in that vhost: a queue of the same name here is another's, whose
+                    // messages this view would hold, list and replay as its own.
+                    self.status = Some(format!(
+                        "its consumer reads its queue in vhost {}, not the one top looks in: its dead letters are \
+                         not shown here (run top against that vhost)",
+                        crate::sanitize::text(&vhost)
+                    ));
+                    return;
+                }
                 if let Some((consumer_type, queue)) = chosen {
                     match &self.loading {
                         // Its look is under way: its answer fills the view opened again.
@@ -441,6 +453,7 @@ impl App {
                 unprocessed_estimated: c.unprocessed_estimated,
                 unprocessed_at_least: c.unprocessed_at_least,
                 oldest_unprocessed_seconds: c.oldest_unprocessed_seconds,
+                other_vhost: c.other_vhost.clone(),
                 queue: c.queue.as_ref().map(|q| match &c.other_vhost {
                     Some(vhost) => format!("{} (in vhost {vhost})", q.label()),
                     None => q.label(),
@@ -478,7 +491,7 @@ impl App {
             self.heads.remove(&c.consumer_type);
             return None;
         }
-        if snapshot.heads_looked || c.head_looked {
+        if (snapshot.heads_looked && !c.head_skipped) || c.head_looked {
             match c.oldest_dead_letter_seconds {
                 Some(age) => {
                     self.heads

@@ -177,7 +177,14 @@ pub async fn list(
 ) -> Result<Listing> {
     let listed_at = Utc::now();
     // Before the look and after it: a replay beginning in between marks the queue before it takes.
-    let mut replay_running = topology::replay_running(connection, queue).await?;
+    let running = || {
+        crate::amqp::answered(
+            "a look for a replay's marker",
+            within,
+            topology::replay_running(connection, queue),
+        )
+    };
+    let mut replay_running = running().await??;
     let mut groups: Vec<Group> = Vec::new();
     let mut index: HashMap<String, usize> = HashMap::new();
     let mut origins: Vec<BTreeSet<String>> = Vec::new();
@@ -230,7 +237,7 @@ pub async fn list(
     })
     .await?
     .ok_or_else(|| Error::QueueNotFound(queue.to_owned()))?;
-    replay_running = replay_running || topology::replay_running(connection, queue).await?;
+    replay_running = replay_running || running().await??;
     for (group, origins) in groups.iter_mut().zip(origins) {
         group.origins = origins.into_iter().collect();
     }

@@ -200,6 +200,7 @@ pub async fn find(
         }
         match broker.in_vhost(&vhost).connect("inboxctl find").await {
             Ok(there) => {
+                let names = queues.clone();
                 let looked = look_in(
                     &there,
                     &vhost,
@@ -212,7 +213,26 @@ pub async fn find(
                 )
                 .await;
                 crate::amqp::close(&there, "OK").await;
-                looked?;
+                // Its connection lost half way: the queues not looked at are said, the rest of the report stands.
+                if let Err(e) = looked {
+                    let why = crate::redact::text(&e.to_string());
+                    for queue in names {
+                        let done = looked_in
+                            .iter()
+                            .any(|l| l.queue == queue && l.vhost.as_ref() == Some(&vhost));
+                        if !done {
+                            looked_in.push(Looked {
+                                queue,
+                                vhost: Some(vhost.clone()),
+                                depth: None,
+                                looked: 0,
+                                replay_running: false,
+                                looked_at_elsewhere: false,
+                                error: Some(format!("could not be looked at in its vhost: {why}")),
+                            });
+                        }
+                    }
+                }
             }
             // A vhost this user cannot reach leaves its queues unlooked at, said: not a reason to show nothing.
             Err(e) => {
@@ -261,7 +281,14 @@ async fn look_in(
             continue;
         }
         // Before the look and after it (below): a replay beginning in between marks the queue before it takes.
-        let mut replay_running = topology::replay_running(connection, &queue).await?;
+        let running = || {
+            crate::amqp::answered(
+                "a look for a replay's marker",
+                plan.broker_timeout,
+                topology::replay_running(connection, &queue),
+            )
+        };
+        let mut replay_running = running().await??;
         let mut position = 0;
         let looked = peek::each(
             connection,
@@ -323,7 +350,7 @@ async fn look_in(
             }
             Err(e) => return Err(e),
         };
-        replay_running = replay_running || topology::replay_running(connection, &queue).await?;
+        replay_running = replay_running || running().await??;
         looked_in.push(Looked {
             queue,
             vhost: shown_vhost.cloned(),

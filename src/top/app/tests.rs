@@ -42,6 +42,7 @@ pub(crate) fn consumer(
         }),
         oldest_dead_letter_seconds: (errors > 0).then_some(3600.0),
         head_looked: false,
+        head_skipped: false,
         effects: None,
         other_vhost: None,
     }
@@ -524,4 +525,45 @@ fn a_reload_under_an_open_question_closes_it_and_the_selection_follows_its_group
     app.update(Action::Replay);
     assert_eq!(app.mode(), Mode::Detail);
     assert_eq!(app.status.as_deref(), Some("a replay is running"));
+}
+
+/// A consumer_type whose consumer reads its queue in another vhost: its detail would list, hold and replay the
+/// messages of a queue of the same name in top's vhost — another environment's — as its own. Refused, said.
+#[test]
+fn the_detail_of_a_consumer_reading_in_another_vhost_is_not_opened_here() {
+    let mut app = App::new(0.05);
+    let mut elsewhere = consumer("orders", 1, 0, 0, 2);
+    elsewhere.other_vhost = Some("prod".into());
+    app.update(Action::Data(snapshot(vec![elsewhere])));
+    app.update(Action::Open);
+    assert_eq!(app.request.take(), None, "nothing looked at");
+    assert!(app.detail.is_none());
+    assert!(
+        app.status
+            .as_deref()
+            .is_some_and(|s| s.contains("vhost prod")),
+        "{:?}",
+        app.status
+    );
+}
+
+/// A head left alone because it was delivered too often (`head_skipped`) keeps its last age, aging, though the other
+/// heads of the snapshot were looked at: it was blanked, the oldest waiting message's warning gone.
+#[test]
+fn a_worn_heads_age_stands_and_ages() {
+    let mut app = App::new(0.05);
+    let mut looked = consumer("orders", 1, 0, 0, 2);
+    looked.head_looked = true;
+    app.update(Action::Data(snapshot(vec![looked])));
+    let mut worn = consumer("orders", 1, 0, 0, 2);
+    worn.oldest_dead_letter_seconds = None;
+    worn.head_skipped = true;
+    let mut later = snapshot(vec![worn]);
+    later.taken_at += chrono::TimeDelta::seconds(30);
+    app.update(Action::Data(later));
+    let age = app.all[0].oldest_error_seconds;
+    assert!(
+        age.is_some_and(|a| (3629.0..3631.0).contains(&a)),
+        "{age:?}"
+    );
 }

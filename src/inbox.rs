@@ -83,6 +83,22 @@ impl ConsumerType {
         if name.chars().any(char::is_control) {
             return Err("consumer_type must not contain control characters".to_owned());
         }
+        // A scope that looks like another is another: `carrier` and `carrier` with a zero-width space, a direction
+        // mark or a space at its end would each process the same message once, and nobody reading them would see two.
+        if name.chars().any(crate::sanitize::is_unsafe) {
+            return Err(
+                "consumer_type must not contain invisible or direction-changing characters (zero-width spaces, \
+                 bidi marks, soft hyphens): a scope that looks like another would process the same messages again"
+                    .to_owned(),
+            );
+        }
+        if name.trim() != name {
+            return Err(
+                "consumer_type must not begin or end with spaces: a scope that looks like another would process the \
+                 same messages again"
+                    .to_owned(),
+            );
+        }
         Ok(Self(name.into()))
     }
 
@@ -565,6 +581,17 @@ mod tests {
         assert!(err.contains("501 characters"), "{err}");
         assert!(ConsumerType::new("").is_err());
         assert!(ConsumerType::new("a\u{1b}[2Jb").is_err());
+        for look_alike in [
+            "carrier\u{200b}",
+            "car\u{202e}rier",
+            "carrier ",
+            " carrier",
+            "carr\u{00ad}ier",
+        ] {
+            let err = ConsumerType::new(look_alike).expect_err(look_alike);
+            assert!(err.contains("looks like another"), "{err}");
+        }
+        assert!(ConsumerType::new("Parcel Created: carrier (v2)").is_ok());
     }
 
     #[test]

@@ -1038,13 +1038,14 @@ async fn no_hostile_flag_value_makes_any_command_panic() {
     }
 }
 
-/// A consumer_type and a queue name holding a right-to-left override (which `--consumer-type` accepts: it is not a
-/// control character) reach the log only escaped, as the tables show them: `\u{202e}` in text lines, `\u202e` in JSON
-/// lines (which read back to the name as given). No log line carries a raw control character or override.
+/// A queue name holding a right-to-left override reaches the log only escaped, as the tables show it: `\u{202e}` in
+/// text lines, `\u202e` in JSON lines (which read back to the name as given). No log line carries a raw control
+/// character or override. As a consumer_type — given, or taken from such a queue's name — it is refused: a scope that
+/// looks like another would process the same messages again.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_bidi_override_in_a_name_reaches_the_log_escaped() {
     let env = common::TestEnv::migrated().await;
-    let consumer_type = "carrier\u{202e}reversed";
+    let consumer_type = "carrier-reversed";
     let queue = "carrier-queue\u{202e}reversed";
     for format in ["text", "json"] {
         let out = env.run(&[
@@ -1074,15 +1075,38 @@ async fn a_bidi_override_in_a_name_reaches_the_log_escaped() {
             .unwrap_or_else(|| panic!("{format}: {}", out.stderr));
         if format == "text" {
             assert!(
-                consuming.contains("consumer_type=carrier\\u{202e}reversed")
-                    && consuming.contains("queue=carrier-queue\\u{202e}reversed"),
+                consuming.contains("queue=carrier-queue\\u{202e}reversed"),
                 "{consuming}"
             );
         } else {
-            assert!(consuming.contains("carrier\\u202ereversed"), "{consuming}");
+            assert!(
+                consuming.contains("carrier-queue\\u202ereversed"),
+                "{consuming}"
+            );
             let line: serde_json::Value = serde_json::from_str(consuming).unwrap();
             assert_eq!(line["consumer_type"], consumer_type, "{line}");
             assert_eq!(line["queue"], queue, "{line}");
         }
+    }
+    for scope in [vec!["--consumer-type", "carrier\u{202e}reversed"], vec![]] {
+        let mut args = vec![
+            "consume",
+            "carrier",
+            "--queue",
+            queue,
+            "--exit-when-idle",
+            "1s",
+        ];
+        args.extend(scope);
+        let out = env.run(&args);
+        assert_eq!(out.code, Some(64), "{out:?}");
+        assert!(out.stderr.contains("looks like another"), "{out:?}");
+        assert!(
+            !out.stderr
+                .chars()
+                .any(|c| c != '\n' && inboxctl::sanitize::is_unsafe(c)),
+            "{:?}",
+            out.stderr
+        );
     }
 }

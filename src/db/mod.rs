@@ -280,19 +280,7 @@ impl Database {
     /// up first (`Inbox::with_attempt_timeout`). Set for the session at its start, as `with_lock_timeout`; through a
     /// transaction pooler, not at all.
     pub fn with_idle_in_transaction_timeout(&self, timeout: Duration) -> Self {
-        if self.transaction_pooling {
-            return self.clone();
-        }
-        // At most what the setting holds (2^31 − 1 ms, about 24 days): a longer bound is none at all in practice.
-        let most = u128::from(i32::MAX.unsigned_abs());
-        let millis = timeout.as_millis().clamp(1, most).to_string();
-        Self {
-            options: self
-                .options
-                .clone()
-                .options([("idle_in_transaction_session_timeout", millis.as_str())]),
-            ..self.clone()
-        }
+        self.with_session_timeout("idle_in_transaction_session_timeout", timeout)
     }
 
     /// Ends, on the server, any statement of the session that runs (or waits for a lock) longer than `timeout`
@@ -300,16 +288,20 @@ impl Database {
     /// waiting for would otherwise go on, on the server, holding its connection and queued behind whatever lock held
     /// it. Set for the session at its start, as `with_lock_timeout`; through a transaction pooler, not at all.
     pub fn with_statement_timeout(&self, timeout: Duration) -> Self {
+        self.with_session_timeout("statement_timeout", timeout)
+    }
+
+    /// The session setting `name` (a timeout in milliseconds) given at each session's start; through a transaction
+    /// pooler, where no session lasts, not at all.
+    fn with_session_timeout(&self, name: &str, timeout: Duration) -> Self {
         if self.transaction_pooling {
             return self.clone();
         }
+        // At most what the setting holds (2^31 − 1 ms, about 24 days): a longer bound is none at all in practice.
         let most = u128::from(i32::MAX.unsigned_abs());
         let millis = timeout.as_millis().clamp(1, most).to_string();
         Self {
-            options: self
-                .options
-                .clone()
-                .options([("statement_timeout", millis.as_str())]),
+            options: self.options.clone().options([(name, millis.as_str())]),
             ..self.clone()
         }
     }

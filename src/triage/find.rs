@@ -61,6 +61,21 @@ pub struct Found {
     pub copies_cut: bool,
 }
 
+impl Looked {
+    /// A queue of another `vhost` that could not be looked at, and why.
+    fn not(queue: String, vhost: &str, why: String) -> Self {
+        Looked {
+            queue,
+            vhost: Some(vhost.to_owned()),
+            depth: None,
+            looked: 0,
+            replay_running: false,
+            looked_at_elsewhere: false,
+            error: Some(why),
+        }
+    }
+}
+
 /// The most dead-letter copies shown per message: one failing in a loop can have thousands.
 pub const MAX_COPIES: usize = 100;
 
@@ -221,15 +236,11 @@ pub async fn find(
                             .iter()
                             .any(|l| l.queue == queue && l.vhost.as_ref() == Some(&vhost));
                         if !done {
-                            looked_in.push(Looked {
+                            looked_in.push(Looked::not(
                                 queue,
-                                vhost: Some(vhost.clone()),
-                                depth: None,
-                                looked: 0,
-                                replay_running: false,
-                                looked_at_elsewhere: false,
-                                error: Some(format!("could not be looked at in its vhost: {why}")),
-                            });
+                                &vhost,
+                                format!("could not be looked at in its vhost: {why}"),
+                            ));
                         }
                     }
                 }
@@ -237,14 +248,12 @@ pub async fn find(
             // A vhost this user cannot reach leaves its queues unlooked at, said: not a reason to show nothing.
             Err(e) => {
                 let why = crate::redact::text(&e.to_string());
-                looked_in.extend(queues.into_iter().map(|queue| Looked {
-                    queue,
-                    vhost: Some(vhost.clone()),
-                    depth: None,
-                    looked: 0,
-                    replay_running: false,
-                    looked_at_elsewhere: false,
-                    error: Some(format!("could not connect to its vhost: {why}")),
+                looked_in.extend(queues.into_iter().map(|queue| {
+                    Looked::not(
+                        queue,
+                        &vhost,
+                        format!("could not connect to its vhost: {why}"),
+                    )
                 }));
             }
         }

@@ -201,22 +201,10 @@ pub async fn mark_look(conn: &Connection, queue: &str, say: bool) -> Option<Look
 /// How many looks hold `queue` marked now (the consumers of its look marker; 0 when it has none); `None` when the
 /// broker would not tell (its marker's node down, say).
 pub async fn looks_at(conn: &Connection, queue: &str) -> Option<u32> {
-    let channel = conn.create_channel().await.ok()?;
-    match channel
-        .queue_declare(
-            look_marker(queue).as_str().into(),
-            QueueDeclareOptions::default().passive(),
-            FieldTable::default(),
-        )
-        .await
-    {
-        Ok(declared) => {
-            let _ = channel.close(200, "OK".into()).await;
-            Some(declared.consumer_count())
-        }
-        Err(e) if crate::amqp::is_absent_queue(&e) => Some(0),
-        Err(_) => None,
-    }
+    let marker = super::topology::queue_depth(conn, &look_marker(queue)).await;
+    marker
+        .ok()
+        .map(|marker| marker.map_or(0, |(_, looks)| looks))
 }
 
 /// Whether a replay of `queue` is running ([`mark_replay`]): its marker exists (or is locked, the broker's answer

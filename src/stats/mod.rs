@@ -470,17 +470,16 @@ async fn counters(
     let events =
         db::stats::event_series(&mut *conn, consumer_type, range.span, range.bucket, at_most)
             .await?;
-    let mut kinds: BTreeMap<&str, Vec<db::stats::Bucket>> = BTreeMap::new();
-    for b in &events {
-        kinds.entry(b.kind.as_str()).or_default().push(b.clone());
-    }
     let read: u64 = events.iter().map(|b| b.count.unsigned_abs()).sum();
     if read >= at_most {
         // The newest events of every kind together were read up to the cap: each kind's rest is estimated at its own
         // rate over the stretch they reach back.
         let reach = events.iter().map(|b| b.oldest).fold(0.0, f64::max);
-        for (kind, of_kind) in &kinds {
-            let n: u64 = of_kind.iter().map(|b| b.count.unsigned_abs()).sum();
+        let mut kinds: BTreeMap<&str, u64> = BTreeMap::new();
+        for b in &events {
+            *kinds.entry(b.kind.as_str()).or_default() += b.count.unsigned_abs();
+        }
+        for (kind, n) in kinds {
             for (age, more) in rest(n, reach, range.bucket, buckets) {
                 per_bucket.entry(age).or_default().add(kind, more);
                 estimated |= age < in_window;

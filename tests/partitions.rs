@@ -957,3 +957,141 @@ async fn with_partitions_the_run_ends_idle_only_once_every_partition_is() {
             .unwrap();
     assert_eq!(booked, 1, "{}", consumer.stderr());
 }
+
+/// A consumer whose work overlaps with itself only if the run gives it two messages at once: it counts the works
+/// running, and keeps the most seen, and the largest batch it was handed (a batch's member that fails is tried again
+/// after the others commit: out of order).
+struct Overlap {
+    running: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    most: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    largest_batch: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl inboxctl::consumer::Consumer for Overlap {
+    type Message = inboxctl::parcel::ParcelCreatedEvent;
+    const MESSAGE_TYPE: &'static str = inboxctl::parcel::PARCEL_CREATED_URN;
+
+    fn consume<'c>(
+        &'c self,
+        _tx: &'c mut sqlx::PgConnection,
+        _context: &'c inboxctl::consumer::MessageContext,
+        _message: &'c Self::Message,
+    ) -> impl std::future::Future<Output = Result<(), inboxctl::inbox::WorkError>> + Send + 'c {
+        use std::sync::atomic::Ordering::SeqCst;
+        async move {
+            let now = self.running.fetch_add(1, SeqCst) + 1;
+            self.most.fetch_max(now, SeqCst);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            self.running.fetch_sub(1, SeqCst);
+            Ok(())
+        }
+    }
+
+    fn consume_batch<'c>(
+        &'c self,
+        tx: &'c mut sqlx::PgConnection,
+        batch: &'c [&'c (inboxctl::consumer::MessageContext, Self::Message)],
+    ) -> impl std::future::Future<Output = Result<(), inboxctl::inbox::WorkError>> + Send + 'c {
+        self.largest_batch
+            .fetch_max(batch.len(), std::sync::atomic::Ordering::SeqCst);
+        async move {
+            for (context, message) in batch.iter().copied() {
+                self.consume(&mut *tx, context, message).await?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Through the library, a partition is read one message at a time whatever concurrency and batch size the caller
+/// gives `consumer::run` (the CLI refuses them beside `--partitions`; a library caller can pass them): two at once
+/// process one key's messages out of order, and so does a batch whose member fails. Every message here goes to one partition (one routing key), a work takes
+/// 20 ms, and 8 at once were asked for, with room for 32 unacked.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_library_reads_a_partition_one_message_at_a_time_whatever_it_is_asked() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    const MESSAGES: usize = 24;
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    for (concurrency, batch_size) in [(8, 1), (1, 8)] {
+        let queue = format!("overlap-{concurrency}-{batch_size}");
+        let (most, largest_batch) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let consumer = Overlap {
+            running: Arc::new(AtomicUsize::new(0)),
+            most: Arc::clone(&most),
+            largest_batch: Arc::clone(&largest_batch),
+        };
+        let inbox = inboxctl::inbox::Inbox::new(
+            pool.clone(),
+            inboxctl::inbox::ConsumerType::new(&queue).unwrap(),
+        );
+        let broker = inboxctl::amqp::Broker::from_url(&env.amqp_url).unwrap();
+        let options = inboxctl::consumer::ConsumerOptions {
+            queue: queue.clone(),
+            queue_type: common::queue_type(),
+            event_exchange: EVENT_EXCHANGE.to_owned(),
+            prefetch: 32,
+            concurrency,
+            max_attempts: 3,
+            retry_delay: Duration::from_millis(100),
+            exit_when_idle: Some(Duration::from_secs(2)),
+            shutdown_timeout: Duration::from_secs(10),
+            broker_timeout: Duration::from_secs(10),
+            attempt_timeout: Duration::from_secs(30),
+            counts: Arc::default(),
+            batch_size,
+            batch_wait: Duration::from_millis(50),
+            poison_after: 5,
+            on_conflict: Default::default(),
+            timings: None,
+            partitions: Some(inboxctl::consumer::Partitions {
+                count: 2,
+                key: "parcelId".to_owned(),
+            }),
+            owed_effects: None,
+        };
+        // Published before the run starts, so that all of them wait in the partition when it begins to read.
+        let conn = env.amqp().await;
+        inboxctl::amqp::topology::ensure_partitioned_endpoint(
+            &conn,
+            EVENT_EXCHANGE,
+            &queue,
+            2,
+            common::queue_type(),
+        )
+        .await
+        .unwrap();
+        for _ in 0..MESSAGES {
+            let (props, body, _) = common::parcel_message(Uuid::new_v4(), "NL");
+            common::publish(&conn, EVENT_EXCHANGE, "one-parcel", props, &body).await;
+        }
+        let _ = conn.close(200, "OK".into()).await;
+        let summary = tokio::time::timeout(
+            Duration::from_secs(60),
+            inboxctl::consumer::run(
+                inbox,
+                consumer,
+                &broker,
+                options,
+                tokio_util::sync::CancellationToken::new(),
+            ),
+        )
+        .await
+        .expect("the run ends idle")
+        .unwrap();
+        assert_eq!(
+            summary.processed, MESSAGES as u64,
+            "{concurrency}/{batch_size}"
+        );
+        assert_eq!(
+            most.load(SeqCst),
+            1,
+            "concurrency {concurrency}, batch size {batch_size}: at most one work at a time on a partition"
+        );
+        assert!(
+            largest_batch.load(SeqCst) <= 1,
+            "concurrency {concurrency}, batch size {batch_size}: no batch of several messages on a partition"
+        );
+    }
+}

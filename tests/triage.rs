@@ -648,6 +648,77 @@ async fn a_leaderless_quorum_error_queue_is_not_taken_for_empty_by_cleanup() {
     assert_ne!(replay.code, Some(0), "{replay:?}");
 }
 
+/// A queue a consumer_type read before its consumers recorded their vhost is recorded without one, and where it was
+/// is not known. The cleanup's guard looked for its failures in its own vhost only, `find` in the one the consumer
+/// reads in now only: pointed at the other, the guard deleted the rows the failures' replays need, and `find` called
+/// a waiting message found nowhere. Both look in both now.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_queue_read_before_the_vhost_was_recorded_is_looked_for_in_both_vhosts() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    let recorded = |vhost: String| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(
+                "UPDATE inboxctl_consumers SET vhost = $1, \
+                 earlier_queues = '[{\"queue\": \"orders-carrier-old\", \"vhost\": null}]' \
+                 WHERE consumer_type = 'carrier'",
+            )
+            .bind(vhost)
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
+    };
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier-old_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let old = fail(
+        &conn,
+        "orders-carrier-old_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    // The consumer reads in this test's vhost, where the old queue is; the cleanup is pointed at another.
+    recorded(env.vhost.clone()).await;
+    let elsewhere = format!("amqp://guest:guest@{}/%2f", env.amqp_addr());
+    let out = common::Output::of(
+        env.cmd()
+            .env("AMQP_URL", &elsewhere)
+            .args(["cleanup", "--retention", "7d", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    assert_eq!(
+        report["consumers"][0]["refused"]["queue"], "orders-carrier-old_error",
+        "{report}"
+    );
+    assert_eq!(
+        report["consumers"][0]["refused"]["message_id"], old,
+        "{report}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+    // The consumer reads in another vhost now; `find` is pointed at the one the old queue is in.
+    recorded("/".to_owned()).await;
+    let out = env.run(&["find", &old, "--json"]);
+    let report = json(&out);
+    assert_eq!(report["messages"][0]["found"], true, "{out:?}");
+    common::eventually("the message back", Duration::from_secs(10), || async {
+        env.queue_counts("orders-carrier-old_error") == (1, 0)
+    })
+    .await;
+}
+
 /// Registers consumer_types as their consumers do, with processed inbox rows of the given age.
 async fn processed_rows(
     pool: &sqlx::PgPool,
@@ -889,6 +960,84 @@ async fn failures_and_find_say_when_another_look_held_messages_out_of_their_sigh
     assert_eq!(out.code, Some(0), "{out:?}");
     assert_eq!(json(&out)["looked"], 3, "{out:?}");
     assert!(json(&out).get("looked_at_elsewhere").is_none(), "{out:?}");
+}
+
+/// A look whose channel's close RabbitMQ did not answer may still hold what it took; it ended its mark anyway, and
+/// `find` went on to its next queue over the same connection, the messages held and unmarked: a `failures` (or a
+/// cleanup's guard) meanwhile found the queue empty and said so, exit 0. The mark stays now for as long as the
+/// channel may hold them. The failpoint holds the answer to the first queue's close (so the close is never sent and
+/// the channel keeps its three messages, as under a node that hangs); `find` is then paused in its second queue.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_look_whose_close_went_unanswered_keeps_its_mark_while_its_channel_may_hold_messages() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    for queue in ["orders-carrier_error", "zz-other_error"] {
+        inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, queue, common::queue_type())
+            .await
+            .unwrap();
+    }
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(
+            fail(
+                &conn,
+                "orders-carrier_error",
+                "System.TimeoutException",
+                "timeout",
+                TimeDelta::hours(1),
+            )
+            .await,
+        );
+    }
+    fail(
+        &conn,
+        "zz-other_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::hours(1),
+    )
+    .await;
+    let mut find = env.spawn_with(
+        &[
+            "find",
+            &ids[0],
+            "--dlq",
+            "orders-carrier_error",
+            "--dlq",
+            "zz-other_error",
+            "--broker-timeout",
+            "2s",
+        ],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            "broker-answer=sleep-once-600000@the messages' return,\
+             broker-answer=sleep-once-600000@a channel's close,peek=pause@zz-other_error",
+        )],
+    );
+    find.wait_for_stderr("failpoint peek reached", Duration::from_secs(30));
+    assert_eq!(
+        env.queue_counts("orders-carrier_error").0,
+        0,
+        "the first queue's messages are still held by the look whose close went unanswered"
+    );
+    let out = env.run(&["failures", "--from", "orders-carrier_error", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(json(&out)["looked_at_elsewhere"], true, "{out:?}");
+    find.kill();
+    common::eventually(
+        "the held messages back",
+        Duration::from_secs(10),
+        || async { env.queue_counts("orders-carrier_error") == (3, 0) },
+    )
+    .await;
+    let out = env.run(&["failures", "--from", "orders-carrier_error", "--json"]);
+    assert_eq!(
+        out.code,
+        Some(0),
+        "the mark went with its connection: {out:?}"
+    );
+    assert_eq!(json(&out)["looked"], 3, "{out:?}");
 }
 
 /// A RabbitMQ that stops answering the guard's look (a quorum queue whose leader is lost, a node that hangs) held the

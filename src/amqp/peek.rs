@@ -144,7 +144,11 @@ async fn look(
         );
         let _ = answered("the messages' return", within, back).await;
     }
-    let _ = answered("a channel's close", within, channel.close(200, "OK".into())).await;
+    // Its close unanswered (a node that hangs, a queue whose leader is lost), the channel may still hold what it
+    // took: its mark stays as long as it does (below).
+    let closed = answered("a channel's close", within, channel.close(200, "OK".into()))
+        .await
+        .is_ok();
     // Another look's mark beside this one's (or any, when this one could not mark): read before this one's goes.
     if read_crowded {
         // Between the take and the read of the marks (a test ends another look here).
@@ -158,8 +162,10 @@ async fn look(
         }
         _ => false,
     };
-    if let Some(mark) = mark {
-        end(mark, within).await;
+    match (closed, mark) {
+        (true, Some(mark)) => end(mark, within).await,
+        (true, None) => {}
+        (false, mark) => hold(channel, mark),
     }
     outcome?;
     Ok(Some(Looked {
@@ -213,6 +219,19 @@ const TAKE: &str = "a take from the queue looked at";
 const MARK: &str = "the look's mark";
 const MARKS: &str = "a read of the marks of other looks";
 const CHANNEL: &str = "a new channel";
+
+/// Keeps a look's mark for as long as `channel`, whose close RabbitMQ did not answer, may hold messages the look took:
+/// until the channel is closed (its close answered late, or its connection gone). Ended at once, the mark would let a
+/// cleanup's guard count the queue without the messages held and take the queue for all there is, while `find` goes
+/// on to other queues over the same connection.
+fn hold(channel: lapin::Channel, mark: Option<topology::LookMark>) {
+    tokio::spawn(async move {
+        while channel.status().connected() || channel.status().closing() {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        drop(mark);
+    });
+}
 
 /// Ends a look's mark, not waiting past `within` (a mark not ended expires a minute after its last use).
 async fn end(mark: topology::LookMark, within: Duration) {

@@ -188,7 +188,15 @@ pub async fn find(
     }
     for (consumer_type, earlier) in db::stats::registered_earlier(pool).await? {
         for (queue, vhost) in earlier {
-            place(&queue, vhost.as_ref().or(vhosts.get(&consumer_type)));
+            match vhost {
+                Some(vhost) => place(&queue, Some(&vhost)),
+                // Read before its consumers recorded their vhost: where it was is not known. Looked for in the vhost
+                // they read in now and in this one, as the cleanup's guard does.
+                None => {
+                    place(&queue, vhosts.get(&consumer_type));
+                    place(&queue, None);
+                }
+            }
         }
     }
     by_vhost

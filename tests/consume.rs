@@ -1474,6 +1474,57 @@ async fn batched_a_member_stuck_past_the_attempt_timeout_holds_up_only_itself() 
     consumer.terminate();
 }
 
+/// A message whose work outlasts every attempt (a carrier call that never answers, for this message only) while
+/// PostgreSQL answers: each attempt given up past `--attempt-timeout` was taken for an outage — intake paused,
+/// `/health` down, the attempt never counted — and the message tried for ever, the run never idle. From its second
+/// time in a row (the first may be a connection gone silent) it is a failed attempt now: after `--max-attempts` it is
+/// in the error queue and the run ends idle, the others processed. One by
+/// one, then batched (the batch given up goes one by one, and the stuck member the same way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_work_outlasts_every_attempt_ends_in_the_error_queue() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    for (round, mode) in [common::ONE_BY_ONE, common::BATCHED].iter().enumerate() {
+        common::publish_parcels(&env, &["--count", "1", "--destination", "Stuck"]);
+        common::publish_parcels(&env, &["--count", "7"]);
+        let args = common::with_mode(
+            &[
+                "consume",
+                "carrier",
+                "--claim-timeout",
+                "1s",
+                "--attempt-timeout",
+                "2s",
+                "--max-attempts",
+                "2",
+                "--exit-when-idle",
+                "2s",
+            ],
+            mode,
+        );
+        let mut consumer = env.spawn_with(&args, &[("INBOXCTL_FAILPOINTS", "carrier=pause@Stuck")]);
+        let code = consumer.wait(Duration::from_secs(90));
+        let said = consumer.stderr();
+        assert_eq!(code, Some(0), "{mode:?}: {said}");
+        let done = i64::try_from(7 * (round + 1)).unwrap();
+        assert_eq!(
+            common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+            done,
+            "{mode:?}: {said}"
+        );
+        assert_eq!(
+            env.queue_counts("parcel-created-carrier_error").0,
+            u64::try_from(round + 1).unwrap(),
+            "{mode:?}: {said}"
+        );
+        assert!(
+            said.contains("the attempt did not end within --attempt-timeout (2s), twice in a row, while PostgreSQL answered"),
+            "{mode:?}: {said}"
+        );
+    }
+}
+
 /// A stop while one message is worked on and 19 more wait in the consumer (`--concurrency 1`, prefetch 20): the 19
 /// go back to the queue at once, for the other consumers, not after the drain (here 12 s of work) when the connection
 /// closes. The one in the consume loop's hand waiting for a worker is given back too, and the one under way finishes

@@ -15,7 +15,7 @@ use super::Consumer;
 use super::bookkeeping::record_event;
 use super::link::Link;
 use super::move_aside::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
-use super::outage::{database_back, unavailable, wait_to_retry};
+use super::outage::{database_back, the_claim_answers, unavailable, wait_to_retry};
 use super::owed;
 use super::poison;
 use super::{
@@ -402,6 +402,8 @@ pub(super) async fn attempts<C: Consumer>(
     // Whether the database may hold a count alone of this start now: counted as an attempt alone begins, taken back as
     // it returns; one the database did not take back stays, and is not counted again.
     let mut counted_alone = false;
+    // Whether its last try was given up past --attempt-timeout.
+    let mut timed_out = false;
     loop {
         let result = {
             // A suspect is counted alone for as long as it holds the lock alone, each attempt, and only then.
@@ -456,11 +458,26 @@ pub(super) async fn attempts<C: Consumer>(
                 return Disposition::Ack;
             }
             Ok(Err(ProcessError::Unavailable(e))) => {
-                unavailable(shared, id, &e);
-                if wait_to_retry(shared, link, id, backoff.next_delay()).await {
-                    return Disposition::Requeue;
+                // Given up past --attempt-timeout again, on another connection, and PostgreSQL takes a claim: this
+                // message's own attempt (its work slow or stuck on it), not an outage. Counted as a failed attempt,
+                // so that it ends in the error queue after --max-attempts; taken for an outage, it was tried for
+                // ever, intake paused at each try. The first time is an outage's: its connection may have gone
+                // silent (a network cut), and the next try is on another.
+                let again = std::mem::replace(&mut timed_out, crate::db::is_no_answer(&e));
+                if again && timed_out && the_claim_answers(shared).await {
+                    database_back(shared);
+                    format!(
+                        "the attempt did not end within --attempt-timeout ({}), twice in a row, while PostgreSQL \
+                         answered: its work is slow or stuck on this message",
+                        humantime::format_duration(shared.options.attempt_timeout)
+                    )
+                } else {
+                    unavailable(shared, id, &e);
+                    if wait_to_retry(shared, link, id, backoff.next_delay()).await {
+                        return Disposition::Requeue;
+                    }
+                    continue;
                 }
-                continue;
             }
             // The work's failure, after the claim: the database took the inbox's statement.
             Ok(Err(ProcessError::Failed(e))) => {

@@ -139,7 +139,7 @@ pub(super) async fn wait_for_database<C: Consumer>(
 /// any attempt (`--attempt-timeout`, its connection dropped if it was the one that failed). Not a `SELECT 1`, which
 /// passes while PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees
 /// the end of both kinds of outage. A key refused (no partition holds its time) is an answer too.
-async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
+pub(super) async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
     let now = chrono::Utc::now();
     let carried = Carried {
         sent_time: Some(now),

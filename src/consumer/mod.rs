@@ -399,8 +399,12 @@ pub(crate) fn logged(text: &str) -> String {
     sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
 }
 
-/// The error and its causes, one per line; a PostgreSQL error as [`crate::db::describe`] tells it (without the
-/// server's internal source line).
+/// The most causes of an error [`error_chain`] follows: a work's error type may chain to itself (a `source()` that
+/// loops), which would hold its worker for ever, and its stop with it.
+const MAX_CAUSES: usize = 32;
+
+/// The error and its causes, one per line (at most [`MAX_CAUSES`]); a PostgreSQL error as [`crate::db::describe`]
+/// tells it (without the server's internal source line).
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     fn told(e: &(dyn std::error::Error + 'static)) -> (String, bool) {
         match e.downcast_ref::<sqlx::Error>() {
@@ -410,7 +414,13 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     }
     let (mut text, mut last) = told(error);
     let mut source = error.source();
+    let mut causes = 0;
     while let (false, Some(cause)) = (last, source) {
+        causes += 1;
+        if causes > MAX_CAUSES {
+            text.push_str("\ncaused by: … (more causes not shown)");
+            break;
+        }
         let (line, db) = told(cause);
         if !text.contains(&line) {
             text.push_str("\ncaused by: ");
@@ -446,6 +456,25 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A work's error whose `source()` is itself: its chain is told up to a bound, not followed for ever.
+    #[test]
+    fn an_error_whose_causes_loop_is_told_to_a_bound() {
+        #[derive(Debug)]
+        struct Loop;
+        impl std::fmt::Display for Loop {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a loop")
+            }
+        }
+        impl std::error::Error for Loop {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(self)
+            }
+        }
+        let told = error_chain(&Loop);
+        assert_eq!(told, "a loop\ncaused by: … (more causes not shown)");
+    }
 
     #[test]
     fn an_id_property_with_blanks_around_it_is_the_id_the_envelope_reader_reads() {

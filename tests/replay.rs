@@ -1120,6 +1120,111 @@ async fn a_copy_returned_as_unroutable_leaves_the_message_in_the_dead_letter_que
     assert_eq!(env.queue_counts("doomed.dlq"), (1, 0), "{report}");
 }
 
+/// A producer's message that names another queue in `MT-Fault-InputAddress` (a header any producer can write),
+/// rejected by a consumer of `fx-orders` and dead-lettered by RabbitMQ into `fx-orders_error`: replayed, it went to the
+/// queue its header named, `fx-payments`, another service's. The broker's `x-death` (from `fx-orders`) contradicts
+/// the header and the queue it sits in does not corroborate it: left, saying why; `--to` sends it where the operator
+/// says.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_address_a_producer_wrote_is_not_taken_over_the_brokers_dead_lettering() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let mut dead_lettering = FieldTable::default();
+    dead_lettering.insert("x-dead-letter-exchange".into(), long(""));
+    dead_lettering.insert("x-dead-letter-routing-key".into(), long("fx-orders_error"));
+    declare(
+        &conn,
+        &["fx-orders", "fx-orders_error", "fx-payments"],
+        dead_lettering,
+    )
+    .await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://localhost/fx-payments"),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    common::publish(&conn, "", "fx-orders", props, b"{}").await;
+    let channel = conn.create_channel().await.unwrap();
+    let got = channel
+        .basic_get("fx-orders".into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("the message");
+    got.delivery
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
+    common::eventually(
+        "dead-lettered by the broker",
+        Duration::from_secs(10),
+        || async { env.queue_counts("fx-orders_error") == (1, 0) },
+    )
+    .await;
+    let report = replay_json(&env, &["--from", "fx-orders_error"], 3);
+    assert_eq!(report["items"][0]["action"], "origin_ambiguous", "{report}");
+    assert!(
+        report["items"][0]["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("RabbitMQ dead-lettered the message from fx-orders"),
+        "{report}"
+    );
+    assert_eq!(env.queue_counts("fx-payments"), (0, 0), "{report}");
+    assert_eq!(env.queue_counts("fx-orders_error"), (1, 0), "{report}");
+    let report = replay_json(&env, &["--from", "fx-orders_error", "--to", "fx-orders"], 0);
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(env.queue_counts("fx-orders"), (1, 0), "{report}");
+}
+
+/// A dead-lettered message carrying a `CC` header (RabbitMQ's sender-selected distribution: its values are routing
+/// keys added to the publish's, and it stays on the message delivered) went back with it. Through the default
+/// exchange each value is a queue name: the replayed copy also landed in any queue so named, outside every check of
+/// where a replay may send (and, its origin gone, was confirmed through that queue and counted replayed). Replayed
+/// copies carry neither `CC` nor `BCC`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cc_header_does_not_send_a_replayed_copy_to_another_queue() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(
+        &conn,
+        &["cc-origin", "cc-origin.dlq", "cc-decoy"],
+        FieldTable::default(),
+    )
+    .await;
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "MT-Fault-InputAddress".into(),
+        long("rabbitmq://localhost/cc-origin"),
+    );
+    headers.insert("MT-Fault-Message".into(), long("boom"));
+    headers.insert(
+        "CC".into(),
+        AMQPValue::FieldArray(vec![long("cc-decoy")].into()),
+    );
+    let props = BasicProperties::default()
+        .with_message_id(uuid::Uuid::new_v4().to_string().into())
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    // Its own publish puts a copy in the decoy too (as the producer's did wherever its CC pointed).
+    common::publish(&conn, "", "cc-origin.dlq", props, b"{}").await;
+    assert_eq!(env.queue_counts("cc-decoy"), (1, 0));
+    let report = replay_json(&env, &["--from", "cc-origin.dlq"], 0);
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(env.queue_counts("cc-origin"), (1, 0), "{report}");
+    assert_eq!(
+        env.queue_counts("cc-decoy"),
+        (1, 0),
+        "no replayed copy in the queue its CC names: {report}"
+    );
+    let back = peek(&conn, "cc-origin").await;
+    let headers = back[0].properties.headers().clone().unwrap_or_default();
+    assert!(!headers.inner().contains_key("CC"), "{headers:?}");
+}
+
 /// Three dead-lettered messages that had a per-message TTL, one for each place it is kept: the `expiration` property
 /// itself (a MassTransit copy may keep it: this one must be replayed before it expires in `ttl.dlq`), inboxctl's
 /// `inboxctl-original-expiration` header, and `x-death` (RabbitMQ's own dead-lettering of `ttl-src`, whose

@@ -45,9 +45,17 @@ pub fn original_expiration(properties: &BasicProperties) -> Option<String> {
         })
 }
 
-/// The headers a replayed copy carries: the original's without the failure headers, with the replay count raised and
-/// the run's tag; and the original per-message TTL in [`ORIGINAL_EXPIRATION_HEADER`] when the copy does not carry it
-/// as its `expiration`, so that a later replay can still give it back.
+/// RabbitMQ's sender-selected distribution headers: their values are routing keys added to the publish's own (and
+/// `CC` stays on the message delivered). A replayed copy goes through the default exchange, where each is a queue
+/// name: carried over, the copy would also land in any queue so named, and be confirmed through it when its origin
+/// is gone.
+fn is_routing_header(key: &str) -> bool {
+    key == "CC" || key == "BCC"
+}
+
+/// The headers a replayed copy carries: the original's without the failure headers and the routing headers, with the
+/// replay count raised and the run's tag; and the original per-message TTL in [`ORIGINAL_EXPIRATION_HEADER`] when the
+/// copy does not carry it as its `expiration`, so that a later replay can still give it back.
 pub fn replay_headers(
     original: Option<&FieldTable>,
     replays: u32,
@@ -62,7 +70,8 @@ pub fn replay_headers(
                 || dead_letter::is_death_header(k)
                 || k == REPLAY_COUNT_HEADER
                 || k == REPLAY_RUN_HEADER
-                || k == ORIGINAL_EXPIRATION_HEADER;
+                || k == ORIGINAL_EXPIRATION_HEADER
+                || is_routing_header(k);
             if !failure {
                 headers.insert(key.clone(), value.clone());
             }

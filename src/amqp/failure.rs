@@ -78,17 +78,21 @@ pub fn failure(headers: Option<&FieldTable>, from: &str, vhost: &str) -> Failure
         .then(|| from.strip_suffix("_skipped"))
         .flatten()
         .filter(|q| !q.is_empty());
+    // The queue the failing dead-lettering took it from; without `x-death`, RabbitMQ 3.13's `x-last-death-queue`,
+    // else the first death's.
+    let death_queue = value_text(death_field(failing, "queue"))
+        .filter(|q| !q.is_empty())
+        .or_else(|| text("x-last-death-queue"))
+        .filter(|q| !q.is_empty())
+        .or_else(|| text("x-first-death-queue"))
+        .filter(|q| !q.is_empty());
     let origin = match (text("MT-Fault-InputAddress"), skipped_from) {
-        (Some(input_address), _) => origin_of_address(input_address, vhost),
+        (Some(input_address), _) => {
+            let origin = origin_of_address(input_address.clone(), vhost);
+            address_beside_death(origin, &input_address, death_queue, from)
+        }
         (None, Some(queue)) => Origin::Queue(queue.to_owned()),
-        // The queue the failing dead-lettering took it from; without `x-death`, RabbitMQ 3.13's
-        // `x-last-death-queue`, else the first death's.
-        (None, None) => value_text(death_field(failing, "queue"))
-            .filter(|q| !q.is_empty())
-            .or_else(|| text("x-last-death-queue"))
-            .filter(|q| !q.is_empty())
-            .or_else(|| text("x-first-death-queue"))
-            .filter(|q| !q.is_empty())
+        (None, None) => death_queue
             .map(origin_of_death_queue)
             .or_else(|| {
                 from.strip_suffix("_error")
@@ -183,6 +187,41 @@ fn origin_of_death_queue(queue: String) -> Origin {
             "x-death names a queue of {} bytes, longer than AMQP's 255",
             queue.len()
         ),
+    }
+}
+
+/// The origin `MT-Fault-InputAddress` (`input_address`) names (`origin`), beside the queue RabbitMQ's dead-lettering took the message
+/// from (`death_queue`) and the dead-letter queue it sits in (`from`). Any producer can write the address into its
+/// message: rejected by a consumer of `orders` and dead-lettered by the broker into `orders_error`, a message whose
+/// address names `payments` would be replayed there. So an address that names another queue than the broker's
+/// dead-lettering did is taken only where the queue it sits in corroborates it (`<queue>_error` or `<queue>_skipped`,
+/// MassTransit's copy of a message that went through a delay queue before it failed); elsewhere it is left, saying
+/// why (`--to` sends it where the operator says).
+fn address_beside_death(
+    origin: Origin,
+    input_address: &str,
+    death_queue: Option<String>,
+    from: &str,
+) -> Origin {
+    match (&origin, death_queue) {
+        (Origin::Queue(queue), Some(death))
+            if *queue != death
+                && from != super::topology::error_queue(queue)
+                && from != super::topology::skipped_queue(queue) =>
+        {
+            Origin::Ambiguous {
+                address: shown_address(input_address),
+                why: format!(
+                    "MT-Fault-InputAddress names queue {}, but RabbitMQ dead-lettered the message from {} (x-death), \
+                     and it sits in {}, not in that queue's _error or _skipped: a header any producer can write is \
+                     not taken over the broker's",
+                    super::limits::truncate(queue, super::limits::MAX_LOGGED_TEXT),
+                    super::limits::truncate(&death, super::limits::MAX_LOGGED_TEXT),
+                    super::limits::truncate(from, super::limits::MAX_LOGGED_TEXT),
+                ),
+            }
+        }
+        _ => origin,
     }
 }
 
@@ -307,6 +346,56 @@ mod tests {
         // Not a skipped copy (no `MT-Reason`): the dead-lettering's own queue.
         assert_eq!(
             failure(Some(&headers(false)), "audit_skipped", "/").origin,
+            Origin::Queue("orders".into())
+        );
+    }
+
+    /// `MT-Fault-InputAddress` beside the broker's `x-death`: taken where they agree, or where the queue the message
+    /// sits in is the address's `_error` (MassTransit's copy of a message that went through a delay queue first);
+    /// left where the broker dead-lettered it from another queue than the one the address (a producer's header) names.
+    #[test]
+    fn an_address_the_brokers_dead_lettering_contradicts_is_left() {
+        let headers = |address: &str, death_queue: &str| {
+            let mut death = FieldTable::default();
+            death.insert("queue".into(), long(death_queue));
+            death.insert("reason".into(), long("rejected"));
+            let mut h = FieldTable::default();
+            h.insert("MT-Fault-InputAddress".into(), long(address));
+            h.insert(
+                "x-death".into(),
+                AMQPValue::FieldArray(FieldArray::from(vec![AMQPValue::FieldTable(death)])),
+            );
+            h
+        };
+        let forged = headers("rabbitmq://localhost/payments", "orders");
+        let f = failure(Some(&forged), "orders_error", "/");
+        assert!(
+            matches!(&f.origin, Origin::Ambiguous { why, .. } if why.contains("RabbitMQ dead-lettered the message from orders")),
+            "{:?}",
+            f.origin
+        );
+        assert!(matches!(
+            failure(Some(&forged), "orders.dlq", "/").origin,
+            Origin::Ambiguous { .. }
+        ));
+        // In the address's own `_error`: MassTransit's copy, whatever hop came before.
+        assert_eq!(
+            failure(Some(&forged), "payments_error", "/").origin,
+            Origin::Queue("payments".into())
+        );
+        let delayed = headers("rabbitmq://localhost/orders", "orders-delay");
+        assert_eq!(
+            failure(Some(&delayed), "orders_error", "/").origin,
+            Origin::Queue("orders".into())
+        );
+        // Agreeing: taken wherever it sits.
+        assert_eq!(
+            failure(
+                Some(&headers("rabbitmq://localhost/orders", "orders")),
+                "archive",
+                "/"
+            )
+            .origin,
             Origin::Queue("orders".into())
         );
     }

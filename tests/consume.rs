@@ -1603,8 +1603,9 @@ async fn a_stop_gives_back_at_once_what_no_batch_has_taken() {
             "carrier",
             "--batch-size",
             "4",
+            // One batch at a time: the one held is all that a batch has taken.
             "--concurrency",
-            "4",
+            "1",
             "--prefetch",
             "20",
             "--shutdown-timeout",

@@ -389,7 +389,12 @@ async fn ceiling(scratch: &Scratch, options: &Options, batch: u16) -> Result<Rep
     let inbox = Inbox::new(scratch.pool.clone(), consumer_type);
     let batch = u64::from(batch.max(1));
     let ids = options.ids;
-    let tasks = u64::from(options.concurrency).div_ceil(batch).max(1);
+    // As many batches at once as the batched consumer works on (one by one, as many messages as it).
+    let tasks = match batch {
+        1 => u64::from(options.concurrency),
+        _ => inboxctl::consumer::batch_workers(usize::from(options.concurrency), batch as usize)
+            as u64,
+    };
     let run = |count: u64| {
         let next = Arc::new(AtomicU64::new(0));
         let workers = (0..tasks).map(|_| {

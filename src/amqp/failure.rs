@@ -190,13 +190,29 @@ fn origin_of_death_queue(queue: String) -> Origin {
     }
 }
 
+/// Whether a queue the broker names (`name`: the one its dead-lettering took the message from, or the one the message
+/// sits in) bears out an address naming `queue`: `queue` itself, its `_error` or `_skipped` (an error copy the broker
+/// dead-lettered again, out of the error queue into an archive), or those of the queue a partition `queue` belongs to
+/// (`<queue>.N`: its consumer's copies go to `<queue>_error`).
+fn vouches(queue: &str, name: &str) -> bool {
+    use super::topology::{error_queue, skipped_queue};
+    let base = queue
+        .rsplit_once('.')
+        .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .map(|(base, _)| base);
+    name == queue
+        || name == error_queue(queue)
+        || name == skipped_queue(queue)
+        || base.is_some_and(|base| name == error_queue(base) || name == skipped_queue(base))
+}
+
 /// The origin `MT-Fault-InputAddress` (`input_address`) names (`origin`), beside the queue RabbitMQ's dead-lettering took the message
 /// from (`death_queue`) and the dead-letter queue it sits in (`from`). Any producer can write the address into its
 /// message: rejected by a consumer of `orders` and dead-lettered by the broker into `orders_error`, a message whose
 /// address names `payments` would be replayed there. So an address that names another queue than the broker's
-/// dead-lettering did is taken only where the queue it sits in corroborates it (`<queue>_error` or `<queue>_skipped`,
-/// MassTransit's copy of a message that went through a delay queue before it failed); elsewhere it is left, saying
-/// why (`--to` sends it where the operator says).
+/// dead-lettering did is taken only where that queue or the one it sits in bears it out ([`vouches`]: MassTransit's
+/// copy in `<queue>_error` of a message that went through a delay queue before it failed, an error copy the broker
+/// moved on into an archive); elsewhere it is left, saying why (`--to` sends it where the operator says).
 fn address_beside_death(
     origin: Origin,
     input_address: &str,
@@ -204,11 +220,7 @@ fn address_beside_death(
     from: &str,
 ) -> Origin {
     match (&origin, death_queue) {
-        (Origin::Queue(queue), Some(death))
-            if *queue != death
-                && from != super::topology::error_queue(queue)
-                && from != super::topology::skipped_queue(queue) =>
-        {
+        (Origin::Queue(queue), Some(death)) if !vouches(queue, &death) && !vouches(queue, from) => {
             Origin::Ambiguous {
                 address: shown_address(input_address),
                 why: format!(
@@ -388,6 +400,44 @@ mod tests {
             failure(Some(&delayed), "orders_error", "/").origin,
             Origin::Queue("orders".into())
         );
+        // Dead-lettered again by the broker out of the address's error queue (a TTL into an archive), and a
+        // partition's copy in its queue's error queue: taken.
+        assert_eq!(
+            failure(
+                Some(&headers("rabbitmq://localhost/orders", "orders_error")),
+                "archive",
+                "/"
+            )
+            .origin,
+            Origin::Queue("orders".into())
+        );
+        assert_eq!(
+            failure(
+                Some(&headers("rabbitmq://localhost/orders.3", "orders_error")),
+                "archive",
+                "/"
+            )
+            .origin,
+            Origin::Queue("orders.3".into())
+        );
+        assert_eq!(
+            failure(
+                Some(&headers("rabbitmq://localhost/orders.3", "orders-delay")),
+                "orders_error",
+                "/"
+            )
+            .origin,
+            Origin::Queue("orders.3".into())
+        );
+        assert!(matches!(
+            failure(
+                Some(&headers("rabbitmq://localhost/orders.x", "orders_error")),
+                "archive",
+                "/"
+            )
+            .origin,
+            Origin::Ambiguous { .. }
+        ));
         // Agreeing: taken wherever it sits.
         assert_eq!(
             failure(

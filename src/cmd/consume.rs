@@ -84,7 +84,8 @@ pub struct Args {
     pub claim_timeout: Duration,
 
     /// How long one attempt at a message (a batch, batched) may take before it is given up: its
-    /// connection is dropped and the message tried again, never counted against it. Bounds a connection that died
+    /// connection is dropped and the message tried again, not counted against it (twice in a row, with PostgreSQL then
+    /// answering, it is: the work is slow or stuck on that message). Bounds a connection that died
     /// without a word (a host lost, a network cut), which would otherwise hold its message until the kernel's TCP
     /// timeout; the server also ends a consumer's session idle inside a transaction for this long. Longer than
     /// --claim-timeout (plus, with --effect-mode keyed, --carrier-timeout and its connect timeout for each member of a

@@ -402,7 +402,7 @@ pub(super) async fn attempts<C: Consumer>(
     // Whether the database may hold a count alone of this start now: counted as an attempt alone begins, taken back as
     // it returns; one the database did not take back stays, and is not counted again.
     let mut counted_alone = false;
-    // Whether its last try was given up past --attempt-timeout.
+    // Whether its last try was given up past --attempt-timeout (a try that failed otherwise starts the count again).
     let mut timed_out = false;
     loop {
         let result = {
@@ -482,13 +482,17 @@ pub(super) async fn attempts<C: Consumer>(
             // The work's failure, after the claim: the database took the inbox's statement.
             Ok(Err(ProcessError::Failed(e))) => {
                 database_back(shared);
+                timed_out = false;
                 error_chain(&e)
             }
             Ok(Err(ProcessError::Unclaimable(reason))) => {
                 database_back(shared);
                 return unclaimable(shared, link, delivery, ready, &reason).await;
             }
-            Err(panic) => format!("panicked: {}", panic_message(&*panic)),
+            Err(panic) => {
+                timed_out = false;
+                format!("panicked: {}", panic_message(&*panic))
+            }
         };
         if let Some(disposition) = failed(shared, link, delivery, ready, attempt, failure).await {
             return disposition;

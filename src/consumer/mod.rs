@@ -46,7 +46,7 @@ mod stop;
 
 pub use self::config::Config;
 pub use self::guard::WorkGuard;
-pub use self::run::run;
+pub use self::run::{batch_workers, run};
 pub use self::start::{consume, consume_guarded};
 
 use serde::Serialize;
@@ -456,6 +456,18 @@ fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two batches at once at least, so that one's round trips overlap the other's gathering and acknowledgement;
+    /// more for a concurrency that asks for more; one only where one message at a time was asked for.
+    #[test]
+    fn batch_workers_overlap_two_batches_unless_one_at_a_time_was_asked_for() {
+        assert_eq!(batch_workers(16, 32), 2);
+        assert_eq!(batch_workers(8, 8), 2);
+        assert_eq!(batch_workers(64, 32), 2);
+        assert_eq!(batch_workers(128, 32), 4);
+        assert_eq!(batch_workers(100, 32), 4);
+        assert_eq!(batch_workers(1, 8), 1);
+    }
 
     /// A work's error whose `source()` is itself: its chain is told up to a bound, not followed for ever.
     #[test]

@@ -1448,8 +1448,10 @@ async fn batched_a_member_stuck_past_the_attempt_timeout_holds_up_only_itself() 
             "carrier",
             "--batch-size",
             "8",
+            // One batch at a time, so that the stuck member shares its batch with the seven (two at once, it may go
+            // alone in one).
             "--concurrency",
-            "8",
+            "1",
             "--claim-timeout",
             "1s",
             "--attempt-timeout",

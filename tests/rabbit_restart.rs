@@ -775,7 +775,7 @@ async fn a_batched_consume_in_a_memory_alarm_gives_back_what_it_cannot_copy_and_
     assert_eq!(rabbit.queue(CARRIER_QUEUE), Some((43, 0)));
 
     let (mut consumer, pool) =
-        consume_through_an_alarm(&env, &rabbit, &["--batch-size", "8", "--concurrency", "8"]).await;
+        consume_through_an_alarm(&env, &rabbit, &["--batch-size", "8", "--concurrency", "1"]).await;
     assert_eq!(rabbit.queue(&error_queue), Some((0, 0)));
 
     rabbit.alarm(false);

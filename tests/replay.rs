@@ -1180,6 +1180,79 @@ async fn an_address_a_producer_wrote_is_not_taken_over_the_brokers_dead_letterin
     assert_eq!(env.queue_counts("fx-orders"), (1, 0), "{report}");
 }
 
+/// A replay gives back every message it does not send (a dry run all of them), and on a quorum queue each return is
+/// a delivery more, which RabbitMQ 4.0–4.2 drop past their delivery limit (20 by default): a message 10 times
+/// delivered is said, as the other looks say it (`most_deliveries`, and a warning).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_says_when_a_message_it_gives_back_nears_a_delivery_limit() {
+    use lapin::options::BasicNackOptions;
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let mut quorum = FieldTable::default();
+    quorum.insert("x-queue-type".into(), long("quorum"));
+    declare(&conn, &["worn.dlq", "worn"], quorum).await;
+    dead_letter(
+        &conn,
+        "worn.dlq",
+        &uuid::Uuid::new_v4().to_string(),
+        b"{}",
+        "rabbitmq://localhost/worn",
+    )
+    .await;
+    let channel = conn.create_channel().await.unwrap();
+    let ready = || async {
+        channel
+            .queue_declare(
+                "worn.dlq".into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    };
+    let report = replay_json(&env, &["--from", "worn.dlq", "--dry-run"], 0);
+    assert!(report.get("most_deliveries").is_none(), "{report}");
+    for _ in 0..10 {
+        // Each return is applied by the queue after the nack that asked for it: waited for before the next take.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while ready().await != 1 {
+            assert!(std::time::Instant::now() < deadline, "the message back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let got = channel
+            .basic_get("worn.dlq".into(), BasicGetOptions { no_ack: false })
+            .await
+            .unwrap()
+            .expect("the message");
+        channel
+            .basic_nack(
+                got.delivery.delivery_tag,
+                BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                },
+            )
+            .await
+            .unwrap();
+    }
+    common::eventually("the message back", Duration::from_secs(10), || async {
+        env.queue_counts("worn.dlq") == (1, 0)
+    })
+    .await;
+    let out = env.run(&["replay", "--from", "worn.dlq", "--dry-run", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    assert!(
+        report["most_deliveries"].as_u64().is_some_and(|n| n >= 10),
+        "{report}"
+    );
+    assert!(out.stderr.contains("has been delivered"), "{out:?}");
+}
+
 /// A dead-lettered message carrying a `CC` header (RabbitMQ's sender-selected distribution: its values are routing
 /// keys added to the publish's, and it stays on the message delivered) went back with it. Through the default
 /// exchange each value is a queue name: the replayed copy also landed in any queue so named, outside every check of

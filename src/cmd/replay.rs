@@ -169,6 +169,9 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         audit(global, &plan, &report, stopped.as_ref()).await;
     }
     let report = report?;
+    if let Some(most) = report.most_deliveries {
+        tracing::warn!(queue = %crate::sanitize::text(&plan.from), "{}", crate::amqp::peek::worn(most));
+    }
     if let Ok(database) = global.connect.database() {
         // Bounded, as the audit is: the replay is done, and a database that takes the connection and never answers
         // must not keep its report from being printed.

@@ -260,6 +260,11 @@ pub struct Report {
     /// With `--group`: how the queue compared with the listing.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub group: Option<GroupCheck>,
+    /// The most times a message the replay met had been delivered before (`x-delivery-count`), when 10 or more
+    /// ([`crate::amqp::peek::WORN`]): on a quorum queue every message a replay gives back (a dry run's, or one not
+    /// chosen) is a delivery more, which RabbitMQ 4.0–4.2 drop past their delivery limit (20 by default).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub most_deliveries: Option<u32>,
     pub items: Vec<Item>,
 }
 
@@ -283,6 +288,7 @@ impl Report {
             in_queue_after: None,
             unmatched: Vec::new(),
             group: None,
+            most_deliveries: None,
             items: Vec::new(),
         }
     }

@@ -337,6 +337,14 @@ impl State<'_> {
                 break;
             };
             let read = self.read(&delivery);
+            // Each message it gives back is a return, which quorum queues count before RabbitMQ 4.3: say so of one
+            // near a delivery limit.
+            if let Some(n) =
+                crate::amqp::failure::delivery_count(delivery.properties.headers().as_ref())
+                && n >= crate::amqp::peek::WORN
+            {
+                self.report.most_deliveries = self.report.most_deliveries.max(Some(n));
+            }
             match self.machine.delivered(&read.seen) {
                 Step::Hold => channels.hold(delivery.delivery_tag),
                 Step::AckAgain => channels.ack(delivery.delivery_tag).await?,

@@ -4,39 +4,29 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures_util::FutureExt as _;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
 use uuid::Uuid;
 
 use super::Consumer;
 use super::bookkeeping::record_event;
 use super::link::Link;
 use super::move_aside::{CONFLICT_FAULT, dead_letter_error, error_queue, skip, unreadable_fault};
-use super::outage::{database_back, the_claim_answers, unavailable, wait_to_retry};
+use super::outage::{Timeouts, database_back, unavailable, wait_to_retry};
 use super::owed;
 use super::poison;
 use super::{
     HOLD_IMPOSSIBLE, MessageContext, OUTAGE_DELAY_MAX, OUTAGE_DELAY_MIN, OnConflict, Shared,
-    error_chain, lock, logged, panic_message, property_id, retry_delay, sleep_or_cancel,
+    error_chain, logged, panic_message, property_id, retry_delay, sleep_or_cancel,
 };
 use crate::amqp::envelope::{self, Incoming};
 use crate::backoff::Backoff;
 use crate::failpoint;
 use crate::inbox::{Carried, Conflict, Fingerprint, Outcome, ProcessError, Work};
 
-/// What to do with a delivery once its handling ended.
-pub(super) enum Disposition {
-    /// Its outcome is committed or its copy confirmed.
-    Ack,
-    /// Not finished (a stop, an outage): give it back to the broker.
-    Requeue,
-    /// Not finished, and not to come back at once (its dead-letter copy was refused): give it back after this pause,
-    /// or at a stop.
-    RequeueAfter(Duration),
-}
+pub(super) use super::settle::{Disposition, settle, settle_acker, settled};
 
 /// Handles one delivery on its own (not batched) and settles it with the broker. A panic anywhere in its handling
 /// (not only in the consumer's work, which counts as a failed attempt) gives the delivery back, never leaves it
@@ -134,88 +124,6 @@ pub(super) fn handling_panicked(delivery: &Delivery, panic: &str) -> Disposition
         "handling a message panicked; it goes back to the queue"
     );
     Disposition::RequeueAfter(OUTAGE_DELAY_MAX)
-}
-
-/// Acks or requeues a delivery whose handling ended (it was taken up at `started`), and counts it out of flight. One
-/// that reached its outcome (acked) has its handling time observed, for `--metrics-addr`: from when a worker took it
-/// up to its outcome committed or its copy confirmed, retries and their waits included; one given back is not.
-pub(super) async fn settle<C: Consumer>(
-    shared: &Shared<C>,
-    link: &Link,
-    delivery: &Delivery,
-    disposition: Disposition,
-    started: Instant,
-) {
-    if let (Disposition::Ack, Some(timings)) = (&disposition, &shared.options.timings) {
-        timings.handled(started.elapsed());
-    }
-    settle_acker(
-        shared,
-        link,
-        &delivery.acker,
-        delivery.delivery_tag,
-        disposition,
-    )
-    .await;
-}
-
-pub(super) async fn settle_acker<C: Consumer>(
-    shared: &Shared<C>,
-    link: &Link,
-    acker: &lapin::Acker,
-    delivery_tag: u64,
-    disposition: Disposition,
-) {
-    let sent = match disposition {
-        Disposition::Ack => {
-            link.answer("an ack", acker.ack(BasicAckOptions::default()))
-                .await
-        }
-        Disposition::Requeue | Disposition::RequeueAfter(_) => {
-            // The pause keeps a message that cannot be settled now from coming round in a tight loop; on a link
-            // given up it comes round on the next connection anyway.
-            if let Disposition::RequeueAfter(pause) = disposition {
-                tokio::select! {
-                    _ = sleep_or_cancel(pause, &shared.shutdown) => {}
-                    () = link.given_up() => {}
-                }
-            }
-            if shared.options.partitions.is_some() && shared.shutdown.is_cancelled() {
-                // A partition queue at a stop: its consumer stays active until the connection closes, so a nack would
-                // hand the message straight back to it, behind the partition's later messages it holds. The close
-                // gives them all back, in order.
-                None
-            } else {
-                let nack = acker.nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                });
-                link.answer("a nack", nack).await
-            }
-        }
-    };
-    // `Ok(false)`: settled already (by the clean-up after a panic), or its channel closed (lapin's acker poisoned);
-    // `settled` counts a delivery out of flight once either way.
-    let sent = matches!(sent, Some(Ok(true)));
-    settled(shared, link, delivery_tag, sent);
-}
-
-/// The bookkeeping of a delivery settled with the broker (`sent`), or not settled because its channel closed or its
-/// link was given up (then the broker delivers it again). Counted out of flight once, however often it is called.
-pub(super) fn settled<C: Consumer>(shared: &Shared<C>, link: &Link, delivery_tag: u64, sent: bool) {
-    *lock(&shared.last_activity) = Instant::now();
-    if !link.outstanding.remove(delivery_tag) {
-        return;
-    }
-    if !sent {
-        tracing::debug!(
-            delivery_tag,
-            "not settled (channel closed or connection given up); the broker will deliver the message again"
-        );
-    }
-    let _ = shared
-        .in_flight
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
 }
 
 /// A delivery that could be read, of a type this consumer handles, with its event decoded.
@@ -402,8 +310,7 @@ pub(super) async fn attempts<C: Consumer>(
     // Whether the database may hold a count alone of this start now: counted as an attempt alone begins, taken back as
     // it returns; one the database did not take back stays, and is not counted again.
     let mut counted_alone = false;
-    // Whether its last try was given up past --attempt-timeout (a try that failed otherwise starts the count again).
-    let mut timed_out = false;
+    let mut timeouts = Timeouts::default();
     loop {
         let result = {
             // A suspect is counted alone for as long as it holds the lock alone, each attempt, and only then.
@@ -457,32 +364,20 @@ pub(super) async fn attempts<C: Consumer>(
                 }
                 return Disposition::Ack;
             }
-            Ok(Err(ProcessError::Unavailable(e))) => {
-                // Given up past --attempt-timeout again, on another connection, and PostgreSQL takes a claim: this
-                // message's own attempt (its work slow or stuck on it), not an outage. Counted as a failed attempt,
-                // so that it ends in the error queue after --max-attempts; taken for an outage, it was tried for
-                // ever, intake paused at each try. The first time is an outage's: its connection may have gone
-                // silent (a network cut), and the next try is on another.
-                let again = std::mem::replace(&mut timed_out, crate::db::is_no_answer(&e));
-                if again && timed_out && the_claim_answers(shared).await {
-                    database_back(shared);
-                    format!(
-                        "the attempt did not end within --attempt-timeout ({}), twice in a row, while PostgreSQL \
-                         answered: its work is slow or stuck on this message",
-                        humantime::format_duration(shared.options.attempt_timeout)
-                    )
-                } else {
+            Ok(Err(ProcessError::Unavailable(e))) => match timeouts.own(shared, &e).await {
+                Some(failure) => failure,
+                None => {
                     unavailable(shared, id, &e);
                     if wait_to_retry(shared, link, id, backoff.next_delay()).await {
                         return Disposition::Requeue;
                     }
                     continue;
                 }
-            }
+            },
             // The work's failure, after the claim: the database took the inbox's statement.
             Ok(Err(ProcessError::Failed(e))) => {
                 database_back(shared);
-                timed_out = false;
+                timeouts.reset();
                 error_chain(&e)
             }
             Ok(Err(ProcessError::Unclaimable(reason))) => {
@@ -490,7 +385,7 @@ pub(super) async fn attempts<C: Consumer>(
                 return unclaimable(shared, link, delivery, ready, &reason).await;
             }
             Err(panic) => {
-                timed_out = false;
+                timeouts.reset();
                 format!("panicked: {}", panic_message(&*panic))
             }
         };

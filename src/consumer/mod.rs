@@ -41,6 +41,7 @@ mod outage;
 mod owed;
 mod poison;
 mod run;
+mod settle;
 pub mod start;
 mod stop;
 

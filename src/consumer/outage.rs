@@ -46,6 +46,42 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
     }
 }
 
+/// The attempts of one message given up past `--attempt-timeout` in a row: the first is an outage's (its connection
+/// may have gone silent, a network cut, and the next try is on another); from the second, if PostgreSQL then takes a
+/// claim, each is the message's own — its work slow or stuck on it — and counted as a failed attempt, so that it ends
+/// in the error queue after `--max-attempts`. Taken for an outage, it was tried for ever, intake paused at each try.
+#[derive(Default)]
+pub(super) struct Timeouts {
+    /// Whether the last try was given up past the bound.
+    last: bool,
+}
+
+impl Timeouts {
+    /// `error` ended a try: the failure to count against the message when the try is its own slowness (above), `None`
+    /// when it is to be waited out as an outage.
+    pub(super) async fn own<C: Consumer>(
+        &mut self,
+        shared: &Shared<C>,
+        error: &sqlx::Error,
+    ) -> Option<String> {
+        let again = std::mem::replace(&mut self.last, crate::db::is_no_answer(error));
+        if !(again && self.last && the_claim_answers(shared).await) {
+            return None;
+        }
+        database_back(shared);
+        Some(format!(
+            "the attempt did not end within --attempt-timeout ({}), twice in a row, while PostgreSQL answered: its \
+             work is slow or stuck on this message",
+            humantime::format_duration(shared.options.attempt_timeout)
+        ))
+    }
+
+    /// A try that failed otherwise: the next timeout is the first in a row again.
+    pub(super) fn reset(&mut self) {
+        self.last = false;
+    }
+}
+
 /// What is said of a wait for a connection that ran out with the pool busy ([`pool_busy`]).
 pub(super) const POOL_BUSY: &str = "every connection of the consumer's pool stayed busy past the wait for one (more \
                                     work holding a connection at once than --pool-size)";
@@ -139,7 +175,7 @@ pub(super) async fn wait_for_database<C: Consumer>(
 /// any attempt (`--attempt-timeout`, its connection dropped if it was the one that failed). Not a `SELECT 1`, which
 /// passes while PostgreSQL refuses the inbox's own statements (a grant taken away, the schema): only the claim sees
 /// the end of both kinds of outage. A key refused (no partition holds its time) is an answer too.
-pub(super) async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
+async fn the_claim_answers<C: Consumer>(shared: &Shared<C>) -> bool {
     let now = chrono::Utc::now();
     let carried = Carried {
         sent_time: Some(now),

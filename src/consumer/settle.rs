@@ -1,0 +1,104 @@
+//! Settling a delivery with the broker once its handling ended: acknowledged (its outcome committed or its copy
+//! confirmed) or given back, and counted out of flight once.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicNackOptions};
+
+use super::link::Link;
+use super::{Consumer, Shared, lock, sleep_or_cancel};
+
+/// What to do with a delivery once its handling ended.
+pub(super) enum Disposition {
+    /// Its outcome is committed or its copy confirmed.
+    Ack,
+    /// Not finished (a stop, an outage): give it back to the broker.
+    Requeue,
+    /// Not finished, and not to come back at once (its dead-letter copy was refused): give it back after this pause,
+    /// or at a stop.
+    RequeueAfter(Duration),
+}
+
+/// Acks or requeues a delivery whose handling ended (it was taken up at `started`), and counts it out of flight. One
+/// that reached its outcome (acked) has its handling time observed, for `--metrics-addr`: from when a worker took it
+/// up to its outcome committed or its copy confirmed, retries and their waits included; one given back is not.
+pub(super) async fn settle<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    disposition: Disposition,
+    started: Instant,
+) {
+    if let (Disposition::Ack, Some(timings)) = (&disposition, &shared.options.timings) {
+        timings.handled(started.elapsed());
+    }
+    settle_acker(
+        shared,
+        link,
+        &delivery.acker,
+        delivery.delivery_tag,
+        disposition,
+    )
+    .await;
+}
+
+pub(super) async fn settle_acker<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    acker: &lapin::Acker,
+    delivery_tag: u64,
+    disposition: Disposition,
+) {
+    let sent = match disposition {
+        Disposition::Ack => {
+            link.answer("an ack", acker.ack(BasicAckOptions::default()))
+                .await
+        }
+        Disposition::Requeue | Disposition::RequeueAfter(_) => {
+            // The pause keeps a message that cannot be settled now from coming round in a tight loop; on a link
+            // given up it comes round on the next connection anyway.
+            if let Disposition::RequeueAfter(pause) = disposition {
+                tokio::select! {
+                    _ = sleep_or_cancel(pause, &shared.shutdown) => {}
+                    () = link.given_up() => {}
+                }
+            }
+            if shared.options.partitions.is_some() && shared.shutdown.is_cancelled() {
+                // A partition queue at a stop: its consumer stays active until the connection closes, so a nack would
+                // hand the message straight back to it, behind the partition's later messages it holds. The close
+                // gives them all back, in order.
+                None
+            } else {
+                let nack = acker.nack(BasicNackOptions {
+                    multiple: false,
+                    requeue: true,
+                });
+                link.answer("a nack", nack).await
+            }
+        }
+    };
+    // `Ok(false)`: settled already (by the clean-up after a panic), or its channel closed (lapin's acker poisoned);
+    // `settled` counts a delivery out of flight once either way.
+    let sent = matches!(sent, Some(Ok(true)));
+    settled(shared, link, delivery_tag, sent);
+}
+
+/// The bookkeeping of a delivery settled with the broker (`sent`), or not settled because its channel closed or its
+/// link was given up (then the broker delivers it again). Counted out of flight once, however often it is called.
+pub(super) fn settled<C: Consumer>(shared: &Shared<C>, link: &Link, delivery_tag: u64, sent: bool) {
+    *lock(&shared.last_activity) = Instant::now();
+    if !link.outstanding.remove(delivery_tag) {
+        return;
+    }
+    if !sent {
+        tracing::debug!(
+            delivery_tag,
+            "not settled (channel closed or connection given up); the broker will deliver the message again"
+        );
+    }
+    let _ = shared
+        .in_flight
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+}

@@ -719,6 +719,27 @@ async fn a_queue_read_before_the_vhost_was_recorded_is_looked_for_in_both_vhosts
     .await;
 }
 
+/// `n` messages that failed an hour ago (a timeout) in the dead-letter queue `queue`, declared if absent: their ids.
+#[cfg(feature = "failpoints")]
+async fn timed_out_an_hour_ago(conn: &Connection, queue: &str, n: usize) -> Vec<String> {
+    inboxctl::amqp::topology::ensure_dead_letter_queue(conn, queue, common::queue_type())
+        .await
+        .unwrap();
+    let mut ids = Vec::with_capacity(n);
+    for _ in 0..n {
+        let id = fail(
+            conn,
+            queue,
+            "System.TimeoutException",
+            "timeout",
+            TimeDelta::hours(1),
+        )
+        .await;
+        ids.push(id);
+    }
+    ids
+}
+
 /// Registers consumer_types as their consumers do, with processed inbox rows of the given age.
 async fn processed_rows(
     pool: &sqlx::PgPool,
@@ -905,26 +926,7 @@ async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages(
 async fn failures_and_find_say_when_another_look_held_messages_out_of_their_sight() {
     let env = TestEnv::migrated().await;
     let conn = env.amqp().await;
-    inboxctl::amqp::topology::ensure_dead_letter_queue(
-        &conn,
-        "orders-carrier_error",
-        common::queue_type(),
-    )
-    .await
-    .unwrap();
-    let mut ids = Vec::new();
-    for _ in 0..3 {
-        ids.push(
-            fail(
-                &conn,
-                "orders-carrier_error",
-                "System.TimeoutException",
-                "timeout",
-                TimeDelta::hours(1),
-            )
-            .await,
-        );
-    }
+    let ids = timed_out_an_hour_ago(&conn, "orders-carrier_error", 3).await;
     let mut look = env.spawn_with(
         &["failures", "--from", "orders-carrier_error"],
         &[("INBOXCTL_FAILPOINTS", "peek=pause@orders-carrier_error")],
@@ -972,32 +974,8 @@ async fn failures_and_find_say_when_another_look_held_messages_out_of_their_sigh
 async fn a_look_whose_close_went_unanswered_keeps_its_mark_while_its_channel_may_hold_messages() {
     let env = TestEnv::migrated().await;
     let conn = env.amqp().await;
-    for queue in ["orders-carrier_error", "zz-other_error"] {
-        inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, queue, common::queue_type())
-            .await
-            .unwrap();
-    }
-    let mut ids = Vec::new();
-    for _ in 0..3 {
-        ids.push(
-            fail(
-                &conn,
-                "orders-carrier_error",
-                "System.TimeoutException",
-                "timeout",
-                TimeDelta::hours(1),
-            )
-            .await,
-        );
-    }
-    fail(
-        &conn,
-        "zz-other_error",
-        "System.TimeoutException",
-        "timeout",
-        TimeDelta::hours(1),
-    )
-    .await;
+    let ids = timed_out_an_hour_ago(&conn, "orders-carrier_error", 3).await;
+    timed_out_an_hour_ago(&conn, "zz-other_error", 1).await;
     let mut find = env.spawn_with(
         &[
             "find",

@@ -301,13 +301,7 @@ pub async fn check(
         let now_in = vhosts.get(ct).cloned().unwrap_or_else(|| own.clone());
         let mut places = vec![(queue_of(&queues, ct), now_in.clone())];
         for (queue, vhost) in earlier.get(ct).into_iter().flatten() {
-            // A queue read before its consumers recorded their vhost was in one not known: looked for in the vhost
-            // they read in now and in this one. In either alone, its failures in the other would read as none.
-            let vhosts = match vhost {
-                Some(vhost) => vec![vhost.clone()],
-                None => vec![now_in.clone(), own.clone()],
-            };
-            for vhost in vhosts {
+            for vhost in db::stats::earlier_vhosts(vhost.as_ref(), &now_in, &own) {
                 let place = (queue.clone(), vhost);
                 if !places.contains(&place) {
                     places.push(place);

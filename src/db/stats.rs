@@ -148,6 +148,17 @@ pub async fn registered_vhosts(
     Ok(rows.into_iter().collect())
 }
 
+/// The vhosts a queue a consumer_type read before is to be looked for in: the one recorded with it (`recorded`). One
+/// recorded without (read before consumers recorded their vhost) was in a vhost not known: both the one its consumers
+/// read in now (`now_in`) and the looker's own (`own`) — in either alone, its failures in the other would read as none.
+pub fn earlier_vhosts(recorded: Option<&String>, now_in: &str, own: &str) -> Vec<String> {
+    match recorded {
+        Some(vhost) => vec![vhost.clone()],
+        None if now_in == own => vec![own.to_owned()],
+        None => vec![now_in.to_owned(), own.to_owned()],
+    }
+}
+
 /// The queues each registered consumer_type read before, each with its vhost if recorded (`REGISTERED_EARLIER`).
 pub async fn registered_earlier(
     executor: impl Into<Exec<'_>>,

@@ -187,15 +187,10 @@ pub async fn find(
         place(&queue, vhosts.get(&consumer_type));
     }
     for (consumer_type, earlier) in db::stats::registered_earlier(pool).await? {
+        let now_in = vhosts.get(&consumer_type).unwrap_or(&own).clone();
         for (queue, vhost) in earlier {
-            match vhost {
-                Some(vhost) => place(&queue, Some(&vhost)),
-                // Read before its consumers recorded their vhost: where it was is not known. Looked for in the vhost
-                // they read in now and in this one, as the cleanup's guard does.
-                None => {
-                    place(&queue, vhosts.get(&consumer_type));
-                    place(&queue, None);
-                }
+            for vhost in db::stats::earlier_vhosts(vhost.as_ref(), &now_in, &own) {
+                place(&queue, Some(&vhost));
             }
         }
     }

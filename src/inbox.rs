@@ -120,7 +120,9 @@ pub enum Outcome<T> {
 pub enum WorkError {
     #[error(transparent)]
     Database(#[from] sqlx::Error),
-    #[error("{0}")]
+    /// The work's own error, told as it is, its causes with it (the consumer logs them, and writes them into the
+    /// dead-letter copy's reason).
+    #[error(transparent)]
     Failed(Box<dyn std::error::Error + Send + Sync>),
 }
 

@@ -56,19 +56,22 @@ pub fn run(cli: Cli) -> Result<Outcome> {
     result
 }
 
+/// The most causes of an error told after it (in a log line, on stderr, in a dead-letter reason): an error type may
+/// chain to itself (a `source()` that loops), and what tells it must end.
+pub(crate) const MAX_CAUSES: usize = 32;
+
 /// Prints `error: …` and the causes the message does not already say, to stderr, without passwords or control
 /// characters.
 pub fn report(error: &Error) {
     use std::io::Write as _;
     let mut text = error.to_string();
-    let mut source = std::error::Error::source(error);
-    while let Some(cause) = source {
+    let causes = std::iter::successors(std::error::Error::source(error), |c| c.source());
+    for cause in causes.take(MAX_CAUSES) {
         let line = cause.to_string();
         if !text.contains(&line) {
             text.push_str("\n  caused by: ");
             text.push_str(&line);
         }
-        source = cause.source();
     }
     // A reader of stderr that went away (`2>&1 | head`) is no reason to panic: the exit code still says it.
     let _ = writeln!(

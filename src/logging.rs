@@ -146,12 +146,11 @@ impl Visit for InertVisitor<'_> {
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
         self.field(field, format_args!("{value}"));
-        let mut source = value.source();
-        while let Some(cause) = source {
+        // Bounded: an error type may chain to itself (a `source()` that loops), and a log line must end.
+        for cause in std::iter::successors(value.source(), |c| c.source()).take(crate::MAX_CAUSES) {
             self.result = self.result.and_then(|()| {
                 Inert(&mut self.writer).write_str(&redact::text(&format!(": {cause}")))
             });
-            source = cause.source();
         }
     }
 
@@ -302,6 +301,43 @@ mod tests {
             "{line:?}"
         );
         assert!(line.contains("moving carrier\\u{202e}"), "{line:?}");
+    }
+
+    /// An error logged as a field whose `source()` is itself: its causes are written up to a bound, and the line ends
+    /// (it used to be written for ever, the process held in its log call).
+    #[test]
+    fn an_error_whose_causes_loop_is_logged_to_a_bound() {
+        #[derive(Debug)]
+        struct Loop;
+        impl std::fmt::Display for Loop {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a loop")
+            }
+        }
+        impl std::error::Error for Loop {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(self)
+            }
+        }
+        let out = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(out.clone())
+            .with_ansi(false)
+            .fmt_fields(InertFields)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::warn!(
+                error = &Loop as &(dyn std::error::Error + 'static),
+                "failed"
+            );
+        });
+        let line = out.text();
+        assert_eq!(
+            line.matches(": a loop").count(),
+            crate::MAX_CAUSES,
+            "{line:?}"
+        );
+        assert_eq!(line.matches('\n').count(), 1, "{line:?}");
     }
 
     #[test]

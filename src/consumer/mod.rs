@@ -400,9 +400,9 @@ pub(crate) fn logged(text: &str) -> String {
     sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
 }
 
-/// The most causes of an error [`error_chain`] follows: a work's error type may chain to itself (a `source()` that
-/// loops), which would hold its worker for ever, and its stop with it.
-const MAX_CAUSES: usize = 32;
+// The most causes of an error `error_chain` follows: a work's error type may chain to itself (a `source()` that
+// loops), which would hold its worker for ever, and its stop with it.
+use crate::MAX_CAUSES;
 
 /// The error and its causes, one per line (at most [`MAX_CAUSES`]); a PostgreSQL error as [`crate::db::describe`]
 /// tells it (without the server's internal source line).
@@ -468,6 +468,33 @@ mod tests {
         assert_eq!(batch_workers(128, 32), 4);
         assert_eq!(batch_workers(100, 32), 4);
         assert_eq!(batch_workers(1, 8), 1);
+    }
+
+    /// A work's own error (`WorkError::Failed`) is told with its causes: they used to stop at the work's error, so a
+    /// carrier client's "request failed" came without the "connection refused" under it.
+    #[test]
+    fn a_works_error_is_told_with_its_causes() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("booking the pickup failed")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let inner =
+            std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let failed = crate::inbox::ProcessError::Failed(crate::inbox::WorkError::Failed(Box::new(
+            Outer(inner),
+        )));
+        assert_eq!(
+            error_chain(&failed),
+            "booking the pickup failed\ncaused by: connection refused"
+        );
     }
 
     /// A work's error whose `source()` is itself: its chain is told up to a bound, not followed for ever.

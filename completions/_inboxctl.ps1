@@ -76,7 +76,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--exchange', '--exchange', [CompletionResultType]::ParameterName, 'The exchange the event is published to; the queue is bound to it through an exchange of its own name')
             [CompletionResult]::new('--queue-type', '--queue-type', [CompletionResultType]::ParameterName, 'What the queue and its <queue>_error and <queue>_skipped are declared as where they do not exist (an existing queue is used as it is)')
             [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)')
-            [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Deliveries the broker may send ahead of acknowledgements (default: 64; batched, at least enough for the batches at work and one more, 96 at --batch-size 32)')
+            [CompletionResult]::new('--prefetch', '--prefetch', [CompletionResultType]::ParameterName, 'Deliveries the broker may send ahead of acknowledgements')
             [CompletionResult]::new('--concurrency', '--concurrency', [CompletionResultType]::ParameterName, 'Messages processed at once')
             [CompletionResult]::new('--pool-size', '--pool-size', [CompletionResultType]::ParameterName, 'Most PostgreSQL connections (default: --concurrency)')
             [CompletionResult]::new('--max-attempts', '--max-attempts', [CompletionResultType]::ParameterName, 'Attempts of a message whose processing fails, before it moves to <queue>_error')

@@ -71,7 +71,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --exchange 'The exchange the event is published to; the queue is bound to it through an exchange of its own name'
             cand --queue-type 'What the queue and its <queue>_error and <queue>_skipped are declared as where they do not exist (an existing queue is used as it is)'
             cand --consumer-type 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)'
-            cand --prefetch 'Deliveries the broker may send ahead of acknowledgements (default: 64; batched, at least enough for the batches at work and one more, 96 at --batch-size 32)'
+            cand --prefetch 'Deliveries the broker may send ahead of acknowledgements'
             cand --concurrency 'Messages processed at once'
             cand --pool-size 'Most PostgreSQL connections (default: --concurrency)'
             cand --max-attempts 'Attempts of a message whose processing fails, before it moves to <queue>_error'

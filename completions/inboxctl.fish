@@ -72,7 +72,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l exchange -
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l queue-type -d 'What the queue and its <queue>_error and <queue>_skipped are declared as where they do not exist (an existing queue is used as it is)' -r -f -a "classic\t'On one node, as MassTransit declares by default'
 quorum\t'Replicated over the cluster\'s nodes; the broker counts each message\'s deliveries'"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l consumer-type -d 'The deduplication scope written to inbox_messages.consumer_type (default: the queue name, as the .NET tutorial does, so inboxctl can take over a queue from a .NET consumer without reprocessing)' -r
-complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l prefetch -d 'Deliveries the broker may send ahead of acknowledgements (default: 64; batched, at least enough for the batches at work and one more, 96 at --batch-size 32)' -r
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l prefetch -d 'Deliveries the broker may send ahead of acknowledgements' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l concurrency -d 'Messages processed at once' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l pool-size -d 'Most PostgreSQL connections (default: --concurrency)' -r
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand consume" -l max-attempts -d 'Attempts of a message whose processing fails, before it moves to <queue>_error' -r

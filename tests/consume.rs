@@ -1476,46 +1476,6 @@ async fn batched_a_member_stuck_past_the_attempt_timeout_holds_up_only_itself() 
     consumer.terminate();
 }
 
-/// Batched at the defaults (`--batch-size 32`, two batches at work), the broker may send one batch more than the
-/// batches at work hold: a batch that ends finds its next deliveries here rather than a round trip away. With the
-/// prefetch at 64 (only the two batches at work), each batch waited for the broker (one batch ahead: 1.15–1.17× the
-/// batched mode's throughput). Both workers are held after their commits, and the broker's books show what the consumer holds: 96,
-/// and no more. A `--prefetch` given is kept as it is, with a warning when it leaves no batch ahead.
-#[cfg(feature = "failpoints")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batched_the_consumer_holds_one_batch_ahead_of_those_at_work() {
-    let env = TestEnv::migrated().await;
-    common::ensure_endpoints(&env).await;
-    common::publish_parcels(&env, &["--count", "200"]);
-    for (given, holds) in [(None, 96), (Some("64"), 64)] {
-        let mut args = vec!["consume", "carrier", "--batch-size", "32"];
-        args.extend(given.iter().flat_map(|p| ["--prefetch", *p]));
-        let consumer = env.spawn_with(&args, &[("INBOXCTL_FAILPOINTS", "after-commit")]);
-        consumer.wait_for_stderr_times(
-            "failpoint after-commit reached",
-            2,
-            Duration::from_secs(30),
-        );
-        common::eventually(
-            &format!("{holds} deliveries held ({given:?})"),
-            Duration::from_secs(20),
-            || async { env.queue_counts(CARRIER_QUEUE).1 == holds },
-        )
-        .await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(env.queue_counts(CARRIER_QUEUE).1, holds, "{given:?}");
-        let warned = consumer.stderr().contains("--prefetch 64 is under 96");
-        assert_eq!(warned, given.is_some(), "{given:?}: {}", consumer.stderr());
-        drop(consumer);
-        common::eventually(
-            "the held deliveries back on the queue",
-            Duration::from_secs(20),
-            || async { env.queue_counts(CARRIER_QUEUE).1 == 0 },
-        )
-        .await;
-    }
-}
-
 /// A message whose work outlasts every attempt (a carrier call that never answers, for this message only) while
 /// PostgreSQL answers: each attempt given up past `--attempt-timeout` was taken for an outage — intake paused,
 /// `/health` down, the attempt never counted — and the message tried for ever, the run never idle. From its second

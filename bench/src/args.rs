@@ -68,10 +68,9 @@ pub struct Args {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub concurrency: u16,
 
-    /// Prefetch of every consumer (default: each consumer's own, as `inboxctl consume` sets it: 64, and batched one
-    /// batch more than the batches at work, 96 at --batch-size 32)
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
-    pub prefetch: Option<u16>,
+    /// Prefetch of every consumer
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
 
     /// Batch size of the inbox-batched mode
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u16).range(2..=64))]

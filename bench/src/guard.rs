@@ -57,9 +57,8 @@ pub struct ConsumeArgs {
     pub exchange: String,
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub concurrency: u16,
-    /// `None`: the consumer's default.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
-    pub prefetch: Option<u16>,
+    pub prefetch: u16,
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub batch_size: u16,
     #[arg(long, value_parser = inboxctl::cli::parse_positive_duration)]

@@ -100,8 +100,7 @@ pub struct Options {
     pub messages: u64,
     pub repeats: u32,
     pub concurrency: u16,
-    /// `None`: each consumer's default ([`inboxctl::consumer::config::default_prefetch`]).
-    pub prefetch: Option<u16>,
+    pub prefetch: u16,
     pub batch_size: u16,
     pub warmup: u64,
     /// Steady rate for the latency run, messages per second, for `latency_seconds`.
@@ -208,10 +207,7 @@ pub struct Settings {
     pub messages: u64,
     pub repeats: u32,
     pub concurrency: u16,
-    /// The prefetch every mode was given; `None`: each consumer's default, as `batched_prefetch` says.
-    pub prefetch: Option<u16>,
-    /// The batched modes' prefetch (the one-by-one modes' is `prefetch`, or by default 64).
-    pub batched_prefetch: u16,
+    pub prefetch: u16,
     pub batch_size: u16,
     pub warmup: u64,
     pub latency_rate: f64,
@@ -237,12 +233,6 @@ impl Settings {
             repeats: options.repeats,
             concurrency: options.concurrency,
             prefetch: options.prefetch,
-            batched_prefetch: options.prefetch.unwrap_or_else(|| {
-                inboxctl::consumer::config::default_prefetch(
-                    options.concurrency,
-                    options.batch_size,
-                )
-            }),
             batch_size: options.batch_size,
             warmup: options.warmup,
             latency_rate: options.latency_rate,

@@ -11,7 +11,6 @@ use chrono::{DateTime, Utc};
 use inboxctl::amqp::envelope::HostInfo;
 use inboxctl::amqp::publish::{self, Routed};
 use inboxctl::amqp::{Broker, topology};
-use inboxctl::consumer::config::DEFAULT_PREFETCH;
 use inboxctl::db::Database;
 use inboxctl::ids::IdKind;
 use inboxctl::producer::{self, Message, Plan};
@@ -206,10 +205,7 @@ pub fn spawn_consumer(
             .env_remove("AMQP_PASSWORD_FILE")
             .env("QUEUE", &scratch.queue)
             .env("CONCURRENCY", options.concurrency.to_string())
-            .env(
-                "PREFETCH",
-                options.prefetch.unwrap_or(DEFAULT_PREFETCH).to_string(),
-            )
+            .env("PREFETCH", options.prefetch.to_string())
             .env("EXIT_WHEN_IDLE_MS", if until_idle { "1000" } else { "0" })
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(peer.log())?);
@@ -222,7 +218,7 @@ pub fn spawn_consumer(
         .args(["--queue-type", scratch.queue_type.name()])
         .args(["--exchange", &scratch.exchange])
         .args(["--concurrency", &options.concurrency.to_string()])
-        .args(options.prefetch.map(|p| format!("--prefetch={p}")))
+        .args(["--prefetch", &options.prefetch.to_string()])
         // The URLs carry the passwords (from a password file too): a password file inherited as well would be a
         // password given twice.
         .env("DATABASE_URL", scratch.db.url())

@@ -9,6 +9,7 @@ use crate::cli::{GlobalOpts, parse_duration, parse_positive_duration};
 use crate::consumer::OnConflict;
 use crate::consumer::config::{
     Config, DEFAULT_BATCH_SIZE, DEFAULT_CONCURRENCY, DEFAULT_MAX_ATTEMPTS, DEFAULT_POISON_AFTER,
+    DEFAULT_PREFETCH,
 };
 use crate::consumer::start;
 use crate::effects::{CarrierApi, EffectMode};
@@ -56,10 +57,9 @@ pub struct Args {
     #[arg(long)]
     pub consumer_type: Option<String>,
 
-    /// Deliveries the broker may send ahead of acknowledgements (default: 64; batched, at least enough for the
-    /// batches at work and one more, 96 at --batch-size 32)
-    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
-    pub prefetch: Option<u16>,
+    /// Deliveries the broker may send ahead of acknowledgements
+    #[arg(long, default_value_t = DEFAULT_PREFETCH, value_parser = clap::value_parser!(u16).range(1..))]
+    pub prefetch: u16,
 
     /// Messages processed at once
     #[arg(long, default_value_t = DEFAULT_CONCURRENCY, value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -355,7 +355,7 @@ mod tests {
             exchange: "e".into(),
             queue_type: QueueType::Quorum,
             consumer_type: Some("t".into()),
-            prefetch: Some(7),
+            prefetch: 7,
             concurrency: 3,
             pool_size: Some(4),
             max_attempts: 9,

@@ -28,29 +28,6 @@ pub const DEFAULT_BATCH_SIZE: u16 = 1;
 pub const DEFAULT_BATCH_WAIT: Duration = Duration::from_millis(5);
 pub const DEFAULT_POISON_AFTER: u32 = 3;
 
-/// The prefetch when none is given: [`DEFAULT_PREFETCH`], or batched, at least enough for every batch at work
-/// ([`batch_workers`](super::batch_workers)) and one more being gathered. With no more than the batches at work,
-/// a batch that ends waits a round trip to the broker (its acknowledgement out, the next deliveries in) before its
-/// worker has anything to gather (measured at the defaults, one batch ahead gave the batched mode 1.15–1.17× the
-/// throughput: `docs/performance.md`, "A batch ahead").
-pub fn default_prefetch(concurrency: u16, batch_size: u16) -> u16 {
-    let workers = super::batch_workers(usize::from(concurrency), usize::from(batch_size));
-    prefetch_for(workers, batch_size)
-}
-
-fn prefetch_for(batch_workers: usize, batch_size: u16) -> u16 {
-    match batch_size {
-        0 | 1 => DEFAULT_PREFETCH,
-        _ => batch_room(batch_workers, batch_size).max(DEFAULT_PREFETCH),
-    }
-}
-
-/// What every batch at work and one more being gathered hold: `(batch workers + 1) × batch size`.
-fn batch_room(batch_workers: usize, batch_size: u16) -> u16 {
-    let room = (batch_workers + 1).saturating_mul(usize::from(batch_size));
-    u16::try_from(room).unwrap_or(u16::MAX)
-}
-
 /// Everything `consume` is told; [`Default`] is `consume carrier` with no flags.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -63,8 +40,7 @@ pub struct Config {
     pub queue_type: topology::QueueType,
     /// The deduplication scope; `None`: the queue's name.
     pub consumer_type: Option<String>,
-    /// Deliveries the broker may send ahead of acknowledgements; `None`: [`Config::prefetch`]'s default.
-    pub prefetch: Option<u16>,
+    pub prefetch: u16,
     pub concurrency: u16,
     /// Most PostgreSQL connections; `None`: `concurrency`.
     pub pool_size: Option<u32>,
@@ -100,7 +76,7 @@ impl Default for Config {
             exchange: topology::PARCEL_CREATED_EXCHANGE.to_owned(),
             queue_type: topology::QueueType::Classic,
             consumer_type: None,
-            prefetch: None,
+            prefetch: DEFAULT_PREFETCH,
             concurrency: DEFAULT_CONCURRENCY,
             pool_size: None,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
@@ -136,23 +112,6 @@ impl Config {
         self.partitions
             .as_ref()
             .map_or(self.concurrency, |p| p.count)
-    }
-
-    /// Deliveries the broker may send ahead of acknowledgements: `--prefetch`, or [`default_prefetch`] (of the batch
-    /// workers a pool of `--pool-size` connections allows).
-    pub fn prefetch(&self) -> u16 {
-        self.prefetch.unwrap_or_else(|| match self.partitions {
-            Some(_) => DEFAULT_PREFETCH,
-            None => prefetch_for(self.batch_workers(), self.batch_size),
-        })
-    }
-
-    /// Batches worked on at once ([`batch_workers`](super::batch_workers)), no more than the pool's connections.
-    fn batch_workers(&self) -> usize {
-        let connections = self.pool_size.unwrap_or(u32::from(self.workers()));
-        super::batch_workers(usize::from(self.concurrency), usize::from(self.batch_size))
-            .min(usize::try_from(connections).unwrap_or(usize::MAX))
-            .max(1)
     }
 
     pub fn queue(&self) -> &str {
@@ -244,22 +203,6 @@ pub(super) fn check_attempt_timeout(config: &Config) -> Result<()> {
     Ok(())
 }
 
-/// What to warn of when a batched consumer is given a prefetch under what its batches at work and one more hold:
-/// then a batch that ends waits for its next deliveries (see [`default_prefetch`]).
-pub(super) fn short_prefetch(config: &Config) -> Option<String> {
-    if config.partitions.is_some() || config.batch_size <= 1 {
-        return None;
-    }
-    let prefetch = config.prefetch();
-    let room = batch_room(config.batch_workers(), config.batch_size);
-    (prefetch < room).then(|| {
-        format!(
-            "--prefetch {prefetch} is under {room}, what the batches at work and one more being gathered hold: a \
-             batch that ends waits for its next deliveries until the one before it is acknowledged"
-        )
-    })
-}
-
 /// Refuses a carrier API where it cannot apply: on the notification consumer, and with a lease no longer than a call
 /// may take (another process could take over an effect whose call is still in flight).
 pub(super) fn check_carrier_api(config: &Config) -> Result<()> {
@@ -309,61 +252,6 @@ pub(super) fn check_carrier_api(config: &Config) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Batched, the prefetch by default leaves one batch ahead of those at work; one by one, partitioned, or given,
-    /// it is what it was. A prefetch given under that room is warned of, never changed.
-    #[test]
-    fn a_batched_consumers_prefetch_leaves_one_batch_ahead_unless_given() {
-        let batched = |concurrency, batch_size, prefetch| Config {
-            concurrency,
-            batch_size,
-            prefetch,
-            ..Config::default()
-        };
-        assert_eq!(Config::default().prefetch(), 64);
-        assert_eq!(batched(16, 32, None).prefetch(), 96);
-        assert_eq!(batched(128, 32, None).prefetch(), 160);
-        assert_eq!(batched(16, 64, None).prefetch(), 192);
-        assert_eq!(batched(8, 8, None).prefetch(), 64);
-        assert_eq!(batched(1, 64, None).prefetch(), 128);
-        assert_eq!(batched(1024, 64, None).prefetch(), 1088);
-        assert_eq!(batched(16, 32, Some(7)).prefetch(), 7);
-        let one_connection = Config {
-            pool_size: Some(1),
-            ..batched(16, 32, None)
-        };
-        assert_eq!(one_connection.prefetch(), 64);
-        assert_eq!(
-            short_prefetch(&Config {
-                prefetch: Some(64),
-                ..one_connection
-            }),
-            None
-        );
-        let partitioned = Config {
-            partitions: Some(Partitions {
-                count: 4,
-                key: "parcelId".into(),
-            }),
-            ..batched(16, 32, None)
-        };
-        assert_eq!(partitioned.prefetch(), 64);
-
-        assert_eq!(short_prefetch(&batched(16, 32, None)), None);
-        assert_eq!(short_prefetch(&batched(16, 32, Some(96))), None);
-        assert_eq!(short_prefetch(&batched(8, 8, Some(24))), None);
-        assert_eq!(
-            short_prefetch(&Config {
-                prefetch: Some(1),
-                ..Config::default()
-            }),
-            None
-        );
-        let warned = short_prefetch(&batched(16, 32, Some(64)))
-            .expect("64 holds only the two batches at work");
-        assert!(warned.contains("--prefetch 64 is under 96"), "{warned}");
-        assert!(short_prefetch(&batched(8, 8, Some(23))).is_some());
-    }
 
     fn with_api(consumer: Kind, mode: EffectMode) -> Config {
         let mut api = CarrierApi::new(url::Url::parse("http://127.0.0.1:1").expect("url"));

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::postgres::PgPool;
 use tokio_util::sync::CancellationToken;
 
-use super::config::{self, Config, check_attempt_timeout, check_carrier_api, names};
+use super::config::{Config, check_attempt_timeout, check_carrier_api, names};
 use super::{ConsumerOptions, RunCounts, RunSummary, WorkGuard};
 use crate::amqp::Broker;
 use crate::db::{self, Database, schema};
@@ -40,9 +40,6 @@ pub async fn consume_guarded<G: WorkGuard>(
     let (queue, consumer_type) = names(config)?;
     check_carrier_api(config)?;
     check_attempt_timeout(config)?;
-    if let Some(warning) = config::short_prefetch(config) {
-        tracing::warn!("{warning}");
-    }
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
     let pool = db
         .with_lock_timeout(config.claim_timeout)
@@ -74,7 +71,6 @@ pub async fn consume_guarded<G: WorkGuard>(
             "effect_table": config.consumer.effect_table(),
             "batch_size": config.batch_size,
             "concurrency": config.concurrency,
-            "prefetch": config.prefetch(),
             "partitions": config.partitions.as_ref().map(|p| p.count),
             "pid": std::process::id(),
         });
@@ -236,7 +232,7 @@ fn options(
         queue,
         queue_type: config.queue_type,
         event_exchange: config.exchange.clone(),
-        prefetch: config.prefetch(),
+        prefetch: config.prefetch,
         // Partitioned, each partition's loop takes one message at a time: its queue's order is the effects' order.
         concurrency: match config.partitions {
             Some(_) => 1,

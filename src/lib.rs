@@ -65,13 +65,16 @@ pub(crate) const MAX_CAUSES: usize = 32;
 pub fn report(error: &Error) {
     use std::io::Write as _;
     let mut text = error.to_string();
-    let causes = std::iter::successors(std::error::Error::source(error), |c| c.source());
-    for cause in causes.take(MAX_CAUSES) {
+    let mut causes = std::iter::successors(std::error::Error::source(error), |c| c.source());
+    for cause in causes.by_ref().take(MAX_CAUSES) {
         let line = cause.to_string();
         if !text.contains(&line) {
             text.push_str("\n  caused by: ");
             text.push_str(&line);
         }
+    }
+    if causes.next().is_some() {
+        text.push_str("\n  caused by: … (more causes not shown)");
     }
     // A reader of stderr that went away (`2>&1 | head`) is no reason to panic: the exit code still says it.
     let _ = writeln!(

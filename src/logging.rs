@@ -147,10 +147,16 @@ impl Visit for InertVisitor<'_> {
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
         self.field(field, format_args!("{value}"));
         // Bounded: an error type may chain to itself (a `source()` that loops), and a log line must end.
-        for cause in std::iter::successors(value.source(), |c| c.source()).take(crate::MAX_CAUSES) {
+        let mut causes = std::iter::successors(value.source(), |c| c.source());
+        for cause in causes.by_ref().take(crate::MAX_CAUSES) {
             self.result = self.result.and_then(|()| {
                 Inert(&mut self.writer).write_str(&redact::text(&format!(": {cause}")))
             });
+        }
+        if causes.next().is_some() {
+            self.result = self
+                .result
+                .and_then(|()| Inert(&mut self.writer).write_str(": …"));
         }
     }
 
@@ -337,6 +343,7 @@ mod tests {
             crate::MAX_CAUSES,
             "{line:?}"
         );
+        assert!(line.contains(": a loop: …"), "{line:?}");
         assert_eq!(line.matches('\n').count(), 1, "{line:?}");
     }
 

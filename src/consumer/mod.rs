@@ -405,7 +405,9 @@ pub(crate) fn logged(text: &str) -> String {
 use crate::MAX_CAUSES;
 
 /// The error and its causes, one per line (at most [`MAX_CAUSES`]); a PostgreSQL error as [`crate::db::describe`]
-/// tells it (without the server's internal source line).
+/// tells it (without the server's internal source line). Passwords masked ([`crate::redact::text`]): it is logged,
+/// and kept as the reason in a dead-letter copy's headers and in `inboxctl_events`, and a work's causes (a client
+/// library's error) may show a URL with its password.
 fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
     fn told(e: &(dyn std::error::Error + 'static)) -> (String, bool) {
         match e.downcast_ref::<sqlx::Error>() {
@@ -430,7 +432,7 @@ fn error_chain(error: &(dyn std::error::Error + 'static)) -> String {
         last = db;
         source = cause.source();
     }
-    text
+    crate::redact::text(&text)
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -494,6 +496,34 @@ mod tests {
         assert_eq!(
             error_chain(&failed),
             "booking the pickup failed\ncaused by: connection refused"
+        );
+    }
+
+    /// A work's cause that shows a URL with its password (a client library's error): the reason kept in the
+    /// dead-letter copy and the events shows it masked.
+    #[test]
+    fn a_works_causes_are_told_without_a_password() {
+        #[derive(Debug)]
+        struct Outer(std::io::Error);
+        impl std::fmt::Display for Outer {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("booking the pickup failed")
+            }
+        }
+        impl std::error::Error for Outer {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let inner = std::io::Error::other(
+            "POST https://ops:hunter2-carrier@carrier.test/pickups: connection refused",
+        );
+        let failed = crate::inbox::WorkError::Failed(Box::new(Outer(inner)));
+        let told = error_chain(&failed);
+        assert!(!told.contains("hunter2-carrier"), "{told}");
+        assert!(
+            told.contains("https://ops:***@carrier.test/pickups: connection refused"),
+            "{told}"
         );
     }
 

@@ -252,8 +252,8 @@ fn carriers_own(response: &reqwest::Response) -> bool {
 /// An error and its causes on one line, without the URL (which may hold a password).
 fn chain(e: &reqwest::Error) -> String {
     let mut text = String::new();
-    let mut source: Option<&dyn std::error::Error> = Some(e);
-    while let Some(cause) = source {
+    let first: &dyn std::error::Error = e;
+    for cause in std::iter::successors(Some(first), |c| c.source()).take(crate::MAX_CAUSES) {
         let line = cause.to_string();
         if !text.contains(&line) {
             if !text.is_empty() {
@@ -261,7 +261,6 @@ fn chain(e: &reqwest::Error) -> String {
             }
             text.push_str(&line);
         }
-        source = cause.source();
     }
     text
 }

@@ -383,7 +383,7 @@ fn refused_as_aborted(error: &WorkError) -> bool {
         WorkError::Database(e) => return is_aborted(e),
         WorkError::Failed(e) => Some(e.as_ref()),
     };
-    for _ in 0..32 {
+    for _ in 0..crate::MAX_CAUSES {
         let Some(e) = next else {
             return false;
         };

@@ -52,6 +52,7 @@ fn migrate_partitioned(env: &TestEnv, args: &[&str]) -> common::Output {
 /// one on the whole table). Once all are settled, it converts.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_changes() {
+    common::clear_of_midnight().await;
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     sqlx::raw_sql(
@@ -117,6 +118,7 @@ async fn an_inbox_a_partitioned_one_could_not_hold_is_refused_before_anything_ch
 /// Each is refused before anything changes, named, and the conversion goes once they are gone.
 #[tokio::test(flavor = "multi_thread")]
 async fn what_a_conversion_would_leave_behind_or_lose_is_refused_before_anything_changes() {
+    common::clear_of_midnight().await;
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let role = format!("{}_writer", env.db_name);
@@ -198,6 +200,7 @@ async fn partition_of_key(pool: &sqlx::PgPool, id: Uuid, consumer_type: &str) ->
 
 #[tokio::test]
 async fn a_late_copy_meets_its_original_in_its_messages_partition_one_by_one_and_batched() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let out = migrate_partitioned(&env, &[]);
     assert_eq!(out.code, Some(0), "{out:?}");
@@ -297,6 +300,7 @@ async fn a_late_copy_meets_its_original_in_its_messages_partition_one_by_one_and
 /// member is of now — the member found one by one and moved aside.
 #[tokio::test]
 async fn a_message_without_a_usable_time_is_moved_aside_with_the_reason_and_the_rest_flow() {
+    common::clear_of_midnight().await;
     for mode in [common::ONE_BY_ONE, &["--batch-size", "8"][..]] {
         moved_aside_without_a_usable_time(mode).await;
     }
@@ -391,6 +395,7 @@ async fn moved_aside_without_a_usable_time(mode: &[&str]) {
 #[tokio::test]
 async fn an_inbox_with_rows_is_converted_in_place_under_a_running_consumer_and_old_copies_stay_duplicates()
  {
+    common::clear_of_midnight().await;
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
@@ -528,6 +533,7 @@ async fn an_inbox_with_rows_is_converted_in_place_under_a_running_consumer_and_o
 #[cfg(feature = "failpoints")]
 #[tokio::test]
 async fn messages_arriving_just_after_the_conversions_swap_are_claimed_not_refused() {
+    common::clear_of_midnight().await;
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
@@ -575,6 +581,7 @@ async fn messages_arriving_just_after_the_conversions_swap_are_claimed_not_refus
 /// now: where the partitions ran out (no cleanup made them ahead), the days since, whose messages are held for them.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     let pool = env.pool().await;
@@ -648,8 +655,11 @@ async fn a_repeated_migrate_does_not_make_again_the_partitions_a_cleanup_dropped
 
     // With a retention shorter than the days run out: yesterday is past the window, yet messages of yesterday are
     // held for its partition (never processed). A cleanup that made partitions from its cutoff only left them to be
-    // moved aside once today's partition was made; it makes yesterday's too now, and keeps it this run.
-    let out = env.run(&["cleanup", "--retention", "1h", "--force", "--json"]);
+    // moved aside once today's partition was made; it makes yesterday's too now, and keeps it this run. The retention
+    // is an hour, or in the first hour of the day less than the time since midnight: its cutoff is in today.
+    let since_midnight = (Utc::now() - settings.floor(Utc::now())).num_seconds();
+    let retention = format!("{}s", (since_midnight - 2).clamp(1, 3600));
+    let out = env.run(&["cleanup", "--retention", &retention, "--force", "--json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     let again = attached().await;
     assert!(again.contains(&yesterday), "{again:?}: {out:?}");
@@ -698,6 +708,7 @@ async fn partition_tables(pool: &sqlx::PgPool) -> (i64, i64) {
 #[tokio::test]
 async fn the_conversion_makes_its_partitions_before_its_swap_and_a_stopped_one_leaves_them_for_the_next()
  {
+    common::clear_of_midnight().await;
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let mut migrate = env.spawn_with(
@@ -779,6 +790,7 @@ async fn the_conversion_makes_its_partitions_before_its_swap_and_a_stopped_one_l
 
 #[tokio::test]
 async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     let pool = env.pool().await;
@@ -1017,6 +1029,7 @@ async fn cleanup_drops_whole_partitions_past_the_window_and_keeps_those_it_must(
 /// sends the message the usual way, and that refuses it as unclaimable, nothing written.
 #[tokio::test(flavor = "multi_thread")]
 async fn in_one_statement_copies_meet_in_their_partition_and_a_time_without_one_is_refused() {
+    common::clear_of_midnight().await;
     let env = partitioned_by_day().await;
     let pool = env.pool().await;
     sqlx::raw_sql("CREATE TABLE effects (message_id uuid NOT NULL, label text NOT NULL)")
@@ -1089,6 +1102,7 @@ async fn in_one_statement_copies_meet_in_their_partition_and_a_time_without_one_
 /// another partition (whose deletion would let its message's next copy through as new).
 #[tokio::test]
 async fn a_plain_cleanup_batch_on_a_converted_inbox_deletes_only_rows_past_the_window() {
+    common::clear_of_midnight().await;
     let env = partitioned_by_day().await;
     let pool = env.pool().await;
     let insert = |id: Uuid, consumer_type: &'static str, ago: TimeDelta| {
@@ -1148,6 +1162,7 @@ async fn a_plain_cleanup_batch_on_a_converted_inbox_deletes_only_rows_past_the_w
 /// every day left messages to be refused once the partitions ahead ran out.)
 #[tokio::test]
 async fn a_cleanup_whose_guard_fails_has_made_the_partitions_ahead() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     let pool = env.pool().await;
@@ -1193,6 +1208,7 @@ async fn a_cleanup_whose_guard_fails_has_made_the_partitions_ahead() {
 /// does not find them by name, nor a stopped drop's leftovers. They are made beside the inbox now.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cleanup_with_another_schema_first_on_its_path_makes_its_partitions_beside_the_inbox() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     let pool = env.pool().await;
@@ -1290,6 +1306,7 @@ async fn attached(pool: &sqlx::PgPool, name: &str) -> bool {
 /// partition is the row processed within the window.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partition_written_to_between_the_cleanups_look_and_its_detach_is_kept() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let (oldest, start) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
@@ -1334,6 +1351,7 @@ async fn a_partition_written_to_between_the_cleanups_look_and_its_detach_is_kept
 /// attached and all, or failed the run.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partition_another_cleanup_attached_again_is_not_dropped_under_it() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let (oldest, start) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
@@ -1376,6 +1394,7 @@ async fn a_partition_another_cleanup_attached_again_is_not_dropped_under_it() {
 /// be claimed until then. It ended 0, as if everything was done. The next cleanup, the lock gone, drops it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partition_left_detached_for_a_lock_held_elsewhere_ends_the_cleanup_partial() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let (oldest, _) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
@@ -1425,6 +1444,7 @@ async fn a_partition_left_detached_for_a_lock_held_elsewhere_ends_the_cleanup_pa
 /// cleanup, not dropped as a leftover.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leftover_partition_holding_a_row_within_the_window_is_attached_again() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let (oldest, start) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
@@ -1459,6 +1479,7 @@ async fn comment_of(pool: &sqlx::PgPool, name: &str) -> Option<String> {
 /// `migrate`: the test's stand-in for one left before the upgrade.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_leftover_of_an_earlier_versions_stopped_drop_is_marked_by_the_migration_and_dropped() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let (oldest, _) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
@@ -1501,6 +1522,7 @@ async fn a_leftover_of_an_earlier_versions_stopped_drop_is_marked_by_the_migrati
 /// table without the mark is left alone.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partition_an_operator_detached_by_hand_is_left_to_them() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     let (oldest, start) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
@@ -1578,6 +1600,7 @@ async fn with_the_partitions_ahead_gone(env: &TestEnv) -> sqlx::PgPool {
 /// claimed on the next try. It was taken for a time no partition would ever hold, and moved aside.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_made_just_after_a_refused_claim_lets_the_message_through() {
+    common::clear_of_midnight().await;
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let pool = with_the_partitions_ahead_gone(&env).await;
@@ -1610,6 +1633,7 @@ async fn a_partition_made_just_after_a_refused_claim_lets_the_message_through() 
 /// late copy of an old message because of its age).
 #[tokio::test(flavor = "multi_thread")]
 async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made() {
+    common::clear_of_midnight().await;
     for mode in [common::ONE_BY_ONE, common::BATCHED] {
         let env = TestEnv::migrated().await;
         common::ensure_endpoints(&env).await;
@@ -1685,6 +1709,7 @@ async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made()
 /// would hold every message as an outage. The member whose time lies farthest from now stands for the batch.
 #[tokio::test]
 async fn a_batch_with_one_member_of_a_time_no_partition_holds_is_not_held_as_an_outage() {
+    common::clear_of_midnight().await;
     let env = partitioned_by_day().await;
     let pool = env.pool().await;
     let inbox = inboxctl::inbox::Inbox::new(
@@ -1723,6 +1748,7 @@ async fn a_batch_with_one_member_of_a_time_no_partition_holds_is_not_held_as_an_
 /// was dropped, the guard reading only when it failed.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_partition_a_waiting_replay_needs_is_kept_while_the_guard_refuses() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     with_an_old_empty_partition(&env).await;
     common::ensure_endpoints(&env).await;
@@ -1842,6 +1868,7 @@ async fn replayed_once(env: &TestEnv, pool: &sqlx::PgPool, id: Uuid) {
 /// its time counted as held by one — tried for ever, and the intake paused again at each try.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_message_of_a_partition_left_half_detached_is_moved_aside_not_held_as_an_outage() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     common::ensure_endpoints(&env).await;
@@ -1918,6 +1945,7 @@ async fn a_message_of_a_partition_left_half_detached_is_moved_aside_not_held_as_
 /// was reported alone, the drop nowhere.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cleanup_failing_between_two_drops_reports_the_one_it_dropped() {
+    common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
     assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
     let pool = env.pool().await;

@@ -19,7 +19,7 @@
 //! - `cluster`: [`Cluster`], three private RabbitMQ nodes clustered on loopback;
 //! - `pgbouncer`: [`PgBouncer`], a private PgBouncer in transaction pooling in front of the test's database;
 //! - `tmux`: [`Tmux`], a real terminal;
-//! - `wait`: [`eventually`]; `faults`: the fault tests' choreography and the exactly-once check they end with;
+//! - `wait`: [`eventually`], [`clear_of_midnight`]; `faults`: the fault tests' choreography and the exactly-once check they end with;
 //! - [`raw_amqp`]: a frame-by-frame publisher for what lapin cannot send.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

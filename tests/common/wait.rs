@@ -32,3 +32,22 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// For a test that names days (a partitioned inbox's daily partitions: today's, yesterday's): started within
+/// [`MIDNIGHT_MARGIN`] of midnight UTC, it waits for the next day first, so that it does not name the days of one date
+/// and run its commands on the next (a CI run crossing midnight failed that way).
+pub async fn clear_of_midnight() {
+    let now = chrono::Utc::now();
+    let tomorrow = (now + chrono::TimeDelta::days(1))
+        .date_naive()
+        .and_hms_opt(0, 0, 1)
+        .expect("a time of day")
+        .and_utc();
+    let left = tomorrow - now;
+    if left <= MIDNIGHT_MARGIN {
+        tokio::time::sleep(left.to_std().unwrap_or_default()).await;
+    }
+}
+
+/// Longer than a test of daily partitions takes on a loaded machine.
+const MIDNIGHT_MARGIN: chrono::TimeDelta = chrono::TimeDelta::minutes(3);

@@ -386,7 +386,8 @@ pub(super) async fn attempts<C: Consumer>(
             }
             Err(panic) => {
                 timeouts.reset();
-                format!("panicked: {}", panic_message(&*panic))
+                // Kept as the reason, as `error_chain`'s is, and as masked: a panic's message may show a URL.
+                crate::redact::text(&format!("panicked: {}", panic_message(&*panic)))
             }
         };
         if let Some(disposition) = failed(shared, link, delivery, ready, attempt, failure).await {

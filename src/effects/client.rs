@@ -1,5 +1,6 @@
 //! The carrier's booking API over HTTP (reqwest with rustls): a booking, sent with its idempotency key, and the
-//! look-up of what was booked under a key. What the server says is sanitised and bounded before anyone sees it.
+//! look-up of what was booked under a key. What the server says is masked of passwords and bounded before it is kept;
+//! like all text from outside, it is escaped where it is shown (a table, a log line), and only there.
 
 use std::time::Duration;
 
@@ -10,7 +11,7 @@ use crate::carrier_stub::{PickupBody, SlotAnswer};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::parcel::PickupRequest;
-use crate::{redact, sanitize};
+use crate::redact;
 
 /// The most of a server's error text kept.
 const MAX_ERROR_TEXT: usize = 300;
@@ -265,13 +266,14 @@ fn chain(e: &reqwest::Error) -> String {
     text
 }
 
-/// Server or network text made safe for a terminal and a log: no control characters, no password, and at most
-/// [`MAX_ERROR_TEXT`] characters.
+/// Server or network text made fit to keep (a call's `last_error`, a failure's reason): no password, and at most
+/// [`MAX_ERROR_TEXT`] characters. Not escaped: what shows it escapes it (escaped here as well, a `\u{1b}` the server
+/// sent was shown as `\\u{1b}`, and a backslash as four).
 fn bounded(text: &str) -> String {
-    let safe = sanitize::text(&redact::text(text)).into_owned();
-    match safe.char_indices().nth(MAX_ERROR_TEXT) {
-        Some((at, _)) => format!("{}…", &safe[..at]),
-        None => safe,
+    let masked = redact::text(text);
+    match masked.char_indices().nth(MAX_ERROR_TEXT) {
+        Some((at, _)) => format!("{}…", &masked[..at]),
+        None => masked,
     }
 }
 
@@ -280,11 +282,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn server_text_is_bounded_and_sanitised() {
-        let long = format!("bad\u{1b}[2J{}", "x".repeat(1000));
+    fn server_text_is_bounded_and_masked_and_kept_unescaped() {
+        let long = format!(
+            "bad\u{1b}[2J C:\\carrier amqp://ops:hunter2@mq/ {}",
+            "x".repeat(1000)
+        );
         let out = bounded(&long);
-        assert!(!out.contains('\u{1b}'));
         assert!(out.chars().count() <= MAX_ERROR_TEXT + 1);
+        assert!(!out.contains("hunter2"), "{out}");
+        // Escaped only where it is shown: once here, it was escaped a second time there.
+        assert!(out.starts_with("bad\u{1b}[2J C:\\carrier "), "{out:?}");
+        let shown = crate::sanitize::text(&out);
+        assert!(shown.starts_with("bad\\u{1b}[2J C:\\\\carrier "), "{shown}");
     }
 
     #[test]

@@ -298,7 +298,8 @@ fn database_gone(e: &Error) -> bool {
 
 /// Why a call the look-up answered for was left as it was.
 fn not_settled(message_id: Uuid, e: &Error) -> String {
-    let why = crate::sanitize::text(&crate::redact::text(&e.to_string())).into_owned();
+    // Masked, not escaped: the log line and the output escape it where they show it.
+    let why = crate::redact::text(&e.to_string());
     tracing::warn!(%message_id, error = %why, "the look-up answered, but settling the call failed; left as it was");
     format!("the look-up answered, but settling it failed: {why}")
 }

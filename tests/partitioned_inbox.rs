@@ -1629,8 +1629,8 @@ async fn a_partition_made_just_after_a_refused_claim_lets_the_message_through() 
 /// The partitions ahead ran out (no cleanup made them): no partition holds the present. A message of now was refused
 /// as unclaimable and moved aside — every message, the whole stream. It is held, as in an outage, saying why; once
 /// a partition holds the present again (here `migrate --partitioned`, as a cleanup would), it is processed. One by
-/// one and batched; among them one whose id is ten minutes old (a backlog's: held like the others, not taken for a
-/// late copy of an old message because of its age).
+/// one and batched; among them one whose id is up to ten minutes old (a backlog's: held like the others, not taken
+/// for a late copy of an old message because of its age).
 #[tokio::test(flavor = "multi_thread")]
 async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made() {
     common::clear_of_midnight().await;
@@ -1638,8 +1638,15 @@ async fn messages_of_now_with_no_partition_for_them_are_held_until_one_is_made()
         let env = TestEnv::migrated().await;
         common::ensure_endpoints(&env).await;
         let pool = with_the_partitions_ahead_gone(&env).await;
-        // The backlog's message first: the first claim the consumer makes.
-        send(&env, v7_ago(TimeDelta::minutes(10))).await;
+        // The backlog's message first: the first claim the consumer makes. Of today, whose partition is gone: ten
+        // minutes old, or in the first minutes of a day (when that would be yesterday's, whose partition is there)
+        // half as old as the day.
+        let today = Utc::now()
+            - Utc::now()
+                .date_naive()
+                .and_time(chrono::NaiveTime::MIN)
+                .and_utc();
+        send(&env, v7_ago((today / 2).min(TimeDelta::minutes(10)))).await;
         let mut consumer = env.spawn(&common::with_mode(&["consume", "carrier"], mode));
         consumer.wait_for_stderr("consuming", Duration::from_secs(30));
         common::publish_parcels(&env, &["--count", "3"]);

@@ -351,9 +351,15 @@ async fn what_is_stamped_at_the_cutoff_itself_is_kept() {
         ("earlier", "earlier-unprocessed", 1),
     ] {
         assert_eq!(
-            store::count_processed_before(&pool, store::Rows::Processed, consumer_type, cutoff)
-                .await
-                .unwrap(),
+            store::count_processed_before(
+                &pool,
+                store::Rows::Processed,
+                consumer_type,
+                cutoff,
+                &[]
+            )
+            .await
+            .unwrap(),
             n,
             "{consumer_type}"
         );

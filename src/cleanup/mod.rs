@@ -191,7 +191,7 @@ pub async fn run(
         partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), &[], true)
             .await
             .map_err(|f| f.error)?;
-        count_what_would_go(pool, &mut consumers, cutoff, processed_rows(&partitions)).await?;
+        count_what_would_go(pool, &mut consumers, cutoff, &partitions).await?;
         let order: Vec<usize> = (0..consumers.len())
             .filter(|&i| consumers[i].refused.is_none())
             .collect();
@@ -434,17 +434,28 @@ fn processed_rows(partitions: &Option<partitions::PartitionWork>) -> db::cleanup
     }
 }
 
-/// A dry run's counts: what each consumer_type not refused would lose.
+/// A dry run's counts: what each consumer_type not refused would lose. The rows of the partitions it would drop are
+/// counted with them (`partitions`), not in `deleted`: a real run drops them before its batched delete.
 async fn count_what_would_go(
     pool: &PgPool,
     consumers: &mut [ConsumerReport],
     cutoff: DateTime<Utc>,
-    processed: db::cleanup::Rows,
+    partitions: &Option<partitions::PartitionWork>,
 ) -> Result<()> {
+    let processed = processed_rows(partitions);
+    let dropped: Vec<String> = partitions
+        .iter()
+        .flat_map(|work| work.dropped.iter().map(|d| d.partition.clone()))
+        .collect();
     for report in consumers.iter_mut().filter(|c| c.refused.is_none()) {
-        report.deleted =
-            db::cleanup::count_processed_before(pool, processed, &report.consumer_type, cutoff)
-                .await?;
+        report.deleted = db::cleanup::count_processed_before(
+            pool,
+            processed,
+            &report.consumer_type,
+            cutoff,
+            &dropped,
+        )
+        .await?;
         report.events_deleted =
             db::cleanup::count_events_before(pool, &report.consumer_type, cutoff).await?;
     }

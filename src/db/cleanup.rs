@@ -96,10 +96,13 @@ DELETE FROM inboxctl_events WHERE ctid = ANY (ARRAY (
     /// What a cleanup would delete (`--dry-run`). `$1` consumer_type, `$2` cutoff.
     const COUNT_PROCESSED_BEFORE =
     "SELECT count(*) FROM inbox_messages WHERE consumer_type = $1 AND processed_at < $2";
-    /// The same on a partitioned inbox, below `$3` as `DELETE_PROCESSED_BATCH_TIMED`.
+    /// The same on a partitioned inbox, below `$3` as `DELETE_PROCESSED_BATCH_TIMED`, leaving out the rows of the
+    /// partitions named in `$4` (those the run would drop whole: the batched delete never sees their rows).
     const COUNT_PROCESSED_BEFORE_TIMED = "\
 SELECT count(*) FROM inbox_messages
-WHERE consumer_type = $1 AND processed_at < $2 AND ($3::timestamptz IS NULL OR message_time < $3)";
+WHERE consumer_type = $1 AND processed_at < $2 AND ($3::timestamptz IS NULL OR message_time < $3)
+  AND tableoid NOT IN (SELECT c.oid FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+                       WHERE i.inhparent = 'inbox_messages'::regclass AND c.relname = ANY($4::text[]))";
     const COUNT_EVENTS_BEFORE =
     "SELECT count(*) FROM inboxctl_events WHERE consumer_type = $1 AND occurred_at < $2";
 
@@ -169,12 +172,13 @@ pub async fn unprocessed_before(
 }
 
 /// Processed rows older than `cutoff`: what a cleanup deletes in batches (`COUNT_PROCESSED_BEFORE`, on a
-/// partitioned inbox `COUNT_PROCESSED_BEFORE_TIMED`).
+/// partitioned inbox `COUNT_PROCESSED_BEFORE_TIMED`, without the rows of the partitions `dropped` names).
 pub async fn count_processed_before(
     executor: impl Into<Exec<'_>>,
     rows: Rows,
     consumer_type: &str,
     cutoff: DateTime<Utc>,
+    dropped: &[String],
 ) -> sqlx::Result<u64> {
     let Rows::ProcessedPartitioned { below } = rows else {
         return count(executor, COUNT_PROCESSED_BEFORE, consumer_type, cutoff).await;
@@ -184,6 +188,7 @@ pub async fn count_processed_before(
         .bind(consumer_type)
         .bind(cutoff)
         .bind(below)
+        .bind(dropped)
         .fetch_one(conn))?;
     Ok(n.unsigned_abs())
 }

@@ -165,6 +165,45 @@ async fn two_runs_at_once_apply_each_migration_once() {
     }
 }
 
+/// A migrate stopped by a signal (here while it waits for another run's lock) ends partial, exit 3, and says so in the
+/// audit: it left no row there, and an operator reading the audit could not account for the run.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_interrupted_migrate_is_audited_as_partial() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    // Another migrate's lock, held on a session of its own.
+    let mut other = pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(0x696e_626f_7863_746c_i64)
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let mut migrate = env.spawn(&["migrate"]);
+    migrate.wait_for_stderr("another migrate is running", Duration::from_secs(30));
+    migrate.terminate();
+    assert_eq!(
+        migrate.wait(Duration::from_secs(30)),
+        Some(3),
+        "{}",
+        migrate.stderr()
+    );
+    assert!(
+        migrate.stderr().contains("interrupted"),
+        "{}",
+        migrate.stderr()
+    );
+    let (outcome, exit_code, details): (String, i32, serde_json::Value) = sqlx::query_as(
+        "SELECT outcome, exit_code, details FROM inboxctl_audit \
+         WHERE command = 'migrate' ORDER BY occurred_at DESC LIMIT 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!((outcome.as_str(), exit_code), ("partial", 3), "{details}");
+    assert_eq!(details["interrupted"], true, "{details}");
+    assert_eq!(details["database"], env.db_name, "{details}");
+}
+
 /// A write transaction left open on the inbox (a service's, slow, or idle in its transaction).
 async fn an_open_write_transaction(pool: &PgPool) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let mut open = pool.begin().await.unwrap();

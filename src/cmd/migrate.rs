@@ -6,6 +6,7 @@ use crate::db::schema::{self, MigrateReport};
 use crate::error::{Outcome, Result};
 use crate::inbox::TimeSource;
 use crate::{audit, output};
+use tokio_util::sync::CancellationToken;
 
 /// `parse`, refusing a duration that is not a whole number of seconds: the interval is kept in whole seconds, and
 /// partitions of `1h 500ms` would drift from the boundaries a cleanup computes from what was kept, leaving gaps.
@@ -64,13 +65,35 @@ impl clap::ValueEnum for TimeSource {
     }
 }
 
-pub async fn run(args: Args, global: &GlobalOpts) -> Result<Outcome> {
+/// What an interrupted migrate says.
+const INTERRUPTED: &str = "interrupted: what was applied stays; run migrate again to finish (an index build cut short is built again then)";
+
+/// How long an interrupted migrate waits to write its audit row: it is on its way out.
+const AUDIT_ON_THE_WAY_OUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+// Each step is its own transaction, or an index built concurrently: a stop drops the run with its connection, what
+// was done stays, what was under way is rolled back (an index build cut short is left invalid, and built again by the
+// next run), and the session's lock goes with the connection. The stop is audited as a partial run (exit 3), as every
+// other command's is: a migrate that leaves no row was one an operator could not account for.
+pub async fn run(args: Args, global: &GlobalOpts, shutdown: &CancellationToken) -> Result<Outcome> {
     let db = global.connect.database()?;
     let partitioning = args.partitioned.map(|interval| Settings {
         interval: chrono::TimeDelta::from_std(interval).unwrap_or(partitions::MIN_INTERVAL),
         source: args.partition_time,
     });
-    let report = schema::migrate_partitioned(&db, args.dry_run, partitioning).await;
+    let migrated = schema::migrate_partitioned(&db, args.dry_run, partitioning);
+    let report = tokio::select! {
+        report = migrated => report,
+        () = shutdown.cancelled() => {
+            tracing::warn!("{INTERRUPTED}");
+            if !args.dry_run {
+                let details = serde_json::json!({ "database": db.name(), "interrupted": true });
+                let entry = audit::Entry::ended("migrate", &Ok(()), |()| Outcome::Partial, details);
+                audit::record_within(&db, &entry, AUDIT_ON_THE_WAY_OUT).await;
+            }
+            return Ok(Outcome::Partial);
+        }
+    };
     if !args.dry_run {
         let details = match &report {
             Ok(r) => serde_json::json!({

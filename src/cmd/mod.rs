@@ -62,18 +62,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<Outcome> {
     match command {
-        // Each step is its own transaction, or an index built concurrently: what was done stays, what was under way
-        // is rolled back (an index build cut short is left invalid, and built again by the next run), and the
-        // session's lock goes with its connection.
-        Command::Migrate(args) => {
-            until_stopped(
-                migrate::run(args, global),
-                &shutdown,
-                "interrupted: what was applied stays; run migrate again to finish (an index build cut short is built \
-                 again then)",
-            )
-            .await
-        }
+        Command::Migrate(args) => migrate::run(args, global, &shutdown).await,
         Command::Consume(args) => consume::run(*args, global, shutdown).await,
         Command::Cleanup(args) => cleanup::run(args, global, shutdown).await,
         Command::Find(args) => until_stopped(find::run(args, global), &shutdown, LOOKED).await,

@@ -3,6 +3,7 @@
 use crate::common;
 
 use common::{CARRIER_QUEUE, TestEnv};
+use std::time::Duration;
 
 fn stats(env: &TestEnv, args: &[&str]) -> serde_json::Value {
     let mut all = vec!["stats", "--json"];
@@ -94,12 +95,59 @@ async fn a_consumer_type_written_only_by_ef_core_shows_its_rows_and_unknown_rate
     .execute(&pool)
     .await
     .unwrap();
+    // And another service's consumer_type, its rows processed.
+    sqlx::raw_sql(
+        "INSERT INTO inbox_messages VALUES
+         ('0f0b9a3e-5b6f-4e0c-9f7c-3c1f2a1e9d01', 'parcel-created-billing', now(), now()),
+         ('0f0b9a3e-5b6f-4e0c-9f7c-3c1f2a1e9d02', 'parcel-created-billing', now(), now())",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // Before `migrate`, without the index: the whole table is read in one pass, and stats says so. Through statements
+    // made for the index it was read once for each consumer_type found and again for each figure (at 300M rows, a
+    // pass over tens of gigabytes each).
+    let scans = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'inbox_messages'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let before = scans().await;
+    let out = env.run(&["stats", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let after = common::within(Duration::from_secs(10), || async { scans().await > before }).await;
+    assert!(after, "the inbox read: {out:?}");
+    assert_eq!(
+        scans().await - before,
+        1,
+        "one pass over the table: {out:?}"
+    );
+    assert!(
+        out.stderr
+            .contains("no index ix_inbox_messages_consumer_type_processed_at")
+            && out.stderr.contains("inboxctl migrate"),
+        "{}",
+        out.stderr
+    );
+    let report: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+    let billing = of(&report, "parcel-created-billing");
+    assert_eq!(
+        (&billing["rows"], &billing["unprocessed"]),
+        (&serde_json::json!(2), &serde_json::json!(0)),
+        "{billing}"
+    );
+    assert!(billing["oldest_unprocessed_seconds"].is_null(), "{billing}");
     // Before and after `migrate`: stats works on the .NET service's database as it is. `top`, which collects every
     // second, refuses it until `migrate` built the index its figures are read through: each refresh would otherwise
     // read the whole table.
     for migrated in [false, true] {
         if migrated {
             assert_eq!(env.run(&["migrate"]).code, Some(0));
+            let out = env.run(&["stats"]);
+            assert!(!out.stderr.contains("no index"), "{}", out.stderr);
         }
         let live = inboxctl::stats::Range {
             live: true,

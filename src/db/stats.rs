@@ -25,6 +25,16 @@ WITH RECURSIVE inbox AS (
 )
 SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
 
+    /// Without that index (a .NET service's table before `migrate`): every consumer_type's rows, unprocessed rows and
+    /// the age of its oldest unprocessed row, read in one pass over the table. The statements above would each read
+    /// the whole table instead — the loose scan once per consumer_type, and each capped count again. A time of
+    /// `-infinity` or `infinity` has no age, as in `OLDEST_UNPROCESSED_AGE`.
+    const WHOLE_INBOX_BY_CONSUMER_TYPE = "\
+SELECT consumer_type::text, count(*), count(*) FILTER (WHERE processed_at IS NULL),
+       extract(epoch FROM now() - min(received_at) FILTER (
+           WHERE processed_at IS NULL AND received_at > '-infinity' AND received_at < 'infinity'))::float8
+FROM inbox_messages GROUP BY 1";
+
     /// The consumer_types inboxctl consumers ran as, with their queue.
     const REGISTERED_CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers";
 
@@ -122,6 +132,36 @@ GROUP BY 1, 2";
 pub async fn consumer_type_index_ready(executor: impl Into<Exec<'_>>) -> sqlx::Result<bool> {
     let query = sql::query_scalar(CONSUMER_TYPE_INDEX_READY);
     unit!(executor, |conn| query.fetch_one(conn))
+}
+
+/// One consumer_type's figures read in [`whole_inbox_by_consumer_type`]'s one pass.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct WholeCounts {
+    pub rows: u64,
+    pub unprocessed: u64,
+    /// Seconds since its oldest unprocessed row with a finite time was received.
+    pub oldest_unprocessed_seconds: Option<f64>,
+}
+
+/// Every consumer_type's figures in one pass over the table (`WHOLE_INBOX_BY_CONSUMER_TYPE`): for a table without the
+/// `(consumer_type, processed_at)` index.
+pub async fn whole_inbox_by_consumer_type(
+    executor: impl Into<Exec<'_>>,
+) -> sqlx::Result<HashMap<String, WholeCounts>> {
+    let rows: Vec<(String, i64, i64, Option<f64>)> =
+        unit!(executor, |conn| sql::query_as(WHOLE_INBOX_BY_CONSUMER_TYPE)
+            .fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(|(consumer_type, rows, unprocessed, oldest)| {
+            let counts = WholeCounts {
+                rows: rows.unsigned_abs(),
+                unprocessed: unprocessed.unsigned_abs(),
+                oldest_unprocessed_seconds: oldest,
+            };
+            (consumer_type, counts)
+        })
+        .collect())
 }
 
 /// consumer_types with inbox rows (`INBOX_CONSUMER_TYPES`).

@@ -223,6 +223,9 @@ pub async fn check_schema(pool: &PgPool, db: &crate::db::Database) -> Result<()>
     schema::require_tables(pool, db, &["inbox_messages"]).await
 }
 
+/// The index every figure of a consumer_type is read through.
+const CONSUMER_TYPE_INDEX: &str = "ix_inbox_messages_consumer_type_processed_at";
+
 /// What a snapshot collected without a broker connection says.
 const UNREACHABLE: &str = "RabbitMQ not reachable";
 
@@ -251,11 +254,23 @@ pub async fn collect_in(
     range: Range,
 ) -> Result<Snapshot> {
     let mut conn = pool.acquire().await?;
-    if range.live && !db::stats::consumer_type_index_ready(&mut *conn).await? {
+    let indexed = db::stats::consumer_type_index_ready(&mut *conn).await?;
+    if range.live && !indexed {
         return Err(crate::error::Error::IndexMissing {
-            index: "ix_inbox_messages_consumer_type_processed_at",
+            index: CONSUMER_TYPE_INDEX,
         });
     }
+    // Without the index each figure would be its own pass over the whole table; one pass reads them all.
+    let whole = if indexed {
+        None
+    } else {
+        tracing::warn!(
+            "inbox_messages has no index {CONSUMER_TYPE_INDEX} (a service's table before `inboxctl migrate`): its \
+             rows are read whole, in one pass; `inboxctl migrate` builds the index without blocking writes, and \
+             stats then reads through it"
+        );
+        Some(db::stats::whole_inbox_by_consumer_type(&mut *conn).await?)
+    };
     let ours = schema::table_exists(&mut conn, "inboxctl_events").await?
         && schema::table_exists(&mut conn, "inboxctl_consumers").await?;
     let (registered, partitioned, vhosts): (
@@ -274,7 +289,10 @@ pub async fn collect_in(
     } else {
         Default::default()
     };
-    let mut types = db::stats::inbox_consumer_types(&mut *conn).await?;
+    let mut types = match &whole {
+        Some(whole) => whole.keys().cloned().collect(),
+        None => db::stats::inbox_consumer_types(&mut *conn).await?,
+    };
     types.extend(registered.keys().cloned());
     types.sort();
     types.dedup();
@@ -283,8 +301,18 @@ pub async fn collect_in(
     let estimates = Estimates::read(&mut conn).await?;
     let mut consumers = Vec::with_capacity(types.len());
     for consumer_type in types {
-        let mut stats =
-            consumer_stats(&mut conn, consumer_type, &registered, &estimates, range).await?;
+        let counted = whole
+            .as_ref()
+            .map(|whole| whole.get(&consumer_type).copied().unwrap_or_default());
+        let mut stats = consumer_stats(
+            &mut conn,
+            consumer_type,
+            &registered,
+            &estimates,
+            counted,
+            range,
+        )
+        .await?;
         if let Some(queue) = stats.queue.as_mut() {
             queue.partitions = partitioned.get(&stats.consumer_type).copied();
         }
@@ -366,31 +394,19 @@ async fn consumer_stats(
     consumer_type: String,
     registered: &HashMap<String, String>,
     estimates: &Estimates,
+    counted: Option<db::stats::WholeCounts>,
     range: Range,
 ) -> Result<ConsumerStats> {
-    let exact_below = range.exact_below;
-    let rows = match estimates.rows(&consumer_type) {
-        Some(estimate) if estimate >= exact_below => Figure::Estimated(estimate),
-        estimate => {
-            let exact =
-                db::stats::count_rows_capped(&mut *conn, &consumer_type, exact_below).await?;
-            Figure::past_the_cap(exact, exact_below, estimate)
+    let (rows, unprocessed, oldest_unprocessed_seconds) = match counted {
+        Some(whole) => (
+            Figure::Exact(whole.rows),
+            Figure::Exact(whole.unprocessed),
+            // A received_at ahead of the server's clock (a service's clock off) is no age: 0, not a negative one.
+            whole.oldest_unprocessed_seconds.map(|age| age.max(0.0)),
+        ),
+        None => {
+            read_through_the_index(&mut *conn, &consumer_type, estimates, range.exact_below).await?
         }
-    };
-    let exact_unprocessed =
-        db::stats::count_unprocessed_capped(&mut *conn, &consumer_type, exact_below).await?;
-    let unprocessed = Figure::past_the_cap(
-        exact_unprocessed,
-        exact_below,
-        estimates.unprocessed(&consumer_type),
-    );
-    let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
-        None
-    } else {
-        // A received_at ahead of the server's clock (a service's clock off) is no age: 0, not a negative one.
-        db::stats::oldest_unprocessed_age(&mut *conn, &consumer_type)
-            .await?
-            .map(|age| age.max(0.0))
     };
 
     let (window_counts, series, rates_estimated) = if registered.contains_key(&consumer_type) {
@@ -435,6 +451,41 @@ async fn consumer_stats(
         effects: None,
         other_vhost: None,
     })
+}
+
+/// A consumer_type's rows, unprocessed rows and the age of its oldest unprocessed row, read through the
+/// `(consumer_type, processed_at)` index: counted up to `exact_below`, estimated past it.
+async fn read_through_the_index(
+    conn: &mut sqlx::PgConnection,
+    consumer_type: &str,
+    estimates: &Estimates,
+    exact_below: u64,
+) -> Result<(Figure, Figure, Option<f64>)> {
+    let rows = match estimates.rows(consumer_type) {
+        Some(estimate) if estimate >= exact_below => Figure::Estimated(estimate),
+        estimate => {
+            let exact =
+                db::stats::count_rows_capped(&mut *conn, consumer_type, exact_below).await?;
+            Figure::past_the_cap(exact, exact_below, estimate)
+        }
+    };
+    let exact_unprocessed =
+        db::stats::count_unprocessed_capped(&mut *conn, consumer_type, exact_below).await?;
+    let unprocessed = Figure::past_the_cap(
+        exact_unprocessed,
+        exact_below,
+        estimates.unprocessed(consumer_type),
+    );
+    let oldest_unprocessed_seconds: Option<f64> = if exact_unprocessed == 0 {
+        None
+    } else {
+        // A received_at ahead of the server's clock (a service's clock off) is no age: 0, not a negative one.
+        db::stats::oldest_unprocessed_age(&mut *conn, consumer_type)
+            .await?
+            .map(|age| age.max(0.0))
+    };
+
+    Ok((rows, unprocessed, oldest_unprocessed_seconds))
 }
 
 /// The window's counters and a series of (deliveries, duplicates) per bucket over the span, oldest first, and whether

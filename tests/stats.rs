@@ -107,6 +107,10 @@ async fn a_consumer_type_written_only_by_ef_core_shows_its_rows_and_unknown_rate
     // Before `migrate`, without the index: the whole table is read in one pass, and stats says so. Through statements
     // made for the index it was read once for each consumer_type found and again for each figure (at 300M rows, a
     // pass over tens of gigabytes each).
+    // The set-up's sessions closed, so that their own scans (the script's index builds) reach the statistics as they
+    // end, not at some moment of their idling; counted once no more come.
+    pool.close().await;
+    let pool = env.pool().await;
     let scans = || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'inbox_messages'",
@@ -115,7 +119,15 @@ async fn a_consumer_type_written_only_by_ef_core_shows_its_rows_and_unknown_rate
         .await
         .unwrap()
     };
-    let before = scans().await;
+    let mut before = scans().await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        let now = scans().await;
+        if now == before {
+            break;
+        }
+        before = now;
+    }
     let out = env.run(&["stats", "--json"]);
     assert_eq!(out.code, Some(0), "{out:?}");
     let after = common::within(Duration::from_secs(10), || async { scans().await > before }).await;

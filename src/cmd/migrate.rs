@@ -106,7 +106,14 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: &CancellationToken) 
             Err(_) => serde_json::json!({ "database": db.name() }),
         };
         let entry = audit::Entry::ended("migrate", &report, |_| Outcome::Done, details);
-        audit::record_in(&db, &entry).await;
+        // A stop now, the run done, ends the write: a database that went away meanwhile would otherwise hold the
+        // first signal up for as long as it does not answer.
+        tokio::select! {
+            _ = audit::record_in(&db, &entry) => {}
+            () = shutdown.cancelled() => {
+                tracing::warn!("stopped while the audit row was written: the run itself ended as reported; its row not written");
+            }
+        }
     }
     let report = report?;
     if args.json {

@@ -26,14 +26,15 @@ WITH RECURSIVE inbox AS (
 SELECT consumer_type::text FROM inbox WHERE consumer_type IS NOT NULL";
 
     /// Without that index (a .NET service's table before `migrate`): every consumer_type's rows, unprocessed rows and
-    /// the age of its oldest unprocessed row, read in one pass over the table. The statements above would each read
+    /// the age of its oldest unprocessed row, read in one pass over the table (a null consumer_type, which a service's
+    /// table may allow, passed over as the loose scan passes it). The statements above would each read
     /// the whole table instead — the loose scan once per consumer_type, and each capped count again. A time of
     /// `-infinity` or `infinity` has no age, as in `OLDEST_UNPROCESSED_AGE`.
     const WHOLE_INBOX_BY_CONSUMER_TYPE = "\
 SELECT consumer_type::text, count(*), count(*) FILTER (WHERE processed_at IS NULL),
        extract(epoch FROM now() - min(received_at) FILTER (
            WHERE processed_at IS NULL AND received_at > '-infinity' AND received_at < 'infinity'))::float8
-FROM inbox_messages GROUP BY 1";
+FROM inbox_messages WHERE consumer_type IS NOT NULL GROUP BY 1";
 
     /// The consumer_types inboxctl consumers ran as, with their queue.
     const REGISTERED_CONSUMERS = "SELECT consumer_type::text, queue FROM inboxctl_consumers";

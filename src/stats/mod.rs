@@ -265,9 +265,9 @@ pub async fn collect_in(
         None
     } else {
         tracing::warn!(
-            "inbox_messages has no index {CONSUMER_TYPE_INDEX} (a service's table before `inboxctl migrate`): its \
-             rows are read whole, in one pass; `inboxctl migrate` builds the index without blocking writes, and \
-             stats then reads through it"
+            "inbox_messages has no index {CONSUMER_TYPE_INDEX} (a service's table before `inboxctl migrate`, or \
+             one whose build was cut short): its counts are read in one pass over the whole table; `inboxctl \
+             migrate` builds the index without blocking writes, and stats then reads through it"
         );
         Some(db::stats::whole_inbox_by_consumer_type(&mut *conn).await?)
     };

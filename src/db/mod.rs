@@ -166,7 +166,11 @@ impl Database {
         }
         let options = PgConnectOptions::from_str(&for_driver)
             .map_err(|e| secret::invalid_url(secret::DATABASE_URL, url, &e.to_string()))?
-            .application_name("inboxctl");
+            .application_name("inboxctl")
+            // A statement that waits (a claim behind another attempt's, a migration behind an open transaction) is
+            // said in inboxctl's words where it matters; the driver's own warning printed the statement's whole text
+            // each time, at the default level. Kept for -vv.
+            .log_slow_statements(log::LevelFilter::Info, Duration::from_secs(1));
         secret::warn_if_ambiguous(secret::DATABASE_URL, url);
         Ok(Self {
             options,

@@ -34,9 +34,11 @@ pub fn init(global: &GlobalOpts, target: Target) {
     }
     let quiet_consumers = target == Target::StderrQuietConsumers;
     // lapin logs a passive declare of a missing exchange (how inboxctl checks before declaring) as an ERROR;
-    // inboxctl reports the broker problems that matter itself.
+    // inboxctl reports the broker problems that matter itself. So it does the database's outages, which sqlx's pool
+    // also warns of, in its own terms ("time to acquire exceeded slow threshold", "error occurred while testing the
+    // connection on-release … at line 3211"): those are for -v.
     let mut default = match global.verbose {
-        0 => "warn,lapin=off,inboxctl=info".to_owned(),
+        0 => "warn,lapin=off,sqlx::pool=error,sqlx_core::pool=error,inboxctl=info".to_owned(),
         1 => "warn,lapin=warn,inboxctl=debug".to_owned(),
         _ => "info,inboxctl=trace".to_owned(),
     };

@@ -142,6 +142,17 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
     stream
         .end("every message processed after the restart")
         .await;
+    // The outage said in inboxctl's words, not also in the driver's (its pool warned of slow acquisitions and of
+    // connections that failed their test, each time, at the default level).
+    let said = stream.consumer.stderr();
+    for drivers in [
+        "exceeded slow threshold",
+        "testing the connection",
+        "slow statement",
+    ] {
+        assert!(!said.contains(drivers), "{said}");
+    }
+    assert!(said.contains("PostgreSQL is back"), "{said}");
     stream.pool.close().await;
 }
 

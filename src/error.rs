@@ -201,6 +201,17 @@ fn start_hint(service: &str, url: &str) -> String {
 }
 
 impl Error {
+    /// What happened, without the fix the CLI adds on the lines after it: for a log line that a loop writes each time
+    /// it retries (a consumer reconnecting), where "is RabbitMQ running on this machine? `scripts/services.sh` …"
+    /// said again every few seconds, its line breaks escaped, was noise.
+    pub fn headline(&self) -> String {
+        let said = self.to_string();
+        match said.split_once('\n') {
+            Some((first, _)) => first.to_owned(),
+            None => said,
+        }
+    }
+
     /// The exit code a process ending with this error returns.
     pub fn exit_code(&self) -> u8 {
         match self {
@@ -248,5 +259,24 @@ impl From<Outcome> for ExitCode {
             Outcome::Done => ExitCode::from(exit::OK),
             Outcome::Partial => ExitCode::from(exit::PARTIAL),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_headline_leaves_the_fix_out() {
+        let e = Error::BrokerUnavailable {
+            url: "amqp://***:***@127.0.0.1:5672/%2f".to_owned(),
+            reason: "IO error: Connection refused (os error 111)".to_owned(),
+        };
+        assert!(e.to_string().contains("scripts/services.sh"), "{e}");
+        assert_eq!(
+            e.headline(),
+            "cannot connect to RabbitMQ at amqp://***:***@127.0.0.1:5672/%2f: IO error: Connection refused (os error 111)"
+        );
+        assert_eq!(Error::Usage("bad".to_owned()).headline(), "bad");
     }
 }

@@ -287,6 +287,10 @@ async fn rabbitmq_restarted_twice_mid_stream_every_message_once() {
     common::assert_carrier_exactly_once(&pool, 2_600).await;
     let error_queue = format!("{CARRIER_QUEUE}_error");
     assert!(matches!(rabbit.queue(&error_queue), None | Some((0, 0))));
+    // Each try to reconnect said without the fix a command's error ends with (how to start the servers).
+    let said = consumer.stderr();
+    assert!(said.contains("RabbitMQ unavailable"), "{said}");
+    assert!(!said.contains("scripts/services.sh"), "{said}");
     consumer.terminate();
 }
 

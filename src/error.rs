@@ -201,14 +201,17 @@ fn start_hint(service: &str, url: &str) -> String {
 }
 
 impl Error {
-    /// What happened, without the fix the CLI adds on the lines after it: for a log line that a loop writes each time
-    /// it retries (a consumer reconnecting), where "is RabbitMQ running on this machine? `scripts/services.sh` …"
-    /// said again every few seconds, its line breaks escaped, was noise.
-    pub fn headline(&self) -> String {
+    /// The error as a loop that retries says it each time (a consumer reconnecting, `cleanup --every`): a server that
+    /// cannot be reached without the hint on how to start one, which, said again every few seconds with its line
+    /// break escaped, was noise. Every other error as it is: a refused login's or a grant's fix is said nowhere else
+    /// while the loop goes on.
+    pub fn for_a_retry(&self) -> String {
         let said = self.to_string();
-        match said.split_once('\n') {
-            Some((first, _)) => first.to_owned(),
-            None => said,
+        match self {
+            Error::DatabaseUnavailable { .. } | Error::BrokerUnavailable { .. } => said
+                .split_once('\n')
+                .map_or_else(|| said.clone(), |(first, _)| first.to_owned()),
+            _ => said,
         }
     }
 
@@ -267,16 +270,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_headline_leaves_the_fix_out() {
+    fn a_retry_says_an_unreachable_server_without_the_hint_and_a_refusal_with_its_fix() {
         let e = Error::BrokerUnavailable {
             url: "amqp://***:***@127.0.0.1:5672/%2f".to_owned(),
             reason: "IO error: Connection refused (os error 111)".to_owned(),
         };
         assert!(e.to_string().contains("scripts/services.sh"), "{e}");
         assert_eq!(
-            e.headline(),
+            e.for_a_retry(),
             "cannot connect to RabbitMQ at amqp://***:***@127.0.0.1:5672/%2f: IO error: Connection refused (os error 111)"
         );
-        assert_eq!(Error::Usage("bad".to_owned()).headline(), "bad");
+        let refused = Error::Usage("first line\n  and its fix".to_owned());
+        assert_eq!(refused.for_a_retry(), refused.to_string());
     }
 }

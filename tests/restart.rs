@@ -148,6 +148,7 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
     for drivers in [
         "exceeded slow threshold",
         "testing the connection",
+        "before_acquire",
         "slow statement",
     ] {
         assert!(!said.contains(drivers), "{said}");

@@ -264,7 +264,7 @@ impl Broker {
                 }
                 Err(e @ Error::BrokerUnavailable { .. }) => {
                     if self.nodes.len() > 1 {
-                        tracing::warn!(node = %self.node_display(node), error = %e.headline(), "RabbitMQ node unavailable");
+                        tracing::warn!(node = %self.node_display(node), error = %e.for_a_retry(), "RabbitMQ node unavailable");
                     }
                     unavailable = e;
                 }

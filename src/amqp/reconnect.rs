@@ -51,7 +51,7 @@ impl Broker {
                     if tokio::time::Instant::now() + delay > deadline || stop.is_cancelled() {
                         return Err(e);
                     }
-                    tracing::warn!(error = %e.headline(), retry_in = ?delay, "RabbitMQ unavailable");
+                    tracing::warn!(error = %e.for_a_retry(), retry_in = ?delay, "RabbitMQ unavailable");
                     if sleep_or_cancel(delay, &stop).await {
                         return Err(e);
                     }

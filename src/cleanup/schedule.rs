@@ -41,7 +41,7 @@ pub async fn scheduled(
                     return Err(e);
                 };
                 tracing::warn!(
-                    error = %crate::redact::text(&e.to_string()),
+                    error = %crate::redact::text(&e.for_a_retry()),
                     "this cleanup run failed; the next one runs on schedule (--every)"
                 );
                 on(Event::Failed(&e))?;

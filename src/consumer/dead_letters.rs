@@ -157,7 +157,7 @@ impl DeadLetters {
         let connection = self
             .connection()
             .await
-            .map_err(|e| CopyError::Refused(crate::redact::text(&e.to_string())))?;
+            .map_err(|e| CopyError::Refused(crate::redact::text(&e.for_a_retry())))?;
         let _ = turn.on.set(Arc::clone(&connection));
         let frame_max = usize::try_from(connection.configuration().frame_max()).unwrap_or(0);
         let properties =

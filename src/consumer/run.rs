@@ -162,7 +162,7 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
             Err(e) if first => return Err(e),
             Err(e) => {
                 let delay = backoff.next_delay();
-                tracing::warn!(error = %e.headline(), retry_in = ?delay, "RabbitMQ unavailable");
+                tracing::warn!(error = %e.for_a_retry(), retry_in = ?delay, "RabbitMQ unavailable");
                 if sleep_or_cancel(delay, &shutdown).await {
                     break;
                 }

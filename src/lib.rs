@@ -60,6 +60,25 @@ pub fn run(cli: Cli) -> Result<Outcome> {
 /// chain to itself (a `source()` that loops), and what tells it must end.
 pub(crate) const MAX_CAUSES: usize = 32;
 
+/// For the tests of what tells an error's causes: an error that is its own cause, told "a loop" at every step.
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct LoopingError;
+
+#[cfg(test)]
+impl std::fmt::Display for LoopingError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a loop")
+    }
+}
+
+#[cfg(test)]
+impl std::error::Error for LoopingError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self)
+    }
+}
+
 /// Prints `error: …` and the causes the message does not already say, to stderr, without passwords or control
 /// characters.
 pub fn report(error: &Error) {

@@ -315,18 +315,6 @@ mod tests {
     /// (it used to be written for ever, the process held in its log call).
     #[test]
     fn an_error_whose_causes_loop_is_logged_to_a_bound() {
-        #[derive(Debug)]
-        struct Loop;
-        impl std::fmt::Display for Loop {
-            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a loop")
-            }
-        }
-        impl std::error::Error for Loop {
-            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-                Some(self)
-            }
-        }
         let out = Captured::default();
         let subscriber = tracing_subscriber::fmt()
             .with_writer(out.clone())
@@ -335,7 +323,7 @@ mod tests {
             .finish();
         tracing::subscriber::with_default(subscriber, || {
             tracing::warn!(
-                error = &Loop as &(dyn std::error::Error + 'static),
+                error = &crate::LoopingError as &(dyn std::error::Error + 'static),
                 "failed"
             );
         });

@@ -57,6 +57,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::MAX_CAUSES;
 use crate::amqp::envelope;
 use crate::amqp::limits::{self, MAX_LOGGED_TEXT};
 use crate::backoff::sleep_or_cancel;
@@ -399,10 +400,6 @@ fn property_id(properties: &lapin::BasicProperties) -> Option<Uuid> {
 pub(crate) fn logged(text: &str) -> String {
     sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
 }
-
-// The most causes of an error `error_chain` follows: a work's error type may chain to itself (a `source()` that
-// loops), which would hold its worker for ever, and its stop with it.
-use crate::MAX_CAUSES;
 
 /// The error and its causes, one per line (at most [`MAX_CAUSES`]); a PostgreSQL error as [`crate::db::describe`]
 /// tells it (without the server's internal source line). Passwords masked ([`crate::redact::text`]): it is logged,

@@ -535,7 +535,23 @@ async fn triage_find_replay_and_audit_through_the_pooler() {
         assert_eq!(out.code, Some(0), "{args:?}: {out:?}");
         out
     };
-    run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    // Commits that return before they are on disk: a consumer cannot set it on for sessions a pooler shares out, and
+    // says what to set instead.
+    let pool = env.pool().await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {} SET synchronous_commit = off",
+        common::quote_ident(&env.db_name)
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+    let consumed = run(&["consume", "carrier", "--exit-when-idle", "1s"]);
+    assert!(
+        consumed.stderr.contains("through a transaction pooler")
+            && consumed.stderr.contains("ALTER ROLE"),
+        "{consumed:?}"
+    );
     assert_eq!(env.queue_counts(&error_queue), (1, 0), "dead-lettered");
 
     let failures = run(&["failures", "--from", &error_queue, "--json"]);

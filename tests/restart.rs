@@ -75,6 +75,14 @@ impl PrivatePg {
         );
     }
 
+    /// Ends the server as a crash would (`stop -m immediate`): nothing is flushed on the way.
+    fn crash(&self) {
+        self.ctl(
+            "pg_ctlcluster",
+            &[&self.version, &self.name, "stop", "-m", "immediate"],
+        );
+    }
+
     fn start_again(&self) {
         self.ctl("pg_ctlcluster", &[&self.version, &self.name, "start"]);
     }
@@ -155,6 +163,98 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
     }
     assert!(said.contains("PostgreSQL is back"), "{said}");
     stream.pool.close().await;
+}
+
+/// A database whose `synchronous_commit` is off (a setting chosen for throughput): a commit returns before it is on
+/// disk. A consumer acknowledges a message once its commit returns, so its sessions set it on: each commit of its run
+/// is flushed (a WAL flush each, one message at a time), and after the server crashes right after the run (`stop -m
+/// immediate`, its WAL writer told to wait 10 s between flushes) the effect of every acknowledged message is there.
+/// With the setting left off, the run flushed nothing of its own, and the crash lost the last effects of messages
+/// already gone from the queue.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_synchronous_commit_off_no_acknowledged_effect_is_lost_in_a_crash() {
+    let env = TestEnv::bare().await;
+    common::ensure_endpoints(&env).await;
+    let pg = PrivatePg::start();
+    let url = pg.url("postgres", "parcels");
+    let run = |args: &[&str]| {
+        let out = env
+            .cmd()
+            .env("DATABASE_URL", &url)
+            .args(args)
+            .output()
+            .unwrap();
+        let out = common::Output::of(out);
+        assert_eq!(out.code, Some(0), "{args:?}: {out:?}");
+        out
+    };
+    run(&["migrate"]);
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&pg.url("postgres", "postgres"))
+        .await
+        .unwrap();
+    for statement in [
+        "ALTER SYSTEM SET wal_writer_delay = '10s'",
+        "ALTER DATABASE parcels SET synchronous_commit = off",
+        "SELECT pg_reload_conf()",
+    ] {
+        sqlx::query(statement).execute(&admin).await.unwrap();
+    }
+    run(&["publish", "parcel-created", "--count", "200"]);
+    let wal_syncs = || async {
+        // A fresh snapshot of the statistics each time.
+        let mut conn = admin.acquire().await.unwrap();
+        sqlx::query("SELECT pg_stat_clear_snapshot()")
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        sqlx::query_scalar::<_, i64>("SELECT wal_sync FROM pg_stat_wal")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap()
+    };
+    let before = wal_syncs().await;
+    let out = run(&[
+        "consume",
+        "carrier",
+        "--concurrency",
+        "1",
+        "--exit-when-idle",
+        "200ms",
+    ]);
+    assert!(
+        out.stderr.contains("the consumer's sessions set it on"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (0, 0),
+        "every message acknowledged"
+    );
+    // The consumer's sessions report their statistics as they end, just after it exits.
+    common::eventually(
+        "a WAL flush for each commit of the run",
+        Duration::from_secs(10),
+        || async { wal_syncs().await - before >= 200 },
+    )
+    .await;
+    admin.close().await;
+
+    pg.crash();
+    pg.start_again();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        200,
+        "every acknowledged message's effect survived the crash"
+    );
+    pool.close().await;
 }
 
 /// A role with a password: a wrong one is named as such (exit 77, the password shown nowhere); the right one can come

@@ -41,11 +41,21 @@ pub async fn consume_guarded<G: WorkGuard>(
     check_carrier_api(config)?;
     check_attempt_timeout(config)?;
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
-    let pool = db
+    let messages_db = db
         .with_lock_timeout(config.claim_timeout)
-        .with_idle_in_transaction_timeout(config.attempt_timeout())
-        .message_pool(pool_size)
-        .await?;
+        .with_idle_in_transaction_timeout(config.attempt_timeout());
+    let pool = messages_db.message_pool(pool_size).await?;
+    let pool = match durable_commits(&pool, &messages_db).await {
+        Ok(None) => pool,
+        Ok(Some(durable)) => {
+            close_pool(pool).await;
+            durable.message_pool(pool_size).await?
+        }
+        Err(e) => {
+            close_pool(pool).await;
+            return Err(e);
+        }
+    };
     let summary = async {
         check_schema(&pool, db, config.carrier_api.is_some()).await?;
         check_privileges(&pool, db, config).await?;
@@ -220,6 +230,35 @@ pub async fn consume_guarded<G: WorkGuard>(
     .await;
     close_pool(pool).await;
     summary
+}
+
+/// A message is acknowledged once its commit returns. With `synchronous_commit` off (for the server, the database or
+/// the role) a commit returns before it is on disk, and a PostgreSQL crash loses the last ones: their messages are
+/// gone from the queue, and their claims and effects from the database. So the consumer's sessions set it on: the
+/// database to open them with, when the one given would not. Through a transaction pooler no session setting holds,
+/// and the operator is told what to set instead. `local` and the `remote_*` levels are left as they are: each waits for
+/// the commit to be on this server's disk.
+async fn durable_commits(pool: &PgPool, db: &Database) -> Result<Option<Database>> {
+    let setting = db::synchronous_commit(pool)
+        .await
+        .map_err(|e| db.unavailable(e))?;
+    if setting != "off" {
+        return Ok(None);
+    }
+    if db.transaction_pooling() {
+        tracing::warn!(
+            "synchronous_commit is off for this database or role, and through a transaction pooler \
+             (--transaction-pooling) the consumer cannot set it on for its sessions: a PostgreSQL crash can lose the \
+             effects of messages already acknowledged; set it on for the consumer's role (ALTER ROLE … SET \
+             synchronous_commit = on)"
+        );
+        return Ok(None);
+    }
+    tracing::info!(
+        "synchronous_commit is off for this database or role: the consumer's sessions set it on, so that no \
+         acknowledged message's effect can be lost in a PostgreSQL crash"
+    );
+    Ok(Some(db.with_synchronous_commit_on()))
 }
 
 fn options(

@@ -295,6 +295,18 @@ impl Database {
         self.with_session_timeout("statement_timeout", timeout)
     }
 
+    /// Commits that return only once they are on disk (`synchronous_commit = on`), for every session from its start,
+    /// whatever the server, the database or the role set; through a transaction pooler, not at all.
+    pub fn with_synchronous_commit_on(&self) -> Self {
+        if self.transaction_pooling {
+            return self.clone();
+        }
+        Self {
+            options: self.options.clone().options([("synchronous_commit", "on")]),
+            ..self.clone()
+        }
+    }
+
     /// The session setting `name` (a timeout in milliseconds) given at each session's start; through a transaction
     /// pooler, where no session lasts, not at all.
     fn with_session_timeout(&self, name: &str, timeout: Duration) -> Self {
@@ -405,6 +417,14 @@ impl Database {
 statements! {
     /// Whether the server answers (`/health`).
     const PING = "SELECT 1";
+
+    /// The session's `synchronous_commit`: what the server, the database and the role made of it.
+    const SYNCHRONOUS_COMMIT = "SELECT current_setting('synchronous_commit')";
+}
+
+/// The session's `synchronous_commit` (`SYNCHRONOUS_COMMIT`): `off` when a commit may return before it is on disk.
+pub async fn synchronous_commit(pool: &PgPool) -> sqlx::Result<String> {
+    sql::query_scalar(SYNCHRONOUS_COMMIT).fetch_one(pool).await
 }
 
 /// Whether the server answers `SELECT 1` within `limit`, a connection to wait for included. A connection that took

@@ -2448,6 +2448,87 @@ async fn a_group_replay_run_again_with_its_listing_leaves_a_members_failure_sinc
     );
 }
 
+/// The same through `_skipped`, whose copies carry no failure time (MassTransit's nor inboxctl's): two messages of a
+/// type the consumer does not handle are moved aside and listed; the group replay with `--limit 1` sends the first
+/// back, where it is skipped again. Run again with the listing, the group replay leaves that copy — replayed once
+/// more than its listed member — counted new, and replays the other member only. It used to take the copy for the
+/// member (no time told them apart), replay both and say the group was whole.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_group_replay_of_skipped_copies_leaves_a_member_replayed_and_skipped_again() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let skipped = format!("{CARRIER_QUEUE}_skipped");
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let id = Uuid::new_v4();
+        let (props, body, _) = common::parcel_message(id, "Berlin");
+        let mut envelope: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        envelope["messageType"] =
+            serde_json::json!(["urn:message:ParcelTracker.Domain.Events:ParcelLabelPrinted"]);
+        let body = serde_json::to_vec(&envelope).unwrap();
+        common::publish(&conn, "", CARRIER_QUEUE, props, &body).await;
+        ids.push(id.to_string());
+    }
+    let consume = || common::consume_until_idle(&env, &["carrier"]);
+    consume();
+    assert_eq!(ids_in(&conn, &skipped).await, ids, "both moved aside");
+
+    let listing = tempdir().join("listing.json");
+    let out = env.run(&[
+        "failures",
+        "--from",
+        &skipped,
+        "--json",
+        "--output",
+        listing.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let fingerprint = json(&out)["groups"][0]["fingerprint"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let group_replay = |extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            "--from",
+            &skipped,
+            "--group",
+            &fingerprint,
+            "--listing",
+            listing.to_str().unwrap(),
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        env.run(&args)
+    };
+    let first = group_replay(&["--limit", "1"]);
+    assert_eq!(json(&first)["replayed"], 1, "{first:?}");
+    consume();
+    assert_eq!(
+        ids_in(&conn, &skipped).await,
+        [ids[1].clone(), ids[0].clone()],
+        "the first skipped again, behind the second"
+    );
+
+    let out = group_replay(&[]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let second = json(&out);
+    assert_eq!(second["replayed"], 1, "the second member only: {second}");
+    assert_eq!(second["group"]["new"], 1, "{}", second["group"]);
+    assert_eq!(
+        second["group"]["gone"],
+        serde_json::json!([ids[0]]),
+        "{}",
+        second["group"]
+    );
+    assert_eq!(
+        ids_in(&conn, &skipped).await,
+        [ids[0].clone()],
+        "the failure since left"
+    );
+}
+
 /// A replay holds the messages it leaves until it ends (hours with `--rate`): a `failures` meanwhile listed the queue
 /// without them — "0 messages in 0 groups", exit 0 — and could write that listing for a group replay. It says that a
 /// replay was running (as `find` does), in its summary and its JSON, and exits 3.

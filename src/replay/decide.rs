@@ -110,7 +110,11 @@ impl State<'_> {
         let in_group = match (&plan.group, &self.listed) {
             (Some(group), Some(listed)) => {
                 fingerprint == group.fingerprint
-                    && !group.failed_since(message_id.as_deref(), failure.failed_at)
+                    && !group.failed_since(
+                        message_id.as_deref(),
+                        failure.failed_at,
+                        failure.replays,
+                    )
                     && message_id
                         .as_deref()
                         .is_some_and(|id| listed.contains(&canonical_id(id)))

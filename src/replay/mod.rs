@@ -78,6 +78,10 @@ pub struct GroupPlan {
     /// after its member is a failure since (the member's replayed copy failing again, say), not the member the
     /// operator saw: it is left, and counted as new.
     pub member_failed_at: std::collections::BTreeMap<String, DateTime<Utc>>,
+    /// How many times each member had been replayed, as the listing read it (by [`canonical_id`]; of two listed copies
+    /// of one id, the more often replayed). A copy of a listed id replayed more often is a failure since: the member
+    /// replayed, and failed again. It tells where no failure time does (a `_skipped` copy carries none).
+    pub member_replays: std::collections::BTreeMap<String, u32>,
     /// For a member whose failure time the listing does not hold: the newest failure among the members (else when the
     /// listing was taken).
     pub failed_until: Option<DateTime<Utc>>,
@@ -102,19 +106,46 @@ impl GroupPlan {
                 }
             }
         }
+        let mut member_replays = std::collections::BTreeMap::new();
+        if group.replays.len() == group.message_ids.len() {
+            for (id, replays) in group.message_ids.iter().zip(&group.replays) {
+                member_replays
+                    .entry(canonical_id(id))
+                    .and_modify(|n: &mut u32| *n = (*n).max(*replays))
+                    .or_insert(*replays);
+            }
+        }
         Self {
             fingerprint: group.cause.fingerprint.clone(),
             listed: group.message_ids.clone(),
             member_failed_at,
+            member_replays,
             failed_until: Some(group.last_failed_at.unwrap_or(listing.listed_at)),
         }
     }
 
-    /// Whether a copy of `id` that failed at `failed_at` failed after its member was listed (a time nothing tells:
-    /// not after).
-    pub(crate) fn failed_since(&self, id: Option<&str>, failed_at: Option<DateTime<Utc>>) -> bool {
-        let member = id.and_then(|id| self.member_failed_at.get(&canonical_id(id)).copied());
-        matches!((failed_at, member.or(self.failed_until)), (Some(failed), Some(until)) if failed > until)
+    /// Whether a copy of `id` that failed at `failed_at`, replayed `replays` times before, failed after its member was
+    /// listed: it failed later than its member, or was replayed more often (a time nothing tells and a count the
+    /// listing does not hold: not after).
+    pub(crate) fn failed_since(
+        &self,
+        id: Option<&str>,
+        failed_at: Option<DateTime<Utc>>,
+        replays: u32,
+    ) -> bool {
+        let id = id.map(canonical_id);
+        let member = id
+            .as_ref()
+            .and_then(|id| self.member_failed_at.get(id).copied());
+        let later = matches!(
+            (failed_at, member.or(self.failed_until)),
+            (Some(failed), Some(until)) if failed > until
+        );
+        let replayed_since = id
+            .as_ref()
+            .and_then(|id| self.member_replays.get(id))
+            .is_some_and(|listed| replays > *listed);
+        later || replayed_since
     }
 
     /// The listed ids, each in the one spelling [`canonical_id`] gives.
@@ -339,7 +370,7 @@ impl Report {
         for item in self
             .items
             .iter()
-            .filter(|i| !group.failed_since(i.message_id.as_deref(), i.failed_at))
+            .filter(|i| !group.failed_since(i.message_id.as_deref(), i.failed_at, i.replays))
         {
             let Some(id) = item.message_id.as_deref() else {
                 continue;
@@ -369,7 +400,7 @@ impl Report {
             .iter()
             .filter(|i| {
                 i.fingerprint == group.fingerprint
-                    && (group.failed_since(i.message_id.as_deref(), i.failed_at)
+                    && (group.failed_since(i.message_id.as_deref(), i.failed_at, i.replays)
                         || i.message_id
                             .as_deref()
                             .is_none_or(|id| !listed.contains(&canonical_id(id))))

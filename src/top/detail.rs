@@ -28,6 +28,7 @@ pub struct GroupPlanEq {
     pub fingerprint: String,
     pub listed: Vec<String>,
     pub member_failed_at: std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>>,
+    pub member_replays: std::collections::BTreeMap<String, u32>,
     pub failed_until: Option<chrono::DateTime<chrono::Utc>>,
 }
 
@@ -37,6 +38,7 @@ impl From<GroupPlanEq> for GroupPlan {
             fingerprint: g.fingerprint,
             listed: g.listed,
             member_failed_at: g.member_failed_at,
+            member_replays: g.member_replays,
             failed_until: g.failed_until,
         }
     }
@@ -48,6 +50,7 @@ impl From<GroupPlan> for GroupPlanEq {
             fingerprint: g.fingerprint,
             listed: g.listed,
             member_failed_at: g.member_failed_at,
+            member_replays: g.member_replays,
             failed_until: g.failed_until,
         }
     }

@@ -51,6 +51,10 @@ pub struct Group {
     /// for a failure since by its own member's time, on the clock that wrote both.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub failed_at: Vec<Option<DateTime<Utc>>>,
+    /// How many times each of `message_ids` had been replayed (in a listing file): a later copy of a member replayed
+    /// more often is a failure since, also where no failure time tells (a `_skipped` copy has none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replays: Vec<u32>,
     /// Members without a message id: they cannot be chosen by id.
     pub without_id: u64,
 }
@@ -161,6 +165,7 @@ impl Listing {
         for g in &mut short.groups {
             g.message_ids = Vec::new();
             g.failed_at = Vec::new();
+            g.replays = Vec::new();
         }
         short
     }
@@ -211,6 +216,7 @@ pub async fn list(
                 origins: Vec::new(),
                 message_ids: Vec::new(),
                 failed_at: Vec::new(),
+                replays: Vec::new(),
                 without_id: 0,
             });
             origins.push(BTreeSet::new());
@@ -228,6 +234,7 @@ pub async fn list(
                     .message_ids
                     .push(limits::truncate(&id, 255).into_owned());
                 group.failed_at.push(failure.failed_at);
+                group.replays.push(failure.replays);
             }
             None => group.without_id += 1,
         }

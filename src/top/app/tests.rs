@@ -131,6 +131,7 @@ fn detail_of(name: &str, groups: &[(&str, u64, &[&str])]) -> crate::triage::deta
                     origins: Vec::new(),
                     message_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
                     failed_at: Vec::new(),
+                    replays: Vec::new(),
                     without_id: 0,
                 })
                 .collect(),
@@ -237,6 +238,7 @@ fn the_detail_asks_before_a_replay_and_replays_the_listed_members_of_the_selecte
                 fingerprint: "bbbb".into(),
                 listed: vec!["m3".into()],
                 member_failed_at: Default::default(),
+                member_replays: Default::default(),
                 failed_until: Some(listed_at()),
             },
         })

@@ -536,6 +536,75 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (240, 0));
 }
 
+/// The question's yes confirms the messages the dry run chose, not a count of whatever comes first. A message that
+/// fails while the dry run looks lands behind what the dry run holds; on a quorum queue (RabbitMQ 3.x) what the dry
+/// run gives back goes to the tail, and the newcomer comes first. Confirmed by count, the replay sent it — a message of
+/// another cause, never shown — and left one the operator said yes to, reporting all replayed. Now it is left.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_yes_replays_the_messages_shown_not_one_that_failed_while_the_dry_run_looked() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        ERROR_QUEUE,
+        inboxctl::amqp::topology::QueueType::Quorum,
+    )
+    .await
+    .unwrap();
+    let age = TimeDelta::minutes(5);
+    let mut shown = Vec::new();
+    for i in 0..6 {
+        shown.push(
+            fail(
+                &conn,
+                ERROR_QUEUE,
+                "System.TimeoutException",
+                &format!("timeout after {i} ms"),
+                age,
+            )
+            .await,
+        );
+    }
+    common::eventually("the messages ready", Duration::from_secs(10), || async {
+        env.queue_counts(ERROR_QUEUE) == (6, 0)
+    })
+    .await;
+    let tmux = common::Tmux::of(&env);
+    // The dry run pauses 3 s before its fourth look: the newcomer fails meanwhile.
+    tmux.start_with(
+        &env,
+        "INBOXCTL_FAILPOINTS='replay-before-get=sleep-once-3000@3'",
+        &format!("replay --from {ERROR_QUEUE} --confirm-above 5"),
+    );
+    tmux.wait_for("the dry run's pause", |s| {
+        s.contains("failpoint replay-before-get reached")
+    });
+    let newcomer = fail(
+        &conn,
+        ERROR_QUEUE,
+        "System.InvalidOperationException",
+        "carrier API returned 503",
+        TimeDelta::zero(),
+    )
+    .await;
+    let screen = tmux.wait_for("the question", |s| s.contains("replay them? [y/N]"));
+    assert!(screen.contains("replay 6 messages"), "{screen}");
+    assert!(!screen.contains("carrier API returned 503"), "{screen}");
+    tmux.run(&["send-keys", "-t", "top", "y", "Enter"]);
+    let screen = tmux.wait_for("the replay", |s| s.contains("EXITED="));
+    assert!(screen.contains("replayed 6"), "{screen}");
+    assert_eq!(
+        ids_in(&conn, ERROR_QUEUE).await,
+        [newcomer],
+        "the newcomer left, every message shown replayed: {screen}"
+    );
+    let mut replayed = ids_in(&conn, CARRIER_QUEUE).await;
+    replayed.sort();
+    shown.sort();
+    assert_eq!(replayed, shown);
+}
+
 /// A consumer_type whose name holds a control character (an adopted table's, written by another application): its
 /// dead-letter queue can exist (RabbitMQ takes the name), and an old message waiting in it keeps its rows. The guard
 /// used to skip such a name without a look, and the rows went.

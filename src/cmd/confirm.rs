@@ -13,7 +13,8 @@ use crate::sanitize;
 
 /// Whether to go on with `plan`: asked on a terminal when it would replay more than `above` messages (found by a dry
 /// run of the same plan, which takes nothing); without a terminal there is nobody to ask, and it goes on. After a
-/// yes, `plan` is limited to the count confirmed: messages that arrive meanwhile are not replayed unseen.
+/// yes, `plan` is limited to the messages confirmed, by count and by id: messages that arrive meanwhile are not
+/// replayed unseen.
 pub async fn replay(
     connection: &Connection,
     broker: &Broker,
@@ -92,15 +93,23 @@ pub async fn replay(
     };
     let yes = matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
     if yes {
-        // Messages that failed while the question was read come after these, at the queue's tail. `--limit` counts
-        // every message the selection chose, those left for an obstacle (expired, replayed too often, no origin)
-        // too: the limit is what the dry run chose, not only what it would replay.
-        let confirmed = report
+        // Messages that failed while the question was read come after these, at the queue's tail; but one that failed
+        // while the dry run looked comes before them on a quorum queue, which puts what the dry run gave back at its
+        // tail: the messages confirmed are those the dry run chose, by id, and as many. The count, as `--limit`,
+        // holds every message the selection chose, those left for an obstacle (expired, replayed too often, no
+        // origin) too: the limit is what the dry run chose, not only what it would replay.
+        let chosen: Vec<_> = report
             .items
             .iter()
             .filter(|i| !matches!(i.action, Action::NotSelected | Action::CopyOfReplayed))
-            .count() as u64;
-        plan.confirmed = Some(confirmed);
+            .collect();
+        plan.confirmed = Some(chosen.len() as u64);
+        plan.confirmed_ids = Some(
+            chosen
+                .iter()
+                .filter_map(|i| i.message_id.as_deref().map(replay::canonical_id))
+                .collect(),
+        );
     }
     Ok(yes)
 }

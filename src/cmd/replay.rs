@@ -116,6 +116,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         to: args.to.clone(),
         limit: args.limit,
         confirmed: None,
+        confirmed_ids: None,
         message_ids: args.message_ids.clone(),
         reason: args.reason.clone(),
         max_replays: args.max_replays,

@@ -121,7 +121,13 @@ impl State<'_> {
             }
             _ => true,
         };
+        let confirmed = plan.confirmed_ids.as_ref().is_none_or(|ids| {
+            message_id
+                .as_deref()
+                .is_none_or(|id| ids.contains(&canonical_id(id)))
+        });
         let chosen = in_group
+            && confirmed
             && (plan.message_ids.is_empty()
                 || message_id
                     .as_ref()

@@ -48,6 +48,11 @@ pub struct Plan {
     /// How many messages an operator confirmed after the dry run: at most these are replayed, as with `limit`, but
     /// the replay is still one of everything, which says what it could not reach (`unreached`).
     pub confirmed: Option<u64>,
+    /// After a yes, too: the ids (by [`canonical_id`]) of the messages the dry run chose. A message whose id is not
+    /// among them is not one the operator saw — it failed while the dry run looked, and on a quorum queue, where what
+    /// the dry run gave back went to the tail, it comes first — and is not chosen. Messages without an id are bound by
+    /// `confirmed` alone.
+    pub confirmed_ids: Option<std::collections::HashSet<String>>,
     /// Only these message ids (empty: all).
     pub message_ids: Vec<String>,
     /// Only messages whose failure reason contains this text.

@@ -106,6 +106,7 @@ async fn replay_group(
         to: None,
         limit: None,
         confirmed: None,
+        confirmed_ids: None,
         message_ids: Vec::new(),
         reason: None,
         max_replays: None,

@@ -19,8 +19,13 @@ impl Tmux {
     /// Runs inboxctl `args` (shell words) with `env`'s URLs in a new session `top` of 200×50, then says its exit
     /// code (`EXITED=`) and stays, for the screen to be read.
     pub fn start(&self, env: &super::TestEnv, args: &str) {
+        self.start_with(env, "", args);
+    }
+
+    /// [`Tmux::start`], with more of the environment given first (shell words, `NAME='value' …`).
+    pub fn start_with(&self, env: &super::TestEnv, vars: &str, args: &str) {
         let script = format!(
-            "DATABASE_URL='{}' AMQP_URL='{}' '{}' {args}; echo EXITED=$?; sleep 60",
+            "DATABASE_URL='{}' AMQP_URL='{}' {vars} '{}' {args}; echo EXITED=$?; sleep 60",
             env.database_url,
             env.amqp_url,
             super::bin()

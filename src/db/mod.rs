@@ -423,8 +423,9 @@ statements! {
 }
 
 /// The session's `synchronous_commit` (`SYNCHRONOUS_COMMIT`): `off` when a commit may return before it is on disk.
-pub async fn synchronous_commit(pool: &PgPool) -> sqlx::Result<String> {
-    sql::query_scalar(SYNCHRONOUS_COMMIT).fetch_one(pool).await
+pub async fn synchronous_commit(executor: impl Into<Exec<'_>>) -> sqlx::Result<String> {
+    unit!(executor, |conn| sql::query_scalar(SYNCHRONOUS_COMMIT)
+        .fetch_one(conn))
 }
 
 /// Whether the server answers `SELECT 1` within `limit`, a connection to wait for included. A connection that took

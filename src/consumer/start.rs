@@ -380,6 +380,10 @@ async fn beside_the_worker<C: super::Consumer>(
 
 /// Refuses to start on a database `migrate` has not prepared, or whose `inbox_messages` inboxctl cannot use.
 async fn check_schema(pool: &PgPool, db: &Database, calls_outside: bool) -> Result<()> {
+    let version = db::server_version(pool)
+        .await
+        .map_err(|e| db.unavailable(e))?;
+    require_server(version)?;
     let mut tables = vec![
         "inbox_messages",
         "inboxctl_events",
@@ -397,6 +401,32 @@ async fn check_schema(pool: &PgPool, db: &Database, calls_outside: bool) -> Resu
             database: db.name(),
             differences,
         });
+    }
+    Ok(())
+}
+
+/// The oldest PostgreSQL a consumer runs on: before each commit it asks whether the claim's transaction is still open
+/// (`pg_current_xact_id_if_assigned`, PostgreSQL 13's). On an older server that question fails, and every message
+/// would be taken for a failed attempt and end in the error queue.
+const MIN_SERVER_VERSION: i32 = 130_000;
+
+/// Refuses a server older than [`MIN_SERVER_VERSION`] (`version` as `server_version_num` gives it), naming it.
+fn require_server(version: i32) -> Result<()> {
+    if version < MIN_SERVER_VERSION {
+        // Before 10, the number holds three parts (`90624` for 9.6.24).
+        let named = if version >= 100_000 {
+            format!("{}.{}", version / 10_000, version % 10_000)
+        } else {
+            format!(
+                "{}.{}.{}",
+                version / 10_000,
+                version / 100 % 100,
+                version % 100
+            )
+        };
+        return Err(Error::Usage(format!(
+            "a consumer needs PostgreSQL 13 or later; this server is {named}"
+        )));
     }
     Ok(())
 }
@@ -444,4 +474,23 @@ async fn check_privileges(pool: &PgPool, db: &Database, config: &Config) -> Resu
             .map(|m| format!("{} on {}", m.privileges, m.table))
             .collect(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::require_server;
+
+    #[test]
+    fn a_server_older_than_13_is_refused_by_its_name() {
+        for (version, named) in [(120_017, "12.17"), (90_624, "9.6.24"), (100_000, "10.0")] {
+            let refused = require_server(version).unwrap_err().to_string();
+            assert!(
+                refused.contains("PostgreSQL 13 or later") && refused.ends_with(named),
+                "{refused}"
+            );
+        }
+        for version in [130_000, 150_020, 180_001] {
+            assert!(require_server(version).is_ok());
+        }
+    }
 }

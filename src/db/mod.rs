@@ -418,8 +418,17 @@ statements! {
     /// Whether the server answers (`/health`).
     const PING = "SELECT 1";
 
+    /// The server's version as a number (`150020` for 15.20).
+    const SERVER_VERSION = "SELECT current_setting('server_version_num')::int4";
+
     /// The session's `synchronous_commit`: what the server, the database and the role made of it.
     const SYNCHRONOUS_COMMIT = "SELECT current_setting('synchronous_commit')";
+}
+
+/// The server's version as a number (`SERVER_VERSION`): `150020` for 15.20.
+pub async fn server_version(executor: impl Into<Exec<'_>>) -> sqlx::Result<i32> {
+    unit!(executor, |conn| sql::query_scalar(SERVER_VERSION)
+        .fetch_one(conn))
 }
 
 /// The session's `synchronous_commit` (`SYNCHRONOUS_COMMIT`): `off` when a commit may return before it is on disk.

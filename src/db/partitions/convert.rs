@@ -19,9 +19,6 @@ use crate::db::sql::{self, quote_ident};
 use crate::error::{Error, Result};
 
 statements! {
-    /// The server's version as a number (`150020` for 15.20).
-    const SERVER_VERSION = "SELECT current_setting('server_version_num')::int4";
-
     /// The privileges granted on `inbox_messages`: grantee (null: PUBLIC; its name as it is, not quoted) and
     /// privilege, to grant the same on the partitioned table that takes its name — the owner's too, when the owner is
     /// not the role converting it (a superuser, or a member of the owner's role): the new table is this role's, and
@@ -316,9 +313,7 @@ pub async fn partition(
 /// the layout asks which are being detached, both PostgreSQL 14's. `migrate` asks before anything changes (its
 /// migrations, and a dry run, included), rather than converting, then failing at every step after.
 pub async fn require_server(conn: &mut PgConnection) -> Result<()> {
-    let version: i32 = sql::query_scalar(SERVER_VERSION)
-        .fetch_one(&mut *conn)
-        .await?;
+    let version = crate::db::server_version(&mut *conn).await?;
     if version < MIN_SERVER_VERSION {
         return Err(Error::Usage(format!(
             "a partitioned inbox needs PostgreSQL 14 or later; this server is {}.{}",

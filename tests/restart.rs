@@ -87,6 +87,15 @@ impl PrivatePg {
         self.ctl("pg_ctlcluster", &[&self.version, &self.name, "start"]);
     }
 
+    /// One connection as the superuser, to the `postgres` database.
+    async fn admin(&self) -> sqlx::PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&self.url("postgres", "postgres"))
+            .await
+            .unwrap()
+    }
+
     fn url(&self, user: &str, database: &str) -> String {
         format!("postgres://{user}@127.0.0.1:{}/{database}", self.port)
     }
@@ -189,11 +198,7 @@ async fn with_synchronous_commit_off_no_acknowledged_effect_is_lost_in_a_crash()
         out
     };
     run(&["migrate"]);
-    let admin = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&pg.url("postgres", "postgres"))
-        .await
-        .unwrap();
+    let admin = pg.admin().await;
     for statement in [
         "ALTER SYSTEM SET wal_writer_delay = '10s'",
         "ALTER DATABASE parcels SET synchronous_commit = off",
@@ -263,11 +268,7 @@ async fn with_synchronous_commit_off_no_acknowledged_effect_is_lost_in_a_crash()
 async fn a_wrong_password_is_named_and_a_password_file_works() {
     let env = TestEnv::bare().await;
     let pg = PrivatePg::start();
-    let admin = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&pg.url("postgres", "postgres"))
-        .await
-        .unwrap();
+    let admin = pg.admin().await;
     for statement in [
         "CREATE ROLE pwuser LOGIN PASSWORD 'Right-Pw-42'",
         "CREATE DATABASE parcels OWNER pwuser",

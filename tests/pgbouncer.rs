@@ -549,7 +549,7 @@ async fn triage_find_replay_and_audit_through_the_pooler() {
     let consumed = run(&["consume", "carrier", "--exit-when-idle", "1s"]);
     assert!(
         consumed.stderr.contains("through a transaction pooler")
-            && consumed.stderr.contains("ALTER ROLE"),
+            && consumed.stderr.contains("ALTER ROLE … IN DATABASE"),
         "{consumed:?}"
     );
     assert_eq!(env.queue_counts(&error_queue), (1, 0), "dead-lettered");

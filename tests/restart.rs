@@ -175,7 +175,7 @@ async fn postgres_stopped_and_started_mid_stream_every_message_once() {
 }
 
 /// A database whose `synchronous_commit` is off (a setting chosen for throughput): a commit returns before it is on
-/// disk. A consumer acknowledges a message once its commit returns, so its sessions set it on: each commit of its run
+/// disk. A consumer acknowledges a message once its commit returns, so its sessions set it to `local`: each commit of its run
 /// is flushed (a WAL flush each, one message at a time), and after the server crashes right after the run (`stop -m
 /// immediate`, its WAL writer told to wait 10 s between flushes) the effect of every acknowledged message is there.
 /// With the setting left off, the run flushed nothing of its own, and the crash lost the last effects of messages
@@ -229,7 +229,8 @@ async fn with_synchronous_commit_off_no_acknowledged_effect_is_lost_in_a_crash()
         "200ms",
     ]);
     assert!(
-        out.stderr.contains("the consumer's sessions set it on"),
+        out.stderr
+            .contains("the consumer's sessions set it to local"),
         "{}",
         out.stderr
     );

@@ -539,7 +539,8 @@ async fn on_a_terminal_a_large_replay_asks_first_and_yes_skips_the_question() {
 /// The question's yes confirms the messages the dry run chose, not a count of whatever comes first. A message that
 /// fails while the dry run looks lands behind what the dry run holds; on a quorum queue (RabbitMQ 3.x) what the dry
 /// run gives back goes to the tail, and the newcomer comes first. Confirmed by count, the replay sent it — a message of
-/// another cause, never shown — and left one the operator said yes to, reporting all replayed. Now it is left.
+/// another cause, never shown — and left one the operator said yes to, reporting all replayed. Now it is left. (It
+/// tells only where a quorum queue returns to its tail: RabbitMQ 3.x, as here and in `compose.yaml`.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_yes_replays_the_messages_shown_not_one_that_failed_while_the_dry_run_looked() {
     let env = TestEnv::migrated().await;

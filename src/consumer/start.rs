@@ -41,21 +41,12 @@ pub async fn consume_guarded<G: WorkGuard>(
     check_carrier_api(config)?;
     check_attempt_timeout(config)?;
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
-    let messages_db = db
-        .with_lock_timeout(config.claim_timeout)
-        .with_idle_in_transaction_timeout(config.attempt_timeout());
-    let pool = messages_db.message_pool(pool_size).await?;
-    let pool = match durable_commits(&pool, &messages_db).await {
-        Ok(None) => pool,
-        Ok(Some(durable)) => {
-            close_pool(pool).await;
-            durable.message_pool(pool_size).await?
-        }
-        Err(e) => {
-            close_pool(pool).await;
-            return Err(e);
-        }
-    };
+    let pool = open_message_pool(
+        &db.with_lock_timeout(config.claim_timeout)
+            .with_idle_in_transaction_timeout(config.attempt_timeout()),
+        pool_size,
+    )
+    .await?;
     let summary = async {
         check_schema(&pool, db, config.carrier_api.is_some()).await?;
         check_privileges(&pool, db, config).await?;
@@ -232,12 +223,30 @@ pub async fn consume_guarded<G: WorkGuard>(
     summary
 }
 
-/// A message is acknowledged once its commit returns. With `synchronous_commit` off (for the server, the database or
-/// the role) a commit returns before it is on disk, and a PostgreSQL crash loses the last ones: their messages are
-/// gone from the queue, and their claims and effects from the database. So the consumer's sessions set it on: the
-/// database to open them with, when the one given would not. Through a transaction pooler no session setting holds,
-/// and the operator is told what to set instead. `local` and the `remote_*` levels are left as they are: each waits for
-/// the commit to be on this server's disk.
+/// The pool the consumer's messages commit through, opened again with durable commits if `db`'s would not be
+/// ([`durable_commits`]).
+async fn open_message_pool(db: &Database, size: u32) -> Result<PgPool> {
+    let pool = db.message_pool(size).await?;
+    match durable_commits(&pool, db).await {
+        Ok(None) => Ok(pool),
+        Ok(Some(durable)) => {
+            close_pool(pool).await;
+            durable.message_pool(size).await
+        }
+        Err(e) => {
+            close_pool(pool).await;
+            Err(e)
+        }
+    }
+}
+
+/// A message is acknowledged once its commit returns. With `synchronous_commit` off (the server's, the database's, the
+/// role's or the URL's setting) a commit returns before it is on disk, and a PostgreSQL crash loses the last ones:
+/// their messages are gone from the queue, and their claims and effects from the database. So the consumer's message
+/// sessions set it to `local` — on this server's disk before the commit returns, and no wait for a synchronous standby
+/// the setting `off` was perhaps chosen to avoid: the database to open them with, when the one given would not.
+/// Through a transaction pooler no session setting holds, and the operator is told what to set instead. `local`, `on`
+/// and the `remote_*` levels are left as they are: each waits for the commit to be on this server's disk.
 async fn durable_commits(pool: &PgPool, db: &Database) -> Result<Option<Database>> {
     let setting = db::synchronous_commit(pool)
         .await
@@ -247,18 +256,18 @@ async fn durable_commits(pool: &PgPool, db: &Database) -> Result<Option<Database
     }
     if db.transaction_pooling() {
         tracing::warn!(
-            "synchronous_commit is off for this database or role, and through a transaction pooler \
-             (--transaction-pooling) the consumer cannot set it on for its sessions: a PostgreSQL crash can lose the \
-             effects of messages already acknowledged; set it on for the consumer's role (ALTER ROLE … SET \
-             synchronous_commit = on)"
+            "synchronous_commit is off for the consumer's sessions, and through a transaction pooler \
+             (--transaction-pooling) the consumer does not set it for them: a PostgreSQL crash can lose the effects \
+             of messages already acknowledged; set it to local or on for the consumer's role in its database (ALTER \
+             ROLE … IN DATABASE … SET synchronous_commit = local)"
         );
         return Ok(None);
     }
     tracing::info!(
-        "synchronous_commit is off for this database or role: the consumer's sessions set it on, so that no \
-         acknowledged message's effect can be lost in a PostgreSQL crash"
+        "synchronous_commit is off (the server's, the database's, the role's or the URL's setting): the consumer's \
+         sessions set it to local, so that no acknowledged message's effect can be lost in a PostgreSQL crash"
     );
-    Ok(Some(db.with_synchronous_commit_on()))
+    Ok(Some(db.with_durable_commits()))
 }
 
 fn options(

@@ -295,14 +295,18 @@ impl Database {
         self.with_session_timeout("statement_timeout", timeout)
     }
 
-    /// Commits that return only once they are on disk (`synchronous_commit = on`), for every session from its start,
-    /// whatever the server, the database or the role set; through a transaction pooler, not at all.
-    pub fn with_synchronous_commit_on(&self) -> Self {
+    /// Commits that return only once they are on this server's disk (`synchronous_commit = local`: no wait for a
+    /// synchronous standby), for every session from its start, whatever the server, the database or the role set;
+    /// through a transaction pooler, not at all.
+    pub fn with_durable_commits(&self) -> Self {
         if self.transaction_pooling {
             return self.clone();
         }
         Self {
-            options: self.options.clone().options([("synchronous_commit", "on")]),
+            options: self
+                .options
+                .clone()
+                .options([("synchronous_commit", "local")]),
             ..self.clone()
         }
     }

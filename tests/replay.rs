@@ -1793,7 +1793,7 @@ async fn a_confirmed_replay_still_says_what_another_client_took_while_it_ran() {
 async fn a_running_replay_keeps_the_rows_of_what_it_holds_from_the_cleanup() {
     let env = TestEnv::migrated().await;
     // Ten others at one a second: the replay runs ~9 s, a wide margin for the cleanup and the second replay below.
-    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 10).await;
+    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 40).await;
 
     // Alone, the guard keeps X's row.
     let out = env.run(&["cleanup", "--retention", "2d", "--dry-run", "--json"]);
@@ -1889,6 +1889,55 @@ async fn a_replay_beginning_between_the_guards_two_looks_keeps_the_rows_of_what_
         .unwrap();
     assert_eq!((code, row), (Some(3), 1), "{}", cleanup.stderr());
     // Refused for the running replay, which held X out of the look's sight: the race was met, not passed by.
+    let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
+    assert_eq!(
+        report["consumers"][0]["refused"]["replay_running"], true,
+        "{report:#}"
+    );
+}
+
+/// The same race, ended another way: the guard's look takes every message but X, which the replay holds, and pauses
+/// (a failpoint) holding them. The replay, finding the queue empty, used to end there: it gave X back
+/// behind the look, took its marker down, and the guard, reading no marker, deleted X's row (seen once in CI, by
+/// timing alone). The replay now waits for the look to end, so the guard sees it running and refuses.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_meeting_the_guards_look_waits_for_it_rather_than_end_under_it() {
+    let env = TestEnv::migrated().await;
+    let (_conn, pool, x) = processed_long_ago_and_waiting_in_the_error_queue(&env, 40).await;
+    let mut cleanup = env.spawn_with(
+        &["cleanup", "--retention", "2d", "--json"],
+        &[(
+            "INBOXCTL_FAILPOINTS",
+            &format!(
+                "guard-between-looks=sleep-once-8000@{ERROR_QUEUE},peek-holding=sleep-once-4000@{ERROR_QUEUE}"
+            ),
+        )],
+    );
+    cleanup.wait_for_stderr(
+        "failpoint guard-between-looks reached",
+        Duration::from_secs(30),
+    );
+    let mut replay = env.spawn(&[
+        "replay",
+        "--from",
+        ERROR_QUEUE,
+        "--reason",
+        "503",
+        "--rate",
+        "2",
+    ]);
+    common::eventually("the replay holding X", Duration::from_secs(20), || async {
+        env.queue_counts(ERROR_QUEUE).1 >= 1
+    })
+    .await;
+    let code = cleanup.wait(Duration::from_secs(60));
+    assert_eq!(replay.wait(Duration::from_secs(60)), Some(0));
+    let row: i64 = sqlx::query_scalar("SELECT count(*) FROM inbox_messages WHERE id = $1")
+        .bind(x)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((code, row), (Some(3), 1), "{}", cleanup.stderr());
     let report: serde_json::Value = serde_json::from_str(cleanup.stdout().trim()).unwrap();
     assert_eq!(
         report["consumers"][0]["refused"]["replay_running"], true,

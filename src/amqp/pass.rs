@@ -55,6 +55,18 @@ impl<'c> Channels<'c> {
 
     /// Takes the next message of `queue`, unacknowledged. The answer comes after every acknowledgement sent before it
     /// on this channel: those arrived.
+    /// Whether another look (a cleanup's guard, `find`, `failures`, `top`'s detail) holds `queue` marked now: it may
+    /// hold messages, which it gives back as it ends. A mark that cannot be read counts as one.
+    pub async fn looked_at_elsewhere(&self, queue: &str) -> bool {
+        answered(
+            "a look for other looks' marks",
+            self.within,
+            super::markers::looks_at(self.connection, queue),
+        )
+        .await
+        .map_or(true, |looks| looks.is_none_or(|n| n > 0))
+    }
+
     pub async fn get(&self, queue: &str) -> Result<Option<Delivery>> {
         let get = self
             .inbound

@@ -132,6 +132,8 @@ async fn look(
         Ok::<_, crate::error::Error>(())
     }
     .await;
+    // Everything looked at still held (a test pauses here: what a look holds is out of every other client's sight).
+    crate::failpoint::hit_with("peek-holding", queue).await;
     if let Some(last) = last {
         // One nack for everything held: the broker puts each back in its place. Should it fail, closing the channel
         // (or the connection going) gives them back all the same.

@@ -116,6 +116,10 @@ pub async fn run(
 /// default).
 const STALE_MARKER_WAIT: Duration = Duration::from_secs(150);
 
+/// How long a replay that finds its queue empty while another look holds it marked waits for that look to end before
+/// it takes the queue for empty; as long as the cleanup's guard waits for another's mark.
+const LOOK_WAIT: Duration = Duration::from_secs(10);
+
 /// A replay's progress, kept across reconnects.
 pub(super) struct State<'a> {
     pub(super) plan: &'a Plan,
@@ -314,6 +318,7 @@ impl State<'_> {
         shutdown: &CancellationToken,
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
+        let mut looks_until = None;
         while self.machine.wants_more() {
             if shutdown.is_cancelled() {
                 self.report.interrupted = true;
@@ -333,6 +338,23 @@ impl State<'_> {
             // Answered after every acknowledgement sent before it on this channel: those arrived.
             self.machine.settled();
             let Some(delivery) = got else {
+                // Another look may hold the rest, to give it back as it ends: a cleanup's guard, whose look took every
+                // message while this replay held one out of its sight. Ended now, the replay would give that one back
+                // behind the look and take its marker down before the guard reads it again — and the guard would
+                // delete the rows the message's replay needs. So the look is waited for, a while.
+                let until =
+                    *looks_until.get_or_insert_with(|| tokio::time::Instant::now() + LOOK_WAIT);
+                if tokio::time::Instant::now() < until
+                    && channels.looked_at_elsewhere(&self.plan.from).await
+                {
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(250)) => continue,
+                        () = shutdown.cancelled() => {
+                            self.report.interrupted = true;
+                            break;
+                        }
+                    }
+                }
                 self.machine.queue_empty();
                 break;
             };

@@ -249,6 +249,12 @@ impl Inbox {
         self
     }
 
+    /// What each claim transaction sets for itself: its `lock_timeout` (`with_claim_timeout`), and durable commits
+    /// where the store's transactions make them so (`db::pooler::make_commits_durable`).
+    fn per_transaction(&self) -> db::claim::PerTransaction {
+        db::claim::PerTransaction::now(self.claim_timeout)
+    }
+
     /// The same inbox, giving up an attempt — one message's transaction, or one round of a batch's — that has not
     /// ended within `timeout`: its connection is dropped (and never handed out again) and the attempt is
     /// [`ProcessError::Unavailable`], to be tried again like any other lost connection. A connection that dies without
@@ -365,7 +371,7 @@ impl Inbox {
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, WorkError>> + Send,
         T: Send,
     {
-        let mut tx = db::claim::begin(conn, self.claim_timeout)
+        let mut tx = db::claim::begin(conn, &self.per_transaction())
             .await
             .map_err(ProcessError::Unavailable)?;
 

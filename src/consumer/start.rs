@@ -228,8 +228,12 @@ pub async fn consume_guarded<G: WorkGuard>(
 async fn open_message_pool(db: &Database, size: u32) -> Result<PgPool> {
     let pool = db.message_pool(size).await?;
     match durable_commits(&pool, db).await {
-        Ok(None) => Ok(pool),
-        Ok(Some(durable)) => {
+        Ok(Durability::AsItIs) => Ok(pool),
+        Ok(Durability::PerTransaction) => {
+            db::pooler::make_commits_durable();
+            Ok(pool)
+        }
+        Ok(Durability::Sessions(durable)) => {
             close_pool(pool).await;
             durable.message_pool(size).await
         }
@@ -240,34 +244,45 @@ async fn open_message_pool(db: &Database, size: u32) -> Result<PgPool> {
     }
 }
 
+/// How the consumer's commits are made durable ([`durable_commits`]).
+enum Durability {
+    /// They are: the sessions' `synchronous_commit` waits for this server's disk.
+    AsItIs,
+    /// By sessions opened again with `synchronous_commit = local`.
+    Sessions(Box<Database>),
+    /// By each transaction's own `SET LOCAL synchronous_commit = local`: through a transaction pooler, where no
+    /// session setting holds.
+    PerTransaction,
+}
+
 /// A message is acknowledged once its commit returns. With `synchronous_commit` off (the server's, the database's, the
 /// role's or the URL's setting) a commit returns before it is on disk, and a PostgreSQL crash loses the last ones:
 /// their messages are gone from the queue, and their claims and effects from the database. So the consumer's message
 /// sessions set it to `local` — on this server's disk before the commit returns, and no wait for a synchronous standby
-/// the setting `off` was perhaps chosen to avoid: the database to open them with, when the one given would not.
-/// Through a transaction pooler no session setting holds, and the operator is told what to set instead. `local`, `on`
-/// and the `remote_*` levels are left as they are: each waits for the commit to be on this server's disk.
-async fn durable_commits(pool: &PgPool, db: &Database) -> Result<Option<Database>> {
+/// the setting `off` was perhaps chosen to avoid. Through a transaction pooler no session setting holds, and each
+/// transaction the store begins sets it for itself, in its `BEGIN`'s round trip: the claims', and the effects
+/// worker's, whose lease must be on disk before its call goes out. `local`, `on` and the `remote_*` levels are left
+/// as they are: each waits for the commit to be on this server's disk.
+async fn durable_commits(pool: &PgPool, db: &Database) -> Result<Durability> {
     let setting = db::synchronous_commit(pool)
         .await
         .map_err(|e| db.unavailable(e))?;
     if setting != "off" {
-        return Ok(None);
+        return Ok(Durability::AsItIs);
     }
     if db.transaction_pooling() {
-        tracing::warn!(
-            "synchronous_commit is off for the consumer's sessions, and through a transaction pooler \
-             (--transaction-pooling) the consumer does not set it for them: a PostgreSQL crash can lose the effects \
-             of messages already acknowledged; set it to local or on for the consumer's role in its database (ALTER \
-             ROLE … IN DATABASE … SET synchronous_commit = local)"
+        tracing::info!(
+            "synchronous_commit is off (the server's, the database's or the role's setting): through a transaction \
+             pooler (--transaction-pooling) each of the consumer's transactions sets it to local for itself (SET \
+             LOCAL), so that no acknowledged message's effect can be lost in a PostgreSQL crash"
         );
-        return Ok(None);
+        return Ok(Durability::PerTransaction);
     }
     tracing::info!(
         "synchronous_commit is off (the server's, the database's, the role's or the URL's setting): the consumer's \
          sessions set it to local, so that no acknowledged message's effect can be lost in a PostgreSQL crash"
     );
-    Ok(Some(db.with_durable_commits()))
+    Ok(Durability::Sessions(Box::new(db.with_durable_commits())))
 }
 
 fn options(

@@ -329,21 +329,56 @@ pub async fn effect_alone_with(
     unit!(conn, |conn| query.fetch_one(conn)).map(drop)
 }
 
-/// `BEGIN` and the transaction's own `lock_timeout`, in one round trip: for connections that keep no session setting
-/// (a transaction pooler's), where the claim's bound on waiting for another attempt cannot be given at connection start.
-fn begin_with_lock_timeout(timeout: Duration) -> String {
-    format!(
-        "BEGIN; SET LOCAL lock_timeout = {}",
-        timeout.as_millis().max(1)
-    )
+/// What a claim's transaction sets for itself (`SET LOCAL`, in its `BEGIN`'s round trip), for connections that keep no
+/// session setting — a transaction pooler's — where it cannot be given at connection start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PerTransaction {
+    /// The claim's bound on waiting for another attempt at the same key (`lock_timeout`).
+    pub lock_timeout: Option<Duration>,
+    /// The commit returns only once it is on this server's disk (`synchronous_commit = local`): where the sessions'
+    /// own setting is `off`, under which an acknowledged message's effect could be lost in a crash
+    /// ([`super::pooler::make_commits_durable`]).
+    pub durable_commit: bool,
+}
+
+impl PerTransaction {
+    /// `lock_timeout` for each claim transaction (`None`: the session's own), durable as the store's transactions
+    /// are ([`super::pooler::durable_commits`]).
+    pub fn now(lock_timeout: Option<Duration>) -> Self {
+        Self {
+            lock_timeout,
+            durable_commit: super::pooler::durable_commits(),
+        }
+    }
+
+    /// Nothing to set: a plain `BEGIN`, or none at all where a statement is its own transaction.
+    pub fn is_empty(&self) -> bool {
+        self.lock_timeout.is_none() && !self.durable_commit
+    }
+
+    /// `BEGIN` and what the transaction sets for itself, in one round trip.
+    fn begin_statement(&self) -> String {
+        let mut statement = String::from("BEGIN");
+        if let Some(timeout) = self.lock_timeout {
+            statement.push_str(&format!(
+                "; SET LOCAL lock_timeout = {}",
+                timeout.as_millis().max(1)
+            ));
+        }
+        if self.durable_commit {
+            statement.push_str("; SET LOCAL synchronous_commit = local");
+        }
+        statement
+    }
 }
 
 /// The statements built around a value, each with a sample one, for [`super::statements`]; simple queries.
 pub(super) fn built_statements() -> Vec<(&'static str, String)> {
-    vec![(
-        "begin_with_lock_timeout",
-        begin_with_lock_timeout(Duration::from_secs(30)),
-    )]
+    let both = PerTransaction {
+        lock_timeout: Some(Duration::from_secs(30)),
+        durable_commit: true,
+    };
+    vec![("begin_statement", both.begin_statement())]
 }
 
 /// The claim built around an effect, with the carrier's as the sample, plain and timed; and an effect alone.
@@ -359,23 +394,22 @@ pub(super) fn built_with_effect() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// Begins a claim's transaction: with `lock_timeout` set for it alone (`SET LOCAL`) when given, else bounded by the
-/// session's own (`Database::with_lock_timeout`).
-pub async fn begin(
-    conn: &mut PgConnection,
-    lock_timeout: Option<Duration>,
-) -> sqlx::Result<Transaction<'_, Postgres>> {
+/// Begins a claim's transaction: setting for itself what `settings` holds (`SET LOCAL`), else bounded by the session's
+/// own (`Database::with_lock_timeout`, `Database::with_durable_commits`).
+pub async fn begin<'c>(
+    conn: &'c mut PgConnection,
+    settings: &PerTransaction,
+) -> sqlx::Result<Transaction<'c, Postgres>> {
     // On a connection still inside a transaction, sqlx's `begin` makes a savepoint, and the claim's COMMIT would
     // commit nothing. (The inbox closes such a connection rather than give it back; this is the last line.)
     if conn.is_in_transaction() {
         return Err(sqlx::Error::Protocol(LEFT_OPEN_BY_THE_WORK.to_owned()));
     }
-    match lock_timeout {
-        None => conn.begin().await,
-        Some(timeout) => {
-            conn.begin_with(AssertSqlSafe(begin_with_lock_timeout(timeout)))
-                .await
-        }
+    if settings.is_empty() {
+        conn.begin().await
+    } else {
+        conn.begin_with(AssertSqlSafe(settings.begin_statement()))
+            .await
     }
 }
 

@@ -89,7 +89,7 @@ pub(crate) enum Unit<'c> {
 impl<'c> Unit<'c> {
     pub(crate) async fn of(conn: &'c mut PgConnection) -> sqlx::Result<Self> {
         if pooler::active() && !conn.is_in_transaction() {
-            Ok(Unit::Own(conn.begin().await?))
+            Ok(Unit::Own(pooler::begin(conn).await?))
         } else {
             Ok(Unit::Borrowed(conn))
         }

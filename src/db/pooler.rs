@@ -14,8 +14,9 @@
 //! So with `--transaction-pooling` ([`active`]), every statement of the store is unnamed ([`super::sql::query`]) and
 //! runs inside a transaction: the caller's, or one of its own around the store function ([`super::Unit`]); inside a
 //! transaction a client keeps its server connection. Nothing depends on a session setting (the claim sets its
-//! `lock_timeout` with `SET LOCAL`, [`super::claim::begin`]), and cleanup's per-consumer_type lock is a
-//! transaction-scoped one taken by each batch.
+//! `lock_timeout` with `SET LOCAL`, [`super::claim::begin`], and a consumer whose sessions have `synchronous_commit`
+//! off makes every transaction set it to `local`, [`make_commits_durable`]), and cleanup's per-consumer_type lock is
+//! a transaction-scoped one taken by each batch.
 //!
 //! Without the flag, [`check`] looks at connection start for what a pooler does and PostgreSQL never does: a session
 //! setting gone at the session's next statement, or seen by another client's transaction. It refuses the command
@@ -24,8 +25,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use sqlx::postgres::PgConnection;
-use sqlx::{AssertSqlSafe, ConnectOptions as _, Connection as _, Row as _};
+use sqlx::postgres::{PgConnection, Postgres};
+use sqlx::{AssertSqlSafe, ConnectOptions as _, Connection as _, Row as _, Transaction};
 use uuid::Uuid;
 
 use super::Database;
@@ -48,7 +49,10 @@ fn probe_set(token: &str) -> String {
 
 /// The statements built around a value, each with a sample one, for [`super::statements`].
 pub(super) fn built_statements() -> Vec<(&'static str, String)> {
-    vec![("probe_set", probe_set("0123456789abcdef"))]
+    vec![
+        ("probe_set", probe_set("0123456789abcdef")),
+        ("durable_begin", durable_begin().to_owned()),
+    ]
 }
 
 /// Whether this process speaks to PostgreSQL as through a transaction pooler: set for good by the first connection a
@@ -65,6 +69,38 @@ pub fn active() -> bool {
 /// From now on, this process speaks as through a transaction pooler.
 pub(super) fn enable() {
     ACTIVE.store(true, Ordering::SeqCst);
+}
+
+/// Whether every transaction the store begins through the pooler sets `synchronous_commit = local` for itself: set for
+/// good by a consumer that found its sessions' setting `off` ([`make_commits_durable`]).
+static DURABLE: AtomicBool = AtomicBool::new(false);
+
+/// Whether each transaction the store begins sets `synchronous_commit = local` for itself ([`begin`]).
+pub fn durable_commits() -> bool {
+    DURABLE.load(Ordering::SeqCst)
+}
+
+/// From now on, every transaction the store begins — a claim's, a store function's own ([`super::Unit`]), the
+/// effects worker's — sets `synchronous_commit = local` for itself (`SET LOCAL`, in its `BEGIN`'s round trip): for a
+/// consumer through a transaction pooler whose sessions have it `off`, where no session setting holds. A message is
+/// acknowledged once its commit returns, and an external effect's lease must be on disk before its call goes out.
+pub fn make_commits_durable() {
+    DURABLE.store(true, Ordering::SeqCst);
+}
+
+/// `BEGIN` with `synchronous_commit = local` for the transaction alone, in one round trip.
+fn durable_begin() -> &'static str {
+    "BEGIN; SET LOCAL synchronous_commit = local"
+}
+
+/// Begins a transaction on `conn` the store's way: one whose commit is on this server's disk before it returns when
+/// [`durable_commits`] says so, a plain one otherwise.
+pub async fn begin(conn: &mut PgConnection) -> sqlx::Result<Transaction<'_, Postgres>> {
+    if durable_commits() {
+        conn.begin_with(AssertSqlSafe(durable_begin())).await
+    } else {
+        conn.begin().await
+    }
 }
 
 /// How long the probe waits for its second connection's look: a pooler whose every server connection is busy would

@@ -331,7 +331,8 @@ async fn settle_booked(
     slot: crate::carrier_stub::SlotAnswer,
 ) -> Result<bool> {
     let reference = slot.slot_id.to_string();
-    let mut tx = pool.begin().await?;
+    let mut conn = pool.acquire().await?;
+    let mut tx = crate::db::pooler::begin(&mut conn).await?;
     let settled = external::settle(
         &mut *tx,
         effect.message_id,

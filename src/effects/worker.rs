@@ -323,7 +323,7 @@ impl Worker {
         slot: &SlotAnswer,
         reference: &str,
     ) -> sqlx::Result<bool> {
-        let mut tx = sqlx::Connection::begin(conn).await?;
+        let mut tx = crate::db::pooler::begin(conn).await?;
         let held = external::record_outcome(
             &mut *tx,
             effect,

@@ -189,7 +189,7 @@ impl Inbox {
         // `begin` refuses a connection still in a transaction: an earlier round's member left one open (its
         // rollback went back to that transaction's savepoint only). The batch as a whole failed; its members go one
         // by one, where the culprit fails alone.
-        let mut tx = db::claim::begin(conn, self.claim_timeout)
+        let mut tx = db::claim::begin(conn, &self.per_transaction())
             .await
             .map_err(|e| {
                 if db::claim::is_the_works_doing(&e) {

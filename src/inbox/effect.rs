@@ -98,8 +98,8 @@ impl Inbox {
     /// effect go to PostgreSQL as one statement, its own transaction — one round trip where the usual way
     /// takes four (`BEGIN`, the claim, the work, `COMMIT`). A copy's claim takes no row, so its effect writes nothing;
     /// a copy of an attempt in flight waits for it in the claim, as the usual way does. Where each claim must bound
-    /// its own wait (`with_claim_timeout`: connections through a transaction pooler), the statement runs between a
-    /// `BEGIN` that sets the bound and a `COMMIT`.
+    /// its own wait or make its own commit durable (`with_claim_timeout`, `db::pooler::make_commits_durable`:
+    /// connections through a transaction pooler), the statement runs between a `BEGIN` that sets them and a `COMMIT`.
     ///
     /// `work` is the same effect made the usual way, on the claim's transaction. It runs only when the statement
     /// fails for any reason but the database's (a constraint the effect breaks, a time no partition holds, a value
@@ -193,41 +193,39 @@ impl Inbox {
             ));
         }
         let started = std::time::Instant::now();
-        let claimed = match self.claim_timeout {
-            None => {
-                failpoint::hit("before-commit").await;
-                db::claim::claim_with(conn, key, &self.consumer_type, effect.sql, effect.arguments)
-                    .await
-            }
-            Some(timeout) => {
-                let mut tx = match db::claim::begin(conn, Some(timeout)).await {
-                    Ok(tx) => tx,
-                    Err(e) => return Sent::Unavailable(e),
-                };
-                let claimed = match db::claim::claim_with(
-                    &mut tx,
-                    key,
-                    &self.consumer_type,
-                    effect.sql,
-                    effect.arguments,
-                )
+        let per_transaction = self.per_transaction();
+        let claimed = if per_transaction.is_empty() {
+            failpoint::hit("before-commit").await;
+            db::claim::claim_with(conn, key, &self.consumer_type, effect.sql, effect.arguments)
                 .await
-                {
-                    Ok(claimed) => claimed,
-                    Err(e) => {
-                        let _ = tx.rollback().await;
-                        return failed(e);
-                    }
-                };
-                failpoint::hit("before-commit").await;
-                if let Err(e) = tx.commit().await {
-                    return match commit_error(e) {
-                        ProcessError::Unavailable(e) => Sent::Unavailable(e),
-                        other => Sent::Redo(other.to_string()),
-                    };
+        } else {
+            let mut tx = match db::claim::begin(conn, &per_transaction).await {
+                Ok(tx) => tx,
+                Err(e) => return Sent::Unavailable(e),
+            };
+            let claimed = match db::claim::claim_with(
+                &mut tx,
+                key,
+                &self.consumer_type,
+                effect.sql,
+                effect.arguments,
+            )
+            .await
+            {
+                Ok(claimed) => claimed,
+                Err(e) => {
+                    let _ = tx.rollback().await;
+                    return failed(e);
                 }
-                Ok(claimed)
+            };
+            failpoint::hit("before-commit").await;
+            if let Err(e) = tx.commit().await {
+                return match commit_error(e) {
+                    ProcessError::Unavailable(e) => Sent::Unavailable(e),
+                    other => Sent::Redo(other.to_string()),
+                };
             }
+            Ok(claimed)
         };
         let claimed = match claimed {
             Ok(claimed) => claimed,

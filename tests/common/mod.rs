@@ -58,10 +58,7 @@ pub use process::*;
 mod proxy;
 pub use proxy::*;
 
-// Used by tests/effects.rs, which needs the failpoints.
-#[cfg(feature = "failpoints")]
 mod stub;
-#[cfg(feature = "failpoints")]
 pub use stub::*;
 
 mod tmux;

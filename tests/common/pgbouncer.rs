@@ -22,10 +22,16 @@ impl PgBouncer {
     /// Starts one for `env`'s database with `pool_size` server connections (`default_pool_size`), and `extra` lines
     /// for its `[pgbouncer]` section (`ignore_startup_parameters = …`, say; a later line wins: `pool_mode = session`).
     pub fn start(env: &TestEnv, pool_size: u32, extra: &[&str]) -> Self {
-        let server = url::Url::parse(&pg_base()).expect("INBOXCTL_TEST_PG is a URL");
+        Self::start_before(&pg_base(), &env.db_name, pool_size, extra)
+    }
+
+    /// Starts one for the database `db_name` of the PostgreSQL at `server` (a URL: its user, host and port), as
+    /// [`PgBouncer::start`] does: a test's private cluster, say.
+    pub fn start_before(server: &str, db_name: &str, pool_size: u32, extra: &[&str]) -> Self {
+        let server = url::Url::parse(server).expect("the server is a URL");
         let user = server.username().to_owned();
         let port = free_port();
-        let dir = std::env::temp_dir().join(format!("inboxctl-pgbouncer-{}", env.db_name));
+        let dir = std::env::temp_dir().join(format!("inboxctl-pgbouncer-{db_name}-{port}"));
         std::fs::create_dir_all(&dir).expect("the pgbouncer folder");
         let config = format!(
             "[databases]\n\
@@ -42,7 +48,7 @@ impl PgBouncer {
              max_client_conn = 1000\n\
              logfile = {dir}/pgbouncer.log\n\
              {extra}\n",
-            db = env.db_name,
+            db = db_name,
             host = server.host_str().unwrap_or("127.0.0.1"),
             pg_port = server.port().unwrap_or(5432),
             dir = dir.display(),
@@ -71,7 +77,7 @@ impl PgBouncer {
             dir,
             port,
             user,
-            db_name: env.db_name.clone(),
+            db_name: db_name.to_owned(),
         };
         bouncer.wait_until_listening();
         bouncer

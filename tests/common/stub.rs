@@ -68,6 +68,8 @@ impl Stub {
     }
 
     /// Its behaviour now (what is left of `failNext`, say).
+    // Asked by tests/effects.rs, which needs the failpoints.
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     pub async fn behaviour(&self) -> Value {
         self.get("/_stub/behaviour").await
     }

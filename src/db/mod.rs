@@ -504,6 +504,7 @@ pub fn statements() -> Vec<Statement> {
     let built = [
         ("schema", schema::built_statements(), false),
         ("pooler", pooler::built_statements(), false),
+        ("pooler", pooler::built_simple_statements(), true),
         ("partitions", partitions::built_statements(), false),
         ("claim", claim::built_statements(), true),
         ("claim", claim::built_with_effect(), false),

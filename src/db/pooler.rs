@@ -49,10 +49,12 @@ fn probe_set(token: &str) -> String {
 
 /// The statements built around a value, each with a sample one, for [`super::statements`].
 pub(super) fn built_statements() -> Vec<(&'static str, String)> {
-    vec![
-        ("probe_set", probe_set("0123456789abcdef")),
-        ("durable_begin", durable_begin().to_owned()),
-    ]
+    vec![("probe_set", probe_set("0123456789abcdef"))]
+}
+
+/// The statements of several commands, sent as simple queries, for [`super::statements`].
+pub(super) fn built_simple_statements() -> Vec<(&'static str, String)> {
+    vec![("durable_begin", durable_begin().to_owned())]
 }
 
 /// Whether this process speaks to PostgreSQL as through a transaction pooler: set for good by the first connection a

@@ -298,7 +298,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__cleanup)
-            opts="-v -h -V --retention --force --dlq --broker-timeout --audit-retention --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --retention --force --dlq --broker-timeout --audit-retention --detach-wait --consumer-type --batch-size --batch-pause --dry-run --every --metrics-addr --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -317,6 +317,10 @@ _inboxctl() {
                     return 0
                     ;;
                 --audit-retention)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --detach-wait)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -116,6 +116,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --dlq 'A dead-letter-exchange queue to look at besides each consumer_type''s <queue>_error and <queue>_skipped (repeatable): a message in it that failed before the cutoff keeps the rows of every consumer_type'
             cand --broker-timeout 'How long any call to RabbitMQ may wait for its answer while the cleanup looks at dead-letter queues (a count, a take, a mark); past it the cleanup fails, saying so, and deletes nothing'
             cand --audit-retention 'Keep the audit''s rows (inboxctl audit) this long, from 1d; they are deleted only with this retention of their own'
+            cand --detach-wait 'How long dropping a partition of a partitioned inbox waits for the transactions that could still see it (a long query, a dump, a session idle in a transaction) before leaving it for the next cleanup'
             cand --consumer-type 'Only this consumer_type (default: every one)'
             cand --batch-size 'Rows per DELETE; each batch is a short transaction of its own'
             cand --batch-pause 'Rest between batches (e.g. 50ms), to leave the database room'

@@ -44,6 +44,9 @@ pub struct Plan {
     pub guard: Option<Guard>,
     /// How long audit rows are kept (longer than the inbox's, as a rule).
     pub audit_retention: Duration,
+    /// How long dropping a partition waits for the transactions that could see it before leaving it for the next
+    /// cleanup (`--detach-wait`).
+    pub detach_wait: Duration,
 }
 
 /// One consumer_type's share of a cleanup.
@@ -188,9 +191,17 @@ pub async fn run(
             .filter(|c| c.refused.is_none())
             .map(|c| c.consumer_type.clone())
             .collect();
-        partitions = partitions::maintain(pool, window, &cleanable, held.as_deref(), &[], true)
-            .await
-            .map_err(|f| f.error)?;
+        partitions = partitions::maintain(
+            pool,
+            window,
+            &cleanable,
+            held.as_deref(),
+            &[],
+            true,
+            plan.detach_wait,
+        )
+        .await
+        .map_err(|f| f.error)?;
         count_what_would_go(pool, &mut consumers, cutoff, &partitions).await?;
         let order: Vec<usize> = (0..consumers.len())
             .filter(|&i| consumers[i].refused.is_none())
@@ -218,6 +229,7 @@ pub async fn run(
             held.as_deref(),
             &made_ahead,
             false,
+            plan.detach_wait,
         )
         .await;
         let result = match maintained {

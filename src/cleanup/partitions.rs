@@ -100,13 +100,22 @@ pub async fn maintain(
     held: Option<&str>,
     made_ahead: &[String],
     dry_run: bool,
+    detach_wait: std::time::Duration,
 ) -> std::result::Result<Option<PartitionWork>, Failed> {
     let Some(Layout::Partitioned(settings)) = db::partitions::layout(pool).await? else {
         return Ok(None);
     };
     let mut work = PartitionWork::default();
     match drop_and_make(
-        pool, settings, window, cleanable, held, made_ahead, dry_run, &mut work,
+        pool,
+        settings,
+        window,
+        cleanable,
+        held,
+        made_ahead,
+        dry_run,
+        detach_wait,
+        &mut work,
     )
     .await
     {
@@ -168,6 +177,7 @@ async fn drop_and_make(
     held: Option<&str>,
     made_ahead: &[String],
     dry_run: bool,
+    detach_wait: std::time::Duration,
     work: &mut PartitionWork,
 ) -> Result<()> {
     let cutoff = window.cutoff;
@@ -204,6 +214,8 @@ async fn drop_and_make(
         }
         work.created = db::partitions::make_missing(&mut conn, settings).await?;
     }
+    // The partition whose detach waited past `detach_wait`: the later ones' would wait for the same transactions.
+    let mut given_up: Option<String> = None;
     for partition in db::partitions::partitions(&mut *conn).await? {
         let (Some(from), Some(to)) = (partition.from, partition.to) else {
             continue; // the untimed partition: its rows go by the batched delete
@@ -236,30 +248,100 @@ async fn drop_and_make(
         if !partition.mine {
             work.kept.push(Kept {
                 why: format!(
-                    "it belongs to role {:?}, whose rights this role does not have: only its owner may drop it",
-                    crate::sanitize::text(&partition.owner)
+                    "it belongs to role {:?}, whose rights this role does not have: only its owner may drop it{}",
+                    crate::sanitize::text(&partition.owner),
+                    if partition.detach_pending {
+                        " (left half detached: its range takes no row until its owner finishes the detach or \
+                         attaches it again)"
+                    } else {
+                        ""
+                    }
                 ),
                 partition: partition.name,
-                detached: false,
+                detached: partition.detach_pending,
             });
             continue;
         }
-        let contents = db::partitions::contents(&mut *conn, from, to).await?;
-        if let Some(why) = why_kept(&contents, cutoff, cleanable, held) {
+        if let Some(first) = &given_up {
             work.kept.push(Kept {
+                why: format!(
+                    "not tried this run: the detach of {first} waited past --detach-wait, and this one's would wait \
+                     for the same transactions"
+                ),
                 partition: partition.name,
-                why,
-                detached: false,
+                detached: partition.detach_pending,
             });
             continue;
+        }
+        // Left half detached by a drop that stopped (or an operator's detach): the inbox no longer shows its rows,
+        // and its range takes none. Finished, and then looked at on the table itself — dropped, or attached again
+        // when a row in it must stay (whatever holds the other partitions back).
+        if partition.detach_pending && dry_run {
+            work.kept.push(Kept {
+                partition: partition.name,
+                why: "left half detached by a drop that stopped: a cleanup finishes the detach, then drops it or \
+                      attaches it again as what it holds says"
+                    .to_owned(),
+                detached: true,
+            });
+            continue;
+        }
+        if !partition.detach_pending {
+            let contents = db::partitions::contents(&mut *conn, from, to).await?;
+            if let Some(why) = why_kept(&contents, cutoff, cleanable, held) {
+                work.kept.push(Kept {
+                    partition: partition.name,
+                    why,
+                    detached: false,
+                });
+                continue;
+            }
         }
         let rows_estimated = db::partitions::rows_estimate(&mut *conn, &partition.name).await?;
         if !dry_run {
             // Between the look above and the detach a claim may still write there (a late copy of an old message):
             // what the detached table holds is looked at again, and if it must stay it is attached again.
             crate::failpoint::hit_with("partition-looked", &partition.name).await;
-            if !db::partitions::detach(&mut conn, &partition).await? {
-                continue; // another cleanup dropped it first
+            match db::partitions::detach(&mut conn, &partition, detach_wait).await? {
+                db::partitions::Detached::Done => {}
+                db::partitions::Detached::Taken => continue, // another cleanup dropped it first
+                db::partitions::Detached::Waited { pending } => {
+                    tracing::warn!(
+                        partition = %partition.name,
+                        wait = %humantime::format_duration(detach_wait),
+                        pending,
+                        "a partition's detach waited past --detach-wait for the transactions reading the inbox; \
+                         left for the next cleanup"
+                    );
+                    work.kept.push(Kept {
+                        partition: partition.name.clone(),
+                        why: format!(
+                            "its detach waited {} (--detach-wait) for the transactions that could see it (a long \
+                             query, a dump, a session idle in a transaction) and was given up: {}",
+                            humantime::format_duration(detach_wait),
+                            if pending {
+                                "left half detached (its range takes no row), for the next cleanup to finish"
+                            } else {
+                                "the next cleanup tries again"
+                            }
+                        ),
+                        detached: pending,
+                    });
+                    given_up = Some(partition.name);
+                    continue;
+                }
+                db::partitions::Detached::Blocked(reason) => {
+                    work.kept.push(Kept {
+                        partition: partition.name,
+                        why: format!(
+                            "another partition's detach is pending, and PostgreSQL detaches one at a time ({}): \
+                             finish it (ALTER TABLE inbox_messages DETACH PARTITION … FINALIZE) as its owner",
+                            crate::sanitize::text(&reason)
+                        ),
+                        detached: false,
+                    });
+                    continue;
+                }
             }
             crate::failpoint::hit("partition-detached").await;
             let settled = db::partitions::settle_detached(

@@ -42,6 +42,11 @@ pub struct Args {
     #[arg(long, default_value = "90d", value_parser = parse_positive_duration)]
     pub audit_retention: Duration,
 
+    /// How long dropping a partition of a partitioned inbox waits for the transactions that could still see it (a
+    /// long query, a dump, a session idle in a transaction) before leaving it for the next cleanup
+    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
+    pub detach_wait: Duration,
+
     /// Only this consumer_type (default: every one)
     #[arg(long)]
     pub consumer_type: Option<String>,
@@ -123,6 +128,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: CancellationToken) -
         dry_run: args.dry_run,
         guard,
         audit_retention: args.audit_retention,
+        detach_wait: args.detach_wait,
     };
     let mut partial = false;
     let mut last_failed = false;

@@ -88,7 +88,7 @@ const VALIDATE_UNTIMED_CHECK: &str =
 /// How long the conversion's steps wait for a lock the consumers' transactions hold before trying again: never
 /// long enough to stall the claims queued behind it.
 const SET_LOCK_TIMEOUT: &str = "SET lock_timeout = '2s'";
-const RESET_LOCK_TIMEOUT: &str = "RESET lock_timeout";
+pub(super) const RESET_LOCK_TIMEOUT: &str = "RESET lock_timeout";
 pub(super) const SET_LOCAL_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout = '2s'";
 const LOCK_INBOX: &str = "LOCK TABLE inbox_messages IN ACCESS EXCLUSIVE MODE";
 const RENAME_TO_UNTIMED: &str = "ALTER TABLE inbox_messages RENAME TO inbox_messages_untimed";

@@ -11,6 +11,11 @@ use crate::db::Exec;
 use crate::db::sql::{self, quote_ident};
 
 statements! {
+    /// Whether the table `$1` is a partition whose `DETACH … CONCURRENTLY` stopped half way (`true`), a partition
+    /// (`false`), or none (no row).
+    const DETACH_PENDING_OF = "\
+SELECT i.inhdetachpending FROM pg_inherits i WHERE i.inhrelid = to_regclass(quote_ident($1))";
+
     /// Whether the table `$1` is a partition (of anything) now.
     const IS_PARTITION =
     "SELECT coalesce((SELECT relispartition FROM pg_class WHERE oid = to_regclass(quote_ident($1))), false)";
@@ -145,45 +150,104 @@ pub async fn contents(
     })
 }
 
+/// What a detach came to ([`detach`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Detached {
+    Done,
+    /// Another process detached it first, or is detaching it (no such table, not a partition, its detach pending
+    /// under another cleanup): left to that one.
+    Taken,
+    /// It waited past its bound for the transactions that could see the partition (a long query, a dump, a session
+    /// idle in a transaction) and was given up; `pending`: in its second step, the partition left half detached (its
+    /// range takes no row) for the next cleanup to finish.
+    Waited {
+        pending: bool,
+    },
+    /// Another partition's detach is pending, and PostgreSQL detaches one at a time: the server's words.
+    Blocked(String),
+}
+
+/// `SET lock_timeout` for the session, in milliseconds: a detach's bound (`DETACH … CONCURRENTLY` runs outside a
+/// transaction, so it cannot be `SET LOCAL`).
+pub(super) fn set_lock_timeout_statement(wait: std::time::Duration) -> String {
+    let most = u128::from(i32::MAX.unsigned_abs());
+    format!("SET lock_timeout = {}", wait.as_millis().clamp(1, most))
+}
+
 /// Detaches a partition without stopping the consumers' inserts (`DETACH … CONCURRENTLY`, or `FINALIZE` for one a
-/// stopped detach left pending). `false` when another process detached it first.
-pub async fn detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<bool> {
-    // Marked first: a drop that stops after the detach leaves a table the next cleanup knows for its own.
-    let detached = match run(conn, &mark_statement(&partition.name)).await {
-        Ok(()) => {
-            let detached = run(
-                conn,
-                &detach_statement(&partition.name, partition.detach_pending),
-            )
-            .await;
-            // A detach that failed (a lock timeout, a cancel) leaves the partition attached: unmarked again, best
-            // effort, so that an operator who detaches it later keeps it. Not when another cleanup detached it first,
-            // or is detaching it (no such table, not a partition, a detach pending): the mark is that one's too.
-            if let Err(e) = &detached
-                && !matches!(
-                    crate::db::sqlstate(e).as_deref(),
-                    Some("42P01" | "42809" | "55000")
-                )
-            {
-                let _ = run(conn, &unmark_statement(&partition.name)).await;
-            }
-            detached
-        }
-        Err(e) => Err(e),
-    };
-    match detached {
-        Ok(()) => Ok(true),
-        // Not a partition (any more), or no such table: another cleanup got there first.
-        Err(e)
-            if matches!(
-                crate::db::sqlstate(&e).as_deref(),
-                Some("42P01" | "42809" | "55000")
-            ) =>
-        {
-            Ok(false)
-        }
-        Err(e) => Err(e),
+/// stopped detach left pending), waiting at most `wait` for the transactions that could see it (`lock_timeout`; not
+/// through a transaction pooler, where no session setting holds, so unbounded there).
+pub async fn detach(
+    conn: &mut PgConnection,
+    partition: &Partition,
+    wait: std::time::Duration,
+) -> sqlx::Result<Detached> {
+    let bounded = !crate::db::pooler::active();
+    if bounded {
+        run(conn, &set_lock_timeout_statement(wait)).await?;
     }
+    let detached = mark_and_detach(conn, partition).await;
+    if bounded {
+        run(conn, convert::RESET_LOCK_TIMEOUT).await?;
+    }
+    let Err(e) = detached else {
+        return Ok(Detached::Done);
+    };
+    match crate::db::sqlstate(&e).as_deref() {
+        // Not a partition (any more), or no such table: another cleanup got there first.
+        Some("42P01" | "42809") => Ok(Detached::Taken),
+        // A detach is pending: this partition's, under another cleanup (whose mark it is), or another partition's,
+        // which PostgreSQL must finish before it detaches this one.
+        Some("55000") => match pending_state(conn, &partition.name).await? {
+            None | Some(true) => Ok(Detached::Taken),
+            Some(false) => {
+                unmark(conn, &partition.name).await;
+                Ok(Detached::Blocked(server_words(&e)))
+            }
+        },
+        Some("55P03") => {
+            let pending = pending_state(conn, &partition.name).await? == Some(true);
+            unmark(conn, &partition.name).await;
+            Ok(Detached::Waited { pending })
+        }
+        _ => {
+            unmark(conn, &partition.name).await;
+            Err(e)
+        }
+    }
+}
+
+/// Marks the partition (a drop that stops after the detach leaves a table the next cleanup knows for its own), then
+/// detaches it.
+async fn mark_and_detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<()> {
+    run(conn, &mark_statement(&partition.name)).await?;
+    run(
+        conn,
+        &detach_statement(&partition.name, partition.detach_pending),
+    )
+    .await
+}
+
+/// Takes the mark off a partition whose detach failed, best effort: an operator who detaches it later keeps it. (One
+/// left half detached is marked again by the cleanup that finishes it.)
+async fn unmark(conn: &mut PgConnection, name: &str) {
+    let _ = run(conn, &unmark_statement(name)).await;
+}
+
+/// What the server said of `error`, without the driver's wrapping.
+fn server_words(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(e) => e.message().to_owned(),
+        other => other.to_string(),
+    }
+}
+
+/// Whether `name` is a partition left half detached (`Some(true)`), a partition (`Some(false)`), or none.
+async fn pending_state(conn: &mut PgConnection, name: &str) -> sqlx::Result<Option<bool>> {
+    sql::query_scalar(DETACH_PENDING_OF)
+        .bind(name)
+        .fetch_optional(&mut *conn)
+        .await
 }
 
 /// What a detached partition holds, read on the table itself. Once `DETACH … CONCURRENTLY` has returned, no claim

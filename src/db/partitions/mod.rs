@@ -32,7 +32,9 @@ mod convert;
 mod drop;
 mod refusals;
 pub use convert::{PartitionReport, partition, require_server};
-pub use drop::{Contents, DETACHING, Settled, contents, detach, leftovers, settle_detached};
+pub use drop::{
+    Contents, DETACHING, Detached, Settled, contents, detach, leftovers, settle_detached,
+};
 /// The conversion's statements, for [`super::statements`].
 pub(super) const CONVERT_STATEMENTS: &[(&str, &str)] = convert::STATEMENTS;
 /// The statements of dropping a partition, for [`super::statements`].
@@ -323,6 +325,10 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
             "unmark_statement",
             drop::unmark_statement("inbox_messages_p20270519_000000"),
         ),
+        (
+            "set_lock_timeout_statement",
+            drop::set_lock_timeout_statement(std::time::Duration::from_secs(30)),
+        ),
     ];
     statements.extend(convert::built_statements());
     statements
@@ -339,15 +345,21 @@ async fn run(conn: &mut PgConnection, statement: &str) -> sqlx::Result<()> {
 
 /// Makes the partitions from where they are missing to [`AHEAD`] (for `migrate` run again and for `cleanup`): from
 /// the end of the newest partition that has begun by now — past it the partitions ran out, and the messages of the
-/// times since are held for theirs —, no earlier than [`BACK`] ago. One missing before that newest was dropped by a
+/// times since are held for theirs, however long ago that was (at most [`MAX_NEW_PARTITIONS`] a run; the next run
+/// goes on) —, or [`BACK`] ago when none has begun. One missing before that newest was dropped by a
 /// cleanup, its rows past the window: made again, a late copy of such a message would be claimed as a message never
 /// seen, where the partition's absence moves it aside. A partition that has not begun (an operator's made far ahead,
 /// a clock ahead) is not the newest: the times before it are still to be made. Returns the partitions made.
 pub async fn make_missing(conn: &mut PgConnection, settings: Settings) -> Result<Vec<String>> {
     let now = Utc::now();
     let not_before = now - BACK;
-    let from = newest_begun(&partitions(&mut *conn).await?, now)
-        .map_or(not_before, |end| end.max(not_before).min(now));
+    // The untimed partition (from MINVALUE) says nothing of when the partitions ran out.
+    let timed: Vec<Partition> = partitions(&mut *conn)
+        .await?
+        .into_iter()
+        .filter(|p| p.from.is_some())
+        .collect();
+    let from = newest_begun(&timed, now).map_or(not_before, |end| end.min(now));
     ensure_partitions(conn, settings, from, now + AHEAD).await
 }
 

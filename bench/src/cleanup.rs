@@ -490,6 +490,7 @@ async fn delete(
                 // The bench's inbox has no dead-letter queues to wait on: the cleanup's cost alone is measured.
                 guard: None,
                 audit_retention: RETENTION,
+                detach_wait: std::time::Duration::from_secs(30),
             };
             let report = cleanup::run(&scratch.pool, &plan, shutdown, |_| {}).await?;
             let partitions = report.partitions.as_ref();

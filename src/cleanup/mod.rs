@@ -141,12 +141,12 @@ pub async fn check_schema(pool: &PgPool, db: &Database) -> Result<()> {
 
 impl Report {
     /// Partial when interrupted, when a consumer_type was left to keep a waiting replay's window, or when a
-    /// partition was left detached (the next cleanup settles it).
+    /// partition was left detached (the next cleanup settles it) or its detach given up (`--detach-wait`).
     pub fn outcome(&self) -> crate::error::Outcome {
         let detached = self
             .partitions
             .as_ref()
-            .is_some_and(|p| p.kept.iter().any(|k| k.detached));
+            .is_some_and(|p| p.kept.iter().any(|k| k.detached) || p.given_up.is_some());
         if self.interrupted || self.refused > 0 || detached || self.failed.is_some() {
             crate::error::Outcome::Partial
         } else {

@@ -34,6 +34,17 @@ pub struct PartitionWork {
     /// batched delete instead.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub refused: Option<String>,
+    /// The partition whose detach waited past `--detach-wait`, after which no other was tried: the run is partial,
+    /// and the batched delete leaves the rows from its start on to the next run's drops.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub given_up: Option<GivenUp>,
+}
+
+/// A partition whose detach was given up ([`PartitionWork::given_up`]).
+#[derive(Debug, Clone, Serialize)]
+pub struct GivenUp {
+    pub partition: String,
+    pub from: DateTime<Utc>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -73,7 +84,12 @@ impl PartitionWork {
     /// refused (`refused`) ends the look at the partitions before it reaches the one holding the cutoff, so that run
     /// deletes every row past the window by batch: nothing else would remove them.
     pub fn batched_below(&self) -> Option<DateTime<Utc>> {
-        self.next.as_ref().map(|n| n.from)
+        let next = self.next.as_ref().map(|n| n.from);
+        match (&self.given_up, next) {
+            (Some(given_up), Some(next)) => Some(given_up.from.min(next)),
+            (Some(given_up), None) => Some(given_up.from),
+            (None, next) => next,
+        }
     }
 }
 
@@ -214,9 +230,10 @@ async fn drop_and_make(
         }
         work.created = db::partitions::make_missing(&mut conn, settings).await?;
     }
-    // The partition whose detach waited past `detach_wait`: the later ones' would wait for the same transactions.
-    let mut given_up: Option<String> = None;
-    for partition in db::partitions::partitions(&mut *conn).await? {
+    let mut partitions = db::partitions::partitions(&mut *conn).await?;
+    // Those left half detached first: until one is finished PostgreSQL detaches no other.
+    partitions.sort_by_key(|p| !(p.detach_pending && p.to.is_some_and(|to| to <= cutoff)));
+    for partition in partitions {
         let (Some(from), Some(to)) = (partition.from, partition.to) else {
             continue; // the untimed partition: its rows go by the batched delete
         };
@@ -262,7 +279,7 @@ async fn drop_and_make(
             });
             continue;
         }
-        if let Some(first) = &given_up {
+        if let Some(first) = work.given_up.as_ref().map(|g| &g.partition) {
             work.kept.push(Kept {
                 why: format!(
                     "not tried this run: the detach of {first} waited past --detach-wait, and this one's would wait \
@@ -327,17 +344,27 @@ async fn drop_and_make(
                         ),
                         detached: pending,
                     });
-                    given_up = Some(partition.name);
+                    work.given_up = Some(GivenUp {
+                        partition: partition.name,
+                        from,
+                    });
                     continue;
                 }
                 db::partitions::Detached::Blocked(reason) => {
                     work.kept.push(Kept {
                         partition: partition.name,
-                        why: format!(
-                            "another partition's detach is pending, and PostgreSQL detaches one at a time ({}): \
-                             finish it (ALTER TABLE inbox_messages DETACH PARTITION … FINALIZE) as its owner",
-                            crate::sanitize::text(&reason)
-                        ),
+                        why: if reason.contains("pending detach") {
+                            format!(
+                                "another partition's detach is pending, and PostgreSQL detaches one at a time ({}): \
+                                 finish it (ALTER TABLE inbox_messages DETACH PARTITION … FINALIZE) as its owner",
+                                crate::sanitize::text(&reason)
+                            )
+                        } else {
+                            format!(
+                                "PostgreSQL refused its detach: {}",
+                                crate::sanitize::text(&reason)
+                            )
+                        },
                         detached: false,
                     });
                     continue;

@@ -186,52 +186,80 @@ pub async fn detach(
     if bounded {
         run(conn, &set_lock_timeout_statement(wait)).await?;
     }
-    let detached = mark_and_detach(conn, partition).await;
+    // Settled under the same bound: the unmark waits for the partition's lock too.
+    let detached = match mark_and_detach(conn, partition).await {
+        Ok(()) => Ok(Detached::Done),
+        Err((marked, e)) => failed_detach(conn, &partition.name, marked, e).await,
+    };
     if bounded {
         run(conn, convert::RESET_LOCK_TIMEOUT).await?;
     }
-    let Err(e) = detached else {
-        return Ok(Detached::Done);
+    detached
+}
+
+/// What a detach that failed with `e` came to; the mark taken off again (`marked`: it was put on) where the partition
+/// is still one of the inbox's, this cleanup's to act on.
+async fn failed_detach(
+    conn: &mut PgConnection,
+    name: &str,
+    marked: bool,
+    e: sqlx::Error,
+) -> sqlx::Result<Detached> {
+    let code = crate::db::sqlstate(&e);
+    // Not a partition (any more), or no such table: another cleanup got there first, and the mark is its.
+    if matches!(code.as_deref(), Some("42P01" | "42809")) {
+        return Ok(Detached::Taken);
+    }
+    let state = match pending_state(conn, name).await {
+        Ok(state) => state,
+        Err(_) if !matches!(code.as_deref(), Some("55000" | "55P03")) => return Err(e),
+        Err(other) => return Err(other),
     };
-    match crate::db::sqlstate(&e).as_deref() {
-        // Not a partition (any more), or no such table: another cleanup got there first.
-        Some("42P01" | "42809") => Ok(Detached::Taken),
-        // A detach is pending: this partition's, under another cleanup (whose mark it is), or another partition's,
-        // which PostgreSQL must finish before it detaches this one.
-        Some("55000") => match pending_state(conn, &partition.name).await? {
-            None | Some(true) => Ok(Detached::Taken),
-            Some(false) => {
-                unmark(conn, &partition.name).await;
-                Ok(Detached::Blocked(server_words(&e)))
-            }
-        },
-        Some("55P03") => {
-            let pending = pending_state(conn, &partition.name).await? == Some(true);
-            unmark(conn, &partition.name).await;
+    match (code.as_deref(), state) {
+        // No longer a partition: detached by another cleanup meanwhile (the mark is that one's).
+        (_, None) => Ok(Detached::Taken),
+        // Its detach pending under another cleanup (whose mark it is).
+        (Some("55000"), Some(true)) => Ok(Detached::Taken),
+        // Refused while it is attached: another partition's detach is pending (PostgreSQL detaches one at a time),
+        // or another reason the server gives.
+        (Some("55000"), Some(false)) => {
+            unmark_if(conn, name, marked).await;
+            Ok(Detached::Blocked(server_words(&e)))
+        }
+        (Some("55P03"), Some(pending)) => {
+            unmark_if(conn, name, marked).await;
             Ok(Detached::Waited { pending })
         }
-        _ => {
-            unmark(conn, &partition.name).await;
+        (_, Some(_)) => {
+            unmark_if(conn, name, marked).await;
             Err(e)
         }
     }
 }
 
 /// Marks the partition (a drop that stops after the detach leaves a table the next cleanup knows for its own), then
-/// detaches it.
-async fn mark_and_detach(conn: &mut PgConnection, partition: &Partition) -> sqlx::Result<()> {
-    run(conn, &mark_statement(&partition.name)).await?;
+/// detaches it; failed, whether the mark was put on.
+async fn mark_and_detach(
+    conn: &mut PgConnection,
+    partition: &Partition,
+) -> Result<(), (bool, sqlx::Error)> {
+    run(conn, &mark_statement(&partition.name))
+        .await
+        .map_err(|e| (false, e))?;
     run(
         conn,
         &detach_statement(&partition.name, partition.detach_pending),
     )
     .await
+    .map_err(|e| (true, e))
 }
 
-/// Takes the mark off a partition whose detach failed, best effort: an operator who detaches it later keeps it. (One
-/// left half detached is marked again by the cleanup that finishes it.)
-async fn unmark(conn: &mut PgConnection, name: &str) {
-    let _ = run(conn, &unmark_statement(name)).await;
+/// Takes the mark off a partition whose detach failed, if it was put on, best effort: an operator who detaches it
+/// later keeps it. (One left half detached is marked again by the cleanup that finishes it.)
+async fn unmark_if(conn: &mut PgConnection, name: &str, marked: bool) {
+    if marked {
+        let _ = run(conn, &unmark_statement(name)).await;
+    }
 }
 
 /// What the server said of `error`, without the driver's wrapping.

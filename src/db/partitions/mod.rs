@@ -345,8 +345,8 @@ async fn run(conn: &mut PgConnection, statement: &str) -> sqlx::Result<()> {
 
 /// Makes the partitions from where they are missing to [`AHEAD`] (for `migrate` run again and for `cleanup`): from
 /// the end of the newest partition that has begun by now — past it the partitions ran out, and the messages of the
-/// times since are held for theirs, however long ago that was (at most [`MAX_NEW_PARTITIONS`] a run; the next run
-/// goes on) —, or [`BACK`] ago when none has begun. One missing before that newest was dropped by a
+/// times since are held for theirs, however long ago that was (the [`BACK`] and the time ahead first, then at most
+/// [`MAX_NEW_PARTITIONS`] of the gap before, from where they ran out) —, or [`BACK`] ago when none has begun. One missing before that newest was dropped by a
 /// cleanup, its rows past the window: made again, a late copy of such a message would be claimed as a message never
 /// seen, where the partition's absence moves it aside. A partition that has not begun (an operator's made far ahead,
 /// a clock ahead) is not the newest: the times before it are still to be made. Returns the partitions made.
@@ -360,7 +360,12 @@ pub async fn make_missing(conn: &mut PgConnection, settings: Settings) -> Result
         .filter(|p| p.from.is_some())
         .collect();
     let from = newest_begun(&timed, now).map_or(not_before, |end| end.min(now));
-    ensure_partitions(conn, settings, from, now + AHEAD).await
+    // The week back and the time ahead first: the present is never what the cap leaves out. Then the gap before.
+    let mut created = ensure_partitions(conn, settings, from.max(not_before), now + AHEAD).await?;
+    if from < not_before {
+        created.extend(ensure_partitions(conn, settings, from, not_before).await?);
+    }
+    Ok(created)
 }
 
 /// The end of the newest of `partitions` that has begun by `at` (a stopped detach's aside: its range takes no row).

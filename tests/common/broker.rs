@@ -57,35 +57,47 @@ pub fn rabbitmqctl(args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// An Erlang expression for `(ready, unacknowledged)` of a queue (`none` when it does not exist), from the broker's
+/// own books. A quorum queue's are read from its leader: `list_queues` shows a quorum queue's counts as of the last
+/// statistics tick, up to seconds old.
+pub fn queue_counts_expression(vhost: &str, queue: &str) -> String {
+    format!(
+        "case rabbit_amqqueue:lookup(rabbit_misc:r({}, queue, {})) of \
+           {{ok, Q}} -> case amqqueue:get_type(Q) of \
+             rabbit_quorum_queue -> \
+               {{ok, {{_, O}}, _}} = ra:leader_query(amqqueue:get_pid(Q), fun rabbit_fifo:overview/1), \
+               {{maps:get(num_ready_messages, O), maps:get(num_checked_out, O)}}; \
+             _ -> \
+               [{{_, R}}, {{_, U}}] = rabbit_amqqueue:info(Q, [messages_ready, messages_unacknowledged]), \
+               {{R, U}} end; \
+           _ -> none end.",
+        super::erl::binary(vhost),
+        super::erl::binary(queue)
+    )
+}
+
+/// The counts [`queue_counts_expression`] printed; `None` for `none`.
+pub fn parse_queue_counts(out: &str) -> Option<(u64, u64)> {
+    let (ready, unacked) = out
+        .trim()
+        .strip_prefix('{')
+        .and_then(|o| o.strip_suffix('}'))
+        .and_then(|o| o.split_once(','))?;
+    Some((
+        ready.trim().parse().unwrap(),
+        unacked.trim().parse().unwrap(),
+    ))
+}
+
 impl TestEnv {
     /// `(ready, unacknowledged)` of a queue, from the broker's own books. A quorum queue's are read from its
     /// leader: `list_queues` shows a quorum queue's counts as of the last statistics tick, up to seconds old.
     pub fn queue_counts(&self, queue: &str) -> (u64, u64) {
-        let expression = format!(
-            "case rabbit_amqqueue:lookup(rabbit_misc:r({}, queue, {})) of \
-               {{ok, Q}} -> case amqqueue:get_type(Q) of \
-                 rabbit_quorum_queue -> \
-                   {{ok, {{_, O}}, _}} = ra:leader_query(amqqueue:get_pid(Q), fun rabbit_fifo:overview/1), \
-                   {{maps:get(num_ready_messages, O), maps:get(num_checked_out, O)}}; \
-                 _ -> \
-                   [{{_, R}}, {{_, U}}] = rabbit_amqqueue:info(Q, [messages_ready, messages_unacknowledged]), \
-                   {{R, U}} end; \
-               _ -> none end.",
-            super::erl::binary(&self.vhost),
-            super::erl::binary(queue)
-        );
+        let expression = queue_counts_expression(&self.vhost, queue);
         let out = super::erl::eval(&expression)
             .unwrap_or_else(|| rabbitmqctl(&["-q", "eval", &expression]));
-        let counts = out
-            .trim()
-            .strip_prefix('{')
-            .and_then(|o| o.strip_suffix('}'))
-            .and_then(|o| o.split_once(','));
-        match counts {
-            Some((ready, unacked)) => (
-                ready.trim().parse().unwrap(),
-                unacked.trim().parse().unwrap(),
-            ),
+        match parse_queue_counts(&out) {
+            Some(counts) => counts,
             None => panic!("queue {queue} not found in vhost {}: {out}", self.vhost),
         }
     }

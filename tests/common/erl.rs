@@ -53,11 +53,6 @@ struct Shell {
 static SHELL: Mutex<Option<Option<Shell>>> = Mutex::new(None);
 
 fn start() -> Option<Shell> {
-    let cookie = ["/var/lib/rabbitmq/.erlang.cookie"]
-        .into_iter()
-        .map(std::path::PathBuf::from)
-        .chain(std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".erlang.cookie")))
-        .find_map(|p| std::fs::read_to_string(p).ok())?;
     let host = Command::new("hostname")
         .arg("-s")
         .output()
@@ -66,6 +61,16 @@ fn start() -> Option<Shell> {
         .unwrap_or_default();
     let nodes = std::env::var("INBOXCTL_TEST_RABBIT_NODE")
         .unwrap_or_else(|_| format!("rabbit@localhost rabbit@{host}"));
+    start_for(&nodes)
+}
+
+/// A node of the process's own, evaluating on the first of `nodes` (names, by spaces) that answers.
+fn start_for(nodes: &str) -> Option<Shell> {
+    let cookie = ["/var/lib/rabbitmq/.erlang.cookie"]
+        .into_iter()
+        .map(std::path::PathBuf::from)
+        .chain(std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".erlang.cookie")))
+        .find_map(|p| std::fs::read_to_string(p).ok())?;
     let name = format!(
         "inboxctl_tests_{}_{}@localhost",
         std::process::id(),
@@ -101,6 +106,27 @@ fn start() -> Option<Shell> {
     })
 }
 
+impl Shell {
+    /// What the node answered to `expression` (`!failed …` when it failed there, or the node is down); `None` when
+    /// the shell itself is gone.
+    fn ask(&mut self, expression: &str) -> Option<String> {
+        let line = format!("{}\n", expression.replace(['\n', '\r'], " "));
+        self.stdin
+            .write_all(line.as_bytes())
+            .and_then(|()| self.stdin.flush())
+            .ok()?;
+        let mut out = String::new();
+        loop {
+            let mut line = String::new();
+            match self.stdout.read_line(&mut line) {
+                Ok(0) | Err(_) => return None,
+                Ok(_) if line == ".end\n" => return Some(out),
+                Ok(_) => out.push_str(&line),
+            }
+        }
+    }
+}
+
 /// What `rabbitmqctl -q eval <expression>` prints, from the process's own node; `None` when there is none (the
 /// caller then asks `rabbitmqctl`). An expression that fails on the broker panics, as `rabbitmqctl` failing does.
 pub fn eval(expression: &str) -> Option<String> {
@@ -109,32 +135,52 @@ pub fn eval(expression: &str) -> Option<String> {
         *shell = Some(start());
     }
     let running = shell.as_mut().unwrap().as_mut()?;
-    let line = format!("{}\n", expression.replace(['\n', '\r'], " "));
-    let asked = running
-        .stdin
-        .write_all(line.as_bytes())
-        .and_then(|()| running.stdin.flush());
-    if asked.is_err() {
+    let Some(out) = running.ask(expression) else {
         *shell = Some(None);
         return None;
-    }
-    let mut out = String::new();
-    loop {
-        let mut line = String::new();
-        match running.stdout.read_line(&mut line) {
-            Ok(0) | Err(_) => {
-                *shell = Some(None);
-                return None;
-            }
-            Ok(_) if line == ".end\n" => break,
-            Ok(_) => out.push_str(&line),
-        }
-    }
+    };
     assert!(
         !out.starts_with("!failed"),
         "eval on the broker's node failed: {expression}\n{out}"
     );
     Some(out)
+}
+
+/// A node of the process's own for one broker node of a test's (a private node), asked as [`eval`] asks the shared
+/// broker's: started at the first question, and kept; the broker node may stop and start again meanwhile.
+pub struct Remote {
+    node: String,
+    shell: Mutex<Option<Option<Shell>>>,
+}
+
+impl Remote {
+    pub fn new(node: &str) -> Self {
+        Self {
+            node: node.to_owned(),
+            shell: Mutex::new(None),
+        }
+    }
+
+    /// What the broker node answers to `expression`: `Err` when the expression failed there or the node is down
+    /// (`!failed …`), or when no node of the process's own could be started (then ask `rabbitmqctl`).
+    pub fn eval(&self, expression: &str) -> Result<String, String> {
+        let mut shell = self.shell.lock().unwrap_or_else(|e| e.into_inner());
+        if !matches!(*shell, Some(Some(_))) {
+            // Not yet, or the node was down when last tried: tried again.
+            *shell = Some(start_for(&self.node));
+        }
+        let Some(running) = shell.as_mut().unwrap().as_mut() else {
+            return Err(format!("no node answering as {}", self.node));
+        };
+        match running.ask(expression) {
+            Some(out) if out.starts_with("!failed") => Err(out),
+            Some(out) => Ok(out),
+            None => {
+                *shell = None;
+                Err(format!("the shell for {} ended", self.node))
+            }
+        }
+    }
 }
 
 /// An Erlang expression for the binary of `text`'s bytes: no quoting to get wrong, whatever the name holds.

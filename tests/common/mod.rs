@@ -37,7 +37,7 @@ pub use db::*;
 mod env;
 pub use env::*;
 
-mod erl;
+pub mod erl;
 
 mod faults;
 pub use faults::*;

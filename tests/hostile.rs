@@ -43,7 +43,11 @@ fn consumer(env: &TestEnv, args: &[&str]) -> common::Proc {
     proc
 }
 
-// ---- a dead-letter copy must not expire ----
+// ---- a dead-letter copy must not expire, nor be lost in a broker restart ----
+
+// Each copy is also persistent (delivery mode 2), the unreadable one's original having been published transient (no
+// delivery mode): a copy waits in the error queue for days, and a transient one in a classic queue is gone at the
+// broker's next restart.
 
 in_both_modes!(
     dead_letter_copies_do_not_expire_and_keep_the_ttl_in_a_header,
@@ -83,6 +87,11 @@ async fn copies_do_not_expire(mode: &[&str]) {
     assert_eq!(env.queue_counts(ERROR_QUEUE), (2, 0), "no copy expired");
     for copy in take_all(&env, ERROR_QUEUE).await {
         assert_eq!(copy.properties.expiration(), &None, "the copy has no TTL");
+        assert_eq!(
+            copy.properties.delivery_mode(),
+            &Some(2),
+            "the copy is persistent"
+        );
         assert_eq!(
             header_text(&copy, "inboxctl-original-expiration"),
             "4000",

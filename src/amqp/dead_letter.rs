@@ -207,7 +207,7 @@ pub fn copy_properties(
     }
 }
 
-/// `original`'s properties but its headers and `expiration`, with `user_id` as given.
+/// `original`'s properties but its headers and `expiration`, with `user_id` as given, and persistent.
 fn rebuilt(original: &BasicProperties, user_id: Option<ShortString>) -> BasicProperties {
     let mut p = BasicProperties::default();
     if let Some(v) = original.content_type() {
@@ -216,9 +216,9 @@ fn rebuilt(original: &BasicProperties, user_id: Option<ShortString>) -> BasicPro
     if let Some(v) = original.content_encoding() {
         p = p.with_content_encoding(v.clone());
     }
-    if let Some(v) = original.delivery_mode() {
-        p = p.with_delivery_mode(*v);
-    }
+    // Persistent whatever the original was: a copy waits in its queue for days, and a transient message in a classic
+    // queue is gone at the broker's next restart.
+    p = p.with_delivery_mode(2);
     if let Some(v) = original.priority() {
         p = p.with_priority(*v);
     }

@@ -141,7 +141,9 @@ pub struct CopyTooLarge {
 ///   the host, then most of the failure message, then the message type and the consumer_type, up to 2 KB each);
 ///   if the original's own headers are still too large, no copy.
 ///
-/// Everything else (body, content type, message id, delivery mode, …) is kept as it was.
+/// - the copy is persistent (delivery mode 2) whatever the original was: it waits in its queue for days;
+///
+/// Everything else (body, content type, message id, …) is kept as it was.
 pub fn copy_properties(
     original: &BasicProperties,
     mut headers: FieldTable,
@@ -386,8 +388,10 @@ mod tests {
             "tenant".into(),
             AMQPValue::LongString("t".repeat(100_000).into()),
         );
+        // Persistent, as every copy is: the frame bound below is measured on the original.
         let original = BasicProperties::default()
             .with_message_id("m".into())
+            .with_delivery_mode(2)
             .with_headers(own.clone());
         let fault = Fault {
             consumer_type: "c".repeat(5_000),

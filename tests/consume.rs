@@ -695,6 +695,40 @@ async fn failing_work_is_retried_then_moved_with_its_retry_count_in(mode: &[&str
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
+/// A message listing several types, the consumer's not first (a subtype published as such, MassTransit listing its
+/// base types after it): its error copy's `MT-Fault-MessageType` names the type consumed, as MassTransit's does, not
+/// the envelope's first (which it used to).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_fault_names_the_type_consumed_not_the_envelopes_first() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let (props, body, _) = common::parcel_message(Uuid::new_v4(), "FAIL");
+    let mut envelope: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    envelope["messageType"] = serde_json::json!([
+        "urn:message:Shop.Parcels:ExpressParcelCreated",
+        "urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent"
+    ]);
+    let body = serde_json::to_vec(&envelope).unwrap();
+    common::publish(&conn, "", CARRIER_QUEUE, props, &body).await;
+    common::consume_until_idle(
+        &env,
+        &[
+            "carrier",
+            "--fail-destination",
+            "FAIL",
+            "--max-attempts",
+            "1",
+        ],
+    );
+    let errors = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(errors.len(), 1);
+    assert_eq!(
+        common::header_text(&errors[0].properties, "MT-Fault-MessageType").as_deref(),
+        Some("ParcelTracker.Domain.Events.ParcelCreatedEvent")
+    );
+}
+
 #[cfg(feature = "failpoints")]
 in_both_modes!(
     a_panic_fails_its_message_not_the_process,

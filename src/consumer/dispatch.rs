@@ -170,13 +170,12 @@ pub(super) async fn prepare<C: Consumer>(
             );
         }
     };
-    let message_type = incoming
-        .message_types
-        .first()
-        .map(|t| envelope::dotnet_type_name(t));
     if !C::handles(&incoming.message_types) {
         return Prepared::Done(skip(shared, link, delivery, &incoming).await);
     }
+    // The type consumed, as MassTransit names it in a fault: the consumer's, not the envelope's first (a message may
+    // list several types, the consumer's not first among them).
+    let message_type = Some(envelope::dotnet_type_name(C::MESSAGE_TYPE));
     if let Some(partitions) = &shared.options.partitions {
         check_routing_key(shared, delivery, &incoming, &partitions.key);
     }

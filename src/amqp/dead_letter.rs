@@ -350,6 +350,66 @@ mod tests {
         }
     }
 
+    /// Each header a copy of MassTransit's own carries (`tests/fixtures/interop`, captured from a MassTransit 8
+    /// service: an error copy and a skipped one), name for name and AMQP type for type, with the timestamp written
+    /// as theirs is; but the two inboxctl leaves out on purpose (`x-dotnet-pub-seq-no`, a publisher's sequence
+    /// number; `MT-Host-MassTransitVersion`). A header renamed, left out, added or written as another type fails here.
+    #[test]
+    fn the_headers_of_a_copy_are_masstransits_name_for_name_and_type_for_type() {
+        let kind = |v: &AMQPValue| match v {
+            AMQPValue::LongString(_) => "S (longstr)",
+            AMQPValue::LongInt(_) => "I (int32)",
+            AMQPValue::LongLongInt(_) => "l (int64)",
+            other => panic!("{other:?}"),
+        };
+        let fixtures = [
+            (
+                include_str!("../../tests/fixtures/interop/messages/error/error-01.json"),
+                error_headers(None, &fault()),
+            ),
+            (
+                include_str!("../../tests/fixtures/interop/messages/skipped/skipped-01.json"),
+                skipped_headers(None),
+            ),
+        ];
+        for (fixture, ours) in fixtures {
+            let fixture: serde_json::Value = serde_json::from_str(fixture).unwrap();
+            let theirs: std::collections::BTreeMap<String, String> = fixture["headers"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| {
+                    !["x-dotnet-pub-seq-no", "MT-Host-MassTransitVersion"].contains(&k.as_str())
+                })
+                .map(|(k, v)| (k.clone(), v["amqp_type"].as_str().unwrap().to_owned()))
+                .collect();
+            let written: std::collections::BTreeMap<String, String> = ours
+                .inner()
+                .iter()
+                .map(|(k, v)| (k.as_str().to_owned(), kind(v).to_owned()))
+                .collect();
+            assert_eq!(written, theirs);
+            if let Some(AMQPValue::LongString(at)) = fixture["headers"]
+                .get("MT-Fault-Timestamp")
+                .and(ours.inner().get("MT-Fault-Timestamp"))
+            {
+                let shape = |t: &str| {
+                    t.chars()
+                        .map(|c| if c.is_ascii_digit() { '9' } else { c })
+                        .collect::<String>()
+                };
+                assert_eq!(
+                    shape(&String::from_utf8_lossy(at.as_bytes())),
+                    shape(
+                        fixture["headers"]["MT-Fault-Timestamp"]["text"]
+                            .as_str()
+                            .unwrap()
+                    )
+                );
+            }
+        }
+    }
+
     /// Whatever a failure quotes — a reason or an error chain that repeats a message's text, a message type read
     /// from the message — the copy carries a bounded amount of it, cut with a note, before any frame is considered.
     #[test]

@@ -57,6 +57,12 @@ impl Entry {
 /// Writes `entry`; a failure is logged (a warning on stderr) and returned as `false`, never as an error: the action
 /// it records is done either way.
 pub async fn record(pool: &PgPool, entry: &Entry) -> bool {
+    try_record(pool, entry).await.is_ok()
+}
+
+/// [`record`], with why the row was not written (its passwords masked), for a caller that shows it where it shows
+/// the action's outcome (`top`, which has no log); logged all the same.
+pub async fn try_record(pool: &PgPool, entry: &Entry) -> std::result::Result<(), String> {
     // `args_os`: a path given as bytes that are not UTF-8 (`--listing`, `--output`) is the operator's to give;
     // `args` would panic on it, after the action it records was done.
     let command_line = command_line(std::env::args_os().map(|a| a.to_string_lossy().into_owned()));
@@ -72,8 +78,12 @@ pub async fn record(pool: &PgPool, entry: &Entry) -> bool {
         details: &details,
     };
     match db::audit::insert(pool, &row).await {
-        Ok(()) => true,
-        Err(e) => not_audited(entry, &Error::from(e).to_string()),
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let why = Error::from(e).to_string();
+            not_audited(entry, &why);
+            Err(crate::redact::text(&why))
+        }
     }
 }
 

@@ -1734,6 +1734,28 @@ async fn the_guard_passes_over_a_failure_time_in_the_future() {
     assert_ne!(consumer["dead_letter_window"], "ok", "{consumer}");
 }
 
+/// Why an action's audit row was not written is given to a caller that shows it itself: `top`, which keeps no log,
+/// said "not audited: see the log", and the reason was lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn why_an_action_was_not_audited_is_given_to_a_caller_that_keeps_no_log() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::query("ALTER TABLE inboxctl_audit RENAME TO inboxctl_audit_away")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let entry = inboxctl::audit::Entry {
+        command: "replay",
+        outcome: "done",
+        exit_code: Some(0),
+        details: serde_json::json!({"via": "top"}),
+    };
+    let why = inboxctl::audit::try_record(&pool, &entry)
+        .await
+        .expect_err("no audit table to write to");
+    assert!(why.contains("inboxctl_audit"), "{why}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn every_state_changing_command_is_audited_without_a_password_and_outlives_cleanup() {
     let mut env = TestEnv::bare().await;

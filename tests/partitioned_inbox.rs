@@ -1294,14 +1294,22 @@ async fn rows_of(pool: &sqlx::PgPool, id: Uuid) -> i64 {
 
 /// Whether `name` is a partition of the inbox now.
 async fn attached(pool: &sqlx::PgPool, name: &str) -> bool {
-    sqlx::query_scalar::<_, Option<bool>>(
+    catalog_flag(
+        pool,
         "SELECT (SELECT relispartition FROM pg_class WHERE oid = to_regclass($1))",
+        name,
     )
-    .bind(name)
-    .fetch_one(pool)
     .await
-    .unwrap()
-    .unwrap_or(false)
+}
+
+/// What `query` (of the catalogs, by a table's name) says of `name`: false when it says nothing (no such table).
+async fn catalog_flag(pool: &sqlx::PgPool, query: &'static str, name: &str) -> bool {
+    sqlx::query_scalar::<_, Option<bool>>(query)
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+        .unwrap_or(false)
 }
 
 /// A claim may write into an old partition between the cleanup's look at it and its detach (a late copy of an old
@@ -1600,14 +1608,12 @@ async fn left_half_detached(pool: &sqlx::PgPool, partition: &str) {
 
 /// Whether `partition` is a partition left half detached.
 async fn pending(pool: &sqlx::PgPool, partition: &str) -> bool {
-    sqlx::query_scalar::<_, Option<bool>>(
+    catalog_flag(
+        pool,
         "SELECT (SELECT inhdetachpending FROM pg_inherits WHERE inhrelid = to_regclass($1))",
+        partition,
     )
-    .bind(partition)
-    .fetch_one(pool)
     .await
-    .unwrap()
-    .unwrap_or(false)
 }
 
 /// A session idle in a transaction that read the inbox (a forgotten `BEGIN` in psql; a dump) holds a partition's

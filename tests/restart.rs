@@ -87,6 +87,20 @@ impl PrivatePg {
         self.ctl("pg_ctlcluster", &[&self.version, &self.name, "start"]);
     }
 
+    /// The database `parcels` set `synchronous_commit = off`, and the WAL writer told to wait 10 s between flushes:
+    /// a commit not flushed by its own session is still unflushed when the server crashes right after it.
+    async fn with_synchronous_commit_off(&self) {
+        let admin = self.admin().await;
+        for statement in [
+            "ALTER SYSTEM SET wal_writer_delay = '10s'",
+            "ALTER DATABASE parcels SET synchronous_commit = off",
+            "SELECT pg_reload_conf()",
+        ] {
+            sqlx::query(statement).execute(&admin).await.unwrap();
+        }
+        admin.close().await;
+    }
+
     /// One connection as the superuser, to the `postgres` database.
     async fn admin(&self) -> sqlx::PgPool {
         sqlx::postgres::PgPoolOptions::new()
@@ -200,15 +214,7 @@ async fn with_synchronous_commit_off_no_acknowledged_effect_is_lost_in_a_crash()
         out
     };
     run(&["migrate"], &[]);
-    let admin = pg.admin().await;
-    for statement in [
-        "ALTER SYSTEM SET wal_writer_delay = '10s'",
-        "ALTER DATABASE parcels SET synchronous_commit = off",
-        "SELECT pg_reload_conf()",
-    ] {
-        sqlx::query(statement).execute(&admin).await.unwrap();
-    }
-    admin.close().await;
+    pg.with_synchronous_commit_off().await;
 
     // Directly, then through PgBouncer (transaction pooling): 200 messages each, a crash after each run.
     for (round, through_pooler) in [(1_i64, false), (2, true)] {
@@ -308,15 +314,7 @@ async fn through_a_pooler_with_synchronous_commit_off_no_call_made_is_forgotten_
         assert_eq!(out.code, Some(0), "{args:?}: {out:?}");
     };
     run(&["migrate"]);
-    let admin = pg.admin().await;
-    for statement in [
-        "ALTER SYSTEM SET wal_writer_delay = '10s'",
-        "ALTER DATABASE parcels SET synchronous_commit = off",
-        "SELECT pg_reload_conf()",
-    ] {
-        sqlx::query(statement).execute(&admin).await.unwrap();
-    }
-    admin.close().await;
+    pg.with_synchronous_commit_off().await;
     let stub = common::Stub::start(&env, &[]);
     let state_of = |destination: &'static str| {
         let url = url.clone();

@@ -61,6 +61,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
             [CompletionResult]::new('--amqp-ca-file', '--amqp-ca-file', [CompletionResultType]::ParameterName, 'CA certificate (PEM) an amqps:// broker''s certificate may chain to, beside the system''s roots (amqps:// only)')
             [CompletionResult]::new('--log-format', '--log-format', [CompletionResultType]::ParameterName, 'Log line format on stderr')
             [CompletionResult]::new('--dry-run', '--dry-run', [CompletionResultType]::ParameterName, 'Show what would be created and run, SQL included, and change nothing')
+            [CompletionResult]::new('--new-inbox', '--new-inbox', [CompletionResultType]::ParameterName, 'Make a new inbox on the search path even though another schema of the database holds an inbox_messages (refused without: that one may be a service''s, which a new one would take the place of)')
             [CompletionResult]::new('--json', '--json', [CompletionResultType]::ParameterName, 'Print the result as JSON')
             [CompletionResult]::new('--transaction-pooling', '--transaction-pooling', [CompletionResultType]::ParameterName, 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)')
             [CompletionResult]::new('-v', '-v', [CompletionResultType]::ParameterName, 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)')

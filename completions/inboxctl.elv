@@ -57,6 +57,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-ca-file 'CA certificate (PEM) an amqps:// broker''s certificate may chain to, beside the system''s roots (amqps:// only)'
             cand --log-format 'Log line format on stderr'
             cand --dry-run 'Show what would be created and run, SQL included, and change nothing'
+            cand --new-inbox 'Make a new inbox on the search path even though another schema of the database holds an inbox_messages (refused without: that one may be a service''s, which a new one would take the place of)'
             cand --json 'Print the result as JSON'
             cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

@@ -62,6 +62,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l amqp-ca-fi
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l dry-run -d 'Show what would be created and run, SQL included, and change nothing'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l new-inbox -d 'Make a new inbox on the search path even though another schema of the database holds an inbox_messages (refused without: that one may be a service\'s, which a new one would take the place of)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l json -d 'Print the result as JSON'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand migrate" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

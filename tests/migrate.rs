@@ -485,6 +485,46 @@ async fn an_inbox_in_another_schema_than_the_one_migrate_creates_in_is_refused()
     assert_eq!(inboxes, 1);
 }
 
+/// An EF Core inbox in a schema of the service's own (`HasDefaultSchema("shipping")`), off the migrating role's search
+/// path: migrate refuses, naming the schema and the two ways on, and makes no inbox. It used to see no inbox, make a
+/// new, empty one in `public` — no "adopted" line — and every message the service had processed would have been
+/// processed again. `--new-inbox` makes one beside it, when that is what is meant.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_inbox_off_the_search_path_is_named_not_replaced_by_a_new_one() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql("CREATE SCHEMA shipping")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET search_path = shipping; {EF_CORE_DDL}"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let inboxes = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_class WHERE relname = 'inbox_messages'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(inboxes().await, 1);
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(78), "{out:?}");
+    assert!(
+        out.stderr.contains("schema shipping holds one") && out.stderr.contains("--new-inbox"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(inboxes().await, 1, "no second inbox");
+    let out = env.run(&["migrate", "--new-inbox"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(inboxes().await, 2, "one beside it, as asked");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_incompatible_table_is_named_and_nothing_changes() {
     let cases = [

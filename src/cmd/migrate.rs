@@ -40,6 +40,11 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = TimeSource::Id, requires = "partitioned")]
     pub partition_time: TimeSource,
 
+    /// Make a new inbox on the search path even though another schema of the database holds an inbox_messages
+    /// (refused without: that one may be a service's, which a new one would take the place of)
+    #[arg(long)]
+    pub new_inbox: bool,
+
     /// Print the result as JSON
     #[arg(long)]
     pub json: bool,
@@ -81,7 +86,7 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: &CancellationToken) 
         interval: chrono::TimeDelta::from_std(interval).unwrap_or(partitions::MIN_INTERVAL),
         source: args.partition_time,
     });
-    let migrated = schema::migrate_partitioned(&db, args.dry_run, partitioning);
+    let migrated = schema::migrate_with(&db, args.dry_run, partitioning, args.new_inbox);
     let report = tokio::select! {
         report = migrated => report,
         () = shutdown.cancelled() => {

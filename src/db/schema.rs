@@ -26,6 +26,12 @@ SELECT n.nspname::text, current_schema()::text
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = to_regclass('inbox_messages')";
 
+    /// The schemas holding a table `inbox_messages` (the search path aside), up to five.
+    const INBOX_ELSEWHERE = "\
+SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relname = 'inbox_messages' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+ORDER BY 1 LIMIT 5";
+
     /// The versions recorded as applied by inboxctl's migrations.
     const APPLIED_MIGRATIONS =
     "SELECT version FROM inboxctl_migrations WHERE success ORDER BY version";
@@ -168,6 +174,17 @@ pub async fn migrate_partitioned(
     dry_run: bool,
     partitioning: Option<super::partitions::Settings>,
 ) -> Result<MigrateReport> {
+    migrate_with(db, dry_run, partitioning, false).await
+}
+
+/// [`migrate_partitioned`]; with `new_inbox`, a new inbox is made even where another schema of the database holds an
+/// `inbox_messages` the search path does not reach (otherwise refused: it may be the one a service uses).
+pub async fn migrate_with(
+    db: &Database,
+    dry_run: bool,
+    partitioning: Option<super::partitions::Settings>,
+    new_inbox: bool,
+) -> Result<MigrateReport> {
     if db.transaction_pooling() {
         return Err(Error::Usage(
             "migrate needs a session of its own, which a transaction pooler does not keep: it holds an advisory lock \
@@ -216,7 +233,7 @@ pub async fn migrate_partitioned(
     };
     let result = match ready {
         Err(e) => Err(e),
-        Ok(()) => migrate_locked(&mut conn, &migrator, &database, dry_run).await,
+        Ok(()) => migrate_locked(&mut conn, &migrator, &database, dry_run, new_inbox).await,
     };
     let result = match result {
         Ok(mut report) => match partitioning {
@@ -250,9 +267,33 @@ async fn migrate_locked(
     migrator: &Migrator,
     database: &str,
     dry_run: bool,
+    new_inbox: bool,
 ) -> Result<MigrateReport> {
     let applied = applied_versions(conn).await?;
     let inbox_exists = table_exists(conn, "inbox_messages").await?;
+    if !inbox_exists && !new_inbox {
+        // An inbox the search path does not reach (a service's in a schema of its own, EF Core's `HasDefaultSchema`):
+        // a new, empty one on the path would take its place for every command, and every message the service had
+        // processed would be processed again.
+        let elsewhere: Vec<String> = sql::query_scalar(INBOX_ELSEWHERE)
+            .fetch_all(&mut *conn)
+            .await?;
+        if !elsewhere.is_empty() {
+            let schemas: Vec<String> = elsewhere
+                .iter()
+                .map(|s| crate::sanitize::text(s).into_owned())
+                .collect();
+            return Err(Error::SchemaIncompatible {
+                database: database.to_owned(),
+                differences: vec![format!(
+                    "no inbox_messages on this role's search_path, but schema {} holds one: to adopt it, put its \
+                     schema first on the search_path (ALTER ROLE … SET search_path, or options=-c search_path=… in \
+                     the database URL); to make a new inbox on the search_path beside it, run migrate --new-inbox",
+                    schemas.join(", ")
+                )],
+            });
+        }
+    }
     let adopted_existing_inbox = inbox_exists && !applied.contains(&first_version(migrator));
     if inbox_exists {
         // `CREATE TABLE IF NOT EXISTS` looks in the schema it creates in, not along the search path: an inbox found

@@ -525,6 +525,32 @@ async fn an_inbox_off_the_search_path_is_named_not_replaced_by_a_new_one() {
     assert_eq!(inboxes().await, 2, "one beside it, as asked");
 }
 
+/// A `statement_timeout` on the database (100 ms, a bound for the service's queries) and an EF Core inbox of 300,000
+/// rows: migrate's index builds take longer, and run to their end. They were cancelled, left invalid, and built again
+/// and cancelled again at every run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_statement_timeout_of_the_database_does_not_cut_migrates_index_builds() {
+    let env = TestEnv::empty().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(EF_CORE_DDL).execute(&pool).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO inbox_messages (id, consumer_type, received_at, processed_at) \
+         SELECT gen_random_uuid(), 'carrier', now(), now() FROM generate_series(1, 300000); \
+         ALTER DATABASE \"{}\" SET statement_timeout = '100ms'",
+        env.db_name
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let invalid: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_index WHERE NOT indisvalid")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(invalid, 0);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_incompatible_table_is_named_and_nothing_changes() {
     let cases = [

@@ -60,6 +60,10 @@ WHERE processed_at IS NULL";
     /// The server looks whether the client is still there every second while a statement runs (PostgreSQL 14+).
     const CHECK_CLIENT_CONNECTION = "SET client_connection_check_interval = '1s'";
 
+    /// No bound on one statement for the session: a `statement_timeout` of the role's or the database's would cancel
+    /// an index build on a large adopted inbox, every run, each leaving it invalid to build again (as `pg_dump` does).
+    const NO_STATEMENT_TIMEOUT = "SET statement_timeout = 0";
+
     /// [`ADOPT_LOCK_TIMEOUT`], for the session, and back.
     const SET_ADOPT_LOCK_TIMEOUT = "SET lock_timeout = '2s'";
     const RESET_LOCK_TIMEOUT = "RESET lock_timeout";
@@ -215,6 +219,7 @@ pub async fn migrate_with(
     // within a second (an index build, holding the migrate lock, would otherwise run on to its end). Older servers
     // know no such setting, and run it to its end.
     let _ = sql::query(CHECK_CLIENT_CONNECTION).execute(&mut conn).await;
+    sql::query(NO_STATEMENT_TIMEOUT).execute(&mut conn).await?;
     let mut waiting = false;
     while !sql::query_scalar::<bool>(MIGRATE_TRY_LOCK)
         .bind(MIGRATE_LOCK_KEY)

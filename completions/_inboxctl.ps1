@@ -386,7 +386,7 @@ Register-ArgumentCompleter -Native -CommandName 'inboxctl' -ScriptBlock {
         }
         'inboxctl;effects;reconcile' {
             [CompletionResult]::new('--lookup-url', '--lookup-url', [CompletionResultType]::ParameterName, 'The carrier''s base URL for look-ups: GET <url>/pickups/by-key/{key}')
-            [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Only this consumer_type''s: the one whose carrier --lookup-url answers for (needed when calls of several consumer_types are to settle)')
+            [CompletionResult]::new('--consumer-type', '--consumer-type', [CompletionResultType]::ParameterName, 'Whose calls to settle: the consumer_type whose carrier --lookup-url answers for. Always named: a look-up asked about another carrier''s calls answers 404 for each, and would have them made again')
             [CompletionResult]::new('--timeout', '--timeout', [CompletionResultType]::ParameterName, 'The longest one look-up may take')
             [CompletionResult]::new('--quiet-for', '--quiet-for', [CompletionResultType]::ParameterName, 'Owe a call again on a 404 only when its last attempt ended at least this long ago: the carrier may still be working on a request whose answer never came')
             [CompletionResult]::new('--database-url', '--database-url', [CompletionResultType]::ParameterName, 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])')

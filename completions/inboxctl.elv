@@ -366,7 +366,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         }
         &'inboxctl;effects;reconcile'= {
             cand --lookup-url 'The carrier''s base URL for look-ups: GET <url>/pickups/by-key/{key}'
-            cand --consumer-type 'Only this consumer_type''s: the one whose carrier --lookup-url answers for (needed when calls of several consumer_types are to settle)'
+            cand --consumer-type 'Whose calls to settle: the consumer_type whose carrier --lookup-url answers for. Always named: a look-up asked about another carrier''s calls answers 404 for each, and would have them made again'
             cand --timeout 'The longest one look-up may take'
             cand --quiet-for 'Owe a call again on a 404 only when its last attempt ended at least this long ago: the carrier may still be working on a request whose answer never came'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'

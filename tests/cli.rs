@@ -334,6 +334,8 @@ fn a_malformed_carrier_url_is_a_usage_error_without_its_password() {
         &[
             "effects",
             "reconcile",
+            "--consumer-type",
+            "carrier",
             "--lookup-url",
             "https://ops:CarrierPw0rd@carrier.example:8443x/",
         ],

@@ -84,9 +84,9 @@ pub struct ReconcileArgs {
     #[arg(long, value_name = "URL", value_parser = crate::cli::SecretUrl)]
     pub lookup_url: url::Url,
 
-    /// Only this consumer_type's: the one whose carrier --lookup-url answers for (needed when calls of several
-    /// consumer_types are to settle)
-    #[arg(long)]
+    /// Whose calls to settle: the consumer_type whose carrier --lookup-url answers for. Always named: a look-up asked
+    /// about another carrier's calls answers 404 for each, and would have them made again
+    #[arg(long, required = true)]
     pub consumer_type: Option<String>,
 
     /// The longest one look-up may take

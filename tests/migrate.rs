@@ -551,6 +551,46 @@ async fn a_statement_timeout_of_the_database_does_not_cut_migrates_index_builds(
     assert_eq!(invalid, 0);
 }
 
+/// The index of calls done, built beforehand by the operator (concurrently, as commands.md suggests for a large
+/// table) and cut short: left invalid. The migration that builds it (`IF NOT EXISTS`) took the leftover for built, and
+/// cleanup's look for done calls read the whole table from then on. `migrate` drops it first and builds it again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_index_of_done_calls_left_invalid_by_hand_is_built_again() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    // A database at the migration before it: the index not there, its migration not applied.
+    sqlx::raw_sql(
+        "DROP INDEX ix_inboxctl_effects_done; \
+         DELETE FROM inboxctl_migrations WHERE version = 20261203000012; \
+         INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts) \
+         SELECT gen_random_uuid(), 'c', gen_random_uuid(), 'after-commit', 'done', '{}', 1 FROM generate_series(1, 2)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    // A build of that name cut short (here: one that fails, on two rows it cannot hold apart) leaves it invalid.
+    let cut = sqlx::raw_sql(
+        "CREATE UNIQUE INDEX CONCURRENTLY ix_inboxctl_effects_done ON inboxctl_effects (consumer_type) \
+         WHERE state = 'done'",
+    )
+    .execute(&pool)
+    .await;
+    assert!(cut.is_err());
+    let valid = || async {
+        sqlx::query_scalar::<_, Option<bool>>(
+            "SELECT (SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             WHERE c.relname = 'ix_inboxctl_effects_done')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(valid().await, Some(false));
+    let out = env.run(&["migrate"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert_eq!(valid().await, Some(true), "{out:?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn an_incompatible_table_is_named_and_nothing_changes() {
     let cases = [

@@ -130,6 +130,9 @@ const CONCURRENT_INDEXES: [&str; 5] = [
     "ix_inboxctl_effects_unsettled",
 ];
 
+/// The migration that builds the index of calls done (inside its transaction, not concurrently), and the index.
+const EFFECTS_DONE_INDEX: (i64, &str) = (20261203000012, "ix_inboxctl_effects_done");
+
 /// The migrations in `migrations/`, embedded in the binary.
 pub fn migrator() -> Migrator {
     let mut migrator = sqlx::migrate!();
@@ -338,7 +341,7 @@ async fn migrate_locked(
         .map(info)
         .collect();
     if !dry_run && !pending.is_empty() {
-        drop_invalid_indexes(conn).await?;
+        drop_invalid_indexes(conn, &pending).await?;
         if adopted_existing_inbox {
             build_unprocessed_index(conn).await?;
             adopt(conn, migrator).await?;
@@ -458,9 +461,16 @@ async fn build_unprocessed_index(conn: &mut PgConnection) -> Result<()> {
     Ok(())
 }
 
-async fn drop_invalid_indexes(conn: &mut PgConnection) -> Result<()> {
+async fn drop_invalid_indexes(conn: &mut PgConnection, pending: &[MigrationInfo]) -> Result<()> {
+    let mut names = CONCURRENT_INDEXES.to_vec();
+    // Built by the operator beforehand, concurrently, as commands.md suggests for a large table: cut short, it is left
+    // invalid, and the migration's `IF NOT EXISTS` would take it for built. Only while that migration is to run,
+    // which builds it again.
+    if pending.iter().any(|m| m.version == EFFECTS_DONE_INDEX.0) {
+        names.push(EFFECTS_DONE_INDEX.1);
+    }
     let invalid: Vec<String> = sql::query_scalar(INVALID_INBOX_INDEXES)
-        .bind(&CONCURRENT_INDEXES[..])
+        .bind(&names[..])
         .fetch_all(&mut *conn)
         .await?;
     for name in invalid {

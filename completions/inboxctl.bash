@@ -778,7 +778,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__effects__subcmd__resolve)
-            opts="-v -h -V --consumer-type --done --reference --retry --quiet-for --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --consumer-type --done --reference --never-attempted --retry --quiet-for --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

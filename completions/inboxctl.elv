@@ -355,6 +355,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --amqp-ca-file 'CA certificate (PEM) an amqps:// broker''s certificate may chain to, beside the system''s roots (amqps:// only)'
             cand --log-format 'Log line format on stderr'
             cand --done 'The call was made: mark the effect done'
+            cand --never-attempted 'With --done: settle a call no consumer has attempted yet (owed, booked some other way). Refused without: a mistaken message id would mark done a call no one made, and it would never be made'
             cand --retry 'The call was not made: owe it again (a running consumer makes it)'
             cand --transaction-pooling 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer''s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
             cand -v 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

@@ -314,6 +314,7 @@ complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_se
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l log-format -d 'Log line format on stderr' -r -f -a "text\t''
 json\t''"
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l done -d 'The call was made: mark the effect done'
+complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l never-attempted -d 'With --done: settle a call no consumer has attempted yet (owed, booked some other way). Refused without: a mistaken message id would mark done a call no one made, and it would never be made'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l retry -d 'The call was not made: owe it again (a running consumer makes it)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -l transaction-pooling -d 'PostgreSQL is reached through a connection pooler in transaction mode (PgBouncer\'s pool_mode = transaction): every statement unnamed and in a transaction, no session settings or locks (migrate refuses: run it against PostgreSQL itself)'
 complete -c inboxctl -n "__fish_inboxctl_using_subcommand effects; and __fish_seen_subcommand_from resolve" -s v -l verbose -d 'More log output on stderr: -v debug, -vv trace (RUST_LOG, if set, takes precedence)'

@@ -1613,6 +1613,46 @@ async fn reconcile_asks_one_carriers_look_up_only_about_that_carriers_calls() {
     assert_eq!(state(ids[1]).await, "in_doubt", "the other carrier's call");
 }
 
+/// `resolve --done` on a call no consumer has attempted yet (owed, 0 attempts) is refused, nothing settled: a
+/// mistaken message id marked done a call no one had made, and it was never made. `--never-attempted` settles it,
+/// when it was booked some other way.
+#[tokio::test(flavor = "multi_thread")]
+async fn resolve_done_of_a_call_never_attempted_needs_to_be_told_so() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO inboxctl_effects (message_id, consumer_type, idempotency_key, mode, state, request, attempts) \
+         VALUES ($1, $2, gen_random_uuid(), 'after-commit', 'pending', '{}', 0)",
+    )
+    .bind(id)
+    .bind(CARRIER_QUEUE)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let state = || async {
+        sqlx::query_scalar::<_, String>("SELECT state FROM inboxctl_effects WHERE message_id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let id_text = id.to_string();
+    let refused = env.run(&["effects", "resolve", &id_text, "--done"]);
+    assert_eq!(refused.code, Some(64), "{refused:?}");
+    assert!(refused.stderr.contains("never attempted"), "{refused:?}");
+    assert_eq!(state().await, "pending");
+    let settled = env.run(&[
+        "effects",
+        "resolve",
+        &id_text,
+        "--done",
+        "--never-attempted",
+    ]);
+    assert_eq!(settled.code, Some(0), "{settled:?}");
+    assert_eq!(state().await, "done");
+}
+
 /// A look-up answers for one carrier: `reconcile` always asks whose calls it settles. With one consumer_type's calls
 /// alone to settle, it took the look-up for theirs: a URL of another carrier's answered 404 for each, and owed them
 /// all again (an at-most-once call that was booked, made twice).

@@ -68,6 +68,11 @@ pub struct ResolveArgs {
     #[arg(long, requires = "done")]
     pub reference: Option<String>,
 
+    /// With --done: settle a call no consumer has attempted yet (owed, booked some other way). Refused without: a
+    /// mistaken message id would mark done a call no one made, and it would never be made
+    #[arg(long, requires = "done")]
+    pub never_attempted: bool,
+
     /// The call was not made: owe it again (a running consumer makes it)
     #[arg(long)]
     pub retry: bool,
@@ -178,6 +183,7 @@ async fn resolve(pool: &sqlx::PgPool, args: &ResolveArgs) -> Result<Outcome> {
     let resolution = match args.done {
         true => Resolution::Done {
             reference: args.reference.clone(),
+            never_attempted: args.never_attempted,
         },
         false => Resolution::Retry,
     };

@@ -14,8 +14,12 @@ pub const OPEN: [&str; 4] = ["pending", "started", "in_doubt", "failed"];
 /// How an operator settles one effect.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Resolution {
-    /// The carrier did book it (the operator checked): done, with the carrier's reference if given.
-    Done { reference: Option<String> },
+    /// The carrier did book it (the operator checked): done, with the carrier's reference if given; a call never
+    /// attempted yet only with `never_attempted`.
+    Done {
+        reference: Option<String>,
+        never_attempted: bool,
+    },
     /// It was not booked: owed again, its attempts counted afresh; a consumer makes the call.
     Retry,
 }
@@ -55,6 +59,19 @@ pub async fn resolve(
     quiet_for: std::time::Duration,
 ) -> Result<external::Row> {
     let before = one_effect(pool, message_id, consumer_type).await?;
+    if let Resolution::Done {
+        never_attempted: false,
+        ..
+    } = resolution
+        && before.state == "pending"
+        && before.attempts == 0
+    {
+        return Err(Error::Usage(format!(
+            "the effect of message {message_id} was never attempted: it is owed, and a consumer makes the call; marked \
+             done, the call would never be made. If the carrier has it from elsewhere, give --never-attempted; \
+             nothing settled"
+        )));
+    }
     if *resolution == Resolution::Retry && before.attempts > 0 {
         let now = external::database_now(pool).await?;
         if !quiet_since(&before, now, quiet_for) {
@@ -74,7 +91,7 @@ pub async fn resolve(
     // Between the read and the settle (a test changes the effect here, as a consumer's worker may).
     crate::failpoint::hit("resolve-read").await;
     let (state, reference, note) = match resolution {
-        Resolution::Done { reference } => {
+        Resolution::Done { reference, .. } => {
             ("done", reference.as_deref(), "settled by an operator: done")
         }
         Resolution::Retry => ("pending", None, "settled by an operator: to be made again"),

@@ -72,6 +72,15 @@ async fn state_of(pool: &PgPool, destination: &str) -> Option<String> {
     .unwrap()
 }
 
+/// The state of the effect of message `id` as stored (`started` past its lease not read as in doubt).
+async fn stored_state(pool: &PgPool, id: Uuid) -> String {
+    sqlx::query_scalar("SELECT state FROM inboxctl_effects WHERE message_id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// How many effects are in each state, by state.
 async fn effect_states(pool: &PgPool) -> Vec<(String, i64)> {
     sqlx::query_as("SELECT state, count(*) FROM inboxctl_effects GROUP BY state ORDER BY state")
@@ -1580,18 +1589,7 @@ async fn reconcile_asks_one_carriers_look_up_only_about_that_carriers_calls() {
         .unwrap();
         ids.push(call.message_id);
     }
-    let state = |id: Uuid| {
-        let pool = pool.clone();
-        async move {
-            sqlx::query_scalar::<_, String>(
-                "SELECT state FROM inboxctl_effects WHERE message_id = $1",
-            )
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-        }
-    };
+    let state = |id: Uuid| stored_state(&pool, id);
     let args = [
         "effects",
         "reconcile",
@@ -1630,13 +1628,7 @@ async fn resolve_done_of_a_call_never_attempted_needs_to_be_told_so() {
     .execute(&pool)
     .await
     .unwrap();
-    let state = || async {
-        sqlx::query_scalar::<_, String>("SELECT state FROM inboxctl_effects WHERE message_id = $1")
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
+    let state = || stored_state(&pool, id);
     let id_text = id.to_string();
     let refused = env.run(&["effects", "resolve", &id_text, "--done"]);
     assert_eq!(refused.code, Some(64), "{refused:?}");
@@ -1680,13 +1672,7 @@ async fn reconcile_always_asks_whose_calls_the_look_up_answers_for() {
     ]);
     assert_eq!(out.code, Some(64), "{out:?}");
     assert!(out.stderr.contains("--consumer-type"), "{out:?}");
-    let state: String =
-        sqlx::query_scalar("SELECT state FROM inboxctl_effects WHERE message_id = $1")
-            .bind(call.message_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(state, "in_doubt");
+    assert_eq!(stored_state(&pool, call.message_id).await, "in_doubt");
 }
 
 /// The wait before a 404 owes a call again (`--quiet-for`) was judged on the clock of the machine running `effects
@@ -1743,13 +1729,7 @@ async fn reconcile_judges_a_calls_quiet_on_the_databases_clock() {
     assert_eq!(out.code, Some(3), "{out:?}");
     let said: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(said[0]["now"], "recent", "{said}");
-    let state: String =
-        sqlx::query_scalar("SELECT state FROM inboxctl_effects WHERE message_id = $1")
-            .bind(call.message_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(state, "in_doubt");
+    assert_eq!(stored_state(&pool, call.message_id).await, "in_doubt");
 }
 
 /// `effects reconcile` looks at the oldest 100,000 calls of a run, and said nothing of the rest: exit 0, as if all
@@ -1813,13 +1793,7 @@ async fn reconcile_does_not_owe_again_a_call_the_carrier_may_still_be_making() {
     let said: serde_json::Value = serde_json::from_str(&early.stdout).unwrap();
     assert_eq!(said[0]["now"], "recent", "{said}");
     assert!(early.stderr.contains("run again later"), "{early:?}");
-    let state = |pool: PgPool| async move {
-        sqlx::query_scalar::<_, String>("SELECT state FROM inboxctl_effects WHERE message_id = $1")
-            .bind(call.message_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
+    let state = |pool: PgPool| async move { stored_state(&pool, call.message_id).await };
     assert_eq!(state(pool.clone()).await, "in_doubt");
     // Its last change long ago, but the lease it was made under ended a minute ago: still too recent.
     sqlx::query(
@@ -2478,13 +2452,7 @@ async fn resolve_retry_waits_for_a_calls_last_attempt_to_be_quiet() {
         early.stderr.contains("less than --quiet-for 10m"),
         "{early:?}"
     );
-    let state = || async {
-        sqlx::query_scalar::<_, String>("SELECT state FROM inboxctl_effects WHERE message_id = $1")
-            .bind(call.message_id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
+    let state = || stored_state(&pool, call.message_id);
     assert_eq!(state().await, "in_doubt");
     let told = env.run(&["effects", "resolve", &id, "--retry", "--quiet-for", "0s"]);
     assert_eq!(told.code, Some(0), "{told:?}");
@@ -2539,13 +2507,11 @@ async fn a_resolve_leaves_an_effect_a_worker_changed_since_it_was_read() {
         "{}",
         resolve.stderr()
     );
-    let state: String =
-        sqlx::query_scalar("SELECT state FROM inboxctl_effects WHERE message_id = $1")
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!(state, "failed", "left as the worker left it");
+    assert_eq!(
+        stored_state(&pool, id).await,
+        "failed",
+        "left as the worker left it"
+    );
 }
 
 /// `effects reconcile` whose settle of one call fails (here a trigger refusing its update; a role without INSERT on

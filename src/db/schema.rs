@@ -19,19 +19,6 @@ statements! {
     /// Whether a relation is visible on the search path. `$1` name.
     const TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL";
 
-    /// The schema of the `inbox_messages` the search path finds, and the schema new tables go to (the first on the
-    /// search path that exists; null if none does).
-    const INBOX_SCHEMA = "\
-SELECT n.nspname::text, current_schema()::text
-FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE c.oid = to_regclass('inbox_messages')";
-
-    /// The schemas holding a table `inbox_messages` (the search path aside), up to five.
-    const INBOX_ELSEWHERE = "\
-SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE c.relname = 'inbox_messages' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
-ORDER BY 1 LIMIT 5";
-
     /// The versions recorded as applied by inboxctl's migrations.
     const APPLIED_MIGRATIONS =
     "SELECT version FROM inboxctl_migrations WHERE success ORDER BY version";
@@ -279,53 +266,9 @@ async fn migrate_locked(
 ) -> Result<MigrateReport> {
     let applied = applied_versions(conn).await?;
     let inbox_exists = table_exists(conn, "inbox_messages").await?;
-    if !inbox_exists && !new_inbox {
-        // An inbox the search path does not reach (a service's in a schema of its own, EF Core's `HasDefaultSchema`):
-        // a new, empty one on the path would take its place for every command, and every message the service had
-        // processed would be processed again.
-        let elsewhere: Vec<String> = sql::query_scalar(INBOX_ELSEWHERE)
-            .fetch_all(&mut *conn)
-            .await?;
-        if !elsewhere.is_empty() {
-            let schemas: Vec<String> = elsewhere
-                .iter()
-                .map(|s| crate::sanitize::text(s).into_owned())
-                .collect();
-            return Err(Error::SchemaIncompatible {
-                database: database.to_owned(),
-                differences: vec![format!(
-                    "no inbox_messages on this role's search_path, but schema {} holds one: to adopt it, put its \
-                     schema first on the search_path (ALTER ROLE … SET search_path, or options=-c search_path=… in \
-                     the database URL); to make a new inbox on the search_path beside it, run migrate --new-inbox",
-                    schemas.join(", ")
-                )],
-            });
-        }
-    }
+    inbox::check_place(conn, database, inbox_exists, new_inbox).await?;
     let adopted_existing_inbox = inbox_exists && !applied.contains(&first_version(migrator));
     if inbox_exists {
-        // `CREATE TABLE IF NOT EXISTS` looks in the schema it creates in, not along the search path: an inbox found
-        // in another schema than that one (a .NET service's in `public`, the role's own schema first on its path)
-        // would be joined by a second, empty one that every later statement uses — and every message the service
-        // had processed would be processed again.
-        let (found_in, creates_in): (String, Option<String>) =
-            sql::query_as(INBOX_SCHEMA).fetch_one(&mut *conn).await?;
-        if creates_in.as_deref() != Some(found_in.as_str()) {
-            return Err(Error::SchemaIncompatible {
-                database: database.to_owned(),
-                differences: vec![format!(
-                    "inbox_messages is in schema {}, but the tables migrate makes would go to {} (the first schema \
-                     on this role's search_path): put {} first on the search_path (ALTER ROLE … SET search_path), \
-                     or run migrate as the role the inbox belongs to",
-                    crate::sanitize::text(&found_in),
-                    creates_in.as_deref().map_or_else(
-                        || "no schema".to_owned(),
-                        |s| crate::sanitize::text(s).into_owned()
-                    ),
-                    crate::sanitize::text(&found_in),
-                )],
-            });
-        }
         let differences = inbox_differences(conn).await?;
         if !differences.is_empty() {
             return Err(Error::SchemaIncompatible {

@@ -1,12 +1,12 @@
 //! What an existing `inbox_messages` must be for inboxctl to adopt it: the four columns with their types, the key on
 //! `(id, consumer_type)` under any name (EF Core's `"PK_inbox_messages"` or the tutorial's), and no extra column the
-//! claim would have to fill.
+//! claim would have to fill; and where it must be ([`check_place`]).
 
 use sqlx::postgres::PgConnection;
 
 use crate::db::Unit;
 use crate::db::sql;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 statements! {
     /// The columns of `inbox_messages`: name, SQL type, NOT NULL, has a default.
@@ -24,6 +24,72 @@ CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, ord)
 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
 WHERE c.conrelid = to_regclass('inbox_messages') AND c.contype = 'p'
 GROUP BY c.conname";
+
+    /// The schema of the `inbox_messages` the search path finds, and the schema new tables go to (the first on the
+    /// search path that exists; null if none does).
+    const INBOX_SCHEMA = "\
+SELECT n.nspname::text, current_schema()::text
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass('inbox_messages')";
+
+    /// The schemas holding a table `inbox_messages` (the search path aside), up to five.
+    const INBOX_ELSEWHERE = "\
+SELECT n.nspname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.relname = 'inbox_messages' AND c.relkind IN ('r', 'p') AND NOT c.relispartition
+ORDER BY 1 LIMIT 5";
+}
+
+/// Refuses an inbox `migrate` would not find where it works (`inbox_exists`: one is on the search path), naming where
+/// it is: every message the service had processed would otherwise be processed again, by a second, empty inbox that
+/// every later statement uses.
+/// - Found on the search path, but in another schema than the one new tables go to (`CREATE TABLE IF NOT EXISTS`
+///   looks there, not along the path): a .NET service's in `public`, the role's own schema first on its path.
+/// - None on the path, but one in another schema (a service's own, EF Core's `HasDefaultSchema`), unless
+///   `new_inbox` asks for one beside it.
+pub async fn check_place(
+    conn: &mut PgConnection,
+    database: &str,
+    inbox_exists: bool,
+    new_inbox: bool,
+) -> Result<()> {
+    let refused = |difference: String| Error::SchemaIncompatible {
+        database: database.to_owned(),
+        differences: vec![difference],
+    };
+    if inbox_exists {
+        let (found_in, creates_in): (String, Option<String>) =
+            sql::query_as(INBOX_SCHEMA).fetch_one(&mut *conn).await?;
+        if creates_in.as_deref() != Some(found_in.as_str()) {
+            return Err(refused(format!(
+                "inbox_messages is in schema {}, but the tables migrate makes would go to {} (the first schema on this \
+                 role's search_path): put {} first on the search_path (ALTER ROLE … SET search_path), or run migrate \
+                 as the role the inbox belongs to",
+                crate::sanitize::text(&found_in),
+                creates_in.as_deref().map_or_else(
+                    || "no schema".to_owned(),
+                    |s| crate::sanitize::text(s).into_owned()
+                ),
+                crate::sanitize::text(&found_in),
+            )));
+        }
+    } else if !new_inbox {
+        let elsewhere: Vec<String> = sql::query_scalar(INBOX_ELSEWHERE)
+            .fetch_all(&mut *conn)
+            .await?;
+        if !elsewhere.is_empty() {
+            let schemas: Vec<String> = elsewhere
+                .iter()
+                .map(|s| crate::sanitize::text(s).into_owned())
+                .collect();
+            return Err(refused(format!(
+                "no inbox_messages on this role's search_path, but schema {} holds one: to adopt it, put its schema \
+                 first on the search_path (ALTER ROLE … SET search_path, or options=-c search_path=… in the database \
+                 URL); to make a new inbox on the search_path beside it, run migrate --new-inbox",
+                schemas.join(", ")
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What an existing `inbox_messages` has that inboxctl cannot work with. Empty means compatible: the four columns

@@ -1569,13 +1569,8 @@ async fn burst(
 
 // ---- a dead-letter copy the broker refuses ----
 
-/// A carrier consumer whose one message failed and is owed its copy: the error queue is declared full
-/// (`x-max-length` 0, `reject-publish`), so the broker refuses the copy and the message goes back to its queue.
-/// Returns the consumer (`-v`, `consumer_env` set), a pool of the test's own, the message's id and consumer_type.
-async fn owed_one(
-    env: &TestEnv,
-    consumer_env: &[(&str, &str)],
-) -> (common::Proc, sqlx::PgPool, Uuid, String) {
+/// The carrier's error queue declared full (`x-max-length` 0, `reject-publish`): the broker refuses every copy.
+async fn refusing_error_queue(env: &TestEnv) {
     common::ensure_endpoints(env).await;
     let conn = env.amqp().await;
     let channel = conn.create_channel().await.unwrap();
@@ -1591,6 +1586,16 @@ async fn owed_one(
         .await
         .unwrap();
     let _ = conn.close(200, "OK".into()).await;
+}
+
+/// A carrier consumer whose one message failed and is owed its copy: the error queue is declared full
+/// (`x-max-length` 0, `reject-publish`), so the broker refuses the copy and the message goes back to its queue.
+/// Returns the consumer (`-v`, `consumer_env` set), a pool of the test's own, the message's id and consumer_type.
+async fn owed_one(
+    env: &TestEnv,
+    consumer_env: &[(&str, &str)],
+) -> (common::Proc, sqlx::PgPool, Uuid, String) {
+    refusing_error_queue(env).await;
     let consumer = env.spawn_with(
         &[
             "consume",
@@ -1627,6 +1632,59 @@ async fn owed_one(
 }
 
 const FAILED: &str = "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'";
+
+/// More messages that cannot be moved aside (their copies refused) than the prefetch, at the head of the queue: each
+/// goes back after its pause to the queue's tail, not its head, so the healthy messages behind them are delivered and
+/// processed meanwhile. Given back with a requeue (to the head), the same ones came round every time, and nothing
+/// behind them was ever delivered while the error queue refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_that_cannot_be_moved_aside_do_not_starve_the_healthy_ones_behind_them() {
+    let env = TestEnv::migrated().await;
+    refusing_error_queue(&env).await;
+    let out = env.run(&[
+        "publish",
+        "parcel-created",
+        "--count",
+        "6",
+        "--destination",
+        "FAIL",
+    ]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let out = env.run(&["publish", "parcel-created", "--count", "20"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let mut consumer = env.spawn(&[
+        "consume",
+        "carrier",
+        "--concurrency",
+        "2",
+        "--prefetch",
+        "4",
+        "--fail-destination",
+        "FAIL",
+        "--max-attempts",
+        "1",
+    ]);
+    let pool = env.pool().await;
+    common::eventually(
+        "the healthy messages processed while the error queue refuses",
+        Duration::from_secs(45),
+        || async { effects(&pool).await == 20 },
+    )
+    .await;
+    // The six are still on the queue, owed their copies, not lost.
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!(ready + unacked, 6, "{}", consumer.stderr());
+    assert_eq!(
+        common::count(&pool, FAILED).await,
+        6,
+        "{}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    let (ready, unacked) = env.queue_counts(CARRIER_QUEUE);
+    assert_eq!((ready, unacked), (6, 0));
+}
 
 /// A message whose copy to the error queue the broker refuses (a nack: the queue full) goes back to its queue, owed
 /// its copy: each time it comes round it goes straight to the copy, its work not tried again. Processed meanwhile by

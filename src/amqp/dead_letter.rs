@@ -25,13 +25,39 @@ pub const ORIGINAL_USER_ID_HEADER: &str = "inboxctl-original-user-id";
 /// message held for ever: the original bytes are gone once read. A replay moves such a copy back as it is.
 pub const ALTERED_HEADER: &str = "inboxctl-altered";
 
+/// The header a message carries when a consumer gave it back to the tail of its own queue, because it could not be
+/// settled then (its dead-letter copy refused, say): how many times so far. A message that carries it is handled as a
+/// redelivery. Not copied to a dead-letter queue, nor kept by a replay.
+pub const GIVEN_BACK_HEADER: &str = "inboxctl-given-back";
+
+/// Whether a message was given back to its queue's tail ([`GIVEN_BACK_HEADER`]), and so is a redelivery.
+pub fn given_back(properties: &BasicProperties) -> bool {
+    properties
+        .headers()
+        .as_ref()
+        .is_some_and(|h| h.inner().contains_key(GIVEN_BACK_HEADER))
+}
+
+/// `headers` with [`GIVEN_BACK_HEADER`] counted once more.
+pub fn given_back_once_more(headers: Option<&FieldTable>) -> FieldTable {
+    let mut headers = headers.cloned().unwrap_or_default();
+    let times = match headers.inner().get(GIVEN_BACK_HEADER) {
+        Some(AMQPValue::LongLongInt(n)) => n.saturating_add(1).max(1),
+        _ => 1,
+    };
+    headers.insert(GIVEN_BACK_HEADER.into(), AMQPValue::LongLongInt(times));
+    headers
+}
+
 /// MassTransit's headers of a failure (`MT-Fault-*`, `MT-Host-*`, `MT-Reason`), replaced rather than kept when a
-/// message fails again; and the publisher's sequence number, which means nothing on a copy another process publishes.
+/// message fails again; the publisher's sequence number, which means nothing on a copy another process publishes;
+/// and inboxctl's mark of a message given back to its queue's tail.
 pub fn is_failure_header(key: &str) -> bool {
     key.starts_with("MT-Fault-")
         || key.starts_with("MT-Host-")
         || key == "MT-Reason"
         || key == "x-dotnet-pub-seq-no"
+        || key == GIVEN_BACK_HEADER
 }
 
 /// RabbitMQ's headers of a dead-lettering (`x-death`, `x-first-death-*`, `x-last-death-*`) and of a quorum queue's
@@ -306,6 +332,28 @@ mod tests {
             message_type: Some("ParcelTracker.Domain.Events.ParcelCreatedEvent".into()),
             retry_count: 4,
         }
+    }
+
+    #[test]
+    fn the_given_back_mark_is_counted_and_not_copied_to_the_error_queue() {
+        let once = given_back_once_more(None);
+        assert_eq!(
+            once.inner().get(GIVEN_BACK_HEADER),
+            Some(&AMQPValue::LongLongInt(1))
+        );
+        let mut twice = given_back_once_more(Some(&once));
+        assert_eq!(
+            twice.inner().get(GIVEN_BACK_HEADER),
+            Some(&AMQPValue::LongLongInt(2))
+        );
+        assert!(given_back(
+            &BasicProperties::default().with_headers(twice.clone())
+        ));
+        assert!(!given_back(&BasicProperties::default()));
+        twice.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        let copy = error_headers(Some(&twice), &fault());
+        assert!(!copy.inner().contains_key(GIVEN_BACK_HEADER));
+        assert!(copy.inner().contains_key("tenant"));
     }
 
     #[test]

@@ -43,6 +43,25 @@ pub(super) enum CopyError {
     GivenBackInAnAlarm,
 }
 
+/// Where a copy goes.
+#[derive(Clone, Copy)]
+pub(super) enum To<'a> {
+    /// A dead-letter queue: the exchange of that name, declared with its queue if it was not since the consuming
+    /// connection was opened; the copy's properties as [`dead_letter::copy_properties`] makes them.
+    DeadLetter(&'a str),
+    /// The tail of the consumed queue itself, through the default exchange: the message as it came, with the headers
+    /// given. Nothing is declared: the queue is there, with arguments of its own.
+    Tail(&'a str),
+}
+
+impl To<'_> {
+    fn name(&self) -> &str {
+        match self {
+            To::DeadLetter(name) | To::Tail(name) => name,
+        }
+    }
+}
+
 /// What one publish of a copy came to.
 enum Sent {
     Confirmed,
@@ -137,7 +156,7 @@ impl DeadLetters {
     /// goes out on: a copy still waiting when its bound passes was held up by the copies before it, not by the broker.
     pub(super) async fn publish(
         &self,
-        destination: &str,
+        to: To<'_>,
         delivery: &Delivery,
         headers: FieldTable,
         turn: &Turn,
@@ -160,12 +179,34 @@ impl DeadLetters {
             .map_err(|e| CopyError::Refused(crate::redact::text(&e.for_a_retry())))?;
         let _ = turn.on.set(Arc::clone(&connection));
         let frame_max = usize::try_from(connection.configuration().frame_max()).unwrap_or(0);
-        let properties =
-            dead_letter::copy_properties(&delivery.properties, headers, &self.publisher, frame_max)
-                .map_err(|e| CopyError::Impossible(e.to_string()))?;
+        let properties = match to {
+            To::DeadLetter(_) => dead_letter::copy_properties(
+                &delivery.properties,
+                headers,
+                &self.publisher,
+                frame_max,
+            )
+            .map_err(|e| CopyError::Impossible(e.to_string()))?,
+            To::Tail(_) => {
+                // Published again as it is, or not at all: a copy that would not be the message goes back the usual
+                // way.
+                if let Some(why) =
+                    crate::amqp::copy::uncopyable(&delivery.properties, &self.publisher)
+                {
+                    return Err(CopyError::Impossible(why));
+                }
+                let properties = delivery.properties.clone().with_headers(headers);
+                if crate::amqp::limits::content_header_len(&properties) > frame_max {
+                    return Err(CopyError::Impossible(
+                        "the message with its given-back mark is too large for a frame".to_owned(),
+                    ));
+                }
+                properties
+            }
+        };
         let unanswered = Unanswered(Some(&self.abandoned));
         let published = self
-            .publish_on(&connection, destination, delivery, &properties)
+            .publish_on(&connection, to, delivery, &properties)
             .await;
         unanswered.answered();
         published
@@ -175,14 +216,17 @@ impl DeadLetters {
     async fn publish_on(
         &self,
         connection: &Connection,
-        destination: &str,
+        to: To<'_>,
         delivery: &Delivery,
         properties: &BasicProperties,
     ) -> Result<(), CopyError> {
         let label = delivery.properties.message_id().as_ref();
         failpoint::hit_with("dead-letter-publish", label.map_or("", |id| id.as_str())).await;
+        let destination = to.name();
         let mut last = String::new();
-        for attempt in 0..2 {
+        // The consumed queue is not declared again: a message it does not take goes back the usual way.
+        let tries = if matches!(to, To::Tail(_)) { 1 } else { 2 };
+        for attempt in 0..tries {
             if attempt > 0 {
                 tracing::warn!(
                     reason = %last,
@@ -190,10 +234,7 @@ impl DeadLetters {
                 );
                 self.forget(destination);
             }
-            match self
-                .send(connection, destination, delivery, properties)
-                .await
-            {
+            match self.send(connection, to, delivery, properties).await {
                 Sent::Confirmed => return Ok(()),
                 Sent::Nacked => {
                     return Err(CopyError::Refused(format!(
@@ -215,18 +256,22 @@ impl DeadLetters {
     async fn send(
         &self,
         connection: &Connection,
-        destination: &str,
+        to: To<'_>,
         delivery: &Delivery,
         properties: &BasicProperties,
     ) -> Sent {
-        let channel = match self.ready(connection, destination).await {
+        let channel = match self.ready(connection, to).await {
             Ok(channel) => channel,
             Err(e) => return Sent::Failed(e),
         };
+        let (exchange, routing_key) = match to {
+            To::DeadLetter(destination) => (destination, ""),
+            To::Tail(queue) => ("", queue),
+        };
         let published = publish::publish_confirmed(
             &channel,
-            destination,
-            "",
+            exchange,
+            routing_key,
             &delivery.data,
             properties.clone(),
         )
@@ -269,10 +314,12 @@ impl DeadLetters {
         Ok(connection)
     }
 
-    /// The copy channel, opened if there is none or it failed; `destination` declared if it was not since the
-    /// consuming connection was opened.
-    async fn ready(&self, connection: &Connection, destination: &str) -> crate::Result<Channel> {
-        if !self.is_declared(destination) {
+    /// The copy channel, opened if there is none or it failed; a dead-letter destination declared if it was not since
+    /// the consuming connection was opened.
+    async fn ready(&self, connection: &Connection, to: To<'_>) -> crate::Result<Channel> {
+        if let To::DeadLetter(destination) = to
+            && !self.is_declared(destination)
+        {
             topology::ensure_dead_letter_queue(connection, destination, self.queue_type).await?;
             self.declared_now(destination);
         }
@@ -362,7 +409,7 @@ impl Link {
     /// is given up (see [`Link::answer`]) and the message goes back to its queue.
     pub(super) async fn copy(
         &self,
-        destination: &str,
+        to: To<'_>,
         delivery: &Delivery,
         headers: FieldTable,
         shutdown: &CancellationToken,
@@ -370,11 +417,10 @@ impl Link {
     ) -> Result<(), CopyError> {
         let place = self.admit(waits)?;
         let turn = Turn::default();
-        let published =
-            Box::pin(
-                self.dead_letters
-                    .publish(destination, delivery, headers, &turn, || self.is_lost()),
-            );
+        let published = Box::pin(
+            self.dead_letters
+                .publish(to, delivery, headers, &turn, || self.is_lost()),
+        );
         match self.confirmed(published, &turn.at, place, waits, shutdown).await {
             Waited::Answered(copied) => copied,
             Waited::GivenBack => Err(CopyError::GivenBackInAnAlarm),

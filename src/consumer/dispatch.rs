@@ -102,7 +102,7 @@ pub(super) async fn dispose<C: Consumer>(
 ) -> Disposition {
     match prepare(shared, link, delivery).await {
         Prepared::Done(disposition) => disposition,
-        Prepared::Ready(ready) if delivery.redelivered || again => {
+        Prepared::Ready(ready) if redelivered(delivery) || again => {
             if let Some(owed) = shared
                 .owed
                 .take(ready.incoming.message_id, ready.fingerprint)
@@ -113,6 +113,12 @@ pub(super) async fn dispose<C: Consumer>(
         }
         Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,
     }
+}
+
+/// Whether a delivery is a redelivery: the broker's flag, or a consumer's mark on a message it gave back to the
+/// tail of its queue ([`crate::amqp::dead_letter::GIVEN_BACK_HEADER`]).
+pub(super) fn redelivered(delivery: &Delivery) -> bool {
+    delivery.redelivered || crate::amqp::dead_letter::given_back(&delivery.properties)
 }
 
 /// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,
@@ -244,7 +250,7 @@ pub(super) fn context<C: Consumer>(
     MessageContext {
         message_id: ready.incoming.message_id,
         consumer_type: shared.inbox.consumer_type().clone(),
-        redelivered: delivery.redelivered,
+        redelivered: redelivered(delivery),
         attempt,
     }
 }

@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use super::Consumer;
 use super::bookkeeping::record_event;
-use super::dead_letters::CopyError;
+use super::dead_letters::{CopyError, To};
 use super::dispatch::{Disposition, Ready};
 use super::link::Link;
 use super::owed::Owed;
@@ -64,7 +64,7 @@ async fn copy<C: Consumer>(
     headers: FieldTable,
 ) -> Result<(), CopyError> {
     link.copy(
-        destination,
+        To::DeadLetter(destination),
         delivery,
         headers,
         &shared.shutdown,

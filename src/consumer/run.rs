@@ -505,7 +505,11 @@ impl Workers {
         }
         // A redelivered message is processed on its own: if it is what ended a process, it must not take a batch's
         // healthy members down with it again.
-        if let Some(queue) = self.batches.as_ref().filter(|_| !delivery.redelivered) {
+        if let Some(queue) = self
+            .batches
+            .as_ref()
+            .filter(|_| !super::dispatch::redelivered(&delivery))
+        {
             return match queue.send((delivery, Arc::clone(link))).await {
                 Ok(()) => Handover::Handed,
                 Err(_) => Handover::Stop,

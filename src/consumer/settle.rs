@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
+use super::dead_letters::To;
 use super::link::Link;
 use super::{Consumer, Shared, lock, sleep_or_cancel};
+use crate::amqp::dead_letter;
 
 /// What to do with a delivery once its handling ended.
 pub(super) enum Disposition {
@@ -34,6 +36,12 @@ pub(super) async fn settle<C: Consumer>(
     if let (Disposition::Ack, Some(timings)) = (&disposition, &shared.options.timings) {
         timings.handled(started.elapsed());
     }
+    let disposition = match disposition {
+        Disposition::RequeueAfter(pause) if shared.options.partitions.is_none() => {
+            to_the_tail(shared, link, delivery, pause).await
+        }
+        other => other,
+    };
     settle_acker(
         shared,
         link,
@@ -42,6 +50,59 @@ pub(super) async fn settle<C: Consumer>(
         disposition,
     )
     .await;
+}
+
+/// A message that cannot be settled now (its dead-letter copy refused, its handling panicked), after its pause: put
+/// at the tail of its queue — published there again, confirmed, marked ([`dead_letter::GIVEN_BACK_HEADER`]) so that
+/// it is handled as a redelivery when it comes round — and acknowledged. A requeue puts a message back at the head,
+/// where it is delivered again first: with as many such messages as the prefetch at the head (the error queue full,
+/// say), the same ones came round for as long as it lasted, and the messages behind them were never delivered.
+///
+/// Given back with a requeue as before at a stop, on a lost link, or when the queue does not take it (or it cannot
+/// be published again as it is): the pause keeps that from a tight loop. Not for a partition queue, whose order a
+/// message at its tail would give up. A copy confirmed whose ack is then lost leaves the message twice on its queue:
+/// the inbox takes the second for the duplicate it is, once the message is processed or moved aside.
+async fn to_the_tail<C: Consumer>(
+    shared: &Shared<C>,
+    link: &Link,
+    delivery: &Delivery,
+    pause: Duration,
+) -> Disposition {
+    let stopped = tokio::select! {
+        stopped = sleep_or_cancel(pause, &shared.shutdown) => stopped,
+        () = link.given_up() => true,
+    };
+    if stopped || link.is_lost() {
+        return Disposition::Requeue;
+    }
+    let headers = dead_letter::given_back_once_more(delivery.properties.headers().as_ref());
+    let queue = &shared.options.queue;
+    match link
+        .copy(
+            To::Tail(queue),
+            delivery,
+            headers,
+            &shared.shutdown,
+            &shared.alarm_waits,
+        )
+        .await
+    {
+        Ok(()) => {
+            tracing::debug!(
+                delivery_tag = delivery.delivery_tag,
+                "a message that could not be settled is put at the tail of {queue}"
+            );
+            Disposition::Ack
+        }
+        Err(e) => {
+            tracing::debug!(
+                delivery_tag = delivery.delivery_tag,
+                error = ?e,
+                "a message that could not be settled goes back to the head of {queue}"
+            );
+            Disposition::Requeue
+        }
+    }
 }
 
 pub(super) async fn settle_acker<C: Consumer>(

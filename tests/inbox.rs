@@ -892,8 +892,9 @@ async fn in_one_statement_a_copy_of_another_event_is_a_conflict() {
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 0);
 }
 
-/// An effect that cannot be guarded by the claim is never sent with it: a statement that does not read `claimed`
-/// (it would write for every copy), a `SELECT` (inside `WITH` it would never run, and the message would count as done
+/// An effect that cannot be guarded by the claim is never sent with it: a statement that does not read `claimed`, or
+/// reads it only where it makes no row of its own (the optional side of an outer join, a subquery: it would write for
+/// every copy), a `SELECT` (inside `WITH` it would never run, and the message would count as done
 /// with nothing written), one that uses more parameters than it was given (it would read the claim's own). The
 /// message goes the usual way (its work after the claim), and a copy writes nothing.
 #[tokio::test(flavor = "multi_thread")]
@@ -901,7 +902,21 @@ async fn an_effect_the_claim_cannot_guard_is_never_sent_with_it() {
     let (_env, pool, inbox) = setup().await;
     let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     type Make = fn(Uuid) -> inboxctl::inbox::Effect;
-    let unfit: [(&str, Make); 3] = [
+    let unfit: [(&str, Make); 5] = [
+        ("claimed the optional side of an outer join", |id| {
+            inboxctl::inbox::Effect::new(
+                "INSERT INTO effects (message_id, label) SELECT $1::uuid, $2::text FROM (VALUES (1)) v LEFT JOIN claimed ON true",
+            )
+            .bind(id)
+            .bind("outer")
+        }),
+        ("claimed in a subquery", |id| {
+            inboxctl::inbox::Effect::new(
+                "INSERT INTO effects (message_id, label) SELECT $1::uuid, $2::text WHERE NOT EXISTS (SELECT FROM claimed WHERE false)",
+            )
+            .bind(id)
+            .bind("subquery")
+        }),
         ("no claimed", |id| {
             inboxctl::inbox::Effect::new(
                 "INSERT INTO effects (message_id, label) VALUES ($1::uuid, $2::text)",
@@ -949,7 +964,7 @@ async fn an_effect_the_claim_cannot_guard_is_never_sent_with_it() {
         );
         assert_eq!(effects(&pool).await, ["usual"], "{name}");
     }
-    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 3);
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 5);
 }
 
 /// Ends every session of inboxctl's own on the test's database and waits until PostgreSQL shows none left.

@@ -258,7 +258,7 @@ fn say_once(why: &'static str, sql: &str) {
 }
 
 /// Why `sql` cannot be sent inside the claim's statement, if it cannot: not a data-modifying statement, or one that
-/// does not read `claimed` as a relation.
+/// may write without a row of `claimed` (see [`writes_only_through_claimed`]).
 fn unfit(sql: &str) -> Option<&'static str> {
     let first = sql
         .trim_start()
@@ -273,43 +273,226 @@ fn unfit(sql: &str) -> Option<&'static str> {
             "it is not an INSERT, UPDATE or DELETE (a SELECT inside WITH runs only if something reads it)",
         );
     }
-    if !names_claimed(sql) {
+    if !writes_only_through_claimed(sql) {
         return Some(
-            "it does not read `claimed` in a FROM, JOIN or USING clause, and would write for copies too",
+            "it does not read `claimed` as the plain source of its rows (in a FROM, JOIN or USING clause of the \
+             statement itself, not of a subquery, an outer join's optional side, a set operation or an aggregate), \
+             and may write for copies too",
         );
     }
     None
 }
 
-/// The highest `$n` in `sql`, outside string literals (`'…'`; a dollar-quoted string's tag cannot start with a digit).
+/// `sql` in lower case with its string literals (`'…'`, `E'…'` with its backslash escapes, `$tag$…$tag$`), quoted
+/// identifiers and comments (`--`, `/* */`, nested) each replaced by one space: what is left is keywords, names,
+/// parameters and punctuation.
+fn blanked(sql: &str) -> String {
+    let chars: Vec<char> = sql.chars().collect();
+    let mut text = String::with_capacity(sql.len());
+    let mut i = 0;
+    let word_before = |i: usize| i > 0 && (chars[i - 1].is_alphanumeric() || chars[i - 1] == '_');
+    while i < chars.len() {
+        let c = chars[i];
+        match c {
+            '\'' => {
+                // An E'…' string takes backslash escapes; any string takes '' for a quote.
+                let escapes = i > 0
+                    && matches!(chars[i - 1], 'e' | 'E')
+                    && !(i > 1 && (chars[i - 2].is_alphanumeric() || chars[i - 2] == '_'));
+                if escapes {
+                    text.pop();
+                }
+                i += 1;
+                while i < chars.len() {
+                    match chars[i] {
+                        '\\' if escapes => i += 2,
+                        '\'' if chars.get(i + 1) == Some(&'\'') => i += 2,
+                        '\'' => break,
+                        _ => i += 1,
+                    }
+                }
+                i += 1;
+                text.push(' ');
+            }
+            '"' => {
+                i += 1;
+                while i < chars.len() {
+                    match chars[i] {
+                        '"' if chars.get(i + 1) == Some(&'"') => i += 2,
+                        '"' => break,
+                        _ => i += 1,
+                    }
+                }
+                i += 1;
+                text.push(' ');
+            }
+            '-' if chars.get(i + 1) == Some(&'-') => {
+                while i < chars.len() && chars[i] != '\n' {
+                    i += 1;
+                }
+                text.push(' ');
+            }
+            '/' if chars.get(i + 1) == Some(&'*') => {
+                let mut depth = 0usize;
+                while i < chars.len() {
+                    if chars[i] == '/' && chars.get(i + 1) == Some(&'*') {
+                        depth += 1;
+                        i += 2;
+                    } else if chars[i] == '*' && chars.get(i + 1) == Some(&'/') {
+                        depth -= 1;
+                        i += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        i += 1;
+                    }
+                }
+                text.push(' ');
+            }
+            // A dollar-quoted string: `$tag$` (the tag a name not starting with a digit, or empty) … `$tag$`. A `$`
+            // after a name's character is part of the name; `$` and digits are a parameter.
+            '$' if !word_before(i) && !chars.get(i + 1).is_some_and(char::is_ascii_digit) => {
+                let tag_end = chars[i + 1..]
+                    .iter()
+                    .position(|c| !(c.is_alphanumeric() || *c == '_'))
+                    .map(|n| i + 1 + n);
+                match tag_end.filter(|&e| chars[e] == '$') {
+                    Some(e) => {
+                        let tag: String = chars[i..=e].iter().collect();
+                        let rest: String = chars[e + 1..].iter().collect();
+                        i = match rest.find(&tag) {
+                            Some(at) => e + 1 + rest[..at].chars().count() + tag.chars().count(),
+                            None => chars.len(),
+                        };
+                        text.push(' ');
+                    }
+                    None => {
+                        text.push('$');
+                        i += 1;
+                    }
+                }
+            }
+            c => {
+                text.extend(c.to_lowercase());
+                i += 1;
+            }
+        }
+    }
+    text
+}
+
+/// The highest `$n` in `sql`, outside string literals, quoted identifiers and comments.
 fn highest_parameter(sql: &str) -> usize {
-    let (mut highest, mut quoted) = (0, false);
-    let bytes = sql.as_bytes();
+    let text = blanked(sql);
+    let bytes = text.as_bytes();
+    let mut highest = 0;
     let mut i = 0;
     while i < bytes.len() {
-        match bytes[i] {
-            b'\'' => quoted = !quoted,
-            b'$' if !quoted => {
-                let digits = bytes[i + 1..]
-                    .iter()
-                    .take_while(|b| b.is_ascii_digit())
-                    .count();
-                if let Ok(n) = sql[i + 1..i + 1 + digits].parse::<usize>() {
-                    highest = highest.max(n);
-                }
-                i += digits;
+        if bytes[i] == b'$'
+            && !(i > 0 && (bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_'))
+        {
+            let digits = bytes[i + 1..]
+                .iter()
+                .take_while(|b| b.is_ascii_digit())
+                .count();
+            if let Ok(n) = text[i + 1..i + 1 + digits].parse::<usize>() {
+                highest = highest.max(n);
             }
-            _ => {}
+            i += digits;
         }
         i += 1;
     }
     highest
 }
 
-/// Whether `sql` reads `claimed` as a relation: the word, in any case and outside string literals, in a `FROM`,
-/// `JOIN` or `USING` clause (the nearest clause keyword before it) — not a column of that name (`SET claimed = true`,
-/// which writes for copies too), not inside `unclaimed` or `claimed_at`, not in a quoted string.
-fn names_claimed(sql: &str) -> bool {
+/// Aggregates built into PostgreSQL: over no rows, one without `GROUP BY` still makes a row.
+const AGGREGATES: [&str; 20] = [
+    "count",
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "array_agg",
+    "string_agg",
+    "json_agg",
+    "jsonb_agg",
+    "json_object_agg",
+    "jsonb_object_agg",
+    "bool_and",
+    "bool_or",
+    "every",
+    "bit_and",
+    "bit_or",
+    "xmlagg",
+    "range_agg",
+    "stddev",
+    "variance",
+];
+
+/// Whether `sql` (an `INSERT`, `UPDATE` or `DELETE`) can write only through `claimed`, which has one row when this
+/// delivery takes the message and none for a copy — judged from its text, and strictly: a statement this refuses
+/// goes the usual way, correct and slower; one it let through that wrote for copies would make an effect twice.
+/// `claimed` must be a source of the statement's own rows: in its `FROM`, `JOIN` or `USING` clause outside any
+/// parentheses (not in a subquery: `VALUES ((SELECT 1 FROM claimed))`, `WHERE NOT EXISTS (SELECT FROM claimed)`
+/// write for copies), and not the optional side of an outer join (`… LEFT JOIN claimed`). Refused too, outside
+/// parentheses: a set operation (`UNION`, `INTERSECT`, `EXCEPT`: the other side makes rows of its own), a `RIGHT` or
+/// `FULL` join, and a built-in aggregate without `GROUP BY` (`SELECT count(*) FROM claimed` makes a row from none).
+/// An aggregate of the consumer's own making it cannot know: such a statement must not be written. Text in literals,
+/// quoted names and comments does not count.
+fn writes_only_through_claimed(sql: &str) -> bool {
+    let text = blanked(sql);
+    // Each word with its parenthesis depth; `(`, `)` and `,` as words too, to see a call and a list.
+    let mut tokens: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    let mut word = String::new();
+    let flush = |word: &mut String, tokens: &mut Vec<(String, usize)>, depth: usize| {
+        if !word.is_empty() {
+            tokens.push((std::mem::take(word), depth));
+        }
+    };
+    for c in text.chars() {
+        if c.is_alphanumeric() || c == '_' {
+            word.push(c);
+            continue;
+        }
+        flush(&mut word, &mut tokens, depth);
+        match c {
+            '(' => {
+                tokens.push(("(".to_owned(), depth));
+                depth += 1;
+            }
+            ',' => tokens.push((",".to_owned(), depth)),
+            ')' => {
+                // More `)` than `(`: not a statement this can judge.
+                let Some(up) = depth.checked_sub(1) else {
+                    return false;
+                };
+                depth = up;
+                tokens.push((")".to_owned(), depth));
+            }
+            _ => {}
+        }
+    }
+    flush(&mut word, &mut tokens, depth);
+    let top: Vec<&str> = tokens
+        .iter()
+        .filter(|(_, d)| *d == 0)
+        .map(|(w, _)| w.as_str())
+        .collect();
+    if top
+        .iter()
+        .any(|w| ["union", "intersect", "except", "right", "full"].contains(w))
+    {
+        return false;
+    }
+    let grouped = top.windows(2).any(|w| w == ["group", "by"]);
+    let aggregated = top
+        .windows(2)
+        .any(|w| AGGREGATES.contains(&w[0]) && w[1] == "(");
+    if aggregated && !grouped {
+        return false;
+    }
     const CLAUSES: [&str; 18] = [
         "from",
         "join",
@@ -330,58 +513,27 @@ fn names_claimed(sql: &str) -> bool {
         "having",
         "with",
     ];
-    // Literals and comments blanked, so that nothing inside one counts.
-    let mut text = String::with_capacity(sql.len());
-    let mut chars = sql.chars().peekable();
-    while let Some(c) = chars.next() {
-        match c {
-            '\'' => {
-                for inside in chars.by_ref() {
-                    if inside == '\'' {
-                        break;
-                    }
-                }
-                text.push(' ');
-            }
-            '-' if chars.peek() == Some(&'-') => {
-                for inside in chars.by_ref() {
-                    if inside == '\n' {
-                        break;
-                    }
-                }
-                text.push(' ');
-            }
-            '/' if chars.peek() == Some(&'*') => {
-                chars.next();
-                let mut last = ' ';
-                for inside in chars.by_ref() {
-                    if last == '*' && inside == '/' {
-                        break;
-                    }
-                    last = inside;
-                }
-                text.push(' ');
-            }
-            c => text.push(c.to_ascii_lowercase()),
-        }
-    }
-    let words: Vec<&str> = text
-        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
-        .filter(|w| !w.is_empty())
-        .collect();
-    words.iter().enumerate().any(|(at, word)| {
+    // `claimed` itself a list's item (`FROM claimed`, `FROM u, claimed`, `JOIN claimed`), not an alias (`FROM u AS
+    // claimed`, `FROM u claimed`) nor a column (`SET a = 1, claimed = true`).
+    top.iter().enumerate().any(|(at, word)| {
         *word == "claimed"
-            && words[..at]
+            && at >= 1
+            && ["from", "join", "using", ","].contains(&top[at - 1])
+            && top[..at]
                 .iter()
                 .rev()
                 .find(|w| CLAUSES.contains(w))
                 .is_some_and(|clause| ["from", "join", "using"].contains(clause))
+            // Not the optional side of an outer join: `LEFT [OUTER] JOIN claimed`.
+            && !(at >= 2
+                && top[at - 1] == "join"
+                && (top[at - 2] == "left" || (top[at - 2] == "outer" && at >= 3 && top[at - 3] == "left")))
     })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{highest_parameter, names_claimed, unfit};
+    use super::{highest_parameter, unfit, writes_only_through_claimed as names_claimed};
 
     #[test]
     fn an_effect_reads_claimed_only_where_it_names_it_as_a_word() {
@@ -420,6 +572,44 @@ mod tests {
     }
 
     #[test]
+    fn an_effect_that_could_write_for_a_copy_is_not_sent_with_the_claim() {
+        let fit = [
+            "INSERT INTO t SELECT $1 FROM (VALUES (1)) v, claimed",
+            "INSERT INTO t SELECT $1 FROM claimed LEFT JOIN u ON true",
+            "INSERT INTO t SELECT $1 FROM claimed WHERE NOT EXISTS (SELECT 1 FROM t WHERE id = $1)",
+            "INSERT INTO t SELECT count(*) FROM claimed GROUP BY 1",
+            "INSERT INTO t SELECT $1, E'it\\'s' FROM claimed",
+            "INSERT INTO t (a, b) SELECT $1, $2 FROM claimed ON CONFLICT (a) DO UPDATE SET b = EXCLUDED.b",
+        ];
+        for sql in fit {
+            assert!(names_claimed(sql), "{sql}");
+        }
+        // Each of these writes a row when `claimed` has none.
+        let unfit = [
+            "INSERT INTO t SELECT $1 FROM (VALUES (1)) v LEFT JOIN claimed ON true",
+            "INSERT INTO t SELECT $1 FROM (VALUES (1)) v LEFT OUTER JOIN claimed ON true",
+            "INSERT INTO t SELECT $1 FROM claimed RIGHT JOIN u ON true",
+            "INSERT INTO t SELECT $1 FROM claimed FULL JOIN u ON true",
+            "INSERT INTO t SELECT $1 WHERE NOT EXISTS (SELECT FROM claimed)",
+            "INSERT INTO t VALUES ($1, (SELECT 1 FROM claimed))",
+            "INSERT INTO t SELECT $1 FROM claimed UNION ALL SELECT $1",
+            "INSERT INTO t SELECT count(*) FROM claimed",
+            "INSERT INTO t SELECT $1 FROM u AS claimed",
+            "INSERT INTO t SELECT $1 FROM u claimed",
+            "UPDATE t SET n = (SELECT 1 FROM claimed)",
+            "INSERT INTO t SELECT $$ FROM claimed $$",
+            "INSERT INTO t SELECT $x$ FROM claimed $x$",
+            "INSERT INTO t SELECT E'\\' FROM claimed '",
+            "INSERT INTO t SELECT 1 FROM \"claimed\"",
+            "INSERT INTO t SELECT 1 /* /* nested */ FROM claimed */",
+            "INSERT INTO t SELECT 1 FROM u) FROM claimed (",
+        ];
+        for sql in unfit {
+            assert!(!names_claimed(sql), "{sql}");
+        }
+    }
+
+    #[test]
     fn only_a_data_modifying_statement_naming_claimed_goes_with_the_claim() {
         assert_eq!(unfit("  INSERT INTO t SELECT $1 FROM claimed"), None);
         assert_eq!(unfit("update t set n = 1 from claimed"), None);
@@ -427,6 +617,9 @@ mod tests {
         assert!(unfit("SELECT book($1) FROM claimed").is_some());
         assert!(unfit("WITH x AS (SELECT 1) INSERT INTO t SELECT 1 FROM claimed").is_some());
         assert!(unfit("INSERT INTO t VALUES ($1)").is_some());
+        // The Parcel Tracker's own go with the claim.
+        assert_eq!(unfit(crate::db::effects::CARRIER_RESERVATION_EFFECT), None);
+        assert_eq!(unfit(crate::db::effects::NOTIFICATION_SENT_EFFECT), None);
     }
 
     #[test]
@@ -434,6 +627,11 @@ mod tests {
         assert_eq!(highest_parameter("SELECT $1, $12, $3 FROM claimed"), 12);
         assert_eq!(highest_parameter("SELECT '$9', $2 FROM claimed"), 2);
         assert_eq!(highest_parameter("SELECT $$x$$, 1"), 0);
+        assert_eq!(highest_parameter("SELECT $q$ $7 $q$, $1"), 1);
+        // A backslash-escaped quote in an E'' string does not end it.
+        assert_eq!(highest_parameter("SELECT E'it\\'s $5', $2"), 2);
+        assert_eq!(highest_parameter("SELECT 'a''b $6', $2 -- $9"), 2);
+        assert_eq!(highest_parameter("SELECT a$1 FROM t, $3"), 3);
         assert_eq!(highest_parameter("SELECT 1"), 0);
     }
 }

@@ -91,8 +91,10 @@ pub fn replay_headers(
     headers
 }
 
-/// The properties of a replayed copy: the original's, untouched, but for the headers and the per-message TTL, which
-/// is left out unless `restore_expiration` (then the original one is given back, wherever it was kept).
+/// The properties of a replayed copy: the original's, untouched, but for the headers, the per-message TTL, which is
+/// left out unless `restore_expiration` (then the original one is given back, wherever it was kept), and the delivery
+/// mode, always persistent (2): the dead-letter copy is acknowledged once the replayed one is confirmed, and a
+/// transient copy in a durable queue would be lost at the broker's next restart, with no copy left anywhere.
 pub fn replay_properties(
     original: &BasicProperties,
     replays: u32,
@@ -113,9 +115,7 @@ pub fn replay_properties(
     if let Some(v) = text(original.content_encoding()) {
         copy = copy.with_content_encoding(v);
     }
-    if let Some(v) = *original.delivery_mode() {
-        copy = copy.with_delivery_mode(v);
-    }
+    copy = copy.with_delivery_mode(2);
     if let Some(v) = *original.priority() {
         copy = copy.with_priority(v);
     }
@@ -216,6 +216,19 @@ mod tests {
 
     fn long(s: &str) -> AMQPValue {
         AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+    }
+
+    #[test]
+    fn a_replayed_copy_is_persistent_whatever_the_original_was() {
+        for mode in [None, Some(1), Some(2)] {
+            let mut original = BasicProperties::default().with_message_id("m".into());
+            if let Some(mode) = mode {
+                original = original.with_delivery_mode(mode);
+            }
+            let copy = replay_properties(&original, 1, "run", false);
+            assert_eq!(*copy.delivery_mode(), Some(2), "{mode:?}");
+            assert_eq!(copy.message_id(), original.message_id());
+        }
     }
 
     #[test]

@@ -479,7 +479,9 @@ fn aborted(e: sqlx::Error) -> WorkError {
 /// Whether the error the work returned is the database's doing: waited out and tried again, never counted. A
 /// protocol error its session outlived was its own statement's (more parameters than one statement may carry): the
 /// message's, counted like any failure — taken for an outage, it would be tried again for ever, the consumer's intake
-/// paused each time.
+/// paused each time. So is a limit of the statement's own making (53400, `configuration_limit_exceeded`: a
+/// `temp_file_limit` the statement's sort or hash went past): the server is fine, and the same statement meets it
+/// again every time.
 async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
     match error {
         WorkError::Database(sqlx::Error::Protocol(_)) => match db::claim::still_open(conn).await {
@@ -489,6 +491,7 @@ async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
             Err(e @ sqlx::Error::Database(_)) => is_transient(&e),
             Err(e) => !db::claim::is_the_works_doing(&e),
         },
+        WorkError::Database(e) if db::sqlstate(e).as_deref() == Some("53400") => false,
         WorkError::Database(e) => is_transient(e),
         _ => false,
     }

@@ -1248,3 +1248,42 @@ async fn the_servers_bound_on_a_silent_transaction_is_set_and_clamped() {
         pool.close().await;
     }
 }
+
+/// A statement of the work that goes past a limit of its own making (53400, `configuration_limit_exceeded`: a
+/// `temp_file_limit` its sort went past) is the message's failure, counted: the server is fine, and the statement
+/// meets the limit again every time. Before 2026-12-07 every SQLSTATE of class 53 was taken for PostgreSQL being
+/// down: never counted, the message was tried again for ever, never dead-lettered, the consumer's intake paused each
+/// time. A class 53 of the server's own (53300, too many connections) is still the database's doing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_limit_the_works_statement_goes_past_is_its_failure_not_an_outage() {
+    let (_env, pool, inbox) = setup().await;
+    for (code, failure) in [("53400", true), ("53300", false)] {
+        let id = Uuid::new_v4();
+        let sql = format!("DO $$ BEGIN RAISE EXCEPTION 'limit' USING ERRCODE = '{code}'; END $$");
+        let result = inbox
+            .process(id, move |tx| {
+                Box::pin(async move {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                        .execute(&mut *tx)
+                        .await?;
+                    Ok::<(), WorkError>(())
+                })
+            })
+            .await;
+        if failure {
+            assert!(
+                matches!(result, Err(ProcessError::Failed(_))),
+                "{code}: {result:?}"
+            );
+        } else {
+            assert!(
+                matches!(result, Err(ProcessError::Unavailable(_))),
+                "{code}: {result:?}"
+            );
+        }
+    }
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+}

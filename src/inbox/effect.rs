@@ -168,7 +168,8 @@ impl Inbox {
             ));
         }
         let failed = |e: sqlx::Error| {
-            if is_transient(&e) {
+            // A limit of the statement's own making (53400) goes the usual way, which counts it as the work's.
+            if is_transient(&e) && db::sqlstate(&e).as_deref() != Some("53400") {
                 Sent::Unavailable(e)
             } else {
                 // A statement wrong for every message would be redone for every message: say it once.

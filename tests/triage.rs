@@ -2027,14 +2027,26 @@ async fn find_shows_a_copy_under_the_id_it_was_keyed_on_and_a_messages_newest_ev
     let (looping, just) = (Uuid::new_v4(), Uuid::new_v4());
     seed(looping, 250).await;
     seed(just, 200).await;
+    // Another consumer_type moved the looping message aside an hour before: its event is older than all 250, and is
+    // shown, the cut being each consumer_type's (before 2026-12-07 the newest 200 of all were kept, and it was cut).
+    sqlx::query(
+        "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at) \
+         VALUES ('notifier', 'dead_lettered', $1, now() - interval '1 hour')",
+    )
+    .bind(looping)
+    .execute(&pool)
+    .await
+    .unwrap();
     let out = env.run(&["find", &looping.to_string(), &just.to_string(), "--json"]);
     let report = json(&out);
     let looping = &report["messages"][0];
     let events = looping["events"].as_array().unwrap();
-    assert_eq!(events.len(), 200, "{looping}");
+    assert_eq!(events.len(), 201, "{looping}");
     assert_eq!(looping["events_cut"], true);
-    assert_eq!(events[199]["kind"], "dead_lettered", "the newest last");
-    assert_eq!(events[0]["kind"], "failed");
+    assert_eq!(events[0]["consumer_type"], "notifier", "{looping}");
+    assert_eq!(events[0]["kind"], "dead_lettered");
+    assert_eq!(events[200]["kind"], "dead_lettered", "the newest last");
+    assert_eq!(events[1]["kind"], "failed");
     let just = &report["messages"][1];
     assert_eq!(just["events"].as_array().unwrap().len(), 200, "{just}");
     assert_eq!(just["events_cut"], false, "exactly the limit is not cut");

@@ -121,7 +121,7 @@ fn print(report: &Report) -> Result<()> {
         }
         if m.events_cut {
             output::line(&format!(
-                "  (the newest {} events shown)",
+                "  (the newest {} events of each consumer_type shown)",
                 db::triage::MAX_EVENTS
             ))?;
         }

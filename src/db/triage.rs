@@ -5,8 +5,11 @@ use uuid::Uuid;
 
 use super::{Exec, sql};
 
-/// The most events shown per message: a message redelivered in a loop can have thousands.
+/// The most events shown per message and consumer_type: a message redelivered in a loop can have thousands.
 pub const MAX_EVENTS: i64 = 200;
+
+/// The most events read for a message, all its consumer_types together: each one's newest first.
+pub const MAX_EVENTS_IN_ALL: i64 = 2_000;
 
 statements! {
     /// The message's inbox rows, per consumer_type. `$1` message id.
@@ -15,12 +18,17 @@ SELECT consumer_type::text, CASE WHEN isfinite(received_at) THEN received_at END
        CASE WHEN isfinite(processed_at) THEN processed_at END, processed_at IS NOT NULL
 FROM inbox_messages WHERE id = $1 ORDER BY consumer_type";
 
-    /// Its newest `$2` events, oldest first. `$1` message id.
+    /// Its newest `$2` events of each consumer_type, oldest first, at most `$3` in all (each consumer_type's newest
+    /// before anyone's older ones): a message looping in one consumer_type does not hide what another did with it.
+    /// `$1` message id.
     const EVENTS_OF = "\
 SELECT consumer_type, kind, occurred_at, detail FROM (
-    SELECT consumer_type::text, kind, occurred_at, detail FROM inboxctl_events
-    WHERE message_id = $1 ORDER BY occurred_at DESC, kind DESC LIMIT $2
-) newest ORDER BY occurred_at, kind";
+    SELECT consumer_type, kind, occurred_at, detail FROM (
+        SELECT consumer_type::text, kind, occurred_at, detail,
+               row_number() OVER (PARTITION BY consumer_type ORDER BY occurred_at DESC, kind DESC) AS newest
+        FROM inboxctl_events WHERE message_id = $1
+    ) numbered WHERE newest <= $2 ORDER BY newest, occurred_at DESC LIMIT $3
+) kept ORDER BY occurred_at, kind";
 
     /// Its poison-detection starts, per consumer_type. `$1` message id.
     const ATTEMPTS_OF = "\
@@ -109,6 +117,7 @@ pub async fn events(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec
         unit!(executor, |conn| sql::query_as(EVENTS_OF)
             .bind(id)
             .bind(MAX_EVENTS + 1)
+            .bind(MAX_EVENTS_IN_ALL + 1)
             .fetch_all(conn))?;
     Ok(rows
         .into_iter()

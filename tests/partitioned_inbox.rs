@@ -2242,3 +2242,44 @@ async fn a_cleanup_failing_between_two_drops_reports_the_one_it_dropped() {
         "{details}"
     );
 }
+
+/// A cleanup run on a host whose clock is far behind the database's (ten days) makes no partition past the window:
+/// which partitions are missing is judged on the database's clock, as the window is. Before 2026-12-07 the host's
+/// clock decided: no partition had begun by its "now", so it made the week before it — ranges past the window, where
+/// a late copy of a message processed long ago would be claimed as a message never seen, its effect made again.
+#[cfg(feature = "failpoints")] // for common::LIBFAKETIME, which the test command builds with
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cleanup_on_a_host_whose_clock_is_behind_makes_no_partition_past_the_window() {
+    common::clear_of_midnight().await;
+    let env = TestEnv::bare().await;
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let out = env.run(&["cleanup", "--retention", "2d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let pool = env.pool().await;
+    let oldest = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT min(c.relname::text) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+             WHERE i.inhparent = 'inbox_messages'::regclass AND c.relname <> 'inbox_messages_untimed'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let before = oldest().await;
+    let out = common::Output::of(
+        env.cmd()
+            .env("LD_PRELOAD", common::LIBFAKETIME)
+            .env("FAKETIME", "-10d")
+            .args(["cleanup", "--retention", "2d", "--force", "--json"])
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(
+        report["partitions"]["created"],
+        serde_json::json!([]),
+        "{report}"
+    );
+    assert_eq!(oldest().await, before);
+}

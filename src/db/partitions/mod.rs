@@ -350,8 +350,11 @@ async fn run(conn: &mut PgConnection, statement: &str) -> sqlx::Result<()> {
 /// cleanup, its rows past the window: made again, a late copy of such a message would be claimed as a message never
 /// seen, where the partition's absence moves it aside. A partition that has not begun (an operator's made far ahead,
 /// a clock ahead) is not the newest: the times before it are still to be made. Returns the partitions made.
+///
+/// "Now" is the database's, as the cleanup's window is: on a host whose clock is behind by more than the window, no
+/// partition would have begun by its own, and the week before it — past the window, dropped — would be made again.
 pub async fn make_missing(conn: &mut PgConnection, settings: Settings) -> Result<Vec<String>> {
-    let now = Utc::now();
+    let now = crate::db::external::database_now(&mut *conn).await?;
     let not_before = now - BACK;
     // The untimed partition (from MINVALUE) says nothing of when the partitions ran out.
     let timed: Vec<Partition> = partitions(&mut *conn)

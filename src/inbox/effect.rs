@@ -407,8 +407,9 @@ fn highest_parameter(sql: &str) -> usize {
     highest
 }
 
-/// Aggregates built into PostgreSQL: over no rows, one without `GROUP BY` still makes a row.
-const AGGREGATES: [&str; 20] = [
+/// Aggregates built into PostgreSQL (and `regr_*`): over no rows, one without `GROUP BY` still makes a row. Looked for
+/// at any depth (`coalesce(max(x), 0)` is one too).
+const AGGREGATES: [&str; 38] = [
     "count",
     "sum",
     "min",
@@ -420,30 +421,51 @@ const AGGREGATES: [&str; 20] = [
     "jsonb_agg",
     "json_object_agg",
     "jsonb_object_agg",
+    "json_objectagg",
+    "json_arrayagg",
     "bool_and",
     "bool_or",
     "every",
     "bit_and",
     "bit_or",
+    "bit_xor",
     "xmlagg",
     "range_agg",
+    "range_intersect_agg",
     "stddev",
+    "stddev_pop",
+    "stddev_samp",
     "variance",
+    "var_pop",
+    "var_samp",
+    "any_value",
+    "corr",
+    "covar_pop",
+    "covar_samp",
+    "mode",
+    "percentile_cont",
+    "percentile_disc",
+    "rank",
+    "dense_rank",
+    "cume_dist",
 ];
 
 /// Whether `sql` (an `INSERT`, `UPDATE` or `DELETE`) can write only through `claimed`, which has one row when this
 /// delivery takes the message and none for a copy — judged from its text, and strictly: a statement this refuses
 /// goes the usual way, correct and slower; one it let through that wrote for copies would make an effect twice.
-/// `claimed` must be a source of the statement's own rows: in its `FROM`, `JOIN` or `USING` clause outside any
-/// parentheses (not in a subquery: `VALUES ((SELECT 1 FROM claimed))`, `WHERE NOT EXISTS (SELECT FROM claimed)`
-/// write for copies), and not the optional side of an outer join (`… LEFT JOIN claimed`). Refused too, outside
-/// parentheses: a set operation (`UNION`, `INTERSECT`, `EXCEPT`: the other side makes rows of its own), a `RIGHT` or
-/// `FULL` join, and a built-in aggregate without `GROUP BY` (`SELECT count(*) FROM claimed` makes a row from none).
-/// An aggregate of the consumer's own making it cannot know: such a statement must not be written. Text in literals,
-/// quoted names and comments does not count.
+/// `claimed` must be a source of the statement's own rows: an item of its `FROM`, `JOIN` or `USING` clause outside
+/// any parentheses (not in a subquery: `VALUES ((SELECT 1 FROM claimed))`, `WHERE NOT EXISTS (SELECT FROM claimed)`
+/// write for copies), not an alias (`FROM u AS claimed`), not a schema (`FROM claimed.log`), not the right side of
+/// `IS DISTINCT FROM`. Refused too: outside parentheses, a set operation (`UNION`, `INTERSECT`, `EXCEPT`: the other
+/// side makes rows of its own), any outer or natural join (`LEFT`, `RIGHT`, `FULL`, `NATURAL`: `claimed` may be its
+/// optional side, however nested), `HAVING` and `GROUP BY ()` (one group from no rows); anywhere, a built-in aggregate
+/// ([`AGGREGATES`], `regr_*`, `WITHIN GROUP`) without `GROUP BY`, and `GROUPING SETS`, `ROLLUP`, `CUBE`. An aggregate
+/// of the consumer's own making it cannot know: such a statement must not be written. Text in literals, quoted names
+/// and comments does not count.
 fn writes_only_through_claimed(sql: &str) -> bool {
     let text = blanked(sql);
-    // Each word with its parenthesis depth; `(`, `)` and `,` as words too, to see a call and a list.
+    // Each word with its parenthesis depth; `(`, `)`, `,` and `.` as words too, to see a call, a list and a name's
+    // parts. A `$` after a name's characters is one of them (`claimed$log` is a name of its own).
     let mut tokens: Vec<(String, usize)> = Vec::new();
     let mut depth = 0usize;
     let mut word = String::new();
@@ -453,7 +475,7 @@ fn writes_only_through_claimed(sql: &str) -> bool {
         }
     };
     for c in text.chars() {
-        if c.is_alphanumeric() || c == '_' {
+        if c.is_alphanumeric() || c == '_' || (c == '$' && !word.is_empty()) {
             word.push(c);
             continue;
         }
@@ -464,6 +486,7 @@ fn writes_only_through_claimed(sql: &str) -> bool {
                 depth += 1;
             }
             ',' => tokens.push((",".to_owned(), depth)),
+            '.' => tokens.push((".".to_owned(), depth)),
             ')' => {
                 // More `)` than `(`: not a statement this can judge.
                 let Some(up) = depth.checked_sub(1) else {
@@ -476,21 +499,39 @@ fn writes_only_through_claimed(sql: &str) -> bool {
         }
     }
     flush(&mut word, &mut tokens, depth);
+    let all: Vec<&str> = tokens.iter().map(|(w, _)| w.as_str()).collect();
     let top: Vec<&str> = tokens
         .iter()
         .filter(|(_, d)| *d == 0)
         .map(|(w, _)| w.as_str())
         .collect();
-    if top
+    const REFUSED_AT_TOP: [&str; 9] = [
+        "union",
+        "intersect",
+        "except",
+        "left",
+        "right",
+        "full",
+        "natural",
+        "having",
+        "outer",
+    ];
+    if top.iter().any(|w| REFUSED_AT_TOP.contains(w)) {
+        return false;
+    }
+    if all
         .iter()
-        .any(|w| ["union", "intersect", "except", "right", "full"].contains(w))
+        .any(|w| ["grouping", "rollup", "cube", "within"].contains(w))
     {
         return false;
     }
+    if top.windows(4).any(|w| w == ["group", "by", "(", ")"]) {
+        return false;
+    }
     let grouped = top.windows(2).any(|w| w == ["group", "by"]);
-    let aggregated = top
+    let aggregated = all
         .windows(2)
-        .any(|w| AGGREGATES.contains(&w[0]) && w[1] == "(");
+        .any(|w| (AGGREGATES.contains(&w[0]) || w[0].starts_with("regr_")) && w[1] == "(");
     if aggregated && !grouped {
         return false;
     }
@@ -515,20 +556,22 @@ fn writes_only_through_claimed(sql: &str) -> bool {
         "with",
     ];
     // `claimed` itself a list's item (`FROM claimed`, `FROM u, claimed`, `JOIN claimed`), not an alias (`FROM u AS
-    // claimed`, `FROM u claimed`) nor a column (`SET a = 1, claimed = true`).
+    // claimed`, `FROM u claimed`), a column (`SET a = 1, claimed = true`), a schema (`FROM claimed.log`) nor what `IS
+    // DISTINCT FROM` compares with.
     top.iter().enumerate().any(|(at, word)| {
         *word == "claimed"
             && at >= 1
             && ["from", "join", "using", ","].contains(&top[at - 1])
+            && top.get(at + 1) != Some(&".")
             && top[..at]
                 .iter()
+                .enumerate()
                 .rev()
-                .find(|w| CLAUSES.contains(w))
-                .is_some_and(|clause| ["from", "join", "using"].contains(clause))
-            // Not the optional side of an outer join: `LEFT [OUTER] JOIN claimed`.
-            && !(at >= 2
-                && top[at - 1] == "join"
-                && (top[at - 2] == "left" || (top[at - 2] == "outer" && at >= 3 && top[at - 3] == "left")))
+                .find(|(_, w)| CLAUSES.contains(w))
+                .is_some_and(|(i, clause)| {
+                    ["from", "join", "using"].contains(clause)
+                        && !(*clause == "from" && i >= 1 && top[i - 1] == "distinct")
+                })
     })
 }
 
@@ -576,7 +619,6 @@ mod tests {
     fn an_effect_that_could_write_for_a_copy_is_not_sent_with_the_claim() {
         let fit = [
             "INSERT INTO t SELECT $1 FROM (VALUES (1)) v, claimed",
-            "INSERT INTO t SELECT $1 FROM claimed LEFT JOIN u ON true",
             "INSERT INTO t SELECT $1 FROM claimed WHERE NOT EXISTS (SELECT 1 FROM t WHERE id = $1)",
             "INSERT INTO t SELECT count(*) FROM claimed GROUP BY 1",
             "INSERT INTO t SELECT $1, E'it\\'s' FROM claimed",
@@ -604,6 +646,21 @@ mod tests {
             "INSERT INTO t SELECT 1 FROM \"claimed\"",
             "INSERT INTO t SELECT 1 /* /* nested */ FROM claimed */",
             "INSERT INTO t SELECT 1 FROM u) FROM claimed (",
+            "INSERT INTO t SELECT $1, CAST(count(*) AS int) FROM claimed",
+            "INSERT INTO t SELECT coalesce(max(1), 0) FROM claimed",
+            "INSERT INTO t SELECT $1 FROM claimed HAVING true",
+            "INSERT INTO t SELECT count(*) FROM claimed GROUP BY ()",
+            "INSERT INTO t SELECT count(*) FROM claimed GROUP BY ROLLUP (1)",
+            "INSERT INTO t SELECT count(*) FROM claimed GROUP BY GROUPING SETS ((), (1))",
+            "INSERT INTO t SELECT $1 FROM u LEFT JOIN v JOIN claimed ON true ON true",
+            "INSERT INTO t SELECT $1 FROM u LEFT JOIN v CROSS JOIN claimed ON true",
+            "INSERT INTO t SELECT $1 FROM claimed LEFT JOIN u ON true",
+            "UPDATE accounts SET n = 1 WHERE $3::bool IS DISTINCT FROM claimed",
+            "INSERT INTO t SELECT 1 FROM claimed.log",
+            "INSERT INTO t SELECT 1 FROM claimed$log",
+            "INSERT INTO t SELECT any_value(1) FROM claimed",
+            "INSERT INTO t SELECT regr_count(1, 1) FROM claimed",
+            "INSERT INTO t SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY 1) FROM claimed",
         ];
         for sql in unfit {
             assert!(!names_claimed(sql), "{sql}");

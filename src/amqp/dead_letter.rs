@@ -38,9 +38,11 @@ pub fn given_back(properties: &BasicProperties) -> bool {
         .is_some_and(|h| h.inner().contains_key(GIVEN_BACK_HEADER))
 }
 
-/// `headers` with [`GIVEN_BACK_HEADER`] counted once more.
+/// `headers` with [`GIVEN_BACK_HEADER`] counted once more, and without the broker's per-delivery headers (a quorum
+/// queue's delivery count), which would read stale on the message published again.
 pub fn given_back_once_more(headers: Option<&FieldTable>) -> FieldTable {
     let mut headers = headers.cloned().unwrap_or_default();
+    drop_keys(&mut headers, super::topology::is_per_delivery_header);
     let times = match headers.inner().get(GIVEN_BACK_HEADER) {
         Some(AMQPValue::LongLongInt(n)) => n.saturating_add(1).max(1),
         _ => 1,

@@ -102,7 +102,7 @@ pub(super) async fn dispose<C: Consumer>(
 ) -> Disposition {
     match prepare(shared, link, delivery).await {
         Prepared::Done(disposition) => disposition,
-        Prepared::Ready(ready) if redelivered(delivery) || again => {
+        Prepared::Ready(ready) if redelivered(delivery, &shared.options.queue) || again => {
             if let Some(owed) = shared
                 .owed
                 .take(ready.incoming.message_id, ready.fingerprint)
@@ -116,9 +116,12 @@ pub(super) async fn dispose<C: Consumer>(
 }
 
 /// Whether a delivery is a redelivery: the broker's flag, or a consumer's mark on a message it gave back to the
-/// tail of its queue ([`crate::amqp::dead_letter::GIVEN_BACK_HEADER`]).
-pub(super) fn redelivered(delivery: &Delivery) -> bool {
-    delivery.redelivered || crate::amqp::dead_letter::given_back(&delivery.properties)
+/// tail of its queue ([`crate::amqp::dead_letter::GIVEN_BACK_HEADER`]) through the queue's exchange (`queue`): the
+/// mark on a message published elsewhere is a producer's, not taken.
+pub(super) fn redelivered(delivery: &Delivery, queue: &str) -> bool {
+    delivery.redelivered
+        || (delivery.exchange.as_str() == queue
+            && crate::amqp::dead_letter::given_back(&delivery.properties))
 }
 
 /// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,
@@ -250,7 +253,7 @@ pub(super) fn context<C: Consumer>(
     MessageContext {
         message_id: ready.incoming.message_id,
         consumer_type: shared.inbox.consumer_type().clone(),
-        redelivered: redelivered(delivery),
+        redelivered: redelivered(delivery, &shared.options.queue),
         attempt,
     }
 }

@@ -327,6 +327,8 @@ struct Shared<C: Consumer> {
     alarm_waits: alarm::AlarmWaits,
     /// Messages gone back to the queue whose copy to the error queue was decided and not made.
     owed: owed::OwedCopies,
+    /// Deliveries waiting out their pause before they go back (see `settle::to_the_tail`).
+    held_back: AtomicUsize,
     /// Whether this loop consumes its queue now (counted in `counts.queues_consuming`).
     consuming: AtomicBool,
     /// `--exit-when-idle` over every queue of the process (its partitions), and whether this one is counted idle.

@@ -105,6 +105,7 @@ pub async fn run<C: Consumer>(
             routing_key_warned: std::sync::atomic::AtomicBool::new(false),
             alarm_waits: super::alarm::AlarmWaits::new(&options),
             owed: super::owed::OwedCopies::default(),
+            held_back: AtomicUsize::new(0),
             consuming: std::sync::atomic::AtomicBool::new(false),
             idle: Arc::clone(&idle),
             idle_counted: std::sync::atomic::AtomicBool::new(false),
@@ -508,7 +509,7 @@ impl Workers {
         if let Some(queue) = self
             .batches
             .as_ref()
-            .filter(|_| !super::dispatch::redelivered(&delivery))
+            .filter(|_| !super::dispatch::redelivered(&delivery, &shared.options.queue))
         {
             return match queue.send((delivery, Arc::clone(link))).await {
                 Ok(()) => Handover::Handed,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
-use super::dead_letters::To;
+use super::dead_letters::{CopyError, To};
 use super::link::Link;
 use super::{Consumer, Shared, lock, sleep_or_cancel};
 use crate::amqp::dead_letter;
@@ -52,27 +52,38 @@ pub(super) async fn settle<C: Consumer>(
     .await;
 }
 
-/// A message that cannot be settled now (its dead-letter copy refused, its handling panicked), after its pause: put
-/// at the tail of its queue — published there again, confirmed, marked ([`dead_letter::GIVEN_BACK_HEADER`]) so that
-/// it is handled as a redelivery when it comes round — and acknowledged. A requeue puts a message back at the head,
-/// where it is delivered again first: with as many such messages as the prefetch at the head (the error queue full,
-/// say), the same ones came round for as long as it lasted, and the messages behind them were never delivered.
+/// A message that cannot be settled now (its dead-letter copy refused, its handling panicked), after its pause, while
+/// half the prefetch or more waits so: put at the tail of its queue — published there again through the queue's
+/// exchange, confirmed, marked ([`dead_letter::GIVEN_BACK_HEADER`]) so that it is handled as a redelivery when it
+/// comes round — and acknowledged. A requeue puts a message back at the head, where it is delivered again first: with
+/// as many such messages as the prefetch at the head (the error queue full, say), the same ones came round for as
+/// long as it lasted, and the messages behind them were never delivered. With fewer, the others flow past them
+/// through the rest of the prefetch, and a requeue keeps the message's place (and it comes round within seconds,
+/// while its owed copy is remembered).
 ///
-/// Given back with a requeue as before at a stop, on a lost link, or when the queue does not take it (or it cannot
-/// be published again as it is): the pause keeps that from a tight loop. Not for a partition queue, whose order a
-/// message at its tail would give up. A copy confirmed whose ack is then lost leaves the message twice on its queue:
-/// the inbox takes the second for the duplicate it is, once the message is processed or moved aside.
+/// Given back with a requeue as before at a stop, on a lost link, in an alarm, or when the queue does not take it (or
+/// it cannot be published again as it is, or the role may not write to the queue's exchange: said once a minute): the
+/// pause keeps that from a tight loop. Not for a partition queue, whose order a message at its tail would give up. A
+/// copy confirmed whose ack is then lost leaves the message twice on its queue: processed, the second is a duplicate;
+/// moved aside, the second comes round and is moved aside too (a second copy in the error queue, which a replay finds
+/// a duplicate).
 async fn to_the_tail<C: Consumer>(
     shared: &Shared<C>,
     link: &Link,
     delivery: &Delivery,
     pause: Duration,
 ) -> Disposition {
+    shared.held_back.fetch_add(1, Ordering::SeqCst);
     let stopped = tokio::select! {
         stopped = sleep_or_cancel(pause, &shared.shutdown) => stopped,
         () = link.given_up() => true,
     };
+    // How many wait so at the end of this one's pause, this one included.
+    let held = shared.held_back.fetch_sub(1, Ordering::SeqCst);
     if stopped || link.is_lost() {
+        return Disposition::Requeue;
+    }
+    if held < (usize::from(shared.options.prefetch) / 2).max(1) {
         return Disposition::Requeue;
     }
     let headers = dead_letter::given_back_once_more(delivery.properties.headers().as_ref());
@@ -94,12 +105,20 @@ async fn to_the_tail<C: Consumer>(
             );
             Disposition::Ack
         }
-        Err(e) => {
-            tracing::debug!(
-                delivery_tag = delivery.delivery_tag,
-                error = ?e,
-                "a message that could not be settled goes back to the head of {queue}"
-            );
+        Err(CopyError::GivenBackInAnAlarm) => Disposition::Requeue,
+        Err(CopyError::Impossible(why) | CopyError::Refused(why)) => {
+            static SAID: std::sync::Mutex<Option<Instant>> = std::sync::Mutex::new(None);
+            let now = Instant::now();
+            let mut said = lock(&SAID);
+            if said.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60)) {
+                *said = Some(now);
+                tracing::warn!(
+                    error = %why,
+                    "could not put a message that cannot be settled now at the tail of {queue}; it goes back to the \
+                     head, where such messages may hold up those behind them (the role needs write on the exchange \
+                     {queue}; said once a minute)"
+                );
+            }
             Disposition::Requeue
         }
     }

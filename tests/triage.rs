@@ -2817,3 +2817,37 @@ async fn failed_messages_known_by_their_envelopes_ids_alone_are_listed_and_repla
     assert_eq!(env.queue_counts(ERROR_QUEUE), (0, 0), "{replayed}");
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (2, 0), "{replayed}");
 }
+
+/// Past the bound on all of a message's events (2,000), what is left out is the busiest consumer_types' oldest, not
+/// the one event of a quiet consumer_type that happens to be the oldest of all: eleven consumer_types with 201
+/// events each, and a twelfth whose one event is older than all of them, which is shown.
+#[tokio::test(flavor = "multi_thread")]
+async fn find_past_its_bound_on_all_events_keeps_each_consumer_types_newest() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at)
+         SELECT 'busy-' || t, 'duplicate', $1, now() - make_interval(secs => i)
+         FROM generate_series(1, 11) t, generate_series(1, 201) i",
+    )
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO inboxctl_events (consumer_type, kind, message_id, occurred_at) \
+         VALUES ('quiet', 'dead_lettered', $1, now() - interval '1 day')",
+    )
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&["find", &id.to_string(), "--json"]);
+    let report = json(&out);
+    let found = &report["messages"][0];
+    assert_eq!(found["events_cut"], true);
+    let events = found["events"].as_array().unwrap();
+    assert_eq!(events.len(), 2_000);
+    assert_eq!(events[0]["consumer_type"], "quiet", "the oldest, and kept");
+}

@@ -121,8 +121,9 @@ fn print(report: &Report) -> Result<()> {
         }
         if m.events_cut {
             output::line(&format!(
-                "  (the newest {} events of each consumer_type shown)",
-                db::triage::MAX_EVENTS
+                "  (the newest {} events of each consumer_type shown, {} in all at most)",
+                db::triage::MAX_EVENTS,
+                db::triage::MAX_EVENTS_IN_ALL
             ))?;
         }
     }

@@ -22,8 +22,8 @@ FROM inbox_messages WHERE id = $1 ORDER BY consumer_type";
     /// before anyone's older ones): a message looping in one consumer_type does not hide what another did with it.
     /// `$1` message id.
     const EVENTS_OF = "\
-SELECT consumer_type, kind, occurred_at, detail FROM (
-    SELECT consumer_type, kind, occurred_at, detail FROM (
+SELECT consumer_type, kind, occurred_at, detail, newest FROM (
+    SELECT consumer_type, kind, occurred_at, detail, newest FROM (
         SELECT consumer_type::text, kind, occurred_at, detail,
                row_number() OVER (PARTITION BY consumer_type ORDER BY occurred_at DESC, kind DESC) AS newest
         FROM inboxctl_events WHERE message_id = $1
@@ -112,22 +112,45 @@ pub async fn inbox_rows(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result
         .collect())
 }
 
-pub async fn events(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<EventRow>> {
-    let rows: Vec<(String, String, DateTime<Utc>, Option<String>)> =
-        unit!(executor, |conn| sql::query_as(EVENTS_OF)
-            .bind(id)
-            .bind(MAX_EVENTS + 1)
-            .bind(MAX_EVENTS_IN_ALL + 1)
-            .fetch_all(conn))?;
-    Ok(rows
+/// The message's newest [`MAX_EVENTS`] events of each consumer_type (at most [`MAX_EVENTS_IN_ALL`]), oldest first, and
+/// whether any were left out.
+pub async fn events(
+    executor: impl Into<Exec<'_>>,
+    id: Uuid,
+) -> sqlx::Result<(Vec<EventRow>, bool)> {
+    // consumer_type, kind, occurred_at, detail, and its rank among its consumer_type's events, newest first.
+    type Ranked = (String, String, DateTime<Utc>, Option<String>, i64);
+    let mut rows: Vec<Ranked> = unit!(executor, |conn| sql::query_as(EVENTS_OF)
+        .bind(id)
+        .bind(MAX_EVENTS + 1)
+        .bind(MAX_EVENTS_IN_ALL + 1)
+        .fetch_all(conn))?;
+    // Each read one more than shown, to tell a cut: past the whole bound, the row read last (the highest rank of
+    // its consumer_type, the oldest of those); past a consumer_type's, its rank past it.
+    let mut cut = false;
+    if rows.len() as i64 > MAX_EVENTS_IN_ALL
+        && let Some(last) = rows
+            .iter()
+            .enumerate()
+            .max_by_key(|(i, r)| (r.4, std::cmp::Reverse(*i)))
+            .map(|(i, _)| i)
+    {
+        rows.remove(last);
+        cut = true;
+    }
+    let before = rows.len();
+    rows.retain(|r| r.4 <= MAX_EVENTS);
+    cut |= rows.len() < before;
+    let events = rows
         .into_iter()
-        .map(|(consumer_type, kind, occurred_at, detail)| EventRow {
+        .map(|(consumer_type, kind, occurred_at, detail, _)| EventRow {
             consumer_type,
             kind,
             occurred_at,
             detail,
         })
-        .collect())
+        .collect();
+    Ok((events, cut))
 }
 
 pub async fn attempts(executor: impl Into<Exec<'_>>, id: Uuid) -> sqlx::Result<Vec<AttemptsRow>> {

@@ -108,25 +108,8 @@ pub struct Report {
 
 /// What the database knows of one message.
 async fn in_database(pool: &PgPool, id: Uuid) -> Result<Found> {
-    // The newest of each consumer_type (a message failing in a loop ends with what became of it), one more than shown
-    // to tell a cut.
-    let mut events = triage::events(pool, id).await?;
-    let mut events_cut = events.len() as i64 > triage::MAX_EVENTS_IN_ALL;
-    if events_cut {
-        events.remove(0);
-    }
-    let mut each: std::collections::HashMap<String, i64> = std::collections::HashMap::new();
-    for e in &events {
-        *each.entry(e.consumer_type.clone()).or_default() += 1;
-    }
-    for (consumer_type, n) in each {
-        if n > triage::MAX_EVENTS
-            && let Some(oldest) = events.iter().position(|e| e.consumer_type == consumer_type)
-        {
-            events.remove(oldest);
-            events_cut = true;
-        }
-    }
+    // The newest of each consumer_type: a message failing in a loop ends with what became of it.
+    let (events, events_cut) = triage::events(pool, id).await?;
     Ok(Found {
         message_id: id,
         found: false,

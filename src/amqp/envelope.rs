@@ -258,6 +258,20 @@ pub fn format_time(t: DateTime<Utc>) -> String {
     )
 }
 
+/// A time the way MassTransit's JSON body carries it (System.Text.Json): UTC, `Z`, the fraction of a second to 7
+/// digits without its trailing zeros, and none when it is zero (`…42.338386Z`, `…42Z`). Headers carry
+/// [`format_time`]'s 7 digits.
+pub fn format_json_time(t: DateTime<Utc>) -> String {
+    let seconds = t.format("%Y-%m-%dT%H:%M:%S");
+    let fraction = format!("{:07}", t.timestamp_subsec_nanos() / 100);
+    let fraction = fraction.trim_end_matches('0');
+    if fraction.is_empty() {
+        format!("{seconds}Z")
+    } else {
+        format!("{seconds}.{fraction}Z")
+    }
+}
+
 /// The .NET type name a URN names: `urn:message:Ns:Type` → `Ns.Type` (as in `MT-Fault-MessageType`).
 pub fn dotnet_type_name(urn: &str) -> String {
     urn.strip_prefix("urn:message:")
@@ -538,6 +552,20 @@ mod tests {
         assert_eq!(format_time(t), "2026-11-30T20:14:42.2177304Z");
         let t = parse_time("2026-11-30T20:14:42Z").expect("time");
         assert_eq!(format_time(t), "2026-11-30T20:14:42.0000000Z");
+    }
+
+    #[test]
+    fn body_times_are_written_as_masstransits_json_writes_them() {
+        // As captured from MassTransit 8: a fraction whose last digit is 0 has 6 digits.
+        for written in [
+            "2026-11-30T20:14:42.2177304Z",
+            "2026-11-30T20:14:42.338386Z",
+            "2026-11-30T20:14:42.5Z",
+            "2026-11-30T20:14:42Z",
+        ] {
+            let t = parse_time(written).expect("time");
+            assert_eq!(format_json_time(t), written);
+        }
     }
 
     #[test]

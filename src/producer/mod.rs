@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 use crate::ids::IdKind;
 
-use crate::amqp::envelope::{EnvelopeOut, HostInfo, format_time, masstransit_properties};
+use crate::amqp::envelope::{EnvelopeOut, HostInfo, format_json_time, masstransit_properties};
 use crate::amqp::{BasicProperties, Broker};
 use crate::parcel::{PARCEL_CREATED_URN, ParcelCreatedEvent};
 
@@ -230,7 +230,7 @@ pub fn envelope_stamped(
         message_type: vec![PARCEL_CREATED_URN.to_owned()],
         message: &message.event,
         expiration_time: None,
-        sent_time: format_time(stamp.sent_time),
+        sent_time: format_json_time(stamp.sent_time),
         headers: serde_json::Map::new(),
         host,
     }

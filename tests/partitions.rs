@@ -1095,3 +1095,31 @@ async fn the_library_reads_a_partition_one_message_at_a_time_whatever_it_is_aske
         );
     }
 }
+
+/// The partitioned topology is made sure of once a process, by one partition's link, not by each: each link did it
+/// for all N queues (2N round trips a link, 2N² in all, at every start and reconnect), which with hundreds of
+/// partitions ran past `--broker-timeout` at start.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_partitioned_topology_is_made_once_a_process_not_once_a_partition() {
+    let env = TestEnv::migrated().await;
+    let mut consumer = partitioned(&env, &["-v", "--exit-when-idle", "1s"]);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert_eq!(
+        stderr
+            .matches("made sure of the partitioned topology")
+            .count(),
+        1,
+        "{stderr}"
+    );
+    // And every partition was consumed.
+    assert!(
+        stderr.matches("consuming").count() >= usize::from(PARTITIONS),
+        "{stderr}"
+    );
+}

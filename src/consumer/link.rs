@@ -97,6 +97,15 @@ impl Link {
     }
 }
 
+/// When this process last made sure of each queue's partitioned topology (by the queue's name), for the links of its
+/// other partitions.
+static TOPOLOGY_MADE: std::sync::LazyLock<
+    tokio::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// How long a partitioned topology made sure of is taken as made by the other partitions' links.
+const TOPOLOGY_FRESH_FOR: Duration = Duration::from_secs(30);
+
 /// Opens the link a run reads `shared`'s queue (or its partition queues) on: a connection, the queue's topology
 /// made sure of, a channel with the prefetch.
 pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {
@@ -114,14 +123,31 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
             .await?;
         }
         Some(p) => {
-            topology::ensure_partitioned_endpoint(
-                &connection,
-                &shared.options.event_exchange,
-                &shared.options.queue,
-                p.count,
-                shared.options.queue_type,
-            )
-            .await?;
+            // One link of the process makes sure of the whole partitioned topology — each link doing it was 2N
+            // round trips a link, 2N² in all, at every start and reconnect: past `--broker-timeout` with hundreds of
+            // partitions —, and the others, opened meanwhile or soon after, wait for it and take it as made. A
+            // partition queue gone since fails its consumer's `basic.consume`, and the reconnect after
+            // [`TOPOLOGY_FRESH_FOR`] makes sure of it all again.
+            let mut made = TOPOLOGY_MADE.lock().await;
+            let fresh = made
+                .get(&shared.options.queue)
+                .is_some_and(|at| at.elapsed() < TOPOLOGY_FRESH_FOR);
+            if !fresh {
+                topology::ensure_partitioned_endpoint(
+                    &connection,
+                    &shared.options.event_exchange,
+                    &shared.options.queue,
+                    p.count,
+                    shared.options.queue_type,
+                )
+                .await?;
+                made.insert(shared.options.queue.clone(), std::time::Instant::now());
+                tracing::debug!(
+                    queue = %crate::sanitize::text(&shared.options.queue),
+                    partitions = p.count,
+                    "made sure of the partitioned topology"
+                );
+            }
         }
     }
     let consume = connection.create_channel().await?;

@@ -49,7 +49,7 @@ pub fn original_expiration(properties: &BasicProperties) -> Option<String> {
 /// `CC` stays on the message delivered). A replayed copy goes through the default exchange, where each is a queue
 /// name: carried over, the copy would also land in any queue so named, and be confirmed through it when its origin
 /// is gone.
-fn is_routing_header(key: &str) -> bool {
+pub fn is_routing_header(key: &str) -> bool {
     key == "CC" || key == "BCC"
 }
 

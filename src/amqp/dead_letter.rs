@@ -38,11 +38,14 @@ pub fn given_back(properties: &BasicProperties) -> bool {
         .is_some_and(|h| h.inner().contains_key(GIVEN_BACK_HEADER))
 }
 
-/// `headers` with [`GIVEN_BACK_HEADER`] counted once more, and without the broker's per-delivery headers (a quorum
-/// queue's delivery count), which would read stale on the message published again.
+/// `headers` with [`GIVEN_BACK_HEADER`] counted once more, without the broker's per-delivery headers (a quorum
+/// queue's delivery count), which would read stale on the message published again, and without `CC` and `BCC`,
+/// which through the default exchange would name other queues to copy it into.
 pub fn given_back_once_more(headers: Option<&FieldTable>) -> FieldTable {
     let mut headers = headers.cloned().unwrap_or_default();
-    drop_keys(&mut headers, super::topology::is_per_delivery_header);
+    drop_keys(&mut headers, |k| {
+        super::topology::is_per_delivery_header(k) || super::copy::is_routing_header(k)
+    });
     let times = match headers.inner().get(GIVEN_BACK_HEADER) {
         Some(AMQPValue::LongLongInt(n)) => n.saturating_add(1).max(1),
         _ => 1,

@@ -49,9 +49,9 @@ pub(super) enum To<'a> {
     /// A dead-letter queue: the exchange of that name, declared with its queue if it was not since the consuming
     /// connection was opened; the copy's properties as [`dead_letter::copy_properties`] makes them.
     DeadLetter(&'a str),
-    /// The tail of the consumed queue itself, through its own exchange (of the same name, bound to it: the consume
-    /// role may write to it, where the default exchange needs a grant of its own): the message as it came, with the
-    /// headers given. Nothing is declared: the queue is there, with arguments of its own.
+    /// The tail of the consumed queue itself, through the default exchange, which routes to that queue and no other
+    /// (the queue's own exchange may be bound to others: an audit queue would get a copy each round): the message as
+    /// it came, with the headers given. Nothing is declared: the queue is there, with arguments of its own.
     Tail(&'a str),
 }
 
@@ -265,9 +265,18 @@ impl DeadLetters {
             Ok(channel) => channel,
             Err(e) => return Sent::Failed(e),
         };
-        let published =
-            publish::publish_confirmed(&channel, to.name(), "", &delivery.data, properties.clone())
-                .await;
+        let (exchange, routing_key) = match to {
+            To::DeadLetter(destination) => (destination, ""),
+            To::Tail(queue) => ("", queue),
+        };
+        let published = publish::publish_confirmed(
+            &channel,
+            exchange,
+            routing_key,
+            &delivery.data,
+            properties.clone(),
+        )
+        .await;
         match published {
             Ok(Routed::Queued) => Sent::Confirmed,
             Ok(Routed::Returned) => Sent::Returned,

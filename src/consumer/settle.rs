@@ -7,6 +7,10 @@ use std::time::{Duration, Instant};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicNackOptions};
 
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt as _;
+
 use super::dead_letters::{CopyError, To};
 use super::link::Link;
 use super::{Consumer, Shared, lock, sleep_or_cancel};
@@ -88,16 +92,23 @@ async fn to_the_tail<C: Consumer>(
     }
     let headers = dead_letter::given_back_once_more(delivery.properties.headers().as_ref());
     let queue = &shared.options.queue;
-    match link
-        .copy(
-            To::Tail(queue),
-            delivery,
-            headers,
-            &shared.shutdown,
-            &shared.alarm_waits,
-        )
-        .await
-    {
+    // Never waiting out an alarm (no place to wait in), and a panic in it is a refusal: the delivery is settled
+    // whatever happens here.
+    let no_wait = super::alarm::AlarmWaits::none();
+    let copied = link.copy(
+        To::Tail(queue),
+        delivery,
+        headers,
+        &shared.shutdown,
+        &no_wait,
+    );
+    let copied = match AssertUnwindSafe(copied).catch_unwind().await {
+        Ok(copied) => copied,
+        Err(_) => Err(CopyError::Refused(
+            "putting it at the tail panicked".to_owned(),
+        )),
+    };
+    match copied {
         Ok(()) => {
             tracing::debug!(
                 delivery_tag = delivery.delivery_tag,
@@ -112,11 +123,15 @@ async fn to_the_tail<C: Consumer>(
             let mut said = lock(&SAID);
             if said.is_none_or(|at| now.duration_since(at) >= Duration::from_secs(60)) {
                 *said = Some(now);
+                let grant = if why.contains("ACCESS_REFUSED") || why.contains("403") {
+                    " (the role needs write on amq.default, the default exchange, to put it there)"
+                } else {
+                    ""
+                };
                 tracing::warn!(
                     error = %why,
-                    "could not put a message that cannot be settled now at the tail of {queue}; it goes back to the \
-                     head, where such messages may hold up those behind them (the role needs write on the exchange \
-                     {queue}; said once a minute)"
+                    "could not put a message that cannot be settled now at the tail of {queue}{grant}; it goes back \
+                     to the head, where such messages may hold up those behind them (said once a minute)"
                 );
             }
             Disposition::Requeue

@@ -355,6 +355,17 @@ mod tests {
             &BasicProperties::default().with_headers(twice.clone())
         ));
         assert!(!given_back(&BasicProperties::default()));
+        // What would route it elsewhere through the default exchange, or read stale, is left out.
+        let mut routed = FieldTable::default();
+        routed.insert("CC".into(), AMQPValue::LongString("billing".into()));
+        routed.insert("BCC".into(), AMQPValue::LongString("audit".into()));
+        routed.insert("x-delivery-count".into(), AMQPValue::LongLongInt(3));
+        routed.insert("tenant".into(), AMQPValue::LongString("acme".into()));
+        let back = given_back_once_more(Some(&routed));
+        for gone in ["CC", "BCC", "x-delivery-count"] {
+            assert!(!back.inner().contains_key(gone), "{gone}");
+        }
+        assert!(back.inner().contains_key("tenant"));
         twice.insert("tenant".into(), AMQPValue::LongString("acme".into()));
         let copy = error_headers(Some(&twice), &fault());
         assert!(!copy.inner().contains_key(GIVEN_BACK_HEADER));

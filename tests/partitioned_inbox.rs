@@ -2283,3 +2283,41 @@ async fn a_cleanup_on_a_host_whose_clock_is_behind_makes_no_partition_past_the_w
     );
     assert_eq!(oldest().await, before);
 }
+
+/// A consumer whose host clock is ten minutes behind the database's holds the messages of now when the partitions
+/// ran out, as one on time does: "now" is the database's. Before 2026-12-07 its own clock decided, and a message of
+/// the present looked like one from more than five minutes in its future: unclaimable, moved aside — the whole
+/// stream, while the partitions were out.
+#[cfg(feature = "failpoints")] // for common::LIBFAKETIME, which the test command builds with
+#[tokio::test(flavor = "multi_thread")]
+async fn a_consumer_whose_clock_is_behind_holds_the_messages_of_now_when_the_partitions_ran_out() {
+    common::clear_of_midnight().await;
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = with_the_partitions_ahead_gone(&env).await;
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier"],
+        &[("LD_PRELOAD", common::LIBFAKETIME), ("FAKETIME", "-10m")],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    common::publish_parcels(&env, &["--count", "3"]);
+    consumer.wait_for_stderr(
+        "no partition of inbox_messages holds the current time",
+        Duration::from_secs(30),
+    );
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    assert!(
+        !env.queue_exists(&error_queue) || env.queue_counts(&error_queue).0 == 0,
+        "nothing moved aside: {}",
+        consumer.stderr()
+    );
+    assert_eq!(migrate_partitioned(&env, &[]).code, Some(0));
+    let done = common::within(Duration::from_secs(60), || async {
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await == 3
+    })
+    .await;
+    assert!(done, "the three processed: {}", consumer.stderr());
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}

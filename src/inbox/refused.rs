@@ -92,7 +92,7 @@ impl Inbox {
     async fn ran_out(&self, conn: &mut sqlx::PgConnection, keys: &[db::claim::Key]) -> bool {
         // Between the refused claim and the look at the partitions (a test makes the partition here).
         failpoint::hit("claim-refused").await;
-        let Ok(partitions) = db::partitions::partitions(conn).await else {
+        let Ok(partitions) = db::partitions::partitions(&mut *conn).await else {
             return true;
         };
         // A partition whose `DETACH … CONCURRENTLY` has not finished (cancelled in its second phase, or waiting there)
@@ -101,9 +101,14 @@ impl Inbox {
         // The newest that has begun, as the makers read it: one made far ahead (by an operator, a clock ahead) does
         // not end the run-out times before it, whose messages are held for the partitions a migrate or a cleanup
         // makes there (`make_missing`).
-        let newest = db::partitions::newest_begun(&partitions, chrono::Utc::now());
+        // "Now" is the database's, as the makers' is (`make_missing`): a consumer's host clock off by minutes would
+        // take messages of now for ones of the future (moved aside), or hold old ones.
+        let Ok(now) = db::external::database_now(&mut *conn).await else {
+            return true;
+        };
+        let newest = db::partitions::newest_begun(&partitions, now);
         let partitions: Vec<_> = partitions.iter().filter(|p| !p.detach_pending).collect();
-        let latest = chrono::Utc::now() + chrono::TimeDelta::minutes(5);
+        let latest = now + chrono::TimeDelta::minutes(5);
         let covered = |t: chrono::DateTime<chrono::Utc>| {
             partitions
                 .iter()

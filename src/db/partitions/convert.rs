@@ -300,7 +300,7 @@ pub async fn partition(
     // The window's past partitions at the conversion; on an inbox partitioned already (a migrate at every deploy),
     // only those after the newest there is (`make_missing`).
     report.created = if report.converted {
-        let now = Utc::now();
+        let now = crate::db::external::database_now(&mut *conn).await?;
         ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?
     } else {
         make_missing(&mut *conn, settings).await?
@@ -448,7 +448,8 @@ async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) ->
 /// tables made beforehand takes a fraction of it. (A swap that comes an interval later, tried again behind a long
 /// transaction, makes the one partition ahead it then needs under its lock.) The starts of those made.
 async fn premake(conn: &mut PgConnection, settings: Settings) -> Result<BTreeSet<DateTime<Utc>>> {
-    let now = Utc::now();
+    // The database's time, as every maker of partitions reads it (`make_missing`).
+    let now = crate::db::external::database_now(&mut *conn).await?;
     let mut made = BTreeSet::new();
     for (start, _) in intervals(settings, now - BACK, now + AHEAD).take(MAX_NEW_PARTITIONS) {
         let name = partition_name(start);
@@ -498,7 +499,7 @@ async fn swap(
     // The window's time partitions in the same transaction: once the partitioned layout is seen, a consumer claims
     // with the message's time, and a time no partition held yet would be refused as unclaimable (seen: messages of a
     // consumer running through the conversion dead-lettered in the moment between this commit and the partitions).
-    let now = Utc::now();
+    let now = crate::db::external::database_now(&mut *tx).await?;
     let mut starts = premade.clone();
     starts.extend(
         intervals(settings, now - BACK, now + AHEAD)

@@ -97,8 +97,8 @@ impl Link {
     }
 }
 
-/// When this process last made sure of each queue's partitioned topology (by the queue's name), for the links of its
-/// other partitions.
+/// When this process last made sure of each partitioned topology (by the broker, the event exchange, the queue, the
+/// partitions and the queue type), for the links of its other partitions.
 static TOPOLOGY_MADE: std::sync::LazyLock<
     tokio::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>,
 > = std::sync::LazyLock::new(Default::default);
@@ -128,9 +128,19 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
             // partitions —, and the others, opened meanwhile or soon after, wait for it and take it as made. A
             // partition queue gone since fails its consumer's `basic.consume`, and the reconnect after
             // [`TOPOLOGY_FRESH_FOR`] makes sure of it all again.
+            // Keyed on all that the declaration depends on: another `consume` of the process (through the library)
+            // on the same queue's name with other partitions, another event exchange or broker makes sure of its own.
+            let key = format!(
+                "{}\u{0}{}\u{0}{}\u{0}{}\u{0}{}",
+                broker.display_url(),
+                shared.options.event_exchange,
+                shared.options.queue,
+                p.count,
+                shared.options.queue_type.name()
+            );
             let mut made = TOPOLOGY_MADE.lock().await;
             let fresh = made
-                .get(&shared.options.queue)
+                .get(&key)
                 .is_some_and(|at| at.elapsed() < TOPOLOGY_FRESH_FOR);
             if !fresh {
                 topology::ensure_partitioned_endpoint(
@@ -141,7 +151,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
                     shared.options.queue_type,
                 )
                 .await?;
-                made.insert(shared.options.queue.clone(), std::time::Instant::now());
+                made.insert(key, std::time::Instant::now());
                 tracing::debug!(
                     queue = %crate::sanitize::text(&shared.options.queue),
                     partitions = p.count,

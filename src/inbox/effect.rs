@@ -543,11 +543,16 @@ fn writes_only_through_claimed(sql: &str) -> bool {
     {
         return false;
     }
+    // A name followed by `(` is a call unless it names a table: after `INTO`, `UPDATE`, `FROM`, `JOIN`, `USING`,
+    // `TABLE` or `AS`, or after such a word and a schema (`INTO s.mode (…)`); `pg_catalog.count(*)` is a call.
+    let tables = ["into", "update", "from", "join", "using", "table", "as"];
+    let is_call = |at: usize| {
+        all.get(at + 1) == Some(&"(")
+            && !(at >= 1 && tables.contains(&all[at - 1]))
+            && !(at >= 3 && all[at - 1] == "." && tables.contains(&all[at - 3]))
+    };
     // A call of a quoted name (`"count"(*)`): what it is, the text does not say.
-    if all
-        .windows(2)
-        .any(|w| w[0] == QUOTED_NAME.trim() && w[1] == "(")
-    {
+    if (0..all.len()).any(|at| all[at] == QUOTED_NAME.trim() && is_call(at)) {
         return false;
     }
     let grouped = top.windows(2).any(|w| w == ["group", "by"]);
@@ -557,12 +562,7 @@ fn writes_only_through_claimed(sql: &str) -> bool {
             || w.starts_with("regr_")
             || (w.starts_with("json") && w.contains("agg"))
     };
-    let not_a_call = [
-        "into", "update", "from", "join", "using", "table", ".", "as",
-    ];
-    let aggregated = all
-        .windows(3)
-        .any(|w| is_aggregate(w[1]) && w[2] == "(" && !not_a_call.contains(&w[0]));
+    let aggregated = (0..all.len()).any(|at| is_aggregate(all[at]) && is_call(at));
     if aggregated && !grouped {
         return false;
     }
@@ -658,6 +658,9 @@ mod tests {
             "INSERT INTO t SELECT left($1::text, 160), right($2::text, 3) FROM claimed",
             "INSERT INTO mode (a) SELECT $1 FROM claimed",
             "INSERT INTO t SELECT $1 FROM claimed JOIN rank ON true",
+            "INSERT INTO \"Orders\" (id) SELECT $1 FROM claimed",
+            "INSERT INTO s.\"T\" (a) SELECT $1 FROM claimed",
+            "INSERT INTO s.mode (a) SELECT $1 FROM claimed",
         ];
         for sql in fit {
             assert!(names_claimed(sql), "{sql}");
@@ -702,6 +705,10 @@ mod tests {
             "INSERT INTO t SELECT jsonb_agg_strict(1) FROM claimed",
             "INSERT INTO t SELECT json_object_agg_unique_strict(1, 1) FROM claimed",
             "INSERT INTO t SELECT 1 FROM u WINDOW w AS (), claimed AS ()",
+            "INSERT INTO t SELECT pg_catalog.count(*) FROM claimed",
+            "INSERT INTO t SELECT coalesce(pg_catalog.max(1), 0) FROM claimed",
+            "INSERT INTO t SELECT \"pg_catalog\".count(*) FROM claimed",
+            "INSERT INTO t SELECT pg_catalog.\"count\"(*) FROM claimed",
         ];
         for sql in unfit {
             assert!(!names_claimed(sql), "{sql}");

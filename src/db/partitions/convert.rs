@@ -477,6 +477,8 @@ async fn swap(
     premade: &BTreeSet<DateTime<Utc>>,
 ) -> sqlx::Result<()> {
     let mut tx = conn.begin().await?;
+    // The database's time (the transaction's start, the same all through it), read before the lock is taken.
+    let now = crate::db::external::database_now(&mut *tx).await?;
     run(&mut tx, SET_LOCAL_LOCK_TIMEOUT).await?;
     run(&mut tx, LOCK_INBOX).await?;
     let locked = std::time::Instant::now();
@@ -499,7 +501,6 @@ async fn swap(
     // The window's time partitions in the same transaction: once the partitioned layout is seen, a consumer claims
     // with the message's time, and a time no partition held yet would be refused as unclaimable (seen: messages of a
     // consumer running through the conversion dead-lettered in the moment between this commit and the partitions).
-    let now = crate::db::external::database_now(&mut *tx).await?;
     let mut starts = premade.clone();
     starts.extend(
         intervals(settings, now - BACK, now + AHEAD)

@@ -416,11 +416,6 @@ impl Link {
         shutdown: &CancellationToken,
         waits: &AlarmWaits,
     ) -> Result<(), CopyError> {
-        // A message put at its queue's tail does not wait out an alarm: held so, it could land only once the alarm
-        // ended, and it would take a place the copies to the error queue wait in.
-        if matches!(to, To::Tail(_)) && (self.is_lost() || self.dead_letters.blocked()) {
-            return Err(CopyError::GivenBackInAnAlarm);
-        }
         let place = self.admit(waits)?;
         let turn = Turn::default();
         let published = Box::pin(

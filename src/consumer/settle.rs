@@ -92,8 +92,9 @@ async fn to_the_tail<C: Consumer>(
     }
     let headers = dead_letter::given_back_once_more(delivery.properties.headers().as_ref());
     let queue = &shared.options.queue;
-    // Never waiting out an alarm (no place to wait in), and a panic in it is a refusal: the delivery is settled
-    // whatever happens here.
+    // Never waiting out an alarm: with no place to wait in, a copy that meets one gives the message back (held, it
+    // could land only once the alarm ended, and it would take a place the copies to the error queue wait in). A
+    // panic in it is a refusal: the delivery is settled whatever happens here.
     let no_wait = super::alarm::AlarmWaits::none();
     let copied = link.copy(
         To::Tail(queue),

@@ -154,8 +154,9 @@ async fn in_order_across_a_kill(queue_type: &str) {
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await >= 1_000
     })
     .await;
-    // The process that is the active consumer of the most partitions, killed mid-stream.
-    let actives = active_consumers(&env);
+    // The process that is the active consumer of the most partitions, killed mid-stream. Who is active does not
+    // change before the kill: the listing read before the publish is used, and nothing slow (a `rabbitmqctl` call,
+    // seconds on a loaded box) stands between the 1,000th effect and the kill.
     let mut held: HashMap<u32, usize> = HashMap::new();
     for pid in actives.values() {
         *held.entry(*pid).or_default() += 1;

@@ -407,9 +407,18 @@ struct Looks {
     within: std::time::Duration,
 }
 
+/// How far ahead of the database's clock a failure time may have been stamped and still be read as before the cutoff.
+/// The time is the failing host's (`MT-Fault-Timestamp`: the consumer's, or a .NET service's), the cutoff the
+/// database's: a host Δ ahead stamps a failure at T as T + Δ, and a copy of that message processed in between (its row
+/// older than the stamp) would be deleted while the failure looked young, and its replay claimed as new.
+const FAILURE_CLOCK_AHEAD: chrono::TimeDelta = chrono::TimeDelta::minutes(5);
+
 impl Looks {
+    /// Failed before the cutoff (a failure within [`FAILURE_CLOCK_AHEAD`] after it counts as before), or at no time
+    /// told.
     fn too_old(&self, h: &Head) -> bool {
-        h.failed_at.is_none_or(|t| t < self.cutoff)
+        h.failed_at
+            .is_none_or(|t| t < self.cutoff + FAILURE_CLOCK_AHEAD)
     }
 
     /// Of the messages of a dead-letter queue, the one to refuse on: of those that failed before the cutoff, the one
@@ -588,5 +597,44 @@ impl Looks {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failed(at: Option<DateTime<Utc>>) -> Head {
+        Head {
+            message_id: None,
+            failed_at: at,
+            message_time: None,
+        }
+    }
+
+    /// A failure stamped by a host ahead of the database's clock: up to five minutes past the cutoff, it is taken as
+    /// before it (its message's other rows may be older than the stamp); well past it, as young.
+    #[test]
+    fn a_failure_just_past_the_cutoff_is_read_as_before_it() {
+        let cutoff = Utc::now() - chrono::TimeDelta::days(1);
+        let looks = Looks {
+            cutoff,
+            now: Utc::now(),
+            keyed_on: None,
+            within: std::time::Duration::from_secs(1),
+        };
+        let at = |minutes: i64| failed(Some(cutoff + chrono::TimeDelta::minutes(minutes)));
+        assert!(looks.too_old(&at(-1)));
+        assert!(looks.too_old(&at(2)), "two minutes past the cutoff");
+        assert!(looks.too_old(&at(4)), "four minutes past the cutoff");
+        assert!(!looks.too_old(&at(6)));
+        assert!(!looks.too_old(&at(60)));
+        assert!(looks.too_old(&failed(None)), "no time told");
+        assert_eq!(
+            looks
+                .oldest_too_old(&[at(30), at(3)])
+                .and_then(|h| h.failed_at),
+            Some(cutoff + chrono::TimeDelta::minutes(3))
+        );
     }
 }

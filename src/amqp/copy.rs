@@ -53,9 +53,17 @@ pub fn is_routing_header(key: &str) -> bool {
     key == "CC" || key == "BCC"
 }
 
-/// The headers a replayed copy carries: the original's without the failure headers and the routing headers, with the
-/// replay count raised and the run's tag; and the original per-message TTL in [`ORIGINAL_EXPIRATION_HEADER`] when the
-/// copy does not carry it as its `expiration`, so that a later replay can still give it back.
+/// MassTransit's count of a message's delayed redeliveries (`UseDelayedRedelivery`, `context.Redeliver`). Its
+/// redelivery filter starts the policy that many intervals in: kept on a replayed copy, a MassTransit consumer whose
+/// redeliveries were used up before the failure would move the replay straight back to `_error` after its immediate
+/// retries, the delayed ones it was replayed for never tried. (The error copy itself keeps it, as MassTransit's does:
+/// it tells how the message came to fail.)
+pub const REDELIVERY_COUNT_HEADER: &str = "MT-Redelivery-Count";
+
+/// The headers a replayed copy carries: the original's without the failure headers, MassTransit's redelivery count and
+/// the routing headers, with the replay count raised and the run's tag; and the original per-message TTL in
+/// [`ORIGINAL_EXPIRATION_HEADER`] when the copy does not carry it as its `expiration`, so that a later replay can still
+/// give it back.
 pub fn replay_headers(
     original: Option<&FieldTable>,
     replays: u32,
@@ -71,6 +79,7 @@ pub fn replay_headers(
                 || k == REPLAY_COUNT_HEADER
                 || k == REPLAY_RUN_HEADER
                 || k == ORIGINAL_EXPIRATION_HEADER
+                || k.eq_ignore_ascii_case(REDELIVERY_COUNT_HEADER)
                 || is_routing_header(k);
             if !failure {
                 headers.insert(key.clone(), value.clone());
@@ -247,6 +256,8 @@ mod tests {
         h.insert(REPLAY_RUN_HEADER.into(), long("an earlier run"));
         h.insert("x-delivery-count".into(), AMQPValue::LongInt(3));
         h.insert("x-acquired-count".into(), AMQPValue::LongLongInt(4));
+        h.insert("MT-Redelivery-Count".into(), AMQPValue::LongInt(3));
+        h.insert("mt-redelivery-count".into(), AMQPValue::LongInt(3));
         let out = replay_headers(Some(&h), 1, "this run", None);
         let keys: Vec<&str> = out.inner().keys().map(|k| k.as_str()).collect();
         assert_eq!(keys, [REPLAY_COUNT_HEADER, REPLAY_RUN_HEADER, "tenant"]);

@@ -1318,6 +1318,72 @@ async fn a_call_whose_outcome_cannot_be_recorded_is_not_made_again_past_max_atte
     );
 }
 
+/// The same with a look-up: the carrier booked once, the look-up said so at each lease after, and recording the
+/// booking was refused each time. The look-up's path returned before `--max-attempts` was looked at: the call stayed
+/// `started` for ever, taken again each lease, listed nowhere, and the run never ended idle. It ends `failed` after
+/// `--max-attempts` now, with the slot the look-up gave, and the carrier was called once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_booked_call_whose_outcome_cannot_be_recorded_ends_failed_past_max_attempts_with_a_look_up()
+ {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_reservation() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN RAISE EXCEPTION 'no reservation without its parcel'; END$$; \
+         CREATE TRIGGER refuse_reservation BEFORE INSERT ON carrier_reservations \
+         FOR EACH ROW EXECUTE FUNCTION refuse_reservation();",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let stub = Stub::start(&env, &[]);
+    publish_to(&env, "unrecorded", 1);
+    let mut extra = LOOK_UP_QUICK.to_vec();
+    extra.extend([
+        "--lookup-url",
+        &stub.url,
+        "--max-attempts",
+        "2",
+        "--exit-when-idle",
+        "1s",
+    ]);
+    let mut consumer = env.spawn(&consume_args(&stub, "after-commit", &extra));
+    assert_eq!(
+        consumer.wait(Duration::from_secs(90)),
+        Some(0),
+        "the run ended idle: {}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        stub.bookings_to("unrecorded").await,
+        1,
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        state_of(&pool, "unrecorded").await.as_deref(),
+        Some("failed"),
+        "{}",
+        consumer.stderr()
+    );
+    let (attempts, reference): (i32, Option<String>) = sqlx::query_as(
+        "SELECT attempts, reference FROM inboxctl_effects WHERE request->>'destination' = 'unrecorded'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(attempts, 3, "{}", consumer.stderr());
+    assert!(reference.is_some(), "the slot the look-up gave is kept");
+    let listed = env.run(&["effects", "--failed"]);
+    assert!(
+        listed
+            .stdout
+            .contains("could not be recorded after 2 attempts"),
+        "{listed:?}"
+    );
+}
+
 /// A pending at-most-once effect for `consumer_type`, leased once: the attempt as a worker holds it.
 async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external::Leased {
     let mut conn = pool.acquire().await.unwrap();

@@ -180,7 +180,29 @@ impl Worker {
                 return self.leased_too_late(&effect).await;
             }
             match lookup.lookup(effect.idempotency_key).await {
-                Ok(Some(slot)) => return self.done(&effect, &request, slot).await,
+                Ok(Some(slot)) => {
+                    let reference = slot.slot_id.to_string();
+                    let Some(error) = self.done(&effect, &request, slot).await else {
+                        return;
+                    };
+                    // Booked, by the look-up, and its outcome refused again (a trigger or a foreign key on the
+                    // reservations): after `--max-attempts` leases it ends `failed`, as a call made without a
+                    // look-up does — left started, it was taken again each lease for ever, listed nowhere, and an
+                    // idle run waited for it.
+                    if u32::try_from(effect.attempts).unwrap_or(u32::MAX) > self.max_attempts {
+                        let why = format!(
+                            "the carrier booked it (slot {reference}, by its look-up) and its outcome could not be \
+                             recorded after {} attempts (--max-attempts {}): {error}; once the reservation can be \
+                             written, settle it with `inboxctl effects resolve --done`",
+                            effect.attempts.saturating_sub(1),
+                            self.max_attempts
+                        );
+                        tracing::warn!(message_id = %effect.message_id, slot_id = %reference, "{why}");
+                        self.record(&effect, "failed", None, Some(&why), Some(&reference))
+                            .await;
+                    }
+                    return;
+                }
                 Ok(None) => {}
                 Err(e) => {
                     // Still unknown: an attempt whose outcome is unknown, as a call's that got no answer is — left
@@ -213,7 +235,7 @@ impl Worker {
             return self.leased_too_late(&effect).await;
         }
         match self.client.book(&request).await {
-            Ok(slot) => self.done(&effect, &request, slot).await,
+            Ok(slot) => drop(self.done(&effect, &request, slot).await),
             Err(e) => self.failed(&effect, mode, &e).await,
         }
     }
@@ -292,8 +314,14 @@ impl Worker {
         self.record(effect, state, due, Some(&text), None).await;
     }
 
-    /// Records the slot, with its reservation, in one transaction.
-    async fn done(&self, effect: &external::Leased, request: &PickupRequest, slot: SlotAnswer) {
+    /// Records the slot, with its reservation, in one transaction. `Some(error)`: it could not be recorded (the effect
+    /// stays started, its lease held).
+    async fn done(
+        &self,
+        effect: &external::Leased,
+        request: &PickupRequest,
+        slot: SlotAnswer,
+    ) -> Option<String> {
         let reference = slot.slot_id.to_string();
         let recorded = transient_retried(|| {
             bounded!(&self.pool, self.bound, |conn| self
@@ -302,15 +330,32 @@ impl Worker {
         .await;
         match recorded {
             Ok(true) => {
-                tracing::debug!(message_id = %effect.message_id, slot_id = %reference, "carrier call done")
+                tracing::debug!(message_id = %effect.message_id, slot_id = %reference, "carrier call done");
+                None
             }
-            Ok(false) => lost_lease(effect),
-            Err(e) => tracing::warn!(
-                message_id = %effect.message_id,
-                slot_id = %reference,
-                error = %e,
-                "the carrier booked, and its outcome could not be recorded: the effect stays started"
-            ),
+            Ok(false) => {
+                // The slot is said: the row no longer says the call was booked (another look, or the sweep of a
+                // lease run out, has it in doubt), and an operator settling it needs what the carrier answered.
+                tracing::warn!(
+                    message_id = %effect.message_id,
+                    attempt = effect.attempts,
+                    slot_id = %reference,
+                    "the carrier booked, but the effect's lease ran out before its outcome was recorded (a call \
+                     longer than --effect-lease, or PostgreSQL unreachable until then): the slot is not recorded; \
+                     if the effect is left in doubt, settle it with `inboxctl effects resolve --done`"
+                );
+                None
+            }
+            Err(e) => {
+                let error = crate::redact::text(&e.to_string());
+                tracing::warn!(
+                    message_id = %effect.message_id,
+                    slot_id = %reference,
+                    error = %error,
+                    "the carrier booked, and its outcome could not be recorded: the effect stays started"
+                );
+                Some(error)
+            }
         }
     }
 

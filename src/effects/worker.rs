@@ -173,6 +173,8 @@ impl Worker {
             "at-most-once" => EffectMode::AtMostOnce,
             _ => EffectMode::AfterCommit,
         };
+        // Whether a look-up found nothing booked for this attempt (said when the call is given up below).
+        let mut looked_up_none = false;
         if effect.was == "started"
             && let Some(lookup) = &self.lookup
         {
@@ -203,7 +205,7 @@ impl Worker {
                     }
                     return;
                 }
-                Ok(None) => {}
+                Ok(None) => looked_up_none = true,
                 Err(e) => {
                     // Still unknown: an attempt whose outcome is unknown, as a call's that got no answer is — left
                     // started and due again after the retry delay, until `--max-attempts` ends it `failed`. Left
@@ -221,10 +223,15 @@ impl Worker {
         if effect.was == "started"
             && u32::try_from(effect.attempts).unwrap_or(u32::MAX) > self.max_attempts
         {
+            let outcome = if looked_up_none {
+                "the carrier's look-up finds nothing booked"
+            } else {
+                "its outcome is still unknown"
+            };
             let why = format!(
-                "its outcome is still unknown after {} attempts (--max-attempts {}; the last not recorded: a process \
-                 that died, or an outcome that could not be recorded): not called again; settle it with `inboxctl \
-                 effects reconcile` or `resolve`",
+                "{outcome} after {} attempts (--max-attempts {}; the last not recorded: a process that died, or an \
+                 outcome that could not be recorded): not called again; settle it with `inboxctl effects reconcile` \
+                 or `resolve`",
                 effect.attempts.saturating_sub(1),
                 self.max_attempts
             );

@@ -62,7 +62,11 @@ pub fn connection_pid(vhost: &str, client: &str) -> String {
     ]);
     listing
         .lines()
-        .find(|l| l.split('\t').nth(1) == Some(vhost) && l.contains(client))
+        .find(|l| {
+            l.split('\t').nth(1) == Some(vhost)
+                && l.contains(client)
+                && (client.contains("(dead letters)") || !l.contains("(dead letters)"))
+        })
         .and_then(|l| l.split('\t').next())
         .unwrap_or_else(|| panic!("no {client:?} connection in {vhost}:\n{listing}"))
         .to_owned()

@@ -1694,6 +1694,53 @@ async fn messages_that_cannot_be_moved_aside_do_not_starve_the_healthy_ones_behi
     assert_eq!((ready, unacked), (6, 0));
 }
 
+/// Messages with a per-message TTL (`expiration`) are never put at the tail of their queue: republished, a copy's TTL
+/// would start again, and behind a backlog it could expire there unseen, its original acknowledged. Four of them
+/// failing, the error queue refusing their copies, half the prefetch held back: each is requeued after its pause
+/// (and comes round to be refused again), none copied to the tail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_with_a_ttl_are_given_back_not_put_at_the_tail() {
+    let env = TestEnv::migrated().await;
+    refusing_error_queue(&env).await;
+    let conn = env.amqp().await;
+    for _ in 0..4 {
+        let (props, body, _) = common::parcel_message(Uuid::now_v7(), "FAIL");
+        let props = props.with_expiration("600000".into());
+        common::publish(&conn, "", CARRIER_QUEUE, props, &body).await;
+    }
+    let mut consumer = env.spawn(&[
+        "consume",
+        "carrier",
+        "--concurrency",
+        "2",
+        "--prefetch",
+        "4",
+        "--fail-destination",
+        "FAIL",
+        "--max-attempts",
+        "1",
+    ]);
+    // Refused twice each: all came round once at least after the first pause.
+    consumer.wait_for_stderr_times("could not move a message to", 8, Duration::from_secs(40));
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    let left = common::drain(&conn, CARRIER_QUEUE).await;
+    assert_eq!(left.len(), 4, "{}", consumer.stderr());
+    for m in &left {
+        let headers = m.properties.headers();
+        assert!(
+            !headers.as_ref().is_some_and(|h| h
+                .inner()
+                .contains_key(inboxctl::amqp::dead_letter::GIVEN_BACK_HEADER)),
+            "put at the tail: {headers:?}"
+        );
+        assert_eq!(
+            m.properties.expiration().as_ref().map(|e| e.as_str()),
+            Some("600000")
+        );
+    }
+}
+
 /// A message whose copy to the error queue the broker refuses (a nack: the queue full) goes back to its queue, owed
 /// its copy: each time it comes round it goes straight to the copy, its work not tried again. Processed meanwhile by
 /// another process (its inbox row committed there, its ack lost), it is a copy like any other when it comes round:

@@ -112,6 +112,9 @@ mod armed {
         let _ = writeln!(stderr, "failpoint {name} reached");
         let _ = stderr.flush();
         match point.action.as_str() {
+            // The label (a parcel's destination: a message's text) in the message: the tests' hostile text in a
+            // panic, to be masked and escaped on its way out.
+            "panic" if !label.is_empty() => panic!("failpoint {name} at {label}"),
             "panic" => panic!("failpoint {name}"),
             "abort" => std::process::abort(),
             _ => std::future::pending::<()>().await,

@@ -24,6 +24,7 @@ pub mod inbox;
 pub mod logging;
 pub mod metrics;
 pub mod output;
+pub mod panic_hook;
 pub mod parcel;
 pub mod producer;
 pub mod recent;

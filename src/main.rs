@@ -3,6 +3,21 @@ use std::process::ExitCode;
 use inboxctl::error::exit;
 
 fn main() -> ExitCode {
+    // Before clap, which may quote an argument or a value from the environment in a usage error: every URL given is
+    // registered, so its password is masked wherever it is quoted, whatever it holds (a `'` or a space ends the URL
+    // the pattern pass in `redact::text` sees, and clap quotes values in `'…'`).
+    for arg in std::env::args_os().skip(1) {
+        let arg = arg.to_string_lossy();
+        if arg.contains("://") {
+            inboxctl::redact::register_url(&arg);
+        }
+    }
+    for name in ["DATABASE_URL", "AMQP_URL"] {
+        if let Some(value) = std::env::var_os(name) {
+            inboxctl::redact::register_url(&value.to_string_lossy());
+        }
+    }
+    inboxctl::panic_hook::install();
     let cli = match inboxctl::cli::parse() {
         Ok(cli) => cli,
         // --help and --version are not errors; a bad flag or value is a usage error, said with the argument it
@@ -13,7 +28,10 @@ fn main() -> ExitCode {
                 && e.kind() != clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand =>
         {
             use std::io::Write as _;
-            let text = inboxctl::redact::text(&e.render().to_string());
+            // Masked, and escaped as every text inboxctl prints is: the argument quoted is the user's (or a pasted
+            // id's, from a message header), and may hold control or direction-changing characters.
+            let text =
+                inboxctl::sanitize::multiline(&inboxctl::redact::text(&e.render().to_string()));
             let _ = std::io::stderr().write_all(text.as_bytes());
             return ExitCode::from(exit::USAGE);
         }

@@ -1912,3 +1912,55 @@ async fn a_message_owed_its_copy_waits_out_a_database_outage_for_its_look_and_is
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
+
+/// A panic in a consumer's work is caught and counted as the message's failure, but Rust's own hook printed it first,
+/// as it was: a panic that quotes the message's text (here a failpoint quoting the parcel's destination) wrote its
+/// escape sequences and direction overrides to the operator's terminal, and a password in it in clear. The panic is
+/// printed masked and escaped now, in Rust's shape.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_is_printed_masked_and_escaped() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let secret = "Pw-Secret9";
+    let database_url =
+        env.database_url
+            .replacen("://postgres@", &format!("://postgres:{secret}@"), 1);
+    assert_ne!(
+        database_url, env.database_url,
+        "the test's URL has no password"
+    );
+    let destination = format!("{secret}\u{1b}[2J\u{202e}tail");
+    let conn = env.amqp().await;
+    let (props, body, _) = common::parcel_message(Uuid::now_v7(), &destination);
+    common::publish(&conn, "", CARRIER_QUEUE, props, &body).await;
+    let failpoint = format!("carrier=panic@{destination}");
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--max-attempts",
+            "1",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[
+            ("INBOXCTL_FAILPOINTS", failpoint.as_str()),
+            ("DATABASE_URL", database_url.as_str()),
+        ],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    let stderr = consumer.stderr();
+    assert!(stderr.contains("panicked at"), "{stderr}");
+    assert!(stderr.contains("failpoint carrier at ***"), "{stderr}");
+    assert!(!stderr.contains(secret), "{stderr}");
+    assert!(
+        !stderr.contains('\u{1b}') && !stderr.contains('\u{202e}'),
+        "{stderr:?}"
+    );
+}

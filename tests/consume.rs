@@ -532,22 +532,6 @@ async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothi
         &unhandled.body,
     )
     .await;
-    // Plain JSON from MassTransit's raw serializer: no AMQP `type`, its types in `MT-MessageType`. Of another type,
-    // though its fields would read as a parcel: skipped, not processed as one.
-    let mut raw_headers = lapin::types::FieldTable::default();
-    raw_headers.insert(
-        "MT-MessageType".into(),
-        AMQPValue::LongString("urn:message:ParcelTracker.Domain.Events:ParcelLabelPrinted".into()),
-    );
-    let raw_unhandled = br#"{"parcelId": "7ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT9", "destination": "Lima"}"#;
-    common::publish(
-        &conn,
-        CARRIER_QUEUE,
-        "",
-        plain(Some(&Uuid::now_v7().to_string())).with_headers(raw_headers),
-        raw_unhandled,
-    )
-    .await;
 
     common::consume_until_idle(&env, &common::with_mode(&["carrier"], mode));
 
@@ -604,9 +588,8 @@ async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothi
         );
     }
     let skipped = common::drain(&conn, &format!("{CARRIER_QUEUE}_skipped")).await;
-    assert_eq!(skipped.len(), 2);
-    assert!(skipped.iter().any(|m| m.data == unhandled.body));
-    assert!(skipped.iter().any(|m| m.data == raw_unhandled));
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(skipped[0].data, unhandled.body);
 
     let pool = env.pool().await;
     let effects: Vec<Uuid> = sqlx::query_scalar("SELECT message_id FROM carrier_reservations")
@@ -624,7 +607,7 @@ async fn unreadable_and_unhandled_messages_are_moved_with_their_reason_and_nothi
         "SELECT count(*) FROM inboxctl_events WHERE kind IN ('dead_lettered', 'skipped')",
     )
     .await;
-    assert_eq!(moved, bad.len() as i64 + 2, "the two skipped counted too");
+    assert_eq!(moved, bad.len() as i64 + 1);
 }
 
 in_both_modes!(

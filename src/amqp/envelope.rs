@@ -6,7 +6,6 @@
 
 use chrono::{DateTime, Utc};
 use lapin::BasicProperties;
-use lapin::types::AMQPValue;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use uuid::Uuid;
@@ -112,33 +111,6 @@ impl<'de> Deserialize<'de> for MessageTypes {
     }
 }
 
-/// The header in which MassTransit's raw JSON serializers name a plain message's types (its URNs, `;` between them):
-/// MassTransit sets no AMQP `type` property.
-pub const RAW_MESSAGE_TYPE_HEADER: &str = "MT-MessageType";
-
-/// A plain JSON message's declared types: the AMQP `type` property, else MassTransit's [`RAW_MESSAGE_TYPE_HEADER`]
-/// (its first [`MAX_MESSAGE_TYPES`]); none declared, none.
-fn plain_message_types(properties: &BasicProperties) -> Vec<String> {
-    if let Some(kind) = properties.kind() {
-        return vec![kind.as_str().to_owned()];
-    }
-    let named = properties
-        .headers()
-        .as_ref()
-        .and_then(|h| h.inner().get(RAW_MESSAGE_TYPE_HEADER));
-    let text = match named {
-        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()),
-        Some(AMQPValue::ShortString(s)) => std::borrow::Cow::Borrowed(s.as_str()),
-        _ => return Vec::new(),
-    };
-    text.split(';')
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
-        .take(MAX_MESSAGE_TYPES)
-        .map(str::to_owned)
-        .collect()
-}
-
 /// Reads a delivery's id, type and event.
 pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unreadable> {
     if let Some(headers) = properties.headers() {
@@ -203,7 +175,11 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
                 serde_json::from_str(text).map_err(|e| Unreadable::NotJson(e.to_string()))?;
             Ok(Incoming {
                 message_id: parse_id(id)?,
-                message_types: plain_message_types(properties),
+                message_types: properties
+                    .kind()
+                    .as_ref()
+                    .map(|t| vec![t.as_str().to_owned()])
+                    .unwrap_or_default(),
                 payload: raw.to_owned(),
                 masstransit: false,
                 sent_time: None,
@@ -393,8 +369,6 @@ pub fn masstransit_properties(message_id: Uuid) -> BasicProperties {
 
 #[cfg(test)]
 mod tests {
-    use lapin::types::FieldTable;
-
     use super::*;
 
     const ID: &str = "1a280000-161d-4c08-9e18-08df4f1e91b6";
@@ -439,45 +413,6 @@ mod tests {
         assert_eq!(
             parse(&other, body.as_bytes()).expect("ok").message_id,
             Uuid::from_u128(7)
-        );
-    }
-
-    /// MassTransit's raw JSON serializers set no AMQP `type`: they name the types in `MT-MessageType`, and a plain
-    /// message of another type than the consumer's must be seen as such (moved to `_skipped`), not taken for its own.
-    #[test]
-    fn plain_json_takes_its_types_from_masstransits_header_when_no_type_property() {
-        let mut headers = FieldTable::default();
-        headers.insert(
-            RAW_MESSAGE_TYPE_HEADER.into(),
-            AMQPValue::LongString("urn:message:Shop:OrderPlaced; urn:message:Shop:IEvent;;".into()),
-        );
-        let props = BasicProperties::default()
-            .with_message_id(ID.into())
-            .with_content_type("application/json".into())
-            .with_headers(headers.clone());
-        let got = parse(&props, br#"{"orderId": 1}"#).expect("readable");
-        assert_eq!(
-            got.message_types,
-            ["urn:message:Shop:OrderPlaced", "urn:message:Shop:IEvent"]
-        );
-        // The AMQP property, where there is one, is the type.
-        let typed = props.clone().with_type("urn:message:Shop:Other".into());
-        assert_eq!(
-            parse(&typed, br#"{"orderId": 1}"#)
-                .expect("readable")
-                .message_types,
-            ["urn:message:Shop:Other"]
-        );
-        // Bounded as an envelope's list is.
-        let mut many = FieldTable::default();
-        many.insert(
-            RAW_MESSAGE_TYPE_HEADER.into(),
-            AMQPValue::LongString(vec!["urn:message:X:Y"; 10_000].join(";").into()),
-        );
-        let props = props.with_headers(many);
-        assert_eq!(
-            parse(&props, b"{}").expect("readable").message_types.len(),
-            MAX_MESSAGE_TYPES
         );
     }
 

@@ -1379,7 +1379,7 @@ async fn a_booked_call_whose_outcome_cannot_be_recorded_ends_failed_past_max_att
     assert!(
         listed
             .stdout
-            .contains("could not be recorded after 2 attempts"),
+            .contains("could not be recorded in 3 attempts"),
         "{listed:?}"
     );
 }

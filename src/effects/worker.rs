@@ -194,9 +194,9 @@ impl Worker {
                     if u32::try_from(effect.attempts).unwrap_or(u32::MAX) > self.max_attempts {
                         let why = format!(
                             "the carrier booked it (slot {reference}, by its look-up) and its outcome could not be \
-                             recorded after {} attempts (--max-attempts {}): {error}; once the reservation can be \
-                             written, settle it with `inboxctl effects resolve --done`",
-                            effect.attempts.saturating_sub(1),
+                             recorded in {} attempts (--max-attempts {}): {error}; once the reservation can be \
+                             written, settle it with `inboxctl effects reconcile`, which writes it with the slot",
+                            effect.attempts,
                             self.max_attempts
                         );
                         tracing::warn!(message_id = %effect.message_id, slot_id = %reference, "{why}");
@@ -349,7 +349,7 @@ impl Worker {
                     slot_id = %reference,
                     "the carrier booked, but the effect's lease ran out before its outcome was recorded (a call \
                      longer than --effect-lease, or PostgreSQL unreachable until then): the slot is not recorded; \
-                     if the effect is left in doubt, settle it with `inboxctl effects resolve --done`"
+                     if the effect is left in doubt, settle it with `inboxctl effects reconcile`"
                 );
                 None
             }

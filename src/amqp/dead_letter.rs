@@ -240,8 +240,43 @@ pub fn copy_properties(
     }
 }
 
-/// `original`'s properties but its headers and `expiration`, with `user_id` as given, and persistent.
+/// The properties of a message put again at its queue's tail (`headers`: its own, with the given-back mark): the
+/// original's, but for a per-message TTL, which goes to [`ORIGINAL_EXPIRATION_HEADER`] as it does on a dead-letter
+/// copy. Republished, the TTL would start again, and behind a backlog the copy could expire at the tail, unseen, its
+/// original acknowledged; the message is still the consumer's (RabbitMQ expires no message a consumer holds), and it
+/// comes round to be settled.
+pub fn tail_properties(original: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
+    let Some(expiration) = original.expiration() else {
+        return original.clone().with_headers(headers);
+    };
+    put(
+        &mut headers,
+        ORIGINAL_EXPIRATION_HEADER,
+        expiration.as_str(),
+    );
+    // Its delivery mode as it was: a dead-letter copy is made persistent, and this one is the message again.
+    properties_of(
+        original,
+        original.user_id().clone(),
+        *original.delivery_mode(),
+    )
+    .with_headers(headers)
+}
+
+/// The original's properties but for its headers and its per-message TTL, persistent; `user_id` in place of its own.
 fn rebuilt(original: &BasicProperties, user_id: Option<ShortString>) -> BasicProperties {
+    // Persistent whatever the original was: a copy waits in its queue for days, and a transient message in a classic
+    // queue is gone at the broker's next restart.
+    properties_of(original, user_id, Some(2))
+}
+
+/// The original's properties but for its headers, its per-message TTL and its delivery mode (`delivery_mode`), and
+/// `user_id` in place of its own.
+fn properties_of(
+    original: &BasicProperties,
+    user_id: Option<ShortString>,
+    delivery_mode: Option<u8>,
+) -> BasicProperties {
     let mut p = BasicProperties::default();
     if let Some(v) = original.content_type() {
         p = p.with_content_type(v.clone());
@@ -249,9 +284,9 @@ fn rebuilt(original: &BasicProperties, user_id: Option<ShortString>) -> BasicPro
     if let Some(v) = original.content_encoding() {
         p = p.with_content_encoding(v.clone());
     }
-    // Persistent whatever the original was: a copy waits in its queue for days, and a transient message in a classic
-    // queue is gone at the broker's next restart.
-    p = p.with_delivery_mode(2);
+    if let Some(mode) = delivery_mode {
+        p = p.with_delivery_mode(mode);
+    }
     if let Some(v) = original.priority() {
         p = p.with_priority(*v);
     }
@@ -337,6 +372,51 @@ mod tests {
             message_type: Some("ParcelTracker.Domain.Events.ParcelCreatedEvent".into()),
             retry_count: 4,
         }
+    }
+
+    /// Put at the tail, a message is itself again, but for its TTL, kept in a header (republished, it would start
+    /// again); without one, its properties are as they were.
+    #[test]
+    fn a_tail_copy_is_the_message_with_its_ttl_in_a_header() {
+        let original = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_content_type("application/vnd.masstransit+json".into())
+            .with_delivery_mode(1)
+            .with_priority(7)
+            .with_timestamp(1_700_000_000)
+            .with_user_id("guest".into())
+            .with_correlation_id("c-1".into())
+            .with_expiration("60000".into());
+        let mut headers = FieldTable::default();
+        headers.insert(GIVEN_BACK_HEADER.into(), AMQPValue::LongLongInt(1));
+        let copy = tail_properties(&original, headers.clone());
+        assert_eq!(*copy.expiration(), None);
+        assert_eq!(
+            header_text(copy.headers().as_ref(), ORIGINAL_EXPIRATION_HEADER).as_deref(),
+            Some("60000")
+        );
+        assert!(
+            copy.headers()
+                .as_ref()
+                .is_some_and(|h| h.inner().contains_key(GIVEN_BACK_HEADER))
+        );
+        let expected = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .with_content_type("application/vnd.masstransit+json".into())
+            .with_delivery_mode(1)
+            .with_priority(7)
+            .with_timestamp(1_700_000_000)
+            .with_correlation_id("c-1".into())
+            .with_user_id("guest".into())
+            .with_headers(copy.headers().clone().unwrap());
+        assert_eq!(copy, expected, "as it was, but for the TTL");
+        let plain = BasicProperties::default()
+            .with_message_id("m-2".into())
+            .with_delivery_mode(2);
+        assert_eq!(
+            tail_properties(&plain, headers.clone()),
+            plain.clone().with_headers(headers)
+        );
     }
 
     #[test]

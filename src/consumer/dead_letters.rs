@@ -196,7 +196,7 @@ impl DeadLetters {
                 {
                     return Err(CopyError::Impossible(why));
                 }
-                let properties = delivery.properties.clone().with_headers(headers);
+                let properties = dead_letter::tail_properties(&delivery.properties, headers);
                 if crate::amqp::limits::content_header_len(&properties) > frame_max {
                     return Err(CopyError::Impossible(
                         "the message with its given-back mark is too large for a frame".to_owned(),

@@ -65,8 +65,10 @@ pub(super) async fn settle<C: Consumer>(
 /// through the rest of the prefetch, and a requeue keeps the message's place (and it comes round within seconds,
 /// while its owed copy is remembered).
 ///
-/// Given back with a requeue as before at a stop, on a lost link, in an alarm, for a message with a per-message TTL
-/// (`expiration`: its copy could expire at the tail), or when the queue does not take it (or
+/// A per-message TTL is not carried as such: it would start again, and the copy could expire at the tail (see
+/// [`dead_letter::tail_properties`]).
+///
+/// Given back with a requeue as before at a stop, on a lost link, in an alarm, or when the queue does not take it (or
 /// it cannot be published again as it is, or the role may not write to the queue's exchange: said once a minute): the
 /// pause keeps that from a tight loop. Not for a partition queue, whose order a message at its tail would give up. A
 /// copy confirmed whose ack is then lost leaves the message twice on its queue: processed, the second is a duplicate;
@@ -89,11 +91,6 @@ async fn to_the_tail<C: Consumer>(
         return Disposition::Requeue;
     }
     if held < (usize::from(shared.options.prefetch) / 2).max(1) {
-        return Disposition::Requeue;
-    }
-    // A per-message TTL starts again from a republish: behind a backlog at the tail the copy could expire there,
-    // unseen, the original acknowledged (requeued, the message keeps its time and comes round at once).
-    if delivery.properties.expiration().is_some() {
         return Disposition::Requeue;
     }
     let headers = dead_letter::given_back_once_more(delivery.properties.headers().as_ref());

@@ -196,8 +196,7 @@ impl Worker {
                             "the carrier booked it (slot {reference}, by its look-up) and its outcome could not be \
                              recorded in {} attempts (--max-attempts {}): {error}; once the reservation can be \
                              written, settle it with `inboxctl effects reconcile`, which writes it with the slot",
-                            effect.attempts,
-                            self.max_attempts
+                            effect.attempts, self.max_attempts
                         );
                         tracing::warn!(message_id = %effect.message_id, slot_id = %reference, "{why}");
                         self.record(&effect, "failed", None, Some(&why), Some(&reference))

@@ -137,9 +137,15 @@ impl Refusal {
             ),
             None => "of an age nothing in it tells".to_owned(),
         };
+        // A failure stamped within the margin after the cutoff (a host's clock ahead) is said as such.
+        let when = if self.failed_at.is_some_and(|t| t >= self.cutoff) {
+            "within five minutes after the cutoff (a failing host's clock may be ahead of the database's)"
+        } else {
+            "before the cutoff"
+        };
         format!(
-            "{} holds message {} {age}, before the cutoff {}: its replay needs its inbox row; replay or remove it \
-             first, or give --force",
+            "{} holds message {} {age}, {when} {}: its replay needs its inbox row; replay or remove it first, or \
+             give --force",
             crate::sanitize::text(&self.queue),
             crate::sanitize::text(id),
             self.cutoff.format("%Y-%m-%d %H:%M:%S UTC")

@@ -11,8 +11,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use super::envelope::{HostInfo, format_time};
 use super::limits::{self, MAX_HEADER_TEXT, MAX_STACK_TRACE};
 
-/// The header a dead-letter copy keeps a message's per-message TTL (the `expiration` property) in, since the copy
-/// must not expire.
+/// The header a dead-letter copy, or a copy put at its queue's tail, keeps a message's per-message TTL (the
+/// `expiration` property) in, since the copy must not expire.
 pub const ORIGINAL_EXPIRATION_HEADER: &str = "inboxctl-original-expiration";
 
 /// The header a dead-letter copy keeps a message's `user_id` property in when it names another user than the one
@@ -243,8 +243,9 @@ pub fn copy_properties(
 /// The properties of a message put again at its queue's tail (`headers`: its own, with the given-back mark): the
 /// original's, but for a per-message TTL, which goes to [`ORIGINAL_EXPIRATION_HEADER`] as it does on a dead-letter
 /// copy. Republished, the TTL would start again, and behind a backlog the copy could expire at the tail, unseen, its
-/// original acknowledged; the message is still the consumer's (RabbitMQ expires no message a consumer holds), and it
-/// comes round to be settled.
+/// original acknowledged. The message was the consumer's when it was delivered (RabbitMQ expires no message a
+/// consumer holds), and it comes round to be settled: at the tail it no longer expires. The caller has refused a
+/// `user_id` not the publisher's ([`super::copy::uncopyable`]): it is kept as it is.
 pub fn tail_properties(original: &BasicProperties, mut headers: FieldTable) -> BasicProperties {
     let Some(expiration) = original.expiration() else {
         return original.clone().with_headers(headers);

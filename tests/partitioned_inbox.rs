@@ -1780,12 +1780,15 @@ async fn a_drop_refused_for_another_partitions_pending_detach_leaves_the_partiti
 
 /// The partitions ran out nine days ago (no cleanup ran since), and consumers hold the messages of the times since for
 /// theirs. A cleanup makes them from where they ran out, not only from a week back: the messages of the first two days
-/// would otherwise be moved aside as of a time no partition holds once the others were made.
+/// would otherwise be moved aside as of a time no partition holds once the others were made. The next cleanup, with a
+/// window of a day, keeps them, empty as they are (the backlog has not reached them): their window runs from when they
+/// were made. Dropped by their range, as before, the held messages of those days were left unclaimable. The empty
+/// partitions made in their time are dropped as ever.
 #[tokio::test(flavor = "multi_thread")]
 async fn partitions_that_ran_out_long_ago_are_made_from_where_they_ran_out() {
     common::clear_of_midnight().await;
     let env = TestEnv::bare().await;
-    with_an_old_empty_partition(&env).await;
+    let (oldest, _) = with_an_old_empty_partition(&env).await;
     let pool = env.pool().await;
     let settings = inboxctl::db::partitions::Settings {
         interval: TimeDelta::days(1),
@@ -1817,6 +1820,16 @@ async fn partitions_that_ran_out_long_ago_are_made_from_where_they_ran_out() {
     for name in &since {
         assert!(attached(&pool, name).await, "{name} made again: {out:?}");
     }
+    let out = env.run(&["cleanup", "--retention", "1d", "--force", "--json"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    for name in &since {
+        assert!(attached(&pool, name).await, "{name} kept: {out:?}");
+    }
+    assert!(
+        out.stdout.contains("kept a whole window from then"),
+        "{out:?}"
+    );
+    assert!(!attached(&pool, &oldest).await, "{oldest} dropped: {out:?}");
 }
 
 /// A partitioned inbox whose partitions from today's on are gone (ran out, no cleanup made them).

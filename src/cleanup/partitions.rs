@@ -262,6 +262,19 @@ async fn drop_and_make(
             });
             continue;
         }
+        // Made later, where the partitions had run out, less than a window ago: its messages, held for it, are
+        // claimed in it only from then, and a backlog may still be on its way to it. Its window runs from its making.
+        if let Some(at) = partition.made_late.filter(|at| *at >= cutoff) {
+            work.kept.push(Kept {
+                why: format!(
+                    "made at {} for messages held since the partitions ran out: kept a whole window from then",
+                    at.format("%Y-%m-%d %H:%M:%S UTC")
+                ),
+                partition: partition.name,
+                detached: false,
+            });
+            continue;
+        }
         if !partition.mine {
             work.kept.push(Kept {
                 why: format!(

@@ -49,13 +49,15 @@ statements! {
 SELECT c.relkind = 'p', obj_description(to_regclass('inbox_messages_untimed'), 'pg_class')
 FROM pg_class c WHERE c.oid = to_regclass('inbox_messages')";
 
-    /// The inbox's partitions: name, bounds (null for MINVALUE), whether a concurrent detach of it was interrupted.
-    /// The bounds are read back from the text PostgreSQL writes them as, in this session's time zone.
+    /// The inbox's partitions: name, bounds (null for MINVALUE), whether a concurrent detach of it was interrupted,
+    /// its owner and whether this role has the owner's rights, and its comment ([`MADE_LATE`]'s mark, say). The
+    /// bounds are read back from the text PostgreSQL writes them as, in this session's time zone.
     const PARTITIONS = "\
 SELECT c.relname::text,
        substring(pg_get_expr(c.relpartbound, c.oid) FROM 'FROM \\(''([^'']*)''\\)')::timestamptz,
        substring(pg_get_expr(c.relpartbound, c.oid) FROM 'TO \\(''([^'']*)''\\)')::timestamptz,
-       i.inhdetachpending, pg_get_userbyid(c.relowner)::text, pg_has_role(c.relowner, 'USAGE')
+       i.inhdetachpending, pg_get_userbyid(c.relowner)::text, pg_has_role(c.relowner, 'USAGE'),
+       obj_description(c.oid, 'pg_class')
 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
 WHERE i.inhparent = to_regclass('inbox_messages')
 ORDER BY 2 NULLS FIRST";
@@ -190,6 +192,24 @@ pub struct Partition {
     /// Its owner, and whether this role has the owner's rights (to detach, look at, drop or attach it again).
     pub owner: String,
     pub mine: bool,
+    /// When it was made, if it was made after its time had begun, for messages held since the partitions ran out
+    /// ([`MADE_LATE`]): the window of what it holds runs from then, not from its range.
+    pub made_late: Option<DateTime<Utc>>,
+}
+
+/// The start of the comment on a partition made after its time had begun (where the partitions had run out), then the
+/// time it was made (RFC 3339). The messages of its times were held for it, however old; they are claimed in it only
+/// once it is there, so a cleanup keeps it, empty or not, for a whole window from when it was made — dropped by its
+/// range, a backlog held longer than the window would find its partitions gone and be unclaimable.
+pub const MADE_LATE: &str =
+    "inboxctl: made late, for messages held since the partitions ran out, at ";
+
+/// The time in a [`MADE_LATE`] comment.
+fn made_late_at(comment: Option<&str>) -> Option<DateTime<Utc>> {
+    let at = comment?.strip_prefix(MADE_LATE)?;
+    DateTime::parse_from_rfc3339(at)
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
 }
 
 /// The inbox's partitions, oldest first (the untimed one first).
@@ -201,18 +221,22 @@ pub async fn partitions(executor: impl Into<Exec<'_>>) -> sqlx::Result<Vec<Parti
         bool,
         String,
         bool,
+        Option<String>,
     );
     let rows: Vec<Row> = unit!(executor, |conn| sql::query_as(PARTITIONS).fetch_all(conn))?;
     Ok(rows
         .into_iter()
-        .map(|(name, from, to, detach_pending, owner, mine)| Partition {
-            name,
-            from,
-            to,
-            detach_pending,
-            owner,
-            mine,
-        })
+        .map(
+            |(name, from, to, detach_pending, owner, mine, comment)| Partition {
+                name,
+                from,
+                to,
+                detach_pending,
+                owner,
+                mine,
+                made_late: made_late_at(comment.as_deref()),
+            },
+        )
         .collect())
 }
 
@@ -236,6 +260,16 @@ fn create_table_statement(schema: &str, from: DateTime<Utc>) -> String {
         "CREATE TABLE {}.{} (LIKE inbox_messages INCLUDING DEFAULTS)",
         quote_ident(schema),
         quote_ident(&partition_name(from))
+    )
+}
+
+/// The [`MADE_LATE`] mark of the partition starting at `from`, made at `at`.
+fn made_late_statement(schema: &str, from: DateTime<Utc>, at: DateTime<Utc>) -> String {
+    format!(
+        "COMMENT ON TABLE {}.{} IS '{MADE_LATE}{}'",
+        quote_ident(schema),
+        quote_ident(&partition_name(from)),
+        at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
     )
 }
 
@@ -329,6 +363,10 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
             "set_lock_timeout_statement",
             drop::set_lock_timeout_statement(std::time::Duration::from_secs(30)),
         ),
+        (
+            "made_late_statement",
+            made_late_statement("public", t, t + TimeDelta::days(1)),
+        ),
     ];
     statements.extend(convert::built_statements());
     statements
@@ -362,11 +400,14 @@ pub async fn make_missing(conn: &mut PgConnection, settings: Settings) -> Result
         .into_iter()
         .filter(|p| p.from.is_some())
         .collect();
-    let from = newest_begun(&timed, now).map_or(not_before, |end| end.min(now));
+    let newest = newest_begun(&timed, now);
+    let from = newest.map_or(not_before, |end| end.min(now));
+    // Where they ran out, those made for times already begun are marked: messages were held for them.
+    let late = newest.is_some_and(|end| end < now).then_some(now);
     // The week back and the time ahead first: the present is never what the cap leaves out. Then the gap before.
-    let mut created = ensure_partitions(conn, settings, from.max(not_before), now + AHEAD).await?;
+    let mut created = make(conn, settings, from.max(not_before), now + AHEAD, late).await?;
     if from < not_before {
-        created.extend(ensure_partitions(conn, settings, from, not_before).await?);
+        created.extend(make(conn, settings, from, not_before, late).await?);
     }
     Ok(created)
 }
@@ -388,6 +429,18 @@ pub async fn ensure_partitions(
     from: DateTime<Utc>,
     to: DateTime<Utc>,
 ) -> Result<Vec<String>> {
+    make(conn, settings, from, to, None).await
+}
+
+/// [`ensure_partitions`]; with `late` (now, where the partitions had run out), each made for a time already begun by
+/// then is marked [`MADE_LATE`] in the transaction that makes it.
+async fn make(
+    conn: &mut PgConnection,
+    settings: Settings,
+    from: DateTime<Utc>,
+    to: DateTime<Utc>,
+    late: Option<DateTime<Utc>>,
+) -> Result<Vec<String>> {
     let existing = partitions(&mut *conn).await?;
     let schema: String = sql::query_scalar(INBOX_SCHEMA)
         .fetch_one(&mut *conn)
@@ -406,6 +459,9 @@ pub async fn ensure_partitions(
             let made = async {
                 let mut tx = conn.begin().await?;
                 run(&mut tx, &create_table_statement(&schema, start)).await?;
+                if let Some(at) = late.filter(|at| start < *at) {
+                    run(&mut tx, &made_late_statement(&schema, start, at)).await?;
+                }
                 run(&mut tx, &attach_statement(&schema, start, end)).await?;
                 tx.commit().await
             }

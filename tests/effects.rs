@@ -1271,6 +1271,20 @@ async fn a_look_up_that_keeps_failing_ends_the_call_failed_after_max_attempts() 
     assert!(listed.stdout.contains("look-up failed"), "{listed:?}");
 }
 
+/// A trigger on the reservations refusing every row, as an operator's foreign key might: a booking whose outcome can
+/// never be recorded.
+async fn refuse_every_reservation(pool: &PgPool) {
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_reservation() RETURNS trigger LANGUAGE plpgsql AS \
+         $$BEGIN RAISE EXCEPTION 'no reservation without its parcel'; END$$; \
+         CREATE TRIGGER refuse_reservation BEFORE INSERT ON carrier_reservations \
+         FOR EACH ROW EXECUTE FUNCTION refuse_reservation();",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
 /// After the commit, a call whose outcome can never be recorded (a trigger on the reservations refusing every row,
 /// as a foreign key of the operator's might) was leased again each time its lease ran out and made again, without
 /// end, past `--max-attempts`: a carrier that ignores keys booked the parcel every few seconds, and the row stayed
@@ -1280,15 +1294,7 @@ async fn a_call_whose_outcome_cannot_be_recorded_is_not_made_again_past_max_atte
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse_reservation() RETURNS trigger LANGUAGE plpgsql AS \
-         $$BEGIN RAISE EXCEPTION 'no reservation without its parcel'; END$$; \
-         CREATE TRIGGER refuse_reservation BEFORE INSERT ON carrier_reservations \
-         FOR EACH ROW EXECUTE FUNCTION refuse_reservation();",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    refuse_every_reservation(&pool).await;
     let stub = Stub::start(&env, &["--ignore-keys"]);
     publish_to(&env, "unrecorded", 1);
     let extra = ["--max-attempts", "3", "--exit-when-idle", "1s"];
@@ -1328,15 +1334,7 @@ async fn a_booked_call_whose_outcome_cannot_be_recorded_ends_failed_past_max_att
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
-    sqlx::raw_sql(
-        "CREATE FUNCTION refuse_reservation() RETURNS trigger LANGUAGE plpgsql AS \
-         $$BEGIN RAISE EXCEPTION 'no reservation without its parcel'; END$$; \
-         CREATE TRIGGER refuse_reservation BEFORE INSERT ON carrier_reservations \
-         FOR EACH ROW EXECUTE FUNCTION refuse_reservation();",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
+    refuse_every_reservation(&pool).await;
     let stub = Stub::start(&env, &[]);
     publish_to(&env, "unrecorded", 1);
     let mut extra = LOOK_UP_QUICK.to_vec();

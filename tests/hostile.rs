@@ -1577,6 +1577,23 @@ async fn burst(
 
 // ---- a dead-letter copy the broker refuses ----
 
+/// A carrier consumer with half its prefetch of 4 soon held back by messages to `FAIL` that fail once and cannot be
+/// moved aside (the error queue refusing): the tail copy's condition.
+fn held_back_consumer(env: &TestEnv) -> common::Proc {
+    env.spawn(&[
+        "consume",
+        "carrier",
+        "--concurrency",
+        "2",
+        "--prefetch",
+        "4",
+        "--fail-destination",
+        "FAIL",
+        "--max-attempts",
+        "1",
+    ])
+}
+
 /// The carrier's error queue declared full (`x-max-length` 0, `reject-publish`): the broker refuses every copy.
 async fn refusing_error_queue(env: &TestEnv) {
     common::ensure_endpoints(env).await;
@@ -1660,18 +1677,7 @@ async fn messages_that_cannot_be_moved_aside_do_not_starve_the_healthy_ones_behi
     assert_eq!(out.code, Some(0), "{out:?}");
     let out = env.run(&["publish", "parcel-created", "--count", "20"]);
     assert_eq!(out.code, Some(0), "{out:?}");
-    let mut consumer = env.spawn(&[
-        "consume",
-        "carrier",
-        "--concurrency",
-        "2",
-        "--prefetch",
-        "4",
-        "--fail-destination",
-        "FAIL",
-        "--max-attempts",
-        "1",
-    ]);
+    let mut consumer = held_back_consumer(&env);
     let pool = env.pool().await;
     common::eventually(
         "the healthy messages processed while the error queue refuses",
@@ -1708,18 +1714,7 @@ async fn a_message_put_at_the_tail_keeps_its_ttl_in_a_header_not_as_a_ttl() {
         let props = props.with_expiration("600000".into());
         common::publish(&conn, "", CARRIER_QUEUE, props, &body).await;
     }
-    let mut consumer = env.spawn(&[
-        "consume",
-        "carrier",
-        "--concurrency",
-        "2",
-        "--prefetch",
-        "4",
-        "--fail-destination",
-        "FAIL",
-        "--max-attempts",
-        "1",
-    ]);
+    let mut consumer = held_back_consumer(&env);
     // Refused twice each: all came round once at least after the first pause.
     consumer.wait_for_stderr_times("could not move a message to", 8, Duration::from_secs(40));
     consumer.terminate();

@@ -1731,7 +1731,7 @@ async fn a_message_put_at_the_tail_keeps_its_ttl_in_a_header_not_as_a_ttl() {
             .map(|e| e.as_str().to_owned());
         if headers
             .inner()
-            .contains_key(inboxctl::amqp::dead_letter::GIVEN_BACK_HEADER)
+            .contains_key(inboxctl::amqp::tail::GIVEN_BACK_HEADER)
         {
             at_the_tail += 1;
             assert_eq!(expiration, None, "{:?}", m.properties);

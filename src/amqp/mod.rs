@@ -15,6 +15,7 @@ pub mod pass;
 pub mod peek;
 pub mod publish;
 mod reconnect;
+pub mod tail;
 pub mod topology;
 
 pub use error::BrokerError;

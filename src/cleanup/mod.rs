@@ -21,13 +21,15 @@ use crate::error::Result;
 
 pub mod partitions;
 mod prune;
+pub mod refusal;
 mod schedule;
 pub mod window;
 
 use prune::{EffectsPruned, prune_attempts, prune_audit, prune_effects};
 
+pub use refusal::Refusal;
 pub use schedule::scheduled;
-pub use window::{Guard, Refusal};
+pub use window::Guard;
 
 /// What to clean.
 #[derive(Debug, Clone)]

@@ -25,6 +25,7 @@ use super::lock;
 use crate::amqp::Broker;
 use crate::amqp::dead_letter;
 use crate::amqp::publish::{self, PublishError, Routed};
+use crate::amqp::tail;
 use crate::amqp::topology;
 use crate::error::Error;
 use crate::failpoint;
@@ -196,7 +197,7 @@ impl DeadLetters {
                 {
                     return Err(CopyError::Impossible(why));
                 }
-                let properties = dead_letter::tail_properties(&delivery.properties, headers);
+                let properties = tail::properties(&delivery.properties, headers);
                 if crate::amqp::limits::content_header_len(&properties) > frame_max {
                     return Err(CopyError::Impossible(
                         "the message with its given-back mark is too large for a frame".to_owned(),

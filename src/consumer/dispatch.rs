@@ -116,13 +116,13 @@ pub(super) async fn dispose<C: Consumer>(
 }
 
 /// Whether a delivery is a redelivery: the broker's flag, or a consumer's mark on a message it gave back to the
-/// tail of its queue (`queue`, through the default exchange: [`crate::amqp::dead_letter::GIVEN_BACK_HEADER`]): the
+/// tail of its queue (`queue`, through the default exchange: [`crate::amqp::tail::GIVEN_BACK_HEADER`]): the
 /// mark on a message published otherwise is a producer's, not taken.
 pub(super) fn redelivered(delivery: &Delivery, queue: &str) -> bool {
     delivery.redelivered
         || (delivery.exchange.as_str().is_empty()
             && delivery.routing_key.as_str() == queue
-            && crate::amqp::dead_letter::given_back(&delivery.properties))
+            && crate::amqp::tail::given_back(&delivery.properties))
 }
 
 /// Handling a delivery panicked outside the consumer's work (a bug of inboxctl's, or of a library under it): said,

@@ -14,7 +14,7 @@ use futures_util::FutureExt as _;
 use super::dead_letters::{CopyError, To};
 use super::link::Link;
 use super::{Consumer, Shared, lock, sleep_or_cancel};
-use crate::amqp::dead_letter;
+use crate::amqp::tail;
 
 /// What to do with a delivery once its handling ended.
 pub(super) enum Disposition {
@@ -58,7 +58,7 @@ pub(super) async fn settle<C: Consumer>(
 
 /// A message that cannot be settled now (its dead-letter copy refused, its handling panicked), after its pause, while
 /// half the prefetch or more waits so: put at the tail of its queue — published there again through the queue's
-/// exchange, confirmed, marked ([`dead_letter::GIVEN_BACK_HEADER`]) so that it is handled as a redelivery when it
+/// exchange, confirmed, marked ([`tail::GIVEN_BACK_HEADER`]) so that it is handled as a redelivery when it
 /// comes round — and acknowledged. A requeue puts a message back at the head, where it is delivered again first: with
 /// as many such messages as the prefetch at the head (the error queue full, say), the same ones came round for as
 /// long as it lasted, and the messages behind them were never delivered. With fewer, the others flow past them
@@ -66,7 +66,7 @@ pub(super) async fn settle<C: Consumer>(
 /// while its owed copy is remembered).
 ///
 /// A per-message TTL is not carried as such: it would start again, and the copy could expire at the tail (see
-/// [`dead_letter::tail_properties`]).
+/// [`tail::properties`]).
 ///
 /// Given back with a requeue as before at a stop, on a lost link, in an alarm, or when the queue does not take it (or
 /// it cannot be published again as it is, or the role may not write to the queue's exchange: said once a minute): the
@@ -93,7 +93,7 @@ async fn to_the_tail<C: Consumer>(
     if held < (usize::from(shared.options.prefetch) / 2).max(1) {
         return Disposition::Requeue;
     }
-    let headers = dead_letter::given_back_once_more(delivery.properties.headers().as_ref());
+    let headers = tail::given_back_once_more(delivery.properties.headers().as_ref());
     let queue = &shared.options.queue;
     // Never waiting out an alarm: with no place to wait in, a copy that meets one gives the message back (held, it
     // could land only once the alarm ended, and it would take a place the copies to the error queue wait in). A

@@ -96,6 +96,17 @@ pub fn report(error: &Error) {
     if causes.next().is_some() {
         text.push_str("\n  caused by: … (more causes not shown)");
     }
+    if logging::json_lines() {
+        // One more line of the JSON log, in its shape (tracing-subscriber's, flattened); the causes on their lines.
+        let line = serde_json::json!({
+            "timestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            "level": "ERROR",
+            "message": format!("error: {text}"),
+            "exit_code": error.exit_code(),
+        });
+        logging::write_json_line(&format!("{line}\n"));
+        return;
+    }
     // A reader of stderr that went away (`2>&1 | head`) is no reason to panic: the exit code still says it.
     let _ = writeln!(
         std::io::stderr(),

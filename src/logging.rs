@@ -8,6 +8,7 @@
 
 use std::fmt::{self, Write as _};
 use std::io::IsTerminal as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use tracing::field::{Field, Visit};
 use tracing_subscriber::EnvFilter;
@@ -62,13 +63,16 @@ pub fn init(global: &GlobalOpts, target: Target) {
             .finish()
             .with(no_lapin_traces())
             .try_init(),
-        LogFormat::Json => builder
-            .json()
-            .flatten_event(true)
-            .with_writer(|| InertJson(std::io::stderr()))
-            .finish()
-            .with(no_lapin_traces())
-            .try_init(),
+        LogFormat::Json => {
+            JSON_LINES.store(true, Ordering::Relaxed);
+            builder
+                .json()
+                .flatten_event(true)
+                .with_writer(|| InertJson(std::io::stderr()))
+                .finish()
+                .with(no_lapin_traces())
+                .try_init()
+        }
     };
     crate::secret::warn_if_on_command_line(&global.connect.passwords_in_arguments);
 }
@@ -194,6 +198,21 @@ impl<W: fmt::Write> fmt::Write for Inert<'_, W> {
         }
         Ok(())
     }
+}
+
+/// Set once the log is JSON lines (`--log-format json`): what inboxctl writes to stderr itself besides the log — a
+/// panic, the error it ends with — is then one more line of it, not text among them.
+static JSON_LINES: AtomicBool = AtomicBool::new(false);
+
+/// Whether stderr carries JSON lines (`--log-format json`, once the log is set up).
+pub(crate) fn json_lines() -> bool {
+    JSON_LINES.load(Ordering::Relaxed)
+}
+
+/// Writes one JSON line to stderr as the JSON log does: passwords masked, unsafe characters escaped.
+pub(crate) fn write_json_line(line: &str) {
+    use std::io::Write as _;
+    let _ = InertJson(std::io::stderr()).write_all(line.as_bytes());
 }
 
 /// JSON lines to `W`, with the unsafe characters that JSON leaves raw (DEL, C1 controls, bidirectional overrides)

@@ -6,7 +6,7 @@ use std::io::Write as _;
 
 /// Replaces the process's panic hook (the binary's, at start; `top` chains its own, which gives the terminal back,
 /// before it). The line keeps Rust's shape (`thread '…' panicked at file:line:col:` and the message), and a backtrace
-/// follows when `RUST_BACKTRACE` asks for one.
+/// follows when `RUST_BACKTRACE` asks for one; under `--log-format json` it is one JSON line of the log instead.
 pub fn install() {
     std::panic::set_hook(Box::new(|info| {
         let thread = std::thread::current();
@@ -16,9 +16,27 @@ pub fn install() {
             .map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()))
             .unwrap_or_else(|| "an unknown place".to_owned());
         let message = info.payload_as_str().unwrap_or("Box<dyn Any>");
-        let mut text = format!("thread '{name}' panicked at {location}:\n{message}\n");
         let backtrace = std::backtrace::Backtrace::capture();
-        if backtrace.status() == std::backtrace::BacktraceStatus::Captured {
+        let backtrace = (backtrace.status() == std::backtrace::BacktraceStatus::Captured)
+            .then(|| backtrace.to_string());
+        if crate::logging::json_lines() {
+            // The JSON log's own shape (tracing-subscriber's, flattened): a reader of the log sees one more event.
+            let mut line = serde_json::json!({
+                "timestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                "level": "ERROR",
+                "message": format!("thread '{name}' panicked at {location}: {message}"),
+                "panic": message,
+                "thread": name,
+                "location": location,
+            });
+            if let Some(backtrace) = backtrace {
+                line["backtrace"] = serde_json::Value::String(backtrace);
+            }
+            crate::logging::write_json_line(&format!("{line}\n"));
+            return;
+        }
+        let mut text = format!("thread '{name}' panicked at {location}:\n{message}\n");
+        if let Some(backtrace) = backtrace {
             text.push_str(&format!("stack backtrace:\n{backtrace}\n"));
         }
         let text = crate::sanitize::multiline(&crate::redact::text(&text));

@@ -265,6 +265,40 @@ fn an_unreachable_database_is_named_without_its_password() {
     assert!(!out.stderr.contains(secret), "{out:?}");
 }
 
+/// Under `--log-format json` the error a run ends with is one more JSON line (its exit code in it), masked like the
+/// rest: a log shipper reading JSON lines gets the reason a consumer stopped, not a line it cannot parse.
+#[test]
+fn under_json_logs_the_final_error_is_a_json_line_without_the_password() {
+    let secret = "Sup3rS3cretPw";
+    let url = format!("postgres://app:{secret}@127.0.0.1:1/parceltracker");
+    for args in [
+        &["--log-format", "json", "migrate"][..],
+        &["--log-format", "json", "consume", "carrier"],
+    ] {
+        let out = run(args, &[("DATABASE_URL", &url)]);
+        assert_eq!(out.code, Some(69), "{args:?}: {out:?}");
+        assert!(!out.stderr.contains(secret), "{args:?}: {out:?}");
+        let lines: Vec<serde_json::Value> = out
+            .stderr
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l)
+                    .unwrap_or_else(|e| panic!("{args:?}: not a JSON line ({e}): {l:?}"))
+            })
+            .collect();
+        let last = lines
+            .last()
+            .unwrap_or_else(|| panic!("{args:?}: nothing on stderr"));
+        assert_eq!(last["level"], "ERROR", "{last}");
+        assert_eq!(last["exit_code"], 69, "{last}");
+        let message = last["message"].as_str().unwrap();
+        assert!(
+            message.starts_with("error: cannot connect to PostgreSQL at postgres://app:***@127.0.0.1:1/parceltracker"),
+            "{last}"
+        );
+    }
+}
+
 #[test]
 fn an_unreachable_broker_is_named_without_its_password() {
     let secret = "An0therS3cret";

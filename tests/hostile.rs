@@ -1931,6 +1931,45 @@ async fn a_message_owed_its_copy_waits_out_a_database_outage_for_its_look_and_is
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_is_printed_masked_and_escaped() {
+    let stderr = run_a_panicking_consumer(&[]).await;
+    assert!(stderr.contains("panicked at"), "{stderr}");
+    assert!(stderr.contains("failpoint carrier at ***"), "{stderr}");
+}
+
+/// Under `--log-format json` the panic is one more JSON line of the log, masked and escaped like the others: a log
+/// shipper reading JSON lines gets every line, the panic's among them.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_under_json_logs_is_one_json_line_masked_and_escaped() {
+    let stderr = run_a_panicking_consumer(&["--log-format", "json"]).await;
+    let mut panics = 0;
+    // The failpoint's own `failpoint … reached` line is the test build's, written raw for the tests to wait on.
+    for line in stderr.lines().filter(|l| !l.starts_with("failpoint ")) {
+        let event: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("not a JSON line ({e}): {line:?}\n{stderr}"));
+        if event["panic"].is_string() {
+            panics += 1;
+            assert_eq!(event["level"], "ERROR", "{line}");
+            assert!(
+                event["panic"]
+                    .as_str()
+                    .unwrap()
+                    .contains("failpoint carrier at ***"),
+                "{line}"
+            );
+            assert!(
+                event["location"].as_str().unwrap().contains(".rs:"),
+                "{line}"
+            );
+        }
+    }
+    assert_eq!(panics, 1, "{stderr}");
+}
+
+/// A consumer whose work panics on a message whose destination holds the database URL's password and terminal
+/// escapes; `extra` goes before the command. Returns its stderr, checked for neither.
+#[cfg(feature = "failpoints")]
+async fn run_a_panicking_consumer(extra: &[&str]) -> String {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let secret = "Pw-Secret9";
@@ -1946,15 +1985,17 @@ async fn a_panic_is_printed_masked_and_escaped() {
     let (props, body, _) = common::parcel_message(Uuid::now_v7(), &destination);
     common::publish(&conn, "", CARRIER_QUEUE, props, &body).await;
     let failpoint = format!("carrier=panic@{destination}");
+    let mut args = extra.to_vec();
+    args.extend([
+        "consume",
+        "carrier",
+        "--max-attempts",
+        "1",
+        "--exit-when-idle",
+        "1s",
+    ]);
     let mut consumer = env.spawn_with(
-        &[
-            "consume",
-            "carrier",
-            "--max-attempts",
-            "1",
-            "--exit-when-idle",
-            "1s",
-        ],
+        &args,
         &[
             ("INBOXCTL_FAILPOINTS", failpoint.as_str()),
             ("DATABASE_URL", database_url.as_str()),
@@ -1967,11 +2008,10 @@ async fn a_panic_is_printed_masked_and_escaped() {
         consumer.stderr()
     );
     let stderr = consumer.stderr();
-    assert!(stderr.contains("panicked at"), "{stderr}");
-    assert!(stderr.contains("failpoint carrier at ***"), "{stderr}");
     assert!(!stderr.contains(secret), "{stderr}");
     assert!(
         !stderr.contains('\u{1b}') && !stderr.contains('\u{202e}'),
         "{stderr:?}"
     );
+    stderr
 }

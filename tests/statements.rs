@@ -134,6 +134,49 @@ async fn the_latest_failures_are_read_without_walking_the_duplicates() {
     );
 }
 
+/// `find` looks up a message's effects by its id in the stand-in consumers' tables, which are never pruned: through
+/// their only index, the parcel's, each id read the whole of both tables. Migrations 19 and 20 index the message id,
+/// and the statement's generic plan reads them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_s_effects_are_found_without_reading_the_effect_tables() {
+    let env = TestEnv::migrated().await;
+    let mut conn = PgConnection::connect(&env.database_url).await.unwrap();
+    sqlx::raw_sql(
+        "INSERT INTO carrier_reservations (parcel_id, slot_id, pickup_at, message_id, idempotency_key)
+         SELECT gen_random_uuid(), gen_random_uuid(), now(), gen_random_uuid(), gen_random_uuid()
+         FROM generate_series(1, 20000);
+         INSERT INTO notifications_sent (parcel_id, tracking_number, body, message_id, idempotency_key)
+         SELECT gen_random_uuid(), 'PT' || g, 'body', gen_random_uuid(), gen_random_uuid()
+         FROM generate_series(1, 20000) g;
+         ANALYZE carrier_reservations;
+         ANALYZE notifications_sent;
+         SET plan_cache_mode = force_generic_plan",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let statements = inboxctl::db::statements();
+    let sql = &statements
+        .iter()
+        .find(|s| s.name == "triage::EFFECTS_OF")
+        .unwrap()
+        .sql;
+    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE look AS {sql}")))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN (ANALYZE, FORMAT TEXT) EXECUTE look('0190c0de-0000-7000-8000-000000000001')",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+    assert!(plan.contains("ix_carrier_reservations_message_id"), "{plan}");
+    assert!(plan.contains("ix_notifications_sent_message_id"), "{plan}");
+}
+
 /// `stats` and `top` count each consumer_type's calls in doubt and failed every refresh: through migration 18's index
 /// of those states, not a walk of every call not done (millions after a carrier's outage) — nor of a backlog of calls
 /// owed, to find the at-most-once ones started past their lease.

@@ -29,11 +29,11 @@ statements! {
     const MIGRATE_TRY_LOCK = "SELECT pg_try_advisory_lock($1)";
     const MIGRATE_UNLOCK = "SELECT pg_advisory_unlock($1)";
 
-    /// Indexes on `inbox_messages` or `inboxctl_effects` left invalid by an interrupted `CREATE INDEX CONCURRENTLY`.
-    /// `$1` index names.
+    /// Indexes of inboxctl's tables left invalid by an interrupted `CREATE INDEX CONCURRENTLY`. `$1` index names.
     const INVALID_INBOX_INDEXES = "\
 SELECT c.relname::text FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
-WHERE i.indrelid IN (to_regclass('inbox_messages'), to_regclass('inboxctl_effects'), to_regclass('inboxctl_events'))
+WHERE i.indrelid IN (to_regclass('inbox_messages'), to_regclass('inboxctl_effects'), to_regclass('inboxctl_events'),
+                     to_regclass('carrier_reservations'), to_regclass('notifications_sent'))
   AND NOT i.indisvalid
   AND c.relname = ANY($1)";
 
@@ -109,12 +109,14 @@ const MIGRATE_LOCK_KEY: i64 = 0x696e_626f_7863_746c; // "inboxctl"
 
 /// Indexes our migrations build with `CREATE INDEX CONCURRENTLY`; an interrupted build leaves one invalid, and
 /// `IF NOT EXISTS` would then keep the useless leftover, so `migrate` drops it first.
-const CONCURRENT_INDEXES: [&str; 5] = [
+const CONCURRENT_INDEXES: [&str; 7] = [
     "ix_inbox_messages_consumer_type_processed_at",
     "ix_inbox_messages_unprocessed_by_consumer_type",
     "ix_inboxctl_effects_owed",
     "ix_inboxctl_events_failures",
     "ix_inboxctl_effects_unsettled",
+    "ix_carrier_reservations_message_id",
+    "ix_notifications_sent_message_id",
 ];
 
 /// The migration that builds the index of calls done (inside its transaction, not concurrently), and the index.

@@ -173,7 +173,10 @@ async fn a_message_s_effects_are_found_without_reading_the_effect_tables() {
     .unwrap();
     let plan = plan.join("\n");
     assert!(!plan.contains("Seq Scan"), "{plan}");
-    assert!(plan.contains("ix_carrier_reservations_message_id"), "{plan}");
+    assert!(
+        plan.contains("ix_carrier_reservations_message_id"),
+        "{plan}"
+    );
     assert!(plan.contains("ix_notifications_sent_message_id"), "{plan}");
 }
 

@@ -643,6 +643,59 @@ async fn the_guard_looks_at_a_dead_letter_queue_whose_name_holds_a_control_chara
     );
 }
 
+/// Another service's fault whose text quotes a URL with its password (a MassTransit consumer's connection error):
+/// `find`, `failures` and `replay`'s report show it masked, in their tables, their JSON and the listing file, as
+/// inboxctl masks its own consumers' reasons. They used to print it as it came.
+#[tokio::test(flavor = "multi_thread")]
+async fn another_services_fault_quoting_a_password_is_shown_masked() {
+    let env = TestEnv::migrated().await;
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
+        .await
+        .unwrap();
+    let secret = "Hunter2Secret";
+    let id = fail(
+        &conn,
+        ERROR_QUEUE,
+        "RabbitMQ.Client.Exceptions.BrokerUnreachableException",
+        &format!("connect failed amqps://svc:{secret}@mq.internal/prod"),
+        TimeDelta::minutes(5),
+    )
+    .await;
+    let (listing, report) = failures_listing(&env);
+    let listing = std::fs::read_to_string(listing).unwrap();
+    let found = env.run(&["find", &id, "--dlq", ERROR_QUEUE, "--json"]);
+    assert_eq!(found.code, Some(0), "{found:?}");
+    let tables = [
+        env.run(&["find", &id, "--dlq", ERROR_QUEUE]),
+        env.run(&["failures", "--from", ERROR_QUEUE]),
+        env.run(&["replay", "--from", ERROR_QUEUE, "--dry-run"]),
+        env.run(&["replay", "--from", ERROR_QUEUE, "--dry-run", "--json"]),
+    ];
+    for (what, text) in [
+        ("failures --json", report.to_string()),
+        ("the listing", listing),
+        ("find --json", found.stdout.clone()),
+        ("find", tables[0].stdout.clone()),
+        ("failures", tables[1].stdout.clone()),
+        ("replay --dry-run", tables[2].stdout.clone()),
+        ("replay --dry-run --json", tables[3].stdout.clone()),
+    ] {
+        assert!(!text.contains(secret), "{what}: {text}");
+    }
+    assert!(
+        found.stdout.contains("amqps://svc:***@mq.internal/prod"),
+        "{}",
+        found.stdout
+    );
+    assert!(
+        report
+            .to_string()
+            .contains("amqps://svc:***@mq.internal/prod"),
+        "{report}"
+    );
+}
+
 /// A quorum dead-letter queue without a leader (here its one member's Raft server stopped inside the broker, as when
 /// a cluster loses the majority of a queue's members) answers every count with 0, whatever it holds. The cleanup's
 /// guard took such a queue, holding a message that failed 8 days ago, for empty, and deleted the rows its replay

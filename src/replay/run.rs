@@ -386,14 +386,15 @@ impl State<'_> {
 
     /// Keeps what became of one message for the report. Its reason is cut as `failures` and `find` cut it: a queue of
     /// messages whose fault headers run to the frame's size would otherwise be held whole, every one of them, until
-    /// the report is printed (the `--reason` filter has matched the whole text already).
+    /// the report is printed (the `--reason` filter has matched the whole text already). And masked: another
+    /// service's fault may quote a URL with its password.
     pub(super) fn record(&mut self, read: Read, action: Action, error: Option<String>) {
         self.report.items.push(Item {
             message_id: read.message_id,
             reason: read
                 .failure
                 .reason
-                .map(|r| limits::truncate(&r, limits::MAX_LOGGED_TEXT).into_owned()),
+                .map(|r| crate::redact::text(&limits::truncate(&r, limits::MAX_LOGGED_TEXT))),
             failed_at: read.failure.failed_at,
             origin: read.origin,
             replays: read.failure.replays,

@@ -205,10 +205,11 @@ pub async fn list(
         }
         let i = *index.entry(cause.fingerprint.clone()).or_insert_with(|| {
             groups.push(Group {
+                // Another service's fault text may quote a URL with its password: masked, as inboxctl's own.
                 example: failure
                     .reason
                     .as_deref()
-                    .map(|r| limits::truncate(r, MAX_EXAMPLE).into_owned()),
+                    .map(|r| crate::redact::text(&limits::truncate(r, MAX_EXAMPLE))),
                 cause,
                 count: 0,
                 first_failed_at: None,

@@ -333,10 +333,11 @@ async fn look_in(
                 messages[i].dead_letters.push(DeadLetterCopy {
                     queue: queue.clone(),
                     position,
+                    // Another service's fault text may quote a URL with its password: masked, as inboxctl's own.
                     reason: failure
                         .reason
                         .as_deref()
-                        .map(|r| limits::truncate(r, 1000).into_owned()),
+                        .map(|r| crate::redact::text(&limits::truncate(r, 1000))),
                     exception_type: failure
                         .exception_type
                         .as_deref()

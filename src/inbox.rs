@@ -492,7 +492,11 @@ async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
             Err(e) => !db::claim::is_the_works_doing(&e),
         },
         WorkError::Database(e) if db::sqlstate(e).as_deref() == Some("53400") => false,
-        WorkError::Database(e) => is_transient(e),
+        // The work's statement met another transaction: a lock held past the wait, a deadlock — or the server's own
+        // `statement_timeout` (57014) cutting a wait on a lock (an operator's `LOCK`, a migration) short. The moment's
+        // doing, as the claim's is: tried again, uncounted. A work slow of its own, past a bound on it, is counted
+        // by `--attempt-timeout` (set below the server's).
+        WorkError::Database(e) => is_transient(e) || db::is_contention(e),
         _ => false,
     }
 }

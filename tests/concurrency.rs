@@ -101,6 +101,72 @@ async fn a_key_held_elsewhere_past_the_servers_statement_timeout_holds_up_its_ow
     key_held_elsewhere(common::ONE_BY_ONE, true).await;
 }
 
+/// The work's own statement (the effect's insert) waits on a lock another transaction holds on the effect table (an
+/// operator's `LOCK`, a migration) until the server's `statement_timeout` (1 s, set on the database) cancels it: the
+/// moment's doing, as a `lock_timeout` is, so tried again uncounted. It was counted as the message's failure, and with
+/// `--max-attempts 1` a good message went to the error queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_works_statement_cancelled_by_the_servers_statement_timeout_is_tried_again_uncounted() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE carrier_reservations IN EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {} SET statement_timeout = '1s'",
+        common::quote_ident(&env.db_name)
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let conn = env.amqp().await;
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    let _ = conn.close(200, "OK".into()).await;
+    let mut consumer = env.spawn(&[
+        "consume",
+        "carrier",
+        "--max-attempts",
+        "1",
+        "--claim-timeout",
+        "30s",
+    ]);
+    consumer.wait_for_stderr("met another transaction", Duration::from_secs(30));
+    // Cancelled at least twice more while the lock is held.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    holder.rollback().await.unwrap();
+    let effects = "SELECT count(*) FROM carrier_reservations";
+    common::eventually(
+        "the message processed once the lock is let go",
+        Duration::from_secs(30),
+        || async {
+            common::count(&pool, effects).await == 1 && env.queue_counts(CARRIER_QUEUE) == (0, 0)
+        },
+    )
+    .await;
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+    let stderr = consumer.stderr();
+    assert!(
+        !env.queue_exists(&format!("{CARRIER_QUEUE}_error")),
+        "a good message moved aside: {stderr}"
+    );
+    assert!(!stderr.contains("PostgreSQL unavailable"), "{stderr}");
+    assert_eq!(
+        common::count(
+            &pool,
+            "SELECT count(*) FROM inboxctl_events WHERE kind = 'failed'"
+        )
+        .await,
+        0,
+        "{stderr}"
+    );
+}
+
 /// A message whose key another transaction holds (an attempt elsewhere that is slow, a session left open in a
 /// transaction) waits past `--claim-timeout` again and again. The database is up all along: the messages behind it
 /// are processed meanwhile — not held up as in an outage, nor, batched, stuck in a batch with it that is tried again

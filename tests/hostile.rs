@@ -2015,3 +2015,105 @@ async fn run_a_panicking_consumer(extra: &[&str]) -> String {
     );
     stderr
 }
+
+/// A library consumer's message whose decoding (a `deserialize_with` of its own) panics on one destination.
+#[derive(Debug, Clone, serde::Serialize)]
+struct PanickyEvent;
+
+impl<'de> serde::Deserialize<'de> for PanickyEvent {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let event = inboxctl::parcel::ParcelCreatedEvent::deserialize(d)?;
+        assert!(
+            event.destination != "PANIC",
+            "the decoder's own bug, on its one message"
+        );
+        Ok(Self)
+    }
+}
+
+struct PanickyDecoder;
+
+impl inboxctl::consumer::Consumer for PanickyDecoder {
+    type Message = PanickyEvent;
+    const MESSAGE_TYPE: &'static str = inboxctl::parcel::PARCEL_CREATED_URN;
+
+    async fn consume<'c>(
+        &'c self,
+        _tx: &'c mut sqlx::PgConnection,
+        _context: &'c inboxctl::consumer::MessageContext,
+        _message: &'c Self::Message,
+    ) -> Result<(), inboxctl::inbox::WorkError> {
+        Ok(())
+    }
+}
+
+/// Through the library, a consumer whose message decoding panics on one message (the same at every delivery): that
+/// message is moved to the error queue as one that cannot be read, the other processed, and the run ends idle. It
+/// was taken for a panic of inboxctl's handling and given back every 5 s for ever: never in the error queue, and
+/// `exit_when_idle` never reached.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_library_consumers_decoder_panicking_on_a_message_moves_it_to_the_error_queue() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let queue = "panicky-decoder";
+    let conn = env.amqp().await;
+    inboxctl::amqp::topology::ensure_endpoint(&conn, EVENT_EXCHANGE, queue, common::queue_type())
+        .await
+        .unwrap();
+    for destination in ["PANIC", "Berlin"] {
+        let (props, body, _) = common::parcel_message(Uuid::new_v4(), destination);
+        common::publish(&conn, "", queue, props, &body).await;
+    }
+    let inbox = inboxctl::inbox::Inbox::new(
+        pool.clone(),
+        inboxctl::inbox::ConsumerType::new(queue).unwrap(),
+    );
+    let broker = inboxctl::amqp::Broker::from_url(&env.amqp_url).unwrap();
+    let options = inboxctl::consumer::ConsumerOptions {
+        queue: queue.to_owned(),
+        queue_type: common::queue_type(),
+        event_exchange: EVENT_EXCHANGE.to_owned(),
+        prefetch: 8,
+        concurrency: 2,
+        max_attempts: 3,
+        retry_delay: Duration::from_millis(100),
+        exit_when_idle: Some(Duration::from_secs(2)),
+        shutdown_timeout: Duration::from_secs(10),
+        broker_timeout: Duration::from_secs(10),
+        attempt_timeout: Duration::from_secs(30),
+        counts: std::sync::Arc::default(),
+        batch_size: 1,
+        batch_wait: Duration::from_millis(50),
+        poison_after: 5,
+        on_conflict: Default::default(),
+        timings: None,
+        partitions: None,
+        owed_effects: None,
+    };
+    let summary = tokio::time::timeout(
+        Duration::from_secs(30),
+        inboxctl::consumer::run(
+            inbox,
+            PanickyDecoder,
+            &broker,
+            options,
+            tokio_util::sync::CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("the run ends idle: the message that panics is not given back for ever")
+    .unwrap();
+    assert_eq!(summary.processed, 1);
+    let moved = common::peek(&conn, &format!("{queue}_error")).await;
+    assert_eq!(moved.len(), 1);
+    let headers = moved[0].properties.headers().clone().unwrap_or_default();
+    let reason = match headers.inner().get("MT-Fault-Message") {
+        Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        reason.contains("panicked") && reason.contains("the decoder's own bug"),
+        "{reason}"
+    );
+    assert_eq!(env.queue_counts(queue), (0, 0));
+}

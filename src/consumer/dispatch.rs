@@ -180,16 +180,28 @@ pub(super) async fn prepare<C: Consumer>(
             );
         }
     };
-    if !C::handles(&incoming.message_types) {
-        return Prepared::Done(skip(shared, link, delivery, &incoming).await);
-    }
+    // The consumer's own code — which types it handles, how its message decodes (a `deserialize_with` of its own) —
+    // panics on this message alone, the same at every delivery: a message that cannot be read, moved to the error
+    // queue. Taken as a panic of the handling, it was given back every 5 s for ever, never in the error queue.
+    let handles = std::panic::catch_unwind(|| C::handles(&incoming.message_types));
+    let decoded = match handles {
+        Ok(false) => return Prepared::Done(skip(shared, link, delivery, &incoming).await),
+        Ok(true) => std::panic::catch_unwind(AssertUnwindSafe(|| {
+            serde_json::from_str::<C::Message>(incoming.payload.get())
+        })),
+        Err(panic) => Err(panic),
+    };
     // The type consumed, as MassTransit names it in a fault: the consumer's, not the envelope's first (a message may
     // list several types, the consumer's not first among them).
     let message_type = Some(envelope::dotnet_type_name(C::MESSAGE_TYPE));
     if let Some(partitions) = &shared.options.partitions {
         check_routing_key(shared, delivery, &incoming, &partitions.key);
     }
-    match serde_json::from_str(incoming.payload.get()) {
+    let decoded = match decoded {
+        Ok(decoded) => decoded.map_err(|e| e.to_string()),
+        Err(panic) => Err(format!("panicked: {}", panic_message(&*panic))),
+    };
+    match decoded {
         Ok(message) => Prepared::Ready(Ready {
             fingerprint: envelope::fingerprint(&incoming.payload),
             carried: envelope::carried(incoming.sent_time, &delivery.properties),
@@ -198,10 +210,11 @@ pub(super) async fn prepare<C: Consumer>(
             message_type,
         }),
         Err(e) => {
-            let reason = format!(
+            // Masked: a panic's message may quote a URL.
+            let reason = crate::redact::text(&format!(
                 "the message cannot be read as {}: {e}",
                 envelope::dotnet_type_name(C::MESSAGE_TYPE)
-            );
+            ));
             tracing::warn!(message_id = %incoming.message_id, reason = %logged(&reason), "moving message to the error queue");
             let fault = ("inboxctl::MalformedMessage", reason.clone(), reason);
             let id = Some(incoming.message_id);

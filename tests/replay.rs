@@ -969,9 +969,36 @@ async fn a_left_copy_sharing_an_id_with_a_replayed_one_stays_when_the_connection
 #[tokio::test(flavor = "multi_thread")]
 async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there_when_the_pass_began()
  {
+    acknowledgement_in_doubt_looked_for_within_the_pass(true).await;
+}
+
+/// The same, run by a user who may not declare the replay's marker (configure on the queues alone): the replay warns
+/// and goes on unmarked. It did not count the queue then, so it looked for the copy without a bound — until the queue
+/// ran empty, for ever while failures came faster than it took them.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn unmarked_an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there_when_the_pass_began()
+ {
+    acknowledgement_in_doubt_looked_for_within_the_pass(false).await;
+}
+
+#[cfg(feature = "failpoints")]
+async fn acknowledgement_in_doubt_looked_for_within_the_pass(marked: bool) {
     let env = TestEnv::bare().await;
     let conn = env.amqp().await;
     declare(&conn, &["owed-a", "owed.dlq"], FieldTable::default()).await;
+    if !marked {
+        // The vhost is this test's alone (never handed out again).
+        common::rabbitmqctl(&[
+            "set_permissions",
+            "-p",
+            &env.vhost,
+            "guest",
+            "^owed",
+            ".*",
+            ".*",
+        ]);
+    }
     let address = "rabbitmq://localhost/owed-a";
     dead_letters(&conn, "owed.dlq", 3, address).await;
 
@@ -1008,6 +1035,13 @@ async fn an_acknowledgement_in_doubt_is_looked_for_only_among_the_messages_there
     assert_eq!(report["reconnects"], 1, "{report}");
     assert_eq!(report["replayed"], 3, "{report}");
     assert_eq!(env.queue_counts("owed-a"), (3, 0), "{report}");
+    if !marked {
+        assert!(
+            replay.stderr().contains("not marked on the broker"),
+            "the run was meant to go unmarked: {}",
+            replay.stderr()
+        );
+    }
 
     let left = peek(&conn, "owed.dlq").await;
     let taken: Vec<bool> = left.iter().map(|d| d.redelivered).collect();

@@ -220,10 +220,12 @@ impl State<'_> {
         progress: &mut impl FnMut(u64, u64),
     ) -> Result<()> {
         self.machine.pass_started();
-        let marked = self.mark(connection, shutdown).await?;
-        if marked && self.machine.owes() {
-            // The lost connection is closed (its marker gone with it): what it held is back and counted here, or
-            // lands at the head soon after (the machine allows for that).
+        // Marked or not (a user who may not configure the marker goes on unmarked): unmarked, the lost connection may
+        // not be closed yet, and what it held lands at the head later — which the machine allows for.
+        self.mark(connection, shutdown).await?;
+        if self.machine.owes() {
+            // Marked, the lost connection is closed (its marker gone with it): what it held is back and counted here,
+            // or lands at the head soon after (the machine allows for that).
             let depth = topology::queue_depth(connection, &self.plan.from);
             if let Ok(Ok(Some((ready, _)))) =
                 answered("a look at the queue", self.plan.broker_timeout, depth).await

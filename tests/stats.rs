@@ -298,6 +298,46 @@ async fn above_a_million_rows_a_count_is_an_estimate_and_says_so() {
     );
 }
 
+/// A consumer_type the statistics do not list among their most common values (more consumer_types than they keep;
+/// here a statistics target of 1) is given the average share of those they do not list: on a large table (its row
+/// estimate set to 10M, as after an ANALYZE of one) a consumer_type of one row was shown as millions, "estimated",
+/// and never counted. It is counted now, up to a tenth of the cap, and shown exactly.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_small_consumer_type_the_statistics_do_not_list_is_counted_not_given_the_average_share() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    sqlx::raw_sql(
+        "ALTER TABLE inbox_messages ALTER consumer_type SET STATISTICS 1;
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'wide-a', now(), now() FROM generate_series(1, 3000);
+         INSERT INTO inbox_messages SELECT gen_random_uuid(), 'wide-b', now(), now() FROM generate_series(1, 3000);
+         INSERT INTO inbox_messages VALUES (gen_random_uuid(), 'small', now(), now());
+         ANALYZE inbox_messages;
+         UPDATE pg_class SET reltuples = 10000000 WHERE oid = 'inbox_messages'::regclass;",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let listed: Option<Vec<String>> = sqlx::query_scalar(
+        "SELECT most_common_vals::text::text[] FROM pg_stats
+         WHERE tablename = 'inbox_messages' AND attname = 'consumer_type'",
+    )
+    .fetch_optional(&pool)
+    .await
+    .unwrap()
+    .flatten();
+    assert!(
+        !listed.unwrap_or_default().iter().any(|v| v == "small"),
+        "the statistics list the small consumer_type: the test's premise does not hold"
+    );
+    let report = stats(&env, &[]);
+    let small = of(&report, "small");
+    assert_eq!(
+        (small["rows"].clone(), small["rows_estimated"].clone()),
+        (1.into(), false.into()),
+        "{small}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_table_shows_escape_sequences_inert_and_an_unreachable_broker_is_partial() {
     let env = TestEnv::migrated().await;

@@ -120,6 +120,17 @@ impl Estimates {
         total.map(|t: f64| t.round() as u64)
     }
 
+    /// Whether every part holding rows lists the consumer_type among its most common values: its share there is its
+    /// own, not the average of the consumer_types the statistics do not list.
+    pub(super) fn among_the_most_common(&self, consumer_type: &str) -> bool {
+        let mut holding = self
+            .parts
+            .iter()
+            .filter(|p| p.rows.is_some_and(|n| n > 0.0))
+            .peekable();
+        holding.peek().is_some() && holding.all(|p| p.shares.contains_key(consumer_type))
+    }
+
     pub(super) fn rows(&self, consumer_type: &str) -> Option<u64> {
         self.sum(consumer_type, |p| p.rows)
     }
@@ -173,6 +184,7 @@ mod tests {
         assert_eq!(e.rows("a"), Some(5_000_000));
         assert_eq!(e.rows("b"), Some(3_000_000));
         assert_eq!(e.rows("zzz"), Some(1_000_000));
+        assert!(e.among_the_most_common("a") && !e.among_the_most_common("zzz"));
         assert_eq!(e.unprocessed("a"), Some(500));
         assert_eq!(Estimates::default().rows("a"), None);
     }

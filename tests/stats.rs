@@ -368,6 +368,20 @@ async fn the_table_shows_escape_sequences_inert_and_an_unreachable_broker_is_par
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(report["broker_error"].is_string());
     assert!(report["consumers"][0]["queue"]["ready"].is_null());
+    // The same keys as a partitioned consumer_type's (`partitions` null here): a strict reader of the shape did not
+    // meet the key until a consumer_type was partitioned.
+    for queue in ["queue", "error_queue"] {
+        let keys: Vec<&String> = report["consumers"][0][queue]
+            .as_object()
+            .unwrap()
+            .keys()
+            .collect();
+        assert_eq!(
+            keys,
+            ["consumers", "name", "partitions", "ready"],
+            "{report}"
+        );
+    }
     assert_eq!(
         report["consumers"][0]["rows"], 1,
         "the database figures are still there"

@@ -227,8 +227,8 @@ pub struct ConsumerJson {
 #[derive(Debug, Serialize)]
 pub struct QueueJson {
     pub name: Option<String>,
-    /// Spread over this many partition queues (`<name>.0` …): `ready` sums them.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Spread over this many partition queues (`<name>.0` …): `ready` sums them. `null` for a queue of its own:
+    /// written always, so that the shape is the same whether a consumer_type is partitioned or not.
     pub partitions: Option<u16>,
     pub ready: Option<u32>,
     pub consumers: Option<u32>,

@@ -174,9 +174,48 @@ impl Pace {
 
     /// Waits for the next copy's time and takes it.
     pub(super) async fn wait(&mut self) {
-        let now = tokio::time::Instant::now();
-        let at = self.next.map_or(now, |next| next.max(now - self.interval));
+        let at = self.slot(tokio::time::Instant::now());
         tokio::time::sleep_until(at).await;
         self.next = Some(at + self.interval);
+    }
+
+    /// When the copy asked for at `now` goes. Late by up to an interval: at its time, made up (the copy after it stays
+    /// on the grid). Later: a pause, and the grid starts again from now — kept from its old place, the copy after this
+    /// one would go at once, two copies back to back.
+    fn slot(&self, now: tokio::time::Instant) -> tokio::time::Instant {
+        match self.next {
+            Some(next) if next + self.interval >= now => next,
+            _ => now,
+        }
+    }
+}
+
+#[cfg(test)]
+mod pace_tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::Pace;
+
+    /// After a pause of ten intervals, a copy goes at once and the one after it a whole interval later: not two back
+    /// to back. A copy late by less than an interval is made up by the next.
+    #[test]
+    fn a_long_pause_is_not_made_up_with_a_burst() {
+        let start = Instant::now();
+        let second = Duration::from_secs(1);
+        let pace = |next: Instant| Pace {
+            interval: second,
+            next: Some(next),
+        };
+        // The copy due at `start + 1s`, asked for ten seconds later: now, and the next a second after it.
+        let resumed = start + Duration::from_secs(11);
+        assert_eq!(pace(start + second).slot(resumed), resumed);
+        // Asked for 300 ms late: at its time (in the past, so at once), the next on the grid, 700 ms after now.
+        let late = start + Duration::from_millis(1300);
+        assert_eq!(pace(start + second).slot(late), start + second);
+        // Early: at its time.
+        assert_eq!(pace(start + second).slot(start), start + second);
+        assert_eq!(Pace::new(1.0).slot(start), start);
     }
 }

@@ -561,6 +561,81 @@ async fn a_clean_stop_of_the_active_consumer_keeps_each_parcels_order() {
     );
 }
 
+/// A stop while a partition's first message waits to retry, the next ones of the partition waiting for the worker it
+/// holds. The stop ends the wait and frees the worker; the consume loop, waiting to hand the next message over, took
+/// that worker before it saw the stop, and processed the next message — committed and acknowledged ahead of the one
+/// given back. Now a worker freed by a stop (or by the link's loss) starts nothing. A race, so several rounds; the
+/// consumer after the stop books them in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_a_retry_wait_starts_nothing_behind_the_message_given_back() {
+    const ROUNDS: usize = 10;
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let args = [
+        "consume",
+        "carrier",
+        "--queue",
+        QUEUE,
+        "--partitions",
+        "1",
+        "--partition-key",
+        "parcelId",
+        "--prefetch",
+        "16",
+    ];
+    let failing: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--fail-destination", "Late", "--retry-delay", "30s"])
+        .collect();
+    let draining: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--exit-when-idle", "1s"])
+        .collect();
+    let conn = env.amqp().await;
+    let mut published = Vec::new();
+    for round in 0..ROUNDS {
+        let mut active = env.spawn(&failing);
+        active.wait_for_stderr("consuming", Duration::from_secs(30));
+        for destination in ["Late", "Berlin", "Berlin"] {
+            let id = Uuid::now_v7();
+            let (props, body, _) = common::parcel_message(id, destination);
+            common::publish(&conn, EVENT_EXCHANGE, "one-key", props, &body).await;
+            published.push(id);
+        }
+        active.wait_for_stderr("attempt failed", Duration::from_secs(30));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        active.terminate();
+        assert_eq!(
+            active.wait(Duration::from_secs(30)),
+            Some(0),
+            "{}",
+            active.stderr()
+        );
+        let booked = common::count(&pool, "SELECT count(*) FROM carrier_reservations").await;
+        assert_eq!(
+            booked,
+            i64::try_from(3 * round).unwrap(),
+            "round {round}: the stopped consumer booked a message behind the one it gave back\n{}",
+            active.stderr()
+        );
+        let mut drain = env.spawn(&draining);
+        assert_eq!(
+            drain.wait(Duration::from_secs(60)),
+            Some(0),
+            "{}",
+            drain.stderr()
+        );
+    }
+    let processed: Vec<Uuid> =
+        sqlx::query_scalar("SELECT message_id FROM carrier_reservations ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(processed, published, "booked in the order published");
+}
+
 /// A stop while the active consumer of a partition waits to retry a parcel's first event (its carrier fails for the
 /// destination; the next attempt 30 s away), the parcel's later events held by it meanwhile, a standby waiting. The
 /// wait is cut short, and the event is not nacked: the consumer is still the partition's active one, so a nack would

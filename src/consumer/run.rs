@@ -519,6 +519,16 @@ impl Workers {
         let Ok(permit) = Arc::clone(&self.permits).acquire_owned().await else {
             return Handover::Stop;
         };
+        // A worker freed by a stop or by the link's loss — the work it held ended by them, its message given back —
+        // starts nothing: the hand-over is polled first, and would take that worker before the stop or the loss is
+        // seen. On a partition, the next message would be processed (committed, and at a stop acknowledged) ahead
+        // of the one given back.
+        if shared.shutdown.is_cancelled() {
+            return Handover::Stop;
+        }
+        if link.is_lost() {
+            return Handover::Lost;
+        }
         let shared = Arc::clone(shared);
         let link = Arc::clone(link);
         self.tasks.spawn(async move {

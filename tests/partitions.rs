@@ -439,6 +439,7 @@ async fn a_partition_left_over_from_more_partitions_or_a_plain_queue_in_the_way_
         QUEUE,
         9,
         inboxctl::amqp::topology::QueueType::Classic,
+        Duration::from_secs(30),
     )
     .await
     .unwrap();
@@ -559,6 +560,57 @@ async fn a_clean_stop_of_the_active_consumer_keeps_each_parcels_order() {
         processed, published,
         "the parcel's effects in the order its events were published"
     );
+}
+
+/// A partitioned topology whose declarations take, together, longer than `--broker-timeout` (each partition's 800 ms
+/// here, a failpoint standing for quorum queues' consensus on a cluster; 4 of them against 2 s): each is bounded, not
+/// the whole, and the consumer starts. Bound as one, the start failed ("did not set the connection up within 2s"):
+/// measured 2026-12-07 on this machine's broker, 512 quorum partitions took 10 s to declare, and failed at
+/// `--broker-timeout 5s`; they start now.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partitioned_topology_longer_to_declare_than_one_broker_call_still_starts() {
+    let env = TestEnv::migrated().await;
+    let queue = "slow-declare";
+    let failpoints: Vec<String> = (0..4)
+        .map(|i| format!("declare-partition=sleep-once-800@{queue}.{i}"))
+        .collect();
+    let failpoints = failpoints.join(",");
+    let mut consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--queue",
+            queue,
+            "--partitions",
+            "4",
+            "--partition-key",
+            "parcelId",
+            "--broker-timeout",
+            "2s",
+            "--exit-when-idle",
+            "1s",
+        ],
+        &[("INBOXCTL_FAILPOINTS", failpoints.as_str())],
+    );
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(
+        consumer
+            .stderr()
+            .matches("failpoint declare-partition reached")
+            .count(),
+        4,
+        "{}",
+        consumer.stderr()
+    );
+    for i in 0..4 {
+        assert!(env.queue_exists(&format!("{queue}.{i}")), "{}", consumer.stderr());
+    }
 }
 
 /// A stop while a partition's first message waits to retry, the next ones of the partition waiting for the worker it
@@ -1135,6 +1187,7 @@ async fn the_library_reads_a_partition_one_message_at_a_time_whatever_it_is_aske
             &queue,
             2,
             common::queue_type(),
+            Duration::from_secs(30),
         )
         .await
         .unwrap();

@@ -197,12 +197,65 @@ pub async fn ensure_dead_letter_queue(
 /// The plain endpoint's queue `queue` (an earlier run without partitions, or another service reading it) goes on
 /// taking a copy of every message, which no partitioned consumer reads, and what it held before the partitions were
 /// bound is in it alone: said, with what to do, not refused (a switch runs both for a while; docs/scaling.md).
+///
+/// `bound` bounds each step — the checks and the exchanges, then each partition queue's declaration and binding —, not
+/// the whole: with hundreds of partitions (quorum queues on a cluster, each declaration a consensus round) the whole
+/// takes many times what one call may, and bound as one it failed the consumer's start on a healthy broker.
 pub async fn ensure_partitioned_endpoint(
     conn: &Connection,
     event_exchange: &str,
     queue: &str,
     partitions: u16,
     queue_type: QueueType,
+    bound: std::time::Duration,
+) -> Result<()> {
+    let within = |what: String| {
+        move |_| {
+            Error::Topology(format!(
+                "RabbitMQ did not answer {what} within {} (--broker-timeout)",
+                humantime::format_duration(bound)
+            ))
+        }
+    };
+    tokio::time::timeout(bound, prepare_partitions(conn, event_exchange, queue, partitions))
+        .await
+        .map_err(within(format!("the look at {queue:?}'s partitions")))??;
+    let exchange = partition_exchange(queue);
+    let channel = tokio::time::timeout(bound, conn.create_channel())
+        .await
+        .map_err(within("a channel's opening".to_owned()))??;
+    for index in 0..partitions {
+        let name = partition_queue(queue, index);
+        tokio::time::timeout(
+            bound,
+            declare_partition(&channel, &name, &exchange, queue_type),
+        )
+        .await
+        .map_err(within(format!("the declaration of {name:?}")))??;
+    }
+    tokio::time::timeout(
+        bound,
+        channel.exchange_bind(
+            exchange.as_str().into(),
+            event_exchange.into(),
+            "".into(),
+            ExchangeBindOptions::default(),
+            FieldTable::default(),
+        ),
+    )
+    .await
+    .map_err(within(format!("the binding of {exchange:?}")))??;
+    let _ = tokio::time::timeout(bound, channel.close(200, "OK".into())).await;
+    Ok(())
+}
+
+/// The partitioned endpoint's checks and exchanges, before its queues: the plain queue looked at, the event exchange
+/// made sure of, no partition queue past the count, the partition exchange declared.
+async fn prepare_partitions(
+    conn: &Connection,
+    event_exchange: &str,
+    queue: &str,
+    partitions: u16,
 ) -> Result<()> {
     // Looked at once a process (each partition's link, each reconnect opens the endpoint again), and only to say so.
     if first_look(queue)
@@ -231,49 +284,43 @@ pub async fn ensure_partitioned_endpoint(
     }
     let exchange = partition_exchange(queue);
     declare_consistent_hash_exchange(conn, &exchange).await?;
-    let channel = conn.create_channel().await?;
-    for index in 0..partitions {
-        let name = partition_queue(queue, index);
-        let mut arguments = queue_type.arguments();
-        arguments.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
-        let declared = channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions::durable(),
-                arguments,
-            )
-            .await;
-        if let Err(e) = declared {
-            return Err(refused_declare(
-                e,
-                &format!(
-                    "queue {name:?} exists, declared otherwise than as a {} queue with a single active consumer (the \
+    Ok(())
+}
+
+/// One partition queue declared (durable, single active consumer, the queue type's arguments) and bound to the
+/// partition exchange with the weight every queue has.
+async fn declare_partition(
+    channel: &lapin::Channel,
+    name: &str,
+    exchange: &str,
+    queue_type: QueueType,
+) -> Result<()> {
+    crate::failpoint::hit_with("declare-partition", name).await;
+    let mut arguments = queue_type.arguments();
+    arguments.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+    let declared = channel
+        .queue_declare(name.into(), QueueDeclareOptions::durable(), arguments)
+        .await;
+    if let Err(e) = declared {
+        return Err(refused_declare(
+            e,
+            &format!(
+                "queue {name:?} exists, declared otherwise than as a {} queue with a single active consumer (the \
                  broker said: {{reason}}); delete it once it is drained, or give the --queue-type it was declared with",
-                    queue_type.name()
-                ),
-            ));
-        }
-        // The weight of each queue on the hash ring: all equal.
-        channel
-            .queue_bind(
-                name.as_str().into(),
-                exchange.as_str().into(),
-                "1".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
+                queue_type.name()
+            ),
+        ));
     }
+    // The weight of each queue on the hash ring: all equal.
     channel
-        .exchange_bind(
-            exchange.as_str().into(),
-            event_exchange.into(),
-            "".into(),
-            ExchangeBindOptions::default(),
+        .queue_bind(
+            name.into(),
+            exchange.into(),
+            "1".into(),
+            QueueBindOptions::default(),
             FieldTable::default(),
         )
         .await?;
-    let _ = channel.close(200, "OK".into()).await;
     Ok(())
 }
 

@@ -109,23 +109,42 @@ const TOPOLOGY_FRESH_FOR: Duration = Duration::from_secs(30);
 /// Opens the link a run reads `shared`'s queue (or its partition queues) on: a connection, the queue's topology
 /// made sure of, a channel with the prefetch.
 pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) -> Result<Link> {
-    crate::failpoint::hit_with("open-link", &shared.queue).await;
     let name = format!("inboxctl consume {}", shared.inbox.consumer_type());
-    let connection = broker.connect(&name).await?;
+    // Each step bounded like any broker call: a node that takes the connection and then says nothing must not hold
+    // the consumer, nor its stop. Not the whole: a partitioned topology of hundreds of queues is that many calls.
+    let bound = shared.options.broker_timeout;
+    let unanswered = |what: &str| crate::error::Error::BrokerUnavailable {
+        url: broker.display_url(),
+        reason: format!(
+            "it did not {what} within {} (--broker-timeout)",
+            humantime::format_duration(bound)
+        ),
+    };
+    let connection = tokio::time::timeout(bound, async {
+        crate::failpoint::hit_with("open-link", &shared.queue).await;
+        broker.connect(&name).await
+    })
+    .await
+        .map_err(|_| unanswered("set the connection up"))??;
     match &shared.options.partitions {
         None => {
-            topology::ensure_endpoint(
-                &connection,
-                &shared.options.event_exchange,
-                &shared.options.queue,
-                shared.options.queue_type,
+            tokio::time::timeout(
+                bound,
+                topology::ensure_endpoint(
+                    &connection,
+                    &shared.options.event_exchange,
+                    &shared.options.queue,
+                    shared.options.queue_type,
+                ),
             )
-            .await?;
+            .await
+            .map_err(|_| unanswered("answer the queue's declaration"))??;
         }
         Some(p) => {
             // One link of the process makes sure of the whole partitioned topology — each link doing it was 2N
             // round trips a link, 2N² in all, at every start and reconnect: past `--broker-timeout` with hundreds of
-            // partitions —, and the others, opened meanwhile or soon after, wait for it and take it as made. A
+            // partitions —, and the others, opened meanwhile or soon after, wait for it (as long as its steps, each
+            // bounded, take) and take it as made. A
             // partition queue gone since fails its consumer's `basic.consume`, and the reconnect after
             // [`TOPOLOGY_FRESH_FOR`] makes sure of it all again.
             // Keyed on all that the declaration depends on: another `consume` of the process (through the library)
@@ -149,6 +168,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
                     &shared.options.queue,
                     p.count,
                     shared.options.queue_type,
+                    bound,
                 )
                 .await?;
                 made.insert(key, std::time::Instant::now());
@@ -160,10 +180,15 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
             }
         }
     }
-    let consume = connection.create_channel().await?;
-    consume
-        .basic_qos(shared.options.prefetch, BasicQosOptions::default())
-        .await?;
+    let consume = tokio::time::timeout(bound, async {
+        let consume = connection.create_channel().await?;
+        consume
+            .basic_qos(shared.options.prefetch, BasicQosOptions::default())
+            .await?;
+        Ok::<_, lapin::Error>(consume)
+    })
+    .await
+    .map_err(|_| unanswered("open the consuming channel"))??;
     Ok(Link {
         connection,
         consume,

@@ -144,19 +144,10 @@ async fn run_queue<C: Consumer>(shared: Arc<Shared<C>>, broker: &Broker) -> Resu
     let mut backoff = Backoff::new(OUTAGE_DELAY_MIN, OUTAGE_DELAY_MAX);
     let mut first = true;
     while !shutdown.is_cancelled() {
-        // Bounded like any broker call: a node that takes the connection and then says nothing must not hold the
-        // consumer, nor its stop.
+        // Each of its steps bounded by --broker-timeout ([`open_link`]); a stop ends the wait.
         let opened = tokio::select! {
             () = shutdown.cancelled() => break,
-            opened = tokio::time::timeout(shared.options.broker_timeout, open_link(broker, &shared)) => {
-                opened.unwrap_or_else(|_| Err(crate::error::Error::BrokerUnavailable {
-                    url: broker.display_url(),
-                    reason: format!(
-                        "it did not set the connection up within {} (--broker-timeout)",
-                        humantime::format_duration(shared.options.broker_timeout)
-                    ),
-                }))
-            }
+            opened = open_link(broker, &shared) => opened,
         };
         let link = match opened {
             Ok(link) => Arc::new(link),

@@ -221,12 +221,36 @@ async fn two_cleanups_at_once_delete_exactly_the_expected_rows() {
             .as_u64()
             .unwrap()
     };
-    let (da, db) = (deleted(a.stdout()), deleted(b.stdout()));
+    let (a_out, b_out) = (a.stdout(), b.stdout());
+    let (da, db) = (deleted(a_out.clone()), deleted(b_out.clone()));
     assert_eq!(
         da + db,
         120_000,
         "together exactly the old rows, none twice ({da} + {db})"
     );
+    // Each consumer_type cleaned by one of them whole: the other found it held (its lock) or already clean. PostgreSQL
+    // alone makes the sum above exact; this is what the lock adds.
+    let (ra, rb): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_str(a_out.trim()).unwrap(),
+        serde_json::from_str(b_out.trim()).unwrap(),
+    );
+    let of = |report: &serde_json::Value, ct: &str| -> u64 {
+        report["consumers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["consumer_type"] == ct)
+            .map_or(0, |c| c["deleted"].as_u64().unwrap_or(0))
+    };
+    for ct in ["alpha", "beta", "gamma"] {
+        let mut split = [of(&ra, ct), of(&rb, ct)];
+        split.sort_unstable();
+        assert_eq!(
+            split,
+            [0, 40_000],
+            "{ct} cleaned by one run alone\n{ra}\n{rb}"
+        );
+    }
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
         3_000
@@ -619,6 +643,15 @@ async fn killed_mid_run_nothing_is_half_done_and_the_next_run_finishes() {
         seed(&pool, ct, 50, "8 days", true).await;
         seed(&pool, ct, 50, "1 day", false).await;
     }
+    // Each row with its fingerprint, as the claim writes them: a batch deletes both in one statement, so a kill leaves
+    // none without the other.
+    sqlx::query(
+        "INSERT INTO inboxctl_fingerprints (id, consumer_type, fingerprint)
+         SELECT id, consumer_type, '\\x01'::bytea FROM inbox_messages",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let mut cleanup = env.spawn(&[
         "cleanup",
         "--retention",
@@ -653,6 +686,15 @@ async fn killed_mid_run_nothing_is_half_done_and_the_next_run_finishes() {
         common::count(&pool, kept).await,
         200,
         "nothing it must keep went"
+    );
+    let unpaired = "SELECT (SELECT count(*) FROM inboxctl_fingerprints f WHERE NOT EXISTS
+                        (SELECT 1 FROM inbox_messages m WHERE m.id = f.id AND m.consumer_type = f.consumer_type))
+                     + (SELECT count(*) FROM inbox_messages m WHERE NOT EXISTS
+                        (SELECT 1 FROM inboxctl_fingerprints f WHERE m.id = f.id AND m.consumer_type = f.consumer_type))";
+    assert_eq!(
+        common::count(&pool, unpaired).await,
+        0,
+        "killed, no row left without its fingerprint nor a fingerprint without its row"
     );
 
     let out = env.run(&["cleanup", "--retention", "7d", "--json"]);

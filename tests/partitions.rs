@@ -609,7 +609,11 @@ async fn a_partitioned_topology_longer_to_declare_than_one_broker_call_still_sta
         consumer.stderr()
     );
     for i in 0..4 {
-        assert!(env.queue_exists(&format!("{queue}.{i}")), "{}", consumer.stderr());
+        assert!(
+            env.queue_exists(&format!("{queue}.{i}")),
+            "{}",
+            consumer.stderr()
+        );
     }
 }
 

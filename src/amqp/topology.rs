@@ -217,9 +217,12 @@ pub async fn ensure_partitioned_endpoint(
             ))
         }
     };
-    tokio::time::timeout(bound, prepare_partitions(conn, event_exchange, queue, partitions))
-        .await
-        .map_err(within(format!("the look at {queue:?}'s partitions")))??;
+    tokio::time::timeout(
+        bound,
+        prepare_partitions(conn, event_exchange, queue, partitions),
+    )
+    .await
+    .map_err(within(format!("the look at {queue:?}'s partitions")))??;
     let exchange = partition_exchange(queue);
     let channel = tokio::time::timeout(bound, conn.create_channel())
         .await

@@ -125,7 +125,7 @@ pub(super) async fn open_link<C: Consumer>(broker: &Broker, shared: &Shared<C>) 
         broker.connect(&name).await
     })
     .await
-        .map_err(|_| unanswered("set the connection up"))??;
+    .map_err(|_| unanswered("set the connection up"))??;
     match &shared.options.partitions {
         None => {
             tokio::time::timeout(

@@ -492,11 +492,11 @@ async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
             Err(e) => !db::claim::is_the_works_doing(&e),
         },
         WorkError::Database(e) if db::sqlstate(e).as_deref() == Some("53400") => false,
-        // The work's statement met another transaction: a lock held past the wait, a deadlock — or the server's own
-        // `statement_timeout` (57014) cutting a wait on a lock (an operator's `LOCK`, a migration) short. The moment's
-        // doing, as the claim's is: tried again, uncounted. A work slow of its own, past a bound on it, is counted
-        // by `--attempt-timeout` (set below the server's).
-        WorkError::Database(e) => is_transient(e) || db::is_contention(e),
+        // A statement the server's `statement_timeout` (57014) or an operator's cancel ended is the work's: counted,
+        // so that a work slow of its own ends in the error queue. The consumer's sessions carry their own
+        // `statement_timeout`, past `--attempt-timeout` (`Database::with_statement_timeout`), so a lock the work waits
+        // on ends at `lock_timeout` (55P03, transient) first, as the claim's does.
+        WorkError::Database(e) => is_transient(e),
         _ => false,
     }
 }

@@ -93,20 +93,22 @@ async fn a_key_held_elsewhere_past_the_claim_timeout_holds_up_its_own_message_al
     key_held_elsewhere(common::BATCHED, false).await;
 }
 
-/// The same wait cut short by the server's own `statement_timeout` (1 s, set on the database, as managed services
-/// often do) before `--claim-timeout` (30 s): the same contention, not a database that refuses the inbox's statements
-/// (which paused every message).
+/// The same with the server's own `statement_timeout` (1 s, set on the database, as managed services often do)
+/// shorter than `--claim-timeout` (3 s here): the consumer's sessions carry their own, so the claim waits to its
+/// `lock_timeout` and is the same contention — not a database that refuses the inbox's statements (which paused every
+/// message).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_held_elsewhere_past_the_servers_statement_timeout_holds_up_its_own_message_alone() {
     key_held_elsewhere(common::ONE_BY_ONE, true).await;
 }
 
 /// The work's own statement (the effect's insert) waits on a lock another transaction holds on the effect table (an
-/// operator's `LOCK`, a migration) until the server's `statement_timeout` (1 s, set on the database) cancels it: the
-/// moment's doing, as a `lock_timeout` is, so tried again uncounted. It was counted as the message's failure, and with
-/// `--max-attempts 1` a good message went to the error queue.
+/// operator's `LOCK`, a migration), longer than the server's `statement_timeout` (1 s, set on the database). The
+/// consumer's sessions carry their own `statement_timeout` (past `--attempt-timeout`): the wait goes on, and the message
+/// is processed once the lock goes, nothing counted. The server's cut it short and counted it as the message's failure:
+/// with `--max-attempts 1`, a good message went to the error queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_works_statement_cancelled_by_the_servers_statement_timeout_is_tried_again_uncounted() {
+async fn a_lock_the_work_waits_on_past_the_servers_statement_timeout_fails_nothing() {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let pool = env.pool().await;
@@ -122,11 +124,6 @@ async fn the_works_statement_cancelled_by_the_servers_statement_timeout_is_tried
     .execute(&pool)
     .await
     .unwrap();
-    let id = Uuid::now_v7();
-    let (props, body, _) = common::parcel_message(id, "Berlin");
-    let conn = env.amqp().await;
-    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
-    let _ = conn.close(200, "OK".into()).await;
     let mut consumer = env.spawn(&[
         "consume",
         "carrier",
@@ -135,9 +132,19 @@ async fn the_works_statement_cancelled_by_the_servers_statement_timeout_is_tried
         "--claim-timeout",
         "30s",
     ]);
-    consumer.wait_for_stderr("met another transaction", Duration::from_secs(30));
-    // Cancelled at least twice more while the lock is held.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    consumer.wait_for_stderr("consuming", Duration::from_secs(30));
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "Berlin");
+    let conn = env.amqp().await;
+    common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
+    let _ = conn.close(200, "OK".into()).await;
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%carrier_reservations%'";
+    common::eventually("the work waiting on the lock", Duration::from_secs(20), || async {
+        common::count(&pool, waiting).await >= 1
+    })
+    .await;
+    // Three of the server's statement_timeouts.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     holder.rollback().await.unwrap();
     let effects = "SELECT count(*) FROM carrier_reservations";
     common::eventually(
@@ -192,7 +199,7 @@ async fn key_held_elsewhere(mode: &[&str], statement_timeout: bool) {
         .execute(&pool)
         .await
         .unwrap();
-        "30s"
+        "3s"
     } else {
         "1s"
     };
@@ -201,9 +208,10 @@ async fn key_held_elsewhere(mode: &[&str], statement_timeout: bool) {
         mode,
     ));
     consumer.wait_for_stderr("consuming", Duration::from_secs(30));
-    // The messages behind it come once its claim has waited past the timeout (1 s) at least once: taken, and
+    // The messages behind it come once its claim has waited past the timeout (1 s; 3 s) at least once: taken, and
     // processed, while it waits again.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let waited = if statement_timeout { 4000 } else { 2500 };
+    tokio::time::sleep(Duration::from_millis(waited)).await;
     common::publish_parcels(&env, &["--count", &BEHIND.to_string()]);
     let effects = "SELECT count(*) FROM carrier_reservations";
     let behind_done = common::within(Duration::from_secs(20), || async {

@@ -36,8 +36,8 @@ pub(super) fn unavailable<C: Consumer>(shared: &Shared<C>, id: Uuid, error: &sql
         tracing::warn!(
             message_id = %id,
             error = %crate::redact::text(&crate::db::describe(error)),
-            "the message's statement met another transaction (its key held elsewhere past --claim-timeout, a lock \
-             its work waited on cut short by the server's statement_timeout, a deadlock): trying it again"
+            "the message's statement met another transaction (its key, or a lock its work waits on, held elsewhere \
+             past --claim-timeout, a deadlock): trying it again"
         );
     } else if pool_busy(shared.inbox.pool(), error) {
         tracing::warn!(message_id = %id, "{POOL_BUSY}: trying it again");

@@ -43,7 +43,12 @@ pub async fn consume_guarded<G: WorkGuard>(
     let pool_size = config.pool_size.unwrap_or(u32::from(config.workers()));
     let pool = open_message_pool(
         &db.with_lock_timeout(config.claim_timeout)
-            .with_idle_in_transaction_timeout(config.attempt_timeout()),
+            .with_idle_in_transaction_timeout(config.attempt_timeout())
+            // Its own, replacing one the role or the database sets (managed services often do, and shorter): a lock
+            // the work waits on then ends at `lock_timeout` (--claim-timeout), the moment's doing, tried again
+            // uncounted — cut short by the server's, it was the work's failure, and a good message went to the error
+            // queue. A work slow of its own is given up at --attempt-timeout, the server's bound a second after.
+            .with_statement_timeout(config.attempt_timeout() + std::time::Duration::from_secs(1)),
         pool_size,
     )
     .await?;

@@ -101,7 +101,8 @@ pub fn report(error: &Error) {
         let line = serde_json::json!({
             "timestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
             "level": "ERROR",
-            "message": format!("error: {text}"),
+            // Masked before it is written as JSON (see `panic_hook`).
+            "message": redact::text(&format!("error: {text}")),
             "exit_code": error.exit_code(),
         });
         logging::write_json_line(&format!("{line}\n"));

@@ -21,16 +21,19 @@ pub fn install() {
             .then(|| backtrace.to_string());
         if crate::logging::json_lines() {
             // The JSON log's own shape (tracing-subscriber's, flattened): a reader of the log sees one more event.
+            // Each value masked before it is written as JSON: masked after, a password before an escaped quote
+            // would take the escape with it, and the line would not be JSON.
+            let masked = |v: &str| crate::redact::text(v);
             let mut line = serde_json::json!({
                 "timestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
                 "level": "ERROR",
-                "message": format!("thread '{name}' panicked at {location}: {message}"),
-                "panic": message,
-                "thread": name,
+                "message": masked(&format!("thread '{name}' panicked at {location}: {message}")),
+                "panic": masked(message),
+                "thread": masked(name),
                 "location": location,
             });
             if let Some(backtrace) = backtrace {
-                line["backtrace"] = serde_json::Value::String(backtrace);
+                line["backtrace"] = serde_json::Value::String(masked(&backtrace));
             }
             crate::logging::write_json_line(&format!("{line}\n"));
             return;

@@ -44,10 +44,19 @@ pub fn on_signals() -> CancellationToken {
                 if let Some(hook) = hook {
                     hook();
                 }
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "inboxctl: stopping at once; unfinished messages will be delivered again"
-                );
+                let said =
+                    "inboxctl: stopping at once; unfinished messages will be delivered again";
+                if crate::logging::json_lines() {
+                    let line = serde_json::json!({
+                        "timestamp": chrono::Utc::now()
+                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+                        "level": "WARN",
+                        "message": said,
+                    });
+                    crate::logging::write_json_line(&format!("{line}\n"));
+                } else {
+                    let _ = writeln!(std::io::stderr(), "{said}");
+                }
                 std::process::exit(130);
             }
         }

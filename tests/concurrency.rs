@@ -139,9 +139,11 @@ async fn a_lock_the_work_waits_on_past_the_servers_statement_timeout_fails_nothi
     common::publish(&conn, common::EVENT_EXCHANGE, "", props, &body).await;
     let _ = conn.close(200, "OK".into()).await;
     let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%carrier_reservations%'";
-    common::eventually("the work waiting on the lock", Duration::from_secs(20), || async {
-        common::count(&pool, waiting).await >= 1
-    })
+    common::eventually(
+        "the work waiting on the lock",
+        Duration::from_secs(20),
+        || async { common::count(&pool, waiting).await >= 1 },
+    )
     .await;
     // Three of the server's statement_timeouts.
     tokio::time::sleep(Duration::from_secs(3)).await;

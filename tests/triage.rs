@@ -653,7 +653,8 @@ async fn another_services_fault_quoting_a_password_is_shown_masked() {
     inboxctl::amqp::topology::ensure_dead_letter_queue(&conn, ERROR_QUEUE, common::queue_type())
         .await
         .unwrap();
-    let secret = "Hunter2Secret";
+    // No digit in it: the grouping's mask hides words with digits, and would hide this one for the wrong reason.
+    let secret = "HunterSecret";
     let id = fail(
         &conn,
         ERROR_QUEUE,

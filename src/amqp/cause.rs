@@ -22,14 +22,16 @@ impl Cause {
     pub fn of(failure: &Failure) -> Self {
         let exception_type = failure.exception_type.as_deref().unwrap_or("-");
         let exception_type = super::limits::truncate(exception_type, 256).into_owned();
-        let reason = failure
-            .reason
-            .as_deref()
-            .map_or_else(|| "-".to_owned(), mask);
+        let raw = failure.reason.as_deref();
+        let reason = raw.map_or_else(|| "-".to_owned(), mask);
+        // Shown masked of passwords too (another service's fault may quote a URL with its password; `mask` hides
+        // only the words holding a digit); the fingerprint is the unmasked text's, so that a group keeps its id
+        // whatever secrets the process that reads it was given.
+        let shown = raw.map_or_else(|| "-".to_owned(), |r| mask(&crate::redact::text(r)));
         Self {
             fingerprint: id(&exception_type, &reason),
             exception_type,
-            reason,
+            reason: shown,
         }
     }
 }

@@ -209,12 +209,14 @@ pub async fn ensure_partitioned_endpoint(
     queue_type: QueueType,
     bound: std::time::Duration,
 ) -> Result<()> {
+    // Said as any broker call unanswered (exit 69); which step, in the log before it.
     let within = |what: String| {
         move |_| {
-            Error::Topology(format!(
-                "RabbitMQ did not answer {what} within {} (--broker-timeout)",
-                humantime::format_duration(bound)
-            ))
+            tracing::warn!(step = %crate::sanitize::text(&what), "RabbitMQ did not answer a step of the partitioned topology");
+            Error::BrokerSilent {
+                what: "a declaration of the partitioned topology",
+                within: bound,
+            }
         }
     };
     tokio::time::timeout(

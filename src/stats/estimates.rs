@@ -120,15 +120,17 @@ impl Estimates {
         total.map(|t: f64| t.round() as u64)
     }
 
-    /// Whether every part holding rows lists the consumer_type among its most common values: its share there is its
-    /// own, not the average of the consumer_types the statistics do not list.
+    /// Whether the consumer_type's share is its own in every part holding rows: listed among its most common values,
+    /// or absent from a part whose statistics list every value it holds (its share there 0) — not the average of the
+    /// consumer_types the statistics do not list.
     pub(super) fn among_the_most_common(&self, consumer_type: &str) -> bool {
         let mut holding = self
             .parts
             .iter()
             .filter(|p| p.rows.is_some_and(|n| n > 0.0))
             .peekable();
-        holding.peek().is_some() && holding.all(|p| p.shares.contains_key(consumer_type))
+        holding.peek().is_some()
+            && holding.all(|p| p.shares.contains_key(consumer_type) || p.other_share == Some(0.0))
     }
 
     pub(super) fn rows(&self, consumer_type: &str) -> Option<u64> {
@@ -167,6 +169,8 @@ mod tests {
         };
         assert_eq!(estimates.rows("b"), Some(3_000_000));
         assert_eq!(estimates.rows("a"), Some(2_000_000));
+        // Its share its own in both: listed in one, and absent from one that lists all it holds.
+        assert!(estimates.among_the_most_common("b"));
     }
 
     #[test]

@@ -215,6 +215,47 @@ pub(crate) fn write_json_line(line: &str) {
     let _ = InertJson(std::io::stderr()).write_all(line.as_bytes());
 }
 
+/// A JSON line with its passwords masked. Masked as text, the line stays JSON unless a password runs into an escaped
+/// quote (`?password=pw\"…`), whose escape the mask then takes with it: such a line is masked value by value instead
+/// (its keys then in another order).
+fn masked_json_line(line: &str) -> String {
+    let masked = redact::text(line);
+    if masked == line
+        || serde_json::from_str::<serde::de::IgnoredAny>(masked.trim_end()).is_ok()
+        || serde_json::from_str::<serde::de::IgnoredAny>(line.trim_end()).is_err()
+    {
+        return masked;
+    }
+    let Ok(mut value) = serde_json::from_str::<serde_json::Value>(line.trim_end()) else {
+        return masked;
+    };
+    mask_strings(&mut value, 0);
+    let end = if line.ends_with('\n') { "\n" } else { "" };
+    format!("{value}{end}")
+}
+
+/// Every string of a JSON value masked, to a bound on the depth (a log line's fields are flat; deeper is left masked
+/// as a whole).
+fn mask_strings(value: &mut serde_json::Value, depth: usize) {
+    match value {
+        serde_json::Value::String(s) => *s = redact::text(s),
+        serde_json::Value::Array(items) if depth < 16 => {
+            for item in items {
+                mask_strings(item, depth + 1);
+            }
+        }
+        serde_json::Value::Object(fields) if depth < 16 => {
+            for item in fields.values_mut() {
+                mask_strings(item, depth + 1);
+            }
+        }
+        other @ (serde_json::Value::Array(_) | serde_json::Value::Object(_)) => {
+            *other = serde_json::Value::String("***".to_owned());
+        }
+        _ => {}
+    }
+}
+
 /// JSON lines to `W`, with the unsafe characters that JSON leaves raw (DEL, C1 controls, bidirectional overrides)
 /// written as `\uXXXX` escapes: the same string to a JSON reader, inert on a terminal. The C0 controls are already
 /// escaped by the JSON writer, and the line end is the only one outside a string.
@@ -224,7 +265,7 @@ impl<W: std::io::Write> std::io::Write for InertJson<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         // Each line comes in one write; anything else is passed through as it is. A password a library put in its
         // own log line (a driver echoing what it ignores) is masked like everywhere else.
-        let masked = std::str::from_utf8(buf).ok().map(redact::text);
+        let masked = std::str::from_utf8(buf).ok().map(masked_json_line);
         let buf_len = buf.len();
         let buf = masked.as_deref().map_or(buf, str::as_bytes);
         match std::str::from_utf8(buf) {
@@ -464,5 +505,36 @@ mod tests {
             assert!(!lines.contains("0ther-pass"), "{lines}");
             assert!(lines.contains("***"), "{lines}");
         }
+    }
+
+    /// A URL whose password is followed by a quote, as a driver's error may quote it: in a JSON line the quote is
+    /// escaped (`\"`), and masking the written line took the escape into the password it replaced, leaving a quote
+    /// that ended the string: the line was no longer JSON. It is masked value by value then, and stays JSON.
+    #[test]
+    fn a_masked_json_line_stays_json_when_a_password_runs_into_a_quote() {
+        let log = || {
+            tracing::warn!(
+                error =
+                    "cannot connect to \"postgres://app@db/orders?password=Pw-in-url\": refused",
+                "could not connect to postgres://app:Other-pw@db/orders"
+            );
+        };
+        let json = Captured::default();
+        let writer = json.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .json()
+            .flatten_event(true)
+            .with_writer(move || InertJson(writer.clone()))
+            .finish();
+        tracing::subscriber::with_default(subscriber, log);
+        let lines = json.text();
+        assert_eq!(lines.matches('\n').count(), 1, "{lines}");
+        let line: serde_json::Value = serde_json::from_str(lines.trim())
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {lines}"));
+        assert!(
+            !lines.contains("Pw-in-url") && !lines.contains("Other-pw"),
+            "{lines}"
+        );
+        assert!(line["error"].as_str().unwrap().contains("***"), "{line}");
     }
 }

@@ -97,15 +97,10 @@ pub fn report(error: &Error) {
         text.push_str("\n  caused by: … (more causes not shown)");
     }
     if logging::json_lines() {
-        // One more line of the JSON log, in its shape (tracing-subscriber's, flattened); the causes on their lines.
-        let line = serde_json::json!({
-            "timestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-            "level": "ERROR",
-            // Masked before it is written as JSON (see `panic_hook`).
-            "message": redact::text(&format!("error: {text}")),
-            "exit_code": error.exit_code(),
-        });
-        logging::write_json_line(&format!("{line}\n"));
+        // One more line of the JSON log; the causes on their lines of the message.
+        let mut fields = serde_json::Map::new();
+        fields.insert("exit_code".to_owned(), error.exit_code().into());
+        logging::write_json_event("ERROR", &format!("error: {text}"), fields);
         return;
     }
     // A reader of stderr that went away (`2>&1 | head`) is no reason to panic: the exit code still says it.

@@ -209,9 +209,25 @@ pub(crate) fn json_lines() -> bool {
     JSON_LINES.load(Ordering::Relaxed)
 }
 
-/// Writes one JSON line to stderr as the JSON log does: passwords masked, unsafe characters escaped.
-pub(crate) fn write_json_line(line: &str) {
+/// Writes an event of the JSON log from outside `tracing` (a panic, the error a run ends with, the second signal's
+/// stop) to stderr, in the log's shape (tracing-subscriber's, flattened: `timestamp`, `level`, `message` and `fields`
+/// beside them), masked and escaped as every line of it is ([`InertJson`]).
+pub(crate) fn write_json_event(
+    level: &str,
+    message: &str,
+    fields: serde_json::Map<String, serde_json::Value>,
+) {
     use std::io::Write as _;
+    let mut line = fields;
+    line.insert(
+        "timestamp".to_owned(),
+        chrono::Utc::now()
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+            .into(),
+    );
+    line.insert("level".to_owned(), level.into());
+    line.insert("message".to_owned(), message.into());
+    let line = format!("{}\n", serde_json::Value::Object(line));
     let _ = InertJson(std::io::stderr()).write_all(line.as_bytes());
 }
 

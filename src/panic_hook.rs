@@ -20,22 +20,15 @@ pub fn install() {
         let backtrace = (backtrace.status() == std::backtrace::BacktraceStatus::Captured)
             .then(|| backtrace.to_string());
         if crate::logging::json_lines() {
-            // The JSON log's own shape (tracing-subscriber's, flattened): a reader of the log sees one more event.
-            // Each value masked before it is written as JSON: masked after, a password before an escaped quote
-            // would take the escape with it, and the line would not be JSON.
-            let masked = |v: &str| crate::redact::text(v);
-            let mut line = serde_json::json!({
-                "timestamp": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                "level": "ERROR",
-                "message": masked(&format!("thread '{name}' panicked at {location}: {message}")),
-                "panic": masked(message),
-                "thread": masked(name),
-                "location": location,
-            });
+            let mut fields = serde_json::Map::new();
+            fields.insert("panic".to_owned(), message.into());
+            fields.insert("thread".to_owned(), name.into());
+            fields.insert("location".to_owned(), location.as_str().into());
             if let Some(backtrace) = backtrace {
-                line["backtrace"] = serde_json::Value::String(masked(&backtrace));
+                fields.insert("backtrace".to_owned(), backtrace.into());
             }
-            crate::logging::write_json_line(&format!("{line}\n"));
+            let said = format!("thread '{name}' panicked at {location}: {message}");
+            crate::logging::write_json_event("ERROR", &said, fields);
             return;
         }
         let mut text = format!("thread '{name}' panicked at {location}:\n{message}\n");

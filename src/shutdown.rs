@@ -47,13 +47,7 @@ pub fn on_signals() -> CancellationToken {
                 let said =
                     "inboxctl: stopping at once; unfinished messages will be delivered again";
                 if crate::logging::json_lines() {
-                    let line = serde_json::json!({
-                        "timestamp": chrono::Utc::now()
-                            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
-                        "level": "WARN",
-                        "message": said,
-                    });
-                    crate::logging::write_json_line(&format!("{line}\n"));
+                    crate::logging::write_json_event("WARN", said, serde_json::Map::new());
                 } else {
                     let _ = writeln!(std::io::stderr(), "{said}");
                 }

@@ -2069,27 +2069,7 @@ async fn a_library_consumers_decoder_panicking_on_a_message_moves_it_to_the_erro
         inboxctl::inbox::ConsumerType::new(queue).unwrap(),
     );
     let broker = inboxctl::amqp::Broker::from_url(&env.amqp_url).unwrap();
-    let options = inboxctl::consumer::ConsumerOptions {
-        queue: queue.to_owned(),
-        queue_type: common::queue_type(),
-        event_exchange: EVENT_EXCHANGE.to_owned(),
-        prefetch: 8,
-        concurrency: 2,
-        max_attempts: 3,
-        retry_delay: Duration::from_millis(100),
-        exit_when_idle: Some(Duration::from_secs(2)),
-        shutdown_timeout: Duration::from_secs(10),
-        broker_timeout: Duration::from_secs(10),
-        attempt_timeout: Duration::from_secs(30),
-        counts: std::sync::Arc::default(),
-        batch_size: 1,
-        batch_wait: Duration::from_millis(50),
-        poison_after: 5,
-        on_conflict: Default::default(),
-        timings: None,
-        partitions: None,
-        owed_effects: None,
-    };
+    let options = common::library_options(queue);
     let summary = tokio::time::timeout(
         Duration::from_secs(30),
         inboxctl::consumer::run(

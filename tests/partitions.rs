@@ -1160,28 +1160,14 @@ async fn the_library_reads_a_partition_one_message_at_a_time_whatever_it_is_aske
         );
         let broker = inboxctl::amqp::Broker::from_url(&env.amqp_url).unwrap();
         let options = inboxctl::consumer::ConsumerOptions {
-            queue: queue.clone(),
-            queue_type: common::queue_type(),
-            event_exchange: EVENT_EXCHANGE.to_owned(),
             prefetch: 32,
             concurrency,
-            max_attempts: 3,
-            retry_delay: Duration::from_millis(100),
-            exit_when_idle: Some(Duration::from_secs(2)),
-            shutdown_timeout: Duration::from_secs(10),
-            broker_timeout: Duration::from_secs(10),
-            attempt_timeout: Duration::from_secs(30),
-            counts: Arc::default(),
             batch_size,
-            batch_wait: Duration::from_millis(50),
-            poison_after: 5,
-            on_conflict: Default::default(),
-            timings: None,
             partitions: Some(inboxctl::consumer::Partitions {
                 count: 2,
                 key: "parcelId".to_owned(),
             }),
-            owed_effects: None,
+            ..common::library_options(&queue)
         };
         // Published before the run starts, so that all of them wait in the partition when it begins to read.
         let conn = env.amqp().await;

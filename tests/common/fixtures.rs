@@ -120,3 +120,30 @@ pub fn certificates(dir: &std::path::Path) {
         printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\\nbasicConstraints=CA:FALSE\\nkeyUsage=digitalSignature,keyEncipherment\\nextendedKeyUsage=serverAuth\\n' > ext.cnf
         openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile ext.cnf 2>/dev/null");
 }
+
+/// A library run's options for `queue` on the test's queue type: a partition-less endpoint, 8 unacked, 2 at a time,
+/// 3 attempts 100 ms apart, ending idle after 2 s, one message a batch. A test changes what it is about.
+pub fn library_options(queue: &str) -> inboxctl::consumer::ConsumerOptions {
+    use std::time::Duration;
+    inboxctl::consumer::ConsumerOptions {
+        queue: queue.to_owned(),
+        queue_type: super::queue_type(),
+        event_exchange: EVENT_EXCHANGE.to_owned(),
+        prefetch: 8,
+        concurrency: 2,
+        max_attempts: 3,
+        retry_delay: Duration::from_millis(100),
+        exit_when_idle: Some(Duration::from_secs(2)),
+        shutdown_timeout: Duration::from_secs(10),
+        broker_timeout: Duration::from_secs(10),
+        attempt_timeout: Duration::from_secs(30),
+        counts: std::sync::Arc::default(),
+        batch_size: 1,
+        batch_wait: Duration::from_millis(50),
+        poison_after: 5,
+        on_conflict: Default::default(),
+        timings: None,
+        partitions: None,
+        owed_effects: None,
+    }
+}

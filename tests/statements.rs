@@ -111,22 +111,7 @@ async fn the_latest_failures_are_read_without_walking_the_duplicates() {
     .execute(&mut conn)
     .await
     .unwrap();
-    let statements = inboxctl::db::statements();
-    let sql = &statements
-        .iter()
-        .find(|s| s.name == "triage::RECENT_FAILURES")
-        .unwrap()
-        .sql;
-    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE look AS {sql}")))
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    let plan: Vec<String> =
-        sqlx::query_scalar("EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) EXECUTE look('carrier', 20)")
-            .fetch_all(&mut conn)
-            .await
-            .unwrap();
-    let plan = plan.join("\n");
+    let plan = plan_of(&mut conn, "triage::RECENT_FAILURES", "('carrier', 20)").await;
     assert!(plan.contains("ix_inboxctl_events_failures"), "{plan}");
     assert!(
         !plan.contains("Rows Removed by Filter"),
@@ -155,23 +140,12 @@ async fn a_message_s_effects_are_found_without_reading_the_effect_tables() {
     .execute(&mut conn)
     .await
     .unwrap();
-    let statements = inboxctl::db::statements();
-    let sql = &statements
-        .iter()
-        .find(|s| s.name == "triage::EFFECTS_OF")
-        .unwrap()
-        .sql;
-    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE look AS {sql}")))
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    let plan: Vec<String> = sqlx::query_scalar(
-        "EXPLAIN (ANALYZE, FORMAT TEXT) EXECUTE look('0190c0de-0000-7000-8000-000000000001')",
+    let plan = plan_of(
+        &mut conn,
+        "triage::EFFECTS_OF",
+        "('0190c0de-0000-7000-8000-000000000001')",
     )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
-    let plan = plan.join("\n");
+    .await;
     assert!(!plan.contains("Seq Scan"), "{plan}");
     assert!(
         plan.contains("ix_carrier_reservations_message_id"),
@@ -202,23 +176,12 @@ async fn the_calls_in_doubt_are_counted_through_their_own_index() {
     .execute(&mut conn)
     .await
     .unwrap();
-    let statements = inboxctl::db::statements();
-    let sql = &statements
-        .iter()
-        .find(|s| s.name == "external::OPEN_EFFECTS")
-        .unwrap()
-        .sql;
-    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE count_open AS {sql}")))
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    let plan: Vec<String> = sqlx::query_scalar(
-        "EXPLAIN (ANALYZE, FORMAT TEXT) EXECUTE count_open(ARRAY['carrier'], 10000)",
+    let plan = plan_of(
+        &mut conn,
+        "external::OPEN_EFFECTS",
+        "(ARRAY['carrier'], 10000)",
     )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap();
-    let plan = plan.join("\n");
+    .await;
     assert!(plan.contains("ix_inboxctl_effects_unsettled"), "{plan}");
     // No node of it reads more than the cap (the failed ones' count may be a scan that stops there).
     let most = plan
@@ -523,4 +486,23 @@ fn query_arguments(source: &str) -> Vec<(usize, String)> {
         }
     }
     found
+}
+
+/// The plan the store's statement `name` runs with on `conn`, prepared and executed with `arguments` (SQL literals, in
+/// parentheses): `EXPLAIN (ANALYZE, BUFFERS)`'s text. The caller forces the generic plan (`plan_cache_mode`), as a
+/// prepared statement gets after its fifth run.
+async fn plan_of(conn: &mut PgConnection, name: &str, arguments: &str) -> String {
+    let statements = inboxctl::db::statements();
+    let sql = &statements.iter().find(|s| s.name == name).unwrap().sql;
+    sqlx::raw_sql(AssertSqlSafe(format!("PREPARE plan_of AS {sql}")))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT TEXT) EXECUTE plan_of{arguments}"
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    plan.join("\n")
 }

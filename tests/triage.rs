@@ -643,9 +643,10 @@ async fn the_guard_looks_at_a_dead_letter_queue_whose_name_holds_a_control_chara
     );
 }
 
-/// Another service's fault whose text quotes a URL with its password (a MassTransit consumer's connection error):
-/// `find`, `failures` and `replay`'s report show it masked, in their tables, their JSON and the listing file, as
-/// inboxctl masks its own consumers' reasons. They used to print it as it came.
+/// Another service's fault whose text quotes a URL with its password (a MassTransit consumer's connection error), and a
+/// .NET connection string with its `Password=`: `find`, `failures` and `replay`'s report show both masked, in their
+/// tables, their JSON and the listing file, as inboxctl masks its own consumers' reasons. They used to print the URL's
+/// as it came (until 2026-12-07), and the connection string's until the session after.
 #[tokio::test(flavor = "multi_thread")]
 async fn another_services_fault_quoting_a_password_is_shown_masked() {
     let env = TestEnv::migrated().await;
@@ -655,11 +656,16 @@ async fn another_services_fault_quoting_a_password_is_shown_masked() {
         .unwrap();
     // No digit in it: the grouping's mask hides words with digits, and would hide this one for the wrong reason.
     let secret = "HunterSecret";
+    // And a .NET connection string's, which is no URL.
+    let net_secret = "KestrelSecret";
     let id = fail(
         &conn,
         ERROR_QUEUE,
         "RabbitMQ.Client.Exceptions.BrokerUnreachableException",
-        &format!("connect failed amqps://svc:{secret}@mq.internal/prod"),
+        &format!(
+            "connect failed amqps://svc:{secret}@mq.internal/prod \
+             (Npgsql: Host=db;Username=app;Password={net_secret};Database=parcels)"
+        ),
         TimeDelta::minutes(5),
     )
     .await;
@@ -683,7 +689,13 @@ async fn another_services_fault_quoting_a_password_is_shown_masked() {
         ("replay --dry-run --json", tables[3].stdout.clone()),
     ] {
         assert!(!text.contains(secret), "{what}: {text}");
+        assert!(!text.contains(net_secret), "{what}: {text}");
     }
+    assert!(
+        found.stdout.contains("Password=***;Database=parcels"),
+        "{}",
+        found.stdout
+    );
     assert!(
         found.stdout.contains("amqps://svc:***@mq.internal/prod"),
         "{}",

@@ -149,7 +149,7 @@ impl Database {
         redact::register_url(url);
         if redact::password_parameter_holds_ampersand(url) {
             return Err(Error::Usage(format!(
-                "the password= parameter of {} is followed by a part the PostgreSQL driver does not know as a \
+                "the `password=` parameter of {} is followed by a part the PostgreSQL driver does not know as a \
                  parameter: if it is the password's (an '&' not percent-encoded, where the driver ends the password), \
                  write that '&' as %26; if not, leave it out",
                 secret::DATABASE_URL.flag

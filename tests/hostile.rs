@@ -1865,6 +1865,60 @@ async fn a_message_owed_its_copy_whose_id_another_event_took_meanwhile_is_moved_
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
 
+/// A message owed its copy (the error queue refusing it), and a replay's copy of the same message — the same id and
+/// event, sent later by `inboxctl replay` — that comes round as a redelivery (given back at the tail, as a consumer
+/// gives back one it could not settle): the replay's copy is a new message, tried. It used to take the decision made
+/// about the first one, and go to the error queue with its fault, never tried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replays_copy_of_a_message_owed_its_copy_is_tried_not_moved_aside_with_the_old_fault() {
+    let env = TestEnv::migrated().await;
+    refusing_error_queue(&env).await;
+    let conn = env.amqp().await;
+    let id = Uuid::now_v7();
+    let (props, body, _) = common::parcel_message(id, "FAIL");
+    common::publish(&conn, "", CARRIER_QUEUE, props.clone(), &body).await;
+    let mut consumer = consumer(
+        &env,
+        &["--fail-destination", "FAIL", "--max-attempts", "1", "-v"],
+    );
+    consumer.wait_for_stderr("could not move a message", Duration::from_secs(30));
+    let pool = env.pool().await;
+    assert_eq!(common::count(&pool, FAILED).await, 1);
+
+    let mut headers = props.headers().clone().unwrap_or_default();
+    headers.insert(
+        inboxctl::amqp::copy::REPLAY_RUN_HEADER.into(),
+        long("a-later-replay"),
+    );
+    headers.insert(
+        inboxctl::amqp::copy::REPLAY_COUNT_HEADER.into(),
+        AMQPValue::LongInt(1),
+    );
+    headers.insert(
+        inboxctl::amqp::tail::GIVEN_BACK_HEADER.into(),
+        AMQPValue::LongLongInt(1),
+    );
+    common::publish(&conn, "", CARRIER_QUEUE, props.with_headers(headers), &body).await;
+    common::eventually(
+        "the replay's copy tried (and failed: its destination fails)",
+        Duration::from_secs(30),
+        || async { common::count(&pool, FAILED).await == 2 },
+    )
+    .await;
+    // Each owed its own copy now, and neither tried again as they come round.
+    let moved = "moving it without trying it again";
+    let times = consumer.stderr().matches(moved).count() + 2;
+    consumer.wait_for_stderr_times(moved, times, Duration::from_secs(40));
+    assert_eq!(
+        common::count(&pool, FAILED).await,
+        2,
+        "{}",
+        consumer.stderr()
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
 /// Owed its copy, the message comes round while PostgreSQL is unreachable: the look at its claim cannot be made, so
 /// the copy waits for the database, as an attempt does — neither made blind (another process may have processed the
 /// message meanwhile) nor the work tried again — and is made once the look says the message was not processed.

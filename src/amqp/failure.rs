@@ -266,7 +266,7 @@ pub fn delivery_count(headers: Option<&FieldTable>) -> Option<u32> {
     )
 }
 
-fn as_u32(value: &AMQPValue) -> Option<u32> {
+pub(crate) fn as_u32(value: &AMQPValue) -> Option<u32> {
     match *value {
         AMQPValue::LongInt(v) => u32::try_from(v).ok(),
         AMQPValue::LongUInt(v) => Some(v),

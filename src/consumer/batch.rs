@@ -208,10 +208,19 @@ async fn run<C: Consumer>(shared: &Arc<Shared<C>>, batch: Vec<Queued>, aside: &m
             Prepared::Done(disposition) => {
                 finish(shared, aside, link, delivery, disposition, started).await
             }
-            Prepared::Ready(ready) if ids.insert(ready.incoming.message_id) => {
-                members.push((delivery, link, ready))
+            Prepared::Ready(ready) => {
+                // Batched, a message is a first delivery (a redelivery is processed on its own).
+                shared.owed.sent_again(
+                    ready.incoming.message_id,
+                    ready.fingerprint,
+                    &delivery.properties,
+                );
+                if ids.insert(ready.incoming.message_id) {
+                    members.push((delivery, link, ready));
+                } else {
+                    later.push((delivery, link, ready));
+                }
             }
-            Prepared::Ready(ready) => later.push((delivery, link, ready)),
         }
     }
 

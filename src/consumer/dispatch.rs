@@ -103,15 +103,23 @@ pub(super) async fn dispose<C: Consumer>(
     match prepare(shared, link, delivery).await {
         Prepared::Done(disposition) => disposition,
         Prepared::Ready(ready) if redelivered(delivery, &shared.options.queue) || again => {
+            let copy = owed::copy_of(&delivery.properties);
             if let Some(owed) = shared
                 .owed
-                .take(ready.incoming.message_id, ready.fingerprint)
+                .take(ready.incoming.message_id, ready.fingerprint, copy)
             {
                 return owed::owed_copy(shared, link, delivery, &ready, owed).await;
             }
             poison::redelivered(shared, link, delivery, &ready).await
         }
-        Prepared::Ready(ready) => attempts(shared, link, delivery, &ready, 1, Access::Shared).await,
+        Prepared::Ready(ready) => {
+            shared.owed.sent_again(
+                ready.incoming.message_id,
+                ready.fingerprint,
+                &delivery.properties,
+            );
+            attempts(shared, link, delivery, &ready, 1, Access::Shared).await
+        }
     }
 }
 

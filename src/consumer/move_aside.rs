@@ -115,7 +115,8 @@ pub(super) async fn error_queue<C: Consumer>(
             fault: fault.clone(),
             retry_count,
         };
-        shared.owed.remember(id, ready.fingerprint, owed);
+        let copy = super::owed::copy_of(&delivery.properties);
+        shared.owed.remember(id, ready.fingerprint, copy, owed);
     }
     disposition
 }

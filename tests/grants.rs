@@ -590,7 +590,7 @@ impl Principals {
     /// A RabbitMQ user with a password of this run and `permissions` on the test's vhost, and its URL.
     fn user(&mut self, what: &str, permissions: &Permissions) -> Login {
         let name = self.name(what);
-        common::rabbitmqctl(&["-q", "add_user", &name, &self.password]);
+        common::add_user(&name, &self.password);
         self.users.push(name.clone());
         let login = Login {
             url: amqp_url(&name, &self.password, &self.vhost),
@@ -602,16 +602,7 @@ impl Principals {
 
     /// Sets a user's permissions on the test's vhost (replacing what it had).
     fn permit(&self, user: &Login, [configure, write, read]: &Permissions) {
-        common::rabbitmqctl(&[
-            "-q",
-            "set_permissions",
-            "-p",
-            &self.vhost,
-            &user.name,
-            configure,
-            write,
-            read,
-        ]);
+        common::set_permissions(&self.vhost, &user.name, configure, write, read);
     }
 }
 
@@ -642,12 +633,7 @@ impl Drop for Principals {
             psql("postgres", &format!("DROP ROLE IF EXISTS {roles}"));
         }
         for user in &self.users {
-            common::report_cleanup(
-                &format!("rabbitmqctl delete_user {user}"),
-                Command::new("rabbitmqctl")
-                    .args(["-q", "delete_user", user])
-                    .output(),
-            );
+            common::delete_user(user);
         }
     }
 }
@@ -1631,7 +1617,7 @@ async fn stats_needs_select_and_only_access_to_the_vhost() {
     }
 
     // Without access to the vhost: the database's figures, the queues' unknown, and why.
-    common::rabbitmqctl(&["-q", "clear_permissions", "-p", &env.vhost, &user.name]);
+    common::clear_permissions(&env.vhost, &user.name);
     let out = stats.run(&env, &["stats", "--json"]);
     assert_eq!(out.code, Some(3), "{out:?}");
     assert!(

@@ -277,8 +277,8 @@ async fn a_message_from_another_user_is_moved_aside_without_its_user_id() {
     common::ensure_endpoints(&env).await;
     // A producer with a user of its own stamps its name in user_id (RabbitMQ checks it is the publisher's).
     let user = format!("producer-{}", &env.vhost);
-    common::rabbitmqctl(&["add_user", &user, "producer-secret"]);
-    common::rabbitmqctl(&["set_permissions", "-p", &env.vhost, &user, ".*", ".*", ".*"]);
+    common::add_user(&user, "producer-secret");
+    common::set_permissions(&env.vhost, &user, ".*", ".*", ".*");
     let url = format!(
         "amqp://{user}:producer-secret@{}/{}",
         env.amqp_addr(),
@@ -293,7 +293,7 @@ async fn a_message_from_another_user_is_moved_aside_without_its_user_id() {
     common::publish(&producer, "", CARRIER_QUEUE, unreadable, b"not json").await;
     common::publish_parcels(&env, &["--count", "5"]);
     let out = common::consume_until_idle(&env, &["carrier"]);
-    common::rabbitmqctl(&["delete_user", &user]);
+    common::delete_user(&user);
     let pool = env.pool().await;
     assert_eq!(effects(&pool).await, 5);
     assert!(!out.stderr.contains("reconnect"), "{}", out.stderr);

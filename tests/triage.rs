@@ -1615,7 +1615,7 @@ async fn cleanup_keeps_the_rows_a_waiting_replay_needs_unless_forced() {
     );
     // A vhost it may not enter: refused, the vhost and why named.
     let closed = common::vhosts::take();
-    common::rabbitmqctl(&["-q", "clear_permissions", "-p", &closed, "guest"]);
+    common::clear_permissions(&closed, "guest");
     sqlx::query("UPDATE inboxctl_consumers SET vhost = $1 WHERE consumer_type = 'carrier'")
         .bind(&closed)
         .execute(&pool)

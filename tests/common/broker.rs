@@ -319,3 +319,78 @@ pub async fn peek(conn: &Connection, queue: &str) -> Vec<lapin::message::Deliver
     let _ = channel.close(200, "OK".into()).await;
     out
 }
+
+/// A user management call on the shared broker: through the test process's own Erlang node ([`super::erl::eval`]),
+/// the same function `rabbitmqctl` calls, without booting a VM for it; through `rabbitmqctl` when that node cannot
+/// reach the broker.
+fn manage(expression: String, cli: &[&str]) {
+    if super::erl::eval(&expression).is_none() {
+        rabbitmqctl(cli);
+    }
+}
+
+const ACTING_USER: &str = "<<\"inboxctl-tests\">>";
+
+/// `rabbitmqctl add_user`.
+pub fn add_user(name: &str, password: &str) {
+    use super::erl::binary;
+    manage(
+        format!(
+            "ok = rabbit_auth_backend_internal:add_user({}, {}, {ACTING_USER}).",
+            binary(name),
+            binary(password)
+        ),
+        &["-q", "add_user", name, password],
+    );
+}
+
+/// `rabbitmqctl set_permissions -p vhost user configure write read` (replacing what the user had there).
+pub fn set_permissions(vhost: &str, user: &str, configure: &str, write: &str, read: &str) {
+    use super::erl::binary;
+    manage(
+        format!(
+            "ok = rabbit_auth_backend_internal:set_permissions({}, {}, {}, {}, {}, {ACTING_USER}).",
+            binary(user),
+            binary(vhost),
+            binary(configure),
+            binary(write),
+            binary(read)
+        ),
+        &[
+            "-q",
+            "set_permissions",
+            "-p",
+            vhost,
+            user,
+            configure,
+            write,
+            read,
+        ],
+    );
+}
+
+/// `rabbitmqctl clear_permissions -p vhost user`.
+pub fn clear_permissions(vhost: &str, user: &str) {
+    use super::erl::binary;
+    manage(
+        format!(
+            "ok = rabbit_auth_backend_internal:clear_permissions({}, {}, {ACTING_USER}).",
+            binary(user),
+            binary(vhost)
+        ),
+        &["-q", "clear_permissions", "-p", vhost, user],
+    );
+}
+
+/// `rabbitmqctl delete_user`; a user already gone is no failure (a clean-up).
+pub fn delete_user(name: &str) {
+    let expression = format!(
+        "catch rabbit_auth_backend_internal:delete_user({}, {ACTING_USER}), ok.",
+        super::erl::binary(name)
+    );
+    if super::erl::eval(&expression).is_none() {
+        let _ = Command::new("rabbitmqctl")
+            .args(["-q", "delete_user", name])
+            .output();
+    }
+}

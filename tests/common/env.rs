@@ -64,15 +64,24 @@ impl TestEnv {
         env
     }
 
-    /// A database migrated by inboxctl, and a vhost.
+    /// A database migrated by inboxctl (a copy of one: [`super::template`]), and a vhost.
     pub async fn migrated() -> Self {
         let env = Self::bare().await;
-        let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
         let partitioning = super::partitioning();
-        inboxctl::db::schema::migrate_partitioned(&db, false, partitioning)
-            .await
-            .expect("migrate");
+        let template = super::template::template(partitioning).await;
+        let admin = admin_pool().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE {} TEMPLATE {}",
+            quote_ident(&env.db_name),
+            quote_ident(&template)
+        )))
+        .execute(&admin)
+        .await
+        .expect("create the test database from the migrated template");
+        admin.close().await;
         if let Some(settings) = partitioning {
+            // The template's partitions reach the day it was made.
+            let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
             let mut conn = db.connect().await.unwrap();
             let now = chrono::Utc::now();
             inboxctl::db::partitions::ensure_partitions(

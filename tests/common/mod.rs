@@ -64,6 +64,8 @@ pub use stub::*;
 mod tmux;
 pub use tmux::*;
 
+/// The migrated database each test's is copied from.
+pub mod template;
 pub mod vhosts;
 
 mod wait;

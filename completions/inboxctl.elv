@@ -94,7 +94,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
             cand --carrier-timeout 'The longest a call to the carrier may take, its answer included'
             cand --carrier-connect-timeout 'The longest connecting to the carrier may take'
             cand --effect-mode 'How the call to the carrier is made (see the README''s "Effects outside the database")'
-            cand --effect-key-ttl 'How long the carrier keeps idempotency keys (keyed): `replay` warns about messages older than this'
+            cand --effect-key-ttl 'How long the carrier keeps idempotency keys: `replay` warns about messages older than this (keyed), and an after-commit call whose outcome is unknown is not sent again once its key is this old, but put in doubt'
             cand --effect-lease 'How long a process holds an effect while it calls (after-commit, at-most-once): past it, another process may take the effect over. Longer than --carrier-timeout plus --carrier-connect-timeout'
             cand --lookup-url 'after-commit: where to ask the carrier what it booked under a key (GET <url>/pickups/by-key/{key}) before calling again for an effect whose earlier call has an unknown outcome; without it, such a call is made again'
             cand --lookup-quiet 'With --lookup-url: how long a call whose outcome is unknown (a timeout, a gateway''s 504, a crash) is left alone before the look-up is asked. The carrier may still be at work on a request whose answer never came; a look-up before it books answers 404 and the call is made again. At least how long the carrier may go on with a request its caller gave up on'

@@ -16,6 +16,8 @@ use common::{CARRIER_QUEUE, Proc, Stub, TestEnv};
 use inboxctl::db::external;
 
 /// Timeouts short enough for the tests, and a lease just past them (a call has ended before its lease does).
+const KEY_TTL: Duration = inboxctl::effects::DEFAULT_KEY_TTL;
+
 const QUICK: &[&str] = &[
     "--carrier-timeout",
     "2s",
@@ -1407,6 +1409,7 @@ async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external
         10,
         false,
         Duration::ZERO,
+        KEY_TTL,
     )
     .await
     .unwrap();
@@ -1444,7 +1447,12 @@ async fn a_late_outcome_never_lands_on_a_later_attempt_with_the_same_number() {
     let pool = env.pool().await;
     let a = leased_once(&pool, "fence", "at-most-once").await;
     lapse(&pool, a.message_id).await;
-    assert_eq!(external::mark_in_doubt(&pool, "fence").await.unwrap(), 1);
+    assert_eq!(
+        external::mark_in_doubt(&pool, "fence", KEY_TTL)
+            .await
+            .unwrap(),
+        1
+    );
     let settled = external::settle(&pool, a.message_id, "fence", "pending", None, None, None)
         .await
         .unwrap();
@@ -1456,6 +1464,7 @@ async fn a_late_outcome_never_lands_on_a_later_attempt_with_the_same_number() {
         10,
         false,
         Duration::ZERO,
+        KEY_TTL,
     )
     .await
     .unwrap();
@@ -1516,6 +1525,7 @@ async fn reconcile_does_not_settle_a_call_on_an_answer_older_than_its_last_attem
         10,
         false,
         Duration::ZERO,
+        KEY_TTL,
     )
     .await
     .unwrap();
@@ -1572,6 +1582,7 @@ async fn reconcile_ends_at_the_first_signal_before_its_next_look_up() {
         10,
         false,
         Duration::ZERO,
+        KEY_TTL,
     )
     .await
     .unwrap();
@@ -1969,9 +1980,17 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
         .await
         .unwrap();
     let lease = Duration::from_secs(30);
-    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
-        .await
-        .unwrap();
+    let first = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        lease,
+        10,
+        false,
+        Duration::ZERO,
+        KEY_TTL,
+    )
+    .await
+    .unwrap();
     assert_eq!(first.len(), 1);
     assert!(
         external::record_outcome(
@@ -1983,14 +2002,24 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
         .await
         .unwrap()
     );
-    let second = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
-        .await
-        .unwrap();
+    let second = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        lease,
+        10,
+        false,
+        Duration::ZERO,
+        KEY_TTL,
+    )
+    .await
+    .unwrap();
     assert_eq!(second.len(), 1, "the refused call is made again");
     // The process making the second call dies; its lease runs out.
     lapse(&pool, id).await;
     assert_eq!(
-        external::mark_in_doubt(&pool, CARRIER_QUEUE).await.unwrap(),
+        external::mark_in_doubt(&pool, CARRIER_QUEUE, KEY_TTL)
+            .await
+            .unwrap(),
         1
     );
     let (state, error): (String, Option<String>) =
@@ -2007,9 +2036,17 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
     // After the commit, a call whose outcome is unknown keeps saying so when it is leased again: what is still not
     // known is not cleared with the lease.
     let unknown = owed_from_an_earlier_run(&pool, "unknown-kept").await;
-    let first = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
-        .await
-        .unwrap();
+    let first = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        lease,
+        10,
+        false,
+        Duration::ZERO,
+        KEY_TTL,
+    )
+    .await
+    .unwrap();
     assert_eq!(first.len(), 1);
     assert!(
         external::record_outcome(
@@ -2025,9 +2062,17 @@ async fn an_attempt_in_doubt_is_not_shown_with_an_earlier_attempts_refusal() {
         .unwrap()
     );
     lapse(&pool, unknown).await;
-    let again = external::lease_due(&pool, CARRIER_QUEUE, lease, 10, false, Duration::ZERO)
-        .await
-        .unwrap();
+    let again = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        lease,
+        10,
+        false,
+        Duration::ZERO,
+        KEY_TTL,
+    )
+    .await
+    .unwrap();
     assert_eq!(again.len(), 1);
     let error: Option<String> =
         sqlx::query_scalar("SELECT last_error FROM inboxctl_effects WHERE message_id = $1")
@@ -2140,6 +2185,7 @@ async fn left_unknown_by_an_earlier_run(pool: &PgPool, destination: &str) -> Uui
         10,
         false,
         Duration::ZERO,
+        KEY_TTL,
     )
     .await
     .unwrap();
@@ -2393,6 +2439,74 @@ async fn an_at_most_once_run_does_not_make_again_a_call_an_after_commit_run_left
         "left-unknown",
     )
     .await;
+}
+
+/// Two after-commit calls whose outcome an earlier run never learnt (started, the lease run out), one written longer
+/// ago than the carrier keeps a key (`--effect-key-ttl`), the other within it. Sent again, the old one's key may be
+/// forgotten, and the carrier would book it twice: the run puts it in doubt, saying why, and makes the other again.
+/// Before, it sent both again (and a look-up by a forgotten key answers 404 too).
+#[tokio::test(flavor = "multi_thread")]
+async fn an_after_commit_call_older_than_its_keys_lifetime_is_put_in_doubt_not_sent_again() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let old = owed_from_an_earlier_run(&pool, "left-long-ago").await;
+    let lately = owed_from_an_earlier_run(&pool, "left-lately").await;
+    let leased = external::lease_due(
+        &pool,
+        CARRIER_QUEUE,
+        Duration::from_secs(30),
+        10,
+        false,
+        Duration::ZERO,
+        KEY_TTL,
+    )
+    .await
+    .unwrap();
+    assert_eq!(leased.len(), 2);
+    for effect in &leased {
+        external::record_outcome(
+            &pool,
+            effect,
+            CARRIER_QUEUE,
+            &outcome("started", "no answer"),
+        )
+        .await
+        .unwrap();
+    }
+    lapse(&pool, old).await;
+    lapse(&pool, lately).await;
+    sqlx::query(
+        "UPDATE inboxctl_effects SET created_at = now() - interval '2 hours' WHERE message_id = $1",
+    )
+    .bind(old)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let args = consume_args(
+        &stub,
+        "after-commit",
+        &["--effect-key-ttl", "1h", "--exit-when-idle", "1s"],
+    );
+    let mut consumer = env.spawn(&args);
+    assert_eq!(
+        consumer.wait(Duration::from_secs(60)),
+        Some(0),
+        "{}",
+        consumer.stderr()
+    );
+    assert_eq!(stub.bookings_to("left-lately").await, 1);
+    assert_eq!(stub.bookings_to("left-long-ago").await, 0, "not sent again");
+    let (state, error): (String, String) =
+        sqlx::query_as("SELECT state, last_error FROM inboxctl_effects WHERE message_id = $1")
+            .bind(old)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "in_doubt");
+    assert!(error.contains("--effect-key-ttl"), "{error}");
+    assert!(error.contains("no answer"), "the last error kept: {error}");
 }
 
 /// A call owed (to `owed`) and one left unknown (to `unknown`) by an earlier run; a run of `args` (ending when idle)
@@ -2695,6 +2809,7 @@ async fn three_calls_left_unknown(pool: &PgPool) -> Vec<Uuid> {
         10,
         false,
         Duration::ZERO,
+        KEY_TTL,
     )
     .await
     .unwrap();

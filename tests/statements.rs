@@ -71,8 +71,11 @@ async fn the_effects_workers_polls_read_only_the_calls_owed_or_started() {
     .unwrap();
     let statements = inboxctl::db::statements();
     for (name, arguments) in [
-        ("external::LEASE_DUE", "('carrier', 30, 10, false, 0)"),
-        ("external::MARK_IN_DOUBT", "('carrier')"),
+        (
+            "external::LEASE_DUE",
+            "('carrier', 30, 10, false, 0, 86400)",
+        ),
+        ("external::MARK_IN_DOUBT", "('carrier', 86400)"),
     ] {
         let sql = &statements.iter().find(|s| s.name == name).unwrap().sql;
         sqlx::raw_sql(AssertSqlSafe(format!("PREPARE poll AS {sql}")))

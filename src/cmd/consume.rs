@@ -167,7 +167,8 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = EffectMode::Keyed, requires = "carrier_url")]
     pub effect_mode: EffectMode,
 
-    /// How long the carrier keeps idempotency keys (keyed): `replay` warns about messages older than this
+    /// How long the carrier keeps idempotency keys: `replay` warns about messages older than this (keyed), and an
+    /// after-commit call whose outcome is unknown is not sent again once its key is this old, but put in doubt
     #[arg(long, default_value = "24h", requires = "carrier_url", value_parser = parse_positive_duration)]
     pub effect_key_ttl: Duration,
 

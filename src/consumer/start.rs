@@ -136,6 +136,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                     } else {
                         Duration::ZERO
                     },
+                    key_ttl: api.key_ttl,
                 };
                 match api.mode {
                     EffectMode::Keyed => {

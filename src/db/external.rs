@@ -18,7 +18,9 @@ ON CONFLICT (message_id, consumer_type) DO NOTHING";
 
     /// Leases up to `$3` effects of consumer_type `$1` that are due, for `$2` seconds: pending ones whose wait has
     /// passed, and (unless `$4`, pending ones only) after-commit ones whose process's lease ran out (that process
-    /// died, or its call's outcome was unknown). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
+    /// died, or its call's outcome was unknown), quiet for `$5` seconds, and written less than `$6` seconds ago (the
+    /// key's lifetime at the carrier, `--effect-key-ttl`: sent again past it, the key may be forgotten and the call
+    /// booked twice; `MARK_IN_DOUBT` puts those in doubt). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
     /// started; `was` says what it was before; its lease's end, with the attempt's number, fences the attempt's
     /// outcome. Rows another process is leasing are skipped, not waited for. A pending effect's earlier error (a refusal)
     /// is cleared: it says nothing of this attempt's outcome (a 503 before, and this attempt in doubt, is not "nothing
@@ -28,7 +30,8 @@ WITH due AS (
     SELECT message_id, consumer_type, state FROM inboxctl_effects
     WHERE consumer_type = $1
       AND (state = 'pending' OR (NOT $4 AND state = 'started' AND mode = 'after-commit'
-                                 AND coalesce(lease_until, '-infinity') < now() - make_interval(secs => $5)))
+                                 AND coalesce(lease_until, '-infinity') < now() - make_interval(secs => $5)
+                                 AND created_at > now() - make_interval(secs => $6)))
       AND (lease_until IS NULL OR lease_until < now())
     ORDER BY created_at
     LIMIT $3
@@ -43,12 +46,19 @@ RETURNING e.message_id, e.idempotency_key, e.mode, e.request::text, e.attempts, 
     /// The database's time: what every time of an effect row is written in.
     const DATABASE_NOW = "SELECT now()";
 
-    /// At-most-once effects of consumer_type `$1` started by a process whose lease ran out: in doubt.
+    /// Effects of consumer_type `$1` started by a process whose lease ran out, put in doubt: at-most-once ones, and
+    /// after-commit ones written `$2` seconds ago or more (`--effect-key-ttl`), whose key the carrier may have
+    /// forgotten: sent again, such a call could be booked twice. The time the row was written is no later than the
+    /// first call's, so a call is never taken for younger than it is.
     const MARK_IN_DOUBT = "\
 UPDATE inboxctl_effects
 SET state = 'in_doubt', updated_at = now(),
-    last_error = coalesce(last_error, 'the process making the call ended before its outcome was recorded')
-WHERE consumer_type = $1 AND mode = 'at-most-once' AND state = 'started' AND lease_until < now()";
+    last_error = CASE WHEN mode = 'at-most-once'
+        THEN coalesce(last_error, 'the process making the call ended before its outcome was recorded')
+        ELSE 'its outcome unknown, and its idempotency key older than --effect-key-ttl: the carrier may have forgotten \
+the key and would book the call again, so it is not sent again' || coalesce(' (last: ' || last_error || ')', '') END
+WHERE consumer_type = $1 AND state = 'started' AND lease_until < now()
+  AND (mode = 'at-most-once' OR (mode = 'after-commit' AND created_at <= now() - make_interval(secs => $2)))";
 
     /// How many effects of consumer_type `$1` are still owed: pending, or started and not yet settled (a call in
     /// flight, an after-commit call whose outcome is unknown, an at-most-once call the worker has yet to mark in
@@ -205,7 +215,7 @@ pub struct Leased {
 
 /// Leases up to `limit` due effects for `lease` (`LEASE_DUE`); with `pending_only`, none whose earlier outcome is
 /// unknown; one whose outcome is unknown only once it has been quiet (its lease, or its retry's wait, over) for
-/// `quiet`.
+/// `quiet`, and only while its key is younger than `key_ttl`.
 pub async fn lease_due(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,
@@ -213,6 +223,7 @@ pub async fn lease_due(
     limit: i64,
     pending_only: bool,
     quiet: std::time::Duration,
+    key_ttl: std::time::Duration,
 ) -> sqlx::Result<Vec<Leased>> {
     type LeasedRaw = (Uuid, Uuid, String, String, i32, String, DateTime<Utc>);
     let query = sql::query_as::<LeasedRaw>(LEASE_DUE)
@@ -220,7 +231,8 @@ pub async fn lease_due(
         .bind(lease.as_secs_f64())
         .bind(limit)
         .bind(pending_only)
-        .bind(quiet.as_secs_f64());
+        .bind(quiet.as_secs_f64())
+        .bind(key_ttl.as_secs_f64());
     let rows = unit!(executor, |conn| query.fetch_all(conn))?;
     Ok(rows
         .into_iter()
@@ -256,12 +268,16 @@ pub async fn give_back(
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected() == 1)
 }
 
-/// Marks at-most-once effects whose process's lease ran out in doubt (`MARK_IN_DOUBT`); how many.
+/// Marks in doubt the effects whose process's lease ran out that may not be sent again (`MARK_IN_DOUBT`): at-most-once
+/// ones, and after-commit ones older than `key_ttl`; how many.
 pub async fn mark_in_doubt(
     executor: impl Into<Exec<'_>>,
     consumer_type: &str,
+    key_ttl: std::time::Duration,
 ) -> sqlx::Result<u64> {
-    let query = sql::query(MARK_IN_DOUBT).bind(consumer_type);
+    let query = sql::query(MARK_IN_DOUBT)
+        .bind(consumer_type)
+        .bind(key_ttl.as_secs_f64());
     unit!(executor, |conn| query.execute(conn)).map(|r| r.rows_affected())
 }
 

@@ -46,6 +46,9 @@ pub struct Worker {
     /// How long a call whose outcome is unknown is left alone before it is taken again (with a look-up: the call may
     /// still be at work at the carrier, and a look-up before it books would answer 404); zero without one.
     pub quiet: Duration,
+    /// How long the carrier keeps a key (`--effect-key-ttl`): a call whose outcome is unknown is not sent again once
+    /// its key may be forgotten, but put in doubt.
+    pub key_ttl: Duration,
 }
 
 /// When the calls still in flight at a stop are given up: `shutdown_timeout` after the stop was asked for, as for the
@@ -110,7 +113,9 @@ impl Worker {
                 swept = Some(Instant::now());
                 let ct = this.consumer_type.as_str();
                 let marked = bounded!(&this.pool, this.bound, |conn| external::mark_in_doubt(
-                    conn, ct
+                    conn,
+                    ct,
+                    this.key_ttl
                 ));
                 if let Err(e) = marked.await {
                     tracing::debug!(error = %e, "could not look for effects in doubt");
@@ -125,7 +130,15 @@ impl Worker {
                 let mut lease_ends = Instant::now();
                 let leased = bounded!(&this.pool, this.bound, |conn| {
                     lease_ends = Instant::now() + this.lease;
-                    external::lease_due(conn, ct, this.lease, limit, this.pending_only, this.quiet)
+                    external::lease_due(
+                        conn,
+                        ct,
+                        this.lease,
+                        limit,
+                        this.pending_only,
+                        this.quiet,
+                        this.key_ttl,
+                    )
                 })
                 .await;
                 match leased {

@@ -1809,6 +1809,71 @@ async fn reconcile_judges_a_calls_quiet_on_the_databases_clock() {
     assert_eq!(stored_state(&pool, call.message_id).await, "in_doubt");
 }
 
+/// Two calls in doubt, quiet for an hour, the carrier (its look-up) has no booking under either key; one was written
+/// 3 hours ago, past the 2 hours its consumer registered as how long the carrier keeps keys (`--effect-key-ttl`).
+/// `effects reconcile` owes the young one again, and leaves the old one in doubt (`expired`, exit 3): the carrier may
+/// have forgotten that key and what it booked under it. It used to owe both again, and the old one could be booked
+/// twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn reconcile_does_not_owe_again_a_call_whose_key_the_carrier_may_have_forgotten() {
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let stub = Stub::start(&env, &[]);
+    let mut calls = Vec::new();
+    for _ in 0..2 {
+        let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
+        external::record_outcome(
+            &pool,
+            &call,
+            CARRIER_QUEUE,
+            &outcome("in_doubt", "no answer"),
+        )
+        .await
+        .unwrap();
+        calls.push(call.message_id);
+    }
+    let (old, young) = (calls[0], calls[1]);
+    sqlx::query(
+        "UPDATE inboxctl_effects SET updated_at = now() - interval '1 hour', lease_until = now() - interval '1 hour',
+                created_at = CASE WHEN message_id = $1 THEN now() - interval '3 hours' ELSE created_at END",
+    )
+    .bind(old)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO inboxctl_consumers (consumer_type, queue, first_seen_at, last_seen_at, effect_mode, effect_key_ttl)
+         VALUES ($1, $1, now(), now(), 'at-most-once', interval '2 hours')",
+    )
+    .bind(CARRIER_QUEUE)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let out = env.run(&[
+        "effects",
+        "reconcile",
+        "--consumer-type",
+        CARRIER_QUEUE,
+        "--lookup-url",
+        &stub.url,
+        "--json",
+    ]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert!(out.stderr.contains("--effect-key-ttl"), "{}", out.stderr);
+    let said: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let now_of = |id: Uuid| {
+        said.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["message_id"] == id.to_string())
+            .map(|r| r["now"].clone())
+    };
+    assert_eq!(now_of(old), Some(json!("expired")), "{said}");
+    assert_eq!(now_of(young), Some(json!("pending")), "{said}");
+    assert_eq!(stored_state(&pool, old).await, "in_doubt");
+    assert_eq!(stored_state(&pool, young).await, "pending");
+}
+
 /// `effects reconcile` looks at the oldest 100,000 calls of a run, and said nothing of the rest: exit 0, as if all
 /// were settled. Past that many it says so, and ends partial (exit 3): the rest are for the next run. (Here the
 /// 100,001 are leased by a live process, so that none is looked up: the count is what is tested.)

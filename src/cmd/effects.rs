@@ -237,6 +237,7 @@ async fn reconcile(
             "unknown": done.iter().filter(|r| r.now == "unknown").count(),
             "changed": done.iter().filter(|r| r.now == "changed").count(),
             "recent": done.iter().filter(|r| r.now == settle::RECENT).count(),
+            "expired": done.iter().filter(|r| r.now == settle::EXPIRED).count(),
             "left": left,
             "more_than_a_run": beyond,
         }),
@@ -248,7 +249,7 @@ async fn reconcile(
             || run
                 .done
                 .iter()
-                .any(|r| r.now == "unknown" || r.now == settle::RECENT)
+                .any(|r| r.now == "unknown" || r.now == settle::RECENT || r.now == settle::EXPIRED)
     };
     let entry = crate::audit::Entry::ended(
         "effects reconcile",
@@ -286,6 +287,15 @@ async fn reconcile(
             quiet_for = %humantime::format_duration(args.quiet_for),
             "the carrier has no booking for some calls whose last attempt is too recent to be sure; they are left \
              as they were: run again later"
+        );
+    }
+    let expired = done.iter().filter(|r| r.now == settle::EXPIRED).count();
+    if expired > 0 {
+        tracing::warn!(
+            calls = expired,
+            "the carrier has no booking under some calls' keys, but those keys are older than its consumers' \
+             --effect-key-ttl: it may have forgotten them, and what it booked under them; they are left as they were: \
+             ask the carrier, and settle each with `inboxctl effects resolve` (--done if it booked, --retry if not)"
         );
     }
     if done.iter().any(|r| r.now == "unknown") {

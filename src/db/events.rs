@@ -54,6 +54,12 @@ ON CONFLICT (consumer_type) DO UPDATE SET effect_mode = EXCLUDED.effect_mode, ef
 SELECT consumer_type::text, extract(epoch FROM effect_key_ttl)::float8 FROM inboxctl_consumers
 WHERE queue = $1 AND effect_mode = 'keyed' AND effect_key_ttl IS NOT NULL";
 
+    /// How long the API of each consumer_type that registered one keeps idempotency keys, in seconds (`effects
+    /// reconcile`: past it, a look-up's "no booking" may be a key forgotten).
+    const KEY_TTLS = "\
+SELECT consumer_type::text, extract(epoch FROM effect_key_ttl)::float8 FROM inboxctl_consumers
+WHERE effect_key_ttl IS NOT NULL";
+
     /// Duplicates discarded for a set of message ids (the demo's tally). `$1` message ids.
     const COUNT_DUPLICATES_FOR =
     "SELECT count(*) FROM inboxctl_events WHERE kind = 'duplicate' AND message_id = ANY($1)";
@@ -143,6 +149,21 @@ pub async fn register_effect_mode(
 }
 
 /// The keyed consumer_types reading `queue`, each with its API's key lifetime (`KEYED_CONSUMERS_OF`).
+/// How long each consumer_type's API keeps idempotency keys, where one registered it (`KEY_TTLS`).
+pub async fn key_ttls(
+    executor: impl Into<Exec<'_>>,
+) -> sqlx::Result<std::collections::HashMap<String, std::time::Duration>> {
+    let query = sql::query_as::<(String, f64)>(KEY_TTLS);
+    let rows = unit!(executor, |conn| query.fetch_all(conn))?;
+    Ok(rows
+        .into_iter()
+        .map(|(c, secs)| {
+            let ttl = std::time::Duration::try_from_secs_f64(secs).unwrap_or_default();
+            (c, ttl)
+        })
+        .collect())
+}
+
 pub async fn keyed_consumers_of(
     executor: impl Into<Exec<'_>>,
     queue: &str,

@@ -139,7 +139,8 @@ pub struct Reconciled {
     pub was: String,
     /// `done` (the carrier has a booking under its key), `pending` (it has none: to be made), `unknown` (the
     /// look-up failed; left as it was), `recent` (none, but its last attempt ended less than the wait ago: the carrier
-    /// may still be working on it; left as it was), or `changed` (done or leased since it was listed; or, after a 404, an attempt
+    /// may still be working on it; left as it was), `expired` (none, but its key is older than the carrier keeps keys:
+    /// it may have forgotten it; left as it was), or `changed` (done or leased since it was listed; or, after a 404, an attempt
     /// was made or it was settled: the answer is about the call as it was, and it is left as it is now).
     pub now: String,
     pub reference: Option<String>,
@@ -198,6 +199,9 @@ pub async fn reconcile(
             )));
         }
     }
+    // How long each carrier keeps keys (registered by its consumers; 24h where none was): past it, "no booking
+    // under this key" may be a key forgotten, and the call owed again would be booked twice.
+    let key_ttls = crate::db::events::key_ttls(pool).await?;
     let mut out = Vec::new();
     let mut left = 0;
     let total = candidates.len();
@@ -238,6 +242,18 @@ pub async fn reconcile(
                 })
             }
             Ok(None) if !quiet_since(&effect, now, quiet_for) => Ok(RECENT),
+            Ok(None)
+                if older_than_its_key(
+                    &effect,
+                    now,
+                    key_ttls
+                        .get(&effect.consumer_type)
+                        .copied()
+                        .unwrap_or(super::DEFAULT_KEY_TTL),
+                ) =>
+            {
+                Ok(EXPIRED)
+            }
             Ok(None) => external::settle(
                 pool,
                 effect.message_id,
@@ -326,6 +342,21 @@ const CHANGED: &str = "changed";
 
 /// What `reconcile` says of a call the carrier has no booking for yet, whose last attempt is too recent to be sure.
 pub const RECENT: &str = "recent";
+
+/// What `reconcile` says of a call the carrier has no booking for under its key, when the key is older than the carrier
+/// keeps keys (`--effect-key-ttl`): the carrier may have forgotten it, so its answer says nothing; left as it was.
+pub const EXPIRED: &str = "expired";
+
+/// Whether a call's key may be forgotten by the carrier: its row, written before its first call, is `key_ttl` old.
+fn older_than_its_key(
+    effect: &external::Row,
+    now: chrono::DateTime<chrono::Utc>,
+    key_ttl: std::time::Duration,
+) -> bool {
+    (now - effect.created_at)
+        .to_std()
+        .is_ok_and(|age| age >= key_ttl)
+}
 
 /// Whether a call's last attempt ended at least `quiet_for` before `now`: its last change, or — for one a process
 /// held — the end of that process's lease, whichever is later.

@@ -143,7 +143,7 @@ pub async fn consume_guarded<G: WorkGuard>(
                         let carrier = effects::HttpCarrier {
                             client,
                             consumer_type: consumer_type.clone(),
-                            answered: Arc::new(effects::Answered::new(api.key_ttl)),
+                            answered: Arc::new(effects::Answered::new()),
                         };
                         let consumer = CarrierConsumer { carrier };
                         // Calls pending are made by this run too, whenever they come to be owed: left by an earlier

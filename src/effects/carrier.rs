@@ -50,21 +50,27 @@ pub struct HttpCarrier {
     pub answered: Arc<Answered>,
 }
 
-/// The slots the carrier gave this process, by idempotency key: the latest [`Answered::KEPT`], each for as long as a
-/// carrier that honours keys is taken to keep them (`--effect-key-ttl`), and only for a request of the same content
-/// (a message id reused for another parcel is the carrier's to answer). An entry of a call whose transaction
-/// committed is never read again (a later copy of its message is a duplicate, its work not run).
+/// The slots the carrier gave this process, by idempotency key: the latest [`Answered::KEPT`], and only for a request
+/// of the same content (a message id reused for another parcel is the carrier's to answer). An entry of a call whose
+/// transaction committed is never read again (a later copy of its message is a duplicate, its work not run).
 #[derive(Debug)]
 pub struct Answered(Recent<uuid::Uuid, (u64, SlotAnswer)>);
+
+impl Default for Answered {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl Answered {
     /// How many answers are kept: far more than the calls one process has in flight and retrying (its prefetch,
     /// its batches), in well under a megabyte.
     pub const KEPT: usize = 8192;
 
-    /// Answers kept for `ttl` each.
-    pub fn new(ttl: Duration) -> Self {
-        Self(Recent::new(Self::KEPT, ttl))
+    /// Answers kept by number alone, not for the carrier's key lifetime: past it, the carrier may have forgotten the
+    /// key, and the call made again would book a second slot, while the one it gave is still booked.
+    pub fn new() -> Self {
+        Self(Recent::new(Self::KEPT, Duration::MAX))
     }
 
     fn get(&self, key: uuid::Uuid, request: &PickupRequest) -> Option<SlotAnswer> {
@@ -196,8 +202,8 @@ mod tests {
     }
 
     #[test]
-    fn an_answer_is_taken_again_only_for_the_same_request_within_its_time_and_the_latest_kept() {
-        let answered = Answered::new(Duration::from_secs(60));
+    fn an_answer_is_taken_again_only_for_the_same_request_and_the_latest_kept_however_old() {
+        let answered = Answered::new();
         let key = uuid::Uuid::from_u128(1);
         answered.keep(key, &request("Berlin"), slot(1));
         assert_eq!(answered.get(key, &request("Berlin")), Some(slot(1)));
@@ -211,9 +217,14 @@ mod tests {
             None
         );
 
-        let expired = Answered::new(Duration::ZERO);
-        expired.keep(key, &request("Berlin"), slot(1));
-        assert_eq!(expired.get(key, &request("Berlin")), None, "past its time");
+        // However long ago: the slot stays booked when the carrier has forgotten its key.
+        let long_ago = std::time::Instant::now()
+            .checked_sub(Duration::from_secs(400 * 24 * 3600))
+            .unwrap_or_else(std::time::Instant::now);
+        let old = Answered::new();
+        old.0
+            .insert_at(key, (content(&request("Berlin")), slot(1)), long_ago);
+        assert_eq!(old.get(key, &request("Berlin")), Some(slot(1)));
 
         for n in 0..=Answered::KEPT as u128 {
             answered.keep(uuid::Uuid::from_u128(1000 + n), &request("Berlin"), slot(n));

@@ -45,6 +45,62 @@ fn migrate_partitioned(env: &TestEnv, args: &[&str]) -> common::Output {
     env.run(&all)
 }
 
+/// A message refused before the database is asked (its time, 1990, before any partition there can be) arriving while
+/// PostgreSQL is unreachable does not end the outage: intake stays held until a claim answers. It used to mark
+/// PostgreSQL back ("taking deliveries again") on the refusal, the next deliveries taken only to fail on the outage.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_message_refused_before_the_database_is_asked_does_not_end_an_outage() {
+    let env = partitioned_by_day().await;
+    common::ensure_endpoints(&env).await;
+    let proxy = common::Proxy::start("127.0.0.1:5432").await;
+    let proxied = proxy.postgres_url(&env.db_name);
+    let ancient = Uuid::new_v7(uuid::Timestamp::from_unix(uuid::NoContext, 631_152_000, 0));
+    // Held before it is read until the outage has begun.
+    let hold = format!("handle=sleep-once-4000@{ancient}");
+    let mut consumer = env.spawn_with(
+        &["consume", "carrier", "--concurrency", "2"],
+        &[
+            ("DATABASE_URL", proxied.as_str()),
+            ("INBOXCTL_FAILPOINTS", hold.as_str()),
+        ],
+    );
+    consumer.wait_for_stderr("consuming", Duration::from_secs(60));
+    send(&env, ancient).await;
+    consumer.wait_for_stderr("failpoint handle reached", Duration::from_secs(30));
+    proxy.cut();
+    send(&env, Uuid::now_v7()).await;
+    consumer.wait_for_stderr("PostgreSQL unavailable", Duration::from_secs(30));
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    common::eventually(
+        "the message of 1990 moved aside",
+        Duration::from_secs(30),
+        || async { env.queue_exists(&error_queue) && env.queue_counts(&error_queue).0 == 1 },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !consumer.stderr().contains("PostgreSQL is back"),
+        "the outage taken for over while PostgreSQL is unreachable: {}",
+        consumer.stderr()
+    );
+    proxy.restore();
+    consumer.wait_for_stderr("PostgreSQL is back", Duration::from_secs(60));
+    common::eventually(
+        "the message of now processed",
+        Duration::from_secs(30),
+        || async { env.queue_counts(CARRIER_QUEUE) == (0, 0) },
+    )
+    .await;
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        1
+    );
+    consumer.terminate();
+    assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
+}
+
 /// An adopted inbox a partitioned one could not hold — a column of the operator's (nullable, which inboxctl accepts
 /// unpartitioned), or a `received_at` that may be null — is refused before anything changes, each named (exit 78).
 /// The conversion used to add its columns and its index to the table, then fail at the swap on every run. So is a

@@ -410,8 +410,10 @@ pub(super) async fn attempts<C: Consumer>(
                 timeouts.reset();
                 error_chain(&e)
             }
+            // Not taken for PostgreSQL's answer: most refusals are decided before it is asked (no usable time), and
+            // one during an outage would end it while PostgreSQL is still unreachable. The outage's own look at a
+            // claim sees its end.
             Ok(Err(ProcessError::Unclaimable(reason))) => {
-                database_back(shared);
                 return unclaimable(shared, link, delivery, ready, &reason).await;
             }
             Err(panic) => {

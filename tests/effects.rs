@@ -863,7 +863,8 @@ async fn the_grants_written_for_calls_outside_the_database_suffice() {
         &env,
         &admin,
         "effects_reconcile",
-        "GRANT SELECT, UPDATE ON inboxctl_effects TO {role}; GRANT INSERT ON inboxctl_audit TO {role}",
+        "GRANT SELECT, UPDATE ON inboxctl_effects TO {role}; GRANT INSERT ON inboxctl_audit TO {role}; \
+         GRANT SELECT ON inboxctl_consumers TO {role}",
     )
     .await;
     let reconcile_args = [

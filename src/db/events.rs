@@ -148,7 +148,6 @@ pub async fn register_effect_mode(
     .map(drop)
 }
 
-/// The keyed consumer_types reading `queue`, each with its API's key lifetime (`KEYED_CONSUMERS_OF`).
 /// How long each consumer_type's API keeps idempotency keys, where one registered it (`KEY_TTLS`).
 pub async fn key_ttls(
     executor: impl Into<Exec<'_>>,
@@ -164,6 +163,7 @@ pub async fn key_ttls(
         .collect())
 }
 
+/// The keyed consumer_types reading `queue`, each with its API's key lifetime (`KEYED_CONSUMERS_OF`).
 pub async fn keyed_consumers_of(
     executor: impl Into<Exec<'_>>,
     queue: &str,

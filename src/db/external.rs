@@ -18,9 +18,10 @@ ON CONFLICT (message_id, consumer_type) DO NOTHING";
 
     /// Leases up to `$3` effects of consumer_type `$1` that are due, for `$2` seconds: pending ones whose wait has
     /// passed, and (unless `$4`, pending ones only) after-commit ones whose process's lease ran out (that process
-    /// died, or its call's outcome was unknown), quiet for `$5` seconds, and written less than `$6` seconds ago (the
-    /// key's lifetime at the carrier, `--effect-key-ttl`: sent again past it, the key may be forgotten and the call
-    /// booked twice; `MARK_IN_DOUBT` puts those in doubt). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
+    /// died, or its call's outcome was unknown), quiet for `$5` seconds, and whose key is still younger than `$6`
+    /// seconds at the lease's end (the key's lifetime at the carrier, `--effect-key-ttl`, counted from when the row
+    /// was written: sent again past it, the key may be forgotten and the call booked twice; `MARK_IN_DOUBT` puts
+    /// those in doubt). An at-most-once effect already started is never taken again. Each is counted an attempt and marked
     /// started; `was` says what it was before; its lease's end, with the attempt's number, fences the attempt's
     /// outcome. Rows another process is leasing are skipped, not waited for. A pending effect's earlier error (a refusal)
     /// is cleared: it says nothing of this attempt's outcome (a 503 before, and this attempt in doubt, is not "nothing
@@ -31,7 +32,7 @@ WITH due AS (
     WHERE consumer_type = $1
       AND (state = 'pending' OR (NOT $4 AND state = 'started' AND mode = 'after-commit'
                                  AND coalesce(lease_until, '-infinity') < now() - make_interval(secs => $5)
-                                 AND created_at > now() - make_interval(secs => $6)))
+                                 AND created_at > now() - make_interval(secs => $6) + make_interval(secs => $2)))
       AND (lease_until IS NULL OR lease_until < now())
     ORDER BY created_at
     LIMIT $3

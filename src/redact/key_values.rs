@@ -8,8 +8,8 @@ use super::MASK;
 const PASSWORD_KEYS: [&str; 2] = ["password", "pwd"];
 
 /// Masks the value of every `password=`/`pwd=` key, in any case, of a connection string in free text (not a URL's:
-/// [`super::url`] masks those): the key starts the text or follows a space, `;`, a quote or a bracket; the value runs to the
-/// next `;` or space, or, quoted, to its closing quote (a doubled quote or a backslash escapes one inside).
+/// [`super::url`] masks those): the key starts the text or follows a space, `;`, a quote or a bracket. Where its value
+/// ends: see [`value_end`]; what is not sure to be past it is masked with it.
 pub(super) fn mask(text: &str) -> String {
     let lower = text.to_ascii_lowercase();
     let mut out = String::with_capacity(text.len());
@@ -17,19 +17,22 @@ pub(super) fn mask(text: &str) -> String {
     let mut from = 0;
     while let Some(eq) = lower[from..].find('=').map(|i| from + i) {
         from = eq + 1;
-        let Some(key) = PASSWORD_KEYS
-            .iter()
-            .find(|key| lower[..eq].trim_end().ends_with(*key))
-        else {
+        let before = lower[..eq].trim_end();
+        let Some(key) = PASSWORD_KEYS.iter().find(|key| before.ends_with(*key)) else {
             continue;
         };
-        let key_start = lower[..eq].trim_end().len() - key.len();
-        let starts_key = lower[..key_start].chars().next_back().is_none_or(|c| {
-            c.is_whitespace() || matches!(c, ';' | '"' | '\'' | '(' | '[' | '{' | ',')
-        });
+        let starts_key = before[..before.len() - key.len()]
+            .chars()
+            .next_back()
+            .is_none_or(|c| {
+                c.is_whitespace() || matches!(c, ';' | '"' | '\'' | '(' | '[' | '{' | ',')
+            });
+        if !starts_key {
+            continue;
+        }
         let value_start = eq + 1 + (text[eq + 1..].len() - text[eq + 1..].trim_start().len());
         let value_end = value_end(text, value_start);
-        if !starts_key || value_end == value_start {
+        if value_end == value_start {
             continue;
         }
         out.push_str(&text[copied..value_start]);
@@ -41,22 +44,27 @@ pub(super) fn mask(text: &str) -> String {
     out
 }
 
-/// Where the value starting at `start` ends: at its closing quote if it is quoted (the whole rest if none closes it),
-/// else at the next `;` or space.
+/// Where the value starting at `start` ends:
+/// - quoted (`"…"`, `'…'`, a doubled quote or a backslash escaping one inside; `\"…\"` as a JSON line writes it;
+///   ODBC's `{…}`, `}}` escaping a brace): at its closing quote, the whole rest if none closes it;
+/// - else at the next `;` or line end, or at a space followed by another key (`user=`, libpq's form) or by nothing: a
+///   .NET value may hold spaces (`Password=correct horse battery;`).
 fn value_end(text: &str, start: usize) -> usize {
     let value = &text[start..];
-    let Some(quote) = value.chars().next().filter(|c| matches!(c, '"' | '\'')) else {
-        return start
-            + value
-                .find(|c: char| c == ';' || c.is_whitespace())
-                .unwrap_or(value.len());
+    if let Some(rest) = value.strip_prefix("\\\"") {
+        return rest.find("\\\"").map_or(text.len(), |i| start + 2 + i + 2);
+    }
+    let closing = match value.chars().next() {
+        Some(quote @ ('"' | '\'')) => quote,
+        Some('{') => '}',
+        _ => return unquoted_end(text, start),
     };
     let mut chars = value.char_indices().skip(1).peekable();
     while let Some((i, c)) = chars.next() {
-        if c == '\\' {
+        if c == '\\' && closing != '}' {
             chars.next();
-        } else if c == quote {
-            if chars.peek().is_some_and(|&(_, next)| next == quote) {
+        } else if c == closing {
+            if chars.peek().is_some_and(|&(_, next)| next == closing) {
                 chars.next();
             } else {
                 return start + i + c.len_utf8();
@@ -64,6 +72,32 @@ fn value_end(text: &str, start: usize) -> usize {
         }
     }
     text.len()
+}
+
+fn unquoted_end(text: &str, start: usize) -> usize {
+    let value = &text[start..];
+    let mut at = 0;
+    while let Some(i) = value[at..].find(|c: char| c == ';' || c.is_whitespace()) {
+        let pos = at + i;
+        let c = value[pos..].chars().next().unwrap_or(';');
+        if matches!(c, ';' | '\n' | '\r') {
+            return start + value[..pos].trim_end().len();
+        }
+        let after = value[pos..].trim_start_matches([' ', '\t']);
+        if after.is_empty() || after.starts_with([';', '\n', '\r']) || starts_another_key(after) {
+            return start + pos;
+        }
+        at = pos + c.len_utf8();
+    }
+    text.len()
+}
+
+/// Whether `s` begins with `name=`: a word of letters, digits and `_`, then `=`.
+fn starts_another_key(s: &str) -> bool {
+    let name = s
+        .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .unwrap_or(s.len());
+    name > 0 && s[name..].trim_start().starts_with('=')
 }
 
 #[cfg(test)]
@@ -80,6 +114,31 @@ mod tests {
         assert_eq!(
             mask("Server=db; password = HunterSecret ;"),
             "Server=db; password = *** ;"
+        );
+        assert_eq!(
+            mask("Password=correct horse battery;Host=x"),
+            "Password=***;Host=x"
+        );
+        assert_eq!(mask("Pwd={a;b}}c d};Server=x"), "Pwd=***;Server=x");
+    }
+
+    #[test]
+    fn libpqs_form_ends_a_value_at_the_next_key_or_masks_the_rest_of_the_line() {
+        assert_eq!(
+            mask("host=db password=HunterSecret user=app"),
+            "host=db password=*** user=app"
+        );
+        assert_eq!(
+            mask("password=Hunter Secret, then more\nnext line"),
+            "password=***\nnext line"
+        );
+    }
+
+    #[test]
+    fn a_quote_escaped_as_a_json_line_writes_it_is_a_quote() {
+        assert_eq!(
+            mask(r#"{"reason":"Host=db;Password=\"a b\";Database=x"}"#),
+            r#"{"reason":"Host=db;Password=***;Database=x"}"#
         );
     }
 

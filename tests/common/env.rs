@@ -80,7 +80,8 @@ impl TestEnv {
         .expect("create the test database from the migrated template");
         admin.close().await;
         if let Some(settings) = partitioning {
-            // The template's partitions reach the day it was made.
+            // The template's partitions reach as far ahead of the day it was made as `migrate` makes them: from
+            // today, as a `migrate` of its own would have.
             let db = inboxctl::db::Database::from_url(&env.database_url).unwrap();
             let mut conn = db.connect().await.unwrap();
             let now = chrono::Utc::now();
@@ -88,7 +89,7 @@ impl TestEnv {
                 &mut conn,
                 settings,
                 now - chrono::TimeDelta::days(400),
-                now,
+                now + inboxctl::db::partitions::AHEAD,
             )
             .await
             .expect("partitions back");

@@ -311,4 +311,6 @@ impl Machine {
 }
 
 #[cfg(test)]
+mod cases;
+#[cfg(test)]
 mod tests;

@@ -1418,6 +1418,20 @@ async fn leased_once(pool: &PgPool, consumer_type: &str, mode: &str) -> external
     leased.remove(0)
 }
 
+/// An at-most-once call of `consumer_type` leased once, its outcome unknown: in doubt.
+async fn in_doubt_once(pool: &PgPool, consumer_type: &str) -> external::Leased {
+    let call = leased_once(pool, consumer_type, "at-most-once").await;
+    external::record_outcome(
+        pool,
+        &call,
+        consumer_type,
+        &outcome("in_doubt", "no answer"),
+    )
+    .await
+    .unwrap();
+    call
+}
+
 /// Its lease ran out (the process holding it stalled or died).
 async fn lapse(pool: &PgPool, id: Uuid) {
     sqlx::query(
@@ -1656,15 +1670,7 @@ async fn reconcile_asks_one_carriers_look_up_only_about_that_carriers_calls() {
     let stub = Stub::start(&env, &[]);
     let mut ids = Vec::new();
     for consumer_type in [CARRIER_QUEUE, "carrier-us"] {
-        let call = leased_once(&pool, consumer_type, "at-most-once").await;
-        external::record_outcome(
-            &pool,
-            &call,
-            consumer_type,
-            &outcome("in_doubt", "no answer"),
-        )
-        .await
-        .unwrap();
+        let call = in_doubt_once(&pool, consumer_type).await;
         ids.push(call.message_id);
     }
     let state = |id: Uuid| stored_state(&pool, id);
@@ -1731,15 +1737,7 @@ async fn reconcile_always_asks_whose_calls_the_look_up_answers_for() {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
-    let call = leased_once(&pool, "carrier-us", "at-most-once").await;
-    external::record_outcome(
-        &pool,
-        &call,
-        "carrier-us",
-        &outcome("in_doubt", "no answer"),
-    )
-    .await
-    .unwrap();
+    let call = in_doubt_once(&pool, "carrier-us").await;
     let out = env.run(&[
         "effects",
         "reconcile",
@@ -1762,15 +1760,7 @@ async fn reconcile_judges_a_calls_quiet_on_the_databases_clock() {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
-    let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
-    external::record_outcome(
-        &pool,
-        &call,
-        CARRIER_QUEUE,
-        &outcome("in_doubt", "no answer"),
-    )
-    .await
-    .unwrap();
+    let call = in_doubt_once(&pool, CARRIER_QUEUE).await;
     // The preload works (a library missing is ignored with a word, the clocks then agreeing: the test would prove
     // nothing): a child's clock is 15 minutes ahead.
     let ahead = std::process::Command::new("date")
@@ -1822,15 +1812,7 @@ async fn reconcile_does_not_owe_again_a_call_whose_key_the_carrier_may_have_forg
     let stub = Stub::start(&env, &[]);
     let mut calls = Vec::new();
     for _ in 0..2 {
-        let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
-        external::record_outcome(
-            &pool,
-            &call,
-            CARRIER_QUEUE,
-            &outcome("in_doubt", "no answer"),
-        )
-        .await
-        .unwrap();
+        let call = in_doubt_once(&pool, CARRIER_QUEUE).await;
         calls.push(call.message_id);
     }
     let (old, young) = (calls[0], calls[1]);
@@ -1913,15 +1895,7 @@ async fn reconcile_does_not_owe_again_a_call_the_carrier_may_still_be_making() {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
     let stub = Stub::start(&env, &[]);
-    let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
-    external::record_outcome(
-        &pool,
-        &call,
-        CARRIER_QUEUE,
-        &outcome("in_doubt", "no answer"),
-    )
-    .await
-    .unwrap();
+    let call = in_doubt_once(&pool, CARRIER_QUEUE).await;
     let args = [
         "effects",
         "reconcile",
@@ -2682,15 +2656,7 @@ async fn a_batch_done_again_books_its_other_members_once_with_a_carrier_ignoring
 async fn resolve_retry_waits_for_a_calls_last_attempt_to_be_quiet() {
     let env = TestEnv::migrated().await;
     let pool = env.pool().await;
-    let call = leased_once(&pool, CARRIER_QUEUE, "at-most-once").await;
-    external::record_outcome(
-        &pool,
-        &call,
-        CARRIER_QUEUE,
-        &outcome("in_doubt", "no answer"),
-    )
-    .await
-    .unwrap();
+    let call = in_doubt_once(&pool, CARRIER_QUEUE).await;
     let id = call.message_id.to_string();
     let early = env.run(&["effects", "resolve", &id, "--retry"]);
     assert_eq!(early.code, Some(64), "{early:?}");

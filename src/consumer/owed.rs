@@ -106,9 +106,6 @@ impl OwedCopies {
 
     /// The copy owed to this message, if any, taken: made again and refused again, it is remembered again.
     pub(super) fn take(&self, id: Uuid, fingerprint: Fingerprint, copy: CopyOf) -> Option<Owed> {
-        if self.0.is_empty() {
-            return None;
-        }
         self.0.take(&(id, fingerprint, copy))
     }
 }

@@ -1198,7 +1198,7 @@ _inboxctl() {
             return 0
             ;;
         inboxctl__subcmd__migrate)
-            opts="-v -h -V --dry-run --partitioned --partition-time --new-inbox --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
+            opts="-v -h -V --dry-run --partitioned --partition-time --partition-back --new-inbox --json --database-url --amqp-url --database-password-file --amqp-password-file --amqp-ca-file --transaction-pooling --verbose --log-format --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -1210,6 +1210,10 @@ _inboxctl() {
                     ;;
                 --partition-time)
                     COMPREPLY=($(compgen -W "id sent-time timestamp" -- "${cur}"))
+                    return 0
+                    ;;
+                --partition-back)
+                    COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
                 --database-url)

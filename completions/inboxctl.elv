@@ -50,6 +50,7 @@ set edit:completion:arg-completer[inboxctl] = {|@words|
         &'inboxctl;migrate'= {
             cand --partitioned 'Partition inbox_messages by range, one partition per this interval (1h to 31d), on a time every copy of a message carries (--partition-time), so that cleanup drops whole partitions instead of deleting rows. An existing inbox_messages is converted in place: its rows are not copied, and consumers go on (docs/scaling.md)'
             cand --partition-time 'The time a partitioned inbox keys each message on: one that every copy of it carries. Chosen once: it cannot be changed afterwards'
+            cand --partition-back 'How far back the conversion of an inbox makes partitions: at least the cleanup''s --retention, so that a message of an older time (waiting in an error queue, say) can still be claimed. Taken only at the conversion; a partition is never made before the oldest one after it (a cleanup may have dropped it). Default 7d'
             cand --database-url 'PostgreSQL URL (postgres://user[:password]@host[:port]/database[?sslmode=...])'
             cand --amqp-url 'RabbitMQ URL (amqp[s]://user[:password]@host[:port]/vhost; the vhost "/" is written %2f). The nodes of a cluster: a host list (amqp://user@host1:5672,host2:5672/vhost) or this flag once per node'
             cand --database-password-file 'File holding the PostgreSQL password (one line), so that it is in neither the URL nor the environment'

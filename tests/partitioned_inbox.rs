@@ -2390,3 +2390,91 @@ async fn a_consumer_whose_clock_is_behind_holds_the_messages_of_now_when_the_par
     consumer.terminate();
     assert_eq!(consumer.wait(Duration::from_secs(30)), Some(0));
 }
+
+/// A conversion makes its partitions as far back as `--partition-back` says (a week unless told): a message of 20 days
+/// ago — one waiting in an error queue through the conversion of an inbox cleaned at 30 days, say — is claimed and
+/// processed after it, where with the week it never could be (no partition holds its time, and none is ever made
+/// before the oldest). One older than that is moved aside as unclaimable; a back too long for the interval is refused
+/// before anything is made; and given to an inbox partitioned already, it makes nothing before the oldest.
+#[tokio::test]
+async fn a_conversion_makes_partitions_as_far_back_as_told_and_a_message_of_then_is_claimed() {
+    common::clear_of_midnight().await;
+    let env = TestEnv::bare().await;
+    let out = env.run(&["migrate", "--partitioned", "1h", "--partition-back", "60d"]);
+    assert_eq!(out.code, Some(64), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("a conversion makes at most 1000: give a --partition-back of at most"),
+        "{out:?}"
+    );
+    let made: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+        .bind(&env.db_name)
+        .fetch_one(&common::admin_pool().await)
+        .await
+        .unwrap();
+    assert_eq!(made, 0, "refused before anything is made");
+
+    let out = migrate_partitioned(&env, &["--partition-back", "30d"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    let settings = inboxctl::db::partitions::Settings {
+        interval: TimeDelta::days(1),
+        source: inboxctl::inbox::TimeSource::Id,
+    };
+    let oldest = settings.floor(Utc::now() - TimeDelta::days(30));
+    assert!(
+        out.stdout.contains(&format!(
+            "partitions from {}",
+            oldest.format("%Y-%m-%d %H:%M:%S UTC")
+        )),
+        "{out:?}"
+    );
+    common::ensure_endpoints(&env).await;
+    let within = v7_ago(TimeDelta::days(20));
+    let before = v7_ago(TimeDelta::days(40));
+    send(&env, within).await;
+    send(&env, before).await;
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    assert!(out.stderr.contains("processed=1"), "{}", out.stderr);
+    let pool = env.pool().await;
+    assert_eq!(
+        partition_of(&pool, within).await,
+        vec![inboxctl::db::partitions::partition_name(
+            settings.floor(Utc::now() - TimeDelta::days(20))
+        )],
+        "the message of 20 days ago is processed in its day's partition"
+    );
+    let dead = common::drain(&env.amqp().await, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        dead[0]
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.to_string()),
+        Some(before.to_string())
+    );
+    let reason = common::header_text(&dead[0].properties, "MT-Fault-Message").unwrap();
+    assert!(
+        reason.contains("is in no partition of the inbox"),
+        "{reason}"
+    );
+
+    // Given again to the partitioned inbox: nothing before its oldest (a cleanup may have dropped those).
+    let out = migrate_partitioned(&env, &["--partition-back", "60d"]);
+    assert_eq!(out.code, Some(0), "{out:?}");
+    assert!(
+        out.stderr
+            .contains("--partition-back is taken only when the inbox is converted"),
+        "{out:?}"
+    );
+    let older: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+         WHERE i.inhparent = 'inbox_messages'::regclass AND c.relname < $1 \
+           AND c.relname <> 'inbox_messages_untimed'",
+    )
+    .bind(inboxctl::db::partitions::partition_name(oldest))
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(older, 0);
+}

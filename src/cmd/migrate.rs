@@ -40,6 +40,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = TimeSource::Id, requires = "partitioned")]
     pub partition_time: TimeSource,
 
+    /// How far back the conversion of an inbox makes partitions: at least the cleanup's --retention, so that a
+    /// message of an older time (waiting in an error queue, say) can still be claimed. Taken only at the conversion;
+    /// a partition is never made before the oldest one after it (a cleanup may have dropped it). Default 7d
+    #[arg(long, value_name = "DURATION", requires = "partitioned",
+          value_parser = whole_seconds(duration_between(std::time::Duration::from_secs(3600), std::time::Duration::from_secs(3650 * 86400))))]
+    pub partition_back: Option<std::time::Duration>,
+
     /// Make a new inbox on the search path even though another schema of the database holds an inbox_messages
     /// (refused without: that one may be a service's, which a new one would take the place of)
     #[arg(long)]
@@ -86,7 +93,10 @@ pub async fn run(args: Args, global: &GlobalOpts, shutdown: &CancellationToken) 
         interval: chrono::TimeDelta::from_std(interval).unwrap_or(partitions::MIN_INTERVAL),
         source: args.partition_time,
     });
-    let migrated = schema::migrate_with(&db, args.dry_run, partitioning, args.new_inbox);
+    let back = args
+        .partition_back
+        .map(|back| chrono::TimeDelta::from_std(back).unwrap_or(partitions::BACK));
+    let migrated = schema::migrate_with(&db, args.dry_run, partitioning, back, args.new_inbox);
     let report = tokio::select! {
         report = migrated => report,
         () = shutdown.cancelled() => {
@@ -184,6 +194,12 @@ fn print_partitioning(db: &str, p: &partitions::PartitionReport, dry_run: bool) 
             "database {db}: inbox_messages converted in place: its rows are now partition {}, below every time",
             partitions::UNTIMED
         ))?;
+        if let Some(from) = p.back_to {
+            output::line(&format!(
+                "database {db}: partitions from {}: a message of an earlier time is not claimed (moved aside)",
+                from.format("%Y-%m-%d %H:%M:%S UTC")
+            ))?;
+        }
     }
     output::line(&format!(
         "database {db}: inbox_messages is {how}; {} partitions created",

@@ -170,17 +170,22 @@ pub async fn migrate_partitioned(
     dry_run: bool,
     partitioning: Option<super::partitions::Settings>,
 ) -> Result<MigrateReport> {
-    migrate_with(db, dry_run, partitioning, false).await
+    migrate_with(db, dry_run, partitioning, None, false).await
 }
 
-/// [`migrate_partitioned`]; with `new_inbox`, a new inbox is made even where another schema of the database holds an
-/// `inbox_messages` the search path does not reach (otherwise refused: it may be the one a service uses).
+/// [`migrate_partitioned`]; `partition_back`: how far back a conversion makes partitions (default
+/// [`super::partitions::BACK`]); with `new_inbox`, a new inbox is made even where another schema of the database holds
+/// an `inbox_messages` the search path does not reach (otherwise refused: it may be the one a service uses).
 pub async fn migrate_with(
     db: &Database,
     dry_run: bool,
     partitioning: Option<super::partitions::Settings>,
+    partition_back: Option<chrono::TimeDelta>,
     new_inbox: bool,
 ) -> Result<MigrateReport> {
+    if let Some(settings) = partitioning {
+        super::partitions::check_back(settings, partition_back.unwrap_or(super::partitions::BACK))?;
+    }
     if db.transaction_pooling() {
         return Err(Error::Usage(
             "migrate needs a session of its own, which a transaction pooler does not keep: it holds an advisory lock \
@@ -238,12 +243,14 @@ pub async fn migrate_with(
                 report.partitioning = Some(planned(settings));
                 Ok(report)
             }
-            Some(settings) => super::partitions::partition(&mut conn, settings, &database)
-                .await
-                .map(|done| {
-                    report.partitioning = Some(done);
-                    report
-                }),
+            Some(settings) => {
+                super::partitions::partition(&mut conn, settings, partition_back, &database)
+                    .await
+                    .map(|done| {
+                        report.partitioning = Some(done);
+                        report
+                    })
+            }
             None => Ok(report),
         },
         Err(e) => Err(e),

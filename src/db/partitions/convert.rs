@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, TimeDelta, Utc};
 use sqlx::Connection as _;
 use sqlx::postgres::PgConnection;
 
@@ -238,6 +238,10 @@ pub(super) fn built_statements() -> Vec<(&'static str, String)> {
 pub struct PartitionReport {
     /// An unpartitioned `inbox_messages` was converted (its rows now in `inbox_messages_untimed`).
     pub converted: bool,
+    /// Converted: the start of its oldest partition. A message of an earlier time is not claimed: no partition holds
+    /// it, and it is moved aside as unclaimable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub back_to: Option<DateTime<Utc>>,
     /// Partitions created, by name.
     pub created: Vec<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -245,19 +249,23 @@ pub struct PartitionReport {
 }
 
 /// Makes `inbox_messages` partitioned with `settings` — converting an unpartitioned one in place, or checking that a
-/// partitioned one has these settings — and its partitions cover `[now - BACK, now + AHEAD]` once converted, and
-/// from the newest one's end (within that) on a later run: what a cleanup dropped stays dropped. Safe to repeat, and to
-/// run again after it stopped half way. The caller holds the migrate lock and has applied the migrations.
-/// `database`: its name, for the refusals.
+/// partitioned one has these settings — and its partitions cover `[now - back, now + AHEAD]` once converted (`back`:
+/// [`BACK`] unless given, see [`check_back`]), and from the newest one's end (within that) on a later run: what a
+/// cleanup dropped stays dropped. Safe to repeat, and to run again after it stopped half way. The caller holds the
+/// migrate lock and has applied the migrations. `database`: its name, for the refusals.
 pub async fn partition(
     conn: &mut PgConnection,
     settings: Settings,
+    back: Option<TimeDelta>,
     database: &str,
 ) -> Result<PartitionReport> {
     let mut report = PartitionReport {
         settings: Some(settings),
         ..PartitionReport::default()
     };
+    let given_back = back;
+    let back = back.unwrap_or(BACK);
+    check_back(settings, back)?;
     require_server(conn).await?;
     match read_layout(&mut *conn).await? {
         // Partitioned, its settings lost: written again, as the operator gives them.
@@ -287,7 +295,7 @@ pub async fn partition(
                     differences: refused,
                 });
             }
-            convert(conn, settings, database).await?;
+            convert(conn, settings, back, database).await?;
             report.converted = true;
         }
         None => {
@@ -301,12 +309,44 @@ pub async fn partition(
     // only those after the newest there is (`make_missing`).
     report.created = if report.converted {
         let now = crate::db::external::database_now(&mut *conn).await?;
-        ensure_partitions(&mut *conn, settings, now - BACK, now + AHEAD).await?
+        report.back_to = intervals(settings, now - back, now + AHEAD)
+            .next()
+            .map(|(start, _)| start);
+        ensure_partitions(&mut *conn, settings, now - back, now + AHEAD).await?
     } else {
+        // Partitions before the oldest there is are not made again: a cleanup dropped them, their rows with them,
+        // and a copy of one of their messages made anew would be taken for a message never seen.
+        if given_back.is_some() {
+            tracing::warn!(
+                "--partition-back is taken only when the inbox is converted; this one is partitioned already, and \
+                 no partition is made before its oldest (a cleanup may have dropped those, and their rows)"
+            );
+        }
         make_missing(&mut *conn, settings).await?
     };
     restore_owner(conn).await?;
     Ok(report)
+}
+
+/// Refuses a `back` (`--partition-back`) whose partitions, with those [`AHEAD`], are more than a conversion makes
+/// ([`MAX_NEW_PARTITIONS`]): it makes the oldest first, and would leave out the present.
+pub fn check_back(settings: Settings, back: TimeDelta) -> Result<()> {
+    let interval = settings.interval.num_seconds().max(1);
+    // Whole intervals from `now - back` to `now + AHEAD`, the one each end falls in included.
+    let needed = (back + AHEAD).num_seconds().div_euclid(interval) + 2;
+    let most = i64::try_from(MAX_NEW_PARTITIONS).unwrap_or(i64::MAX);
+    if needed > most {
+        let longest = TimeDelta::seconds((most - 2) * interval) - AHEAD;
+        return Err(Error::Usage(format!(
+            "--partition-back {} would make {needed} partitions of {} with the {} ahead; a conversion makes at most \
+             {MAX_NEW_PARTITIONS}: give a --partition-back of at most {}, or a longer --partitioned interval",
+            humantime::format_duration(back.to_std().unwrap_or_default()),
+            humantime::format_duration(settings.interval.to_std().unwrap_or_default()),
+            humantime::format_duration(AHEAD.to_std().unwrap_or_default()),
+            humantime::format_duration(longest.to_std().unwrap_or_default()),
+        )));
+    }
+    Ok(())
 }
 
 /// Refuses a server older than a partitioned inbox needs: dropping a partition detaches it concurrently, and reading
@@ -399,7 +439,12 @@ async fn hand_over(conn: &mut PgConnection, table: &str, owner: &str) -> sqlx::R
 }
 
 /// The conversion (see the module documentation): every step but the last takes no lock that stops the consumers.
-async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) -> Result<()> {
+async fn convert(
+    conn: &mut PgConnection,
+    settings: Settings,
+    back: TimeDelta,
+    database: &str,
+) -> Result<()> {
     with_lock_retries(conn, ADD_COLUMNS).await?;
     if index_state(conn, "inbox_messages_untimed_key").await? == Some(false) {
         run(conn, DROP_UNTIMED_KEY).await?;
@@ -421,12 +466,12 @@ async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) ->
         })?;
     let grants: Vec<(Option<String>, String, bool)> =
         sql::query_as(INBOX_GRANTS).fetch_all(&mut *conn).await?;
-    let premade = premake(conn, settings).await?;
+    let premade = premake(conn, settings, back).await?;
     crate::failpoint::hit("partitions-premade").await;
     let mut tries = 0;
     loop {
         tries += 1;
-        match swap(conn, &key, &grants, settings, &premade).await {
+        match swap(conn, &key, &grants, settings, back, &premade).await {
             Ok(()) => {
                 // Between the swap and what `partition` does next (a test holds the conversion here).
                 crate::failpoint::hit("partitioned-swapped").await;
@@ -447,11 +492,15 @@ async fn convert(conn: &mut PgConnection, settings: Settings, database: &str) ->
 /// under the swap's lock they held every claim behind it for as long (241 tables at `1h`, seconds), where attaching
 /// tables made beforehand takes a fraction of it. (A swap that comes an interval later, tried again behind a long
 /// transaction, makes the one partition ahead it then needs under its lock.) The starts of those made.
-async fn premake(conn: &mut PgConnection, settings: Settings) -> Result<BTreeSet<DateTime<Utc>>> {
+async fn premake(
+    conn: &mut PgConnection,
+    settings: Settings,
+    back: TimeDelta,
+) -> Result<BTreeSet<DateTime<Utc>>> {
     // The database's time, as every maker of partitions reads it (`make_missing`).
     let now = crate::db::external::database_now(&mut *conn).await?;
     let mut made = BTreeSet::new();
-    for (start, _) in intervals(settings, now - BACK, now + AHEAD).take(MAX_NEW_PARTITIONS) {
+    for (start, _) in intervals(settings, now - back, now + AHEAD).take(MAX_NEW_PARTITIONS) {
         let name = partition_name(start);
         run(conn, &premade_table_statement(&name)).await?;
         for (index, definition) in INBOX_INDEXES {
@@ -474,6 +523,7 @@ async fn swap(
     key: &str,
     grants: &[(Option<String>, String, bool)],
     settings: Settings,
+    back: TimeDelta,
     premade: &BTreeSet<DateTime<Utc>>,
 ) -> sqlx::Result<()> {
     let mut tx = conn.begin().await?;
@@ -503,7 +553,7 @@ async fn swap(
     // consumer running through the conversion dead-lettered in the moment between this commit and the partitions).
     let mut starts = premade.clone();
     starts.extend(
-        intervals(settings, now - BACK, now + AHEAD)
+        intervals(settings, now - back, now + AHEAD)
             .take(MAX_NEW_PARTITIONS)
             .map(|(start, _)| start),
     );

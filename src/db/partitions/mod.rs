@@ -31,7 +31,7 @@ use crate::inbox::time::{TimeSource, earliest};
 mod convert;
 mod drop;
 mod refusals;
-pub use convert::{PartitionReport, partition, require_server};
+pub use convert::{PartitionReport, check_back, partition, require_server};
 pub use drop::{
     Contents, DETACHING, Detached, Settled, contents, detach, leftovers, settle_detached,
 };
@@ -87,8 +87,8 @@ pub const UNTIMED: &str = "inbox_messages_untimed";
 /// The smallest and largest interval of one partition.
 pub const MIN_INTERVAL: TimeDelta = TimeDelta::hours(1);
 pub const MAX_INTERVAL: TimeDelta = TimeDelta::days(31);
-/// How far back `migrate` creates partitions (copies of older messages, replays), and how far ahead it and `cleanup`
-/// keep them (clocks ahead; the time to the next cleanup).
+/// How far back `migrate` creates partitions at a conversion unless told (`--partition-back`): copies of older
+/// messages, replays. And how far ahead it and `cleanup` keep them (clocks ahead; the time to the next cleanup).
 pub const BACK: TimeDelta = TimeDelta::days(7);
 pub const AHEAD: TimeDelta = TimeDelta::days(3);
 /// At most this many partitions are created at once.

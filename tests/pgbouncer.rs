@@ -584,3 +584,104 @@ async fn triage_find_replay_and_audit_through_the_pooler() {
         5
     );
 }
+
+/// A pooler that ends a session idle in its transaction past `idle_transaction_timeout` (2 s here) while a batch's
+/// member waits on a slow call to the outside world (keyed mode: the call inside the transaction; the stand-in
+/// carrier's answer to `Slow` takes 5 s, past `--carrier-timeout 4s`). The member's failure is its own: the batch
+/// goes one by one, the other members are booked and the slow one alone is retried and moved to `_error`. The
+/// session's end under the failed member used to be taken for PostgreSQL gone: the batch was held and tried again as
+/// a whole for ever, none of its members committed and the failure never counted.
+/// The slow member first (its rollback refused) and last (the look at the transaction after it refused).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_member_whose_slow_call_outlived_the_poolers_idle_limit_fails_alone() {
+    for slow_first in [true, false] {
+        slow_member_past_the_idle_limit(slow_first).await;
+    }
+}
+
+async fn slow_member_past_the_idle_limit(slow_first: bool) {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let bouncer = PgBouncer::start(&env, 4, &["idle_transaction_timeout = 2"]);
+    let stub = common::Stub::start(&env, &[]);
+    stub.behave(serde_json::json!({"delayMs": 5000, "delayDestination": "Slow"}))
+        .await;
+    let slow: &[&str] = &["--count", "1", "--destination", "Slow"];
+    let others: &[&str] = &["--count", "7"];
+    let order = if slow_first {
+        [slow, others]
+    } else {
+        [others, slow]
+    };
+    for args in order {
+        common::publish_parcels(&env, args);
+    }
+    let url = bouncer.url();
+    let consumer = env.spawn_with(
+        &[
+            "consume",
+            "carrier",
+            "--transaction-pooling",
+            "--batch-size",
+            "8",
+            "--effect-mode",
+            "keyed",
+            "--carrier-url",
+            &stub.url,
+            "--carrier-timeout",
+            "4s",
+            "--carrier-connect-timeout",
+            "500ms",
+            "--max-attempts",
+            "2",
+            "--retry-delay",
+            "100ms",
+        ],
+        &[("DATABASE_URL", url.as_str())],
+    );
+    let pool = env.pool().await;
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let booked = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
+    while booked().await < 7 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(
+        booked().await,
+        7,
+        "slow first: {slow_first}: the seven others booked: {}",
+        consumer.stderr()
+    );
+    // Moved aside once its attempts are spent (the error queue is made by the first message moved there).
+    let conn = env.amqp().await;
+    let error_queue = format!("{CARRIER_QUEUE}_error");
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let channel = conn.create_channel().await.unwrap();
+        let declared = channel
+            .queue_declare(
+                error_queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                Default::default(),
+            )
+            .await;
+        if declared.is_ok_and(|q| q.message_count() > 0) || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let dead = common::drain(&conn, &error_queue).await;
+    consumer.terminate();
+    let stderr = consumer.stderr();
+    assert_eq!(dead.len(), 1, "the slow one moved aside: {stderr}");
+    assert!(
+        String::from_utf8_lossy(&dead[0].data).contains("Slow"),
+        "{stderr}"
+    );
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        7
+    );
+}

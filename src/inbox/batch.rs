@@ -234,8 +234,12 @@ impl Inbox {
                 return Err(ProcessError::Unavailable(e));
             }
             Worked::Redo(round) => {
-                rollback(tx).await?;
+                tx.rollback().await.map_err(ended_under_failed_work)?;
                 return Ok(round);
+            }
+            Worked::EndedUnderFailure(e) => {
+                let _ = tx.rollback().await;
+                return Err(ended_under_failed_work(e));
             }
             Worked::Miscounted => {
                 let _ = tx.rollback().await;
@@ -349,7 +353,7 @@ async fn run_work<T: Send>(
                 return match db::claim::still_open(conn).await {
                     Ok(()) => Worked::Redo(Round::MemberFailed(member.message_id, error)),
                     Err(e) => match super::aborted(e) {
-                        WorkError::Database(e) => Worked::Unavailable(e),
+                        WorkError::Database(e) => Worked::EndedUnderFailure(e),
                         _ => Worked::Redo(Round::Aborted),
                     },
                 };
@@ -402,6 +406,9 @@ enum Worked<T> {
     Unavailable(sqlx::Error),
     /// A failure the next round can leave out.
     Redo(Round<T>),
+    /// A member's work failed, and the session did not answer the look at the transaction after it: see
+    /// [`ended_under_failed_work`].
+    EndedUnderFailure(sqlx::Error),
     /// `together` gave another number of outputs than it had members.
     Miscounted,
     Panicked,
@@ -423,10 +430,16 @@ enum Round<T> {
     MemberFailed(Uuid, WorkError),
 }
 
-/// Rolls a batch's try back, so that the next try can take the same keys: a rollback that fails is the database's
-/// doing.
-async fn rollback(tx: sqlx::Transaction<'_, sqlx::Postgres>) -> Result<(), ProcessError> {
-    tx.rollback().await.map_err(ProcessError::Unavailable)
+/// The session ended under a round whose work failed — its rollback, or the look at the transaction after a
+/// member's failure, refused: a pooler's `idle_transaction_timeout` while a member waited on a slow call, say. The
+/// failure is the work's, not the database's: taken for an outage, the batch was held and tried again whole, for
+/// ever, the member's failure never counted and the others never committed. The batch fails as a whole and its
+/// members go one by one, where that member fails alone (and a database really gone is found by the others' claims).
+fn ended_under_failed_work(e: sqlx::Error) -> ProcessError {
+    ProcessError::Failed(WorkError::msg(format!(
+        "the database session ended under a member's failed work: {}",
+        crate::redact::text(&db::describe(&e))
+    )))
 }
 
 /// A member's work panicked, which may have left the connection mid-statement: the whole batch is given up, and its

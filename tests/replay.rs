@@ -2625,3 +2625,37 @@ async fn a_message_naming_a_reply_queue_or_its_own_dead_letter_queue_is_left_whe
     );
     assert_eq!(env.queue_counts("forged.dlq"), (2, 0));
 }
+
+/// The replay's receiving channel closes under it — as the broker closes it when messages are held past its
+/// `consumer_timeout` (a slow `--rate`, a narrow filter over a long queue) — after a copy was confirmed, before its
+/// dead-letter copy's acknowledgement is known to have arrived (a failpoint closes it there). The replay stops, and
+/// that acknowledgement is counted in doubt: the message is in both queues (the inbox discards the second copy). It
+/// used to report it replayed and nothing in doubt, the error queue still holding it.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_channel_closed_under_the_replay_before_an_acknowledgement_leaves_it_in_doubt() {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["closed-a", "closed.dlq"], FieldTable::default()).await;
+    dead_letters(&conn, "closed.dlq", 3, "rabbitmq://localhost/closed-a").await;
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "closed.dlq", "--json"],
+        &[("INBOXCTL_FAILPOINTS", "replay-channel-closed-before-ack")],
+    );
+    let code = replay.wait(Duration::from_secs(60));
+    let said = replay.stderr();
+    let report: serde_json::Value =
+        serde_json::from_str(replay.stdout().trim()).unwrap_or_else(|e| panic!("{e}: {said}"));
+    assert_ne!(code, Some(0), "{said}");
+    assert_eq!(report["replayed"], 1, "{report}");
+    assert_eq!(report["interrupted"], true, "{report}");
+    assert_eq!(report["acks_in_doubt"], 1, "{report} {said}");
+    assert!(
+        said.contains("the acknowledgement of 1 replayed message(s) is not known to have arrived"),
+        "{said}"
+    );
+    // What the queues hold: the copy, and the three in the dead-letter queue (the first given back as its channel
+    // closed) — the one in doubt in both.
+    assert_eq!(env.queue_counts("closed-a"), (1, 0));
+    assert_eq!(env.queue_counts("closed.dlq"), (3, 0));
+}

@@ -81,6 +81,15 @@ impl<'c> Channels<'c> {
     }
 
     pub async fn ack(&self, delivery_tag: u64) -> Result<()> {
+        // A test closes the channel here, as the broker does when messages are held past its `consumer_timeout`.
+        if crate::failpoint::armed("replay-channel-closed-before-ack", "") {
+            let _ = answered(
+                "a channel's close",
+                self.within,
+                self.inbound.close(200, "OK".into()),
+            )
+            .await;
+        }
         let ack = self
             .inbound
             .basic_ack(delivery_tag, BasicAckOptions::default());

@@ -295,7 +295,8 @@ fn summary(report: &Report) -> String {
         if report.acks_in_doubt > 0 {
             summary.push_str(&format!(
                 ", but the acknowledgement of {} replayed message(s) is not known to have arrived before the \
-                 connection was lost: such a message may still be in the dead-letter queue beside its copy",
+                 channel closed or the connection was lost: such a message may still be in the dead-letter queue \
+                 beside its copy",
                 report.acks_in_doubt
             ));
         }
@@ -337,9 +338,9 @@ fn stopped_error(report: &Report, broker: &crate::amqp::Broker) -> Option<crate:
     );
     if report.acks_in_doubt > 0 {
         done.push_str(&format!(
-            "; the acknowledgement of {} replayed message(s) is not known to have arrived before the connection was \
-             lost: such a message may still be in the dead-letter queue beside its copy, and a second replay sends it \
-             again (the inbox discards the copy)",
+            "; the acknowledgement of {} replayed message(s) is not known to have arrived before the channel closed \
+             or the connection was lost: such a message may still be in the dead-letter queue beside its copy, and a \
+             second replay sends it again (the inbox discards the copy)",
             report.acks_in_doubt
         ));
     }

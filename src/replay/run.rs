@@ -239,7 +239,16 @@ impl State<'_> {
             // moment has those messages out of the cleanup guard's sight with no marker to say why. (A lost
             // connection gives them back by itself.)
             if !crate::amqp::is_connection_lost(connection, &e) {
-                let _ = channels.finish().await;
+                match channels.finish().await {
+                    // Answered after every acknowledgement sent on the channel: they all arrived.
+                    Ok(true) => self.machine.settled(),
+                    // The channel closed under the stop (the broker's `consumer_timeout`, say, with messages held
+                    // past it): an acknowledgement sent on it, or refused by it, may not have arrived — in doubt,
+                    // as after a lost connection, and its message given back as the channel closed. It used to
+                    // stay counted as settled: the report said replayed and nothing in doubt, the message in both
+                    // queues.
+                    _ => self.machine.connection_lost(),
+                }
             }
             return Err(e);
         }

@@ -2659,3 +2659,38 @@ async fn a_channel_closed_under_the_replay_before_an_acknowledgement_leaves_it_i
     assert_eq!(env.queue_counts("closed-a"), (1, 0));
     assert_eq!(env.queue_counts("closed.dlq"), (3, 0));
 }
+
+/// On a terminal, a count within `--confirm-above` asks nothing — and the replay is still held to what was counted:
+/// three messages counted, five more failing between the count and the replay (a failpoint holds it there), and only
+/// the three go back. The five used to go back too, unasked: a burst of failures of any size, with no question.
+#[cfg(feature = "failpoints")]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replay_not_asked_about_moves_only_what_its_count_saw() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    error_queue(&conn).await;
+    for _ in 0..3 {
+        failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+    }
+    let tmux = common::Tmux::of(&env);
+    tmux.start_with(
+        &env,
+        "INBOXCTL_FAILPOINTS='replay-counted=sleep-once-8000'",
+        &format!("replay --from {ERROR_QUEUE} --confirm-above 5"),
+    );
+    tmux.wait_for("the count", |s| {
+        s.contains("failpoint replay-counted reached")
+    });
+    for _ in 0..5 {
+        failed_message(&conn, "boom", chrono::TimeDelta::zero(), 0).await;
+    }
+    let screen = tmux.wait_for("the end", |s| s.contains("EXITED="));
+    assert!(!screen.contains("replay them?"), "nothing asked:\n{screen}");
+    assert_eq!(
+        env.queue_counts(CARRIER_QUEUE),
+        (3, 0),
+        "the 3 counted went back:\n{screen}"
+    );
+    assert_eq!(env.queue_counts(ERROR_QUEUE), (5, 0), "{screen}");
+}

@@ -12,9 +12,10 @@ use crate::replay::{self, Action, Plan};
 use crate::sanitize;
 
 /// Whether to go on with `plan`: asked on a terminal when it would replay more than `above` messages (found by a dry
-/// run of the same plan, which takes nothing); without a terminal there is nobody to ask, and it goes on. After a
-/// yes, `plan` is limited to the messages confirmed, by count and by id: messages that arrive meanwhile are not
-/// replayed unseen.
+/// run of the same plan, which takes nothing); without a terminal there is nobody to ask, and it goes on. Asked and
+/// answered yes, or not asked for a count within `above`, `plan` is limited to the messages counted, by count and by
+/// id: messages that arrive meanwhile are not replayed unseen (not asked, a burst of failures between the count and
+/// the replay went back unasked, however many), nor those past where a count cut short stopped.
 pub async fn replay(
     connection: &Connection,
     broker: &Broker,
@@ -55,6 +56,8 @@ pub async fn replay(
         .filter(|i| i.action == Action::WouldReplay)
         .collect();
     if would.len() as u64 <= above {
+        limit_to_counted(plan, &report);
+        crate::failpoint::hit("replay-counted").await;
         return Ok(true);
     }
     let mut groups: BTreeMap<&str, (u64, Option<&str>)> = BTreeMap::new();
@@ -93,23 +96,27 @@ pub async fn replay(
     };
     let yes = matches!(answer.trim().to_ascii_lowercase().as_str(), "y" | "yes");
     if yes {
-        // Messages that failed while the question was read come after these, at the queue's tail; but one that failed
-        // while the dry run looked comes before them on a quorum queue, which puts what the dry run gave back at its
-        // tail: the messages confirmed are those the dry run chose, by id, and as many. The count, as `--limit`,
-        // holds every message the selection chose, those left for an obstacle (expired, replayed too often, no
-        // origin) too: the limit is what the dry run chose, not only what it would replay.
-        let chosen: Vec<_> = report
-            .items
-            .iter()
-            .filter(|i| !matches!(i.action, Action::NotSelected | Action::CopyOfReplayed))
-            .collect();
-        plan.confirmed = Some(chosen.len() as u64);
-        plan.confirmed_ids = Some(
-            chosen
-                .iter()
-                .filter_map(|i| i.message_id.as_deref().map(replay::canonical_id))
-                .collect(),
-        );
+        limit_to_counted(plan, &report);
     }
     Ok(yes)
+}
+
+/// Limits `plan` to what the dry run `counted` chose. Messages that failed after it come after these, at the queue's
+/// tail; but one that failed while the dry run looked comes before them on a quorum queue, which puts what the dry run
+/// gave back at its tail: the messages counted are those the dry run chose, by id, and as many. The count, as
+/// `--limit`, holds every message the selection chose, those left for an obstacle (expired, replayed too often, no
+/// origin) too: the limit is what the dry run chose, not only what it would replay.
+fn limit_to_counted(plan: &mut Plan, counted: &replay::Report) {
+    let chosen: Vec<_> = counted
+        .items
+        .iter()
+        .filter(|i| !matches!(i.action, Action::NotSelected | Action::CopyOfReplayed))
+        .collect();
+    plan.confirmed = Some(chosen.len() as u64);
+    plan.confirmed_ids = Some(
+        chosen
+            .iter()
+            .filter_map(|i| i.message_id.as_deref().map(replay::canonical_id))
+            .collect(),
+    );
 }

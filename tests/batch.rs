@@ -627,3 +627,25 @@ async fn a_transaction_the_work_leaves_open_is_no_commit() {
         1
     );
 }
+
+/// A batch of more than `MAX_BATCH` members is refused before anything runs or is claimed: each round's claim locks
+/// every key left, and a failing member costs a round, so the size is bounded where it is documented.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_batch_larger_than_the_most_a_batch_holds_is_refused_before_anything_runs() {
+    let (_env, pool, inbox) = setup().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let members: Vec<Member<()>> = (0..=inboxctl::inbox::MAX_BATCH)
+        .map(|_| member(Uuid::new_v4(), "one", false, &runs))
+        .collect();
+    let batch = inbox.process_batch(members).await;
+    assert!(
+        matches!(&batch, Err(inboxctl::inbox::ProcessError::Failed(e)) if e.to_string().contains("at most 64")),
+        "{:?}",
+        batch.map(|o| kinds(&o))
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM inbox_messages").await,
+        0
+    );
+}

@@ -123,7 +123,8 @@ async fn next<C: Consumer>(
     running: &AtomicUsize,
 ) -> Option<Vec<Queued>> {
     failpoint::hit("batch-next").await;
-    let size = shared.options.batch_size;
+    // As `Inbox::process_batch` takes (the command line's `--batch-size` is checked; a library caller's is not).
+    let size = shared.options.batch_size.clamp(1, crate::inbox::MAX_BATCH);
     let mut rx = queue.lock().await;
     let first = loop {
         let queued = rx.recv().await?;

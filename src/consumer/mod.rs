@@ -93,9 +93,11 @@ pub trait Consumer: Send + Sync + 'static {
     const MESSAGE_TYPE: &'static str;
 
     /// Does the work of one message on `tx`, the transaction that also holds the message's inbox row. Must not commit
-    /// or roll back; returning an error rolls everything back. A raw `COMMIT` or `ROLLBACK` is found after the work one
-    /// by one (the message fails), but in a batch only once the members after it ran outside any transaction (their
-    /// writes committed on their own, made again when the batch is redone): never end the transaction. A transaction
+    /// or roll back; returning an error rolls everything back. A raw `COMMIT` or `ROLLBACK` after which the work
+    /// returns `Ok` is found (the message fails), in a batch only once the members after it ran outside any
+    /// transaction (their writes committed on their own, made again when the batch is redone). A raw `COMMIT`
+    /// commits the claim: a work that then fails, and in a batch every member after it that fails or is not reached,
+    /// is taken as processed when it comes again — its message lost. Never end the transaction. A transaction
     /// of its own (`begin`) is a savepoint: commit it (one leaked, left open, fails the message; one dropped is rolled
     /// back with what it wrote, and the message commits without it, as with any transaction dropped). Settings only
     /// with `SET LOCAL`: a plain `SET` (`search_path`, `lock_timeout`, `ROLE`) outlives the transaction on the pooled

@@ -95,6 +95,13 @@ impl Inbox {
         members: Vec<Member<T>>,
         mut together: Option<TogetherWork<T>>,
     ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        // Each round's claim locks every key left, and a failing member costs a round: the size is bounded.
+        if members.len() > MAX_BATCH {
+            return Err(ProcessError::Failed(WorkError::msg(format!(
+                "a batch holds at most {MAX_BATCH} messages, not {}",
+                members.len()
+            ))));
+        }
         let mut ids: Vec<Uuid> = members.iter().map(|m| m.message_id).collect();
         ids.sort_unstable();
         ids.dedup();

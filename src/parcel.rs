@@ -55,15 +55,70 @@ impl Kind {
     }
 }
 
-/// `ParcelTracker.Domain.Events.ParcelCreatedEvent`, as MassTransit serialises it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// `ParcelTracker.Domain.Events.ParcelCreatedEvent`, as MassTransit serialises it; read as MassTransit reads it, its
+/// field names in any case (`ParcelId` from a fleet whose naming policy is .NET's own: [`crate::amqp::envelope::fields`]).
+/// Unknown fields are ignored; a field given twice (in any case) is an error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ParcelCreatedEvent {
     pub parcel_id: Uuid,
-    #[serde(deserialize_with = "storable_text")]
     pub tracking_number: String,
-    #[serde(deserialize_with = "storable_text")]
     pub destination: String,
+}
+
+/// [`ParcelCreatedEvent`]'s fields, as MassTransit writes them.
+const EVENT_FIELDS: &[&str] = &["parcelId", "trackingNumber", "destination"];
+
+impl<'de> Deserialize<'de> for ParcelCreatedEvent {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use crate::amqp::envelope::fields;
+        use serde::de::Error as _;
+
+        /// A text of the event, NUL read as U+FFFD ([`storable_text`]).
+        struct Storable(String);
+        impl<'de> Deserialize<'de> for Storable {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                storable_text(d).map(Storable)
+            }
+        }
+
+        struct Event;
+        impl<'de> serde::de::Visitor<'de> for Event {
+            type Value = ParcelCreatedEvent;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("struct ParcelCreatedEvent")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<ParcelCreatedEvent, A::Error> {
+                let (mut parcel_id, mut tracking_number, mut destination) = (None, None, None);
+                let mut seen = [false; EVENT_FIELDS.len()];
+                while let Some(field) = map.next_key_seed(fields::FieldOf(EVENT_FIELDS))? {
+                    let Some(index) = field else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        continue;
+                    };
+                    fields::first_time(&mut seen, EVENT_FIELDS, index)?;
+                    match index {
+                        0 => parcel_id = Some(map.next_value::<Uuid>()?),
+                        1 => tracking_number = Some(map.next_value::<Storable>()?.0),
+                        _ => destination = Some(map.next_value::<Storable>()?.0),
+                    }
+                }
+                Ok(ParcelCreatedEvent {
+                    parcel_id: parcel_id.ok_or_else(|| A::Error::missing_field("parcelId"))?,
+                    tracking_number: tracking_number
+                        .ok_or_else(|| A::Error::missing_field("trackingNumber"))?,
+                    destination: destination
+                        .ok_or_else(|| A::Error::missing_field("destination"))?,
+                })
+            }
+        }
+        deserializer.deserialize_struct("ParcelCreatedEvent", EVENT_FIELDS, Event)
+    }
 }
 
 /// A text of the event with each NUL character (JSON's `\u0000`) read as U+FFFD: PostgreSQL's text and jsonb refuse

@@ -252,6 +252,95 @@ async fn every_masstransit_fixture_is_consumed_with_the_id_of_its_envelope_in(mo
     assert_eq!(env.queue_counts(CARRIER_QUEUE), (0, 0));
 }
 
+/// A fleet whose MassTransit serialiser writes .NET's own PascalCase (a `PropertyNamingPolicy` of null): `MessageId`,
+/// `MessageType`, `Message`, `ParcelId`, … MassTransit reads names whatever their case, and so does inboxctl: such a
+/// message is processed under its envelope's id (a copy of it a duplicate), and so is one whose names are all lower
+/// case. Names given twice in two cases are refused as a name given twice (which of two message ids counts is not
+/// something to guess). They were all moved to the error queue: "the MassTransit envelope has no message". (A copy
+/// serialised again under another naming policy is another event to the fingerprint, which keeps names as written: a
+/// conflict, not a duplicate — docs/commands.md.)
+#[tokio::test(flavor = "multi_thread")]
+async fn names_in_any_case_are_read_as_masstransit_reads_them() {
+    fn recase(value: &serde_json::Value, case: &dyn Fn(&str) -> String) -> serde_json::Value {
+        match value {
+            serde_json::Value::Object(map) => map
+                .iter()
+                .map(|(k, v)| (case(k), recase(v, case)))
+                .collect::<serde_json::Map<_, _>>()
+                .into(),
+            serde_json::Value::Array(items) => items.iter().map(|v| recase(v, case)).collect(),
+            other => other.clone(),
+        }
+    }
+    let pascal = |k: &str| {
+        let mut chars = k.chars();
+        chars
+            .next()
+            .map(|c| c.to_ascii_uppercase().to_string() + chars.as_str())
+            .unwrap_or_default()
+    };
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let f = common::fixture("published/published-01.json");
+    let camel: serde_json::Value = serde_json::from_slice(&f.body).unwrap();
+    let id = camel["messageId"].as_str().unwrap().to_owned();
+    let parcel = camel["message"]["parcelId"].as_str().unwrap().to_owned();
+    let in_pascal = serde_json::to_vec_pretty(&recase(&camel, &pascal)).unwrap();
+    assert!(String::from_utf8_lossy(&in_pascal).contains("\"MessageId\""));
+    common::publish(&conn, EVENT_EXCHANGE, "", f.properties.clone(), &in_pascal).await;
+    let mut lower = recase(&camel, &|k: &str| k.to_ascii_lowercase());
+    let other = Uuid::now_v7();
+    lower["messageid"] = other.to_string().into();
+    common::publish(
+        &conn,
+        EVENT_EXCHANGE,
+        "",
+        inboxctl::amqp::envelope::masstransit_properties(other),
+        &serde_json::to_vec(&lower).unwrap(),
+    )
+    .await;
+    common::publish(&conn, EVENT_EXCHANGE, "", f.properties.clone(), &in_pascal).await;
+    let twice = Uuid::now_v7();
+    let mut both = camel.clone();
+    both["messageId"] = twice.to_string().into();
+    let both = serde_json::to_string(&both).unwrap().replacen(
+        "{",
+        &format!("{{\"MessageId\":\"{}\",", Uuid::now_v7()),
+        1,
+    );
+    common::publish(
+        &conn,
+        CARRIER_QUEUE,
+        "",
+        inboxctl::amqp::envelope::masstransit_properties(twice),
+        both.as_bytes(),
+    )
+    .await;
+
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    let pool = env.pool().await;
+    let rows: Vec<(Uuid, Uuid)> =
+        sqlx::query_as("SELECT message_id, parcel_id FROM carrier_reservations ORDER BY 1")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    let mut expected = vec![
+        (
+            Uuid::parse_str(&id).unwrap(),
+            Uuid::parse_str(&parcel).unwrap(),
+        ),
+        (other, Uuid::parse_str(&parcel).unwrap()),
+    ];
+    expected.sort();
+    assert_eq!(rows, expected, "{}", out.stderr);
+    assert!(out.stderr.contains("duplicates=1"), "{}", out.stderr);
+    let dead = common::drain(&conn, &format!("{CARRIER_QUEUE}_error")).await;
+    assert_eq!(dead.len(), 1, "{}", out.stderr);
+    let reason = common::header_text(&dead[0].properties, "MT-Fault-Message").unwrap();
+    assert!(reason.contains("duplicate field `messageId`"), "{reason}");
+}
+
 /// `publish --id-kind`: MassTransit's NewId by default (one process part, its time the envelope's `sentTime`),
 /// UUIDv7 or random v4 when asked; a kind it does not know is refused before anything is sent.
 #[tokio::test(flavor = "multi_thread")]

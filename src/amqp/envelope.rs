@@ -12,6 +12,7 @@ use uuid::Uuid;
 
 use super::limits::{self, MAX_HEADER_DEPTH, MAX_LOGGED_TEXT};
 
+pub(crate) mod fields;
 mod fingerprint;
 pub use fingerprint::fingerprint;
 
@@ -61,17 +62,65 @@ pub enum Unreadable {
     NilMessageId,
 }
 
-/// The envelope fields inboxctl reads. Unknown fields are ignored; a field given twice is an error.
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
+/// The envelope fields inboxctl reads, named whatever their case ([`fields`]). Unknown fields are ignored; a field
+/// given twice (in any case) is an error.
 struct EnvelopeIn<'a> {
-    #[serde(borrow)]
     message_id: Option<std::borrow::Cow<'a, str>>,
     message_type: Option<MessageTypes>,
-    #[serde(borrow)]
     message: Option<&'a RawValue>,
-    #[serde(borrow)]
     sent_time: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// [`EnvelopeIn`]'s fields, as MassTransit writes them.
+const ENVELOPE_FIELDS: &[&str] = &["messageId", "messageType", "message", "sentTime"];
+
+impl<'de> Deserialize<'de> for EnvelopeIn<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Envelope;
+        impl<'de> serde::de::Visitor<'de> for Envelope {
+            type Value = EnvelopeIn<'de>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a MassTransit envelope")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<EnvelopeIn<'de>, A::Error> {
+                let mut envelope = EnvelopeIn {
+                    message_id: None,
+                    message_type: None,
+                    message: None,
+                    sent_time: None,
+                };
+                let mut seen = [false; ENVELOPE_FIELDS.len()];
+                while let Some(field) = map.next_key_seed(fields::FieldOf(ENVELOPE_FIELDS))? {
+                    let Some(index) = field else {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        continue;
+                    };
+                    fields::first_time(&mut seen, ENVELOPE_FIELDS, index)?;
+                    match index {
+                        0 => {
+                            envelope.message_id = map
+                                .next_value::<Option<fields::CowStr<'de>>>()?
+                                .map(|t| t.0);
+                        }
+                        1 => envelope.message_type = map.next_value()?,
+                        2 => envelope.message = map.next_value()?,
+                        _ => {
+                            envelope.sent_time = map
+                                .next_value::<Option<fields::CowStr<'de>>>()?
+                                .map(|t| t.0);
+                        }
+                    }
+                }
+                Ok(envelope)
+            }
+        }
+        deserializer.deserialize_map(Envelope)
+    }
 }
 
 /// How many of an envelope's `messageType`s are kept. MassTransit lists the message's type and those it implements,

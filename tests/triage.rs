@@ -1054,6 +1054,81 @@ async fn cleanup_refuses_while_another_look_holds_a_dead_letter_queues_messages(
     assert_eq!(rows_of(&pool, "carrier").await, 5);
 }
 
+/// Another client consumes a dead-letter queue (a fault monitor, a shovel, a script) and holds its one message —
+/// failed 8 days ago, its replay needing the consumer_type's rows — unacknowledged: no look sees it, and the queue
+/// reads empty. The cleanup's guard took that for "nothing waits" and deleted the rows; it refuses the consumer_type
+/// now (exit 3), naming the consumers, and cleans once they are gone (here: the message back, and too old, refused
+/// by its age as usual).
+#[tokio::test(flavor = "multi_thread")]
+async fn cleanup_refuses_a_dead_letter_queue_another_client_consumes() {
+    use futures_util::StreamExt as _;
+    let env = TestEnv::migrated().await;
+    let pool = env.pool().await;
+    let conn = env.amqp().await;
+    processed_rows(&pool, "carrier", "orders-carrier", 5, 8).await;
+    inboxctl::amqp::topology::ensure_dead_letter_queue(
+        &conn,
+        "orders-carrier_error",
+        common::queue_type(),
+    )
+    .await
+    .unwrap();
+    let old = fail(
+        &conn,
+        "orders-carrier_error",
+        "System.TimeoutException",
+        "timeout",
+        TimeDelta::days(8),
+    )
+    .await;
+    let monitor = env.amqp().await;
+    let channel = monitor.create_channel().await.unwrap();
+    channel
+        .basic_qos(10, lapin::options::BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut deliveries = channel
+        .basic_consume(
+            "orders-carrier_error".into(),
+            "fault-monitor".into(),
+            lapin::options::BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let held = deliveries.next().await.unwrap().unwrap();
+    assert_eq!(env.queue_counts("orders-carrier_error"), (0, 1));
+
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    let report = json(&out);
+    assert_eq!(
+        report["consumers"][0]["refused"]["consumers"], 1,
+        "{report}"
+    );
+    assert!(
+        out.stderr
+            .contains("orders-carrier_error has 1 consumer(s) of another client"),
+        "{out:?}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5, "the rows are kept");
+
+    drop(held);
+    monitor.close(200, "OK".into()).await.unwrap();
+    common::eventually("the held message back", Duration::from_secs(10), || async {
+        env.queue_counts("orders-carrier_error") == (1, 0)
+    })
+    .await;
+    let out = env.run(&["cleanup", "--retention", "7d", "--json"]);
+    assert_eq!(out.code, Some(3), "{out:?}");
+    assert_eq!(
+        json(&out)["consumers"][0]["refused"]["message_id"],
+        old,
+        "{out:?}"
+    );
+    assert_eq!(rows_of(&pool, "carrier").await, 5);
+}
+
 /// `failures` and `find` while another look holds some of a dead-letter queue's messages (a `failures` paused after
 /// its first take): they saw the rest and said nothing of it — a listing short of a member, a message "found nowhere"
 /// that waits in the queue. They read the other looks' marks now, as the cleanup's guard does, and say the listing

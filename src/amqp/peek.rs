@@ -30,6 +30,10 @@ pub struct Looked {
     /// detail, a cleanup's guard), or whether one did could not be read: messages it held may have been out of this
     /// look's sight. Read by the looks that mark (of more than one message, and the guard's); `false` otherwise.
     pub crowded: bool,
+    /// Consumers of the queue when the look began (its count's): inboxctl's own looks take with `basic.get` and mark
+    /// other queues, so each is another client's — a fault monitor, a shovel — whose unacknowledged messages no look
+    /// sees.
+    pub consumers: u32,
     /// The most times any message looked at had been delivered before (its `x-delivery-count`: a quorum queue's, which
     /// every return raises before RabbitMQ 4.3, a look's too); `None` when none carried it.
     pub most_deliveries: Option<u32>,
@@ -86,7 +90,7 @@ async fn look(
         true => Some(answered(MARKS, within, topology::looks_at(connection, queue)).await?),
         false => None,
     };
-    let Some((ready, _)) = depth_of().await?? else {
+    let Some((ready, consumers)) = depth_of().await?? else {
         if let Some(mark) = mark {
             end(mark, within).await;
         }
@@ -174,6 +178,7 @@ async fn look(
         depth,
         looked,
         crowded,
+        consumers,
         most_deliveries,
     }))
 }

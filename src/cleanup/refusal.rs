@@ -28,6 +28,10 @@ pub struct Refusal {
     /// further on is, it cannot tell (no message is named then).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub beyond_the_look: bool,
+    /// Another client consumed the queue (this many consumers: a fault monitor, a shovel, a script): the messages it
+    /// holds unacknowledged are out of the cleanup's sight (no message is named then).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub consumers: Option<u32>,
     /// The queue (a `--dlq`) is not in the vhost the cleanup looked in: whether a message waits in it is unknown.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub absent: bool,
@@ -57,6 +61,7 @@ impl Refusal {
             replay_running: false,
             looked_at_elsewhere: false,
             beyond_the_look: false,
+            consumers: None,
             absent: false,
             other_vhost: None,
         }
@@ -86,6 +91,14 @@ impl Refusal {
                 "{} holds more messages than the cleanup looks at (10,000), and none of those it looked at failed \
                  before the cutoff: whether one further on did, it cannot tell (on a quorum queue the ones looked at \
                  go behind the rest); replay or remove them first, or give --force",
+                crate::sanitize::text(&self.queue)
+            );
+        }
+        if let Some(consumers) = self.consumers {
+            return format!(
+                "{} has {consumers} consumer(s) of another client (a fault monitor, a shovel, a script): the messages \
+                 it holds unacknowledged are out of the cleanup's sight, and one of them may wait for its replay; \
+                 stop it, or give --force",
                 crate::sanitize::text(&self.queue)
             );
         }

@@ -53,6 +53,8 @@ enum Seen {
     Replaying,
     /// Another look held it marked through every try for [`OTHER_LOOK_WAIT`].
     LookedAtElsewhere,
+    /// Another client consumes it (this many): what it holds unacknowledged is out of sight.
+    Consumed(u32),
 }
 
 /// The messages of `queue`, unless a replay of it is running or another look keeps them out of sight. The
@@ -104,6 +106,9 @@ async fn head_unless_replaying(
             }
             if replay_running().await?? {
                 return Ok(Seen::Replaying);
+            }
+            if let Some(consumers) = looked.map(|l| l.consumers).filter(|&n| n > 0) {
+                return Ok(Seen::Consumed(consumers));
             }
             let all = looked.is_none_or(|l| l.looked >= l.depth);
             if !looked.is_some_and(|l| l.crowded) {
@@ -358,6 +363,13 @@ impl Looks {
         }
     }
 
+    fn consumed(&self, queue: &str, consumers: u32) -> Refusal {
+        Refusal {
+            consumers: Some(consumers),
+            ..Refusal::of(queue, self.cutoff)
+        }
+    }
+
     /// Looks at the `_error` and `_skipped` queues of each `(i, queue)` of `places` for `consumers[i]`, on
     /// `connection` (in `vhost`); a consumer_type refused by one is not looked at further.
     async fn each(
@@ -400,6 +412,10 @@ impl Looks {
                     }
                     Seen::LookedAtElsewhere => {
                         report.refused = Some(self.looked_at_elsewhere(&dead_letters));
+                        break;
+                    }
+                    Seen::Consumed(n) => {
+                        report.refused = Some(self.consumed(&dead_letters, n));
                         break;
                     }
                 };
@@ -455,6 +471,7 @@ impl Looks {
                         for report in consumers.iter_mut().filter(|r| r.refused.is_none()) {
                             report.refused = Some(match seen {
                                 Seen::Replaying => self.replaying(dlq),
+                                Seen::Consumed(n) => self.consumed(dlq, n),
                                 _ => self.looked_at_elsewhere(dlq),
                             });
                         }

@@ -341,6 +341,50 @@ async fn names_in_any_case_are_read_as_masstransit_reads_them() {
     assert!(reason.contains("duplicate field `messageId`"), "{reason}");
 }
 
+/// A MassTransit envelope that declares no message type (none given, or an empty list) is no consumer's to
+/// MassTransit, which moves it to `_skipped`: so does inboxctl, nothing processed. It took it for its own type and
+/// processed it, where a .NET consumer of the same queue would have skipped it.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_envelope_that_declares_no_type_is_skipped_as_masstransit_skips_it() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let event = r#"{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT1", "destination": "Berlin"}"#;
+    let (none, empty) = (Uuid::now_v7(), Uuid::now_v7());
+    for (id, types) in [(none, ""), (empty, r#""messageType": [], "#)] {
+        let body = format!(r#"{{"messageId": "{id}", {types}"message": {event}}}"#);
+        common::publish(
+            &conn,
+            CARRIER_QUEUE,
+            "",
+            inboxctl::amqp::envelope::masstransit_properties(id),
+            body.as_bytes(),
+        )
+        .await;
+    }
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    let pool = env.pool().await;
+    assert_eq!(
+        common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
+        0,
+        "{}",
+        out.stderr
+    );
+    let skipped = common::drain(&conn, &format!("{CARRIER_QUEUE}_skipped")).await;
+    let mut ids: Vec<String> = skipped
+        .iter()
+        .map(|d| d.properties.message_id().as_ref().unwrap().to_string())
+        .collect();
+    ids.sort();
+    let mut expected = vec![none.to_string(), empty.to_string()];
+    expected.sort();
+    assert_eq!(ids, expected, "{}", out.stderr);
+    assert_eq!(
+        common::header_text(&skipped[0].properties, "MT-Reason").as_deref(),
+        Some("dead-letter")
+    );
+}
+
 /// `publish --id-kind`: MassTransit's NewId by default (one process part, its time the envelope's `sentTime`),
 /// UUIDv7 or random v4 when asked; a kind it does not know is refused before anything is sent.
 #[tokio::test(flavor = "multi_thread")]

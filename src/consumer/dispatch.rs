@@ -191,7 +191,13 @@ pub(super) async fn prepare<C: Consumer>(
     // The consumer's own code — which types it handles, how its message decodes (a `deserialize_with` of its own) —
     // panics on this message alone, the same at every delivery: a message that cannot be read, moved to the error
     // queue. Taken as a panic of the handling, it was given back every 5 s for ever, never in the error queue.
-    let handles = std::panic::catch_unwind(|| C::handles(&incoming.message_types));
+    // A MassTransit envelope that declares no type (none given, or `[]`) is no consumer's to MassTransit, which moves it
+    // to `_skipped`: so here (a plain JSON message that declares none is taken for the consumer's type instead).
+    let handles = if incoming.masstransit && incoming.message_types.is_empty() {
+        Ok(false)
+    } else {
+        std::panic::catch_unwind(|| C::handles(&incoming.message_types))
+    };
     let decoded = match handles {
         Ok(false) => return Prepared::Done(skip(shared, link, delivery, &incoming).await),
         Ok(true) => std::panic::catch_unwind(AssertUnwindSafe(|| {

@@ -385,6 +385,59 @@ async fn an_envelope_that_declares_no_type_is_skipped_as_masstransit_skips_it() 
     );
 }
 
+/// A plain JSON message from MassTransit's raw JSON serialiser names its types in the `MT-MessageType` header (no
+/// AMQP `type`): one naming another type (`ParcelLabelPrinted`, its fields those of a parcel here) goes to `_skipped`;
+/// one naming the consumer's type is processed. The header was not read: the first was processed as a parcel.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_raw_json_message_is_typed_by_its_masstransit_header() {
+    let env = TestEnv::migrated().await;
+    common::ensure_endpoints(&env).await;
+    let conn = env.amqp().await;
+    let event = r#"{"parcelId": "0ce06342-59c9-484e-badb-b581a07f00ad", "trackingNumber": "PT1", "destination": "Berlin"}"#;
+    let (other, ours) = (Uuid::now_v7(), Uuid::now_v7());
+    for (id, types) in [
+        (
+            other,
+            "urn:message:ParcelTracker.Domain.Events:ParcelLabelPrinted",
+        ),
+        (
+            ours,
+            "urn:message:ParcelTracker.Domain.Events:ParcelCreatedEvent;urn:message:ParcelTracker.Domain:IEvent",
+        ),
+    ] {
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert(
+            "MT-MessageType".into(),
+            AMQPValue::LongString(types.as_bytes().to_vec().into()),
+        );
+        common::publish(
+            &conn,
+            CARRIER_QUEUE,
+            "",
+            plain(Some(&id.to_string())).with_headers(headers),
+            event.as_bytes(),
+        )
+        .await;
+    }
+    let out = common::consume_until_idle(&env, &["carrier"]);
+    let pool = env.pool().await;
+    let booked: Vec<Uuid> = sqlx::query_scalar("SELECT message_id FROM carrier_reservations")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(booked, vec![ours], "{}", out.stderr);
+    let skipped = common::drain(&conn, &format!("{CARRIER_QUEUE}_skipped")).await;
+    assert_eq!(skipped.len(), 1, "{}", out.stderr);
+    assert_eq!(
+        skipped[0]
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str()),
+        Some(other.to_string().as_str())
+    );
+}
+
 /// `publish --id-kind`: MassTransit's NewId by default (one process part, its time the envelope's `sentTime`),
 /// UUIDv7 or random v4 when asked; a kind it does not know is refused before anything is sent.
 #[tokio::test(flavor = "multi_thread")]

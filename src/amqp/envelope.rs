@@ -224,17 +224,32 @@ pub fn parse(properties: &BasicProperties, body: &[u8]) -> Result<Incoming, Unre
                 serde_json::from_str(text).map_err(|e| Unreadable::NotJson(e.to_string()))?;
             Ok(Incoming {
                 message_id: parse_id(id)?,
-                message_types: properties
-                    .kind()
-                    .as_ref()
-                    .map(|t| vec![t.as_str().to_owned()])
-                    .unwrap_or_default(),
+                message_types: match properties.kind() {
+                    Some(t) => vec![t.as_str().to_owned()],
+                    None => raw_message_types(properties),
+                },
                 payload: raw.to_owned(),
                 masstransit: false,
                 sent_time: None,
             })
         }
     }
+}
+
+/// The types a plain JSON message declares in the header MassTransit's raw JSON serialiser writes them to,
+/// `MT-MessageType` (URNs, `;` between them), its first [`MAX_MESSAGE_TYPES`] kept; none when it has no such header.
+fn raw_message_types(properties: &BasicProperties) -> Vec<String> {
+    super::dead_letter::header_text(properties.headers().as_ref(), "MT-MessageType")
+        .map(|types| {
+            types
+                .split(';')
+                .map(str::trim)
+                .filter(|t| !t.is_empty())
+                .take(MAX_MESSAGE_TYPES)
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// The id a consumer keys a dead-lettered message on, for the tools that name and choose such messages (`replay`,

@@ -2658,6 +2658,26 @@ async fn a_channel_closed_under_the_replay_before_an_acknowledgement_leaves_it_i
     // closed) — the one in doubt in both.
     assert_eq!(env.queue_counts("closed-a"), (1, 0));
     assert_eq!(env.queue_counts("closed.dlq"), (3, 0));
+
+    // The channel closed after the last acknowledgement, before the replay's end was answered: the replay has done
+    // its work, and says that last acknowledgement is in doubt (here it did arrive: the queue is empty).
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    declare(&conn, &["late-a", "late.dlq"], FieldTable::default()).await;
+    dead_letters(&conn, "late.dlq", 3, "rabbitmq://localhost/late-a").await;
+    let mut replay = env.spawn_with(
+        &["replay", "--from", "late.dlq", "--json"],
+        &[("INBOXCTL_FAILPOINTS", "replay-channel-closed-before-finish")],
+    );
+    let code = replay.wait(Duration::from_secs(60));
+    let said = replay.stderr();
+    let report: serde_json::Value =
+        serde_json::from_str(replay.stdout().trim()).unwrap_or_else(|e| panic!("{e}: {said}"));
+    assert_eq!(code, Some(0), "{said}");
+    assert_eq!(report["replayed"], 3, "{report}");
+    assert_eq!(report["interrupted"], false, "{report}");
+    assert_eq!(report["acks_in_doubt"], 1, "{report} {said}");
+    assert_eq!(env.queue_counts("late-a"), (3, 0));
 }
 
 /// On a terminal, a count within `--confirm-above` asks nothing — and the replay is still held to what was counted:

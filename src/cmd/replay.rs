@@ -290,6 +290,15 @@ fn summary(report: &Report) -> String {
             report.reconnects
         ));
     }
+    // A replay that went on to its end, a channel having closed under it after an acknowledgement.
+    if !report.interrupted && report.acks_in_doubt > 0 {
+        summary.push_str(&format!(
+            "; but the acknowledgement of {} replayed message(s) is not known to have arrived before the channel \
+             closed: such a message may still be in the dead-letter queue beside its copy (a second replay sends it \
+             again, and the inbox discards the copy)",
+            report.acks_in_doubt
+        ));
+    }
     if report.interrupted && report.stopped.is_none() {
         summary.push_str("; interrupted: the rest is where it was");
         if report.acks_in_doubt > 0 {
@@ -493,5 +502,18 @@ mod tests {
             with.contains("interrupted: the rest is where it was") && with.contains(said),
             "{with}"
         );
+    }
+
+    /// A replay that went on to its end, a channel having closed under it after an acknowledgement: said too.
+    #[test]
+    fn a_replay_ended_with_an_acknowledgement_in_doubt_says_so() {
+        let mut r = report(0, None);
+        r.acks_in_doubt = 1;
+        let with = summary(&r);
+        assert!(
+            with.contains("the acknowledgement of 1 replayed message(s) is not known to have arrived before the channel closed"),
+            "{with}"
+        );
+        assert!(!with.contains("interrupted"), "{with}");
     }
 }

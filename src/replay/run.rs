@@ -69,6 +69,7 @@ pub async fn run(
         machine: Machine::new(snapshot, plan.limit.into_iter().chain(plan.confirmed).min()),
         listed: plan.group.as_ref().map(super::GroupPlan::listed_set),
         pace: plan.rate.map(super::republish::Pace::new),
+        channel_closed: false,
         report: Report::begun(plan.from.clone(), plan.dry_run, snapshot),
     };
     let mut link = Link::new(broker, "inboxctl replay", connection, reconnect_for);
@@ -97,7 +98,7 @@ pub async fn run(
     report.already_replayed = state.machine.already_replayed();
     // Any stop: one that came after a loss, before the next connection got past what the loss gave back (a stop
     // asked for, the lost connection's marker still standing), leaves those acknowledgements in doubt as well.
-    if report.interrupted {
+    if report.interrupted || state.channel_closed {
         report.acks_in_doubt = state.machine.acks_in_doubt();
     }
     let whole = !report.interrupted && report.stopped.is_none();
@@ -139,6 +140,9 @@ pub(super) struct State<'a> {
     pub(super) listed: Option<std::collections::HashSet<String>>,
     /// With `--rate`: when the next copy may go.
     pub(super) pace: Option<super::republish::Pace>,
+    /// A channel closed under the replay, its acknowledgements left in doubt ([`Machine::acks_in_doubt`]): said even
+    /// when the replay went on to its end.
+    pub(super) channel_closed: bool,
     pub(super) report: Report,
 }
 
@@ -234,29 +238,35 @@ impl State<'_> {
             }
         }
         let mut channels = Channels::open(connection, self.plan.broker_timeout).await?;
-        if let Err(e) = self.take(&mut channels, shutdown, progress).await {
-            // A stop (a refusal): what was held goes back now, before the caller takes the marker down, so that no
-            // moment has those messages out of the cleanup guard's sight with no marker to say why. (A lost
-            // connection gives them back by itself.)
-            if !crate::amqp::is_connection_lost(connection, &e) {
-                match channels.finish().await {
-                    // Answered after every acknowledgement sent on the channel: they all arrived.
-                    Ok(true) => self.machine.settled(),
-                    // The channel closed under the stop (the broker's `consumer_timeout`, say, with messages held
-                    // past it): an acknowledgement sent on it, or refused by it, may not have arrived — in doubt,
-                    // as after a lost connection, and its message given back as the channel closed. It used to
-                    // stay counted as settled: the report said replayed and nothing in doubt, the message in both
-                    // queues.
-                    _ => self.machine.connection_lost(),
-                }
-            }
-            return Err(e);
+        let taken = self.take(&mut channels, shutdown, progress).await;
+        // A lost connection gives back what it held by itself, and the caller counts what it leaves in doubt.
+        if taken
+            .as_ref()
+            .is_err_and(|e| crate::amqp::is_connection_lost(connection, e))
+        {
+            return taken;
         }
-        if channels.finish().await? {
+        // What was held goes back now — on a stop (a refusal), before the caller takes the marker down, so that no
+        // moment has those messages out of the cleanup guard's sight with no marker to say why.
+        let finished = channels.finish().await;
+        match &finished {
             // Answered after every acknowledgement sent on the channel: they all arrived.
-            self.machine.settled();
+            Ok(true) => self.machine.settled(),
+            // The connection went meanwhile: the caller takes it for lost and counts what it leaves in doubt (once).
+            Err(e) if crate::amqp::is_connection_lost(connection, e) => {}
+            Ok(false) if !connection.status().connected() => {}
+            // The channel closed under the replay, the connection sound (the broker closes it when messages are
+            // held past its `consumer_timeout`): an acknowledgement sent on it, or refused by it, may not have
+            // arrived — in doubt, as after a lost connection, its message given back as the channel closed. It
+            // used to stay counted as settled: the report said replayed and nothing in doubt, the message in both
+            // queues.
+            _ => {
+                self.machine.connection_lost();
+                self.channel_closed = true;
+            }
         }
-        Ok(())
+        taken?;
+        finished.map(drop)
     }
 
     /// Says on the broker, for as long as this pass's connection is open, that a replay of the queue is running: the

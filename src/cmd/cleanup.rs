@@ -229,6 +229,12 @@ fn print(report: &Report, retention: Duration) -> Result<()> {
                 "a --dlq is not in this vhost"
             } else if why.replay_running {
                 "a replay of its dead letters is running"
+            } else if why.consumers.is_some() {
+                "another client consumes a dead-letter queue of it"
+            } else if why.looked_at_elsewhere {
+                "another look held its dead letters out of sight"
+            } else if why.beyond_the_look {
+                "a dead-letter queue holds more than the cleanup looks at"
             } else {
                 "a dead-lettered message older than the cutoff waits for replay"
             };

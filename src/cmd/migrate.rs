@@ -42,9 +42,10 @@ pub struct Args {
 
     /// How far back the conversion of an inbox makes partitions: at least the cleanup's --retention, so that a
     /// message of an older time (waiting in an error queue, say) can still be claimed. Taken only at the conversion;
-    /// a partition is never made before the oldest one after it (a cleanup may have dropped it). Default 7d
+    /// a partition is never made before the oldest one after it (a cleanup may have dropped it). 7d (the default) to
+    /// 3650d: less would leave messages of the last week unclaimable for good
     #[arg(long, value_name = "DURATION", requires = "partitioned",
-          value_parser = whole_seconds(duration_between(std::time::Duration::from_secs(3600), std::time::Duration::from_secs(3650 * 86400))))]
+          value_parser = whole_seconds(duration_between(std::time::Duration::from_secs(7 * 86400), std::time::Duration::from_secs(3650 * 86400))))]
     pub partition_back: Option<std::time::Duration>,
 
     /// Make a new inbox on the search path even though another schema of the database holds an inbox_messages

@@ -146,6 +146,7 @@ pub trait Consumer: Send + Sync + 'static {
 
     /// Whether a delivery whose declared types are `types` is one this consumer handles. A plain JSON message that
     /// declares no type is assumed to be of the consumer's type (and goes to the error queue if it cannot be decoded).
+    /// Not asked of a MassTransit envelope that declares none: skipped, as MassTransit skips it.
     fn handles(types: &[String]) -> bool {
         if types.is_empty() {
             return true;

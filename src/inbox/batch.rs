@@ -71,6 +71,14 @@ impl Inbox {
         members: Vec<Member<T>>,
         together: Option<TogetherWork<T>>,
     ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
+        // Each round's claim locks every key left, and a failing member costs a round: the size is bounded (and
+        // refused before a connection is taken, which a failure would close).
+        if members.len() > MAX_BATCH {
+            return Err(ProcessError::Failed(WorkError::msg(format!(
+                "a batch holds at most {MAX_BATCH} messages, not {}",
+                members.len()
+            ))));
+        }
         let mut conn = self
             .pool
             .acquire()
@@ -95,13 +103,6 @@ impl Inbox {
         members: Vec<Member<T>>,
         mut together: Option<TogetherWork<T>>,
     ) -> Result<Vec<MemberOutcome<T>>, ProcessError> {
-        // Each round's claim locks every key left, and a failing member costs a round: the size is bounded.
-        if members.len() > MAX_BATCH {
-            return Err(ProcessError::Failed(WorkError::msg(format!(
-                "a batch holds at most {MAX_BATCH} messages, not {}",
-                members.len()
-            ))));
-        }
         let mut ids: Vec<Uuid> = members.iter().map(|m| m.message_id).collect();
         ids.sort_unstable();
         ids.dedup();

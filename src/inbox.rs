@@ -492,6 +492,10 @@ async fn outage(conn: &mut PgConnection, error: &WorkError) -> bool {
             Err(e) => !db::claim::is_the_works_doing(&e),
         },
         WorkError::Database(e) if db::sqlstate(e).as_deref() == Some("53400") => false,
+        // The pooler ended the session: the work kept its transaction idle past the pooler's limit (a call to the
+        // outside world slower than it, say). Counted, so that a work slow of its own ends in the error queue; taken
+        // for an outage, the message was held and tried again for ever, each try as slow.
+        WorkError::Database(e) if db::is_poolers_idle_limit(e) => false,
         // A statement the server's `statement_timeout` (57014) or an operator's cancel ended is the work's: counted,
         // so that a work slow of its own ends in the error queue. The consumer's sessions carry their own
         // `statement_timeout`, past `--attempt-timeout` (`Database::with_statement_timeout`), so a lock the work waits

@@ -591,20 +591,23 @@ async fn triage_find_replay_and_audit_through_the_pooler() {
 /// goes one by one, the other members are booked and the slow one alone is retried and moved to `_error`. The
 /// session's end under the failed member used to be taken for PostgreSQL gone: the batch was held and tried again as
 /// a whole for ever, none of its members committed and the failure never counted.
-/// The slow member first (its rollback refused) and last (the look at the transaction after it refused).
+/// The slow member first (its rollback refused) and last (the look at the transaction after it refused). And a call
+/// that succeeds, in 3.5 s: its member's next statement refused by the pooler ("idle transaction timeout") was taken
+/// for an outage, the batch held and tried again whole for ever; the member's failure now, the batch goes one by one,
+/// where a keyed call is made before its one statement opens a transaction: all eight booked.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_member_whose_slow_call_outlived_the_poolers_idle_limit_fails_alone() {
-    for slow_first in [true, false] {
-        slow_member_past_the_idle_limit(slow_first).await;
+    for (slow_first, delay) in [(true, 3500), (true, 5000), (false, 5000)] {
+        slow_member_past_the_idle_limit(slow_first, delay).await;
     }
 }
 
-async fn slow_member_past_the_idle_limit(slow_first: bool) {
+async fn slow_member_past_the_idle_limit(slow_first: bool, delay: u64) {
     let env = TestEnv::migrated().await;
     common::ensure_endpoints(&env).await;
     let bouncer = PgBouncer::start(&env, 4, &["idle_transaction_timeout = 2"]);
     let stub = common::Stub::start(&env, &[]);
-    stub.behave(serde_json::json!({"delayMs": 5000, "delayDestination": "Slow"}))
+    stub.behave(serde_json::json!({"delayMs": delay, "delayDestination": "Slow"}))
         .await;
     let slow: &[&str] = &["--count", "1", "--destination", "Slow"];
     let others: &[&str] = &["--count", "7"];
@@ -642,15 +645,21 @@ async fn slow_member_past_the_idle_limit(slow_first: bool) {
     let pool = env.pool().await;
     let deadline = Instant::now() + Duration::from_secs(40);
     let booked = || common::count(&pool, "SELECT count(*) FROM carrier_reservations");
-    while booked().await < 7 && Instant::now() < deadline {
+    // A call within --carrier-timeout succeeds: its parcel is booked too.
+    let expected = if delay < 4000 { 8 } else { 7 };
+    while booked().await < expected && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     assert_eq!(
         booked().await,
-        7,
-        "slow first: {slow_first}: the seven others booked: {}",
+        expected,
+        "slow first: {slow_first}, {delay} ms: booked: {}",
         consumer.stderr()
     );
+    if expected == 8 {
+        consumer.terminate();
+        return;
+    }
     // Moved aside once its attempts are spent (the error queue is made by the first message moved there).
     let conn = env.amqp().await;
     let error_queue = format!("{CARRIER_QUEUE}_error");
@@ -683,5 +692,58 @@ async fn slow_member_past_the_idle_limit(slow_first: bool) {
     assert_eq!(
         common::count(&pool, "SELECT count(*) FROM carrier_reservations").await,
         7
+    );
+}
+
+/// A work that waits on the outside world inside its transaction longer than the pooler's idle limit: its next
+/// statement is refused ("idle transaction timeout"). That is the work's slowness — a failed attempt, counted, so
+/// that a message whose work is always so slow ends in the error queue — not PostgreSQL gone: taken for an outage
+/// (an `Unavailable`, never counted), its message was held and tried again for ever, each try as slow. One by one
+/// and batched (the batch then goes one by one, where the member fails alone).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_work_idle_in_its_transaction_past_the_poolers_limit_fails_its_attempt() {
+    use inboxctl::inbox::{ConsumerType, Inbox, Member, ProcessError};
+    let env = TestEnv::migrated().await;
+    let bouncer = PgBouncer::start(
+        &env,
+        4,
+        &[
+            "pool_mode = session",
+            "idle_transaction_timeout = 1",
+            "ignore_startup_parameters = extra_float_digits",
+        ],
+    );
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&bouncer.url())
+        .await
+        .expect("connect through the pooler");
+    let inbox = Inbox::new(pool, ConsumerType::new("slow-work").unwrap());
+    fn slow(
+        tx: &mut sqlx::PgConnection,
+    ) -> futures_util::future::BoxFuture<'_, Result<(), inboxctl::inbox::WorkError>> {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            sqlx::query("SELECT 1").execute(&mut *tx).await?;
+            Ok(())
+        })
+    }
+    let alone = inbox.process(uuid::Uuid::new_v4(), slow).await;
+    assert!(
+        matches!(alone, Err(ProcessError::Failed(_))),
+        "one by one: {alone:?}"
+    );
+    let batch = inbox
+        .process_batch(vec![Member {
+            message_id: uuid::Uuid::new_v4(),
+            fingerprint: None,
+            carried: Default::default(),
+            work: Box::new(slow),
+        }])
+        .await;
+    assert!(
+        matches!(batch, Err(ProcessError::Failed(_))),
+        "batched: {:?}",
+        batch.map(|o| o.len())
     );
 }

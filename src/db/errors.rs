@@ -182,6 +182,15 @@ fn is_transient_sqlstate(code: &str) -> bool {
         )
 }
 
+/// Whether `error` is a pooler ending the session for a transaction left idle past its limit: PgBouncer's
+/// `idle_transaction_timeout` ("idle transaction timeout", SQLSTATE 08P01). Met by a work that waits on the outside
+/// world inside its transaction, it is that work's slowness, not the database gone.
+pub fn is_poolers_idle_limit(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if db.message() == "idle transaction timeout"
+            && db.code().is_some_and(|c| c.starts_with("08")))
+}
+
 /// The SQLSTATE of a database error, if it is one.
 pub fn sqlstate(error: &sqlx::Error) -> Option<String> {
     match error {

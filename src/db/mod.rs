@@ -86,8 +86,8 @@ use crate::error::{Error, Result};
 use crate::{redact, secret};
 
 pub use errors::{
-    describe, diagnose, is_contention, is_no_answer, is_no_partition_for_now, is_transient,
-    no_answer, no_partition_for_now, sqlstate,
+    describe, diagnose, is_contention, is_no_answer, is_no_partition_for_now,
+    is_poolers_idle_limit, is_transient, no_answer, no_partition_for_now, sqlstate,
 };
 pub use exec::Exec;
 pub(crate) use exec::Unit;

@@ -72,6 +72,12 @@ pub fn text(text: &str) -> String {
     out
 }
 
+/// [`text`], then cut to `max` bytes ([`crate::amqp::limits::truncate`]). Masked first: cut first, a URL's `@` cut
+/// off leaves no user information to find, and the start of its password was shown.
+pub fn text_cut(text: &str, max: usize) -> String {
+    crate::amqp::limits::truncate(&self::text(text), max).into_owned()
+}
+
 /// `url` with its password replaced by `***`: in the user information, and in a `password=` parameter. Safe for any
 /// string, a URL that does not parse included: when the credentials are ambiguous (see [`credentials_ambiguous`]),
 /// everything between `//` and the last `@` is masked, user name included.
@@ -357,11 +363,22 @@ fn mask_urls(text: &str) -> String {
             .rev()
             .find(|&(_, c)| !(c.is_ascii_alphanumeric() || c == '+' || c == '-' || c == '.'))
             .map_or(0, |(i, c)| i + c.len_utf8());
-        let end = rest[pos..]
+        let mut end = rest[pos..]
             .find(|c: char| c.is_whitespace() || c == '"' || c == '\'' || c == '`' || c == '>')
             .map_or(rest.len(), |i| pos + i);
+        // A password may hold a quote, a backtick or `>` (`postgres://app:It's-Secret@db`): a `user:` cut short of its
+        // `@` by one runs on to an `@` before the next blank, which is where its user information ends.
+        if !rest[pos..end].contains('@') && rest[pos + 3..end].contains(':') {
+            let blank = rest[end..]
+                .find(char::is_whitespace)
+                .map_or(rest.len(), |i| end + i);
+            if rest[end..blank].contains('@') {
+                end = blank;
+            }
+        }
         out.push_str(&key_values::mask(&rest[..start]));
-        out.push_str(&url(&rest[start..end]));
+        // A URL's own `;password=` (JDBC's `jdbc:sqlserver://db;user=sa;password=…`) as in free text.
+        out.push_str(&key_values::mask(&url(&rest[start..end])));
         rest = &rest[end..];
     }
     out.push_str(&key_values::mask(rest));

@@ -59,7 +59,7 @@ use uuid::Uuid;
 
 use crate::MAX_CAUSES;
 use crate::amqp::envelope;
-use crate::amqp::limits::{self, MAX_LOGGED_TEXT};
+use crate::amqp::limits::MAX_LOGGED_TEXT;
 use crate::backoff::sleep_or_cancel;
 use crate::error::Result;
 use crate::inbox::{ConsumerType, Effect, WorkError};
@@ -401,9 +401,10 @@ fn property_id(properties: &lapin::BasicProperties) -> Option<Uuid> {
         .and_then(|id| Uuid::parse_str(id.as_str().trim()).ok())
 }
 
-/// Text from a message or an error about it, for a log field: bounded and with control characters escaped.
+/// Text from a message or an error about it, for a log field: passwords masked before it is cut (cut first, a URL's
+/// `@` cut off hides its password from the log's masking), bounded, control characters escaped.
 pub(crate) fn logged(text: &str) -> String {
-    sanitize::text(&limits::truncate(text, MAX_LOGGED_TEXT)).into_owned()
+    sanitize::text(&crate::redact::text_cut(text, MAX_LOGGED_TEXT)).into_owned()
 }
 
 /// The error and its causes, one per line (at most [`MAX_CAUSES`]); a PostgreSQL error as [`crate::db::describe`]

@@ -8,7 +8,8 @@ use super::MASK;
 const PASSWORD_KEYS: [&str; 2] = ["password", "pwd"];
 
 /// Masks the value of every `password=`/`pwd=` key, in any case, of a connection string in free text (not a URL's:
-/// [`super::url`] masks those): the key starts the text or follows a space, `;`, a quote or a bracket. Where its value
+/// [`super::url`] masks those): the key starts the text or follows a space, `;`, a quote, a bracket, or a query's `?`
+/// or `&` (`/token?username=svc&password=…` without a scheme). Where its value
 /// ends: see [`value_end`]; what is not sure to be past it is masked with it.
 pub(super) fn mask(text: &str) -> String {
     let lower = text.to_ascii_lowercase();
@@ -21,17 +22,22 @@ pub(super) fn mask(text: &str) -> String {
         let Some(key) = PASSWORD_KEYS.iter().find(|key| before.ends_with(*key)) else {
             continue;
         };
-        let starts_key = before[..before.len() - key.len()]
-            .chars()
-            .next_back()
-            .is_none_or(|c| {
-                c.is_whitespace() || matches!(c, ';' | '"' | '\'' | '(' | '[' | '{' | ',')
-            });
+        let preceding = before[..before.len() - key.len()].chars().next_back();
+        let starts_key = preceding.is_none_or(|c| {
+            c.is_whitespace() || matches!(c, ';' | '"' | '\'' | '(' | '[' | '{' | ',' | '?' | '&')
+        });
         if !starts_key {
             continue;
         }
         let value_start = eq + 1 + (text[eq + 1..].len() - text[eq + 1..].trim_start().len());
-        let value_end = value_end(text, value_start);
+        // A query's parameter ends at the next `&` (or `#`, or a blank).
+        let value_end = if matches!(preceding, Some('?' | '&')) {
+            text[value_start..]
+                .find(|c: char| c == '&' || c == '#' || c.is_whitespace())
+                .map_or(text.len(), |i| value_start + i)
+        } else {
+            value_end(text, value_start)
+        };
         if value_end == value_start {
             continue;
         }

@@ -235,3 +235,43 @@ fn registers_the_decoded_password_too() {
     register_url("amqp://u:p%40ssw0rd-x@h/v");
     assert_eq!(text("auth p@ssw0rd-x failed"), "auth *** failed");
 }
+
+/// Another service's fault text, as `find`, `failures`, `replay` and the consumer's logs show it: a long text cut to
+/// its bound with a URL's password near the cut; a password holding a quote; JDBC's `;password=` inside a URL; a
+/// query's `&password=` with no scheme. Each showed some of the password.
+#[test]
+fn other_services_passwords_are_masked_however_their_text_is_cut_or_quoted() {
+    let long = format!(
+        "{}postgres://svc:Sup3rS3cretPw@db/x{}",
+        "x".repeat(240),
+        " and more".repeat(12)
+    );
+    let cut = text_cut(&long, 300);
+    assert!(!cut.contains("Sup3r"), "{cut}");
+    for (said, secret) in [
+        (
+            "Npgsql: cannot connect to postgres://app:It's-Secret@db/parcels",
+            "Secret",
+        ),
+        (
+            "login failed: postgres://app:pa\"ss>wo`rd@db/parcels",
+            "wo`rd",
+        ),
+        (
+            "jdbc:sqlserver://db:1433;databaseName=parcels;user=sa;password=CorrectHorse",
+            "CorrectHorse",
+        ),
+        (
+            "POST /oauth/token?username=svc&password=CorrectHorse returned 401",
+            "CorrectHorse",
+        ),
+    ] {
+        let masked = text(said);
+        assert!(!masked.contains(secret), "{said} -> {masked}");
+    }
+    // What is not a password stays.
+    assert_eq!(
+        text("see 'postgres://db:5432/parcels' and 'ops@example.com'"),
+        "see 'postgres://db:5432/parcels' and 'ops@example.com'"
+    );
+}

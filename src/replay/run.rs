@@ -415,7 +415,7 @@ impl State<'_> {
             reason: read
                 .failure
                 .reason
-                .map(|r| crate::redact::text(&limits::truncate(&r, limits::MAX_LOGGED_TEXT))),
+                .map(|r| crate::redact::text_cut(&r, limits::MAX_LOGGED_TEXT)),
             failed_at: read.failure.failed_at,
             origin: read.origin,
             replays: read.failure.replays,

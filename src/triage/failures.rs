@@ -209,7 +209,7 @@ pub async fn list(
                 example: failure
                     .reason
                     .as_deref()
-                    .map(|r| crate::redact::text(&limits::truncate(r, MAX_EXAMPLE))),
+                    .map(|r| crate::redact::text_cut(r, MAX_EXAMPLE)),
                 cause,
                 count: 0,
                 first_failed_at: None,

@@ -337,7 +337,7 @@ async fn look_in(
                     reason: failure
                         .reason
                         .as_deref()
-                        .map(|r| crate::redact::text(&limits::truncate(r, 1000))),
+                        .map(|r| crate::redact::text_cut(r, 1000)),
                     exception_type: failure
                         .exception_type
                         .as_deref()

@@ -164,8 +164,9 @@ async fn list(pool: &sqlx::PgPool, args: &Args) -> Result<Outcome> {
             r.message_id.to_string().into(),
             table::text(&r.consumer_type),
             r.idempotency_key.to_string().into(),
-            r.mode.clone().into(),
-            r.state.clone().into(),
+            // Read from the table: a constraint holds them to a few words, unless the table was made otherwise.
+            table::text(&r.mode),
+            table::text(&r.state),
             r.attempts.to_string().into(),
             r.created_at
                 .format("%Y-%m-%d %H:%M:%S UTC")
@@ -210,7 +211,7 @@ async fn resolve(pool: &sqlx::PgPool, args: &ResolveArgs) -> Result<Outcome> {
         "effect of message {} ({}): {} → {now}",
         args.message_id,
         sanitize::text(&before.consumer_type),
-        before.state
+        sanitize::text(&before.state)
     ))?;
     Ok(Outcome::Done)
 }
@@ -271,8 +272,8 @@ async fn reconcile(
                 "{} ({}): {} → {}{}",
                 r.message_id,
                 sanitize::text(&r.consumer_type),
-                r.was,
-                r.now,
+                sanitize::text(&r.was),
+                sanitize::text(&r.now),
                 r.error
                     .as_deref()
                     .map_or(String::new(), |e| format!(" ({})", sanitize::text(e)))

@@ -15,6 +15,14 @@ use prometheus_client::registry::Registry;
 use super::{ConsumerLabel, Health, UNLABELLED, encode_family};
 use crate::cleanup::Report;
 
+/// The most consumer_types a metric has a series of: the rest are summed under [`OTHERS`]. A table written by a
+/// service that makes one consumer_type a tenant (or a message) would otherwise give the scrape one series each, for
+/// the life of the process.
+const MAX_SERIES: usize = 256;
+
+/// The label of what is summed past [`MAX_SERIES`].
+const OTHERS: &str = "(others)";
+
 /// What the cleanups of this process did.
 #[derive(Debug, Default)]
 pub struct Totals {
@@ -51,11 +59,10 @@ impl Totals {
 
     fn add_at(&mut self, report: &Report, ended: chrono::DateTime<chrono::Utc>) {
         self.runs += 1;
-        self.unprocessed_older = report
-            .consumers
-            .iter()
-            .map(|c| (c.consumer_type.clone(), c.unprocessed_older))
-            .collect();
+        self.unprocessed_older = BTreeMap::new();
+        for c in &report.consumers {
+            *bounded_entry(&mut self.unprocessed_older, &c.consumer_type) += c.unprocessed_older;
+        }
         self.refused = report.refused;
         // A run that failed after deleting counts as failed too (what it deleted is counted all the same); a dry run
         // that failed too.
@@ -74,12 +81,22 @@ impl Totals {
             self.partition_rows_dropped += work.rows_dropped();
         }
         for c in &report.consumers {
-            *self.deleted.entry(c.consumer_type.clone()).or_default() += c.deleted;
+            *bounded_entry(&mut self.deleted, &c.consumer_type) += c.deleted;
         }
         if report.outcome() == crate::error::Outcome::Done {
             self.last_success = Some(ended.timestamp_millis() as f64 / 1000.0);
         }
     }
+}
+
+/// The entry of `consumer_type` in `m`, or of [`OTHERS`] once `m` holds [`MAX_SERIES`] (theirs included).
+fn bounded_entry<'m>(m: &'m mut BTreeMap<String, u64>, consumer_type: &str) -> &'m mut u64 {
+    let key = if m.contains_key(consumer_type) || m.len() < MAX_SERIES - 1 {
+        consumer_type
+    } else {
+        OTHERS
+    };
+    m.entry(key.to_owned()).or_default()
 }
 
 /// The registry of the cleanups' metrics.
@@ -191,6 +208,34 @@ mod tests {
                 .collect(),
             ..Report::default()
         }
+    }
+
+    /// A table of ten thousand consumer_types (one a tenant, say) gives the scrape at most 256 series a metric, the
+    /// rest summed under `(others)`; the gauge of the rows never processed is the last run's, bounded alike.
+    #[test]
+    fn the_series_per_consumer_type_are_bounded() {
+        let mut totals = Totals::default();
+        let many: Vec<(String, u64)> = (0..10_000).map(|i| (format!("c{i:05}"), 1)).collect();
+        let many: Vec<(&str, u64)> = many.iter().map(|(c, n)| (c.as_str(), *n)).collect();
+        totals.add(&report(&many));
+        assert_eq!(totals.deleted.len(), MAX_SERIES);
+        assert_eq!(totals.unprocessed_older.len(), MAX_SERIES);
+        assert_eq!(totals.unprocessed_older.values().sum::<u64>(), 10_000);
+        assert_eq!(
+            totals.unprocessed_older[OTHERS],
+            10_000 - (MAX_SERIES as u64 - 1)
+        );
+        totals.add(&report(&[("carrier", 0)]));
+        assert_eq!(
+            totals.deleted.len(),
+            MAX_SERIES,
+            "no new series past the bound"
+        );
+        assert!(totals.deleted.contains_key(OTHERS));
+        assert_eq!(
+            totals.unprocessed_older,
+            BTreeMap::from([("carrier".to_owned(), 0)])
+        );
     }
 
     #[test]

@@ -95,19 +95,14 @@ impl<'de> Deserialize<'de> for ParcelCreatedEvent {
                 mut map: A,
             ) -> Result<ParcelCreatedEvent, A::Error> {
                 let (mut parcel_id, mut tracking_number, mut destination) = (None, None, None);
-                let mut seen = [false; EVENT_FIELDS.len()];
-                while let Some(field) = map.next_key_seed(fields::FieldOf(EVENT_FIELDS))? {
-                    let Some(index) = field else {
-                        map.next_value::<serde::de::IgnoredAny>()?;
-                        continue;
-                    };
-                    fields::first_time(&mut seen, EVENT_FIELDS, index)?;
+                fields::each(&mut map, EVENT_FIELDS, |index, map| {
                     match index {
                         0 => parcel_id = Some(map.next_value::<Uuid>()?),
                         1 => tracking_number = Some(map.next_value::<Storable>()?.0),
                         _ => destination = Some(map.next_value::<Storable>()?.0),
                     }
-                }
+                    Ok(())
+                })?;
                 Ok(ParcelCreatedEvent {
                     parcel_id: parcel_id.ok_or_else(|| A::Error::missing_field("parcelId"))?,
                     tracking_number: tracking_number

@@ -2634,18 +2634,8 @@ async fn a_message_naming_a_reply_queue_or_its_own_dead_letter_queue_is_left_whe
 #[cfg(feature = "failpoints")]
 #[tokio::test(flavor = "multi_thread")]
 async fn a_channel_closed_under_the_replay_before_an_acknowledgement_leaves_it_in_doubt() {
-    let env = TestEnv::bare().await;
-    let conn = env.amqp().await;
-    declare(&conn, &["closed-a", "closed.dlq"], FieldTable::default()).await;
-    dead_letters(&conn, "closed.dlq", 3, "rabbitmq://localhost/closed-a").await;
-    let mut replay = env.spawn_with(
-        &["replay", "--from", "closed.dlq", "--json"],
-        &[("INBOXCTL_FAILPOINTS", "replay-channel-closed-before-ack")],
-    );
-    let code = replay.wait(Duration::from_secs(60));
-    let said = replay.stderr();
-    let report: serde_json::Value =
-        serde_json::from_str(replay.stdout().trim()).unwrap_or_else(|e| panic!("{e}: {said}"));
+    let (env, code, report, said) =
+        replay_three_with("closed", "replay-channel-closed-before-ack").await;
     assert_ne!(code, Some(0), "{said}");
     assert_eq!(report["replayed"], 1, "{report}");
     assert_eq!(report["interrupted"], true, "{report}");
@@ -2661,23 +2651,36 @@ async fn a_channel_closed_under_the_replay_before_an_acknowledgement_leaves_it_i
 
     // The channel closed after the last acknowledgement, before the replay's end was answered: the replay has done
     // its work, and says that last acknowledgement is in doubt (here it did arrive: the queue is empty).
-    let env = TestEnv::bare().await;
-    let conn = env.amqp().await;
-    declare(&conn, &["late-a", "late.dlq"], FieldTable::default()).await;
-    dead_letters(&conn, "late.dlq", 3, "rabbitmq://localhost/late-a").await;
-    let mut replay = env.spawn_with(
-        &["replay", "--from", "late.dlq", "--json"],
-        &[("INBOXCTL_FAILPOINTS", "replay-channel-closed-before-finish")],
-    );
-    let code = replay.wait(Duration::from_secs(60));
-    let said = replay.stderr();
-    let report: serde_json::Value =
-        serde_json::from_str(replay.stdout().trim()).unwrap_or_else(|e| panic!("{e}: {said}"));
+    let (env, code, report, said) =
+        replay_three_with("late", "replay-channel-closed-before-finish").await;
     assert_eq!(code, Some(0), "{said}");
     assert_eq!(report["replayed"], 3, "{report}");
     assert_eq!(report["interrupted"], false, "{report}");
     assert_eq!(report["acks_in_doubt"], 1, "{report} {said}");
     assert_eq!(env.queue_counts("late-a"), (3, 0));
+}
+
+/// `replay --from <name>.dlq --json` of three dead letters from `<name>-a`, with the failpoint `failpoint` armed: the
+/// exit code, the report and what it said on stderr.
+#[cfg(feature = "failpoints")]
+async fn replay_three_with(
+    name: &str,
+    failpoint: &str,
+) -> (TestEnv, Option<i32>, serde_json::Value, String) {
+    let env = TestEnv::bare().await;
+    let conn = env.amqp().await;
+    let (origin, dlq) = (format!("{name}-a"), format!("{name}.dlq"));
+    declare(&conn, &[&origin, &dlq], FieldTable::default()).await;
+    dead_letters(&conn, &dlq, 3, &format!("rabbitmq://localhost/{origin}")).await;
+    let mut replay = env.spawn_with(
+        &["replay", "--from", &dlq, "--json"],
+        &[("INBOXCTL_FAILPOINTS", failpoint)],
+    );
+    let code = replay.wait(Duration::from_secs(60));
+    let said = replay.stderr();
+    let report: serde_json::Value =
+        serde_json::from_str(replay.stdout().trim()).unwrap_or_else(|e| panic!("{e}: {said}"));
+    (env, code, report, said)
 }
 
 /// On a terminal, a count within `--confirm-above` asks nothing — and the replay is still held to what was counted:

@@ -34,15 +34,26 @@ impl<'de> DeserializeSeed<'de> for FieldOf {
     }
 }
 
-/// Notes that the field `names[index]` was read, refusing one read before (in whatever case): which of two values
-/// would count is not something to guess — a message id above all.
-pub(crate) fn first_time<E: de::Error>(
-    seen: &mut [bool],
+/// Reads every field of `map`: `read` is given the index among `names` of each one named there (in any case) and
+/// reads its value; the others are read past. A field given twice (in whatever case) is refused: which of two values
+/// would count is not something to guess — a message id above all. At most 64 names.
+pub(crate) fn each<'de, A: de::MapAccess<'de>>(
+    map: &mut A,
     names: &'static [&'static str],
-    index: usize,
-) -> Result<(), E> {
-    if std::mem::replace(&mut seen[index], true) {
-        return Err(E::duplicate_field(names[index]));
+    mut read: impl FnMut(usize, &mut A) -> Result<(), A::Error>,
+) -> Result<(), A::Error> {
+    debug_assert!(names.len() <= 64);
+    let mut seen = 0u64;
+    while let Some(field) = map.next_key_seed(FieldOf(names))? {
+        let Some(index) = field else {
+            map.next_value::<de::IgnoredAny>()?;
+            continue;
+        };
+        if seen & (1 << index) != 0 {
+            return Err(de::Error::duplicate_field(names[index]));
+        }
+        seen |= 1 << index;
+        read(index, map)?;
     }
     Ok(())
 }

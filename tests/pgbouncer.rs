@@ -597,9 +597,12 @@ async fn triage_find_replay_and_audit_through_the_pooler() {
 /// where a keyed call is made before its one statement opens a transaction: all eight booked.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_batch_member_whose_slow_call_outlived_the_poolers_idle_limit_fails_alone() {
-    for (slow_first, delay) in [(true, 3500), (true, 5000), (false, 5000)] {
-        slow_member_past_the_idle_limit(slow_first, delay).await;
-    }
+    // At once: each case has its database, vhost, pooler, stand-in and consumer of its own.
+    futures_util::future::join_all(
+        [(true, 3500), (true, 5000), (false, 5000)]
+            .map(|(slow_first, delay)| slow_member_past_the_idle_limit(slow_first, delay)),
+    )
+    .await;
 }
 
 async fn slow_member_past_the_idle_limit(slow_first: bool, delay: u64) {
